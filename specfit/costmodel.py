@@ -1,0 +1,140 @@
+"""The cycle-time predictor.
+
+    T(S, d) = draft_level_s * d + base_s + per_node_s * |S| + sum_l sum_{e in U_l(S)} w[l, e]
+    w[l, e] = hit_s if expert (l, e) is resident else miss_s
+
+``|S|`` counts the root. ``U_l(S)`` is the union of the experts that the nodes of S route to at
+layer l. The prediction is linear in the five parameters, so a cycle is summarised by its feature
+vector ``(draft_levels, 1, n_nodes, hits, misses)`` and fitting is a non-negative least squares.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+
+from .tree import DraftTree, check_nodes
+
+__all__ = ["CostModel", "check_experts", "expert_union", "PARAM_NAMES"]
+
+PARAM_NAMES = ("draft_level_s", "base_s", "per_node_s", "hit_s", "miss_s")
+
+
+def check_experts(tree: DraftTree | None, experts, cached) -> tuple[np.ndarray, np.ndarray]:
+    """Validate ``experts[node, layer, slot]`` against the tree and ``cached[layer, expert]``."""
+    experts = np.asarray(experts)
+    cached = np.asarray(cached)
+    if cached.ndim != 2 or cached.dtype != np.bool_:
+        raise ValueError(f"cached: expected a bool array [layers, experts], got {cached.dtype} {cached.shape}")
+    if experts.ndim != 3 or not np.issubdtype(experts.dtype, np.integer):
+        raise ValueError(f"experts: expected an integer array [nodes, layers, top_k], got {experts.dtype} {experts.shape}")
+    if tree is not None and experts.shape[0] != tree.n_nodes:
+        raise ValueError(f"experts: expected {tree.n_nodes} nodes to match the tree, got {experts.shape[0]}")
+    if experts.shape[1] != cached.shape[0]:
+        raise ValueError(f"experts: expected {cached.shape[0]} layers to match cached, got {experts.shape[1]}")
+    if experts.size and (experts.min() < 0 or experts.max() >= cached.shape[1]):
+        raise ValueError(f"experts: expected expert ids in [0, {cached.shape[1]}), got [{experts.min()}, {experts.max()}]")
+    return experts.astype(np.int64, copy=False), cached
+
+
+def expert_union(experts: np.ndarray, nodes, n_experts: int) -> np.ndarray:
+    """[layers, n_experts] bool: the union over ``nodes`` of their experts, per layer."""
+    sub = experts[np.asarray(nodes, dtype=np.int64)]  # [m, L, k]
+    n_layers = experts.shape[1]
+    union = np.zeros((n_layers, n_experts), dtype=bool)
+    layer_idx = np.broadcast_to(np.arange(n_layers)[None, :, None], sub.shape)
+    union[layer_idx.ravel(), sub.ravel()] = True
+    return union
+
+
+@dataclass
+class CostModel:
+    """Scalar cycle-time model, all times in seconds.
+
+    ``expert_bytes`` is not a time: it converts misses into bytes moved host-to-device.
+    """
+
+    base_s: float
+    per_node_s: float
+    hit_s: float
+    miss_s: float
+    draft_level_s: float = 0.0
+    expert_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+                raise ValueError(f"CostModel.{f.name}: expected a number, got {value!r}")
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"CostModel.{f.name}: expected a finite non-negative number, got {value!r}")
+            setattr(self, f.name, int(value) if f.name == "expert_bytes" else float(value))
+
+    # ---------------------------------------------------------------- parameters
+    @property
+    def params(self) -> np.ndarray:
+        """Parameters in the order of :data:`PARAM_NAMES` (the order of :meth:`features`)."""
+        return np.array([getattr(self, n) for n in PARAM_NAMES])
+
+    def replace(self, **changes) -> "CostModel":
+        d = asdict(self)
+        unknown = set(changes) - set(d)
+        if unknown:
+            raise ValueError(f"CostModel: unknown parameter(s) {sorted(unknown)}; expected some of {sorted(d)}")
+        d.update(changes)
+        return CostModel(**d)
+
+    def item_weights(self, cached: np.ndarray) -> np.ndarray:
+        """[layers, experts] cost of having expert (l, e) in the cycle's union."""
+        return np.where(cached, self.hit_s, self.miss_s)
+
+    # ---------------------------------------------------------------- prediction
+    @staticmethod
+    def features(draft_levels, n_nodes, hits, misses) -> np.ndarray:
+        """Feature rows ``(draft_levels, 1, n_nodes, hits, misses)``; broadcasts over arrays."""
+        cols = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (draft_levels, 1.0, n_nodes, hits, misses)))
+        return np.stack(cols, axis=-1)
+
+    def predict_counts(self, draft_levels, n_nodes, hits, misses):
+        """Cycle time from counts; works on scalars or arrays."""
+        return self.features(draft_levels, n_nodes, hits, misses) @ self.params
+
+    def union_counts(self, experts, nodes, cached) -> tuple[int, int]:
+        """(hits, misses) of the union of ``nodes``' experts against ``cached``."""
+        union = expert_union(experts, nodes, cached.shape[1])
+        hits = int(np.count_nonzero(union & cached))
+        return hits, int(np.count_nonzero(union)) - hits
+
+    def predict(self, tree: DraftTree, nodes, experts, cached, draft_levels: int = 0) -> float:
+        """Predicted cycle time of verifying ``nodes`` (ancestor-closed, with the root) after
+        drafting ``draft_levels`` levels."""
+        nodes = check_nodes(tree, nodes)
+        experts, cached = check_experts(tree, experts, cached)
+        hits, misses = self.union_counts(experts, nodes, cached)
+        return float(
+            self.draft_level_s * draft_levels
+            + self.base_s
+            + self.per_node_s * nodes.size
+            + self.hit_s * hits
+            + self.miss_s * misses
+        )
+
+    # ---------------------------------------------------------------- persistence
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "cost model") -> "CostModel":
+        if not isinstance(d, dict):
+            raise ValueError(f"{source}: expected a JSON object with the cost-model parameters, got {type(d).__name__}")
+        required = ("base_s", "per_node_s", "hit_s", "miss_s")
+        missing = [k for k in required if k not in d]
+        if missing:
+            raise ValueError(f"{source}: missing cost-model field(s) {missing}")
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in d.items() if k in known})
+        except ValueError as exc:
+            raise ValueError(f"{source}: {exc}") from None

@@ -1,0 +1,233 @@
+"""The device expert cache, shared by the live decoder and the simulator.
+
+The cache only does the bookkeeping: which experts are resident, which of a cycle's union are
+hits, which must be copied (misses), which are evicted, and which overflow and are streamed
+through a staging buffer without staying resident. The live runtime maps the admitted / evicted
+masks onto its device buffers; the simulator only counts.
+
+Rules (deterministic, the same in both modes):
+- ``admit(union)`` handles layers in order 0..L-1, as a forward pass does.
+- At a layer, the union's resident experts are hits; the others are misses.
+- Misses are admitted in ascending expert id into free slots, then into slots freed by evicting the
+  lowest-scoring resident experts that are not in the layer's union; misses that still find no
+  slot are *streamed*: counted as misses, moved, and not kept.
+- Scores (``lru``): the touch order, where within one admit the hits are touched before the
+  admitted misses, each group in ascending expert id (and, in global mode, layer l before l + 1).
+  ``lfu`` scores by touch count first, then recency; ``fifo`` by admission order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["ExpertCache", "AdmitResult", "EVICTION_POLICIES"]
+
+EVICTION_POLICIES = ("lru", "lfu", "fifo")
+
+
+@dataclass
+class AdmitResult:
+    """Per-layer outcome of one ``admit``; counts are int64 [L], masks bool [L, E]."""
+
+    hits: np.ndarray
+    misses: np.ndarray
+    evictions: np.ndarray
+    streamed: np.ndarray
+    hit_mask: np.ndarray
+    admitted_mask: np.ndarray
+    evicted_mask: np.ndarray
+    streamed_mask: np.ndarray
+
+    @property
+    def total_hits(self) -> int:
+        return int(self.hits.sum())
+
+    @property
+    def total_misses(self) -> int:
+        return int(self.misses.sum())
+
+
+class ExpertCache:
+    """Expert residency for ``n_layers`` x ``n_experts`` experts.
+
+    Args:
+        n_layers, n_experts: the model's MoE shape.
+        capacity: slots per layer (``mode="per_layer"``) or in total (``mode="global"``);
+            0 means nothing stays resident (every expert is streamed).
+        mode: ``"per_layer"`` or ``"global"``.
+        policy: eviction policy, one of :data:`EVICTION_POLICIES`.
+        expert_bytes: bytes of one expert, for the byte counters.
+    """
+
+    def __init__(self, n_layers: int, n_experts: int, capacity: int, mode: str = "per_layer",
+                 policy: str = "lru", expert_bytes: int = 0):
+        if n_layers <= 0 or n_experts <= 0:
+            raise ValueError(f"ExpertCache: expected positive n_layers and n_experts, got {n_layers}, {n_experts}")
+        if mode not in ("per_layer", "global"):
+            raise ValueError(f"ExpertCache.mode: expected 'per_layer' or 'global', got {mode!r}")
+        if policy not in EVICTION_POLICIES:
+            raise ValueError(f"ExpertCache.policy: expected one of {EVICTION_POLICIES}, got {policy!r}")
+        limit = n_experts if mode == "per_layer" else n_layers * n_experts
+        if not 0 <= int(capacity):
+            raise ValueError(f"ExpertCache.capacity: expected a non-negative number of experts, got {capacity}")
+        self.n_layers, self.n_experts = int(n_layers), int(n_experts)
+        self.capacity = min(int(capacity), limit)
+        self.mode, self.policy, self.expert_bytes = mode, policy, int(expert_bytes)
+        self.reset()
+
+    # ------------------------------------------------------------------ state
+    def reset(self) -> None:
+        shape = (self.n_layers, self.n_experts)
+        self._resident = np.zeros(shape, dtype=bool)
+        self._score = np.zeros(shape, dtype=np.int64)   # eviction order key (smallest goes first)
+        self._count = np.zeros(shape, dtype=np.int64)   # touches, for lfu
+        self._clock = 0
+        self.hits = np.zeros(self.n_layers, dtype=np.int64)
+        self.misses = np.zeros(self.n_layers, dtype=np.int64)
+        self.evictions = np.zeros(self.n_layers, dtype=np.int64)
+        self.streamed = np.zeros(self.n_layers, dtype=np.int64)
+
+    def resident(self) -> np.ndarray:
+        """[L, E] bool copy of what is resident now."""
+        return self._resident.copy()
+
+    def warm(self, resident: np.ndarray) -> None:
+        """Mark experts resident (e.g. a prefill's) without counting hits or misses; the ones
+        that fit are kept in ascending (layer, expert) order."""
+        resident = np.asarray(resident, dtype=bool)
+        if resident.shape != self._resident.shape:
+            raise ValueError(f"resident: expected shape {self._resident.shape}, got {resident.shape}")
+        self.reset()
+        union = resident
+        self.admit(union)
+        self.hits[:] = 0
+        self.misses[:] = 0
+        self.evictions[:] = 0
+        self.streamed[:] = 0
+
+    @property
+    def bytes_h2d(self) -> int:
+        return int(self.misses.sum()) * self.expert_bytes
+
+    @property
+    def hit_rate(self) -> float:
+        total = int(self.hits.sum() + self.misses.sum())
+        return float(self.hits.sum()) / total if total else 0.0
+
+    # ------------------------------------------------------------------ admit
+    def admit(self, union: np.ndarray) -> AdmitResult:
+        """Make a cycle's union (``[L, E]`` bool) resident as far as capacity allows."""
+        union = np.asarray(union)
+        if union.shape != self._resident.shape or union.dtype != np.bool_:
+            raise ValueError(f"union: expected a bool array of shape {self._resident.shape}, got {union.dtype} {union.shape}")
+        if self.mode == "per_layer":
+            result = self._admit_per_layer(union)
+        else:
+            result = self._admit_global(union)
+        self.hits += result.hits
+        self.misses += result.misses
+        self.evictions += result.evictions
+        self.streamed += result.streamed
+        return result
+
+    def _touch_keys(self, t: int, layer, is_miss: np.ndarray, expert_ids: np.ndarray) -> np.ndarray:
+        # a total order: cycle, then layer (global mode), then hits before misses, then expert id
+        return ((t * (self.n_layers + 1) + layer) * 2 + is_miss) * self.n_experts + expert_ids
+
+    def _apply_touch(self, mask: np.ndarray, keys: np.ndarray, admitted: np.ndarray) -> None:
+        """Update scores of touched experts (``mask``); ``admitted`` marks the new arrivals."""
+        self._count[admitted] = 0
+        self._count[mask] += 1
+        if self.policy == "lru":
+            self._score[mask] = keys[mask]
+        elif self.policy == "fifo":
+            self._score[admitted] = keys[admitted]
+        else:  # lfu: count first, recency second
+            span = np.int64(1) << 40
+            self._score[mask] = self._count[mask] * span + keys[mask] % span
+
+    def _admit_per_layer(self, union: np.ndarray) -> AdmitResult:
+        L, E, C = self.n_layers, self.n_experts, self.capacity
+        self._clock += 1
+        resident = self._resident
+        hit_mask = union & resident
+        miss_mask = union & ~resident
+        n_hit = hit_mask.sum(axis=1)
+        n_miss = miss_mask.sum(axis=1)
+        n_res = resident.sum(axis=1)
+        slots_for_misses = C - n_hit                       # after evicting every non-union expert
+        n_admit = np.minimum(n_miss, slots_for_misses)
+        n_evict = np.maximum(0, n_admit - (C - n_res))
+        # admitted misses: the first n_admit misses of each row in ascending id
+        admitted = miss_mask & (np.cumsum(miss_mask, axis=1) <= n_admit[:, None])
+        streamed = miss_mask & ~admitted
+        evicted = np.zeros_like(resident)
+        if n_evict.any():
+            evictable = resident & ~union
+            score = np.where(evictable, self._score, np.iinfo(np.int64).max)
+            order = np.argsort(score, axis=1, kind="stable")
+            rank = np.empty_like(order)
+            np.put_along_axis(rank, order, np.arange(E)[None, :].repeat(L, 0), axis=1)
+            evicted = evictable & (rank < n_evict[:, None])
+        resident &= ~evicted
+        resident |= admitted
+        touched = hit_mask | admitted
+        keys = self._touch_keys(self._clock, 0, miss_mask.astype(np.int64), np.arange(E)[None, :])
+        self._apply_touch(touched, np.broadcast_to(keys, (L, E)), admitted)
+        return AdmitResult(
+            hits=n_hit.astype(np.int64), misses=n_miss.astype(np.int64), evictions=n_evict.astype(np.int64),
+            streamed=(n_miss - n_admit).astype(np.int64), hit_mask=hit_mask, admitted_mask=admitted,
+            evicted_mask=evicted, streamed_mask=streamed,
+        )
+
+    def _admit_global(self, union: np.ndarray) -> AdmitResult:
+        L, E, C = self.n_layers, self.n_experts, self.capacity
+        self._clock += 1
+        resident = self._resident
+        out = {k: np.zeros(L, dtype=np.int64) for k in ("hits", "misses", "evictions", "streamed")}
+        masks = {k: np.zeros((L, E), dtype=bool) for k in ("hit", "admitted", "evicted", "streamed")}
+        ids = np.arange(E)
+        for layer in range(L):
+            row = union[layer]
+            hit = row & resident[layer]
+            miss = row & ~resident[layer]
+            miss_ids = np.flatnonzero(miss)
+            # protect this layer's union; anything else resident may be evicted
+            evictable = resident.copy()
+            evictable[layer] &= ~row
+            free = C - int(resident.sum())
+            n_evictable = int(evictable.sum())
+            n_admit = min(miss_ids.size, free + n_evictable)
+            n_evict = max(0, n_admit - free)
+            if n_evict:
+                flat = np.flatnonzero(evictable.ravel())
+                victims = flat[np.argsort(self._score.ravel()[flat], kind="stable")[:n_evict]]
+                ev = np.zeros(L * E, dtype=bool)
+                ev[victims] = True
+                ev = ev.reshape(L, E)
+                resident &= ~ev
+                masks["evicted"] |= ev
+                out["evictions"] += ev.sum(axis=1)  # charged to the layer that lost the expert
+            admitted = np.zeros(E, dtype=bool)
+            admitted[miss_ids[:n_admit]] = True
+            resident[layer] |= admitted
+            touched = np.zeros((L, E), dtype=bool)
+            touched[layer] = hit | admitted
+            new = np.zeros((L, E), dtype=bool)
+            new[layer] = admitted
+            keys = np.zeros((L, E), dtype=np.int64)
+            keys[layer] = self._touch_keys(self._clock, layer, miss.astype(np.int64), ids)
+            self._apply_touch(touched, keys, new)
+            out["hits"][layer] = hit.sum()
+            out["misses"][layer] = miss.sum()
+            out["streamed"][layer] = miss_ids.size - n_admit
+            masks["hit"][layer] = hit
+            masks["admitted"][layer] = admitted
+            masks["streamed"][layer] = miss & ~admitted
+        return AdmitResult(
+            hits=out["hits"], misses=out["misses"], evictions=out["evictions"], streamed=out["streamed"],
+            hit_mask=masks["hit"], admitted_mask=masks["admitted"], evicted_mask=masks["evicted"],
+            streamed_mask=masks["streamed"],
+        )

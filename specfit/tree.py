@@ -1,0 +1,205 @@
+"""Draft trees: parents, path probabilities, depths, ancestor closure, tree masks and positions.
+
+A draft tree is stored in plain arrays. Node 0 is the root (the last committed token, which the
+target processes anyway); every other node ``v`` has ``parents[v] < v`` so the arrays are in
+topological order and one forward sweep visits parents before children.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["DraftTree", "check_nodes"]
+
+# Path probabilities come out of products of float32/float64 softmax values; a child may exceed its
+# parent by rounding alone.
+_PROB_SLACK = 1e-9
+
+
+@dataclass(frozen=True, eq=False)
+class DraftTree:
+    """A draft tree in topological order.
+
+    Attributes:
+        parents: int64 [n]; ``parents[0] == -1``, ``0 <= parents[v] < v`` for ``v > 0``.
+        path_probs: float64 [n]; predicted probability that the path root->v is accepted;
+            ``path_probs[0] == 1`` and non-increasing along every path.
+        tokens: int64 [n] or None; the token of each node (node 0: the last committed token).
+        depth: int64 [n], derived; the root has depth 0.
+    """
+
+    parents: np.ndarray
+    path_probs: np.ndarray
+    tokens: np.ndarray | None = None
+    depth: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        parents = np.asarray(self.parents)
+        if parents.ndim != 1 or parents.size == 0:
+            raise ValueError(f"parents: expected a non-empty 1-D array, got shape {parents.shape}")
+        if not np.issubdtype(parents.dtype, np.integer):
+            raise ValueError(f"parents: expected integers, got dtype {parents.dtype}")
+        parents = parents.astype(np.int64)
+        n = parents.size
+        if parents[0] != -1:
+            raise ValueError(f"parents: node 0 must be the root (parents[0] == -1), got {parents[0]}")
+        idx = np.arange(n)
+        bad = np.flatnonzero((parents[1:] < 0) | (parents[1:] >= idx[1:])) + 1
+        if bad.size:
+            v = int(bad[0])
+            raise ValueError(
+                f"parents: every node v > 0 needs a parent in [0, v) (topological order, no cycles); "
+                f"node {v} has parent {parents[v]}"
+            )
+        probs = np.asarray(self.path_probs, dtype=np.float64)
+        if probs.shape != (n,):
+            raise ValueError(f"path_probs: expected shape ({n},) to match parents, got {probs.shape}")
+        if not np.all(np.isfinite(probs)):
+            raise ValueError(f"path_probs: expected finite values, found NaN/inf at node {int(np.flatnonzero(~np.isfinite(probs))[0])}")
+        if np.any((probs < 0) | (probs > 1)):
+            v = int(np.flatnonzero((probs < 0) | (probs > 1))[0])
+            raise ValueError(f"path_probs: expected values in [0, 1], node {v} has {probs[v]!r}")
+        if probs[0] != 1.0:
+            raise ValueError(f"path_probs: the root's path probability must be 1, got {probs[0]!r}")
+        rising = np.flatnonzero(probs[1:] > probs[parents[1:]] + _PROB_SLACK) + 1
+        if rising.size:
+            v = int(rising[0])
+            raise ValueError(
+                f"path_probs: expected non-increasing along paths, node {v} has {probs[v]!r} > "
+                f"its parent {parents[v]}'s {probs[parents[v]]!r}"
+            )
+        probs = np.minimum(probs, np.r_[np.inf, probs[parents[1:]]])  # clip rounding slack
+        tokens = self.tokens
+        if tokens is not None:
+            tokens = np.asarray(tokens)
+            if tokens.shape != (n,) or not np.issubdtype(tokens.dtype, np.integer):
+                raise ValueError(f"tokens: expected an integer array of shape ({n},), got {tokens.dtype} {tokens.shape}")
+            tokens = tokens.astype(np.int64)
+        depth = np.zeros(n, dtype=np.int64)
+        for v in range(1, n):
+            depth[v] = depth[parents[v]] + 1
+        for name, value in (("parents", parents), ("path_probs", probs), ("tokens", tokens), ("depth", depth)):
+            if value is not None:
+                value.setflags(write=False)
+            object.__setattr__(self, name, value)
+
+    # ----------------------------------------------------------------- structure
+    @property
+    def n_nodes(self) -> int:
+        return int(self.parents.size)
+
+    def __len__(self) -> int:
+        return self.n_nodes
+
+    @property
+    def max_depth(self) -> int:
+        return int(self.depth.max())
+
+    def children(self) -> list[np.ndarray]:
+        """children()[v]: the children of v, ascending."""
+        order = np.argsort(self.parents[1:], kind="stable") + 1
+        counts = np.bincount(self.parents[1:], minlength=self.n_nodes)
+        return np.split(order, np.cumsum(counts)[:-1])
+
+    def ancestors_mask(self) -> np.ndarray:
+        """[n, n] bool; ``m[v, u]`` is True when u is v or an ancestor of v."""
+        n = self.n_nodes
+        m = np.zeros((n, n), dtype=bool)
+        m[0, 0] = True
+        for v in range(1, n):
+            m[v] = m[self.parents[v]]
+            m[v, v] = True
+        return m
+
+    def is_ancestor_closed(self, nodes) -> bool:
+        """True when ``nodes`` contains the root and every ancestor of each node it contains."""
+        sel = np.zeros(self.n_nodes, dtype=bool)
+        sel[np.asarray(nodes, dtype=np.int64)] = True
+        return bool(sel[0] and np.all(sel[self.parents[1:]] | ~sel[1:]))
+
+    def closure(self, nodes) -> np.ndarray:
+        """Sorted node ids of the smallest ancestor-closed set containing ``nodes`` and the root."""
+        sel = np.zeros(self.n_nodes, dtype=bool)
+        sel[0] = True
+        sel[np.asarray(nodes, dtype=np.int64)] = True
+        for v in range(self.n_nodes - 1, 0, -1):
+            if sel[v]:
+                sel[self.parents[v]] = True
+        return np.flatnonzero(sel)
+
+    def expected_tokens(self, nodes) -> float:
+        """A(S) = 1 + sum of path probabilities of the selected draft nodes (the 1 is the bonus)."""
+        nodes = np.asarray(nodes, dtype=np.int64)
+        return 1.0 + float(self.path_probs[nodes[nodes != 0]].sum())
+
+    def subtree(self, nodes) -> "DraftTree":
+        """The tree restricted to an ancestor-closed node set, renumbered in order."""
+        nodes = np.unique(np.asarray(nodes, dtype=np.int64))
+        if not self.is_ancestor_closed(nodes):
+            raise ValueError("nodes: expected an ancestor-closed set containing the root")
+        remap = np.full(self.n_nodes, -1, dtype=np.int64)
+        remap[nodes] = np.arange(nodes.size)
+        parents = np.where(self.parents[nodes] >= 0, remap[self.parents[nodes]], -1)
+        tokens = None if self.tokens is None else self.tokens[nodes]
+        return DraftTree(parents=parents, path_probs=self.path_probs[nodes], tokens=tokens)
+
+    def level(self, d: int) -> np.ndarray:
+        """Node ids at depth d."""
+        return np.flatnonzero(self.depth == d)
+
+    def truncate(self, max_depth: int) -> "DraftTree":
+        """The tree of the first ``max_depth`` draft levels (nodes are in order of depth when the
+        tree was drafted level by level, but this does not rely on it)."""
+        return self.subtree(np.flatnonzero(self.depth <= max_depth))
+
+    # ----------------------------------------------------------- verification
+    def attention_mask(self, nodes=None) -> np.ndarray:
+        """[m, m] bool tree mask over ``nodes`` (default: all): row i may attend to column j when
+        node j is node i or one of its ancestors."""
+        m = self.ancestors_mask()
+        if nodes is None:
+            return m
+        nodes = np.asarray(nodes, dtype=np.int64)
+        return m[np.ix_(nodes, nodes)]
+
+    def positions(self, prefix_len: int, nodes=None) -> np.ndarray:
+        """Absolute positions of ``nodes`` (default: all) when the root sits at ``prefix_len``."""
+        d = self.depth if nodes is None else self.depth[np.asarray(nodes, dtype=np.int64)]
+        return prefix_len + d
+
+    def accepted_path(self, verdicts, nodes=None) -> np.ndarray:
+        """Greedy acceptance: the longest root-to-node path (within ``nodes``) on which each node's
+        token equals the target's greedy next token at its parent (``verdicts[parent]``).
+        Returns the path's node ids from the root; the bonus token is ``verdicts[path[-1]]``."""
+        if self.tokens is None:
+            raise ValueError("tokens: the tree has no tokens, greedy acceptance needs them")
+        verdicts = np.asarray(verdicts)
+        inside = np.ones(self.n_nodes, dtype=bool) if nodes is None else np.zeros(self.n_nodes, dtype=bool)
+        if nodes is not None:
+            inside[np.asarray(nodes, dtype=np.int64)] = True
+        ok = np.zeros(self.n_nodes, dtype=bool)
+        ok[0] = True
+        for v in range(1, self.n_nodes):
+            p = self.parents[v]
+            ok[v] = inside[v] and ok[p] and self.tokens[v] == verdicts[p]
+        # deepest accepted node; among equals the first in order (siblings carry distinct tokens)
+        accepted = np.flatnonzero(ok)
+        last = int(accepted[np.argmax(self.depth[accepted])])
+        path = [last]
+        while path[-1] != 0:
+            path.append(int(self.parents[path[-1]]))
+        return np.array(path[::-1], dtype=np.int64)
+
+
+def check_nodes(tree: DraftTree, nodes, name: str = "nodes") -> np.ndarray:
+    """Validate a node selection: sorted unique ids in range, containing the root, ancestor-closed."""
+    nodes = np.unique(np.asarray(nodes, dtype=np.int64))
+    if nodes.size == 0 or nodes[0] != 0:
+        raise ValueError(f"{name}: expected a selection containing the root (node 0)")
+    if nodes[-1] >= tree.n_nodes:
+        raise ValueError(f"{name}: node {int(nodes[-1])} is out of range for a tree of {tree.n_nodes} nodes")
+    if not tree.is_ancestor_closed(nodes):
+        raise ValueError(f"{name}: expected an ancestor-closed set (every selected node's parent selected)")
+    return nodes
