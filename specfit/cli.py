@@ -36,6 +36,34 @@ def _main(version: bool = typer.Option(False, "--version", help="Print the versi
         raise typer.Exit(0)
 
 
+# Each feature package owns its commands in ``specfit/<package>/commands.py`` with a
+# ``register(app, traces_app)`` function; the CLI only wires them up.
+_COMMAND_MODULES = (
+    "specfit.runtime.commands",
+    "specfit.simulate.commands",
+    "specfit.traces.commands",
+    "specfit.calibrate.commands",
+    "specfit.report.commands",
+    "specfit.demo",
+)
+
+
+def _register_all() -> None:
+    import importlib
+
+    for name in _COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+            continue
+        module.register(app, traces_app)
+
+
+_register_all()
+
+
 def main() -> None:  # pragma: no cover - entry point for `python -m specfit`
     app()
 
