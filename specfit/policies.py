@@ -1,0 +1,243 @@
+"""Policies: which draft nodes to verify, and when to stop drafting.
+
+A policy sees the cycle's tree level by level (a :class:`CycleView` after each drafted level) and
+answers two questions: ``keep_drafting(view)`` (draft another level?) and, once drafting stops,
+``select(view)`` (which ancestor-closed nodes to verify, with the predicted outcome). The simulator
+and the live decoder drive the same policy objects: the simulator through :func:`choose` on a
+recorded tree, the live decoder level by level as the drafter produces them.
+
+Policies, by spec string (:func:`make_policy`):
+
+- ``ar``: no speculation, the root alone.
+- ``chain:K``: draft K levels, verify the most probable chain (top child of the top child ...).
+- ``eagle3[:N[:D]]``: EAGLE-2/3 dynamic tree: draft D levels (default 7), keep the N nodes
+  (default 60, root included) with the highest path probabilities (rerank).
+- ``static:N``: the same rerank with N nodes (root included) and depth N - 1 capped at the
+  drafted depth: a fixed tree size.
+- ``specfit``: the exact max-throughput search after every level; stop drafting as soon as a level
+  does not improve the best predicted throughput.
+- ``oracle``: knows the target's verdicts and true experts: drafts exactly the accepted path and
+  verifies the prefix of it with the best true throughput (an upper bound for the simulator).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+
+from .costmodel import CostModel
+from .search import Selection, best_subtree, evaluate, should_continue
+from .tree import DraftTree
+
+__all__ = [
+    "CycleView", "Policy", "ArPolicy", "ChainPolicy", "RerankPolicy", "SpecFitPolicy", "OraclePolicy",
+    "make_policy", "choose", "POLICY_HELP",
+]
+
+POLICY_HELP = "ar, chain:K, eagle3[:N[:D]], static:N, specfit, oracle"
+
+
+@dataclass
+class CycleView:
+    """What a policy knows after ``draft_levels`` levels have been drafted this cycle.
+
+    ``tree`` holds the root and every node drafted so far; ``experts[node, layer, slot]`` are the
+    predicted experts of those nodes; ``cached[layer, expert]`` the residency before the cycle.
+    ``verdicts`` (the target's greedy next token at each node) and ``true_experts`` are known only
+    to the oracle in the simulator.
+    """
+
+    tree: DraftTree
+    experts: np.ndarray
+    cached: np.ndarray
+    cost: CostModel
+    draft_levels: int
+    verdicts: np.ndarray | None = None
+    true_experts: np.ndarray | None = None
+
+    def truncated(self, levels: int) -> "CycleView":
+        """The view after only ``levels`` levels (nodes of a level-by-level tree come in depth
+        order, so the first levels are a prefix of the arrays)."""
+        keep = np.flatnonzero(self.tree.depth <= levels)
+        if keep.size == self.tree.n_nodes:
+            return CycleView(self.tree, self.experts, self.cached, self.cost, levels, self.verdicts, self.true_experts)
+        if not np.array_equal(keep, np.arange(keep.size)):
+            raise ValueError("tree: expected nodes in order of depth (drafted level by level)")
+        n = keep.size
+        return CycleView(
+            tree=self.tree.subtree(keep), experts=self.experts[:n], cached=self.cached, cost=self.cost,
+            draft_levels=levels,
+            verdicts=None if self.verdicts is None else self.verdicts[:n],
+            true_experts=None if self.true_experts is None else self.true_experts[:n],
+        )
+
+    def evaluate(self, nodes) -> Selection:
+        return evaluate(self.tree, nodes, self.experts, self.cached, self.cost, self.draft_levels)
+
+
+class Policy(ABC):
+    """Base class. ``max_levels`` bounds drafting; subclasses override the two decisions."""
+
+    name = "policy"
+    max_levels = 0
+    needs_truth = False
+
+    def begin_cycle(self) -> None:
+        """Forget per-cycle state; called before level 0 of every cycle."""
+
+    def keep_drafting(self, view: CycleView) -> bool:
+        return view.draft_levels < self.max_levels
+
+    @abstractmethod
+    def select(self, view: CycleView) -> Selection:
+        """The nodes to verify (ancestor-closed, with the root) and their predicted outcome."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r})"
+
+
+class ArPolicy(Policy):
+    name = "ar"
+
+    def select(self, view: CycleView) -> Selection:
+        return view.evaluate([0])
+
+
+class ChainPolicy(Policy):
+    """Draft K levels, verify the chain that follows the most probable child at each level."""
+
+    def __init__(self, k: int):
+        if k < 0:
+            raise ValueError(f"chain:K: expected K >= 0, got {k}")
+        self.max_levels = int(k)
+        self.name = f"chain:{k}"
+
+    def select(self, view: CycleView) -> Selection:
+        children = view.tree.children()
+        probs = view.tree.path_probs
+        chain = [0]
+        while len(chain) <= self.max_levels and children[chain[-1]].size:
+            kids = children[chain[-1]]
+            chain.append(int(kids[np.argmax(probs[kids])]))  # first of equals: the drafter's order
+        return view.evaluate(chain)
+
+
+class RerankPolicy(Policy):
+    """EAGLE-2/3 rerank: after a fixed number of levels keep the ``total_nodes`` nodes (root
+    included) with the highest path probability; a child never outscores its parent, so the kept
+    set is connected (ties keep the earlier node, which a parent always is)."""
+
+    def __init__(self, total_nodes: int, depth: int, name: str):
+        if total_nodes < 1 or depth < 0:
+            raise ValueError(f"{name}: expected N >= 1 nodes and depth >= 0, got N={total_nodes}, depth={depth}")
+        self.total_nodes, self.max_levels, self.name = int(total_nodes), int(depth), name
+
+    def select(self, view: CycleView) -> Selection:
+        probs = view.tree.path_probs
+        order = np.lexsort((np.arange(probs.size), -probs))   # by probability desc, then index
+        keep = np.sort(order[: self.total_nodes])
+        return view.evaluate(view.tree.closure(keep))
+
+
+class SpecFitPolicy(Policy):
+    """Exact max-throughput subtree after every level; stop when a level does not pay for itself."""
+
+    name = "specfit"
+
+    def __init__(self, max_levels: int = 8):
+        self.max_levels = int(max_levels)
+        self._best: Selection | None = None
+        self._previous: Selection | None = None
+        self._levels = -1
+
+    def begin_cycle(self) -> None:
+        self._best = self._previous = None
+        self._levels = -1
+
+    def _search(self, view: CycleView) -> Selection:
+        if self._levels != view.draft_levels or self._best is None:
+            self._previous = self._best
+            self._best = best_subtree(view.tree, view.experts, view.cached, view.cost, view.draft_levels)
+            self._levels = view.draft_levels
+        return self._best
+
+    def keep_drafting(self, view: CycleView) -> bool:
+        if view.draft_levels >= self.max_levels:
+            return False
+        if view.draft_levels == 0:
+            self._search(view)
+            return True
+        current = self._search(view)
+        return should_continue(self._previous, current)
+
+    def select(self, view: CycleView) -> Selection:
+        # the whole drafted tree with the levels actually spent: no earlier subtree is missed
+        return self._search(view)
+
+
+class OraclePolicy(Policy):
+    """Knows the verdicts and the true experts; verifies the best prefix of the accepted path."""
+
+    name = "oracle"
+    needs_truth = True
+
+    def __init__(self, max_levels: int = 64):
+        self.max_levels = int(max_levels)
+
+    def keep_drafting(self, view: CycleView) -> bool:
+        # the oracle decides on the full tree; the driver gives it every level
+        return view.draft_levels < self.max_levels
+
+    def select(self, view: CycleView) -> Selection:
+        if view.verdicts is None or view.true_experts is None:
+            raise ValueError("oracle: needs the target's verdicts and true experts (a full trace)")
+        path = view.tree.accepted_path(view.verdicts)
+        best = None
+        for j in range(path.size):
+            prefix = path[: j + 1]
+            sel = evaluate(view.tree, prefix, view.true_experts, view.cached, view.cost, draft_levels=j)
+            # every node on the accepted path is accepted: it commits j + 1 tokens for sure
+            sel = Selection(nodes=prefix, expected_tokens=float(j + 1), time_s=sel.time_s, hits=sel.hits,
+                            misses=sel.misses, draft_levels=j)
+            if best is None or sel.expected_tokens * best.time_s > best.expected_tokens * sel.time_s:
+                best = sel
+        return best
+
+
+def make_policy(spec: str, max_levels: int = 8) -> Policy:
+    """A policy from its spec string (see the module docstring); ``max_levels`` caps drafting for
+    ``specfit`` and ``oracle``."""
+    name, _, rest = str(spec).strip().partition(":")
+    args = rest.split(":") if rest else []
+    try:
+        nums = [int(a) for a in args]
+    except ValueError:
+        raise ValueError(f"policy {spec!r}: expected integer parameters, e.g. chain:4, static:8, eagle3:60:7") from None
+    if name == "ar" and not nums:
+        return ArPolicy()
+    if name == "chain" and len(nums) == 1:
+        return ChainPolicy(nums[0])
+    if name == "eagle3" and len(nums) <= 2:
+        total, depth = (nums + [60, 7][len(nums):])[:2]
+        return RerankPolicy(total, depth, name=spec)
+    if name == "static" and len(nums) == 1:
+        return RerankPolicy(nums[0], max(0, min(nums[0] - 1, max_levels)), name=spec)
+    if name == "specfit" and len(nums) <= 1:
+        return SpecFitPolicy(nums[0] if nums else max_levels)
+    if name == "oracle" and not nums:
+        return OraclePolicy(max_levels=64)
+    raise ValueError(f"policy {spec!r}: expected one of {POLICY_HELP}")
+
+
+def choose(policy: Policy, view: CycleView) -> Selection:
+    """Drive ``policy`` over an already drafted tree (the simulator's case): offer it levels
+    0, 1, ... of ``view`` until it stops or the tree ends; return its selection, whose
+    ``draft_levels`` says how many levels it drafted."""
+    policy.begin_cycle()
+    levels = 0
+    deepest = view.tree.max_depth
+    while levels < deepest and policy.keep_drafting(view.truncated(levels)):
+        levels += 1
+    return policy.select(view.truncated(levels))
