@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .bitsets import pack_experts, pack_mask, popcount
 from .costmodel import CostModel, check_experts
 from .tree import DraftTree
 
@@ -66,21 +67,20 @@ class _Problem:
         self.n = n
         self.n_items = n_layers * cached.shape[1]
         self.item_w = cost.item_weights(cached).ravel()
-        # node x item incidence, items flattened as layer * E + expert
-        flat = experts + (np.arange(n_layers) * cached.shape[1])[None, :, None]
-        self.items_of = flat.reshape(n, -1)
-        incidence = np.zeros((n, self.n_items), dtype=bool)
-        incidence[np.arange(n)[:, None], self.items_of] = True
-        self.incidence = incidence
-        self.fixed_s = cost.draft_level_s * self.draft_levels + cost.base_s + cost.per_node_s
-        self.root_items_s = float(self.item_w[incidence[0]].sum())
+        # expert sets as bitsets [n, L, words]; a slot repeating an expert of the same node and
+        # layer (malformed routing) is marked and counted once
+        self.bits, repeated = pack_experts(experts, cached.shape[1])
+        self.cached_bits = pack_mask(cached)
+        # flat [n, L*k] views; numpy is slow on broadcasts whose inner axis is only k long
+        self.slot_layer = np.repeat(np.arange(n_layers), experts.shape[2])
+        self.items_of = experts.reshape(n, -1) + self.slot_layer * cached.shape[1]
+        self.repeated = repeated.reshape(n, -1)
 
     def evaluate(self, nodes: np.ndarray) -> Selection:
         """The cost formula, evaluated from scratch for ``nodes`` (sorted, closed, with root)."""
-        union = self.incidence[nodes].any(axis=0)
-        cached = self.cached.ravel()
-        hits = int(np.count_nonzero(union & cached))
-        misses = int(np.count_nonzero(union)) - hits
+        union = np.bitwise_or.reduce(self.bits[nodes], axis=0)
+        hits = popcount(union & self.cached_bits)
+        misses = popcount(union) - hits
         c = self.cost
         time_s = (c.draft_level_s * self.draft_levels + c.base_s + c.per_node_s * nodes.size
                   + c.hit_s * hits + c.miss_s * misses)
@@ -150,133 +150,140 @@ def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels
 
 
 class _InnerSolver:
-    """max over closed S of sum_v (p_v - lam * t_node) - lam * (sum of new items' weights)."""
+    """max over closed S of sum_v (p_v - lam * t_node) - lam * (sum of new items' weights).
+
+    Shared items (needed by two or more minimal nodes) are kept as a sparse membership list
+    ``(member_item[j], member_node[j])``; every reduction step is a handful of bincounts over it.
+    """
 
     def __init__(self, prob: _Problem):
         tree = prob.tree
         n = prob.n
         self.prob = prob
         self.parents = tree.parents
-        self.children = tree.children()
-        self.order = np.argsort(tree.depth, kind="stable")
-        # ancestor union of items, by depth level: new[v] = items of v not needed by any ancestor
-        anc = prob.incidence.copy()
-        for d in range(1, tree.max_depth + 1):
-            level = np.flatnonzero(tree.depth == d)
+        self.levels = tree.levels
+        # experts needed by v or an ancestor of v, by depth level (bitsets [n, L, words])
+        anc = prob.bits.copy()
+        for level in self.levels[1:]:
             anc[level] |= anc[tree.parents[level]]
-        new = prob.incidence.copy()
-        new[1:] &= ~anc[tree.parents[1:]]
-        new[0] = False  # root items are prepaid
-        count = new.sum(axis=0)
-        single = count == 1
+        # slot (v, l, s) is new when v's parent's ancestor set lacks that expert; root items are prepaid
+        ex = prob.experts.reshape(n, -1)[1:]                   # [n-1, L*k]
+        n_layers, words = anc.shape[1], anc.shape[2]
+        at = (tree.parents[1:, None] * (n_layers * words) + prob.slot_layer * words) + (ex >> 6)
+        has = (anc.ravel()[at] >> (ex & 63).astype(np.uint64)) & np.uint64(1)
+        items = prob.items_of                                  # [n, L*k]
+        new = np.zeros(items.shape, dtype=bool)                # entry is an item v needs first
+        new[1:] = has == 0
+        new &= ~prob.repeated                                  # an item counts once per node
+        count = np.bincount(items.ravel(), weights=new.ravel(), minlength=prob.n_items)
         w = prob.item_w
-        # lambda-independent parts of each node's weight
+        n_req = count[items] * new                             # minimal requirers of each new entry
         self.p = tree.path_probs.astype(np.float64)
-        self.own_cost = prob.cost.per_node_s + new[:, single].astype(np.float64) @ w[single]
-        shared_cols = np.flatnonzero(count >= 2)
-        if shared_cols.size:
-            sh = new[:, shared_cols]                      # [n, m]
-            keys = np.packbits(sh, axis=0).T              # [m, ceil(n/8)]
-            keys = np.ascontiguousarray(keys).view(np.dtype((np.void, keys.shape[1]))).ravel()
-            _, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
-            self.group_cost = np.bincount(inverse.ravel(), weights=w[shared_cols])
-            member = sh[:, first]                         # [n, G]
-            gi, gv = np.nonzero(member.T)
-            self.group_members = np.split(gv, np.cumsum(np.bincount(gi, minlength=first.size))[:-1])
-            vi, vg = np.nonzero(member)
-            self.node_groups = np.split(vg, np.cumsum(np.bincount(vi, minlength=n))[:-1])
-        else:
-            self.group_cost = np.zeros(0)
-            self.group_members = []
-            self.node_groups = [np.zeros(0, dtype=np.int64)] * n
+        self.own_cost = prob.cost.per_node_s + np.where(n_req == 1, w[items], 0.0).sum(axis=1)
+        shared_v, shared_j = np.nonzero(n_req >= 2)
+        shared = count >= 2
+        group_of_item = np.cumsum(shared) - 1                  # shared items numbered 0..G-1
+        self.member_group = group_of_item[items[shared_v, shared_j]]
+        self.member_node = shared_v
+        self.group_cost = w[shared]
+        self.n_groups = self.group_cost.size
+
+    def _prune(self, weight, alive, inside) -> None:
+        """Drop subtrees whose optimistic value (shared items free) is not positive."""
+        ub = np.where(alive, weight, -np.inf)
+        for level in self.levels[:0:-1]:
+            vals = ub[level]
+            keep = (vals > TIE_REL) | inside[level]
+            alive[level[~keep]] = False
+            np.add.at(ub, self.parents[level[keep]], vals[keep])
+        for level in self.levels[1:]:
+            alive[level] &= alive[self.parents[level]]
 
     def solve(self, lam: float) -> np.ndarray:
-        n = self.prob.n
-        parents, children = self.parents, self.children
+        n, G = self.prob.n, self.n_groups
+        parents = self.parents
         weight = self.p - lam * self.own_cost
         weight[0] = 0.0
         gcost = lam * self.group_cost
-        n_groups = gcost.size
+        mg, mv = self.member_group, self.member_node
         alive = np.ones(n, dtype=bool)
-        group_alive = np.ones(n_groups, dtype=bool)   # not yet paid and not yet folded
         inside = np.zeros(n, dtype=bool)
         inside[0] = True
+        live = np.ones(G, dtype=bool)                 # groups not yet paid, folded or dropped
 
         for _ in range(n + 1):
-            # 1. prune: optimistic value (shared items free) of each subtree, bottom-up
-            ub = weight.copy()
-            for v in self.order[::-1]:
-                if v and alive[v] and not inside[v]:
-                    if ub[v] > TIE_REL:
-                        ub[parents[v]] += ub[v]
-                    else:
-                        alive[v] = False
-            for v in self.order:  # a pruned node takes its subtree with it
-                if v and not alive[parents[v]]:
-                    alive[v] = False
-            # 2. fold groups with a single live, undecided requirer; drop dead or paid ones
+            self._prune(weight, alive, inside)
+            if not G:
+                break
             changed = False
-            live_members = {}
-            for g in np.flatnonzero(group_alive):
-                mem = self.group_members[g]
-                if inside[mem].any():
-                    group_alive[g] = False          # paid by a node already in
-                    continue
-                mem = mem[alive[mem]]
-                if mem.size == 0:
-                    group_alive[g] = False
-                elif mem.size == 1:
-                    weight[mem[0]] -= gcost[g]
-                    group_alive[g] = False
+            # groups paid by a node inside, or with no live requirer, are gone
+            live &= np.bincount(mg, weights=inside[mv], minlength=G) == 0
+            n_alive = np.bincount(mg, weights=alive[mv], minlength=G)
+            live &= n_alive > 0
+            # a group with one live requirer is that node's own cost
+            single = live & (n_alive == 1)
+            if single.any():
+                m = single[mg] & alive[mv]
+                np.subtract.at(weight, mv[m], gcost[mg[m]])
+                live &= ~single
+                changed = True
+            # force: a child of an inside node whose value stays positive when it pays every
+            # live shared item alone is in every maximiser; forcing several at once is safe
+            # since each one only pays items for the others
+            frontier = alive & ~inside
+            frontier[1:] &= inside[parents[1:]]
+            if frontier.any():
+                pess = weight - np.bincount(mv, weights=gcost[mg] * live[mg], minlength=n)
+                forced = frontier & (pess > TIE_REL)
+                if forced.any():
+                    inside |= forced
                     changed = True
-                else:
-                    live_members[g] = mem
-            # 3. force: a child of the inside set whose value is positive even paying its shared
-            #    items alone belongs to every maximiser
-            frontier = [c for v in np.flatnonzero(inside) for c in children[v] if alive[c] and not inside[c]]
-            while frontier:
-                v = frontier.pop()
-                pess = weight[v] - sum(gcost[g] for g in self.node_groups[v] if group_alive[g])
-                if pess > TIE_REL:
-                    inside[v] = True
-                    changed = True
-                    for g in self.node_groups[v]:
-                        group_alive[g] = False
-                    frontier.extend(c for c in children[v] if alive[c])
             if not changed:
                 break
 
-        live_groups = [g for g in live_members if group_alive[g]]
         undecided = alive & ~inside
-        if not live_groups:
-            # a forest hanging from inside nodes, no coupling: exact tree DP (positive gain only)
-            gain = weight.copy()
-            for v in self.order[::-1]:
-                if v and undecided[v] and gain[v] > TIE_REL and undecided[parents[v]]:
-                    gain[parents[v]] += gain[v]
-            take = inside.copy()
-            for v in self.order:
-                if v and undecided[v] and take[parents[v]] and gain[v] > TIE_REL:
-                    take[v] = True
-            return np.flatnonzero(take)
+        coupled = live[mg] & undecided[mv] if G else np.zeros(0, dtype=bool)
+        if not coupled.any():
+            return np.flatnonzero(self._tree_dp(weight, undecided, inside))
+        return np.flatnonzero(self._closure(weight, undecided, inside, gcost, coupled))
 
-        # 4. max-weight closure on the undecided nodes and the groups that still couple them
+    def _tree_dp(self, weight, undecided, inside) -> np.ndarray:
+        """No shared items left: the best forest hanging from the inside nodes, exactly."""
+        parents = self.parents
+        gain = np.where(undecided, weight, 0.0)
+        for level in self.levels[:0:-1]:
+            lv = level[undecided[level]]
+            up = lv[(gain[lv] > TIE_REL) & undecided[parents[lv]]]
+            np.add.at(gain, parents[up], gain[up])
+        take = inside.copy()
+        for level in self.levels[1:]:
+            lv = level[undecided[level]]
+            take[lv] = take[parents[lv]] & (gain[lv] > TIE_REL)
+        return take
+
+    def _closure(self, weight, undecided, inside, gcost, coupled) -> np.ndarray:
+        """Shared items still couple undecided nodes: one max-weight closure by min cut, with the
+        items that have the same requirers merged into one."""
+        parents = self.parents
         idx = np.flatnonzero(undecided)
-        pos = {int(v): i for i, v in enumerate(idx)}
+        pos = np.full(self.prob.n, -1, dtype=np.int64)
+        pos[idx] = np.arange(idx.size)
+        members: dict[int, list[int]] = {}
+        for g, v in zip(self.member_group[coupled].tolist(), self.member_node[coupled].tolist()):
+            members.setdefault(g, []).append(int(pos[v]))
+        merged: dict[tuple[int, ...], float] = {}
+        for g, mem in members.items():
+            key = tuple(sorted(mem))
+            merged[key] = merged.get(key, 0.0) + gcost[g]
         m = idx.size
-        node_w = np.concatenate([weight[idx], -gcost[live_groups]])
-        requires = []
-        for i, v in enumerate(idx):
-            p = int(parents[v])
-            if p in pos:
-                requires.append((i, pos[p]))
-        for j, g in enumerate(live_groups):
-            for v in live_members[g]:
-                requires.append((pos[int(v)], m + j))
+        node_w = np.concatenate([weight[idx], -np.fromiter(merged.values(), dtype=np.float64, count=len(merged))])
+        requires = [(int(pos[v]), int(pos[parents[v]])) for v in idx if undecided[parents[v]]]
+        for j, key in enumerate(merged):
+            requires.extend((i, m + j) for i in key)
         chosen = max_weight_closure(node_w, requires)
         take = inside.copy()
         take[idx[chosen[:m]]] = True
-        return np.flatnonzero(take)
+        return take
 
 
 # --------------------------------------------------------------------------- max-weight closure

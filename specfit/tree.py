@@ -8,6 +8,7 @@ topological order and one forward sweep visits parents before children.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 
@@ -96,6 +97,12 @@ class DraftTree:
     @property
     def max_depth(self) -> int:
         return int(self.depth.max())
+
+    @cached_property
+    def levels(self) -> list[np.ndarray]:
+        """levels[d]: node ids at depth d, ascending."""
+        order = np.argsort(self.depth, kind="stable")
+        return np.split(order, np.cumsum(np.bincount(self.depth))[:-1])
 
     def children(self) -> list[np.ndarray]:
         """children()[v]: the children of v, ascending."""

@@ -1,0 +1,200 @@
+"""Load a target model from a Hugging Face model directory (safetensors only).
+
+Dense weights go to the compute device; experts go to :class:`~specfit.runtime.offload.HostExperts`
+in host memory, each expert once. Accepted layouts:
+
+- single ``model.safetensors`` or sharded ``model.safetensors.index.json``;
+- experts per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``; Mixtral
+  ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``) or fused (``mlp.experts.gate_up_proj``
+  [E, 2I, H] with rows [:I] the gate, and ``mlp.experts.down_proj`` [E, H, I]), under either
+  ``mlp`` or ``block_sparse_moe``.
+
+Every tensor is checked against the shape the config implies; a missing or mis-shaped tensor is
+one error naming the tensor, its expected shape and the file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..errors import SpecFitError
+from .config import DTYPES, ModelConfig
+from .model import MoETransformer
+from .offload import ExpertOffload, HostExperts
+
+__all__ = ["Checkpoint", "load_model", "load_tokenizer", "checkpoint_bytes"]
+
+_MOE_PREFIXES = ("mlp", "block_sparse_moe")
+# per-expert names of (gate, up, down)
+_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+
+
+class Checkpoint:
+    """The safetensors files of a model directory, read tensor by tensor."""
+
+    def __init__(self, model_dir: str | Path):
+        self.model_dir = Path(model_dir)
+        single = self.model_dir / "model.safetensors"
+        index = self.model_dir / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
+                raise SpecFitError(f"{index}: expected a JSON object with a 'weight_map' ({exc})") from None
+            self.files = {name: self.model_dir / file for name, file in weight_map.items()}
+            for path in set(self.files.values()):
+                if not path.is_file():
+                    raise SpecFitError(f"{index}: shard {path.name} is listed but missing from {self.model_dir}")
+        elif single.is_file():
+            with safe_open(single, framework="pt") as f:
+                self.files = {name: single for name in f.keys()}
+        else:
+            raise SpecFitError(f"{self.model_dir}: no model.safetensors or model.safetensors.index.json "
+                               f"(only safetensors checkpoints are supported)")
+        self._handles = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the checkpoint files on disk."""
+        return sum(path.stat().st_size for path in set(self.files.values()))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The tensor ``name``, checked to have ``shape``, converted to ``dtype`` (on the CPU)."""
+        expected = list(shape)
+        if name not in self.files:
+            raise SpecFitError(f"{self.model_dir}: missing tensor {name!r} (expected shape {expected})")
+        handle = self._handle(self.files[name])
+        actual = list(handle.get_slice(name).get_shape())
+        if actual != expected:
+            raise SpecFitError(f"{self.files[name]}: tensor {name!r} has shape {actual}, expected {expected}")
+        return handle.get_tensor(name).to(dtype)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def _handle(self, path: Path):
+        if path not in self._handles:
+            try:
+                self._handles[path] = safe_open(path, framework="pt")
+            except Exception as exc:  # safetensors raises its own error types for corrupt headers
+                raise SpecFitError(f"{path}: not a readable safetensors file ({exc})") from None
+        return self._handles[path]
+
+
+def checkpoint_bytes(model_dir: str | Path) -> int:
+    return Checkpoint(model_dir).nbytes
+
+
+def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype: str | torch.dtype | None = None,
+               cache_experts: int = 0, cache_mode: str = "per_layer", eviction: str = "lru",
+               capture_layers: tuple[int, ...] | None = None) -> MoETransformer:
+    """Build the target from ``model_dir``: dense weights on ``device``, experts in host memory
+    (pinned when ``device`` is a GPU) behind an expert cache of ``cache_experts`` slots per layer.
+
+    ``dtype`` is the compute dtype (a name from :data:`~specfit.runtime.config.DTYPES` or a torch
+    dtype); by default the checkpoint's, or float32 if the config does not say.
+    """
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_dir(model_dir)
+    dtype = _resolve_dtype(dtype, config)
+    device = torch.device(device)
+    checkpoint = Checkpoint(model_dir)
+    try:
+        dense = _dense_state_dict(checkpoint, config, dtype, device)
+        host = HostExperts(config.n_layers, config.n_experts, config.hidden_size, config.expert_intermediate_size,
+                           dtype, pin_memory=device.type == "cuda")
+        for layer in range(config.n_layers):
+            _load_layer_experts(checkpoint, config, layer, host)
+    finally:
+        checkpoint.close()
+
+    with torch.device("meta"):
+        model = MoETransformer(config, capture_layers=capture_layers)
+    model.load_state_dict(dense, strict=True, assign=True)
+    model.requires_grad_(False).eval()
+    model.init_rope()
+    model.attach_offload(ExpertOffload(host, cache_experts, device=device, mode=cache_mode, policy=eviction))
+    return model
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The directory's ``tokenizer.json`` as a :class:`tokenizers.Tokenizer`, or None if absent."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+        raise SpecFitError(f"{path}: not a readable tokenizer file ({exc})") from None
+
+
+# ----------------------------------------------------------------- helpers
+def _resolve_dtype(dtype, config: ModelConfig) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype or config.checkpoint_dtype or "float32"
+    if name not in DTYPES:
+        raise SpecFitError(f"dtype: expected one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def _dense_state_dict(checkpoint: Checkpoint, config: ModelConfig, dtype, device) -> dict[str, torch.Tensor]:
+    """Everything but the experts, under :class:`MoETransformer`'s parameter names."""
+    H, V, E, hd = config.hidden_size, config.vocab_size, config.n_experts, config.head_dim
+    shapes = {"embed_tokens.weight": ("model.embed_tokens.weight", (V, H)),
+              "norm.weight": ("model.norm.weight", (H,))}
+    if not config.tie_word_embeddings or "lm_head.weight" in checkpoint:
+        shapes["lm_head.weight"] = ("lm_head.weight", (V, H))
+    if config.qk_norm == "per_head":
+        q_norm, k_norm = (hd,), (hd,)
+    else:
+        q_norm, k_norm = (config.n_heads * hd,), ((H // config.n_heads) * config.n_kv_heads,)
+    for layer in range(config.n_layers):
+        ours, theirs = f"layers.{layer}.", f"model.layers.{layer}."
+        attn = {"q_proj": (config.n_heads * hd, H), "k_proj": (config.n_kv_heads * hd, H),
+                "v_proj": (config.n_kv_heads * hd, H), "o_proj": (H, config.n_heads * hd)}
+        if config.qk_norm is not None:
+            attn.update(q_norm=q_norm, k_norm=k_norm)
+        for name, shape in attn.items():
+            shapes[f"{ours}self_attn.{name}.weight"] = (f"{theirs}self_attn.{name}.weight", shape)
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            shapes[f"{ours}{name}.weight"] = (f"{theirs}{name}.weight", (H,))
+        shapes[f"{ours}moe.gate.weight"] = (f"{theirs}{_moe_prefix(checkpoint, layer)}.gate.weight", (E, H))
+    dense = {ours: checkpoint.get(theirs, shape, dtype).to(device) for ours, (theirs, shape) in shapes.items()}
+    if "lm_head.weight" not in dense:
+        dense["lm_head.weight"] = dense["embed_tokens.weight"]   # tied: one tensor, two uses
+    return dense
+
+
+def _moe_prefix(checkpoint: Checkpoint, layer: int) -> str:
+    for prefix in _MOE_PREFIXES:
+        if f"model.layers.{layer}.{prefix}.gate.weight" in checkpoint:
+            return prefix
+    return _MOE_PREFIXES[0]   # Checkpoint.get then reports the missing router under the usual name
+
+
+def _load_layer_experts(checkpoint: Checkpoint, config: ModelConfig, layer: int, host: HostExperts) -> None:
+    E, H, I = config.n_experts, config.hidden_size, config.expert_intermediate_size
+    base = f"model.layers.{layer}.{_moe_prefix(checkpoint, layer)}.experts"
+    dtype = host.dtype
+    if f"{base}.gate_up_proj" in checkpoint:
+        host.gate_up[layer].copy_(checkpoint.get(f"{base}.gate_up_proj", (E, 2 * I, H), dtype))
+        host.down[layer].copy_(checkpoint.get(f"{base}.down_proj", (E, H, I), dtype))
+        return
+    gate, up, down = next((names for names in _EXPERT_NAMES if f"{base}.0.{names[0]}.weight" in checkpoint),
+                          _EXPERT_NAMES[0])
+    for expert in range(E):
+        prefix = f"{base}.{expert}"
+        # copy tensor by tensor so host memory stays near one copy of the experts
+        host.gate_up[layer][expert, :I].copy_(checkpoint.get(f"{prefix}.{gate}.weight", (I, H), dtype))
+        host.gate_up[layer][expert, I:].copy_(checkpoint.get(f"{prefix}.{up}.weight", (I, H), dtype))
+        host.down[layer][expert].copy_(checkpoint.get(f"{prefix}.{down}.weight", (H, I), dtype))

@@ -1,0 +1,313 @@
+"""A compact forward pass for Hugging Face MoE checkpoints (Qwen3-MoE, OLMoE, Mixtral).
+
+gpt-fast style: plain modules, a static KV cache written at explicit slots, a forward that reads
+top to bottom. The math mirrors ``transformers``' eager path operation by operation (see
+REFERENCE.md) so that logits agree to float32 rounding and greedy outputs agree token for token.
+
+Any set of new tokens can be run in one pass: the caller gives each token its RoPE position and a
+boolean attention mask over (cache + new tokens), so a draft tree is verified in one pass. KV
+slots: committed tokens occupy slots ``0 .. cache_len-1`` (slot == absolute position); the new
+tokens of a pass are written to slots ``cache_len .. cache_len+T-1`` in input order, whatever
+their positions (siblings of a tree share a position). :meth:`MoETransformer.compact_kv` then moves
+the accepted ones to contiguous slots after the prefix.
+
+The MoE block is the only place that knows about experts; it gets their weights from the
+:class:`~specfit.runtime.offload.ExpertOffload` layer by layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig, default_capture_layers
+from .offload import ExpertOffload, OffloadCounters
+
+__all__ = ["MoETransformer", "ForwardOutput", "causal_mask"]
+
+
+@dataclass
+class ForwardOutput:
+    """One pass over T new tokens.
+
+    Attributes:
+        logits: [R, V] for the requested rows (all T by default), in the compute dtype.
+        expert_ids: int64 [T, L, k], the router's top-k experts of each token at each layer.
+        hidden: [T, len(capture_layers) * H], the inputs of the capture layers concatenated in
+            order (EAGLE-3's low / mid / high features), or None when nothing is captured.
+        offload: expert traffic of this pass, per layer.
+    """
+
+    logits: torch.Tensor
+    expert_ids: np.ndarray
+    hidden: torch.Tensor | None
+    offload: OffloadCounters
+
+
+def causal_mask(n_cached: int, n_new: int) -> torch.Tensor:
+    """[n_new, n_cached + n_new] bool: a linear continuation of the cache."""
+    return torch.ones(n_new, n_cached + n_new, dtype=torch.bool).tril(diagonal=n_cached)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in float32, cast back, then scale: transformers' order, which matters in bf16
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """Keys and values of one layer, [n_kv_heads, max_seq_len, head_dim], indexed by slot."""
+
+    def __init__(self, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype, device):
+        super().__init__()
+        shape = (n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store [n_kv, T, hd] at slots start..start+T-1; return all keys/values up to there."""
+        end = start + k.shape[1]
+        self.k[:, start:end] = k
+        self.v[:, start:end] = v
+        return self.k[:, :end], self.v[:, :end]
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        # index_select copies first, so overlapping source and destination slots are safe
+        self.k[:, start:start + keep.numel()] = self.k[:, start:].index_select(1, keep)
+        self.v[:, start:start + keep.numel()] = self.v[:, start:].index_select(1, keep)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        H, hd = config.hidden_size, config.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, hd
+        self.q_proj = nn.Linear(H, config.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(H, config.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(H, config.n_kv_heads * hd, bias=False)
+        self.o_proj = nn.Linear(config.n_heads * hd, H, bias=False)
+        self.qk_norm, self.clip_qkv = config.qk_norm, config.clip_qkv
+        if config.qk_norm == "per_head":      # Qwen3: RMSNorm over head_dim, per head
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        elif config.qk_norm == "full":        # OLMoE: RMSNorm over the whole projection
+            self.q_norm = RMSNorm(config.n_heads * hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm((H // config.n_heads) * config.n_kv_heads, config.rms_norm_eps)
+        self.scale = hd ** -0.5
+        self.kv_cache: KVCache | None = None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_len: int,
+                additive_mask: torch.Tensor) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(T, self.n_heads, self.head_dim)
+        k = k.view(T, self.n_kv_heads, self.head_dim)
+        v = v.view(T, self.n_kv_heads, self.head_dim)
+        if self.qk_norm == "per_head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)   # [heads, T, hd]
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        keys, values = self.kv_cache.write(cache_len, k, v)
+        groups = self.n_heads // self.n_kv_heads                             # GQA: KV head j serves
+        keys = keys[:, None].expand(-1, groups, -1, -1).reshape(self.n_heads, -1, self.head_dim)  # j*g..j*g+g-1
+        values = values[:, None].expand(-1, groups, -1, -1).reshape(self.n_heads, -1, self.head_dim)
+        scores = torch.matmul(q, keys.transpose(1, 2)) * self.scale + additive_mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, values).transpose(0, 1).reshape(T, self.n_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split RoPE: rotate_half(x) = cat(-x2, x1)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class MoEBlock(nn.Module):
+    """Router plus experts. Expert weights come from the offload, one expert at a time."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.n_experts, bias=False)
+        self.layer, self.top_k = layer, config.top_k
+        self.norm_topk_prob = config.norm_topk_prob
+        self.routing_weights_float32 = config.routing_weights_float32
+        self.offload: ExpertOffload | None = None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
+        router_logits = self.gate(x)
+        probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if not self.routing_weights_float32:
+            weights = weights.to(router_logits.dtype)
+        # the union decides the transfers, so routing must reach the host before any expert runs
+        expert_ids_host = expert_ids.cpu().numpy()
+        out = torch.zeros_like(x)
+        for expert, gate_up, down in self.offload.layer_experts(self.layer, np.unique(expert_ids_host)):
+            # (k-slot, token) order, as transformers gathers them
+            slot_in_top_k, token = np.nonzero(expert_ids_host.T == expert)
+            token = torch.from_numpy(token).to(x.device)
+            slot_in_top_k = torch.from_numpy(slot_in_top_k).to(x.device)
+            gate, up = F.linear(x[token], gate_up).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, down) * weights[token, slot_in_top_k, None]
+            # ascending expert order with index_add_ reproduces transformers' sum bit for bit
+            out.index_add_(0, token, y.to(out.dtype))
+        return out, expert_ids_host
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.moe = MoEBlock(config, layer)
+
+    def forward(self, x, cos, sin, cache_len, additive_mask) -> tuple[torch.Tensor, np.ndarray]:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_len, additive_mask)
+        moe_out, expert_ids = self.moe(self.post_attention_layernorm(x))
+        return x + moe_out, expert_ids
+
+
+class MoETransformer(nn.Module):
+    """The target model. Dense weights and the KV cache live on ``device``; experts come from
+    ``offload`` (attach with :meth:`attach_offload`; the loader does both).
+
+    Build on the meta device and fill with ``load_state_dict(..., assign=True)`` to avoid
+    allocating random weights first (the loader does this).
+    """
+
+    def __init__(self, config: ModelConfig, capture_layers: tuple[int, ...] | None = None):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, layer) for layer in range(config.n_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.capture_layers = default_capture_layers(config.n_layers) if capture_layers is None else tuple(capture_layers)
+        bad = [layer for layer in self.capture_layers if not 0 <= layer < config.n_layers]
+        if bad:
+            raise ValueError(f"capture_layers: expected layers in [0, {config.n_layers}), got {bad}")
+        self.offload: ExpertOffload | None = None
+        self.max_seq_len = 0
+
+    # ------------------------------------------------------------------ setup
+    def init_rope(self) -> None:
+        """(Re)compute RoPE frequencies on the model's device, after weights are loaded."""
+        hd = self.config.head_dim
+        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+        self.register_buffer("inv_freq", inv_freq.to(self.device), persistent=False)
+
+    def attach_offload(self, offload: ExpertOffload) -> None:
+        self.offload = offload
+        for layer in self.layers:
+            layer.moe.offload = offload
+
+    def setup_kv_cache(self, max_seq_len: int) -> None:
+        """Allocate a static KV cache of ``max_seq_len`` slots per layer (its contents are lost)."""
+        if max_seq_len > self.config.max_position_embeddings:
+            raise ValueError(f"max_seq_len: {max_seq_len} exceeds the model's max_position_embeddings "
+                             f"({self.config.max_position_embeddings})")
+        c = self.config
+        for layer in self.layers:
+            layer.self_attn.kv_cache = KVCache(c.n_kv_heads, max_seq_len, c.head_dim, self.dtype, self.device)
+        self.max_seq_len = int(max_seq_len)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    # ------------------------------------------------------------------ forward
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, attn_mask=None, logits_rows=None) -> ForwardOutput:
+        """Run T new tokens.
+
+        Args:
+            input_ids: int [T] token ids.
+            positions: int [T] absolute RoPE positions (a tree node: prefix length + depth).
+            attn_mask: bool [T, cache_len + T]; row i may attend to column j (a cached slot for
+                j < cache_len, new token j - cache_len otherwise). Its width fixes ``cache_len``,
+                the number of committed slots. None means a linear continuation: positions must
+                be consecutive and ``cache_len = positions[0]``.
+            logits_rows: which rows' logits to compute (e.g. ``[-1]`` after a prefill); all by
+                default.
+        """
+        input_ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
+        positions = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(-1)
+        T = input_ids.numel()
+        if positions.numel() != T:
+            raise ValueError(f"positions: expected {T} positions, one per input token, got {positions.numel()}")
+        if attn_mask is None:
+            cache_len = int(positions[0])
+            if not torch.equal(positions, torch.arange(cache_len, cache_len + T, device=self.device)):
+                raise ValueError("positions: without attn_mask the tokens must continue the cache at consecutive positions")
+            attn_mask = causal_mask(cache_len, T)
+        attn_mask = torch.as_tensor(attn_mask, dtype=torch.bool, device=self.device)
+        cache_len = attn_mask.shape[-1] - T
+        if attn_mask.shape != (T, cache_len + T) or cache_len < 0:
+            raise ValueError(f"attn_mask: expected shape [{T}, cache_len + {T}], got {list(attn_mask.shape)}")
+        if cache_len + T > self.max_seq_len:
+            raise ValueError(f"KV cache: {cache_len} cached + {T} new tokens exceed its {self.max_seq_len} slots")
+        additive_mask = self._additive_mask(attn_mask, positions, cache_len)
+
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+        self.offload.begin_pass()
+        x = self.embed_tokens(input_ids)
+        captured: dict[int, torch.Tensor] = {}
+        routing = []
+        for index, layer in enumerate(self.layers):
+            if index in self.capture_layers:
+                captured[index] = x
+            x, expert_ids = layer(x, cos, sin, cache_len, additive_mask)
+            routing.append(expert_ids)
+        x = self.norm(x)
+        if logits_rows is not None:
+            x = x[torch.as_tensor(logits_rows, dtype=torch.long, device=self.device)]
+        hidden = torch.cat([captured[layer] for layer in self.capture_layers], dim=-1) if self.capture_layers else None
+        return ForwardOutput(logits=self.lm_head(x), expert_ids=np.stack(routing, axis=1), hidden=hidden,
+                             offload=self.offload.counters)
+
+    def _additive_mask(self, attn_mask: torch.Tensor, positions: torch.Tensor, cache_len: int) -> torch.Tensor:
+        window = self.config.sliding_window
+        if window is not None:
+            # a key is visible only within the window of the query's position; committed slots
+            # hold position == slot, new tokens their given positions
+            key_positions = torch.cat((torch.arange(cache_len, device=self.device), positions))
+            attn_mask = attn_mask & (positions[:, None] - key_positions[None, :] < window)
+        # 0 / finfo.min in the compute dtype, as transformers builds its eager masks
+        return torch.zeros(attn_mask.shape, dtype=self.dtype, device=self.device).masked_fill(
+            ~attn_mask, torch.finfo(self.dtype).min)
+
+    @torch.inference_mode()
+    def compact_kv(self, cache_len: int, keep) -> None:
+        """Keep the new tokens ``keep`` (indices into the last pass's T tokens, ascending) at
+        slots ``cache_len .. cache_len + len(keep) - 1``; later slots become free."""
+        keep = torch.as_tensor(keep, dtype=torch.long, device=self.device).reshape(-1)
+        if keep.numel() > 1 and not bool((keep[1:] > keep[:-1]).all()):
+            raise ValueError("keep: expected ascending indices of the new tokens")
+        for layer in self.layers:
+            layer.self_attn.kv_cache.compact(cache_len, keep)

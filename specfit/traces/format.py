@@ -1,0 +1,467 @@
+"""The trace format: an in-memory :class:`Trace` of plain arrays, and its Parquet file.
+
+A trace file is one Parquet file with **one row per draft-tree node**; the rows of one cycle are
+consecutive and start with its root (node 0). Cycle-level columns (``sequence``, ``position`` and,
+for live recordings, the measured cycle values) repeat on every row of their cycle, which Parquet's
+run-length encoding stores for almost nothing, so ``pandas.read_parquet(path)`` is directly a
+per-node table and ``groupby("cycle").first()`` the per-cycle one.
+
+Expert sets are fixed-size list columns of ``n_layers * top_k`` ids (layer-major, router rank
+order where the recorder knew it); in memory they are ``[nodes, layers, top_k]`` arrays.
+
+The file-level metadata (a JSON object under the Parquet key ``specfit.trace``) holds the schema
+version, the model shape, the drafter, the workload, how the trace was recorded and what in it is
+real and what synthesised. Reading checks the version and the columns and fails with one
+:class:`~specfit.errors.SpecFitError` line naming the file, the field and the expectation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from ..errors import SpecFitError
+from ..tree import DraftTree
+
+__all__ = ["SCHEMA_VERSION", "METADATA_KEY", "Trace", "read_trace", "write_trace", "validate_trace",
+           "atomic_write"]
+
+SCHEMA_VERSION = 1
+METADATA_KEY = b"specfit.trace"
+UNKNOWN = -1  # verdict / expert placeholder where the recorder did not know the value
+
+# (column, arrow type or None for the expert lists, required, description) - the README's table
+# is written from the same facts
+NODE_COLUMNS = (
+    ("cycle", pa.int32(), True, "cycle index, rows of a cycle are consecutive"),
+    ("sequence", pa.int32(), True, "prompt / request the cycle belongs to"),
+    ("position", pa.int32(), True, "index of the root token in the sequence's reference output"),
+    ("node", pa.int16(), True, "node id in the cycle's tree, 0 = root"),
+    ("parent", pa.int16(), True, "parent node id, -1 for the root"),
+    ("depth", pa.int16(), True, "draft level of the node, 0 for the root"),
+    ("token", pa.int32(), True, "token id of the node (root: the last committed token)"),
+    ("draft_logprob", pa.float32(), True, "drafter's log-probability of the token given its parent (root: 0)"),
+    ("path_prob", pa.float64(), True, "drafter's probability of the whole path root->node"),
+    ("verdict", pa.int32(), True, "target's greedy next token at this node; null where unknown"),
+    ("true_experts", None, True, "experts the target routed the node to, [layers * top_k]; null where unknown"),
+    ("predicted_experts", None, False, "experts predicted at draft time, [layers * top_k]; null where not recorded"),
+    ("verified", pa.bool_(), False, "live runs: the node was in the verified subtree"),
+)
+# live recordings: measured per-cycle values (repeated on the cycle's rows)
+MEASURED_COLUMNS = ("measured_time_s", "measured_draft_s", "measured_verify_s", "measured_bytes_h2d")
+REQUIRED_META = ("schema_version", "model", "drafter", "workload", "recording", "provenance")
+REQUIRED_MODEL = ("name", "n_layers", "n_experts", "top_k", "expert_bytes")
+
+
+@dataclass
+class Trace:
+    """A trace in memory: cycle arrays ``[cycles]`` and node arrays ``[nodes]`` (all cycles
+    concatenated; cycle c owns rows ``offsets[c]:offsets[c + 1]``).
+
+    ``verdict`` and the expert arrays hold :data:`UNKNOWN` (-1) where not known; the ``*_known``
+    masks say which rows are real values. ``meta`` is the JSON metadata (see the module docstring).
+    """
+
+    meta: dict
+    offsets: np.ndarray            # int64 [cycles + 1]
+    sequence: np.ndarray           # int32 [cycles]
+    position: np.ndarray           # int32 [cycles]
+    parent: np.ndarray             # int16 [nodes], -1 for roots
+    depth: np.ndarray              # int16 [nodes]
+    token: np.ndarray              # int32 [nodes]
+    draft_logprob: np.ndarray      # float32 [nodes]
+    path_prob: np.ndarray          # float64 [nodes]
+    verdict: np.ndarray            # int32 [nodes], -1 where unknown
+    true_experts: np.ndarray       # int16 [nodes, layers, top_k], -1 rows where unknown
+    predicted_experts: np.ndarray | None = None   # int16 [nodes, layers, top_k] or None
+    verified: np.ndarray | None = None            # bool [nodes] or None
+    measured: dict[str, np.ndarray] = field(default_factory=dict)  # per-cycle float64 [cycles]
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def n_cycles(self) -> int:
+        return int(self.offsets.size - 1)
+
+    @property
+    def n_nodes(self) -> int:
+        return int(self.parent.size)
+
+    @property
+    def model(self) -> dict:
+        return self.meta["model"]
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.model["n_layers"])
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.model["n_experts"])
+
+    @property
+    def top_k(self) -> int:
+        return int(self.model["top_k"])
+
+    @property
+    def expert_bytes(self) -> int:
+        return int(self.model["expert_bytes"])
+
+    @property
+    def tree_sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    @property
+    def true_known(self) -> np.ndarray:
+        return self.true_experts[:, 0, 0] >= 0
+
+    @property
+    def verdict_known(self) -> np.ndarray:
+        return self.verdict >= 0
+
+    @property
+    def cycle_of_node(self) -> np.ndarray:
+        return np.repeat(np.arange(self.n_cycles), self.tree_sizes)
+
+    @property
+    def position_indexed(self) -> bool:
+        return bool(self.meta["recording"].get("position_indexed", False))
+
+    def rows(self, cycle: int) -> slice:
+        return slice(int(self.offsets[cycle]), int(self.offsets[cycle + 1]))
+
+    def tree(self, cycle: int) -> DraftTree:
+        r = self.rows(cycle)
+        return DraftTree(parents=self.parent[r].astype(np.int64), path_probs=self.path_prob[r],
+                         tokens=self.token[r].astype(np.int64))
+
+    # ------------------------------------------------------------------ tables
+    def cycles_frame(self) -> pd.DataFrame:
+        """One row per cycle: cycle, sequence, position, n_nodes and the measured values."""
+        df = pd.DataFrame({"cycle": np.arange(self.n_cycles), "sequence": self.sequence,
+                           "position": self.position, "n_nodes": self.tree_sizes})
+        for name, values in self.measured.items():
+            df[name] = values
+        return df
+
+    def nodes_frame(self, experts: bool = False) -> pd.DataFrame:
+        """One row per node (the file's rows); with ``experts`` the expert sets as array cells."""
+        c = self.cycle_of_node
+        df = pd.DataFrame({
+            "cycle": c, "sequence": self.sequence[c], "position": self.position[c],
+            "node": np.arange(self.n_nodes) - self.offsets[c], "parent": self.parent, "depth": self.depth,
+            "token": self.token, "draft_logprob": self.draft_logprob, "path_prob": self.path_prob,
+            "verdict": pd.array(np.where(self.verdict_known, self.verdict, 0), dtype="Int32").where(
+                self.verdict_known, pd.NA),
+        })
+        if experts:
+            df["true_experts"] = list(self.true_experts)
+            if self.predicted_experts is not None:
+                df["predicted_experts"] = list(self.predicted_experts)
+        return df
+
+
+# --------------------------------------------------------------------------- writing
+def atomic_write(path: str | Path, write) -> None:
+    """Call ``write(tmp_path)`` on a temporary file next to ``path`` and move it into place with
+    ``os.replace``, so readers never see a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def _expert_type(n_experts: int) -> pa.DataType:
+    # unknown sets are nulls (a validity mask), so every id of the narrow type is usable
+    return pa.uint8() if n_experts <= 256 else pa.uint16()
+
+
+def _expert_column(experts: np.ndarray, known: np.ndarray, n_experts: int) -> pa.Array:
+    n, L, k = experts.shape
+    vtype = _expert_type(n_experts)
+    values = pa.array(np.where(experts >= 0, experts, 0).reshape(-1).astype(vtype.to_pandas_dtype()), type=vtype)
+    return pa.FixedSizeListArray.from_arrays(values, L * k, mask=pa.array(~known))
+
+
+def to_table(trace: Trace) -> pa.Table:
+    c = trace.cycle_of_node
+    L, k, E = trace.n_layers, trace.top_k, trace.n_experts
+    cols = {
+        "cycle": pa.array(c.astype(np.int32)),
+        "sequence": pa.array(trace.sequence[c].astype(np.int32)),
+        "position": pa.array(trace.position[c].astype(np.int32)),
+        "node": pa.array((np.arange(trace.n_nodes) - trace.offsets[c]).astype(np.int16)),
+        "parent": pa.array(trace.parent.astype(np.int16)),
+        "depth": pa.array(trace.depth.astype(np.int16)),
+        "token": pa.array(trace.token.astype(np.int32)),
+        "draft_logprob": pa.array(trace.draft_logprob.astype(np.float32)),
+        "path_prob": pa.array(trace.path_prob.astype(np.float64)),
+        "verdict": pa.array(trace.verdict.astype(np.int32), mask=~trace.verdict_known),
+        "true_experts": _expert_column(trace.true_experts, trace.true_known, E),
+    }
+    if trace.predicted_experts is not None:
+        cols["predicted_experts"] = _expert_column(trace.predicted_experts, trace.predicted_experts[:, 0, 0] >= 0, E)
+    if trace.verified is not None:
+        cols["verified"] = pa.array(trace.verified.astype(bool))
+    for name, values in trace.measured.items():
+        cols[name] = pa.array(np.asarray(values, dtype=np.float64)[c])
+    table = pa.table(cols)
+    meta = dict(trace.meta, schema_version=SCHEMA_VERSION)
+    assert trace.true_experts.shape[1:] == (L, k)
+    return table.replace_schema_metadata({METADATA_KEY: json.dumps(meta, sort_keys=True).encode()})
+
+
+def write_trace(trace: Trace, path: str | Path) -> Path:
+    """Validate ``trace`` and write it atomically as Parquet (zstd); returns the path."""
+    validate_trace(trace, source=str(path))
+    table = to_table(trace)
+    # one row group per ~64k nodes keeps a reader's memory bounded without fragmenting small files
+    atomic_write(path, lambda tmp: pq.write_table(table, tmp, compression="zstd", compression_level=9,
+                                                  row_group_size=65536))
+    return Path(path)
+
+
+# --------------------------------------------------------------------------- reading
+def read_trace(path: str | Path, validate: bool = True) -> Trace:
+    """Read a trace file; raises :class:`SpecFitError` for anything that is not a valid trace."""
+    path = Path(path)
+    if not path.is_file():
+        raise SpecFitError(f"{path}: no such trace file")
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise SpecFitError(f"{path}: not a Parquet trace file ({exc})") from None
+    raw = (pf.schema_arrow.metadata or {}).get(METADATA_KEY)
+    if raw is None:
+        raise SpecFitError(f"{path}: missing the '{METADATA_KEY.decode()}' metadata; expected a SpecFit trace file")
+    try:
+        meta = json.loads(raw)
+    except json.JSONDecodeError:
+        raise SpecFitError(f"{path}: metadata '{METADATA_KEY.decode()}' is not valid JSON") from None
+    version = meta.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise SpecFitError(f"{path}: schema_version {version!r} is not supported; expected {SCHEMA_VERSION} "
+                           f"(re-create the trace with this version of specfit)")
+    _check_meta(meta, str(path))
+    names = set(pf.schema_arrow.names)
+    missing = [c for c, _, req, _ in NODE_COLUMNS if req and c not in names]
+    if missing:
+        raise SpecFitError(f"{path}: missing column(s) {missing}; a schema-{SCHEMA_VERSION} trace needs "
+                           f"{[c for c, _, req, _ in NODE_COLUMNS if req]}")
+    table = pf.read()
+    trace = _from_table(table, meta, str(path))
+    if validate:
+        validate_trace(trace, source=str(path))
+    return trace
+
+
+def _check_meta(meta: dict, source: str) -> None:
+    missing = [k for k in REQUIRED_META if k not in meta]
+    if missing:
+        raise SpecFitError(f"{source}: metadata is missing field(s) {missing}")
+    model = meta["model"]
+    if not isinstance(model, dict) or any(k not in model for k in REQUIRED_MODEL):
+        raise SpecFitError(f"{source}: metadata field 'model' must hold {list(REQUIRED_MODEL)}")
+    for k in ("n_layers", "n_experts", "top_k"):
+        if not isinstance(model[k], int) or model[k] <= 0:
+            raise SpecFitError(f"{source}: metadata model.{k} must be a positive integer, got {model[k]!r}")
+    if model["top_k"] > model["n_experts"]:
+        raise SpecFitError(f"{source}: metadata model.top_k ({model['top_k']}) exceeds model.n_experts")
+    if not isinstance(model["expert_bytes"], int) or model["expert_bytes"] < 0:
+        raise SpecFitError(f"{source}: metadata model.expert_bytes must be a non-negative integer")
+
+
+def _int_column(table: pa.Table, name: str, source: str, fill: int | None = None) -> np.ndarray:
+    col = table.column(name)
+    if not (pa.types.is_integer(col.type)):
+        raise SpecFitError(f"{source}: column '{name}' must hold integers, got {col.type}")
+    if col.null_count and fill is None:
+        raise SpecFitError(f"{source}: column '{name}' has {col.null_count} null value(s); expected none")
+    return col.to_numpy(zero_copy_only=False) if not col.null_count else \
+        col.fill_null(fill).to_numpy(zero_copy_only=False)
+
+
+def _expert_array(table: pa.Table, name: str, L: int, k: int, source: str) -> np.ndarray:
+    col = table.column(name).combine_chunks()
+    if not (pa.types.is_fixed_size_list(col.type) and pa.types.is_integer(col.type.value_type)) \
+            or col.type.list_size != L * k:
+        raise SpecFitError(f"{source}: column '{name}' must be a fixed-size list of {L * k} integers "
+                           f"(layers x top_k = {L} x {k}), got {col.type}")
+    values = col.values.to_numpy(zero_copy_only=False)[col.offset * L * k:(col.offset + len(col)) * L * k]
+    experts = values.astype(np.int16).reshape(len(col), L, k)
+    if col.null_count:
+        experts[~col.is_valid().to_numpy(zero_copy_only=False)] = UNKNOWN
+    return experts
+
+
+def _from_table(table: pa.Table, meta: dict, source: str) -> Trace:
+    model = meta["model"]
+    L, k = model["n_layers"], model["top_k"]
+    cycle = _int_column(table, "cycle", source)
+    n = cycle.size
+    if n == 0:
+        raise SpecFitError(f"{source}: the trace has no rows; expected at least one cycle")
+    if np.any(np.diff(cycle) < 0) or cycle[0] != 0 or np.any(np.diff(cycle) > 1):
+        raise SpecFitError(f"{source}: column 'cycle' must number cycles 0, 1, 2, ... with each cycle's rows consecutive")
+    starts = np.flatnonzero(np.r_[True, cycle[1:] != cycle[:-1]])
+    offsets = np.r_[starts, n].astype(np.int64)
+    for name in ("path_prob", "draft_logprob"):
+        if not pa.types.is_floating(table.column(name).type) or table.column(name).null_count:
+            raise SpecFitError(f"{source}: column '{name}' must hold non-null floats, got {table.column(name).type}")
+    measured = {}
+    for name in MEASURED_COLUMNS:
+        if name in table.column_names:
+            measured[name] = table.column(name).to_numpy(zero_copy_only=False).astype(np.float64)[starts]
+    predicted = None
+    if "predicted_experts" in table.column_names:
+        predicted = _expert_array(table, "predicted_experts", L, k, source)
+    verified = None
+    if "verified" in table.column_names:
+        verified = table.column("verified").fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
+    node = _int_column(table, "node", source)
+    if np.any(node != np.arange(n) - np.repeat(starts, np.diff(offsets))):
+        raise SpecFitError(f"{source}: column 'node' must number each cycle's rows 0, 1, 2, ... (root first)")
+    return Trace(
+        meta=meta, offsets=offsets,
+        sequence=_int_column(table, "sequence", source)[starts].astype(np.int32),
+        position=_int_column(table, "position", source)[starts].astype(np.int32),
+        parent=_int_column(table, "parent", source).astype(np.int16),
+        depth=_int_column(table, "depth", source).astype(np.int16),
+        token=_int_column(table, "token", source).astype(np.int32),
+        draft_logprob=table.column("draft_logprob").to_numpy(zero_copy_only=False).astype(np.float32),
+        path_prob=table.column("path_prob").to_numpy(zero_copy_only=False).astype(np.float64),
+        verdict=_int_column(table, "verdict", source, fill=UNKNOWN).astype(np.int32),
+        true_experts=_expert_array(table, "true_experts", L, k, source),
+        predicted_experts=predicted, verified=verified, measured=measured,
+    )
+
+
+# --------------------------------------------------------------------------- validation
+def validate_trace(trace: Trace, source: str = "trace") -> dict:
+    """Check every invariant the simulator relies on; returns a few counts for the report.
+
+    Raises :class:`SpecFitError` naming the first violated field (and cycle where it applies).
+    """
+    _check_meta(trace.meta, source)
+    n, C = trace.n_nodes, trace.n_cycles
+    L, k, E = trace.n_layers, trace.top_k, trace.n_experts
+    off = trace.offsets
+    if C < 1 or off[0] != 0 or off[-1] != n or np.any(np.diff(off) < 1):
+        raise SpecFitError(f"{source}: cycle offsets must split the {n} node rows into non-empty cycles")
+    for name in ("parent", "depth", "token", "draft_logprob", "path_prob", "verdict"):
+        if getattr(trace, name).shape != (n,):
+            raise SpecFitError(f"{source}: '{name}' must have one value per node ({n}), got {getattr(trace, name).shape}")
+    for name in ("sequence", "position"):
+        if getattr(trace, name).shape != (C,):
+            raise SpecFitError(f"{source}: '{name}' must have one value per cycle ({C})")
+    cyc = trace.cycle_of_node
+    local = np.arange(n) - off[cyc]
+    root = local == 0
+
+    def fail(field_name: str, rows: np.ndarray, what: str) -> None:
+        i = int(np.flatnonzero(rows)[0])
+        raise SpecFitError(f"{source}: column '{field_name}' {what} (cycle {int(cyc[i])}, node {int(local[i])})")
+
+    parent = trace.parent.astype(np.int64)
+    if np.any(parent[root] != -1):
+        fail("parent", root & (parent != -1), "must be -1 at each cycle's root")
+    if np.any((parent[~root] < 0) | (parent[~root] >= local[~root])):
+        fail("parent", ~root & ((parent < 0) | (parent >= local)), "must point to an earlier node of the same cycle")
+    gparent = np.where(root, 0, parent + off[cyc])   # global row of each node's parent
+    depth = trace.depth.astype(np.int64)
+    expected_depth = np.zeros(n, dtype=np.int64)
+    # parents precede children, so one pass per level settles every depth
+    for _ in range(int(depth.max(initial=0)) + 1):
+        expected_depth = np.where(root, 0, expected_depth[gparent] + 1)
+    if np.any(depth != expected_depth):
+        fail("depth", depth != expected_depth, "must equal the parent's depth + 1 (root 0)")
+    if not _depth_sorted_per_cycle(depth, off):
+        # policies see a tree level by level: the first levels must be a prefix of the rows
+        raise SpecFitError(f"{source}: column 'depth' must be non-decreasing within each cycle (nodes in drafting order)")
+    prob = trace.path_prob
+    if not np.all(np.isfinite(prob)) or np.any((prob < 0) | (prob > 1)):
+        fail("path_prob", ~np.isfinite(prob) | (prob < 0) | (prob > 1), "must be a probability in [0, 1]")
+    if np.any(prob[root] != 1.0):
+        fail("path_prob", root & (prob != 1.0), "must be 1 at the root")
+    if np.any(prob > prob[gparent] + 1e-9):
+        fail("path_prob", prob > prob[gparent] + 1e-9, "must not exceed the parent's path_prob")
+    if np.any(trace.token < 0):
+        fail("token", trace.token < 0, "must be a non-negative token id")
+    # siblings must carry distinct tokens: greedy acceptance then accepts at most one child
+    key = np.stack([cyc, np.where(root, -1, parent), trace.token.astype(np.int64)], axis=1)[~root]
+    if np.unique(key, axis=0).shape[0] != key.shape[0]:
+        raise SpecFitError(f"{source}: column 'token' repeats a token among siblings; drafted siblings must be distinct tokens")
+    for name, experts in (("true_experts", trace.true_experts), ("predicted_experts", trace.predicted_experts)):
+        if experts is None:
+            continue
+        if experts.shape != (n, L, k):
+            raise SpecFitError(f"{source}: '{name}' must have shape [nodes, layers, top_k] = [{n}, {L}, {k}], got {list(experts.shape)}")
+        known = experts[:, 0, 0] >= 0
+        bad = known & ((experts < 0) | (experts >= E)).any(axis=(1, 2))
+        if bad.any():
+            fail(name, bad, f"must hold expert ids in [0, {E})")
+        srt = np.sort(experts[known], axis=2)
+        dup = np.zeros(n, dtype=bool)
+        dup[known] = (srt[:, :, 1:] == srt[:, :, :-1]).any(axis=(1, 2))
+        if dup.any():
+            fail(name, dup, "repeats an expert within one layer's top-k")
+    counts = {"cycles": C, "nodes": n, "verdicts_known": int(trace.verdict_known.sum()),
+              "true_experts_known": int(trace.true_known.sum())}
+    if trace.position_indexed:
+        _validate_position_indexed(trace, source, root)
+    return counts
+
+
+def _depth_sorted_per_cycle(depth: np.ndarray, off: np.ndarray) -> bool:
+    d = np.diff(depth.astype(np.int64))
+    boundary = np.zeros(d.size, dtype=bool)
+    boundary[off[1:-1] - 1] = True
+    return bool(np.all((d >= 0) | boundary))
+
+
+def _validate_position_indexed(trace: Trace, source: str, root: np.ndarray) -> None:
+    """A full trace: every node verified (verdict and true experts known), one cycle per position
+    of each sequence, and consecutive roots spelling the reference output."""
+    if not trace.verdict_known.all():
+        raise SpecFitError(f"{source}: column 'verdict' has nulls; a position-indexed trace needs every node's verdict")
+    if not trace.true_known.all():
+        raise SpecFitError(f"{source}: column 'true_experts' has nulls; a position-indexed trace needs every node's true experts")
+    seq, pos = trace.sequence.astype(np.int64), trace.position.astype(np.int64)
+    same = seq[1:] == seq[:-1]
+    if np.any(same & (pos[1:] != pos[:-1] + 1)) or np.any(~same & (pos[1:] != 0)) or pos[0] != 0:
+        raise SpecFitError(f"{source}: columns 'sequence'/'position' must list positions 0, 1, 2, ... of each sequence "
+                           "in order (one cycle per position)")
+    if np.unique(seq[np.r_[True, ~same]]).size != int(np.sum(np.r_[True, ~same])):
+        raise SpecFitError(f"{source}: column 'sequence' must keep each sequence's cycles together")
+    roots = trace.offsets[:-1]
+    root_verdict, next_root_token = trace.verdict[roots[:-1]], trace.token[roots[1:]]
+    bad = same & (root_verdict != next_root_token)
+    if bad.any():
+        c = int(np.flatnonzero(bad)[0])
+        raise SpecFitError(f"{source}: column 'verdict' at the root of cycle {c} ({int(root_verdict[c])}) must equal the "
+                           f"root token of the next position ({int(next_root_token[c])}); the roots spell the reference output")
+    # a node may only be accepted where the reference still has a next token
+    last = np.r_[~same, True]
+    remaining = np.zeros(trace.n_cycles, dtype=np.int64)   # positions left after this one in its sequence
+    for c in range(trace.n_cycles - 1, -1, -1):
+        remaining[c] = 0 if last[c] else remaining[c + 1] + 1
+    for c in np.flatnonzero(remaining < int(trace.depth.max(initial=0))):
+        tree = trace.tree(int(c))
+        path = tree.accepted_path(trace.verdict[trace.rows(int(c))])
+        if path.size - 1 > remaining[c]:
+            raise SpecFitError(f"{source}: cycle {int(c)} accepts {path.size - 1} draft tokens but only "
+                               f"{int(remaining[c])} reference tokens follow its position")
