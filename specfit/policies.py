@@ -159,7 +159,9 @@ class SpecFitPolicy(Policy):
     def _search(self, view: CycleView) -> Selection:
         if self._levels != view.draft_levels or self._best is None:
             self._previous = self._best
-            self._best = best_subtree(view.tree, view.experts, view.cached, view.cost, view.draft_levels)
+            # the previous level's answer is still a valid subtree: a warm start for Dinkelbach
+            start = None if self._previous is None else self._previous.nodes
+            self._best = best_subtree(view.tree, view.experts, view.cached, view.cost, view.draft_levels, start=start)
             self._levels = view.draft_levels
         return self._best
 

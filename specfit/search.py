@@ -31,7 +31,7 @@ import numpy as np
 
 from .bitsets import pack_experts, pack_mask, popcount
 from .costmodel import CostModel, check_experts
-from .tree import DraftTree
+from .tree import DraftTree, check_nodes
 
 __all__ = ["Selection", "best_subtree", "greedy_subtree", "evaluate", "should_continue", "max_weight_closure"]
 
@@ -116,14 +116,13 @@ def _validated(tree, experts, cached, cost, draft_levels):
 
 def evaluate(tree: DraftTree, nodes, experts, cached, cost: CostModel, draft_levels: int = 0) -> Selection:
     """The predicted outcome of verifying ``nodes`` (validated, then the cost formula)."""
-    from .tree import check_nodes
-
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
     return _Problem(tree, experts, cached, cost, draft_levels).evaluate(check_nodes(tree, nodes))
 
 
 # --------------------------------------------------------------------------- exact search
-def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels: int = 0) -> Selection:
+def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels: int = 0,
+                 start=None) -> Selection:
     """The ancestor-closed subtree with the highest predicted throughput (exact; ties: smallest).
 
     Args:
@@ -132,10 +131,16 @@ def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels
         cached: bool [L, E]; experts resident before this cycle.
         cost: the cycle-time model.
         draft_levels: draft levels already spent this cycle (charged to every candidate).
+        start: optional ancestor-closed node set to start Dinkelbach from (e.g. the previous
+            level's answer); it changes the number of iterations, never the answer.
     """
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
     prob = _Problem(tree, experts, cached, cost, draft_levels)
     best = prob.evaluate(np.zeros(1, dtype=np.int64))
+    if start is not None:
+        first = prob.evaluate(check_nodes(tree, start, "start"))
+        if _better(first, best):
+            best = first
     if prob.n == 1:
         return best
     inner = _InnerSolver(prob)
@@ -228,16 +233,15 @@ class _InnerSolver:
                 live &= ~single
                 changed = True
             # force: a child of an inside node whose value stays positive when it pays every
-            # live shared item alone is in every maximiser; forcing several at once is safe
-            # since each one only pays items for the others
-            frontier = alive & ~inside
-            frontier[1:] &= inside[parents[1:]]
-            if frontier.any():
-                pess = weight - np.bincount(mv, weights=gcost[mg] * live[mg], minlength=n)
-                forced = frontier & (pess > TIE_REL)
-                if forced.any():
-                    inside |= forced
-                    changed = True
+            # live shared item alone is in every maximiser. Forcing one node only pays items for
+            # the others, so values computed before the pass stay valid through it, level by level.
+            pess = weight - np.bincount(mv, weights=gcost[mg] * live[mg], minlength=n) if G else weight
+            candidate = alive & ~inside & (pess > TIE_REL)
+            if candidate.any():
+                before = np.count_nonzero(inside)
+                for level in self.levels[1:]:
+                    inside[level] |= candidate[level] & inside[parents[level]]
+                changed |= np.count_nonzero(inside) != before
             if not changed:
                 break
 
