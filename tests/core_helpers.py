@@ -1,0 +1,446 @@
+"""Shared strategies and brute-force references for the core tests (tree, cost model, search, cache).
+
+Everything here is written from the issue text and DESIGN.md, never by calling the code under test
+to compute an expectation: the cost formula, the enumeration of ancestor-closed subsets, the
+maximum-weight-closure brute force and the expert-cache reference are all plain Python.
+
+Example counts scale with the environment variable ``SPECFIT_TEST_SCALE`` (default 1; CI may run
+e.g. ``SPECFIT_TEST_SCALE=10`` for a thorough pass). At scale 1 the search properties alone check a
+few thousand random trees.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from specfit import CostModel, DraftTree
+
+TIE_REL = 1e-12  # the issue's tolerance: ratios within this relative distance are ties
+
+_SCALE = float(os.environ.get("SPECFIT_TEST_SCALE", "1"))
+
+settings.register_profile(
+    "specfit-core",
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    print_blob=True,
+)
+
+
+def core_settings(max_examples: int) -> settings:
+    """Hypothesis settings for a core property: no deadline, ``max_examples`` times the scale."""
+    return settings(settings.get_profile("specfit-core"), max_examples=max(1, int(max_examples * _SCALE)))
+
+
+# --------------------------------------------------------------------------- reference cost formula
+@dataclass(frozen=True)
+class Costs:
+    base_s: float
+    per_node_s: float
+    hit_s: float
+    miss_s: float
+    draft_level_s: float
+
+    def model(self) -> CostModel:
+        return CostModel(base_s=self.base_s, per_node_s=self.per_node_s, hit_s=self.hit_s,
+                         miss_s=self.miss_s, draft_level_s=self.draft_level_s)
+
+
+@dataclass
+class Case:
+    """One search input, as plain arrays plus the objects the API takes."""
+
+    parents: np.ndarray      # int64 [n]
+    probs: np.ndarray        # float64 [n]
+    experts: np.ndarray      # int64 [n, L, k]
+    cached: np.ndarray       # bool [L, E]
+    costs: Costs
+    draft_levels: int
+
+    @property
+    def tree(self) -> DraftTree:
+        return DraftTree(parents=self.parents.copy(), path_probs=self.probs.copy())
+
+    @property
+    def cost(self) -> CostModel:
+        return self.costs.model()
+
+    @property
+    def n(self) -> int:
+        return int(self.parents.size)
+
+    def ref(self) -> "RefProblem":
+        return RefProblem(self.parents, self.probs, self.experts, self.cached, self.costs, self.draft_levels)
+
+
+class RefProblem:
+    """The issue's formula in plain Python (item sets as int bitmasks)."""
+
+    def __init__(self, parents, probs, experts, cached, costs: Costs, draft_levels: int):
+        self.parents = [int(p) for p in parents]
+        self.probs = [float(p) for p in probs]
+        experts = np.asarray(experts)
+        cached = np.asarray(cached)
+        n_layers, n_experts = cached.shape
+        self.n_experts = n_experts
+        self.node_items = []
+        for v in range(len(self.parents)):
+            mask = 0
+            for layer in range(n_layers):
+                for e in experts[v, layer]:
+                    mask |= 1 << (layer * n_experts + int(e))
+            self.node_items.append(mask)
+        self.cached_mask = 0
+        for layer in range(n_layers):
+            for e in range(n_experts):
+                if cached[layer, e]:
+                    self.cached_mask |= 1 << (layer * n_experts + e)
+        self.costs = costs
+        self.draft_levels = int(draft_levels)
+
+    def time_from_counts(self, n_nodes: int, hits: int, misses: int) -> float:
+        c = self.costs
+        return (c.draft_level_s * self.draft_levels + c.base_s + c.per_node_s * n_nodes
+                + c.hit_s * hits + c.miss_s * misses)
+
+    def union(self, nodes) -> int:
+        mask = 0
+        for v in nodes:
+            mask |= self.node_items[v]
+        return mask
+
+    def evaluate(self, nodes):
+        """(expected_tokens, time_s, hits, misses) of ``nodes`` by the issue's formula."""
+        nodes = sorted(set(int(v) for v in nodes) | {0})
+        union = self.union(nodes)
+        hits = (union & self.cached_mask).bit_count()
+        misses = union.bit_count() - hits
+        expected = 1.0 + math.fsum(self.probs[v] for v in nodes if v != 0)
+        return expected, self.time_from_counts(len(nodes), hits, misses), hits, misses
+
+    def ratio(self, nodes) -> float:
+        a, t, _, _ = self.evaluate(nodes)
+        return a / t
+
+    def all_closed(self):
+        """Every ancestor-closed set containing the root: list of (nodes, A, T, hits, misses)."""
+        n = len(self.parents)
+        parents, probs, items = self.parents, self.probs, self.node_items
+        out = []
+        chosen = [False] * n
+        chosen[0] = True
+        nodes = [0]
+
+        def rec(v: int, union: int, psum: float) -> None:
+            if v == n:
+                hits = (union & self.cached_mask).bit_count()
+                misses = union.bit_count() - hits
+                out.append((tuple(nodes), 1.0 + psum, self.time_from_counts(len(nodes), hits, misses), hits, misses))
+                return
+            rec(v + 1, union, psum)
+            if chosen[parents[v]]:
+                chosen[v] = True
+                nodes.append(v)
+                rec(v + 1, union | items[v], psum + probs[v])
+                nodes.pop()
+                chosen[v] = False
+
+        rec(1, items[0], 0.0)
+        return out
+
+    def brute_force(self):
+        """(max ratio, smallest size among sets within TIE_REL of it, {tie sets}, all sets)."""
+        sets = self.all_closed()
+        ratios = [a / t for _, a, t, _, _ in sets]
+        best = max(ratios)
+        ties = {s[0] for s, r in zip(sets, ratios) if r >= best - TIE_REL * best}
+        return best, min(len(s) for s in ties), ties, sets
+
+
+def is_closed(parents, nodes) -> bool:
+    """Ancestor-closed and containing the root, by walking parents."""
+    sel = set(int(v) for v in nodes)
+    if 0 not in sel:
+        return False
+    return all(v == 0 or int(parents[v]) in sel for v in sel)
+
+
+def ancestors_or_self(parents, v: int) -> list[int]:
+    path = [int(v)]
+    while path[-1] != 0:
+        path.append(int(parents[path[-1]]))
+    return path
+
+
+def depths(parents) -> list[int]:
+    return [len(ancestors_or_self(parents, v)) - 1 for v in range(len(parents))]
+
+
+# --------------------------------------------------------------------------- strategies
+TREE_SHAPES = ("random", "chain", "star", "bushy", "deep", "level_order")
+
+
+@st.composite
+def parents_st(draw, min_nodes: int = 1, max_nodes: int = 11, shape: str | None = None):
+    n = draw(st.integers(min_nodes, max_nodes))
+    shape = shape or draw(st.sampled_from(TREE_SHAPES))
+    parents = [-1]
+    for v in range(1, n):
+        if shape == "chain":
+            p = v - 1
+        elif shape == "star":
+            p = 0
+        elif shape == "deep":
+            p = draw(st.integers(max(0, v - 2), v - 1))
+        elif shape == "bushy":
+            p = draw(st.integers(0, min(v - 1, 2)))
+        else:
+            p = draw(st.integers(0, v - 1))
+        parents.append(p)
+    if shape == "level_order":  # sorted parents: depth non-decreasing with the node id
+        parents = [-1] + sorted(parents[1:])
+    return np.array(parents, dtype=np.int64)
+
+
+DYADIC_Q = (1.0, 0.75, 0.5, 0.25, 0.125, 0.0)
+PROB_KINDS = ("dyadic", "random", "mixed", "ones", "zeros", "near_tie")
+
+
+@st.composite
+def probs_st(draw, parents, kind: str | None = None):
+    kind = kind or draw(st.sampled_from(PROB_KINDS))
+    n = parents.size
+    probs = np.ones(n)
+    for v in range(1, n):
+        if kind == "ones":
+            q = 1.0
+        elif kind == "dyadic":
+            q = draw(st.sampled_from(DYADIC_Q))
+        elif kind == "zeros":
+            q = draw(st.sampled_from((0.0, 1.0, 0.5)))
+        elif kind == "random":
+            # per-edge acceptance >= 0.2 keeps every path probability far above the 1e-12 tie scale
+            # (gains of that size are pinned by a dedicated test, not left to chance)
+            q = draw(st.one_of(st.just(0.0), st.floats(0.2, 1.0)))
+        elif kind == "near_tie":
+            q = draw(st.sampled_from(DYADIC_Q[:-1]))
+            q *= 1.0 - draw(st.sampled_from((0.0, 0.0, 1e-6, 1e-9, 1e-10)))
+        else:
+            q = draw(st.one_of(st.sampled_from(DYADIC_Q), st.floats(0.2, 1.0)))
+        probs[v] = probs[parents[v]] * q
+    return probs
+
+
+EXPERT_KINDS = ("random", "topk", "identical", "pool", "siblings", "parent", "root_cached")
+
+
+@st.composite
+def experts_st(draw, n: int, parents, n_layers: int, n_experts: int, top_k: int, kind: str | None = None):
+    kind = kind or draw(st.sampled_from(EXPERT_KINDS))
+    ids = st.integers(0, n_experts - 1)
+
+    def row(pool=None):
+        if pool is not None:
+            return [draw(st.sampled_from(pool)) for _ in range(top_k)]
+        if kind == "topk" and top_k <= n_experts:
+            return draw(st.permutations(range(n_experts)))[:top_k]
+        return [draw(ids) for _ in range(top_k)]
+
+    experts = np.zeros((n, n_layers, top_k), dtype=np.int64)
+    if kind == "identical":
+        block = [row() for _ in range(n_layers)]
+        experts[:] = np.array(block, dtype=np.int64)[None]
+        return experts
+    pool = None
+    if kind == "pool":  # a few experts shared by everyone: heavy overlap between siblings and cousins
+        pool = draw(st.lists(ids, min_size=1, max_size=max(1, top_k + 1), unique=True))
+    for v in range(n):
+        if v and kind in ("siblings", "parent", "root_cached") and draw(st.booleans()):
+            if kind == "siblings":
+                src = draw(st.integers(0, v - 1))
+            elif kind == "parent":
+                src = int(parents[v])
+            else:
+                src = 0
+            experts[v] = experts[src]
+            if draw(st.booleans()):  # mutate one slot
+                layer = draw(st.integers(0, n_layers - 1))
+                slot = draw(st.integers(0, top_k - 1))
+                experts[v, layer, slot] = draw(ids)
+            continue
+        for layer in range(n_layers):
+            experts[v, layer] = row(pool)
+    return experts
+
+
+DYADIC_COSTS = {
+    "base_s": (0.0, 0.25, 0.5, 1.0, 2.0),
+    "per_node_s": (0.0, 0.0625, 0.125, 0.25),
+    "hit_s": (0.0, 0.03125, 0.0625),
+    "miss_s": (0.0, 0.125, 0.25, 0.5, 1.0),
+    "draft_level_s": (0.0, 0.125, 0.5),
+}
+REAL_COSTS = {  # seconds, roughly a PCIe offload setting and a fast link
+    "base_s": (1e-4, 1e-2),
+    "per_node_s": (0.0, 2e-4),
+    "hit_s": (0.0, 5e-5),
+    "miss_s": (0.0, 1e-3),
+    "draft_level_s": (0.0, 2e-3),
+}
+COST_KINDS = ("dyadic", "real", "sparse")
+
+
+@st.composite
+def costs_st(draw, kind: str | None = None, zero: tuple[str, ...] = ()):
+    """Cost parameters; ``sparse`` sets random terms to exactly zero; ``zero`` forces some to zero."""
+    kind = kind or draw(st.sampled_from(COST_KINDS))
+    values = {}
+    for name in DYADIC_COSTS:
+        if kind == "dyadic":
+            value = draw(st.sampled_from(DYADIC_COSTS[name]))
+        else:
+            lo, hi = REAL_COSTS[name]
+            # no subnormal or vanishing times: a ratio of 1 / 1e-310 overflows the comparisons
+            value = draw(st.one_of(st.just(lo), st.floats(max(lo, hi * 1e-4), hi)))
+            if kind == "sparse" and draw(st.booleans()):
+                value = 0.0
+        values[name] = 0.0 if name in zero else value
+    return Costs(**values)
+
+
+@st.composite
+def search_case_st(draw, max_nodes: int = 11, prob_kind=None, expert_kind=None, cost_kind=None,
+                   zero: tuple[str, ...] = (), tree_shape=None, max_layers: int = 3, max_experts: int = 8,
+                   max_draft_levels: int = 3):
+    parents = draw(parents_st(max_nodes=max_nodes, shape=tree_shape))
+    probs = draw(probs_st(parents, kind=prob_kind))
+    n_layers = draw(st.integers(1, max_layers))
+    n_experts = draw(st.integers(1, max_experts))
+    top_k = draw(st.integers(1, min(4, n_experts + 1)))
+    experts = draw(experts_st(parents.size, parents, n_layers, n_experts, top_k, kind=expert_kind))
+    cached_kind = draw(st.sampled_from(("random", "none", "all", "root")))
+    if cached_kind == "random":
+        cached = np.array(draw(st.lists(st.booleans(), min_size=n_layers * n_experts,
+                                        max_size=n_layers * n_experts))).reshape(n_layers, n_experts)
+    elif cached_kind == "root":  # the root's experts resident, as after its own forward pass
+        cached = np.zeros((n_layers, n_experts), dtype=bool)
+        cached[np.arange(n_layers)[:, None], experts[0]] = True
+    else:
+        cached = np.full((n_layers, n_experts), cached_kind == "all")
+    costs = draw(costs_st(kind=cost_kind, zero=zero))
+    draft_levels = draw(st.integers(0, max_draft_levels))
+    case = Case(parents, probs, experts, cached.astype(bool), costs, draft_levels)
+    return case
+
+
+def root_time_positive(case: Case) -> bool:
+    return case.ref().evaluate([0])[1] > 0
+
+
+# --------------------------------------------------------------------------- maximum-weight closure
+def brute_force_closure(weights, requires) -> np.ndarray:
+    """The minimal maximum-weight closed set, by enumerating all 2^m subsets (exact for ints)."""
+    m = len(weights)
+    best_w, best = None, []
+    for mask in range(1 << m):
+        if any((mask >> u) & 1 and not (mask >> v) & 1 for u, v in requires):
+            continue
+        w = sum(weights[i] for i in range(m) if (mask >> i) & 1)
+        if best_w is None or w > best_w:
+            best_w, best = w, [mask]
+        elif w == best_w:
+            best.append(mask)
+    inter = best[0]
+    for mask in best[1:]:
+        inter &= mask
+    # the maximisers are closed under intersection, so the intersection is itself a maximiser
+    assert inter in best
+    return np.array([(inter >> i) & 1 for i in range(m)], dtype=bool)
+
+
+# --------------------------------------------------------------------------- expert cache reference
+class RefLRUCache:
+    """The rules at the top of ``specfit/experts/cache.py``, written with OrderedDicts (LRU only).
+
+    Per layer (or one dict for ``global`` mode), front = least recently touched. At a layer: hits
+    are touched first in ascending id, then each miss in ascending id takes a free slot, else the
+    slot of the least recent resident expert outside this layer's union, else it is streamed.
+    """
+
+    def __init__(self, n_layers: int, n_experts: int, capacity: int, mode: str = "per_layer"):
+        self.n_layers, self.n_experts, self.mode = n_layers, n_experts, mode
+        limit = n_experts if mode == "per_layer" else n_layers * n_experts
+        self.capacity = min(capacity, limit)
+        n_dicts = n_layers if mode == "per_layer" else 1
+        self.dicts = [OrderedDict() for _ in range(n_dicts)]
+
+    def _dict(self, layer: int) -> OrderedDict:
+        return self.dicts[layer] if self.mode == "per_layer" else self.dicts[0]
+
+    def resident(self) -> np.ndarray:
+        out = np.zeros((self.n_layers, self.n_experts), dtype=bool)
+        for layer in range(self.n_layers):
+            for key in self._dict(layer):
+                if self.mode == "per_layer":
+                    out[layer, key] = True
+                elif key[0] == layer:
+                    out[key[0], key[1]] = True
+        return out
+
+    def admit(self, union: np.ndarray) -> dict:
+        L, E = self.n_layers, self.n_experts
+        out = {k: np.zeros(L, dtype=np.int64) for k in ("hits", "misses", "evictions", "streamed")}
+        masks = {k: np.zeros((L, E), dtype=bool) for k in ("hit", "admitted", "evicted", "streamed")}
+        for layer in range(L):
+            od = self._dict(layer)
+            key = (lambda e: e) if self.mode == "per_layer" else (lambda e, layer=layer: (layer, e))
+            want = [int(e) for e in np.flatnonzero(union[layer])]
+            want_keys = {key(e) for e in want}
+            hits = [e for e in want if key(e) in od]
+            misses = [e for e in want if key(e) not in od]
+            for e in hits:
+                od.move_to_end(key(e))
+                masks["hit"][layer, e] = True
+            evictable = [k for k in od if k not in want_keys]
+            for e in misses:
+                if len(od) < self.capacity:
+                    pass
+                elif evictable:
+                    victim = evictable.pop(0)
+                    del od[victim]
+                    owner, ve = (layer, victim) if self.mode == "per_layer" else victim
+                    out["evictions"][owner] += 1
+                    masks["evicted"][owner, ve] = True
+                else:
+                    out["streamed"][layer] += 1
+                    masks["streamed"][layer, e] = True
+                    continue
+                od[key(e)] = True
+                masks["admitted"][layer, e] = True
+            out["hits"][layer] = len(hits)
+            out["misses"][layer] = len(misses)
+        out.update({f"{k}_mask": v for k, v in masks.items()})
+        return out
+
+
+def find_shared_data(name: str) -> Path | None:
+    """``../shared/data/<name>`` relative to the repository root, if present."""
+    here = Path(__file__).resolve()
+    candidates = [
+        here.parents[2] / "shared" / "data" / name,     # <workspace>/shared next to the checkout
+        here.parents[1] / "shared" / "data" / name,     # shared/ inside the checkout
+        here.parents[1] / ".." / "shared" / "data" / name,
+        Path.cwd() / ".." / "shared" / "data" / name,
+    ]
+    for path in candidates:
+        if path.is_file():
+            return path
+    return None
