@@ -1,0 +1,143 @@
+"""Policies on hand-built trees whose answers are worked out by hand."""
+
+import numpy as np
+import pytest
+
+from specfit import CostModel, DraftTree
+from specfit.policies import ChainPolicy, CycleView, RerankPolicy, SpecFitPolicy, choose, make_policy
+
+L, E = 2, 12
+
+# Level-by-level tree (nodes in depth order):
+#   0 ─┬─ 1 (p .8) ─┬─ 3 (p .6) ── 5 (p .3)
+#      │            └─ 4 (p .1)
+#      └─ 2 (p .15)
+PARENTS = np.array([-1, 0, 0, 1, 1, 3])
+PROBS = np.array([1.0, 0.8, 0.15, 0.6, 0.1, 0.3])
+TOKENS = np.array([10, 11, 12, 13, 14, 15])
+
+
+def view(experts, cost, cached=None, verdicts=None, true_experts=None):
+    tree = DraftTree(PARENTS, PROBS, tokens=TOKENS)
+    cached = np.zeros((L, E), dtype=bool) if cached is None else cached
+    return CycleView(tree, experts, cached, cost, int(tree.max_depth), verdicts, true_experts)
+
+
+def same_experts():
+    """Every node routes to the root's experts: only node count and draft levels cost."""
+    return np.tile(np.array([[0, 1], [2, 3]]), (len(PARENTS), 1, 1))
+
+
+FREE_DRAFT = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.0, miss_s=0.5, draft_level_s=0.0)
+
+
+def test_ar_verifies_the_root_alone_without_drafting():
+    sel = choose(make_policy("ar"), view(same_experts(), FREE_DRAFT))
+    assert sel.nodes.tolist() == [0]
+    assert sel.draft_levels == 0
+    # base 1 + 1 node * 0.1 + 4 root experts, all misses * 0.5
+    assert sel.time_s == pytest.approx(1.0 + 0.1 + 4 * 0.5)
+
+
+def test_chain_follows_the_most_probable_child():
+    sel = choose(make_policy("chain:2"), view(same_experts(), FREE_DRAFT))
+    assert sel.nodes.tolist() == [0, 1, 3]
+    assert sel.draft_levels == 2
+    assert sel.expected_tokens == pytest.approx(1 + 0.8 + 0.6)
+
+
+def test_chain_longer_than_the_tree_stops_at_its_depth():
+    sel = choose(ChainPolicy(9), view(same_experts(), FREE_DRAFT))
+    assert sel.nodes.tolist() == [0, 1, 3, 5]
+    assert sel.draft_levels == 3
+
+
+def test_eagle_rerank_keeps_the_top_n_by_path_probability():
+    sel = choose(RerankPolicy(total_nodes=4, depth=3, name="eagle3:4:3"), view(same_experts(), FREE_DRAFT))
+    # root (1.0), 1 (.8), 3 (.6), 5 (.3); node 2 (.15) and 4 (.1) are dropped
+    assert sel.nodes.tolist() == [0, 1, 3, 5]
+    assert sel.draft_levels == 3
+
+
+def test_eagle_rerank_with_shallow_depth_only_sees_drafted_levels():
+    sel = choose(make_policy("eagle3:4:1"), view(same_experts(), FREE_DRAFT))
+    assert sel.nodes.tolist() == [0, 1, 2]
+    assert sel.draft_levels == 1
+
+
+def test_static_n_is_the_rerank_with_n_nodes():
+    sel = choose(make_policy("static:3"), view(same_experts(), FREE_DRAFT))
+    assert sel.nodes.tolist() == [0, 1, 3]
+    assert sel.draft_levels == 2
+
+
+def test_specfit_takes_every_node_that_pays_when_drafting_is_free():
+    # Shared experts, free drafting: a node adds p tokens for 0.1 s, which pays while
+    # p > 0.1 s * ratio (ratio < 1 here, so every node with p >= 0.1 pays).
+    # {0}: 1/3.1; level 1 {0,1,2}: 1.95/3.3; level 2 adds 3, 4: 2.65/3.5; level 3 adds 5: 2.95/3.6.
+    sel = choose(SpecFitPolicy(max_levels=8), view(same_experts(), FREE_DRAFT))
+    assert sel.nodes.tolist() == [0, 1, 2, 3, 4, 5]
+    assert sel.draft_levels == 3
+    assert sel.throughput == pytest.approx(2.95 / 3.6)
+
+
+def costly_leaf_experts():
+    """Nodes 1-4 share two new experts per layer; node 5 needs two more of its own per layer."""
+    experts = same_experts()
+    experts[1:5] = [[4, 5], [6, 7]]
+    experts[5] = [[8, 9], [10, 11]]
+    return experts
+
+
+def test_specfit_stops_after_the_first_level_that_does_not_pay():
+    cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.0, miss_s=1.0, draft_level_s=0.5)
+    # no drafting: {0} = 1/5.1 = .1961
+    # 1 level:  {0,1,2} = 1.95/(0.5+1+0.3+8) = .1990          -> better, draft on
+    # 2 levels: {0,1,2,3,4} = 2.65/(1+1+0.5+8) = .2524        -> better, draft on
+    # 3 levels: {0,1,2,3,4} = 2.65/11.0 = .2409; with 5: 2.95/(1.5+1+0.6+12) = .1954 -> worse, stop
+    sel = choose(SpecFitPolicy(max_levels=8), view(costly_leaf_experts(), cost))
+    assert sel.draft_levels == 3
+    assert sel.nodes.tolist() == [0, 1, 2, 3, 4]
+    assert sel.time_s == pytest.approx(1.5 + 1.0 + 0.5 + 8.0)
+
+
+def test_specfit_stops_at_level_one_when_drafting_is_dear():
+    cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.0, miss_s=1.0, draft_level_s=2.0)
+    # no drafting: 1/5.1 = .1961; 1 level: {0,1,2} = 1.95/(2+1+0.3+8) = .1726 -> worse, stop;
+    # the level is spent, so the search picks the best subtree with it: {0,1,2} over {0} = 1/7.1
+    sel = choose(SpecFitPolicy(max_levels=8), view(costly_leaf_experts(), cost))
+    assert sel.draft_levels == 1
+    assert sel.nodes.tolist() == [0, 1, 2]
+    assert sel.throughput == pytest.approx(1.95 / 11.3)
+
+
+def test_oracle_verifies_the_best_prefix_of_the_accepted_path():
+    # target's greedy next tokens: at 0 -> 11 (node 1 accepted), at 1 -> 13 (node 3), at 3 -> 99
+    verdicts = np.array([11, 13, 0, 99, 0, 0])
+    experts = same_experts()
+    cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.0, miss_s=0.5, draft_level_s=0.2)
+    sel = choose(make_policy("oracle"), view(experts, cost, verdicts=verdicts, true_experts=experts))
+    # prefixes: j=0: 1/3.1; j=1: 2/(0.2+3.2)=.588; j=2: 3/(0.4+3.3)=.811
+    assert sel.nodes.tolist() == [0, 1, 3]
+    assert sel.expected_tokens == 3.0
+    assert sel.draft_levels == 2
+    assert sel.time_s == pytest.approx(0.4 + 1.0 + 0.3 + 2.0)
+
+
+def test_oracle_without_truth_is_an_error():
+    with pytest.raises(ValueError, match="oracle"):
+        choose(make_policy("oracle"), view(same_experts(), FREE_DRAFT))
+
+
+@pytest.mark.parametrize("spec", ["", "foo", "chain", "chain:x", "static", "eagle3:1:2:3", "ar:3"])
+def test_bad_policy_spec_is_one_clear_error(spec):
+    with pytest.raises(ValueError, match="policy"):
+        make_policy(spec)
+
+
+def test_policies_are_reusable_across_cycles():
+    policy = make_policy("specfit")
+    first = choose(policy, view(same_experts(), FREE_DRAFT))
+    second = choose(policy, view(same_experts(), FREE_DRAFT))
+    assert first.nodes.tolist() == second.nodes.tolist()
+    assert first.draft_levels == second.draft_levels
