@@ -1,0 +1,171 @@
+"""Hardware profiles: a fitted cost model for one machine and one model shape (JSON).
+
+A profile records where its numbers come from (``kind``: ``measured`` by ``specfit calibrate``,
+``refit`` from decoded cycles, or a ``preset`` derived from published hardware numbers), the
+machine, the model shape it was measured for, the cost-model parameters, the fit's held-out error
+and a summary of the probe data. A profile for another model shape is refused unless the caller
+asks to rescale it (transfer costs scale with the bytes of one expert).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import socket
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ..costmodel import CostModel
+from ..errors import SpecFitError
+from ..io import write_json_atomic
+
+__all__ = ["ModelShape", "Profile", "PROFILE_VERSION", "machine_info", "load_profile"]
+
+PROFILE_VERSION = 1
+KINDS = ("measured", "refit", "preset")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The MoE shape a profile's costs belong to."""
+
+    name: str
+    n_layers: int
+    n_experts: int
+    top_k: int
+    expert_bytes: int
+    hidden_size: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str) -> "ModelShape":
+        if not isinstance(d, dict):
+            raise SpecFitError(f"{source}: field 'shape' must be an object with {[f.name for f in fields(cls)]}")
+        missing = [f.name for f in fields(cls) if f.name not in d and f.name != "hidden_size"]
+        if missing:
+            raise SpecFitError(f"{source}: field 'shape' lacks {missing}")
+        try:
+            return cls(name=str(d["name"]), n_layers=int(d["n_layers"]), n_experts=int(d["n_experts"]),
+                       top_k=int(d["top_k"]), expert_bytes=int(d["expert_bytes"]),
+                       hidden_size=int(d.get("hidden_size", 0)))
+        except (TypeError, ValueError):
+            raise SpecFitError(f"{source}: field 'shape' must hold integers for the layer/expert counts and bytes") from None
+
+    def same_shape(self, other: "ModelShape") -> bool:
+        keys = ("n_layers", "n_experts", "top_k", "expert_bytes")
+        return all(getattr(self, k) == getattr(other, k) for k in keys)
+
+
+def machine_info() -> dict:
+    """What the measurements ran on: device, host, library versions."""
+    import torch
+
+    info = {
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "device": "cpu",
+        "device_name": platform.processor() or platform.machine(),
+    }
+    if torch.cuda.is_available():
+        info["device"] = "cuda"
+        info["device_name"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+@dataclass
+class Profile:
+    cost: CostModel
+    shape: ModelShape
+    kind: str = "measured"
+    source: str = ""
+    machine: dict = field(default_factory=dict)
+    fit: dict = field(default_factory=dict)       # held-out error and what was fitted
+    probes: dict = field(default_factory=dict)    # summary of the probe data
+    created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise SpecFitError(f"profile: field 'kind' must be one of {KINDS}, got {self.kind!r}")
+
+    @property
+    def label(self) -> str:
+        return f"{self.source or self.shape.name} ({self.kind})"
+
+    # ------------------------------------------------------------------ shapes
+    def for_shape(self, shape: ModelShape, rescale: bool = False, source: str = "profile") -> "Profile":
+        """This profile for a model of ``shape``: itself when the shapes match; with ``rescale``,
+        transfer costs scaled by the ratio of expert bytes (the compute terms are kept);
+        otherwise an error naming both shapes."""
+        if self.shape.same_shape(shape):
+            return self
+        if not rescale:
+            raise SpecFitError(
+                f"{source}: made for {self.shape.name} ({self.shape.n_layers} layers, {self.shape.n_experts} "
+                f"experts, top-{self.shape.top_k}, {self.shape.expert_bytes} B/expert), not for {shape.name} "
+                f"({shape.n_layers} layers, {shape.n_experts} experts, top-{shape.top_k}, {shape.expert_bytes} "
+                f"B/expert); pass --rescale to map its transfer costs by expert bytes"
+            )
+        ratio = shape.expert_bytes / self.shape.expert_bytes if self.shape.expert_bytes else 1.0
+        transfer_s = max(self.cost.miss_s - self.cost.hit_s, 0.0)
+        cost = self.cost.replace(miss_s=self.cost.hit_s + transfer_s * ratio, expert_bytes=shape.expert_bytes)
+        return Profile(cost=cost, shape=shape, kind=self.kind, source=f"{self.label} rescaled to {shape.name}",
+                       machine=self.machine, fit={**self.fit, "rescaled_from": self.shape.to_dict()},
+                       probes=self.probes, created=self.created)
+
+    # ------------------------------------------------------------------ JSON
+    def to_dict(self) -> dict:
+        return {
+            "profile_version": PROFILE_VERSION,
+            "kind": self.kind,
+            "source": self.source,
+            "created": self.created,
+            "machine": self.machine,
+            "shape": self.shape.to_dict(),
+            "cost": self.cost.to_dict(),
+            "fit": self.fit,
+            "probes": self.probes,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict, source: str = "profile") -> "Profile":
+        if not isinstance(d, dict):
+            raise SpecFitError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        version = d.get("profile_version")
+        if version != PROFILE_VERSION:
+            raise SpecFitError(f"{source}: field 'profile_version' is {version!r}, this SpecFit reads version {PROFILE_VERSION}")
+        for key in ("shape", "cost"):
+            if key not in d:
+                raise SpecFitError(f"{source}: missing field '{key}'")
+        try:
+            cost = CostModel.from_dict(d["cost"], source=f"{source}: field 'cost'")
+        except ValueError as exc:
+            raise SpecFitError(str(exc)) from None
+        return cls(cost=cost, shape=ModelShape.from_dict(d["shape"], source), kind=d.get("kind", "measured"),
+                   source=str(d.get("source", "")), machine=dict(d.get("machine", {})), fit=dict(d.get("fit", {})),
+                   probes=dict(d.get("probes", {})), created=str(d.get("created", "")))
+
+    def save(self, path: str | Path) -> Path:
+        return write_json_atomic(path, self.to_dict())
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile JSON; a missing file, corrupt JSON or wrong fields are one clear error."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecFitError(f"{path}: no such profile file") from None
+    except OSError as exc:
+        raise SpecFitError(f"{path}: cannot read the profile ({exc.strerror})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecFitError(f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})") from None
+    return Profile.from_dict(data, source=str(path))

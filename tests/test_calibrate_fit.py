@@ -1,0 +1,137 @@
+"""Fitting the cycle-time predictor, profiles and presets."""
+
+import json
+
+import numpy as np
+import pytest
+
+from specfit import CostModel
+from specfit.calibrate.fit import CycleTimeFitter, prediction_errors
+from specfit.calibrate.presets import PRESETS, QWEN3_30B_A3B, preset_profile, resolve_profile
+from specfit.calibrate.profile import ModelShape, Profile, load_profile
+from specfit.errors import SpecFitError
+
+TRUE = CostModel(base_s=3e-3, per_node_s=4e-5, hit_s=1.5e-5, miss_s=4e-4, draft_level_s=8e-4)
+
+
+def synthetic_cycles(rng, n, noise):
+    levels = rng.integers(0, 8, n)
+    nodes = 1 + rng.integers(0, 40, n)
+    hits = rng.integers(0, 300, n)
+    misses = rng.integers(0, 200, n)
+    X = CostModel.features(levels, nodes, hits, misses)
+    y = X @ TRUE.params * (1 + noise * rng.standard_normal(n))
+    return X, y
+
+
+def test_fit_recovers_known_parameters_from_noisy_cycles():
+    rng = np.random.default_rng(0)
+    X, y = synthetic_cycles(rng, 400, noise=0.03)
+    fitter = CycleTimeFitter(seed=1).fit(X, y)
+    fitted = fitter.cost_model()
+    for name in ("base_s", "per_node_s", "hit_s", "miss_s", "draft_level_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(TRUE, name), rel=0.15), name
+    # 3% multiplicative noise: the held-out MAPE is about 0.8 * 3%, and it is reported honestly
+    assert 0.01 < fitter.quality_["holdout"]["mape"] < 0.04
+    assert fitter.quality_["n_holdout"] == 100
+
+
+def test_held_out_error_reflects_a_model_that_cannot_fit():
+    rng = np.random.default_rng(2)
+    X, _ = synthetic_cycles(rng, 200, noise=0.0)
+    y = 1e-3 + 1e-6 * X[:, 4] ** 2          # quadratic in misses: the linear model is wrong
+    quality = CycleTimeFitter().fit(X, y).quality_
+    assert quality["holdout"]["mape"] > 0.2
+
+
+def test_fixed_parameters_are_kept_and_the_rest_fitted():
+    rng = np.random.default_rng(3)
+    X, y = synthetic_cycles(rng, 300, noise=0.0)
+    fitter = CycleTimeFitter(fixed={"miss_s": 4e-4}).fit(X, y)
+    assert fitter.cost_model().miss_s == 4e-4
+    assert fitter.cost_model().base_s == pytest.approx(3e-3, rel=1e-6)
+
+
+def test_parameters_without_variation_are_reported_unidentified():
+    rng = np.random.default_rng(4)
+    X, y = synthetic_cycles(rng, 50, noise=0.0)
+    X[:, 0] = 0  # no draft levels in the data
+    y = X @ TRUE.params
+    assert CycleTimeFitter().fit(X, y).quality_["unidentified"] == ["draft_level_s"]
+
+
+@pytest.mark.parametrize(
+    "features, times, match",
+    [
+        (np.zeros((0, 5)), np.zeros(0), "at least 2"),
+        (np.ones((3, 4)), np.ones(3), r"features \[cycles, 5\]"),
+        (np.ones((3, 5)), np.array([1.0, np.nan, 1.0]), "finite"),
+        (np.ones((3, 5)), np.array([1.0, 0.0, 1.0]), "positive"),
+    ],
+)
+def test_bad_probe_data_is_one_clear_error(features, times, match):
+    with pytest.raises(SpecFitError, match=match):
+        CycleTimeFitter().fit(features, times)
+
+
+def test_prediction_errors():
+    err = prediction_errors([1.1, 0.9, 2.0], [1.0, 1.0, 2.0])
+    assert err["mape"] == pytest.approx(0.2 / 3)
+    assert err["max_ape"] == pytest.approx(0.1)
+    assert err["max_abs_err_s"] == pytest.approx(0.1)
+
+
+def test_profile_round_trip(tmp_path):
+    shape = ModelShape("tiny", n_layers=4, n_experts=16, top_k=4, expert_bytes=1000)
+    prof = Profile(cost=TRUE.replace(expert_bytes=1000), shape=shape, kind="measured", source="unit test",
+                   machine={"device": "cpu"}, fit={"holdout": {"mape": 0.05}})
+    path = prof.save(tmp_path / "p.json")
+    back = load_profile(path)
+    assert back.to_dict() == prof.to_dict()
+
+
+def test_profile_of_another_shape_is_refused_unless_rescaled(tmp_path):
+    shape = ModelShape("tiny", n_layers=4, n_experts=16, top_k=4, expert_bytes=1000)
+    other = ModelShape("big", n_layers=4, n_experts=16, top_k=4, expert_bytes=4000)
+    prof = Profile(cost=TRUE, shape=shape)
+    path = prof.save(tmp_path / "p.json")
+    with pytest.raises(SpecFitError, match="made for tiny.*--rescale"):
+        resolve_profile(path, shape=other)
+    scaled = resolve_profile(path, shape=other, rescale=True)
+    # transfer part (miss - hit) x4, compute terms unchanged
+    assert scaled.cost.miss_s == pytest.approx(TRUE.hit_s + 4 * (TRUE.miss_s - TRUE.hit_s))
+    assert scaled.cost.base_s == TRUE.base_s
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ("{not json", "not valid JSON"),
+        ('{"profile_version": 99}', "profile_version"),
+        ('{"profile_version": 1, "cost": {}}', "missing field 'shape'"),
+        ('{"profile_version": 1, "shape": {"name": "x"}, "cost": {"base_s": 1}}', "cost"),
+        ('{"profile_version": 1, "shape": {"name": "x", "n_layers": 1, "n_experts": 2, "top_k": 1, "expert_bytes": 1},'
+         ' "cost": {"base_s": -1, "per_node_s": 0, "hit_s": 0, "miss_s": 0}}', "non-negative"),
+    ],
+)
+def test_corrupt_profile_is_one_clear_error(tmp_path, content, match):
+    path = tmp_path / "bad.json"
+    path.write_text(content)
+    with pytest.raises(SpecFitError, match=match):
+        load_profile(path)
+
+
+def test_missing_profile_file_is_one_clear_error(tmp_path):
+    with pytest.raises(SpecFitError, match="no such profile"):
+        resolve_profile(tmp_path / "absent.json")
+
+
+def test_presets_follow_published_bandwidths():
+    for name, (gbps, _) in PRESETS.items():
+        prof = preset_profile(name)
+        assert prof.kind == "preset"
+        transfer_s = prof.cost.miss_s - prof.cost.hit_s
+        assert transfer_s == pytest.approx(QWEN3_30B_A3B.expert_bytes / (gbps * 1e9))
+    assert json.loads(json.dumps(preset_profile("pcie4").to_dict()))["kind"] == "preset"
+    with pytest.raises(SpecFitError, match="preset"):
+        resolve_profile("pcie9")
