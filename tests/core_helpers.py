@@ -399,32 +399,37 @@ class RefLRUCache:
         L, E = self.n_layers, self.n_experts
         out = {k: np.zeros(L, dtype=np.int64) for k in ("hits", "misses", "evictions", "streamed")}
         masks = {k: np.zeros((L, E), dtype=bool) for k in ("hit", "admitted", "evicted", "streamed")}
+        rows, cols = np.nonzero(union)
+        wanted = [[] for _ in range(L)]
+        for layer, e in zip(rows.tolist(), cols.tolist()):  # ascending id within each layer
+            wanted[layer].append(e)
         for layer in range(L):
             od = self._dict(layer)
-            key = (lambda e: e) if self.mode == "per_layer" else (lambda e, layer=layer: (layer, e))
-            want = [int(e) for e in np.flatnonzero(union[layer])]
-            want_keys = {key(e) for e in want}
-            hits = [e for e in want if key(e) in od]
-            misses = [e for e in want if key(e) not in od]
-            for e in hits:
-                od.move_to_end(key(e))
-                masks["hit"][layer, e] = True
-            evictable = [k for k in od if k not in want_keys]
-            for e in misses:
-                if len(od) < self.capacity:
-                    pass
-                elif evictable:
-                    victim = evictable.pop(0)
+            want = wanted[layer] if self.mode == "per_layer" else [(layer, e) for e in wanted[layer]]
+            want_set = set(want)
+            hits = [k for k in want if k in od]
+            misses = [k for k in want if k not in od]
+            for k in hits:
+                od.move_to_end(k)
+            evictable = None  # least recent first, outside this layer's union; built when needed
+            for k in misses:
+                e = k if self.mode == "per_layer" else k[1]
+                if len(od) >= self.capacity:
+                    if evictable is None:
+                        evictable = iter([x for x in od if x not in want_set])
+                    victim = next(evictable, None)
+                    if victim is None:
+                        out["streamed"][layer] += 1
+                        masks["streamed"][layer, e] = True
+                        continue
                     del od[victim]
                     owner, ve = (layer, victim) if self.mode == "per_layer" else victim
                     out["evictions"][owner] += 1
                     masks["evicted"][owner, ve] = True
-                else:
-                    out["streamed"][layer] += 1
-                    masks["streamed"][layer, e] = True
-                    continue
-                od[key(e)] = True
+                od[k] = True
                 masks["admitted"][layer, e] = True
+            for k in hits:
+                masks["hit"][layer, k if self.mode == "per_layer" else k[1]] = True
             out["hits"][layer] = len(hits)
             out["misses"][layer] = len(misses)
         out.update({f"{k}_mask": v for k, v in masks.items()})

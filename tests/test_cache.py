@@ -1,0 +1,305 @@
+"""ExpertCache against a straightforward LRU reference (OrderedDicts) on random unions and on real
+OLMoE routing, plus capacity edge cases, lfu / fifo basics and bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from core_helpers import RefLRUCache, core_settings, find_shared_data
+from specfit import ExpertCache
+
+ROUTING = "olmoe-1b-7b-routing-general-coding.npz"
+
+
+def assert_step_matches(result, expected: dict, cache: ExpertCache, ref: RefLRUCache, step) -> None:
+    for key in ("hits", "misses", "evictions", "streamed"):
+        got = np.asarray(getattr(result, key))
+        assert got.tolist() == expected[key].tolist(), f"step {step}: per-layer {key}"
+    for key in ("hit", "admitted", "evicted", "streamed"):
+        got = np.asarray(getattr(result, f"{key}_mask"))
+        assert np.array_equal(got, expected[f"{key}_mask"]), f"step {step}: {key}_mask"
+    resident = cache.resident()
+    assert resident.dtype == np.bool_
+    assert np.array_equal(resident, ref.resident()), (
+        f"step {step}: resident differs in layers {np.flatnonzero((resident != ref.resident()).any(axis=1))}")
+
+
+def replay(cache: ExpertCache, ref: RefLRUCache, unions) -> None:
+    totals = {k: np.zeros(cache.n_layers, dtype=np.int64) for k in ("hits", "misses", "evictions", "streamed")}
+    for step, union in enumerate(unions):
+        result = cache.admit(union)
+        expected = ref.admit(union)
+        assert_step_matches(result, expected, cache, ref, step)
+        for k in totals:
+            totals[k] += expected[k]
+    for k, v in totals.items():  # the cache's running per-layer counters
+        assert np.asarray(getattr(cache, k)).tolist() == v.tolist(), f"cumulative {k}"
+
+
+def random_unions(seed: int, n_layers: int, n_experts: int, steps: int, max_size: int) -> list[np.ndarray]:
+    """Unions with locality: a skewed popularity per layer, so experts recur and hits happen."""
+    rng = np.random.default_rng(seed)
+    pop = rng.dirichlet(np.full(n_experts, 0.5), size=n_layers)
+    unions = []
+    for _ in range(steps):
+        u = np.zeros((n_layers, n_experts), dtype=bool)
+        for layer in range(n_layers):
+            size = int(rng.integers(0, min(max_size, n_experts) + 1))
+            nonzero = int(np.count_nonzero(pop[layer]))
+            u[layer, rng.choice(n_experts, size=min(size, nonzero), replace=False, p=pop[layer])] = True
+        unions.append(u)
+    return unions
+
+
+# --------------------------------------------------------------------------- random unions
+@core_settings(300)
+@given(st.integers(1, 4), st.integers(1, 10), st.data())
+def test_per_layer_lru_matches_the_reference_on_random_unions(n_layers, n_experts, data):
+    capacity = data.draw(st.integers(0, n_experts + 2), label="capacity")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    steps = data.draw(st.integers(1, 25), label="steps")
+    max_size = data.draw(st.integers(1, n_experts), label="max_size")
+    unions = random_unions(seed, n_layers, n_experts, steps, max_size)
+    cache = ExpertCache(n_layers, n_experts, capacity)
+    replay(cache, RefLRUCache(n_layers, n_experts, capacity), unions)
+
+
+@core_settings(300)
+@given(st.integers(1, 4), st.integers(1, 8), st.data())
+def test_global_lru_matches_the_reference_on_random_unions(n_layers, n_experts, data):
+    capacity = data.draw(st.integers(0, n_layers * n_experts + 2), label="capacity")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    steps = data.draw(st.integers(1, 25), label="steps")
+    max_size = data.draw(st.integers(1, n_experts), label="max_size")
+    unions = random_unions(seed, n_layers, n_experts, steps, max_size)
+    cache = ExpertCache(n_layers, n_experts, capacity, mode="global")
+    replay(cache, RefLRUCache(n_layers, n_experts, capacity, mode="global"), unions)
+
+
+def test_per_layer_lru_hand_example():
+    # one layer, 3 slots
+    cache = ExpertCache(1, 8, 3)
+    r = cache.admit(np.isin(np.arange(8), [5, 1])[None])
+    assert (r.hits.tolist(), r.misses.tolist(), r.evictions.tolist()) == ([0], [2], [0])
+    cache.admit(np.isin(np.arange(8), [2])[None])          # order (old -> new): 1, 5, 2
+    cache.admit(np.isin(np.arange(8), [1])[None])          # hit: 5, 2, 1
+    r = cache.admit(np.isin(np.arange(8), [1, 6])[None])   # 6 evicts 5: 2, 1, 6
+    assert r.evicted_mask[0].nonzero()[0].tolist() == [5]
+    assert (r.hits.tolist(), r.misses.tolist(), r.evictions.tolist(), r.streamed.tolist()) == ([1], [1], [1], [0])
+    # union of 5 > 3 slots: hits 1, 6 stay; misses 0, 3, 4 in ascending id: 0 takes 2's slot,
+    # 3 and 4 are streamed
+    r = cache.admit(np.isin(np.arange(8), [0, 1, 3, 4, 6])[None])
+    assert r.admitted_mask[0].nonzero()[0].tolist() == [0]
+    assert r.streamed_mask[0].nonzero()[0].tolist() == [3, 4]
+    assert (r.hits.tolist(), r.misses.tolist(), r.evictions.tolist(), r.streamed.tolist()) == ([2], [3], [1], [2])
+    assert cache.resident()[0].nonzero()[0].tolist() == [0, 1, 6]
+
+
+def test_hits_are_touched_before_admitted_misses():
+    # in one admit: hit 3 is older than admitted miss 0, so 3 goes first
+    cache = ExpertCache(1, 6, 2)
+    cache.admit(np.isin(np.arange(6), [3])[None])
+    cache.admit(np.isin(np.arange(6), [0, 3])[None])
+    r = cache.admit(np.isin(np.arange(6), [5])[None])
+    assert r.evicted_mask[0].nonzero()[0].tolist() == [3]
+    # within one group, ascending id: 1 before 4
+    cache = ExpertCache(1, 6, 2)
+    cache.admit(np.isin(np.arange(6), [4, 1])[None])
+    r = cache.admit(np.isin(np.arange(6), [2])[None])
+    assert r.evicted_mask[0].nonzero()[0].tolist() == [1]
+
+
+# --------------------------------------------------------------------------- real routing
+def load_routing():
+    path = find_shared_data(ROUTING)
+    if path is None:
+        pytest.skip(f"{ROUTING} not found in ../shared/data (relative to the repository); "
+                    "the real-routing cache check needs it")
+    with np.load(path) as data:
+        return np.asarray(data["expert_ids"][:2000], dtype=np.int64)
+
+
+def routing_unions(expert_ids: np.ndarray, tokens_per_cycle: int, n_experts: int = 64):
+    n_tokens, n_layers, _ = expert_ids.shape
+    unions = []
+    for start in range(0, n_tokens, tokens_per_cycle):
+        u = np.zeros((n_layers, n_experts), dtype=bool)
+        block = expert_ids[start:start + tokens_per_cycle]
+        u[np.broadcast_to(np.arange(n_layers)[None, :, None], block.shape), block] = True
+        unions.append(u)
+    return unions
+
+
+@pytest.fixture(scope="module")
+def routing():
+    return load_routing()
+
+
+@pytest.mark.parametrize("tokens_per_cycle", [1, 4])
+@pytest.mark.parametrize("capacity", [0, 8, 16, 32, 64])
+def test_per_layer_lru_matches_the_reference_on_real_routing(routing, capacity, tokens_per_cycle):
+    assert routing.shape[1:] == (16, 8) and routing.max() < 64
+    unions = routing_unions(routing, tokens_per_cycle)
+    cache = ExpertCache(16, 64, capacity)
+    ref = RefLRUCache(16, 64, capacity)
+    replay(cache, ref, unions)
+    if capacity == 0:
+        assert cache.hits.sum() == 0
+    if capacity == 64:
+        assert cache.evictions.sum() == 0 and cache.streamed.sum() == 0
+
+
+@pytest.mark.parametrize("capacity", [0, 100, 256, 1024])
+def test_global_lru_matches_the_reference_on_real_routing(routing, capacity):
+    unions = routing_unions(routing[:600], 2)
+    replay(ExpertCache(16, 64, capacity, mode="global"), RefLRUCache(16, 64, capacity, mode="global"), unions)
+
+
+# --------------------------------------------------------------------------- capacity edge cases
+@pytest.mark.parametrize("mode", ["per_layer", "global"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+def test_capacity_zero_streams_everything(mode, policy):
+    cache = ExpertCache(3, 6, 0, mode=mode, policy=policy, expert_bytes=10)
+    for union in random_unions(1, 3, 6, 20, 6):
+        r = cache.admit(union)
+        assert r.hits.tolist() == [0, 0, 0]
+        assert r.misses.tolist() == union.sum(axis=1).tolist()
+        assert r.streamed.tolist() == union.sum(axis=1).tolist()
+        assert r.evictions.tolist() == [0, 0, 0]
+        assert not r.admitted_mask.any() and np.array_equal(r.streamed_mask, union)
+        assert not cache.resident().any()
+    assert cache.bytes_h2d == int(cache.misses.sum()) * 10
+    assert cache.hit_rate == 0.0
+
+
+@pytest.mark.parametrize("mode, capacity", [("per_layer", 6), ("per_layer", 100), ("global", 18), ("global", 500)])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+def test_capacity_of_everything_never_evicts(mode, capacity, policy):
+    cache = ExpertCache(3, 6, capacity, mode=mode, policy=policy)
+    seen = np.zeros((3, 6), dtype=bool)
+    for union in random_unions(2, 3, 6, 30, 4):
+        r = cache.admit(union)
+        assert r.evictions.tolist() == [0, 0, 0] and r.streamed.tolist() == [0, 0, 0]
+        assert np.array_equal(r.hit_mask, union & seen)
+        assert np.array_equal(r.admitted_mask, union & ~seen)
+        seen |= union
+        assert np.array_equal(cache.resident(), seen)
+
+
+def test_counters_bytes_and_hit_rate():
+    cache = ExpertCache(2, 4, 2, expert_bytes=1000)
+    assert cache.hit_rate == 0.0 and cache.bytes_h2d == 0
+    u = np.array([[True, True, False, False], [True, False, False, False]])
+    cache.admit(u)          # 3 misses
+    cache.admit(u)          # 3 hits
+    assert cache.hits.tolist() == [2, 1] and cache.misses.tolist() == [2, 1]
+    assert cache.bytes_h2d == 3000
+    assert cache.hit_rate == 0.5
+    cache.reset()
+    assert not cache.resident().any() and cache.misses.sum() == 0
+
+
+def test_warm_marks_resident_without_counting():
+    cache = ExpertCache(2, 4, 2)
+    warm = np.array([[True, False, True, False], [False, True, False, False]])
+    cache.warm(warm)
+    assert np.array_equal(cache.resident(), warm)
+    assert cache.hits.sum() == cache.misses.sum() == cache.evictions.sum() == 0
+    r = cache.admit(warm)
+    assert r.hits.tolist() == [2, 1] and r.misses.tolist() == [0, 0]
+
+
+def test_resident_is_a_copy():
+    cache = ExpertCache(1, 3, 2)
+    cache.resident()[0, 0] = True
+    assert not cache.resident().any()
+
+
+# --------------------------------------------------------------------------- lfu and fifo
+def one_hot(ids, n_experts=6):
+    return np.isin(np.arange(n_experts), ids)[None]
+
+
+def test_fifo_evicts_the_oldest_admission_even_if_recently_hit():
+    fifo = ExpertCache(1, 6, 2, policy="fifo")
+    lru = ExpertCache(1, 6, 2, policy="lru")
+    for cache in (fifo, lru):
+        cache.admit(one_hot([0]))
+        cache.admit(one_hot([1]))
+        cache.admit(one_hot([0]))      # a hit: refreshes 0 under lru only
+    assert fifo.admit(one_hot([2])).evicted_mask[0].nonzero()[0].tolist() == [0]
+    assert lru.admit(one_hot([2])).evicted_mask[0].nonzero()[0].tolist() == [1]
+
+
+def test_lfu_evicts_the_least_used_then_the_least_recent():
+    lfu = ExpertCache(1, 6, 2, policy="lfu")
+    lfu.admit(one_hot([0]))
+    lfu.admit(one_hot([0]))            # 0 used twice
+    lfu.admit(one_hot([1]))            # 1 used once, more recent
+    assert lfu.admit(one_hot([2])).evicted_mask[0].nonzero()[0].tolist() == [1]
+    # equal counts: the least recent goes
+    lfu = ExpertCache(1, 6, 2, policy="lfu")
+    lfu.admit(one_hot([3]))
+    lfu.admit(one_hot([4]))
+    assert lfu.admit(one_hot([5])).evicted_mask[0].nonzero()[0].tolist() == [3]
+
+
+@pytest.mark.parametrize("policy", ["lfu", "fifo"])
+def test_other_policies_keep_the_same_counts_and_union_rules(policy):
+    # whatever the victim order, the counts, the union protection and the capacity bound hold
+    cache = ExpertCache(3, 8, 3, policy=policy)
+    previous = np.zeros((3, 8), dtype=bool)
+    for union in random_unions(5, 3, 8, 40, 5):
+        r = cache.admit(union)
+        resident = cache.resident()
+        assert np.array_equal(r.hit_mask, union & previous)
+        assert np.array_equal(r.hit_mask | r.admitted_mask | r.streamed_mask, union)
+        assert not (r.evicted_mask & union).any()
+        assert (resident.sum(axis=1) <= 3).all()
+        keep = np.minimum(union.sum(axis=1), 3)
+        assert ((resident & union).sum(axis=1) == keep).all()
+        assert r.evictions.tolist() == r.evicted_mask.sum(axis=1).tolist()
+        previous = resident
+
+
+def test_the_cache_is_deterministic():
+    unions = random_unions(9, 4, 8, 50, 6)
+    runs = []
+    for _ in range(2):
+        cache = ExpertCache(4, 8, 3, policy="lru")
+        runs.append([cache.admit(u).evicted_mask.copy() for u in unions])
+    assert all(np.array_equal(a, b) for a, b in zip(*runs))
+
+
+# --------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(n_layers=0, n_experts=4, capacity=2), "n_layers"),
+    (dict(n_layers=2, n_experts=0, capacity=2), "n_experts"),
+    (dict(n_layers=2, n_experts=4, capacity=-1), "capacity"),
+    (dict(n_layers=2, n_experts=4, capacity=2, mode="shared"), "mode"),
+    (dict(n_layers=2, n_experts=4, capacity=2, policy="random"), "policy"),
+])
+def test_constructor_rejects_bad_arguments_naming_them(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        ExpertCache(**kwargs)
+
+
+@pytest.mark.parametrize("union", [
+    np.zeros((2, 3), dtype=bool),       # wrong number of experts
+    np.zeros((3, 4), dtype=bool),       # wrong number of layers
+    np.zeros(8, dtype=bool),
+    np.zeros((2, 4), dtype=np.int64),   # not bool
+])
+def test_admit_rejects_a_bad_union_naming_it(union):
+    cache = ExpertCache(2, 4, 2)
+    with pytest.raises(ValueError, match="union"):
+        cache.admit(union)
+    assert not cache.resident().any()
+
+
+def test_warm_rejects_a_bad_shape():
+    with pytest.raises(ValueError, match="resident"):
+        ExpertCache(2, 4, 2).warm(np.zeros((4, 2), dtype=bool))
