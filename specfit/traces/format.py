@@ -57,7 +57,7 @@ NODE_COLUMNS = (
 )
 # live recordings: measured per-cycle values (repeated on the cycle's rows)
 MEASURED_COLUMNS = ("measured_time_s", "measured_draft_s", "measured_verify_s", "measured_bytes_h2d")
-REQUIRED_META = ("schema_version", "model", "drafter", "workload", "recording", "provenance")
+REQUIRED_META = ("model", "drafter", "workload", "recording", "provenance")
 REQUIRED_MODEL = ("name", "n_layers", "n_experts", "top_k", "expert_bytes")
 
 

@@ -1,34 +1,39 @@
 """A generative model of MoE routing, for synthetic traces and for the draft nodes that an
 importer adds around real routing.
 
-At each layer a token picks ``top_k`` experts. Three effects, each with a target statistic that
-the model is calibrated to reproduce (measured with :mod:`specfit.traces.stats`):
+A token's ``top_k`` slots at a layer are filled from three sources, in shares set by two
+probabilities (slot counts rounded stochastically):
 
-- **popularity** ``[layers, experts]``: some experts are picked far more often than others;
-- **consecutive reuse** ``[layers]``: the fraction of a token's experts that the previous token
-  used at the same layer (temporal locality; about 0.45 in real OLMoE decode routing);
-- **token affinity** ``[layers]``: the overlap between two occurrences of the same token id (about
-  0.7 in OLMoE), i.e. how much the routing follows the token itself;
-- **sibling reuse** ``[layers]``: draft siblings are different tokens at the same position; an
-  off-path sibling shares this fraction of the experts of the target's true next token there.
+- with probability ``token_prob_``: the token's own preference list (a fixed ranking per token
+  id: popularity plus a per-token random preference, low rank like a router applied to an
+  embedding), taken in order;
+- with probability ``anchor_prob``: a random expert of the *anchor* set: the previous token's
+  experts for a token that follows another (temporal locality), or the true next token's experts
+  for an off-path draft sibling (same context, different token);
+- otherwise: an expert drawn from the layer's popularity (raised to ``popularity_power_``).
 
-Sampling: every expert gets a Gumbel-perturbed log-popularity score; the anchor's experts (the
-previous token, or the true next token for a sibling) are kept with probability ``keep_anchor_``
-each, the token's preferred experts with probability ``keep_affinity_`` each, by raising their
-scores above every other; the top-k scores are the set (kept experts tie-break at random). The
-keep probabilities are not the targets themselves (chance overlap adds to them), so
-:meth:`RoutingModel.calibrate` finds them by a few fixed-point rounds on a pilot sample.
+Each probability has a target statistic (measured with :mod:`specfit.traces.stats`) that
+:meth:`RoutingModel.calibrate` reproduces per layer by damped fixed-point rounds on a pilot
+sample, because chance overlaps add to the probabilities:
+
+- popularity skew: share of routing slots of the most popular quarter of the experts;
+- consecutive reuse: fraction of a token's experts the previous token used (about 0.45 in OLMoE);
+- token affinity: overlap between two occurrences of the same token id (about 0.7 in real OLMoE
+  decode routing). Both claim the same ``top_k`` slots; consecutive reuse is served first, so
+  with OLMoE's targets the model reaches about 0.6 here (see traces/README.md);
+- sibling reuse: overlap between two off-path siblings. Token affinity and reuse share the same
+  ``top_k`` slots, so with OLMoE-like affinity siblings cannot be very similar (about 0.35).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .stats import consecutive_reuse, same_token_reuse, set_overlap
+from .stats import consecutive_reuse, popularity as measure_popularity, same_token_reuse, set_overlap, top_quarter_share
 
 __all__ = ["RoutingModel", "zipf_popularity", "TokenSampler"]
 
-_FORCED = 1e6  # score bonus of a kept expert: above any Gumbel-perturbed log-probability
+_EMBED_DIM = 16  # rank of the token preference vectors
 
 
 def zipf_popularity(n_layers: int, n_experts: int, exponent: float, rng: np.random.Generator) -> np.ndarray:
@@ -72,20 +77,19 @@ class TokenSampler:
 
 
 class RoutingModel:
-    """Synthetic routing with calibrated popularity, temporal reuse, token affinity and sibling
-    similarity (see the module docstring).
+    """Synthetic routing with calibrated popularity skew, token affinity, consecutive reuse and
+    sibling reuse (see the module docstring).
 
     Args:
-        popularity: [layers, experts] routing share of each expert.
+        popularity: [layers, experts] routing share of each expert (its skew is a target too).
         consecutive_reuse, token_affinity, sibling_reuse: [layers] (or scalars) target overlaps.
         top_k: experts per token and layer.
-        seed: fixes each token's preferred experts (the same token id always prefers the same ones).
-        known_affinity: optional {token id: [layers, top_k]} preferred experts measured from real
-            routing; other tokens get preferred experts drawn from the popularity.
+        vocab_size: token ids are in [0, vocab_size).
+        seed: fixes each token id's preference list.
     """
 
     def __init__(self, popularity: np.ndarray, consecutive_reuse, token_affinity, sibling_reuse,
-                 top_k: int, seed: int = 0, known_affinity: dict | None = None):
+                 top_k: int, vocab_size: int, seed: int = 0):
         self.popularity = np.asarray(popularity, dtype=np.float64)
         L, E = self.popularity.shape
         if not 0 < top_k <= E:
@@ -98,12 +102,19 @@ class RoutingModel:
             v = getattr(self, name)
             if np.any((v < 0) | (v > 1)):
                 raise ValueError(f"{name}: expected fractions in [0, 1], got {v.min():.3f}..{v.max():.3f}")
-        self._log_pop = np.log(np.maximum(self.popularity, 1e-12))
-        self._affinity: dict[int, np.ndarray] = dict(known_affinity or {})
-        # until calibrated, use the targets as keep probabilities
-        self.keep_anchor_ = self.consecutive_reuse.copy()
-        self.keep_affinity_ = self.token_affinity.copy()
-        self.keep_sibling_ = self.sibling_reuse.copy()
+        self.popularity_skew = top_quarter_share(self.popularity)
+        self._log_pop = np.log(np.maximum(self.popularity, 1e-12)).astype(np.float32)
+        table_rng = np.random.default_rng([self.seed, 0xE4B])
+        self._embedding = table_rng.standard_normal((int(vocab_size), _EMBED_DIM), dtype=np.float32)
+        self._projection = (table_rng.standard_normal((_EMBED_DIM, L * E), dtype=np.float32)
+                            / np.float32(np.sqrt(_EMBED_DIM)))
+        self._preferences: dict[int, np.ndarray] = {}   # token id -> [layers, top_k]
+        # starting values; calibrate() fits them
+        self.popularity_power_ = np.ones(L)
+        self.token_prob_ = self.token_affinity.copy()
+        self.consecutive_prob_ = self.consecutive_reuse.copy()
+        self.token_prob_ = np.minimum(self.token_prob_, 1 - self.consecutive_prob_)
+        self.sibling_prob_ = np.minimum(self.sibling_reuse, 1 - self.token_prob_)
 
     @property
     def n_layers(self) -> int:
@@ -114,81 +125,110 @@ class RoutingModel:
         return self.popularity.shape[1]
 
     # ------------------------------------------------------------------ sampling
-    def affinity(self, tokens: np.ndarray) -> np.ndarray:
-        """[n, layers, top_k] preferred experts of each token (deterministic per token id)."""
-        out = np.empty((len(tokens), self.n_layers, self.top_k), dtype=np.int64)
-        for i, t in enumerate(np.asarray(tokens, dtype=np.int64).tolist()):
-            sets = self._affinity.get(t)
-            if sets is None:
-                rng = np.random.default_rng([self.seed, 0x5EED, t])
-                sets = self._top_k(self._log_pop + rng.gumbel(size=self._log_pop.shape))
-                self._affinity[t] = sets
-            out[i] = sets
-        return out
+    def preferences(self, tokens: np.ndarray) -> np.ndarray:
+        """[n, layers, top_k] each token's preferred experts, most preferred first (fixed per
+        token id for fixed popularity; memoised per token, as tokens repeat)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        uniq, inverse = np.unique(tokens, return_inverse=True)
+        missing = np.array([t not in self._preferences for t in uniq.tolist()], dtype=bool)
+        if missing.any():
+            new = uniq[missing]
+            z = (self._embedding[new] @ self._projection).reshape(new.size, self.n_layers, self.n_experts)
+            prefs = _top_k(z + (self.popularity_power_[:, None] * self._log_pop).astype(np.float32)[None], self.top_k)
+            self._preferences.update(zip(new.tolist(), prefs))
+        return np.stack([self._preferences[t] for t in uniq.tolist()])[inverse.ravel()]
 
-    def _top_k(self, scores: np.ndarray) -> np.ndarray:
-        k = self.top_k
-        idx = np.argpartition(-scores, k - 1, axis=-1)[..., :k]
-        order = np.argsort(-np.take_along_axis(scores, idx, axis=-1), axis=-1, kind="stable")
-        return np.take_along_axis(idx, order, axis=-1)   # highest score first, like a router
-
-    def sample(self, anchor: np.ndarray | None, keep_anchor: np.ndarray, tokens: np.ndarray,
-               rng: np.random.Generator) -> np.ndarray:
-        """[n, layers, top_k] experts of ``tokens``, keeping each of ``anchor``'s experts with
-        probability ``keep_anchor[layer]`` and each preferred expert with ``keep_affinity_``."""
-        n, L, k = len(tokens), self.n_layers, self.top_k
-        scores = self._log_pop[None] + rng.gumbel(size=(n, L, self.n_experts))
-        bonus = np.zeros_like(scores)
-        keep = rng.random((n, L, k)) < self.keep_affinity_[None, :, None]
-        node, layer, _ = np.nonzero(keep)
-        bonus[node, layer, self.affinity(tokens)[keep]] = _FORCED
+    def route(self, tokens: np.ndarray, anchor: np.ndarray | None, anchor_prob: np.ndarray,
+              rng: np.random.Generator | None = None, noise: np.ndarray | None = None) -> np.ndarray:
+        """[n, layers, top_k] experts of ``tokens`` given anchor sets ``[n, layers, top_k]``;
+        ``noise`` (uniform [0, 1), [n, layers, experts + 2 * top_k]) is drawn from ``rng`` unless
+        given (the calibration reuses it)."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        n, L, E, k = tokens.size, self.n_layers, self.n_experts, self.top_k
+        if noise is None:
+            noise = rng.random((n, L, E + 2 * k), dtype=np.float32)
+        free_u, slot_u, anchor_u = noise[..., :E], noise[..., E:E + k], noise[..., E + k:]
+        # free slots: Gumbel-top-k over the (powered) popularity
+        scores = (self.popularity_power_[:, None] * self._log_pop).astype(np.float32)[None] \
+            - np.log(-np.log(np.maximum(free_u, np.float32(1e-12))))
+        # slot counts by stochastic rounding: the mean is exact and the spread minimal, so two
+        # occurrences of a token take about the same prefix of its preference list
+        n_tok = np.floor(self.token_prob_[None, :, None] * k + slot_u[..., :1]).astype(np.int64)
+        n_anchor = np.minimum(k - n_tok, np.floor(np.asarray(anchor_prob)[None, :, None] * k + slot_u[..., 1:2]))
         if anchor is not None:
-            keep = rng.random((n, L, k)) < np.asarray(keep_anchor)[None, :, None]
-            node, layer, _ = np.nonzero(keep)
-            bonus[node, layer, np.asarray(anchor, dtype=np.int64)[keep]] = _FORCED
-        return self._top_k(scores + bonus)
+            # a random n_anchor of the anchor's experts, ranked above every free candidate
+            rank = np.argsort(np.argsort(anchor_u, axis=2), axis=2)
+            node, layer, slot = np.nonzero(rank < n_anchor)
+            scores[node, layer, np.asarray(anchor)[node, layer, slot]] = _ANCHOR_SCORE
+        # the first n_tok preferred experts, ranked above everything, in preference order
+        node, layer, slot = np.nonzero(np.arange(k)[None, None, :] < n_tok)
+        scores[node, layer, self.preferences(tokens)[node, layer, slot]] = _TOKEN_SCORE - slot.astype(np.float32)
+        return _top_k(scores, k)
 
-    def next_token(self, previous: np.ndarray | None, tokens: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    def next_token(self, previous: np.ndarray | None, tokens: np.ndarray, rng: np.random.Generator,
+                   noise: np.ndarray | None = None) -> np.ndarray:
         """Experts of ``tokens`` that follow tokens routed to ``previous`` (temporal reuse)."""
-        return self.sample(previous, self.keep_anchor_, tokens, rng)
+        return self.route(tokens, previous, self.consecutive_prob_, rng, noise)
 
-    def sibling(self, true_next: np.ndarray, tokens: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """Experts of off-path draft tokens at a position whose true next token routes to
+    def sibling(self, true_next: np.ndarray, tokens: np.ndarray, rng: np.random.Generator,
+                noise: np.ndarray | None = None) -> np.ndarray:
+        """Experts of off-path draft tokens at positions whose true next token routes to
         ``true_next`` (same context, different token)."""
-        return self.sample(true_next, self.keep_sibling_, tokens, rng)
+        return self.route(tokens, true_next, self.sibling_prob_, rng, noise)
 
-    def sequences(self, tokens: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    def sequences(self, tokens: np.ndarray, rng: np.random.Generator, noise: np.ndarray | None = None) -> np.ndarray:
         """[n_seq, length, layers, top_k] routing of token sequences ``tokens [n_seq, length]``,
-        the sequences stepped together."""
+        the sequences stepped together (``noise``: optional [n_seq, length, ...] per step)."""
         tokens = np.asarray(tokens, dtype=np.int64)
         n_seq, length = tokens.shape
         out = np.empty((n_seq, length, self.n_layers, self.top_k), dtype=np.int64)
         prev = None
         for t in range(length):
-            prev = out[:, t] = self.next_token(prev, tokens[:, t], rng)
+            prev = out[:, t] = self.next_token(prev, tokens[:, t], rng, None if noise is None else noise[:, t])
         return out
 
     # ------------------------------------------------------------------ calibration
-    def calibrate(self, token_sampler: TokenSampler, rng: np.random.Generator, pilot_tokens: int = 2048,
-                  rounds: int = 6) -> "RoutingModel":
-        """Fit ``keep_anchor_``, ``keep_affinity_`` and ``keep_sibling_`` so that a pilot sample
-        reproduces the target overlaps; stores the pilot's measured statistics in ``pilot_``."""
+    def calibrate(self, token_sampler: "TokenSampler", rng: np.random.Generator, pilot_tokens: int = 512,
+                  rounds: int = 8) -> "RoutingModel":
+        """Fit the slot probabilities and the popularity power per layer so that a pilot sample
+        reproduces the targets; the pilot's measured statistics (layer means) are kept in
+        ``pilot_``. The pilot reuses its tokens and noise every round (common random numbers), so
+        a round's change in the statistics comes from the parameters alone."""
         n_seq = 8
         length = max(16, pilot_tokens // n_seq)
+        L, E, k = self.n_layers, self.n_experts, self.top_k
         tokens = token_sampler.sample((n_seq, length), rng)
         seq = np.repeat(np.arange(n_seq), length)
+        noise = rng.random((n_seq, length, L, E + 2 * k), dtype=np.float32)
+        sib_tokens = [token_sampler.sample(n_seq * length, rng) for _ in range(2)]
+        sib_noise = [rng.random((n_seq * length, L, E + 2 * k), dtype=np.float32) for _ in range(2)]
         for _ in range(rounds):
-            routed = self.sequences(tokens, rng).reshape(-1, self.n_layers, self.top_k)
-            flat_tokens = tokens.ravel()
+            routed = self.sequences(tokens, rng, noise).reshape(-1, L, k)
+            skew = top_quarter_share(measure_popularity(routed, E))
             r = consecutive_reuse(routed, seq)
-            a = same_token_reuse(routed, flat_tokens)
-            self.keep_anchor_ = np.clip(self.keep_anchor_ + (self.consecutive_reuse - r), 0.0, 0.99)
+            a = same_token_reuse(routed, tokens.ravel())
+            s = set_overlap(*(self.sibling(routed, t, rng, z) for t, z in zip(sib_tokens, sib_noise))).mean(axis=0)
+            self.popularity_power_ = np.clip(self.popularity_power_ + 4.0 * (self.popularity_skew - skew), 0, 10)
+            self._preferences.clear()   # they depend on the popularity power
+            # overlaps are probabilities plus chance, so a unit step in the probability is about
+            # right. Consecutive reuse drives cache hit rates, so it has the first claim on the
+            # slots; token affinity gets what is left (real routing reaches both because a
+            # token's own preferences also follow the context, which this model leaves out)
+            self.consecutive_prob_ = np.clip(self.consecutive_prob_ + (self.consecutive_reuse - r), 0, 1)
             if np.all(np.isfinite(a)):
-                self.keep_affinity_ = np.clip(self.keep_affinity_ + (self.token_affinity - a), 0.0, 0.99)
-            sib_a = self.sibling(routed, token_sampler.sample(routed.shape[0], rng), rng)
-            sib_b = self.sibling(routed, token_sampler.sample(routed.shape[0], rng), rng)
-            s = set_overlap(sib_a, sib_b).mean(axis=0)
-            self.keep_sibling_ = np.clip(self.keep_sibling_ + (self.sibling_reuse - s), 0.0, 0.99)
-        self.pilot_ = {"consecutive_reuse": float(np.mean(r)), "token_affinity": float(np.nanmean(a)),
-                       "sibling_reuse": float(np.mean(s))}
+                self.token_prob_ = np.clip(self.token_prob_ + (self.token_affinity - a), 0, 1 - self.consecutive_prob_)
+            self.sibling_prob_ = np.clip(self.sibling_prob_ + (self.sibling_reuse - s), 0, 1 - self.token_prob_)
+        self.pilot_ = {"popularity_skew": float(skew.mean()), "consecutive_reuse": float(r.mean()),
+                       "token_affinity": float(np.nanmean(a)), "sibling_reuse": float(s.mean())}
         return self
+
+
+_TOKEN_SCORE = np.float32(3e6)    # token-preference slots outrank ...
+_ANCHOR_SCORE = np.float32(2e6)   # ... anchor slots, which outrank any free (log-probability) score
+
+
+def _top_k(scores: np.ndarray, k: int) -> np.ndarray:
+    """Indices of the k highest scores along the last axis, highest first (like a router)."""
+    idx = np.argpartition(-scores, k - 1, axis=-1)[..., :k]
+    order = np.argsort(-np.take_along_axis(scores, idx, axis=-1), axis=-1, kind="stable")
+    return np.take_along_axis(idx, order, axis=-1)

@@ -1,0 +1,123 @@
+"""A synthetic EAGLE-style drafter: draft trees, draft probabilities and the target's verdicts
+around a reference output, with acceptance statistics that are parameters.
+
+Tree shape (EAGLE-2/3 dynamic tree): level 1 holds the root's ``width`` most probable tokens; each
+further level expands the ``width`` nodes of the previous level with the highest path probability
+(the frontier) into ``width`` children each. Every candidate is kept, so a policy that reranks
+(EAGLE-3, static) sees exactly what EAGLE's rerank would: ``width + (depth - 1) * width**2`` nodes.
+
+Probabilities: at each expanded node the drafter's top-1 probability is Beta-distributed with mean
+``top1_prob * depth_decay**(depth - 1)`` (confidence falls with depth, as draft errors compound);
+the other ``width - 1`` children share the remaining mass (sorted Dirichlet shares of it). The
+target accepts child i with probability ``q_i ** calibration_exponent`` (1: the drafter is
+calibrated; above 1: it is over-confident), and none of them with the rest. On the reference path
+the accepted child carries the reference's next token, so the verdicts spell the reference output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from .routing import TokenSampler
+
+__all__ = ["DrafterParams", "DraftedTree", "draft_tree"]
+
+
+@dataclass(frozen=True)
+class DrafterParams:
+    """Statistics of the synthetic drafter (see the module docstring)."""
+
+    width: int = 4                  # EAGLE top_k: children per expanded node, frontier size
+    depth: int = 7                  # draft levels
+    top1_prob: float = 0.55         # mean top-1 draft probability at depth 1
+    depth_decay: float = 0.94       # per-level factor on the mean top-1 probability
+    confidence_spread: float = 4.0  # Beta concentration of the top-1 probability (lower: more spread)
+    calibration_exponent: float = 1.15  # acceptance = draft_prob ** exponent (1: calibrated)
+
+    def __post_init__(self) -> None:
+        if self.width < 1 or self.depth < 0:
+            raise ValueError(f"drafter: expected width >= 1 and depth >= 0, got {self.width}, {self.depth}")
+        if not (0 < self.top1_prob < 1 and 0 < self.depth_decay <= 1 and self.confidence_spread > 0
+                and self.calibration_exponent > 0):
+            raise ValueError("drafter: expected 0 < top1_prob < 1, 0 < depth_decay <= 1, confidence_spread > 0, "
+                             "calibration_exponent > 0")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class DraftedTree:
+    """One position's drafted tree (arrays over nodes, root first, in drafting order)."""
+
+    parent: np.ndarray         # int64 [n]
+    depth: np.ndarray          # int64 [n]
+    token: np.ndarray          # int64 [n]
+    draft_logprob: np.ndarray  # float64 [n]
+    path_prob: np.ndarray      # float64 [n]
+    verdict: np.ndarray        # int64 [n]
+    on_path: np.ndarray        # bool [n]: the node's path spells the reference output
+
+
+def _draft_probs(params: DrafterParams, depth: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """[n, width] the drafter's top-``width`` probabilities at ``n`` nodes of a level, sorted."""
+    w = params.width
+    mean = params.top1_prob * params.depth_decay ** (depth - 1)
+    top1 = rng.beta(mean * params.confidence_spread, (1 - mean) * params.confidence_spread, size=n)
+    # the rest of the mass spread over many alternatives; the drafter lists the largest ones
+    shares = np.sort(rng.dirichlet(np.full(16, 0.5), size=n), axis=1)[:, ::-1][:, : w - 1]
+    probs = np.concatenate([top1[:, None], (1 - top1)[:, None] * shares], axis=1)
+    return np.clip(np.sort(probs, axis=1)[:, ::-1], 1e-6, 1.0)
+
+
+def draft_tree(reference: np.ndarray, params: DrafterParams, tokens: TokenSampler,
+               rng: np.random.Generator) -> DraftedTree:
+    """Draft a tree at a position whose reference output from the root on is ``reference``
+    (``reference[0]`` the root token, ``reference[1]`` the target's next token, ...; at least
+    two tokens). Draft nodes on the reference path stop where the reference ends."""
+    reference = np.asarray(reference, dtype=np.int64)
+    w = params.width
+    parent, depth, token, logq, path, verdict, on_path = [-1], [0], [int(reference[0])], [0.0], [1.0], [int(reference[1])], [True]
+    frontier = [0]
+    for d in range(1, params.depth + 1):
+        q = _draft_probs(params, d, len(frontier), rng)
+        accept = q ** params.calibration_exponent
+        accept /= np.maximum(1.0, accept.sum(axis=1, keepdims=True))
+        # which child (if any, index w = none) equals the target's verdict at each frontier node
+        u = rng.random(len(frontier))
+        chosen = (u[:, None] >= np.cumsum(accept, axis=1)).sum(axis=1)
+        level_start = len(parent)
+        for i, u_node in enumerate(frontier):
+            if on_path[u_node]:
+                if d >= reference.size - 1:
+                    chosen[i] = w   # the reference ends here: no child may be accepted
+                kids = tokens.distinct_from([verdict[u_node]], w, rng)
+                if chosen[i] < w:
+                    kids[chosen[i]] = verdict[u_node]
+            else:
+                kids = tokens.distinct_from([], w + 1, rng)
+                # an off-path node's verdict: the chosen child's token, or a token none of them has
+                verdict[u_node] = int(kids[chosen[i]])
+                kids = kids[:w]
+            for j in range(w):
+                is_path = bool(on_path[u_node] and chosen[i] == j)
+                parent.append(u_node)
+                depth.append(d)
+                token.append(int(kids[j]))
+                logq.append(float(np.log(q[i, j])))
+                path.append(path[u_node] * float(q[i, j]))
+                on_path.append(is_path)
+                verdict.append(int(reference[d + 1]) if is_path else -1)
+        # the frontier: the level's w most probable nodes (earlier node first among equals)
+        level = np.arange(level_start, len(parent))
+        probs = np.asarray(path[level_start:])
+        frontier = level[np.lexsort((level, -probs))][:w].tolist()
+    verdict_a = np.asarray(verdict, dtype=np.int64)
+    leaves = np.flatnonzero(verdict_a < 0)   # never expanded: no child can match a fresh token
+    verdict_a[leaves] = tokens.sample(leaves.size, rng)
+    return DraftedTree(parent=np.asarray(parent, dtype=np.int64), depth=np.asarray(depth, dtype=np.int64),
+                       token=np.asarray(token, dtype=np.int64),
+                       draft_logprob=np.asarray(logq), path_prob=np.asarray(path), verdict=verdict_a,
+                       on_path=np.asarray(on_path))
