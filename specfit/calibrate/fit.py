@@ -2,7 +2,8 @@
 
 Every cycle is summarised by the features of :meth:`CostModel.features`
 ``(draft_levels, 1, n_nodes, hits, misses)`` and its measured time; the model is linear in the
-five parameters, so fitting is a non-negative least squares (scipy). Rows are weighted by
+five parameters, so fitting is a non-negative least squares (scipy), iteratively reweighted with Huber weights so a few cycles
+slowed by something else on the machine do not pull the fit. Rows are weighted by
 1 / measured time so the fit minimises *relative* error (a 2 ms cycle matters as much as a
 200 ms one). Parameters measured directly by a probe (e.g. the transfer cost from the H2D sweep)
 can be held fixed. The held-out error is measured on cycles the fit did not see and kept as data.
@@ -41,19 +42,22 @@ class CycleTimeFitter:
         holdout_fraction: share of the cycles kept out of the fit to measure its error.
         seed: shuffles the split.
         fixed: parameters held at given values, e.g. ``{"miss_s": 4e-4}``.
+        robust_iterations: reweighting rounds with Huber weights (0: plain least squares).
 
     Attributes after ``fit``: ``params_`` (in :data:`PARAM_NAMES` order, fitted on all cycles),
     ``quality_`` (held-out and training errors, counts, which parameters the data could not
     identify).
     """
 
-    def __init__(self, holdout_fraction: float = 0.25, seed: int = 0, fixed: dict | None = None):
+    def __init__(self, holdout_fraction: float = 0.25, seed: int = 0, fixed: dict | None = None,
+                 robust_iterations: int = 5):
         if not 0.0 <= holdout_fraction < 1.0:
             raise SpecFitError(f"holdout_fraction: expected a value in [0, 1), got {holdout_fraction}")
         unknown = set(fixed or {}) - set(PARAM_NAMES)
         if unknown:
             raise SpecFitError(f"fixed: unknown parameter(s) {sorted(unknown)}; expected some of {list(PARAM_NAMES)}")
         self.holdout_fraction, self.seed, self.fixed = holdout_fraction, seed, dict(fixed or {})
+        self.robust_iterations = int(robust_iterations)
 
     def _check(self, features, times_s, source: str) -> tuple[np.ndarray, np.ndarray]:
         X = np.asarray(features, dtype=np.float64)
@@ -81,7 +85,15 @@ class CycleTimeFitter:
                 free.append(j)
         if free:
             weight = 1.0 / y   # relative error
-            params[free], _ = nnls(X[:, free] * weight[:, None], residual * weight)
+            A, b = X[:, free] * weight[:, None], residual * weight
+            robust = np.ones_like(b)
+            for _ in range(self.robust_iterations + 1):
+                params[free], _ = nnls(A * robust[:, None], b * robust)
+                # Huber weights on the relative residuals: a cycle slowed down by something else on
+                # the machine (a page fault, another process) is down-weighted, not fitted
+                r = b - A @ params[free]
+                scale = 1.4826 * np.median(np.abs(r - np.median(r))) or 1e-12
+                robust = np.sqrt(np.minimum(1.0, 1.345 * scale / np.maximum(np.abs(r), 1e-300)))
         return params
 
     def fit(self, features, times_s, source: str = "measured cycles") -> "CycleTimeFitter":

@@ -1,0 +1,117 @@
+"""``specfit calibrate``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import SpecFitError
+
+
+def register(app: typer.Typer, traces_app: typer.Typer) -> None:
+    app.command(name="calibrate")(calibrate_command)
+
+
+def calibrate_command(
+    model: Optional[Path] = typer.Option(None, "--model", help="Hugging Face MoE model directory to probe."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="Probe random weights of a named shape instead: "
+                                        "qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b, tiny."),
+    layers: Optional[int] = typer.Option(None, "--layers", help="With --shape: layers of the stand-in (costs are scaled to the full depth)."),
+    drafter: Optional[Path] = typer.Option(None, "--drafter", help="EAGLE-3 drafter directory (its shape sizes the draft probe)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: checkpoint's; "
+                                        "bfloat16 on cuda, float32 on cpu for --shape)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Profile JSON to write (default: calibrate/<host>-<device>-<model>.json)."),
+    quick: bool = typer.Option(False, "--quick", help="Smaller probe grids (CI, smoke tests)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)."),
+    refit_runs: Optional[list[Path]] = typer.Option(None, "--refit", help="Refit --profile from the cycles of these "
+                                                    "`specfit decode --out` run directories instead of probing."),
+    profile: Optional[str] = typer.Option(None, "--profile", help="With --refit: the profile to refit (JSON or preset)."),
+    rescale: bool = typer.Option(False, "--rescale", help="Allow a profile made for another model shape (transfer costs scaled by expert bytes)."),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = typer.Option(False, "--json", help="Print only the profile JSON on stdout."),
+) -> None:
+    """Measure this machine and fit the cycle-time predictor into a hardware profile."""
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..cli import fail
+    from . import run
+
+    if threads:
+        torch.set_num_threads(threads)
+    console = Console(stderr=True)
+    try:
+        if refit_runs:
+            _refit(refit_runs, profile, out, rescale, seed, as_json, console)
+            return
+        if device == "cuda" and not torch.cuda.is_available():
+            raise SpecFitError("--device cuda: no CUDA device is available here; use --device cpu")
+        if (model is None) == (shape is None):
+            raise SpecFitError("calibrate: pass exactly one of --model DIR or --shape NAME")
+        plan = run.CalibrationPlan(model_dir=model, shape=shape, layers=layers, drafter_dir=drafter, device=device,
+                                   dtype=dtype, quick=quick, seed=seed)
+        plan.validate()
+        with Progress(TextColumn("[bold]calibrate"), BarColumn(), TextColumn("{task.completed}/{task.total} probes"),
+                      TimeElapsedColumn(), console=console, disable=as_json) as bar:
+            task = bar.add_task("probes", total=plan.n_steps)
+            prof = run.calibrate(plan, progress=lambda: bar.advance(task))
+        path = out or run.default_profile_path(prof.machine, prof.shape)
+        prof.save(path)
+    except SpecFitError as exc:
+        fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps(prof.to_dict(), indent=2))
+        return
+    _summary(prof, path, console)
+
+
+def _summary(prof, path: Path, console) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    fit = prof.fit
+    table = Table(title=f"Profile {path}")
+    table.add_column("parameter")
+    table.add_column("value", justify="right")
+    for name, value in prof.cost.to_dict().items():
+        table.add_row(name, f"{value:.4g}" if isinstance(value, float) else str(value))
+    h2d = fit.get("h2d") or {}
+    table.add_row("H2D bandwidth (GB/s)", f"{h2d.get('gbps', float('nan')):.3g}")
+    table.add_row("H2D overhead per copy (s)", f"{h2d.get('overhead_s', float('nan')):.3g}")
+    held = fit.get("holdout") or {}
+    table.add_row("held-out cycle MAPE", f"{held.get('mape', float('nan')):.1%} over {held.get('n', 0)} passes")
+    table.add_row("held-out max error (s)", f"{held.get('max_abs_err_s', float('nan')):.3g}")
+    table.add_row("probe time (s)", f"{fit.get('seconds', 0):.1f}")
+    Console().print(table)
+
+
+def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None:
+    from rich.table import Table
+
+    from ..cli import fail
+    from .presets import resolve_profile
+    from .run import refit
+
+    if profile_spec is None:
+        fail("--refit: pass --profile (the profile the runs were decoded with)")
+    prof = resolve_profile(profile_spec)
+    new, comparison = refit(prof, run_dirs, seed=seed)
+    path = out or Path(str(profile_spec)).with_suffix("").with_name(Path(str(profile_spec)).stem + "-refit.json")
+    new.save(path)
+    if as_json:
+        typer.echo(json.dumps({"profile": new.to_dict(), "comparison": comparison}, indent=2))
+        return
+    table = Table(title=f"Refit on {comparison['n_cycles']} measured cycles ({comparison['n_holdout']} held out) -> {path}")
+    for col in ("", "held-out MAPE", "max abs. error (s)"):
+        table.add_column(col, justify="right")
+    for label in ("before", "after"):
+        e = comparison[label]
+        table.add_row(f"{label} refit", f"{e['mape']:.1%}", f"{e['max_abs_err_s']:.3g}")
+    from rich.console import Console
+
+    Console().print(table)

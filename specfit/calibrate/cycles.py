@@ -1,0 +1,127 @@
+"""Measured verification cycles and draft levels: the data the cycle-time predictor is fitted to.
+
+``probe_cycles`` runs real target passes over random draft trees through the offloaded model at
+several expert-cache sizes, so the node count, the hits and the misses all vary, and records for
+each pass what the cost model sees (nodes, hits, misses) and the measured time. ``probe_draft``
+times one draft level of an EAGLE-3-shaped drafter layer over a frontier of ``width`` nodes.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..runtime.model import MoETransformer, causal_mask
+from ..runtime.offload import ExpertOffload
+from ..tree import DraftTree
+from .probes import median_time_s
+
+__all__ = ["random_tree", "probe_cycles", "probe_draft", "cycles_features"]
+
+
+def random_tree(rng: np.random.Generator, n_nodes: int, vocab_size: int, max_depth: int = 8) -> DraftTree:
+    """A random tree of ``n_nodes`` in level order (each node's parent is an earlier node no
+    deeper than ``max_depth - 1``), random tokens, path probabilities halving per level."""
+    parents = np.full(n_nodes, -1, dtype=np.int64)
+    depth = np.zeros(n_nodes, dtype=np.int64)
+    for v in range(1, n_nodes):
+        candidates = np.flatnonzero(depth[:v] < max_depth)
+        parents[v] = rng.choice(candidates)
+        depth[v] = depth[parents[v]] + 1
+    order = np.argsort(depth, kind="stable")           # level order keeps parents before children
+    rank = np.empty_like(order)
+    rank[order] = np.arange(n_nodes)
+    parents = np.where(parents[order] >= 0, rank[np.maximum(parents[order], 0)], -1)
+    return DraftTree(parents=parents, path_probs=0.5 ** depth[order].astype(np.float64),
+                     tokens=rng.integers(0, vocab_size, n_nodes))
+
+
+def _now(device: torch.device) -> float:
+    import time
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.inference_mode()
+def probe_cycles(model: MoETransformer, capacities, node_counts=(1, 2, 4, 8, 16, 32), repeats: int = 3,
+                 context_len: int = 64, seed: int = 0, progress: Callable[[], None] | None = None) -> list[dict]:
+    """Target verification passes over random trees, per expert-cache size.
+
+    Rows: ``capacity``, ``n_nodes``, ``hits``, ``misses``, ``bytes_h2d``, ``seconds``,
+    ``draft_levels`` (always 0: drafting is probed apart).
+    """
+    rng = np.random.default_rng(seed)
+    host = model.offload.host
+    device = model.device
+    vocab = model.config.vocab_size
+    model.setup_kv_cache(max(model.max_seq_len, context_len + max(node_counts)))
+    rows = []
+    original = model.offload
+    try:
+        for capacity in capacities:
+            model.attach_offload(ExpertOffload(host, int(capacity), device=device))
+            context = rng.integers(0, vocab, context_len)
+            model(context, np.arange(context_len), causal_mask(0, context_len))     # prefill, warms the cache
+            plan = [n for n in node_counts for _ in range(repeats)]
+            for n in rng.permutation(plan):
+                tree = random_tree(rng, int(n), vocab)
+                mask = np.concatenate([np.ones((tree.n_nodes, context_len), dtype=bool), tree.attention_mask()], axis=1)
+                start = _now(device)
+                out = model(tree.tokens, tree.positions(context_len), torch.from_numpy(mask))
+                seconds = _now(device) - start
+                c = out.offload
+                rows.append({"capacity": int(capacity), "n_nodes": int(n), "hits": c.total_hits,
+                             "misses": c.total_misses, "bytes_h2d": c.total_bytes_h2d, "draft_levels": 0,
+                             "seconds": seconds})
+                if progress:
+                    progress()
+    finally:
+        model.attach_offload(original)
+    return rows
+
+
+def cycles_features(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """(features, seconds) of cycle rows, in :meth:`CostModel.features` order."""
+    from ..costmodel import CostModel
+
+    X = CostModel.features([r["draft_levels"] for r in rows], [r["n_nodes"] for r in rows],
+                           [r["hits"] for r in rows], [r["misses"] for r in rows])
+    return X, np.array([r["seconds"] for r in rows], dtype=np.float64)
+
+
+@torch.inference_mode()
+def probe_draft(hidden_size: int, draft_vocab: int, device: torch.device, dtype: torch.dtype,
+                widths=(1, 4, 8), repeats: int = 7, seed: int = 0) -> list[dict]:
+    """Time one draft level over ``width`` frontier nodes with a stand-in of the EAGLE-3
+    drafter's shape: one decoder layer whose attention projections take ``2 * hidden`` inputs, a
+    SwiGLU MLP of ``3 * hidden`` and an lm_head over ``draft_vocab`` tokens, then the top-k.
+    Rows: ``width``, ``seconds``.
+    """
+    rows = []
+    gen = torch.Generator().manual_seed(seed)
+    H, inner = hidden_size, 3 * hidden_size
+
+    def weight(rows_, cols):
+        return (torch.randn(rows_, cols, generator=gen) / cols**0.5).to(device=device, dtype=dtype)
+
+    qkv, o = weight(3 * H, 2 * H), weight(H, H)
+    gate_up, down = weight(2 * inner, H), weight(H, inner)
+    lm_head = weight(draft_vocab, H)
+    for width in widths:
+        x = torch.randn(width, 2 * H, generator=gen).to(device=device, dtype=dtype)
+
+        def level():
+            q, k, v = (x @ qkv.T).chunk(3, dim=-1)
+            attn = torch.softmax((q @ k.T) / H**0.5, dim=-1) @ v
+            h = attn @ o.T
+            g, u = (h @ gate_up.T).chunk(2, dim=-1)
+            h = h + (F.silu(g) * u) @ down.T
+            return (h @ lm_head.T).topk(min(8, draft_vocab), dim=-1)
+
+        rows.append({"width": int(width), "seconds": median_time_s(level, device, repeats)})
+    return rows

@@ -1,0 +1,235 @@
+"""``specfit calibrate``: probe the machine, fit the cycle-time predictor, write a profile; and
+``--refit``: refit a profile from the cycles a ``specfit decode --out`` run measured.
+
+The fitted model is the one the search and the simulator use. Its per-expert terms come from
+passes where the offloaded model really copies and computes experts; the draft term from a timed
+draft level (the drafter, or a stand-in of its shape). A stand-in model with fewer layers than the
+named shape gives per-layer costs, so ``base_s`` and ``per_node_s`` (which grow with the layer
+count) are scaled to the full depth; the scaling is recorded in the profile.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from ..costmodel import PARAM_NAMES
+from ..errors import SpecFitError
+from .cycles import cycles_features, probe_cycles, probe_draft
+from .fit import CycleTimeFitter, prediction_errors
+from .probes import fit_h2d, probe_expert_compute, probe_h2d
+from .profile import ModelShape, Profile, machine_info
+
+__all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "default_profile_path", "RUN_CYCLE_COLUMNS"]
+
+# what `specfit decode --out` writes per cycle (cycles.parquet) and a refit reads
+RUN_CYCLE_COLUMNS = ("draft_levels", "nodes_verified", "hits", "misses", "cycle_time_s")
+
+
+@dataclass
+class CalibrationPlan:
+    model_dir: Path | None = None
+    shape: str | None = None
+    layers: int | None = None
+    drafter_dir: Path | None = None
+    device: str = "cpu"
+    dtype: str | None = None
+    quick: bool = False
+    seed: int = 0
+
+    def validate(self) -> None:
+        """Fail early, before any probe runs, on a bad model directory or shape."""
+        if self.model_dir is not None:
+            from ..runtime.config import ModelConfig
+
+            ModelConfig.from_dir(self.model_dir)
+        else:
+            from .standin import shape_config
+
+            shape_config(self.shape or "", self.layers)
+
+    @property
+    def n_steps(self) -> int:
+        h2d = (2 if torch.device(self.device).type == "cuda" else 1) * len(self.size_factors) * len(self.batch_sizes)
+        return h2d + len(self.token_counts) + len(self.capacity_fractions) * len(self.node_counts) * self.repeats + 1
+
+    # probe grids; --quick trims them for CI
+    @property
+    def size_factors(self):
+        return (0.5, 1.0, 2.0) if self.quick else (0.25, 0.5, 1.0, 2.0, 4.0)
+
+    @property
+    def batch_sizes(self):
+        return (1, 4) if self.quick else (1, 2, 4, 8)
+
+    @property
+    def token_counts(self):
+        return (1, 4, 16) if self.quick else (1, 2, 4, 8, 16, 32)
+
+    @property
+    def node_counts(self):
+        return (1, 2, 4, 8, 16) if self.quick else (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+    @property
+    def capacity_fractions(self):
+        return (0.0, 0.5, 1.0) if self.quick else (0.0, 0.25, 0.5, 0.75, 1.0)
+
+    @property
+    def repeats(self) -> int:
+        return 3 if self.quick else 5
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
+
+
+def default_profile_path(machine: dict, shape: ModelShape) -> Path:
+    """``calibrate/<host>-<device>-<model>.json`` under the current directory."""
+    return Path("calibrate") / f"{_slug(machine['host'])}-{_slug(machine['device_name'])}-{_slug(shape.name)}.json"
+
+
+def _load_target(plan: CalibrationPlan):
+    """(model, probed shape, full shape, dtype) for a model directory or a named stand-in."""
+    from ..runtime.config import DTYPES
+
+    device = torch.device(plan.device)
+    if plan.model_dir is not None:
+        from ..runtime.loader import load_model
+
+        model = load_model(plan.model_dir, device=device, dtype=plan.dtype)
+        c = model.config
+        shape = ModelShape(Path(plan.model_dir).name, c.n_layers, c.n_experts, c.top_k, c.expert_bytes(model.dtype),
+                           c.hidden_size)
+        return model, shape, shape
+    from .standin import SHAPE_CONFIGS, random_model, shape_config
+
+    if plan.shape is None:
+        raise SpecFitError("calibrate: pass --model DIR or --shape NAME (one of " + ", ".join(SHAPE_CONFIGS) + ")")
+    dtype_name = plan.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if dtype_name not in DTYPES:
+        raise SpecFitError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype_name!r}")
+    dtype = DTYPES[dtype_name]
+    full = shape_config(plan.shape)
+    config = shape_config(plan.shape, plan.layers)
+    model = random_model(config, device, dtype, seed=plan.seed)
+    probed = ModelShape(f"{plan.shape} ({config.n_layers} layers, random weights)", config.n_layers,
+                        config.n_experts, config.top_k, config.expert_bytes(dtype), config.hidden_size)
+    full_shape = ModelShape(plan.shape, full.n_layers, full.n_experts, full.top_k, full.expert_bytes(dtype),
+                            full.hidden_size)
+    return model, probed, full_shape
+
+
+def _drafter_dims(plan: CalibrationPlan, config) -> tuple[int, int]:
+    """(hidden size, draft vocabulary) of the drafter whose level is timed: ``--drafter``'s
+    config.json when given, else EAGLE-3's defaults for the target (its hidden size, 32k tokens)."""
+    if plan.drafter_dir is None:
+        return config.hidden_size, min(config.vocab_size, 32000)
+    import json
+
+    path = Path(plan.drafter_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+        return int(raw["hidden_size"]), int(raw.get("draft_vocab_size") or raw["vocab_size"])
+    except FileNotFoundError:
+        raise SpecFitError(f"{path}: no such file; expected the drafter's config.json") from None
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise SpecFitError(f"{path}: expected JSON with 'hidden_size' and 'draft_vocab_size' ({exc})") from None
+
+
+def calibrate(plan: CalibrationPlan, progress=None) -> Profile:
+    """Run every probe, fit the cost model, and return the profile (not yet saved)."""
+    started = time.perf_counter()
+    step = progress or (lambda: None)
+    model, probed, full = _load_target(plan)
+    device, dtype, c = model.device, model.dtype, model.config
+    machine = machine_info()
+
+    h2d_rows = probe_h2d(probed.expert_bytes, device, batch_sizes=plan.batch_sizes, size_factors=plan.size_factors,
+                         progress=step)
+    compute_rows = probe_expert_compute(c.hidden_size, c.expert_intermediate_size, dtype, device,
+                                        token_counts=plan.token_counts, progress=step)
+    capacities = sorted({int(round(f * c.n_experts)) for f in plan.capacity_fractions})
+    cycle_rows = probe_cycles(model, capacities, node_counts=plan.node_counts, repeats=plan.repeats, seed=plan.seed,
+                              progress=step)
+    draft_hidden, draft_vocab = _drafter_dims(plan, c)
+    draft_rows = probe_draft(draft_hidden, draft_vocab, device, dtype)
+    step()
+    # one draft level for a frontier of 8 nodes (an EAGLE-3 top-k frontier)
+    draft_level_s = float(np.interp(8, [r["width"] for r in draft_rows], [r["seconds"] for r in draft_rows]))
+
+    X, y = cycles_features(cycle_rows)
+    fitter = CycleTimeFitter(seed=plan.seed, fixed={"draft_level_s": draft_level_s}).fit(X, y, source="cycle probes")
+    cost = fitter.cost_model(expert_bytes=full.expert_bytes)
+    layer_scale = full.n_layers / probed.n_layers
+    if layer_scale != 1:
+        cost = cost.replace(base_s=cost.base_s * layer_scale, per_node_s=cost.per_node_s * layer_scale)
+    predicted = fitter.predict(X)
+    pinned = device.type == "cuda"
+    fit_info = {
+        **fitter.quality_,
+        "method": "non-negative least squares on measured verification passes (relative error), "
+                  "draft_level_s fixed from the draft probe",
+        "probed_params": dict(zip(PARAM_NAMES, map(float, fitter.params_))),
+        "layer_scale": layer_scale,
+        "h2d": fit_h2d(h2d_rows, pinned=pinned if device.type == "cuda" else None),
+        "h2d_pageable": fit_h2d(h2d_rows, pinned=False) if device.type == "cuda" else None,
+        "seconds": time.perf_counter() - started,
+    }
+    for row, p in zip(cycle_rows, predicted):
+        row["predicted_s"] = float(p)
+    return Profile(
+        cost=cost, shape=full, kind="measured",
+        source=f"specfit calibrate on {machine['device_name']} ({probed.name})", machine=machine, fit=fit_info,
+        probes={"h2d": h2d_rows, "expert_compute": compute_rows, "cycles": cycle_rows, "draft": draft_rows,
+                "probed_shape": probed.to_dict(), "dtype": str(dtype).replace("torch.", "")},
+    )
+
+
+# --------------------------------------------------------------------------- refit from a run
+def read_run_cycles(run_dir: str | Path) -> pd.DataFrame:
+    """The per-cycle measurements ``specfit decode --out RUN_DIR`` wrote (``cycles.parquet``)."""
+    path = Path(run_dir) / "cycles.parquet"
+    if not path.is_file():
+        raise SpecFitError(f"{path}: no such file; expected the cycles of a `specfit decode --out {run_dir}` run")
+    try:
+        df = pd.read_parquet(path)
+    except Exception as exc:  # pyarrow raises several types for corrupt files
+        raise SpecFitError(f"{path}: not a readable Parquet file ({exc})") from None
+    missing = [c for c in RUN_CYCLE_COLUMNS if c not in df.columns]
+    if missing:
+        raise SpecFitError(f"{path}: missing column(s) {missing}; expected {list(RUN_CYCLE_COLUMNS)}")
+    if df.empty:
+        raise SpecFitError(f"{path}: no cycles recorded")
+    return df
+
+
+def refit(profile: Profile, run_dirs, seed: int = 0, holdout_fraction: float = 0.3) -> tuple[Profile, dict]:
+    """Refit ``profile``'s cost model on measured decode cycles.
+
+    Returns the refitted profile and a comparison on the *same* held-out cycles: the error of the
+    original profile's predictions and of a fit on the other cycles.
+    """
+    frames = [read_run_cycles(d) for d in run_dirs]
+    df = pd.concat(frames, ignore_index=True)
+    from ..costmodel import CostModel
+
+    X = CostModel.features(df["draft_levels"], df["nodes_verified"], df["hits"], df["misses"])
+    y = df["cycle_time_s"].to_numpy(dtype=np.float64)
+    fitter = CycleTimeFitter(holdout_fraction=holdout_fraction, seed=seed).fit(X, y, source="decode cycles")
+    n_test = fitter.quality_["n_holdout"]
+    test = np.random.default_rng(seed).permutation(len(y))[:n_test]
+    before = prediction_errors(X[test] @ profile.cost.params, y[test])
+    after = fitter.quality_["holdout"]
+    cost = fitter.cost_model(expert_bytes=profile.cost.expert_bytes)
+    comparison = {"n_cycles": int(len(y)), "n_holdout": int(n_test), "before": before, "after": after,
+                  "before_params": profile.cost.to_dict(), "after_params": cost.to_dict()}
+    refitted = Profile(cost=cost, shape=profile.shape, kind="refit",
+                       source=f"refit of {profile.label} on {len(y)} decode cycles", machine=profile.machine,
+                       fit={**fitter.quality_, "refit": comparison, "runs": [str(d) for d in run_dirs]},
+                       probes=profile.probes)
+    return refitted, comparison

@@ -1,0 +1,82 @@
+"""Random-weight stand-ins of named model shapes, so a machine can be calibrated before a
+checkpoint is downloaded (``specfit calibrate --shape qwen3-30b-a3b --layers 4``).
+
+A stand-in has the real layer shapes (hidden size, heads, experts, expert width, vocabulary) and
+fewer layers; its per-layer costs are the real ones, and the cost model's per-layer terms scale
+with the layer count (:func:`scale_layers`). Routing of random weights is near-uniform, which is
+what the probes want: many distinct experts per pass, so hits and misses both vary.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import SpecFitError
+from ..runtime.config import ModelConfig
+from ..runtime.model import MoETransformer
+from ..runtime.offload import ExpertOffload, HostExperts
+
+__all__ = ["SHAPE_CONFIGS", "shape_config", "random_model"]
+
+# Hugging Face config.json fields of the supported public shapes (plus a tiny one for tests).
+SHAPE_CONFIGS = {
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048, num_hidden_layers=48,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+        moe_intermediate_size=768, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960,
+        norm_topk_prob=True, tie_word_embeddings=False),
+    "olmoe-1b-7b": dict(
+        architectures=["OlmoeForCausalLM"], vocab_size=50304, hidden_size=2048, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+        intermediate_size=1024, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
+        norm_topk_prob=False, tie_word_embeddings=False),
+    "mixtral-8x7b": dict(
+        architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        intermediate_size=14336, rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=32768,
+        tie_word_embeddings=False),
+    "tiny": dict(
+        architectures=["Qwen3MoeForCausalLM"], vocab_size=512, hidden_size=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=128, rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=2048,
+        norm_topk_prob=True, tie_word_embeddings=False),
+}
+
+
+def shape_config(name: str, n_layers: int | None = None) -> ModelConfig:
+    """The :class:`ModelConfig` of a named shape, optionally with fewer layers."""
+    if name not in SHAPE_CONFIGS:
+        raise SpecFitError(f"--shape {name!r}: expected one of {', '.join(SHAPE_CONFIGS)}")
+    raw = dict(SHAPE_CONFIGS[name])
+    if n_layers is not None:
+        if not 1 <= n_layers <= raw["num_hidden_layers"]:
+            raise SpecFitError(f"--layers: expected 1..{raw['num_hidden_layers']} for {name}, got {n_layers}")
+        raw["num_hidden_layers"] = n_layers
+    return ModelConfig.from_dict(raw, source=f"shape {name}")
+
+
+@torch.inference_mode()
+def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, cache_experts: int = 0,
+                 seed: int = 0) -> MoETransformer:
+    """A :class:`MoETransformer` of ``config`` with random weights: dense weights on ``device``,
+    experts in (pinned, on CUDA) host memory behind an expert cache, as the loader builds it."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    state = {}
+    for name, param in model.state_dict(keep_vars=True).items():
+        if name.endswith("norm.weight"):
+            state[name] = torch.ones(param.shape, dtype=dtype, device=device)
+        else:
+            fan_in = param.shape[-1]
+            state[name] = (torch.randn(param.shape, generator=gen) / fan_in**0.5).to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.requires_grad_(False).eval()
+    model.init_rope()
+    host = HostExperts(config.n_layers, config.n_experts, config.hidden_size, config.expert_intermediate_size,
+                       dtype, pin_memory=device.type == "cuda")
+    for layer in range(config.n_layers):
+        for tensor in (host.gate_up[layer], host.down[layer]):
+            tensor.copy_(torch.randn(tensor.shape, generator=gen) / tensor.shape[-1] ** 0.5)
+    model.attach_offload(ExpertOffload(host, cache_experts, device=device))
+    return model

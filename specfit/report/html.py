@@ -1,0 +1,100 @@
+"""A self-contained HTML page: escaped text, pandas tables, matplotlib figures inlined as SVG.
+
+Nothing is loaded from outside the file (no scripts, fonts or stylesheets), so a report opens
+offline and can be mailed around. Every string that reaches the page goes through
+:func:`html.escape` (or pandas' escaping for tables, matplotlib's for SVG text).
+"""
+
+from __future__ import annotations
+
+import html
+import io
+from dataclasses import dataclass, field
+
+import matplotlib
+
+matplotlib.use("Agg")  # reports are written headless
+import matplotlib.pyplot as plt  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from ..io import write_text_atomic  # noqa: E402
+
+__all__ = ["Page", "svg_of"]
+
+_STYLE = """
+body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; margin: 0 auto; max-width: 1180px;
+       padding: 16px 28px 60px; color: #1d2430; }
+h1 { font-size: 24px; margin-bottom: 4px; } h2 { font-size: 19px; margin-top: 36px; border-bottom: 1px solid #d8dde6; }
+h3 { font-size: 15px; margin-top: 22px; }
+table { border-collapse: collapse; margin: 8px 0 14px; font-size: 13px; }
+th, td { border: 1px solid #d8dde6; padding: 3px 8px; text-align: right; }
+th { background: #f2f4f8; } td:first-child, th:first-child { text-align: left; }
+figure { margin: 10px 0 18px; } figcaption { color: #5a6475; font-size: 12.5px; }
+.meta { color: #5a6475; font-size: 12.5px; } .note { background: #fff7e0; padding: 6px 10px; border-left: 3px solid #e0b040; }
+code, pre { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12.5px; }
+pre { background: #f5f6f8; padding: 8px; overflow-x: auto; }
+nav a { margin-right: 14px; }
+"""
+
+
+def svg_of(fig) -> str:
+    """A matplotlib figure as inline SVG markup (the figure is closed)."""
+    buf = io.StringIO()
+    fig.savefig(buf, format="svg", bbox_inches="tight")
+    plt.close(fig)
+    text = buf.getvalue()
+    return text[text.index("<svg"):]  # drop the XML prolog and doctype
+
+
+@dataclass
+class Page:
+    title: str
+    parts: list[str] = field(default_factory=list)
+    toc: list[tuple[str, str]] = field(default_factory=list)
+
+    def heading(self, text: str, level: int = 2) -> "Page":
+        anchor = f"s{len(self.toc)}"
+        if level == 2:
+            self.toc.append((anchor, text))
+        self.parts.append(f'<h{level} id="{anchor}">{html.escape(text)}</h{level}>')
+        return self
+
+    def paragraph(self, text: str, css: str = "") -> "Page":
+        cls = f' class="{html.escape(css)}"' if css else ""
+        self.parts.append(f"<p{cls}>{html.escape(text)}</p>")
+        return self
+
+    def code(self, text: str) -> "Page":
+        self.parts.append(f"<pre>{html.escape(text)}</pre>")
+        return self
+
+    def facts(self, items: dict) -> "Page":
+        """A two-column table of labelled values."""
+        rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in items.items())
+        self.parts.append(f'<table class="facts">{rows}</table>')
+        return self
+
+    def table(self, df: pd.DataFrame, caption: str = "", float_format: str = "{:.4g}", index: bool = False) -> "Page":
+        if caption:
+            self.parts.append(f"<h3>{html.escape(caption)}</h3>")
+        formatters = {c: float_format.format for c in df.columns if pd.api.types.is_float_dtype(df[c])}
+        self.parts.append(df.to_html(index=index, escape=True, border=0, formatters=formatters, na_rep="–"))
+        return self
+
+    def figure(self, fig, caption: str = "") -> "Page":
+        cap = f"<figcaption>{html.escape(caption)}</figcaption>" if caption else ""
+        self.parts.append(f"<figure>{svg_of(fig)}{cap}</figure>")
+        return self
+
+    def render(self) -> str:
+        nav = " ".join(f'<a href="#{a}">{html.escape(t)}</a>' for a, t in self.toc)
+        body = "\n".join(self.parts)
+        return (
+            "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
+            f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{html.escape(self.title)}</title>"
+            f"<style>{_STYLE}</style></head><body><h1>{html.escape(self.title)}</h1>"
+            f"<nav>{nav}</nav>\n{body}\n</body></html>\n"
+        )
+
+    def save(self, path) -> None:
+        write_text_atomic(path, self.render())
