@@ -253,8 +253,8 @@ class MoETransformer(nn.Module):
             logits_rows: which rows' logits to compute (e.g. ``[-1]`` after a prefill); all by
                 default.
         """
-        input_ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
-        positions = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(-1)
+        input_ids = self._long(input_ids)
+        positions = self._long(positions)
         T = input_ids.numel()
         if positions.numel() != T:
             raise ValueError(f"positions: expected {T} positions, one per input token, got {positions.numel()}")
@@ -286,10 +286,17 @@ class MoETransformer(nn.Module):
             routing.append(expert_ids)
         x = self.norm(x)
         if logits_rows is not None:
-            x = x[torch.as_tensor(logits_rows, dtype=torch.long, device=self.device)]
+            x = x[self._long(logits_rows)]
         hidden = torch.cat([captured[layer] for layer in self.capture_layers], dim=-1) if self.capture_layers else None
         return ForwardOutput(logits=self.lm_head(x), expert_ids=np.stack(routing, axis=1), hidden=hidden,
                              offload=self.offload.counters)
+
+    def _long(self, values) -> torch.Tensor:
+        """A 1-D int64 tensor on the model's device from a tensor, array or list (copying
+        read-only numpy arrays, such as a DraftTree's, which torch cannot wrap)."""
+        if isinstance(values, torch.Tensor):
+            return values.to(device=self.device, dtype=torch.long).reshape(-1)
+        return torch.tensor(np.asarray(values), dtype=torch.long, device=self.device).reshape(-1)
 
     def _additive_mask(self, attn_mask: torch.Tensor, positions: torch.Tensor, cache_len: int) -> torch.Tensor:
         window = self.config.sliding_window
@@ -306,7 +313,7 @@ class MoETransformer(nn.Module):
     def compact_kv(self, cache_len: int, keep) -> None:
         """Keep the new tokens ``keep`` (indices into the last pass's T tokens, ascending) at
         slots ``cache_len .. cache_len + len(keep) - 1``; later slots become free."""
-        keep = torch.as_tensor(keep, dtype=torch.long, device=self.device).reshape(-1)
+        keep = self._long(keep)
         if keep.numel() > 1 and not bool((keep[1:] > keep[:-1]).all()):
             raise ValueError("keep: expected ascending indices of the new tokens")
         for layer in self.layers:

@@ -1,0 +1,165 @@
+"""Config parsing and checkpoint loading: key variants, layouts, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from runtime_fixtures import make_tiny_model
+from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
+from specfit.errors import SpecFitError
+from specfit.runtime.config import ModelConfig
+from specfit.runtime.loader import Checkpoint, load_model, load_tokenizer
+
+pytest.importorskip("transformers")
+
+# Qwen3-30B-A3B's config.json as published on the hub (hub key spellings)
+HUB_QWEN3 = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
+    "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "rope_scaling": None, "max_position_embeddings": 40960,
+    "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "vocab_size": 151936, "eos_token_id": 151645, "use_sliding_window": False,
+    "sliding_window": None, "hidden_act": "silu", "attention_bias": False,
+}
+
+
+def _as_transformers_5(raw: dict) -> dict:
+    """The same config with the key spellings transformers 5.x writes."""
+    raw = dict(raw)
+    raw["num_local_experts"] = raw.pop("num_experts")
+    raw["rope_parameters"] = {"rope_theta": raw.pop("rope_theta"), "rope_type": "default"}
+    raw.pop("rope_scaling")
+    raw["dtype"] = raw.pop("torch_dtype")
+    return raw
+
+
+def test_hub_and_transformers5_keys_give_the_same_config():
+    hub = ModelConfig.from_dict(HUB_QWEN3)
+    assert hub == ModelConfig.from_dict(_as_transformers_5(HUB_QWEN3))
+    assert (hub.n_experts, hub.top_k, hub.head_dim, hub.rope_theta) == (128, 8, 128, 1e6)
+    assert hub.checkpoint_dtype == "bfloat16" and hub.norm_topk_prob and hub.qk_norm == "per_head"
+    assert hub.expert_bytes(torch.bfloat16) == 3 * 768 * 2048 * 2     # 9.44 MB, as REFERENCE.md says
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral"])
+def test_saved_configs_parse(tmp_path, family):
+    from runtime_fixtures import tiny_config
+
+    tiny_config(family).save_pretrained(tmp_path)
+    config = ModelConfig.from_dir(tmp_path)
+    assert config.model_type == family and config.n_experts == 8 and config.top_k == 2
+    assert config.norm_topk_prob == (family != "olmoe")        # Mixtral always renormalises
+
+
+def test_generation_config_eos_ids_take_precedence(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(HUB_QWEN3))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [151645, 151643]}))
+    assert ModelConfig.from_dir(tmp_path).eos_token_ids == (151645, 151643)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"num_experts": None}, "missing key 'num_local_experts' or 'num_experts'"),
+    ({"hidden_size": None}, "missing key 'hidden_size'"),
+    ({"rope_theta": None}, "missing key 'rope_theta'"),
+    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "unsupported architecture \\(LlamaForCausalLM\\)"),
+    ({"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"num_experts_per_tok": "eight"}, "'num_experts_per_tok' must be int"),
+])
+def test_bad_config_is_one_error_naming_file_and_key(tmp_path, change, message):
+    raw = {k: v for k, v in {**HUB_QWEN3, **change}.items() if v is not None}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(SpecFitError, match=message) as info:
+        ModelConfig.from_file(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_missing_or_unreadable_config(tmp_path):
+    with pytest.raises(SpecFitError, match="no such file"):
+        ModelConfig.from_dir(tmp_path)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(SpecFitError, match="not a readable JSON file"):
+        ModelConfig.from_dir(tmp_path)
+
+
+@pytest.fixture()
+def qwen_dir(tmp_path):
+    return make_tiny_model("qwen3_moe", tmp_path / "qwen")
+
+
+def _rewrite(model_dir, edit):
+    path = model_dir / "model.safetensors"
+    tensors = load_file(str(path))
+    edit(tensors)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def test_missing_expert_tensor_is_named_with_its_shape(qwen_dir):
+    _rewrite(qwen_dir, lambda t: t.pop("model.layers.1.mlp.experts.5.up_proj.weight"))
+    with pytest.raises(SpecFitError, match=r"missing tensor 'model.layers.1.mlp.experts.5.up_proj.weight' \(expected shape \[32, 64\]\)"):
+        load_model(qwen_dir)
+
+
+def test_misshaped_tensor_is_named_with_both_shapes(qwen_dir):
+    def edit(tensors):
+        tensors["model.layers.0.self_attn.q_norm.weight"] = torch.ones(16)
+    _rewrite(qwen_dir, edit)
+    with pytest.raises(SpecFitError, match=r"tensor 'model.layers.0.self_attn.q_norm.weight' has shape \[16\], expected \[32\]"):
+        load_model(qwen_dir)
+
+
+def test_misshaped_fused_experts_are_rejected(tmp_path):
+    model_dir = make_tiny_model("olmoe", tmp_path / "fused", fused_experts=True)
+
+    def edit(tensors):
+        name = "model.layers.0.mlp.experts.gate_up_proj"
+        tensors[name] = tensors[name][:, :-1].contiguous()
+    _rewrite(model_dir, edit)
+    with pytest.raises(SpecFitError, match=r"gate_up_proj' has shape \[8, 95, 64\], expected \[8, 96, 64\]"):
+        load_model(model_dir)
+
+
+def test_no_safetensors_is_one_error(tmp_path, qwen_dir):
+    (qwen_dir / "model.safetensors").rename(qwen_dir / "pytorch_model.bin")
+    with pytest.raises(SpecFitError, match="no model.safetensors or model.safetensors.index.json"):
+        Checkpoint(qwen_dir)
+
+
+def test_sharded_index_with_a_missing_shard(qwen_dir):
+    (qwen_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "gone.safetensors"}}))
+    with pytest.raises(SpecFitError, match="shard gone.safetensors is listed but missing"):
+        Checkpoint(qwen_dir)
+
+
+def test_tied_embeddings_load_without_lm_head(tmp_path):
+    model_dir = make_tiny_model("qwen3_moe", tmp_path / "tied", tie_word_embeddings=True)
+    assert "lm_head.weight" not in load_file(str(model_dir / "model.safetensors"))
+    model = load_model(model_dir)
+    assert torch.equal(model.lm_head.weight, model.embed_tokens.weight)
+
+
+def test_tokenizer_is_optional(tmp_path, qwen_dir):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    assert load_tokenizer(qwen_dir) is None
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1, "world": 2}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(qwen_dir / "tokenizer.json"))
+    assert load_tokenizer(qwen_dir).encode("hello world").ids == [1, 2]
+    (qwen_dir / "tokenizer.json").write_text("{}")
+    with pytest.raises(SpecFitError, match="not a readable tokenizer file"):
+        load_tokenizer(qwen_dir)
+
+
+def test_load_uses_the_requested_dtype(qwen_dir):
+    model = load_model(qwen_dir, dtype="bfloat16", cache_experts=2)
+    assert model.dtype == torch.bfloat16
+    assert model.offload.host.dtype == torch.bfloat16 and model.offload.slot_gate_up.dtype == torch.bfloat16
+    with pytest.raises(SpecFitError, match="dtype"):
+        load_model(qwen_dir, dtype="int8")

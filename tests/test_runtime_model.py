@@ -1,0 +1,195 @@
+"""The standalone forward pass against ``transformers`` on tiny random checkpoints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime_fixtures import (FAMILIES, N_LAYERS, TOP_K, VOCAB, load_reference, make_tiny_model,
+                              shard_checkpoint)
+from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
+from specfit.runtime.loader import load_model
+from specfit.runtime.model import causal_mask
+from specfit.tree import DraftTree
+
+pytest.importorskip("transformers")
+
+SEQ = 12
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """Checkpoints built once per module: key -> directory."""
+    cache = {}
+
+    def get(family, fused=False, **overrides):
+        key = (family, fused, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = make_tiny_model(family, tmp_path_factory.mktemp(family), fused_experts=fused, **overrides)
+        return cache[key]
+
+    return get
+
+
+def _tokens(n=SEQ, seed=1):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _reference_outputs(model_dir, ids, dtype=torch.float32):
+    ref = load_reference(model_dir, dtype)
+    with torch.no_grad():
+        return ref(ids[None], output_router_logits=True, output_hidden_states=True)
+
+
+def _ours(model_dir, dtype=torch.float32, cache_experts=3, max_seq_len=64, **kwargs):
+    model = load_model(model_dir, dtype=dtype, cache_experts=cache_experts, **kwargs)
+    model.setup_kv_cache(max_seq_len)
+    return model
+
+
+CASES = [(family, {}) for family in FAMILIES] + [
+    ("qwen3_moe", {"tie_word_embeddings": True}),
+    ("olmoe", {"clip_qkv": 0.3}),
+    ("mixtral", {"sliding_window": 5}),
+]
+
+
+@pytest.mark.parametrize("family,overrides", CASES, ids=lambda v: v if isinstance(v, str) else "-".join(map(str, v)) or "default")
+def test_logits_match_transformers_float32(model_dirs, family, overrides):
+    model_dir = model_dirs(family, **overrides)
+    ids = _tokens()
+    expected = _reference_outputs(model_dir, ids).logits[0]
+    out = _ours(model_dir)(ids, torch.arange(SEQ))
+    assert (out.logits - expected).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_argmax_matches_transformers_bfloat16(model_dirs, family):
+    model_dir = model_dirs(family)
+    ids = _tokens()
+    expected = _reference_outputs(model_dir, ids, torch.bfloat16).logits[0]
+    out = _ours(model_dir, dtype=torch.bfloat16)(ids, torch.arange(SEQ))
+    assert out.logits.dtype == torch.bfloat16
+    assert torch.equal(out.logits.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_routing_and_captured_hidden_states_match_transformers(model_dirs, family):
+    model_dir = model_dirs(family)
+    ids = _tokens()
+    reference = _reference_outputs(model_dir, ids)
+    model = _ours(model_dir, capture_layers=(0, 1, 1))
+    out = model(ids, torch.arange(SEQ))
+    assert out.expert_ids.shape == (SEQ, N_LAYERS, TOP_K)
+    for layer, router_logits in enumerate(reference.router_logits):
+        expected = torch.topk(router_logits.softmax(-1), TOP_K, dim=-1).indices.numpy()
+        np.testing.assert_array_equal(out.expert_ids[:, layer], expected)
+    # hidden_states[l] is the input of decoder layer l
+    expected_hidden = torch.cat([reference.hidden_states[layer][0] for layer in (0, 1, 1)], dim=-1)
+    torch.testing.assert_close(out.hidden, expected_hidden, rtol=0, atol=1e-6)
+
+
+def test_default_capture_layers_follow_eagle3_and_clip_for_tiny_models(model_dirs):
+    model = _ours(model_dirs("qwen3_moe"))
+    assert model.capture_layers == (1, 1, 0)   # layers 2, L/2, L-3 clipped to [0, L-1] for L = 2
+    out = model(_tokens(), torch.arange(SEQ))
+    assert out.hidden.shape == (SEQ, 3 * 64)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_expert_checkpoint_gives_the_same_logits(model_dirs, family):
+    ids = _tokens()
+    per_expert = _ours(model_dirs(family))(ids, torch.arange(SEQ)).logits
+    fused = _ours(model_dirs(family, fused=True))(ids, torch.arange(SEQ)).logits
+    assert torch.equal(per_expert, fused)
+
+
+def test_sharded_checkpoint_loads(tmp_path):
+    model_dir = make_tiny_model("qwen3_moe", tmp_path / "sharded")
+    ids = _tokens()
+    single = _ours(model_dir)(ids, torch.arange(SEQ)).logits
+    shard_checkpoint(model_dir, n_shards=3)
+    assert not (model_dir / "model.safetensors").exists()
+    assert torch.equal(_ours(model_dir)(ids, torch.arange(SEQ)).logits, single)
+
+
+def _tree():
+    #        0
+    #      / | \
+    #     1  2  3
+    #    / \     \
+    #   4   5     6
+    #   |
+    #   7
+    parents = np.array([-1, 0, 0, 0, 1, 1, 3, 4])
+    tokens = np.array([5, 17, 42, 9, 63, 2, 88, 30])
+    return DraftTree(parents=parents, path_probs=np.linspace(1.0, 0.3, 8), tokens=tokens)
+
+
+def _path_to(tree, node):
+    path = [node]
+    while tree.parents[path[-1]] >= 0:
+        path.append(int(tree.parents[path[-1]]))
+    return path[::-1]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_masked_logits_equal_linear_sequences(model_dirs, family):
+    model_dir = model_dirs(family)
+    prompt = _tokens(6, seed=3)
+    tree = _tree()
+    model = _ours(model_dir)
+    model(prompt, torch.arange(prompt.numel()))
+    n = prompt.numel()
+    mask = np.concatenate([np.ones((tree.n_nodes, n), dtype=bool), tree.attention_mask()], axis=1)
+    tree_logits = model(tree.tokens, tree.positions(n), torch.from_numpy(mask)).logits
+
+    linear = _ours(model_dir)
+    for node in range(tree.n_nodes):
+        sequence = torch.cat([prompt, torch.as_tensor(tree.tokens[_path_to(tree, node)])])
+        expected = linear(sequence, torch.arange(sequence.numel()), logits_rows=[-1]).logits[0]
+        assert (tree_logits[node] - expected).abs().max().item() <= 1e-5, f"node {node}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kv_compaction_continues_like_the_linear_sequence(model_dirs, family):
+    model_dir = model_dirs(family)
+    prompt = _tokens(6, seed=4)
+    tree = _tree()
+    accepted = [0, 1, 4, 7]
+    model = _ours(model_dir)
+    model(prompt, torch.arange(prompt.numel()))
+    n = prompt.numel()
+    mask = np.concatenate([np.ones((tree.n_nodes, n), dtype=bool), tree.attention_mask()], axis=1)
+    model(tree.tokens, tree.positions(n), torch.from_numpy(mask))
+    model.compact_kv(n, accepted)
+    # after compaction the accepted path is an ordinary prefix: continue linearly
+    cache_len = n + len(accepted)
+    next_ids = torch.tensor([11, 12, 13])
+    after = model(next_ids, torch.arange(cache_len, cache_len + 3)).logits
+
+    sequence = torch.cat([prompt, torch.as_tensor(tree.tokens[accepted]), next_ids])
+    expected = _ours(model_dir)(sequence, torch.arange(sequence.numel())).logits[-3:]
+    assert (after - expected).abs().max().item() <= 1e-5
+
+
+def test_causal_mask_is_a_linear_continuation():
+    mask = causal_mask(2, 3)
+    assert mask.tolist() == [[True, True, True, False, False],
+                             [True, True, True, True, False],
+                             [True, True, True, True, True]]
+
+
+def test_bad_forward_arguments_are_rejected(model_dirs):
+    model = _ours(model_dirs("qwen3_moe"), max_seq_len=16)
+    with pytest.raises(ValueError, match="positions"):
+        model(torch.tensor([1, 2]), torch.tensor([0]))
+    with pytest.raises(ValueError, match="consecutive"):
+        model(torch.tensor([1, 2]), torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="attn_mask"):
+        model(torch.tensor([1, 2]), torch.tensor([0, 1]), torch.ones(3, 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="exceed"):
+        model(torch.arange(17) % VOCAB, torch.arange(17))
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        model.setup_kv_cache(10_000)

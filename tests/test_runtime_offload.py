@@ -1,0 +1,129 @@
+"""Expert offload: counters, slot table, streaming, capacity 0 and "all experts"."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime_fixtures import N_EXPERTS, N_LAYERS, VOCAB, make_tiny_model
+from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
+from specfit.runtime.loader import load_model
+from specfit.runtime.offload import ExpertOffload, HostExperts
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("offload"))
+
+
+def _model(model_dir, cache_experts, **kwargs):
+    model = load_model(model_dir, cache_experts=cache_experts, **kwargs)
+    model.setup_kv_cache(64)
+    return model
+
+
+def _decode_passes(model, n_prompt=6, n_steps=8, seed=0):
+    """A prefill and ``n_steps`` greedy single-token passes; yields each pass's output."""
+    ids = torch.randint(0, VOCAB, (n_prompt,), generator=torch.Generator().manual_seed(seed))
+    out = model(ids, torch.arange(n_prompt), logits_rows=[-1])
+    yield out
+    for step in range(n_steps):
+        token = out.logits[-1].argmax().reshape(1)
+        out = model(token, torch.tensor([n_prompt + step]))
+        yield out
+
+
+def _check_slots(offload: ExpertOffload) -> None:
+    """Resident experts have distinct slots holding exactly their host weights; others have none."""
+    resident = offload.cache.resident()
+    assert np.array_equal(offload.slot_of >= 0, resident)
+    slots = offload.slot_of[resident]
+    assert len(set(slots.tolist())) == slots.size
+    for layer, expert in np.argwhere(resident):
+        slot = offload.slot_of[layer, expert]
+        assert torch.equal(offload.slot_gate_up[slot], offload.host.gate_up[layer][expert])
+        assert torch.equal(offload.slot_down[slot], offload.host.down[layer][expert])
+
+
+@pytest.mark.parametrize("cache_experts", [0, 1, 3, N_EXPERTS])
+def test_counters_match_the_routed_unions(model_dir, cache_experts):
+    model = _model(model_dir, cache_experts)
+    offload = model.offload
+    expert_bytes = offload.host.expert_bytes
+    total_misses = 0
+    for out in _decode_passes(model):
+        c = out.offload
+        for layer in range(N_LAYERS):
+            union = np.unique(out.expert_ids[:, layer]).size
+            assert c.hits[layer] + c.misses[layer] == union
+        assert np.array_equal(c.bytes_h2d, c.misses * expert_bytes)
+        assert np.all(c.streamed <= c.misses)
+        total_misses += c.total_misses
+        _check_slots(offload)
+    assert offload.cache.bytes_h2d == total_misses * expert_bytes
+
+
+def test_capacity_zero_streams_everything_and_keeps_nothing(model_dir):
+    model = _model(model_dir, 0)
+    assert model.offload.n_slots == 0
+    for out in _decode_passes(model):
+        assert out.offload.total_hits == 0
+        assert np.array_equal(out.offload.streamed, out.offload.misses)
+    assert not model.offload.cache.resident().any()
+
+
+def test_all_experts_resident_after_first_use(model_dir):
+    model = _model(model_dir, N_EXPERTS)
+    assert model.offload.staging_gate_up.shape[0] == 0      # nothing can overflow
+    ids = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(5))
+    first = model(ids, torch.arange(10))
+    assert first.offload.total_misses == first.offload.total_bytes_h2d // model.offload.host.expert_bytes > 0
+    again = model(ids, torch.arange(10))                      # the same tokens route the same way
+    assert again.offload.total_misses == 0
+    assert again.offload.total_hits == first.offload.total_misses
+    assert torch.equal(again.logits, first.logits)
+
+
+@pytest.mark.parametrize("cache_experts,mode", [(1, "per_layer"), (3, "per_layer"), (2, "global"), (9, "global")])
+def test_outputs_do_not_depend_on_the_cache(model_dir, cache_experts, mode):
+    reference = [out.logits for out in _decode_passes(_model(model_dir, N_EXPERTS))]
+    model = _model(model_dir, cache_experts, cache_mode=mode)
+    for expected, out in zip(reference, _decode_passes(model)):
+        assert torch.equal(out.logits, expected)
+        _check_slots(model.offload)
+
+
+def test_device_holds_only_the_slots_and_staging(model_dir):
+    model = _model(model_dir, 3)
+    offload = model.offload
+    assert offload.n_slots == 3 * N_LAYERS
+    expected = (offload.n_slots + 2) * offload.host.expert_bytes   # slots + two staging buffers
+    assert offload.device_bytes == expected
+    assert offload.device_bytes < offload.host.nbytes
+    # the dense model holds no expert weights
+    dense_params = sum(p.numel() for p in model.parameters())
+    expert_params = N_LAYERS * N_EXPERTS * model.config.expert_params
+    assert offload.host.nbytes == expert_params * 4
+    assert all("expert" not in name for name, _ in model.named_parameters())
+    assert dense_params < expert_params
+
+
+def test_streaming_more_experts_than_staging_buffers_is_exact():
+    """A layer whose union needs many streamed experts cycles the two staging buffers."""
+    torch.manual_seed(0)
+    host = HostExperts(n_layers=1, n_experts=6, hidden_size=4, intermediate_size=3, dtype=torch.float32)
+    for tensor in host.gate_up + host.down:
+        tensor.normal_()
+    offload = ExpertOffload(host, capacity=1)
+    offload.begin_pass()
+    seen = [(e, gate_up.clone(), down.clone()) for e, gate_up, down in offload.layer_experts(0, np.array([5, 0, 3, 2, 4]))]
+    assert [e for e, _, _ in seen] == [0, 2, 3, 4, 5]
+    for expert, gate_up, down in seen:
+        assert torch.equal(gate_up, host.gate_up[0][expert])
+        assert torch.equal(down, host.down[0][expert])
+    assert offload.counters.misses.tolist() == [5]
+    assert offload.counters.streamed.tolist() == [4]
+    assert offload.cache.resident()[0].tolist() == [True, False, False, False, False, False]
