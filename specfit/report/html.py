@@ -11,13 +11,9 @@ import html
 import io
 from dataclasses import dataclass, field
 
-import matplotlib
+import pandas as pd
 
-matplotlib.use("Agg")  # reports are written headless
-import matplotlib.pyplot as plt  # noqa: E402
-import pandas as pd  # noqa: E402
-
-from ..io import write_text_atomic  # noqa: E402
+from ..io import write_text_atomic
 
 __all__ = ["Page", "svg_of"]
 
@@ -38,10 +34,10 @@ nav a { margin-right: 14px; }
 
 
 def svg_of(fig) -> str:
-    """A matplotlib figure as inline SVG markup (the figure is closed)."""
+    """A matplotlib :class:`~matplotlib.figure.Figure` (made without pyplot, so nothing needs a
+    display or closing) as inline SVG markup."""
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight")
-    plt.close(fig)
     text = buf.getvalue()
     return text[text.index("<svg"):]  # drop the XML prolog and doctype
 

@@ -1,0 +1,91 @@
+"""The calibration section: a profile's probe data against its fitted model."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from ..calibrate.profile import Profile
+from .html import Page
+from .plots import identity_scatter, new_axes
+
+__all__ = ["calibration_section"]
+
+
+def calibration_section(page: Page, profile: Profile, name: str) -> None:
+    page.heading(f"Calibration: {name}")
+    fit = profile.fit
+    held = fit.get("holdout") or {}
+    page.facts({
+        "kind": profile.kind,
+        "source": profile.source,
+        "machine": f"{profile.machine.get('device_name', '?')} on {profile.machine.get('host', '?')} "
+                   f"(torch {profile.machine.get('torch', '?')})",
+        "model shape": f"{profile.shape.name}: {profile.shape.n_layers} layers, {profile.shape.n_experts} experts, "
+                       f"top-{profile.shape.top_k}, {profile.shape.expert_bytes:,} B per expert",
+        "held-out cycle-time error": f"MAPE {held.get('mape', float('nan')):.1%}, max {held.get('max_ape', float('nan')):.1%} "
+                                     f"over {held.get('n', 0)} passes" if held else "not measured",
+        "created": profile.created,
+    })
+    if profile.kind == "preset":
+        page.paragraph("A preset derived from published hardware numbers, not a measurement of a machine.", "note")
+    params = pd.DataFrame({"parameter": list(profile.cost.to_dict()), "value": list(profile.cost.to_dict().values())})
+    page.table(params, caption="Fitted cost model (seconds; expert_bytes in bytes)")
+    probes = profile.probes
+    if probes.get("h2d"):
+        _h2d(page, pd.DataFrame(probes["h2d"]), fit)
+    if probes.get("expert_compute"):
+        df = pd.DataFrame(probes["expert_compute"])
+        fig, ax = new_axes()
+        ax.plot(df["tokens"], df["seconds"] * 1e6, "o-")
+        ax.axhline(profile.cost.hit_s * 1e6, ls="--", color="grey", label=f"fitted hit_s = {profile.cost.hit_s * 1e6:.3g} µs")
+        ax.set(xlabel="tokens through one resident expert", ylabel="µs", xscale="log")
+        ax.legend()
+        page.figure(fig, "Cache-hit latency: one resident expert run on 1..N tokens (median of repeats).")
+    if probes.get("cycles"):
+        _cycles(page, pd.DataFrame(probes["cycles"]))
+    if probes.get("draft"):
+        page.table(pd.DataFrame(probes["draft"]).assign(ms=lambda d: d["seconds"] * 1e3).drop(columns="seconds"),
+                   caption="Draft level time by frontier width")
+    if "refit" in fit:
+        _refit(page, fit["refit"])
+
+
+def _h2d(page: Page, df: pd.DataFrame, fit: dict) -> None:
+    fig, ax = new_axes()
+    for pinned, group in df.groupby("pinned"):
+        label = "pinned" if pinned else ("pageable" if len(df["pinned"].unique()) > 1 else "host copy")
+        ax.plot(group["bytes"] / 1e6, group["seconds"] * 1e3, "o", label=label)
+        line = fit.get("h2d") if (pinned or len(df["pinned"].unique()) == 1) else fit.get("h2d_pageable")
+        if line and np.isfinite(line.get("gbps", np.nan)):
+            x = np.linspace(0, group["bytes"].max(), 50)
+            ax.plot(x / 1e6, (line["overhead_s"] + x / (line["gbps"] * 1e9)) * 1e3, "-",
+                    label=f"fit: {line['gbps']:.3g} GB/s + {line['overhead_s'] * 1e6:.3g} µs")
+    ax.set(xlabel="MB per copy", ylabel="ms")
+    ax.legend()
+    page.figure(fig, "Host-to-device transfers of 1..k experts over sizes around one expert, with the fitted "
+                     "bandwidth and per-copy overhead.")
+
+
+def _cycles(page: Page, df: pd.DataFrame) -> None:
+    if "predicted_s" not in df:
+        return
+    fig = identity_scatter(df["seconds"] * 1e3, df["predicted_s"] * 1e3, "measured pass (ms)", "predicted (ms)",
+                           color=df["capacity"], color_label="cache slots / layer")
+    page.figure(fig, "Verification passes over random trees at several cache sizes: predicted vs measured, "
+                     "with the identity line.")
+    fig, ax = new_axes()
+    rel = (df["predicted_s"] - df["seconds"]) / df["seconds"] * 100
+    ax.scatter(df["n_nodes"], rel, s=14, alpha=0.7)
+    ax.axhline(0, color="grey", lw=1)
+    ax.set(xlabel="nodes in the pass", ylabel="residual (% of measured)")
+    page.figure(fig, "Residuals of the fit by node count.")
+
+
+def _refit(page: Page, comparison: dict) -> None:
+    rows = []
+    for label in ("before", "after"):
+        e = comparison[label]
+        rows.append({"": f"{label} refit", "held-out MAPE": e["mape"], "max APE": e["max_ape"],
+                     "max abs. error (s)": e["max_abs_err_s"], "cycles": e["n"]})
+    page.table(pd.DataFrame(rows), caption=f"Refit on {comparison['n_cycles']} decode cycles (same held-out cycles)")

@@ -1,0 +1,45 @@
+"""Figure helpers shared by the report sections (matplotlib, one look for every figure)."""
+
+from __future__ import annotations
+
+import numpy as np
+from matplotlib.figure import Figure
+
+__all__ = ["new_axes", "identity_scatter", "bars"]
+
+
+def new_axes(width: float = 6.4, height: float = 3.6):
+    fig = Figure(figsize=(width, height))
+    ax = fig.add_subplot()
+    ax.grid(alpha=0.3)
+    return fig, ax
+
+
+def identity_scatter(measured, predicted, xlabel: str, ylabel: str, color=None, color_label: str = ""):
+    """Predicted vs measured with the identity line and the MAPE in the title."""
+    measured, predicted = np.asarray(measured, dtype=float), np.asarray(predicted, dtype=float)
+    fig, ax = new_axes(5.2, 4.4)
+    sc = ax.scatter(measured, predicted, s=14, alpha=0.75, c=None if color is None else np.asarray(color),
+                    cmap="viridis")
+    hi = float(np.nanmax(np.concatenate([measured, predicted]))) * 1.05 if measured.size else 1.0
+    ax.plot([0, hi], [0, hi], color="grey", lw=1)
+    ax.set(xlim=(0, hi), ylim=(0, hi), xlabel=xlabel, ylabel=ylabel)
+    if measured.size:
+        mape = np.mean(np.abs(predicted - measured) / measured)
+        ax.set_title(f"MAPE {mape:.1%} over {measured.size} points", fontsize=10)
+    if color is not None:
+        fig.colorbar(sc, ax=ax, label=color_label)
+    return fig
+
+
+def bars(labels, values, ylabel: str, annotations=None, title: str = ""):
+    """A bar chart with an optional label above each bar (e.g. a speedup)."""
+    fig, ax = new_axes(max(4.0, 0.75 * len(labels) + 2), 3.6)
+    x = np.arange(len(labels))
+    ax.bar(x, values, color="#4a78b5")
+    ax.set_xticks(x, [str(label) for label in labels], rotation=30, ha="right")
+    ax.set(ylabel=ylabel, title=title)
+    for xi, v, note in zip(x, values, annotations or [None] * len(labels)):
+        if note:
+            ax.annotate(note, (xi, v), ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+    return fig
