@@ -18,8 +18,6 @@ real and what synthesised. Reading checks the version and the columns and fails 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,10 +27,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import SpecFitError
+from ..io import atomic_write
 from ..tree import DraftTree
 
-__all__ = ["SCHEMA_VERSION", "METADATA_KEY", "Trace", "read_trace", "write_trace", "validate_trace",
-           "atomic_write"]
+__all__ = ["SCHEMA_VERSION", "METADATA_KEY", "Trace", "read_trace", "write_trace", "validate_trace"]
 
 SCHEMA_VERSION = 1
 METADATA_KEY = b"specfit.trace"
@@ -169,22 +167,6 @@ class Trace:
 
 
 # --------------------------------------------------------------------------- writing
-def atomic_write(path: str | Path, write) -> None:
-    """Call ``write(tmp_path)`` on a temporary file next to ``path`` and move it into place with
-    ``os.replace``, so readers never see a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def _expert_type(n_experts: int) -> pa.DataType:
     # unknown sets are nulls (a validity mask), so every id of the narrow type is usable
     return pa.uint8() if n_experts <= 256 else pa.uint16()

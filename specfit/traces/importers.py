@@ -30,7 +30,8 @@ from .drafter import DrafterParams
 from .format import Trace
 from .routing import RoutingModel, TokenSampler
 from .stats import consecutive_reuse, popularity, same_token_reuse
-from .synth import MODEL_SHAPES, WORKLOADS, build_trees, trace_statistics
+from .summary import trace_statistics
+from .synth import MODEL_SHAPES, WORKLOADS, build_trees
 
 __all__ = ["RoutingLog", "read_routing_log", "import_routing", "model_for_log", "dump_jsonl"]
 

@@ -21,24 +21,19 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 
 from .. import __version__
+from ..calibrate.presets import SHAPES
 from ..errors import SpecFitError
 from .drafter import DrafterParams, draft_tree
 from .format import Trace
 from .routing import RoutingModel, TokenSampler, zipf_popularity
-from .stats import acceptance_by_depth, accepted_lengths, consecutive_reuse, popularity, same_token_reuse, \
-    set_overlap, top_quarter_share
+from .summary import trace_statistics
 
-__all__ = ["MODEL_SHAPES", "WORKLOADS", "RoutingParams", "synthesize", "build_trees"]
+__all__ = ["MODEL_SHAPES", "WORKLOADS", "RoutingParams", "synthesize", "build_trees", "with_drafter_overrides"]
 
-# bf16 expert sizes: 3 matrices of hidden x moe_intermediate
-MODEL_SHAPES = {
-    "qwen3-30b-a3b": {"name": "qwen3-30b-a3b", "n_layers": 48, "n_experts": 128, "top_k": 8,
-                      "expert_bytes": 3 * 2048 * 768 * 2, "vocab_size": 151936},
-    "olmoe-1b-7b": {"name": "olmoe-1b-7b", "n_layers": 16, "n_experts": 64, "top_k": 8,
-                    "expert_bytes": 3 * 2048 * 1024 * 2, "vocab_size": 50304},
-    "mixtral-8x7b": {"name": "mixtral-8x7b", "n_layers": 32, "n_experts": 8, "top_k": 2,
-                     "expert_bytes": 3 * 4096 * 14336 * 2, "vocab_size": 32000},
-}
+# the calibration presets' shapes, plus the vocabulary size that synthetic token ids need
+_VOCAB_SIZES = {"qwen3-30b-a3b": 151936, "olmoe-1b-7b": 50304, "mixtral-8x7b": 32000}
+MODEL_SHAPES = {name: {**{k: v for k, v in shape.to_dict().items() if k != "hidden_size"},
+                       "vocab_size": _VOCAB_SIZES[name]} for name, shape in SHAPES.items()}
 
 # drafter confidence per workload, tuned so that EAGLE-3's default tree commits about 2.4 (chat),
 # 2.8 (math) and 3.1 (code) tokens per cycle, the range reported for EAGLE-3 on Qwen3-30B-A3B
@@ -113,28 +108,6 @@ def build_trees(reference_tokens: list[np.ndarray], reference_experts: list[np.n
         "token": cat["token"].astype(np.int32), "draft_logprob": cat["draft_logprob"].astype(np.float32),
         "path_prob": cat["path_prob"], "verdict": cat["verdict"].astype(np.int32),
         "true_experts": np.concatenate([c[2] for c in cycles]).astype(np.int16),
-    }
-
-
-def trace_statistics(trace: Trace) -> dict:
-    """The statistics a synthetic trace is checked against (layer means)."""
-    roots = trace.offsets[:-1]
-    ref = trace.true_experts[roots].astype(np.int64)
-    parent_row = np.where(trace.parent >= 0, trace.parent.astype(np.int64) + trace.offsets[trace.cycle_of_node], -1)
-    # sibling pairs: consecutive children of the same parent, neither carrying the true next token
-    off = (parent_row >= 0)
-    off[off] &= trace.token[off] != trace.verdict[parent_row[off]]
-    rows = np.flatnonzero(off)
-    pair = rows[:-1][parent_row[rows[:-1]] == parent_row[rows[1:]]]
-    sib = float(set_overlap(trace.true_experts[pair], trace.true_experts[pair + 1]).mean()) if pair.size else float("nan")
-    lengths = accepted_lengths(trace)
-    return {
-        "popularity_skew": float(top_quarter_share(popularity(ref, trace.n_experts)).mean()),
-        "consecutive_reuse": float(np.nanmean(consecutive_reuse(ref, trace.sequence))),
-        "token_affinity": float(np.nanmean(same_token_reuse(ref, trace.token[roots]))),
-        "sibling_reuse": sib,
-        "full_tree_accepted_tokens": float(lengths.mean() + 1),
-        "acceptance_by_depth": {str(d): round(r, 4) for d, r in acceptance_by_depth(trace).items()},
     }
 
 

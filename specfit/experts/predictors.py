@@ -1,0 +1,280 @@
+"""Expert predictors: which experts a draft node will route to, before the target has run it.
+
+The cost of verifying a subtree depends on the experts of tokens the target has not processed
+yet, so policies decide with *predicted* experts. Predictors are scikit-learn shaped: hyper-
+parameters in the constructor, ``fit(trace, cycles)`` learns attributes ending in ``_`` from the
+nodes whose true experts the trace knows, ``predict(trace, cycles)`` returns
+``int16 [nodes of those cycles, layers, top_k]`` and is pure, ``to_dict()`` / ``from_dict()``
+round-trip through JSON.
+
+At draft time the target has processed every committed token except the root (the previous
+cycle's bonus token), so the most recent routing known is the token before the root: in a
+position-indexed trace the root of the previous position (:func:`last_known_experts`).
+
+- ``oracle``: the true experts (isolates search quality from prediction quality);
+- ``recorded``: the predictions stored in the trace by the live recorder;
+- ``parent``: every node gets the most recent known routing (temporal locality); siblings get
+  identical predictions, which makes extra nodes look free;
+- ``affinity``: a token -> experts frequency table fitted from traces, blended with the most
+  recent known routing and the layer's popularity for tokens seen rarely or never.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import SpecFitError
+
+__all__ = ["ExpertPredictor", "OraclePredictor", "RecordedPredictor", "ParentPredictor", "AffinityPredictor",
+           "make_predictor", "PREDICTORS", "last_known_experts", "cross_predict", "union_quality"]
+
+
+def last_known_experts(trace) -> np.ndarray:
+    """[cycles, layers, top_k] the routing of the token before each cycle's root, -1 where none
+    is known (a sequence's first position, or a previous root without true experts)."""
+    out = np.full((trace.n_cycles, trace.n_layers, trace.top_k), -1, dtype=np.int16)
+    roots = trace.offsets[:-1]
+    follows = np.r_[False, (trace.sequence[1:] == trace.sequence[:-1]) & (trace.position[1:] == trace.position[:-1] + 1)]
+    c = np.flatnonzero(follows)
+    out[c] = trace.true_experts[roots[c - 1]]
+    return out
+
+
+def _selected_rows(trace, cycles) -> tuple[np.ndarray, np.ndarray]:
+    """(cycles, node rows of those cycles) for ``cycles`` (None: all)."""
+    cycles = np.arange(trace.n_cycles) if cycles is None else np.asarray(cycles, dtype=np.int64)
+    sizes = trace.offsets[cycles + 1] - trace.offsets[cycles]
+    rows = np.repeat(trace.offsets[cycles] - np.r_[0, np.cumsum(sizes)[:-1]], sizes) + np.arange(sizes.sum())
+    return cycles, rows
+
+
+class ExpertPredictor:
+    """Base class: ``fit`` does nothing, ``predict`` must be overridden."""
+
+    name = "predictor"
+
+    def fit(self, trace, cycles=None) -> "ExpertPredictor":
+        return self
+
+    def predict(self, trace, cycles=None) -> np.ndarray:
+        raise NotImplementedError
+
+    def get_params(self) -> dict:
+        return {}
+
+    def to_dict(self) -> dict:
+        return {"predictor": self.name, "params": self.get_params()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ExpertPredictor":
+        return make_predictor(d["predictor"], **d.get("params", {}))
+
+
+class OraclePredictor(ExpertPredictor):
+    """The true experts (needs a trace that knows them for every node)."""
+
+    name = "oracle"
+
+    def predict(self, trace, cycles=None) -> np.ndarray:
+        _, rows = _selected_rows(trace, cycles)
+        if not trace.true_known[rows].all():
+            raise SpecFitError("--predictor oracle: the trace does not know every node's true experts")
+        return trace.true_experts[rows]
+
+
+class RecordedPredictor(ExpertPredictor):
+    """The predictions the live recorder stored in the trace."""
+
+    name = "recorded"
+
+    def predict(self, trace, cycles=None) -> np.ndarray:
+        _, rows = _selected_rows(trace, cycles)
+        if trace.predicted_experts is None or (trace.predicted_experts[rows, 0, 0] < 0).any():
+            raise SpecFitError("--predictor recorded: the trace has no recorded predictions for every node")
+        return trace.predicted_experts[rows]
+
+
+class ParentPredictor(ExpertPredictor):
+    """Every node routes like the most recent token whose routing is known (the nearest ancestor
+    the target has processed); the layer's most popular experts where none is known."""
+
+    name = "parent"
+
+    def fit(self, trace, cycles=None) -> "ParentPredictor":
+        self.popularity_ = _popularity(trace, cycles)
+        return self
+
+    def predict(self, trace, cycles=None) -> np.ndarray:
+        cycles, rows = _selected_rows(trace, cycles)
+        last = last_known_experts(trace)[cycles]
+        fallback = np.argsort(-self.popularity_, axis=1, kind="stable")[:, : trace.top_k].astype(np.int16)
+        last = np.where(last[:, :1, :1] >= 0, last, fallback[None])
+        return np.repeat(last, trace.offsets[cycles + 1] - trace.offsets[cycles], axis=0)
+
+    def to_dict(self) -> dict:
+        return {"predictor": self.name, "params": {}, "popularity_": self.popularity_.tolist()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ParentPredictor":
+        p = cls()
+        p.popularity_ = np.asarray(d["popularity_"])
+        return p
+
+
+def _popularity(trace, cycles) -> np.ndarray:
+    _, rows = _selected_rows(trace, cycles)
+    rows = rows[trace.true_known[rows]]
+    L, E = trace.n_layers, trace.n_experts
+    flat = (trace.true_experts[rows].astype(np.int64) + np.arange(L)[None, :, None] * E).ravel()
+    counts = np.bincount(flat, minlength=L * E).reshape(L, E) + 1.0   # add-one: unseen experts stay possible
+    return counts / counts.sum(axis=1, keepdims=True)
+
+
+class AffinityPredictor(ExpertPredictor):
+    """Token -> experts frequencies, fitted from the nodes whose true experts are known.
+
+    A node with token x scores expert e at layer l as
+
+        w_x * freq(x, l, e) + (1 - w_x) * (reuse_weight * [e in last known routing] + (1 - reuse_weight) * pop(l, e))
+
+    with ``w_x = n_x / (n_x + prior_strength)`` for a token seen ``n_x`` times. With
+    ``sample=False`` the top-k scores are the prediction; with ``sample=True`` (the default) the
+    k experts are drawn from the scores (Gumbel top-k of their logarithms). Drawing prices the
+    uncertainty of rarely seen tokens: their argmax would be the same few popular experts for
+    every such node, so the predicted union would be far smaller than the true one and extra
+    nodes would look free; drawn sets spread like real routing does, while a confident token's
+    peaked scores still give its usual experts.
+    """
+
+    name = "affinity"
+
+    def __init__(self, prior_strength: float = 1.0, reuse_weight: float = 0.5, sample: bool = True, seed: int = 0,
+                 chunk_nodes: int = 1024):
+        if prior_strength < 0 or not 0 <= reuse_weight <= 1:
+            raise ValueError("affinity: expected prior_strength >= 0 and reuse_weight in [0, 1]")
+        self.prior_strength, self.reuse_weight = float(prior_strength), float(reuse_weight)
+        self.sample, self.seed, self.chunk_nodes = bool(sample), int(seed), int(chunk_nodes)
+
+    def get_params(self) -> dict:
+        return {"prior_strength": self.prior_strength, "reuse_weight": self.reuse_weight, "sample": self.sample,
+                "seed": self.seed}
+
+    def fit(self, trace, cycles=None) -> "AffinityPredictor":
+        _, rows = _selected_rows(trace, cycles)
+        rows = rows[trace.true_known[rows]]
+        L, E = trace.n_layers, trace.n_experts
+        self.popularity_ = _popularity(trace, cycles)
+        self.tokens_, token_row, self.occurrences_ = np.unique(trace.token[rows], return_inverse=True, return_counts=True)
+        # sparse (token row, layer, expert) counts, keyed in one int64 so that a token's entries
+        # for every layer are one contiguous, sorted range
+        keys = ((token_row.astype(np.int64)[:, None, None] * L + np.arange(L)[None, :, None]) * E
+                + trace.true_experts[rows].astype(np.int64)).ravel()
+        self.keys_, self.counts_ = np.unique(keys, return_counts=True)
+        self.n_layers_, self.n_experts_ = L, E
+        return self
+
+    def predict(self, trace, cycles=None) -> np.ndarray:
+        cycles, rows = _selected_rows(trace, cycles)
+        L, E, k = trace.n_layers, trace.n_experts, trace.top_k
+        if (L, E) != (self.n_layers_, self.n_experts_):
+            raise SpecFitError(f"--predictor affinity: fitted for {self.n_layers_} layers x {self.n_experts_} experts, "
+                               f"the trace has {L} x {E}")
+        sizes = trace.offsets[cycles + 1] - trace.offsets[cycles]
+        last = np.repeat(last_known_experts(trace)[cycles], sizes, axis=0)
+        out = np.empty((rows.size, L, k), dtype=np.int16)
+        prior_pop = ((1 - self.reuse_weight) * self.popularity_).astype(np.float32)
+        rng = np.random.default_rng(self.seed)
+        for s in range(0, rows.size, self.chunk_nodes):
+            r = rows[s:s + self.chunk_nodes]
+            n = r.size
+            tok = trace.token[r]
+            pos = np.searchsorted(self.tokens_, tok)
+            seen = (pos < self.tokens_.size) & (self.tokens_[np.minimum(pos, self.tokens_.size - 1)] == tok)
+            n_x = np.where(seen, self.occurrences_[np.minimum(pos, self.tokens_.size - 1)], 0).astype(np.float32)
+            w_x = n_x / (n_x + self.prior_strength) if self.prior_strength > 0 else (n_x > 0).astype(np.float32)
+            scores = np.broadcast_to(prior_pop[None], (n, L, E)).copy()
+            lk = last[s:s + n].astype(np.int64)
+            has_last = lk[:, 0, 0] >= 0
+            node, layer, slot = np.nonzero(np.broadcast_to(has_last[:, None, None], lk.shape))
+            scores[node, layer, lk[node, layer, slot]] += self.reuse_weight
+            scores *= (1 - w_x)[:, None, None]
+            # token frequencies: gather each seen token's contiguous range of sparse entries
+            base = np.where(seen, pos, 0).astype(np.int64) * L * E
+            lo = np.searchsorted(self.keys_, base)
+            hi = np.where(seen, np.searchsorted(self.keys_, base + L * E), lo)
+            counts = hi - lo
+            owner = np.repeat(np.arange(n), counts)
+            entry = np.repeat(lo - np.r_[0, np.cumsum(counts)[:-1]], counts) + np.arange(counts.sum())
+            key = self.keys_[entry] - base[owner]
+            scores[owner, key // E, key % E] += (w_x[owner] * self.counts_[entry] / np.maximum(n_x[owner], 1)).astype(np.float32)
+            # popularity breaks ties (e.g. an unseen token with no known routing)
+            scores += 1e-6 * self.popularity_[None].astype(np.float32)
+            if self.sample:
+                u = rng.random(scores.shape, dtype=np.float32)
+                scores = np.log(scores) - np.log(-np.log(np.maximum(u, np.float32(1e-12))))
+            idx = np.argpartition(-scores, k - 1, axis=2)[:, :, :k]
+            out[s:s + n] = idx
+        return out
+
+    def to_dict(self) -> dict:
+        return {"predictor": self.name, "params": self.get_params(), "popularity_": self.popularity_.tolist(),
+                "tokens_": self.tokens_.tolist(), "occurrences_": self.occurrences_.tolist(),
+                "keys_": self.keys_.tolist(), "counts_": self.counts_.tolist(),
+                "n_layers_": self.n_layers_, "n_experts_": self.n_experts_}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AffinityPredictor":
+        p = cls(**d.get("params", {}))
+        p.popularity_ = np.asarray(d["popularity_"])
+        for name in ("tokens_", "occurrences_", "keys_", "counts_"):
+            setattr(p, name, np.asarray(d[name], dtype=np.int64))
+        p.n_layers_, p.n_experts_ = int(d["n_layers_"]), int(d["n_experts_"])
+        return p
+
+
+PREDICTORS = {"oracle": OraclePredictor, "recorded": RecordedPredictor, "parent": ParentPredictor,
+              "affinity": AffinityPredictor}
+
+
+def make_predictor(name: str, **params) -> ExpertPredictor:
+    if name not in PREDICTORS:
+        raise SpecFitError(f"--predictor: unknown predictor {name!r}; expected one of {sorted(PREDICTORS)}")
+    return PREDICTORS[name](**params)
+
+
+def cross_predict(name: str, trace, n_folds: int = 2, **params) -> np.ndarray:
+    """Predictions for every node of ``trace``, each fold of cycles predicted by a predictor
+    fitted on the other folds (so a fitted predictor never sees the experts it predicts).
+    Folds are contiguous blocks of sequences (of positions when there is one sequence)."""
+    predictor = make_predictor(name, **params)
+    if name in ("oracle", "recorded"):
+        return predictor.predict(trace)
+    fold = cycle_folds(trace, n_folds)
+    out = np.empty_like(trace.true_experts)
+    for f in range(n_folds):
+        test = np.flatnonzero(fold == f)
+        train = np.flatnonzero(fold != f)
+        if test.size == 0:
+            continue
+        _, rows = _selected_rows(trace, test)
+        out[rows] = make_predictor(name, **params).fit(trace, train if train.size else test).predict(trace, test)
+    return out
+
+
+def cycle_folds(trace, n_folds: int) -> np.ndarray:
+    """[cycles] fold index: contiguous blocks of sequences, or of cycles for a single sequence."""
+    seqs, seq_index = np.unique(trace.sequence, return_inverse=True)
+    if seqs.size >= n_folds:
+        return (seq_index * n_folds) // seqs.size
+    return (np.arange(trace.n_cycles) * n_folds) // trace.n_cycles
+
+
+def union_quality(predicted: np.ndarray, true: np.ndarray, n_experts: int) -> tuple[int, int, int]:
+    """(|predicted union|, |true union|, |both|) of a node set's experts, summed over layers."""
+    L = true.shape[1]
+    p = np.zeros((L, n_experts), dtype=bool)
+    t = np.zeros((L, n_experts), dtype=bool)
+    layer = np.broadcast_to(np.arange(L)[None, :, None], true.shape)
+    p[layer.ravel(), predicted.astype(np.int64).ravel()] = True
+    t[layer.ravel(), true.astype(np.int64).ravel()] = True
+    return int(p.sum()), int(t.sum()), int((p & t).sum())

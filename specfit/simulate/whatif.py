@@ -1,0 +1,44 @@
+"""What-if changes to a cost model: single-parameter overrides and a faster or slower host link.
+
+The cost models themselves come from hardware profiles and presets
+(:func:`specfit.calibrate.presets.resolve_profile`); a what-if derives a new one from them.
+"""
+
+from __future__ import annotations
+
+from ..costmodel import CostModel
+from ..errors import SpecFitError
+
+__all__ = ["parse_overrides", "apply_overrides", "scale_h2d"]
+
+
+def parse_overrides(text: str | None) -> dict[str, float]:
+    """``"base_s=0.004,miss_s=2e-4"`` -> ``{"base_s": 0.004, "miss_s": 0.0002}``."""
+    if not text:
+        return {}
+    out = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not name:
+            raise SpecFitError(f"--cost: expected NAME=VALUE items separated by commas, got {item!r}")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise SpecFitError(f"--cost: {name} must be a number, got {value!r}") from None
+    return out
+
+
+def apply_overrides(cost: CostModel, overrides: dict[str, float]) -> CostModel:
+    try:
+        return cost.replace(**overrides)
+    except ValueError as exc:
+        raise SpecFitError(f"--cost: {exc}") from None
+
+
+def scale_h2d(cost: CostModel, factor: float) -> CostModel:
+    """The cost model with ``factor`` times the host-to-device bandwidth: the transfer part of a
+    miss (``miss_s - hit_s``) divided by ``factor``."""
+    if not factor > 0:
+        raise SpecFitError(f"--h2d-scale: expected a positive factor, got {factor}")
+    return cost.replace(miss_s=cost.hit_s + max(cost.miss_s - cost.hit_s, 0.0) / factor)

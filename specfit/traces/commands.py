@@ -1,0 +1,188 @@
+"""``specfit traces synth | import-routing | validate | inspect``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import typer
+
+from ..errors import SpecFitError
+
+
+def register(app: typer.Typer, traces_app: typer.Typer) -> None:
+    traces_app.command("synth")(synth_command)
+    traces_app.command("import-routing")(import_routing_command)
+    traces_app.command("validate")(validate_command)
+    traces_app.command("inspect")(inspect_command)
+
+
+def synth_command(
+    shape: str = typer.Option(..., "--shape", help="Model shape: qwen3-30b-a3b, olmoe-1b-7b or mixtral-8x7b."),
+    workload: str = typer.Option("chat", "--workload", help="Drafter confidence preset: chat, math or code "
+                                 "(any other name needs --top1-prob)."),
+    tokens: int = typer.Option(..., "--tokens", help="Positions (reference tokens) in the trace."),
+    out: Path = typer.Option(..., "--out", help="Trace file to write (.parquet)."),
+    seed: int = typer.Option(0, "--seed"),
+    sequence_tokens: int = typer.Option(128, "--sequence-tokens", help="Positions per sequence (prompt)."),
+    tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Drafter top-k: children per expanded node (default 4)."),
+    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Draft levels (default 7)."),
+    top1_prob: Optional[float] = typer.Option(None, "--top1-prob", help="Mean top-1 draft probability at depth 1."),
+    depth_decay: Optional[float] = typer.Option(None, "--depth-decay", help="Per-level factor on the top-1 probability."),
+    calibration_exponent: Optional[float] = typer.Option(None, "--calibration-exponent",
+                                                         help="Acceptance = draft_prob ** exponent (1 = calibrated drafter)."),
+    popularity_zipf: float = typer.Option(0.7, "--popularity-zipf", help="Zipf exponent of expert popularity per layer."),
+    consecutive_reuse: float = typer.Option(0.45, "--consecutive-reuse", help="Target share of a token's experts used by the previous token."),
+    token_affinity: float = typer.Option(0.72, "--token-affinity", help="Target overlap of two occurrences of the same token."),
+    sibling_reuse: float = typer.Option(0.3, "--sibling-reuse", help="Target overlap of two off-path draft siblings."),
+    as_json: bool = typer.Option(False, "--json", help="Print only the trace's statistics as JSON."),
+) -> None:
+    """Generate a synthetic position-indexed trace with checked routing and acceptance statistics."""
+    from ..cli import fail
+    from .drafter import DrafterParams
+    from .format import write_trace
+    from .synth import RoutingParams, WORKLOADS, synthesize, with_drafter_overrides
+
+    try:
+        if workload not in WORKLOADS and top1_prob is None:
+            raise SpecFitError(f"--workload: {workload!r} is not a preset ({', '.join(WORKLOADS)}); give --top1-prob "
+                               "(and optionally --depth-decay) to describe its drafter")
+        try:
+            drafter = with_drafter_overrides(workload, width=tree_width, depth=tree_depth, top1_prob=top1_prob,
+                                             depth_decay=depth_decay, calibration_exponent=calibration_exponent)
+            routing = RoutingParams(popularity_zipf=popularity_zipf, consecutive_reuse=consecutive_reuse,
+                                    token_affinity=token_affinity, sibling_reuse=sibling_reuse)
+            trace = _with_status(lambda: synthesize(shape, workload, tokens, seed=seed, sequence_tokens=sequence_tokens,
+                                                    routing=routing, drafter=drafter), "synthesising", as_json)
+        except ValueError as exc:
+            raise SpecFitError(str(exc)) from None
+        write_trace(trace, out)
+    except SpecFitError as exc:
+        fail(str(exc))
+    _report_written(trace, out, as_json)
+
+
+def import_routing_command(
+    log_file: Path = typer.Argument(..., help="Routing log: .npz (expert_ids, sequence_id, token_id) or .jsonl."),
+    out: Path = typer.Option(..., "--out", help="Trace file to write (.parquet)."),
+    shape: Optional[str] = typer.Option(None, "--shape", help="Model shape (default: inferred from layers x top-k)."),
+    workload: str = typer.Option("chat", "--workload", help="Drafter preset for the synthesised trees: chat, math or code."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Import only the first positions."),
+    sequences: Optional[int] = typer.Option(None, "--sequences", help="Import only the first sequences."),
+    sibling_reuse: float = typer.Option(0.3, "--sibling-reuse", help="Target overlap of two off-path draft siblings."),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = typer.Option(False, "--json", help="Print only the trace's statistics as JSON."),
+) -> None:
+    """Turn a real routing log into a trace: real committed-token experts, synthesised draft trees."""
+    from ..cli import fail
+    from .format import write_trace
+    from .importers import import_routing, model_for_log, read_routing_log
+    from .synth import WORKLOADS
+
+    try:
+        if workload not in WORKLOADS:
+            raise SpecFitError(f"--workload: expected one of {sorted(WORKLOADS)}, got {workload!r}")
+        log = read_routing_log(log_file)
+        if sequences is not None:
+            keep = np.unique(log.sequence, return_index=True)[1]
+            first = log.sequence[np.sort(keep)][:sequences]
+            log = log.select(np.flatnonzero(np.isin(log.sequence, first)))
+        trace = _with_status(lambda: import_routing(log, model_for_log(log, shape), workload=workload,
+                                                    sibling_reuse=sibling_reuse, seed=seed, max_tokens=max_tokens),
+                             "importing", as_json)
+        write_trace(trace, out)
+    except SpecFitError as exc:
+        fail(str(exc))
+    _report_written(trace, out, as_json)
+
+
+def validate_command(trace_file: Path = typer.Argument(..., help="Trace file (.parquet).")) -> None:
+    """Check a trace file against the schema and every invariant the simulator relies on."""
+    from ..cli import fail
+    from .format import read_trace, validate_trace
+
+    try:
+        trace = read_trace(trace_file, validate=False)
+        counts = validate_trace(trace, source=str(trace_file))
+    except SpecFitError as exc:
+        fail(str(exc))
+    kind = "position-indexed" if trace.position_indexed else "recorded"
+    typer.echo(f"{trace_file}: valid schema-{trace.meta.get('schema_version')} {kind} trace, {counts['cycles']} cycles, "
+               f"{counts['nodes']} nodes ({trace.model['name']}: {trace.n_layers} layers x {trace.n_experts} experts, "
+               f"top-{trace.top_k})")
+
+
+def inspect_command(
+    trace_file: Path = typer.Argument(..., help="Trace file (.parquet)."),
+    as_json: bool = typer.Option(False, "--json", help="Print only the summary as JSON."),
+) -> None:
+    """Summarise a trace: cycles, tree sizes, acceptance by depth, expert unions and reuse."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from ..cli import fail
+    from .format import read_trace
+    from .summary import summarise_trace
+
+    try:
+        trace = read_trace(trace_file)
+        summary = summarise_trace(trace)
+    except SpecFitError as exc:
+        fail(str(exc))
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+        return
+    console = Console()
+    head = Table(title=f"{trace_file}", show_header=False)
+    head.add_column("field")
+    head.add_column("value")
+    for key in ("model", "workload", "recording", "provenance_real", "provenance_synthesised", "cycles", "sequences",
+                "nodes_per_tree", "max_depth", "full_tree_accepted_tokens", "consecutive_reuse", "token_affinity",
+                "sibling_reuse", "popularity_skew"):
+        value = summary[key]
+        head.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+    console.print(head)
+    depth = Table(title="By draft depth")
+    for col in ("depth", "nodes_per_tree", "acceptance_rate", "union_experts_per_layer"):
+        depth.add_column(col, justify="right")
+    for row in summary["by_depth"]:
+        depth.add_row(str(row["depth"]), f"{row['nodes_per_tree']:.1f}", f"{row['acceptance_rate']:.3f}",
+                      f"{row['union_experts_per_layer']:.1f}")
+    console.print(depth)
+    calib = Table(title="Drafter calibration (draft probability vs share accepted)")
+    for col in ("bin", "nodes", "draft_prob", "accept_rate"):
+        calib.add_column(col, justify="right")
+    for row in summary["calibration"]:
+        calib.add_row(row["bin"], str(row["nodes"]), f"{row['draft_prob']:.3f}", f"{row['accept_rate']:.3f}")
+    console.print(calib)
+
+
+def _with_status(work, what: str, quiet: bool):
+    from rich.console import Console
+
+    console = Console(stderr=True)
+    if quiet:
+        return work()
+    with console.status(f"{what} ..."):
+        return work()
+
+
+def _report_written(trace, out: Path, as_json: bool) -> None:
+    stats = trace.meta.get("statistics", {})
+    if as_json:
+        typer.echo(json.dumps(stats, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{out}: {trace.n_cycles} positions, {trace.n_nodes / trace.n_cycles:.1f} nodes/tree")
+    table.add_column("statistic")
+    table.add_column("target", justify="right")
+    table.add_column("measured", justify="right")
+    targets = trace.meta.get("parameters", {}).get("targets", {})
+    for key in ("popularity_skew", "consecutive_reuse", "token_affinity", "sibling_reuse", "full_tree_accepted_tokens"):
+        target = targets.get(key)
+        table.add_row(key, "" if target is None else f"{target:.3f}", f"{stats.get(key, float('nan')):.3f}")
+    Console().print(table)

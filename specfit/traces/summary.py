@@ -1,0 +1,80 @@
+"""What a trace contains, in numbers: the summary behind ``specfit traces inspect`` and the
+statistics a synthetic or imported trace is checked against."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .stats import acceptance_by_depth, accepted_lengths, consecutive_reuse, edge_calibration, popularity, \
+    same_token_reuse, set_overlap, top_quarter_share
+
+__all__ = ["trace_statistics", "summarise_trace"]
+
+
+def trace_statistics(trace) -> dict:
+    """The statistics a synthetic trace is checked against (layer means)."""
+    roots = trace.offsets[:-1]
+    ref = trace.true_experts[roots].astype(np.int64)
+    parent_row = np.where(trace.parent >= 0, trace.parent.astype(np.int64) + trace.offsets[trace.cycle_of_node], -1)
+    # sibling pairs: consecutive children of the same parent, neither carrying the true next token
+    off = (parent_row >= 0) & trace.true_known
+    off[off] &= trace.token[off] != trace.verdict[parent_row[off]]
+    rows = np.flatnonzero(off)
+    i = np.flatnonzero(parent_row[rows[:-1]] == parent_row[rows[1:]])
+    a, b = rows[i], rows[i + 1]
+    sib = float(set_overlap(trace.true_experts[a], trace.true_experts[b]).mean()) if a.size else float("nan")
+    lengths = accepted_lengths(trace)
+    return {
+        "popularity_skew": float(top_quarter_share(popularity(ref, trace.n_experts)).mean()),
+        "consecutive_reuse": float(np.nanmean(consecutive_reuse(ref, trace.sequence))),
+        "token_affinity": float(np.nanmean(same_token_reuse(ref, trace.token[roots]))),
+        "sibling_reuse": sib,
+        "full_tree_accepted_tokens": float(lengths.mean() + 1),
+        "acceptance_by_depth": {str(d): round(r, 4) for d, r in acceptance_by_depth(trace).items()},
+    }
+
+
+
+def _union_by_depth(trace) -> np.ndarray:
+    """[depth + 1] mean union size per layer (true experts) of the tree cut at each depth."""
+    max_depth = int(trace.depth.max(initial=0))
+    known = trace.true_known
+    totals = np.zeros(max_depth + 1)
+    L, E = trace.n_layers, trace.n_experts
+    for c in range(trace.n_cycles):
+        r = trace.rows(c)
+        rows = np.arange(r.start, r.stop)[known[r]]
+        if rows.size == 0:
+            continue
+        onehot = np.zeros((rows.size, L, E), dtype=bool)
+        np.put_along_axis(onehot, trace.true_experts[rows].astype(np.int64), True, axis=2)
+        cumulative = np.logical_or.accumulate(onehot, axis=0).sum(axis=(1, 2))   # rows are in depth order
+        ends = np.searchsorted(trace.depth[rows], np.arange(max_depth + 1), side="right") - 1
+        totals += cumulative[np.maximum(ends, 0)]
+    return totals / max(trace.n_cycles, 1) / L
+
+
+def summarise_trace(trace) -> dict:
+    """A JSON-able summary: shape, provenance, tree sizes, acceptance and routing statistics."""
+    stats = trace_statistics(trace)
+    depth_counts = np.bincount(trace.depth.astype(np.int64)) / trace.n_cycles
+    unions = _union_by_depth(trace)
+    by_depth = acceptance_by_depth(trace)
+    model = trace.model
+    return {
+        "model": f"{model['name']} ({trace.n_layers} layers x {trace.n_experts} experts, top-{trace.top_k}, "
+                 f"{trace.expert_bytes / 1e6:.2f} MB/expert)",
+        "workload": trace.meta.get("workload"),
+        "recording": trace.meta["recording"].get("kind"),
+        "provenance_real": ", ".join(trace.meta["provenance"].get("real", [])) or "nothing",
+        "provenance_synthesised": ", ".join(trace.meta["provenance"].get("synthesised", [])) or "nothing",
+        "cycles": trace.n_cycles,
+        "sequences": int(np.unique(trace.sequence).size),
+        "nodes_per_tree": float(trace.tree_sizes.mean()),
+        "max_depth": int(trace.depth.max(initial=0)),
+        **{k: v for k, v in stats.items() if k != "acceptance_by_depth"},
+        "by_depth": [{"depth": d, "nodes_per_tree": float(depth_counts[d]),
+                      "acceptance_rate": float(by_depth.get(d, 1.0)) if d else 1.0,
+                      "union_experts_per_layer": float(unions[d])} for d in range(depth_counts.size)],
+        "calibration": edge_calibration(trace),
+    }
