@@ -71,6 +71,8 @@ def import_routing_command(
     workload: str = typer.Option("chat", "--workload", help="Drafter preset for the synthesised trees: chat, math or code."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Import only the first positions."),
     sequences: Optional[int] = typer.Option(None, "--sequences", help="Import only the first sequences."),
+    tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Drafter top-k: children per expanded node (default 4)."),
+    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Draft levels (default 7)."),
     sibling_reuse: float = typer.Option(0.3, "--sibling-reuse", help="Target overlap of two off-path draft siblings."),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = typer.Option(False, "--json", help="Print only the trace's statistics as JSON."),
@@ -79,18 +81,22 @@ def import_routing_command(
     from ..cli import fail
     from .format import write_trace
     from .importers import import_routing, model_for_log, read_routing_log
-    from .synth import WORKLOADS
+    from .synth import WORKLOADS, with_drafter_overrides
 
     try:
         if workload not in WORKLOADS:
             raise SpecFitError(f"--workload: expected one of {sorted(WORKLOADS)}, got {workload!r}")
+        try:
+            drafter = with_drafter_overrides(workload, width=tree_width, depth=tree_depth)
+        except ValueError as exc:
+            raise SpecFitError(str(exc)) from None
         log = read_routing_log(log_file)
         if sequences is not None:
             keep = np.unique(log.sequence, return_index=True)[1]
             first = log.sequence[np.sort(keep)][:sequences]
             log = log.select(np.flatnonzero(np.isin(log.sequence, first)))
         trace = _with_status(lambda: import_routing(log, model_for_log(log, shape), workload=workload,
-                                                    sibling_reuse=sibling_reuse, seed=seed, max_tokens=max_tokens),
+                                                    drafter=drafter, sibling_reuse=sibling_reuse, seed=seed, max_tokens=max_tokens),
                              "importing", as_json)
         write_trace(trace, out)
     except SpecFitError as exc:

@@ -283,7 +283,8 @@ def _expert_array(table: pa.Table, name: str, L: int, k: int, source: str) -> np
             or col.type.list_size != L * k:
         raise SpecFitError(f"{source}: column '{name}' must be a fixed-size list of {L * k} integers "
                            f"(layers x top_k = {L} x {k}), got {col.type}")
-    values = col.values.to_numpy(zero_copy_only=False)[col.offset * L * k:(col.offset + len(col)) * L * k]
+    # a null set's slots may be null in the child array after a Parquet round trip
+    values = col.values.fill_null(0).to_numpy(zero_copy_only=False)[col.offset * L * k:(col.offset + len(col)) * L * k]
     experts = values.astype(np.int16).reshape(len(col), L, k)
     if col.null_count:
         experts[~col.is_valid().to_numpy(zero_copy_only=False)] = UNKNOWN

@@ -105,16 +105,17 @@ def _read_jsonl(path: Path) -> RoutingLog:
     layers = np.sort(df["layer"].unique())
     if not np.array_equal(layers, np.arange(layers.size)):
         raise SpecFitError(f"{path}: field 'layer' must cover 0..L-1, got {layers.tolist()[:8]}...")
-    df = df.sort_values(["sequence_id", "token_index", "layer"], kind="stable")
+    # sequences keep the order in which the file first lists them, tokens their index
+    df["sequence_rank"] = _first_seen_rank(df["sequence_id"].to_numpy())
+    df = df.sort_values(["sequence_rank", "token_index", "layer"], kind="stable")
     counts = df.groupby(["sequence_id", "token_index"]).size()
     if (counts != layers.size).any():
         bad = counts[counts != layers.size].index[0]
         raise SpecFitError(f"{path}: token {bad} has {int(counts[bad])} layer records; expected {layers.size}")
     experts = np.stack(df["experts"].to_numpy()).reshape(-1, layers.size, int(k.iloc[0]))
     firsts = df[df["layer"] == 0]
-    order = np.lexsort((firsts["token_index"].to_numpy(), _first_seen_rank(firsts["sequence_id"].to_numpy())))
-    return RoutingLog(experts[order].astype(np.int64), firsts["token_id"].to_numpy()[order].astype(np.int64),
-                      firsts["sequence_id"].to_numpy()[order].astype(np.int64), str(path))
+    return RoutingLog(experts.astype(np.int64), firsts["token_id"].to_numpy().astype(np.int64),
+                      firsts["sequence_id"].to_numpy().astype(np.int64), str(path))
 
 
 def import_routing(log: RoutingLog, model: dict, workload: str = "imported", drafter: DrafterParams | None = None,

@@ -26,13 +26,18 @@ def trace_statistics(trace) -> dict:
     lengths = accepted_lengths(trace)
     return {
         "popularity_skew": float(top_quarter_share(popularity(ref, trace.n_experts)).mean()),
-        "consecutive_reuse": float(np.nanmean(consecutive_reuse(ref, trace.sequence))),
-        "token_affinity": float(np.nanmean(same_token_reuse(ref, trace.token[roots]))),
+        "consecutive_reuse": _layer_mean(consecutive_reuse(ref, trace.sequence)),
+        "token_affinity": _layer_mean(same_token_reuse(ref, trace.token[roots])),
         "sibling_reuse": sib,
         "full_tree_accepted_tokens": float(lengths.mean() + 1),
         "acceptance_by_depth": {str(d): round(r, 4) for d, r in acceptance_by_depth(trace).items()},
     }
 
+
+
+def _layer_mean(values: np.ndarray) -> float:
+    """Mean over layers; NaN when the statistic is undefined (e.g. no token repeats)."""
+    return float(values.mean()) if np.all(np.isfinite(values)) else float("nan")
 
 
 def _union_by_depth(trace) -> np.ndarray:

@@ -1,0 +1,177 @@
+"""``specfit simulate``: replay traces through policies, cache sizes and hardware profiles."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import SpecFitError
+
+
+def register(app: typer.Typer, traces_app: typer.Typer) -> None:
+    app.command("simulate")(simulate_command)
+
+
+def _split(values: list[str] | None) -> list[str]:
+    return [v.strip() for item in (values or []) for v in item.split(",") if v.strip()]
+
+
+def simulate_command(
+    traces: list[Path] = typer.Option(..., "--trace", help="Position-indexed trace file; repeat for several."),
+    profiles: list[str] = typer.Option(["pcie4"], "--profile", help="Preset (pcie4, pcie5, gh200) or profile JSON; "
+                                       "repeat or comma-separate for several."),
+    policies: str = typer.Option("ar,chain:4,eagle3,eagle3-nocache,static:auto,specfit,oracle", "--policies",
+                                 help="Comma-separated: ar, chain:K, eagle3[:N[:D]], eagle3-nocache, static:N, "
+                                      "static:auto, specfit, oracle."),
+    cache_experts: str = typer.Option("0,16,32", "--cache-experts", help="Comma-separated cache sizes (experts per "
+                                      "layer, or in total with --cache-mode global)."),
+    predictor: str = typer.Option("oracle", "--predictor", help="Expert predictor the policies decide with: oracle, "
+                                  "affinity, parent, recorded (fitted ones are cross-fitted on other sequences)."),
+    acceptance: str = typer.Option("calibrated", "--acceptance", help="Path probabilities the policies use: "
+                                   "calibrated (isotonic, cross-fitted) or raw (the drafter's)."),
+    cost: Optional[str] = typer.Option(None, "--cost", help="Override cost-model parameters, e.g. base_s=0.004,miss_s=2e-4."),
+    h2d_scale: float = typer.Option(1.0, "--h2d-scale", help="What-if: multiply the host-to-device bandwidth."),
+    rescale: bool = typer.Option(False, "--rescale", help="Allow a profile measured for another model shape "
+                                 "(transfer costs scaled by expert bytes)."),
+    cache_mode: str = typer.Option("per_layer", "--cache-mode", help="per_layer or global."),
+    cache_policy: str = typer.Option("lru", "--cache-policy", help="lru, lfu or fifo."),
+    max_levels: int = typer.Option(8, "--max-levels", help="Draft levels at most for specfit and static:N."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Directory for cycles/summary as Parquet and CSV."),
+    as_json: bool = typer.Option(False, "--json", help="Print only a JSON list (one object per trace, profile, "
+                                 "cache size and policy) on stdout."),
+) -> None:
+    """Replay traces through every policy with the same cache and cost model, and compare."""
+    from ..cli import fail
+
+    try:
+        cycles, summary = _simulate(traces, _split(profiles), _split([policies]), _parse_sizes(cache_experts), predictor,
+                                    acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json)
+        if out is not None:
+            _write_outputs(out, cycles, summary)
+    except SpecFitError as exc:
+        fail(str(exc))
+    if as_json:
+        records = json.loads(summary.to_json(orient="records"))
+        typer.echo(json.dumps(records, indent=2))
+        return
+    _print_summary(summary, out)
+
+
+def _parse_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(v) for v in _split([text])]
+    except ValueError:
+        raise SpecFitError(f"--cache-experts: expected comma-separated non-negative integers, got {text!r}") from None
+    if not sizes or min(sizes) < 0:
+        raise SpecFitError(f"--cache-experts: expected comma-separated non-negative integers, got {text!r}")
+    return sizes
+
+
+def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptance, cost_text, h2d_scale, rescale,
+              cache_mode, cache_policy, max_levels, quiet):
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..calibrate.presets import resolve_profile
+    from ..calibrate.profile import ModelShape
+    from ..experts.cache import EVICTION_POLICIES
+    from ..experts.calibration import cross_calibrate
+    from ..experts.predictors import PREDICTORS, cross_predict
+    from ..traces.format import read_trace
+    from .replay import prepare
+    from .sweep import Scenario, check_policies, run_sweep
+    from .whatif import apply_overrides, parse_overrides, scale_h2d
+
+    if predictor not in PREDICTORS:
+        raise SpecFitError(f"--predictor: expected one of {sorted(PREDICTORS)}, got {predictor!r}")
+    if acceptance not in ("calibrated", "raw"):
+        raise SpecFitError(f"--acceptance: expected calibrated or raw, got {acceptance!r}")
+    if cache_mode not in ("per_layer", "global"):
+        raise SpecFitError(f"--cache-mode: expected per_layer or global, got {cache_mode!r}")
+    if cache_policy not in EVICTION_POLICIES:
+        raise SpecFitError(f"--cache-policy: expected one of {EVICTION_POLICIES}, got {cache_policy!r}")
+    check_policies(policies, max_levels)
+    overrides = parse_overrides(cost_text)
+    console = Console(stderr=True)
+    prepared, scenarios = [], {}
+    names = _unique_names(trace_paths)
+    for path, name in zip(trace_paths, names):
+        trace = read_trace(path)
+        with console.status(f"preparing {path} ...") if not quiet else _nothing():
+            probs = cross_calibrate(trace) if acceptance == "calibrated" else None
+            predicted = cross_predict(predictor, trace)
+            prepared.append(prepare(name, trace, predicted, probs, predictor=predictor))
+        model = trace.model
+        shape = ModelShape(model["name"], model["n_layers"], model["n_experts"], model["top_k"], model["expert_bytes"])
+        scenarios[name] = []
+        for spec in profiles:
+            profile = resolve_profile(spec, shape, rescale=rescale)
+            cost = apply_overrides(profile.cost, overrides)
+            if h2d_scale != 1.0:
+                cost = scale_h2d(cost, h2d_scale)
+            label = Path(spec).stem if spec.endswith(".json") else spec
+            label += f" x{h2d_scale:g} H2D" if h2d_scale != 1.0 else ""
+            label += " (" + ",".join(f"{k}={v:g}" for k, v in overrides.items()) + ")" if overrides else ""
+            scenarios[name].append(Scenario(label, cost))
+    n_runs = sum(len(scenarios[p.name]) for p in prepared) * len(cache_sizes) * len(policies)
+    cycle_frames, summaries = [], []
+    with Progress(TextColumn("[bold]simulate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=console, disable=quiet, transient=True) as bar:
+        task = bar.add_task("", total=n_runs)
+        for prep in prepared:
+            cyc, summ = run_sweep([prep], policies, cache_sizes, scenarios[prep.name], cache_mode=cache_mode,
+                                  cache_policy=cache_policy, max_levels=max_levels,
+                                  progress=lambda what: bar.update(task, advance=1, description=what))
+            cycle_frames.append(cyc)
+            summaries.append(summ)
+    import pandas as pd
+
+    return pd.concat(cycle_frames, ignore_index=True), pd.concat(summaries, ignore_index=True)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _unique_names(paths: list[Path]) -> list[str]:
+    names = [p.stem for p in paths]
+    return [str(p) if names.count(n) > 1 else n for p, n in zip(paths, names)]
+
+
+def _write_outputs(out: Path, cycles, summary) -> None:
+    from ..io import atomic_write
+
+    out.mkdir(parents=True, exist_ok=True)
+    for name, frame in (("cycles", cycles), ("summary", summary)):
+        atomic_write(out / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp, index=False))
+        atomic_write(out / f"{name}.csv", lambda tmp, f=frame: f.to_csv(tmp, index=False))
+
+
+def _print_summary(summary, out: Optional[Path]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=132)   # a pipe or file: keep the columns whole
+    for (trace, profile), group in summary.groupby(["trace", "profile"], sort=False):
+        table = Table(title=f"{trace} - {profile} - predictor {group['predictor'].iloc[0]}")
+        for col in ("cache", "policy", "tokens/s", "tokens/cycle", "MB/token", "hit rate", "nodes", "vs ar", "vs eagle3",
+                    "pred. tokens err"):
+            table.add_column(col, justify="right" if col != "policy" else "left")
+        for _, row in group.iterrows():
+            policy = row["policy"] + (f" (N={int(row['static_n'])})" if row["policy"] == "static:auto" else "")
+            table.add_row(str(row["cache_experts"]), policy, f"{row['tokens_per_s']:.2f}", f"{row['tokens_per_cycle']:.2f}",
+                          f"{row['bytes_per_token'] / 1e6:.1f}", f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}",
+                          f"{row['speedup_vs_ar']:.2f}x", f"{row['speedup_vs_eagle3']:.2f}x",
+                          f"{row['tokens_prediction_error']:+.1%}")
+        console.print(table)
+    if out is not None:
+        console.print(f"per-cycle rows and the summary written to {out}/ (cycles|summary).(parquet|csv)")

@@ -1,0 +1,228 @@
+"""Trace format (round trip, validation errors), synthetic traces and the routing-log importer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from specfit.cli import app
+from specfit.errors import SpecFitError
+from specfit.traces.drafter import DrafterParams
+from specfit.traces.format import METADATA_KEY, read_trace, to_table, validate_trace, write_trace
+from specfit.traces.importers import dump_jsonl, import_routing, model_for_log, read_routing_log
+from specfit.traces.stats import consecutive_reuse, lru_hit_rates, set_overlap
+from specfit.traces.synth import synthesize
+
+from trace_helpers import SAMPLE_QWEN3, hand_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+OLMOE_LOG = ROOT.parent / "shared" / "data" / "olmoe-1b-7b-routing-general-coding.npz"
+SMALL_DRAFTER = DrafterParams(width=3, depth=4)
+
+
+@pytest.fixture(scope="module")
+def small_synth():
+    return synthesize("olmoe-1b-7b", "chat", 48, seed=3, sequence_tokens=24, drafter=SMALL_DRAFTER)
+
+
+def test_round_trip_preserves_every_array(tmp_path, small_synth):
+    path = write_trace(small_synth, tmp_path / "t.parquet")
+    back = read_trace(path)
+    for name in ("offsets", "sequence", "position", "parent", "depth", "token", "draft_logprob", "path_prob",
+                 "verdict", "true_experts"):
+        np.testing.assert_array_equal(getattr(back, name), getattr(small_synth, name), err_msg=name)
+    assert back.meta["model"] == small_synth.meta["model"]
+    assert back.meta["schema_version"] == 1
+    # one row per node, readable as a plain table
+    table = pq.read_table(path)
+    assert table.num_rows == small_synth.n_nodes
+    assert table.schema.field("true_experts").type.list_size == 16 * 8
+
+
+def test_unknown_values_round_trip_as_nulls(tmp_path):
+    trace = hand_trace()
+    trace.meta["recording"]["position_indexed"] = False
+    trace.verdict[2] = -1
+    trace.true_experts[2] = -1
+    trace.predicted_experts = trace.true_experts.copy()
+    trace.measured = {"measured_time_s": np.array([0.1, 0.2, 0.3])}
+    back = read_trace(write_trace(trace, tmp_path / "t.parquet"))
+    assert back.verdict[2] == -1 and not back.true_known[2] and back.true_known[[0, 1, 3]].all()
+    np.testing.assert_array_equal(back.predicted_experts, trace.predicted_experts)
+    np.testing.assert_allclose(back.measured["measured_time_s"], [0.1, 0.2, 0.3])
+    assert pq.read_table(tmp_path / "t.parquet").column("verdict").null_count == 1
+
+
+def test_write_is_atomic_and_leaves_no_temp_files(tmp_path, small_synth):
+    target = tmp_path / "t.parquet"
+    write_trace(small_synth, target)
+    bad = replace(small_synth, parent=small_synth.parent.copy())
+    bad.parent[1] = 5   # a forward parent: invalid, nothing may be written
+    with pytest.raises(SpecFitError):
+        write_trace(bad, target)
+    assert [p.name for p in tmp_path.iterdir()] == ["t.parquet"]
+    assert read_trace(target).n_nodes == small_synth.n_nodes
+
+
+def _rewrite(path: Path, out: Path, edit_table=None, edit_meta=None) -> Path:
+    table = pq.read_table(path)
+    meta = json.loads(table.schema.metadata[METADATA_KEY])
+    if edit_meta:
+        edit_meta(meta)
+    if edit_table:
+        table = edit_table(table)
+    pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), out)
+    return out
+
+
+def test_other_schema_version_is_one_clear_error(tmp_path, small_synth):
+    src = write_trace(small_synth, tmp_path / "t.parquet")
+    bad = _rewrite(src, tmp_path / "v2.parquet", edit_meta=lambda m: m.update(schema_version=2))
+    with pytest.raises(SpecFitError, match=r"v2.parquet: schema_version 2 is not supported; expected 1"):
+        read_trace(bad)
+
+
+def test_missing_column_is_named(tmp_path, small_synth):
+    src = write_trace(small_synth, tmp_path / "t.parquet")
+    bad = _rewrite(src, tmp_path / "nov.parquet", edit_table=lambda t: t.drop_columns(["verdict"]))
+    with pytest.raises(SpecFitError, match=r"nov.parquet: missing column\(s\) \['verdict'\]"):
+        read_trace(bad)
+
+
+def test_not_a_trace_and_missing_file(tmp_path):
+    plain = tmp_path / "plain.parquet"
+    pq.write_table(pa.table({"x": [1, 2]}), plain)
+    with pytest.raises(SpecFitError, match="missing the 'specfit.trace' metadata"):
+        read_trace(plain)
+    with pytest.raises(SpecFitError, match="no such trace file"):
+        read_trace(tmp_path / "absent.parquet")
+
+
+@pytest.mark.parametrize("field, edit, message", [
+    ("parent", lambda t: t.parent.__setitem__(1, 3), "must point to an earlier node"),
+    ("depth", lambda t: t.depth.__setitem__(1, 2), "must equal the parent's depth"),
+    ("path_prob", lambda t: t.path_prob.__setitem__(3, 0.99), "must not exceed the parent's path_prob"),
+    ("true_experts", lambda t: t.true_experts.__setitem__((1, 0, 0), 9), r"expert ids in \[0, 4\)"),
+    ("verdict", lambda t: t.verdict.__setitem__(0, 77), "must equal the root token of the next position"),
+    ("token", lambda t: t.token.__setitem__(2, 11), "repeats a token among siblings"),
+])
+def test_validation_names_the_field(field, edit, message):
+    trace = hand_trace()
+    edit(trace)
+    with pytest.raises(SpecFitError, match=message):
+        validate_trace(trace, source="hand")
+
+
+def test_synthetic_statistics_match_their_targets(small_synth):
+    stats = small_synth.meta["statistics"]
+    targets = small_synth.meta["parameters"]["targets"]
+    assert abs(stats["consecutive_reuse"] - targets["consecutive_reuse"]) < 0.08
+    assert abs(stats["popularity_skew"] - targets["popularity_skew"]) < 0.08
+    assert abs(stats["sibling_reuse"] - targets["sibling_reuse"]) < 0.08
+    # consecutive reuse claims slots first; token affinity gets what is left (see routing.py)
+    assert 0.5 < stats["token_affinity"] <= targets["token_affinity"] + 0.05
+    assert 1.5 < stats["full_tree_accepted_tokens"] < 3.5
+    assert small_synth.meta["provenance"]["real"] == []
+
+
+def test_sample_trace_is_eagle3_sized_with_modest_acceptance():
+    trace = read_trace(SAMPLE_QWEN3)
+    assert (trace.n_layers, trace.n_experts, trace.top_k) == (48, 128, 8)
+    assert 55 <= trace.tree_sizes.mean() <= 65
+    assert 2.0 <= trace.meta["statistics"]["full_tree_accepted_tokens"] <= 3.0   # EAGLE-3 on Qwen3-30B-A3B
+
+
+def test_synth_is_deterministic_per_seed():
+    a = synthesize("mixtral-8x7b", "code", 12, seed=5, sequence_tokens=12, drafter=SMALL_DRAFTER)
+    b = synthesize("mixtral-8x7b", "code", 12, seed=5, sequence_tokens=12, drafter=SMALL_DRAFTER)
+    np.testing.assert_array_equal(a.true_experts, b.true_experts)
+    np.testing.assert_array_equal(a.token, b.token)
+
+
+def test_synth_rejects_unknown_shape_and_workload():
+    with pytest.raises(SpecFitError, match="--shape: unknown model shape 'gpt2'"):
+        synthesize("gpt2", "chat", 10)
+    with pytest.raises(SpecFitError, match="--workload: unknown workload 'poetry'"):
+        synthesize("olmoe-1b-7b", "poetry", 10)
+
+
+def test_jsonl_log_reads_like_the_npz_layout(tmp_path):
+    rng = np.random.default_rng(0)
+    experts = np.stack([rng.permutation(64)[:8] for _ in range(2 * 16 * 6)]).reshape(12, 16, 8)
+    from specfit.traces.importers import RoutingLog
+
+    log = RoutingLog(experts, rng.integers(0, 1000, 12), np.repeat([4, 2], 6), "mem")
+    dump_jsonl(log, tmp_path / "log.jsonl")
+    back = read_routing_log(tmp_path / "log.jsonl")
+    np.testing.assert_array_equal(back.experts, experts)
+    np.testing.assert_array_equal(back.sequence, log.sequence)
+    trace = import_routing(back, model_for_log(back, None), drafter=SMALL_DRAFTER)
+    assert trace.n_cycles == 10   # two sequences of 6 tokens: 5 positions each
+    (tmp_path / "bad.jsonl").write_text('{"sequence_id": 0, "layer": 0}\n')
+    with pytest.raises(SpecFitError, match="records miss field"):
+        read_routing_log(tmp_path / "bad.jsonl")
+
+
+@pytest.mark.skipif(not OLMOE_LOG.exists(), reason="the shared OLMoE routing log is not available")
+def test_importer_keeps_real_experts_on_the_reference_path():
+    log = read_routing_log(OLMOE_LOG)
+    first = np.unique(log.sequence)[:2]
+    log = log.select(np.flatnonzero(np.isin(log.sequence, first)))
+    trace = import_routing(log, model_for_log(log, None), drafter=SMALL_DRAFTER, max_tokens=60)
+    validate_trace(trace, source="imported")
+    assert trace.model["name"] == "olmoe-1b-7b"
+    assert "experts of the reference tokens" in trace.meta["provenance"]["real"][1]
+    roots = trace.offsets[:-1]
+    rows = np.flatnonzero(log.sequence == first[0])
+    np.testing.assert_array_equal(trace.true_experts[roots[:10]], log.experts[rows[:10]])
+    np.testing.assert_array_equal(trace.token[roots[:10]], log.tokens[rows[:10]])
+    # the off-path nodes' routing is calibrated to the log's own temporal reuse
+    real = float(np.mean(consecutive_reuse(log.experts, log.sequence)))
+    assert abs(trace.meta["statistics"]["consecutive_reuse"] - real) < 0.1
+
+
+@pytest.mark.skipif(not OLMOE_LOG.exists(), reason="the shared OLMoE routing log is not available")
+def test_synthetic_routing_is_close_to_real_routing_in_lru_hit_rate():
+    log = read_routing_log(OLMOE_LOG)
+    rows = np.flatnonzero(np.isin(log.sequence, np.unique(log.sequence)[:8]))
+    real = lru_hit_rates(log.experts[rows], 64, [16, 32])
+    trace = synthesize("olmoe-1b-7b", "chat", 8 * 64, seed=0, sequence_tokens=64, drafter=DrafterParams(width=1, depth=1))
+    synth = lru_hit_rates(trace.true_experts[trace.offsets[:-1]].astype(np.int64), 64, [16, 32])
+    for c in (16, 32):
+        assert abs(real[c] - synth[c]) < 0.1, (c, real[c], synth[c])
+
+
+def test_set_overlap_counts_shared_experts():
+    a = np.array([[[1, 2, 3, 4]]])
+    b = np.array([[[4, 3, 9, 8]]])
+    assert set_overlap(a, b)[0, 0] == 0.5
+
+
+def test_cli_synth_validate_inspect(tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "s.parquet"
+    r = runner.invoke(app, ["traces", "synth", "--shape", "olmoe-1b-7b", "--tokens", "12", "--sequence-tokens", "12",
+                            "--tree-width", "2", "--tree-depth", "3", "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    assert "consecutive_reuse" in json.loads(r.stdout)
+    r = runner.invoke(app, ["traces", "validate", str(out)])
+    assert r.exit_code == 0 and "valid schema-1 position-indexed trace, 12 cycles" in r.stdout
+    r = runner.invoke(app, ["traces", "inspect", str(out), "--json"])
+    summary = json.loads(r.stdout)
+    assert summary["cycles"] == 12 and summary["by_depth"][0]["union_experts_per_layer"] == 8.0
+
+
+def test_cli_bad_input_is_one_line_and_exit_code_2(tmp_path):
+    runner = CliRunner()
+    r = runner.invoke(app, ["traces", "validate", str(tmp_path / "absent.parquet")])
+    assert r.exit_code == 2
+    assert r.output.strip().count("\n") == 0 and "no such trace file" in r.output
+    r = runner.invoke(app, ["traces", "synth", "--shape", "bert", "--tokens", "4", "--out", str(tmp_path / "x.parquet")])
+    assert r.exit_code == 2 and "Traceback" not in r.output and "unknown model shape" in r.output
