@@ -1,0 +1,291 @@
+"""The EAGLE-3 drafter: checkpoint format, vocabulary mapping, errors, KV cache and tree masks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from specfit.errors import SpecFitError
+from specfit.runtime.eagle3 import DynamicTree, Eagle3Config, Eagle3Drafter, Eagle3Session
+
+VOCAB, DRAFT_VOCAB, TARGET_H = 64, 24, 40
+
+CONFIG = Eagle3Config(
+    hidden_size=TARGET_H, target_hidden_size=TARGET_H, vocab_size=VOCAB, draft_vocab_size=DRAFT_VOCAB,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16,   # head_dim is not hidden / heads
+    intermediate_size=56, rope_theta=500.0, aux_hidden_state_layer_ids=(1, 2, 3),
+)
+DRAFT_IDS = torch.arange(0, 3 * DRAFT_VOCAB, 3)[:DRAFT_VOCAB] % VOCAB   # every third target token
+
+
+def random_drafter(seed: int = 0, target_embed: torch.Tensor | None = None) -> Eagle3Drafter:
+    drafter = Eagle3Drafter(CONFIG, target_embed=target_embed)
+    drafter.init_weights(seed, std=0.3)            # large enough that attention is far from uniform
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.2 * torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)))
+    drafter.set_draft_vocabulary(DRAFT_IDS)
+    return drafter.eval()
+
+
+def target_embedding(seed: int = 1) -> torch.Tensor:
+    return torch.randn(VOCAB, TARGET_H, generator=torch.Generator().manual_seed(seed))
+
+
+def features(n: int, seed: int = 2) -> torch.Tensor:
+    return torch.randn(n, 3 * TARGET_H, generator=torch.Generator().manual_seed(seed))
+
+
+def tokens(n: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def run(drafter: Eagle3Drafter, hidden, ids, positions=None, mask=None, slots: int = 64):
+    if drafter.max_seq_len < slots:
+        drafter.setup_kv_cache(slots)
+    positions = torch.arange(len(ids)) if positions is None else torch.as_tensor(positions)
+    return drafter(hidden, ids, positions, mask)
+
+
+# ----------------------------------------------------------------- the math
+def reference_forward(drafter: Eagle3Drafter, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """EAGLE-3's layer written out from the published description, causal over T tokens."""
+    sd = {name: t.detach() for name, t in drafter.state_dict().items()}
+    embed = drafter.embed(ids)
+
+    def rms(x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + CONFIG.rms_norm_eps))
+
+    h = hidden @ sd["fc.weight"].T
+    x = torch.cat([rms(embed, sd["midlayer.input_layernorm.weight"]), rms(h, sd["midlayer.hidden_norm.weight"])], -1)
+    T, hd = len(ids), CONFIG.head_dim
+    q = (x @ sd["midlayer.self_attn.q_proj.weight"].T).view(T, 4, hd)
+    k = (x @ sd["midlayer.self_attn.k_proj.weight"].T).view(T, 2, hd)
+    v = (x @ sd["midlayer.self_attn.v_proj.weight"].T).view(T, 2, hd)
+    inv_freq = 1.0 / CONFIG.rope_theta ** (torch.arange(0, hd, 2).float() / hd)
+    angles = torch.arange(T).float()[:, None] * inv_freq
+    cos, sin = torch.cat([angles, angles], -1).cos()[:, None], torch.cat([angles, angles], -1).sin()[:, None]
+
+    def rope(t):
+        return t * cos + torch.cat([-t[..., hd // 2:], t[..., : hd // 2]], -1) * sin
+
+    q, k = rope(q), rope(k)
+    out = torch.empty(T, 4, hd)
+    for head in range(4):
+        kv = head // 2                                  # KV head j serves query heads 2j, 2j+1
+        scores = q[:, head] @ k[:, kv].T / hd ** 0.5
+        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        out[:, head] = scores.softmax(-1) @ v[:, kv]
+    h = h + out.reshape(T, -1) @ sd["midlayer.self_attn.o_proj.weight"].T
+    y = rms(h, sd["midlayer.post_attention_layernorm.weight"])
+    mlp = (F.silu(y @ sd["midlayer.mlp.gate_proj.weight"].T) * (y @ sd["midlayer.mlp.up_proj.weight"].T))
+    h = h + mlp @ sd["midlayer.mlp.down_proj.weight"].T
+    return rms(h, sd["norm.weight"]) @ sd["lm_head.weight"].T
+
+
+def test_forward_matches_the_published_layer_written_out():
+    drafter = random_drafter()
+    hidden, ids = features(9), tokens(9)
+    out = run(drafter, hidden, ids)
+    torch.testing.assert_close(out.logits, reference_forward(drafter, hidden, ids), rtol=1e-4, atol=1e-4)
+    assert out.logits.shape == (9, DRAFT_VOCAB) and out.hidden.shape == (9, TARGET_H)
+
+
+def test_fed_back_hidden_state_skips_fc():
+    drafter = random_drafter()
+    own = torch.randn(5, TARGET_H)
+    a = run(drafter, own, tokens(5))
+    with torch.no_grad():
+        drafter.fc.weight.zero_()                       # fc must not touch an H-wide input
+    b = run(drafter, own, tokens(5))
+    torch.testing.assert_close(a.logits, b.logits)
+
+
+# ----------------------------------------------------------------- checkpoint format
+@pytest.mark.parametrize("layer_prefix", ["midlayer.", "layers.0."])
+@pytest.mark.parametrize("own_embedding", [True, False])
+def test_save_load_round_trip(tmp_path, layer_prefix, own_embedding):
+    embed = None if own_embedding else target_embedding()
+    drafter = random_drafter(target_embed=embed)
+    drafter.save_pretrained(tmp_path, layer_prefix=layer_prefix)
+
+    names = set(load_file(tmp_path / "model.safetensors"))
+    assert f"{layer_prefix}self_attn.q_proj.weight" in names and {"fc.weight", "d2t", "t2d", "lm_head.weight"} <= names
+    assert ("embed_tokens.weight" in names) == own_embedding
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["head_dim"] == 16 and config["draft_vocab_size"] == DRAFT_VOCAB
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+
+    loaded = Eagle3Drafter.from_pretrained(tmp_path, target_embed=embed)
+    assert loaded.config == drafter.config
+    hidden, ids = features(7), tokens(7)
+    torch.testing.assert_close(run(loaded, hidden, ids).logits, run(drafter, hidden, ids).logits, rtol=0, atol=0)
+
+
+def test_checkpoint_without_lm_head_uses_the_targets_draft_rows(tmp_path):
+    drafter = random_drafter(target_embed=target_embedding())
+    drafter.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    target_lm_head = torch.randn(VOCAB, TARGET_H)
+    del tensors["lm_head.weight"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    loaded = Eagle3Drafter.from_pretrained(tmp_path, target_embed=target_embedding(), target_lm_head=target_lm_head)
+    torch.testing.assert_close(loaded.lm_head.weight, target_lm_head[DRAFT_IDS])
+
+
+def test_d2t_maps_draft_tokens_to_target_ids(tmp_path):
+    drafter = random_drafter()
+    drafter.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert torch.equal(torch.arange(DRAFT_VOCAB) + tensors["d2t"], DRAFT_IDS)      # target_id = i + d2t[i]
+    assert torch.equal(tensors["t2d"].nonzero().flatten(), DRAFT_IDS.sort().values)
+    loaded = Eagle3Drafter.from_pretrained(tmp_path)
+    assert torch.equal(loaded.to_target_ids(torch.tensor([0, 5, DRAFT_VOCAB - 1])), DRAFT_IDS[[0, 5, DRAFT_VOCAB - 1]])
+
+
+# ----------------------------------------------------------------- bad checkpoints
+def write_and_corrupt(tmp_path, change) -> None:
+    random_drafter().save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    config = json.loads((tmp_path / "config.json").read_text())
+    change(tensors, config)
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t, c: t.pop("midlayer.mlp.up_proj.weight"), "missing tensor 'midlayer.mlp.up_proj.weight'"),
+    (lambda t, c: t.pop("d2t"), "missing tensor 'd2t'"),
+    (lambda t, c: t.pop("t2d"), "missing tensor 't2d'"),
+    (lambda t, c: t.update(d2t=t["d2t"][:-1].clone()), "tensor 'd2t'"),
+    (lambda t, c: t.update(d2t=t["d2t"] + VOCAB), "outside the target vocabulary"),
+    (lambda t, c: t.update(t2d=torch.ones(VOCAB + 1, dtype=torch.bool)), "tensor 't2d' has shape"),
+    (lambda t, c: t.update(t2d=torch.ones(VOCAB, dtype=torch.bool)), "disagree"),
+    (lambda t, c: c.update(target_hidden_size=TARGET_H * 2), "target with hidden size 40"),
+    (lambda t, c: t.update({"midlayer.self_attn.q_proj.weight": torch.zeros(64, TARGET_H)}), "q_proj.weight' has shape"),
+    (lambda t, c: c.update(num_hidden_layers=2), "num_hidden_layers"),
+    (lambda t, c: c.pop("intermediate_size"), "missing key 'intermediate_size'"),
+])
+def test_bad_checkpoint_is_one_clear_error(tmp_path, change, message):
+    write_and_corrupt(tmp_path, change)
+    with pytest.raises(SpecFitError, match=message.replace("(", r"\(")):
+        Eagle3Drafter.from_pretrained(tmp_path)
+
+
+def test_target_with_another_hidden_size_or_vocabulary_is_rejected(tmp_path):
+    drafter = random_drafter(target_embed=target_embedding())
+    drafter.save_pretrained(tmp_path)
+    with pytest.raises(SpecFitError, match=r"target_embed.*\[64, 48\].*\[64, 40\]"):
+        Eagle3Drafter.from_pretrained(tmp_path, target_embed=torch.zeros(VOCAB, 48))
+    with pytest.raises(SpecFitError, match="no tensor 'embed_tokens.weight'"):
+        Eagle3Drafter.from_pretrained(tmp_path)
+    with pytest.raises(SpecFitError, match="hidden_size 48"):
+        drafter.check_target(vocab_size=VOCAB, hidden_size=48)
+    with pytest.raises(SpecFitError, match="vocab_size 65"):
+        drafter.check_target(vocab_size=VOCAB + 1, hidden_size=TARGET_H)
+    with pytest.raises(SpecFitError, match="hidden width 100"):
+        run(drafter, torch.zeros(2, 100), tokens(2))
+
+
+def test_only_safetensors_checkpoints_load(tmp_path):
+    random_drafter().save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").rename(tmp_path / "pytorch_model.bin")
+    with pytest.raises(SpecFitError, match="only safetensors"):
+        Eagle3Drafter.from_pretrained(tmp_path)
+
+
+# ----------------------------------------------------------------- KV cache and trees
+def test_incremental_forward_equals_full_forward():
+    drafter = random_drafter()
+    hidden, ids = features(12), tokens(12)
+    full = run(drafter, hidden, ids)
+    parts = [run(drafter, hidden[a:b], ids[a:b], positions=range(a, b)) for a, b in ((0, 5), (5, 6), (6, 12))]
+    torch.testing.assert_close(torch.cat([p.logits for p in parts]), full.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([p.hidden for p in parts]), full.hidden, rtol=1e-5, atol=1e-5)
+
+
+def test_tree_masked_forward_equals_linear_sequences():
+    """Prefix of 6 committed entries, then one call over a tree: a <- root, b <- root, c <- a,
+    d <- a. Each node must equal running its own path as a plain sequence."""
+    drafter = random_drafter()
+    prefix_hidden, prefix_ids = features(6), tokens(6)
+    node_hidden = torch.randn(4, TARGET_H, generator=torch.Generator().manual_seed(9))   # fed-back states
+    node_ids = tokens(4, seed=10)
+    parents = [-1, -1, 0, 0]                            # within the new nodes; -1 = the committed prefix
+    depth = [1, 1, 2, 2]
+    mask = torch.zeros(4, 6 + 4, dtype=torch.bool)
+    mask[:, :6] = True
+    for i, parent in enumerate(parents):
+        mask[i, 6 + i] = True
+        if parent >= 0:
+            mask[i, 6 + parent] = True
+    run(drafter, prefix_hidden, prefix_ids)
+    tree = run(drafter, node_hidden, node_ids, positions=[5 + d for d in depth], mask=mask)
+
+    for i in range(4):
+        path = [parents[i], i] if parents[i] >= 0 else [i]
+        run(drafter, prefix_hidden, prefix_ids)
+        linear = run(drafter, node_hidden[path], node_ids[path], positions=range(6, 6 + len(path)))
+        torch.testing.assert_close(linear.logits[-1], tree.logits[i], rtol=1e-5, atol=1e-5)
+
+
+def test_compact_kv_keeps_the_accepted_path():
+    drafter = random_drafter()
+    prefix_hidden, prefix_ids = features(5), tokens(5)
+    node_hidden, node_ids = torch.randn(3, TARGET_H), tokens(3, seed=11)
+    run(drafter, prefix_hidden, prefix_ids)
+    mask = torch.ones(3, 8, dtype=torch.bool)
+    mask[1, 5] = False                                  # node 1 is a sibling of node 0; node 2 child of 1
+    mask[0, 6:] = False
+    mask[1, 7] = False
+    mask[2, 5] = False
+    run(drafter, node_hidden, node_ids, positions=[5, 5, 6], mask=mask)
+    drafter.compact_kv(5, [1, 2])                       # accept node 1 then node 2
+    after = run(drafter, features(1, seed=12), tokens(1, seed=13), positions=[7])
+
+    run(drafter, prefix_hidden, prefix_ids)
+    run(drafter, node_hidden[[1, 2]], node_ids[[1, 2]], positions=[5, 6])
+    expected = run(drafter, features(1, seed=12), tokens(1, seed=13), positions=[7])
+    torch.testing.assert_close(after.logits, expected.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_chain_drafting_equals_step_by_step_greedy():
+    drafter = random_drafter()
+    session = Eagle3Session(drafter, max_entries=32)
+    prefix_hidden, prefix_ids = features(6), tokens(6)
+    root = session.commit(prefix_hidden, prefix_ids)
+    chain = DynamicTree(session, root_token=int(prefix_ids[-1]), root_output=root, top_k=1)
+    for _ in range(3):
+        chain.grow()
+    tree = chain.tree()
+    assert tree.parents.tolist() == [-1, 0, 1, 2, 3]
+
+    run(drafter, prefix_hidden, prefix_ids)
+    out, expected = root, []
+    for step in range(4):
+        token = int(drafter.to_target_ids(out.logits[-1].argmax()))
+        expected.append(token)
+        out = run(drafter, out.hidden[-1:], torch.tensor([token]), positions=[6 + step])
+    assert tree.tokens[1:].tolist() == expected
+
+
+def test_dynamic_tree_is_connected_with_non_increasing_path_probs():
+    drafter = random_drafter()
+    session = Eagle3Session(drafter, max_entries=64)
+    root = session.commit(features(6), tokens(6))
+    drafting = DynamicTree(session, root_token=7, root_output=root, top_k=3)
+    for _ in range(3):
+        frontier = drafting.grow()
+        assert len(frontier) == 3
+    tree = drafting.tree(max_nodes=10)
+    assert tree.n_nodes == 10 and tree.max_depth <= 4
+    assert np.all(tree.path_probs[1:] <= tree.path_probs[tree.parents[1:]])
+    assert set(tree.tokens[1:].tolist()) <= set(DRAFT_IDS.tolist())
