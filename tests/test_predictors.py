@@ -1,0 +1,103 @@
+"""Expert predictors and the acceptance calibrator: fit/predict/round trip, no leakage, quality."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from specfit.errors import SpecFitError
+from specfit.experts.calibration import AcceptanceCalibrator, cross_calibrate, edge_outcomes
+from specfit.experts.predictors import (AffinityPredictor, ExpertPredictor, ParentPredictor, cross_predict,
+                                        cycle_folds, last_known_experts, make_predictor, union_quality)
+from specfit.traces.format import read_trace
+from specfit.traces.stats import set_overlap
+
+from trace_helpers import SAMPLE_OLMOE, hand_trace
+
+
+@pytest.fixture(scope="module")
+def olmoe():
+    return read_trace(SAMPLE_OLMOE)
+
+
+def test_last_known_routing_is_the_previous_root(olmoe):
+    last = last_known_experts(olmoe)
+    roots = olmoe.offsets[:-1]
+    assert (last[0] == -1).all()
+    np.testing.assert_array_equal(last[1], olmoe.true_experts[roots[0]])
+    first_of_second = np.flatnonzero(olmoe.sequence == 1)[0]
+    assert (last[first_of_second] == -1).all()   # a new sequence knows nothing yet
+
+
+def test_oracle_is_exact_and_parent_repeats_the_last_routing(olmoe):
+    np.testing.assert_array_equal(make_predictor("oracle").predict(olmoe), olmoe.true_experts)
+    parent = ParentPredictor().fit(olmoe)
+    pred = parent.predict(olmoe, [5])
+    assert (pred == last_known_experts(olmoe)[5]).all()   # every node of the cycle, siblings alike
+
+
+def test_affinity_learns_a_seen_token_exactly():
+    trace = hand_trace()
+    model = AffinityPredictor(prior_strength=0.0, sample=False).fit(trace)
+    pred = model.predict(trace)
+    np.testing.assert_array_equal(pred[trace.token == 50], [[[0]]])   # token 50 always routed to e0
+    back = AffinityPredictor.from_dict(json.loads(json.dumps(model.to_dict())))
+    np.testing.assert_array_equal(back.predict(trace), pred)
+
+
+def test_affinity_siblings_get_different_predictions(olmoe):
+    pred = cross_predict("affinity", olmoe)
+    r = olmoe.rows(10)
+    parents = olmoe.parent[r]
+    kids = np.flatnonzero(parents == 0)
+    assert len({pred[r][k].tobytes() for k in kids}) == kids.size
+
+
+def test_cross_fitting_never_sees_the_predicted_fold(olmoe):
+    folds = cycle_folds(olmoe, 2)
+    assert set(folds[olmoe.sequence == 0]) == {0} and set(folds[olmoe.sequence == 1]) == {1}
+    # a predictor fitted on all cycles would reproduce the nodes it was fitted on far better than
+    # a cross-fitted one reproduces unseen ones (per node: share of the true top-k predicted)
+    fitted_on_all = AffinityPredictor(sample=False).fit(olmoe).predict(olmoe)
+    cross = cross_predict("affinity", olmoe, sample=False)
+    seen = set_overlap(fitted_on_all, olmoe.true_experts).mean()
+    unseen = set_overlap(cross, olmoe.true_experts).mean()
+    assert seen > unseen + 0.1
+    assert unseen > 0.2   # still better than chance (8 of 64 experts: 0.125)
+
+
+def test_make_predictor_rejects_unknown_names_and_recorded_needs_data(olmoe):
+    with pytest.raises(SpecFitError, match="unknown predictor 'crystal'"):
+        make_predictor("crystal")
+    with pytest.raises(SpecFitError, match="no recorded predictions"):
+        make_predictor("recorded").predict(olmoe)
+    assert isinstance(ExpertPredictor.from_dict({"predictor": "oracle"}), ExpertPredictor)
+
+
+def test_union_quality_counts():
+    pred = np.array([[[0, 1]], [[1, 2]]])
+    true = np.array([[[1, 3]], [[3, 0]]])
+    assert union_quality(pred, true, 4) == (3, 3, 2)
+
+
+def test_calibrator_is_monotone_and_matches_acceptance(olmoe):
+    cal = AcceptanceCalibrator().fit(olmoe)
+    grid = np.linspace(0, 1, 50)
+    assert np.all(np.diff(cal.predict_edge(grid)) >= 0)
+    q, accepted = edge_outcomes(olmoe)
+    # calibrated probabilities average to the observed acceptance (isotonic regression preserves it)
+    assert abs(cal.predict_edge(q).mean() - accepted.mean()) < 0.01
+    back = AcceptanceCalibrator.from_dict(json.loads(json.dumps(cal.to_dict())))
+    np.testing.assert_allclose(back.predict_edge(grid), cal.predict_edge(grid))
+
+
+def test_calibrated_path_probabilities_are_valid_trees(olmoe):
+    probs = cross_calibrate(olmoe)
+    for c in (0, 50, 200):
+        r = olmoe.rows(c)
+        from specfit.tree import DraftTree
+
+        DraftTree(parents=olmoe.parent[r].astype(np.int64), path_probs=probs[r])   # validates monotonicity
+    assert probs[olmoe.offsets[:-1]].tolist() == [1.0] * olmoe.n_cycles

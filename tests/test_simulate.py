@@ -1,0 +1,205 @@
+"""Counterfactual replay: a hand-computed trace, consistency with the reference output on the
+sample trace, the policies' ordering, and the ``specfit simulate`` command."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from specfit import CostModel, ExpertCache
+from specfit.calibrate.presets import SHAPES, preset_profile
+from specfit.cli import app
+from specfit.costmodel import expert_union
+from specfit.errors import SpecFitError
+from specfit.policies import make_policy
+from specfit.simulate.replay import prepare, replay
+from specfit.simulate.sweep import Scenario, run_sweep
+from specfit.simulate.whatif import parse_overrides, scale_h2d
+from specfit.traces.format import read_trace
+
+from trace_helpers import SAMPLE_OLMOE, SAMPLE_QWEN3, hand_trace
+
+# base 1, per node 0.1, hit 0.01, miss 0.5, draft level 0.2 (seconds): easy sums by hand
+HAND_COST = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.01, miss_s=0.5, draft_level_s=0.2, expert_bytes=1000)
+
+
+def _hand_replay(spec: str):
+    trace = hand_trace()
+    prep = prepare("hand", trace, trace.true_experts)
+    cache = ExpertCache(1, 4, capacity=1, expert_bytes=1000)
+    return replay(prep, make_policy(spec), cache, HAND_COST)
+
+
+def test_hand_trace_ar():
+    # one token per cycle; each root's expert (e0, e1, e3) is new to a one-slot cache: a miss
+    log = _hand_replay("ar")
+    c = log.columns
+    assert c["position"].tolist() == [0, 1, 2]
+    assert c["committed_tokens"].tolist() == [1, 1, 1]
+    assert c["hits"].tolist() == [0, 0, 0] and c["misses"].tolist() == [1, 1, 1]
+    np.testing.assert_allclose(c["charged_time_s"], [1.6, 1.6, 1.6])   # 1 + 0.1 + 0.5
+    assert c["bytes_h2d"].tolist() == [1000, 1000, 1000]
+    assert log.committed[0].tolist() == [11, 12, 13]
+
+
+def test_hand_trace_chain1():
+    # position 0: root + A, both accepted (11), bonus 12 -> 2 tokens; e0 and e1 miss;
+    #   time 0.2 (1 level) + 1 + 0.2 (2 nodes) + 2 * 0.5 = 2.4; the one slot keeps e0 (lowest id)
+    # position 2: root + 50 (rejected); e3 misses, e0 hits; bonus 13 -> 1 token;
+    #   time 0.2 + 1 + 0.2 + 0.01 + 0.5 = 1.91
+    log = _hand_replay("chain:1")
+    c = log.columns
+    assert c["position"].tolist() == [0, 2]
+    assert c["committed_tokens"].tolist() == [2, 1]
+    assert c["nodes_verified"].tolist() == [2, 2]
+    assert c["draft_levels"].tolist() == [1, 1]
+    assert c["hits"].tolist() == [0, 1] and c["misses"].tolist() == [2, 1]
+    np.testing.assert_allclose(c["charged_time_s"], [2.4, 1.91])
+    np.testing.assert_allclose(c["predicted_tokens"], [1.9, 1.4])
+    assert log.committed[0].tolist() == [11, 12, 13]
+
+
+def test_hand_trace_oracle_takes_the_whole_accepted_path():
+    # the accepted path root-A-C: prefixes give 1/1.6, 2/2.4 and 3/3.2 tokens per second; the
+    # last is best: one cycle commits 11 12 13 with three misses, time 0.4 + 1 + 0.3 + 1.5 = 3.2
+    log = _hand_replay("oracle")
+    c = log.columns
+    assert c["committed_tokens"].tolist() == [3]
+    assert c["misses"].tolist() == [3] and c["hits"].tolist() == [0]
+    np.testing.assert_allclose(c["charged_time_s"], [3.2])
+    assert log.committed[0].tolist() == [11, 12, 13]
+
+
+def test_charged_union_equals_the_cost_models_union():
+    trace = hand_trace()
+    tree = trace.tree(0)
+    union = expert_union(trace.true_experts[trace.rows(0)].astype(np.int64), [0, 1, 3], 4)
+    assert union[0].tolist() == [True, True, False, True]
+    assert tree.accepted_path(trace.verdict[trace.rows(0)], nodes=[0, 1]).tolist() == [0, 1]
+
+
+@pytest.fixture(scope="module")
+def sample():
+    trace = read_trace(SAMPLE_QWEN3)
+    return prepare("qwen3", trace, trace.true_experts)
+
+
+ALL_POLICIES = ["ar", "chain:4", "eagle3", "eagle3-nocache", "static:auto", "specfit", "oracle"]
+
+
+@pytest.fixture(scope="module")
+def sample_sweep(sample):
+    scenarios = [Scenario(p, preset_profile(p, SHAPES["qwen3-30b-a3b"]).cost) for p in ("pcie4", "gh200")]
+    return run_sweep([sample], ALL_POLICIES, [0, 32], scenarios)
+
+
+def test_every_policy_commits_the_reference_output(sample):
+    cost = preset_profile("pcie5", SHAPES["qwen3-30b-a3b"]).cost
+    for spec in ["ar", "chain:4", "eagle3", "static:6", "specfit", "oracle"]:
+        log = replay(sample, make_policy(spec), ExpertCache(48, 128, 16), cost)
+        for got, want in zip(log.committed, sample.reference):
+            np.testing.assert_array_equal(got, want, err_msg=spec)
+
+
+def test_oracle_commits_the_longest_accepted_path_when_drafting_is_free(sample):
+    free = CostModel(base_s=1e-3, per_node_s=1e-5, hit_s=0.0, miss_s=0.0, draft_level_s=0.0)
+    log = replay(sample, make_policy("oracle"), ExpertCache(48, 128, 0), free)
+    start = sample.first_cycles[log.columns["sequence"]] + log.columns["position"]
+    longest = np.array([sample.accepted[c].size for c in start])
+    np.testing.assert_array_equal(log.columns["committed_tokens"], longest)
+
+
+def test_oracle_never_commits_more_than_the_accepted_path(sample_sweep):
+    cycles, _ = sample_sweep
+    assert (cycles["committed_tokens"] >= 1).all()
+    oracle = cycles[cycles["policy"] == "oracle"]
+    assert (oracle["predicted_tokens"] == oracle["committed_tokens"]).all()
+
+
+def test_specfit_with_true_experts_is_not_below_eagle3(sample_sweep):
+    _, summary = sample_sweep
+    rate = summary.set_index(["profile", "cache_experts", "policy"])["tokens_per_s"]
+    for profile in ("pcie4", "gh200"):
+        for cache in (0, 32):
+            assert rate[profile, cache, "specfit"] >= rate[profile, cache, "eagle3"] * (1 - 1e-9), (profile, cache)
+            assert rate[profile, cache, "oracle"] >= rate[profile, cache, "specfit"] * (1 - 1e-9), (profile, cache)
+
+
+def test_sweep_summary_columns_and_baselines(sample_sweep):
+    cycles, summary = sample_sweep
+    assert len(summary) == 2 * 2 * len(ALL_POLICIES)
+    for col in ("policy", "cache_experts", "tokens", "cycles", "time_s", "tokens_per_s", "tokens_per_cycle",
+                "bytes_h2d", "hit_rate", "speedup_vs_ar", "speedup_vs_eagle3", "union_precision"):
+        assert col in summary
+    ar = summary[summary.policy == "ar"]
+    np.testing.assert_allclose(ar["speedup_vs_ar"], 1.0)
+    assert (summary["tokens"] == summary["tokens"].iloc[0]).all()   # same output, every policy
+    nocache = summary[summary.policy == "eagle3-nocache"]
+    assert (nocache["hit_rate"] == 0).all()
+    auto = summary[summary.policy == "static:auto"]
+    assert auto["static_n"].notna().all()
+    # per-cycle rows add up to the summary
+    grouped = cycles.groupby(["profile", "cache_experts", "policy"])["committed_tokens"].sum()
+    assert (grouped == summary["tokens"].iloc[0]).all()
+    # with the true experts, the union the policy priced is the one charged
+    assert (summary[summary.policy != "eagle3-nocache"]["union_precision"] == 1.0).all()
+
+
+def test_static_auto_is_the_best_fixed_size(sample):
+    cost = preset_profile("gh200", SHAPES["qwen3-30b-a3b"]).cost
+    _, summary = run_sweep([sample], ["static:auto", "static:2", "static:8", "static:32"], [16], [Scenario("g", cost)])
+    rate = summary.set_index("policy")["tokens_per_s"]
+    assert rate["static:auto"] >= rate[["static:2", "static:8", "static:32"]].max()
+
+
+def test_whatif_h2d_scale_and_overrides():
+    cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.01, miss_s=0.51)
+    assert scale_h2d(cost, 2.0).miss_s == pytest.approx(0.26)
+    assert parse_overrides("base_s=2,miss_s=1e-3") == {"base_s": 2.0, "miss_s": 1e-3}
+    with pytest.raises(SpecFitError, match="--cost: expected NAME=VALUE"):
+        parse_overrides("base_s")
+
+
+def test_cli_json_is_only_a_list(tmp_path):
+    runner = CliRunner()
+    r = runner.invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), "--policies", "ar,eagle3,specfit",
+                            "--cache-experts", "8,16", "--profile", "pcie4", "--predictor", "affinity", "--json",
+                            "--out", str(tmp_path / "out")])
+    assert r.exit_code == 0, r.output
+    records = json.loads(r.stdout)
+    assert isinstance(records, list) and len(records) == 6
+    for key in ("policy", "cache_experts", "tokens", "cycles", "time_s", "tokens_per_s", "tokens_per_cycle",
+                "bytes_h2d", "hit_rate"):
+        assert key in records[0]
+    cycles = pd.read_parquet(tmp_path / "out" / "cycles.parquet")
+    assert {"nodes_verified", "draft_levels", "union_size", "hits", "misses", "bytes_h2d", "predicted_time_s",
+            "charged_time_s", "predicted_tokens", "committed_tokens"} <= set(cycles.columns)
+    assert (tmp_path / "out" / "summary.csv").exists()
+    # an affinity predictor is fitted on the other sequence: imperfect, but better than chance
+    assert 0.3 < records[1]["union_precision"] < 1.0
+
+
+def test_cli_table_and_bad_input(tmp_path):
+    runner = CliRunner()
+    r = runner.invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), "--policies", "ar,eagle3", "--cache-experts", "16",
+                            "--profile", "gh200", "--h2d-scale", "2", "--cost", "base_s=0.004"])
+    assert r.exit_code == 0, r.output
+    assert "gh200 x2 H2D (base_s=0.004)" in r.output and "eagle3" in r.output
+    for args, message in [
+        (["--policies", "ar,warp"], "--policies"),
+        (["--cache-experts", "a,b"], "--cache-experts"),
+        (["--profile", "nosuch"], "--profile"),
+        (["--predictor", "psychic"], "--predictor"),
+        (["--cost", "base_s=x"], "--cost: base_s must be a number"),
+    ]:
+        r = runner.invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), *args])
+        assert r.exit_code == 2, (args, r.output)
+        assert message in r.output and "Traceback" not in r.output
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"machine": {}}))
+    r = runner.invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), "--profile", str(profile)])
+    assert r.exit_code == 2 and "p.json" in r.output
