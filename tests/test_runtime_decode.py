@@ -64,7 +64,7 @@ def test_generation_stops_after_eos(model_dirs):
     result = stopping.generate(prompt, NEW_TOKENS)
     assert result.output_ids == full[: first + 1] and result.stop_reason == "eos"
     ignoring = stopping.generate(prompt, NEW_TOKENS, ignore_eos=True)
-    assert ignoring.output_ids == full and ignoring.stop_reason == "max_new_tokens"
+    assert ignoring.output_ids == full and ignoring.stop_reason == "length"
 
 
 def test_decode_counters_add_up(model_dirs):

@@ -127,3 +127,15 @@ def test_streaming_more_experts_than_staging_buffers_is_exact():
     assert offload.counters.misses.tolist() == [5]
     assert offload.counters.streamed.tolist() == [4]
     assert offload.cache.resident()[0].tolist() == [True, False, False, False, False, False]
+
+
+def test_reset_empties_the_device_cache(model_dir):
+    model = _model(model_dir, 3)
+    passes = list(_decode_passes(model, n_steps=2))
+    assert model.offload.cache.resident().any()
+    model.offload.reset()
+    assert not model.offload.cache.resident().any() and (model.offload.slot_of == -1).all()
+    again = list(_decode_passes(model, n_steps=2))
+    assert again[0].offload.total_hits == 0
+    assert all(torch.equal(a.logits, b.logits) for a, b in zip(passes, again))
+    _check_slots(model.offload)

@@ -51,7 +51,7 @@ class DecodeResult:
 
     prompt_ids: list[int]
     output_ids: list[int]
-    stop_reason: str                  # "eos" or "max_new_tokens"
+    stop_reason: str                  # "eos", or "length" when max_new_tokens was reached
     prefill_time_s: float
     decode_time_s: float
     n_cycles: int
@@ -113,7 +113,7 @@ class Decoder:
         totals += prefill_counters
 
         output, cycle_tokens = [root], []
-        stop_reason = "eos" if self._is_eos(root, ignore_eos) else "max_new_tokens"
+        stop_reason = "eos" if self._is_eos(root, ignore_eos) else "length"
         decode_bytes_h2d = 0
         start = _now(self.model.device)
         while stop_reason != "eos" and len(output) < max_new_tokens:

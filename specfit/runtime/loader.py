@@ -112,6 +112,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
                            dtype, pin_memory=device.type == "cuda")
         for layer in range(config.n_layers):
             _load_layer_experts(checkpoint, config, layer, host)
+            checkpoint.close()   # unmap the files: pages read so far would otherwise stay resident
     finally:
         checkpoint.close()
 
@@ -169,7 +170,9 @@ def _dense_state_dict(checkpoint: Checkpoint, config: ModelConfig, dtype, device
         for name in ("input_layernorm", "post_attention_layernorm"):
             shapes[f"{ours}{name}.weight"] = (f"{theirs}{name}.weight", (H,))
         shapes[f"{ours}moe.gate.weight"] = (f"{theirs}{_moe_prefix(checkpoint, layer)}.gate.weight", (E, H))
-    dense = {ours: checkpoint.get(theirs, shape, dtype).to(device) for ours, (theirs, shape) in shapes.items()}
+    # copy=True: a tensor read from a safetensors file can share the file's memory map, which
+    # would keep every page read from that file resident for the model's lifetime
+    dense = {ours: checkpoint.get(theirs, shape, dtype).to(device, copy=True) for ours, (theirs, shape) in shapes.items()}
     if "lm_head.weight" not in dense:
         dense["lm_head.weight"] = dense["embed_tokens.weight"]   # tied: one tensor, two uses
     return dense

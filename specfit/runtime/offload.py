@@ -155,7 +155,8 @@ class ExpertOffload:
         self.slot_gate_up = torch.empty((n_slots, 2 * I, H), dtype=host.dtype, device=self.device)
         self.slot_down = torch.empty((n_slots, H, I), dtype=host.dtype, device=self.device)
         self.slot_of = np.full((L, E), -1, dtype=np.int64)   # device slot of each resident expert
-        self._free_slots = list(range(n_slots - 1, -1, -1))   # a stack: pop() hands out slot 0 first
+        self._free_slots: list[int] = []
+        self.reset()
         # A layer's union always fits once capacity >= E (per layer, or globally since only the
         # current layer's union is protected from eviction); below that, overflow is streamed.
         n_staging = 2 if self.cache.capacity < E else 0
@@ -173,6 +174,12 @@ class ExpertOffload:
     def device_bytes(self) -> int:
         """Device memory held for experts: the slots plus the staging buffers."""
         return sum(t.nbytes for t in (self.slot_gate_up, self.slot_down, self.staging_gate_up, self.staging_down))
+
+    def reset(self) -> None:
+        """Empty the device cache: no expert resident, every slot free, cache counters zero."""
+        self.cache.reset()
+        self.slot_of[:] = -1
+        self._free_slots = list(range(self.n_slots - 1, -1, -1))   # a stack: pop() hands out slot 0 first
 
     def begin_pass(self) -> None:
         """Start counting a new forward pass."""

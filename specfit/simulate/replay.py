@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..costmodel import CostModel, expert_union
+from ..costmodel import CostModel
 from ..errors import SpecFitError
 from ..experts.cache import ExpertCache
 from ..policies import CycleView, Policy, choose
@@ -43,6 +43,8 @@ class PreparedTrace:
     true: list[np.ndarray]                     # [cycle]: int64 [n, L, k]
     verdicts: list[np.ndarray]                 # [cycle]: int64 [n]
     accepted: list[np.ndarray]                 # [cycle]: accepted path of the full tree, root first
+    true_items: list[np.ndarray]               # [cycle]: int64 [n, L * k] true experts as layer * E + expert
+    predicted_items: list[np.ndarray]          # [cycle]: the same for the predicted experts
     first_cycles: np.ndarray                   # first cycle (position 0) of each sequence
     info: dict = field(default_factory=dict)   # e.g. the predictor's and calibrator's quality
 
@@ -86,9 +88,21 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
         accepted.append(tree.accepted_path(v))
     seq = trace.sequence
     first = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
+    layer_base = (np.arange(trace.n_layers) * trace.n_experts)[None, :, None]
     return PreparedTrace(name=name, trace=trace, predictor=predictor, level_trees=level_trees,
                          level_sizes=level_sizes, predicted=pred, true=true, verdicts=verdicts,
-                         accepted=accepted, first_cycles=first, info=info or {})
+                         accepted=accepted,
+                         true_items=[(e + layer_base).reshape(e.shape[0], -1) for e in true],
+                         predicted_items=[(e + layer_base).reshape(e.shape[0], -1) for e in pred],
+                         first_cycles=first, info=info or {})
+
+
+def _union(items: np.ndarray, nodes: np.ndarray, n_items: int) -> np.ndarray:
+    """[L * E] bool union of the selected nodes' experts: :func:`specfit.costmodel.expert_union`
+    on the flat item ids precomputed once per trace (the replay's hot path)."""
+    union = np.zeros(n_items, dtype=bool)
+    union[items[nodes].ravel()] = True
+    return union
 
 
 @dataclass
@@ -129,7 +143,7 @@ class CycleLog:
 def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostModel) -> CycleLog:
     """Replay every sequence of ``prep`` through ``policy`` with ``cache`` (mutated: it carries
     state across cycles) and ``cost`` (the policy's cost model)."""
-    E = prep.trace.n_experts
+    L, E = prep.trace.n_layers, prep.trace.n_experts
     n = prep.n_cycles
     cols = {name: np.zeros(n, dtype=np.float64 if name.startswith("predicted_t") else np.int64)
             for name in CYCLE_COLUMNS}
@@ -149,14 +163,16 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
                 level_trees=prep.level_trees[c], level_sizes=prep.level_sizes[c])
             sel = choose(policy, view)
             nodes = sel.nodes
-            path = prep.accepted[c]
-            inside = np.isin(path, nodes)
-            k = int(path.size if inside.all() else np.argmin(inside))   # root + accepted drafts
-            union = expert_union(true, nodes, E)
-            result = cache.admit(union)
-            # the experts the policy decided with (the oracle policy decides with the true ones)
-            predicted_union = union if needs_truth else expert_union(prep.predicted[c], nodes, E)
             tree = prep.level_trees[c][-1]
+            path = prep.accepted[c]
+            selected = np.zeros(tree.n_nodes, dtype=bool)
+            selected[nodes] = True
+            inside = selected[path]
+            k = int(path.size if inside.all() else np.argmin(inside))   # root + accepted drafts
+            union = _union(prep.true_items[c], nodes, L * E)
+            result = cache.admit(union.reshape(L, E))
+            # the experts the policy decided with (the oracle policy decides with the true ones)
+            predicted_union = union if needs_truth else _union(prep.predicted_items[c], nodes, L * E)
             tokens_out.append(np.r_[tree.tokens[path[1:k]], prep.verdicts[c][path[k - 1]]])
             cols["sequence"][i] = seq_index
             cols["position"][i] = c - start
