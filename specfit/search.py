@@ -89,9 +89,12 @@ class _Problem:
                          misses=misses, draft_levels=self.draft_levels)
 
 
-# Ratios within this relative distance are ties (float rounding of sums that are equal in reals);
-# gains below this many tokens are treated as zero by the inner solver.
+# Ratios within this relative distance are ties (float rounding of sums that are equal in reals).
 TIE_REL = 1e-12
+# The inner solver treats gains below this many tokens as zero: far above the rounding of
+# p - lam * cost (~1e-16 for the magnitudes involved), far below any gain that changes a ratio by
+# TIE_REL, even summed over a few hundred nodes.
+GAIN_EPS = 1e-14
 
 
 def _better(a: Selection, b: Selection) -> bool:
@@ -109,7 +112,8 @@ def _validated(tree, experts, cached, cost, draft_levels):
     if not isinstance(cost, CostModel):
         raise ValueError(f"cost: expected a CostModel, got {type(cost).__name__}")
     experts, cached = check_experts(tree, experts, cached)
-    if int(draft_levels) != draft_levels or draft_levels < 0:
+    if not (isinstance(draft_levels, (int, np.integer)) and not isinstance(draft_levels, bool)
+            or isinstance(draft_levels, float) and draft_levels.is_integer()) or draft_levels < 0:
         raise ValueError(f"draft_levels: expected a non-negative integer, got {draft_levels!r}")
     return experts, cached
 
@@ -121,6 +125,14 @@ def evaluate(tree: DraftTree, nodes, experts, cached, cost: CostModel, draft_lev
 
 
 # --------------------------------------------------------------------------- exact search
+def _root_selection(prob: _Problem) -> Selection:
+    root = prob.evaluate(np.zeros(1, dtype=np.int64))
+    if root.time_s <= 0:
+        raise ValueError("cost: verifying the root alone is predicted to take 0 s; expected a cost model with a "
+                         "positive cycle time (base_s, per_node_s or the root's expert costs > 0)")
+    return root
+
+
 def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels: int = 0,
                  start=None) -> Selection:
     """The ancestor-closed subtree with the highest predicted throughput (exact; ties: smallest).
@@ -136,7 +148,7 @@ def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels
     """
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
     prob = _Problem(tree, experts, cached, cost, draft_levels)
-    best = prob.evaluate(np.zeros(1, dtype=np.int64))
+    best = _root_selection(prob)
     if start is not None:
         first = prob.evaluate(check_nodes(tree, start, "start"))
         if _better(first, best):
@@ -198,7 +210,7 @@ class _InnerSolver:
         ub = np.where(alive, weight, -np.inf)
         for level in self.levels[:0:-1]:
             vals = ub[level]
-            keep = (vals > TIE_REL) | inside[level]
+            keep = (vals > GAIN_EPS) | inside[level]
             alive[level[~keep]] = False
             np.add.at(ub, self.parents[level[keep]], vals[keep])
         for level in self.levels[1:]:
@@ -236,7 +248,7 @@ class _InnerSolver:
             # live shared item alone is in every maximiser. Forcing one node only pays items for
             # the others, so values computed before the pass stay valid through it, level by level.
             pess = weight - np.bincount(mv, weights=gcost[mg] * live[mg], minlength=n) if G else weight
-            candidate = alive & ~inside & (pess > TIE_REL)
+            candidate = alive & ~inside & (pess > GAIN_EPS)
             if candidate.any():
                 before = np.count_nonzero(inside)
                 for level in self.levels[1:]:
@@ -257,12 +269,12 @@ class _InnerSolver:
         gain = np.where(undecided, weight, 0.0)
         for level in self.levels[:0:-1]:
             lv = level[undecided[level]]
-            up = lv[(gain[lv] > TIE_REL) & undecided[parents[lv]]]
+            up = lv[(gain[lv] > GAIN_EPS) & undecided[parents[lv]]]
             np.add.at(gain, parents[up], gain[up])
         take = inside.copy()
         for level in self.levels[1:]:
             lv = level[undecided[level]]
-            take[lv] = take[parents[lv]] & (gain[lv] > TIE_REL)
+            take[lv] = take[parents[lv]] & (gain[lv] > GAIN_EPS)
         return take
 
     def _closure(self, weight, undecided, inside, gcost, coupled) -> np.ndarray:
@@ -307,7 +319,7 @@ def max_weight_closure(weights: np.ndarray, requires: list[tuple[int, int]]) -> 
             graph.add(i, t, float(-w))
     for u, v in requires:
         graph.add(u, v, float("inf"))
-    eps = scale * 1e-13 + TIE_REL
+    eps = scale * 1e-15 + GAIN_EPS
     graph.max_flow(s, t, eps=eps)
     reach = graph.reachable(s, eps=eps)
     return reach[:m]
@@ -391,7 +403,7 @@ def greedy_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_leve
     children = tree.children()
     selected = np.zeros(prob.n, dtype=bool)
     selected[0] = True
-    best = prob.evaluate(np.zeros(1, dtype=np.int64))
+    best = _root_selection(prob)
     frontier = set(children[0].tolist())
     while frontier:
         top = None
