@@ -242,43 +242,59 @@ def probs_st(draw, parents, kind: str | None = None):
 EXPERT_KINDS = ("random", "topk", "identical", "pool", "siblings", "parent", "root_cached")
 
 
-@st.composite
-def experts_st(draw, n: int, parents, n_layers: int, n_experts: int, top_k: int, kind: str | None = None):
-    kind = kind or draw(st.sampled_from(EXPERT_KINDS))
-    ids = st.integers(0, n_experts - 1)
-
-    def row(pool=None):
-        if pool is not None:
-            return [draw(st.sampled_from(pool)) for _ in range(top_k)]
-        if kind == "topk" and top_k <= n_experts:
-            return draw(st.permutations(range(n_experts)))[:top_k]
-        return [draw(ids) for _ in range(top_k)]
-
+def make_experts(rng: np.random.Generator, kind: str, parents, n_layers: int, n_experts: int,
+                 top_k: int) -> np.ndarray:
+    """experts[node, layer, slot] of one of EXPERT_KINDS (bulk arrays come from a seeded generator:
+    drawing hundreds of ids one by one through hypothesis would dominate the run time)."""
+    n = len(parents)
     experts = np.zeros((n, n_layers, top_k), dtype=np.int64)
+
+    def row():
+        if kind == "topk" and top_k <= n_experts:   # distinct ids, as a router's top-k
+            return rng.choice(n_experts, size=top_k, replace=False)
+        if kind == "pool":
+            return rng.choice(pool, size=top_k)
+        return rng.integers(0, n_experts, size=top_k)   # repeats possible (malformed but valid)
+
     if kind == "identical":
-        block = [row() for _ in range(n_layers)]
-        experts[:] = np.array(block, dtype=np.int64)[None]
+        experts[:] = np.stack([row() for _ in range(n_layers)])[None]
         return experts
-    pool = None
-    if kind == "pool":  # a few experts shared by everyone: heavy overlap between siblings and cousins
-        pool = draw(st.lists(ids, min_size=1, max_size=max(1, top_k + 1), unique=True))
+    # a few experts shared by everyone: heavy overlap between siblings and cousins
+    pool = rng.choice(n_experts, size=int(rng.integers(1, min(n_experts, top_k + 1) + 1)), replace=False)
     for v in range(n):
-        if v and kind in ("siblings", "parent", "root_cached") and draw(st.booleans()):
-            if kind == "siblings":
-                src = draw(st.integers(0, v - 1))
-            elif kind == "parent":
-                src = int(parents[v])
-            else:
-                src = 0
+        if v and kind in ("siblings", "parent", "root_cached") and rng.random() < 0.6:
+            src = {"siblings": int(rng.integers(0, v)), "parent": int(parents[v]), "root_cached": 0}[kind]
             experts[v] = experts[src]
-            if draw(st.booleans()):  # mutate one slot
-                layer = draw(st.integers(0, n_layers - 1))
-                slot = draw(st.integers(0, top_k - 1))
-                experts[v, layer, slot] = draw(ids)
+            if rng.random() < 0.5:  # mutate one slot
+                experts[v, rng.integers(0, n_layers), rng.integers(0, top_k)] = rng.integers(0, n_experts)
             continue
         for layer in range(n_layers):
-            experts[v, layer] = row(pool)
+            experts[v, layer] = row()
     return experts
+
+
+def mirrored_case(depth: int, shared: int, unique: int, miss_s: float, decay: float, n_layers: int = 48,
+                  n_experts: int = 128, per_node_s: float = 0.001) -> "Case":
+    """Two chains from the root, A and B; the cousins A_i and B_i (same depth) share ``shared``
+    experts and each has ``unique`` of its own. A cousin alone rarely pays for the shared experts,
+    the pair often does: the search cannot decide node by node."""
+    n = 1 + 2 * depth
+    parents = [-1] + [0 if i == 0 else b * depth + i for b in range(2) for i in range(depth)]
+    probs = np.r_[1.0, decay ** np.arange(1, depth + 1), decay ** np.arange(1, depth + 1)]
+    k = shared + unique
+    common = np.arange(n_experts - k, n_experts)  # everyone's default experts, paid by the root
+    experts = np.broadcast_to(common, (n, n_layers, k)).copy()
+    per_layer = shared + 2 * unique
+    for i in range(depth):
+        a, b = 1 + i, 1 + depth + i
+        layer, block = i % n_layers, (i // n_layers) * per_layer
+        assert block + per_layer <= n_experts - k, "too deep for this many experts"
+        sh = block + np.arange(shared)
+        experts[a, layer] = np.r_[sh, block + shared + np.arange(unique)]
+        experts[b, layer] = np.r_[sh, block + shared + unique + np.arange(unique)]
+    cached = np.zeros((n_layers, n_experts), dtype=bool)
+    return Case(np.array(parents, dtype=np.int64), probs, experts, cached,
+                Costs(base_s=1.0, per_node_s=per_node_s, hit_s=0.0, miss_s=miss_s, draft_level_s=0.0), 0)
 
 
 DYADIC_COSTS = {
@@ -325,11 +341,12 @@ def search_case_st(draw, max_nodes: int = 11, prob_kind=None, expert_kind=None, 
     n_layers = draw(st.integers(1, max_layers))
     n_experts = draw(st.integers(1, max_experts))
     top_k = draw(st.integers(1, min(4, n_experts + 1)))
-    experts = draw(experts_st(parents.size, parents, n_layers, n_experts, top_k, kind=expert_kind))
+    kind = expert_kind or draw(st.sampled_from(EXPERT_KINDS))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    experts = make_experts(rng, kind, parents, n_layers, n_experts, top_k)
     cached_kind = draw(st.sampled_from(("random", "none", "all", "root")))
     if cached_kind == "random":
-        cached = np.array(draw(st.lists(st.booleans(), min_size=n_layers * n_experts,
-                                        max_size=n_layers * n_experts))).reshape(n_layers, n_experts)
+        cached = rng.random((n_layers, n_experts)) < rng.random()
     elif cached_kind == "root":  # the root's experts resident, as after its own forward pass
         cached = np.zeros((n_layers, n_experts), dtype=bool)
         cached[np.arange(n_layers)[:, None], experts[0]] = True

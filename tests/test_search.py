@@ -19,6 +19,7 @@ from core_helpers import (
     brute_force_closure,
     core_settings,
     is_closed,
+    mirrored_case,
     root_time_positive,
     search_case_st,
 )
@@ -75,14 +76,14 @@ def check_against_brute_force(case: Case) -> None:
 
 
 # --------------------------------------------------------------------------- exact search vs brute force
-@core_settings(1200)
+@core_settings(1000)
 @given(search_case_st())
 def test_best_subtree_equals_brute_force_on_random_small_trees(case):
     assume(root_time_positive(case))
     check_against_brute_force(case)
 
 
-@core_settings(500)
+@core_settings(400)
 @given(search_case_st(max_experts=4))
 def test_best_subtree_equals_brute_force_with_few_experts(case):
     # four experts or fewer: almost every pair of nodes shares experts
@@ -127,6 +128,44 @@ def test_best_subtree_equals_brute_force_with_zero_cost_terms(case):
 def test_best_subtree_equals_brute_force_on_tiny_trees(case):
     assume(root_time_positive(case))
     check_against_brute_force(case)
+
+
+@core_settings(250)
+@given(search_case_st(max_experts=8), st.sampled_from((63, 64, 65, 127, 128, 129, 200)), st.data())
+def test_best_subtree_with_expert_ids_across_word_boundaries(case, n_experts, data):
+    # the same structure, with expert ids moved to both sides of 64-bit word boundaries
+    assume(root_time_positive(case))
+    small = case.cached.shape[1]
+    boundary = {*range(8), 62, 63, 64, 65, 126, 127, 128, 129, n_experts - 1}
+    pool = sorted(b for b in boundary if b < n_experts)
+    mapping = np.array(data.draw(st.permutations(pool))[:small])
+    cached = np.array(data.draw(st.lists(st.booleans(), min_size=n_experts, max_size=n_experts)))
+    cached = np.broadcast_to(cached, (case.cached.shape[0], n_experts)).copy()
+    cached[:, mapping] = case.cached
+    check_against_brute_force(Case(case.parents, case.probs, mapping[case.experts], cached, case.costs,
+                                   case.draft_levels))
+
+
+@core_settings(200)
+@given(search_case_st(), st.data())
+def test_best_subtree_answer_does_not_depend_on_the_start_set(case, data):
+    assume(root_time_positive(case))
+    chosen = data.draw(st.lists(st.integers(0, case.n - 1), max_size=case.n, unique=True))
+    start = {0}
+    for v in chosen:
+        while v not in start:
+            start.add(v)
+            v = int(case.parents[v])
+    plain = best_subtree(case.tree, case.experts, case.cached, case.cost, case.draft_levels)
+    warm = best_subtree(case.tree, case.experts, case.cached, case.cost, case.draft_levels, start=sorted(start))
+    assert warm.nodes.tolist() == plain.nodes.tolist()
+    assert_selection_matches_formula(warm, case)
+
+
+def test_best_subtree_rejects_a_start_set_that_is_not_closed():
+    tree, experts, cached, cost = _valid()
+    with pytest.raises(ValueError, match="start"):
+        best_subtree(tree, experts, cached, cost, 2, start=[0, 3])
 
 
 def test_best_subtree_on_a_hand_worked_example():
@@ -519,6 +558,30 @@ def test_best_subtree_on_large_trees_is_closed_consistent_and_beats_simple_candi
             assert counts.ratio(nodes) <= floor
         # the smallest optimal set has only nodes that can be in an optimal set
         assert possible[sel.nodes].all()
+
+
+@core_settings(150)
+@given(st.integers(1, 5), st.integers(1, 4), st.integers(0, 2), st.floats(0.005, 0.2), st.floats(0.5, 1.0))
+def test_best_subtree_equals_brute_force_on_mirrored_cousins(depth, shared, unique, miss_s, decay):
+    case = mirrored_case(depth, shared, unique, miss_s, decay, n_layers=2, n_experts=40)
+    check_against_brute_force(case)
+
+
+@pytest.mark.parametrize("shared, unique, miss_s, decay", [(4, 0, 0.02, 0.99), (3, 1, 0.01, 0.995)])
+def test_best_subtree_on_255_node_mirrored_cousins_matches_the_lp_optimum(shared, unique, miss_s, decay):
+    case = mirrored_case(127, shared, unique, miss_s, decay)
+    start = time.perf_counter()
+    sel = best_subtree(case.tree, case.experts, case.cached, case.cost)
+    assert time.perf_counter() - start < 10.0
+    assert_selection_matches_formula(sel, case)
+    counts = _Counts(case)
+    got = counts.ratio(sel.nodes)
+    greedy = greedy_subtree(case.tree, case.experts, case.cached, case.cost)
+    assert counts.ratio(greedy.nodes) <= got * (1 + TIE_REL)
+    lp_value, rounded, _ = lp_optimum(case, max(counts.ratio(greedy.nodes), counts.ratio([0])))
+    assert got >= lp_value * (1 - 1e-9), f"LP reaches {lp_value}, the search {got}"
+    for nodes in rounded:
+        assert counts.ratio(nodes) <= got * (1 + TIE_REL)
 
 
 def test_best_subtree_on_a_deep_chain():
