@@ -79,7 +79,7 @@ class OraclePredictor(ExpertPredictor):
         _, rows = _selected_rows(trace, cycles)
         if not trace.true_known[rows].all():
             raise SpecFitError("--predictor oracle: the trace does not know every node's true experts")
-        return trace.true_experts[rows]
+        return trace.true_experts if cycles is None else trace.true_experts[rows]
 
 
 class RecordedPredictor(ExpertPredictor):

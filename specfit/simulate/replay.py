@@ -81,19 +81,22 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
         sizes = np.searchsorted(depth, np.arange(tree.max_depth + 1), side="right")   # depth is sorted
         level_trees.append(tuple(tree.subtree(np.arange(n)) if n < tree.n_nodes else tree for n in sizes))
         level_sizes.append(sizes)
-        pred.append(predicted_experts[r].astype(np.int64))
         true.append(trace.true_experts[r].astype(np.int64))
+        # the oracle predictor's arrays are the true ones (the replay then skips a second union)
+        pred.append(true[-1] if predicted_experts is trace.true_experts else predicted_experts[r].astype(np.int64))
         v = trace.verdict[r].astype(np.int64)
         verdicts.append(v)
         accepted.append(tree.accepted_path(v))
     seq = trace.sequence
     first = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
     layer_base = (np.arange(trace.n_layers) * trace.n_experts)[None, :, None]
+    true_items = [(e + layer_base).reshape(e.shape[0], -1) for e in true]
     return PreparedTrace(name=name, trace=trace, predictor=predictor, level_trees=level_trees,
                          level_sizes=level_sizes, predicted=pred, true=true, verdicts=verdicts,
                          accepted=accepted,
-                         true_items=[(e + layer_base).reshape(e.shape[0], -1) for e in true],
-                         predicted_items=[(e + layer_base).reshape(e.shape[0], -1) for e in pred],
+                         true_items=true_items,
+                         predicted_items=[(e + layer_base).reshape(e.shape[0], -1) if e is not t else ti
+                                          for e, t, ti in zip(pred, true, true_items)],
                          first_cycles=first, info=info or {})
 
 
@@ -172,7 +175,8 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
             union = _union(prep.true_items[c], nodes, L * E)
             result = cache.admit(union.reshape(L, E))
             # the experts the policy decided with (the oracle policy decides with the true ones)
-            predicted_union = union if needs_truth else _union(prep.predicted_items[c], nodes, L * E)
+            same = needs_truth or prep.predicted[c] is prep.true[c]
+            predicted_union = union if same else _union(prep.predicted_items[c], nodes, L * E)
             tokens_out.append(np.r_[tree.tokens[path[1:k]], prep.verdicts[c][path[k - 1]]])
             cols["sequence"][i] = seq_index
             cols["position"][i] = c - start
