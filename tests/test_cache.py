@@ -212,6 +212,18 @@ def test_warm_marks_resident_without_counting():
     assert r.hits.tolist() == [2, 1] and r.misses.tolist() == [0, 0]
 
 
+@pytest.mark.parametrize("mode, capacity, kept", [
+    ("per_layer", 2, [[0, 1], [0, 1]]),
+    ("global", 2, [[0, 1], []]),
+    ("global", 4, [[0, 1, 2], [0]]),
+])
+def test_warm_beyond_capacity_keeps_the_first_in_ascending_layer_expert_order(mode, capacity, kept):
+    # ExpertCache.warm: "the ones that fit are kept in ascending (layer, expert) order"
+    cache = ExpertCache(2, 3, capacity, mode=mode)
+    cache.warm(np.ones((2, 3), dtype=bool))
+    assert [row.nonzero()[0].tolist() for row in cache.resident()] == kept
+
+
 def test_resident_is_a_copy():
     cache = ExpertCache(1, 3, 2)
     cache.resident()[0, 0] = True
