@@ -50,8 +50,8 @@ def main() -> None:
     print(f"trace {args.trace}: {trace.n_cycles} positions, {trace.tree_sizes.mean():.1f} nodes/tree, "
           f"{trace.n_layers} layers x {trace.n_experts} experts, top-{trace.top_k}; prepare {prepare_s * 1e3:.0f} ms "
           f"({trace.n_cycles / prepare_s:.0f} positions/s)")
-    print(f"| policy | cycles | best replay (ms) | cycles/s | us/cycle |")
-    print(f"|---|---:|---:|---:|---:|")
+    print("| policy | cycles | best replay (ms) | cycles/s | us/cycle |")
+    print("|---|---:|---:|---:|---:|")
     for spec in POLICIES:
         best = float("inf")
         cycles = 0

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from specfit.cli import app
 from specfit.errors import SpecFitError
 from specfit.traces.drafter import DrafterParams
-from specfit.traces.format import METADATA_KEY, read_trace, to_table, validate_trace, write_trace
+from specfit.traces.format import METADATA_KEY, read_trace, validate_trace, write_trace
 from specfit.traces.importers import dump_jsonl, import_routing, model_for_log, read_routing_log
 from specfit.traces.stats import consecutive_reuse, lru_hit_rates, set_overlap
 from specfit.traces.synth import synthesize

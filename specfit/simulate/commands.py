@@ -163,14 +163,17 @@ def _print_summary(summary, out: Optional[Path]) -> None:
         console = Console(width=132)   # a pipe or file: keep the columns whole
     for (trace, profile), group in summary.groupby(["trace", "profile"], sort=False):
         table = Table(title=f"{trace} - {profile} - predictor {group['predictor'].iloc[0]}")
+        # prediction quality: the union the policy priced vs the one charged (1/1 with oracle
+        # experts), and predicted vs committed tokens
         for col in ("cache", "policy", "tokens/s", "tokens/cycle", "MB/token", "hit rate", "nodes", "vs ar", "vs eagle3",
-                    "pred. tokens err"):
+                    "union P/R", "pred. tokens err"):
             table.add_column(col, justify="right" if col != "policy" else "left")
         for _, row in group.iterrows():
             policy = row["policy"] + (f" (N={int(row['static_n'])})" if row["policy"] == "static:auto" else "")
             table.add_row(str(row["cache_experts"]), policy, f"{row['tokens_per_s']:.2f}", f"{row['tokens_per_cycle']:.2f}",
                           f"{row['bytes_per_token'] / 1e6:.1f}", f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}",
                           f"{row['speedup_vs_ar']:.2f}x", f"{row['speedup_vs_eagle3']:.2f}x",
+                          f"{row['union_precision']:.2f}/{row['union_recall']:.2f}",
                           f"{row['tokens_prediction_error']:+.1%}")
         console.print(table)
     if out is not None:

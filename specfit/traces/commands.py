@@ -41,7 +41,6 @@ def synth_command(
 ) -> None:
     """Generate a synthetic position-indexed trace with checked routing and acceptance statistics."""
     from ..cli import fail
-    from .drafter import DrafterParams
     from .format import write_trace
     from .synth import RoutingParams, WORKLOADS, synthesize, with_drafter_overrides
 

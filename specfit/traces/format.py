@@ -181,7 +181,7 @@ def _expert_column(experts: np.ndarray, known: np.ndarray, n_experts: int) -> pa
 
 def to_table(trace: Trace) -> pa.Table:
     c = trace.cycle_of_node
-    L, k, E = trace.n_layers, trace.top_k, trace.n_experts
+    E = trace.n_experts
     cols = {
         "cycle": pa.array(c.astype(np.int32)),
         "sequence": pa.array(trace.sequence[c].astype(np.int32)),
@@ -203,7 +203,6 @@ def to_table(trace: Trace) -> pa.Table:
         cols[name] = pa.array(np.asarray(values, dtype=np.float64)[c])
     table = pa.table(cols)
     meta = dict(trace.meta, schema_version=SCHEMA_VERSION)
-    assert trace.true_experts.shape[1:] == (L, k)
     return table.replace_schema_metadata({METADATA_KEY: json.dumps(meta, sort_keys=True).encode()})
 
 

@@ -16,7 +16,7 @@ metadata (``parameters`` and ``statistics``).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
