@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .bitsets import pack_experts, pack_mask, popcount
-from .costmodel import CostModel, check_experts
+from .costmodel import CostModel, check_experts, expert_union
 from .tree import DraftTree, check_nodes
 
 __all__ = ["Selection", "best_subtree", "greedy_subtree", "evaluate", "should_continue", "max_weight_closure"]
@@ -119,9 +119,16 @@ def _validated(tree, experts, cached, cost, draft_levels):
 
 
 def evaluate(tree: DraftTree, nodes, experts, cached, cost: CostModel, draft_levels: int = 0) -> Selection:
-    """The predicted outcome of verifying ``nodes`` (validated, then the cost formula)."""
+    """The predicted outcome of verifying ``nodes`` (validated, then the cost formula). Only the
+    selected nodes' experts are touched: policies call this once per cycle on large trees."""
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
-    return _Problem(tree, experts, cached, cost, draft_levels).evaluate(check_nodes(tree, nodes))
+    nodes = check_nodes(tree, nodes)
+    union = expert_union(experts, nodes, cached.shape[1])
+    hits = int(np.count_nonzero(union & cached))
+    misses = int(np.count_nonzero(union)) - hits
+    time_s = cost.predict_counts(draft_levels, nodes.size, hits, misses)
+    return Selection(nodes=nodes, expected_tokens=tree.expected_tokens(nodes), time_s=float(time_s), hits=hits,
+                     misses=misses, draft_levels=int(draft_levels))
 
 
 # --------------------------------------------------------------------------- exact search

@@ -141,11 +141,20 @@ def _drafter_dims(plan: CalibrationPlan, config) -> tuple[int, int]:
         raise SpecFitError(f"{path}: expected JSON with 'hidden_size' and 'draft_vocab_size' ({exc})") from None
 
 
-def calibrate(plan: CalibrationPlan, progress=None) -> Profile:
-    """Run every probe, fit the cost model, and return the profile (not yet saved)."""
+def calibrate(plan: CalibrationPlan, progress=None, model=None) -> Profile:
+    """Run every probe, fit the cost model, and return the profile (not yet saved).
+
+    ``model``: an already loaded target (e.g. by ``specfit decode``) to probe instead of loading
+    ``plan.model_dir``; its expert offload is restored afterwards.
+    """
     started = time.perf_counter()
     step = progress or (lambda: None)
-    model, probed, full = _load_target(plan)
+    if model is None:
+        model, probed, full = _load_target(plan)
+    else:
+        c = model.config
+        name = Path(plan.model_dir).name if plan.model_dir else "model"
+        probed = full = ModelShape(name, c.n_layers, c.n_experts, c.top_k, c.expert_bytes(model.dtype), c.hidden_size)
     device, dtype, c = model.device, model.dtype, model.config
     machine = machine_info()
 

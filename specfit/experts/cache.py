@@ -84,6 +84,9 @@ class ExpertCache:
         self._score = np.zeros(shape, dtype=np.int64)   # eviction order key (smallest goes first)
         self._count = np.zeros(shape, dtype=np.int64)   # touches, for lfu
         self._clock = 0
+        # per-layer mode: the expert held by each of a layer's slots (-1: free)
+        self._slot_expert = np.full((self.n_layers, self.capacity if self.mode == "per_layer" else 0), -1,
+                                    dtype=np.int64)
         self.hits = np.zeros(self.n_layers, dtype=np.int64)
         self.misses = np.zeros(self.n_layers, dtype=np.int64)
         self.evictions = np.zeros(self.n_layers, dtype=np.int64)
@@ -94,18 +97,23 @@ class ExpertCache:
         return self._resident.copy()
 
     def warm(self, resident: np.ndarray) -> None:
-        """Mark experts resident (e.g. a prefill's) without counting hits or misses; the ones
-        that fit are kept in ascending (layer, expert) order."""
+        """Start from ``resident`` (e.g. a prefill's experts) without counting hits or misses;
+        when more are given than fit, the first in ascending (layer, expert) order are kept, and
+        they count as touched in that order."""
         resident = np.asarray(resident, dtype=bool)
         if resident.shape != self._resident.shape:
             raise ValueError(f"resident: expected shape {self._resident.shape}, got {resident.shape}")
         self.reset()
-        union = resident
-        self.admit(union)
-        self.hits[:] = 0
-        self.misses[:] = 0
-        self.evictions[:] = 0
-        self.streamed[:] = 0
+        if self.mode == "per_layer":
+            keep = resident & (np.cumsum(resident, axis=1) <= self.capacity)
+            target = np.arange(self.capacity)[None, :] < np.count_nonzero(keep, axis=1)[:, None]
+            self._slot_expert[target] = np.nonzero(keep)[1]
+        else:
+            keep = resident & (np.cumsum(resident.ravel()).reshape(resident.shape) <= self.capacity)
+        self._resident[:] = keep
+        order = np.arange(keep.size, dtype=np.int64).reshape(keep.shape) - keep.size  # before any admit
+        np.copyto(self._score, order, where=keep)
+        np.copyto(self._count, 1, where=keep)
 
     @property
     def bytes_h2d(self) -> int:
@@ -138,48 +146,54 @@ class ExpertCache:
 
     def _apply_touch(self, mask: np.ndarray, keys: np.ndarray, admitted: np.ndarray) -> None:
         """Update scores of touched experts (``mask``); ``admitted`` marks the new arrivals."""
-        self._count[admitted] = 0
-        self._count[mask] += 1
+        np.copyto(self._count, 0, where=admitted)
+        self._count += mask
         if self.policy == "lru":
-            self._score[mask] = keys[mask]
+            np.copyto(self._score, keys, where=mask)
         elif self.policy == "fifo":
-            self._score[admitted] = keys[admitted]
+            np.copyto(self._score, keys, where=admitted)
         else:  # lfu: count first, recency second
             span = np.int64(1) << 40
-            self._score[mask] = self._count[mask] * span + keys[mask] % span
+            np.copyto(self._score, self._count * span + keys % span, where=mask)
 
     def _admit_per_layer(self, union: np.ndarray) -> AdmitResult:
+        # Eviction works on the [L, C] slot table rather than on [L, E]: sorting C candidates per
+        # layer instead of E is what makes a 48 x 128 admit cheap enough for trace replay.
         L, E, C = self.n_layers, self.n_experts, self.capacity
         self._clock += 1
         resident = self._resident
         hit_mask = union & resident
         miss_mask = union & ~resident
-        n_hit = hit_mask.sum(axis=1)
-        n_miss = miss_mask.sum(axis=1)
-        n_res = resident.sum(axis=1)
-        slots_for_misses = C - n_hit                       # after evicting every non-union expert
-        n_admit = np.minimum(n_miss, slots_for_misses)
-        n_evict = np.maximum(0, n_admit - (C - n_res))
-        # admitted misses: the first n_admit misses of each row in ascending id
+        n_hit = np.count_nonzero(hit_mask, axis=1)
+        n_miss = np.count_nonzero(miss_mask, axis=1)
+        slot_expert = self._slot_expert
+        valid = slot_expert >= 0
+        n_admit = np.minimum(n_miss, C - n_hit)            # after evicting every non-union expert
+        n_evict = np.maximum(0, n_admit - (C - np.count_nonzero(valid, axis=1)))
+        # admitted misses: the first n_admit misses of each layer in ascending id
         admitted = miss_mask & (np.cumsum(miss_mask, axis=1) <= n_admit[:, None])
-        streamed = miss_mask & ~admitted
         evicted = np.zeros_like(resident)
+        victim = np.zeros_like(valid)
         if n_evict.any():
-            evictable = resident & ~union
-            score = np.where(evictable, self._score, np.iinfo(np.int64).max)
-            order = np.argsort(score, axis=1, kind="stable")
-            rank = np.empty_like(order)
-            np.put_along_axis(rank, order, np.arange(E)[None, :].repeat(L, 0), axis=1)
-            evicted = evictable & (rank < n_evict[:, None])
+            rows = np.arange(L)[:, None]
+            held = np.where(valid, slot_expert, 0)
+            evictable = valid & ~union[rows, held]
+            score = np.where(evictable, self._score[rows, held], np.iinfo(np.int64).max)
+            order = np.argsort(score, axis=1)               # scores are unique: no ties to break
+            np.put_along_axis(victim, order, np.arange(C)[None, :] < n_evict[:, None], axis=1)
+            evicted[np.nonzero(victim)[0], slot_expert[victim]] = True
+        # admitted experts take the free and the freed slots, in slot order
+        target = ~valid | victim
+        target &= np.cumsum(target, axis=1) <= n_admit[:, None]
+        slot_expert[target] = np.nonzero(admitted)[1]
         resident &= ~evicted
         resident |= admitted
-        touched = hit_mask | admitted
         keys = self._touch_keys(self._clock, 0, miss_mask.astype(np.int64), np.arange(E)[None, :])
-        self._apply_touch(touched, np.broadcast_to(keys, (L, E)), admitted)
+        self._apply_touch(hit_mask | admitted, keys, admitted)
         return AdmitResult(
             hits=n_hit.astype(np.int64), misses=n_miss.astype(np.int64), evictions=n_evict.astype(np.int64),
             streamed=(n_miss - n_admit).astype(np.int64), hit_mask=hit_mask, admitted_mask=admitted,
-            evicted_mask=evicted, streamed_mask=streamed,
+            evicted_mask=evicted, streamed_mask=miss_mask & ~admitted,
         )
 
     def _admit_global(self, union: np.ndarray) -> AdmitResult:
