@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from matplotlib.figure import Figure
 
-__all__ = ["new_axes", "identity_scatter", "bars"]
+__all__ = ["new_axes", "identity_scatter", "bars", "grouped_bars"]
 
 
 def new_axes(width: float = 6.4, height: float = 3.6):
@@ -42,4 +42,24 @@ def bars(labels, values, ylabel: str, annotations=None, title: str = ""):
     for xi, v, note in zip(x, values, annotations or [None] * len(labels)):
         if note:
             ax.annotate(note, (xi, v), ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+    return fig
+
+
+def grouped_bars(labels, groups: dict, ylabel: str, annotations: dict | None = None, title: str = ""):
+    """Bars of several series side by side per label; ``groups`` maps a series name to values
+    aligned with ``labels``, ``annotations`` the same to per-bar notes."""
+    width = 0.8 / max(len(groups), 1)
+    fig, ax = new_axes(max(5.0, 0.9 * len(labels) * max(1, len(groups) / 2) + 2), 3.8)
+    x = np.arange(len(labels))
+    for i, (name, values) in enumerate(groups.items()):
+        pos = x - 0.4 + width * (i + 0.5)
+        ax.bar(pos, values, width=width * 0.95, label=str(name))
+        for xi, v, note in zip(pos, values, (annotations or {}).get(name, [None] * len(labels))):
+            if note:
+                ax.annotate(note, (xi, v), ha="center", va="bottom", fontsize=7, rotation=90, xytext=(0, 2),
+                            textcoords="offset points")
+    ax.set_xticks(x, [str(label) for label in labels], rotation=30, ha="right")
+    ax.set(ylabel=ylabel, title=title)
+    ax.margins(y=0.18)
+    ax.legend(fontsize=8)
     return fig

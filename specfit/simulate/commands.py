@@ -20,6 +20,7 @@ def _split(values: list[str] | None) -> list[str]:
 
 
 def simulate_command(
+    ctx: typer.Context,
     traces: list[Path] = typer.Option(..., "--trace", help="Position-indexed trace file; repeat for several."),
     profiles: list[str] = typer.Option(["pcie4"], "--profile", help="Preset (pcie4, pcie5, gh200) or profile JSON; "
                                        "repeat or comma-separate for several."),
@@ -50,7 +51,7 @@ def simulate_command(
         cycles, summary = _simulate(traces, _split(profiles), _split([policies]), _parse_sizes(cache_experts), predictor,
                                     acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json)
         if out is not None:
-            _write_outputs(out, cycles, summary)
+            _write_outputs(out, cycles, summary, ctx)
     except SpecFitError as exc:
         fail(str(exc))
     if as_json:
@@ -145,10 +146,12 @@ def _unique_names(paths: list[Path]) -> list[str]:
     return [str(p) if names.count(n) > 1 else n for p, n in zip(paths, names)]
 
 
-def _write_outputs(out: Path, cycles, summary) -> None:
+def _write_outputs(out: Path, cycles, summary, ctx=None) -> None:
     from ..io import atomic_write
+    from ..runinfo import write_run_info
 
     out.mkdir(parents=True, exist_ok=True)
+    write_run_info(out, "simulate", ctx)
     for name, frame in (("cycles", cycles), ("summary", summary)):
         atomic_write(out / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp, index=False))
         atomic_write(out / f"{name}.csv", lambda tmp, f=frame: f.to_csv(tmp, index=False))

@@ -1,0 +1,86 @@
+"""Assemble one report from what ``decode --out``, ``simulate --out`` and ``calibrate`` wrote.
+
+Each input is recognised by its files: a profile JSON (calibration), a directory with
+``summary.parquet`` (simulation), a directory with ``cycles.parquet`` and no summary (a live
+decode run). A directory may also hold a ``profile.json`` (the demo's layout) and a ``run.json``
+saying what was run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from .. import __version__
+from ..calibrate.profile import load_profile
+from ..errors import SpecFitError
+from ..io import write_json_atomic
+from ..runinfo import read_run_info
+from .calibration import calibration_section
+from .html import Page
+from .live import live_section
+from .simulation import simulation_section
+
+__all__ = ["build_report", "classify"]
+
+
+def classify(path: Path) -> list[str]:
+    """The kinds of output found at ``path``: "calibration", "simulation", "live"."""
+    if path.is_file():
+        if path.suffix == ".json":
+            return ["calibration"]
+        raise SpecFitError(f"{path}: expected a profile JSON or an output directory of decode / simulate")
+    if not path.is_dir():
+        raise SpecFitError(f"{path}: no such file or directory")
+    kinds = []
+    if (path / "profile.json").is_file():
+        kinds.append("calibration")
+    if (path / "summary.parquet").is_file():
+        kinds.append("simulation")
+    elif (path / "cycles.parquet").is_file():
+        kinds.append("live")
+    if not kinds:
+        raise SpecFitError(f"{path}: found no profile.json, summary.parquet or cycles.parquet; expected what "
+                           "`specfit calibrate`, `specfit simulate --out` or `specfit decode --out` write")
+    return kinds
+
+
+def _read_parquet(path: Path) -> pd.DataFrame:
+    try:
+        return pd.read_parquet(path)
+    except Exception as exc:  # pyarrow raises several types for damaged files
+        raise SpecFitError(f"{path}: not a readable Parquet file ({exc})") from None
+
+
+def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report") -> Path:
+    """Render every input into ``out_dir/index.html``; returns its path."""
+    if not inputs:
+        raise SpecFitError("report: expected at least one input (a run directory or a profile JSON)")
+    page = Page(title)
+    page.heading("What was run")
+    runs = []
+    plan = []
+    for path in map(Path, inputs):
+        kinds = classify(path)
+        plan.append((path, kinds))
+        info = read_run_info(path) if path.is_dir() else None
+        runs.append({"input": str(path), "contains": ", ".join(kinds),
+                     "command": (info or {}).get("command", "–"), "started": (info or {}).get("started", "–")})
+    page.table(pd.DataFrame(runs))
+    versions = next((read_run_info(p) or {} for p, _ in plan if p.is_dir() and read_run_info(p)), {}).get("versions", {})
+    page.facts({"specfit": __version__, **{k: v for k, v in versions.items() if k != "specfit"}})
+    for path, kinds in plan:
+        if "calibration" in kinds:
+            profile_path = path if path.is_file() else path / "profile.json"
+            calibration_section(page, load_profile(profile_path), str(profile_path))
+        if "simulation" in kinds:
+            summary = _read_parquet(path / "summary.parquet")
+            cycles = _read_parquet(path / "cycles.parquet") if (path / "cycles.parquet").is_file() else None
+            simulation_section(page, summary, cycles, str(path))
+        if "live" in kinds:
+            live_section(page, _read_parquet(path / "cycles.parquet"), str(path))
+    index = Path(out_dir) / "index.html"
+    page.save(index)
+    write_json_atomic(Path(out_dir) / "inputs.json", [str(p) for p in inputs])
+    return index

@@ -1,0 +1,31 @@
+"""``specfit report``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import SpecFitError
+
+
+def register(app: typer.Typer, traces_app: typer.Typer) -> None:
+    app.command(name="report")(report_command)
+
+
+def report_command(
+    inputs: list[Path] = typer.Argument(..., help="Run directories of decode / simulate (or the demo), profile JSON files."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Report directory (default: reports/<first input's name>)."),
+    title: str = typer.Option("SpecFit report", "--title"),
+) -> None:
+    """Render one self-contained HTML report (predicted vs measured, policy comparisons, calibration)."""
+    from ..cli import fail
+    from .build import build_report
+
+    target = out or Path("reports") / (inputs[0].stem if inputs else "report")
+    try:
+        index = build_report(inputs, target, title=title)
+    except SpecFitError as exc:
+        fail(str(exc))
+    typer.echo(f"report written to {index}")

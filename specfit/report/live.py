@@ -1,0 +1,130 @@
+"""The live-run section: what ``specfit decode --out DIR`` measured, cycle by cycle."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .html import Page
+from .plots import bars, identity_scatter, new_axes
+
+__all__ = ["live_section"]
+
+
+def live_section(page: Page, cycles: pd.DataFrame, name: str) -> None:
+    page.heading(f"Live decoding: {name}")
+    policies = list(dict.fromkeys(cycles["policy"])) if "policy" in cycles else ["run"]
+    if "policy" not in cycles:
+        cycles = cycles.assign(policy="run")
+    page.table(_per_policy(cycles), caption="Per policy: measured vs predicted")
+
+    if "predicted_time_s" in cycles:
+        codes = pd.Categorical(cycles["policy"], categories=policies).codes
+        fig = identity_scatter(cycles["cycle_time_s"] * 1e3, cycles["predicted_time_s"] * 1e3, "measured cycle (ms)",
+                               "predicted cycle (ms)", color=codes if len(policies) > 1 else None,
+                               color_label=" / ".join(f"{i}={p}" for i, p in enumerate(policies)))
+        page.figure(fig, "Predicted vs measured cycle time (draft + verify), with the identity line.")
+
+    fig, ax = new_axes(7.5, 3.4)
+    for policy in policies:
+        g = cycles[cycles["policy"] == policy]
+        ax.plot(np.arange(len(g)), g["cycle_time_s"] * 1e3, lw=1, label=f"{policy} measured")
+        if "predicted_time_s" in g:
+            ax.plot(np.arange(len(g)), g["predicted_time_s"] * 1e3, lw=1, ls="--", label=f"{policy} predicted")
+    ax.set(xlabel="cycle", ylabel="ms")
+    ax.legend(fontsize=7, ncol=2)
+    page.figure(fig, "Cycle time over the run.")
+
+    if "bytes_h2d" in cycles:
+        per = cycles.groupby("policy", sort=False).agg(bytes=("bytes_h2d", "sum"), tokens=("committed_tokens", "sum"))
+        page.figure(bars(per.index, per["bytes"] / per["tokens"] / 1e6, "MB H2D / committed token",
+                         [f"{b / 1e6:.3g} MB total" for b in per["bytes"]]),
+                    "Host-to-device bytes per committed token, per policy.")
+    heat = _layer_heat_map(cycles)
+    if heat is not None:
+        page.figure(heat, "Expert-cache misses per layer and policy (share of the layer's union that had to be copied).")
+
+    fig, ax = new_axes()
+    top = int(cycles["committed_tokens"].max())
+    for policy in policies:
+        counts = np.bincount(cycles.loc[cycles["policy"] == policy, "committed_tokens"], minlength=top + 1)[1:]
+        ax.plot(np.arange(1, top + 1), counts / max(counts.sum(), 1), "o-", label=str(policy))
+    ax.set(xlabel="tokens committed in a cycle", ylabel="share of cycles")
+    ax.legend(fontsize=8)
+    page.figure(fig, "Committed tokens per cycle.")
+    _stopping(page, cycles)
+
+
+def _per_policy(cycles: pd.DataFrame) -> pd.DataFrame:
+    rows = []
+    for policy, g in cycles.groupby("policy", sort=False):
+        tokens = g["committed_tokens"].sum()
+        row = {"policy": policy, "cycles": len(g), "tokens": int(tokens),
+               "tokens/s (measured)": tokens / g["cycle_time_s"].sum(),
+               "tokens/cycle": tokens / len(g)}
+        if "predicted_time_s" in g:
+            row["time MAPE"] = float(np.mean(np.abs(g["predicted_time_s"] - g["cycle_time_s"]) / g["cycle_time_s"]))
+            row["tokens/s (predicted)"] = (g["predicted_tokens"].sum() / g["predicted_time_s"].sum()
+                                           if "predicted_tokens" in g else np.nan)
+        if "predicted_tokens" in g:
+            row["pred. tokens/cycle"] = g["predicted_tokens"].mean()
+        for col, label in (("draft_levels", "draft levels"), ("nodes_verified", "nodes verified"),
+                           ("bytes_h2d", "MB H2D/cycle")):
+            if col in g:
+                row[label] = g[col].mean() / (1e6 if col == "bytes_h2d" else 1)
+        if "hits" in g and "misses" in g:
+            total = g["hits"].sum() + g["misses"].sum()
+            row["hit rate"] = g["hits"].sum() / total if total else np.nan
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _layer_heat_map(cycles: pd.DataFrame):
+    if "misses_per_layer" not in cycles or "hits_per_layer" not in cycles:
+        return None
+    policies = list(dict.fromkeys(cycles["policy"]))
+    rows = []
+    for policy in policies:
+        g = cycles[cycles["policy"] == policy]
+        misses = np.sum(np.stack(g["misses_per_layer"].to_numpy()), axis=0)
+        hits = np.sum(np.stack(g["hits_per_layer"].to_numpy()), axis=0)
+        rows.append(misses / np.maximum(misses + hits, 1))
+    fig, ax = new_axes(7.5, 0.6 + 0.45 * len(policies))
+    im = ax.imshow(np.array(rows), aspect="auto", cmap="magma", vmin=0, vmax=1)
+    ax.set_yticks(range(len(policies)), policies)
+    ax.set(xlabel="layer")
+    ax.grid(False)
+    fig.colorbar(im, ax=ax, label="miss share")
+    return fig
+
+
+def _stopping(page: Page, cycles: pd.DataFrame) -> None:
+    """Where SpecFit stopped drafting earlier than EAGLE-3 did, and what that saved or cost."""
+    names = set(cycles["policy"])
+    eagle = next((p for p in names if str(p).startswith("eagle3")), None)
+    if "specfit" not in names or eagle is None or "draft_levels" not in cycles:
+        return
+    s, e = cycles[cycles["policy"] == "specfit"], cycles[cycles["policy"] == eagle]
+    depth = int(e["draft_levels"].max())
+    earlier = s["draft_levels"] < depth
+    per_level = (e["draft_time_s"].sum() / max(e["draft_levels"].sum(), 1)) if "draft_time_s" in e else np.nan
+    facts = {
+        f"cycles where specfit drafted fewer levels than {eagle} ({depth})": f"{earlier.mean():.0%} of {len(s)}",
+        "mean draft levels (specfit / eagle3)": f"{s['draft_levels'].mean():.2f} / {e['draft_levels'].mean():.2f}",
+        "draft time saved per cycle (measured)": (f"{(e['draft_time_s'].mean() - s['draft_time_s'].mean()) * 1e3:.3g} ms"
+                                                  if "draft_time_s" in s else "–"),
+        "measured time of one draft level": f"{per_level * 1e3:.3g} ms" if np.isfinite(per_level) else "–",
+        "tokens per cycle (specfit / eagle3)": f"{s['committed_tokens'].mean():.2f} / {e['committed_tokens'].mean():.2f}",
+        "tokens per second (specfit / eagle3)": f"{s['committed_tokens'].sum() / s['cycle_time_s'].sum():.3g} / "
+                                                f"{e['committed_tokens'].sum() / e['cycle_time_s'].sum():.3g}",
+    }
+    page.heading("Early stopping: SpecFit vs EAGLE-3", level=3)
+    page.facts(facts)
+    fig, ax = new_axes()
+    top = int(max(s["draft_levels"].max(), depth))
+    for label, g in (("specfit", s), (eagle, e)):
+        counts = np.bincount(g["draft_levels"], minlength=top + 1)
+        ax.bar(np.arange(top + 1) + (0.2 if label == "specfit" else -0.2), counts / counts.sum(), width=0.4, label=label)
+    ax.set(xlabel="draft levels in a cycle", ylabel="share of cycles")
+    ax.legend()
+    page.figure(fig, "Draft levels per cycle: SpecFit stops when another level does not pay for itself.")

@@ -1,0 +1,84 @@
+"""The simulation section: what ``specfit simulate --out DIR`` wrote, as figures and tables."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from .html import Page
+from .plots import grouped_bars, new_axes
+
+__all__ = ["simulation_section"]
+
+_POLICY_ORDER = ("ar", "chain", "static", "eagle3-nocache", "eagle3", "specfit", "oracle")
+
+
+def _policy_rank(policy: str) -> tuple[int, str]:
+    head = str(policy).split(":")[0]
+    return (_POLICY_ORDER.index(head) if head in _POLICY_ORDER else len(_POLICY_ORDER), str(policy))
+
+
+def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame | None, name: str) -> None:
+    page.heading(f"Simulation: {name}")
+    page.paragraph("Every policy replays the same position-indexed traces with the same expert cache and cost "
+                   "model; a policy decides with the predicted experts and each cycle is charged with the true "
+                   "ones. Greedy decoding is lossless, so all policies commit the same tokens and only the "
+                   "number of cycles and their cost differ.")
+    groups = summary.groupby(["trace", "profile"], sort=False)
+    for (trace, profile), group in groups:
+        page.heading(f"{trace} on {profile}", level=3)
+        caches = sorted(group["cache_experts"].unique())
+        policies = sorted(group["policy"].unique(), key=_policy_rank)
+        table = group.set_index(["cache_experts", "policy"])
+        labels = [_label(table.loc[(caches[-1], p)]) if p == "static:auto" else p for p in policies]
+        series = {f"{c} cached": [table.loc[(c, p), "tokens_per_s"] for p in policies] for c in caches}
+        notes = {f"{c} cached": [f"{table.loc[(c, p), 'speedup_vs_ar']:.2f}x" for p in policies] for c in caches}
+        page.figure(grouped_bars(labels, series, "tokens / s", notes, title=f"{trace} on {profile}"),
+                    "Committed tokens per second of charged cycle time, per policy and expert-cache size "
+                    "(experts per layer); labels: speed-up vs ar at the same cache size.")
+        if len(caches) > 1:
+            page.figure(_throughput_vs_cache(group), "Throughput vs expert-cache size, per policy.")
+        page.figure(grouped_bars(labels, {f"{c} cached": [table.loc[(c, p), "bytes_per_token"] / 1e6 for p in policies]
+                                          for c in caches}, "MB H2D / token"),
+                    "Host-to-device traffic per committed token, per policy and expert-cache size.")
+    if cycles is not None and not cycles.empty:
+        page.figure(_tree_sizes(cycles), "Nodes verified per cycle: how large a subtree each policy chose.")
+    cols = ["trace", "profile", "cache_experts", "policy", "predictor", "tokens_per_s", "tokens_per_cycle",
+            "bytes_per_token", "hit_rate", "nodes_per_cycle", "draft_levels_per_cycle", "wasted_draft_levels",
+            "speedup_vs_ar", "speedup_vs_eagle3"]
+    page.table(summary[[c for c in cols if c in summary.columns]], caption="Summary per trace, profile, cache size and policy")
+    quality = [c for c in ("union_precision", "union_recall", "miss_count_error", "miss_count_abs_error",
+                           "predicted_tokens_per_cycle", "tokens_per_cycle", "tokens_prediction_error",
+                           "time_prediction_error") if c in summary.columns]
+    if quality:
+        page.table(summary[["trace", "profile", "cache_experts", "policy", "predictor", *quality]],
+                   caption="Prediction quality: the expert predictor (union precision / recall, miss-count error) "
+                           "and the acceptance estimate (predicted vs committed tokens per cycle)")
+
+
+def _label(row) -> str:
+    n = row.get("static_n")
+    return f"static:auto (N={int(n)})" if pd.notna(n) else "static:auto"
+
+
+def _throughput_vs_cache(group: pd.DataFrame):
+    fig, ax = new_axes()
+    for policy, g in sorted(group.groupby("policy"), key=lambda kv: _policy_rank(kv[0])):
+        g = g.sort_values("cache_experts")
+        ax.plot(g["cache_experts"], g["tokens_per_s"], "o-", label=str(policy))
+    ax.set(xlabel="cached experts per layer", ylabel="tokens / s")
+    ax.legend(fontsize=8)
+    return fig
+
+
+def _tree_sizes(cycles: pd.DataFrame):
+    fig, ax = new_axes()
+    policies = sorted(cycles["policy"].unique(), key=_policy_rank)
+    top = int(cycles["nodes_verified"].max())
+    edges = np.unique(np.round(np.geomspace(1, max(top, 2) + 1, 16))) - 0.5
+    for policy in policies:
+        ax.hist(cycles.loc[cycles["policy"] == policy, "nodes_verified"], bins=edges, histtype="step", lw=1.5,
+                label=str(policy), density=True)
+    ax.set(xscale="log", xlabel="nodes verified in a cycle", ylabel="share of cycles")
+    ax.legend(fontsize=8)
+    return fig

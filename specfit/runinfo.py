@@ -1,0 +1,73 @@
+"""What was run: the command line, versions and machine, kept next to every output directory
+(``run.json``) so a report can say how to reproduce what it shows."""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .io import write_json_atomic
+
+__all__ = ["run_info", "write_run_info", "read_run_info", "RUN_INFO_FILE"]
+
+RUN_INFO_FILE = "run.json"
+
+
+def run_info(kind: str, ctx=None, **extra) -> dict:
+    """``ctx``: the command's ``typer.Context``, from which the full command line is rebuilt."""
+    from . import __version__
+
+    versions = {"specfit": __version__, "python": platform.python_version()}
+    for module in ("torch", "numpy", "transformers"):
+        mod = sys.modules.get(module)
+        if mod is not None:
+            versions[module] = getattr(mod, "__version__", "?")
+    return {
+        "kind": kind,
+        "command": _command_line(ctx),
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "versions": versions,
+        **extra,
+    }
+
+
+def _command_line(ctx) -> str:
+    """The running command with every option it received, rebuilt from its CLI context (right
+    however the command was invoked), or the process's argv without one."""
+    if ctx is None:
+        return shlex.join(sys.argv)
+    words = ctx.command_path.split()
+    words[0] = "specfit"
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if value is None or value is False or value == () or value == []:
+            continue
+        if param.param_type_name == "argument":
+            words += [str(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+            continue
+        flag = max(param.opts, key=len)
+        if value is True:
+            words.append(flag)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                words += [flag, str(v)]
+        elif value != param.default:
+            words += [flag, str(value)]
+    return shlex.join(words)
+
+
+def write_run_info(out_dir: str | Path, kind: str, ctx=None, **extra) -> Path:
+    return write_json_atomic(Path(out_dir) / RUN_INFO_FILE, run_info(kind, ctx, **extra))
+
+
+def read_run_info(out_dir: str | Path) -> dict | None:
+    path = Path(out_dir) / RUN_INFO_FILE
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None

@@ -1,0 +1,116 @@
+"""HTML reports: built from real simulate / calibrate outputs, escaped, and rendered in Chromium."""
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from specfit import CostModel
+from specfit.calibrate.profile import ModelShape, Profile
+from specfit.cli import app
+from specfit.report.build import build_report
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLE_TRACE = REPO / "traces" / "qwen3-30b-a3b-chat.parquet"
+EVIL = '<script>alert("x")</script>&'
+
+
+@pytest.fixture(scope="module")
+def sim_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sim")
+    result = CliRunner().invoke(app, ["simulate", "--trace", str(SAMPLE_TRACE), "--profile", "pcie4",
+                                      "--cache-experts", "0,32", "--policies", "ar,eagle3,specfit", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+@pytest.fixture()
+def profile_path(tmp_path):
+    rng = np.random.default_rng(0)
+    cycles = [{"capacity": int(c), "n_nodes": int(n), "hits": int(h), "misses": int(m), "draft_levels": 0,
+               "seconds": float(s), "predicted_s": float(s * (1 + 0.05 * rng.standard_normal()))}
+              for c, n, h, m, s in zip(rng.integers(0, 16, 30), rng.integers(1, 16, 30), rng.integers(0, 40, 30),
+                                       rng.integers(0, 40, 30), rng.uniform(1e-3, 1e-2, 30))]
+    prof = Profile(cost=CostModel(base_s=1e-3, per_node_s=1e-4, hit_s=2e-5, miss_s=1e-4, draft_level_s=2e-4),
+                   shape=ModelShape(EVIL, 4, 16, 4, 1000), source=EVIL, machine={"device_name": EVIL, "host": "h"},
+                   fit={"holdout": {"n": 8, "mape": 0.05, "max_ape": 0.1, "max_abs_err_s": 1e-4},
+                        "h2d": {"gbps": 10.0, "overhead_s": 1e-6, "r2": 0.99}},
+                   probes={"h2d": [{"bytes": b, "n_experts": 1, "expert_bytes": b, "pinned": False,
+                                    "seconds": 1e-6 + b / 1e10, "gbps": 10.0} for b in (1000, 2000, 4000)],
+                           "expert_compute": [{"tokens": t, "seconds": 1e-5 * t} for t in (1, 4, 16)],
+                           "cycles": cycles, "draft": [{"width": 1, "seconds": 1e-4}]})
+    return prof.save(tmp_path / "profile.json")
+
+
+def test_report_has_the_simulation_and_calibration_sections(sim_dir, profile_path, tmp_path):
+    index = build_report([sim_dir, profile_path], tmp_path / "rep")
+    text = index.read_text()
+    assert text.count("<svg") >= 5          # bars, cache curve, bytes, tree sizes, calibration figures
+    assert text.count("<table") >= 4
+    assert "Simulation:" in text and "Calibration:" in text
+    assert "specfit simulate --trace" in text   # the command that produced the run
+    # every policy of the run appears in the summary table
+    summary = pd.read_parquet(sim_dir / "summary.parquet")
+    for policy in summary["policy"].unique():
+        assert f">{policy}<" in text
+    # nothing is loaded from outside the file (SVG namespace URIs are names, not loads)
+    assert not re.search(r"""(src|href|url)\s*[=(]\s*["']?(https?:)?//""", text)
+
+
+def test_report_escapes_every_embedded_string(profile_path, tmp_path):
+    text = build_report([profile_path], tmp_path / "rep").read_text()
+    assert "<script>" not in text
+    assert "&lt;script&gt;alert(" in text
+
+
+def test_report_of_a_live_run_compares_predicted_and_measured(tmp_path):
+    rng = np.random.default_rng(1)
+    rows = []
+    for policy, levels in (("ar", 0), ("eagle3", 4), ("specfit", 2)):
+        for i in range(20):
+            t = 0.01 + 0.002 * levels + rng.uniform(0, 0.002)
+            rows.append({"policy": policy, "cycle": i, "draft_levels": int(levels if policy != "specfit" else rng.integers(1, 3)),
+                         "nodes_verified": 1 + levels, "hits": 10, "misses": 5, "bytes_h2d": 5000,
+                         "cycle_time_s": t, "predicted_time_s": t * 1.05, "draft_time_s": 0.002 * levels,
+                         "predicted_tokens": 1.5, "committed_tokens": int(rng.integers(1, 3))})
+    run = tmp_path / "run"
+    run.mkdir()
+    pd.DataFrame(rows).to_parquet(run / "cycles.parquet")
+    text = build_report([run], tmp_path / "rep").read_text()
+    assert "Live decoding" in text and "Early stopping" in text
+    assert "MAPE 5.0%" in text       # predicted = 1.05 x measured on every cycle
+
+
+def test_report_command_errors_are_one_line(tmp_path):
+    result = CliRunner().invoke(app, ["report", str(tmp_path), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2
+    assert "expected what `specfit calibrate`" in result.output
+    assert "Traceback" not in result.output
+
+
+def _chromium() -> str | None:
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+def test_report_renders_in_headless_chromium(sim_dir, profile_path, tmp_path):
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("Chromium is not installed (.ci/run installs Debian's chromium); the browser check is skipped")
+    index = build_report([sim_dir, profile_path], tmp_path / "rep")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}"]
+    dom = subprocess.run([browser, *flags, "--dump-dom", index.as_uri()], capture_output=True, text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    # the browser parsed the page into a DOM with every figure and table in place
+    assert dom.stdout.count("<svg") == index.read_text().count("<svg") > 0
+    assert dom.stdout.count("<table") >= 4
+    shot = tmp_path / "shot.png"
+    subprocess.run([browser, *flags, f"--screenshot={shot}", "--window-size=1200,2000", index.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    assert shot.stat().st_size > 20_000     # a rendered page, not a blank one
