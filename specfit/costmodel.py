@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from functools import lru_cache
 
 import numpy as np
 
@@ -41,12 +42,20 @@ def check_experts(tree: DraftTree | None, experts, cached) -> tuple[np.ndarray, 
 
 def expert_union(experts: np.ndarray, nodes, n_experts: int) -> np.ndarray:
     """[layers, n_experts] bool: the union over ``nodes`` of their experts, per layer."""
-    sub = experts[np.asarray(nodes, dtype=np.int64)]  # [m, L, k]
-    n_layers = experts.shape[1]
-    union = np.zeros((n_layers, n_experts), dtype=bool)
-    layer_idx = np.broadcast_to(np.arange(n_layers)[None, :, None], sub.shape)
-    union[layer_idx.ravel(), sub.ravel()] = True
-    return union
+    n_layers, k = experts.shape[1], experts.shape[2]
+    sub = experts[np.asarray(nodes, dtype=np.int64)].reshape(-1, n_layers * k)
+    union = np.zeros(n_layers * n_experts, dtype=bool)
+    # flat item ids layer * E + expert; the offsets run along the long (L * k) axis, which numpy
+    # broadcasts far faster than a trailing axis of only k
+    union[(sub + _slot_offsets(n_layers, k, n_experts)).ravel()] = True
+    return union.reshape(n_layers, n_experts)
+
+
+@lru_cache(maxsize=16)
+def _slot_offsets(n_layers: int, k: int, n_experts: int) -> np.ndarray:
+    offsets = np.repeat(np.arange(n_layers, dtype=np.int64) * n_experts, k)
+    offsets.setflags(write=False)
+    return offsets
 
 
 @dataclass
