@@ -146,8 +146,10 @@ class SpecFitPolicy(Policy):
 
     name = "specfit"
 
-    def __init__(self, max_levels: int = 8):
+    def __init__(self, max_levels: int = 8, draft_node_s: float = 0.0):
         self.max_levels = int(max_levels)
+        # price per draft node for what its expert prediction misses (search.uncertainty_price_s)
+        self.draft_node_s = float(draft_node_s)
         self._best: Selection | None = None
         self._previous: Selection | None = None
         self._levels = -1
@@ -161,7 +163,8 @@ class SpecFitPolicy(Policy):
             self._previous = self._best
             # the previous level's answer is still a valid subtree: a warm start for Dinkelbach
             start = None if self._previous is None else self._previous.nodes
-            self._best = best_subtree(view.tree, view.experts, view.cached, view.cost, view.draft_levels, start=start)
+            self._best = best_subtree(view.tree, view.experts, view.cached, view.cost, view.draft_levels, start=start,
+                                      draft_node_s=self.draft_node_s)
             self._levels = view.draft_levels
         return self._best
 
@@ -169,8 +172,11 @@ class SpecFitPolicy(Policy):
         if view.draft_levels >= self.max_levels:
             return False
         if view.draft_levels == 0:
-            self._search(view)
-            return True
+            root = self._search(view)
+            # Any draft node adds at most 1 expected token and costs at least per_node_s plus its
+            # price: (1 + k) / (T0 + d + k c) > 1 / T0 needs T0 > c + d / k, so when the root's
+            # cycle time T0 is not above c no tree, however wide or deep, beats the root alone.
+            return root.time_s > view.cost.per_node_s + self.draft_node_s
         current = self._search(view)
         return should_continue(self._previous, current)
 

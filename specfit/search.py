@@ -33,7 +33,8 @@ from .bitsets import pack_experts, pack_mask, popcount
 from .costmodel import CostModel, check_experts, expert_union
 from .tree import DraftTree, check_nodes
 
-__all__ = ["Selection", "best_subtree", "greedy_subtree", "evaluate", "should_continue", "max_weight_closure"]
+__all__ = ["Selection", "best_subtree", "greedy_subtree", "evaluate", "should_continue", "max_weight_closure",
+           "uncertainty_price_s"]
 
 
 @dataclass(frozen=True)
@@ -60,9 +61,11 @@ class Selection:
 class _Problem:
     """Inputs of one search, pre-processed once (independent of lambda)."""
 
-    def __init__(self, tree: DraftTree, experts: np.ndarray, cached: np.ndarray, cost: CostModel, draft_levels: int):
+    def __init__(self, tree: DraftTree, experts: np.ndarray, cached: np.ndarray, cost: CostModel, draft_levels: int,
+                 draft_node_s: float = 0.0):
         self.tree, self.experts, self.cached, self.cost = tree, experts, cached, cost
         self.draft_levels = int(draft_levels)
+        self.draft_node_s = float(draft_node_s)
         n, n_layers, _ = experts.shape
         self.n = n
         self.n_items = n_layers * cached.shape[1]
@@ -83,7 +86,7 @@ class _Problem:
         misses = popcount(union) - hits
         c = self.cost
         time_s = (c.draft_level_s * self.draft_levels + c.base_s + c.per_node_s * nodes.size
-                  + c.hit_s * hits + c.miss_s * misses)
+                  + c.hit_s * hits + c.miss_s * misses + self.draft_node_s * (nodes.size - 1))
         expected = 1.0 + float(self.tree.path_probs[nodes[1:]].sum())
         return Selection(nodes=nodes, expected_tokens=expected, time_s=float(time_s), hits=hits,
                          misses=misses, draft_levels=self.draft_levels)
@@ -106,6 +109,13 @@ def _better(a: Selection, b: Selection) -> bool:
     return a.n_nodes < b.n_nodes
 
 
+def _check_draft_node_s(draft_node_s) -> float:
+    value = float(draft_node_s)
+    if not np.isfinite(value) or value < 0:
+        raise ValueError(f"draft_node_s: expected a finite non-negative number of seconds, got {draft_node_s!r}")
+    return value
+
+
 def _validated(tree, experts, cached, cost, draft_levels):
     if not isinstance(tree, DraftTree):
         raise ValueError(f"tree: expected a DraftTree, got {type(tree).__name__}")
@@ -118,15 +128,17 @@ def _validated(tree, experts, cached, cost, draft_levels):
     return experts, cached
 
 
-def evaluate(tree: DraftTree, nodes, experts, cached, cost: CostModel, draft_levels: int = 0) -> Selection:
+def evaluate(tree: DraftTree, nodes, experts, cached, cost: CostModel, draft_levels: int = 0,
+             draft_node_s: float = 0.0) -> Selection:
     """The predicted outcome of verifying ``nodes`` (validated, then the cost formula). Only the
     selected nodes' experts are touched: policies call this once per cycle on large trees."""
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
+    draft_node_s = _check_draft_node_s(draft_node_s)
     nodes = check_nodes(tree, nodes)
     union = expert_union(experts, nodes, cached.shape[1])
     hits = int(np.count_nonzero(union & cached))
     misses = int(np.count_nonzero(union)) - hits
-    time_s = cost.predict_counts(draft_levels, nodes.size, hits, misses)
+    time_s = cost.predict_counts(draft_levels, nodes.size, hits, misses) + draft_node_s * (nodes.size - 1)
     return Selection(nodes=nodes, expected_tokens=tree.expected_tokens(nodes), time_s=float(time_s), hits=hits,
                      misses=misses, draft_levels=int(draft_levels))
 
@@ -141,7 +153,7 @@ def _root_selection(prob: _Problem) -> Selection:
 
 
 def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels: int = 0,
-                 start=None) -> Selection:
+                 start=None, draft_node_s: float = 0.0) -> Selection:
     """The ancestor-closed subtree with the highest predicted throughput (exact; ties: smallest).
 
     Args:
@@ -152,9 +164,12 @@ def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels
         draft_levels: draft levels already spent this cycle (charged to every candidate).
         start: optional ancestor-closed node set to start Dinkelbach from (e.g. the previous
             level's answer); it changes the number of iterations, never the answer.
+        draft_node_s: a price in seconds added per draft node (not the root), e.g. the expected
+            cost of the experts a node needs that its prediction missed (see
+            :func:`uncertainty_price_s`); the selection's ``time_s`` includes it.
     """
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
-    prob = _Problem(tree, experts, cached, cost, draft_levels)
+    prob = _Problem(tree, experts, cached, cost, draft_levels, _check_draft_node_s(draft_node_s))
     best = _root_selection(prob)
     if start is not None:
         first = prob.evaluate(check_nodes(tree, start, "start"))
@@ -203,7 +218,7 @@ class _InnerSolver:
         w = prob.item_w
         n_req = count[items] * new                             # minimal requirers of each new entry
         self.p = tree.path_probs.astype(np.float64)
-        self.own_cost = prob.cost.per_node_s + np.where(n_req == 1, w[items], 0.0).sum(axis=1)
+        self.own_cost = prob.cost.per_node_s + prob.draft_node_s + np.where(n_req == 1, w[items], 0.0).sum(axis=1)
         shared_v, shared_j = np.nonzero(n_req >= 2)
         shared = count >= 2
         group_of_item = np.cumsum(shared) - 1                  # shared items numbered 0..G-1
@@ -402,11 +417,12 @@ class _FlowGraph:
 
 
 # --------------------------------------------------------------------------- greedy and stopping
-def greedy_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels: int = 0) -> Selection:
+def greedy_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels: int = 0,
+                   draft_node_s: float = 0.0) -> Selection:
     """Baseline: grow from the root, each step adding the frontier node (a child of the selected
     set) that gives the best ratio, while the ratio improves."""
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
-    prob = _Problem(tree, experts, cached, cost, draft_levels)
+    prob = _Problem(tree, experts, cached, cost, draft_levels, _check_draft_node_s(draft_node_s))
     children = tree.children()
     selected = np.zeros(prob.n, dtype=bool)
     selected[0] = True
@@ -427,6 +443,15 @@ def greedy_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_leve
         frontier.remove(v)
         frontier.update(children[v].tolist())
     return best
+
+
+def uncertainty_price_s(cost: CostModel, n_layers: int, top_k: int, precision: float) -> float:
+    """Expected extra seconds per draft node when a share ``1 - precision`` of its predicted
+    experts is wrong: each wrong slot's true expert is taken to be a miss the search did not see,
+    while the wrong prediction it replaces was priced at least as a hit."""
+    if not 0.0 <= precision <= 1.0:
+        raise ValueError(f"precision: expected a share in [0, 1], got {precision!r}")
+    return (1.0 - precision) * n_layers * top_k * max(cost.miss_s - cost.hit_s, 0.0)
 
 
 def should_continue(previous: Selection | None, current: Selection) -> bool:

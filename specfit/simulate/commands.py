@@ -40,6 +40,9 @@ def simulate_command(
     cache_mode: str = typer.Option("per_layer", "--cache-mode", help="per_layer or global."),
     cache_policy: str = typer.Option("lru", "--cache-policy", help="lru, lfu or fifo."),
     max_levels: int = typer.Option(8, "--max-levels", help="Draft levels at most for specfit and static:N."),
+    price_uncertainty: bool = typer.Option(True, "--price-uncertainty/--no-price-uncertainty",
+                                           help="specfit prices, per draft node, the experts its predictor gets "
+                                                "wrong (from the predictor's precision on the trace)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Directory for cycles/summary as Parquet and CSV."),
     as_json: bool = typer.Option(False, "--json", help="Print only a JSON list (one object per trace, profile, "
                                  "cache size and policy) on stdout."),
@@ -49,7 +52,8 @@ def simulate_command(
 
     try:
         cycles, summary = _simulate(traces, _split(profiles), _split([policies]), _parse_sizes(cache_experts), predictor,
-                                    acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json)
+                                    acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json,
+                                    price_uncertainty)
         if out is not None:
             _write_outputs(out, cycles, summary, ctx)
     except SpecFitError as exc:
@@ -72,7 +76,7 @@ def _parse_sizes(text: str) -> list[int]:
 
 
 def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptance, cost_text, h2d_scale, rescale,
-              cache_mode, cache_policy, max_levels, quiet):
+              cache_mode, cache_policy, max_levels, quiet, price_uncertainty=True):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -124,7 +128,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
         task = bar.add_task("", total=n_runs)
         for prep in prepared:
             cyc, summ = run_sweep([prep], policies, cache_sizes, scenarios[prep.name], cache_mode=cache_mode,
-                                  cache_policy=cache_policy, max_levels=max_levels,
+                                  cache_policy=cache_policy, max_levels=max_levels, price_uncertainty=price_uncertainty,
                                   progress=lambda what: bar.update(task, advance=1, description=what))
             cycle_frames.append(cyc)
             summaries.append(summ)

@@ -91,13 +91,29 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
     first = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
     layer_base = (np.arange(trace.n_layers) * trace.n_experts)[None, :, None]
     true_items = [(e + layer_base).reshape(e.shape[0], -1) for e in true]
+    info = dict(info or {})
+    info.setdefault("slot_precision", _slot_precision(pred, true))
     return PreparedTrace(name=name, trace=trace, predictor=predictor, level_trees=level_trees,
                          level_sizes=level_sizes, predicted=pred, true=true, verdicts=verdicts,
                          accepted=accepted,
                          true_items=true_items,
                          predicted_items=[(e + layer_base).reshape(e.shape[0], -1) if e is not t else ti
                                           for e, t, ti in zip(pred, true, true_items)],
-                         first_cycles=first, info=info or {})
+                         first_cycles=first, info=info)
+
+
+def _slot_precision(predicted: list[np.ndarray], true: list[np.ndarray]) -> float:
+    """Share of the draft nodes' predicted (layer, expert) slots that the node really routes to:
+    what pricing prediction uncertainty (:func:`specfit.search.uncertainty_price_s`) needs."""
+    hit = total = 0
+    for p, t in zip(predicted, true):
+        if p is t or p.shape[0] < 2:
+            hit += p[1:].size
+            total += p[1:].size
+            continue
+        hit += int((p[1:, :, :, None] == t[1:, :, None, :]).any(axis=-1).sum())
+        total += p[1:].size
+    return hit / total if total else 1.0
 
 
 def _union(items: np.ndarray, nodes: np.ndarray, n_items: int) -> np.ndarray:

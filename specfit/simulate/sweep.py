@@ -19,7 +19,8 @@ import pandas as pd
 from ..costmodel import CostModel
 from ..errors import SpecFitError
 from ..experts.cache import ExpertCache
-from ..policies import make_policy
+from ..policies import SpecFitPolicy, make_policy
+from ..search import uncertainty_price_s
 from .replay import CycleLog, PreparedTrace, replay
 
 __all__ = ["Scenario", "run_sweep", "summarise", "STATIC_AUTO_SIZES", "DEFAULT_POLICIES", "check_policies"]
@@ -49,17 +50,25 @@ def check_policies(specs: list[str], max_levels: int) -> None:
 
 
 def _run(prep: PreparedTrace, spec: str, capacity: int, cost: CostModel, cache_mode: str, cache_policy: str,
-         max_levels: int) -> CycleLog:
+         max_levels: int, price_uncertainty: bool = True) -> CycleLog:
     cache = ExpertCache(prep.trace.n_layers, prep.trace.n_experts, capacity, mode=cache_mode,
                         policy=cache_policy, expert_bytes=prep.trace.expert_bytes)
-    return replay(prep, make_policy(spec, max_levels=max_levels), cache, cost)
+    policy = make_policy(spec, max_levels=max_levels)
+    if price_uncertainty and isinstance(policy, SpecFitPolicy):
+        # the search sees predicted experts; price what the predictor gets wrong per draft node
+        policy.draft_node_s = uncertainty_price_s(cost, prep.trace.n_layers, prep.trace.top_k,
+                                                  prep.info["slot_precision"])
+    return replay(prep, policy, cache, cost)
 
 
 def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: list[int], scenarios: list[Scenario],
               cache_mode: str = "per_layer", cache_policy: str = "lru", max_levels: int = 8,
-              progress: Callable[[str], None] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+              progress: Callable[[str], None] | None = None,
+              price_uncertainty: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Replay every combination; returns ``(cycles, summary)`` DataFrames (one row per cycle,
-    one row per (trace, profile, cache size, policy))."""
+    one row per (trace, profile, cache size, policy)). ``price_uncertainty``: the specfit policy
+    prices, per draft node, the experts its predictor gets wrong (the predictor's slot precision
+    on the trace)."""
     check_policies(policies, max_levels)
     cycle_frames, rows = [], []
     for prep in prepared:
@@ -83,14 +92,16 @@ def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: l
                                 best = (rate, n, cand)
                         log, extra = best[2], {"static_n": best[1]}
                     else:
-                        log = _run(prep, spec, capacity, scenario.cost, cache_mode, cache_policy, max_levels)
+                        log = _run(prep, spec, capacity, scenario.cost, cache_mode, cache_policy, max_levels,
+                                   price_uncertainty)
                     keys = {"trace": prep.name, "profile": scenario.label, "cache_experts": capacity, "policy": spec}
                     frame = pd.DataFrame(log.columns)
                     frame.insert(0, "cycle", np.arange(len(frame)))
                     for name, value in reversed(keys.items()):
                         frame.insert(0, name, value)
                     cycle_frames.append(frame)
-                    rows.append({**keys, "predictor": prep.predictor, **summarise(log), **extra})
+                    rows.append({**keys, "predictor": prep.predictor, "slot_precision": prep.info["slot_precision"],
+                                 **summarise(log), **extra})
                     if progress is not None:
                         progress(f"{prep.name} {scenario.label} cache={capacity} {spec}")
     summary = pd.DataFrame(rows)

@@ -1,0 +1,65 @@
+"""Pricing expert-prediction uncertainty per draft node: still exact, and it shrinks the tree."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from specfit import CostModel, DraftTree, best_subtree
+from specfit.search import evaluate, uncertainty_price_s
+
+
+def closed_sets(tree):
+    n = tree.n_nodes
+    for bits in itertools.product((False, True), repeat=n - 1):
+        nodes = [0] + [v for v, b in zip(range(1, n), bits) if b]
+        if tree.is_ancestor_closed(nodes):
+            yield np.array(nodes)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_priced_search_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n, L, E, k = int(rng.integers(2, 9)), 2, 6, 2
+    parents = np.array([-1] + [int(rng.integers(0, v)) for v in range(1, n)])
+    probs = np.ones(n)
+    for v in range(1, n):
+        probs[v] = probs[parents[v]] * rng.uniform(0.3, 1.0)
+    tree = DraftTree(parents, probs)
+    experts = np.stack([np.stack([rng.choice(E, k, replace=False) for _ in range(L)]) for _ in range(n)])
+    cached = rng.random((L, E)) < 0.4
+    cost = CostModel(base_s=1e-3, per_node_s=5e-5, hit_s=1e-5, miss_s=2e-4, draft_level_s=1e-4)
+    price = float(rng.choice([0.0, 1e-4, 1e-3]))
+    sel = best_subtree(tree, experts, cached, cost, draft_levels=2, draft_node_s=price)
+    best = max(evaluate(tree, s, experts, cached, cost, 2, draft_node_s=price).throughput for s in closed_sets(tree))
+    assert sel.throughput == pytest.approx(best, rel=1e-12)
+    # the reported time is the formula plus the price of every draft node
+    plain = evaluate(tree, sel.nodes, experts, cached, cost, 2)
+    assert sel.time_s == pytest.approx(plain.time_s + price * (sel.n_nodes - 1), rel=1e-12)
+
+
+def test_a_higher_price_never_grows_the_tree():
+    rng = np.random.default_rng(7)
+    n, L, E, k = 12, 4, 16, 2
+    parents = np.array([-1] + [int(rng.integers(0, v)) for v in range(1, n)])
+    probs = np.ones(n)
+    for v in range(1, n):
+        probs[v] = probs[parents[v]] * 0.8
+    tree = DraftTree(parents, probs)
+    experts = np.tile(rng.choice(E, k, replace=False), (n, L, 1))   # every node shares the root's experts
+    cost = CostModel(base_s=1e-3, per_node_s=1e-5, hit_s=1e-5, miss_s=2e-4)
+    sizes = [best_subtree(tree, experts, np.zeros((L, E), bool), cost, draft_node_s=p).n_nodes
+             for p in (0.0, 1e-4, 5e-4, 2e-3, 1e-2)]
+    assert sizes == sorted(sizes, reverse=True)
+    assert sizes[0] == n and sizes[-1] == 1
+
+
+def test_uncertainty_price():
+    cost = CostModel(base_s=1e-3, per_node_s=1e-5, hit_s=1e-5, miss_s=2e-4)
+    assert uncertainty_price_s(cost, n_layers=48, top_k=8, precision=1.0) == 0.0
+    assert uncertainty_price_s(cost, n_layers=48, top_k=8, precision=0.75) == pytest.approx(0.25 * 48 * 8 * 1.9e-4)
+    with pytest.raises(ValueError, match="precision"):
+        uncertainty_price_s(cost, 48, 8, 1.5)
+    with pytest.raises(ValueError, match="draft_node_s"):
+        best_subtree(DraftTree(np.array([-1]), np.array([1.0])), np.zeros((1, 1, 1), int), np.zeros((1, 2), bool),
+                     cost, draft_node_s=-1)
