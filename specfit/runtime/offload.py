@@ -16,6 +16,7 @@ the same code path (and the same counters) are exercised without a GPU.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -100,23 +101,44 @@ class _Copier:
     ``copy`` returns an event the compute side waits on before reading the destination;
     ``compute_done`` returns an event marking the compute enqueued so far, which a later copy into
     the same buffer waits on. Both are None on CPU, where everything is already in order.
+
+    Copy time is measured where it happens: on CUDA by timing events around each copy on the copy
+    stream (read back in :meth:`take_time_s`, after the pass), on CPU by the clock around the copy.
     """
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device=device) if self.cuda else None
+        self._time_s = 0.0
+        self._timed_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None):
         if not self.cuda:
+            start = time.perf_counter()
             dst.copy_(src)
+            self._time_s += time.perf_counter() - start
             return None
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
+            # recorded after the wait: the pair brackets the copy itself, not the wait
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record(self.stream)
             dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
+        self._timed_events.append((begin, done))
         return done
+
+    def take_time_s(self) -> float:
+        """Seconds spent copying since the last call (waits for the copies still in flight).
+        Copies on the one copy stream run one after another, so the sum is the stream's busy time."""
+        total, self._time_s = self._time_s, 0.0
+        if self._timed_events:
+            self._timed_events[-1][1].synchronize()
+            total += sum(begin.elapsed_time(done) for begin, done in self._timed_events) / 1e3
+            self._timed_events.clear()
+        return total
 
     def wait(self, event) -> None:
         if event is not None:
@@ -184,6 +206,11 @@ class ExpertOffload:
     def begin_pass(self) -> None:
         """Start counting a new forward pass."""
         self.counters = OffloadCounters.zeros(self.host.n_layers)
+        self._copier.take_time_s()
+
+    def pass_transfer_time_s(self) -> float:
+        """Seconds of host-to-device copying in the pass begun last (call once it is done)."""
+        return self._copier.take_time_s()
 
     def layer_experts(self, layer: int, expert_ids: np.ndarray) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield ``(expert_id, gate_up [2I, H], down [H, I])`` on the device for each id of

@@ -1,0 +1,61 @@
+"""Live expert prediction: the target's own routers applied to an estimate of a draft node's
+hidden state.
+
+The simulator's predictors (:mod:`specfit.experts.predictors`) work on recorded traces; the live
+decoder has something better at hand, the drafter's hidden states. A token's residual stream in
+the target starts at its embedding and accumulates what attention and the MLPs add from the
+context, and every MoE layer routes ``post_attention_layernorm(residual)`` with ``moe.gate``. The
+predictor estimates a draft node's residual as
+
+    embedding(token of v) + drafter output at v's parent
+
+(the drafter's output at the parent is its estimate of the target's features there, from which it
+drafted v), and routes that estimate through every layer's norm and router. Siblings differ by
+their token, so they get different experts — identical predictions for siblings make extra nodes
+look free (see DESIGN.md). With ``context=None`` (the root, whose drafter entry is only computed
+once a level is drafted, or a drafter whose hidden size differs from the target's) the embedding
+alone is routed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .model import MoETransformer
+
+__all__ = ["RouterPredictor"]
+
+
+class RouterPredictor:
+    """Top-k experts at every layer from the target's routers.
+
+    Args:
+        model: the target; its embedding, per-layer ``post_attention_layernorm`` and ``moe.gate``
+            weights are used in place (nothing is copied but the stacked router matrices).
+    """
+
+    name = "router"
+
+    def __init__(self, model: MoETransformer):
+        self.embed = model.embed_tokens.weight
+        self.norm_weight = torch.stack([layer.post_attention_layernorm.weight for layer in model.layers]).float()
+        self.gate_weight = torch.stack([layer.moe.gate.weight for layer in model.layers]).float()   # [L, E, H]
+        self.eps = model.config.rms_norm_eps
+        self.top_k = model.config.top_k
+        self.hidden_size = model.config.hidden_size
+
+    @torch.inference_mode()
+    def predict(self, tokens, context: torch.Tensor | None = None) -> np.ndarray:
+        """int64 [n, L, top_k] experts of ``n`` nodes with tokens ``tokens`` [n] and estimated
+        context ``context`` [n, H] (or None)."""
+        tokens = torch.as_tensor(np.asarray(tokens), dtype=torch.long, device=self.embed.device).reshape(-1)
+        x = self.embed[tokens].float()
+        if context is not None:
+            x = x + context.to(device=x.device, dtype=torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)       # RMSNorm, as the layers do
+        normed = x[None, :, :] * self.norm_weight[:, None, :]                   # [L, n, H]
+        logits = torch.bmm(normed, self.gate_weight.transpose(1, 2))           # [L, n, E]
+        # softmax is monotone: the top-k of the logits are the router's top-k
+        experts = logits.topk(self.top_k, dim=-1).indices.permute(1, 0, 2)     # [n, L, k]
+        return experts.cpu().numpy().astype(np.int64)
