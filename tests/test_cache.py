@@ -55,7 +55,7 @@ def random_unions(seed: int, n_layers: int, n_experts: int, steps: int, max_size
 
 
 # --------------------------------------------------------------------------- random unions
-@core_settings(300)
+@core_settings(200)
 @given(st.integers(1, 4), st.integers(1, 10), st.data())
 def test_per_layer_lru_matches_the_reference_on_random_unions(n_layers, n_experts, data):
     capacity = data.draw(st.integers(0, n_experts + 2), label="capacity")
@@ -67,7 +67,7 @@ def test_per_layer_lru_matches_the_reference_on_random_unions(n_layers, n_expert
     replay(cache, RefLRUCache(n_layers, n_experts, capacity), unions)
 
 
-@core_settings(300)
+@core_settings(200)
 @given(st.integers(1, 4), st.integers(1, 8), st.data())
 def test_global_lru_matches_the_reference_on_random_unions(n_layers, n_experts, data):
     capacity = data.draw(st.integers(0, n_layers * n_experts + 2), label="capacity")

@@ -76,14 +76,14 @@ def check_against_brute_force(case: Case) -> None:
 
 
 # --------------------------------------------------------------------------- exact search vs brute force
-@core_settings(1000)
+@core_settings(700)
 @given(search_case_st())
 def test_best_subtree_equals_brute_force_on_random_small_trees(case):
     assume(root_time_positive(case))
     check_against_brute_force(case)
 
 
-@core_settings(400)
+@core_settings(300)
 @given(search_case_st(max_experts=4))
 def test_best_subtree_equals_brute_force_with_few_experts(case):
     # four experts or fewer: almost every pair of nodes shares experts
@@ -91,7 +91,7 @@ def test_best_subtree_equals_brute_force_with_few_experts(case):
     check_against_brute_force(case)
 
 
-@core_settings(300)
+@core_settings(250)
 @given(st.sampled_from(("identical", "pool", "siblings")).flatmap(
     lambda kind: search_case_st(expert_kind=kind, cost_kind="real")))
 def test_best_subtree_equals_brute_force_with_heavily_shared_experts(case):
@@ -99,7 +99,7 @@ def test_best_subtree_equals_brute_force_with_heavily_shared_experts(case):
     check_against_brute_force(case)
 
 
-@core_settings(500)
+@core_settings(400)
 @given(search_case_st(prob_kind=None, cost_kind="dyadic"))
 def test_best_subtree_exact_ties_resolve_to_the_smallest_set(case):
     # dyadic probabilities and costs: sums and cross products are exact, so equal ratios are common
@@ -107,14 +107,14 @@ def test_best_subtree_exact_ties_resolve_to_the_smallest_set(case):
     check_against_brute_force(case)
 
 
-@core_settings(300)
+@core_settings(250)
 @given(search_case_st(prob_kind="near_tie", cost_kind="dyadic"))
 def test_best_subtree_near_ties_pick_the_strictly_better_set(case):
     assume(root_time_positive(case))
     check_against_brute_force(case)
 
 
-@core_settings(300)
+@core_settings(250)
 @given(st.sampled_from((("miss_s",), ("hit_s",), ("per_node_s",), ("hit_s", "miss_s"),
                         ("per_node_s", "hit_s"), ("draft_level_s", "base_s"), ("base_s", "hit_s")))
        .flatmap(lambda zero: search_case_st(zero=zero)))
@@ -130,7 +130,7 @@ def test_best_subtree_equals_brute_force_on_tiny_trees(case):
     check_against_brute_force(case)
 
 
-@core_settings(250)
+@core_settings(200)
 @given(search_case_st(max_experts=8), st.sampled_from((63, 64, 65, 127, 128, 129, 200)), st.data())
 def test_best_subtree_with_expert_ids_across_word_boundaries(case, n_experts, data):
     # the same structure, with expert ids moved to both sides of 64-bit word boundaries
@@ -146,7 +146,7 @@ def test_best_subtree_with_expert_ids_across_word_boundaries(case, n_experts, da
                                    case.draft_levels))
 
 
-@core_settings(200)
+@core_settings(150)
 @given(search_case_st(), st.data())
 def test_best_subtree_answer_does_not_depend_on_the_start_set(case, data):
     assume(root_time_positive(case))
@@ -266,7 +266,7 @@ def test_best_subtree_when_the_root_costs_nothing_does_not_crash():
 
 
 # --------------------------------------------------------------------------- greedy baseline
-@core_settings(300)
+@core_settings(200)
 @given(search_case_st(max_nodes=16))
 def test_greedy_never_beats_exact_and_is_closed(case):
     assume(root_time_positive(case))
@@ -309,7 +309,7 @@ def test_should_continue_semantics():
     assert should_continue(prev, _sel([0, 1, 2], 1.5 * (1 - 1e-9), 1.0)) is False
 
 
-@core_settings(300)
+@core_settings(200)
 @given(search_case_st(tree_shape="level_order", max_nodes=10))
 def test_should_continue_matches_brute_force_level_by_level(case):
     # level-ordered trees: the first d levels are a prefix of the node ids
@@ -345,7 +345,7 @@ def closure_problem_st(draw, weights=None):
     return w, requires
 
 
-@core_settings(400)
+@core_settings(300)
 @given(closure_problem_st())
 def test_max_weight_closure_equals_brute_force_with_integer_weights(problem):
     weights, requires = problem
@@ -354,7 +354,7 @@ def test_max_weight_closure_equals_brute_force_with_integer_weights(problem):
     assert np.array_equal(got, brute_force_closure(weights, requires)), (weights, requires, got)
 
 
-@core_settings(200)
+@core_settings(150)
 @given(closure_problem_st(weights=st.floats(-1.0, 1.0).filter(lambda x: x == 0.0 or abs(x) > 1e-6)))
 def test_max_weight_closure_equals_brute_force_with_float_weights(problem):
     weights, requires = problem

@@ -152,7 +152,7 @@ def tree_case(draw):
     return parents, probs
 
 
-@core_settings(300)
+@core_settings(200)
 @given(tree_case(), st.data())
 def test_structure_matches_a_brute_force_walk(case, data):
     parents, probs = case
@@ -175,7 +175,7 @@ def test_structure_matches_a_brute_force_walk(case, data):
     assert np.array_equal(sub_mask, mask[np.ix_(closure, closure)])
 
 
-@core_settings(200)
+@core_settings(150)
 @given(tree_case(), st.data())
 def test_subtree_matches_a_brute_force_renumbering(case, data):
     parents, probs = case
@@ -192,7 +192,7 @@ def test_subtree_matches_a_brute_force_renumbering(case, data):
     assert sub.depth.tolist() == [depths(parents)[v] for v in keep]
 
 
-@core_settings(300)
+@core_settings(200)
 @given(tree_case(), st.data())
 def test_accepted_path_matches_a_brute_force_walk(case, data):
     parents, _ = case
