@@ -118,6 +118,12 @@ def _write_prompts(path, lines):
     return path
 
 
+@pytest.fixture(autouse=True)
+def in_tmp_dir(tmp_path, monkeypatch):
+    """Without --profile, decode calibrates this machine into ./calibrate/: keep that out of the repo."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture()
 def cli_model(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -150,7 +156,8 @@ def test_decode_command_json_output_matches_the_decoder(cli_model, tmp_path):
             assert key in record
     written = [json.loads(line) for line in (out_dir / "decode.jsonl").read_text().splitlines()]
     assert written == records
-    assert [p.name for p in out_dir.iterdir()] == ["decode.jsonl"]       # no temporary file left
+    # no temporary file left
+    assert sorted(p.name for p in out_dir.iterdir()) == ["cycles.parquet", "decode.jsonl", "summary.json"]
 
 
 def test_decode_command_prints_a_summary_table(cli_model, tmp_path):

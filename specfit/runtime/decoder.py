@@ -53,13 +53,16 @@ class Verification:
 
 @dataclass
 class DraftInfo:
-    """What a cycle's draft phase decided and what it cost, besides the tree itself."""
+    """What a cycle's draft phase decided and what it cost, besides the tree itself, and how
+    its expert predictions fared once the target had run the verified nodes."""
 
     draft_levels: int = 0
     selection: Selection | None = None     # the policy's choice with its predicted outcome
     drafter_time_s: float = 0.0            # the drafter's forward passes
     search_time_s: float = 0.0             # the policy's decisions (keep drafting? which nodes?)
     predict_time_s: float = 0.0            # expert predictions for the drafted nodes
+    predicted_slots: int = 0               # (layer, rank) slots predicted for verified draft nodes
+    predicted_slots_right: int = 0         # ... naming an expert the node really routed to
 
 
 @dataclass
@@ -104,6 +107,8 @@ class CycleStats:
             "predicted_tokens": sel.expected_tokens if sel else nan,
             "predicted_hits": sel.hits if sel else -1,
             "predicted_misses": sel.misses if sel else -1,
+            "prediction_precision": (self.draft.predicted_slots_right / self.draft.predicted_slots
+                                     if self.draft.predicted_slots else nan),
         }
 
 

@@ -27,7 +27,8 @@ import torch
 from ..costmodel import CostModel
 from ..errors import SpecFitError
 from ..experts.calibration import AcceptanceCalibrator
-from ..policies import CycleView, Policy, RerankPolicy
+from ..policies import CycleView, Policy, RerankPolicy, SpecFitPolicy
+from ..search import uncertainty_price_s
 from ..tree import DraftTree
 from .decoder import CycleStats, Decoder, DraftInfo, Verification, _now
 from .eagle3 import DynamicTree, Eagle3Drafter, Eagle3Session
@@ -53,30 +54,38 @@ class SpeculativeDecoder(Decoder):
 
     Args:
         model: the target (its ``capture_layers`` must be the drafter's feature layers).
-        drafter: the EAGLE-3 head, on the target's device and dtype.
+        drafter: the EAGLE-3 head, on the target's device and dtype (None for a policy that never
+            drafts, such as ``ar``: its cycles are still predicted and measured).
         policy: from :func:`specfit.policies.make_policy`; ``max_levels`` bounds drafting.
         cost: the cycle-time model the policy decides with (a profile's).
         predictor: predicts draft nodes' experts (default: the target's routers).
         tree_top_k: EAGLE's top-k: children per expanded node and nodes expanded per level.
         calibrator: maps draft probabilities to acceptance probabilities (None: the drafter's own).
         recorder: receives every cycle (see :class:`specfit.runtime.record.TraceRecorder`).
+        price_uncertainty: with the ``specfit`` policy, charge each draft node for the experts the
+            predictor has been getting wrong (its measured precision so far this run).
     """
 
-    def __init__(self, model: MoETransformer, drafter: Eagle3Drafter, policy: Policy, cost: CostModel,
+    def __init__(self, model: MoETransformer, drafter: Eagle3Drafter | None, policy: Policy, cost: CostModel,
                  predictor: RouterPredictor | None = None, eos_token_ids=(), tree_top_k: int = 4,
                  temperature: float = 0.0, seed: int = 0, calibrator: AcceptanceCalibrator | None = None,
-                 recorder=None):
+                 recorder=None, price_uncertainty: bool = True):
         super().__init__(model, eos_token_ids=eos_token_ids, temperature=temperature, seed=seed)
         if tree_top_k < 1:
             raise ValueError(f"tree_top_k: expected >= 1, got {tree_top_k}")
-        check_drafter(model, drafter)
+        if drafter is not None:
+            check_drafter(model, drafter)
+        elif policy.max_levels > 0:
+            raise ValueError(f"policy {policy.name!r} drafts: it needs a drafter")
         self.drafter, self.policy, self.cost = drafter, policy, cost
         self.predictor = predictor or RouterPredictor(model)
         # the drafter's states estimate the target's only when they live in the same space
-        self.drafter_context = drafter.config.hidden_size == model.config.hidden_size
+        self.drafter_context = drafter is not None and drafter.config.hidden_size == model.config.hidden_size
         self.tree_top_k = int(tree_top_k)
         self.calibrator = calibrator
         self.recorder = recorder
+        self.price_uncertainty = bool(price_uncertainty)
+        self._slots_seen = self._slots_right = 0      # expert predictions checked so far, and right
         self.session: Eagle3Session | None = None
         self._pending: list[tuple[torch.Tensor, list[int]]] = []   # (features, next tokens) not yet in the drafter
         self._drafter_entries = 0
@@ -196,6 +205,7 @@ class SpeculativeDecoder(Decoder):
 
     def _commit_path(self, tree: DraftTree, verification: Verification, path: np.ndarray, bonus: int) -> list[int]:
         self._root_position = self.cache_len - self._prompt_len
+        self._score_predictions(verification)
         keep = self.keep_path(verification, path)
         tokens = [int(t) for t in tree.tokens[path[1:]]] + [bonus]
         if self.session is not None:
@@ -203,6 +213,23 @@ class SpeculativeDecoder(Decoder):
             # features paired with the token that followed it (the last one with the bonus token)
             self._pending.append((verification.hidden[torch.from_numpy(keep).to(verification.hidden.device)], tokens))
         return tokens
+
+    def _score_predictions(self, verification: Verification) -> None:
+        """Compare the verified draft nodes' predicted experts with the true ones; with SpecFit,
+        price what the predictor gets wrong into the search (as the simulator does)."""
+        view, _, info = self._cycle
+        drafted = verification.nodes[1:]
+        if drafted.size == 0:
+            return
+        predicted, true = view.experts[drafted], verification.expert_ids[1:]
+        info.predicted_slots = int(predicted.size)
+        info.predicted_slots_right = int((predicted[..., :, None] == true[..., None, :]).any(axis=-1).sum())
+        self._slots_seen += info.predicted_slots
+        self._slots_right += info.predicted_slots_right
+        if self.price_uncertainty and isinstance(self.policy, SpecFitPolicy):
+            c = self.model.config
+            self.policy.draft_node_s = uncertainty_price_s(self.cost, c.n_layers, c.top_k,
+                                                           self._slots_right / self._slots_seen)
 
     def end_cycle(self, tree: DraftTree, verification: Verification, stats: CycleStats) -> None:
         if self.recorder is None:

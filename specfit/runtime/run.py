@@ -1,0 +1,383 @@
+"""The ``specfit decode`` job: load the target (and drafter), resolve the hardware profile, decode
+every prompt with every policy, measure each cycle next to its prediction, save as it goes.
+
+Outputs under ``--out DIR`` (rewritten atomically after every prompt, and once more if the run is
+interrupted, so every completed cycle survives):
+
+- ``decode.jsonl``: one object per (policy, prompt): output ids, text, tokens/s, bytes, hits;
+- ``cycles.parquet``: one row per cycle: the columns :data:`specfit.calibrate.run.RUN_CYCLE_COLUMNS`
+  that ``specfit calibrate --refit`` reads, plus policy, prompt, cycle, the draft / verify /
+  target-pass / transfer / drafter / search times, bytes, nodes drafted, predicted time, tokens,
+  hits and misses next to the measured ones (see :meth:`specfit.runtime.decoder.CycleStats.row`);
+- ``summary.json``: the per-policy comparison of measured with predicted.
+
+``--record TRACE`` writes the cycles of one policy as a trace; with ``--record-full`` a
+:class:`~specfit.runtime.speculative.FullTreeDecoder` pass per prompt records the position-indexed
+trace that the simulator replays exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ..errors import SpecFitError
+from ..io import atomic_write, write_json_atomic, write_jsonl_atomic
+
+__all__ = ["DecodePlan", "DecodeRun", "run_decode", "summarise_policy", "OUTPUT_FILE", "CYCLES_FILE", "SUMMARY_FILE"]
+
+OUTPUT_FILE = "decode.jsonl"
+CYCLES_FILE = "cycles.parquet"
+SUMMARY_FILE = "summary.json"
+
+
+@dataclass
+class DecodePlan:
+    """Everything ``specfit decode`` was asked to do (the command's options)."""
+
+    model_dir: Path
+    prompts_path: Path
+    cache_experts: int
+    policies: list[str] = field(default_factory=lambda: ["ar"])
+    drafter_dir: Path | None = None
+    profile: str | None = None
+    rescale: bool = False
+    max_new_tokens: int = 128
+    device: str | None = None
+    dtype: str | None = None
+    out_dir: Path | None = None
+    record: Path | None = None
+    record_full: bool = False
+    temperature: float = 0.0
+    seed: int = 0
+    tree_top_k: int = 4
+    max_levels: int = 8
+    acceptance_trace: Path | None = None
+    ignore_eos: bool = False
+
+    def validate(self):
+        """Check the options that need no file; return the parsed policies."""
+        from ..policies import make_policy
+
+        if not self.policies:
+            raise SpecFitError("--policy: expected at least one policy")
+        policies = []
+        for spec in self.policies:
+            try:
+                policies.append(make_policy(spec, max_levels=self.max_levels))
+            except ValueError as exc:
+                raise SpecFitError(f"--policy: {exc}") from None
+        drafting = [p.name for p in policies if p.max_levels > 0]
+        if (drafting or self.record_full) and self.drafter_dir is None:
+            raise SpecFitError(f"--policy {(drafting or ['(--record-full)'])[0]}: needs a drafter (--drafter DIR, an "
+                               f"EAGLE-3 checkpoint); only 'ar' decodes without one")
+        if len(set(self.policies)) != len(self.policies):
+            raise SpecFitError(f"--policies: {','.join(self.policies)} names a policy twice")
+        checks = [
+            (self.max_new_tokens < 1, f"--max-new-tokens: expected at least 1, got {self.max_new_tokens}"),
+            (self.cache_experts < 0, f"--cache-experts: expected a non-negative number of experts, got {self.cache_experts}"),
+            (self.tree_top_k < 1, f"--tree-top-k: expected at least 1, got {self.tree_top_k}"),
+            (self.max_levels < 0, f"--max-levels: expected at least 0, got {self.max_levels}"),
+            (not math.isfinite(self.temperature) or self.temperature < 0,
+             f"--temperature: expected a non-negative number, got {self.temperature}"),
+            (self.record_full and self.record is None, "--record-full: pass --record TRACE, the trace file to write"),
+            (self.record is not None and self.temperature > 0,
+             "--record: traces describe greedy decoding (the target's argmax verdicts); use --temperature 0"),
+            (self.record is not None and not self.record_full and len(policies) != 1,
+             "--record: records the cycles of one policy; pass a single --policy (or --record-full)"),
+        ]
+        for failed, message in checks:
+            if failed:
+                raise SpecFitError(message)
+        if self.device not in (None, "cpu", "cuda"):
+            raise SpecFitError(f"--device: expected cpu or cuda, got {self.device!r}")
+        if self.dtype not in (None, "float32", "bfloat16"):
+            raise SpecFitError(f"--dtype: expected float32 or bfloat16, got {self.dtype!r}")
+        if not Path(self.model_dir).is_dir():
+            raise SpecFitError(f"--model {self.model_dir}: not a directory")
+        if self.drafter_dir is not None and not Path(self.drafter_dir).is_dir():
+            raise SpecFitError(f"--drafter {self.drafter_dir}: not a directory")
+        return policies
+
+
+@dataclass
+class DecodeRun:
+    """What a run produced: per-(policy, prompt) records, per-cycle rows, per-policy summaries."""
+
+    records: list[dict]
+    cycles: list[dict]
+    summaries: list[dict]
+    profile_label: str
+    profile_path: Path | None
+    outputs_identical: bool | None       # greedy runs of several policies: same tokens everywhere?
+    trace_path: Path | None = None
+    trace_cycles: int = 0
+
+
+class _Outputs:
+    """The files under ``--out``, rewritten whole after each prompt (atomic: never half-written)."""
+
+    def __init__(self, out_dir: Path | None):
+        self.out_dir = out_dir
+        self.records: list[dict] = []
+        self.cycles: list[dict] = []
+        self.summaries: list[dict] = []
+
+    def flush(self) -> None:
+        if self.out_dir is None:
+            return
+        import pandas as pd
+
+        write_jsonl_atomic(self.out_dir / OUTPUT_FILE, self.records)
+        if self.cycles:
+            frame = pd.DataFrame(self.cycles)
+            atomic_write(self.out_dir / CYCLES_FILE, lambda tmp: frame.to_parquet(tmp, index=False))
+        if self.summaries:
+            write_json_atomic(self.out_dir / SUMMARY_FILE, self.summaries)
+
+
+def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None,
+               status: Callable[[str], None] | None = None, progress: Callable[[], None] | None = None) -> DecodeRun:
+    """Run ``plan``; ``on_record`` gets each (policy, prompt) record as it completes, ``status``
+    one-line messages (loading, calibrating), ``progress`` a tick per decoded prompt."""
+    import torch
+
+    from .config import ModelConfig
+    from .eagle3 import Eagle3Config
+    from .loader import load_model, load_tokenizer
+    from .prompts import read_prompts
+
+    say = status or (lambda message: None)
+    tick = progress or (lambda: None)
+    policies = plan.validate()
+    device = plan.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SpecFitError("--device cuda: no CUDA device is available (use --device cpu)")
+    dtype = plan.dtype or ("bfloat16" if device == "cuda" else "float32")
+
+    config = ModelConfig.from_dir(plan.model_dir)
+    tokenizer = load_tokenizer(plan.model_dir)
+    prompts = read_prompts(plan.prompts_path, tokenizer, config.vocab_size)
+    for prompt in prompts:
+        if len(prompt.input_ids) + plan.max_new_tokens > config.max_position_embeddings:
+            raise SpecFitError(f"{plan.prompts_path}:{prompt.line}: {len(prompt.input_ids)} prompt tokens + "
+                               f"--max-new-tokens {plan.max_new_tokens} exceed the model's max_position_embeddings "
+                               f"({config.max_position_embeddings})")
+    drafter_config = None
+    if plan.drafter_dir is not None:
+        drafter_config = Eagle3Config.from_file(Path(plan.drafter_dir) / "config.json")
+        _check_feature_layers(drafter_config, config, plan.drafter_dir)
+
+    say(f"loading {plan.model_dir}")
+    capture = drafter_config.aux_hidden_state_layer_ids if drafter_config else None
+    model = load_model(plan.model_dir, device=device, dtype=dtype, cache_experts=plan.cache_experts,
+                       capture_layers=capture)
+    drafter = _load_drafter(plan.drafter_dir, drafter_config, model) if plan.drafter_dir is not None else None
+    profile, profile_path = _profile(plan, model, say)
+    calibrator = _acceptance_calibrator(plan.acceptance_trace) if plan.acceptance_trace else None
+
+    outputs = _Outputs(plan.out_dir)
+    recorder = _recorder(plan, model, drafter, profile) if plan.record is not None else None
+    try:
+        for policy in policies:
+            # every policy starts from an empty expert cache; prompts then share it, as a server's would
+            model.offload.reset()
+            decoder = _decoder(plan, model, drafter, policy, profile.cost, calibrator,
+                               recorder if recorder is not None and not plan.record_full else None)
+            for index, prompt in enumerate(prompts):
+                if decoder.recorder is not None:
+                    decoder.recorder.begin_sequence(index)
+                result = decoder.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos)
+                if decoder.recorder is not None:
+                    decoder.recorder.end_sequence(len(result.output_ids))
+                record = {"index": index, "line": prompt.line, "policy": policy.name, "cache_experts": plan.cache_experts,
+                          "profile": profile.label, **result.to_dict()}
+                if tokenizer is not None:
+                    record["text"] = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+                outputs.records.append(record)
+                outputs.cycles.extend({"policy": policy.name, "prompt": index, "cycle": c, **stats.row()}
+                                      for c, stats in enumerate(result.cycles))
+                outputs.flush()
+                if on_record is not None:
+                    on_record(record)
+                tick()
+            outputs.summaries.append(summarise_policy(policy.name, outputs.records, outputs.cycles,
+                                                      model.offload.host.expert_bytes))
+        if plan.record_full:
+            say(f"recording full trees at every position into {plan.record}")
+            full = _full_decoder(plan, model, drafter, profile.cost, recorder)
+            model.offload.reset()
+            for index, prompt in enumerate(prompts):
+                recorder.begin_sequence(index)
+                result = full.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos)
+                recorder.end_sequence(len(result.output_ids))
+                tick()
+    finally:
+        outputs.flush()
+    trace_path = None
+    if recorder is not None:
+        from ..traces.format import write_trace
+
+        trace_path = write_trace(recorder.trace(), plan.record)
+    return DecodeRun(records=outputs.records, cycles=outputs.cycles, summaries=outputs.summaries,
+                     profile_label=profile.label, profile_path=profile_path,
+                     outputs_identical=_outputs_identical(outputs.records) if plan.temperature == 0 else None,
+                     trace_path=trace_path, trace_cycles=len(recorder) if recorder is not None else 0)
+
+
+# --------------------------------------------------------------------------- pieces
+def _check_feature_layers(drafter_config, config, drafter_dir) -> None:
+    aux = drafter_config.aux_hidden_state_layer_ids
+    if aux is not None and not all(0 <= layer < config.n_layers for layer in aux):
+        raise SpecFitError(f"{Path(drafter_dir) / 'config.json'}: key 'eagle_aux_hidden_state_layer_ids' is "
+                           f"{list(aux)}, but the target has {config.n_layers} layers")
+
+
+def _load_drafter(drafter_dir: Path, drafter_config, model):
+    from .eagle3 import Eagle3Drafter
+    from .speculative import check_drafter
+
+    # the target's embedding / lm_head stand in for tensors a checkpoint omits, which only works
+    # when the drafter is as wide as the target; a wider or narrower drafter carries its own
+    shared = drafter_config.hidden_size == model.config.hidden_size
+    drafter = Eagle3Drafter.from_pretrained(drafter_dir, target_embed=model.embed_tokens.weight if shared else None,
+                                            target_lm_head=model.lm_head.weight if shared else None,
+                                            device=model.device, dtype=model.dtype)
+    check_drafter(model, drafter, source=str(drafter_dir))
+    return drafter
+
+
+def model_shape(model, name: str):
+    """The :class:`~specfit.calibrate.profile.ModelShape` a profile for ``model`` must have."""
+    from ..calibrate.profile import ModelShape
+
+    c = model.config
+    return ModelShape(name, c.n_layers, c.n_experts, c.top_k, c.expert_bytes(model.dtype), c.hidden_size)
+
+
+def _profile(plan: DecodePlan, model, say):
+    """(profile, path): ``--profile`` when given; else this machine's default profile for the
+    model, calibrated (quickly, on the loaded model) and saved on first use."""
+    from ..calibrate.presets import resolve_profile
+    from ..calibrate.profile import load_profile, machine_info
+    from ..calibrate.run import CalibrationPlan, calibrate, default_profile_path
+
+    shape = model_shape(model, Path(plan.model_dir).name)
+    if plan.profile is not None:
+        path = Path(plan.profile) if Path(plan.profile).suffix == ".json" else None
+        return resolve_profile(plan.profile, shape, rescale=plan.rescale), path
+    path = default_profile_path(machine_info(), shape)
+    if path.is_file():
+        return load_profile(path).for_shape(shape, rescale=plan.rescale, source=str(path)), path
+    say(f"no profile for this machine and model yet: quick calibration, saved to {path}")
+    profile = calibrate(CalibrationPlan(model_dir=Path(plan.model_dir), drafter_dir=plan.drafter_dir,
+                                        device=str(model.device.type), quick=True, seed=plan.seed), model=model)
+    profile.save(path)
+    return profile, path
+
+
+def _acceptance_calibrator(trace_path: Path):
+    from ..experts.calibration import AcceptanceCalibrator
+    from ..traces.format import read_trace
+
+    trace = read_trace(trace_path)
+    calibrator = AcceptanceCalibrator().fit(trace)
+    if calibrator.n_edges_ == 0:
+        raise SpecFitError(f"--acceptance {trace_path}: the trace has no draft node whose parent's verdict is known")
+    return calibrator
+
+
+def _decoder(plan, model, drafter, policy, cost, calibrator, recorder):
+    from .speculative import SpeculativeDecoder
+
+    return SpeculativeDecoder(model, drafter if policy.max_levels > 0 else None, policy, cost,
+                              eos_token_ids=model.config.eos_token_ids, tree_top_k=_tree_top_k(plan, policy),
+                              temperature=plan.temperature, seed=plan.seed, calibrator=calibrator, recorder=recorder)
+
+
+def _tree_top_k(plan: DecodePlan, policy) -> int:
+    # a chain is drafted as a chain (top-1 at every level), as EAGLE's chain mode does
+    return 1 if policy.name.startswith("chain") else plan.tree_top_k
+
+
+def _full_decoder(plan, model, drafter, cost, recorder):
+    from .speculative import FullTreeDecoder
+
+    return FullTreeDecoder(model, drafter, cost, max_levels=plan.max_levels, eos_token_ids=model.config.eos_token_ids,
+                           tree_top_k=plan.tree_top_k, recorder=recorder)
+
+
+def _recorder(plan: DecodePlan, model, drafter, profile):
+    from .record import TraceRecorder
+
+    c = model.config
+    model_meta = {"name": Path(plan.model_dir).name, "n_layers": c.n_layers, "n_experts": c.n_experts, "top_k": c.top_k,
+                  "expert_bytes": model.offload.host.expert_bytes, "vocab_size": c.vocab_size}
+    drafter_meta = {"name": Path(plan.drafter_dir).name if plan.drafter_dir else "none", "kind": "eagle3",
+                    "tree_top_k": plan.tree_top_k, "max_levels": plan.max_levels}
+    if drafter is not None:
+        drafter_meta.update(hidden_size=drafter.config.hidden_size, draft_vocab_size=drafter.config.draft_vocab_size)
+    recording = {"policy": None if plan.record_full else plan.policies[0], "predictor": "router",
+                 "profile": profile.label, "cache_experts": plan.cache_experts, "device": str(model.device),
+                 "max_new_tokens": plan.max_new_tokens}
+    return TraceRecorder(model_meta, drafter_meta, workload=Path(plan.prompts_path).name, full=plan.record_full,
+                         recording=recording)
+
+
+def _outputs_identical(records: list[dict]) -> bool | None:
+    by_prompt: dict[int, set] = {}
+    for r in records:
+        by_prompt.setdefault(r["index"], set()).add(tuple(r["output_ids"]))
+    if len({r["policy"] for r in records}) < 2:
+        return None
+    return all(len(outputs) == 1 for outputs in by_prompt.values())
+
+
+# --------------------------------------------------------------------------- the comparison
+def summarise_policy(policy: str, records: list[dict], cycles: list[dict], expert_bytes: int) -> dict:
+    """Measured next to predicted, over every cycle of ``policy``: throughput, tokens per cycle,
+    cycle time, bytes per cycle, and the share of the cycle spent in the policy's search and the
+    bookkeeping around the models' passes."""
+    mine = [r for r in records if r["policy"] == policy]
+    rows = [c for c in cycles if c["policy"] == policy]
+    decode_tokens = sum(r["decode_tokens"] for r in mine)
+    decode_time_s = sum(r["decode_time_s"] for r in mine)
+
+    def mean(name: str) -> float:
+        values = np.array([row[name] for row in rows], dtype=np.float64)
+        values = values[np.isfinite(values)]
+        return float(values.mean()) if values.size else float("nan")
+
+    cycle_s = np.array([row["cycle_time_s"] for row in rows], dtype=np.float64)
+    predicted_s = np.array([row["predicted_time_s"] for row in rows], dtype=np.float64)
+    models_s = np.array([row["drafter_time_s"] + row["target_time_s"] for row in rows], dtype=np.float64)
+    search_s = np.array([row["search_time_s"] for row in rows], dtype=np.float64)
+    hits, misses = sum(row["hits"] for row in rows), sum(row["misses"] for row in rows)
+    slots = [row["prediction_precision"] for row in rows if np.isfinite(row["prediction_precision"])]
+    total_s = float(cycle_s.sum())
+    return {
+        "policy": policy,
+        "prompts": len(mine),
+        "cycles": len(rows),
+        "decode_tokens": decode_tokens,
+        "tokens_per_s": decode_tokens / decode_time_s if decode_time_s > 0 else 0.0,
+        "tokens_per_cycle": mean("committed_tokens"),
+        "predicted_tokens_per_cycle": mean("predicted_tokens"),
+        "cycle_time_s": mean("cycle_time_s"),
+        "predicted_time_s": mean("predicted_time_s"),
+        # median |predicted - measured| / measured: how far one cycle's prediction typically is
+        "time_error": float(np.median(np.abs(predicted_s - cycle_s) / cycle_s)) if rows else float("nan"),
+        "bytes_h2d_per_cycle": mean("bytes_h2d"),
+        "predicted_bytes_h2d_per_cycle": mean("predicted_misses") * expert_bytes if rows else float("nan"),
+        "transfer_time_s_per_cycle": mean("transfer_time_s"),
+        "nodes_verified": mean("nodes_verified"),
+        "draft_levels": mean("draft_levels"),
+        "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        "prediction_precision": float(np.mean(slots)) if slots else float("nan"),
+        "search_share": float(search_s.sum() / total_s) if total_s > 0 else float("nan"),
+        "overhead_share": float(1.0 - models_s.sum() / total_s) if total_s > 0 else float("nan"),
+    }
