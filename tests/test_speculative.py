@@ -1,0 +1,186 @@
+"""Speculative decoding on the runtime: lossless for every policy, tree verification vs linear
+sequences, drafter state after acceptance, expert prediction."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from runtime_fixtures import FAMILIES, VOCAB, load_reference, make_tiny_model
+from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
+from speculative_fixtures import make_drafter
+from specfit.costmodel import CostModel
+from specfit.policies import make_policy
+from specfit.runtime.decoder import Decoder
+from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter
+from specfit.runtime.loader import load_model
+from specfit.runtime.model import causal_mask
+from specfit.runtime.predict import RouterPredictor
+from specfit.runtime.speculative import SpeculativeDecoder
+from specfit.tree import DraftTree
+
+pytest.importorskip("transformers")
+
+NEW_TOKENS = 20
+POLICIES = ("ar", "chain:3", "static:6", "eagle3:16:4", "eagle3", "specfit")
+# misses expensive enough that specfit's choices vary between the root alone and small trees
+COST = CostModel(base_s=2e-3, per_node_s=5e-5, hit_s=2e-5, miss_s=2e-4, draft_level_s=3e-4, expert_bytes=24576)
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(11)
+    return [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (1, 4, 9, 16)]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (target dir, drafter dir): a drafter fitted to the target's greedy continuations
+    of the test prompts (wider than the target, own embedding), so paths of several tokens are
+    accepted."""
+    out = {}
+    for family in FAMILIES:
+        root = tmp_path_factory.mktemp(family)
+        model_dir = make_tiny_model(family, root / "model", seed=7)
+        drafter_dir = make_drafter(model_dir, root / "drafter", hidden_size=256, fit_prompts=prompts(),
+                                   new_tokens=NEW_TOKENS, layer_prefix="layers.0." if family == "olmoe" else "midlayer.")
+        out[family] = (model_dir, drafter_dir)
+    return out
+
+
+def load(model_dir, drafter_dir, cache_experts: int):
+    config = Eagle3Config.from_file(drafter_dir / "config.json")
+    model = load_model(model_dir, cache_experts=cache_experts, capture_layers=config.aux_hidden_state_layer_ids)
+    shared = config.hidden_size == model.config.hidden_size
+    drafter = Eagle3Drafter.from_pretrained(drafter_dir, target_embed=model.embed_tokens.weight if shared else None)
+    return model, drafter
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_output_equals_autoregressive_and_transformers_for_every_policy(checkpoints, family):
+    model_dir, drafter_dir = checkpoints[family]
+    reference = load_reference(model_dir)
+    expected = [reference.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(p):].tolist()
+                for p in prompts()]
+    for cache_experts in (2, 8):
+        model, drafter = load(model_dir, drafter_dir, cache_experts)
+        assert [Decoder(model).generate(p, NEW_TOKENS, ignore_eos=True).output_ids for p in prompts()] == expected
+        for spec in POLICIES:
+            policy = make_policy(spec, max_levels=6)
+            decoder = SpeculativeDecoder(model, drafter if policy.max_levels else None, policy, COST, tree_top_k=3)
+            results = [decoder.generate(p, NEW_TOKENS, ignore_eos=True) for p in prompts()]
+            for prompt, result, want in zip(prompts(), results, expected):
+                assert result.output_ids == want, f"{spec}, cache {cache_experts}, prompt of {len(prompt)} tokens"
+            committed = [c.committed_tokens for r in results for c in r.cycles]
+            if policy.max_levels and spec != "specfit":
+                # the fitted drafter makes multi-token acceptance common: compaction is exercised
+                assert max(committed) >= 3 and np.mean(committed) > 1.5, spec
+
+
+def test_greedy_output_is_lossless_with_a_random_drafter_of_the_targets_width(checkpoints, tmp_path):
+    """A drafter sharing the target's embedding (its hidden states then feed the router
+    predictor); random weights, several seeds and tree widths."""
+    model_dir, _ = checkpoints["qwen3_moe"]
+    model = load_model(model_dir, cache_experts=3)
+    expected = [Decoder(model).generate(p, NEW_TOKENS, ignore_eos=True).output_ids for p in prompts()]
+    for seed, top_k in ((1, 2), (2, 5)):
+        drafter_dir = make_drafter(model_dir, tmp_path / f"drafter{seed}", seed=seed, draft_vocab_size=48)
+        model, drafter = load(model_dir, drafter_dir, cache_experts=3)
+        for spec in ("eagle3:12:3", "specfit"):
+            decoder = SpeculativeDecoder(model, drafter, make_policy(spec), COST, tree_top_k=top_k)
+            assert decoder.drafter_context
+            outputs = [decoder.generate(p, NEW_TOKENS, ignore_eos=True).output_ids for p in prompts()]
+            assert outputs == expected, f"seed {seed}, top-k {top_k}, {spec}"
+
+
+def test_every_cycle_reports_measured_and_predicted(checkpoints):
+    model, drafter = load(*checkpoints["mixtral"], cache_experts=2)
+    decoder = SpeculativeDecoder(model, drafter, make_policy("specfit"), COST, tree_top_k=3)
+    result = decoder.generate(prompts()[2], NEW_TOKENS, ignore_eos=True)
+    assert sum(c.committed_tokens for c in result.cycles) == NEW_TOKENS - 1 == sum(result.cycle_tokens)
+    for stats in result.cycles:
+        row = stats.row()
+        assert row["cycle_time_s"] == pytest.approx(row["draft_time_s"] + row["verify_time_s"])
+        assert 0 < row["target_time_s"] <= row["verify_time_s"]
+        assert row["drafter_time_s"] + row["search_time_s"] + row["predict_time_s"] <= row["draft_time_s"] + 1e-9
+        assert row["bytes_h2d"] == row["misses"] * model.offload.host.expert_bytes
+        assert 0 <= row["transfer_time_s"] <= row["target_time_s"]
+        assert (row["transfer_time_s"] > 0) == (row["misses"] > 0)
+        sel = stats.draft.selection
+        assert row["nodes_verified"] == sel.n_nodes and row["predicted_time_s"] == sel.time_s
+        assert row["predicted_tokens"] == pytest.approx(sel.expected_tokens)
+        assert row["nodes_drafted"] >= row["nodes_verified"] >= 1
+
+
+def test_drafter_state_after_acceptance_equals_a_fresh_run(checkpoints):
+    """After cycles that accepted several tokens, the drafter's cache holds exactly the entries
+    a from-scratch run over the committed sequence (with the target's features) would."""
+    model, drafter = load(*checkpoints["qwen3_moe"], cache_experts=8)
+    prompt = prompts()[1]
+    decoder = SpeculativeDecoder(model, drafter, make_policy("eagle3:16:4"), COST, tree_top_k=3)
+    result = decoder.generate(prompt, NEW_TOKENS, ignore_eos=True)
+    assert max(result.cycle_tokens) >= 3
+    live = decoder._sync_drafter()           # the pending accepted entries, as the next cycle would
+    sequence = prompt + result.output_ids
+    n = len(sequence)
+    model.setup_kv_cache(n)
+    features = model(sequence, np.arange(n), causal_mask(0, n)).hidden
+    fresh = drafter(features[: n - 1], torch.tensor(sequence[1:]), torch.arange(n - 1))
+    torch.testing.assert_close(live.logits[-1], fresh.logits[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_tree_verification_equals_linear_sequences_and_compaction_keeps_the_path(checkpoints):
+    """One pass over a tree (mask + per-node positions) gives every node the logits of its own
+    root-to-node path run as a plain sequence; after compaction of an accepted path, decoding
+    continues as if only that path had ever been run."""
+    model = load_model(checkpoints["olmoe"][0], cache_experts=3)
+    prefix = prompts()[2]
+    rng = np.random.default_rng(5)
+    parents = np.array([-1, 0, 0, 1, 1, 2, 3, 3])
+    tree = DraftTree(parents=parents, path_probs=0.5 ** np.r_[0, 1, 1, 2, 2, 2, 3, 3].astype(float),
+                     tokens=rng.integers(0, VOCAB, parents.size))
+    decoder = Decoder(model)
+    decoder._ensure_kv_slots(len(prefix) + 16)
+    decoder.prefill(prefix)
+    verification = decoder.verify(tree, np.arange(tree.n_nodes))
+
+    def linear(path, then=()):
+        sequence = prefix + tree.tokens[path].tolist() + list(then)
+        model.setup_kv_cache(len(sequence) + 4)
+        return model(sequence, np.arange(len(sequence)), causal_mask(0, len(sequence))).logits
+
+    for node in range(tree.n_nodes):
+        path = [node]
+        while parents[path[-1]] >= 0:
+            path.append(int(parents[path[-1]]))
+        torch.testing.assert_close(verification.logits[node], linear(path[::-1])[-1], rtol=1e-4, atol=1e-4)
+
+    # commit root -> 1 -> 3 with a chosen bonus token, then run one more token on the compacted cache
+    model.setup_kv_cache(len(prefix) + 16)
+    decoder.prefill(prefix)
+    verification = decoder.verify(tree, np.arange(tree.n_nodes))
+    decoder.keep_path(verification, np.array([0, 1, 3]))
+    bonus = 7
+    n = decoder.cache_len
+    after = model([bonus], [n], np.ones((1, n + 1), dtype=bool)).logits[-1]
+    torch.testing.assert_close(after, linear([0, 1, 3], then=[bonus])[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_router_predictor_routes_an_embedding_like_the_target_and_tells_siblings_apart(checkpoints):
+    model = load_model(checkpoints["qwen3_moe"][0], cache_experts=3)
+    predictor = RouterPredictor(model)
+    tokens = np.arange(12)
+    experts = predictor.predict(tokens)
+    assert experts.shape == (12, model.config.n_layers, model.config.top_k)
+    # by hand: RMSNorm of the embedding, each layer's post-attention norm, its router's top-k
+    x = model.embed_tokens.weight[torch.from_numpy(tokens)]
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps)
+    for layer, block in enumerate(model.layers):
+        logits = block.moe.gate(block.post_attention_layernorm.weight * x)
+        want = logits.topk(model.config.top_k, dim=-1).indices.numpy()
+        assert np.array_equal(np.sort(experts[:, layer], axis=1), np.sort(want, axis=1))
+    # siblings (different tokens, same parent context) get different expert sets somewhere
+    context = torch.randn(1, model.config.hidden_size).expand(12, -1)
+    with_context = predictor.predict(tokens, context)
+    assert len({e.tobytes() for e in np.sort(with_context, axis=2)}) > 1
+    assert not np.array_equal(np.sort(with_context, axis=2), np.sort(experts, axis=2))
