@@ -80,14 +80,15 @@ def decode(
         if json_lines:
             print(json.dumps(record_), flush=True)
 
-    columns = (TextColumn("decode"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    # loading and calibration messages live in the transient progress line: on error, stderr
+    # holds the one error line only
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
         with Progress(*columns, console=stderr, transient=True) as bar:
             task = bar.add_task("decode", total=None)
 
             def status(message: str) -> None:
-                if not json_lines:
-                    stderr.print(message)
+                bar.update(task, description=message)
 
             def tick() -> None:
                 bar.advance(task)

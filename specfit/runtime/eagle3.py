@@ -72,6 +72,16 @@ class Eagle3Config:
     def kv_groups(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
 
+    def check_target(self, vocab_size: int, hidden_size: int, source: str = "target") -> None:
+        """One clear error if this drafter was not built for a target of this shape (checked
+        before any weight is read)."""
+        if hidden_size != self.target_hidden_size:
+            raise SpecFitError(f"drafter: fc.weight expects 3 x target_hidden_size = 3 x {self.target_hidden_size} "
+                               f"features, but the {source} has hidden_size {hidden_size}")
+        if vocab_size != self.vocab_size:
+            raise SpecFitError(f"drafter: config key 'vocab_size' is {self.vocab_size}, but the {source} has "
+                               f"vocab_size {vocab_size}")
+
     @classmethod
     def from_file(cls, path: str | Path) -> "Eagle3Config":
         path = Path(path)
@@ -436,13 +446,7 @@ class Eagle3Drafter(nn.Module):
     # ------------------------------------------------------------------ target checks
     def check_target(self, vocab_size: int, hidden_size: int, source: str = "target") -> None:
         """One clear error if the drafter was not built for a target of this shape."""
-        c = self.config
-        if hidden_size != c.target_hidden_size:
-            raise SpecFitError(f"drafter: fc.weight expects 3 x target_hidden_size = 3 x {c.target_hidden_size} "
-                               f"features, but the {source} has hidden_size {hidden_size}")
-        if vocab_size != c.vocab_size:
-            raise SpecFitError(f"drafter: config key 'vocab_size' is {c.vocab_size}, but the {source} has "
-                               f"vocab_size {vocab_size}")
+        self.config.check_target(vocab_size, hidden_size, source)
 
     # ------------------------------------------------------------------ checkpoint I/O
     @classmethod

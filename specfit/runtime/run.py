@@ -170,6 +170,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     drafter_config = None
     if plan.drafter_dir is not None:
         drafter_config = Eagle3Config.from_file(Path(plan.drafter_dir) / "config.json")
+        drafter_config.check_target(config.vocab_size, config.hidden_size, source="target model")
         _check_feature_layers(drafter_config, config, plan.drafter_dir)
 
     say(f"loading {plan.model_dir}")
@@ -184,6 +185,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     recorder = _recorder(plan, model, drafter, profile) if plan.record is not None else None
     try:
         for policy in policies:
+            say(f"decode {policy.name}")
             # every policy starts from an empty expert cache; prompts then share it, as a server's would
             model.offload.reset()
             decoder = _decoder(plan, model, drafter, policy, profile.cost, calibrator,

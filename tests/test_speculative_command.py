@@ -1,0 +1,196 @@
+"""``specfit decode`` with a drafter: several policies, per-cycle output, traces that replay in the
+simulator, interrupted runs, refits, bad drafter checkpoints."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from runtime_fixtures import VOCAB, make_tiny_model
+from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
+from speculative_fixtures import make_drafter
+from specfit.calibrate.run import RUN_CYCLE_COLUMNS
+from specfit.cli import app
+from specfit.costmodel import CostModel
+from specfit.experts.cache import ExpertCache
+from specfit.policies import make_policy
+from specfit.runtime.run import DecodePlan, run_decode
+from specfit.simulate.replay import prepare, replay
+from specfit.traces.format import read_trace
+
+runner = CliRunner()
+NEW_TOKENS = 12
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6], [50, 60, 70, 80, 90, 11, 12]]
+
+
+@pytest.fixture(autouse=True)
+def in_tmp_dir(tmp_path, monkeypatch):
+    """Without --profile, decode calibrates this machine into ./calibrate/: keep that out of the repo."""
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("decode_command")
+    model_dir = make_tiny_model("qwen3_moe", root / "model", seed=7)
+    drafter_dir = make_drafter(model_dir, root / "drafter", hidden_size=256, fit_prompts=PROMPTS, new_tokens=NEW_TOKENS)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    return model_dir, drafter_dir, prompts
+
+
+def decode(checkpoint, *args):
+    model_dir, drafter_dir, prompts = checkpoint
+    argv = ["decode", "--model", str(model_dir), "--drafter", str(drafter_dir), "--prompts", str(prompts),
+            "--cache-experts", "3", "--device", "cpu", "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", *args]
+    return runner.invoke(app, argv)
+
+
+def test_several_policies_decode_identically_and_write_measured_vs_predicted(checkpoint, tmp_path):
+    out = tmp_path / "run"
+    result = decode(checkpoint, "--policies", "ar,eagle3:12:4,specfit", "--profile", "pcie4", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "greedy outputs identical across policies: yes" in result.stdout
+    assert "pcie4" in result.stdout
+
+    records = [json.loads(line) for line in (out / "decode.jsonl").read_text().splitlines()]
+    assert [(r["policy"], r["index"]) for r in records] == [(p, i) for p in ("ar", "eagle3:12:4", "specfit") for i in range(3)]
+    cycles = pd.read_parquet(out / "cycles.parquet")
+    for column in (*RUN_CYCLE_COLUMNS, "policy", "prompt", "cycle", "predicted_time_s", "draft_time_s",
+                   "verify_time_s", "transfer_time_s", "bytes_h2d", "nodes_drafted", "predicted_tokens",
+                   "committed_tokens", "predicted_hits", "predicted_misses"):
+        assert column in cycles.columns, column
+    per_prompt = cycles.groupby(["policy", "prompt"])["committed_tokens"].sum()
+    assert (per_prompt == NEW_TOKENS - 1).all()
+    assert cycles.groupby("policy")["cycle"].count()["ar"] == 3 * (NEW_TOKENS - 1)
+    eagle = cycles[cycles.policy == "eagle3:12:4"]
+    assert eagle["committed_tokens"].mean() > 1.5 and (eagle["draft_levels"] == 4).mean() > 0.5
+    assert np.all(cycles["predicted_time_s"] > 0)
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["policy"] for s in summary] == ["ar", "eagle3:12:4", "specfit"]
+    assert summary[1]["tokens_per_cycle"] == pytest.approx(eagle["committed_tokens"].mean())
+
+    # the refit reads these cycles
+    refit = runner.invoke(app, ["calibrate", "--refit", str(out), "--profile", "pcie4", "--out", str(tmp_path / "refit.json"),
+                                "--json"])
+    assert refit.exit_code == 0, refit.output
+    assert json.loads(refit.stdout)["comparison"]["n_cycles"] == len(cycles)
+
+
+def test_without_profile_a_quick_calibration_is_saved_and_named(checkpoint, tmp_path):
+    result = decode(checkpoint, "--policy", "chain:2")
+    assert result.exit_code == 0, result.output
+    saved = list((tmp_path / "calibrate").glob("*.json"))
+    assert len(saved) == 1 and f"profile: calibrate/{saved[0].name}" in result.stdout.replace("\n", "")
+    again = decode(checkpoint, "--policy", "chain:2")      # found this time, not re-measured
+    assert again.exit_code == 0 and "quick calibration" not in again.output
+
+
+def test_full_trace_replays_in_the_simulator_to_the_same_tokens(checkpoint, tmp_path):
+    trace_path = tmp_path / "full.parquet"
+    result = decode(checkpoint, "--policy", "ar", "--record", str(trace_path), "--record-full", "--max-levels", "3",
+                    "--profile", "pcie4", "--json")
+    assert result.exit_code == 0, result.output
+    outputs = [json.loads(line)["output_ids"] for line in result.stdout.splitlines()]
+    trace = read_trace(trace_path)                     # validated: position-indexed, every node verified
+    assert trace.position_indexed and trace.n_cycles == 3 * (NEW_TOKENS - 1)
+    assert trace.tree_sizes.max() == 1 + 4 + 2 * 16 and (trace.verified.all())
+    prep = prepare("full", trace, trace.predicted_experts)
+    for seq, output in enumerate(outputs):
+        assert prep.reference[seq].tolist() == output[1:]
+    for spec in ("ar", "chain:3", "eagle3:12:3", "specfit", "oracle"):
+        cache = ExpertCache(trace.n_layers, trace.n_experts, 3, expert_bytes=trace.expert_bytes)
+        log = replay(prep, make_policy(spec, max_levels=3), cache, CostModel(2e-3, 5e-5, 2e-5, 2e-4, 3e-4))
+        assert [c.tolist() for c in log.committed] == [o[1:] for o in outputs], spec
+        if spec == "eagle3:12:3":
+            assert log.columns["committed_tokens"].mean() > 1.5
+
+
+def test_live_trace_records_the_policys_cycles(checkpoint, tmp_path):
+    trace_path = tmp_path / "live.parquet"
+    out = tmp_path / "run"
+    result = decode(checkpoint, "--policy", "eagle3:12:4", "--record", str(trace_path), "--profile", "pcie5", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    trace = read_trace(trace_path)
+    cycles = pd.read_parquet(out / "cycles.parquet")
+    assert trace.n_cycles == len(cycles) and not trace.position_indexed
+    assert np.array_equal(trace.tree_sizes, cycles["nodes_drafted"])
+    verified = np.add.reduceat(trace.verified, trace.offsets[:-1])
+    assert np.array_equal(verified, cycles["nodes_verified"])
+    assert trace.verdict_known.sum() == trace.verified.sum() == trace.true_known.sum()
+    np.testing.assert_allclose(trace.measured["measured_time_s"], cycles["cycle_time_s"])
+    assert trace.meta["recording"]["policy"] == "eagle3:12:4"
+
+
+def test_an_interrupted_run_keeps_every_completed_cycle(checkpoint, tmp_path):
+    model_dir, drafter_dir, prompts = checkpoint
+    out = tmp_path / "run"
+    plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["ar", "specfit"],
+                      drafter_dir=drafter_dir, profile="pcie4", max_new_tokens=NEW_TOKENS, device="cpu", out_dir=out,
+                      ignore_eos=True)
+    seen = []
+
+    def stop_after_two(record):
+        seen.append(record)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_decode(plan, on_record=stop_after_two)
+    cycles = pd.read_parquet(out / "cycles.parquet")
+    assert sorted(set(cycles["prompt"])) == [0, 1] and len(cycles) == 2 * (NEW_TOKENS - 1)
+    assert len((out / "decode.jsonl").read_text().splitlines()) == 2
+    assert not [p for p in out.iterdir() if p.name.startswith(".")]      # no temporary file left
+
+
+# --------------------------------------------------------------------------- bad input
+def _corrupt(drafter_dir, tmp_path, change):
+    bad = tmp_path / "bad_drafter"
+    bad.mkdir()
+    tensors = load_file(drafter_dir / "model.safetensors")
+    config = json.loads((drafter_dir / "config.json").read_text())
+    change(tensors, config)
+    save_file(tensors, str(bad / "model.safetensors"))
+    (bad / "config.json").write_text(json.dumps(config))
+    return bad
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t, c: c.update(vocab_size=VOCAB + 4), "'vocab_size' is 100, but the target model has vocab_size 96"),
+    (lambda t, c: t.update(d2t=t["d2t"] + VOCAB), "outside the target vocabulary"),
+    (lambda t, c: t.update(t2d=torch.zeros(VOCAB, dtype=torch.bool)), "disagree"),
+    (lambda t, c: (c.update(target_hidden_size=32), t.update({"fc.weight": torch.zeros(256, 96)})),
+     "3 x target_hidden_size = 3 x 32 features, but the target model has hidden_size 64"),
+    (lambda t, c: t.update({"fc.weight": torch.zeros(256, 96)}), "built for a target with hidden size 32"),
+    (lambda t, c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 5]), "but the target has 2 layers"),
+])
+def test_bad_drafter_checkpoint_is_one_clear_error(checkpoint, tmp_path, change, message):
+    model_dir, drafter_dir, prompts = checkpoint
+    bad = _corrupt(drafter_dir, tmp_path, change)
+    result = runner.invoke(app, ["decode", "--model", str(model_dir), "--drafter", str(bad), "--prompts", str(prompts),
+                                 "--cache-experts", "2", "--policy", "eagle3", "--profile", "pcie4"])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr.replace("\n", " ")
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--policy", "specfit", "--temperature", "0.5", "--record", "t.parquet"], "--record: traces describe greedy"),
+    (["--policies", "ar,specfit", "--record", "t.parquet"], "--record: records the cycles of one policy"),
+    (["--record-full"], "--record-full: pass --record TRACE"),
+    (["--policies", "ar,ar"], "names a policy twice"),
+    (["--temperature", "-1"], "--temperature: expected a non-negative number"),
+    (["--tree-top-k", "0"], "--tree-top-k: expected at least 1"),
+    (["--profile", "nowhere.json"], "nowhere.json: no such profile file"),
+])
+def test_bad_options_are_one_clear_error(checkpoint, args, message):
+    result = decode(checkpoint, *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
