@@ -21,6 +21,8 @@ position-indexed trace the root of the previous position (:func:`last_known_expe
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 
 from ..errors import SpecFitError
@@ -48,16 +50,17 @@ def _selected_rows(trace, cycles) -> tuple[np.ndarray, np.ndarray]:
     return cycles, rows
 
 
-class ExpertPredictor:
-    """Base class: ``fit`` does nothing, ``predict`` must be overridden."""
+class ExpertPredictor(ABC):
+    """Base class: ``fit`` does nothing, ``predict`` is each predictor's own."""
 
     name = "predictor"
 
     def fit(self, trace, cycles=None) -> "ExpertPredictor":
         return self
 
+    @abstractmethod
     def predict(self, trace, cycles=None) -> np.ndarray:
-        raise NotImplementedError
+        """int16 [nodes of ``cycles``, layers, top_k] predicted experts."""
 
     def get_params(self) -> dict:
         return {}
