@@ -30,6 +30,7 @@ import argparse
 import json
 import math
 import os
+import platform
 import random
 import shutil
 import sys
@@ -119,7 +120,9 @@ def replace_dir(built: Path, destination: Path) -> None:
 
 def staging_dir(destination: Path) -> Path:
     destination.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
+    path = Path(tempfile.mkdtemp(prefix=f".{destination.name}.", dir=destination.parent))
+    path.chmod(0o755)   # mkdtemp makes it private; the assets are ordinary package files
+    return path
 
 
 def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
@@ -392,12 +395,17 @@ def train_drafter(recipe: Recipe, work_dir: Path) -> None:
 
 # ----------------------------------------------------------------- stage 3: measure + install
 def report(recipe: Recipe, work_dir: Path, assets_dir: Path, timings_min: dict[str, float]) -> None:
+    import tokenizers
+    import transformers
+
     from specfit.assets import quality
 
     target_dir, drafter_dir = work_dir / "target", work_dir / "drafter"
     measurements = quality.measure(target_dir, drafter_dir, recipe.seed, recipe.math_train_problems,
                                    recipe.math_eval_problems, log=log)
     measurements["training_minutes"] = timings_min
+    measurements["built_with"] = {"python": platform.python_version(), "torch": torch.__version__,
+                                  "transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
     measurements["recipe"] = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(recipe).items()}
 
     for name, source in (("tiny-moe", target_dir), ("tiny-moe-eagle3", drafter_dir)):

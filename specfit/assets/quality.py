@@ -112,6 +112,20 @@ def acceptance(model: TinyModel, prompt_ids: list[int], continuation: list[int],
     return per_cycle
 
 
+def bundled_prompt_acceptance(model: TinyModel, shape: DraftShape = CHAIN,
+                              new_tokens: int = NEW_TOKENS) -> dict[str, float]:
+    """Mean accepted length per workload on the demo prompts (``prompts.jsonl``)."""
+    from . import demo_prompts_path
+
+    cycles: dict[str, list[int]] = {}
+    for line in demo_prompts_path().read_text().splitlines():
+        record = json.loads(line)
+        prompt = model.encode(record["prompt"])
+        continuation = model.greedy(prompt, new_tokens)
+        cycles.setdefault(record["workload"], []).extend(acceptance(model, prompt, continuation, shape))
+    return {workload: round(float(np.mean(n)), 3) for workload, n in cycles.items()}
+
+
 # ----------------------------------------------------------------- routing
 def routing_stats(expert_ids: np.ndarray, n_experts: int) -> dict:
     """Per-layer routing statistics of consecutive tokens ``expert_ids`` [T, L, k].
@@ -187,6 +201,8 @@ def measure(target_dir, drafter_dir, seed: int, n_train_math: int, n_eval_math: 
             correct = sum(f"The answer is {answer}" in model.tokenizer.decode(cont)
                           for answer, cont in zip(answers, continuations))
             entry["greedy_answers_correct"] = f"{correct}/{len(answers)}"
+    results["bundled_prompts"] = {shape.name: bundled_prompt_acceptance(model, shape) for shape in (CHAIN, TREE)}
+    log(f"bundled prompts: {results['bundled_prompts']}")
     config = model.target.config
     results["sizes_bytes"] = {name: sum(p.stat().st_size for p in Path(d).iterdir())
                               for name, d in (("target", target_dir), ("drafter", drafter_dir))}
@@ -262,6 +278,10 @@ def model_card(m: dict, assets_dir: Path) -> str:
         lines.append(f"| {name} | " + " | ".join(f"{a['mean_accepted_length']:.2f}" for a in entry["acceptance"].values()) + " |")
     lines += [
         "",
+        "On the 8 demo prompts (`prompts.jsonl`, also held out), mean accepted length: "
+        + "; ".join(f"{shape}: " + ", ".join(f"{w_} {v:.2f}" for w_, v in per.items())
+                    for shape, per in m["bundled_prompts"].items()) + ".",
+        "",
         "## Routing (held-out text, per layer)",
         "",
         "| workload | popularity entropy (bits) | max expert share | consecutive-token reuse |",
@@ -283,7 +303,9 @@ def model_card(m: dict, assets_dir: Path) -> str:
         "    nice -n 10 python scripts/train_tiny.py --threads 1 2>&1 | tee build/train_tiny.log",
         "",
         f"Deterministic for a seed (`--seed`, default {r['seed']}), Python and torch version; the docs text "
-        "follows the running Python's documentation. Training time on 2 shared CPU cores: "
+        "follows the running Python's documentation. Built with "
+        + ", ".join(f"{k} {v}" for k, v in m["built_with"].items())
+        + ". Training time on 2 shared CPU cores: "
         + ", ".join(f"{k} {v} min" for k, v in m["training_minutes"].items())
         + ". All numbers above are in `measurements.json`.",
         "",
