@@ -142,7 +142,8 @@ class RerankPolicy(Policy):
 
 
 class SpecFitPolicy(Policy):
-    """Exact max-throughput subtree after every level; stop when a level does not pay for itself."""
+    """Exact max-throughput subtree after every level; keep drafting while a level pays for itself
+    or a one-level look-ahead says the next one could."""
 
     name = "specfit"
 
@@ -178,7 +179,31 @@ class SpecFitPolicy(Policy):
             # cycle time T0 is not above c no tree, however wide or deep, beats the root alone.
             return root.time_s > view.cost.per_node_s + self.draft_node_s
         current = self._search(view)
-        return should_continue(self._previous, current)
+        return should_continue(self._previous, current) or self._next_level_may_pay(view, current)
+
+    def _next_level_may_pay(self, view: CycleView, current: Selection) -> bool:
+        """A level can fail to pay while the one after it would (a long accepted chain whose first
+        steps alone do not cover their draft cost). Look one virtual level ahead: each node of the
+        newest level gets a child with its path probability times the conditional probability of
+        the level's most probable node, routed to its parent's experts (no new expert: optimistic on cost), and
+        drafting goes on when the best subtree with it, charged one more level, beats the current."""
+        tree, d = view.tree, view.draft_levels
+        frontier = tree.level(d)
+        if frontier.size == 0:
+            return False
+        # the conditional probability of the level's most probable node: the drafter's confidence
+        # one step further along the branch most worth extending
+        top = frontier[np.argmax(tree.path_probs[frontier])]
+        parent_p = tree.path_probs[tree.parents[top]]
+        q = min(float(tree.path_probs[top] / parent_p), 1.0) if parent_p > 0 else 0.0
+        if q <= 0:
+            return False
+        virtual = DraftTree(parents=np.concatenate([tree.parents, frontier]),
+                            path_probs=np.concatenate([tree.path_probs, tree.path_probs[frontier] * q]))
+        experts = np.concatenate([view.experts, view.experts[frontier]])
+        ahead = best_subtree(virtual, experts, view.cached, view.cost, d + 1, start=current.nodes,
+                             draft_node_s=self.draft_node_s)
+        return should_continue(current, ahead)
 
     def select(self, view: CycleView) -> Selection:
         # the whole drafted tree with the levels actually spent: no earlier subtree is missed

@@ -102,13 +102,28 @@ def test_specfit_stops_after_the_first_level_that_does_not_pay():
 
 
 def test_specfit_stops_at_level_one_when_drafting_is_dear():
-    cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.0, miss_s=1.0, draft_level_s=2.0)
-    # no drafting: 1/5.1 = .1961; 1 level: {0,1,2} = 1.95/(2+1+0.3+8) = .1726 -> worse, stop;
-    # the level is spent, so the search picks the best subtree with it: {0,1,2} over {0} = 1/7.1
+    cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.0, miss_s=1.0, draft_level_s=10.0)
+    # no drafting: 1/5.1 = .1961; 1 level: {0,1,2} = 1.95/(10+1+0.3+8) = .1010 -> worse.
+    # look-ahead: children of 1 and 2 at the level's best ratio .8 (p .64, .12) with their
+    # parents' experts: 2.71/(20+1+0.5+8) = .0919 -> no better, so drafting stops; the level is
+    # spent, so the search picks the best subtree with it: {0,1,2} over {0} = 1/(10+5.1)
     sel = choose(SpecFitPolicy(max_levels=8), view(costly_leaf_experts(), cost))
     assert sel.draft_levels == 1
     assert sel.nodes.tolist() == [0, 1, 2]
-    assert sel.throughput == pytest.approx(1.95 / 11.3)
+    assert sel.throughput == pytest.approx(1.95 / 19.3)
+
+
+def test_specfit_looks_one_level_ahead_before_stopping():
+    cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.0, miss_s=1.0, draft_level_s=2.0)
+    # 1 level: {0,1,2} = 1.95/11.3 = .1726 < 1/5.1 = .1961, but the virtual level (p .64 under 1,
+    # .12 under 2, no new experts) gives 2.71/13.5 = .2007 > .1726: draft on.
+    # 2 levels: {0,1,2,3,4} = 2.65/13.5 = .1963 > .1726: draft on.
+    # 3 levels: node 5 needs 4 new experts; best {0,1,2,3,4} = 2.65/15.5 = .1710 < .1963, and the
+    # virtual level under 5 (p .15) cannot pay for them: stop, verify {0,1,2,3,4} with 3 levels.
+    sel = choose(SpecFitPolicy(max_levels=8), view(costly_leaf_experts(), cost))
+    assert sel.draft_levels == 3
+    assert sel.nodes.tolist() == [0, 1, 2, 3, 4]
+    assert sel.throughput == pytest.approx(2.65 / 15.5)
 
 
 def test_oracle_verifies_the_best_prefix_of_the_accepted_path():

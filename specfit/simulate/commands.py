@@ -83,17 +83,14 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     from ..calibrate.presets import resolve_profile
     from ..calibrate.profile import ModelShape
     from ..experts.cache import EVICTION_POLICIES
-    from ..experts.calibration import cross_calibrate
-    from ..experts.predictors import PREDICTORS, cross_predict
+    from ..experts.predictors import PREDICTORS
     from ..traces.format import read_trace
-    from .replay import prepare
+    from .replay import prepare_trace
     from .sweep import Scenario, check_policies, run_sweep
     from .whatif import apply_overrides, parse_overrides, scale_h2d
 
     if predictor not in PREDICTORS:
         raise SpecFitError(f"--predictor: expected one of {sorted(PREDICTORS)}, got {predictor!r}")
-    if acceptance not in ("calibrated", "raw"):
-        raise SpecFitError(f"--acceptance: expected calibrated or raw, got {acceptance!r}")
     if cache_mode not in ("per_layer", "global"):
         raise SpecFitError(f"--cache-mode: expected per_layer or global, got {cache_mode!r}")
     if cache_policy not in EVICTION_POLICIES:
@@ -106,9 +103,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     for path, name in zip(trace_paths, names):
         trace = read_trace(path)
         with console.status(f"preparing {path} ...") if not quiet else _nothing():
-            probs = cross_calibrate(trace) if acceptance == "calibrated" else None
-            predicted = cross_predict(predictor, trace)
-            prepared.append(prepare(name, trace, predicted, probs, predictor=predictor))
+            prepared.append(prepare_trace(name, trace, predictor, acceptance))
         model = trace.model
         shape = ModelShape(model["name"], model["n_layers"], model["n_experts"], model["top_k"], model["expert_bytes"])
         scenarios[name] = []

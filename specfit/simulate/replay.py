@@ -27,7 +27,7 @@ from ..policies import CycleView, Policy, choose
 from ..traces.format import Trace
 from ..tree import DraftTree
 
-__all__ = ["PreparedTrace", "prepare", "replay", "CycleLog", "CYCLE_COLUMNS"]
+__all__ = ["PreparedTrace", "prepare", "prepare_trace", "replay", "CycleLog", "CYCLE_COLUMNS"]
 
 
 @dataclass
@@ -100,6 +100,20 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
                          predicted_items=[(e + layer_base).reshape(e.shape[0], -1) if e is not t else ti
                                           for e, t, ti in zip(pred, true, true_items)],
                          first_cycles=first, info=info)
+
+
+def prepare_trace(name: str, trace: Trace, predictor: str = "oracle", acceptance: str = "calibrated") -> PreparedTrace:
+    """:func:`prepare` with the experts of ``predictor`` and, for ``acceptance="calibrated"``, path
+    probabilities from the acceptance calibrator (both fitted on the other sequences only)."""
+    from ..experts.calibration import cross_calibrate
+    from ..experts.predictors import PREDICTORS, cross_predict
+
+    if predictor not in PREDICTORS:
+        raise SpecFitError(f"--predictor: expected one of {sorted(PREDICTORS)}, got {predictor!r}")
+    if acceptance not in ("calibrated", "raw"):
+        raise SpecFitError(f"--acceptance: expected calibrated or raw, got {acceptance!r}")
+    probs = cross_calibrate(trace) if acceptance == "calibrated" else None
+    return prepare(name, trace, cross_predict(predictor, trace), probs, predictor=predictor)
 
 
 def _slot_precision(predicted: list[np.ndarray], true: list[np.ndarray]) -> float:
