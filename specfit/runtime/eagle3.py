@@ -684,6 +684,10 @@ class DynamicTree:
         """The best ``max_nodes`` nodes drafted so far (root included; all by default)."""
         n = len(self.tokens)
         keep = n if max_nodes is None else max(1, min(max_nodes, n))
+        if keep == n:
+            # every node, in creation (level) order: called after each level while drafting
+            return DraftTree(parents=np.array(self.parents, dtype=np.int64), path_probs=np.exp(self.log_probs),
+                             tokens=np.array(self.tokens, dtype=np.int64))
         # best cumulative log-prob first; ties keep creation order, so parents precede children
         best = sorted(range(1, n), key=lambda v: (-self.log_probs[v], v))[: keep - 1]
         nodes = np.array(sorted([0] + best), dtype=np.int64)

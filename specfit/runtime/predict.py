@@ -49,8 +49,9 @@ class RouterPredictor:
             raise ValueError(f"context_weight: expected >= 0, got {context_weight}")
         self.context_weight = float(context_weight)
         self.embed = model.embed_tokens.weight
-        self.norm_weight = torch.stack([layer.post_attention_layernorm.weight for layer in model.layers]).float()
-        self.gate_weight = torch.stack([layer.moe.gate.weight for layer in model.layers]).float()   # [L, E, H]
+        # each layer's RMSNorm weight folded into its router: logits = rms(x) @ (gate * norm).T
+        self.router_weight = torch.stack([layer.moe.gate.weight.float() * layer.post_attention_layernorm.weight.float()
+                                          for layer in model.layers])                          # [L, E, H]
         self.eps = model.config.rms_norm_eps
         self.top_k = model.config.top_k
         self.hidden_size = model.config.hidden_size
@@ -66,8 +67,7 @@ class RouterPredictor:
             scale = self.context_weight * x.norm(dim=-1, keepdim=True) / c.norm(dim=-1, keepdim=True).clamp_min(1e-12)
             x = x + scale * c
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)       # RMSNorm, as the layers do
-        normed = x[None, :, :] * self.norm_weight[:, None, :]                   # [L, n, H]
-        logits = torch.bmm(normed, self.gate_weight.transpose(1, 2))           # [L, n, E]
+        logits = torch.matmul(x, self.router_weight.transpose(1, 2))           # [L, n, E]
         # softmax is monotone: the top-k of the logits are the router's top-k
         experts = logits.topk(self.top_k, dim=-1).indices.permute(1, 0, 2)     # [n, L, k]
         return experts.cpu().numpy().astype(np.int64)
