@@ -54,7 +54,7 @@ def whatif_scenarios(trace, presets=("pcie4", "pcie5", "gh200")):
         cost = preset_profile(name, QWEN3_30B_A3B).cost
         cost = cost.replace(base_s=cost.base_s * layer_share, per_node_s=cost.per_node_s * layer_share,
                             draft_level_s=cost.draft_level_s * layer_share)
-        scenarios.append(Scenario(f"{name} @ qwen3-30b-a3b experts", cost))
+        scenarios.append(Scenario(f"{name}-qwen3", cost))
     return scenarios
 
 

@@ -1,0 +1,61 @@
+"""End to end on the bundled tiny MoE: the demo, and calibrate -> decode -> refit."""
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from specfit.assets import demo_prompts_path, tiny_moe_dir, tiny_moe_eagle3_dir
+from specfit.cli import app
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    # torch's two threads stall each other on a shared 2-core machine
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def run(*args):
+    result = CliRunner().invoke(app, [str(a) for a in args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_demo_quick_writes_the_report_with_identical_outputs(tmp_path):
+    output = run("demo", "--quick", "--out", tmp_path)
+    assert "greedy outputs identical across policies: yes" in output
+    index = tmp_path / "index.html"
+    text = index.read_text()
+    for section in ("Live decoding", "Simulation", "Calibration", "Early stopping"):
+        assert section in text
+    cycles = pd.read_parquet(tmp_path / "decode" / "cycles.parquet")
+    assert set(cycles["policy"]) == {"ar", "eagle3", "specfit"}
+    summary = pd.read_parquet(tmp_path / "simulate" / "summary.parquet")
+    assert {"pcie4-qwen3", "pcie5-qwen3", "gh200-qwen3"} <= set(summary["profile"])
+    # the recorded full trace replays to the decoded output: oracle commits the accepted path
+    assert (summary.loc[summary["policy"] == "oracle", "tokens"] == summary.loc[summary["policy"] == "ar", "tokens"].iloc[0]).all()
+
+
+def test_calibrate_decode_refit_loop(tmp_path):
+    profile = tmp_path / "profile.json"
+    run("calibrate", "--model", tiny_moe_dir(), "--drafter", tiny_moe_eagle3_dir(), "--quick", "--out", profile)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(demo_prompts_path().read_text().splitlines()[:3]) + "\n")
+    decoded = tmp_path / "run"
+    run("decode", "--model", tiny_moe_dir(), "--drafter", tiny_moe_eagle3_dir(), "--policies", "ar,specfit",
+        "--profile", profile, "--cache-experts", 8, "--prompts", prompts, "--max-new-tokens", 24, "--out", decoded)
+    cycles = pd.read_parquet(decoded / "cycles.parquet")
+    assert len(cycles) >= 20
+    output = run("calibrate", "--refit", decoded, "--profile", profile, "--out", tmp_path / "refit.json", "--json")
+    comparison = json.loads(output)["comparison"]
+    print(f"held-out cycle-time MAPE: before refit {comparison['before']['mape']:.1%}, "
+          f"after {comparison['after']['mape']:.1%} over {comparison['n_holdout']} cycles")
+    assert comparison["n_holdout"] >= 5
+    assert comparison["after"]["mape"] < 0.25
+    refit = json.loads((tmp_path / "refit.json").read_text())
+    assert refit["kind"] == "refit" and refit["fit"]["refit"]["after"]["mape"] == comparison["after"]["mape"]
