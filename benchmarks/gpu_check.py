@@ -26,7 +26,6 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table

@@ -241,7 +241,8 @@ class Decoder:
         out = self.model(prompt_ids, np.arange(n), causal_mask(0, n), logits_rows=[n - 1])
         self.cache_len = n
         if self.temperature > 0:
-            return int(self.rng.choice(self.model.config.vocab_size, p=_normalised(target_probs(out.logits[-1], self.temperature)))), out
+            p = target_probs(out.logits[-1], self.temperature)
+            return int(self.rng.choice(p.size, p=p / p.sum())), out
         return int(out.logits[-1].argmax()), out
 
     # ------------------------------------------------------------------ one cycle
@@ -308,10 +309,6 @@ class Decoder:
     def _ensure_kv_slots(self, n_slots: int) -> None:
         if self.model.max_seq_len < n_slots:
             self.model.setup_kv_cache(n_slots)
-
-
-def _normalised(p: np.ndarray) -> np.ndarray:
-    return p / p.sum()
 
 
 def _now(device: torch.device) -> float:

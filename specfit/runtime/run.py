@@ -71,6 +71,10 @@ class DecodePlan:
                 policies.append(make_policy(spec, max_levels=self.max_levels))
             except ValueError as exc:
                 raise SpecFitError(f"--policy: {exc}") from None
+        for p in policies:
+            if p.needs_truth:
+                raise SpecFitError(f"--policy {p.name}: knows the target's verdicts in advance, which only a recorded "
+                                   f"trace can offer; use it with `specfit simulate`")
         drafting = [p.name for p in policies if p.max_levels > 0]
         if (drafting or self.record_full) and self.drafter_dir is None:
             raise SpecFitError(f"--policy {(drafting or ['(--record-full)'])[0]}: needs a drafter (--drafter DIR, an "

@@ -35,7 +35,7 @@ from .eagle3 import DynamicTree, Eagle3Drafter, Eagle3Session
 from .model import MoETransformer
 from .predict import RouterPredictor
 
-__all__ = ["SpeculativeDecoder", "FullTreeDecoder", "check_drafter"]
+__all__ = ["SpeculativeDecoder", "FullTreeDecoder", "check_drafter", "tree_capacity"]
 
 
 def check_drafter(model: MoETransformer, drafter: Eagle3Drafter, source: str = "drafter") -> None:
@@ -47,6 +47,12 @@ def check_drafter(model: MoETransformer, drafter: Eagle3Drafter, source: str = "
         raise SpecFitError(f"{source}: config key 'eagle_aux_hidden_state_layer_ids' is {list(aux)}, but the target "
                            f"captures the inputs of layers {list(model.capture_layers)}; load the target with the "
                            f"drafter's feature layers")
+
+
+def tree_capacity(top_k: int, levels: int) -> int:
+    """Nodes of a dynamic tree after ``levels`` levels, root included: ``top_k`` children of the
+    root, then ``top_k`` children of each of the ``top_k`` expanded nodes per level."""
+    return 1 + (top_k + (levels - 1) * top_k * top_k if levels > 0 else 0)
 
 
 class SpeculativeDecoder(Decoder):
@@ -92,13 +98,8 @@ class SpeculativeDecoder(Decoder):
         self._prompt_len = 0
         self._cycle: tuple[CycleView, DynamicTree | None, DraftInfo] | None = None
 
-    # ------------------------------------------------------------------ sizes
-    def _max_tree_nodes(self, levels: int | None = None) -> int:
-        k, levels = self.tree_top_k, self.policy.max_levels if levels is None else levels
-        return 1 + (k + (levels - 1) * k * k if levels > 0 else 0)
-
     def extra_kv_slots(self) -> int:
-        return self._max_tree_nodes() - 1
+        return tree_capacity(self.tree_top_k, self.policy.max_levels) - 1
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_ids, max_new_tokens: int, ignore_eos: bool = False, on_cycle=None):
@@ -251,9 +252,8 @@ class FullTreeDecoder(SpeculativeDecoder):
     def __init__(self, model: MoETransformer, drafter: Eagle3Drafter, cost: CostModel, max_levels: int,
                  predictor: RouterPredictor | None = None, eos_token_ids=(), tree_top_k: int = 4,
                  recorder=None):
-        k = int(tree_top_k)
         # "verify everything": the rerank policy keeping as many nodes as the tree can have
-        policy = RerankPolicy(1 + (k + (max_levels - 1) * k * k if max_levels > 0 else 0), max_levels, name="full")
+        policy = RerankPolicy(tree_capacity(tree_top_k, max_levels), max_levels, name="full")
         super().__init__(model, drafter, policy, cost, predictor=predictor, eos_token_ids=eos_token_ids,
                          tree_top_k=tree_top_k, recorder=recorder)
 
