@@ -14,7 +14,6 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -117,7 +116,8 @@ def run_demo(plan: DemoPlan, say=print, progress=None) -> dict:
     trace = read_trace(trace_path)
     # the live decoder's own expert predictions, as the policies saw them, when it recorded them
     predictor = "recorded" if trace.predicted_experts is not None else "oracle"
-    prepared = prepare_trace("demo trace", trace, predictor=predictor, acceptance="raw")
+    # acceptance probabilities calibrated on the other prompts' cycles (never on the cycle itself)
+    prepared = prepare_trace("demo trace", trace, predictor=predictor, acceptance="calibrated")
     caches = (0, trace.n_experts // 2) if plan.quick else (0, trace.n_experts // 4, trace.n_experts // 2)
     cycles, summary = run_sweep([prepared], list(SIM_POLICIES), list(caches), whatif_scenarios(trace),
                                 progress=lambda what: step())
@@ -145,7 +145,8 @@ def demo_command(
     quick: bool = typer.Option(False, "--quick", help="Fewer prompts and tokens, smaller probe grids (CI)."),
     cache_experts: int = typer.Option(8, "--cache-experts", help="Device expert slots per layer (the model has 16)."),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens"),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)."),
+    threads: int = typer.Option(1, "--threads", help="torch CPU threads; the tiny model's matrices are too small "
+                                "for intra-op threads to pay, and extra threads stall on a busy machine."),
 ) -> None:
     """Calibrate, decode with ar / eagle3 / specfit, simulate what-ifs and write one HTML report."""
     import torch

@@ -445,13 +445,17 @@ def greedy_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_leve
     return best
 
 
-def uncertainty_price_s(cost: CostModel, n_layers: int, top_k: int, precision: float) -> float:
+def uncertainty_price_s(cost: CostModel, n_layers: int, top_k: int, precision: float,
+                        resident_share: float = 0.0) -> float:
     """Expected extra seconds per draft node when a share ``1 - precision`` of its predicted
-    experts is wrong: each wrong slot's true expert is taken to be a miss the search did not see,
-    while the wrong prediction it replaces was priced at least as a hit."""
+    experts is wrong: each wrong slot's true expert is a miss the search did not see unless it is
+    resident (probability ``resident_share``, e.g. the cache's share of each layer), while the
+    wrong prediction it replaces was priced at least as a hit."""
     if not 0.0 <= precision <= 1.0:
         raise ValueError(f"precision: expected a share in [0, 1], got {precision!r}")
-    return (1.0 - precision) * n_layers * top_k * max(cost.miss_s - cost.hit_s, 0.0)
+    if not 0.0 <= resident_share <= 1.0:
+        raise ValueError(f"resident_share: expected a share in [0, 1], got {resident_share!r}")
+    return (1.0 - precision) * n_layers * top_k * (1.0 - resident_share) * max(cost.miss_s - cost.hit_s, 0.0)
 
 
 def should_continue(previous: Selection | None, current: Selection) -> bool:

@@ -58,6 +58,10 @@ def test_uncertainty_price():
     cost = CostModel(base_s=1e-3, per_node_s=1e-5, hit_s=1e-5, miss_s=2e-4)
     assert uncertainty_price_s(cost, n_layers=48, top_k=8, precision=1.0) == 0.0
     assert uncertainty_price_s(cost, n_layers=48, top_k=8, precision=0.75) == pytest.approx(0.25 * 48 * 8 * 1.9e-4)
+    # half of each layer resident: half of the wrong slots' experts are expected to be misses
+    assert uncertainty_price_s(cost, 48, 8, 0.75, resident_share=0.5) == pytest.approx(0.25 * 48 * 8 * 0.5 * 1.9e-4)
+    with pytest.raises(ValueError, match="resident_share"):
+        uncertainty_price_s(cost, 48, 8, 0.75, resident_share=2.0)
     with pytest.raises(ValueError, match="precision"):
         uncertainty_price_s(cost, 48, 8, 1.5)
     with pytest.raises(ValueError, match="draft_node_s"):

@@ -116,6 +116,12 @@ class ExpertCache:
         np.copyto(self._count, 1, where=keep)
 
     @property
+    def capacity_share(self) -> float:
+        """The share of the experts that can be resident at once (per layer or overall)."""
+        limit = self.n_experts if self.mode == "per_layer" else self.n_layers * self.n_experts
+        return self.capacity / limit
+
+    @property
     def bytes_h2d(self) -> int:
         return int(self.misses.sum()) * self.expert_bytes
 

@@ -57,7 +57,7 @@ def _run(prep: PreparedTrace, spec: str, capacity: int, cost: CostModel, cache_m
     if price_uncertainty and isinstance(policy, SpecFitPolicy):
         # the search sees predicted experts; price what the predictor gets wrong per draft node
         policy.draft_node_s = uncertainty_price_s(cost, prep.trace.n_layers, prep.trace.top_k,
-                                                  prep.info["slot_precision"])
+                                                  prep.info["slot_precision"], resident_share=cache.capacity_share)
     return replay(prep, policy, cache, cost)
 
 
