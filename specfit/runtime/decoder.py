@@ -174,9 +174,8 @@ class Decoder:
         self.cache_len = 0          # committed tokens whose K/V are in the cache
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompt_ids, max_new_tokens: int, ignore_eos: bool = False, on_cycle=None) -> DecodeResult:
-        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``; ``on_cycle(stats)`` is
-        called after every complete cycle (e.g. to save measurements as they come)."""
+    def generate(self, prompt_ids, max_new_tokens: int, ignore_eos: bool = False) -> DecodeResult:
+        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``, measuring every cycle."""
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("prompt_ids: expected at least one token")
@@ -226,8 +225,6 @@ class Decoder:
             cycle_tokens.append(len(committed))
             root = committed[-1]
             self.end_cycle(tree, verification, stats)
-            if on_cycle is not None:
-                on_cycle(stats)
         decode_time_s = _now(self.model.device) - start
         return DecodeResult(prompt_ids=prompt_ids, output_ids=output, stop_reason=stop_reason,
                             prefill_time_s=prefill_time_s, decode_time_s=decode_time_s, n_cycles=len(cycle_tokens),

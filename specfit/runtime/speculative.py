@@ -102,11 +102,11 @@ class SpeculativeDecoder(Decoder):
         return tree_capacity(self.tree_top_k, self.policy.max_levels) - 1
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompt_ids, max_new_tokens: int, ignore_eos: bool = False, on_cycle=None):
+    def generate(self, prompt_ids, max_new_tokens: int, ignore_eos: bool = False):
         # committed entries, plus the frontier entries of one tree (top-k per level after the first)
         self._drafter_entries = len(prompt_ids) + max_new_tokens + max(self.policy.max_levels - 1, 0) * self.tree_top_k
         self._prompt_len = len(prompt_ids)
-        return super().generate(prompt_ids, max_new_tokens, ignore_eos=ignore_eos, on_cycle=on_cycle)
+        return super().generate(prompt_ids, max_new_tokens, ignore_eos=ignore_eos)
 
     def prefill(self, prompt_ids: list[int]):
         root, out = super().prefill(prompt_ids)
