@@ -229,8 +229,10 @@ class SpeculativeDecoder(Decoder):
         self._slots_right += info.predicted_slots_right
         if self.price_uncertainty and isinstance(self.policy, SpecFitPolicy):
             c = self.model.config
+            # the same price as the simulator's (specfit.simulate.sweep), from the precision measured so far
             self.policy.draft_node_s = uncertainty_price_s(self.cost, c.n_layers, c.top_k,
-                                                           self._slots_right / self._slots_seen)
+                                                           self._slots_right / self._slots_seen,
+                                                           resident_share=self.model.offload.cache.capacity_share)
 
     def end_cycle(self, tree: DraftTree, verification: Verification, stats: CycleStats) -> None:
         if self.recorder is None:
