@@ -93,6 +93,8 @@ class CycleStats:
             "nodes_verified": self.nodes_verified,
             "hits": self.offload.total_hits,
             "misses": self.offload.total_misses,
+            "hits_per_layer": self.offload.hits.tolist(),       # the report's per-layer heat map
+            "misses_per_layer": self.offload.misses.tolist(),
             "bytes_h2d": self.offload.total_bytes_h2d,
             "committed_tokens": self.committed_tokens,
             "cycle_time_s": self.cycle_time_s,
