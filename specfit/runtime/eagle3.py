@@ -40,7 +40,7 @@ from torch import nn
 
 from ..errors import SpecFitError
 from ..tree import DraftTree
-from .model import KVCache
+from .model import KVCache, RMSNorm, apply_rope
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "DraftOutput", "Eagle3Session", "DynamicTree", "EAGLE3_ARCHITECTURE"]
 
@@ -189,21 +189,6 @@ def _aux_layers(raw: dict, source: str) -> tuple[int, ...] | None:
 
 
 # ----------------------------------------------------------------- modules
-class RMSNorm(nn.Module):
-    """Llama RMSNorm (trainable, unlike the frozen target's)."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in float32, cast back, then scale: transformers' order, which matters in bf16
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
 class Attention(nn.Module):
     """Llama attention over the 2·H-wide (embedding, hidden) input; GQA, no q/k norm."""
 
@@ -238,10 +223,10 @@ class Eagle3Layer(nn.Module):
 
     def __init__(self, config: Eagle3Config):
         super().__init__()
-        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, trainable=True)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, trainable=True)
         self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, trainable=True)
         self.mlp = MLP(config)
 
     def project(self, embeds: torch.Tensor, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
@@ -252,7 +237,7 @@ class Eagle3Layer(nn.Module):
         k = attn.k_proj(x).unflatten(-1, (attn.n_kv_heads, attn.head_dim)).transpose(-2, -3)
         v = attn.v_proj(x).unflatten(-1, (attn.n_kv_heads, attn.head_dim)).transpose(-2, -3)
         cos, sin = rope
-        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """Attention of q [..., heads, T, hd] over keys/values [..., kv_heads, S, hd]; ``allowed`` is
@@ -271,12 +256,6 @@ class Eagle3Layer(nn.Module):
         """Residuals on the hidden stream only, then the SwiGLU MLP."""
         x = hidden + attn_out
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split RoPE (Llama): rotate_half(x) = cat(-x2, x1)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 @dataclass
@@ -314,7 +293,7 @@ class Eagle3Drafter(nn.Module):
             self.shared_embed = None
         self.fc = nn.Linear(3 * config.target_hidden_size, H, bias=False)
         self.midlayer = Eagle3Layer(config)
-        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.norm = RMSNorm(H, config.rms_norm_eps, trainable=True)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))

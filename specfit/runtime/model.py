@@ -54,9 +54,11 @@ def causal_mask(n_cached: int, n_new: int) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float):
+    """RMSNorm; frozen in the target, ``trainable`` for the drafter."""
+
+    def __init__(self, size: int, eps: float, trainable: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=trainable)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +123,7 @@ class Attention(nn.Module):
         if self.qk_norm == "per_head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)   # [heads, T, hd]
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = self.kv_cache.write(cache_len, k, v)
         groups = self.n_heads // self.n_kv_heads                             # GQA: KV head j serves
         keys = keys[:, None].expand(-1, groups, -1, -1).reshape(self.n_heads, -1, self.head_dim)  # j*g..j*g+g-1
@@ -132,7 +134,7 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Half-split RoPE: rotate_half(x) = cat(-x2, x1)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
