@@ -43,7 +43,8 @@ def check_experts(tree: DraftTree | None, experts, cached) -> tuple[np.ndarray, 
 def expert_union(experts: np.ndarray, nodes, n_experts: int) -> np.ndarray:
     """[layers, n_experts] bool: the union over ``nodes`` of their experts, per layer."""
     n_layers, k = experts.shape[1], experts.shape[2]
-    sub = experts[np.asarray(nodes, dtype=np.int64)].reshape(-1, n_layers * k)
+    nodes = np.asarray(nodes, dtype=np.int64)
+    sub = experts[nodes].reshape(nodes.size, n_layers * k)
     union = np.zeros(n_layers * n_experts, dtype=bool)
     # flat item ids layer * E + expert; the offsets run along the long (L * k) axis, which numpy
     # broadcasts far faster than a trailing axis of only k

@@ -23,6 +23,7 @@ Policies, by spec string (:func:`make_policy`):
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -154,6 +155,10 @@ class SpecFitPolicy(Policy):
         self._best: Selection | None = None
         self._previous: Selection | None = None
         self._levels = -1
+        # across cycles: the best level-1 path probability and width of recently drafted first
+        # levels, and how many cycles in a row the level-0 test has declined to draft
+        self._recent_first = deque(maxlen=8)
+        self._declined = 0
 
     def begin_cycle(self) -> None:
         self._best = self._previous = None
@@ -173,13 +178,34 @@ class SpecFitPolicy(Policy):
         if view.draft_levels >= self.max_levels:
             return False
         if view.draft_levels == 0:
-            root = self._search(view)
-            # Any draft node adds at most 1 expected token and costs at least per_node_s plus its
-            # price: (1 + k) / (T0 + d + k c) > 1 / T0 needs T0 > c + d / k, so when the root's
-            # cycle time T0 is not above c no tree, however wide or deep, beats the root alone.
-            return root.time_s > view.cost.per_node_s + self.draft_node_s
+            return self._first_level_may_pay(view, self._search(view))
+        if view.draft_levels == 1:
+            first = view.tree.level(1)
+            if first.size:
+                self._recent_first.append((float(view.tree.path_probs[first].max()), int(first.size)))
         current = self._search(view)
         return should_continue(self._previous, current) or self._next_level_may_pay(view, current)
+
+    def _first_level_may_pay(self, view: CycleView, root: Selection) -> bool:
+        """Whether drafting level 1 can beat verifying the root alone.
+
+        k first-level nodes with path probability at most p add at most k p tokens and cost at
+        least d + k c (d: a draft level, c: per node plus its price), so they pay only if
+        p T0 > c + d / k, T0 the root's cycle time. With p = 1 this is a bound that holds for any
+        drafter; with p and k from recently drafted first levels it stops a drafter that has been
+        useless, and every 16th declined cycle drafts anyway to notice when it improves.
+        """
+        c = view.cost.per_node_s + self.draft_node_s
+        if root.time_s <= c:
+            return False
+        if self._recent_first and self._declined < 16:
+            p = max(prob for prob, _ in self._recent_first)
+            k = max(width for _, width in self._recent_first)
+            if p * root.time_s <= c + view.cost.draft_level_s / k:
+                self._declined += 1
+                return False
+        self._declined = 0
+        return True
 
     def _next_level_may_pay(self, view: CycleView, current: Selection) -> bool:
         """A level can fail to pay while the one after it would (a long accepted chain whose first

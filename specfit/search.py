@@ -169,7 +169,10 @@ def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels
             :func:`uncertainty_price_s`); the selection's ``time_s`` includes it.
     """
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
-    prob = _Problem(tree, experts, cached, cost, draft_levels, _check_draft_node_s(draft_node_s))
+    draft_node_s = _check_draft_node_s(draft_node_s)
+    if start is None and not _any_node_may_pay(tree, experts, cached, cost, draft_levels, draft_node_s):
+        return _root_selection(_Problem(tree, experts[:1], cached, cost, draft_levels, draft_node_s))
+    prob = _Problem(tree, experts, cached, cost, draft_levels, draft_node_s)
     best = _root_selection(prob)
     if start is not None:
         first = prob.evaluate(check_nodes(tree, start, "start"))
@@ -186,6 +189,25 @@ def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels
             break
         best = cand
     return best
+
+
+def _any_node_may_pay(tree: DraftTree, experts, cached, cost: CostModel, draft_levels: int,
+                      draft_node_s: float) -> bool:
+    """A cheap test before the search proper: with lam the root's ratio (a lower bound on the
+    optimum) and every expert free, does any subtree still have a positive value? If not, the
+    root alone is optimal and no expert set needs to be built."""
+    if tree.n_nodes == 1:
+        return False
+    hits, misses = cost.union_counts(experts, [0], cached)
+    root_s = cost.predict_counts(draft_levels, 1, hits, misses)
+    if root_s <= 0:
+        return True  # let the search report the degenerate cost model
+    gain = tree.path_probs - (cost.per_node_s + draft_node_s) / root_s
+    gain[0] = 0.0
+    for level in tree.levels[:0:-1]:
+        positive = level[gain[level] > GAIN_EPS]
+        np.add.at(gain, tree.parents[positive], gain[positive])
+    return bool(np.any(gain[tree.levels[1]] > GAIN_EPS)) if len(tree.levels) > 1 else False
 
 
 class _InnerSolver:
