@@ -98,6 +98,8 @@ TIE_REL = 1e-12
 # p - lam * cost (~1e-16 for the magnitudes involved), far below any gain that changes a ratio by
 # TIE_REL, even summed over a few hundred nodes.
 GAIN_EPS = 1e-14
+# Trees up to this many nodes are swept in plain Python: cheaper than a numpy call per level.
+_SCALAR_SWEEP_NODES = 96
 
 
 def _better(a: Selection, b: Selection) -> bool:
@@ -202,12 +204,14 @@ def _any_node_may_pay(tree: DraftTree, experts, cached, cost: CostModel, draft_l
     root_s = cost.predict_counts(draft_levels, 1, hits, misses)
     if root_s <= 0:
         return True  # let the search report the degenerate cost model
-    gain = tree.path_probs - (cost.per_node_s + draft_node_s) / root_s
-    gain[0] = 0.0
-    for level in tree.levels[:0:-1]:
-        positive = level[gain[level] > GAIN_EPS]
-        np.add.at(gain, tree.parents[positive], gain[positive])
-    return bool(np.any(gain[tree.levels[1]] > GAIN_EPS)) if len(tree.levels) > 1 else False
+    gain = (tree.path_probs - (cost.per_node_s + draft_node_s) / root_s).tolist()
+    parents = tree.parents.tolist()
+    for v in range(len(parents) - 1, 0, -1):   # children have larger ids: a bottom-up sweep
+        if gain[v] > GAIN_EPS:
+            if parents[v] == 0:
+                return True
+            gain[parents[v]] += gain[v]
+    return False
 
 
 class _InnerSolver:
@@ -223,6 +227,8 @@ class _InnerSolver:
         self.prob = prob
         self.parents = tree.parents
         self.levels = tree.levels
+        # below this size the tree sweeps run as scalar Python loops (see _prune)
+        self.parent_list = tree.parents.tolist() if n <= _SCALAR_SWEEP_NODES else None
         # experts needed by v or an ancestor of v, by depth level (bitsets [n, L, words])
         anc = prob.bits.copy()
         for level in self.levels[1:]:
@@ -251,6 +257,19 @@ class _InnerSolver:
 
     def _prune(self, weight, alive, inside) -> None:
         """Drop subtrees whose optimistic value (shared items free) is not positive."""
+        if self.parent_list is not None:
+            # small trees: one scalar sweep (children have larger ids) beats a numpy call per level
+            par, ub, al, ins = self.parent_list, weight.tolist(), alive.tolist(), inside.tolist()
+            for v in range(len(par) - 1, 0, -1):
+                if al[v]:
+                    if ins[v] or ub[v] > GAIN_EPS:
+                        ub[par[v]] += ub[v]
+                    else:
+                        al[v] = False
+            for v in range(1, len(par)):
+                al[v] = al[v] and al[par[v]]
+            alive[:] = al
+            return
         ub = np.where(alive, weight, -np.inf)
         for level in self.levels[:0:-1]:
             vals = ub[level]
@@ -294,10 +313,7 @@ class _InnerSolver:
             pess = weight - np.bincount(mv, weights=gcost[mg] * live[mg], minlength=n) if G else weight
             candidate = alive & ~inside & (pess > GAIN_EPS)
             if candidate.any():
-                before = np.count_nonzero(inside)
-                for level in self.levels[1:]:
-                    inside[level] |= candidate[level] & inside[parents[level]]
-                changed |= np.count_nonzero(inside) != before
+                changed |= self._force(candidate, inside)
             if not changed:
                 break
 
@@ -307,8 +323,32 @@ class _InnerSolver:
             return np.flatnonzero(self._tree_dp(weight, undecided, inside))
         return np.flatnonzero(self._closure(weight, undecided, inside, gcost, coupled))
 
+    def _force(self, candidate, inside) -> bool:
+        """Take every candidate whose parent is inside, top-down; True if any was taken."""
+        before = np.count_nonzero(inside)
+        if self.parent_list is not None:
+            par, cand, ins = self.parent_list, candidate.tolist(), inside.tolist()
+            for v in range(1, len(par)):
+                ins[v] = ins[v] or (cand[v] and ins[par[v]])
+            inside[:] = ins
+        else:
+            for level in self.levels[1:]:
+                inside[level] |= candidate[level] & inside[self.parents[level]]
+        return np.count_nonzero(inside) != before
+
     def _tree_dp(self, weight, undecided, inside) -> np.ndarray:
         """No shared items left: the best forest hanging from the inside nodes, exactly."""
+        if self.parent_list is not None:
+            par, und = self.parent_list, undecided.tolist()
+            gain = [w if u else 0.0 for w, u in zip(weight.tolist(), und)]
+            for v in range(len(par) - 1, 0, -1):
+                if und[v] and gain[v] > GAIN_EPS and und[par[v]]:
+                    gain[par[v]] += gain[v]
+            take = inside.tolist()
+            for v in range(1, len(par)):
+                if und[v]:
+                    take[v] = take[par[v]] and gain[v] > GAIN_EPS
+            return np.array(take, dtype=bool)
         parents = self.parents
         gain = np.where(undecided, weight, 0.0)
         for level in self.levels[:0:-1]:
