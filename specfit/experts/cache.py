@@ -22,13 +22,33 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["ExpertCache", "AdmitResult", "EVICTION_POLICIES"]
+__all__ = ["ExpertCache", "AdmitResult", "LayerCounts", "EVICTION_POLICIES"]
 
 EVICTION_POLICIES = ("lru", "lfu", "fifo")
 
 
+class LayerCounts:
+    """Totals over layers of per-layer ``hits`` and ``misses`` (int64 [L]) arrays."""
+
+    hits: np.ndarray
+    misses: np.ndarray
+
+    @property
+    def total_hits(self) -> int:
+        return int(self.hits.sum())
+
+    @property
+    def total_misses(self) -> int:
+        return int(self.misses.sum())
+
+    @property
+    def hit_rate(self) -> float:
+        total = self.total_hits + self.total_misses
+        return self.total_hits / total if total else 0.0
+
+
 @dataclass
-class AdmitResult:
+class AdmitResult(LayerCounts):
     """Per-layer outcome of one ``admit``; counts are int64 [L], masks bool [L, E]."""
 
     hits: np.ndarray
@@ -40,16 +60,8 @@ class AdmitResult:
     evicted_mask: np.ndarray
     streamed_mask: np.ndarray
 
-    @property
-    def total_hits(self) -> int:
-        return int(self.hits.sum())
 
-    @property
-    def total_misses(self) -> int:
-        return int(self.misses.sum())
-
-
-class ExpertCache:
+class ExpertCache(LayerCounts):
     """Expert residency for ``n_layers`` x ``n_experts`` experts.
 
     Args:
@@ -124,11 +136,6 @@ class ExpertCache:
     @property
     def bytes_h2d(self) -> int:
         return int(self.misses.sum()) * self.expert_bytes
-
-    @property
-    def hit_rate(self) -> float:
-        total = int(self.hits.sum() + self.misses.sum())
-        return float(self.hits.sum()) / total if total else 0.0
 
     # ------------------------------------------------------------------ admit
     def admit(self, union: np.ndarray) -> AdmitResult:

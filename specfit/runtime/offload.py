@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..experts.cache import ExpertCache
+from ..experts.cache import ExpertCache, LayerCounts
 
 __all__ = ["HostExperts", "ExpertOffload", "OffloadCounters"]
 
@@ -59,7 +59,7 @@ class HostExperts:
 
 
 @dataclass
-class OffloadCounters:
+class OffloadCounters(LayerCounts):
     """Expert traffic of one forward pass, per layer (int64 [L])."""
 
     hits: np.ndarray
@@ -78,21 +78,8 @@ class OffloadCounters:
         return self
 
     @property
-    def total_hits(self) -> int:
-        return int(self.hits.sum())
-
-    @property
-    def total_misses(self) -> int:
-        return int(self.misses.sum())
-
-    @property
     def total_bytes_h2d(self) -> int:
         return int(self.bytes_h2d.sum())
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.total_hits + self.total_misses
-        return self.total_hits / total if total else 0.0
 
 
 class _Copier:
