@@ -1,6 +1,7 @@
 """``specfit demo``: SpecFit end to end on the bundled tiny MoE, on this machine, in one command.
 
-1. calibrate this machine for the bundled model (a profile fitted to measured passes);
+1. calibrate this machine for the bundled model: probes, then a short warm-up decode whose cycles
+   the profile is refitted on and whose full trace calibrates the drafter's probabilities;
 2. decode the bundled prompts with ``ar``, ``eagle3`` and ``specfit`` through the offloaded
    runtime (greedy outputs must be identical), recording a position-indexed trace;
 3. replay that trace under hardware presets at Qwen3-30B-A3B scale (what-ifs: this workload's
@@ -22,6 +23,7 @@ from .errors import SpecFitError
 __all__ = ["DemoPlan", "run_demo", "register", "whatif_scenarios"]
 
 DECODE_POLICIES = ("ar", "eagle3", "specfit")
+WARMUP_POLICIES = ("ar", "chain:2", "eagle3:16:4")
 SIM_POLICIES = ("ar", "chain:2", "eagle3", "static:auto", "specfit", "oracle")
 
 
@@ -75,7 +77,7 @@ def _prompts_file(plan: DemoPlan, out: Path) -> Path:
 def run_demo(plan: DemoPlan, say=print, progress=None) -> dict:
     """Run every step; returns what the final table shows and the report's path."""
     from .assets import tiny_moe_dir, tiny_moe_eagle3_dir
-    from .calibrate.run import CalibrationPlan, calibrate
+    from .calibrate.run import CalibrationPlan, calibrate, refit
     from .report.build import build_report
     from .runtime.run import DecodePlan, run_decode
     from .runinfo import write_run_info
@@ -90,10 +92,21 @@ def run_demo(plan: DemoPlan, say=print, progress=None) -> dict:
     timings = {}
 
     started = time.perf_counter()
-    say("1/4 calibrating this machine for the bundled model")
+    say("1/4 calibrating this machine for the bundled model: probes, then a warm-up decode to refit on")
     cal = CalibrationPlan(model_dir=tiny_moe_dir(), drafter_dir=tiny_moe_eagle3_dir(), device=plan.device,
                           quick=plan.quick)
-    profile = calibrate(cal, progress=step)
+    probed = calibrate(cal, progress=step)
+    probed_path = probed.save(out / "warmup" / "probed-profile.json")
+    # The probes time the target's passes and a stand-in draft level; a short warm-up decode
+    # measures what they cannot (the drafter's real passes, the decoder's bookkeeping), and its
+    # full trace calibrates the drafter's probabilities into acceptance probabilities.
+    prompts = _prompts_file(plan, out)
+    warmup = DecodePlan(model_dir=tiny_moe_dir(), drafter_dir=tiny_moe_eagle3_dir(), prompts_path=prompts,
+                        cache_experts=plan.cache_experts, policies=list(WARMUP_POLICIES), profile=str(probed_path),
+                        max_new_tokens=min(plan.max_new_tokens, 24), device=plan.device, out_dir=out / "warmup",
+                        record=out / "warmup" / "trace.parquet", record_full=True)
+    run_decode(warmup, progress=lambda: step())
+    profile, _ = refit(probed, [out / "warmup"], seed=0)
     profile_path = profile.save(out / "profile.json")
     timings["calibrate_s"] = time.perf_counter() - started
 
@@ -101,10 +114,10 @@ def run_demo(plan: DemoPlan, say=print, progress=None) -> dict:
     say(f"2/4 decoding the bundled prompts with {', '.join(DECODE_POLICIES)} ({plan.cache_experts} cached experts "
         f"per layer of {profile.shape.n_experts})")
     trace_path = out / "trace.parquet"
-    decode = DecodePlan(model_dir=tiny_moe_dir(), drafter_dir=tiny_moe_eagle3_dir(),
-                        prompts_path=_prompts_file(plan, out), cache_experts=plan.cache_experts,
-                        policies=list(DECODE_POLICIES), profile=str(profile_path), max_new_tokens=plan.max_new_tokens,
-                        device=plan.device, out_dir=out / "decode", record=trace_path, record_full=True)
+    decode = DecodePlan(model_dir=tiny_moe_dir(), drafter_dir=tiny_moe_eagle3_dir(), prompts_path=prompts,
+                        cache_experts=plan.cache_experts, policies=list(DECODE_POLICIES), profile=str(profile_path),
+                        max_new_tokens=plan.max_new_tokens, device=plan.device, out_dir=out / "decode",
+                        record=trace_path, record_full=True, acceptance_trace=out / "warmup" / "trace.parquet")
     decoded = run_decode(decode, progress=lambda: step())
     write_run_info(out / "decode", "decode (specfit demo)")
     if decoded.outputs_identical is False:
