@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import SpecFitError
 
 __all__ = ["ExpertPredictor", "OraclePredictor", "RecordedPredictor", "ParentPredictor", "AffinityPredictor",
-           "make_predictor", "PREDICTORS", "last_known_experts", "cross_predict", "union_quality"]
+           "make_predictor", "PREDICTORS", "last_known_experts", "cross_predict", "union_quality", "slots_right"]
 
 
 def last_known_experts(trace) -> np.ndarray:
@@ -270,6 +270,13 @@ def cycle_folds(trace, n_folds: int) -> np.ndarray:
     if seqs.size >= n_folds:
         return (seq_index * n_folds) // seqs.size
     return (np.arange(trace.n_cycles) * n_folds) // trace.n_cycles
+
+
+def slots_right(predicted: np.ndarray, true: np.ndarray) -> int:
+    """How many predicted ``[nodes, layers, k]`` (layer, expert) slots name an expert the node
+    really routes to at that layer: the numerator of the slot precision that prices prediction
+    uncertainty (:func:`specfit.search.uncertainty_price_s`), live and in the simulator."""
+    return int((predicted[..., :, None] == true[..., None, :]).any(axis=-1).sum())
 
 
 def union_quality(predicted: np.ndarray, true: np.ndarray, n_experts: int) -> tuple[int, int, int]:

@@ -27,6 +27,7 @@ import torch
 from ..costmodel import CostModel
 from ..errors import SpecFitError
 from ..experts.calibration import AcceptanceCalibrator
+from ..experts.predictors import slots_right
 from ..policies import CycleView, Policy, RerankPolicy, SpecFitPolicy
 from ..search import uncertainty_price_s
 from ..tree import DraftTree
@@ -224,7 +225,7 @@ class SpeculativeDecoder(Decoder):
             return
         predicted, true = view.experts[drafted], verification.expert_ids[1:]
         info.predicted_slots = int(predicted.size)
-        info.predicted_slots_right = int((predicted[..., :, None] == true[..., None, :]).any(axis=-1).sum())
+        info.predicted_slots_right = slots_right(predicted, true)
         self._slots_seen += info.predicted_slots
         self._slots_right += info.predicted_slots_right
         if self.price_uncertainty and isinstance(self.policy, SpecFitPolicy):

@@ -119,15 +119,11 @@ def prepare_trace(name: str, trace: Trace, predictor: str = "oracle", acceptance
 def _slot_precision(predicted: list[np.ndarray], true: list[np.ndarray]) -> float:
     """Share of the draft nodes' predicted (layer, expert) slots that the node really routes to:
     what pricing prediction uncertainty (:func:`specfit.search.uncertainty_price_s`) needs."""
-    hit = total = 0
-    for p, t in zip(predicted, true):
-        if p is t or p.shape[0] < 2:
-            hit += p[1:].size
-            total += p[1:].size
-            continue
-        hit += int((p[1:, :, :, None] == t[1:, :, None, :]).any(axis=-1).sum())
-        total += p[1:].size
-    return hit / total if total else 1.0
+    from ..experts.predictors import slots_right
+
+    right = sum(p[1:].size if p is t else slots_right(p[1:], t[1:]) for p, t in zip(predicted, true))
+    total = sum(p[1:].size for p in predicted)
+    return right / total if total else 1.0
 
 
 def _union(items: np.ndarray, nodes: np.ndarray, n_items: int) -> np.ndarray:
