@@ -47,11 +47,17 @@ class Selection:
     hits: int                  # union experts already resident
     misses: int                # union experts to copy host-to-device
     draft_levels: int
+    price_s: float = 0.0       # uncertainty price of the draft nodes (draft_node_s each); not a time
 
     @property
     def throughput(self) -> float:
         """Expected committed tokens per second."""
         return self.expected_tokens / self.time_s if self.time_s > 0 else float("inf")
+
+    @property
+    def priced_time_s(self) -> float:
+        """The time the search ranks subtrees by: the predicted time plus the price."""
+        return self.time_s + self.price_s
 
     @property
     def n_nodes(self) -> int:
@@ -86,10 +92,10 @@ class _Problem:
         misses = popcount(union) - hits
         c = self.cost
         time_s = (c.draft_level_s * self.draft_levels + c.base_s + c.per_node_s * nodes.size
-                  + c.hit_s * hits + c.miss_s * misses + self.draft_node_s * (nodes.size - 1))
+                  + c.hit_s * hits + c.miss_s * misses)
         expected = 1.0 + float(self.tree.path_probs[nodes[1:]].sum())
         return Selection(nodes=nodes, expected_tokens=expected, time_s=float(time_s), hits=hits,
-                         misses=misses, draft_levels=self.draft_levels)
+                         misses=misses, draft_levels=self.draft_levels, price_s=self.draft_node_s * (nodes.size - 1))
 
 
 # Ratios within this relative distance are ties (float rounding of sums that are equal in reals).
@@ -104,8 +110,8 @@ _SCALAR_SWEEP_NODES = 96
 
 def _better(a: Selection, b: Selection) -> bool:
     """True when a beats b: a higher ratio, or (a tie) the same ratio with fewer nodes."""
-    lhs = a.expected_tokens * b.time_s
-    rhs = b.expected_tokens * a.time_s
+    lhs = a.expected_tokens * b.priced_time_s
+    rhs = b.expected_tokens * a.priced_time_s
     if abs(lhs - rhs) > TIE_REL * max(abs(lhs), abs(rhs)):
         return lhs > rhs
     return a.n_nodes < b.n_nodes
@@ -140,8 +146,9 @@ def evaluate(tree: DraftTree, nodes, experts, cached, cost: CostModel, draft_lev
     union = expert_union(experts, nodes, cached.shape[1])
     hits = int(np.count_nonzero(union & cached))
     misses = int(np.count_nonzero(union)) - hits
-    time_s = cost.predict_counts(draft_levels, nodes.size, hits, misses) + draft_node_s * (nodes.size - 1)
+    time_s = cost.predict_counts(draft_levels, nodes.size, hits, misses)
     return Selection(nodes=nodes, expected_tokens=tree.expected_tokens(nodes), time_s=float(time_s), hits=hits,
+                     price_s=draft_node_s * (nodes.size - 1),
                      misses=misses, draft_levels=int(draft_levels))
 
 
@@ -168,7 +175,8 @@ def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels
             level's answer); it changes the number of iterations, never the answer.
         draft_node_s: a price in seconds added per draft node (not the root), e.g. the expected
             cost of the experts a node needs that its prediction missed (see
-            :func:`uncertainty_price_s`); the selection's ``time_s`` includes it.
+            :func:`uncertainty_price_s`). The search ranks by ``time_s + price_s``; the selection's
+            ``time_s`` stays the cost model's prediction and ``price_s`` holds the price.
     """
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
     draft_node_s = _check_draft_node_s(draft_node_s)
@@ -184,7 +192,7 @@ def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels
         return best
     inner = _InnerSolver(prob)
     for _ in range(64):  # Dinkelbach converges superlinearly; the cap is a guard, never reached in tests
-        lam = best.expected_tokens / best.time_s
+        lam = best.expected_tokens / best.priced_time_s
         nodes = inner.solve(lam)
         cand = prob.evaluate(nodes)
         if not _better(cand, best):
