@@ -18,6 +18,7 @@ trace that the simulator replays exactly.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,7 +173,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                                f"--max-new-tokens {plan.max_new_tokens} exceed the model's max_position_embeddings "
                                f"({config.max_position_embeddings})")
     drafter_config = None
-    if plan.drafter_dir is not None:
+    if plan.drafter_dir is not None and _is_eagle3(plan.drafter_dir):
         drafter_config = Eagle3Config.from_file(Path(plan.drafter_dir) / "config.json")
         drafter_config.check_target(config.vocab_size, config.hidden_size, source="target model")
         _check_feature_layers(drafter_config, config, plan.drafter_dir)
@@ -243,9 +244,37 @@ def _check_feature_layers(drafter_config, config, drafter_dir) -> None:
                            f"{list(aux)}, but the target has {config.n_layers} layers")
 
 
+def _is_eagle3(drafter_dir: Path) -> bool:
+    """An EAGLE-3 head (its config names ``LlamaForCausalLMEagle3``) or an independent draft model
+    (a supported MoE architecture)."""
+    from .config import SUPPORTED_ARCHITECTURES
+    from .eagle3 import EAGLE3_ARCHITECTURE
+
+    path = Path(drafter_dir) / "config.json"
+    try:
+        architectures = json.loads(path.read_text()).get("architectures") or []
+    except FileNotFoundError:
+        raise SpecFitError(f"{path}: no such file; expected an EAGLE-3 head or a draft model's config.json") from None
+    except json.JSONDecodeError as exc:
+        raise SpecFitError(f"{path}: not valid JSON ({exc.msg})") from None
+    if EAGLE3_ARCHITECTURE in architectures:
+        return True
+    if any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+        return False
+    raise SpecFitError(f"{path}: key 'architectures' is {architectures}; expected {EAGLE3_ARCHITECTURE} or a draft "
+                       f"model of {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
 def _load_drafter(drafter_dir: Path, drafter_config, model):
     from .eagle3 import Eagle3Drafter
     from .speculative import check_drafter
+
+    if drafter_config is None:   # an independent draft model
+        from .draft_model import load_model_drafter
+
+        drafter = load_model_drafter(drafter_dir, device=model.device, dtype=model.dtype)
+        check_drafter(model, drafter, source=str(drafter_dir))
+        return drafter
 
     # the target's embedding / lm_head stand in for tensors a checkpoint omits, which only works
     # when the drafter is as wide as the target; a wider or narrower drafter carries its own
@@ -323,7 +352,8 @@ def _recorder(plan: DecodePlan, model, drafter, profile):
     c = model.config
     model_meta = {"name": Path(plan.model_dir).name, "n_layers": c.n_layers, "n_experts": c.n_experts, "top_k": c.top_k,
                   "expert_bytes": model.offload.host.expert_bytes, "vocab_size": c.vocab_size}
-    drafter_meta = {"name": Path(plan.drafter_dir).name if plan.drafter_dir else "none", "kind": "eagle3",
+    drafter_meta = {"name": Path(plan.drafter_dir).name if plan.drafter_dir else "none",
+                    "kind": getattr(getattr(drafter, "config", None), "kind", "eagle3"),
                     "tree_top_k": plan.tree_top_k, "max_levels": plan.max_levels}
     if drafter is not None:
         drafter_meta.update(hidden_size=drafter.config.hidden_size, draft_vocab_size=drafter.config.draft_vocab_size)

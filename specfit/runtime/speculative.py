@@ -87,7 +87,8 @@ class SpeculativeDecoder(Decoder):
         self.drafter, self.policy, self.cost = drafter, policy, cost
         self.predictor = predictor or RouterPredictor(model)
         # the drafter's states estimate the target's only when they live in the same space
-        self.drafter_context = drafter is not None and drafter.config.hidden_size == model.config.hidden_size
+        self.drafter_context = (drafter is not None and drafter.config.hidden_size == model.config.hidden_size
+                                and getattr(drafter, "features_in_target_space", True))
         self.tree_top_k = int(tree_top_k)
         self.calibrator = calibrator
         self.recorder = recorder
