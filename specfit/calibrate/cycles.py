@@ -19,7 +19,7 @@ from ..runtime.offload import ExpertOffload
 from ..tree import DraftTree
 from .probes import median_time_s
 
-__all__ = ["random_tree", "probe_cycles", "probe_draft", "cycles_features"]
+__all__ = ["random_tree", "probe_cycles", "probe_draft", "probe_drafter_levels", "cycles_features"]
 
 
 def random_tree(rng: np.random.Generator, n_nodes: int, vocab_size: int, max_depth: int = 8) -> DraftTree:
@@ -125,3 +125,38 @@ def probe_draft(hidden_size: int, draft_vocab: int, device: torch.device, dtype:
 
         rows.append({"width": int(width), "seconds": median_time_s(level, device, repeats)})
     return rows
+
+
+@torch.inference_mode()
+def probe_drafter_levels(model: MoETransformer, drafter, top_k: int = 4, levels: int = 4, repeats: int = 5,
+                         context_len: int = 32, seed: int = 0) -> list[dict]:
+    """Time real draft levels: the target prefills a random context (its captured features feed
+    the drafter), then EAGLE-2/3 dynamic trees of ``top_k`` are grown ``levels`` deep, each level
+    timed with the tree's own bookkeeping, as the speculative decoder pays it.
+    Rows: ``level``, ``width`` (nodes expanded), ``seconds`` (median over ``repeats`` trees)."""
+    from ..runtime.eagle3 import DynamicTree, Eagle3Session
+
+    rng = np.random.default_rng(seed)
+    device = model.device
+    context = rng.integers(0, model.config.vocab_size, context_len)
+    model.setup_kv_cache(max(model.max_seq_len, context_len + 1))
+    out = model(context, np.arange(context_len), causal_mask(0, context_len))
+    root = int(out.logits[-1].argmax())
+    session = Eagle3Session(drafter, context_len + levels * top_k * top_k + 1)
+    root_output = session.commit(out.hidden, torch.tensor([*context[1:].tolist(), root]))
+    samples: dict[int, list[float]] = {}
+    widths: dict[int, int] = {}
+    for _ in range(repeats + 1):                       # the first tree warms up
+        start = _now(device)
+        tree = DynamicTree(session, root, root_output, top_k)
+        times = [_now(device) - start]                 # level 1: the root entry's top-k
+        for _ in range(levels - 1):
+            start = _now(device)
+            frontier = tree.frontier
+            tree.grow()
+            times.append(_now(device) - start)
+            widths[len(times)] = len(frontier)
+        widths[1] = 1
+        for level, seconds in enumerate(times, start=1):
+            samples.setdefault(level, []).append(seconds)
+    return [{"level": level, "width": widths[level], "seconds": float(np.median(t[1:]))} for level, t in samples.items()]

@@ -20,7 +20,7 @@ import torch
 
 from ..costmodel import PARAM_NAMES
 from ..errors import SpecFitError
-from .cycles import cycles_features, probe_cycles, probe_draft
+from .cycles import cycles_features, probe_cycles, probe_draft, probe_drafter_levels
 from .fit import CycleTimeFitter, prediction_errors
 from .probes import fit_h2d, probe_expert_compute, probe_h2d
 from .profile import ModelShape, Profile, machine_info
@@ -101,7 +101,12 @@ def _load_target(plan: CalibrationPlan):
     if plan.model_dir is not None:
         from ..runtime.loader import load_model
 
-        model = load_model(plan.model_dir, device=device, dtype=plan.dtype)
+        capture = None
+        if plan.drafter_dir is not None:
+            from ..runtime.run import drafter_capture_layers
+
+            capture = drafter_capture_layers(plan.drafter_dir)
+        model = load_model(plan.model_dir, device=device, dtype=plan.dtype, capture_layers=capture)
         c = model.config
         shape = ModelShape(Path(plan.model_dir).name, c.n_layers, c.n_experts, c.top_k, c.expert_bytes(model.dtype),
                            c.hidden_size)
@@ -122,6 +127,16 @@ def _load_target(plan: CalibrationPlan):
     full_shape = ModelShape(plan.shape, full.n_layers, full.n_experts, full.top_k, full.expert_bytes(dtype),
                             full.hidden_size)
     return model, probed, full_shape
+
+
+def _load_drafter(plan: CalibrationPlan, model):
+    """``--drafter`` loaded for ``model`` (an EAGLE-3 head or a draft model), when a real model
+    is probed; None for a stand-in of a named shape (its draft level is a stand-in too)."""
+    if plan.drafter_dir is None or plan.model_dir is None:
+        return None
+    from ..runtime.run import load_drafter
+
+    return load_drafter(plan.drafter_dir, model)
 
 
 def _drafter_dims(plan: CalibrationPlan, config) -> tuple[int, int]:
@@ -165,11 +180,17 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None) -> Profile:
     capacities = sorted({int(round(f * c.n_experts)) for f in plan.capacity_fractions})
     cycle_rows = probe_cycles(model, capacities, node_counts=plan.node_counts, repeats=plan.repeats, seed=plan.seed,
                               progress=step)
-    draft_hidden, draft_vocab = _drafter_dims(plan, c)
-    draft_rows = probe_draft(draft_hidden, draft_vocab, device, dtype)
+    drafter = _load_drafter(plan, model)
+    if drafter is not None:
+        # the real drafter, levels of an EAGLE-2/3 tree with top-4: a level beyond the first
+        draft_rows = probe_drafter_levels(model, drafter, seed=plan.seed)
+        draft_level_s = float(np.median([r["seconds"] for r in draft_rows if r["level"] > 1]))
+    else:
+        draft_hidden, draft_vocab = _drafter_dims(plan, c)
+        draft_rows = probe_draft(draft_hidden, draft_vocab, device, dtype)
+        # one draft level for a frontier of 8 nodes (an EAGLE-3 top-k frontier)
+        draft_level_s = float(np.interp(8, [r["width"] for r in draft_rows], [r["seconds"] for r in draft_rows]))
     step()
-    # one draft level for a frontier of 8 nodes (an EAGLE-3 top-k frontier)
-    draft_level_s = float(np.interp(8, [r["width"] for r in draft_rows], [r["seconds"] for r in draft_rows]))
 
     X, y = cycles_features(cycle_rows)
     fitter = CycleTimeFitter(seed=plan.seed, fixed={"draft_level_s": draft_level_s}).fit(X, y, source="cycle probes")

@@ -29,7 +29,7 @@ import numpy as np
 from ..errors import SpecFitError
 from ..io import atomic_write, write_json_atomic, write_jsonl_atomic
 
-__all__ = ["DecodePlan", "DecodeRun", "run_decode", "summarise_policy", "OUTPUT_FILE", "CYCLES_FILE", "SUMMARY_FILE"]
+__all__ = ["DecodePlan", "DecodeRun", "run_decode", "load_drafter", "drafter_capture_layers", "summarise_policy", "OUTPUT_FILE", "CYCLES_FILE", "SUMMARY_FILE"]
 
 OUTPUT_FILE = "decode.jsonl"
 CYCLES_FILE = "cycles.parquet"
@@ -263,6 +263,29 @@ def _is_eagle3(drafter_dir: Path) -> bool:
         return False
     raise SpecFitError(f"{path}: key 'architectures' is {architectures}; expected {EAGLE3_ARCHITECTURE} or a draft "
                        f"model of {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def drafter_capture_layers(drafter_dir: Path) -> tuple[int, ...] | None:
+    """The target layers whose inputs an EAGLE-3 head reads (None: a draft model, or the
+    default)."""
+    from .eagle3 import Eagle3Config
+
+    if not _is_eagle3(drafter_dir):
+        return None
+    return Eagle3Config.from_file(Path(drafter_dir) / "config.json").aux_hidden_state_layer_ids
+
+
+def load_drafter(drafter_dir: Path, model):
+    """An EAGLE-3 head or an independent draft model from ``drafter_dir``, checked against
+    ``model`` (load the target with :func:`drafter_capture_layers`)."""
+    from .eagle3 import Eagle3Config
+
+    config = None
+    if _is_eagle3(drafter_dir):
+        config = Eagle3Config.from_file(Path(drafter_dir) / "config.json")
+        config.check_target(model.config.vocab_size, model.config.hidden_size, source="target model")
+        _check_feature_layers(config, model.config, drafter_dir)
+    return _load_drafter(drafter_dir, config, model)
 
 
 def _load_drafter(drafter_dir: Path, drafter_config, model):
