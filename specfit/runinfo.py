@@ -40,7 +40,10 @@ def _command_line(ctx) -> str:
     """The running command with every option it received, rebuilt from its CLI context (right
     however the command was invoked), or the process's argv without one."""
     if ctx is None:
-        return shlex.join(sys.argv)
+        argv = list(sys.argv)
+        if argv and Path(argv[0]).name == "specfit":
+            argv[0] = "specfit"   # the entry point, not the path of the virtual environment it lives in
+        return shlex.join(argv)
     words = ctx.command_path.split()
     words[0] = "specfit"
     for param in ctx.command.params:

@@ -30,6 +30,7 @@ figure { margin: 10px 0 18px; } figcaption { color: #5a6475; font-size: 12.5px; 
 code, pre { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12.5px; }
 pre { background: #f5f6f8; padding: 8px; overflow-x: auto; }
 nav a { margin-right: 14px; }
+.wide { overflow-x: auto; }
 """
 
 
@@ -74,7 +75,8 @@ class Page:
         if caption:
             self.parts.append(f"<h3>{html.escape(caption)}</h3>")
         formatters = {c: float_format.format for c in df.columns if pd.api.types.is_float_dtype(df[c])}
-        self.parts.append(df.to_html(index=index, escape=True, border=0, formatters=formatters, na_rep="–"))
+        table = df.to_html(index=index, escape=True, border=0, formatters=formatters, na_rep="–")
+        self.parts.append(f'<div class="wide">{table}</div>')
         return self
 
     def figure(self, fig, caption: str = "") -> "Page":

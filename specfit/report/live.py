@@ -19,10 +19,8 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str) -> None:
     page.table(_per_policy(cycles), caption="Per policy: measured vs predicted")
 
     if "predicted_time_s" in cycles:
-        codes = pd.Categorical(cycles["policy"], categories=policies).codes
         fig = identity_scatter(cycles["cycle_time_s"] * 1e3, cycles["predicted_time_s"] * 1e3, "measured cycle (ms)",
-                               "predicted cycle (ms)", color=codes if len(policies) > 1 else None,
-                               color_label=" / ".join(f"{i}={p}" for i, p in enumerate(policies)))
+                               "predicted cycle (ms)", groups=cycles["policy"])
         page.figure(fig, "Predicted vs measured cycle time (draft + verify), with the identity line.")
 
     fig, ax = new_axes(7.5, 3.4)

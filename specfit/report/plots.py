@@ -15,20 +15,29 @@ def new_axes(width: float = 6.4, height: float = 3.6):
     return fig, ax
 
 
-def identity_scatter(measured, predicted, xlabel: str, ylabel: str, color=None, color_label: str = ""):
-    """Predicted vs measured with the identity line and the MAPE in the title."""
+def identity_scatter(measured, predicted, xlabel: str, ylabel: str, color=None, color_label: str = "",
+                     groups=None):
+    """Predicted vs measured with the identity line and the MAPE in the title; ``color`` shades
+    points by a number (with a colour bar), ``groups`` labels them by category (with a legend)."""
     measured, predicted = np.asarray(measured, dtype=float), np.asarray(predicted, dtype=float)
     fig, ax = new_axes(5.2, 4.4)
-    sc = ax.scatter(measured, predicted, s=14, alpha=0.75, c=None if color is None else np.asarray(color),
-                    cmap="viridis")
+    if groups is not None:
+        groups = np.asarray(groups)
+        for name in dict.fromkeys(groups.tolist()):
+            sel = groups == name
+            ax.scatter(measured[sel], predicted[sel], s=14, alpha=0.75, label=str(name))
+        ax.legend(fontsize=8)
+    else:
+        sc = ax.scatter(measured, predicted, s=14, alpha=0.75, c=None if color is None else np.asarray(color),
+                        cmap="viridis")
+        if color is not None:
+            fig.colorbar(sc, ax=ax, label=color_label)
     hi = float(np.nanmax(np.concatenate([measured, predicted]))) * 1.05 if measured.size else 1.0
     ax.plot([0, hi], [0, hi], color="grey", lw=1)
     ax.set(xlim=(0, hi), ylim=(0, hi), xlabel=xlabel, ylabel=ylabel)
     if measured.size:
         mape = np.mean(np.abs(predicted - measured) / measured)
         ax.set_title(f"MAPE {mape:.1%} over {measured.size} points", fontsize=10)
-    if color is not None:
-        fig.colorbar(sc, ax=ax, label=color_label)
     return fig
 
 
