@@ -21,6 +21,14 @@
 * Ties go to the smallest set: the maximisers of a closure problem are closed under intersection,
   and every step above keeps the minimal one (prune at ``<= 0``, force at ``> 0``, the source side
   of the min cut is what the source reaches in the residual graph).
+* Before any of it, a bound on the root's ratio with every expert free says whether any draft
+  node can pay at all; when none can, the root is returned without building expert sets.
+* An optional price per draft node (``draft_node_s``, e.g. for experts the predictor gets wrong,
+  :func:`uncertainty_price_s`) enters every node's weight; the ranking uses the priced time and
+  the selection reports the predicted time and the price apart.
+
+Expert sets are bitsets (:mod:`specfit.bitsets`); trees of up to 96 nodes are swept in plain
+Python, larger ones level by level in numpy.
 """
 
 from __future__ import annotations
