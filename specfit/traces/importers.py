@@ -66,7 +66,7 @@ def read_routing_log(path: str | Path) -> RoutingLog:
 
 def _read_npz(path: Path) -> RoutingLog:
     try:
-        data = np.load(path)
+        data = np.load(path, allow_pickle=False)   # never unpickle a user file
     except (OSError, ValueError) as exc:
         raise SpecFitError(f"{path}: not a readable .npz file ({exc})") from None
     missing = [k for k in ("expert_ids", "sequence_id", "token_id") if k not in data.files]
