@@ -154,7 +154,8 @@ def evaluate(tree: DraftTree, nodes, experts, cached, cost: CostModel, draft_lev
     union = expert_union(experts, nodes, cached.shape[1])
     hits = int(np.count_nonzero(union & cached))
     misses = int(np.count_nonzero(union)) - hits
-    time_s = cost.predict_counts(draft_levels, nodes.size, hits, misses)
+    c = cost   # the formula on scalars: predict_counts' array machinery costs more than the sum
+    time_s = c.draft_level_s * draft_levels + c.base_s + c.per_node_s * nodes.size + c.hit_s * hits + c.miss_s * misses
     return Selection(nodes=nodes, expected_tokens=tree.expected_tokens(nodes), time_s=float(time_s), hits=hits,
                      price_s=draft_node_s * (nodes.size - 1),
                      misses=misses, draft_levels=int(draft_levels))
