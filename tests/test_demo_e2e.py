@@ -33,6 +33,8 @@ def test_demo_quick_writes_the_report_with_identical_outputs(tmp_path):
     text = index.read_text()
     for section in ("Live decoding", "Simulation", "Calibration", "Early stopping"):
         assert section in text
+    assert "miss share" in text            # the per-layer cache heat map of the live runs
+    assert "Refit on" in text              # the profile was refitted on the warm-up decode
     cycles = pd.read_parquet(tmp_path / "decode" / "cycles.parquet")
     assert set(cycles["policy"]) == {"ar", "eagle3", "specfit"}
     summary = pd.read_parquet(tmp_path / "simulate" / "summary.parquet")
