@@ -298,7 +298,6 @@ class _InnerSolver:
 
     def solve(self, lam: float) -> np.ndarray:
         n, G = self.prob.n, self.n_groups
-        parents = self.parents
         weight = self.p - lam * self.own_cost
         weight[0] = 0.0
         gcost = lam * self.group_cost

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..runtime.decoder import device_now
 from ..runtime.model import MoETransformer, causal_mask
 from ..runtime.offload import ExpertOffload
 from ..tree import DraftTree
@@ -37,14 +38,6 @@ def random_tree(rng: np.random.Generator, n_nodes: int, vocab_size: int, max_dep
     parents = np.where(parents[order] >= 0, rank[np.maximum(parents[order], 0)], -1)
     return DraftTree(parents=parents, path_probs=0.5 ** depth[order].astype(np.float64),
                      tokens=rng.integers(0, vocab_size, n_nodes))
-
-
-def _now(device: torch.device) -> float:
-    import time
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 @torch.inference_mode()
@@ -71,9 +64,9 @@ def probe_cycles(model: MoETransformer, capacities, node_counts=(1, 2, 4, 8, 16,
             for n in rng.permutation(plan):
                 tree = random_tree(rng, int(n), vocab)
                 mask = np.concatenate([np.ones((tree.n_nodes, context_len), dtype=bool), tree.attention_mask()], axis=1)
-                start = _now(device)
+                start = device_now(device)
                 out = model(tree.tokens, tree.positions(context_len), torch.from_numpy(mask))
-                seconds = _now(device) - start
+                seconds = device_now(device) - start
                 c = out.offload
                 rows.append({"capacity": int(capacity), "n_nodes": int(n), "hits": c.total_hits,
                              "misses": c.total_misses, "bytes_h2d": c.total_bytes_h2d, "draft_levels": 0,
@@ -147,14 +140,14 @@ def probe_drafter_levels(model: MoETransformer, drafter, top_k: int = 4, levels:
     samples: dict[int, list[float]] = {}
     widths: dict[int, int] = {}
     for _ in range(repeats + 1):                       # the first tree warms up
-        start = _now(device)
+        start = device_now(device)
         tree = DynamicTree(session, root, root_output, top_k)
-        times = [_now(device) - start]                 # level 1: the root entry's top-k
+        times = [device_now(device) - start]                 # level 1: the root entry's top-k
         for _ in range(levels - 1):
-            start = _now(device)
+            start = device_now(device)
             frontier = tree.frontier
             tree.grow()
-            times.append(_now(device) - start)
+            times.append(device_now(device) - start)
             widths[len(times)] = len(frontier)
         widths[1] = 1
         for level, seconds in enumerate(times, start=1):

@@ -29,7 +29,7 @@ from .acceptance import greedy_accept, sample_accept, target_probs
 from .model import ForwardOutput, MoETransformer, causal_mask
 from .offload import OffloadCounters
 
-__all__ = ["Decoder", "DecodeResult", "Verification", "CycleStats", "DraftInfo"]
+__all__ = ["Decoder", "device_now", "DecodeResult", "Verification", "CycleStats", "DraftInfo"]
 
 
 @dataclass
@@ -190,25 +190,25 @@ class Decoder:
         self._ensure_kv_slots(committed_slots + tree_slots)
         totals = OffloadCounters.zeros(self.model.config.n_layers)
 
-        start = _now(self.model.device)
+        start = device_now(self.model.device)
         root, prefill = self.prefill(prompt_ids)
-        prefill_time_s = _now(self.model.device) - start
+        prefill_time_s = device_now(self.model.device) - start
         totals += prefill.offload
 
         output, cycle_tokens, cycles = [root], [], []
         stop_reason = "eos" if self._is_eos(root, ignore_eos) else "length"
         decode_bytes_h2d = 0
-        start = _now(self.model.device)
+        start = device_now(self.model.device)
         while stop_reason != "eos" and len(output) < max_new_tokens:
-            cycle_start = _now(self.model.device)
+            cycle_start = device_now(self.model.device)
             # a cycle commits at most depth + 1 tokens: deeper levels could never be used
             tree = self.draft(root, max_levels=max_new_tokens - len(output) - 1)
             nodes = self.select(tree)
             info = self.draft_info()
-            selected = _now(self.model.device)
+            selected = device_now(self.model.device)
             verification = self.verify(tree, nodes)
             committed = self.commit(tree, verification)
-            done = _now(self.model.device)
+            done = device_now(self.model.device)
             stats = CycleStats(nodes_drafted=tree.n_nodes, nodes_verified=int(np.size(nodes)),
                                committed_tokens=len(committed), draft_time_s=selected - cycle_start,
                                verify_time_s=done - selected, offload=verification.offload,
@@ -227,7 +227,7 @@ class Decoder:
             cycle_tokens.append(len(committed))
             root = committed[-1]
             self.end_cycle(tree, verification, stats)
-        decode_time_s = _now(self.model.device) - start
+        decode_time_s = device_now(self.model.device) - start
         return DecodeResult(prompt_ids=prompt_ids, output_ids=output, stop_reason=stop_reason,
                             prefill_time_s=prefill_time_s, decode_time_s=decode_time_s, n_cycles=len(cycle_tokens),
                             offload=totals, decode_bytes_h2d=decode_bytes_h2d, cycle_tokens=cycle_tokens,
@@ -270,10 +270,10 @@ class Decoder:
         nodes = np.asarray(nodes, dtype=np.int64)
         prefix_mask = np.ones((nodes.size, self.cache_len), dtype=bool)
         mask = np.concatenate([prefix_mask, tree.attention_mask(nodes)], axis=1)
-        start = _now(self.model.device)
+        start = device_now(self.model.device)
         out = self.model(tree.tokens[nodes], tree.positions(self.cache_len, nodes), torch.from_numpy(mask))
         verdicts = out.logits.argmax(dim=-1).cpu().numpy()
-        verify_time_s = _now(self.model.device) - start
+        verify_time_s = device_now(self.model.device) - start
         return Verification(nodes=nodes, verdicts=verdicts, logits=out.logits, expert_ids=out.expert_ids,
                             hidden=out.hidden, offload=out.offload, verify_time_s=verify_time_s,
                             transfer_time_s=self.model.offload.pass_transfer_time_s())
@@ -310,7 +310,7 @@ class Decoder:
             self.model.setup_kv_cache(n_slots)
 
 
-def _now(device: torch.device) -> float:
+def device_now(device: torch.device) -> float:
     """Wall-clock seconds, after the device has finished the work queued so far."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)

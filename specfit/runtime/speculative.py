@@ -31,7 +31,7 @@ from ..experts.predictors import slots_right
 from ..policies import CycleView, Policy, RerankPolicy, SpecFitPolicy
 from ..search import uncertainty_price_s
 from ..tree import DraftTree
-from .decoder import CycleStats, Decoder, DraftInfo, Verification, _now
+from .decoder import CycleStats, Decoder, DraftInfo, Verification, device_now
 from .eagle3 import DynamicTree, Eagle3Drafter, Eagle3Session
 from .model import MoETransformer
 from .predict import RouterPredictor
@@ -133,12 +133,12 @@ class SpeculativeDecoder(Decoder):
         drafting = None
         while (view.draft_levels < levels_cap and self._room_for_level(view)
                and self._timed(info, "search_time_s", self.policy.keep_drafting, view)):
-            start = _now(self.model.device)
+            start = device_now(self.model.device)
             if drafting is None:
                 drafting = DynamicTree(self.session, root_token, self._sync_drafter(), self.tree_top_k)
             else:
                 drafting.grow()
-            info.drafter_time_s += _now(self.model.device) - start
+            info.drafter_time_s += device_now(self.model.device) - start
             new = np.arange(experts.shape[0], len(drafting.tokens))
             parents = [drafting.parents[v] for v in new]
             context = torch.stack([drafting.output_hidden[p] for p in parents]) if self.drafter_context else None
