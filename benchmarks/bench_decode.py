@@ -1,5 +1,5 @@
 """Benchmark: speculative decoding on the CPU, several policies in one run, with the same job as
-``specfit decode`` (:func:`specfit.runtime.run.run_decode`).
+``specfit decode`` (:func:`specfit.runtime.decode_job.run_decode`).
 
 Prints, per policy: decode tokens/s, committed tokens per cycle, cycle time measured and
 predicted, bytes copied host-to-"device" per token, and where the cycle time goes: the drafter's
@@ -39,7 +39,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specfit.assets import demo_prompts_path, tiny_moe_dir, tiny_moe_eagle3_dir  # noqa: E402
-from specfit.runtime.run import DecodePlan, run_decode  # noqa: E402
+from specfit.runtime.decode_job import DecodePlan, run_decode  # noqa: E402
 
 
 def cycle_breakdown(cycles: list[dict], policy: str) -> dict:
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
     acceptance = profile = None
     if not args.no_warmup:
         from specfit.calibrate.presets import resolve_profile
-        from specfit.calibrate.run import refit
+        from specfit.calibrate.calibrate_job import refit
 
         acceptance = work / "full.parquet"
         warm = run_decode(plan(["ar", "chain:2", "eagle3:16:4"], out_dir=work / "warmup", record=acceptance,

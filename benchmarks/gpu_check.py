@@ -32,12 +32,12 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specfit.calibrate.run import CalibrationPlan, calibrate  # noqa: E402
+from specfit.calibrate.calibrate_job import CalibrationPlan, calibrate  # noqa: E402
 from specfit.calibrate.standin import random_model, shape_config  # noqa: E402
 from specfit.policies import make_policy  # noqa: E402
 from specfit.runtime.config import DTYPES  # noqa: E402
 from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
-from specfit.runtime.run import summarise_policy  # noqa: E402
+from specfit.runtime.decode_job import summarise_policy  # noqa: E402
 from specfit.runtime.speculative import SpeculativeDecoder  # noqa: E402
 
 POLICIES = ("ar", "eagle3", "specfit")

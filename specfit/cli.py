@@ -19,16 +19,6 @@ traces_app = typer.Typer(help="Record, synthesise, import, validate and inspect 
 app.add_typer(traces_app, name="traces")
 
 
-def fail(message: str) -> None:
-    """Print one clear error line and exit with status 2 (bad input, never a traceback)."""
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(2)
-
-
-def _not_yet(command: str) -> None:
-    fail(f"'specfit {command}' is not available yet in this version")
-
-
 @app.callback(invoke_without_command=True)
 def _main(version: bool = typer.Option(False, "--version", help="Print the version and exit.")) -> None:
     if version:
@@ -51,14 +41,9 @@ _COMMAND_MODULES = (
 def _register_all() -> None:
     import importlib
 
+    # a module that fails to import is a broken install: fail loudly rather than drop its command
     for name in _COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
-            continue
-        module.register(app, traces_app)
+        importlib.import_module(name).register(app, traces_app)
 
 
 _register_all()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import typer
 
-from .errors import SpecFitError
+from .errors import SpecFitError, fail
 
 __all__ = ["DemoPlan", "run_demo", "register", "whatif_scenarios"]
 
@@ -77,9 +77,9 @@ def _prompts_file(plan: DemoPlan, out: Path) -> Path:
 def run_demo(plan: DemoPlan, say=print, progress=None) -> dict:
     """Run every step; returns what the final table shows and the report's path."""
     from .assets import tiny_moe_dir, tiny_moe_eagle3_dir
-    from .calibrate.run import CalibrationPlan, calibrate, refit
+    from .calibrate.calibrate_job import CalibrationPlan, calibrate, refit
     from .report.build import build_report
-    from .runtime.run import DecodePlan, run_decode
+    from .runtime.decode_job import DecodePlan, run_decode
     from .runinfo import write_run_info
     from .simulate.replay import prepare_trace
     from .simulate.sweep import run_sweep
@@ -167,7 +167,6 @@ def demo_command(
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .cli import fail
 
     if threads:
         torch.set_num_threads(threads)

@@ -1,5 +1,21 @@
-"""The one exception type for bad user input: the CLI prints its message as one line, no traceback."""
+"""Bad user input: the one exception type, and the CLI's way of reporting it.
+
+Every command catches :class:`SpecFitError` and calls :func:`fail`, which prints the message as
+one line (no traceback) and exits with status 2.
+"""
+
+from __future__ import annotations
+
+__all__ = ["SpecFitError", "fail"]
 
 
 class SpecFitError(ValueError):
     """Bad input: a message naming the file, the field and what was expected."""
+
+
+def fail(message: str) -> None:
+    """Print one clear error line and exit with status 2 (bad input, never a traceback)."""
+    import typer
+
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(2)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from specfit.errors import SpecFitError
-from specfit.runtime.eagle3 import DynamicTree, Eagle3Config, Eagle3Drafter, Eagle3Session
+from specfit.runtime.drafting import DrafterSession, DynamicTree
+from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter
 
 VOCAB, DRAFT_VOCAB, TARGET_H = 64, 24, 40
 
@@ -259,7 +260,7 @@ def test_compact_kv_keeps_the_accepted_path():
 
 def test_chain_drafting_equals_step_by_step_greedy():
     drafter = random_drafter()
-    session = Eagle3Session(drafter, max_entries=32)
+    session = DrafterSession(drafter, max_entries=32)
     prefix_hidden, prefix_ids = features(6), tokens(6)
     root = session.commit(prefix_hidden, prefix_ids)
     chain = DynamicTree(session, root_token=int(prefix_ids[-1]), root_output=root, top_k=1)
@@ -279,7 +280,7 @@ def test_chain_drafting_equals_step_by_step_greedy():
 
 def test_dynamic_tree_is_connected_with_non_increasing_path_probs():
     drafter = random_drafter()
-    session = Eagle3Session(drafter, max_entries=64)
+    session = DrafterSession(drafter, max_entries=64)
     root = session.commit(features(6), tokens(6))
     drafting = DynamicTree(session, root_token=7, root_output=root, top_k=3)
     for _ in range(3):

@@ -15,12 +15,12 @@ from typer.testing import CliRunner
 from runtime_fixtures import VOCAB, make_tiny_model
 from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
 from speculative_fixtures import make_drafter
-from specfit.calibrate.run import RUN_CYCLE_COLUMNS
+from specfit.calibrate.calibrate_job import RUN_CYCLE_COLUMNS
 from specfit.cli import app
 from specfit.costmodel import CostModel
 from specfit.experts.cache import ExpertCache
 from specfit.policies import make_policy
-from specfit.runtime.run import DecodePlan, run_decode
+from specfit.runtime.decode_job import DecodePlan, run_decode
 from specfit.simulate.replay import prepare, replay
 from specfit.traces.format import read_trace
 

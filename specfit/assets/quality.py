@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..runtime.eagle3 import DynamicTree, Eagle3Drafter, Eagle3Session
+from ..runtime.drafting import DrafterSession, DynamicTree
+from ..runtime.eagle3 import Eagle3Drafter
 from ..runtime.config import ModelConfig
 from ..runtime.loader import load_model, load_tokenizer
 from . import corpus
@@ -92,7 +93,7 @@ def acceptance(model: TinyModel, prompt_ids: list[int], continuation: list[int],
     """
     sequence = list(prompt_ids) + list(continuation)
     features = model.run(sequence[:-1]).hidden          # features of every position but the last
-    session = Eagle3Session(model.drafter, len(sequence) + shape.depth * shape.top_k + 1)
+    session = DrafterSession(model.drafter, len(sequence) + shape.depth * shape.top_k + 1)
     prompt_len = len(prompt_ids)
     root_output = session.commit(features[:prompt_len], sequence[1: prompt_len + 1])
     committed = prompt_len + 1                           # prompt + the first token from the prefill

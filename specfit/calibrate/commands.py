@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import SpecFitError
+from ..errors import SpecFitError, fail
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
@@ -39,8 +39,7 @@ def calibrate_command(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..cli import fail
-    from . import run
+    from . import calibrate_job
 
     if threads:
         torch.set_num_threads(threads)
@@ -53,14 +52,14 @@ def calibrate_command(
             raise SpecFitError("--device cuda: no CUDA device is available here; use --device cpu")
         if (model is None) == (shape is None):
             raise SpecFitError("calibrate: pass exactly one of --model DIR or --shape NAME")
-        plan = run.CalibrationPlan(model_dir=model, shape=shape, layers=layers, drafter_dir=drafter, device=device,
+        plan = calibrate_job.CalibrationPlan(model_dir=model, shape=shape, layers=layers, drafter_dir=drafter, device=device,
                                    dtype=dtype, quick=quick, seed=seed)
         plan.validate()
         with Progress(TextColumn("[bold]calibrate"), BarColumn(), TextColumn("{task.completed}/{task.total} probes"),
                       TimeElapsedColumn(), console=console, disable=as_json) as bar:
             task = bar.add_task("probes", total=plan.n_steps)
-            prof = run.calibrate(plan, progress=lambda: bar.advance(task))
-        path = out or run.default_profile_path(prof.machine, prof.shape)
+            prof = calibrate_job.calibrate(plan, progress=lambda: bar.advance(task))
+        path = out or calibrate_job.default_profile_path(prof.machine, prof.shape)
         prof.save(path)
     except SpecFitError as exc:
         fail(str(exc))
@@ -93,9 +92,8 @@ def _summary(prof, path: Path, console) -> None:
 def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None:
     from rich.table import Table
 
-    from ..cli import fail
     from .presets import resolve_profile
-    from .run import refit
+    from .calibrate_job import refit
 
     if profile_spec is None:
         fail("--refit: pass --profile (the profile the runs were decoded with)")

@@ -127,7 +127,7 @@ def probe_drafter_levels(model: MoETransformer, drafter, top_k: int = 4, levels:
     the drafter), then EAGLE-2/3 dynamic trees of ``top_k`` are grown ``levels`` deep, each level
     timed with the tree's own bookkeeping, as the speculative decoder pays it.
     Rows: ``level``, ``width`` (nodes expanded), ``seconds`` (median over ``repeats`` trees)."""
-    from ..runtime.eagle3 import DynamicTree, Eagle3Session
+    from ..runtime.drafting import DrafterSession, DynamicTree
 
     rng = np.random.default_rng(seed)
     device = model.device
@@ -135,7 +135,7 @@ def probe_drafter_levels(model: MoETransformer, drafter, top_k: int = 4, levels:
     model.setup_kv_cache(max(model.max_seq_len, context_len + 1))
     out = model(context, np.arange(context_len), causal_mask(0, context_len))
     root = int(out.logits[-1].argmax())
-    session = Eagle3Session(drafter, context_len + levels * top_k * top_k + 1)
+    session = DrafterSession(drafter, context_len + levels * top_k * top_k + 1)
     root_output = session.commit(out.hidden, torch.tensor([*context[1:].tolist(), root]))
     samples: dict[int, list[float]] = {}
     widths: dict[int, int] = {}

@@ -54,6 +54,19 @@ class ModelShape:
         except (TypeError, ValueError):
             raise SpecFitError(f"{source}: field 'shape' must hold integers for the layer/expert counts and bytes") from None
 
+    @classmethod
+    def from_config(cls, config, dtype, name: str) -> "ModelShape":
+        """The shape of a model with this :class:`~specfit.runtime.config.ModelConfig`, its experts
+        stored in ``dtype`` (a torch dtype)."""
+        return cls(name, config.n_layers, config.n_experts, config.top_k, config.expert_bytes(dtype),
+                   config.hidden_size)
+
+    @classmethod
+    def from_trace_meta(cls, model: dict) -> "ModelShape":
+        """The shape a trace's ``model`` metadata describes."""
+        return cls(model["name"], model["n_layers"], model["n_experts"], model["top_k"], model["expert_bytes"],
+                   int(model.get("hidden_size", 0)))
+
     def same_shape(self, other: "ModelShape") -> bool:
         keys = ("n_layers", "n_experts", "top_k", "expert_bytes")
         return all(getattr(self, k) == getattr(other, k) for k in keys)

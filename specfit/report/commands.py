@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import SpecFitError
+from ..errors import SpecFitError, fail
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
@@ -20,7 +20,6 @@ def report_command(
     title: str = typer.Option("SpecFit report", "--title"),
 ) -> None:
     """Render one self-contained HTML report (predicted vs measured, policy comparisons, calibration)."""
-    from ..cli import fail
     from .build import build_report
 
     target = out or Path("reports") / (inputs[0].stem if inputs else "report")

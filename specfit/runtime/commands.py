@@ -9,8 +9,8 @@ from typing import Optional
 
 import typer
 
-from ..errors import SpecFitError
-from .run import CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE
+from ..errors import SpecFitError, fail
+from .decode_job import CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE
 
 __all__ = ["register", "decode"]
 
@@ -61,8 +61,7 @@ def decode(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..cli import fail
-    from .run import DecodePlan, run_decode
+    from .decode_job import DecodePlan, run_decode
 
     if threads:
         import torch

@@ -1,7 +1,7 @@
 """An independent small draft model as the drafter: any supported MoE architecture that shares the
 target's tokenizer.
 
-It plugs into the same level-by-level tree drafting as an EAGLE-3 head: :class:`Eagle3Session`
+It plugs into the same level-by-level tree drafting as an EAGLE-3 head: :class:`DrafterSession`
 and :class:`DynamicTree` call it exactly like one (tokens at explicit positions, a mask over its
 own KV cache, one call per tree level), but it reads only tokens — the target's features and the
 drafter's own outputs that EAGLE-3 feeds back are ignored.
@@ -14,15 +14,14 @@ i+1, so every position is shifted by one. The prompt's first token is never fed.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from ..errors import SpecFitError
-from .eagle3 import DraftOutput
+from .drafting import DraftOutput
 from .model import MoETransformer, causal_mask
 
-__all__ = ["DraftModelConfig", "ModelDrafter", "load_model_drafter"]
+__all__ = ["DraftModelConfig", "ModelDrafter"]
 
 
 @dataclass(frozen=True)
@@ -78,14 +77,3 @@ class ModelDrafter:
         # DynamicTree keeps each node's output to feed its children, which a language model does
         # not need: an empty state per entry
         return DraftOutput(logits=out.logits, hidden=out.logits.new_zeros((out.logits.shape[0], 0)))
-
-
-def load_model_drafter(drafter_dir: str | Path, device, dtype) -> ModelDrafter:
-    """A draft model from a Hugging Face MoE directory, every expert resident on the device (its
-    experts are few and read every level, so it is not offloaded)."""
-    from .config import ModelConfig
-    from .loader import load_model
-
-    config = ModelConfig.from_dir(drafter_dir)
-    model = load_model(drafter_dir, device=device, dtype=dtype, cache_experts=config.n_experts, capture_layers=())
-    return ModelDrafter(model)

@@ -11,6 +11,10 @@ in host memory, each expert once. Accepted layouts:
 
 Every tensor is checked against the shape the config implies; a missing or mis-shaped tensor is
 one error naming the tensor, its expected shape and the file.
+
+Drafters load here too (:func:`load_drafter`): an EAGLE-3 head (:mod:`specfit.runtime.eagle3`) or
+an independent small draft model of a supported MoE architecture (:mod:`specfit.runtime.draft_model`),
+told apart by their ``config.json``, checked against the target before their weights are read.
 """
 
 from __future__ import annotations
@@ -22,11 +26,14 @@ import torch
 from safetensors import safe_open
 
 from ..errors import SpecFitError
-from .config import DTYPES, ModelConfig
+from .config import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
+from .draft_model import ModelDrafter
+from .eagle3 import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Drafter
 from .model import MoETransformer
 from .offload import ExpertOffload, HostExperts
 
-__all__ = ["Checkpoint", "load_model", "load_tokenizer", "checkpoint_bytes"]
+__all__ = ["Checkpoint", "load_model", "load_tokenizer", "checkpoint_bytes", "load_drafter", "drafter_capture_layers",
+           "is_eagle3", "check_drafter"]
 
 _MOE_PREFIXES = ("mlp", "block_sparse_moe")
 # per-expert names of (gate, up, down)
@@ -136,6 +143,71 @@ def load_tokenizer(model_dir: str | Path):
         return Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception on malformed files
         raise SpecFitError(f"{path}: not a readable tokenizer file ({exc})") from None
+
+
+# ----------------------------------------------------------------- drafters
+def is_eagle3(drafter_dir: str | Path) -> bool:
+    """An EAGLE-3 head (its config names ``LlamaForCausalLMEagle3``) or an independent draft model
+    (a supported MoE architecture)."""
+    path = Path(drafter_dir) / "config.json"
+    try:
+        architectures = json.loads(path.read_text()).get("architectures") or []
+    except FileNotFoundError:
+        raise SpecFitError(f"{path}: no such file; expected an EAGLE-3 head or a draft model's config.json") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SpecFitError(f"{path}: not a readable JSON file ({exc})") from None
+    if EAGLE3_ARCHITECTURE in architectures:
+        return True
+    if any(a in SUPPORTED_ARCHITECTURES for a in architectures):
+        return False
+    raise SpecFitError(f"{path}: key 'architectures' is {architectures}; expected {EAGLE3_ARCHITECTURE} or a draft "
+                       f"model of {', '.join(SUPPORTED_ARCHITECTURES)}")
+
+
+def drafter_capture_layers(drafter_dir: str | Path, target: ModelConfig) -> tuple[int, ...] | None:
+    """The target layers whose inputs the drafter in ``drafter_dir`` reads (None: a draft model,
+    which reads none, or an EAGLE-3 head with the default layers), checked against ``target``."""
+    if not is_eagle3(drafter_dir):
+        return None
+    config = Eagle3Config.from_file(Path(drafter_dir) / "config.json")
+    config.check_target(target.vocab_size, target.hidden_size, source="target model")
+    aux = config.aux_hidden_state_layer_ids
+    if aux is not None and not all(0 <= layer < target.n_layers for layer in aux):
+        raise SpecFitError(f"{Path(drafter_dir) / 'config.json'}: key 'eagle_aux_hidden_state_layer_ids' is "
+                           f"{list(aux)}, but the target has {target.n_layers} layers")
+    return aux
+
+
+def load_drafter(drafter_dir: str | Path, model: MoETransformer):
+    """An EAGLE-3 head or an independent draft model from ``drafter_dir``, on ``model``'s device
+    and dtype, checked against it (load the target with :func:`drafter_capture_layers`)."""
+    drafter_capture_layers(drafter_dir, model.config)
+    if not is_eagle3(drafter_dir):
+        config = ModelConfig.from_dir(drafter_dir)
+        # a draft model's experts are few and read every level: all resident, never offloaded
+        drafter = ModelDrafter(load_model(drafter_dir, device=model.device, dtype=model.dtype,
+                                          cache_experts=config.n_experts, capture_layers=()))
+    else:
+        config = Eagle3Config.from_file(Path(drafter_dir) / "config.json")
+        # the target's embedding / lm_head stand in for tensors a checkpoint omits, which only
+        # works when the drafter is as wide as the target; a wider or narrower drafter carries its own
+        shared = config.hidden_size == model.config.hidden_size
+        drafter = Eagle3Drafter.from_pretrained(drafter_dir, target_embed=model.embed_tokens.weight if shared else None,
+                                                target_lm_head=model.lm_head.weight if shared else None,
+                                                device=model.device, dtype=model.dtype)
+    check_drafter(model, drafter, source=str(drafter_dir))
+    return drafter
+
+
+def check_drafter(model: MoETransformer, drafter, source: str = "drafter") -> None:
+    """One clear error when ``drafter`` was not made for ``model`` (vocabulary, hidden size,
+    feature layers)."""
+    drafter.check_target(model.config.vocab_size, model.config.hidden_size, source="target model")
+    aux = drafter.config.aux_hidden_state_layer_ids
+    if aux is not None and tuple(aux) != tuple(model.capture_layers):
+        raise SpecFitError(f"{source}: config key 'eagle_aux_hidden_state_layer_ids' is {list(aux)}, but the target "
+                           f"captures the inputs of layers {list(model.capture_layers)}; load the target with the "
+                           f"drafter's feature layers")
 
 
 # ----------------------------------------------------------------- helpers

@@ -25,29 +25,19 @@ import numpy as np
 import torch
 
 from ..costmodel import CostModel
-from ..errors import SpecFitError
 from ..experts.calibration import AcceptanceCalibrator
 from ..experts.predictors import slots_right
 from ..policies import CycleView, Policy, RerankPolicy, SpecFitPolicy
 from ..search import uncertainty_price_s
 from ..tree import DraftTree
 from .decoder import CycleStats, Decoder, DraftInfo, Verification, device_now
-from .eagle3 import DynamicTree, Eagle3Drafter, Eagle3Session
+from .drafting import DrafterSession, DynamicTree
+from .eagle3 import Eagle3Drafter
+from .loader import check_drafter
 from .model import MoETransformer
 from .predict import RouterPredictor
 
-__all__ = ["SpeculativeDecoder", "FullTreeDecoder", "check_drafter", "tree_capacity"]
-
-
-def check_drafter(model: MoETransformer, drafter: Eagle3Drafter, source: str = "drafter") -> None:
-    """One clear error when ``drafter`` was not made for ``model`` (vocabulary, hidden size,
-    feature layers)."""
-    drafter.check_target(model.config.vocab_size, model.config.hidden_size, source="target model")
-    aux = drafter.config.aux_hidden_state_layer_ids
-    if aux is not None and tuple(aux) != tuple(model.capture_layers):
-        raise SpecFitError(f"{source}: config key 'eagle_aux_hidden_state_layer_ids' is {list(aux)}, but the target "
-                           f"captures the inputs of layers {list(model.capture_layers)}; load the target with the "
-                           f"drafter's feature layers")
+__all__ = ["SpeculativeDecoder", "FullTreeDecoder", "tree_capacity"]
 
 
 def tree_capacity(top_k: int, levels: int) -> int:
@@ -94,7 +84,7 @@ class SpeculativeDecoder(Decoder):
         self.recorder = recorder
         self.price_uncertainty = bool(price_uncertainty)
         self._slots_seen = self._slots_right = 0      # expert predictions checked so far, and right
-        self.session: Eagle3Session | None = None
+        self.session: DrafterSession | None = None
         self._pending: list[tuple[torch.Tensor, list[int]]] = []   # (features, next tokens) not yet in the drafter
         self._drafter_entries = 0
         self._prompt_len = 0
@@ -114,7 +104,7 @@ class SpeculativeDecoder(Decoder):
         root, out = super().prefill(prompt_ids)
         self._pending.clear()
         if self.policy.max_levels > 0:
-            self.session = Eagle3Session(self.drafter, self._drafter_entries)
+            self.session = DrafterSession(self.drafter, self._drafter_entries)
             # entry i pairs the target's features at position i with the token that followed it
             self._pending.append((out.hidden, list(prompt_ids[1:]) + [root]))
         return root, out

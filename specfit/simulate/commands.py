@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import SpecFitError
+from ..errors import SpecFitError, fail
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
@@ -48,7 +48,6 @@ def simulate_command(
                                  "cache size and policy) on stdout."),
 ) -> None:
     """Replay traces through every policy with the same cache and cost model, and compare."""
-    from ..cli import fail
 
     try:
         cycles, summary = _simulate(traces, _split(profiles), _split([policies]), _parse_sizes(cache_experts), predictor,
@@ -104,8 +103,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
         trace = read_trace(path)
         with console.status(f"preparing {path} ...") if not quiet else _nothing():
             prepared.append(prepare_trace(name, trace, predictor, acceptance))
-        model = trace.model
-        shape = ModelShape(model["name"], model["n_layers"], model["n_experts"], model["top_k"], model["expert_bytes"])
+        shape = ModelShape.from_trace_meta(trace.model)
         scenarios[name] = []
         for spec in profiles:
             profile = resolve_profile(spec, shape, rescale=rescale)

@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 import typer
 
-from ..errors import SpecFitError
+from ..errors import SpecFitError, fail
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
@@ -40,7 +40,6 @@ def synth_command(
     as_json: bool = typer.Option(False, "--json", help="Print only the trace's statistics as JSON."),
 ) -> None:
     """Generate a synthetic position-indexed trace with checked routing and acceptance statistics."""
-    from ..cli import fail
     from .format import write_trace
     from .synth import RoutingParams, WORKLOADS, synthesize, with_drafter_overrides
 
@@ -77,7 +76,6 @@ def import_routing_command(
     as_json: bool = typer.Option(False, "--json", help="Print only the trace's statistics as JSON."),
 ) -> None:
     """Turn a real routing log into a trace: real committed-token experts, synthesised draft trees."""
-    from ..cli import fail
     from .format import write_trace
     from .importers import import_routing, model_for_log, read_routing_log
     from .synth import WORKLOADS, with_drafter_overrides
@@ -105,7 +103,6 @@ def import_routing_command(
 
 def validate_command(trace_file: Path = typer.Argument(..., help="Trace file (.parquet).")) -> None:
     """Check a trace file against the schema and every invariant the simulator relies on."""
-    from ..cli import fail
     from .format import read_trace, validate_trace
 
     try:
@@ -127,7 +124,6 @@ def inspect_command(
     from rich.console import Console
     from rich.table import Table
 
-    from ..cli import fail
     from .format import read_trace
     from .summary import summarise_trace
 

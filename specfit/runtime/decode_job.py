@@ -5,7 +5,7 @@ Outputs under ``--out DIR`` (rewritten atomically after every prompt, and once m
 interrupted, so every completed cycle survives):
 
 - ``decode.jsonl``: one object per (policy, prompt): output ids, text, tokens/s, bytes, hits;
-- ``cycles.parquet``: one row per cycle: the columns :data:`specfit.calibrate.run.RUN_CYCLE_COLUMNS`
+- ``cycles.parquet``: one row per cycle: the columns :data:`specfit.calibrate.calibrate_job.RUN_CYCLE_COLUMNS`
   that ``specfit calibrate --refit`` reads, plus policy, prompt, cycle, the draft / verify /
   target-pass / transfer / drafter / search times, bytes, nodes drafted, predicted time, tokens,
   hits and misses next to the measured ones (see :meth:`specfit.runtime.decoder.CycleStats.row`);
@@ -18,7 +18,6 @@ trace that the simulator replays exactly.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ import numpy as np
 from ..errors import SpecFitError
 from ..io import atomic_write, write_json_atomic, write_jsonl_atomic
 
-__all__ = ["DecodePlan", "DecodeRun", "run_decode", "load_drafter", "drafter_capture_layers", "summarise_policy", "OUTPUT_FILE", "CYCLES_FILE", "SUMMARY_FILE"]
+__all__ = ["DecodePlan", "DecodeRun", "run_decode", "summarise_policy", "OUTPUT_FILE", "CYCLES_FILE", "SUMMARY_FILE"]
 
 OUTPUT_FILE = "decode.jsonl"
 CYCLES_FILE = "cycles.parquet"
@@ -152,8 +151,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     import torch
 
     from .config import ModelConfig
-    from .eagle3 import Eagle3Config
-    from .loader import load_model, load_tokenizer
+    from .loader import drafter_capture_layers, load_drafter, load_model, load_tokenizer
     from .prompts import read_prompts
 
     say = status or (lambda message: None)
@@ -172,17 +170,13 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             raise SpecFitError(f"{plan.prompts_path}:{prompt.line}: {len(prompt.input_ids)} prompt tokens + "
                                f"--max-new-tokens {plan.max_new_tokens} exceed the model's max_position_embeddings "
                                f"({config.max_position_embeddings})")
-    drafter_config = None
-    if plan.drafter_dir is not None and _is_eagle3(plan.drafter_dir):
-        drafter_config = Eagle3Config.from_file(Path(plan.drafter_dir) / "config.json")
-        drafter_config.check_target(config.vocab_size, config.hidden_size, source="target model")
-        _check_feature_layers(drafter_config, config, plan.drafter_dir)
+    # the drafter's config is checked against the target's before any weight is read
+    capture = drafter_capture_layers(plan.drafter_dir, config) if plan.drafter_dir is not None else None
 
     say(f"loading {plan.model_dir}")
-    capture = drafter_config.aux_hidden_state_layer_ids if drafter_config else None
     model = load_model(plan.model_dir, device=device, dtype=dtype, cache_experts=plan.cache_experts,
                        capture_layers=capture)
-    drafter = _load_drafter(plan.drafter_dir, drafter_config, model) if plan.drafter_dir is not None else None
+    drafter = load_drafter(plan.drafter_dir, model) if plan.drafter_dir is not None else None
     profile, profile_path = _profile(plan, model, say)
     calibrator = _acceptance_calibrator(plan.acceptance_trace) if plan.acceptance_trace else None
 
@@ -237,94 +231,14 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
 
 
 # --------------------------------------------------------------------------- pieces
-def _check_feature_layers(drafter_config, config, drafter_dir) -> None:
-    aux = drafter_config.aux_hidden_state_layer_ids
-    if aux is not None and not all(0 <= layer < config.n_layers for layer in aux):
-        raise SpecFitError(f"{Path(drafter_dir) / 'config.json'}: key 'eagle_aux_hidden_state_layer_ids' is "
-                           f"{list(aux)}, but the target has {config.n_layers} layers")
-
-
-def _is_eagle3(drafter_dir: Path) -> bool:
-    """An EAGLE-3 head (its config names ``LlamaForCausalLMEagle3``) or an independent draft model
-    (a supported MoE architecture)."""
-    from .config import SUPPORTED_ARCHITECTURES
-    from .eagle3 import EAGLE3_ARCHITECTURE
-
-    path = Path(drafter_dir) / "config.json"
-    try:
-        architectures = json.loads(path.read_text()).get("architectures") or []
-    except FileNotFoundError:
-        raise SpecFitError(f"{path}: no such file; expected an EAGLE-3 head or a draft model's config.json") from None
-    except json.JSONDecodeError as exc:
-        raise SpecFitError(f"{path}: not valid JSON ({exc.msg})") from None
-    if EAGLE3_ARCHITECTURE in architectures:
-        return True
-    if any(a in SUPPORTED_ARCHITECTURES for a in architectures):
-        return False
-    raise SpecFitError(f"{path}: key 'architectures' is {architectures}; expected {EAGLE3_ARCHITECTURE} or a draft "
-                       f"model of {', '.join(SUPPORTED_ARCHITECTURES)}")
-
-
-def drafter_capture_layers(drafter_dir: Path) -> tuple[int, ...] | None:
-    """The target layers whose inputs an EAGLE-3 head reads (None: a draft model, or the
-    default)."""
-    from .eagle3 import Eagle3Config
-
-    if not _is_eagle3(drafter_dir):
-        return None
-    return Eagle3Config.from_file(Path(drafter_dir) / "config.json").aux_hidden_state_layer_ids
-
-
-def load_drafter(drafter_dir: Path, model):
-    """An EAGLE-3 head or an independent draft model from ``drafter_dir``, checked against
-    ``model`` (load the target with :func:`drafter_capture_layers`)."""
-    from .eagle3 import Eagle3Config
-
-    config = None
-    if _is_eagle3(drafter_dir):
-        config = Eagle3Config.from_file(Path(drafter_dir) / "config.json")
-        config.check_target(model.config.vocab_size, model.config.hidden_size, source="target model")
-        _check_feature_layers(config, model.config, drafter_dir)
-    return _load_drafter(drafter_dir, config, model)
-
-
-def _load_drafter(drafter_dir: Path, drafter_config, model):
-    from .eagle3 import Eagle3Drafter
-    from .speculative import check_drafter
-
-    if drafter_config is None:   # an independent draft model
-        from .draft_model import load_model_drafter
-
-        drafter = load_model_drafter(drafter_dir, device=model.device, dtype=model.dtype)
-        check_drafter(model, drafter, source=str(drafter_dir))
-        return drafter
-
-    # the target's embedding / lm_head stand in for tensors a checkpoint omits, which only works
-    # when the drafter is as wide as the target; a wider or narrower drafter carries its own
-    shared = drafter_config.hidden_size == model.config.hidden_size
-    drafter = Eagle3Drafter.from_pretrained(drafter_dir, target_embed=model.embed_tokens.weight if shared else None,
-                                            target_lm_head=model.lm_head.weight if shared else None,
-                                            device=model.device, dtype=model.dtype)
-    check_drafter(model, drafter, source=str(drafter_dir))
-    return drafter
-
-
-def model_shape(model, name: str):
-    """The :class:`~specfit.calibrate.profile.ModelShape` a profile for ``model`` must have."""
-    from ..calibrate.profile import ModelShape
-
-    c = model.config
-    return ModelShape(name, c.n_layers, c.n_experts, c.top_k, c.expert_bytes(model.dtype), c.hidden_size)
-
-
 def _profile(plan: DecodePlan, model, say):
     """(profile, path): ``--profile`` when given; else this machine's default profile for the
     model, calibrated (quickly, on the loaded model) and saved on first use."""
     from ..calibrate.presets import resolve_profile
-    from ..calibrate.profile import load_profile, machine_info
-    from ..calibrate.run import CalibrationPlan, calibrate, default_profile_path
+    from ..calibrate.profile import ModelShape, load_profile, machine_info
+    from ..calibrate.calibrate_job import CalibrationPlan, calibrate, default_profile_path
 
-    shape = model_shape(model, Path(plan.model_dir).name)
+    shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
     if plan.profile is not None:
         path = Path(plan.profile) if Path(plan.profile).suffix == ".json" else None
         return resolve_profile(plan.profile, shape, rescale=plan.rescale), path

@@ -101,15 +101,13 @@ def _load_target(plan: CalibrationPlan):
     if plan.model_dir is not None:
         from ..runtime.loader import load_model
 
-        capture = None
-        if plan.drafter_dir is not None:
-            from ..runtime.run import drafter_capture_layers
+        from ..runtime.config import ModelConfig
+        from ..runtime.loader import drafter_capture_layers
 
-            capture = drafter_capture_layers(plan.drafter_dir)
+        target = ModelConfig.from_dir(plan.model_dir)
+        capture = drafter_capture_layers(plan.drafter_dir, target) if plan.drafter_dir is not None else None
         model = load_model(plan.model_dir, device=device, dtype=plan.dtype, capture_layers=capture)
-        c = model.config
-        shape = ModelShape(Path(plan.model_dir).name, c.n_layers, c.n_experts, c.top_k, c.expert_bytes(model.dtype),
-                           c.hidden_size)
+        shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
         return model, shape, shape
     from .standin import SHAPE_CONFIGS, random_model, shape_config
 
@@ -122,10 +120,8 @@ def _load_target(plan: CalibrationPlan):
     full = shape_config(plan.shape)
     config = shape_config(plan.shape, plan.layers)
     model = random_model(config, device, dtype, seed=plan.seed)
-    probed = ModelShape(f"{plan.shape} ({config.n_layers} layers, random weights)", config.n_layers,
-                        config.n_experts, config.top_k, config.expert_bytes(dtype), config.hidden_size)
-    full_shape = ModelShape(plan.shape, full.n_layers, full.n_experts, full.top_k, full.expert_bytes(dtype),
-                            full.hidden_size)
+    probed = ModelShape.from_config(config, dtype, f"{plan.shape} ({config.n_layers} layers, random weights)")
+    full_shape = ModelShape.from_config(full, dtype, plan.shape)
     return model, probed, full_shape
 
 
@@ -134,7 +130,7 @@ def _load_drafter(plan: CalibrationPlan, model):
     is probed; None for a stand-in of a named shape (its draft level is a stand-in too)."""
     if plan.drafter_dir is None or plan.model_dir is None:
         return None
-    from ..runtime.run import load_drafter
+    from ..runtime.loader import load_drafter
 
     return load_drafter(plan.drafter_dir, model)
 
@@ -167,9 +163,8 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None) -> Profile:
     if model is None:
         model, probed, full = _load_target(plan)
     else:
-        c = model.config
         name = Path(plan.model_dir).name if plan.model_dir else "model"
-        probed = full = ModelShape(name, c.n_layers, c.n_experts, c.top_k, c.expert_bytes(model.dtype), c.hidden_size)
+        probed = full = ModelShape.from_config(model.config, model.dtype, name)
     device, dtype, c = model.device, model.dtype, model.config
     machine = machine_info()
 
