@@ -2,22 +2,29 @@
 
 A policy sees the cycle's tree level by level (a :class:`CycleView` after each drafted level) and
 answers two questions: ``keep_drafting(view)`` (draft another level?) and, once drafting stops,
-``select(view)`` (which ancestor-closed nodes to verify, with the predicted outcome). The simulator
-and the live decoder drive the same policy objects: the simulator through :func:`choose` on a
-recorded tree, the live decoder level by level as the drafter produces them.
+``select(view)`` (which ancestor-closed nodes to verify, with the predicted outcome). After the
+target has verified, both drivers tell the policy what the cycle revealed through
+:meth:`Policy.observe` (an :class:`Observation`). The simulator and the live decoder drive the same
+policy objects: the simulator through :func:`choose` on a recorded tree, the live decoder level by
+level as the drafter produces them.
 
-Policies, by spec string (:func:`make_policy`):
+Policies are built from spec strings by :func:`make_policy`; :data:`POLICIES` is the one registry of
+the grammar (:data:`POLICY_HELP` is written from it):
 
 - ``ar``: no speculation, the root alone.
-- ``chain:K``: draft K levels, verify the most probable chain (top child of the top child ...).
+- ``chain:K``: draft K levels of the drafter's top-1 (a chain), verify it.
 - ``eagle3[:N[:D]]``: EAGLE-2/3 dynamic tree: draft D levels (default 7), keep the N nodes
   (default 60, root included) with the highest path probabilities (rerank).
+- ``eagle3-nocache``: ``eagle3`` with no expert cache (every expert streamed), the "vanilla"
+  offloaded setup (simulator only).
 - ``static:N``: the same rerank with N nodes (root included) and depth N - 1 capped at the
   drafted depth: a fixed tree size.
+- ``static:auto``: ``static:N`` with the N that is best on the trace, cache size and cost model (a
+  strong baseline that knows the trace; simulator only, which tries every candidate).
 - ``specfit``: the exact max-throughput search after every level; stop drafting as soon as a level
   does not improve the best predicted throughput.
 - ``oracle``: knows the target's verdicts and true experts: drafts exactly the accepted path and
-  verifies the prefix of it with the best true throughput (an upper bound for the simulator).
+  verifies the prefix of it with the best true throughput (an upper bound, simulator only).
 """
 
 from __future__ import annotations
@@ -25,19 +32,19 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
 from .costmodel import CostModel
-from .search import Selection, best_subtree, evaluate, should_continue
+from .search import Selection, best_subtree, evaluate, should_continue, uncertainty_price_s
 from .tree import DraftTree
 
 __all__ = [
-    "CycleView", "Policy", "ArPolicy", "ChainPolicy", "RerankPolicy", "SpecFitPolicy", "OraclePolicy",
-    "make_policy", "choose", "POLICY_HELP",
+    "CycleView", "Observation", "Policy", "ArPolicy", "ChainPolicy", "RerankPolicy", "SpecFitPolicy", "OraclePolicy",
+    "TunedPolicy", "PolicySpec", "POLICIES", "POLICY_HELP", "DEFAULT_POLICIES", "make_policy", "choose",
+    "STATIC_AUTO_SIZES",
 ]
-
-POLICY_HELP = "ar, chain:K, eagle3[:N[:D]], static:N, specfit, oracle"
 
 
 @dataclass
@@ -78,15 +85,42 @@ class CycleView:
         return evaluate(self.tree, nodes, self.experts, self.cached, self.cost, self.draft_levels)
 
 
+@dataclass(frozen=True)
+class Observation:
+    """What verification revealed, reported to :meth:`Policy.observe` by either driver.
+
+    ``predicted_slots`` counts the (layer, rank) expert slots predicted for verified draft nodes,
+    ``predicted_slots_right`` those naming an expert the node really routed to; the live decoder
+    reports each cycle's, the simulator the whole trace's at once (its predictions are made for the
+    whole trace up front). ``resident_share`` is the share of each layer the expert cache can hold.
+    """
+
+    predicted_slots: int = 0
+    predicted_slots_right: int = 0
+    resident_share: float = 0.0
+
+
 class Policy(ABC):
-    """Base class. ``max_levels`` bounds drafting; subclasses override the two decisions."""
+    """Base class. ``max_levels`` bounds drafting; subclasses override the two decisions.
+
+    Class attributes a driver reads: ``needs_truth`` (decides with the target's verdicts: replay
+    only), ``draft_top_k`` (how the tree should be drafted: children per node and frontier width;
+    None means the run's setting), ``cache_capacity`` (an expert-cache size the policy imposes, None:
+    the run's), ``simulator_only`` (cannot run live).
+    """
 
     name = "policy"
     max_levels = 0
     needs_truth = False
+    draft_top_k: int | None = None
+    cache_capacity: int | None = None
+    simulator_only = False
 
     def begin_cycle(self) -> None:
         """Forget per-cycle state; called before level 0 of every cycle."""
+
+    def observe(self, observation: Observation) -> None:
+        """Learn from a verified cycle (or a whole trace); nothing by default."""
 
     def keep_drafting(self, view: CycleView) -> bool:
         return view.draft_levels < self.max_levels
@@ -107,11 +141,14 @@ class ArPolicy(Policy):
 
 
 class ChainPolicy(Policy):
-    """Draft K levels, verify the chain that follows the most probable child at each level."""
+    """Draft K levels, verify the chain that follows the most probable child at each level. Live,
+    the chain is drafted as a chain (top-1 at every level), as EAGLE's chain mode does."""
+
+    draft_top_k = 1
 
     def __init__(self, k: int):
-        if k < 0:
-            raise ValueError(f"chain:K: expected K >= 0, got {k}")
+        if k < 1:
+            raise ValueError(f"policy 'chain:{k}': expected K >= 1 draft levels (chain:0 would be ar)")
         self.max_levels = int(k)
         self.name = f"chain:{k}"
 
@@ -130,10 +167,13 @@ class RerankPolicy(Policy):
     included) with the highest path probability; a child never outscores its parent, so the kept
     set is connected (ties keep the earlier node, which a parent always is)."""
 
-    def __init__(self, total_nodes: int, depth: int, name: str):
-        if total_nodes < 1 or depth < 0:
-            raise ValueError(f"{name}: expected N >= 1 nodes and depth >= 0, got N={total_nodes}, depth={depth}")
+    def __init__(self, total_nodes: int, depth: int, name: str, cache_capacity: int | None = None):
+        if total_nodes < 2 or depth < 1:
+            raise ValueError(f"policy {name!r}: expected N >= 2 nodes (root included) and depth >= 1, got N={total_nodes}, "
+                             f"depth={depth} (a tree of the root alone is ar)")
         self.total_nodes, self.max_levels, self.name = int(total_nodes), int(depth), name
+        if cache_capacity is not None:     # a cache the run does not have: only a replay can impose it
+            self.cache_capacity, self.simulator_only = int(cache_capacity), True
 
     def select(self, view: CycleView) -> Selection:
         probs = view.tree.path_probs
@@ -148,10 +188,14 @@ class SpecFitPolicy(Policy):
 
     name = "specfit"
 
-    def __init__(self, max_levels: int = 8, draft_node_s: float = 0.0):
+    def __init__(self, max_levels: int = 8, price_uncertainty: bool = True):
         self.max_levels = int(max_levels)
-        # price per draft node for what its expert prediction misses (search.uncertainty_price_s)
-        self.draft_node_s = float(draft_node_s)
+        # price per draft node for the experts its prediction gets wrong (search.uncertainty_price_s),
+        # from the precision observed so far; 0 until a verified draft node has been observed
+        self.price_uncertainty = bool(price_uncertainty)
+        self._slots = self._slots_right = 0
+        self._resident_share = 0.0
+        self.draft_node_s = 0.0
         self._best: Selection | None = None
         self._previous: Selection | None = None
         self._levels = -1
@@ -164,8 +208,22 @@ class SpecFitPolicy(Policy):
         self._best = self._previous = None
         self._levels = -1
 
+    def observe(self, observation: Observation) -> None:
+        self._slots += observation.predicted_slots
+        self._slots_right += observation.predicted_slots_right
+        self._resident_share = observation.resident_share
+
+    def _price(self, view: CycleView) -> float:
+        if not self.price_uncertainty or not self._slots:
+            return 0.0
+        _, n_layers, top_k = view.experts.shape
+        return uncertainty_price_s(view.cost, n_layers, top_k, self._slots_right / self._slots,
+                                   resident_share=self._resident_share)
+
     def _search(self, view: CycleView) -> Selection:
         if self._levels != view.draft_levels or self._best is None:
+            if self._levels < 0:
+                self.draft_node_s = self._price(view)    # one price per cycle
             self._previous = self._best
             # the previous level's answer is still a valid subtree: a warm start for Dinkelbach
             start = None if self._previous is None else self._previous.nodes
@@ -241,6 +299,7 @@ class OraclePolicy(Policy):
 
     name = "oracle"
     needs_truth = True
+    simulator_only = True
 
     def __init__(self, max_levels: int = 64):
         self.max_levels = int(max_levels)
@@ -265,29 +324,81 @@ class OraclePolicy(Policy):
         return best
 
 
+class TunedPolicy(RerankPolicy):
+    """A family of fixed policies of which a driver that can replay them all (the simulator) keeps
+    the best: ``static:auto`` is ``static:N`` for the best N of :meth:`candidates`. Run alone it
+    behaves like its first candidate's rerank, which no driver does."""
+
+    simulator_only = True
+
+    def __init__(self, name: str, sizes: tuple[int, ...], max_levels: int):
+        super().__init__(sizes[0], max(1, min(sizes[0] - 1, max_levels)), name=name)
+        self.sizes, self.max_levels_cap = tuple(sizes), int(max_levels)
+
+    def candidates(self, max_nodes: int) -> list[Policy]:
+        """The fixed policies to try on trees of at most ``max_nodes`` nodes."""
+        sizes = [n for n in self.sizes if n <= max_nodes] or [max(2, max_nodes)]
+        return [make_policy(f"static:{n}", self.max_levels_cap) for n in sizes]
+
+
+# static:auto tries these tree sizes (root included)
+STATIC_AUTO_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """One entry of the policy grammar: ``name`` with up to ``n_args`` integer parameters (or the
+    literal forms in ``grammar``), built by ``build(args, max_levels)``."""
+
+    grammar: str
+    help: str
+    build: Callable[[list[int], int], Policy]
+    n_args: tuple[int, ...] = (0,)
+
+
+def _rerank(name: str):
+    def build(args: list[int], max_levels: int) -> Policy:
+        total, depth = (args + [60, 7][len(args):])[:2]
+        return RerankPolicy(total, depth, name=name if not args else f"{name}:" + ":".join(map(str, args)))
+    return build
+
+
+POLICIES: dict[str, PolicySpec] = {
+    "ar": PolicySpec("ar", "no speculation", lambda a, m: ArPolicy()),
+    "chain": PolicySpec("chain:K", "a chain of K draft tokens", lambda a, m: ChainPolicy(a[0]), n_args=(1,)),
+    "eagle3": PolicySpec("eagle3[:N[:D]]", "EAGLE-3's tree: N nodes (60) of D levels (7)", _rerank("eagle3"),
+                         n_args=(0, 1, 2)),
+    "eagle3-nocache": PolicySpec("eagle3-nocache", "eagle3 with no expert cache (simulator)",
+                                 lambda a, m: RerankPolicy(60, 7, name="eagle3-nocache", cache_capacity=0)),
+    "static": PolicySpec("static:N|static:auto", "the best N nodes of the tree; auto: the best N on the trace "
+                         "(simulator)", lambda a, m: RerankPolicy(a[0], max(1, min(a[0] - 1, m)), name=f"static:{a[0]}"),
+                         n_args=(1,)),
+    "specfit": PolicySpec("specfit[:D]", "exact max-throughput subtree, level stopping (D levels at most)",
+                          lambda a, m: SpecFitPolicy(a[0] if a else m), n_args=(0, 1)),
+    "oracle": PolicySpec("oracle", "knows the verdicts (simulator, an upper bound)", lambda a, m: OraclePolicy(64)),
+}
+POLICY_HELP = ", ".join(spec.grammar for spec in POLICIES.values())
+# what `specfit simulate` compares by default
+DEFAULT_POLICIES = ("ar", "chain:4", "eagle3", "eagle3-nocache", "static:auto", "specfit", "oracle")
+
+
 def make_policy(spec: str, max_levels: int = 8) -> Policy:
-    """A policy from its spec string (see the module docstring); ``max_levels`` caps drafting for
-    ``specfit`` and ``oracle``."""
-    name, _, rest = str(spec).strip().partition(":")
-    args = rest.split(":") if rest else []
+    """A policy from its spec string (see the module docstring and :data:`POLICIES`);
+    ``max_levels`` caps drafting for ``specfit`` and ``static``."""
+    text = str(spec).strip()
+    if text == "static:auto":
+        return TunedPolicy("static:auto", STATIC_AUTO_SIZES, max_levels)
+    name, _, rest = text.partition(":")
+    entry = POLICIES.get(name) if name != "eagle3-nocache" or not rest else None
+    if entry is None:
+        raise ValueError(f"policy {spec!r}: expected one of {POLICY_HELP}")
     try:
-        nums = [int(a) for a in args]
+        args = [int(a) for a in rest.split(":")] if rest else []
     except ValueError:
         raise ValueError(f"policy {spec!r}: expected integer parameters, e.g. chain:4, static:8, eagle3:60:7") from None
-    if name == "ar" and not nums:
-        return ArPolicy()
-    if name == "chain" and len(nums) == 1:
-        return ChainPolicy(nums[0])
-    if name == "eagle3" and len(nums) <= 2:
-        total, depth = (nums + [60, 7][len(nums):])[:2]
-        return RerankPolicy(total, depth, name=spec)
-    if name == "static" and len(nums) == 1:
-        return RerankPolicy(nums[0], max(0, min(nums[0] - 1, max_levels)), name=spec)
-    if name == "specfit" and len(nums) <= 1:
-        return SpecFitPolicy(nums[0] if nums else max_levels)
-    if name == "oracle" and not nums:
-        return OraclePolicy(max_levels=64)
-    raise ValueError(f"policy {spec!r}: expected one of {POLICY_HELP}")
+    if len(args) not in entry.n_args:
+        raise ValueError(f"policy {spec!r}: expected {entry.grammar}")
+    return entry.build(args, max_levels)
 
 
 def choose(policy: Policy, view: CycleView) -> Selection:

@@ -10,6 +10,7 @@ from typing import Optional
 import typer
 
 from ..errors import SpecFitError, fail
+from ..policies import POLICY_HELP
 from .decode_job import CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE
 
 __all__ = ["register", "decode"]
@@ -27,7 +28,7 @@ def decode(
     cache_experts: int = typer.Option(..., "--cache-experts", help="Expert slots per layer on the device (0 streams every expert)."),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="EAGLE-3 drafter directory (published format); "
                                            "every policy but ar needs one."),
-    policy: str = typer.Option("ar", "--policy", help="Decoding policy: ar, chain:K, eagle3[:N[:D]], static:N, specfit."),
+    policy: str = typer.Option("ar", "--policy", help=f"Decoding policy: {POLICY_HELP} (live: all but the simulator's)."),
     policies: Optional[str] = typer.Option(None, "--policies", help="Several policies, comma-separated, each decoding "
                                            "every prompt (replaces --policy), e.g. ar,eagle3,specfit."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Hardware profile the policies predict with: a preset "

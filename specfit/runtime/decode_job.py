@@ -75,6 +75,9 @@ class DecodePlan:
             if p.needs_truth:
                 raise SpecFitError(f"--policy {p.name}: knows the target's verdicts in advance, which only a recorded "
                                    f"trace can offer; use it with `specfit simulate`")
+            if p.simulator_only:
+                raise SpecFitError(f"--policy {p.name}: only a replay can run it (it imposes its own cache or is tuned "
+                                   f"on a trace); use it with `specfit simulate`")
         drafting = [p.name for p in policies if p.max_levels > 0]
         if (drafting or self.record_full) and self.drafter_dir is None:
             raise SpecFitError(f"--policy {(drafting or ['(--record-full)'])[0]}: needs a drafter (--drafter DIR, an "
@@ -272,8 +275,7 @@ def _decoder(plan, model, drafter, policy, cost, calibrator, recorder):
 
 
 def _tree_top_k(plan: DecodePlan, policy) -> int:
-    # a chain is drafted as a chain (top-1 at every level), as EAGLE's chain mode does
-    return 1 if policy.name.startswith("chain") else plan.tree_top_k
+    return plan.tree_top_k if policy.draft_top_k is None else policy.draft_top_k
 
 
 def _full_decoder(plan, model, drafter, cost, recorder):

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from ..errors import SpecFitError, fail
+from ..policies import DEFAULT_POLICIES, POLICY_HELP
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
@@ -24,9 +25,7 @@ def simulate_command(
     traces: list[Path] = typer.Option(..., "--trace", help="Position-indexed trace file; repeat for several."),
     profiles: list[str] = typer.Option(["pcie4"], "--profile", help="Preset (pcie4, pcie5, gh200) or profile JSON; "
                                        "repeat or comma-separate for several."),
-    policies: str = typer.Option("ar,chain:4,eagle3,eagle3-nocache,static:auto,specfit,oracle", "--policies",
-                                 help="Comma-separated: ar, chain:K, eagle3[:N[:D]], eagle3-nocache, static:N, "
-                                      "static:auto, specfit, oracle."),
+    policies: str = typer.Option(",".join(DEFAULT_POLICIES), "--policies", help=f"Comma-separated: {POLICY_HELP}."),
     cache_experts: str = typer.Option("0,16,32", "--cache-experts", help="Comma-separated cache sizes (experts per "
                                       "layer, or in total with --cache-mode global)."),
     predictor: str = typer.Option("oracle", "--predictor", help="Expert predictor the policies decide with: oracle, "

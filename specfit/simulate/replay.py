@@ -92,7 +92,10 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
     layer_base = (np.arange(trace.n_layers) * trace.n_experts)[None, :, None]
     true_items = [(e + layer_base).reshape(e.shape[0], -1) for e in true]
     info = dict(info or {})
-    info.setdefault("slot_precision", _slot_precision(pred, true))
+    slots, right = _slots_right(pred, true)
+    info.setdefault("predicted_slots", slots)
+    info.setdefault("predicted_slots_right", right)
+    info.setdefault("slot_precision", right / slots if slots else 1.0)
     return PreparedTrace(name=name, trace=trace, predictor=predictor, level_trees=level_trees,
                          level_sizes=level_sizes, predicted=pred, true=true, verdicts=verdicts,
                          accepted=accepted,
@@ -116,14 +119,15 @@ def prepare_trace(name: str, trace: Trace, predictor: str = "oracle", acceptance
     return prepare(name, trace, cross_predict(predictor, trace), probs, predictor=predictor)
 
 
-def _slot_precision(predicted: list[np.ndarray], true: list[np.ndarray]) -> float:
-    """Share of the draft nodes' predicted (layer, expert) slots that the node really routes to:
-    what pricing prediction uncertainty (:func:`specfit.search.uncertainty_price_s`) needs."""
+def _slots_right(predicted: list[np.ndarray], true: list[np.ndarray]) -> tuple[int, int]:
+    """(predicted, right) (layer, expert) slots of the draft nodes: how many name an expert the
+    node really routes to, what pricing prediction uncertainty (:func:`specfit.search.uncertainty_price_s`)
+    needs."""
     from ..experts.predictors import slots_right
 
     right = sum(p[1:].size if p is t else slots_right(p[1:], t[1:]) for p, t in zip(predicted, true))
     total = sum(p[1:].size for p in predicted)
-    return right / total if total else 1.0
+    return int(total), int(right)
 
 
 def _union(items: np.ndarray, nodes: np.ndarray, n_items: int) -> np.ndarray:

@@ -1,11 +1,9 @@
 """What-if sweeps: every policy on every trace, cache size and cost model, summarised.
 
-Policy specs are those of :func:`specfit.policies.make_policy` plus two simulator baselines:
-
-- ``eagle3-nocache``: EAGLE-3's default tree with no expert cache (every expert streamed), the
-  "vanilla" offloaded setup; listed in every cache-size group;
-- ``static:auto``: the fixed-size rerank tree ``static:N`` with the N that is best on this trace,
-  cache size and cost model (a strong baseline that knows the trace); ``static_n`` says which.
+Policy specs are those of :func:`specfit.policies.make_policy`. Two of them only a replay can run:
+a policy that imposes its own cache size (``eagle3-nocache``: no cache, listed in every cache-size
+group) and a tuned family (``static:auto``: every candidate ``static:N`` is replayed and the best on
+this trace, cache size and cost model is kept; ``static_n`` says which).
 """
 
 from __future__ import annotations
@@ -19,14 +17,11 @@ import pandas as pd
 from ..costmodel import CostModel
 from ..errors import SpecFitError
 from ..experts.cache import ExpertCache
-from ..policies import SpecFitPolicy, make_policy
-from ..search import uncertainty_price_s
+from ..policies import DEFAULT_POLICIES, Observation, Policy, TunedPolicy, make_policy
 from .replay import CycleLog, PreparedTrace, replay
 
-__all__ = ["Scenario", "run_sweep", "summarise", "STATIC_AUTO_SIZES", "DEFAULT_POLICIES", "check_policies"]
+__all__ = ["Scenario", "run_sweep", "summarise", "DEFAULT_POLICIES", "check_policies"]
 
-DEFAULT_POLICIES = ("ar", "chain:4", "eagle3", "eagle3-nocache", "static:auto", "specfit", "oracle")
-STATIC_AUTO_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 SUMMARY_KEYS = ("trace", "profile", "cache_experts", "policy")
 
 
@@ -41,23 +36,21 @@ class Scenario:
 def check_policies(specs: list[str], max_levels: int) -> None:
     """Fail early, with the CLI's wording, on a policy spec that cannot be built."""
     for spec in specs:
-        if spec in ("eagle3-nocache", "static:auto"):
-            continue
         try:
             make_policy(spec, max_levels=max_levels)
         except ValueError as exc:
-            raise SpecFitError(f"--policies: {exc}; or eagle3-nocache, static:auto") from None
+            raise SpecFitError(f"--policies: {exc}") from None
 
 
-def _run(prep: PreparedTrace, spec: str, capacity: int, cost: CostModel, cache_mode: str, cache_policy: str,
-         max_levels: int, price_uncertainty: bool = True) -> CycleLog:
+def _run(prep: PreparedTrace, policy: Policy, capacity: int, cost: CostModel, cache_mode: str,
+         cache_policy: str) -> CycleLog:
+    capacity = capacity if policy.cache_capacity is None else policy.cache_capacity
     cache = ExpertCache(prep.trace.n_layers, prep.trace.n_experts, capacity, mode=cache_mode,
                         policy=cache_policy, expert_bytes=prep.trace.expert_bytes)
-    policy = make_policy(spec, max_levels=max_levels)
-    if price_uncertainty and isinstance(policy, SpecFitPolicy):
-        # the search sees predicted experts; price what the predictor gets wrong per draft node
-        policy.draft_node_s = uncertainty_price_s(cost, prep.trace.n_layers, prep.trace.top_k,
-                                                  prep.info["slot_precision"], resident_share=cache.capacity_share)
+    # the trace's predictions are made up front: the policy learns their precision before the first cycle
+    policy.observe(Observation(predicted_slots=prep.info["predicted_slots"],
+                               predicted_slots_right=prep.info["predicted_slots_right"],
+                               resident_share=cache.capacity_share))
     return replay(prep, policy, cache, cost)
 
 
@@ -70,30 +63,36 @@ def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: l
     prices, per draft node, the experts its predictor gets wrong (the predictor's slot precision
     on the trace)."""
     check_policies(policies, max_levels)
+
+    def build(spec: str) -> Policy:
+        policy = make_policy(spec, max_levels=max_levels)
+        if not price_uncertainty and hasattr(policy, "price_uncertainty"):
+            policy.price_uncertainty = False
+        return policy
+
     cycle_frames, rows = [], []
     for prep in prepared:
         max_nodes = max(int(t[-1].n_nodes) for t in prep.level_trees)
-        static_sizes = [n for n in STATIC_AUTO_SIZES if n <= max_nodes] or [max_nodes]
         for scenario in scenarios:
-            nocache: CycleLog | None = None
+            imposed: dict[str, CycleLog] = {}     # policies with their own cache size run once per scenario
             for capacity in cache_sizes:
                 for spec in policies:
                     extra = {}
-                    if spec == "eagle3-nocache":
-                        if nocache is None:
-                            nocache = _run(prep, "eagle3", 0, scenario.cost, cache_mode, cache_policy, max_levels)
-                        log = nocache
-                    elif spec == "static:auto":
+                    policy = build(spec)
+                    if isinstance(policy, TunedPolicy):
                         best = None
-                        for n in static_sizes:
-                            cand = _run(prep, f"static:{n}", capacity, scenario.cost, cache_mode, cache_policy, max_levels)
-                            rate = cand.columns["committed_tokens"].sum() / cand.columns["charged_time_s"].sum()
+                        for cand in policy.candidates(max_nodes):
+                            log = _run(prep, cand, capacity, scenario.cost, cache_mode, cache_policy)
+                            rate = log.columns["committed_tokens"].sum() / log.columns["charged_time_s"].sum()
                             if best is None or rate > best[0]:
-                                best = (rate, n, cand)
+                                best = (rate, cand.total_nodes, log)
                         log, extra = best[2], {"static_n": best[1]}
+                    elif policy.cache_capacity is not None:
+                        if spec not in imposed:
+                            imposed[spec] = _run(prep, policy, capacity, scenario.cost, cache_mode, cache_policy)
+                        log = imposed[spec]
                     else:
-                        log = _run(prep, spec, capacity, scenario.cost, cache_mode, cache_policy, max_levels,
-                                   price_uncertainty)
+                        log = _run(prep, policy, capacity, scenario.cost, cache_mode, cache_policy)
                     keys = {"trace": prep.name, "profile": scenario.label, "cache_experts": capacity, "policy": spec}
                     frame = pd.DataFrame(log.columns)
                     frame.insert(0, "cycle", np.arange(len(frame)))
