@@ -37,8 +37,10 @@ from specfit.calibrate.standin import random_model, shape_config  # noqa: E402
 from specfit.policies import make_policy  # noqa: E402
 from specfit.runtime.config import DTYPES  # noqa: E402
 from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
+from specfit.accounting import live_row  # noqa: E402
 from specfit.runtime.decode_job import summarise_policy  # noqa: E402
-from specfit.runtime.speculative import SpeculativeDecoder  # noqa: E402
+from specfit.runtime.decoder import Decoder  # noqa: E402
+from specfit.runtime.drafting import Proposer  # noqa: E402
 
 POLICIES = ("ar", "eagle3", "specfit")
 
@@ -100,27 +102,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for spec in POLICIES:
         model.offload.reset()
         policy = make_policy(spec)
-        decoder = SpeculativeDecoder(model, drafter if policy.max_levels else None, policy, profile.cost,
-                                     tree_top_k=args.tree_top_k, seed=args.seed)
+        proposer = Proposer(drafter, args.tree_top_k) if policy.max_levels else None
+        decoder = Decoder(model, proposer, policy, profile.cost, seed=args.seed)
         decoder.generate(prompts[0], 4, ignore_eos=True)          # warm-up: kernels, allocator
         for index, prompt in enumerate(prompts):
             result = decoder.generate(prompt, args.new_tokens, ignore_eos=True)
             records.append({"policy": policy.name, "index": index, **result.to_dict()})
-            cycles.extend({"policy": policy.name, "prompt": index, "cycle": c, **s.row()} for c, s in enumerate(result.cycles))
-    summaries = [summarise_policy(p, records, cycles, model.offload.host.expert_bytes) for p in POLICIES]
+            cycles.extend({"policy": policy.name, "sequence": index, "cycle": c,
+                           **live_row(s, profile.cost, model.offload.host.expert_bytes, config.n_experts)}
+                          for c, s in enumerate(result.cycles))
+    summaries = [summarise_policy(p, records, cycles) for p in POLICIES]
 
     table = Table(title=f"gpu_check on {profile.machine.get('device_name', device)}: measured vs predicted "
                         f"({time.perf_counter() - started:.0f} s in all)")
-    for name in ("policy", "nodes", "tokens/cycle", "ms/cycle", "predicted", "median err", "MB H2D/cycle",
+    for name in ("policy", "nodes", "tokens/cycle", "ms/cycle", "predicted", "time MAPE", "MB H2D/cycle",
                  "H2D GB/s", "hit rate"):
         table.add_column(name, justify="left" if name == "policy" else "right")
     for s in summaries:
         rows = [c for c in cycles if c["policy"] == s["policy"]]
         moved = sum(c["bytes_h2d"] for c in rows)
         copy_s = sum(c["transfer_time_s"] for c in rows)
-        table.add_row(s["policy"], f"{s['nodes_verified']:.1f}", f"{s['tokens_per_cycle']:.2f}",
-                      f"{s['cycle_time_s'] * 1e3:.2f}", f"{s['predicted_time_s'] * 1e3:.2f}", f"{s['time_error']:.0%}",
-                      f"{s['bytes_h2d_per_cycle'] / 1e6:.1f}", f"{moved / copy_s / 1e9:.1f}" if copy_s else "-",
+        table.add_row(s["policy"], f"{s['nodes_per_cycle']:.1f}", f"{s['tokens_per_cycle']:.2f}",
+                      f"{s['time_per_cycle_s'] * 1e3:.2f}", f"{s['predicted_time_per_cycle_s'] * 1e3:.2f}",
+                      f"{s['time_mape']:.0%}", f"{s['bytes_per_cycle'] / 1e6:.1f}", f"{moved / copy_s / 1e9:.1f}" if copy_s else "-",
                       f"{s['hit_rate']:.2f}")
     console.print(table)
     return summaries

@@ -111,6 +111,11 @@ class CostModel:
         """Cycle time from counts; works on scalars or arrays."""
         return self.features(draft_levels, n_nodes, hits, misses) @ self.params
 
+    def time_s(self, draft_levels: int, n_nodes: int, hits: int, misses: int) -> float:
+        """Cycle time from counts, on scalars (the hot path's form of :meth:`predict_counts`)."""
+        return float(self.draft_level_s * draft_levels + self.base_s + self.per_node_s * n_nodes
+                     + self.hit_s * hits + self.miss_s * misses)
+
     def union_counts(self, experts, nodes, cached) -> tuple[int, int]:
         """(hits, misses) of the union of ``nodes``' experts against ``cached``."""
         union = expert_union(experts, nodes, cached.shape[1])

@@ -187,8 +187,8 @@ def demo_command(
     for s in result["decode"].summaries:
         table.add_row(s["policy"], f"{s['tokens_per_s']:.1f}",
                       f"{s['tokens_per_cycle']:.2f} ({s['predicted_tokens_per_cycle']:.2f})",
-                      f"{s['cycle_time_s'] * 1e3:.2f} ({s['predicted_time_s'] * 1e3:.2f})",
-                      f"{s['nodes_verified']:.1f}", f"{s['hit_rate']:.2f}")
+                      f"{s['time_per_cycle_s'] * 1e3:.2f} ({s['predicted_time_per_cycle_s'] * 1e3:.2f})",
+                      f"{s['nodes_per_cycle']:.1f}", f"{s['hit_rate']:.2f}")
     Console().print(table)
     summary = result["summary"]
     table = Table(title="What-if: the same workload at Qwen3-30B-A3B expert scale (presets, not measurements), "

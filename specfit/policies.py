@@ -42,7 +42,7 @@ from .tree import DraftTree
 
 __all__ = [
     "CycleView", "Observation", "Policy", "ArPolicy", "ChainPolicy", "RerankPolicy", "SpecFitPolicy", "OraclePolicy",
-    "TunedPolicy", "PolicySpec", "POLICIES", "POLICY_HELP", "DEFAULT_POLICIES", "make_policy", "choose",
+    "TunedPolicy", "PolicySpec", "POLICIES", "rerank", "POLICY_HELP", "DEFAULT_POLICIES", "make_policy", "choose",
     "STATIC_AUTO_SIZES",
 ]
 
@@ -176,10 +176,15 @@ class RerankPolicy(Policy):
             self.cache_capacity, self.simulator_only = int(cache_capacity), True
 
     def select(self, view: CycleView) -> Selection:
-        probs = view.tree.path_probs
-        order = np.lexsort((np.arange(probs.size), -probs))   # by probability desc, then index
-        keep = np.sort(order[: self.total_nodes])
-        return view.evaluate(view.tree.closure(keep))
+        return view.evaluate(rerank(view.tree, self.total_nodes))
+
+
+def rerank(tree: DraftTree, total_nodes: int) -> np.ndarray:
+    """EAGLE's rerank: the ``total_nodes`` nodes (root included) with the highest path probability,
+    ties to the earlier node; sorted ids of an ancestor-closed set."""
+    probs = tree.path_probs
+    order = np.lexsort((np.arange(probs.size), -probs))   # by probability desc, then index
+    return tree.closure(np.sort(order[:total_nodes]))
 
 
 class SpecFitPolicy(Policy):

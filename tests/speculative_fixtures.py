@@ -17,9 +17,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specfit.runtime.decoder import Decoder
+from specfit.runtime.drafting import Proposer
 from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter
 from specfit.runtime.loader import load_model
 from specfit.runtime.model import causal_mask
+
+
+def speculative_decoder(model, drafter, policy, cost, tree_top_k: int = 4, **options) -> Decoder:
+    """The decoder of ``policy`` with ``drafter`` as its proposer (none for a policy that never drafts)."""
+    proposer = Proposer(drafter, tree_top_k) if policy.max_levels else None
+    return Decoder(model, proposer, policy, cost, **options)
 
 
 def drafter_config(model, draft_vocab_size: int | None = None, **overrides) -> Eagle3Config:

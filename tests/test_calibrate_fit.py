@@ -78,7 +78,7 @@ def test_prediction_errors():
     err = prediction_errors([1.1, 0.9, 2.0], [1.0, 1.0, 2.0])
     assert err["mape"] == pytest.approx(0.2 / 3)
     assert err["max_ape"] == pytest.approx(0.1)
-    assert err["max_abs_err_s"] == pytest.approx(0.1)
+    assert err["max_abs_err"] == pytest.approx(0.1)
 
 
 def test_profile_round_trip(tmp_path):

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from specfit.errors import SpecFitError
-from specfit.runtime.drafting import DrafterSession, DynamicTree
+from specfit.policies import rerank
+from specfit.runtime.drafting import DrafterSession, TreeDraft
 from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter
 
 VOCAB, DRAFT_VOCAB, TARGET_H = 64, 24, 40
@@ -263,8 +264,8 @@ def test_chain_drafting_equals_step_by_step_greedy():
     session = DrafterSession(drafter, max_entries=32)
     prefix_hidden, prefix_ids = features(6), tokens(6)
     root = session.commit(prefix_hidden, prefix_ids)
-    chain = DynamicTree(session, root_token=int(prefix_ids[-1]), root_output=root, top_k=1)
-    for _ in range(3):
+    chain = TreeDraft(session, int(prefix_ids[-1]), lambda: root, top_k=1, max_levels=4)
+    for _ in range(4):
         chain.grow()
     tree = chain.tree()
     assert tree.parents.tolist() == [-1, 0, 1, 2, 3]
@@ -282,11 +283,13 @@ def test_dynamic_tree_is_connected_with_non_increasing_path_probs():
     drafter = random_drafter()
     session = DrafterSession(drafter, max_entries=64)
     root = session.commit(features(6), tokens(6))
-    drafting = DynamicTree(session, root_token=7, root_output=root, top_k=3)
-    for _ in range(3):
-        frontier = drafting.grow()
-        assert len(frontier) == 3
-    tree = drafting.tree(max_nodes=10)
+    drafting = TreeDraft(session, 7, lambda: root, top_k=3, max_levels=4)
+    for level in range(4):
+        added = drafting.grow()
+        assert added.size == (3 if level == 0 else 9) and len(drafting.frontier) == 3
+        assert np.all(drafting.depth[drafting.frontier] == level + 1)
+    full = drafting.tree()
+    tree = full.subtree(rerank(full, 10))
     assert tree.n_nodes == 10 and tree.max_depth <= 4
     assert np.all(tree.path_probs[1:] <= tree.path_probs[tree.parents[1:]])
     assert set(tree.tokens[1:].tolist()) <= set(DRAFT_IDS.tolist())

@@ -10,7 +10,8 @@ import pytest
 from specfit.errors import SpecFitError
 from specfit.experts.calibration import AcceptanceCalibrator, cross_calibrate, edge_outcomes
 from specfit.experts.predictors import (AffinityPredictor, ExpertPredictor, ParentPredictor, cross_predict,
-                                        cycle_folds, last_known_experts, make_predictor, union_quality)
+                                        cycle_folds, last_known_experts, make_predictor, predictor_from_dict,
+                                        union_quality)
 from specfit.traces.format import read_trace
 from specfit.traces.stats import set_overlap
 
@@ -32,19 +33,19 @@ def test_last_known_routing_is_the_previous_root(olmoe):
 
 
 def test_oracle_is_exact_and_parent_repeats_the_last_routing(olmoe):
-    np.testing.assert_array_equal(make_predictor("oracle").predict(olmoe), olmoe.true_experts)
+    np.testing.assert_array_equal(make_predictor("oracle").predict_trace(olmoe), olmoe.true_experts)
     parent = ParentPredictor().fit(olmoe)
-    pred = parent.predict(olmoe, [5])
+    pred = parent.predict_trace(olmoe, [5])
     assert (pred == last_known_experts(olmoe)[5]).all()   # every node of the cycle, siblings alike
 
 
 def test_affinity_learns_a_seen_token_exactly():
     trace = hand_trace()
     model = AffinityPredictor(prior_strength=0.0, sample=False).fit(trace)
-    pred = model.predict(trace)
+    pred = model.predict_trace(trace)
     np.testing.assert_array_equal(pred[trace.token == 50], [[[0]]])   # token 50 always routed to e0
     back = AffinityPredictor.from_dict(json.loads(json.dumps(model.to_dict())))
-    np.testing.assert_array_equal(back.predict(trace), pred)
+    np.testing.assert_array_equal(back.predict_trace(trace), pred)
 
 
 def test_affinity_siblings_get_different_predictions(olmoe):
@@ -60,7 +61,7 @@ def test_cross_fitting_never_sees_the_predicted_fold(olmoe):
     assert set(folds[olmoe.sequence == 0]) == {0} and set(folds[olmoe.sequence == 1]) == {1}
     # a predictor fitted on all cycles would reproduce the nodes it was fitted on far better than
     # a cross-fitted one reproduces unseen ones (per node: share of the true top-k predicted)
-    fitted_on_all = AffinityPredictor(sample=False).fit(olmoe).predict(olmoe)
+    fitted_on_all = AffinityPredictor(sample=False).fit(olmoe).predict_trace(olmoe)
     cross = cross_predict("affinity", olmoe, sample=False)
     seen = set_overlap(fitted_on_all, olmoe.true_experts).mean()
     unseen = set_overlap(cross, olmoe.true_experts).mean()
@@ -72,8 +73,8 @@ def test_make_predictor_rejects_unknown_names_and_recorded_needs_data(olmoe):
     with pytest.raises(SpecFitError, match="unknown predictor 'crystal'"):
         make_predictor("crystal")
     with pytest.raises(SpecFitError, match="no recorded predictions"):
-        make_predictor("recorded").predict(olmoe)
-    assert isinstance(ExpertPredictor.from_dict({"predictor": "oracle"}), ExpertPredictor)
+        make_predictor("recorded").predict_trace(olmoe)
+    assert isinstance(predictor_from_dict({"predictor": "oracle"}), ExpertPredictor)
 
 
 def test_union_quality_counts():
@@ -101,3 +102,18 @@ def test_calibrated_path_probabilities_are_valid_trees(olmoe):
 
         DraftTree(parents=olmoe.parent[r].astype(np.int64), path_probs=probs[r])   # validates monotonicity
     assert probs[olmoe.offsets[:-1]].tolist() == [1.0] * olmoe.n_cycles
+
+
+def test_affinity_learned_online_equals_fitted_on_the_same_routings(olmoe):
+    """The live decoder learns the table cycle by cycle (update); the simulator fits it on a trace at
+    once. On the same routed tokens both give the same table and the same predictions."""
+    known = olmoe.true_known
+    fitted = AffinityPredictor(sample=False).fit(olmoe)
+    online = AffinityPredictor(sample=False)
+    rows = np.flatnonzero(known)
+    for chunk in np.array_split(rows, 7):                 # in several updates, as cycles come
+        online.update(olmoe.token[chunk], olmoe.true_experts[chunk], olmoe.n_experts)
+    for name in ("tokens_", "occurrences_", "keys_", "counts_"):
+        np.testing.assert_array_equal(getattr(online, name), getattr(fitted, name), err_msg=name)
+    np.testing.assert_allclose(online.popularity_, fitted.popularity_)
+    np.testing.assert_array_equal(online.predict_trace(olmoe, [3, 4]), fitted.predict_trace(olmoe, [3, 4]))

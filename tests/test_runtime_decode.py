@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from runtime_fixtures import FAMILIES, N_EXPERTS, VOCAB, load_reference, make_tiny_model
 from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
 from specfit.cli import app
-from specfit.runtime.decoder import Decoder
+from specfit.runtime.decoder import Decoder, Draft
 from specfit.runtime.loader import load_model
 from specfit.tree import DraftTree
 
@@ -89,22 +89,24 @@ def test_verify_and_commit_accept_the_matching_path(model_dirs):
     plain = Decoder(model).generate(prompt, 8, ignore_eos=True).output_ids
 
     decoder = Decoder(model)
-    decoder._ensure_kv_slots(len(prompt) + 16)
+    model.setup_kv_cache(len(prompt) + 16)
     root, _ = decoder.prefill(prompt)
     # root -> plain[1] -> plain[2] is the target's own continuation; the wrong siblings (nodes 1
     # and 3) are verified too and must be dropped
     wrong = (plain[1] + 1) % VOCAB
     tree = DraftTree(parents=np.array([-1, 0, 0, 2, 2]), path_probs=np.array([1.0, 0.9, 0.5, 0.4, 0.3]),
                      tokens=np.array([root, wrong, plain[1], wrong, plain[2]]))
-    verification = decoder.verify(tree, np.arange(tree.n_nodes))
-    committed = decoder.commit(tree, verification)
-    assert [root] + committed == plain[:4]
+    draft = Draft(tree=tree, experts=np.zeros((5, 0, 0), dtype=np.int64), edge_logprob=np.zeros(5),
+                  nodes=np.arange(tree.n_nodes), selection=None)
+    verification = decoder.verify(tree, draft.nodes)
+    committed = decoder.commit(draft, verification)
+    assert committed.path.tolist() == [0, 2, 4] and [root] + committed.tokens == plain[:4]
     assert decoder.cache_len == len(prompt) + 3
     # continue autoregressively from the compacted cache
-    token, output = committed[-1], [root] + committed
+    token, output = committed.tokens[-1], [root] + committed.tokens
     while len(output) < 8:
-        verification = decoder.verify(decoder.draft(token), [0])
-        token = decoder.commit(decoder.draft(token), verification)[-1]
+        draft = decoder.draft(token)                  # no proposer: the root alone
+        token = decoder.commit(draft, decoder.verify(draft.tree, draft.nodes)).tokens[-1]
         output.append(token)
     assert output == plain
 

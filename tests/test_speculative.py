@@ -9,15 +9,16 @@ import torch
 
 from runtime_fixtures import FAMILIES, VOCAB, load_reference, make_tiny_model
 from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
-from speculative_fixtures import make_drafter
+from speculative_fixtures import make_drafter, speculative_decoder
+from specfit.accounting import live_row
 from specfit.costmodel import CostModel
 from specfit.policies import make_policy
 from specfit.runtime.decoder import Decoder
 from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter
 from specfit.runtime.loader import load_model
 from specfit.runtime.model import causal_mask
-from specfit.runtime.predict import RouterPredictor
-from specfit.runtime.speculative import SpeculativeDecoder
+from specfit.experts.predictors import NodeBatch
+from specfit.experts.router import RouterPredictor
 from specfit.tree import DraftTree
 
 pytest.importorskip("transformers")
@@ -67,7 +68,7 @@ def test_greedy_output_equals_autoregressive_and_transformers_for_every_policy(c
         assert [Decoder(model).generate(p, NEW_TOKENS, ignore_eos=True).output_ids for p in prompts()] == expected
         for spec in POLICIES:
             policy = make_policy(spec, max_levels=6)
-            decoder = SpeculativeDecoder(model, drafter if policy.max_levels else None, policy, COST, tree_top_k=3)
+            decoder = speculative_decoder(model, drafter, policy, COST, tree_top_k=3)
             results = [decoder.generate(p, NEW_TOKENS, ignore_eos=True) for p in prompts()]
             for prompt, result, want in zip(prompts(), results, expected):
                 assert result.output_ids == want, f"{spec}, cache {cache_experts}, prompt of {len(prompt)} tokens"
@@ -87,7 +88,7 @@ def test_greedy_output_is_lossless_with_a_random_drafter_of_the_targets_width(ch
         drafter_dir = make_drafter(model_dir, tmp_path / f"drafter{seed}", seed=seed, draft_vocab_size=48)
         model, drafter = load(model_dir, drafter_dir, cache_experts=3)
         for spec in ("eagle3:12:3", "specfit"):
-            decoder = SpeculativeDecoder(model, drafter, make_policy(spec), COST, tree_top_k=top_k)
+            decoder = speculative_decoder(model, drafter, make_policy(spec), COST, tree_top_k=top_k)
             assert decoder.drafter_context
             outputs = [decoder.generate(p, NEW_TOKENS, ignore_eos=True).output_ids for p in prompts()]
             assert outputs == expected, f"seed {seed}, top-k {top_k}, {spec}"
@@ -95,12 +96,12 @@ def test_greedy_output_is_lossless_with_a_random_drafter_of_the_targets_width(ch
 
 def test_every_cycle_reports_measured_and_predicted(checkpoints):
     model, drafter = load(*checkpoints["mixtral"], cache_experts=2)
-    decoder = SpeculativeDecoder(model, drafter, make_policy("specfit"), COST, tree_top_k=3)
+    decoder = speculative_decoder(model, drafter, make_policy("specfit"), COST, tree_top_k=3)
     result = decoder.generate(prompts()[2], NEW_TOKENS, ignore_eos=True)
     assert sum(c.committed_tokens for c in result.cycles) == NEW_TOKENS - 1 == sum(result.cycle_tokens)
     for stats in result.cycles:
-        row = stats.row()
-        assert row["cycle_time_s"] == pytest.approx(row["draft_time_s"] + row["verify_time_s"])
+        row = live_row(stats, COST, model.offload.host.expert_bytes, model.config.n_experts)
+        assert row["measured_time_s"] == pytest.approx(row["draft_time_s"] + row["verify_time_s"])
         assert 0 < row["target_time_s"] <= row["verify_time_s"]
         assert row["drafter_time_s"] + row["search_time_s"] + row["predict_time_s"] <= row["draft_time_s"] + 1e-9
         assert row["bytes_h2d"] == row["misses"] * model.offload.host.expert_bytes
@@ -110,6 +111,11 @@ def test_every_cycle_reports_measured_and_predicted(checkpoints):
         assert row["nodes_verified"] == sel.n_nodes and row["predicted_time_s"] == sel.time_s
         assert row["predicted_tokens"] == pytest.approx(sel.expected_tokens)
         assert row["nodes_drafted"] >= row["nodes_verified"] >= 1
+        # the true union is what the offload moved; the cost model on it is the charged time
+        assert row["union_size"] == row["hits"] + row["misses"]
+        assert row["charged_time_s"] == pytest.approx(COST.time_s(row["draft_levels"], row["nodes_verified"],
+                                                                  row["hits"], row["misses"]))
+        assert 0 <= row["union_overlap"] <= min(row["union_size"], row["predicted_union_size"])
 
 
 def test_drafter_state_after_acceptance_equals_a_fresh_run(checkpoints):
@@ -117,10 +123,10 @@ def test_drafter_state_after_acceptance_equals_a_fresh_run(checkpoints):
     a from-scratch run over the committed sequence (with the target's features) would."""
     model, drafter = load(*checkpoints["qwen3_moe"], cache_experts=8)
     prompt = prompts()[1]
-    decoder = SpeculativeDecoder(model, drafter, make_policy("eagle3:16:4"), COST, tree_top_k=3)
+    decoder = speculative_decoder(model, drafter, make_policy("eagle3:16:4"), COST, tree_top_k=3)
     result = decoder.generate(prompt, NEW_TOKENS, ignore_eos=True)
     assert max(result.cycle_tokens) >= 3
-    live = decoder._sync_drafter()           # the pending accepted entries, as the next cycle would
+    live = decoder.proposer._sync()           # the pending accepted entries, as the next cycle would
     sequence = prompt + result.output_ids
     n = len(sequence)
     model.setup_kv_cache(n)
@@ -140,7 +146,7 @@ def test_tree_verification_equals_linear_sequences_and_compaction_keeps_the_path
     tree = DraftTree(parents=parents, path_probs=0.5 ** np.r_[0, 1, 1, 2, 2, 2, 3, 3].astype(float),
                      tokens=rng.integers(0, VOCAB, parents.size))
     decoder = Decoder(model)
-    decoder._ensure_kv_slots(len(prefix) + 16)
+    model.setup_kv_cache(len(prefix) + 16)
     decoder.prefill(prefix)
     verification = decoder.verify(tree, np.arange(tree.n_nodes))
 
@@ -170,7 +176,8 @@ def test_router_predictor_routes_an_embedding_like_the_target_and_tells_siblings
     model = load_model(checkpoints["qwen3_moe"][0], cache_experts=3)
     predictor = RouterPredictor(model)
     tokens = np.arange(12)
-    experts = predictor.predict(tokens)
+    unknown = np.full((12, model.config.n_layers, model.config.top_k), -1)
+    experts = predictor.predict(NodeBatch(tokens, unknown))
     assert experts.shape == (12, model.config.n_layers, model.config.top_k)
     # by hand: RMSNorm of the embedding, each layer's post-attention norm, its router's top-k
     x = model.embed_tokens.weight[torch.from_numpy(tokens)]
@@ -181,6 +188,6 @@ def test_router_predictor_routes_an_embedding_like_the_target_and_tells_siblings
         assert np.array_equal(np.sort(experts[:, layer], axis=1), np.sort(want, axis=1))
     # siblings (different tokens, same parent context) get different expert sets somewhere
     context = torch.randn(1, model.config.hidden_size).expand(12, -1)
-    with_context = predictor.predict(tokens, context)
+    with_context = predictor.predict(NodeBatch(tokens, unknown, context=context))
     assert len({e.tobytes() for e in np.sort(with_context, axis=2)}) > 1
     assert not np.array_equal(np.sort(with_context, axis=2), np.sort(experts, axis=2))

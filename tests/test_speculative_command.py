@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from runtime_fixtures import VOCAB, make_tiny_model
 from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
 from speculative_fixtures import make_drafter
+from specfit.accounting import CYCLE_COLUMNS, KEY_COLUMNS
 from specfit.calibrate.calibrate_job import RUN_CYCLE_COLUMNS
 from specfit.cli import app
 from specfit.costmodel import CostModel
@@ -62,11 +63,10 @@ def test_several_policies_decode_identically_and_write_measured_vs_predicted(che
     records = [json.loads(line) for line in (out / "decode.jsonl").read_text().splitlines()]
     assert [(r["policy"], r["index"]) for r in records] == [(p, i) for p in ("ar", "eagle3:12:4", "specfit") for i in range(3)]
     cycles = pd.read_parquet(out / "cycles.parquet")
-    for column in (*RUN_CYCLE_COLUMNS, "policy", "prompt", "cycle", "predicted_time_s", "draft_time_s",
-                   "verify_time_s", "transfer_time_s", "bytes_h2d", "nodes_drafted", "predicted_tokens",
-                   "committed_tokens", "predicted_hits", "predicted_misses"):
-        assert column in cycles.columns, column
-    per_prompt = cycles.groupby(["policy", "prompt"])["committed_tokens"].sum()
+    # the one per-cycle schema, the same columns a replay writes
+    assert list(cycles.columns) == [*KEY_COLUMNS, *(c.name for c in CYCLE_COLUMNS)]
+    assert set(RUN_CYCLE_COLUMNS) <= set(cycles.columns)
+    per_prompt = cycles.groupby(["policy", "sequence"])["committed_tokens"].sum()
     assert (per_prompt == NEW_TOKENS - 1).all()
     assert cycles.groupby("policy")["cycle"].count()["ar"] == 3 * (NEW_TOKENS - 1)
     eagle = cycles[cycles.policy == "eagle3:12:4"]
@@ -124,7 +124,7 @@ def test_live_trace_records_the_policys_cycles(checkpoint, tmp_path):
     verified = np.add.reduceat(trace.verified, trace.offsets[:-1])
     assert np.array_equal(verified, cycles["nodes_verified"])
     assert trace.verdict_known.sum() == trace.verified.sum() == trace.true_known.sum()
-    np.testing.assert_allclose(trace.measured["measured_time_s"], cycles["cycle_time_s"])
+    np.testing.assert_allclose(trace.measured["measured_time_s"], cycles["measured_time_s"])
     assert trace.meta["recording"]["policy"] == "eagle3:12:4"
 
 
@@ -144,7 +144,7 @@ def test_an_interrupted_run_keeps_every_completed_cycle(checkpoint, tmp_path):
     with pytest.raises(KeyboardInterrupt):
         run_decode(plan, on_record=stop_after_two)
     cycles = pd.read_parquet(out / "cycles.parquet")
-    assert sorted(set(cycles["prompt"])) == [0, 1] and len(cycles) == 2 * (NEW_TOKENS - 1)
+    assert sorted(set(cycles["sequence"])) == [0, 1] and len(cycles) == 2 * (NEW_TOKENS - 1)
     assert len((out / "decode.jsonl").read_text().splitlines()) == 2
     assert not [p for p in out.iterdir() if p.name.startswith(".")]      # no temporary file left
 
@@ -195,3 +195,69 @@ def test_bad_options_are_one_clear_error(checkpoint, args, message):
     assert result.exit_code == 2, result.output
     assert message in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("mode, eviction, capacity", [("per_layer", "lru", 3), ("per_layer", "lfu", 3),
+                                                       ("global", "lru", 10), ("global", "lfu", 10)])
+def test_a_live_run_and_a_replay_of_its_trace_count_the_same_hits_misses_and_bytes(checkpoint, tmp_path, mode,
+                                                                                     eviction, capacity):
+    """The cache is shared code: re-charging the recorded cycles through a fresh cache with the live
+    run's settings gives the live run's per-cycle traffic exactly, for every eviction policy and mode."""
+    from specfit.simulate.recorded import recharge
+
+    trace_path, out = tmp_path / "live.parquet", tmp_path / "run"
+    model_dir, drafter_dir, prompts = checkpoint
+    result = runner.invoke(app, ["decode", "--model", str(model_dir), "--drafter", str(drafter_dir), "--prompts",
+                                 str(prompts), "--cache-experts", str(capacity), "--cache-mode", mode, "--cache-policy",
+                                 eviction, "--device", "cpu", "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
+                                 "--policy", "eagle3:12:3", "--profile", "pcie4", "--record", str(trace_path),
+                                 "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    live = pd.read_parquet(out / "cycles.parquet")
+    trace = read_trace(trace_path)
+    replayed = recharge(trace, ExpertCache(trace.n_layers, trace.n_experts, capacity, mode=mode, policy=eviction,
+                                           expert_bytes=trace.expert_bytes))
+    assert len(replayed) == len(live) and live["misses"].sum() > 0 and live["hits"].sum() > 0
+    for column in ("hits", "misses", "bytes_h2d"):
+        np.testing.assert_array_equal(replayed[column].to_numpy(), live[column].to_numpy(), err_msg=column)
+    # without a cache the same cycles copy every expert of their unions: the cache did the saving
+    streamed = recharge(trace, ExpertCache(trace.n_layers, trace.n_experts, 0, mode=mode))
+    assert (streamed["hits"] == 0).all() and streamed["misses"].sum() > live["misses"].sum()
+
+
+def test_decode_refuses_an_unknown_cache_policy_before_loading(checkpoint):
+    result = decode(checkpoint, "--cache-policy", "mru")
+    assert result.exit_code == 2 and "--cache-policy" in result.output
+
+
+@pytest.mark.parametrize("predictor", ["affinity", "parent"])
+def test_every_live_predictor_decodes_losslessly_and_is_scored(checkpoint, tmp_path, predictor):
+    out = tmp_path / "run"
+    result = decode(checkpoint, "--policies", "ar,specfit", "--profile", "gh200", "--predictor", predictor,
+                    "--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert "greedy outputs identical across policies: yes" in result.stdout
+    cycles = pd.read_parquet(out / "cycles.parquet")
+    specfit = cycles[cycles.policy == "specfit"]
+    # the predictions the search used were checked against the verified nodes' true experts
+    assert (specfit["predicted_union_size"] > 0).all() and specfit["union_overlap"].sum() > 0
+
+
+def test_router_predictor_in_replay_routes_the_embedding_like_the_live_one(checkpoint, tmp_path):
+    from specfit.experts.predictors import NodeBatch
+    from specfit.experts.router import RouterPredictor
+    from specfit.runtime.loader import load_model
+    from specfit.simulate.replay import prepare_trace
+
+    model_dir = checkpoint[0]
+    trace_path = tmp_path / "full.parquet"
+    result = decode(checkpoint, "--policy", "ar", "--record", str(trace_path), "--record-full", "--max-levels", "2",
+                    "--profile", "pcie4")
+    assert result.exit_code == 0, result.output
+    trace = read_trace(trace_path)
+    prep = prepare_trace("full", trace, predictor="router", acceptance="raw", model_dir=model_dir)
+    model = load_model(model_dir)
+    live = RouterPredictor(model).predict(NodeBatch(trace.token, np.full(trace.true_experts.shape, -1)))
+    np.testing.assert_array_equal(np.concatenate(prep.predicted), live)
+    with pytest.raises(Exception, match="--model"):
+        prepare_trace("full", trace, predictor="router")

@@ -9,14 +9,13 @@ from scipy.stats import chisquare
 
 from runtime_fixtures import VOCAB, make_tiny_model
 from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
-from speculative_fixtures import make_drafter
+from speculative_fixtures import make_drafter, speculative_decoder
 from specfit.costmodel import CostModel
 from specfit.policies import make_policy
 from specfit.runtime.acceptance import sample_accept, target_probs
 from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter
 from specfit.runtime.loader import load_model
 from specfit.runtime.model import causal_mask
-from specfit.runtime.speculative import SpeculativeDecoder
 from specfit.tree import DraftTree
 
 COST = CostModel(base_s=2e-3, per_node_s=5e-5, hit_s=2e-5, miss_s=2e-4, draft_level_s=3e-4)
@@ -96,8 +95,8 @@ def test_speculative_sampling_matches_the_target_distribution_end_to_end(samplin
         marginal += p_first[token] * target_probs(logits, temperature)
     counts = np.zeros(VOCAB, dtype=np.int64)
     accepted = 0
-    decoder = SpeculativeDecoder(model, drafter, make_policy("eagle3:7:2"), COST, tree_top_k=2,
-                                 temperature=temperature, seed=123)
+    decoder = speculative_decoder(model, drafter, make_policy("eagle3:7:2"), COST, tree_top_k=2,
+                                  temperature=temperature, seed=123)
     for _ in range(700):
         result = decoder.generate(prompt, 3, ignore_eos=True)     # one level can be drafted
         counts[result.output_ids[1]] += 1

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..runtime.drafting import DrafterSession, DynamicTree
+from ..policies import rerank
+from ..runtime.drafting import DrafterSession, TreeDraft
 from ..runtime.eagle3 import Eagle3Drafter
 from ..runtime.config import ModelConfig
 from ..runtime.loader import load_model, load_tokenizer
@@ -99,10 +100,11 @@ def acceptance(model: TinyModel, prompt_ids: list[int], continuation: list[int],
     committed = prompt_len + 1                           # prompt + the first token from the prefill
     per_cycle = []
     while committed + shape.depth < len(sequence):
-        drafting = DynamicTree(session, sequence[committed - 1], root_output, shape.top_k)
-        for _ in range(shape.depth - 1):
+        drafting = TreeDraft(session, sequence[committed - 1], lambda out=root_output: out, shape.top_k, shape.depth)
+        for _ in range(shape.depth):
             drafting.grow()
-        tree = drafting.tree(shape.max_nodes)
+        full = drafting.tree()
+        tree = full.subtree(rerank(full, shape.max_nodes))
         # the target's greedy token after a node at depth d is sequence[committed + d] on the right path
         verdicts = np.array([sequence[committed + d] for d in tree.depth])
         n_new = len(tree.accepted_path(verdicts))      # accepted draft tokens + the bonus token

@@ -28,7 +28,7 @@ from .profile import ModelShape, Profile, machine_info
 __all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "default_profile_path", "RUN_CYCLE_COLUMNS"]
 
 # what `specfit decode --out` writes per cycle (cycles.parquet) and a refit reads
-RUN_CYCLE_COLUMNS = ("draft_levels", "nodes_verified", "hits", "misses", "cycle_time_s")
+RUN_CYCLE_COLUMNS = ("draft_levels", "nodes_verified", "hits", "misses", "measured_time_s")
 
 
 @dataclass
@@ -225,6 +225,8 @@ def read_run_cycles(run_dir: str | Path) -> pd.DataFrame:
         df = pd.read_parquet(path)
     except Exception as exc:  # pyarrow raises several types for corrupt files
         raise SpecFitError(f"{path}: not a readable Parquet file ({exc})") from None
+    if "measured_time_s" not in df and "cycle_time_s" in df:      # written before the shared schema
+        df = df.rename(columns={"cycle_time_s": "measured_time_s"})
     missing = [c for c in RUN_CYCLE_COLUMNS if c not in df.columns]
     if missing:
         raise SpecFitError(f"{path}: missing column(s) {missing}; expected {list(RUN_CYCLE_COLUMNS)}")
@@ -244,7 +246,7 @@ def refit(profile: Profile, run_dirs, seed: int = 0, holdout_fraction: float = 0
     from ..costmodel import CostModel
 
     X = CostModel.features(df["draft_levels"], df["nodes_verified"], df["hits"], df["misses"])
-    y = df["cycle_time_s"].to_numpy(dtype=np.float64)
+    y = df["measured_time_s"].to_numpy(dtype=np.float64)
     fitter = CycleTimeFitter(holdout_fraction=holdout_fraction, seed=seed).fit(X, y, source="decode cycles")
     n_test = fitter.quality_["n_holdout"]
     test = np.random.default_rng(seed).permutation(len(y))[:n_test]

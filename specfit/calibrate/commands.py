@@ -84,7 +84,7 @@ def _summary(prof, path: Path, console) -> None:
     table.add_row("H2D overhead per copy (s)", f"{h2d.get('overhead_s', float('nan')):.3g}")
     held = fit.get("holdout") or {}
     table.add_row("held-out cycle MAPE", f"{held.get('mape', float('nan')):.1%} over {held.get('n', 0)} passes")
-    table.add_row("held-out max error (s)", f"{held.get('max_abs_err_s', float('nan')):.3g}")
+    table.add_row("held-out max error (s)", f"{held.get('max_abs_err', held.get('max_abs_err_s', float('nan'))):.3g}")
     table.add_row("probe time (s)", f"{fit.get('seconds', 0):.1f}")
     Console().print(table)
 
@@ -109,7 +109,7 @@ def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None
         table.add_column(col, justify="right")
     for label in ("before", "after"):
         e = comparison[label]
-        table.add_row(f"{label} refit", f"{e['mape']:.1%}", f"{e['max_abs_err_s']:.3g}")
+        table.add_row(f"{label} refit", f"{e['mape']:.1%}", f"{e.get('max_abs_err', e.get('max_abs_err_s')):.3g}")
     from rich.console import Console
 
     Console().print(table)

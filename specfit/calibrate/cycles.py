@@ -127,7 +127,7 @@ def probe_drafter_levels(model: MoETransformer, drafter, top_k: int = 4, levels:
     the drafter), then EAGLE-2/3 dynamic trees of ``top_k`` are grown ``levels`` deep, each level
     timed with the tree's own bookkeeping, as the speculative decoder pays it.
     Rows: ``level``, ``width`` (nodes expanded), ``seconds`` (median over ``repeats`` trees)."""
-    from ..runtime.drafting import DrafterSession, DynamicTree
+    from ..runtime.drafting import DrafterSession, TreeDraft
 
     rng = np.random.default_rng(seed)
     device = model.device
@@ -140,16 +140,14 @@ def probe_drafter_levels(model: MoETransformer, drafter, top_k: int = 4, levels:
     samples: dict[int, list[float]] = {}
     widths: dict[int, int] = {}
     for _ in range(repeats + 1):                       # the first tree warms up
-        start = device_now(device)
-        tree = DynamicTree(session, root, root_output, top_k)
-        times = [device_now(device) - start]                 # level 1: the root entry's top-k
-        for _ in range(levels - 1):
+        tree = TreeDraft(session, root, lambda: root_output, top_k, levels)
+        times = []
+        for _ in range(levels):                        # level 1: the root entry's top-k
             start = device_now(device)
-            frontier = tree.frontier
+            width = max(len(tree.frontier), 1)
             tree.grow()
             times.append(device_now(device) - start)
-            widths[len(times)] = len(frontier)
-        widths[1] = 1
+            widths[len(times)] = width
         for level, seconds in enumerate(times, start=1):
             samples.setdefault(level, []).append(seconds)
     return [{"level": level, "width": widths[level], "seconds": float(np.median(t[1:]))} for level, t in samples.items()]

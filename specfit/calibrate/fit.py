@@ -14,25 +14,11 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import nnls
 
+from ..accounting import prediction_errors
 from ..costmodel import PARAM_NAMES, CostModel
 from ..errors import SpecFitError
 
 __all__ = ["CycleTimeFitter", "prediction_errors"]
-
-
-def prediction_errors(predicted_s, measured_s) -> dict:
-    """MAPE, max absolute percentage error and max absolute error of predictions."""
-    predicted_s = np.asarray(predicted_s, dtype=np.float64)
-    measured_s = np.asarray(measured_s, dtype=np.float64)
-    if measured_s.size == 0:
-        return {"n": 0, "mape": float("nan"), "max_ape": float("nan"), "max_abs_err_s": float("nan")}
-    ape = np.abs(predicted_s - measured_s) / measured_s
-    return {
-        "n": int(measured_s.size),
-        "mape": float(ape.mean()),
-        "max_ape": float(ape.max()),
-        "max_abs_err_s": float(np.abs(predicted_s - measured_s).max()),
-    }
 
 
 class CycleTimeFitter:

@@ -1,100 +1,69 @@
 """Expert predictors: which experts a draft node will route to, before the target has run it.
 
 The cost of verifying a subtree depends on the experts of tokens the target has not processed
-yet, so policies decide with *predicted* experts. Predictors are scikit-learn shaped: hyper-
-parameters in the constructor, ``fit(trace, cycles)`` learns attributes ending in ``_`` from the
-nodes whose true experts the trace knows, ``predict(trace, cycles)`` returns
-``int16 [nodes of those cycles, layers, top_k]`` and is pure, ``to_dict()`` / ``from_dict()``
-round-trip through JSON.
+yet, so policies decide with *predicted* experts. Both drivers ask a predictor the same question
+with :meth:`ExpertPredictor.predict` on a :class:`NodeBatch` (the nodes' tokens, the most recent
+routing known, and, live, the drafter's state): the simulator once for every node of a trace, the
+live decoder once per drafted level. Predictors are scikit-learn shaped: hyper-parameters in the
+constructor, ``fit(trace, cycles)`` learns attributes ending in ``_`` from the nodes whose true
+experts a trace knows, ``update(tokens, experts)`` learns from nodes the target has just verified
+(the live decoder calls it every cycle), ``predict`` returns ``int [nodes, layers, top_k]`` and is
+pure, ``to_dict()`` / ``from_dict()`` round-trip through JSON.
 
 At draft time the target has processed every committed token except the root (the previous
 cycle's bonus token), so the most recent routing known is the token before the root: in a
-position-indexed trace the root of the previous position (:func:`last_known_experts`).
+position-indexed trace the root of the previous position (:func:`last_known_experts`), live the
+last token the previous cycle committed before its bonus.
 
 - ``oracle``: the true experts (isolates search quality from prediction quality);
 - ``recorded``: the predictions stored in the trace by the live recorder;
 - ``parent``: every node gets the most recent known routing (temporal locality); siblings get
   identical predictions, which makes extra nodes look free;
 - ``affinity``: a token -> experts frequency table fitted from traces, blended with the most
-  recent known routing and the layer's popularity for tokens seen rarely or never.
+  recent known routing and the layer's popularity for tokens seen rarely or never;
+- ``router`` (:class:`specfit.experts.router.RouterPredictor`): the target's own routers applied to
+  an estimate of the node's hidden state (needs the target's weights).
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-
 import numpy as np
 
 from ..errors import SpecFitError
+from .predictor_base import ExpertPredictor, NodeBatch, last_known_experts, selected_rows as _selected_rows, trace_batch
 
-__all__ = ["ExpertPredictor", "OraclePredictor", "RecordedPredictor", "ParentPredictor", "AffinityPredictor",
-           "make_predictor", "PREDICTORS", "last_known_experts", "cross_predict", "union_quality", "slots_right"]
-
-
-def last_known_experts(trace) -> np.ndarray:
-    """[cycles, layers, top_k] the routing of the token before each cycle's root, -1 where none
-    is known (a sequence's first position, or a previous root without true experts)."""
-    out = np.full((trace.n_cycles, trace.n_layers, trace.top_k), -1, dtype=np.int16)
-    roots = trace.offsets[:-1]
-    follows = np.r_[False, (trace.sequence[1:] == trace.sequence[:-1]) & (trace.position[1:] == trace.position[:-1] + 1)]
-    c = np.flatnonzero(follows)
-    out[c] = trace.true_experts[roots[c - 1]]
-    return out
-
-
-def _selected_rows(trace, cycles) -> tuple[np.ndarray, np.ndarray]:
-    """(cycles, node rows of those cycles) for ``cycles`` (None: all)."""
-    cycles = np.arange(trace.n_cycles) if cycles is None else np.asarray(cycles, dtype=np.int64)
-    sizes = trace.offsets[cycles + 1] - trace.offsets[cycles]
-    rows = np.repeat(trace.offsets[cycles] - np.r_[0, np.cumsum(sizes)[:-1]], sizes) + np.arange(sizes.sum())
-    return cycles, rows
-
-
-class ExpertPredictor(ABC):
-    """Base class: ``fit`` does nothing, ``predict`` is each predictor's own."""
-
-    name = "predictor"
-
-    def fit(self, trace, cycles=None) -> "ExpertPredictor":
-        return self
-
-    @abstractmethod
-    def predict(self, trace, cycles=None) -> np.ndarray:
-        """int16 [nodes of ``cycles``, layers, top_k] predicted experts."""
-
-    def get_params(self) -> dict:
-        return {}
-
-    def to_dict(self) -> dict:
-        return {"predictor": self.name, "params": self.get_params()}
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "ExpertPredictor":
-        return make_predictor(d["predictor"], **d.get("params", {}))
+__all__ = ["NodeBatch", "ExpertPredictor", "OraclePredictor", "RecordedPredictor", "ParentPredictor",
+           "AffinityPredictor", "make_predictor", "predictor_from_dict", "PREDICTORS", "LIVE_PREDICTORS", "last_known_experts", "trace_batch",
+           "cross_predict", "union_quality", "slots_right"]
 
 
 class OraclePredictor(ExpertPredictor):
     """The true experts (needs a trace that knows them for every node)."""
 
     name = "oracle"
+    needs_truth = True
 
-    def predict(self, trace, cycles=None) -> np.ndarray:
-        _, rows = _selected_rows(trace, cycles)
-        if not trace.true_known[rows].all():
+    def predict(self, batch: NodeBatch) -> np.ndarray:
+        if batch.true_experts is None:
             raise SpecFitError("--predictor oracle: the trace does not know every node's true experts")
-        return trace.true_experts if cycles is None else trace.true_experts[rows]
+        return batch.true_experts
+
+    def predict_trace(self, trace, cycles=None) -> np.ndarray:
+        out = super().predict_trace(trace, cycles)
+        # the whole trace's own array: the replay recognises it and skips a second union
+        return trace.true_experts if cycles is None else out
 
 
 class RecordedPredictor(ExpertPredictor):
     """The predictions the live recorder stored in the trace."""
 
     name = "recorded"
+    needs_truth = True
 
-    def predict(self, trace, cycles=None) -> np.ndarray:
-        _, rows = _selected_rows(trace, cycles)
-        if trace.predicted_experts is None or (trace.predicted_experts[rows, 0, 0] < 0).any():
+    def predict(self, batch: NodeBatch) -> np.ndarray:
+        if batch.recorded is None or (batch.recorded[:, 0, 0] < 0).any():
             raise SpecFitError("--predictor recorded: the trace has no recorded predictions for every node")
-        return trace.predicted_experts[rows]
+        return batch.recorded
 
 
 class ParentPredictor(ExpertPredictor):
@@ -107,12 +76,13 @@ class ParentPredictor(ExpertPredictor):
         self.popularity_ = _popularity(trace, cycles)
         return self
 
-    def predict(self, trace, cycles=None) -> np.ndarray:
-        cycles, rows = _selected_rows(trace, cycles)
-        last = last_known_experts(trace)[cycles]
-        fallback = np.argsort(-self.popularity_, axis=1, kind="stable")[:, : trace.top_k].astype(np.int16)
-        last = np.where(last[:, :1, :1] >= 0, last, fallback[None])
-        return np.repeat(last, trace.offsets[cycles + 1] - trace.offsets[cycles], axis=0)
+    def predict(self, batch: NodeBatch) -> np.ndarray:
+        last = np.asarray(batch.last_known)
+        if getattr(self, "popularity_", None) is None:
+            # not fitted (live): nothing to fall back on where no routing is known yet
+            return np.where(last >= 0, last, np.arange(last.shape[2])[None, None, :]).astype(np.int16)
+        fallback = np.argsort(-self.popularity_, axis=1, kind="stable")[:, : last.shape[2]].astype(np.int16)
+        return np.where(last[:, :1, :1] >= 0, last, fallback[None]).astype(np.int16)
 
     def to_dict(self) -> dict:
         return {"predictor": self.name, "params": {}, "popularity_": self.popularity_.tolist()}
@@ -129,7 +99,11 @@ def _popularity(trace, cycles) -> np.ndarray:
     rows = rows[trace.true_known[rows]]
     L, E = trace.n_layers, trace.n_experts
     flat = (trace.true_experts[rows].astype(np.int64) + np.arange(L)[None, :, None] * E).ravel()
-    counts = np.bincount(flat, minlength=L * E).reshape(L, E) + 1.0   # add-one: unseen experts stay possible
+    return _normalised(np.bincount(flat, minlength=L * E).reshape(L, E))
+
+
+def _normalised(counts: np.ndarray) -> np.ndarray:
+    counts = counts + 1.0   # add-one: unseen experts stay possible
     return counts / counts.sum(axis=1, keepdims=True)
 
 
@@ -176,27 +150,52 @@ class AffinityPredictor(ExpertPredictor):
         self.n_layers_, self.n_experts_ = L, E
         return self
 
-    def predict(self, trace, cycles=None) -> np.ndarray:
-        cycles, rows = _selected_rows(trace, cycles)
-        L, E, k = trace.n_layers, trace.n_experts, trace.top_k
+    def update(self, tokens: np.ndarray, experts: np.ndarray, n_experts: int) -> None:
+        """Add the verified nodes' routings to the token table (live: it grows as the run goes)."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        experts = np.asarray(experts, dtype=np.int64)
+        L, E = experts.shape[1], int(n_experts)
+        if getattr(self, "keys_", None) is None:
+            self.tokens_, self.occurrences_ = np.zeros(0, np.int64), np.zeros(0, np.int64)
+            self.keys_, self.counts_ = np.zeros(0, np.int64), np.zeros(0, np.int64)
+            self.n_layers_, self.n_experts_ = L, E
         if (L, E) != (self.n_layers_, self.n_experts_):
+            raise SpecFitError(f"affinity: fitted for {self.n_layers_} layers x {self.n_experts_} experts, updated with "
+                               f"{L} x {E}")
+        span = L * E
+        old = self.tokens_[self.keys_ // span] * span + self.keys_ % span            # (token, layer, expert) keys
+        new = ((tokens[:, None, None] * L + np.arange(L)[None, :, None]) * E + experts).ravel()
+        keys, inverse = np.unique(np.r_[old, new], return_inverse=True)
+        counts = np.bincount(inverse, weights=np.r_[self.counts_, np.ones(new.size)]).astype(np.int64)
+        seen, seen_inverse = np.unique(np.r_[self.tokens_, tokens], return_inverse=True)
+        self.occurrences_ = np.bincount(seen_inverse, weights=np.r_[self.occurrences_, np.ones(tokens.size)]).astype(np.int64)
+        self.tokens_ = seen
+        self.keys_ = np.searchsorted(seen, keys // span) * span + keys % span
+        self.counts_ = counts
+        self.popularity_ = _normalised(np.bincount(keys % span, weights=counts, minlength=span).reshape(L, E))
+
+    def predict(self, batch: NodeBatch) -> np.ndarray:
+        if getattr(self, "keys_", None) is None:
+            raise SpecFitError("--predictor affinity: not fitted; fit it on a trace or update it with routed tokens first")
+        last_all = np.asarray(batch.last_known)
+        n_nodes, L, k = last_all.shape
+        E = self.n_experts_
+        if L != self.n_layers_:
             raise SpecFitError(f"--predictor affinity: fitted for {self.n_layers_} layers x {self.n_experts_} experts, "
-                               f"the trace has {L} x {E}")
-        sizes = trace.offsets[cycles + 1] - trace.offsets[cycles]
-        last = np.repeat(last_known_experts(trace)[cycles], sizes, axis=0)
-        out = np.empty((rows.size, L, k), dtype=np.int16)
+                               f"asked about {L} layers")
+        tokens = np.asarray(batch.tokens)
+        out = np.empty((n_nodes, L, k), dtype=np.int16)
         prior_pop = ((1 - self.reuse_weight) * self.popularity_).astype(np.float32)
         rng = np.random.default_rng(self.seed)
-        for s in range(0, rows.size, self.chunk_nodes):
-            r = rows[s:s + self.chunk_nodes]
-            n = r.size
-            tok = trace.token[r]
+        for s in range(0, n_nodes, self.chunk_nodes):
+            n = min(self.chunk_nodes, n_nodes - s)
+            tok = tokens[s:s + n]
             pos = np.searchsorted(self.tokens_, tok)
             seen = (pos < self.tokens_.size) & (self.tokens_[np.minimum(pos, self.tokens_.size - 1)] == tok)
             n_x = np.where(seen, self.occurrences_[np.minimum(pos, self.tokens_.size - 1)], 0).astype(np.float32)
             w_x = n_x / (n_x + self.prior_strength) if self.prior_strength > 0 else (n_x > 0).astype(np.float32)
             scores = np.broadcast_to(prior_pop[None], (n, L, E)).copy()
-            lk = last[s:s + n].astype(np.int64)
+            lk = last_all[s:s + n].astype(np.int64)
             has_last = lk[:, 0, 0] >= 0
             node, layer, slot = np.nonzero(np.broadcast_to(has_last[:, None, None], lk.shape))
             scores[node, layer, lk[node, layer, slot]] += self.reuse_weight
@@ -215,8 +214,7 @@ class AffinityPredictor(ExpertPredictor):
             if self.sample:
                 u = rng.random(scores.shape, dtype=np.float32)
                 scores = np.log(scores) - np.log(-np.log(np.maximum(u, np.float32(1e-12))))
-            idx = np.argpartition(-scores, k - 1, axis=2)[:, :, :k]
-            out[s:s + n] = idx
+            out[s:s + n] = np.argpartition(-scores, k - 1, axis=2)[:, :, :k]
         return out
 
     def to_dict(self) -> dict:
@@ -235,8 +233,26 @@ class AffinityPredictor(ExpertPredictor):
         return p
 
 
+def _router(**params) -> ExpertPredictor:
+    from .router import RouterPredictor
+
+    if "model" not in params and "embed" not in params:
+        raise SpecFitError("--predictor router: needs the target's weights (pass --model DIR)")
+    return RouterPredictor(**params)
+
+
 PREDICTORS = {"oracle": OraclePredictor, "recorded": RecordedPredictor, "parent": ParentPredictor,
-              "affinity": AffinityPredictor}
+              "affinity": AffinityPredictor, "router": _router}
+# what the live decoder can run: the others read what only a recorded trace knows
+LIVE_PREDICTORS = ("router", "affinity", "parent")
+
+
+def predictor_from_dict(d: dict) -> ExpertPredictor:
+    """A predictor from :meth:`ExpertPredictor.to_dict`'s JSON, of the class its name says."""
+    name = d.get("predictor")
+    if name not in PREDICTORS or name == "router":
+        raise SpecFitError(f"predictor: unknown or unserialisable predictor {name!r}")
+    return PREDICTORS[name].from_dict(d)
 
 
 def make_predictor(name: str, **params) -> ExpertPredictor:
@@ -250,8 +266,8 @@ def cross_predict(name: str, trace, n_folds: int = 2, **params) -> np.ndarray:
     fitted on the other folds (so a fitted predictor never sees the experts it predicts).
     Folds are contiguous blocks of sequences (of positions when there is one sequence)."""
     predictor = make_predictor(name, **params)
-    if name in ("oracle", "recorded"):
-        return predictor.predict(trace)
+    if name in ("oracle", "recorded", "router"):    # nothing fitted on the trace: no fold can leak
+        return predictor.predict_trace(trace)
     fold = cycle_folds(trace, n_folds)
     out = np.empty_like(trace.true_experts)
     for f in range(n_folds):
@@ -260,7 +276,7 @@ def cross_predict(name: str, trace, n_folds: int = 2, **params) -> np.ndarray:
         if test.size == 0:
             continue
         _, rows = _selected_rows(trace, test)
-        out[rows] = make_predictor(name, **params).fit(trace, train if train.size else test).predict(trace, test)
+        out[rows] = make_predictor(name, **params).fit(trace, train if train.size else test).predict_trace(trace, test)
     return out
 
 

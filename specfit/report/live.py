@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ..accounting import read_cycles, summarise
 from .html import Page
 from .plots import bars, identity_scatter, new_axes
 
@@ -13,21 +14,24 @@ __all__ = ["live_section"]
 
 def live_section(page: Page, cycles: pd.DataFrame, name: str) -> None:
     page.heading(f"Live decoding: {name}")
+    cycles = read_cycles(cycles)
     policies = list(dict.fromkeys(cycles["policy"])) if "policy" in cycles else ["run"]
     if "policy" not in cycles:
         cycles = cycles.assign(policy="run")
-    page.table(_per_policy(cycles), caption="Per policy: measured vs predicted")
+    page.table(_per_policy(cycles), caption="Per policy: measured vs predicted. tokens/s: committed tokens over the "
+               "sum of measured cycle times (as in summary.json and the terminal); MAPE: mean over cycles of "
+               "|predicted - measured| / measured; bias: sum(predicted) / sum(measured) - 1.")
 
-    if "predicted_time_s" in cycles:
-        fig = identity_scatter(cycles["cycle_time_s"] * 1e3, cycles["predicted_time_s"] * 1e3, "measured cycle (ms)",
+    if cycles["predicted_time_s"].notna().any():
+        fig = identity_scatter(cycles["measured_time_s"] * 1e3, cycles["predicted_time_s"] * 1e3, "measured cycle (ms)",
                                "predicted cycle (ms)", groups=cycles["policy"])
         page.figure(fig, "Predicted vs measured cycle time (draft + verify), with the identity line.")
 
     fig, ax = new_axes(7.5, 3.4)
     for policy in policies:
         g = cycles[cycles["policy"] == policy]
-        ax.plot(np.arange(len(g)), g["cycle_time_s"] * 1e3, lw=1, label=f"{policy} measured")
-        if "predicted_time_s" in g:
+        ax.plot(np.arange(len(g)), g["measured_time_s"] * 1e3, lw=1, label=f"{policy} measured")
+        if g["predicted_time_s"].notna().any():
             ax.plot(np.arange(len(g)), g["predicted_time_s"] * 1e3, lw=1, ls="--", label=f"{policy} predicted")
     ax.set(xlabel="cycle", ylabel="ms")
     ax.legend(fontsize=7, ncol=2)
@@ -56,24 +60,16 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str) -> None:
 def _per_policy(cycles: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for policy, g in cycles.groupby("policy", sort=False):
-        tokens = g["committed_tokens"].sum()
-        row = {"policy": policy, "cycles": len(g), "tokens": int(tokens),
-               "tokens/s (measured)": tokens / g["cycle_time_s"].sum(),
-               "tokens/cycle": tokens / len(g)}
-        if "predicted_time_s" in g:
-            row["time MAPE"] = float(np.mean(np.abs(g["predicted_time_s"] - g["cycle_time_s"]) / g["cycle_time_s"]))
-            row["tokens/s (predicted)"] = (g["predicted_tokens"].sum() / g["predicted_time_s"].sum()
-                                           if "predicted_tokens" in g else np.nan)
-        if "predicted_tokens" in g:
-            row["pred. tokens/cycle"] = g["predicted_tokens"].mean()
-        for col, label in (("draft_levels", "draft levels"), ("nodes_verified", "nodes verified"),
-                           ("bytes_h2d", "MB H2D/cycle")):
-            if col in g:
-                row[label] = g[col].mean() / (1e6 if col == "bytes_h2d" else 1)
-        if "hits" in g and "misses" in g:
-            total = g["hits"].sum() + g["misses"].sum()
-            row["hit rate"] = g["hits"].sum() / total if total else np.nan
-        rows.append(row)
+        s = summarise(g)
+        rows.append({"policy": policy, "cycles": s["cycles"], "tokens": s["tokens"],
+                     "tokens/s (measured)": s["tokens_per_s"],
+                     "tokens/s (predicted)": (g["predicted_tokens"].sum() / g["predicted_time_s"].sum()
+                                              if g["predicted_time_s"].notna().all() else np.nan),
+                     "tokens/cycle": s["tokens_per_cycle"], "pred. tokens/cycle": s["predicted_tokens_per_cycle"],
+                     "time MAPE": s["time_mape"], "time bias": s["time_bias"], "bytes MAPE": s["bytes_mape"],
+                     "union MAPE": s["union_mape"], "draft levels": s["draft_levels_per_cycle"],
+                     "nodes verified": s["nodes_per_cycle"], "MB H2D/cycle": s["bytes_per_cycle"] / 1e6,
+                     "hit rate": s["hit_rate"]})
     return pd.DataFrame(rows)
 
 
@@ -113,8 +109,8 @@ def _stopping(page: Page, cycles: pd.DataFrame) -> None:
                                                   if "draft_time_s" in s else "–"),
         "measured time of one draft level": f"{per_level * 1e3:.3g} ms" if np.isfinite(per_level) else "–",
         "tokens per cycle (specfit / eagle3)": f"{s['committed_tokens'].mean():.2f} / {e['committed_tokens'].mean():.2f}",
-        "tokens per second (specfit / eagle3)": f"{s['committed_tokens'].sum() / s['cycle_time_s'].sum():.3g} / "
-                                                f"{e['committed_tokens'].sum() / e['cycle_time_s'].sum():.3g}",
+        "tokens per second (specfit / eagle3)": f"{s['committed_tokens'].sum() / s['time_s'].sum():.3g} / "
+                                                f"{e['committed_tokens'].sum() / e['time_s'].sum():.3g}",
     }
     page.heading("Early stopping: SpecFit vs EAGLE-3", level=3)
     page.facts(facts)

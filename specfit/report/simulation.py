@@ -47,13 +47,15 @@ def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame |
             "bytes_per_token", "hit_rate", "nodes_per_cycle", "draft_levels_per_cycle", "wasted_draft_levels",
             "speedup_vs_ar", "speedup_vs_eagle3"]
     page.table(summary[[c for c in cols if c in summary.columns]], caption="Summary per trace, profile, cache size and policy")
-    quality = [c for c in ("union_precision", "union_recall", "miss_count_error", "miss_count_abs_error",
-                           "predicted_tokens_per_cycle", "tokens_per_cycle", "tokens_prediction_error",
-                           "time_prediction_error") if c in summary.columns]
+    quality = [c for c in ("union_precision", "union_recall", "union_mape", "miss_count_error", "miss_count_abs_error",
+                           "predicted_tokens_per_cycle", "tokens_per_cycle", "tokens_bias", "time_mape", "time_bias")
+               if c in summary.columns]
     if quality:
         page.table(summary[["trace", "profile", "cache_experts", "policy", "predictor", *quality]],
-                   caption="Prediction quality: the expert predictor (union precision / recall, miss-count error) "
-                           "and the acceptance estimate (predicted vs committed tokens per cycle)")
+                   caption="Prediction quality: the expert predictor (union precision / recall, union-size MAPE, "
+                           "miss-count error) and the acceptance estimate (predicted vs committed tokens per cycle). "
+                           "MAPE: mean of |predicted - actual| / actual per cycle; bias: sum(predicted) / sum(actual) - 1. "
+                           "The actual time is the cost model on the true union (the simulator's measurement).")
 
 
 def _label(row) -> str:

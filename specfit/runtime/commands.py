@@ -25,7 +25,13 @@ def register(app: typer.Typer, traces_app: typer.Typer) -> None:
 def decode(
     model: Path = typer.Option(..., "--model", help="Hugging Face model directory (config.json + safetensors)."),
     prompts: Path = typer.Option(..., "--prompts", help='JSONL file: one {"prompt": "..."} or {"input_ids": [...]} per line.'),
-    cache_experts: int = typer.Option(..., "--cache-experts", help="Expert slots per layer on the device (0 streams every expert)."),
+    cache_experts: int = typer.Option(..., "--cache-experts", help="Expert slots per layer on the device, or in all with "
+                                      "--cache-mode global (0 streams every expert)."),
+    cache_mode: str = typer.Option("per_layer", "--cache-mode", help="per_layer or global (as in simulate)."),
+    cache_policy: str = typer.Option("lru", "--cache-policy", help="Eviction: lru, lfu or fifo (as in simulate)."),
+    predictor: str = typer.Option("router", "--predictor", help="Expert predictor the policies decide with: router (the "
+                                  "target's routers on the drafter's state), affinity or parent (learned from the run's "
+                                  "verified tokens)."),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="EAGLE-3 drafter directory (published format); "
                                            "every policy but ar needs one."),
     policy: str = typer.Option("ar", "--policy", help=f"Decoding policy: {POLICY_HELP} (live: all but the simulator's)."),
@@ -73,7 +79,8 @@ def decode(
                       drafter_dir=drafter, profile=profile, rescale=rescale, max_new_tokens=max_new_tokens,
                       device=device, dtype=dtype, out_dir=out, record=record, record_full=record_full,
                       temperature=temperature, seed=seed, tree_top_k=tree_top_k, max_levels=max_levels,
-                      acceptance_trace=acceptance, ignore_eos=ignore_eos)
+                      acceptance_trace=acceptance, ignore_eos=ignore_eos, cache_mode=cache_mode,
+                      cache_policy=cache_policy, predictor=predictor)
     stderr = Console(stderr=True)
 
     def emit(record_: dict) -> None:
@@ -105,6 +112,8 @@ def _print_summary(run, out: Path | None) -> None:
     from rich.table import Table
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=132)   # a pipe or file: keep the columns whole
     records = run.records
     table = Table(title=f"specfit decode: per prompt ({len(records)} runs)")
     for name in ("policy", "prompt", "prompt tokens", "new tokens", "tokens/s", "MB H2D", "hit rate", "stop"):
@@ -116,15 +125,18 @@ def _print_summary(run, out: Path | None) -> None:
         table.add_row("...", "", "", "", "", "", "", "")
     console.print(table)
 
-    table = Table(title=f"measured (predicted) per policy, profile {run.profile_label}")
-    for name in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "KB H2D/cycle", "nodes", "hit rate", "search+book."):
+    table = Table(title=f"measured (predicted) per policy, profile {run.profile_label}; tokens/s over the measured "
+                        f"cycles, time MAPE per cycle")
+    for name in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "time MAPE", "KB H2D/cycle", "nodes", "hit rate",
+                 "search+book."):
         table.add_column(name, justify="left" if name == "policy" else "right")
     for s in run.summaries:
         table.add_row(s["policy"], f"{s['tokens_per_s']:.1f}",
                       f"{s['tokens_per_cycle']:.2f} ({s['predicted_tokens_per_cycle']:.2f})",
-                      f"{s['cycle_time_s'] * 1e3:.2f} ({s['predicted_time_s'] * 1e3:.2f})",
-                      f"{s['bytes_h2d_per_cycle'] / 1e3:.0f} ({s['predicted_bytes_h2d_per_cycle'] / 1e3:.0f})",
-                      f"{s['nodes_verified']:.1f}", f"{s['hit_rate']:.2f}", _share(s["overhead_share"]))
+                      f"{s['time_per_cycle_s'] * 1e3:.2f} ({s['predicted_time_per_cycle_s'] * 1e3:.2f})",
+                      _share(s["time_mape"]),
+                      f"{s['bytes_per_cycle'] / 1e3:.0f} ({s['predicted_bytes_per_cycle'] / 1e3:.0f})",
+                      f"{s['nodes_per_cycle']:.1f}", f"{s['hit_rate']:.2f}", _share(s["overhead_share"]))
     console.print(table)
     if run.outputs_identical is not None:
         console.print("greedy outputs identical across policies: " + ("yes" if run.outputs_identical else "[red]NO[/red]"))

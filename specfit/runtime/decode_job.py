@@ -5,15 +5,18 @@ Outputs under ``--out DIR`` (rewritten atomically after every prompt, and once m
 interrupted, so every completed cycle survives):
 
 - ``decode.jsonl``: one object per (policy, prompt): output ids, text, tokens/s, bytes, hits;
-- ``cycles.parquet``: one row per cycle: the columns :data:`specfit.calibrate.calibrate_job.RUN_CYCLE_COLUMNS`
-  that ``specfit calibrate --refit`` reads, plus policy, prompt, cycle, the draft / verify /
-  target-pass / transfer / drafter / search times, bytes, nodes drafted, predicted time, tokens,
-  hits and misses next to the measured ones (see :meth:`specfit.runtime.decoder.CycleStats.row`);
-- ``summary.json``: the per-policy comparison of measured with predicted.
+- ``cycles.parquet``: one row per cycle in the schema live runs and replays share
+  (:data:`specfit.accounting.CYCLE_COLUMNS`: predicted next to measured time, bytes, hits,
+  misses, union sizes and committed tokens, plus the draft / verify / target-pass / transfer /
+  drafter / search times), keyed by policy, sequence (prompt), position and cycle;
+- ``summary.json``: per policy, :func:`specfit.accounting.summarise` of its cycles.
 
-``--record TRACE`` writes the cycles of one policy as a trace; with ``--record-full`` a
-:class:`~specfit.runtime.speculative.FullTreeDecoder` pass per prompt records the position-indexed
+``--record TRACE`` writes the cycles of one policy as a trace; with ``--record-full`` a pass per
+prompt that verifies the whole drafted tree and commits one token records the position-indexed
 trace that the simulator replays exactly.
+
+Before the measured runs, every policy decodes a few tokens of the first prompt untimed (lazy
+kernel loading and library heuristics would otherwise land in its first cycles).
 """
 
 from __future__ import annotations
@@ -23,13 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import numpy as np
 
+from ..accounting import live_row, summarise
 from ..errors import SpecFitError
 from ..io import atomic_write, write_json_atomic, write_jsonl_atomic
 
-__all__ = ["DecodePlan", "DecodeRun", "run_decode", "summarise_policy", "OUTPUT_FILE", "CYCLES_FILE", "SUMMARY_FILE"]
+__all__ = ["DecodePlan", "DecodeRun", "run_decode", "summarise_policy", "OUTPUT_FILE", "CYCLES_FILE", "SUMMARY_FILE",
+           "WARMUP_TOKENS"]
 
+WARMUP_TOKENS = 4
 OUTPUT_FILE = "decode.jsonl"
 CYCLES_FILE = "cycles.parquet"
 SUMMARY_FILE = "summary.json"
@@ -58,6 +63,10 @@ class DecodePlan:
     max_levels: int = 8
     acceptance_trace: Path | None = None
     ignore_eos: bool = False
+    cache_mode: str = "per_layer"
+    cache_policy: str = "lru"
+    predictor: str = "router"
+    warmup: bool = True
 
     def validate(self):
         """Check the options that need no file; return the parsed policies."""
@@ -104,6 +113,15 @@ class DecodePlan:
             raise SpecFitError(f"--device: expected cpu or cuda, got {self.device!r}")
         if self.dtype not in (None, "float32", "bfloat16"):
             raise SpecFitError(f"--dtype: expected float32 or bfloat16, got {self.dtype!r}")
+        from ..experts.cache import EVICTION_POLICIES
+        from ..experts.predictors import LIVE_PREDICTORS
+
+        if self.cache_mode not in ("per_layer", "global"):
+            raise SpecFitError(f"--cache-mode: expected per_layer or global, got {self.cache_mode!r}")
+        if self.cache_policy not in EVICTION_POLICIES:
+            raise SpecFitError(f"--cache-policy: expected one of {', '.join(EVICTION_POLICIES)}, got {self.cache_policy!r}")
+        if self.predictor not in LIVE_PREDICTORS:
+            raise SpecFitError(f"--predictor: expected one of {', '.join(LIVE_PREDICTORS)} (live), got {self.predictor!r}")
         if not Path(self.model_dir).is_dir():
             raise SpecFitError(f"--model {self.model_dir}: not a directory")
         if self.drafter_dir is not None and not Path(self.drafter_dir).is_dir():
@@ -126,7 +144,8 @@ class DecodeRun:
 
 
 class _Outputs:
-    """The files under ``--out``, rewritten whole after each prompt (atomic: never half-written)."""
+    """The files under ``--out``, rewritten whole after each prompt (atomic: never half-written);
+    ``cycles`` are rows of :data:`specfit.accounting.CYCLE_COLUMNS` with their keys."""
 
     def __init__(self, out_dir: Path | None):
         self.out_dir = out_dir
@@ -178,15 +197,21 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
 
     say(f"loading {plan.model_dir}")
     model = load_model(plan.model_dir, device=device, dtype=dtype, cache_experts=plan.cache_experts,
-                       capture_layers=capture)
+                       cache_mode=plan.cache_mode, eviction=plan.cache_policy, capture_layers=capture)
     drafter = load_drafter(plan.drafter_dir, model) if plan.drafter_dir is not None else None
     profile, profile_path = _profile(plan, model, say)
     calibrator = _acceptance_calibrator(plan.acceptance_trace) if plan.acceptance_trace else None
 
     outputs = _Outputs(plan.out_dir)
     recorder = _recorder(plan, model, drafter, profile) if plan.record is not None else None
+    expert_bytes, n_experts = model.offload.host.expert_bytes, model.config.n_experts
     try:
         for policy in policies:
+            if plan.warmup:
+                say(f"warm-up {policy.name}")
+                model.offload.reset()
+                _decoder(plan, model, drafter, policy, profile.cost, calibrator, None).generate(
+                    prompts[0].input_ids, min(WARMUP_TOKENS, plan.max_new_tokens), ignore_eos=True)
             say(f"decode {policy.name}")
             # every policy starts from an empty expert cache; prompts then share it, as a server's would
             model.offload.reset()
@@ -203,14 +228,16 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 if tokenizer is not None:
                     record["text"] = tokenizer.decode(result.output_ids, skip_special_tokens=True)
                 outputs.records.append(record)
-                outputs.cycles.extend({"policy": policy.name, "prompt": index, "cycle": c, **stats.row()}
-                                      for c, stats in enumerate(result.cycles))
+                for c, (stats, committed) in enumerate(zip(result.cycles, result.cycle_tokens)):
+                    row = live_row(stats, profile.cost, expert_bytes, n_experts)
+                    row["committed_tokens"] = committed       # what reached the output (after eos / the length cap)
+                    outputs.cycles.append({"policy": policy.name, "sequence": index, "position": stats.position,
+                                           "cycle": c, **row})
                 outputs.flush()
                 if on_record is not None:
                     on_record(record)
                 tick()
-            outputs.summaries.append(summarise_policy(policy.name, outputs.records, outputs.cycles,
-                                                      model.offload.host.expert_bytes))
+            outputs.summaries.append(summarise_policy(policy.name, outputs.records, outputs.cycles))
         if plan.record_full:
             say(f"recording full trees at every position into {plan.record}")
             full = _full_decoder(plan, model, drafter, profile.cost, recorder)
@@ -267,22 +294,26 @@ def _acceptance_calibrator(trace_path: Path):
 
 
 def _decoder(plan, model, drafter, policy, cost, calibrator, recorder):
-    from .speculative import SpeculativeDecoder
+    from ..experts.predictors import make_predictor
+    from .decoder import Decoder
+    from .drafting import Proposer
 
-    return SpeculativeDecoder(model, drafter if policy.max_levels > 0 else None, policy, cost,
-                              eos_token_ids=model.config.eos_token_ids, tree_top_k=_tree_top_k(plan, policy),
-                              temperature=plan.temperature, seed=plan.seed, calibrator=calibrator, recorder=recorder)
-
-
-def _tree_top_k(plan: DecodePlan, policy) -> int:
-    return plan.tree_top_k if policy.draft_top_k is None else policy.draft_top_k
+    # a fresh predictor per decoder: the fitted ones learn from the run's own verified nodes
+    predictor = make_predictor("router", model=model) if plan.predictor == "router" else make_predictor(plan.predictor)
+    proposer = Proposer(drafter, plan.tree_top_k) if policy.max_levels > 0 else None
+    return Decoder(model, proposer, policy, cost, predictor=predictor, eos_token_ids=model.config.eos_token_ids,
+                   temperature=plan.temperature, seed=plan.seed, calibrator=calibrator, recorder=recorder)
 
 
 def _full_decoder(plan, model, drafter, cost, recorder):
-    from .speculative import FullTreeDecoder
+    from ..policies import RerankPolicy
+    from .decoder import Decoder
+    from .drafting import Proposer, tree_capacity
 
-    return FullTreeDecoder(model, drafter, cost, max_levels=plan.max_levels, eos_token_ids=model.config.eos_token_ids,
-                           tree_top_k=plan.tree_top_k, recorder=recorder)
+    # "verify everything": the rerank keeping as many nodes as the tree can have, one token committed
+    policy = RerankPolicy(tree_capacity(plan.tree_top_k, plan.max_levels), plan.max_levels, name="full")
+    return Decoder(model, Proposer(drafter, plan.tree_top_k), policy, cost, eos_token_ids=model.config.eos_token_ids,
+                   recorder=recorder, commit_root_only=True)
 
 
 def _recorder(plan: DecodePlan, model, drafter, profile):
@@ -296,7 +327,7 @@ def _recorder(plan: DecodePlan, model, drafter, profile):
                     "tree_top_k": plan.tree_top_k, "max_levels": plan.max_levels}
     if drafter is not None:
         drafter_meta.update(hidden_size=drafter.config.hidden_size, draft_vocab_size=drafter.config.draft_vocab_size)
-    recording = {"policy": None if plan.record_full else plan.policies[0], "predictor": "router",
+    recording = {"policy": None if plan.record_full else plan.policies[0], "predictor": plan.predictor,
                  "profile": profile.label, "cache_experts": plan.cache_experts, "device": str(model.device),
                  "max_new_tokens": plan.max_new_tokens}
     return TraceRecorder(model_meta, drafter_meta, workload=Path(plan.prompts_path).name, full=plan.record_full,
@@ -313,46 +344,9 @@ def _outputs_identical(records: list[dict]) -> bool | None:
 
 
 # --------------------------------------------------------------------------- the comparison
-def summarise_policy(policy: str, records: list[dict], cycles: list[dict], expert_bytes: int) -> dict:
-    """Measured next to predicted, over every cycle of ``policy``: throughput, tokens per cycle,
-    cycle time, bytes per cycle, and the share of the cycle spent in the policy's search and the
-    bookkeeping around the models' passes."""
-    mine = [r for r in records if r["policy"] == policy]
-    rows = [c for c in cycles if c["policy"] == policy]
-    decode_tokens = sum(r["decode_tokens"] for r in mine)
-    decode_time_s = sum(r["decode_time_s"] for r in mine)
+def summarise_policy(policy: str, records: list[dict], cycles: list[dict]) -> dict:
+    """:func:`specfit.accounting.summarise` of ``policy``'s cycles, with its prompt count."""
+    import pandas as pd
 
-    def mean(name: str) -> float:
-        values = np.array([row[name] for row in rows], dtype=np.float64)
-        values = values[np.isfinite(values)]
-        return float(values.mean()) if values.size else float("nan")
-
-    cycle_s = np.array([row["cycle_time_s"] for row in rows], dtype=np.float64)
-    predicted_s = np.array([row["predicted_time_s"] for row in rows], dtype=np.float64)
-    models_s = np.array([row["drafter_time_s"] + row["target_time_s"] for row in rows], dtype=np.float64)
-    search_s = np.array([row["search_time_s"] for row in rows], dtype=np.float64)
-    hits, misses = sum(row["hits"] for row in rows), sum(row["misses"] for row in rows)
-    slots = [row["prediction_precision"] for row in rows if np.isfinite(row["prediction_precision"])]
-    total_s = float(cycle_s.sum())
-    return {
-        "policy": policy,
-        "prompts": len(mine),
-        "cycles": len(rows),
-        "decode_tokens": decode_tokens,
-        "tokens_per_s": decode_tokens / decode_time_s if decode_time_s > 0 else 0.0,
-        "tokens_per_cycle": mean("committed_tokens"),
-        "predicted_tokens_per_cycle": mean("predicted_tokens"),
-        "cycle_time_s": mean("cycle_time_s"),
-        "predicted_time_s": mean("predicted_time_s"),
-        # median |predicted - measured| / measured: how far one cycle's prediction typically is
-        "time_error": float(np.median(np.abs(predicted_s - cycle_s) / cycle_s)) if rows else float("nan"),
-        "bytes_h2d_per_cycle": mean("bytes_h2d"),
-        "predicted_bytes_h2d_per_cycle": mean("predicted_misses") * expert_bytes if rows else float("nan"),
-        "transfer_time_s_per_cycle": mean("transfer_time_s"),
-        "nodes_verified": mean("nodes_verified"),
-        "draft_levels": mean("draft_levels"),
-        "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
-        "prediction_precision": float(np.mean(slots)) if slots else float("nan"),
-        "search_share": float(search_s.sum() / total_s) if total_s > 0 else float("nan"),
-        "overhead_share": float(1.0 - models_s.sum() / total_s) if total_s > 0 else float("nan"),
-    }
+    rows = pd.DataFrame([c for c in cycles if c["policy"] == policy])
+    return {"policy": policy, "prompts": sum(r["policy"] == policy for r in records), **summarise(rows)}

@@ -1,18 +1,20 @@
-"""Decoding on the target model, one cycle at a time.
+"""Decoding on the target model, one cycle at a time, with or without a drafter.
 
-A cycle is the unit both autoregressive and speculative decoding share:
+A cycle is three stages that hand each other values, as vLLM's proposer / scorer / sampler do:
 
-    draft  -> a :class:`~specfit.tree.DraftTree` whose root is the last committed token
-    select -> the ancestor-closed nodes to verify (a policy's choice)
-    verify -> one target pass over those nodes with a tree mask and per-node positions
-    commit -> acceptance (greedy, or tree speculative sampling when ``temperature > 0``), KV
-              compaction of the accepted path, the bonus token
+    draft  -> a :class:`Draft`: the tree drafted level by level while the policy asked for more
+              (root alone without a proposer), the predicted experts of its nodes, the policy's
+              selection with its predicted outcome, and what drafting cost
+    verify -> a :class:`Verification`: one target pass over the selected nodes (tree mask and
+              per-node positions), its verdicts, true experts and expert traffic
+    commit -> a :class:`Commit`: acceptance (greedy, or tree speculative sampling when
+              ``temperature > 0``), KV compaction of the accepted path, the bonus token
 
-:class:`Decoder` is the autoregressive case: the tree is the root alone, so every cycle commits
-exactly one target token. The speculative decoder (:mod:`specfit.runtime.speculative`) extends it
-by overriding :meth:`Decoder.draft`, :meth:`Decoder.select` and :meth:`Decoder.draft_info` (a
-drafter and a policy from :mod:`specfit.policies`); :meth:`Decoder.verify`, the acceptance, the
-stopping rules and the per-cycle measurements (:class:`CycleStats`) stay here.
+Autoregressive decoding is the case without a proposer. After each cycle the policy observes what
+verification revealed (:meth:`specfit.policies.Policy.observe`), exactly as the simulator reports
+it, and the expert predictor learns the verified nodes' routing. With ``commit_root_only`` the
+decoder commits the root's verdict alone whatever was verified: with a policy that verifies every
+drafted node, that records the position-indexed trace the simulator replays exactly.
 """
 
 from __future__ import annotations
@@ -23,13 +25,33 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..costmodel import CostModel
+from ..experts.calibration import AcceptanceCalibrator
+from ..experts.predictors import ExpertPredictor, NodeBatch, slots_right
+from ..policies import ArPolicy, CycleView, Observation, Policy
 from ..search import Selection
 from ..tree import DraftTree
 from .acceptance import greedy_accept, sample_accept, target_probs
-from .model import ForwardOutput, MoETransformer, causal_mask
+from .drafting import Proposer, tree_capacity
+from .model import MoETransformer, causal_mask
 from .offload import OffloadCounters
 
-__all__ = ["Decoder", "device_now", "DecodeResult", "Verification", "CycleStats", "DraftInfo"]
+__all__ = ["Decoder", "device_now", "DecodeResult", "Draft", "Verification", "Commit", "CycleStats"]
+
+
+@dataclass
+class Draft:
+    """A cycle's draft phase: what the policy saw, what it chose, what drafting cost."""
+
+    tree: DraftTree                 # every drafted node, in drafting order (root alone without drafting)
+    experts: np.ndarray             # int [n, L, k] predicted experts of every node
+    edge_logprob: np.ndarray        # float64 [n] the drafter's log p(node | parent), root 0
+    nodes: np.ndarray               # the nodes to verify (sorted, with the root)
+    selection: Selection | None     # the policy's choice and its prediction (None without a cost model)
+    draft_levels: int = 0
+    drafter_time_s: float = 0.0     # the drafter's forward passes
+    search_time_s: float = 0.0      # the policy's decisions (keep drafting? which nodes?)
+    predict_time_s: float = 0.0     # expert predictions for the drafted nodes
 
 
 @dataclass
@@ -52,66 +74,36 @@ class Verification:
 
 
 @dataclass
-class DraftInfo:
-    """What a cycle's draft phase decided and what it cost, besides the tree itself, and how
-    its expert predictions fared once the target had run the verified nodes."""
+class Commit:
+    """What a cycle committed: the accepted path (node ids from the root), its rows in the
+    verification pass, and the tokens (accepted draft tokens, then the bonus token)."""
 
-    draft_levels: int = 0
-    selection: Selection | None = None     # the policy's choice with its predicted outcome
-    drafter_time_s: float = 0.0            # the drafter's forward passes
-    search_time_s: float = 0.0             # the policy's decisions (keep drafting? which nodes?)
-    predict_time_s: float = 0.0            # expert predictions for the drafted nodes
-    predicted_slots: int = 0               # (layer, rank) slots predicted for verified draft nodes
-    predicted_slots_right: int = 0         # ... naming an expert the node really routed to
+    path: np.ndarray
+    rows: np.ndarray
+    tokens: list[int]
 
 
 @dataclass
 class CycleStats:
-    """Measurements of one decode cycle, next to what the policy predicted for it."""
+    """Measurements of one decode cycle, next to what the policy predicted for it
+    (:mod:`specfit.accounting` turns it into a row of the one per-cycle schema)."""
 
-    nodes_drafted: int
-    nodes_verified: int
+    position: int                  # index of the cycle's root in the output
+    draft: Draft
+    verification: Verification
     committed_tokens: int          # accepted draft tokens + the bonus token
     draft_time_s: float            # from the cycle's start to the selection (drafter, predictions, policy)
     verify_time_s: float           # from the selection to the committed tokens (target pass, acceptance, KV)
-    offload: OffloadCounters       # expert traffic of the verification pass
-    target_time_s: float           # the target pass alone
-    transfer_time_s: float         # its host-to-device copies
-    draft: DraftInfo
+    predicted_slots: int = 0       # (layer, rank) slots predicted for verified draft nodes
+    predicted_slots_right: int = 0  # ... naming an expert the node really routed to
 
     @property
     def cycle_time_s(self) -> float:
         return self.draft_time_s + self.verify_time_s
 
-    def row(self) -> dict:
-        """One flat row of ``cycles.parquet`` (predicted columns are NaN when nothing was predicted)."""
-        sel = self.draft.selection
-        nan = float("nan")
-        return {
-            "draft_levels": self.draft.draft_levels,
-            "nodes_drafted": self.nodes_drafted,
-            "nodes_verified": self.nodes_verified,
-            "hits": self.offload.total_hits,
-            "misses": self.offload.total_misses,
-            "hits_per_layer": self.offload.hits.tolist(),       # the report's per-layer heat map
-            "misses_per_layer": self.offload.misses.tolist(),
-            "bytes_h2d": self.offload.total_bytes_h2d,
-            "committed_tokens": self.committed_tokens,
-            "cycle_time_s": self.cycle_time_s,
-            "draft_time_s": self.draft_time_s,
-            "verify_time_s": self.verify_time_s,
-            "target_time_s": self.target_time_s,
-            "transfer_time_s": self.transfer_time_s,
-            "drafter_time_s": self.draft.drafter_time_s,
-            "search_time_s": self.draft.search_time_s,
-            "predict_time_s": self.draft.predict_time_s,
-            "predicted_time_s": sel.time_s if sel else nan,
-            "predicted_tokens": sel.expected_tokens if sel else nan,
-            "predicted_hits": sel.hits if sel else -1,
-            "predicted_misses": sel.misses if sel else -1,
-            "prediction_precision": (self.draft.predicted_slots_right / self.draft.predicted_slots
-                                     if self.draft.predicted_slots else nan),
-        }
+    @property
+    def offload(self) -> OffloadCounters:
+        return self.verification.offload
 
 
 @dataclass
@@ -156,24 +148,53 @@ class DecodeResult:
 
 
 class Decoder:
-    """Autoregressive decoding of ``model``.
+    """Decoding of ``model``, speculative when it has a ``proposer``.
 
     Args:
         model: the loaded target (with its expert offload attached).
+        proposer: drafts the trees (:class:`~specfit.runtime.drafting.Proposer`); None decodes
+            autoregressively.
+        policy: decides how deep to draft and what to verify (default ``ar``); the same objects
+            the simulator replays.
+        cost: the cycle-time model the policy decides with (a profile's); None: nothing is
+            predicted (autoregressive decoding only).
+        predictor: predicts the draft nodes' experts (default: the target's routers).
         eos_token_ids: generation stops after committing one of these (unless ``ignore_eos``).
         temperature: 0 for greedy decoding; above 0 tokens are sampled from the target's
-            ``softmax(logits / temperature)``.
+            ``softmax(logits / temperature)`` (lossless tree speculative sampling).
         seed: seeds the sampler (a new generation restarts nothing: the stream continues).
+        calibrator: maps draft probabilities to acceptance probabilities (None: the drafter's own).
+        recorder: receives every cycle (see :class:`specfit.runtime.record.TraceRecorder`).
+        commit_root_only: commit the root's verdict alone every cycle (full-tree recording).
     """
 
-    def __init__(self, model: MoETransformer, eos_token_ids=(), temperature: float = 0.0, seed: int = 0):
+    def __init__(self, model: MoETransformer, proposer: Proposer | None = None, policy: Policy | None = None,
+                 cost: CostModel | None = None, predictor: ExpertPredictor | None = None, eos_token_ids=(),
+                 temperature: float = 0.0, seed: int = 0, calibrator: AcceptanceCalibrator | None = None,
+                 recorder=None, commit_root_only: bool = False):
         if temperature < 0:
             raise ValueError(f"temperature: expected >= 0, got {temperature}")
-        self.model = model
+        policy = policy or ArPolicy()
+        if policy.max_levels > 0 and proposer is None:
+            raise ValueError(f"policy {policy.name!r} drafts: it needs a proposer (a drafter)")
+        if policy.max_levels > 0 and cost is None:
+            raise ValueError(f"policy {policy.name!r} decides with a cost model: pass cost")
+        self.model, self.proposer, self.policy, self.cost = model, proposer, policy, cost
+        if predictor is None and cost is not None:
+            from ..experts.router import RouterPredictor
+
+            predictor = RouterPredictor(model)
+        self.predictor = predictor
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.temperature = float(temperature)
         self.rng = np.random.default_rng(seed)
-        self.cache_len = 0          # committed tokens whose K/V are in the cache
+        self.calibrator, self.recorder, self.commit_root_only = calibrator, recorder, bool(commit_root_only)
+        self.top_k = None if proposer is None else (policy.draft_top_k or proposer.top_k)
+        # the drafter's states estimate the target's only when they live in the same space
+        self.drafter_context = (proposer is not None and proposer.context_in_target_space
+                                and proposer.drafter.config.hidden_size == model.config.hidden_size)
+        self.cache_len = 0                  # committed tokens whose K/V are in the cache
+        self._last_known: np.ndarray | None = None   # [L, k] routing of the last committed token the target ran
 
     # ------------------------------------------------------------------ generation
     def generate(self, prompt_ids, max_new_tokens: int, ignore_eos: bool = False) -> DecodeResult:
@@ -186,12 +207,14 @@ class Decoder:
         committed_slots = len(prompt_ids) + max_new_tokens
         # slots for draft trees stop at the model's positions (drafting stops where they run out);
         # the committed tokens must fit in any case
-        tree_slots = min(self.extra_kv_slots(), max(self.model.config.max_position_embeddings - committed_slots, 0))
-        self._ensure_kv_slots(committed_slots + tree_slots)
+        tree_slots = 0 if self.proposer is None else tree_capacity(self.top_k, self.policy.max_levels) - 1
+        tree_slots = min(tree_slots, max(self.model.config.max_position_embeddings - committed_slots, 0))
+        if self.model.max_seq_len < committed_slots + tree_slots:
+            self.model.setup_kv_cache(committed_slots + tree_slots)
         totals = OffloadCounters.zeros(self.model.config.n_layers)
 
         start = device_now(self.model.device)
-        root, prefill = self.prefill(prompt_ids)
+        root, prefill = self.prefill(prompt_ids, max_new_tokens)
         prefill_time_s = device_now(self.model.device) - start
         totals += prefill.offload
 
@@ -202,67 +225,86 @@ class Decoder:
         while stop_reason != "eos" and len(output) < max_new_tokens:
             cycle_start = device_now(self.model.device)
             # a cycle commits at most depth + 1 tokens: deeper levels could never be used
-            tree = self.draft(root, max_levels=max_new_tokens - len(output) - 1)
-            nodes = self.select(tree)
-            info = self.draft_info()
+            draft = self.draft(root, max_levels=max_new_tokens - len(output) - 1)
             selected = device_now(self.model.device)
-            verification = self.verify(tree, nodes)
-            committed = self.commit(tree, verification)
+            verification = self.verify(draft.tree, draft.nodes)
+            commit = self.commit(draft, verification)
             done = device_now(self.model.device)
-            stats = CycleStats(nodes_drafted=tree.n_nodes, nodes_verified=int(np.size(nodes)),
-                               committed_tokens=len(committed), draft_time_s=selected - cycle_start,
-                               verify_time_s=done - selected, offload=verification.offload,
-                               target_time_s=verification.verify_time_s,
-                               transfer_time_s=verification.transfer_time_s, draft=info)
+            stats = CycleStats(position=len(output) - 1, draft=draft, verification=verification,
+                               committed_tokens=len(commit.tokens), draft_time_s=selected - cycle_start,
+                               verify_time_s=done - selected)
+            self._learn(stats)
             cycles.append(stats)
             totals += verification.offload
             decode_bytes_h2d += verification.offload.total_bytes_h2d
-            committed = committed[: max_new_tokens - len(output)]
-            for i, token in enumerate(committed):
+            tokens = commit.tokens[: max_new_tokens - len(output)]
+            for i, token in enumerate(tokens):
                 if self._is_eos(token, ignore_eos):
-                    committed = committed[: i + 1]
+                    tokens = tokens[: i + 1]
                     stop_reason = "eos"
                     break
-            output.extend(committed)
-            cycle_tokens.append(len(committed))
-            root = committed[-1]
-            self.end_cycle(tree, verification, stats)
+            output.extend(tokens)
+            cycle_tokens.append(len(tokens))
+            root = tokens[-1]
+            if self.recorder is not None:
+                self.recorder.add_cycle(stats)
         decode_time_s = device_now(self.model.device) - start
         return DecodeResult(prompt_ids=prompt_ids, output_ids=output, stop_reason=stop_reason,
                             prefill_time_s=prefill_time_s, decode_time_s=decode_time_s, n_cycles=len(cycle_tokens),
                             offload=totals, decode_bytes_h2d=decode_bytes_h2d, cycle_tokens=cycle_tokens,
                             cycles=cycles)
 
-    def prefill(self, prompt_ids: list[int]) -> tuple[int, ForwardOutput]:
+    def prefill(self, prompt_ids: list[int], max_new_tokens: int = 0):
         """Run the prompt; return the first generated token and the pass's output. The prompt's
-        K/V stay cached."""
+        K/V stay cached; the proposer's session starts with the prompt's features."""
         n = len(prompt_ids)
         out = self.model(prompt_ids, np.arange(n), causal_mask(0, n), logits_rows=[n - 1])
         self.cache_len = n
+        self._last_known = out.expert_ids[-1]
+        if self.predictor is not None:       # the prompt's routing is the first thing a predictor can learn
+            self.predictor.update(np.asarray(prompt_ids), out.expert_ids, self.model.config.n_experts)
+        if self.recorder is not None:
+            self.recorder.add_prefill(out.expert_ids)
         if self.temperature > 0:
             p = target_probs(out.logits[-1], self.temperature)
-            return int(self.rng.choice(p.size, p=p / p.sum())), out
-        return int(out.logits[-1].argmax()), out
+            root = int(self.rng.choice(p.size, p=p / p.sum()))
+        else:
+            root = int(out.logits[-1].argmax())
+        if self.proposer is not None:
+            # committed entries, plus the frontier entries of one tree (top-k per level after the first)
+            entries = n + max_new_tokens + max(self.policy.max_levels - 1, 0) * self.top_k
+            self.proposer.start(prompt_ids, out.hidden, root, entries)
+        return root, out
 
-    # ------------------------------------------------------------------ one cycle
-    def extra_kv_slots(self) -> int:
-        """KV slots a cycle may need beyond the committed tokens (the verified nodes but the root)."""
-        return 0
-
-    def draft(self, root_token: int, max_levels: int = 0) -> DraftTree:
-        """The cycle's draft tree, at most ``max_levels`` deep; autoregressive decoding drafts nothing."""
-        return DraftTree(parents=np.array([-1]), path_probs=np.array([1.0]), tokens=np.array([root_token]))
-
-    def select(self, tree: DraftTree) -> np.ndarray:
-        """The node ids to verify; autoregressive decoding verifies the whole (root-only) tree."""
-        return np.arange(tree.n_nodes)
-
-    def draft_info(self) -> DraftInfo:
-        """What the last draft phase decided and cost (nothing for autoregressive decoding)."""
-        return DraftInfo()
-
-    def end_cycle(self, tree: DraftTree, verification: Verification, stats: CycleStats) -> None:
-        """Called once a cycle is committed and measured (e.g. to record it); nothing here."""
+    # ------------------------------------------------------------------ the three stages
+    def draft(self, root_token: int, max_levels: int = 0) -> Draft:
+        """Draft level by level while the policy asks for more (at most ``max_levels``), then let
+        it select the nodes to verify."""
+        draft = Draft(tree=DraftTree(parents=np.array([-1]), path_probs=np.array([1.0]), tokens=np.array([root_token])),
+                      experts=np.zeros((1, 0, 0), dtype=np.int64), edge_logprob=np.zeros(1),
+                      nodes=np.zeros(1, dtype=np.int64), selection=None)
+        if self.cost is None:                           # nothing to decide with: verify the root
+            return draft
+        self.policy.begin_cycle()
+        draft.experts = self._predict(draft, np.array([root_token]), None)
+        view = CycleView(draft.tree, draft.experts, self.model.offload.cache.resident(), self.cost, 0)
+        levels_cap = min(self.policy.max_levels, max_levels)
+        tree = None
+        while (view.draft_levels < levels_cap and self._room_for_level(view)
+               and self._decide(draft, self.policy.keep_drafting, view)):
+            if tree is None:
+                tree = self.proposer.draft(root_token, levels_cap, self.top_k, self._acceptance())
+            start = device_now(self.model.device)
+            level = tree.grow()
+            draft.drafter_time_s += device_now(self.model.device) - start
+            context = level.context if self.drafter_context else None
+            draft.experts = np.concatenate([draft.experts, self._predict(draft, level.tokens, context)])
+            view = CycleView(tree.tree(), draft.experts, view.cached, self.cost, view.draft_levels + 1)
+        draft.selection = self._decide(draft, self.policy.select, view)
+        draft.nodes, draft.tree, draft.draft_levels = draft.selection.nodes, view.tree, view.draft_levels
+        if tree is not None:
+            draft.edge_logprob = tree.edge_logprob
+        return draft
 
     def verify(self, tree: DraftTree, nodes) -> Verification:
         """One target pass over ``nodes`` (ancestor-closed, with the root), written to the KV
@@ -278,19 +320,22 @@ class Decoder:
                             hidden=out.hidden, offload=out.offload, verify_time_s=verify_time_s,
                             transfer_time_s=self.model.offload.pass_transfer_time_s())
 
-    def accept(self, tree: DraftTree, verification: Verification) -> tuple[np.ndarray, int]:
-        """The accepted path (node ids from the root) and the bonus token: greedy at temperature
-        0, tree speculative sampling above."""
-        if self.temperature > 0:
-            return sample_accept(tree, verification.nodes, verification.logits, self.temperature, self.rng)
-        return greedy_accept(tree, verification.nodes, verification.verdicts)
-
-    def commit(self, tree: DraftTree, verification: Verification) -> list[int]:
-        """Accept a verified path, keep its K/V, and return the committed tokens: the accepted
-        draft tokens, then the bonus token."""
-        path, bonus = self.accept(tree, verification)
-        self.keep_path(verification, path)
-        return [int(t) for t in tree.tokens[path[1:]]] + [bonus]
+    def commit(self, draft: Draft, verification: Verification) -> Commit:
+        """Accept a verified path, keep its K/V, hand the accepted entries to the proposer."""
+        if self.commit_root_only:
+            path, bonus = np.zeros(1, dtype=np.int64), int(verification.verdicts[0])
+        elif self.temperature > 0:
+            path, bonus = sample_accept(draft.tree, verification.nodes, verification.logits, self.temperature, self.rng)
+        else:
+            path, bonus = greedy_accept(draft.tree, verification.nodes, verification.verdicts)
+        rows = self.keep_path(verification, path)
+        tokens = [int(t) for t in draft.tree.tokens[path[1:]]] + [bonus]
+        self._last_known = verification.expert_ids[rows[-1]]
+        if self.proposer is not None:
+            # EAGLE-3 re-runs the accepted tokens with the target's features: each accepted node's
+            # features paired with the token that followed it (the last one with the bonus token)
+            self.proposer.accept(verification.hidden[torch.from_numpy(rows).to(verification.hidden.device)], tokens)
+        return Commit(path=path, rows=rows, tokens=tokens)
 
     def keep_path(self, verification: Verification, path: np.ndarray) -> np.ndarray:
         """Move the K/V of the verified ``path`` nodes to the slots after the committed tokens;
@@ -302,12 +347,43 @@ class Decoder:
         return keep
 
     # ------------------------------------------------------------------ helpers
+    def _learn(self, stats: CycleStats) -> None:
+        """What verification revealed goes to the policy and the predictor, as in the simulator."""
+        verification, drafted = stats.verification, stats.verification.nodes[1:]
+        if drafted.size:
+            predicted, true = stats.draft.experts[drafted], verification.expert_ids[1:]
+            stats.predicted_slots, stats.predicted_slots_right = int(predicted.size), slots_right(predicted, true)
+        self.policy.observe(Observation(predicted_slots=stats.predicted_slots,
+                                        predicted_slots_right=stats.predicted_slots_right,
+                                        resident_share=self.model.offload.cache.capacity_share))
+        if self.predictor is not None:
+            self.predictor.update(stats.draft.tree.tokens[verification.nodes], verification.expert_ids,
+                                  self.model.config.n_experts)
+
+    def _predict(self, draft: Draft, tokens: np.ndarray, context) -> np.ndarray:
+        start = time.perf_counter()
+        last = np.broadcast_to(self._last_known, (len(tokens),) + self._last_known.shape)
+        experts = self.predictor.predict(NodeBatch(tokens=np.asarray(tokens), last_known=last, context=context))
+        draft.predict_time_s += time.perf_counter() - start
+        return np.asarray(experts, dtype=np.int64)
+
+    @staticmethod
+    def _decide(draft: Draft, decide, view: CycleView):
+        start = time.perf_counter()
+        result = decide(view)
+        draft.search_time_s += time.perf_counter() - start
+        return result
+
+    def _acceptance(self):
+        return None if self.calibrator is None else self.calibrator.predict_edge
+
+    def _room_for_level(self, view: CycleView) -> bool:
+        """Whether the next level's nodes still fit the target's KV slots after the committed tokens."""
+        added = self.top_k if view.draft_levels == 0 else self.top_k * self.top_k
+        return self.cache_len + view.tree.n_nodes + added <= self.model.max_seq_len
+
     def _is_eos(self, token: int, ignore_eos: bool) -> bool:
         return not ignore_eos and token in self.eos_token_ids
-
-    def _ensure_kv_slots(self, n_slots: int) -> None:
-        if self.model.max_seq_len < n_slots:
-            self.model.setup_kv_cache(n_slots)
 
 
 def device_now(device: torch.device) -> float:

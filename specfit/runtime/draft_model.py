@@ -1,9 +1,10 @@
 """An independent small draft model as the drafter: any supported MoE architecture that shares the
 target's tokenizer.
 
-It plugs into the same level-by-level tree drafting as an EAGLE-3 head: :class:`DrafterSession`
-and :class:`DynamicTree` call it exactly like one (tokens at explicit positions, a mask over its
-own KV cache, one call per tree level), but it reads only tokens — the target's features and the
+It plugs into the same level-by-level tree drafting as an EAGLE-3 head
+(:mod:`specfit.runtime.drafting`): :class:`DrafterSession` and :class:`TreeDraft` call it exactly
+like one (tokens at explicit positions, a mask over its own KV cache, one call per tree level),
+but it reads only tokens — the target's features and the
 drafter's own outputs that EAGLE-3 feeds back are ignored.
 
 Pairing: the session gives entry i the token x[i+1] at drafter position i (EAGLE-3's layout, where
@@ -36,7 +37,7 @@ class DraftModelConfig:
 
 
 class ModelDrafter:
-    """A :class:`MoETransformer` behind the drafter interface of :mod:`specfit.runtime.eagle3`."""
+    """A :class:`MoETransformer` behind the drafter interface of :mod:`specfit.runtime.drafting`."""
 
     # its hidden states live in its own space: the target's routers cannot read them
     features_in_target_space = False
@@ -74,6 +75,6 @@ class ModelDrafter:
         if attn_mask is None:
             attn_mask = causal_mask(int(positions[0]), positions.numel())
         out = self.model(input_ids, positions + 1, attn_mask)
-        # DynamicTree keeps each node's output to feed its children, which a language model does
+        # the tree keeps each node's output to feed its children, which a language model does
         # not need: an empty state per entry
         return DraftOutput(logits=out.logits, hidden=out.logits.new_zeros((out.logits.shape[0], 0)))

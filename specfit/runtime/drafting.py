@@ -1,14 +1,32 @@
-"""Tree drafting, level by level, for any drafter: the drafter's session state and EAGLE-2/3
-dynamic-tree expansion.
+"""Drafting: the proposer stage of speculative decoding, for any drafter.
 
 A drafter (an EAGLE-3 head, :mod:`specfit.runtime.eagle3`, or an independent draft model,
-:mod:`specfit.runtime.draft_model`) is called with ``(hidden, input_ids, positions, mask)`` over
-its own KV cache and returns a :class:`DraftOutput`.
+:mod:`specfit.runtime.draft_model`) is called as ``drafter(hidden, input_ids, positions, mask)``
+over its own KV cache and returns a :class:`DraftOutput`. This module owns what is the same for
+every drafter:
+
+- :class:`DrafterSession`: the drafter's committed entries for one sequence. Entry ``i`` pairs the
+  target's features at position ``i`` with the token that followed, ``x[i + 1]``, at drafter
+  position (and slot) ``i``;
+- :class:`TreeDraft`: EAGLE-2/3 dynamic-tree drafting of one cycle, one level per :meth:`TreeDraft.grow`,
+  in flat arrays (tokens, parents, cumulative log-probabilities, depths) whose every prefix is the
+  tree drafted so far; the decoder hands each :meth:`TreeDraft.tree` to the policy;
+- :class:`Proposer`: a drafter with its session and the accepted entries not yet run through it
+  (EAGLE-3 re-runs the accepted tokens with the target's features, lazily, when the next cycle
+  drafts its first level: a cycle that drafts nothing never pays for it).
+
+The tree is expanded as EAGLE-2/3 does: level 1 is the top-``k`` of the root entry's distribution;
+each further level runs the current frontier (the ``k`` nodes of the newest level with the best
+cumulative log-probability) through the drafter in one call — tree mask: the committed entries,
+the node's ancestors, itself; position: root position + depth — and scores ``k`` children of each.
+Which nodes to verify is the policy's choice (:mod:`specfit.policies`, whose ``RerankPolicy`` is
+EAGLE's rerank). A chain is ``k = 1``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -16,7 +34,7 @@ import torch.nn.functional as F
 
 from ..tree import DraftTree
 
-__all__ = ["DraftOutput", "DrafterSession", "DynamicTree"]
+__all__ = ["DraftOutput", "DrafterSession", "TreeDraft", "Level", "Proposer", "tree_capacity"]
 
 
 @dataclass
@@ -24,21 +42,28 @@ class DraftOutput:
     """One drafter call over T entries.
 
     Attributes:
-        logits: [T, draft_vocab_size]; map an argmax ``i`` to a target token with ``draft_ids[i]``.
-        hidden: [T, H], the layer's output before the final norm: the hidden input of a child.
+        logits: [T, draft_vocab_size]; map an argmax ``i`` to a target token with the drafter's
+            ``to_target_ids``.
+        hidden: [T, H], the layer's output before the final norm: the hidden input of a child
+            (width 0 for a drafter that feeds nothing back).
     """
 
     logits: torch.Tensor
     hidden: torch.Tensor
 
 
-class DrafterSession:
-    """The drafter's state for one sequence: the committed entries in its KV cache.
+def tree_capacity(top_k: int, levels: int) -> int:
+    """Nodes of a dynamic tree after ``levels`` levels, root included: ``top_k`` children of the
+    root, then ``top_k`` children of each of the ``top_k`` expanded nodes per level."""
+    return 1 + (top_k + (levels - 1) * top_k * top_k if levels > 0 else 0)
 
-    Entry ``i`` pairs the target's features at position ``i`` with the token that followed,
-    ``x[i + 1]``, at drafter position (and slot) ``i``. :meth:`commit` appends entries for target
-    positions the target has just processed (overwriting the slots that draft entries used), and
-    returns the output of the newest entry, whose distribution drafts the first level.
+
+class DrafterSession:
+    """The drafter's state for one sequence: its committed entries.
+
+    :meth:`commit` appends entries for target positions the target has just processed
+    (overwriting the slots that draft entries used) and returns the output of the newest entry,
+    whose distribution drafts the first level.
     """
 
     def __init__(self, drafter, max_entries: int):
@@ -57,88 +82,179 @@ class DrafterSession:
         return DraftOutput(logits=out.logits[-1:], hidden=out.hidden[-1:])
 
 
-class DynamicTree:
-    """EAGLE-2/3 dynamic tree drafting, one level at a time.
+@dataclass(frozen=True)
+class Level:
+    """The nodes one :meth:`TreeDraft.grow` added, ids ``first .. first + size - 1``.
 
-    Level 1 is the top-``top_k`` of the root entry's distribution. Each :meth:`grow` runs the
-    current frontier (the ``top_k`` nodes of the newest level with the best cumulative
-    log-probability) through the drafter in one call — tree mask: the committed entries, the
-    node's ancestors, itself; position: root position + depth — and scores ``top_k`` children of
-    each; the best ``top_k`` children become the next frontier. :meth:`tree` reranks every drafted
-    node by cumulative log-probability and keeps the best; the result is connected because a
-    child never outscores its parent. A chain of depth d is ``top_k=1`` grown to d levels.
+    ``context`` [size, H] is the drafter's output at each new node's parent (what the router
+    predictor reads), on the drafter's device.
     """
 
-    def __init__(self, session: DrafterSession, root_token: int, root_output: DraftOutput, top_k: int):
-        if top_k < 1:
-            raise ValueError(f"top_k: expected >= 1, got {top_k}")
-        self.session, self.top_k = session, top_k
-        self.tokens = [int(root_token)]
-        self.parents = [-1]
-        self.log_probs = [0.0]                  # cumulative, root -> node (float64)
-        self.depths = [0]
-        self.output_hidden: dict[int, torch.Tensor] = {}   # node -> drafter output (its children's input)
-        self.slot: dict[int, int] = {}          # node -> KV slot of its entry (expanded nodes only)
-        self.frontier = self._add_children([0], root_output)
+    first: int
+    tokens: np.ndarray
+    parents: np.ndarray
+    context: torch.Tensor
 
     @property
-    def n_levels(self) -> int:
-        return max(self.depths)
+    def size(self) -> int:
+        return int(self.tokens.size)
 
-    def grow(self) -> np.ndarray:
-        """Draft one more level; return the node ids of its frontier."""
-        frontier, committed = self.frontier, self.session.n_committed
-        cache_len = committed + len(self.slot)
-        mask = torch.zeros(len(frontier), cache_len + len(frontier), dtype=torch.bool)
+
+class TreeDraft:
+    """One cycle's dynamic tree, drafted level by level into preallocated arrays.
+
+    Args:
+        session: the drafter's committed entries (the tree's entries go after them).
+        root_token: the cycle's root (the last committed token).
+        root_output: a callable returning the root entry's :class:`DraftOutput`, called when level
+            1 is drafted (the proposer runs the pending accepted entries then).
+        top_k: children per expanded node and nodes expanded per level.
+        max_levels: levels at most (sizes the arrays).
+        acceptance: maps the drafter's probability of a node given its parent to the probability
+            that the target accepts it (an acceptance calibrator); None uses the drafter's own.
+    """
+
+    def __init__(self, session: DrafterSession, root_token: int, root_output: Callable[[], DraftOutput], top_k: int,
+                 max_levels: int, acceptance: Callable[[np.ndarray], np.ndarray] | None = None):
+        if top_k < 1:
+            raise ValueError(f"top_k: expected >= 1, got {top_k}")
+        self.session, self.top_k, self._root_output, self._acceptance = session, int(top_k), root_output, acceptance
+        capacity = tree_capacity(self.top_k, max(int(max_levels), 1))
+        self.tokens = np.zeros(capacity, dtype=np.int64)
+        self.parents = np.full(capacity, -1, dtype=np.int64)
+        self.depth = np.zeros(capacity, dtype=np.int64)
+        self.cum_logprob = np.zeros(capacity, dtype=np.float64)   # the drafter's, root -> node
+        self.path_prob = np.ones(capacity, dtype=np.float64)      # the acceptance estimate the policy uses
+        self.slot = np.full(capacity, -1, dtype=np.int64)         # KV slot of an expanded node's entry
+        self.tokens[0] = int(root_token)
+        self.n_nodes, self.levels = 1, 0
+        self.frontier = np.zeros(0, dtype=np.int64)
+        self._hidden: torch.Tensor | None = None                  # [capacity, H] drafter output per expanded node
+        self._n_slots = 0
+
+    def grow(self) -> Level:
+        """Draft one more level; return its nodes."""
+        if self.levels == 0:
+            expanded = np.zeros(1, dtype=np.int64)
+            out = self._root_output()
+        else:
+            expanded = self.frontier
+            out = self.session.drafter(*self._frontier_inputs(expanded))
+        self._keep_hidden(expanded, out.hidden)
+        level = self._add_children(expanded, out)
+        self.levels += 1
+        return level
+
+    def tree(self) -> DraftTree:
+        """Every node drafted so far, in drafting order (each level extends the previous tree)."""
+        n = self.n_nodes
+        return DraftTree(parents=self.parents[:n], path_probs=self.path_prob[:n], tokens=self.tokens[:n])
+
+    @property
+    def edge_logprob(self) -> np.ndarray:
+        """float64 [n] the drafter's log-probability of each node given its parent (root: 0)."""
+        n = self.n_nodes
+        cum, parents = self.cum_logprob[:n], self.parents[:n]
+        return np.r_[0.0, cum[1:] - cum[parents[1:]]]
+
+    def hidden_of(self, nodes: np.ndarray) -> torch.Tensor:
+        """The drafter's output at expanded ``nodes`` (a child's hidden input)."""
+        return self._hidden[torch.from_numpy(np.asarray(nodes, dtype=np.int64)).to(self._hidden.device)]
+
+    # ------------------------------------------------------------------ helpers
+    def _frontier_inputs(self, frontier: np.ndarray):
+        """(hidden, tokens, positions, mask) of one drafter call over the frontier: each row sees
+        the committed entries, its ancestors' entries and itself."""
+        committed = self.session.n_committed
+        cache_len = committed + self._n_slots
+        rows = np.arange(frontier.size)
+        mask = np.zeros((frontier.size, cache_len + frontier.size), dtype=bool)
         mask[:, :committed] = True
-        for row, node in enumerate(frontier):
-            mask[row, cache_len + row] = True
-            ancestor = self.parents[node]
-            while ancestor > 0:
-                mask[row, self.slot[ancestor]] = True
-                ancestor = self.parents[ancestor]
-            self.slot[node] = cache_len + row
-        hidden = torch.stack([self.output_hidden[self.parents[node]] for node in frontier])
+        mask[rows, cache_len + rows] = True
+        ancestor = self.parents[frontier]
+        while (ancestor > 0).any():                  # one pass per depth, not per node
+            inside = ancestor > 0
+            mask[rows[inside], self.slot[ancestor[inside]]] = True
+            ancestor = np.where(inside, self.parents[np.maximum(ancestor, 0)], 0)
+        self.slot[frontier] = cache_len + rows
+        self._n_slots += frontier.size
+        device = self.session.drafter.device
+        hidden = self.hidden_of(self.parents[frontier])
         # the root entry sits at position committed - 1, so a depth-d node at committed - 1 + d
-        positions = torch.tensor([committed - 1 + self.depths[node] for node in frontier])
-        tokens = torch.tensor([self.tokens[node] for node in frontier])
-        self.frontier = self._add_children(frontier, self.session.drafter(hidden, tokens, positions, mask))
-        return self.frontier
+        positions = torch.from_numpy(committed - 1 + self.depth[frontier]).to(device)
+        tokens = torch.from_numpy(self.tokens[frontier]).to(device)
+        return hidden, tokens, positions, torch.from_numpy(mask).to(device)
 
-    def tree(self, max_nodes: int | None = None) -> DraftTree:
-        """The best ``max_nodes`` nodes drafted so far (root included; all by default)."""
-        n = len(self.tokens)
-        keep = n if max_nodes is None else max(1, min(max_nodes, n))
-        if keep == n:
-            # every node, in creation (level) order: called after each level while drafting
-            return DraftTree(parents=np.array(self.parents, dtype=np.int64), path_probs=np.exp(self.log_probs),
-                             tokens=np.array(self.tokens, dtype=np.int64))
-        # best cumulative log-prob first; ties keep creation order, so parents precede children
-        best = sorted(range(1, n), key=lambda v: (-self.log_probs[v], v))[: keep - 1]
-        nodes = np.array(sorted([0] + best), dtype=np.int64)
-        renumber = np.full(n, -1, dtype=np.int64)
-        renumber[nodes] = np.arange(nodes.size)
-        parents = np.array([-1] + [renumber[self.parents[v]] for v in nodes[1:]], dtype=np.int64)
-        return DraftTree(parents=parents, path_probs=np.exp(np.array(self.log_probs)[nodes]),
-                         tokens=np.array(self.tokens, dtype=np.int64)[nodes])
+    def _keep_hidden(self, expanded: np.ndarray, hidden: torch.Tensor) -> None:
+        if self._hidden is None:
+            self._hidden = hidden.new_zeros((self.tokens.size, hidden.shape[-1]))
+        self._hidden[torch.from_numpy(expanded).to(hidden.device)] = hidden
 
-    def _add_children(self, expanded: list[int] | np.ndarray, out: DraftOutput) -> np.ndarray:
-        """Record the outputs of the ``expanded`` nodes, add their top-k children, return the
-        next frontier (the top_k children by cumulative log-prob)."""
+    def _add_children(self, expanded: np.ndarray, out: DraftOutput) -> Level:
+        """Append the top-k children of each ``expanded`` node; the next frontier is the top_k of
+        them by cumulative log-probability (ties: the earlier node)."""
         # clamp: a float32 log-softmax can round a certain token to a tiny positive value, and
         # path probabilities must not increase along a path
         log_probs = F.log_softmax(out.logits.float(), dim=-1).clamp(max=0.0)
         top_lp, top_ids = log_probs.topk(min(self.top_k, log_probs.shape[-1]), dim=-1)
-        target_ids = self.session.drafter.to_target_ids(top_ids).tolist()
-        children = []
-        for row, parent in enumerate(expanded):
-            parent = int(parent)
-            self.output_hidden[parent] = out.hidden[row]
-            for token, lp in zip(target_ids[row], top_lp[row].double().tolist()):
-                self.tokens.append(token)
-                self.parents.append(parent)
-                self.log_probs.append(self.log_probs[parent] + lp)
-                self.depths.append(self.depths[parent] + 1)
-                children.append(len(self.tokens) - 1)
-        children.sort(key=lambda v: (-self.log_probs[v], v))
-        return np.array(sorted(children[: self.top_k]), dtype=np.int64)
+        # one host copy of the level's candidates
+        edge_lp = top_lp.double().cpu().numpy().ravel()
+        tokens = self.session.drafter.to_target_ids(top_ids).cpu().numpy().ravel().astype(np.int64)
+        parents = np.repeat(expanded, top_ids.shape[-1])
+        first, m = self.n_nodes, tokens.size
+        new = np.arange(first, first + m)
+        self.tokens[new], self.parents[new] = tokens, parents
+        self.depth[new] = self.depth[parents] + 1
+        self.cum_logprob[new] = self.cum_logprob[parents] + edge_lp
+        if self._acceptance is None:
+            self.path_prob[new] = np.exp(self.cum_logprob[new])
+        else:   # calibrated edges multiply along the path, so path probabilities never rise
+            self.path_prob[new] = self.path_prob[parents] * self._acceptance(np.exp(edge_lp))
+        self.n_nodes += m
+        order = np.lexsort((new, -self.cum_logprob[new]))
+        self.frontier = np.sort(new[order[: self.top_k]])
+        context = self._hidden[torch.from_numpy(parents).to(self._hidden.device)]
+        return Level(first=first, tokens=tokens, parents=parents, context=context)
+
+
+class Proposer:
+    """A drafter as the decoder's proposer: drafts one :class:`TreeDraft` per cycle and keeps its
+    session consistent with what the target committed.
+
+    ``context_in_target_space``: the drafter's hidden states estimate the target's (an EAGLE-3
+    head as wide as the target), so the router predictor may read them.
+    """
+
+    def __init__(self, drafter, top_k: int = 4):
+        if top_k < 1:
+            raise ValueError(f"tree_top_k: expected >= 1, got {top_k}")
+        self.drafter, self.top_k = drafter, int(top_k)
+        self.session: DrafterSession | None = None
+        self._pending: list[tuple[torch.Tensor, list[int]]] = []   # (features, next tokens) not yet run
+
+    @property
+    def context_in_target_space(self) -> bool:
+        return getattr(self.drafter, "features_in_target_space", True)
+
+    def start(self, prompt_ids: list[int], features: torch.Tensor, first_token: int, max_entries: int) -> None:
+        """A new sequence: the prompt's features (from the prefill) pair with the tokens that
+        followed them, the last with the prefill's token."""
+        self.session = DrafterSession(self.drafter, max_entries)
+        self._pending = [(features, list(prompt_ids[1:]) + [int(first_token)])]
+
+    def draft(self, root_token: int, max_levels: int, top_k: int | None = None,
+              acceptance: Callable[[np.ndarray], np.ndarray] | None = None) -> TreeDraft:
+        """An empty tree under ``root_token``; :meth:`TreeDraft.grow` drafts its levels."""
+        return TreeDraft(self.session, root_token, self._sync, top_k or self.top_k, max_levels, acceptance)
+
+    def accept(self, features: torch.Tensor, tokens: list[int]) -> None:
+        """The target committed ``tokens``; ``features`` [len(tokens), F] are its features at the
+        accepted nodes (each paired with the token that followed it, the last with the bonus)."""
+        self._pending.append((features, list(tokens)))
+
+    def _sync(self) -> DraftOutput:
+        """Run the pending committed entries through the drafter; return the newest entry's output."""
+        features = torch.cat([f for f, _ in self._pending])
+        tokens = torch.tensor([t for _, ts in self._pending for t in ts])
+        self._pending.clear()
+        return self.session.commit(features, tokens)

@@ -33,7 +33,7 @@ from .model import MoETransformer
 from .offload import ExpertOffload, HostExperts
 
 __all__ = ["Checkpoint", "load_model", "load_tokenizer", "checkpoint_bytes", "load_drafter", "drafter_capture_layers",
-           "is_eagle3", "check_drafter"]
+           "is_eagle3", "check_drafter", "load_router"]
 
 _MOE_PREFIXES = ("mlp", "block_sparse_moe")
 # per-expert names of (gate, up, down)
@@ -248,6 +248,25 @@ def _dense_state_dict(checkpoint: Checkpoint, config: ModelConfig, dtype, device
     if "lm_head.weight" not in dense:
         dense["lm_head.weight"] = dense["embed_tokens.weight"]   # tied: one tensor, two uses
     return dense
+
+
+def load_router(model_dir: str | Path, context_weight: float = 0.5):
+    """The :class:`~specfit.experts.router.RouterPredictor` of the target in ``model_dir``, reading
+    only its embedding, norms and routers (for a replay, where the model is not loaded)."""
+    from ..experts.router import RouterPredictor
+
+    config = ModelConfig.from_dir(model_dir)
+    checkpoint = Checkpoint(model_dir)
+    H, E = config.hidden_size, config.n_experts
+    try:
+        embed = checkpoint.get("model.embed_tokens.weight", (config.vocab_size, H), torch.float32)
+        weights = [checkpoint.get(f"model.layers.{layer}.{_moe_prefix(checkpoint, layer)}.gate.weight", (E, H), torch.float32)
+                   * checkpoint.get(f"model.layers.{layer}.post_attention_layernorm.weight", (H,), torch.float32)
+                   for layer in range(config.n_layers)]
+    finally:
+        checkpoint.close()
+    return RouterPredictor(context_weight=context_weight, embed=embed, router_weight=torch.stack(weights),
+                           eps=config.rms_norm_eps, top_k=config.top_k)
 
 
 def _moe_prefix(checkpoint: Checkpoint, layer: int) -> str:

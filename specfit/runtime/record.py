@@ -1,16 +1,16 @@
 """Recording live decoding as a trace in the simulator's format (:mod:`specfit.traces.format`).
 
-:class:`TraceRecorder` collects, cycle by cycle, what a :class:`~specfit.runtime.speculative.SpeculativeDecoder`
+:class:`TraceRecorder` collects, cycle by cycle, what a :class:`~specfit.runtime.decoder.Decoder`
 drafted (the whole tree in drafting order, the drafter's log-probabilities, the predicted experts),
 what the target said about the verified nodes (verdict, true experts) and the measured times and
 bytes, then builds a :class:`~specfit.traces.format.Trace`:
 
 - a *live* trace records the cycles as the policy ran them (verdicts and true experts only for the
   verified nodes);
-- a *full* trace comes from :class:`~specfit.runtime.speculative.FullTreeDecoder`: one cycle per
-  position of the greedy output, every node verified — the position-indexed trace that
-  :func:`specfit.simulate.replay.replay` replays exactly. Trees are cut to the reference tokens
-  that follow their position (after an end-of-sequence token there are none).
+- a *full* trace comes from a decoder that verifies every drafted node and commits the root's
+  verdict alone (``commit_root_only``): one cycle per position of the greedy output — the
+  position-indexed trace that :func:`specfit.simulate.replay.replay` replays exactly. Trees are cut
+  to the reference tokens that follow their position (after an end-of-sequence token there are none).
 """
 
 from __future__ import annotations
@@ -21,8 +21,7 @@ import numpy as np
 
 from .. import __version__
 from ..traces.format import UNKNOWN, Trace
-from ..tree import DraftTree
-from .decoder import CycleStats, Verification
+from .decoder import CycleStats
 
 __all__ = ["TraceRecorder"]
 
@@ -50,7 +49,7 @@ class TraceRecorder:
         model_meta: the trace's ``model`` metadata (name, n_layers, n_experts, top_k,
             expert_bytes, vocab_size).
         drafter_meta, workload: the trace's ``drafter`` and ``workload`` metadata.
-        full: the cycles come from a :class:`FullTreeDecoder` (position-indexed trace).
+        full: the cycles verify every drafted node and commit one token (position-indexed trace).
         recording: extra fields for the ``recording`` metadata (policy, profile, ...).
     """
 
@@ -61,18 +60,29 @@ class TraceRecorder:
         self.sequence = 0
         self.cycles: list[_Cycle] = []
         self._lengths: dict[int, int] = {}      # sequence -> output tokens (for cutting full trees)
+        self._prefill: dict[int, list[list[int]]] = {}   # sequence -> the prefill's experts per layer
 
     def begin_sequence(self, sequence: int) -> None:
         self.sequence = int(sequence)
+
+    def add_prefill(self, expert_ids: np.ndarray) -> None:
+        """The prompt's pass: its experts per layer (``expert_ids`` [tokens, L, k]), which warmed the
+        expert cache before the sequence's first cycle."""
+        L = expert_ids.shape[1]
+        self._prefill[self.sequence] = [np.unique(expert_ids[:, layer]).tolist() for layer in range(L)]
 
     def end_sequence(self, n_output_tokens: int) -> None:
         """The sequence's output is complete: ``n_output_tokens`` tokens, the first from the prefill."""
         self._lengths[self.sequence] = int(n_output_tokens)
 
-    def add_cycle(self, position: int, tree: DraftTree, draft_logprob: np.ndarray, predicted_experts: np.ndarray,
-                  verification: Verification, stats: CycleStats) -> None:
+    def add_cycle(self, stats: CycleStats) -> None:
+        draft, verification = stats.draft, stats.verification
+        tree, predicted_experts, position = draft.tree, draft.experts, stats.position
+        draft_logprob = draft.edge_logprob if draft.edge_logprob.size == tree.n_nodes else np.zeros(tree.n_nodes)
         n = tree.n_nodes
-        L, k = predicted_experts.shape[1:]
+        L, k = verification.expert_ids.shape[1:]
+        if predicted_experts.shape[1:] != (L, k):      # nothing was predicted: record unknowns
+            predicted_experts = np.full((n, L, k), UNKNOWN, dtype=np.int64)
         verdict = np.full(n, UNKNOWN, dtype=np.int64)
         verdict[verification.nodes] = verification.verdicts
         true = np.full((n, L, k), UNKNOWN, dtype=np.int64)
@@ -102,7 +112,10 @@ class TraceRecorder:
             "drafter": dict(self.drafter_meta),
             "workload": self.workload,
             "recording": {"kind": "live-full" if self.full else "live", "position_indexed": self.full,
-                          "full_verification": self.full, "tool": f"specfit {__version__} decode", **self.recording},
+                          "full_verification": self.full, "tool": f"specfit {__version__} decode", **self.recording,
+                          # each sequence's prompt pass, in sequence order: what the cache saw before its cycles
+                          "prefill_experts": [self._prefill.get(seq) for seq in sorted(self._prefill)],
+                          "prefill_sequences": sorted(self._prefill)},
             "provenance": {"real": ["reference tokens", "routing", "draft trees", "draft probabilities", "verdicts",
                                     "predicted experts", "measured times"], "synthesised": []},
         }

@@ -29,7 +29,9 @@ def simulate_command(
     cache_experts: str = typer.Option("0,16,32", "--cache-experts", help="Comma-separated cache sizes (experts per "
                                       "layer, or in total with --cache-mode global)."),
     predictor: str = typer.Option("oracle", "--predictor", help="Expert predictor the policies decide with: oracle, "
-                                  "affinity, parent, recorded (fitted ones are cross-fitted on other sequences)."),
+                                  "affinity, parent, recorded (fitted ones are cross-fitted on other sequences), "
+                                  "router (the target's routers; needs --model)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="The traced model's directory, for --predictor router."),
     acceptance: str = typer.Option("calibrated", "--acceptance", help="Path probabilities the policies use: "
                                    "calibrated (isotonic, cross-fitted) or raw (the drafter's)."),
     cost: Optional[str] = typer.Option(None, "--cost", help="Override cost-model parameters, e.g. base_s=0.004,miss_s=2e-4."),
@@ -51,7 +53,7 @@ def simulate_command(
     try:
         cycles, summary = _simulate(traces, _split(profiles), _split([policies]), _parse_sizes(cache_experts), predictor,
                                     acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json,
-                                    price_uncertainty)
+                                    price_uncertainty, model)
         if out is not None:
             _write_outputs(out, cycles, summary, ctx)
     except SpecFitError as exc:
@@ -74,7 +76,7 @@ def _parse_sizes(text: str) -> list[int]:
 
 
 def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptance, cost_text, h2d_scale, rescale,
-              cache_mode, cache_policy, max_levels, quiet, price_uncertainty=True):
+              cache_mode, cache_policy, max_levels, quiet, price_uncertainty=True, model_dir=None):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -101,7 +103,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     for path, name in zip(trace_paths, names):
         trace = read_trace(path)
         with console.status(f"preparing {path} ...") if not quiet else _nothing():
-            prepared.append(prepare_trace(name, trace, predictor, acceptance))
+            prepared.append(prepare_trace(name, trace, predictor, acceptance, model_dir=model_dir))
         shape = ModelShape.from_trace_meta(trace.model)
         scenarios[name] = []
         for spec in profiles:
@@ -173,7 +175,7 @@ def _print_summary(summary, out: Optional[Path]) -> None:
                           f"{row['bytes_per_token'] / 1e6:.1f}", f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}",
                           f"{row['speedup_vs_ar']:.2f}x", f"{row['speedup_vs_eagle3']:.2f}x",
                           f"{row['union_precision']:.2f}/{row['union_recall']:.2f}",
-                          f"{row['tokens_prediction_error']:+.1%}")
+                          f"{row['tokens_bias']:+.1%}")
         console.print(table)
     if out is not None:
         console.print(f"per-cycle rows and the summary written to {out}/ (cycles|summary).(parquet|csv)")

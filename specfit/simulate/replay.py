@@ -105,9 +105,11 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
                          first_cycles=first, info=info)
 
 
-def prepare_trace(name: str, trace: Trace, predictor: str = "oracle", acceptance: str = "calibrated") -> PreparedTrace:
+def prepare_trace(name: str, trace: Trace, predictor: str = "oracle", acceptance: str = "calibrated",
+                  model_dir=None) -> PreparedTrace:
     """:func:`prepare` with the experts of ``predictor`` and, for ``acceptance="calibrated"``, path
-    probabilities from the acceptance calibrator (both fitted on the other sequences only)."""
+    probabilities from the acceptance calibrator (both fitted on the other sequences only).
+    ``predictor="router"`` reads the target's routers from ``model_dir`` (the trace's model)."""
     from ..experts.calibration import cross_calibrate
     from ..experts.predictors import PREDICTORS, cross_predict
 
@@ -116,7 +118,19 @@ def prepare_trace(name: str, trace: Trace, predictor: str = "oracle", acceptance
     if acceptance not in ("calibrated", "raw"):
         raise SpecFitError(f"--acceptance: expected calibrated or raw, got {acceptance!r}")
     probs = cross_calibrate(trace) if acceptance == "calibrated" else None
-    return prepare(name, trace, cross_predict(predictor, trace), probs, predictor=predictor)
+    if predictor == "router":
+        if model_dir is None:
+            raise SpecFitError("--predictor router: needs the target's weights; pass --model DIR (the trace's model)")
+        from ..runtime.loader import load_router
+
+        router = load_router(model_dir)
+        if router.router_weight.shape[:2] != (trace.n_layers, trace.n_experts):
+            raise SpecFitError(f"--model {model_dir}: {router.router_weight.shape[0]} layers x "
+                               f"{router.router_weight.shape[1]} experts, the trace has {trace.n_layers} x {trace.n_experts}")
+        experts = router.predict_trace(trace)
+    else:
+        experts = cross_predict(predictor, trace)
+    return prepare(name, trace, experts, probs, predictor=predictor)
 
 
 def _slots_right(predicted: list[np.ndarray], true: list[np.ndarray]) -> tuple[int, int]:

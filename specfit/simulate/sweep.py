@@ -14,13 +14,14 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
+from ..accounting import replay_frame, summarise
 from ..costmodel import CostModel
 from ..errors import SpecFitError
 from ..experts.cache import ExpertCache
 from ..policies import DEFAULT_POLICIES, Observation, Policy, TunedPolicy, make_policy
 from .replay import CycleLog, PreparedTrace, replay
 
-__all__ = ["Scenario", "run_sweep", "summarise", "DEFAULT_POLICIES", "check_policies"]
+__all__ = ["Scenario", "run_sweep", "DEFAULT_POLICIES", "check_policies"]
 
 SUMMARY_KEYS = ("trace", "profile", "cache_experts", "policy")
 
@@ -58,8 +59,9 @@ def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: l
               cache_mode: str = "per_layer", cache_policy: str = "lru", max_levels: int = 8,
               progress: Callable[[str], None] | None = None,
               price_uncertainty: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Replay every combination; returns ``(cycles, summary)`` DataFrames (one row per cycle,
-    one row per (trace, profile, cache size, policy)). ``price_uncertainty``: the specfit policy
+    """Replay every combination; returns ``(cycles, summary)`` DataFrames (one row per cycle in
+    :data:`specfit.accounting.CYCLE_COLUMNS`, one :func:`specfit.accounting.summarise` row per
+    (trace, profile, cache size, policy)). ``price_uncertainty``: the specfit policy
     prices, per draft node, the experts its predictor gets wrong (the predictor's slot precision
     on the trace)."""
     check_policies(policies, max_levels)
@@ -94,13 +96,13 @@ def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: l
                     else:
                         log = _run(prep, policy, capacity, scenario.cost, cache_mode, cache_policy)
                     keys = {"trace": prep.name, "profile": scenario.label, "cache_experts": capacity, "policy": spec}
-                    frame = pd.DataFrame(log.columns)
-                    frame.insert(0, "cycle", np.arange(len(frame)))
+                    frame = replay_frame(log.columns, prep.trace.expert_bytes)
+                    frame.insert(2, "cycle", np.arange(len(frame)))
                     for name, value in reversed(keys.items()):
                         frame.insert(0, name, value)
                     cycle_frames.append(frame)
                     rows.append({**keys, "predictor": prep.predictor, "slot_precision": prep.info["slot_precision"],
-                                 **summarise(log), **extra})
+                                 **summarise(frame), **extra})
                     if progress is not None:
                         progress(f"{prep.name} {scenario.label} cache={capacity} {spec}")
     summary = pd.DataFrame(rows)
@@ -112,33 +114,3 @@ def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: l
         idx = pd.MultiIndex.from_frame(summary[["trace", "profile", "cache_experts"]])
         summary[f"speedup_vs_{base}"] = summary["tokens_per_s"].to_numpy() / ref.reindex(idx).to_numpy()
     return pd.concat(cycle_frames, ignore_index=True), summary
-
-
-def summarise(log: CycleLog) -> dict:
-    """Totals and prediction quality of one replay."""
-    c = log.columns
-    tokens = int(c["committed_tokens"].sum())
-    time_s = float(c["charged_time_s"].sum())
-    cycles = len(log)
-    union = int(c["union_size"].sum())
-    predicted_union = int(c["predicted_union_size"].sum())
-    overlap = int(c["union_overlap"].sum())
-    return {
-        "tokens": tokens, "cycles": cycles, "time_s": time_s,
-        "tokens_per_s": tokens / time_s if time_s > 0 else float("inf"),
-        "tokens_per_cycle": tokens / cycles if cycles else 0.0,
-        "bytes_h2d": int(c["bytes_h2d"].sum()),
-        "bytes_per_token": float(c["bytes_h2d"].sum() / tokens) if tokens else 0.0,
-        "hit_rate": float(c["hits"].sum() / union) if union else 0.0,
-        "nodes_per_cycle": float(c["nodes_verified"].mean()),
-        "draft_levels_per_cycle": float(c["draft_levels"].mean()),
-        # levels drafted below the deepest selected node: draft time spent on nothing
-        "wasted_draft_levels": float((c["draft_levels"] - c["deepest_selected"]).clip(min=0).mean()),
-        "predicted_tokens_per_cycle": float(c["predicted_tokens"].mean()),
-        "tokens_prediction_error": float(c["predicted_tokens"].sum() / tokens - 1) if tokens else 0.0,
-        "time_prediction_error": float(c["predicted_time_s"].sum() / time_s - 1) if time_s else 0.0,
-        "union_precision": overlap / predicted_union if predicted_union else 1.0,
-        "union_recall": overlap / union if union else 1.0,
-        "miss_count_error": float(np.mean(c["predicted_misses"] - c["misses"])),
-        "miss_count_abs_error": float(np.mean(np.abs(c["predicted_misses"] - c["misses"]))),
-    }

@@ -1,0 +1,235 @@
+"""Predicted against what happened: the one per-cycle schema of live and simulated decoding, the
+summary of a policy's cycles, and the error measures.
+
+Both drivers describe a cycle with the same columns (:data:`CYCLE_COLUMNS`). What only a live run
+measures (wall-clock times, the per-layer traffic) is NaN / empty in a replay; what happened is in
+both: the committed tokens, the true union's hits and misses, the bytes moved, and
+``charged_time_s``, the cost model applied to them (in a replay, the simulator's "measurement").
+``time_s`` is the cycle's time as the driver knows it: measured live, charged in a replay; a
+policy's throughput is committed tokens over the sum of ``time_s``, in the summary, the terminal
+and the report alike.
+
+Errors of a prediction ``p`` of a quantity ``a`` over cycles (:func:`prediction_errors`):
+
+- ``mape``: mean of |p - a| / a, how far one cycle's prediction is on average;
+- ``median_ape``: the median of the same, robust to a few disturbed cycles;
+- ``bias``: sum(p) / sum(a) - 1, the error of the total (what a throughput prediction inherits).
+
+:func:`summarise` reports all three for time, bytes, committed tokens and union size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .costmodel import CostModel
+from .experts.predictors import union_quality
+
+if TYPE_CHECKING:       # pandas is imported where a frame is built: the CLI starts without it
+    import pandas as pd
+
+__all__ = ["Column", "CYCLE_COLUMNS", "KEY_COLUMNS", "prediction_errors", "live_row", "replay_frame", "summarise",
+           "ERROR_QUANTITIES", "read_cycles"]
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    kind: str            # "int", "float" or "list"
+    live_only: bool
+    description: str
+
+
+KEY_COLUMNS = ("policy", "sequence", "position", "cycle")
+
+CYCLE_COLUMNS = tuple(Column(*c) for c in (
+    ("draft_levels", "int", False, "levels drafted this cycle"),
+    ("nodes_drafted", "int", False, "nodes of the drafted tree, root included"),
+    ("nodes_verified", "int", False, "nodes the target verified, root included"),
+    ("deepest_selected", "int", False, "depth of the deepest verified node"),
+    ("committed_tokens", "int", False, "tokens the cycle added to the output (accepted + bonus)"),
+    ("predicted_tokens", "float", False, "expected committed tokens of the selection (1 + path probabilities)"),
+    ("time_s", "float", False, "the cycle's time: measured live, charged in a replay"),
+    ("predicted_time_s", "float", False, "the cost model's time for the selection with predicted experts"),
+    ("charged_time_s", "float", False, "the cost model's time for what happened (the true union's hits and misses)"),
+    ("measured_time_s", "float", True, "wall-clock time of the cycle (draft + verify)"),
+    ("union_size", "int", False, "experts of the verified nodes' true union, summed over layers"),
+    ("predicted_union_size", "int", False, "experts of the predicted union of the verified nodes"),
+    ("union_overlap", "int", False, "experts in both unions"),
+    ("hits", "int", False, "true union experts already resident"),
+    ("misses", "int", False, "true union experts copied host-to-device"),
+    ("predicted_hits", "int", False, "predicted union experts the search saw resident"),
+    ("predicted_misses", "int", False, "predicted union experts the search saw missing"),
+    ("bytes_h2d", "int", False, "bytes copied host-to-device"),
+    ("predicted_bytes_h2d", "float", False, "predicted misses times the bytes of one expert"),
+    ("prediction_precision", "float", False, "share of the verified draft nodes' predicted expert slots that were right"),
+    ("draft_time_s", "float", True, "from the cycle's start to the selection"),
+    ("verify_time_s", "float", True, "from the selection to the committed tokens"),
+    ("target_time_s", "float", True, "the target's verification pass"),
+    ("transfer_time_s", "float", True, "host-to-device copies within it"),
+    ("drafter_time_s", "float", True, "the drafter's forward passes"),
+    ("search_time_s", "float", True, "the policy's decisions"),
+    ("predict_time_s", "float", True, "expert predictions for the drafted nodes"),
+    ("hits_per_layer", "list", True, "hits per MoE layer"),
+    ("misses_per_layer", "list", True, "misses per MoE layer"),
+))
+COLUMN_NAMES = tuple(c.name for c in CYCLE_COLUMNS)
+# (label, predicted column, actual column) of the errors the summary reports
+ERROR_QUANTITIES = (("time", "predicted_time_s", "time_s"), ("bytes", "predicted_bytes_h2d", "bytes_h2d"),
+                    ("tokens", "predicted_tokens", "committed_tokens"), ("union", "predicted_union_size", "union_size"))
+
+
+def prediction_errors(predicted, actual) -> dict:
+    """``n``, ``mape``, ``median_ape``, ``max_ape``, ``bias`` and ``max_abs_err`` of predictions
+    against what happened, over the cycles where both are finite and the actual value is positive
+    (a cycle that moved no bytes has no relative error)."""
+    p = np.asarray(predicted, dtype=np.float64)
+    a = np.asarray(actual, dtype=np.float64)
+    ok = np.isfinite(p) & np.isfinite(a)
+    p, a = p[ok], a[ok]
+    rel = a > 0
+    nan = float("nan")
+    if not rel.any():
+        return {"n": 0, "mape": nan, "median_ape": nan, "max_ape": nan, "bias": nan, "max_abs_err": nan}
+    ape = np.abs(p[rel] - a[rel]) / a[rel]
+    return {"n": int(rel.sum()), "mape": float(ape.mean()), "median_ape": float(np.median(ape)),
+            "max_ape": float(ape.max()), "bias": float(p.sum() / a.sum() - 1.0) if a.sum() > 0 else nan,
+            "max_abs_err": float(np.abs(p - a).max())}
+
+
+# --------------------------------------------------------------------------- rows
+def live_row(stats, cost: CostModel | None, expert_bytes: int, n_experts: int) -> dict:
+    """The schema's row of one live cycle (a :class:`~specfit.runtime.decoder.CycleStats`) of a
+    model whose experts are ``expert_bytes`` each, ``n_experts`` per layer."""
+    draft, verification, offload = stats.draft, stats.verification, stats.verification.offload
+    sel = draft.selection
+    nan = float("nan")
+    hits, misses = offload.total_hits, offload.total_misses
+    union = overlap = predicted_union = -1
+    if sel is not None and draft.experts.shape[1:] == verification.expert_ids.shape[1:]:
+        predicted_union, union, overlap = union_quality(draft.experts[verification.nodes], verification.expert_ids,
+                                                        n_experts)
+    else:
+        union = hits + misses
+    row = {
+        "draft_levels": draft.draft_levels,
+        "nodes_drafted": draft.tree.n_nodes,
+        "nodes_verified": int(verification.nodes.size),
+        "deepest_selected": int(draft.tree.depth[verification.nodes].max()),
+        "committed_tokens": stats.committed_tokens,
+        "predicted_tokens": sel.expected_tokens if sel else nan,
+        "time_s": stats.cycle_time_s,
+        "predicted_time_s": sel.time_s if sel else nan,
+        "charged_time_s": cost.time_s(draft.draft_levels, verification.nodes.size, hits, misses) if cost else nan,
+        "measured_time_s": stats.cycle_time_s,
+        "union_size": union,
+        "predicted_union_size": predicted_union,
+        "union_overlap": overlap,
+        "hits": hits,
+        "misses": misses,
+        "predicted_hits": sel.hits if sel else -1,
+        "predicted_misses": sel.misses if sel else -1,
+        "bytes_h2d": offload.total_bytes_h2d,
+        "predicted_bytes_h2d": sel.misses * expert_bytes if sel else nan,
+        "prediction_precision": stats.predicted_slots_right / stats.predicted_slots if stats.predicted_slots else nan,
+        "draft_time_s": stats.draft_time_s,
+        "verify_time_s": stats.verify_time_s,
+        "target_time_s": verification.verify_time_s,
+        "transfer_time_s": verification.transfer_time_s,
+        "drafter_time_s": draft.drafter_time_s,
+        "search_time_s": draft.search_time_s,
+        "predict_time_s": draft.predict_time_s,
+        "hits_per_layer": offload.hits.tolist(),
+        "misses_per_layer": offload.misses.tolist(),
+    }
+    return row
+
+
+def replay_frame(columns: dict[str, np.ndarray], expert_bytes: int) -> "pd.DataFrame":
+    """The schema's rows of a replay (``CycleLog.columns`` of :func:`specfit.simulate.replay.replay`):
+    what the simulator knows, the live-only columns empty."""
+    import pandas as pd
+
+    n = len(columns["committed_tokens"])
+    out = {"sequence": columns["sequence"], "position": columns["position"]}
+    for col in CYCLE_COLUMNS:
+        if col.name in columns:
+            out[col.name] = columns[col.name]
+        elif col.kind == "list":
+            out[col.name] = [[] for _ in range(n)]
+        else:
+            out[col.name] = np.full(n, np.nan if col.kind == "float" else -1)
+    out["time_s"] = columns["charged_time_s"]
+    out["predicted_hits"] = np.asarray(columns["predicted_union_size"]) - np.asarray(columns["predicted_misses"])
+    out["predicted_bytes_h2d"] = np.asarray(columns["predicted_misses"], dtype=np.float64) * expert_bytes
+    if "prediction_precision" not in columns:
+        out["prediction_precision"] = np.full(n, np.nan)
+    return pd.DataFrame(out)
+
+
+def read_cycles(frame: "pd.DataFrame") -> "pd.DataFrame":
+    """A ``cycles.parquet`` frame in this schema: files written before it (``cycle_time_s``,
+    ``prompt``) are renamed, columns they lack are added empty."""
+    renames = {"cycle_time_s": "measured_time_s", "prompt": "sequence"}
+    frame = frame.rename(columns={k: v for k, v in renames.items() if k in frame and v not in frame})
+    if "time_s" not in frame:
+        frame["time_s"] = frame["measured_time_s"] if "measured_time_s" in frame else frame["charged_time_s"]
+    for col in CYCLE_COLUMNS:
+        if col.name not in frame:
+            frame[col.name] = [[] for _ in range(len(frame))] if col.kind == "list" else \
+                (float("nan") if col.kind == "float" else -1)
+    return frame
+
+
+# --------------------------------------------------------------------------- summaries
+def summarise(cycles: "pd.DataFrame") -> dict:
+    """Totals and prediction quality of one policy's cycles (rows of :data:`CYCLE_COLUMNS`)."""
+    c = cycles
+    tokens = int(c["committed_tokens"].sum())
+    time_s = float(c["time_s"].sum())
+    n = len(c)
+    nan = float("nan")
+    union = int(c["union_size"].clip(lower=0).sum())
+    predicted_union = int(c["predicted_union_size"].clip(lower=0).sum())
+    overlap = int(c["union_overlap"].clip(lower=0).sum())
+    hits, misses = int(c["hits"].sum()), int(c["misses"].sum())
+    out = {
+        "tokens": tokens, "cycles": n, "time_s": time_s,
+        "tokens_per_s": tokens / time_s if time_s > 0 else float("inf"),
+        "tokens_per_cycle": tokens / n if n else 0.0,
+        "time_per_cycle_s": time_s / n if n else nan,
+        "predicted_time_per_cycle_s": float(c["predicted_time_s"].mean()) if n else nan,
+        "bytes_h2d": int(c["bytes_h2d"].sum()),
+        "bytes_per_token": float(c["bytes_h2d"].sum() / tokens) if tokens else 0.0,
+        "bytes_per_cycle": float(c["bytes_h2d"].mean()) if n else nan,
+        "predicted_bytes_per_cycle": float(c["predicted_bytes_h2d"].mean()) if n else nan,
+        "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        "nodes_per_cycle": float(c["nodes_verified"].mean()) if n else nan,
+        "draft_levels_per_cycle": float(c["draft_levels"].mean()) if n else nan,
+        # levels drafted below the deepest selected node: draft time spent on nothing
+        "wasted_draft_levels": float((c["draft_levels"] - c["deepest_selected"]).clip(lower=0).mean()) if n else nan,
+        "predicted_tokens_per_cycle": float(c["predicted_tokens"].mean()) if n else nan,
+        "union_precision": overlap / predicted_union if predicted_union else 1.0,
+        "union_recall": overlap / union if union else 1.0,
+        "miss_count_error": float(np.mean(c["predicted_misses"] - c["misses"])) if n else nan,
+        "miss_count_abs_error": float(np.mean(np.abs(c["predicted_misses"] - c["misses"]))) if n else nan,
+        "prediction_precision": float(np.nanmean(c["prediction_precision"])) if c["prediction_precision"].notna().any()
+        else nan,
+    }
+    for label, predicted, actual in ERROR_QUANTITIES:
+        valid = c[actual] >= 0
+        err = prediction_errors(c.loc[valid, predicted], c.loc[valid, actual])
+        for measure in ("mape", "median_ape", "bias"):
+            out[f"{label}_{measure}"] = err[measure]
+    measured = c["measured_time_s"].notna().any() if "measured_time_s" in c else False
+    if measured:
+        total = float(c["measured_time_s"].sum())
+        models = float((c["drafter_time_s"] + c["target_time_s"]).sum())
+        out["search_share"] = float(c["search_time_s"].sum() / total) if total > 0 else nan
+        # everything but the models' own passes: the policy, predictions, bookkeeping
+        out["overhead_share"] = 1.0 - models / total if total > 0 else nan
+        out["transfer_time_per_cycle_s"] = float(c["transfer_time_s"].mean())
+    return out
