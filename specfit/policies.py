@@ -193,8 +193,12 @@ class SpecFitPolicy(Policy):
 
     name = "specfit"
 
-    def __init__(self, max_levels: int = 8, price_uncertainty: bool = True):
+    def __init__(self, max_levels: int = 8, price_uncertainty: bool = True, lookahead: bool = True,
+                 first_level_test: bool = True):
         self.max_levels = int(max_levels)
+        # ablation switches (benchmarks/bench_policy.py): the one-level look-ahead of the stopping
+        # rule and the level-0 test that declines to draft after useless first levels
+        self.lookahead, self.first_level_test = bool(lookahead), bool(first_level_test)
         # price per draft node for the experts its prediction gets wrong (search.uncertainty_price_s),
         # from the precision observed so far; 0 until a verified draft node has been observed
         self.price_uncertainty = bool(price_uncertainty)
@@ -241,13 +245,14 @@ class SpecFitPolicy(Policy):
         if view.draft_levels >= self.max_levels:
             return False
         if view.draft_levels == 0:
-            return self._first_level_may_pay(view, self._search(view))
+            root = self._search(view)
+            return self._first_level_may_pay(view, root) if self.first_level_test else root.time_s > 0
         if view.draft_levels == 1:
             first = view.tree.level(1)
             if first.size:
                 self._recent_first.append((float(view.tree.path_probs[first].max()), int(first.size)))
         current = self._search(view)
-        return should_continue(self._previous, current) or self._next_level_may_pay(view, current)
+        return should_continue(self._previous, current) or (self.lookahead and self._next_level_may_pay(view, current))
 
     def _first_level_may_pay(self, view: CycleView, root: Selection) -> bool:
         """Whether drafting level 1 can beat verifying the root alone.

@@ -182,19 +182,23 @@ class CycleLog:
 
     columns: dict[str, np.ndarray]
     committed: list[np.ndarray]        # per sequence: the tokens committed, in order
+    unions: list[np.ndarray] | None = None   # per cycle: flat item ids of the true union (record_unions)
 
     def __len__(self) -> int:
         return int(self.columns["sequence"].size)
 
 
-def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostModel) -> CycleLog:
+def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostModel,
+           record_unions: bool = False) -> CycleLog:
     """Replay every sequence of ``prep`` through ``policy`` with ``cache`` (mutated: it carries
-    state across cycles) and ``cost`` (the policy's cost model)."""
+    state across cycles) and ``cost`` (the policy's cost model). ``record_unions`` keeps each
+    cycle's true union (e.g. for :func:`specfit.experts.belady.belady_counts`)."""
     L, E = prep.trace.n_layers, prep.trace.n_experts
     n = prep.n_cycles
     cols = {name: np.zeros(n, dtype=np.float64 if name.startswith("predicted_t") else np.int64)
             for name in CYCLE_COLUMNS}
     committed: list[np.ndarray] = []
+    unions: list[np.ndarray] | None = [] if record_unions else None
     i = 0
     bounds = np.r_[prep.first_cycles, n]
     needs_truth = policy.needs_truth
@@ -218,6 +222,8 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
             k = int(path.size if inside.all() else np.argmin(inside))   # root + accepted drafts
             union = _union(prep.true_items[c], nodes, L * E)
             result = cache.admit(union.reshape(L, E))
+            if unions is not None:
+                unions.append(np.flatnonzero(union))
             # the experts the policy decided with (the oracle policy decides with the true ones)
             same = needs_truth or prep.predicted[c] is prep.true[c]
             predicted_union = union if same else _union(prep.predicted_items[c], nodes, L * E)
@@ -243,4 +249,4 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
     # the charged time: the same cost formula, on the true union against the cache state
     cols["charged_time_s"] = cost.predict_counts(cols["draft_levels"], cols["nodes_verified"], cols["hits"], cols["misses"])
     cols["bytes_h2d"] = cols["misses"] * prep.trace.expert_bytes   # the traced model's experts
-    return CycleLog(columns=cols, committed=committed)
+    return CycleLog(columns=cols, committed=committed, unions=unions)
