@@ -27,7 +27,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -173,7 +172,8 @@ def run_setting(preps: dict[str, PreparedTrace], chosen: list[Variant], capacity
     for spec in BASELINES:
         policy = make_policy(spec)
         if isinstance(policy, TunedPolicy):
-            best = max(((rate(run(base, cand, capacity, cost)), cand.total_nodes) for cand in policy.candidates(max_nodes)))
+            best = max((rate(run(base, cand, capacity, cost)), cand.total_nodes)
+                       for cand in policy.candidates(max_nodes))
             row[spec], row["static_n"] = best
         else:
             row[spec] = rate(run(base, policy, capacity, cost))

@@ -1,8 +1,10 @@
 """Policies: which draft nodes to verify, and when to stop drafting.
 
-A policy sees the cycle's tree level by level (a :class:`CycleView` after each drafted level) and
-answers two questions: ``keep_drafting(view)`` (draft another level?) and, once drafting stops,
-``select(view)`` (which ancestor-closed nodes to verify, with the predicted outcome). After the
+The interface (:class:`Policy`, :class:`CycleView`, :class:`Observation`) is in
+:mod:`specfit.policy_base`. A policy sees the cycle's tree level by level (a :class:`CycleView`
+after each drafted level) and answers two questions: ``keep_drafting(view)`` (draft another
+level?) and, once drafting stops, ``select(view)`` (which ancestor-closed nodes to verify, with the
+predicted outcome). After the
 target has verified, both drivers tell the policy what the cycle revealed through
 :meth:`Policy.observe` (an :class:`Observation`). The simulator and the live decoder drive the same
 policy objects: the simulator through :func:`choose` on a recorded tree, the live decoder level by
@@ -21,116 +23,37 @@ the grammar (:data:`POLICY_HELP` is written from it):
   drafted depth: a fixed tree size.
 - ``static:auto``: ``static:N`` with the N that is best on the trace, cache size and cost model (a
   strong baseline that knows the trace; simulator only, which tries every candidate).
-- ``specfit``: the exact max-throughput search after every level; stop drafting as soon as a level
-  does not improve the best predicted throughput.
+- ``specfit``: the exact max-throughput search after every level; stop drafting as soon as neither
+  a level nor the expected next one improves the best predicted throughput
+  (:mod:`specfit.specfit_policy`).
 - ``oracle``: knows the target's verdicts and true experts: drafts exactly the accepted path and
   verifies the prefix of it with the best true throughput (an upper bound, simulator only).
+
+Any spec takes levers after it, ``SPEC+LEVER+...`` (:data:`LEVERS`): ``+cache`` (evictions by the
+draft's look-ahead and each expert's recent use, :mod:`specfit.experts.lookahead`), ``+usage`` (the
+recent-use part alone, for policies that do not draft), ``+prefetch`` (copies into the link time of
+drafted levels, :mod:`specfit.experts.prefetch`) and, for ``specfit``, ``+online`` (acceptance
+calibrated online, :mod:`specfit.experts.acceptance_online`). Both drivers apply them through the
+same objects.
 """
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
-from .costmodel import CostModel
-from .search import Selection, best_subtree, evaluate, should_continue, uncertainty_price_s
+from .policy_base import CycleView, Observation, Policy
+from .search import Selection, evaluate
+from .specfit_policy import SpecFitPolicy
 from .tree import DraftTree
 
 __all__ = [
     "CycleView", "Observation", "Policy", "ArPolicy", "ChainPolicy", "RerankPolicy", "SpecFitPolicy", "OraclePolicy",
     "TunedPolicy", "PolicySpec", "POLICIES", "rerank", "POLICY_HELP", "DEFAULT_POLICIES", "make_policy", "choose",
-    "STATIC_AUTO_SIZES",
+    "STATIC_AUTO_SIZES", "LEVERS", "apply_levers",
 ]
-
-
-@dataclass
-class CycleView:
-    """What a policy knows after ``draft_levels`` levels have been drafted this cycle.
-
-    ``tree`` holds the root and every node drafted so far; ``experts[node, layer, slot]`` are the
-    predicted experts of those nodes; ``cached[layer, expert]`` the residency before the cycle.
-    ``verdicts`` (the target's greedy next token at each node) and ``true_experts`` are known only
-    to the oracle in the simulator.
-    """
-
-    tree: DraftTree
-    experts: np.ndarray
-    cached: np.ndarray
-    cost: CostModel
-    draft_levels: int
-    verdicts: np.ndarray | None = None
-    true_experts: np.ndarray | None = None
-
-    def truncated(self, levels: int) -> "CycleView":
-        """The view after only ``levels`` levels (nodes of a level-by-level tree come in depth
-        order, so the first levels are a prefix of the arrays)."""
-        keep = np.flatnonzero(self.tree.depth <= levels)
-        if keep.size == self.tree.n_nodes:
-            return CycleView(self.tree, self.experts, self.cached, self.cost, levels, self.verdicts, self.true_experts)
-        if not np.array_equal(keep, np.arange(keep.size)):
-            raise ValueError("tree: expected nodes in order of depth (drafted level by level)")
-        n = keep.size
-        return CycleView(
-            tree=self.tree.subtree(keep), experts=self.experts[:n], cached=self.cached, cost=self.cost,
-            draft_levels=levels,
-            verdicts=None if self.verdicts is None else self.verdicts[:n],
-            true_experts=None if self.true_experts is None else self.true_experts[:n],
-        )
-
-    def evaluate(self, nodes) -> Selection:
-        return evaluate(self.tree, nodes, self.experts, self.cached, self.cost, self.draft_levels)
-
-
-@dataclass(frozen=True)
-class Observation:
-    """What verification revealed, reported to :meth:`Policy.observe` by either driver.
-
-    ``predicted_slots`` counts the (layer, rank) expert slots predicted for verified draft nodes,
-    ``predicted_slots_right`` those naming an expert the node really routed to; the live decoder
-    reports each cycle's, the simulator the whole trace's at once (its predictions are made for the
-    whole trace up front). ``resident_share`` is the share of each layer the expert cache can hold.
-    """
-
-    predicted_slots: int = 0
-    predicted_slots_right: int = 0
-    resident_share: float = 0.0
-
-
-class Policy(ABC):
-    """Base class. ``max_levels`` bounds drafting; subclasses override the two decisions.
-
-    Class attributes a driver reads: ``needs_truth`` (decides with the target's verdicts: replay
-    only), ``draft_top_k`` (how the tree should be drafted: children per node and frontier width;
-    None means the run's setting), ``cache_capacity`` (an expert-cache size the policy imposes, None:
-    the run's), ``simulator_only`` (cannot run live).
-    """
-
-    name = "policy"
-    max_levels = 0
-    needs_truth = False
-    draft_top_k: int | None = None
-    cache_capacity: int | None = None
-    simulator_only = False
-
-    def begin_cycle(self) -> None:
-        """Forget per-cycle state; called before level 0 of every cycle."""
-
-    def observe(self, observation: Observation) -> None:
-        """Learn from a verified cycle (or a whole trace); nothing by default."""
-
-    def keep_drafting(self, view: CycleView) -> bool:
-        return view.draft_levels < self.max_levels
-
-    @abstractmethod
-    def select(self, view: CycleView) -> Selection:
-        """The nodes to verify (ancestor-closed, with the root) and their predicted outcome."""
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.name!r})"
 
 
 class ArPolicy(Policy):
@@ -187,123 +110,6 @@ def rerank(tree: DraftTree, total_nodes: int) -> np.ndarray:
     return tree.closure(np.sort(order[:total_nodes]))
 
 
-class SpecFitPolicy(Policy):
-    """Exact max-throughput subtree after every level; keep drafting while a level pays for itself
-    or a one-level look-ahead says the next one could."""
-
-    name = "specfit"
-
-    def __init__(self, max_levels: int = 8, price_uncertainty: bool = True, lookahead: bool = True,
-                 first_level_test: bool = True):
-        self.max_levels = int(max_levels)
-        # ablation switches (benchmarks/bench_policy.py): the one-level look-ahead of the stopping
-        # rule and the level-0 test that declines to draft after useless first levels
-        self.lookahead, self.first_level_test = bool(lookahead), bool(first_level_test)
-        # price per draft node for the experts its prediction gets wrong (search.uncertainty_price_s),
-        # from the precision observed so far; 0 until a verified draft node has been observed
-        self.price_uncertainty = bool(price_uncertainty)
-        self._slots = self._slots_right = 0
-        self._resident_share = 0.0
-        self.draft_node_s = 0.0
-        self._best: Selection | None = None
-        self._previous: Selection | None = None
-        self._levels = -1
-        # across cycles: the best level-1 path probability and width of recently drafted first
-        # levels, and how many cycles in a row the level-0 test has declined to draft
-        self._recent_first = deque(maxlen=8)
-        self._declined = 0
-
-    def begin_cycle(self) -> None:
-        self._best = self._previous = None
-        self._levels = -1
-
-    def observe(self, observation: Observation) -> None:
-        self._slots += observation.predicted_slots
-        self._slots_right += observation.predicted_slots_right
-        self._resident_share = observation.resident_share
-
-    def _price(self, view: CycleView) -> float:
-        if not self.price_uncertainty or not self._slots:
-            return 0.0
-        _, n_layers, top_k = view.experts.shape
-        return uncertainty_price_s(view.cost, n_layers, top_k, self._slots_right / self._slots,
-                                   resident_share=self._resident_share)
-
-    def _search(self, view: CycleView) -> Selection:
-        if self._levels != view.draft_levels or self._best is None:
-            if self._levels < 0:
-                self.draft_node_s = self._price(view)    # one price per cycle
-            self._previous = self._best
-            # the previous level's answer is still a valid subtree: a warm start for Dinkelbach
-            start = None if self._previous is None else self._previous.nodes
-            self._best = best_subtree(view.tree, view.experts, view.cached, view.cost, view.draft_levels, start=start,
-                                      draft_node_s=self.draft_node_s)
-            self._levels = view.draft_levels
-        return self._best
-
-    def keep_drafting(self, view: CycleView) -> bool:
-        if view.draft_levels >= self.max_levels:
-            return False
-        if view.draft_levels == 0:
-            root = self._search(view)
-            return self._first_level_may_pay(view, root) if self.first_level_test else root.time_s > 0
-        if view.draft_levels == 1:
-            first = view.tree.level(1)
-            if first.size:
-                self._recent_first.append((float(view.tree.path_probs[first].max()), int(first.size)))
-        current = self._search(view)
-        return should_continue(self._previous, current) or (self.lookahead and self._next_level_may_pay(view, current))
-
-    def _first_level_may_pay(self, view: CycleView, root: Selection) -> bool:
-        """Whether drafting level 1 can beat verifying the root alone.
-
-        k first-level nodes with path probability at most p add at most k p tokens and cost at
-        least d + k c (d: a draft level, c: per node plus its price), so they pay only if
-        p T0 > c + d / k, T0 the root's cycle time. With p = 1 this is a bound that holds for any
-        drafter; with p and k from recently drafted first levels it stops a drafter that has been
-        useless, and every 16th declined cycle drafts anyway to notice when it improves.
-        """
-        c = view.cost.per_node_s + self.draft_node_s
-        if root.time_s <= c:
-            return False
-        if self._recent_first and self._declined < 16:
-            p = max(prob for prob, _ in self._recent_first)
-            k = max(width for _, width in self._recent_first)
-            if p * root.time_s <= c + view.cost.draft_level_s / k:
-                self._declined += 1
-                return False
-        self._declined = 0
-        return True
-
-    def _next_level_may_pay(self, view: CycleView, current: Selection) -> bool:
-        """A level can fail to pay while the one after it would (a long accepted chain whose first
-        steps alone do not cover their draft cost). Look one virtual level ahead: each node of the
-        newest level gets a child with its path probability times the conditional probability of
-        the level's most probable node, routed to its parent's experts (no new expert: optimistic on cost), and
-        drafting goes on when the best subtree with it, charged one more level, beats the current."""
-        tree, d = view.tree, view.draft_levels
-        frontier = tree.level(d)
-        if frontier.size == 0:
-            return False
-        # the conditional probability of the level's most probable node: the drafter's confidence
-        # one step further along the branch most worth extending
-        top = frontier[np.argmax(tree.path_probs[frontier])]
-        parent_p = tree.path_probs[tree.parents[top]]
-        q = min(float(tree.path_probs[top] / parent_p), 1.0) if parent_p > 0 else 0.0
-        if q <= 0:
-            return False
-        virtual = DraftTree(parents=np.concatenate([tree.parents, frontier]),
-                            path_probs=np.concatenate([tree.path_probs, tree.path_probs[frontier] * q]))
-        experts = np.concatenate([view.experts, view.experts[frontier]])
-        ahead = best_subtree(virtual, experts, view.cached, view.cost, d + 1, start=current.nodes,
-                             draft_node_s=self.draft_node_s)
-        return should_continue(current, ahead)
-
-    def select(self, view: CycleView) -> Selection:
-        # the whole drafted tree with the levels actually spent: no earlier subtree is missed
-        return self._search(view)
-
-
 class OraclePolicy(Policy):
     """Knows the verdicts and the true experts; verifies the best prefix of the accepted path."""
 
@@ -341,14 +147,15 @@ class TunedPolicy(RerankPolicy):
 
     simulator_only = True
 
-    def __init__(self, name: str, sizes: tuple[int, ...], max_levels: int):
+    def __init__(self, name: str, sizes: tuple[int, ...], max_levels: int, levers: list[str] = ()):
         super().__init__(sizes[0], max(1, min(sizes[0] - 1, max_levels)), name=name)
-        self.sizes, self.max_levels_cap = tuple(sizes), int(max_levels)
+        self.sizes, self.max_levels_cap, self.levers = tuple(sizes), int(max_levels), list(levers)
 
     def candidates(self, max_nodes: int) -> list[Policy]:
-        """The fixed policies to try on trees of at most ``max_nodes`` nodes."""
+        """The fixed policies to try on trees of at most ``max_nodes`` nodes (with this one's levers)."""
         sizes = [n for n in self.sizes if n <= max_nodes] or [max(2, max_nodes)]
-        return [make_policy(f"static:{n}", self.max_levels_cap) for n in sizes]
+        suffix = "".join(f"+{lever}" for lever in self.levers)
+        return [make_policy(f"static:{n}{suffix}", self.max_levels_cap) for n in sizes]
 
 
 # static:auto tries these tree sizes (root included)
@@ -387,17 +194,70 @@ POLICIES: dict[str, PolicySpec] = {
                           lambda a, m: SpecFitPolicy(a[0] if a else m), n_args=(0, 1)),
     "oracle": PolicySpec("oracle", "knows the verdicts (simulator, an upper bound)", lambda a, m: OraclePolicy(64)),
 }
-POLICY_HELP = ", ".join(spec.grammar for spec in POLICIES.values())
 # what `specfit simulate` compares by default
 DEFAULT_POLICIES = ("ar", "chain:4", "eagle3", "eagle3-nocache", "static:auto", "specfit", "oracle")
 
 
+def _lookahead_cache():
+    from .experts.lookahead import DraftLookahead
+    return DraftLookahead()
+
+
+def _usage_cache():
+    from .experts.lookahead import DraftLookahead
+    return DraftLookahead(use_draft=False)
+
+
+def _prefetch():
+    from .experts.prefetch import DraftPrefetch
+    # the overlap is learned live; a replay assumes a copy stream that never stalls the drafter
+    return DraftPrefetch(efficiency=None, prior_efficiency=1.0)
+
+
+def _online_acceptance():
+    from .experts.acceptance_online import OnlineAcceptance
+    return OnlineAcceptance()
+
+
+# SPEC+LEVER: what each lever adds to any policy (online acceptance: SpecFit only)
+LEVERS: dict[str, tuple[str, str, Callable]] = {
+    "cache": ("cache_advisor", "evictions by the draft's look-ahead and each expert's recent use", _lookahead_cache),
+    "usage": ("cache_advisor", "evictions by each expert's recent use alone (no draft needed)", _usage_cache),
+    "prefetch": ("prefetcher", "copies into the link time of drafted levels", _prefetch),
+    "online": ("acceptance", "acceptance calibrated online from the verdicts (specfit)", _online_acceptance),
+}
+
+
+POLICY_HELP = ", ".join(spec.grammar for spec in POLICIES.values()) + " (levers: +" + "/+".join(LEVERS) + ")"
+
+
+def apply_levers(policy: Policy, levers: list[str], spec: str = "") -> Policy:
+    """Give ``policy`` the levers named in ``levers`` (keys of :data:`LEVERS`); returns it."""
+    for lever in levers:
+        if lever not in LEVERS:
+            raise ValueError(f"policy {spec!r}: unknown lever {lever!r}; expected one of {sorted(LEVERS)}")
+        attribute, _, build = LEVERS[lever]
+        if attribute == "acceptance" and not isinstance(policy, SpecFitPolicy):
+            raise ValueError(f"policy {spec!r}: +{lever} needs a policy that searches (specfit)")
+        setattr(policy, attribute, build())
+    if levers:
+        policy.name = policy.name + "".join(f"+{lever}" for lever in levers)
+    return policy
+
+
 def make_policy(spec: str, max_levels: int = 8) -> Policy:
-    """A policy from its spec string (see the module docstring and :data:`POLICIES`);
-    ``max_levels`` caps drafting for ``specfit`` and ``static``."""
-    text = str(spec).strip()
+    """A policy from its spec string (see the module docstring and :data:`POLICIES`), with any
+    ``+lever`` of :data:`LEVERS` after it (e.g. ``specfit+cache+prefetch``); ``max_levels`` caps
+    drafting for ``specfit`` and ``static``."""
+    text, *levers = str(spec).strip().split("+")
+    text = text.strip()
+    levers = [lever.strip() for lever in levers]
     if text == "static:auto":
-        return TunedPolicy("static:auto", STATIC_AUTO_SIZES, max_levels)
+        return apply_levers(TunedPolicy("static:auto", STATIC_AUTO_SIZES, max_levels, levers), levers, spec)
+    return apply_levers(_make_base(text, spec, max_levels), levers, spec)
+
+
+def _make_base(text: str, spec: str, max_levels: int) -> Policy:
     name, _, rest = text.partition(":")
     entry = POLICIES.get(name) if name != "eagle3-nocache" or not rest else None
     if entry is None:
@@ -411,13 +271,18 @@ def make_policy(spec: str, max_levels: int = 8) -> Policy:
     return entry.build(args, max_levels)
 
 
-def choose(policy: Policy, view: CycleView) -> Selection:
+def choose(policy: Policy, view: CycleView,
+           before_level: Callable[[CycleView, int], CycleView] | None = None) -> Selection:
     """Drive ``policy`` over an already drafted tree (the simulator's case): offer it levels
     0, 1, ... of ``view`` until it stops or the tree ends; return its selection, whose
-    ``draft_levels`` says how many levels it drafted."""
+    ``draft_levels`` says how many levels it drafted. ``before_level(view, levels)`` runs when the
+    policy has asked for level ``levels + 1``, before it is "drafted" (the driver's prefetch), and
+    returns the view to go on with (e.g. with the experts it made resident)."""
     policy.begin_cycle()
     levels = 0
     deepest = view.tree.max_depth
     while levels < deepest and policy.keep_drafting(view.truncated(levels)):
+        if before_level is not None:
+            view = before_level(view, levels)
         levels += 1
     return policy.select(view.truncated(levels))

@@ -113,14 +113,14 @@ def test_specfit_stops_at_level_one_when_drafting_is_dear():
     assert sel.throughput == pytest.approx(1.95 / 19.3)
 
 
-def test_specfit_looks_one_level_ahead_before_stopping():
+def test_specfit_optimistic_look_ahead_drafts_on_when_free_children_would_pay():
     cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.0, miss_s=1.0, draft_level_s=2.0)
     # 1 level: {0,1,2} = 1.95/11.3 = .1726 < 1/5.1 = .1961, but the virtual level (p .64 under 1,
     # .12 under 2, no new experts) gives 2.71/13.5 = .2007 > .1726: draft on.
     # 2 levels: {0,1,2,3,4} = 2.65/13.5 = .1963 > .1726: draft on.
     # 3 levels: node 5 needs 4 new experts; best {0,1,2,3,4} = 2.65/15.5 = .1710 < .1963, and the
     # virtual level under 5 (p .15) cannot pay for them: stop, verify {0,1,2,3,4} with 3 levels.
-    sel = choose(SpecFitPolicy(max_levels=8), view(costly_leaf_experts(), cost))
+    sel = choose(SpecFitPolicy(max_levels=8, lookahead="optimistic"), view(costly_leaf_experts(), cost))
     assert sel.draft_levels == 3
     assert sel.nodes.tolist() == [0, 1, 2, 3, 4]
     assert sel.throughput == pytest.approx(2.65 / 15.5)
@@ -156,3 +156,83 @@ def test_policies_are_reusable_across_cycles():
     second = choose(policy, view(same_experts(), FREE_DRAFT))
     assert first.nodes.tolist() == second.nodes.tolist()
     assert first.draft_levels == second.draft_levels
+
+
+def test_specfit_expected_look_ahead_charges_the_new_experts_levels_have_needed():
+    # The same tree and cost as the optimistic case: level 1 ({0,1,2} = 1.95/11.3 = .1726) is worse
+    # than the root alone (1/5.1). Level-1 nodes route to 2 experts per layer their parent does not,
+    # so the expected level 2 (children of 1 and 2 at the level's conditional probabilities
+    # .8 and .15) needs 4 new misses per child: the best is {0,1,2} + the .64 child,
+    # 2.59/(11.3 + 2 + 0.1 + 4) = .1489 < .1726. Drafting stops at level 1, which is spent.
+    cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.0, miss_s=1.0, draft_level_s=2.0)
+    sel = choose(SpecFitPolicy(max_levels=8, lookahead="expected"), view(costly_leaf_experts(), cost))
+    assert sel.draft_levels == 1
+    assert sel.nodes.tolist() == [0, 1, 2]
+    assert sel.throughput == pytest.approx(1.95 / 11.3)
+
+
+def test_specfit_expected_look_ahead_drafts_on_when_levels_have_been_free():
+    # Every node shares the root's experts (no new expert per level) and a level costs 0.35:
+    # {0} = 1/3.1 = .3226; level 1 {0,1,2} = 1.95/(0.35+1+0.3+2) = .5342; level 2 {0..4} =
+    # 2.65/(0.7+1+0.5+2) = .6310; level 3 adds 5: 2.95/(1.05+1+0.6+2) = .6344. Every level pays, so
+    # SpecFit drafts the whole tree (the expected level is free too: no level needed new experts).
+    cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.0, miss_s=0.5, draft_level_s=0.35)
+    sel = choose(SpecFitPolicy(max_levels=8, lookahead="expected"), view(same_experts(), cost))
+    assert sel.draft_levels == 3
+    assert sel.nodes.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def test_overhead_is_priced_into_the_predicted_time():
+    # 0.2 s of SpecFit's own time per decision: the level-0 decision (base) and each level drafted
+    cost = FREE_DRAFT
+    plain = choose(SpecFitPolicy(max_levels=8), view(same_experts(), cost))
+    priced = choose(SpecFitPolicy(max_levels=8, overhead_level_s=0.2), view(same_experts(), cost))
+    assert priced.time_s == pytest.approx(
+        0.2 * (priced.draft_levels + 1) + cost.time_s(priced.draft_levels, priced.n_nodes, 0, 4))
+    # priced: the root 1/(3.1 + 0.2) = .303, level 1 1.95/(3.3 + 0.4) = .527, level 2
+    # 2.65/(3.5 + 0.6) = .646, level 3 2.95/(3.6 + 0.8) = .670: every level still pays
+    assert plain.draft_levels == 3 and priced.draft_levels == 3
+
+
+def test_a_dear_overhead_stops_drafting():
+    # 5 s per decision: {0} = 1/(3.1 + 5) = .1235; level 1 {0,1,2} = 1.95/(3.3 + 10) = .1466 pays;
+    # level 2 {0..4} = 2.65/(3.5 + 15) = .1432 does not, and the expected level 3 (children of 3
+    # and 4 at .75 and .125 of their parents, free experts) gives at best 3.25/(3.9 + 20) = .136:
+    # stop at level 2 (spent), verify {0..4}
+    sel = choose(SpecFitPolicy(max_levels=8, overhead_level_s=5.0), view(same_experts(), FREE_DRAFT))
+    assert sel.draft_levels == 2
+    assert sel.nodes.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_overhead_is_learned_from_the_drivers_measurements():
+    from specfit.policies import Observation
+
+    policy = SpecFitPolicy(max_levels=8)
+    assert policy.overhead_level_s == 0.0
+    policy.observe(Observation(decision_time_s=0.03, draft_levels=2))     # 3 decisions
+    assert policy.overhead_level_s == pytest.approx(0.01)
+    policy.observe(Observation(decision_time_s=0.0, draft_levels=0))
+    assert policy.overhead_level_s == pytest.approx(0.009)
+    policy.observe(Observation())           # a driver that does not charge decisions: unchanged
+    assert policy.overhead_level_s == pytest.approx(0.009)
+
+
+def test_levers_attach_to_any_policy():
+    from specfit.experts.acceptance_online import OnlineAcceptance
+    from specfit.experts.lookahead import DraftLookahead
+    from specfit.experts.prefetch import DraftPrefetch
+
+    chain = make_policy("chain:1+cache+prefetch")
+    assert isinstance(chain.cache_advisor, DraftLookahead) and chain.cache_advisor.use_draft
+    assert isinstance(chain.prefetcher, DraftPrefetch) and chain.name == "chain:1+cache+prefetch"
+    assert not make_policy("ar+usage").cache_advisor.use_draft
+    assert isinstance(make_policy("specfit+online").acceptance, OnlineAcceptance)
+    tuned = make_policy("static:auto+cache")
+    assert all(isinstance(c.cache_advisor, DraftLookahead) for c in tuned.candidates(16))
+    assert make_policy("ar").cache_advisor is None and make_policy("ar").prefetcher is None
+
+
+@pytest.mark.parametrize("spec", ["ar+nothing", "chain:1+online", "specfit+"])
+def test_bad_lever_is_one_clear_error(spec):
+    with pytest.raises(ValueError, match="policy"):
+        make_policy(spec)

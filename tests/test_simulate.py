@@ -203,3 +203,43 @@ def test_cli_table_and_bad_input(tmp_path):
     profile.write_text(json.dumps({"machine": {}}))
     r = runner.invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), "--profile", str(profile)])
     assert r.exit_code == 2 and "p.json" in r.output
+
+
+# --------------------------------------------------------------------------- levers in the replay
+def test_hand_trace_chain1_prefetch_copies_the_roots_expert_while_drafting():
+    # a draft level of 1 s carries 1 / 0.49 = 2.04 transfers: before level 1 of each cycle the
+    # root's expert (need 1) is copied. Position 0: e0 prefetched, then {root, A}: e0 hits, e1
+    # misses and is streamed (e0 holds the one slot); time 1 + 1 + 0.2 + 0.01 + 0.5 = 2.71.
+    # Position 2: e3 prefetched over e0 (need 1 > 0), then {root, 50}: e3 hits, e0 misses: 2.71.
+    # Without prefetch: 1 + 1 + 0.2 + 1.0 = 3.2 and (e0 kept) 1 + 1 + 0.2 + 0.01 + 0.5 = 2.71.
+    trace = hand_trace()
+    prep = prepare("hand", trace, trace.true_experts)
+    cost = HAND_COST.replace(draft_level_s=1.0)
+    log = replay(prep, make_policy("chain:1+prefetch"), ExpertCache(1, 4, capacity=1, expert_bytes=1000), cost)
+    c = log.columns
+    assert c["prefetched"].tolist() == [1, 1]
+    assert c["hits"].tolist() == [1, 1] and c["misses"].tolist() == [1, 1]
+    np.testing.assert_allclose(c["charged_time_s"], [2.71, 2.71])
+    assert c["bytes_h2d"].tolist() == [2000, 2000]        # the prefetched copies are bytes too
+    plain = replay(prep, make_policy("chain:1"), ExpertCache(1, 4, capacity=1, expert_bytes=1000), cost).columns
+    np.testing.assert_allclose(plain["charged_time_s"], [3.2, 2.71])
+    assert log.committed[0].tolist() == [11, 12, 13]
+
+
+@pytest.mark.parametrize("spec", ["ar+usage", "chain:2+cache+prefetch", "static:4+cache", "specfit+cache+prefetch",
+                                  "specfit+online", "specfit+cache+prefetch+online"])
+def test_levers_keep_the_reference_output(sample, spec):
+    cost = preset_profile("gh200", SHAPES["qwen3-30b-a3b"]).cost
+    log = replay(sample, make_policy(spec), ExpertCache(48, 128, 32), cost)
+    for got, want in zip(log.committed, sample.reference):
+        np.testing.assert_array_equal(got, want, err_msg=spec)
+    assert (log.columns["hits"] + log.columns["misses"] == log.columns["union_size"]).all()
+
+
+def test_prefetch_never_moves_more_than_the_drafted_levels_carry(sample):
+    cost = preset_profile("gh200", SHAPES["qwen3-30b-a3b"]).cost
+    log = replay(sample, make_policy("specfit+cache+prefetch"), ExpertCache(48, 128, 32), cost)
+    c = log.columns
+    per_level = cost.draft_level_s / (cost.miss_s - cost.hit_s)
+    assert (c["prefetched"] <= np.floor(c["draft_levels"] * per_level + 1e-9)).all()
+    assert c["prefetched"].sum() > 0

@@ -191,3 +191,25 @@ def test_router_predictor_routes_an_embedding_like_the_target_and_tells_siblings
     with_context = predictor.predict(NodeBatch(tokens, unknown, context=context))
     assert len({e.tobytes() for e in np.sort(with_context, axis=2)}) > 1
     assert not np.array_equal(np.sort(with_context, axis=2), np.sort(experts, axis=2))
+
+
+def test_levers_keep_greedy_output_and_prefetched_experts_are_the_right_weights(checkpoints):
+    """Eviction by the draft's look-ahead, prefetch into the drafter's time (a worker thread on
+    CPU) and online acceptance: the output stays the target's own, token for token; a slot filled
+    by a prefetch with a wrong expert's weights would change it."""
+    model_dir, drafter_dir = checkpoints["qwen3_moe"]
+    model, drafter = load(model_dir, drafter_dir, cache_experts=3)
+    expected = [Decoder(model).generate(p, NEW_TOKENS, ignore_eos=True).output_ids for p in prompts()]
+    # a draft level long enough to carry several copies: prefetch happens in every drafting cycle
+    cost = COST.replace(draft_level_s=2e-3)
+    for spec in ("chain:3+cache+prefetch", "specfit+cache+prefetch+online"):
+        model.offload.reset()
+        decoder = speculative_decoder(model, drafter, make_policy(spec, max_levels=6), cost, tree_top_k=3)
+        results = [decoder.generate(p, NEW_TOKENS, ignore_eos=True) for p in prompts()]
+        assert [r.output_ids for r in results] == expected, spec
+        cycles = [c for r in results for c in r.cycles]
+        assert sum(c.draft.prefetched for c in cycles) > 0, spec
+        for stats in cycles:
+            row = live_row(stats, cost, model.offload.host.expert_bytes, model.config.n_experts)
+            assert row["bytes_h2d"] == (row["misses"] + row["prefetched"]) * model.offload.host.expert_bytes
+            assert stats.draft.prefetch_wait_s <= stats.verify_time_s + 1e-9

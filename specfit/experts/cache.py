@@ -14,6 +14,13 @@ Rules (deterministic, the same in both modes):
 - Scores (``lru``): the touch order, where within one admit the hits are touched before the
   admitted misses, each group in ascending expert id (and, in global mode, layer l before l + 1).
   ``lfu`` scores by touch count first, then recency; ``fifo`` by admission order.
+- Look-ahead (optional, :mod:`specfit.experts.lookahead` computes it): ``keep[layer, expert]``, a
+  non-negative priority (e.g. the probability that the draft's next tokens need the expert);
+  victims are the evictable experts with the lowest ``(keep, score)``, and when not every miss
+  finds a slot the admitted ones are those with the highest ``keep`` (ties: ascending id), so
+  ``keep = 0`` everywhere is the plain policy. ``prefetch(mask, keep)`` makes experts resident before they are asked for
+  (counted in ``prefetched``, not as hits or misses) by the same rules, taking no slot from an
+  expert whose ``keep`` is above the prefetched one's.
 """
 
 from __future__ import annotations
@@ -103,6 +110,7 @@ class ExpertCache(LayerCounts):
         self.misses = np.zeros(self.n_layers, dtype=np.int64)
         self.evictions = np.zeros(self.n_layers, dtype=np.int64)
         self.streamed = np.zeros(self.n_layers, dtype=np.int64)
+        self.prefetched = np.zeros(self.n_layers, dtype=np.int64)   # experts copied by prefetch()
 
     def resident(self) -> np.ndarray:
         """[L, E] bool copy of what is resident now."""
@@ -138,20 +146,84 @@ class ExpertCache(LayerCounts):
         return int(self.misses.sum()) * self.expert_bytes
 
     # ------------------------------------------------------------------ admit
-    def admit(self, union: np.ndarray) -> AdmitResult:
-        """Make a cycle's union (``[L, E]`` bool) resident as far as capacity allows."""
+    def admit(self, union: np.ndarray, keep: np.ndarray | None = None) -> AdmitResult:
+        """Make a cycle's union (``[L, E]`` bool) resident as far as capacity allows; ``keep``
+        (float ``[L, E]``, optional) orders the victims before the policy's scores do."""
         union = np.asarray(union)
         if union.shape != self._resident.shape or union.dtype != np.bool_:
             raise ValueError(f"union: expected a bool array of shape {self._resident.shape}, got {union.dtype} {union.shape}")
+        keep = self._check_keep(keep)
         if self.mode == "per_layer":
-            result = self._admit_per_layer(union)
+            result = self._admit_per_layer(union, keep)
         else:
-            result = self._admit_global(union)
+            result = self._admit_global(union, keep)
         self.hits += result.hits
         self.misses += result.misses
         self.evictions += result.evictions
         self.streamed += result.streamed
         return result
+
+    # ------------------------------------------------------------------ look-ahead
+    def prefetch(self, mask: np.ndarray, keep: np.ndarray | None = None) -> AdmitResult:
+        """Copy the experts of ``mask`` (``[L, E]`` bool) that are not resident into slots ahead of
+        their use, as far as slots allow: free ones, then those of the evictable experts with the
+        lowest ``(keep, score)`` whose ``keep`` is below the prefetched expert's own. Nothing is
+        counted as a hit or a miss (``prefetched`` counts the copies); the result's
+        ``admitted_mask`` holds the experts copied and ``evicted_mask`` those whose slots they took.
+        Prefetched experts count as touched now; resident ones in ``mask`` too."""
+        mask = np.asarray(mask)
+        if mask.shape != self._resident.shape or mask.dtype != np.bool_:
+            raise ValueError(f"mask: expected a bool array of shape {self._resident.shape}, got {mask.dtype} "
+                             f"{mask.shape}")
+        keep = self._check_keep(keep)
+        if self.capacity == 0:
+            zeros, empty = np.zeros(self.n_layers, dtype=np.int64), np.zeros_like(mask)
+            return AdmitResult(zeros, zeros, zeros, zeros, empty, empty, empty, empty)
+        want = mask & ~self._resident
+        if keep is not None:
+            # an expert only displaces experts it outranks: drop the prefetches that would have to
+            # evict something at least as valuable (the cheapest victim set is the lowest keeps)
+            want &= self._worth_a_slot(want, mask, keep)
+        union = want | (mask & self._resident)
+        result = self._admit_per_layer(union, keep) if self.mode == "per_layer" else self._admit_global(union, keep)
+        self.evictions += result.evictions
+        self.prefetched += result.admitted_mask.sum(axis=1)
+        n_layers = self.n_layers
+        zeros = np.zeros(n_layers, dtype=np.int64)
+        return AdmitResult(hits=zeros, misses=zeros, evictions=result.evictions, streamed=zeros,
+                           hit_mask=np.zeros_like(mask), admitted_mask=result.admitted_mask,
+                           evicted_mask=result.evicted_mask, streamed_mask=np.zeros_like(mask))
+
+    def _worth_a_slot(self, want: np.ndarray, mask: np.ndarray, keep: np.ndarray) -> np.ndarray:
+        """The wanted experts whose keep beats the keep of the slot they would take (free slots
+        first, then the resident experts outside ``mask`` in ascending keep), per layer or over
+        the whole cache."""
+        per_layer = self.mode == "per_layer"
+        rows = [slice(layer, layer + 1) for layer in range(self.n_layers)] if per_layer else [slice(None)]
+        ok = np.zeros_like(want)
+        for r in rows:
+            w, res, k, m = want[r].ravel(), self._resident[r].ravel(), keep[r].ravel(), mask[r].ravel()
+            free = self.capacity - int(res.sum())
+            cand = np.flatnonzero(w)
+            cand = cand[np.argsort(-k[cand], kind="stable")]          # most valuable first
+            victims = np.sort(k[res & ~m])                            # cheapest slot first
+            n = min(cand.size, free + victims.size)
+            take = np.zeros(cand.size, dtype=bool)
+            for i in range(n):
+                take[i] = i < free or k[cand[i]] > victims[i - free]
+            flat = np.zeros(w.size, dtype=bool)
+            flat[cand[take]] = True
+            ok[r] = flat.reshape(ok[r].shape)
+        return ok
+
+    def _check_keep(self, keep) -> np.ndarray | None:
+        if keep is None:
+            return None
+        keep = np.asarray(keep, dtype=np.float64)
+        if keep.shape != self._resident.shape or not np.isfinite(keep).all() or (keep < 0).any():
+            raise ValueError(f"keep: expected finite non-negative priorities of shape {self._resident.shape}, got "
+                             f"{keep.shape}")
+        return keep
 
     def _touch_keys(self, t: int, layer, is_miss: np.ndarray, expert_ids: np.ndarray) -> np.ndarray:
         # a total order: cycle, then layer (global mode), then hits before misses, then expert id
@@ -169,7 +241,7 @@ class ExpertCache(LayerCounts):
             span = np.int64(1) << 40
             np.copyto(self._score, self._count * span + keys % span, where=mask)
 
-    def _admit_per_layer(self, union: np.ndarray) -> AdmitResult:
+    def _admit_per_layer(self, union: np.ndarray, keep: np.ndarray | None = None) -> AdmitResult:
         # Eviction works on the [L, C] slot table rather than on [L, E]: sorting C candidates per
         # layer instead of E is what makes a 48 x 128 admit cheap enough for trace replay.
         L, E, C = self.n_layers, self.n_experts, self.capacity
@@ -184,7 +256,13 @@ class ExpertCache(LayerCounts):
         n_admit = np.minimum(n_miss, C - n_hit)            # after evicting every non-union expert
         n_evict = np.maximum(0, n_admit - (C - np.count_nonzero(valid, axis=1)))
         # admitted misses: the first n_admit misses of each layer in ascending id
-        admitted = miss_mask & (np.cumsum(miss_mask, axis=1) <= n_admit[:, None])
+        if keep is None:
+            admitted = miss_mask & (np.cumsum(miss_mask, axis=1) <= n_admit[:, None])
+        else:   # the misses the look-ahead values most stay (ties: ascending id)
+            order = np.lexsort((np.broadcast_to(np.arange(E), (L, E)), np.where(miss_mask, -keep, np.inf)), axis=1)
+            rank = np.empty_like(order)
+            np.put_along_axis(rank, order, np.arange(E)[None, :], axis=1)
+            admitted = miss_mask & (rank < n_admit[:, None])
         evicted = np.zeros_like(resident)
         victim = np.zeros_like(valid)
         if n_evict.any():
@@ -192,7 +270,10 @@ class ExpertCache(LayerCounts):
             held = np.where(valid, slot_expert, 0)
             evictable = valid & ~union[rows, held]
             score = np.where(evictable, self._score[rows, held], np.iinfo(np.int64).max)
-            order = np.argsort(score, axis=1)               # scores are unique: no ties to break
+            if keep is None:
+                order = np.argsort(score, axis=1)           # scores are unique: no ties to break
+            else:                                           # look-ahead priority first, then the score
+                order = np.lexsort((score, np.where(evictable, keep[rows, held], np.inf)), axis=1)
             np.put_along_axis(victim, order, np.arange(C)[None, :] < n_evict[:, None], axis=1)
             evicted[np.nonzero(victim)[0], slot_expert[victim]] = True
         # admitted experts take the free and the freed slots, in slot order
@@ -209,7 +290,7 @@ class ExpertCache(LayerCounts):
             evicted_mask=evicted, streamed_mask=miss_mask & ~admitted,
         )
 
-    def _admit_global(self, union: np.ndarray) -> AdmitResult:
+    def _admit_global(self, union: np.ndarray, keep: np.ndarray | None = None) -> AdmitResult:
         L, E, C = self.n_layers, self.n_experts, self.capacity
         self._clock += 1
         resident = self._resident
@@ -230,7 +311,10 @@ class ExpertCache(LayerCounts):
             n_evict = max(0, n_admit - free)
             if n_evict:
                 flat = np.flatnonzero(evictable.ravel())
-                victims = flat[np.argsort(self._score.ravel()[flat], kind="stable")[:n_evict]]
+                if keep is None:
+                    victims = flat[np.argsort(self._score.ravel()[flat], kind="stable")[:n_evict]]
+                else:
+                    victims = flat[np.lexsort((self._score.ravel()[flat], keep.ravel()[flat]))[:n_evict]]
                 ev = np.zeros(L * E, dtype=bool)
                 ev[victims] = True
                 ev = ev.reshape(L, E)
@@ -238,6 +322,8 @@ class ExpertCache(LayerCounts):
                 masks["evicted"] |= ev
                 out["evictions"] += ev.sum(axis=1)  # charged to the layer that lost the expert
             admitted = np.zeros(E, dtype=bool)
+            if keep is not None:    # the misses the look-ahead values most stay (ties: ascending id)
+                miss_ids = miss_ids[np.argsort(-keep[layer, miss_ids], kind="stable")]
             admitted[miss_ids[:n_admit]] = True
             resident[layer] |= admitted
             touched = np.zeros((L, E), dtype=bool)

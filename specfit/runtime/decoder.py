@@ -52,6 +52,9 @@ class Draft:
     drafter_time_s: float = 0.0     # the drafter's forward passes
     search_time_s: float = 0.0      # the policy's decisions (keep drafting? which nodes?)
     predict_time_s: float = 0.0     # expert predictions for the drafted nodes
+    prefetched: int = 0             # experts copied ahead of the pass while levels were drafted
+    prefetch_copy_s: float = 0.0    # their copy time (beside the drafter)
+    prefetch_wait_s: float = 0.0    # the part of it the verification pass had to wait for
 
 
 @dataclass
@@ -227,7 +230,8 @@ class Decoder:
             # a cycle commits at most depth + 1 tokens: deeper levels could never be used
             draft = self.draft(root, max_levels=max_new_tokens - len(output) - 1)
             selected = device_now(self.model.device)
-            verification = self.verify(draft.tree, draft.nodes)
+            self._finish_prefetch(draft)
+            verification = self.verify(draft.tree, draft.nodes, keep=self._cache_keep(draft))
             commit = self.commit(draft, verification)
             done = device_now(self.model.device)
             stats = CycleStats(position=len(output) - 1, draft=draft, verification=verification,
@@ -236,7 +240,8 @@ class Decoder:
             self._learn(stats)
             cycles.append(stats)
             totals += verification.offload
-            decode_bytes_h2d += verification.offload.total_bytes_h2d
+            prefetch_bytes = draft.prefetched * self.model.offload.host.expert_bytes
+            decode_bytes_h2d += verification.offload.total_bytes_h2d + prefetch_bytes
             tokens = commit.tokens[: max_new_tokens - len(output)]
             for i, token in enumerate(tokens):
                 if self._is_eos(token, ignore_eos):
@@ -290,10 +295,15 @@ class Decoder:
         view = CycleView(draft.tree, draft.experts, self.model.offload.cache.resident(), self.cost, 0)
         levels_cap = min(self.policy.max_levels, max_levels)
         tree = None
+        prefetcher = self.policy.prefetcher
+        if prefetcher is not None:
+            prefetcher.begin_cycle()
         while (view.draft_levels < levels_cap and self._room_for_level(view)
                and self._decide(draft, self.policy.keep_drafting, view)):
             if tree is None:
                 tree = self.proposer.draft(root_token, levels_cap, self.top_k, self._acceptance())
+            if prefetcher is not None:        # copies beside the level about to be drafted
+                view = self._prefetch(draft, view, prefetcher)
             start = device_now(self.model.device)
             level = tree.grow()
             draft.drafter_time_s += device_now(self.model.device) - start
@@ -306,14 +316,19 @@ class Decoder:
             draft.edge_logprob = tree.edge_logprob
         return draft
 
-    def verify(self, tree: DraftTree, nodes) -> Verification:
+    def verify(self, tree: DraftTree, nodes, keep: np.ndarray | None = None) -> Verification:
         """One target pass over ``nodes`` (ancestor-closed, with the root), written to the KV
-        slots after the committed tokens in node order."""
+        slots after the committed tokens in node order; ``keep`` (float [L, E]) orders the expert
+        cache's evictions during the pass (the policy's cache advisor)."""
         nodes = np.asarray(nodes, dtype=np.int64)
         prefix_mask = np.ones((nodes.size, self.cache_len), dtype=bool)
         mask = np.concatenate([prefix_mask, tree.attention_mask(nodes)], axis=1)
         start = device_now(self.model.device)
-        out = self.model(tree.tokens[nodes], tree.positions(self.cache_len, nodes), torch.from_numpy(mask))
+        self.model.offload.keep = keep
+        try:
+            out = self.model(tree.tokens[nodes], tree.positions(self.cache_len, nodes), torch.from_numpy(mask))
+        finally:
+            self.model.offload.keep = None
         verdicts = out.logits.argmax(dim=-1).cpu().numpy()
         verify_time_s = device_now(self.model.device) - start
         return Verification(nodes=nodes, verdicts=verdicts, logits=out.logits, expert_ids=out.expert_ids,
@@ -353,12 +368,54 @@ class Decoder:
         if drafted.size:
             predicted, true = stats.draft.experts[drafted], verification.expert_ids[1:]
             stats.predicted_slots, stats.predicted_slots_right = int(predicted.size), slots_right(predicted, true)
+        draft = stats.draft
+        # the policy's own time this cycle: everything in the draft phase but the drafter's passes
+        # (its decisions, the expert predictions, trees and views per level)
+        decision_time_s = max(stats.draft_time_s - draft.drafter_time_s, 0.0) if draft.selection is not None else None
         self.policy.observe(Observation(predicted_slots=stats.predicted_slots,
                                         predicted_slots_right=stats.predicted_slots_right,
-                                        resident_share=self.model.offload.cache.capacity_share))
+                                        resident_share=self.model.offload.cache.capacity_share,
+                                        tree=draft.tree, verified=verification.nodes, verdicts=verification.verdicts,
+                                        draft_levels=draft.draft_levels, decision_time_s=decision_time_s))
+        advisor = self.policy.cache_advisor
+        if advisor is not None:                  # the true union of the pass, as the replay reports it
+            union = np.zeros((self.model.config.n_layers, self.model.config.n_experts), dtype=bool)
+            layer = np.broadcast_to(np.arange(union.shape[0])[None, :, None], verification.expert_ids.shape)
+            union[layer.ravel(), verification.expert_ids.astype(np.int64).ravel()] = True
+            advisor.observe(union)
         if self.predictor is not None:
             self.predictor.update(stats.draft.tree.tokens[verification.nodes], verification.expert_ids,
                                   self.model.config.n_experts)
+
+    def _prefetch(self, draft: Draft, view: CycleView, prefetcher) -> CycleView:
+        """Start the prefetcher's copies for the level about to be drafted; the view the policy
+        decides on next sees them resident (the cache's bookkeeping is updated at once)."""
+        start = time.perf_counter()
+        offload = self.model.offload
+        advisor = self.policy.cache_advisor
+        keep = None if advisor is None else advisor.keep(view.tree, view.experts, [0], self.model.config.n_experts)
+        mask, priority = prefetcher.plan(view.tree, view.experts, view.cached, self.cost, keep=keep)
+        if mask.any():
+            draft.prefetched += offload.prefetch(mask, keep=priority)
+            view = CycleView(view.tree, view.experts, offload.cache.resident(), view.cost, view.draft_levels)
+        draft.search_time_s += time.perf_counter() - start
+        return view
+
+    def _finish_prefetch(self, draft: Draft) -> None:
+        """Wait for the prefetch copies before the pass reads their slots; the prefetcher learns
+        how much of their time overlapped the drafter."""
+        if not draft.prefetched:
+            return
+        draft.prefetch_copy_s, draft.prefetch_wait_s = self.model.offload.wait_prefetch()
+        if self.policy.prefetcher is not None:
+            self.policy.prefetcher.observe(draft.prefetch_copy_s, draft.prefetch_wait_s)
+
+    def _cache_keep(self, draft: Draft) -> np.ndarray | None:
+        """The policy's cache advisor's eviction priorities for this cycle's pass (None without)."""
+        advisor = self.policy.cache_advisor
+        if advisor is None or draft.experts.shape[1] == 0:
+            return None
+        return advisor.keep(draft.tree, draft.experts, draft.nodes, self.model.config.n_experts)
 
     def _predict(self, draft: Draft, tokens: np.ndarray, context) -> np.ndarray:
         start = time.perf_counter()

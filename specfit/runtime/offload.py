@@ -174,6 +174,12 @@ class ExpertOffload:
         self._staging_free = [None] * n_staging                # event: last compute that read the buffer
         self._copier = _Copier(self.device)
         self.counters = OffloadCounters.zeros(L)
+        # eviction priorities for the pass under way (float [L, E]), set by the decoder from the
+        # policy's cache advisor (specfit.experts.lookahead); None: the cache's own policy
+        self.keep: np.ndarray | None = None
+        # prefetch copies in flight (worker-thread futures on CPU, a marker on CUDA)
+        self._prefetch_pending: list = []
+        self._prefetch_pool = None
 
     @property
     def n_slots(self) -> int:
@@ -186,6 +192,8 @@ class ExpertOffload:
 
     def reset(self) -> None:
         """Empty the device cache: no expert resident, every slot free, cache counters zero."""
+        if getattr(self, "_prefetch_pending", None):
+            self.wait_prefetch()
         self.cache.reset()
         self.slot_of[:] = -1
         self._free_slots = list(range(self.n_slots - 1, -1, -1))   # a stack: pop() hands out slot 0 first
@@ -211,7 +219,7 @@ class ExpertOffload:
         expert_ids = np.unique(np.asarray(expert_ids, dtype=np.int64))
         union = np.zeros((self.host.n_layers, self.host.n_experts), dtype=bool)
         union[layer, expert_ids] = True
-        result = self.cache.admit(union)
+        result = self.cache.admit(union, keep=self.keep)
         self._count(layer, result)
 
         # global mode may evict other layers' experts: free every evicted slot first
@@ -250,6 +258,59 @@ class ExpertOffload:
                 slot = int(self.slot_of[layer, expert])
                 self._copier.wait(ready.get(expert))
                 yield expert, self.slot_gate_up[slot], self.slot_down[slot]
+
+    # ------------------------------------------------------------------ prefetch
+    def prefetch(self, mask: np.ndarray, keep: np.ndarray | None = None) -> int:
+        """Start copying the experts of ``mask`` (bool [L, E]) into slots ahead of the next pass,
+        as the cache's :meth:`~specfit.experts.cache.ExpertCache.prefetch` decides; returns how
+        many copies were started. On CUDA they run on the copy stream, elsewhere on a worker
+        thread, both beside whatever the caller does next (the drafter); :meth:`wait_prefetch`
+        waits for them before the pass that reads the slots."""
+        result = self.cache.prefetch(mask, keep)
+        for layer, expert in np.argwhere(result.evicted_mask):
+            self._free_slots.append(int(self.slot_of[layer, expert]))
+            self.slot_of[layer, expert] = -1
+        jobs = []
+        for layer, expert in np.argwhere(result.admitted_mask):
+            slot = self._free_slots.pop()
+            self.slot_of[layer, expert] = slot
+            jobs.append((int(layer), int(expert), slot))
+        if not jobs:
+            return 0
+        if self._copier.cuda:
+            after = self._copier.compute_done()
+            for layer, expert, slot in jobs:
+                self._copy_expert(layer, expert, self.slot_gate_up[slot], self.slot_down[slot], after=after)
+            self._prefetch_pending.append(None)
+            return len(jobs)
+        if self._prefetch_pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._prefetch_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specfit-prefetch")
+
+        def copy_all() -> float:
+            start = time.perf_counter()
+            for layer, expert, slot in jobs:
+                self.slot_gate_up[slot].copy_(self.host.gate_up[layer][expert])
+                self.slot_down[slot].copy_(self.host.down[layer][expert])
+            return time.perf_counter() - start
+
+        self._prefetch_pending.append(self._prefetch_pool.submit(copy_all))
+        return len(jobs)
+
+    def wait_prefetch(self) -> tuple[float, float]:
+        """Wait for the prefetch copies in flight; returns (their copy time, how long this call
+        waited for them) in seconds: the copy time that did not overlap is the wait."""
+        if not self._prefetch_pending:
+            return 0.0, 0.0
+        start = time.perf_counter()
+        if self._copier.cuda:
+            copy_s = self._copier.take_time_s()            # synchronises the copy stream
+        else:
+            copy_s = sum(f.result() for f in self._prefetch_pending)
+        wait_s = time.perf_counter() - start
+        self._prefetch_pending.clear()
+        return copy_s, wait_s
 
     # ------------------------------------------------------------------ helpers
     def _stage(self, index: int, layer: int, expert: int):

@@ -16,6 +16,7 @@ subtree is its prefix inside the subtree, because siblings carry distinct tokens
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +24,7 @@ import numpy as np
 from ..costmodel import CostModel
 from ..errors import SpecFitError
 from ..experts.cache import ExpertCache
-from ..policies import CycleView, Policy, choose
+from ..policies import CycleView, Observation, Policy, choose
 from ..traces.format import Trace
 from ..tree import DraftTree
 
@@ -152,6 +153,12 @@ def _union(items: np.ndarray, nodes: np.ndarray, n_items: int) -> np.ndarray:
     return union
 
 
+def _missing(items: np.ndarray, resident: np.ndarray) -> int:
+    """How many distinct flat item ids of ``items`` are not resident."""
+    items = np.unique(items)
+    return int(items.size - np.count_nonzero(resident[items]))
+
+
 @dataclass
 class _LevelView(CycleView):
     """A :class:`CycleView` whose truncations come from the trees cut once in
@@ -202,6 +209,18 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
     i = 0
     bounds = np.r_[prep.first_cycles, n]
     needs_truth = policy.needs_truth
+    advisor, prefetcher = policy.cache_advisor, policy.prefetcher
+    prefetched = np.zeros(n, dtype=np.int64)
+
+    def prefetch_level(view: _LevelView, levels: int) -> _LevelView:
+        """Copy the prefetcher's plan while level ``levels + 1`` is drafted (the tree so far)."""
+        part = view.truncated(levels)
+        keep = None if advisor is None else advisor.keep(part.tree, part.experts, [0], E)
+        mask, priority = prefetcher.plan(part.tree, part.experts, view.cached, cost, keep=keep)
+        if mask.any():
+            prefetched[i] += int(cache.prefetch(mask, keep=priority).admitted_mask.sum())
+            return dataclasses.replace(view, cached=cache.resident())
+        return view
     for seq_index, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
         c = int(start)
         tokens_out: list[np.ndarray] = []
@@ -212,7 +231,9 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
                 draft_levels=len(prep.level_trees[c]) - 1,
                 verdicts=prep.verdicts[c] if needs_truth else None, true_experts=true if needs_truth else None,
                 level_trees=prep.level_trees[c], level_sizes=prep.level_sizes[c])
-            sel = choose(policy, view)
+            if prefetcher is not None:
+                prefetcher.begin_cycle()
+            sel = choose(policy, view, before_level=None if prefetcher is None else prefetch_level)
             nodes = sel.nodes
             tree = prep.level_trees[c][-1]
             path = prep.accepted[c]
@@ -221,13 +242,30 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
             inside = selected[path]
             k = int(path.size if inside.all() else np.argmin(inside))   # root + accepted drafts
             union = _union(prep.true_items[c], nodes, L * E)
-            result = cache.admit(union.reshape(L, E))
+            resident = cache.resident().ravel()      # what the policy's last search saw
+            # the draft's look-ahead for the cache (a policy's cache_advisor): what the nodes left
+            # out predict the next cycles need, before the verdicts are known
+            keep = None
+            if advisor is not None:       # only the levels the policy drafted
+                n_drafted = int(prep.level_sizes[c][sel.draft_levels])
+                keep = advisor.keep(prep.level_trees[c][sel.draft_levels], prep.predicted[c][:n_drafted], nodes, E)
+            result = cache.admit(union.reshape(L, E), keep=keep)
+            if advisor is not None:
+                advisor.observe(union.reshape(L, E))
             if unions is not None:
                 unions.append(np.flatnonzero(union))
             # the experts the policy decided with (the oracle policy decides with the true ones)
             same = needs_truth or prep.predicted[c] is prep.true[c]
             predicted_union = union if same else _union(prep.predicted_items[c], nodes, L * E)
             tokens_out.append(np.r_[tree.tokens[path[1:k]], prep.verdicts[c][path[k - 1]]])
+            # what the cycle revealed, as the live decoder reports it: the drafted tree, the
+            # verified nodes and the target's verdicts at them (the trace's predictions were
+            # scored for the whole trace up front)
+            policy.observe(Observation(tree=prep.level_trees[c][sel.draft_levels], verified=nodes,
+                                       verdicts=prep.verdicts[c][nodes], draft_levels=sel.draft_levels,
+                                       misses=result.total_misses, predicted_misses=sel.misses,
+                                       root_misses=_missing(prep.true_items[c][0], resident),
+                                       root_predicted_misses=_missing(prep.predicted_items[c][0], resident)))
             cols["sequence"][i] = seq_index
             cols["position"][i] = c - start
             cols["nodes_verified"][i] = nodes.size
@@ -246,7 +284,9 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
             c += k
         committed.append(np.concatenate(tokens_out) if tokens_out else np.zeros(0, dtype=np.int64))
     cols = {name: v[:i] for name, v in cols.items()}
+    cols["prefetched"] = prefetched[:i]
     # the charged time: the same cost formula, on the true union against the cache state
     cols["charged_time_s"] = cost.predict_counts(cols["draft_levels"], cols["nodes_verified"], cols["hits"], cols["misses"])
-    cols["bytes_h2d"] = cols["misses"] * prep.trace.expert_bytes   # the traced model's experts
+    # the traced model's experts: the misses and the prefetched copies (whose link time was idle)
+    cols["bytes_h2d"] = (cols["misses"] + cols["prefetched"]) * prep.trace.expert_bytes
     return CycleLog(columns=cols, committed=committed, unions=unions)

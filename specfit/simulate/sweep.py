@@ -69,7 +69,7 @@ def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: l
     def build(spec: str) -> Policy:
         policy = make_policy(spec, max_levels=max_levels)
         if not price_uncertainty and hasattr(policy, "price_uncertainty"):
-            policy.price_uncertainty = False
+            policy.price_uncertainty = "none"
         return policy
 
     cycle_frames, rows = [], []

@@ -1,0 +1,127 @@
+"""The draft as a look-ahead for the expert cache.
+
+A cycle drafts more than it verifies, and the nodes it leaves out predict what the next cycles
+will need: the next cycle's root is the target's bonus token, which the drafter has usually
+drafted already as a child of the last accepted node, and the drafted nodes below it are the
+drafter's guess of the tokens after it. :class:`DraftLookahead` turns a cycle's tree, its predicted
+experts and the verified selection into ``keep[layer, expert]``: the probability that a near
+future token routes to the expert. The expert cache evicts the experts with the lowest ``keep``
+first (:meth:`specfit.experts.cache.ExpertCache.admit`) and can prefetch the most probable ones
+(:meth:`~specfit.experts.cache.ExpertCache.prefetch`).
+
+Node x, a drafted descendant of a selected node v through a child that is *not* selected, is a
+near-future token with probability
+
+    P(v is the last accepted node) * p_x / p_v,   P(v last) = p_v - sum of p_w over v's selected children w
+
+(path probabilities ``p``; the bonus token follows the last accepted node). An expert's ``keep`` is
+``1 - prod(1 - w_x)`` over the nodes x predicted to route to it, each weight discounted by
+``decay ** (depth of x below v - 1)`` (a later token is needed later, and the cache may turn over
+before). Nothing here knows the verdicts: it runs before verification, in both drivers.
+
+The draft sees a few tokens ahead; beyond them an expert's recent use rate is the best guess
+(routing is skewed, and LRU forgets a popular expert after two tokens that skip it). With
+``usage_weight > 0`` the advisor also keeps an exponential average of each expert's use per cycle
+(:meth:`DraftLookahead.observe`, called by the drivers with the true union after verification)
+and combines the two: ``keep = 1 - (1 - draft) * (1 - usage_weight * usage)``. The usage part alone
+(``use_draft=False``) is an eviction rule any runtime could use, with or without a drafter.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..tree import DraftTree
+
+__all__ = ["DraftLookahead", "next_token_weights"]
+
+
+def next_token_weights(tree: DraftTree, selected, decay: float = 1.0) -> np.ndarray:
+    """float [n]: the weight of each node as a near-future token after verifying ``selected``
+    (0 for the selected nodes and for nodes hanging from no selected node)."""
+    n = tree.n_nodes
+    sel = np.zeros(n, dtype=bool)
+    sel[np.asarray(selected, dtype=np.int64)] = True
+    p = tree.path_probs
+    parents = tree.parents
+    # P(v is the last accepted node) for every selected v
+    last = np.where(sel, p, 0.0)
+    kids = np.flatnonzero(sel & (parents >= 0))
+    np.subtract.at(last, parents[kids], p[kids])
+    last = np.clip(last, 0.0, None)
+    weight = np.zeros(n)
+    anchor = np.full(n, -1, dtype=np.int64)     # the selected node an unselected node hangs from
+    below = np.zeros(n, dtype=np.int64)         # its depth below that node
+    for v in range(1, n):                       # parents precede children
+        u = parents[v]
+        if sel[v]:
+            continue
+        if sel[u]:
+            anchor[v], below[v] = u, 1
+        elif anchor[u] >= 0:
+            anchor[v], below[v] = anchor[u], below[u] + 1
+        a = anchor[v]
+        if a >= 0 and p[a] > 0:
+            weight[v] = last[a] * min(p[v] / p[a], 1.0) * decay ** (below[v] - 1)
+    return weight
+
+
+class DraftLookahead:
+    """``keep`` priorities from a cycle's draft (see the module docstring).
+
+    Args:
+        decay: weight factor per level below the first unselected one.
+        min_weight: nodes below this weight are ignored (they would only reorder ties).
+    """
+
+    name = "lookahead"
+
+    def __init__(self, decay: float = 0.7, min_weight: float = 0.02, usage_weight: float = 0.5,
+                 usage_memory: float = 0.95, use_draft: bool = True):
+        if not 0 < decay <= 1 or not 0 <= min_weight < 1:
+            raise ValueError(f"lookahead: expected 0 < decay <= 1 and 0 <= min_weight < 1, got {decay}, {min_weight}")
+        if not 0 <= usage_weight <= 1 or not 0 < usage_memory < 1:
+            raise ValueError(f"lookahead: expected usage_weight in [0, 1] and usage_memory in (0, 1), got "
+                             f"{usage_weight}, {usage_memory}")
+        self.decay, self.min_weight = float(decay), float(min_weight)
+        self.usage_weight, self.usage_memory, self.use_draft = float(usage_weight), float(usage_memory), bool(use_draft)
+        self.usage_: np.ndarray | None = None      # [L, E] exponential average of use per cycle
+
+    def get_params(self) -> dict:
+        return {"decay": self.decay, "min_weight": self.min_weight, "usage_weight": self.usage_weight,
+                "usage_memory": self.usage_memory, "use_draft": self.use_draft}
+
+    def observe(self, union: np.ndarray) -> None:
+        """Learn from a cycle's true union (bool [L, E]), after verification."""
+        union = np.asarray(union, dtype=bool)
+        if self.usage_ is None or self.usage_.shape != union.shape:
+            self.usage_ = np.zeros(union.shape)
+        self.usage_ *= self.usage_memory
+        self.usage_ += (1 - self.usage_memory) * union
+
+    def keep(self, tree: DraftTree, experts: np.ndarray, selected, n_experts: int) -> np.ndarray:
+        """float [L, E] in [0, 1]: the probability that a near-future token needs each expert."""
+        experts = np.asarray(experts, dtype=np.int64)
+        draft = self.draft_keep(tree, experts, selected, n_experts) if self.use_draft else None
+        if self.usage_weight == 0 or self.usage_ is None or self.usage_.shape[1] != n_experts:
+            return draft if draft is not None else np.zeros((experts.shape[1], n_experts))
+        usage = self.usage_weight * self.usage_
+        return usage if draft is None else 1 - (1 - draft) * (1 - usage)
+
+    def draft_keep(self, tree: DraftTree, experts: np.ndarray, selected, n_experts: int) -> np.ndarray:
+        """The draft's part of :meth:`keep`."""
+        n, n_layers, top_k = experts.shape
+        out = np.zeros((n_layers, n_experts))
+        if n <= 1:
+            return out
+        weight = next_token_weights(tree, selected, self.decay)
+        nodes = np.flatnonzero(weight >= max(self.min_weight, 1e-12))
+        if nodes.size == 0:
+            return out
+        # 1 - prod(1 - w): sum log(1 - w) per (layer, expert); a repeated slot counts once per node
+        items = (experts[nodes] + (np.arange(n_layers) * n_experts)[None, :, None]).reshape(nodes.size, -1)
+        log_miss = np.log1p(-np.minimum(weight[nodes], 1 - 1e-12))
+        acc = np.zeros(n_layers * n_experts)
+        for row, lm in zip(items, log_miss):
+            acc[np.unique(row)] += lm
+        return -np.expm1(acc).reshape(n_layers, n_experts)

@@ -1,0 +1,106 @@
+"""Prefetch into idle link time: while the drafter drafts a level, the host-to-device link has
+nothing to do, and the tree drafted so far says which experts the cycle's verification will need.
+
+:class:`DraftPrefetch` plans, before each drafted level, which experts to copy during it: the
+non-resident experts with the highest *need* (an expert's need is the largest path probability of
+a drafted node predicted to route to it, 1 for the root's), up to what the level's time can carry,
+``efficiency * draft_level_s / transfer_s`` experts (fractions carry over to the next level of the
+same cycle). Experts below ``min_need`` are not worth a slot. The cache copies them
+(:meth:`specfit.experts.cache.ExpertCache.prefetch`: a prefetch never displaces an expert with a
+higher priority), and the policy's next search sees them resident.
+
+The overlap term: a prefetched expert costs link time that runs beside the drafter. ``efficiency``
+is the share of a level's time that actually overlaps (1 on a copy stream that never stalls the
+drafter; measured live as ``1 - exposed wait / copy time`` by :meth:`DraftPrefetch.observe`); a plan
+that fits it adds no time. Live, the decoder measures the copy time and the wait the verification
+pass had for it, and the error of the predicted exposed time (0 by construction when the plan fits)
+is reported per run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..tree import DraftTree
+
+__all__ = ["DraftPrefetch", "need_priority"]
+
+
+def need_priority(tree: DraftTree, experts: np.ndarray, n_experts: int) -> np.ndarray:
+    """float [L, E]: for each expert, the largest path probability of a node predicted to route to
+    it (the root's experts: 1)."""
+    experts = np.asarray(experts, dtype=np.int64)
+    n, n_layers, top_k = experts.shape
+    out = np.zeros(n_layers * n_experts)
+    items = (experts + (np.arange(n_layers) * n_experts)[None, :, None]).reshape(n, -1)
+    weight = np.repeat(tree.path_probs[:n], items.shape[1])
+    np.maximum.at(out, items.ravel(), weight)
+    return out.reshape(n_layers, n_experts)
+
+
+class DraftPrefetch:
+    """Plans prefetches into the link time of drafted levels (see the module docstring).
+
+    Args:
+        efficiency: share of a draft level's time the link can copy in without delaying anything;
+            None learns it from the live decoder's measurements (starting at ``prior_efficiency``).
+        min_need: experts needed with a lower probability are not prefetched.
+    """
+
+    name = "prefetch"
+
+    def __init__(self, efficiency: float | None = 1.0, min_need: float = 0.3, prior_efficiency: float = 0.5):
+        for name, value in (("efficiency", efficiency), ("prior_efficiency", prior_efficiency)):
+            if value is not None and not 0 <= value <= 1:
+                raise ValueError(f"prefetch.{name}: expected a share in [0, 1], got {value!r}")
+        if not 0 <= min_need <= 1:
+            raise ValueError(f"prefetch.min_need: expected a share in [0, 1], got {min_need!r}")
+        self.fixed_efficiency = efficiency
+        self.efficiency_ = float(prior_efficiency if efficiency is None else efficiency)
+        self.min_need = float(min_need)
+        self._carry = 0.0
+        self.copy_s_ = 0.0          # live: measured copy time and exposed wait, summed
+        self.wait_s_ = 0.0
+
+    def get_params(self) -> dict:
+        return {"efficiency": self.fixed_efficiency, "min_need": self.min_need}
+
+    def begin_cycle(self) -> None:
+        self._carry = 0.0
+
+    def budget(self, cost) -> int:
+        """Experts one drafted level can carry (fractions carry over within a cycle)."""
+        transfer_s = max(cost.miss_s - cost.hit_s, 0.0)
+        if transfer_s <= 0 or self.efficiency_ <= 0:
+            return 0
+        total = self._carry + self.efficiency_ * cost.draft_level_s / transfer_s
+        n = int(np.floor(total + 1e-9))
+        self._carry = total - n
+        return n
+
+    def plan(self, tree: DraftTree, experts: np.ndarray, cached: np.ndarray, cost,
+             keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(mask, priority), both [L, E]: the experts to copy while the next level is drafted, and
+        the priorities the cache orders its victims by (this cycle's need, or ``keep`` where
+        higher: what the next cycles are predicted to need)."""
+        n_experts = cached.shape[1]
+        need = need_priority(tree, experts, n_experts) if experts.shape[1] else np.zeros(cached.shape)
+        priority = need if keep is None else np.maximum(need, keep)
+        budget = self.budget(cost)
+        mask = np.zeros(cached.shape, dtype=bool)
+        if budget == 0:
+            return mask, priority
+        candidate = np.flatnonzero(((need >= self.min_need) & ~cached).ravel())
+        if candidate.size == 0:
+            return mask, priority
+        # the most needed first; among equals the earlier layer (needed first in the pass)
+        order = np.lexsort((candidate, -need.ravel()[candidate]))
+        mask.ravel()[candidate[order[:budget]]] = True
+        return mask, priority
+
+    def observe(self, copy_s: float, wait_s: float) -> None:
+        """Live: a cycle's prefetch copy time and the part of it the verification waited for."""
+        self.copy_s_ += max(copy_s, 0.0)
+        self.wait_s_ += max(wait_s, 0.0)
+        if self.fixed_efficiency is None and self.copy_s_ > 0:
+            self.efficiency_ = float(np.clip(1.0 - self.wait_s_ / self.copy_s_, 0.0, 1.0))

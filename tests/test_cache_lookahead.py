@@ -1,0 +1,189 @@
+"""The cache's look-ahead: eviction ordered by ``keep`` priorities, and prefetch, against a plain
+OrderedDict reference written from the rules in ``specfit/experts/cache.py``; and the draft's
+look-ahead weights (``specfit/experts/lookahead.py``) on a hand-built tree."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from core_helpers import RefLRUCache
+from specfit import DraftTree, ExpertCache
+from specfit.experts.lookahead import DraftLookahead, next_token_weights
+
+
+class RefKeepCache(RefLRUCache):
+    """LRU whose victims are the evictable experts in ascending keep, least recent first among
+    equal keeps, and whose misses take slots in descending keep; prefetch takes free slots, then
+    the cheapest victims it outranks."""
+
+    def _admit_ordered(self, union, keep):
+        L = self.n_layers
+        out = {k: np.zeros(L, dtype=np.int64) for k in ("hits", "misses", "evictions", "streamed")}
+        for layer in range(L):
+            od = self._dict(layer)
+            wanted = np.flatnonzero(union[layer]).tolist()
+            want = wanted if self.mode == "per_layer" else [(layer, e) for e in wanted]
+            want_set = set(want)
+            hits = [k for k in want if k in od]
+            prio = (lambda x, layer=layer: keep[layer, x]) if self.mode == "per_layer" else (lambda x: keep[x])
+            misses = [k for k in want if k not in od]
+            for k in hits:
+                od.move_to_end(k)
+            # the misses that stay: descending keep (ascending id among equals), as many as fit once
+            # every expert outside the union could be evicted; they arrive in ascending id
+            room = self.capacity - len(hits)
+            stay = sorted(sorted(misses, key=lambda k: -prio(k))[:max(room, 0)])
+            out["streamed"][layer] += len(misses) - len(stay)
+            victims = iter(sorted([x for x in od if x not in want_set], key=prio))
+            for k in stay:
+                if len(od) >= self.capacity:
+                    victim = next(victims)
+                    del od[victim]
+                    out["evictions"][layer if self.mode == "per_layer" else victim[0]] += 1
+                od[k] = True
+            out["hits"][layer], out["misses"][layer] = len(hits), len(misses)
+        return out
+
+    def prefetch(self, mask, keep):
+        copied = np.zeros_like(mask)
+        for layer in range(self.n_layers):     # per-layer mode only
+            od = self._dict(layer)
+            ids = np.flatnonzero(mask[layer]).tolist()
+            resident_wanted = [e for e in ids if e in od]
+            cand = sorted([e for e in ids if e not in od], key=lambda e: (-keep[layer, e], e))
+            victims = sorted([x for x in od if x not in set(ids)], key=lambda x: keep[layer, x])
+            free = self.capacity - len(od)
+            take, evict = [], []
+            for i, e in enumerate(cand):
+                if i < free:
+                    take.append(e)
+                elif i - free < len(victims) and keep[layer, e] > keep[layer, victims[i - free]]:
+                    take.append(e)
+                    evict.append(victims[i - free])
+                else:
+                    break
+            for x in evict:
+                del od[x]
+            for e in resident_wanted:
+                od.move_to_end(e)
+            for e in sorted(take):
+                od[e] = True
+                copied[layer, e] = True
+        return copied
+
+
+def random_steps(seed, L, E, steps):
+    rng = np.random.default_rng(seed)
+    pop = rng.dirichlet(np.full(E, 0.6), size=L)
+    out = []
+    for _ in range(steps):
+        u = np.zeros((L, E), dtype=bool)
+        for layer in range(L):
+            u[layer, rng.choice(E, size=int(rng.integers(0, E // 2 + 1)), replace=False, p=pop[layer])] = True
+        keep = np.round(rng.random((L, E)) * 3) / 3 * (rng.random((L, E)) < 0.5)   # ties and zeros
+        out.append((u, keep))
+    return out
+
+
+@pytest.mark.parametrize("mode", ["per_layer", "global"])
+@pytest.mark.parametrize("seed", range(8))
+def test_keep_orders_victims_before_recency(mode, seed):
+    L, E = 3, 8
+    capacity = 3 if mode == "per_layer" else 7
+    cache = ExpertCache(L, E, capacity, mode=mode)
+    ref = RefKeepCache(L, E, capacity, mode=mode)
+    for step, (union, keep) in enumerate(random_steps(seed, L, E, 30)):
+        got = cache.admit(union, keep=keep)
+        want = ref._admit_ordered(union, keep)
+        for key in ("hits", "misses", "evictions", "streamed"):
+            assert getattr(got, key).tolist() == want[key].tolist(), f"step {step}: {key}"
+        assert np.array_equal(cache.resident(), ref.resident()), f"step {step}: resident"
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+def test_zero_keep_is_the_plain_policy(policy):
+    L, E = 2, 10
+    a, b = ExpertCache(L, E, 4, policy=policy), ExpertCache(L, E, 4, policy=policy)
+    for union, _ in random_steps(3, L, E, 40):
+        ra, rb = a.admit(union), b.admit(union, keep=np.zeros((L, E)))
+        assert ra.misses.tolist() == rb.misses.tolist()
+        assert np.array_equal(a.resident(), b.resident())
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_prefetch_matches_the_reference(seed):
+    L, E, C = 2, 9, 4
+    cache, ref = ExpertCache(L, E, C), RefKeepCache(L, E, C)
+    rng = np.random.default_rng(50 + seed)
+    for step, (union, keep) in enumerate(random_steps(seed, L, E, 30)):
+        mask = rng.random((L, E)) < 0.25
+        copied = cache.prefetch(mask, keep).admitted_mask
+        assert np.array_equal(copied, ref.prefetch(mask, keep)), f"step {step}: prefetched"
+        assert np.array_equal(cache.resident(), ref.resident()), f"step {step}: resident after prefetch"
+        got, want = cache.admit(union, keep=keep), ref._admit_ordered(union, keep)
+        assert got.misses.tolist() == want["misses"].tolist(), f"step {step}: misses"
+
+
+def test_prefetched_experts_are_hits_and_not_counted_as_misses():
+    cache = ExpertCache(1, 6, 2)
+    mask = np.zeros((1, 6), dtype=bool)
+    mask[0, [1, 4]] = True
+    copied = cache.prefetch(mask, np.ones((1, 6))).admitted_mask
+    assert copied[0].nonzero()[0].tolist() == [1, 4]
+    assert cache.prefetched.tolist() == [2] and cache.misses.tolist() == [0] and cache.hits.tolist() == [0]
+    result = cache.admit(mask)
+    assert result.hits.tolist() == [2] and result.misses.tolist() == [0]
+
+
+def test_prefetch_never_displaces_a_more_valuable_expert():
+    cache = ExpertCache(1, 6, 2)
+    first = np.zeros((1, 6), dtype=bool)
+    first[0, [0, 1]] = True
+    cache.admit(first)
+    keep = np.zeros((1, 6))
+    keep[0, 0], keep[0, 1], keep[0, 5] = 0.9, 0.2, 0.5
+    mask = np.zeros((1, 6), dtype=bool)
+    mask[0, 5] = True
+    copied = cache.prefetch(mask, keep).admitted_mask
+    # 5 (0.5) takes the slot of 1 (0.2), never that of 0 (0.9)
+    assert copied[0, 5] and cache.resident()[0].nonzero()[0].tolist() == [0, 5]
+    keep[0, 3] = 0.1
+    mask[0] = False
+    mask[0, 3] = True
+    assert not cache.prefetch(mask, keep).admitted_mask.any()
+
+
+def test_no_capacity_prefetches_nothing():
+    cache = ExpertCache(2, 4, 0)
+    assert not cache.prefetch(np.ones((2, 4), dtype=bool)).admitted_mask.any()
+    assert cache.prefetched.tolist() == [0, 0]
+
+
+# --------------------------------------------------------------------------- draft look-ahead
+#   0 ─┬─ 1 (p .6) ─┬─ 3 (p .42) ── 5 (p .21)
+#      │            └─ 4 (p .12)
+#      └─ 2 (p .3)
+TREE = DraftTree(np.array([-1, 0, 0, 1, 1, 3]), np.array([1.0, 0.6, 0.3, 0.42, 0.12, 0.21]))
+
+
+def test_next_token_weights_by_hand():
+    # selected {0, 1}: 0 is the last accepted with 1 - .6 = .4, node 1 with .6
+    w = next_token_weights(TREE, [0, 1], decay=0.5)
+    assert w[0] == 0 and w[1] == 0
+    assert w[2] == pytest.approx(0.4 * 0.3)          # child of 0 not selected
+    assert w[3] == pytest.approx(0.6 * 0.42 / 0.6)   # children of 1
+    assert w[4] == pytest.approx(0.6 * 0.12 / 0.6)
+    assert w[5] == pytest.approx(0.6 * 0.21 / 0.6 * 0.5)   # one level further: decayed
+    # the root alone: its children are next with their own probability
+    assert next_token_weights(TREE, [0], decay=1.0)[[1, 2]].tolist() == pytest.approx([0.6, 0.3])
+
+
+def test_keep_is_the_probability_that_some_near_node_needs_the_expert():
+    experts = np.zeros((6, 1, 1), dtype=np.int64)
+    experts[:, 0, 0] = [0, 1, 2, 2, 3, 4]
+    keep = DraftLookahead(decay=1.0, min_weight=0.0).keep(TREE, experts, [0, 1], n_experts=5)
+    w = next_token_weights(TREE, [0, 1], decay=1.0)
+    assert keep[0, 2] == pytest.approx(1 - (1 - w[2]) * (1 - w[3]))   # nodes 2 and 3 share expert 2
+    assert keep[0, 3] == pytest.approx(w[4]) and keep[0, 4] == pytest.approx(w[5])
+    assert keep[0, 0] == 0 and keep[0, 1] == 0                       # the selected nodes' own
