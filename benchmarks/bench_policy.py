@@ -29,7 +29,7 @@ os.environ.setdefault("MKL_NUM_THREADS", "1")
 import argparse  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
 
@@ -43,6 +43,7 @@ from specfit.calibrate.profile import ModelShape  # noqa: E402
 from specfit.experts.belady import belady_counts  # noqa: E402
 from specfit.experts.cache import ExpertCache  # noqa: E402
 from specfit.policies import Observation, SpecFitPolicy, TunedPolicy, make_policy  # noqa: E402
+from specfit.experts.calibration import cross_calibrate  # noqa: E402
 from specfit.simulate.replay import PreparedTrace, prepare, prepare_trace, replay  # noqa: E402
 from specfit.traces.format import read_trace, write_trace  # noqa: E402
 
@@ -50,6 +51,10 @@ SHARED_LOG = Path("/work/shared/data/olmoe-1b-7b-routing-general-coding.npz")
 CACHE_DIR = ROOT / "benchmarks" / ".cache"
 FIXED = ("ar", "chain:1", "chain:2", "chain:3", "chain:4", "static:auto")
 BASELINES = FIXED + ("eagle3", "oracle")
+# the fixed settings with the runtime levers any of them can use (the draft's look-ahead and
+# prefetch need a draft: ar gets the recent-use eviction alone)
+FIXED_LEVERS = ("ar+usage", "chain:1+cache+prefetch", "chain:2+cache+prefetch", "chain:3+cache+prefetch",
+                "chain:4+cache+prefetch", "static:auto+cache+prefetch")
 
 
 # --------------------------------------------------------------------------- traces
@@ -100,27 +105,60 @@ def _first_seen(seq: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- variants
 @dataclass
 class Variant:
-    """One SpecFit row: which prepared trace it decides with, how its policy is built, and what
-    the replay does around it."""
+    """One SpecFit row: the prepared trace it decides with (predictor[/acceptance]) and its spec
+    (``make_policy`` grammar, levers included, or a builder for ablation switches), and what the
+    bench does around the replay."""
 
     label: str
-    prep: str = "oracle"                       # key of the prepared trace (predictor[/acceptance])
-    build: Callable[[], object] = field(default=lambda: SpecFitPolicy(8))
-    belady: bool = False                       # recharge its unions with Belady's optimum
+    prep: str = "oracle"
+    spec: str = "specfit+cache+prefetch+online"
+    build: Callable[[], object] | None = None
+    belady: bool = False          # recharge its unions with Belady's offline optimum
+    decisions: bool = False       # charge SpecFit's own time per decision (--decision-ms)
     note: str = ""
+
+    def policy(self, decision_s: float):
+        policy = self.build(decision_s) if self.build is not None else make_policy(self.spec)
+        return policy
+
+
+ALL = "specfit+cache+prefetch"
+
+
+def _paper(decision_s: float = 0.0):
+    """SpecFit as before this issue: the optimistic look-ahead, the precision price."""
+    return SpecFitPolicy(8, lookahead="optimistic", price_uncertainty="precision")
+
+
+def _levers(policy, levers=("cache", "prefetch")):
+    from specfit.policies import apply_levers
+
+    return apply_levers(policy, list(levers))
 
 
 def variants() -> dict[str, Variant]:
     v = [
-        Variant("specfit", note="true experts, calibrated acceptance, every lever of the paper"),
-        Variant("specfit raw-acceptance", prep="oracle/raw", note="the drafter's own probabilities"),
-        Variant("specfit no-lookahead", build=lambda: SpecFitPolicy(8, lookahead=False)),
-        Variant("specfit no-level0-test", build=lambda: SpecFitPolicy(8, first_level_test=False)),
-        Variant("specfit known-verdicts", prep="oracle/verdicts",
-                note="path probabilities 1 on the accepted path, 0 elsewhere: the acceptance ceiling"),
-        Variant("specfit belady", belady=True, note="its own unions under Belady's offline optimum"),
-        Variant("specfit affinity", prep="affinity"),
-        Variant("specfit parent", prep="parent"),
+        Variant("paper", build=_paper, note="SpecFit before this issue (optimistic look-ahead, isotonic acceptance)"),
+        Variant("paper raw-acceptance", prep="oracle/raw", build=_paper, note="the drafter's own probabilities"),
+        Variant("paper known-verdicts", prep="oracle/verdicts", build=_paper,
+                note="path probabilities 1 on the accepted path, ~0 elsewhere: the acceptance ceiling"),
+        Variant("+expected-stop", spec="specfit", note="the stopping rule weighs the expected next level"),
+        Variant("+online", prep="oracle/raw", spec="specfit+online",
+                note="the drafter's raw probabilities, calibrated online (no trace to fit on beforehand)"),
+        Variant("+cache", spec="specfit+cache", note="evictions by the draft's look-ahead and recent use"),
+        Variant("specfit", spec=ALL, note="+cache and copies in the drafted levels' link time: every replay lever"),
+        Variant("specfit belady", spec="specfit", belady=True,
+                note="+expected-stop's unions under Belady's offline optimum: the eviction ceiling"),
+        Variant("specfit decisions charged", spec=ALL, decisions=True,
+                note="SpecFit's own time per decision (--decision-ms) charged, not priced"),
+        Variant("specfit decisions priced", decisions=True,
+                build=lambda d: _levers(SpecFitPolicy(8, overhead_level_s=d)), note="... and priced into its decisions"),
+        Variant("specfit observed-price", build=lambda d: _levers(SpecFitPolicy(8, price_uncertainty="observed")),
+                note="the uncertainty price from the misses verified draft nodes had beyond their predictions"),
+        Variant("paper affinity", prep="affinity", build=_paper),
+        Variant("specfit affinity", prep="affinity", spec=ALL),
+        Variant("specfit learned", prep="learned", spec=ALL),
+        Variant("specfit parent", prep="parent", spec=ALL),
     ]
     return {x.label: x for x in v}
 
@@ -133,7 +171,20 @@ def prepare_all(name: str, trace, keys: set[str]) -> dict[str, PreparedTrace]:
             base = out.get("oracle") or prepare_trace(name, trace, "oracle")
             out[key] = prepare(name, trace, trace.true_experts, _verdict_probs(trace, base), predictor="oracle")
         else:
-            out[key] = prepare_trace(name, trace, predictor, acceptance or "calibrated")
+            same = next((p for k, p in out.items() if k.partition("/")[0] == predictor), None)
+            if same is not None and acceptance != "verdicts":   # the same experts, other path probabilities
+                probs = None if acceptance == "raw" else cross_calibrate(trace)
+                experts = same.trace.true_experts if predictor == "oracle" else _experts(same, trace)
+                out[key] = prepare(name, trace, experts, probs, predictor=predictor, info=dict(same.info))
+            else:
+                out[key] = prepare_trace(name, trace, predictor, acceptance or "calibrated")
+    return out
+
+
+def _experts(prep: PreparedTrace, trace) -> np.ndarray:
+    out = np.empty_like(trace.true_experts)
+    for c, e in enumerate(prep.predicted):
+        out[trace.offsets[c]:trace.offsets[c + 1]] = e
     return out
 
 
@@ -156,73 +207,128 @@ def run(prep: PreparedTrace, policy, capacity: int, cost, record_unions: bool = 
     return replay(prep, policy, cache, cost, record_unions=record_unions)
 
 
-def rate(log, cost=None, capacity=None, prep=None) -> float:
+def rate(log, cost=None, capacity=None, prep=None, decision_s: float = 0.0) -> float:
     c = log.columns
-    if cost is None:
-        return float(c["committed_tokens"].sum() / c["charged_time_s"].sum())
-    hits, misses = belady_counts(log.unions, prep.trace.n_layers, prep.trace.n_experts, capacity)
-    time_s = cost.predict_counts(c["draft_levels"], c["nodes_verified"], hits, misses)
+    time_s = c["charged_time_s"] + decision_s * (c["draft_levels"] + 1)
+    if cost is not None:
+        hits, misses = belady_counts(log.unions, prep.trace.n_layers, prep.trace.n_experts, capacity)
+        time_s = cost.predict_counts(c["draft_levels"], c["nodes_verified"], hits, misses)
     return float(c["committed_tokens"].sum() / time_s.sum())
 
 
-def run_setting(preps: dict[str, PreparedTrace], chosen: list[Variant], capacity: int, cost) -> dict:
+def best_of(prep: PreparedTrace, spec: str, capacity: int, cost, max_nodes: int) -> tuple[float, int | None]:
+    """(tokens/s, N for static:auto) of a fixed policy; static:auto keeps its best candidate."""
+    policy = make_policy(spec)
+    if isinstance(policy, TunedPolicy):
+        return max((rate(run(prep, cand, capacity, cost)), cand.total_nodes) for cand in policy.candidates(max_nodes))
+    return rate(run(prep, policy, capacity, cost)), None
+
+
+def run_setting(preps: dict[str, PreparedTrace], chosen: list[Variant], capacity: int, cost,
+                decision_s: float) -> dict:
     base = preps["oracle"]
     row: dict = {}
-    max_nodes = max(int(t[-1].n_nodes) for t in base.level_trees)
-    for spec in BASELINES:
-        policy = make_policy(spec)
-        if isinstance(policy, TunedPolicy):
-            best = max((rate(run(base, cand, capacity, cost)), cand.total_nodes)
-                       for cand in policy.candidates(max_nodes))
-            row[spec], row["static_n"] = best
-        else:
-            row[spec] = rate(run(base, policy, capacity, cost))
+    # static:auto never chose N > 2 in the baseline; candidates up to 16 keep the bench's time
+    max_nodes = min(16, max(int(t[-1].n_nodes) for t in base.level_trees))
+    for spec in BASELINES + FIXED_LEVERS:
+        row[spec], n = best_of(base, spec, capacity, cost, max_nodes)
+        if n is not None:
+            row[f"{spec} N"] = n
     row["ar belady"] = rate(run(base, make_policy("ar"), capacity, cost, record_unions=True), cost, capacity, base)
     for v in chosen:
-        log = run(preps[v.prep], v.build(), capacity, cost, record_unions=v.belady)
-        row[v.label] = rate(log, cost, capacity, base) if v.belady else rate(log)
-        if v.label == "specfit":
-            c = log.columns
-            row["specfit nodes"] = float(c["nodes_verified"].mean())
-            row["specfit levels"] = float(c["draft_levels"].mean())
-    best_name = max(FIXED, key=lambda k: row[k])
-    row["best fixed"], row["best fixed name"] = row[best_name], best_name + (
-        f" (N={row['static_n']})" if best_name == "static:auto" else "")
+        policy = v.policy(decision_s)
+        log = run(preps[v.prep], policy, capacity, cost, record_unions=v.belady)
+        row[v.label] = rate(log, cost, capacity, base) if v.belady else rate(log, decision_s=decision_s * v.decisions)
+        c = log.columns
+        row[f"{v.label} nodes"] = float(c["nodes_verified"].mean())
+        union, predicted, overlap = (float(c[k].sum()) for k in ("union_size", "predicted_union_size", "union_overlap"))
+        row[f"{v.label} union P/R"] = (overlap / predicted if predicted else 1.0, overlap / union if union else 1.0)
+        acceptance = getattr(policy, "acceptance", None)
+        if acceptance is not None and v.label == "+online":
+            row["online reliability"] = acceptance.quality()
+    for name, names in (("best fixed", FIXED), ("best fixed+levers", FIXED_LEVERS)):
+        best = max(names, key=lambda k: row[k])
+        row[name], row[f"{name} name"] = row[best], best + (f" (N={row[best + ' N']})" if best + " N" in row else "")
     return row
+
+
+def offline_reliability(trace) -> dict:
+    """Brier / ECE of every edge's raw drafter probability and of the isotonic calibration
+    (cross-fitted), on all edges whose outcome the trace knows."""
+    from specfit.experts.acceptance_online import reliability
+    from specfit.experts.calibration import edge_outcomes
+
+    q, accepted = edge_outcomes(trace)
+    cal = cross_calibrate(trace)
+    parent_row = trace.parent.astype(np.int64) + trace.offsets[trace.cycle_of_node]
+    mask = trace.parent >= 0
+    mask[mask] = trace.verdict[parent_row[mask]] >= 0
+    edge_cal = cal[mask] / cal[parent_row[mask]]
+    return {"raw": reliability(q, accepted), "isotonic": reliability(edge_cal, accepted)}
+
+
+def predictor_quality(preps: dict[str, PreparedTrace], trace) -> dict:
+    """Slot precision of every predictor, and the precision / recall of the predicted union of
+    each tree's root and first level (the same nodes for every predictor)."""
+    from specfit.experts.predictors import union_quality
+
+    out = {}
+    for key, prep in preps.items():
+        predictor = key.partition("/")[0]
+        if predictor in out:
+            continue
+        totals = np.zeros(3)
+        for c in range(0, prep.n_cycles, 4):
+            first = int(prep.level_sizes[c][min(1, len(prep.level_sizes[c]) - 1)])
+            totals += union_quality(prep.predicted[c][:first], prep.true[c][:first], trace.n_experts)
+        out[predictor] = {"slot_precision": prep.info["slot_precision"],
+                          "union_precision": totals[2] / totals[0], "union_recall": totals[2] / totals[1]}
+    return out
 
 
 # --------------------------------------------------------------------------- tables
 def print_setting_table(trace: str, profile: str, rows: list[dict], labels: list[str]) -> None:
     print(f"\n#### {trace} - {profile}\n")
-    head = ["cache", "ar", "chain:1", "chain:2", "chain:3", "chain:4", "static:auto", "eagle3", "specfit", "oracle",
-            "best fixed", "specfit / best", "specfit / oracle", "ar belady / ar"]
+    head = ["cache", "ar", "chain:1", "static:auto", "eagle3", "oracle", "best fixed", "best fixed+levers", "specfit",
+            "specfit / best", "specfit / best+levers", "specfit / oracle", "Belady: specfit / best"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---:|" * len(head))
     for r in rows:
-        cells = [str(r["cache"])] + [f"{r[k]:.2f}" for k in ("ar", "chain:1", "chain:2", "chain:3", "chain:4")]
-        cells += [f"{r['static:auto']:.2f} (N={r['static_n']})", f"{r['eagle3']:.2f}", f"{r['specfit']:.2f}",
-                  f"{r['oracle']:.2f}", r["best fixed name"], f"{r['specfit'] / r['best fixed']:.3f}",
-                  f"{r['specfit'] / r['oracle']:.3f}", f"{r['ar belady'] / r['ar']:.3f}"]
+        cells = [str(r["cache"])] + [f"{r[k]:.2f}" for k in ("ar", "chain:1")]
+        cells += [f"{r['static:auto']:.2f} (N={r['static:auto N']})", f"{r['eagle3']:.2f}", f"{r['oracle']:.2f}",
+                  f"{r['best fixed name']} {r['best fixed']:.2f}", f"{r['best fixed+levers name']} {r['best fixed+levers']:.2f}",
+                  f"{r['specfit']:.2f}", f"{r['specfit'] / r['best fixed']:.3f}",
+                  f"{r['specfit'] / r['best fixed+levers']:.3f}", f"{r['specfit'] / r['oracle']:.3f}",
+                  f"{r['specfit belady'] / r['best fixed']:.3f}"]
         print("| " + " | ".join(cells) + " |")
-    print("\nSpecFit variants / best fixed setting:\n")
+    print("\nVariants / best fixed setting (nodes verified per cycle):\n")
     print("| variant | " + " | ".join(f"cache {r['cache']}" for r in rows) + " |")
     print("|---|" + "---:|" * len(rows))
-    for label in labels:
-        print(f"| {label} | " + " | ".join(f"{r[label] / r['best fixed']:.3f}" for r in rows) + " |")
+    for label in labels + list(FIXED_LEVERS):
+        cells = [f"{r[label] / r['best fixed']:.3f}" + (f" ({r[label + ' nodes']:.2f})" if label + " nodes" in r else "")
+                 for r in rows]
+        print(f"| {label} | " + " | ".join(cells) + " |")
 
 
 def print_overall(all_rows: list[dict], labels: list[str]) -> None:
-    print("\n### Over all settings (trace x profile x cache): variant / best fixed setting\n")
-    print("| variant | median | min | max | settings below 0.98 |")
-    print("|---|---:|---:|---:|---:|")
-    for label in labels + ["oracle", "eagle3", "ar belady"]:
+    print("\n### Over all settings (trace x profile x cache)\n")
+    print("| variant | / best fixed: median | min | max | below 0.98 | / best fixed+levers: median | min |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for label in labels + ["oracle", "eagle3", "ar belady"] + list(FIXED_LEVERS):
         ratios = np.array([r[label] / r["best fixed"] for r in all_rows])
+        lev = np.array([r[label] / r["best fixed+levers"] for r in all_rows])
         print(f"| {label} | {np.median(ratios):.3f} | {ratios.min():.3f} | {ratios.max():.3f} | "
-              f"{int((ratios < 0.98).sum())} of {ratios.size} |")
-    fixed_names = [r["best fixed name"].split(" ")[0] for r in all_rows]
-    print("\nBest fixed setting: " + ", ".join(f"{n} in {fixed_names.count(n)}" for n in sorted(set(fixed_names))))
+              f"{int((ratios < 0.98).sum())} of {ratios.size} | {np.median(lev):.3f} | {lev.min():.3f} |")
+    for name in ("best fixed", "best fixed+levers"):
+        names = [r[f"{name} name"].split(" ")[0] for r in all_rows]
+        print(f"\n{name}: " + ", ".join(f"{n} in {names.count(n)}" for n in sorted(set(names))))
     sf = np.array([r["specfit"] / r["oracle"] for r in all_rows])
     print(f"specfit / oracle: median {np.median(sf):.3f}, range {sf.min():.3f}-{sf.max():.3f}")
+    for pred in ("affinity", "learned", "parent"):
+        label = f"specfit {pred}"
+        if label in all_rows[0]:
+            own = np.array([r[label] / r["specfit"] for r in all_rows])
+            print(f"{label} / specfit (true experts): median {np.median(own):.3f}, min {own.min():.3f}")
 
 
 def main() -> None:
@@ -233,13 +339,16 @@ def main() -> None:
     ap.add_argument("--profiles", default="pcie4,pcie5,gh200")
     ap.add_argument("--caches", default="0,0.25,0.5", help="cache sizes as shares of a layer's experts")
     ap.add_argument("--variants", default="all", help="comma-separated variant labels, or all")
+    ap.add_argument("--decision-ms", type=float, default=0.45,
+                    help="SpecFit's own time per decision for the 'decisions' rows (measured live: RESULTS.md)")
     ap.add_argument("--out", default=None, help="write every row as JSON here")
     args = ap.parse_args()
 
     table = variants()
     chosen = list(table.values()) if args.variants == "all" else [table[v.strip()] for v in args.variants.split(",")]
-    if not any(v.label == "specfit" for v in chosen):
-        chosen.insert(0, table["specfit"])
+    for must in ("specfit", "specfit belady"):
+        if not any(v.label == must for v in chosen):
+            chosen.insert(0, table[must])
     labels = [v.label for v in chosen]
     print("Variants: " + "; ".join(f"`{v.label}`" + (f": {v.note}" if v.note else "") for v in chosen))
     all_rows = []
@@ -249,18 +358,28 @@ def main() -> None:
         print(f"\n### {name}: {trace.n_cycles} positions, {trace.tree_sizes.mean():.0f} nodes/tree, "
               f"{trace.n_layers} layers x {trace.n_experts} experts, top-{trace.top_k}")
         preps = prepare_all(name, trace, {"oracle"} | {v.prep for v in chosen})
-        for key, prep in preps.items():
-            if key in ("affinity", "parent", "router"):
-                print(f"- predictor {key}: slot precision {prep.info['slot_precision']:.3f}")
+        quality = predictor_quality(preps, trace)
+        print("\n| predictor | slot precision | union precision (root + level 1) | union recall |")
+        print("|---|---:|---:|---:|")
+        for pred, q in quality.items():
+            print(f"| {pred} | {q['slot_precision']:.3f} | {q['union_precision']:.3f} | {q['union_recall']:.3f} |")
+        rel = offline_reliability(trace)
+        print(f"\nAcceptance, all edges: raw Brier {rel['raw']['brier']:.4f} ECE {rel['raw']['ece']:.4f}; isotonic "
+              f"(cross-fitted) Brier {rel['isotonic']['brier']:.4f} ECE {rel['isotonic']['ece']:.4f}")
         for profile in args.profiles.split(","):
             cost = resolve_profile(profile, shape).cost
             rows = []
             for share in (float(s) for s in args.caches.split(",")):
                 capacity = int(round(share * trace.n_experts))
                 row = {"trace": name, "profile": profile, "cache": capacity,
-                       **run_setting(preps, chosen, capacity, cost)}
+                       **run_setting(preps, chosen, capacity, cost, args.decision_ms / 1e3)}
                 rows.append(row)
             print_setting_table(name, profile, rows, labels)
+            online = [r["online reliability"] for r in rows if "online reliability" in r]
+            if online:
+                print("\nOnline acceptance (+online, prequential, edges revealed in the run): " + "; ".join(
+                    f"cache {r['cache']}: Brier {q['brier']:.4f} vs raw {q['raw_brier']:.4f}, ECE {q['ece']:.4f} vs "
+                    f"{q['raw_ece']:.4f} ({q['n']} edges)" for r, q in zip(rows, online)))
             all_rows.extend(rows)
     print_overall(all_rows, labels)
     print(f"\n({time.perf_counter() - start:.0f} s)")

@@ -75,9 +75,11 @@ class ExpertPredictor(ABC):
     def fit(self, trace, cycles=None) -> "ExpertPredictor":
         return self
 
-    def update(self, tokens: np.ndarray, experts: np.ndarray, n_experts: int) -> None:
+    def update(self, tokens: np.ndarray, experts: np.ndarray, n_experts: int, last_known: np.ndarray | None = None,
+               context=None) -> None:
         """Learn from nodes the target has just run: ``tokens`` [m] routed to ``experts`` [m, L, k]
-        (ids below ``n_experts``)."""
+        (ids below ``n_experts``); ``last_known`` [m, L, k] and ``context`` [m, H] are what the
+        nodes' :class:`NodeBatch` held when they were predicted (rows of NaN: no context)."""
 
     @abstractmethod
     def predict(self, batch: NodeBatch) -> np.ndarray:

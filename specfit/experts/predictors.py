@@ -21,6 +21,8 @@ last token the previous cycle committed before its bonus.
   identical predictions, which makes extra nodes look free;
 - ``affinity``: a token -> experts frequency table fitted from traces, blended with the most
   recent known routing and the layer's popularity for tokens seen rarely or never;
+- ``learned`` (:class:`specfit.experts.learned.LearnedPredictor`): a logistic model on the token
+  table, the most recent known routing, popularity and (live) a probe of the drafter's state;
 - ``router`` (:class:`specfit.experts.router.RouterPredictor`): the target's own routers applied to
   an estimate of the node's hidden state (needs the target's weights).
 """
@@ -150,7 +152,8 @@ class AffinityPredictor(ExpertPredictor):
         self.n_layers_, self.n_experts_ = L, E
         return self
 
-    def update(self, tokens: np.ndarray, experts: np.ndarray, n_experts: int) -> None:
+    def update(self, tokens: np.ndarray, experts: np.ndarray, n_experts: int, last_known: np.ndarray | None = None,
+               context=None) -> None:
         """Add the verified nodes' routings to the token table (live: it grows as the run goes)."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         experts = np.asarray(experts, dtype=np.int64)
@@ -190,9 +193,7 @@ class AffinityPredictor(ExpertPredictor):
         for s in range(0, n_nodes, self.chunk_nodes):
             n = min(self.chunk_nodes, n_nodes - s)
             tok = tokens[s:s + n]
-            pos = np.searchsorted(self.tokens_, tok)
-            seen = (pos < self.tokens_.size) & (self.tokens_[np.minimum(pos, self.tokens_.size - 1)] == tok)
-            n_x = np.where(seen, self.occurrences_[np.minimum(pos, self.tokens_.size - 1)], 0).astype(np.float32)
+            n_x, (owner, layer_of, expert_of, count) = self._occurrences(tok), self._token_entries(tok)
             w_x = n_x / (n_x + self.prior_strength) if self.prior_strength > 0 else (n_x > 0).astype(np.float32)
             scores = np.broadcast_to(prior_pop[None], (n, L, E)).copy()
             lk = last_all[s:s + n].astype(np.int64)
@@ -200,15 +201,7 @@ class AffinityPredictor(ExpertPredictor):
             node, layer, slot = np.nonzero(np.broadcast_to(has_last[:, None, None], lk.shape))
             scores[node, layer, lk[node, layer, slot]] += self.reuse_weight
             scores *= (1 - w_x)[:, None, None]
-            # token frequencies: gather each seen token's contiguous range of sparse entries
-            base = np.where(seen, pos, 0).astype(np.int64) * L * E
-            lo = np.searchsorted(self.keys_, base)
-            hi = np.where(seen, np.searchsorted(self.keys_, base + L * E), lo)
-            counts = hi - lo
-            owner = np.repeat(np.arange(n), counts)
-            entry = np.repeat(lo - np.r_[0, np.cumsum(counts)[:-1]], counts) + np.arange(counts.sum())
-            key = self.keys_[entry] - base[owner]
-            scores[owner, key // E, key % E] += (w_x[owner] * self.counts_[entry] / np.maximum(n_x[owner], 1)).astype(np.float32)
+            scores[owner, layer_of, expert_of] += (w_x[owner] * count / np.maximum(n_x[owner], 1)).astype(np.float32)
             # popularity breaks ties (e.g. an unseen token with no known routing)
             scores += 1e-6 * self.popularity_[None].astype(np.float32)
             if self.sample:
@@ -216,6 +209,40 @@ class AffinityPredictor(ExpertPredictor):
                 scores = np.log(scores) - np.log(-np.log(np.maximum(u, np.float32(1e-12))))
             out[s:s + n] = np.argpartition(-scores, k - 1, axis=2)[:, :, :k]
         return out
+
+    def _occurrences(self, tokens: np.ndarray) -> np.ndarray:
+        """float32 [n]: how often each token was seen (0: never)."""
+        pos = np.searchsorted(self.tokens_, tokens)
+        last = np.minimum(pos, self.tokens_.size - 1)
+        seen = (pos < self.tokens_.size) & (self.tokens_[last] == tokens)
+        return np.where(seen, self.occurrences_[last], 0).astype(np.float32)
+
+    def _token_entries(self, tokens: np.ndarray):
+        """(node, layer, expert, count) of the sparse table's entries for ``tokens``: each seen
+        token's contiguous range of (layer, expert) counts."""
+        L, E = self.n_layers_, self.n_experts_
+        pos = np.searchsorted(self.tokens_, tokens)
+        seen = (pos < self.tokens_.size) & (self.tokens_[np.minimum(pos, self.tokens_.size - 1)] == tokens)
+        base = np.where(seen, pos, 0).astype(np.int64) * L * E
+        lo = np.searchsorted(self.keys_, base)
+        hi = np.where(seen, np.searchsorted(self.keys_, base + L * E), lo)
+        counts = hi - lo
+        owner = np.repeat(np.arange(tokens.size), counts)
+        entry = np.repeat(lo - np.r_[0, np.cumsum(counts)[:-1]], counts) + np.arange(counts.sum())
+        key = self.keys_[entry] - base[owner]
+        return owner, key // E, key % E, self.counts_[entry]
+
+    def token_shares(self, tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(share float32 [n, L, E], occurrences float32 [n]): the share of each token's past
+        routings that went to each expert (0 for an unseen token), and how often it was seen."""
+        if getattr(self, "keys_", None) is None:
+            raise SpecFitError("--predictor affinity: not fitted; fit it on a trace or update it with routed tokens first")
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        n_x = self._occurrences(tokens)
+        owner, layer, expert, count = self._token_entries(tokens)
+        share = np.zeros((tokens.size, self.n_layers_, self.n_experts_), dtype=np.float32)
+        share[owner, layer, expert] = (count / np.maximum(n_x[owner], 1)).astype(np.float32)
+        return share, n_x
 
     def to_dict(self) -> dict:
         return {"predictor": self.name, "params": self.get_params(), "popularity_": self.popularity_.tolist(),
@@ -233,6 +260,12 @@ class AffinityPredictor(ExpertPredictor):
         return p
 
 
+def _learned(**params) -> ExpertPredictor:
+    from .learned import LearnedPredictor
+
+    return LearnedPredictor(**params)
+
+
 def _router(**params) -> ExpertPredictor:
     from .router import RouterPredictor
 
@@ -242,9 +275,9 @@ def _router(**params) -> ExpertPredictor:
 
 
 PREDICTORS = {"oracle": OraclePredictor, "recorded": RecordedPredictor, "parent": ParentPredictor,
-              "affinity": AffinityPredictor, "router": _router}
+              "affinity": AffinityPredictor, "learned": _learned, "router": _router}
 # what the live decoder can run: the others read what only a recorded trace knows
-LIVE_PREDICTORS = ("router", "affinity", "parent")
+LIVE_PREDICTORS = ("router", "affinity", "parent", "learned")
 
 
 def predictor_from_dict(d: dict) -> ExpertPredictor:
@@ -252,6 +285,10 @@ def predictor_from_dict(d: dict) -> ExpertPredictor:
     name = d.get("predictor")
     if name not in PREDICTORS or name == "router":
         raise SpecFitError(f"predictor: unknown or unserialisable predictor {name!r}")
+    if name == "learned":
+        from .learned import LearnedPredictor
+
+        return LearnedPredictor.from_dict(d)
     return PREDICTORS[name].from_dict(d)
 
 

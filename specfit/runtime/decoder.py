@@ -55,6 +55,9 @@ class Draft:
     prefetched: int = 0             # experts copied ahead of the pass while levels were drafted
     prefetch_copy_s: float = 0.0    # their copy time (beside the drafter)
     prefetch_wait_s: float = 0.0    # the part of it the verification pass had to wait for
+    last_known: np.ndarray | None = None   # [L, k] the routing the predictions saw as most recent
+    cached: np.ndarray | None = None       # [L, E] the residency the policy's last decision saw
+    contexts: list = field(default_factory=list)   # per level: the drafter context rows of its nodes (root: NaN)
 
 
 @dataclass
@@ -311,6 +314,7 @@ class Decoder:
             draft.experts = np.concatenate([draft.experts, self._predict(draft, level.tokens, context)])
             view = CycleView(tree.tree(), draft.experts, view.cached, self.cost, view.draft_levels + 1)
         draft.selection = self._decide(draft, self.policy.select, view)
+        draft.cached = view.cached
         draft.nodes, draft.tree, draft.draft_levels = draft.selection.nodes, view.tree, view.draft_levels
         if tree is not None:
             draft.edge_logprob = tree.edge_logprob
@@ -376,7 +380,8 @@ class Decoder:
                                         predicted_slots_right=stats.predicted_slots_right,
                                         resident_share=self.model.offload.cache.capacity_share,
                                         tree=draft.tree, verified=verification.nodes, verdicts=verification.verdicts,
-                                        draft_levels=draft.draft_levels, decision_time_s=decision_time_s))
+                                        draft_levels=draft.draft_levels, decision_time_s=decision_time_s,
+                                        **self._miss_report(draft, verification)))
         advisor = self.policy.cache_advisor
         if advisor is not None:                  # the true union of the pass, as the replay reports it
             union = np.zeros((self.model.config.n_layers, self.model.config.n_experts), dtype=bool)
@@ -384,8 +389,12 @@ class Decoder:
             union[layer.ravel(), verification.expert_ids.astype(np.int64).ravel()] = True
             advisor.observe(union)
         if self.predictor is not None:
-            self.predictor.update(stats.draft.tree.tokens[verification.nodes], verification.expert_ids,
-                                  self.model.config.n_experts)
+            nodes = verification.nodes
+            last = None if draft.last_known is None else np.broadcast_to(draft.last_known,
+                                                                          (nodes.size,) + draft.last_known.shape)
+            context = torch.cat(draft.contexts)[torch.from_numpy(nodes)] if draft.contexts else None
+            self.predictor.update(stats.draft.tree.tokens[nodes], verification.expert_ids,
+                                  self.model.config.n_experts, last_known=last, context=context)
 
     def _prefetch(self, draft: Draft, view: CycleView, prefetcher) -> CycleView:
         """Start the prefetcher's copies for the level about to be drafted; the view the policy
@@ -410,6 +419,21 @@ class Decoder:
         if self.policy.prefetcher is not None:
             self.policy.prefetcher.observe(draft.prefetch_copy_s, draft.prefetch_wait_s)
 
+    @staticmethod
+    def _miss_report(draft: Draft, verification: Verification) -> dict:
+        """What the predicted experts missed this cycle (see :class:`Observation`)."""
+        sel = draft.selection
+        if sel is None or draft.cached is None or draft.experts.shape[1:] != verification.expert_ids.shape[1:]:
+            return {}
+
+        def missing(experts: np.ndarray) -> int:
+            layer = np.broadcast_to(np.arange(experts.shape[0])[:, None], experts.shape)
+            items = np.unique(layer * draft.cached.shape[1] + experts.astype(np.int64))
+            return int(items.size - np.count_nonzero(draft.cached.ravel()[items]))
+
+        return {"misses": verification.offload.total_misses, "predicted_misses": sel.misses,
+                "root_misses": missing(verification.expert_ids[0]), "root_predicted_misses": missing(draft.experts[0])}
+
     def _cache_keep(self, draft: Draft) -> np.ndarray | None:
         """The policy's cache advisor's eviction priorities for this cycle's pass (None without)."""
         advisor = self.policy.cache_advisor
@@ -419,6 +443,10 @@ class Decoder:
 
     def _predict(self, draft: Draft, tokens: np.ndarray, context) -> np.ndarray:
         start = time.perf_counter()
+        draft.last_known = self._last_known
+        if self.drafter_context:      # kept for the predictor's update (a probe of the drafter's state)
+            draft.contexts.append(context.detach().float().cpu() if context is not None
+                                  else torch.full((len(tokens), self.model.config.hidden_size), float("nan")))
         last = np.broadcast_to(self._last_known, (len(tokens),) + self._last_known.shape)
         experts = self.predictor.predict(NodeBatch(tokens=np.asarray(tokens), last_known=last, context=context))
         draft.predict_time_s += time.perf_counter() - start
