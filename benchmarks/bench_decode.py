@@ -20,7 +20,12 @@ Without ``--profile`` the starting profile is a quick calibration of this machin
 written to a temporary directory, nothing to the checkout.
 
     python benchmarks/bench_decode.py [--policies ar,eagle3,specfit] [--max-new-tokens 64] \\
-        [--cache-experts 4] [--threads 1] [--no-warmup]
+        [--cache-experts 4] [--threads 1] [--no-warmup] [--repeats 5]
+
+With ``--repeats N`` every policy is decoded N times, interleaved (the order rotates each round,
+each run a fresh load with its own warm-up), and the table reports the median tokens/s with its
+range and, per round, the ratio to the best of ``ar`` and ``eagle3`` of that round (median, range):
+ratios of runs made side by side, on a machine other work may be loading.
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-warmup", action="store_true", help="no refit, no acceptance calibration")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of every policy (medians reported)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -92,7 +98,12 @@ def main(argv: list[str] | None = None) -> None:
         profile = str(refitted.save(work / "refit.json"))
         print(f"refit on {comparison['n_cycles']} warm-up cycles: held-out cycle-time error (MAPE) "
               f"{comparison['before']['mape']:.0%} -> {comparison['after']['mape']:.0%}")
-    run = run_decode(plan(args.policies.split(","), acceptance_trace=acceptance, profile=profile or args.profile))
+    policies = args.policies.split(",")
+    if args.repeats > 1:
+        repeated(policies, args.repeats, lambda specs: run_decode(plan(specs, acceptance_trace=acceptance,
+                                                                        profile=profile or args.profile)))
+        return
+    run = run_decode(plan(policies, acceptance_trace=acceptance, profile=profile or args.profile))
 
     rows = []
     for s in run.summaries:
@@ -120,6 +131,59 @@ def main(argv: list[str] | None = None) -> None:
                   + ", ".join(f"{r['policy']} {r['share_search_ms_per_cycle']:.3f}" for r in rows))
     console.print("cycle-time MAPE (mean |predicted - measured| / measured): "
                   + ", ".join(f"{r['policy']} {r['time_mape']:.0%}" for r in rows))
+
+
+def repeated(policies: list[str], repeats: int, decode) -> None:
+    """Decode every policy ``repeats`` times, interleaved; print medians and paired ratios."""
+    import numpy as np
+
+    rates = {p: [] for p in policies}
+    extra = {p: [] for p in policies}
+    outputs = None
+    identical = True
+    for r in range(repeats):
+        order = policies[r % len(policies):] + policies[: r % len(policies)]
+        for spec in order:
+            run = decode([spec])
+            summary = run.summaries[0]
+            rates[spec].append(summary["tokens_per_s"])
+            extra[spec].append(_learned(run, summary))
+            got = [rec["output_ids"] for rec in run.records]
+            identical &= outputs is None or got == outputs
+            outputs = got if outputs is None else outputs
+        print(f"round {r + 1}: " + ", ".join(f"{p} {rates[p][-1]:.1f}" for p in policies), flush=True)
+    base = [p for p in ("ar", "eagle3") if p in rates]
+    best = np.max([rates[p] for p in base], axis=0) if base else None
+    print(f"\n| policy | tokens/s median | min-max | / best of {' and '.join(base)} per round: median | min-max | "
+          "ms/cycle | tokens/cycle | learned |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    for p in policies:
+        v = np.array(rates[p])
+        ratio = v / best if best is not None else np.full(v.size, np.nan)
+        last = extra[p][-1]
+        print(f"| {p} | {np.median(v):.1f} | {v.min():.1f}-{v.max():.1f} | {np.median(ratio):.3f} | "
+              f"{ratio.min():.3f}-{ratio.max():.3f} | {last['ms_per_cycle']:.2f} | {last['tokens_per_cycle']:.2f} | "
+              f"{last['note']} |")
+    print(f"\ngreedy outputs identical across every run: {'yes' if identical else 'no'}")
+
+
+def _learned(run, summary: dict) -> dict:
+    """What a run's policy learned (overhead, online acceptance, prefetch overlap), as text."""
+    policy = run.policies[0]
+    notes = []
+    if getattr(policy, "overhead_level_s", 0):
+        notes.append(f"overhead {policy.overhead_level_s * 1e3:.2f} ms/decision")
+    acceptance = getattr(policy, "acceptance", None)
+    if acceptance is not None:
+        q = acceptance.quality()
+        notes.append(f"online acceptance Brier {q['brier']:.3f} (raw {q['raw_brier']:.3f}), ECE {q['ece']:.3f} "
+                     f"(raw {q['raw_ece']:.3f}), {q['n']} edges")
+    prefetcher = getattr(policy, "prefetcher", None)
+    if prefetcher is not None:
+        notes.append(f"prefetch overlap {prefetcher.efficiency_:.2f} (copy {prefetcher.copy_s_ * 1e3:.1f} ms, "
+                     f"waited {prefetcher.wait_s_ * 1e3:.1f} ms)")
+    return {"ms_per_cycle": summary["time_per_cycle_s"] * 1e3, "tokens_per_cycle": summary["tokens_per_cycle"],
+            "note": "; ".join(notes)}
 
 
 if __name__ == "__main__":

@@ -213,3 +213,33 @@ def test_levers_keep_greedy_output_and_prefetched_experts_are_the_right_weights(
             row = live_row(stats, cost, model.offload.host.expert_bytes, model.config.n_experts)
             assert row["bytes_h2d"] == (row["misses"] + row["prefetched"]) * model.offload.host.expert_bytes
             assert stats.draft.prefetch_wait_s <= stats.verify_time_s + 1e-9
+
+
+def test_the_decoder_reports_what_each_cycle_revealed(checkpoints):
+    """The Observation the live decoder hands the policy: the drafted tree, the verified nodes and
+    their verdicts (every accepted token among them), the misses against what the policy saw, and
+    the policy's own time; the same fields the replay fills in."""
+    from specfit.policy_base import edge_outcomes
+    from specfit.specfit_policy import SpecFitPolicy
+
+    seen = []
+
+    class Spy(SpecFitPolicy):
+        def observe(self, observation):
+            seen.append(observation)
+            super().observe(observation)
+
+    model, drafter = load(*checkpoints["qwen3_moe"], cache_experts=3)
+    decoder = speculative_decoder(model, drafter, Spy(6), COST, tree_top_k=3)
+    result = decoder.generate(prompts()[3], NEW_TOKENS, ignore_eos=True)
+    assert len(seen) == len(result.cycles)
+    for obs, stats in zip(seen, result.cycles):
+        assert obs.tree is stats.draft.tree and obs.verified.tolist() == stats.verification.nodes.tolist()
+        assert obs.verdicts.tolist() == stats.verification.verdicts.tolist()
+        assert obs.misses == stats.offload.total_misses and obs.predicted_misses == stats.draft.selection.misses
+        if obs.verified.size == 1:
+            assert obs.misses == obs.root_misses
+        assert obs.decision_time_s is not None and 0 <= obs.decision_time_s <= stats.draft_time_s
+        nodes, accepted = edge_outcomes(obs)
+        # the committed draft tokens are exactly the accepted edges on the verified path
+        assert int(accepted[np.isin(nodes, stats.verification.nodes)].sum()) == stats.committed_tokens - 1

@@ -28,7 +28,9 @@ from ..tree import DraftTree
 
 __all__ = ["OnlineAcceptance", "edge_features", "reliability"]
 
-_EPS = 1e-6
+# probabilities are clipped to [_EPS, 1 - _EPS] before the logit (|logit| <= 8): a calibrated tree
+# may carry 0s and 1s, and an unbounded feature lets a few edges swing the fit
+_EPS = 3e-4
 N_FEATURES = 8
 _PRIOR = np.array([0.0, 1.0, 0, 0, 0, 0, 0, 0])   # logit P = logit q: the tree's own probabilities
 
@@ -136,17 +138,31 @@ class OnlineAcceptance:
         if self._y.size >= self.min_edges and (self.coef_ is None or self._updates % self.refit_every == 0):
             self._refit()
 
+    def _loss(self, w: np.ndarray) -> float:
+        """The penalised negative log-likelihood the fit minimises."""
+        z = self._x @ w
+        return float(np.sum(np.logaddexp(0, z) - self._y * z) + 0.5 * self.l2 * np.sum((w - _PRIOR) ** 2))
+
     def _refit(self) -> None:
+        """Damped Newton steps (halved until the penalised loss falls: plain Newton can overshoot
+        on nearly separable edges)."""
         x, y = self._x, self._y
         w = _PRIOR.copy() if self.coef_ is None else self.coef_.copy()
         reg = np.full(N_FEATURES, self.l2)
+        loss = self._loss(w)
         for _ in range(self.newton_steps):
-            z = np.clip(x @ w, -30, 30)
-            p = 1.0 / (1.0 + np.exp(-z))
+            p = 1.0 / (1.0 + np.exp(-np.clip(x @ w, -30, 30)))
             grad = x.T @ (p - y) + reg * (w - _PRIOR)
             hess = (x * (p * (1 - p))[:, None]).T @ x + np.diag(reg)
             step = np.linalg.solve(hess, grad)
-            w = w - step
+            for _ in range(20):
+                trial = self._loss(w - step)
+                if trial <= loss:
+                    break
+                step = step / 2
+            else:
+                break
+            w, loss = w - step, trial
             if np.abs(step).max() < 1e-6:
                 break
         self.coef_ = w

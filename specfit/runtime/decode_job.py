@@ -141,6 +141,7 @@ class DecodeRun:
     outputs_identical: bool | None       # greedy runs of several policies: same tokens everywhere?
     trace_path: Path | None = None
     trace_cycles: int = 0
+    policies: list = field(default_factory=list)   # the policy objects, with what they learned
 
 
 class _Outputs:
@@ -257,7 +258,8 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     return DecodeRun(records=outputs.records, cycles=outputs.cycles, summaries=outputs.summaries,
                      profile_label=profile.label, profile_path=profile_path,
                      outputs_identical=_outputs_identical(outputs.records) if plan.temperature == 0 else None,
-                     trace_path=trace_path, trace_cycles=len(recorder) if recorder is not None else 0)
+                     trace_path=trace_path, trace_cycles=len(recorder) if recorder is not None else 0,
+                     policies=policies)
 
 
 # --------------------------------------------------------------------------- pieces
