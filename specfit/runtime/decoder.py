@@ -32,6 +32,7 @@ from ..policies import ArPolicy, CycleView, Observation, Policy
 from ..search import Selection
 from ..tree import DraftTree
 from .acceptance import greedy_accept, sample_accept, target_probs
+from . import levers
 from .drafting import Proposer, tree_capacity
 from .model import MoETransformer, causal_mask
 from .offload import OffloadCounters
@@ -233,8 +234,8 @@ class Decoder:
             # a cycle commits at most depth + 1 tokens: deeper levels could never be used
             draft = self.draft(root, max_levels=max_new_tokens - len(output) - 1)
             selected = device_now(self.model.device)
-            self._finish_prefetch(draft)
-            verification = self.verify(draft.tree, draft.nodes, keep=self._cache_keep(draft))
+            levers.finish_prefetch(self, draft)
+            verification = self.verify(draft.tree, draft.nodes, keep=levers.cache_keep(self, draft))
             commit = self.commit(draft, verification)
             done = device_now(self.model.device)
             stats = CycleStats(position=len(output) - 1, draft=draft, verification=verification,
@@ -306,7 +307,7 @@ class Decoder:
             if tree is None:
                 tree = self.proposer.draft(root_token, levels_cap, self.top_k, self._acceptance())
             if prefetcher is not None:        # copies beside the level about to be drafted
-                view = self._prefetch(draft, view, prefetcher)
+                view = levers.prefetch_level(self, draft, view, prefetcher)
             start = device_now(self.model.device)
             level = tree.grow()
             draft.drafter_time_s += device_now(self.model.device) - start
@@ -381,13 +382,8 @@ class Decoder:
                                         resident_share=self.model.offload.cache.capacity_share,
                                         tree=draft.tree, verified=verification.nodes, verdicts=verification.verdicts,
                                         draft_levels=draft.draft_levels, decision_time_s=decision_time_s,
-                                        **self._miss_report(draft, verification)))
-        advisor = self.policy.cache_advisor
-        if advisor is not None:                  # the true union of the pass, as the replay reports it
-            union = np.zeros((self.model.config.n_layers, self.model.config.n_experts), dtype=bool)
-            layer = np.broadcast_to(np.arange(union.shape[0])[None, :, None], verification.expert_ids.shape)
-            union[layer.ravel(), verification.expert_ids.astype(np.int64).ravel()] = True
-            advisor.observe(union)
+                                        **levers.miss_report(draft, verification)))
+        levers.observe_union(self, verification)
         if self.predictor is not None:
             nodes = verification.nodes
             last = None if draft.last_known is None else np.broadcast_to(draft.last_known,
@@ -395,51 +391,6 @@ class Decoder:
             context = torch.cat(draft.contexts)[torch.from_numpy(nodes)] if draft.contexts else None
             self.predictor.update(stats.draft.tree.tokens[nodes], verification.expert_ids,
                                   self.model.config.n_experts, last_known=last, context=context)
-
-    def _prefetch(self, draft: Draft, view: CycleView, prefetcher) -> CycleView:
-        """Start the prefetcher's copies for the level about to be drafted; the view the policy
-        decides on next sees them resident (the cache's bookkeeping is updated at once)."""
-        start = time.perf_counter()
-        offload = self.model.offload
-        advisor = self.policy.cache_advisor
-        keep = None if advisor is None else advisor.keep(view.tree, view.experts, [0], self.model.config.n_experts)
-        mask, priority = prefetcher.plan(view.tree, view.experts, view.cached, self.cost, keep=keep)
-        if mask.any():
-            draft.prefetched += offload.prefetch(mask, keep=priority)
-            view = CycleView(view.tree, view.experts, offload.cache.resident(), view.cost, view.draft_levels)
-        draft.search_time_s += time.perf_counter() - start
-        return view
-
-    def _finish_prefetch(self, draft: Draft) -> None:
-        """Wait for the prefetch copies before the pass reads their slots; the prefetcher learns
-        how much of their time overlapped the drafter."""
-        if not draft.prefetched:
-            return
-        draft.prefetch_copy_s, draft.prefetch_wait_s = self.model.offload.wait_prefetch()
-        if self.policy.prefetcher is not None:
-            self.policy.prefetcher.observe(draft.prefetch_copy_s, draft.prefetch_wait_s)
-
-    @staticmethod
-    def _miss_report(draft: Draft, verification: Verification) -> dict:
-        """What the predicted experts missed this cycle (see :class:`Observation`)."""
-        sel = draft.selection
-        if sel is None or draft.cached is None or draft.experts.shape[1:] != verification.expert_ids.shape[1:]:
-            return {}
-
-        def missing(experts: np.ndarray) -> int:
-            layer = np.broadcast_to(np.arange(experts.shape[0])[:, None], experts.shape)
-            items = np.unique(layer * draft.cached.shape[1] + experts.astype(np.int64))
-            return int(items.size - np.count_nonzero(draft.cached.ravel()[items]))
-
-        return {"misses": verification.offload.total_misses, "predicted_misses": sel.misses,
-                "root_misses": missing(verification.expert_ids[0]), "root_predicted_misses": missing(draft.experts[0])}
-
-    def _cache_keep(self, draft: Draft) -> np.ndarray | None:
-        """The policy's cache advisor's eviction priorities for this cycle's pass (None without)."""
-        advisor = self.policy.cache_advisor
-        if advisor is None or draft.experts.shape[1] == 0:
-            return None
-        return advisor.keep(draft.tree, draft.experts, draft.nodes, self.model.config.n_experts)
 
     def _predict(self, draft: Draft, tokens: np.ndarray, context) -> np.ndarray:
         start = time.perf_counter()
