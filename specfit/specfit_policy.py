@@ -221,6 +221,14 @@ class SpecFitPolicy(Policy):
             if grown is None:
                 return False
             tree, experts, cached = grown
+            # a bound that saves the search: a subtree S with the virtual level has A(S) <= A_r + x
+            # (x: all virtual probability) and T(S) >= T_r + d (one more level), where A_r <= R T_r
+            # for its real part (R: the current best ratio); so A(S) / T(S) <= R whenever x <= R d
+            extra = float(tree.path_probs[view.tree.n_nodes:].sum())
+            bound_tokens = current.expected_tokens + extra
+            bound_time = current.priced_time_s + view.cost.draft_level_s
+            if bound_tokens * current.priced_time_s <= current.expected_tokens * bound_time:
+                return False
         else:
             grown = optimistic_level(view.tree, view.experts, d)
             if grown is None:

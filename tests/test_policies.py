@@ -236,3 +236,23 @@ def test_levers_attach_to_any_policy():
 def test_bad_lever_is_one_clear_error(spec):
     with pytest.raises(ValueError, match="policy"):
         make_policy(spec)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_the_look_ahead_bound_never_changes_the_decision(seed):
+    """The bound that skips the expected level's search (x <= R d) answers as the search would."""
+    from specfit.next_level import expected_level
+    from specfit.search import best_subtree, should_continue
+
+    rng = np.random.default_rng(seed)
+    experts = rng.integers(0, E, (len(PARENTS), L, 2))
+    cost = CostModel(base_s=1.0, per_node_s=float(rng.uniform(0, 0.3)), hit_s=0.01, miss_s=float(rng.uniform(0.05, 1)),
+                     draft_level_s=float(rng.uniform(0, 3)))
+    v = view(experts, cost).truncated(2)
+    policy = SpecFitPolicy(max_levels=8)
+    policy.stats.update(v.tree, v.experts, 1)
+    policy.stats.update(v.tree, v.experts, 2)
+    current = best_subtree(v.tree, v.experts, v.cached, cost, 2)
+    tree, ex, cached = expected_level(v.tree, v.experts, v.cached, policy.stats, 2)
+    searched = should_continue(current, best_subtree(tree, ex, cached, cost, 3, start=current.nodes))
+    assert policy._next_level_may_pay(v, current) == searched

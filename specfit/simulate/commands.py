@@ -170,7 +170,7 @@ def _print_summary(summary, out: Optional[Path]) -> None:
                     "union P/R", "pred. tokens err"):
             table.add_column(col, justify="right" if col != "policy" else "left")
         for _, row in group.iterrows():
-            policy = row["policy"] + (f" (N={int(row['static_n'])})" if row["policy"] == "static:auto" else "")
+            policy = row["policy"] + (f" (N={int(row['static_n'])})" if row["policy"].startswith("static:auto") else "")
             table.add_row(str(row["cache_experts"]), policy, f"{row['tokens_per_s']:.2f}", f"{row['tokens_per_cycle']:.2f}",
                           f"{row['bytes_per_token'] / 1e6:.1f}", f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}",
                           f"{row['speedup_vs_ar']:.2f}x", f"{row['speedup_vs_eagle3']:.2f}x",
