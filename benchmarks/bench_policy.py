@@ -401,14 +401,20 @@ def main() -> None:
                     f"cache {r['cache']}: Brier {q['brier']:.4f} vs raw {q['raw_brier']:.4f}, ECE {q['ece']:.4f} vs "
                     f"{q['raw_ece']:.4f} ({q['n']} edges)" for r, q in zip(rows, online)))
             all_rows.extend(rows)
+            if args.out:            # after every profile: an interrupted run keeps what it measured
+                _write(args.out, all_rows)
     print_overall(all_rows, labels)
     print(f"\n({time.perf_counter() - start:.0f} s)")
     if args.out:
-        from specfit.io import write_json_atomic
-
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        write_json_atomic(Path(args.out), all_rows)
+        _write(args.out, all_rows)
         print(f"rows written to {args.out}")
+
+
+def _write(path: str, rows: list[dict]) -> None:
+    from specfit.io import write_json_atomic
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(Path(path), rows)
 
 
 if __name__ == "__main__":
