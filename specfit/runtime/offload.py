@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..experts.cache import ExpertCache, LayerCounts
+from .pinned import CudaHostRegistrar, PinnedHostMemory, page_round
 
 __all__ = ["HostExperts", "ExpertOffload", "OffloadCounters"]
 
@@ -34,19 +35,34 @@ class HostExperts:
     ``gate_up[layer]`` is [E, 2I, H] (rows [:I] the gate projection, [I:] the up projection) and
     ``down[layer]`` is [E, H, I]: the layout the MoE block multiplies with, so a transfer is one
     contiguous copy per matrix.
+
+    With ``pin_memory`` the tensors are page-locked by registering exactly their pages
+    (:mod:`~specfit.runtime.pinned`), not through PyTorch's caching host allocator, which would
+    round each layer's block up to a power of two. ``registrar`` replaces the CUDA runtime's
+    ``cudaHostRegister`` (tests pass a recording fake).
     """
 
     def __init__(self, n_layers: int, n_experts: int, hidden_size: int, intermediate_size: int,
-                 dtype: torch.dtype, pin_memory: bool = False):
+                 dtype: torch.dtype, pin_memory: bool = False, registrar=None):
         self.n_layers, self.n_experts = int(n_layers), int(n_experts)
         self.hidden_size, self.intermediate_size = int(hidden_size), int(intermediate_size)
-        self.dtype, self.pinned = dtype, bool(pin_memory)
-        shape_gate_up = (n_experts, 2 * intermediate_size, hidden_size)
-        shape_down = (n_experts, hidden_size, intermediate_size)
+        self.dtype = dtype
+        if pin_memory and registrar is None:
+            registrar = CudaHostRegistrar()
+        self._memory = PinnedHostMemory(registrar)
+        self.pinned = registrar is not None
         # one allocation per layer and matrix: pinning a whole 58 GB model at once can fail where
         # per-layer allocations succeed, and a layer is the unit the loader fills
-        self.gate_up = [torch.empty(shape_gate_up, dtype=dtype, pin_memory=pin_memory) for _ in range(n_layers)]
-        self.down = [torch.empty(shape_down, dtype=dtype, pin_memory=pin_memory) for _ in range(n_layers)]
+        self.gate_up = [self._memory.empty(self.gate_up_shape, dtype) for _ in range(n_layers)]
+        self.down = [self._memory.empty(self.down_shape, dtype) for _ in range(n_layers)]
+
+    @property
+    def gate_up_shape(self) -> tuple[int, int, int]:
+        return (self.n_experts, 2 * self.intermediate_size, self.hidden_size)
+
+    @property
+    def down_shape(self) -> tuple[int, int, int]:
+        return (self.n_experts, self.hidden_size, self.intermediate_size)
 
     @property
     def expert_bytes(self) -> int:
@@ -55,7 +71,28 @@ class HostExperts:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of every expert: what the checkpoint holds for them in this dtype."""
         return self.expert_bytes * self.n_layers * self.n_experts
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes page-locked for the experts (0 when pageable): ``nbytes`` plus at most one
+        page per layer and matrix."""
+        return self._memory.pinned_bytes
+
+    @staticmethod
+    def planned_pinned_bytes(n_layers: int, n_experts: int, hidden_size: int, intermediate_size: int,
+                             dtype: torch.dtype) -> int:
+        """What pinning these experts locks, computed without allocating (the rule
+        :class:`PinnedHostMemory` applies: each layer's two matrices rounded up to a page)."""
+        gate_up = PinnedHostMemory.tensor_bytes((n_experts, 2 * intermediate_size, hidden_size), dtype)
+        down = PinnedHostMemory.tensor_bytes((n_experts, hidden_size, intermediate_size), dtype)
+        return n_layers * (page_round(gate_up) + page_round(down))
+
+    def release_pinning(self) -> None:
+        """Unlock the host pages now (the experts stay readable, pageable)."""
+        self._memory.release()
+        self.pinned = False
 
 
 @dataclass
