@@ -81,3 +81,311 @@ def test_planned_pinned_bytes_of_full_models_equal_their_expert_bytes(shape):
     if shape != "olmoe-1b-7b":
         assert rounded > 1.1 * checkpoint_bytes       # 72 vs 54 GiB, 96 vs 84 GiB
     assert SHAPE_CONFIGS[shape]["hidden_size"] == H
+
+
+# ----------------------------------------------------------------- a stand-in for torch.cuda
+class FakeStream:
+    def __init__(self, cuda, name, device):
+        self.cuda, self.name, self.device, self.clock_ms = cuda, name, device, 0.0
+
+    def wait_event(self, event):
+        assert event.recorded_on is not None, "waiting on an event never recorded"
+        self.cuda.log.append(("wait", self.name, event.id, event.recorded_on))
+        self.clock_ms = max(self.clock_ms, event.time_ms)
+
+
+class FakeEvent:
+    def __init__(self, cuda, index, enable_timing):
+        self.cuda, self.id, self.timing = cuda, index, enable_timing
+        self.recorded_on, self.time_ms = None, 0.0
+
+    def record(self, stream):
+        assert stream is not None, "an event recorded on the current stream of no device"
+        self.recorded_on, self.time_ms = stream.name, stream.clock_ms
+        self.cuda.log.append(("record", stream.name, self.id, self.timing))
+
+    def elapsed_time(self, other):
+        assert self.timing and other.timing
+        return other.time_ms - self.time_ms
+
+    def synchronize(self):
+        self.cuda.log.append(("event_synchronize", self.id))
+
+
+class FakeCuda:
+    """``torch.cuda``'s Stream / Event / current_stream / stream, on a toy timeline: each copy
+    takes ``copy_ms`` on the stream that is current when it is enqueued; :meth:`compute` advances
+    the compute stream as a consumer's kernels would."""
+
+    def __init__(self, copy_ms=1.0):
+        self.copy_ms = copy_ms
+        self.log, self.events, self.streams, self.devices_asked = [], [], [], []
+        self._compute, self._current = {}, []
+
+    def Stream(self, device=None):
+        assert device is not None, "a stream of no particular device"
+        stream = FakeStream(self, f"copy{len(self.streams)}", device)
+        self.streams.append(stream)
+        return stream
+
+    def Event(self, enable_timing=False):
+        event = FakeEvent(self, len(self.events), enable_timing)
+        self.events.append(event)
+        return event
+
+    def compute_stream(self, device):
+        return self._compute.setdefault(str(device), FakeStream(self, "compute", device))
+
+    def current_stream(self, device=None):
+        self.devices_asked.append(device)
+        return self._current[-1] if self._current else self.compute_stream(device)
+
+    def stream(self, stream):
+        cuda = self
+
+        class Context:
+            def __enter__(self):
+                cuda._current.append(stream)
+
+            def __exit__(self, *exc):
+                cuda._current.pop()
+
+        return Context()
+
+    def on_copy(self, non_blocking):
+        stream = self._current[-1] if self._current else None
+        self.log.append(("copy", stream.name if stream else None, non_blocking))
+        if stream is not None:
+            stream.clock_ms += self.copy_ms
+
+    def compute(self, device, ms):
+        self.compute_stream(device).clock_ms += ms
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    cuda = FakeCuda()
+    copy = torch.Tensor.copy_
+
+    def logged_copy(self, src, non_blocking=False):
+        cuda.on_copy(non_blocking)
+        return copy(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", logged_copy)
+    return cuda
+
+
+def _host(n_layers=2, n_experts=6, seed=0):
+    torch.manual_seed(seed)
+    host = HostExperts(n_layers, n_experts, hidden_size=4, intermediate_size=3, dtype=torch.float32)
+    for tensor in host.gate_up + host.down:
+        tensor.normal_()
+    return host
+
+
+def _consume(offload, layer, ids, cuda=None, compute_ms=0.0):
+    """Run a layer as the MoE block does: take each expert, 'compute' it, return the order."""
+    order = []
+    for expert, gate_up, down in offload.layer_experts(layer, np.asarray(ids)):
+        assert torch.equal(gate_up, offload.host.gate_up[layer][expert])
+        assert torch.equal(down, offload.host.down[layer][expert])
+        order.append(expert)
+        if cuda is not None:
+            cuda.compute(offload.device, compute_ms)
+    return order
+
+
+import numpy as np  # noqa: E402
+
+from specfit.runtime.offload import ExpertOffload  # noqa: E402
+
+
+def test_hits_run_before_misses_and_misses_in_copy_order(fake_cuda):
+    offload = ExpertOffload(_host(1, 8), capacity=3, cuda_api=fake_cuda)
+    offload.begin_pass()
+    assert _consume(offload, 0, [5, 6]) == [5, 6]               # two misses, admitted
+    offload.pass_timing()
+    offload.begin_pass()
+    # 0 and 1 are misses (0 admitted, 1 streamed: only one slot is free of the union), 5 and 6 hits
+    assert _consume(offload, 0, [6, 0, 5, 1, 7]) == [5, 6, 0, 1, 7]
+    assert offload.counters.hits.tolist() == [2] and offload.counters.streamed.tolist() == [2]
+
+
+def test_a_low_id_miss_no_longer_holds_the_hits_behind_its_copy(fake_cuda):
+    """Toy timeline: a copy takes 1 ms, each expert's compute 3 ms. The miss (expert 0) is
+    copied while the hits (5, 6) compute, so compute never waits for it."""
+    offload = ExpertOffload(_host(1, 8), capacity=3, cuda_api=fake_cuda)
+    _consume(offload, 0, [5, 6], fake_cuda, compute_ms=3.0)
+    offload.pass_timing()
+    offload.begin_pass()
+    assert _consume(offload, 0, [0, 5, 6], fake_cuda, compute_ms=3.0) == [5, 6, 0]
+    timing = offload.pass_timing()
+    assert timing.stall_s == 0.0                 # ascending order would have waited 2 ms for it
+    assert timing.copy_busy_s == pytest.approx(2e-3) and timing.n_bursts == 1 and timing.n_waits == 1
+
+
+@pytest.mark.parametrize("compute_ms,stall_ms", [(0.0, 8.0), (1.5, 3.5)])
+def test_the_stall_is_the_time_compute_waits_for_copies(fake_cuda, compute_ms, stall_ms):
+    """Capacity 2 of 6 experts, a union of 4: two experts admitted (one burst of 4 copies), two
+    streamed (a burst each); copies land at 2, 4 (slots), 6 and 8 ms (staging buffers). With no
+    compute, compute waits until 8 ms; with 1.5 ms per expert it waits 2 + 0.5 + 0.5 + 0.5 ms."""
+    offload = ExpertOffload(_host(1, 6), capacity=2, cuda_api=fake_cuda)
+    offload.begin_pass()
+    assert _consume(offload, 0, [0, 1, 2, 3], fake_cuda, compute_ms) == [0, 1, 2, 3]
+    timing = offload.pass_timing()
+    assert timing.stall_s == pytest.approx(stall_ms / 1e3)
+    assert timing.copy_busy_s == pytest.approx(8e-3)
+    assert (timing.n_bursts, timing.n_waits) == (3, 4)
+
+
+def test_every_stream_and_event_call_names_the_offload_device(fake_cuda):
+    offload = ExpertOffload(_host(2, 6), capacity=2, cuda_api=fake_cuda)
+    rng = np.random.default_rng(0)
+    for _ in range(5):
+        offload.begin_pass()
+        for layer in range(2):
+            _consume(offload, layer, rng.choice(6, size=int(rng.integers(1, 7)), replace=False))
+        offload.pass_timing()
+    assert fake_cuda.devices_asked and all(d == offload.device for d in fake_cuda.devices_asked)
+    assert [s.device for s in fake_cuda.streams] == [offload.device]
+    copies = [entry for entry in fake_cuda.log if entry[0] == "copy"]
+    assert copies and all(entry[1:] == ("copy0", True) for entry in copies)   # async, on the copy stream
+    for _, stream, _event, recorded_on in (e for e in fake_cuda.log if e[0] == "wait"):
+        # compute waits for copies; the copy stream waits only for compute (buffers being read)
+        assert {stream, recorded_on} == {"compute", "copy0"}
+
+
+def test_events_come_from_a_pool_and_one_timing_pair_brackets_each_burst(fake_cuda):
+    L, E, C = 3, 8, 2
+    offload = ExpertOffload(_host(L, E), capacity=C, cuda_api=fake_cuda)
+    rng = np.random.default_rng(1)
+    made_after = []
+    for _ in range(12):
+        offload.begin_pass()
+        start = len(fake_cuda.log)
+        n_missed = 0
+        for layer in range(L):
+            ids = rng.choice(E, size=E // 2 + int(rng.integers(0, E // 2)), replace=False)
+            _consume(offload, layer, ids)
+        n_missed = int(offload.counters.misses.sum())
+        timing = offload.pass_timing()
+        made_after.append(len(fake_cuda.events))
+        records = [e for e in fake_cuda.log[start:] if e[0] == "record"]
+        timed_on_copy = [e for e in records if e[1] == "copy0" and e[3]]
+        assert len(timed_on_copy) == 2 * timing.n_bursts
+        assert timing.n_waits == n_missed                         # one timed wait per copied expert
+        assert sum(1 for e in records if e[3]) == 2 * (timing.n_bursts + timing.n_waits)
+        assert timing.n_bursts <= L + n_missed                    # one burst per layer plus staged refills
+    # the pool stops growing: markers per slot / staging buffer and the largest pass's timers
+    n_markers = L * C + 2 * 2 + 1
+    assert made_after[-1] == made_after[-4]
+    assert made_after[-1] <= n_markers + 2 * (L + 2 * L * E)
+
+
+def test_stream_copier_outputs_equal_the_host_copier_bit_for_bit(fake_cuda):
+    from specfit.calibrate.standin import random_model
+
+    config = shape_config("tiny", 2)
+    expected_model = random_model(config, torch.device("cpu"), torch.float32, cache_experts=3, seed=2)
+    model = random_model(config, torch.device("cpu"), torch.float32, cache_experts=3, seed=2)
+    model.attach_offload(ExpertOffload(model.offload.host, 3, cuda_api=fake_cuda))
+    for m in (expected_model, model):
+        m.setup_kv_cache(64)
+    ids = np.random.default_rng(0).integers(0, config.vocab_size, 12)
+    for step in range(4):
+        n = 12 + step
+        tokens = ids if step == 0 else np.array([step * 7 % config.vocab_size])
+        positions = np.arange(n - tokens.size, n)
+        a, b = expected_model(tokens, positions), model(tokens, positions)
+        assert torch.equal(a.logits, b.logits)
+        np.testing.assert_array_equal(a.expert_ids, b.expert_ids)
+        assert a.offload.misses.tolist() == b.offload.misses.tolist()
+        assert model.offload.pass_timing().n_waits == int(b.offload.misses.sum())
+
+
+# ----------------------------------------------------------------- synchronising calls
+SYNCING_METHODS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
+
+
+@pytest.fixture
+def sync_counter(monkeypatch):
+    """Counts every call that synchronises host and device on CUDA (a tensor read back to the
+    host, torch.equal, torch.cuda.synchronize) outside the runtime's two sanctioned helpers:
+    ``to_host`` (counted apart) and ``upload`` (non-blocking, counted apart)."""
+    import specfit.runtime.model as model_module
+
+    counts = {"other": [], "to_host": 0, "upload": 0}
+    inside = [False]
+
+    def hook(name, original):
+        def wrapper(*args, **kwargs):
+            if not inside[0]:
+                counts["other"].append(name)
+            return original(*args, **kwargs)
+        return wrapper
+
+    for name in SYNCING_METHODS:
+        monkeypatch.setattr(torch.Tensor, name, hook(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch, "equal", hook("torch.equal", torch.equal))
+
+    def names_a_device(args, kwargs):
+        return "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args)
+
+    def device_hook(name, original):
+        # a host-to-device copy (from pageable memory on CUDA: a copy plus a synchronisation)
+        def wrapper(*args, **kwargs):
+            if not inside[0] and names_a_device(args[1:] if name == "Tensor.to" else (), kwargs):
+                counts["other"].append(name)
+            return original(*args, **kwargs)
+        return wrapper
+
+    monkeypatch.setattr(torch.Tensor, "to", device_hook("Tensor.to", torch.Tensor.to))
+    monkeypatch.setattr(torch, "tensor", device_hook("torch.tensor", torch.tensor))
+    monkeypatch.setattr(torch, "as_tensor", device_hook("torch.as_tensor", torch.as_tensor))
+    monkeypatch.setattr(torch.cuda, "synchronize", hook("torch.cuda.synchronize", torch.cuda.synchronize))
+
+    def sanctioned(key, original):
+        def wrapper(*args, **kwargs):
+            counts[key] += 1
+            inside[0] = True
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inside[0] = False
+        return wrapper
+
+    monkeypatch.setattr(model_module, "to_host", sanctioned("to_host", model_module.to_host))
+    monkeypatch.setattr(model_module, "upload", sanctioned("upload", model_module.upload))
+    counts["start"] = lambda: (counts.update(to_host=0, upload=0), counts["other"].clear())
+    return counts
+
+
+@pytest.mark.parametrize("capacity", [0, 2, 16])
+def test_a_pass_synchronises_once_per_moe_layer(fake_cuda, sync_counter, capacity):
+    """Routing to the host is the one read-back per MoE layer; each layer uploads its sorted
+    token-expert index once and the pass uploads ids, positions, mask and rows once."""
+    from specfit.calibrate.standin import random_model
+    from specfit.tree import DraftTree
+
+    config = shape_config("tiny", 3)
+    model = random_model(config, torch.device("cpu"), torch.float32, seed=1)
+    model.attach_offload(ExpertOffload(model.offload.host, capacity, cuda_api=fake_cuda))
+    model.setup_kv_cache(64)
+    prompt = np.arange(10) % config.vocab_size
+    model(prompt, np.arange(10))
+    tree = DraftTree(parents=np.array([-1, 0, 0, 1, 1, 2]), path_probs=np.linspace(1, 0.5, 6),
+                     tokens=np.array([3, 1, 4, 1, 5, 9]))
+    mask = np.concatenate([np.ones((6, 10), dtype=bool), tree.attention_mask()], axis=1)
+    for logits_rows in (None, [0, 3]):
+        sync_counter["start"]()
+        out = model(tree.tokens, tree.positions(10), mask, logits_rows=logits_rows)
+        assert sync_counter["other"] == []
+        assert sync_counter["to_host"] == config.n_layers
+        assert sync_counter["upload"] == config.n_layers + 1
+        assert out.logits.shape[0] == (6 if logits_rows is None else 2)
+    sync_counter["start"]()
+    model(np.array([7]), np.array([10]))                      # a linear step, no mask given
+    assert sync_counter["other"] == [] and sync_counter["upload"] == config.n_layers + 1
+    sync_counter["start"]()
+    model.compact_kv(10, np.array([0, 1, 3]))
+    assert sync_counter["other"] == [] and sync_counter["upload"] == 1
