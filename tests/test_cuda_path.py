@@ -389,3 +389,49 @@ def test_a_pass_synchronises_once_per_moe_layer(fake_cuda, sync_counter, capacit
     sync_counter["start"]()
     model.compact_kv(10, np.array([0, 1, 3]))
     assert sync_counter["other"] == [] and sync_counter["upload"] == 1
+
+
+# ----------------------------------------------------------------- rotary frequencies in bf16
+def _reference_angles(positions, head_dim, theta):
+    """float64 ``position * theta ** (-2i / head_dim)``, from the RoPE definition."""
+    i = np.arange(0, head_dim, 2, dtype=np.float64)
+    return np.asarray(positions, dtype=np.float64)[:, None] * theta ** (-i / head_dim)
+
+
+def test_drafter_rotary_angles_in_bf16_equal_float32_at_position_4000():
+    from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter
+
+    # Qwen3-30B-A3B's rotary shape: head_dim 128, theta 1e6
+    config = Eagle3Config(hidden_size=128, target_hidden_size=128, vocab_size=100, draft_vocab_size=100,
+                          num_attention_heads=1, num_key_value_heads=1, head_dim=128, intermediate_size=96,
+                          rope_theta=1e6, max_position_embeddings=8192)
+    positions = torch.tensor([0, 100, 1000, 4000])
+    reference = _reference_angles(positions, config.head_dim, config.rope_theta)
+    float32 = Eagle3Drafter(config)
+    bf16 = Eagle3Drafter(config).to(dtype=torch.bfloat16)
+    assert bf16.dtype == torch.bfloat16 and bf16.inv_freq.dtype == torch.float32
+    assert torch.equal(bf16.inv_freq, float32.inv_freq)
+    angles = bf16.rope_angles(positions).double().numpy()
+    assert np.abs(angles - float32.rope_angles(positions).double().numpy()).max() <= 1e-3
+    assert np.abs(angles - reference).max() <= 1e-3
+    # what rounding the frequencies to bf16 would do at position 4000
+    rounded = 4000 * float32.inv_freq.to(torch.bfloat16).double().numpy()
+    assert np.abs(rounded - reference[-1]).max() > 4.0
+    cos, sin = bf16.rope(positions)
+    assert cos.dtype == torch.bfloat16
+    bf16_step = 2.0 ** -8                                  # bf16's rounding of values in [-1, 1]
+    assert np.abs(cos[:, : config.head_dim // 2].double().numpy() - np.cos(reference)).max() <= bf16_step
+    assert np.abs(sin[:, : config.head_dim // 2].double().numpy() - np.sin(reference)).max() <= bf16_step
+
+
+def test_target_rotary_frequencies_stay_float32_when_the_model_is_cast():
+    from specfit.calibrate.standin import random_model
+
+    config = shape_config("tiny", 1)
+    model = random_model(config, torch.device("cpu"), torch.float32)
+    expected = model.inv_freq.clone()
+    model.to(torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and model.inv_freq.dtype == torch.float32
+    assert torch.equal(model.inv_freq, expected)
+    angles = (4000 * model.inv_freq).double().numpy()
+    assert np.abs(angles - _reference_angles([4000], config.head_dim, config.rope_theta)[0]).max() <= 1e-3
