@@ -435,3 +435,112 @@ def test_target_rotary_frequencies_stay_float32_when_the_model_is_cast():
     assert torch.equal(model.inv_freq, expected)
     angles = (4000 * model.inv_freq).double().numpy()
     assert np.abs(angles - _reference_angles([4000], config.head_dim, config.rope_theta)[0]).max() <= 1e-3
+
+
+# ----------------------------------------------------------------- calibration probes
+def _tracked_offloads(monkeypatch, original):
+    """Patch the probes' ExpertOffload to record, at every allocation, the device bytes that all
+    offloads (the model's own included) hold together."""
+    import specfit.calibrate.cycles as cycles
+
+    made, together = [original], []
+
+    class Tracked(ExpertOffload):
+        def allocate(self):
+            super().allocate()
+            if self not in made:
+                made.append(self)
+            together.append(sum(o.device_bytes for o in made))
+
+    monkeypatch.setattr(cycles, "ExpertOffload", Tracked)
+    return made, together
+
+
+def _probe_model(cache_experts):
+    from specfit.calibrate.standin import random_model
+
+    return random_model(shape_config("tiny", 2), torch.device("cpu"), torch.float32, cache_experts=cache_experts, seed=4)
+
+
+def test_probe_caches_hold_at_most_one_offload_at_a_time(monkeypatch):
+    from specfit.calibrate.cycles import probe_cycles
+
+    model = _probe_model(cache_experts=8)
+    original = model.offload
+    before_bytes = original.device_bytes
+    model.setup_kv_cache(64)
+    ids = np.arange(9) % 97
+    expected = model(ids, np.arange(9)).logits
+    made, together = _tracked_offloads(monkeypatch, original)
+    rows = probe_cycles(model, [0, 8, 16], node_counts=(1, 3), repeats=1, context_len=8)
+    assert sorted({r["capacity"] for r in rows}) == [0, 8, 16]
+    largest = max(o.planned_device_bytes for o in made)
+    assert len(made) == 4 and max(together) <= largest
+    assert all(o.device_bytes == 0 for o in made[1:])          # every probe cache released
+    assert model.offload is original and original.device_bytes == before_bytes and not original.released
+    original.reset()
+    assert torch.equal(model(ids, np.arange(9)).logits, expected)
+    for row in rows:
+        assert row["transfer_stall_s"] >= 0 and row["copy_busy_s"] >= 0
+        assert row["seconds"] > 0 and row["hits"] + row["misses"] > 0
+
+
+def test_probe_cache_sizes_fit_the_free_device_memory(monkeypatch):
+    import specfit.calibrate.cycles as cycles
+
+    model = _probe_model(cache_experts=4)
+    host = model.offload.host
+    L, eb = host.n_layers, host.expert_bytes
+    # room for 5 experts per layer plus the two staging buffers, beyond the reserve
+    monkeypatch.setattr(cycles, "free_device_bytes", lambda device: cycles.PROBE_RESERVE_BYTES + (5 * L + 2) * eb)
+    made, together = _tracked_offloads(monkeypatch, model.offload)
+    rows = cycles.probe_cycles(model, [0, 4, 8, 16], node_counts=(2,), repeats=1, context_len=8)
+    assert sorted({r["capacity"] for r in rows}) == [0, 4, 5]
+    assert max(together) <= (5 * L + 2) * eb
+
+
+@pytest.mark.parametrize("budget_experts", [None, 2, 3, 9, 2 * 16 + 1, 2 * 16 + 2, 10**6])
+def test_fit_capacities_takes_the_largest_cache_that_fits(budget_experts):
+    from specfit.calibrate.cycles import fit_capacities
+
+    L, E, eb = 2, 16, 1000
+    wanted = [0, 4, 8, 16, 30]
+    budget = None if budget_experts is None else budget_experts * eb
+    got = fit_capacities(wanted, L, E, eb, budget)
+
+    def fits(c):   # slots, plus two staging buffers unless every expert has a slot
+        return budget is None or (c * L + (2 if c < E else 0)) * eb <= budget
+
+    largest = max(c for c in range(E + 1) if fits(c))
+    assert got == sorted({min(c, E, largest) for c in wanted})
+    assert all(fits(c) for c in got)
+
+
+def test_fit_capacities_refuses_a_device_without_room_for_staging():
+    from specfit.calibrate.cycles import fit_capacities
+    from specfit.errors import SpecFitError
+
+    with pytest.raises(SpecFitError, match="staging"):
+        fit_capacities([0, 4], 2, 16, 1000, 1999)
+
+
+def test_hit_probe_times_the_moe_blocks_own_expert_body(monkeypatch):
+    import specfit.calibrate.probes as probes
+
+    calls = []
+    original = probes.expert_output
+
+    def counted(x, weights, index, gate_up, down):
+        calls.append((x.shape[0], index.shape))
+        return original(x, weights, index, gate_up, down)
+
+    monkeypatch.setattr(probes, "expert_output", counted)
+    added = []
+    index_add = torch.Tensor.index_add_
+    monkeypatch.setattr(torch.Tensor, "index_add_", lambda self, *a: added.append(a[1].numel()) or index_add(self, *a))
+    rows = probes.probe_expert_compute(16, 8, torch.float32, torch.device("cpu"), token_counts=(1, 4), repeats=3)
+    assert [r["tokens"] for r in rows] == [1, 4] and all(r["seconds"] > 0 for r in rows)
+    # 2 warm-up + 3 timed runs per row, each the body and its index_add_ over the row's tokens
+    assert [n for n, _ in calls] == [1] * 5 + [4] * 5 and added == [1] * 5 + [4] * 5
+    assert [shape for _, shape in calls][-1] == (2, 4)
+    assert set(probes.MEASURES) >= {"h2d", "expert_compute", "cycles", "draft"}
