@@ -544,3 +544,25 @@ def test_hit_probe_times_the_moe_blocks_own_expert_body(monkeypatch):
     assert [n for n, _ in calls] == [1] * 5 + [4] * 5 and added == [1] * 5 + [4] * 5
     assert [shape for _, shape in calls][-1] == (2, 4)
     assert set(probes.MEASURES) >= {"h2d", "expert_compute", "cycles", "draft"}
+
+
+# ----------------------------------------------------------------- --device
+def test_resolve_device_names_an_explicit_cuda_index(monkeypatch):
+    from specfit.errors import SpecFitError
+    from specfit.runtime.devices import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SpecFitError, match="no CUDA device is available"):
+        resolve_device("cuda:0")
+    with pytest.raises(SpecFitError, match="expected cpu, cuda or cuda:N"):
+        resolve_device("gpu")
+    with pytest.raises(SpecFitError, match="the runtime supports no other device"):
+        resolve_device("meta")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert resolve_device("cuda") == torch.device("cuda", 1)      # never "the current one" later
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    with pytest.raises(SpecFitError, match=r"2 CUDA device\(s\), cuda:0..cuda:1"):
+        resolve_device("cuda:2")
