@@ -270,7 +270,9 @@ class ExpertCache(LayerCounts):
         """
         if not 0 <= int(layer) < self.n_layers:
             raise ValueError(f"layer: expected 0..{self.n_layers - 1}, got {layer}")
-        ids = np.unique(np.asarray(expert_ids, dtype=np.int64).reshape(-1))
+        ids = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
+        if ids.size > 1 and not (ids[1:] > ids[:-1]).all():     # the offload passes them sorted already
+            ids = np.unique(ids)
         if ids.size and (ids[0] < 0 or ids[-1] >= self.n_experts):
             raise ValueError(f"expert_ids: expected ids in [0, {self.n_experts}), got {ids[0]}..{ids[-1]}")
         layer = int(layer)
@@ -294,7 +296,7 @@ class ExpertCache(LayerCounts):
             in_union[ids] = True
             held = np.where(valid, slots, 0)
             evictable = valid & ~in_union[held]
-            key = np.where(evictable, self._score[layer][held], np.iinfo(np.int64).max)
+            key = np.where(evictable, self._score[layer][held], _NEVER)
             victim[np.argsort(key, kind="stable")[:n_evict]] = True     # scores are unique
         evicted_ids = np.sort(slots[victim])
         # admitted experts take the free and the freed slots, in slot order
@@ -306,7 +308,8 @@ class ExpertCache(LayerCounts):
         self.misses[layer] += miss_ids.size
         self.evictions[layer] += n_evict
         self.streamed[layer] += streamed.size
-        evicted = np.stack([np.full(evicted_ids.size, layer, dtype=np.int64), evicted_ids], axis=1)
+        evicted = np.empty((evicted_ids.size, 2), dtype=np.int64)
+        evicted[:, 0], evicted[:, 1] = layer, evicted_ids
         return LayerAdmit(hit_ids=hit_ids, admitted_ids=admitted, streamed_ids=streamed, evicted=evicted,
                           hits=int(hit_ids.size), misses=int(miss_ids.size), evictions=int(n_evict),
                           streamed=int(streamed.size))
@@ -355,6 +358,9 @@ class ExpertCache(LayerCounts):
         else:  # lfu: count first, recency second
             span = np.int64(1) << 40
             score[touched] = count[touched] * span + keys % span
+
+
+_NEVER = np.iinfo(np.int64).max    # the eviction key of a slot that must not be chosen
 
 
 @dataclass
