@@ -357,7 +357,7 @@ class Eagle3Drafter(nn.Module):
         # frequencies in float32 rather than keep rounded ones (the angles would drift by radians
         # at long positions), on whatever device the cast moved them to
         super()._apply(fn, recurse)
-        if self.inv_freq.dtype != torch.float32:
+        if "inv_freq" in self._buffers and self.inv_freq.dtype != torch.float32:
             inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta)
             self.register_buffer("inv_freq", inv_freq.to(self.inv_freq.device), persistent=False)
         return self
