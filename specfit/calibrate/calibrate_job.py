@@ -22,7 +22,7 @@ from ..costmodel import PARAM_NAMES
 from ..errors import SpecFitError
 from .cycles import cycles_features, probe_cycles, probe_draft, probe_drafter_levels
 from .fit import CycleTimeFitter, prediction_errors
-from .probes import fit_h2d, probe_expert_compute, probe_h2d
+from .probes import MEASURES, fit_h2d, probe_expert_compute, probe_h2d
 from .profile import ModelShape, Profile, machine_info
 
 __all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "default_profile_path", "RUN_CYCLE_COLUMNS"]
@@ -171,7 +171,8 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None) -> Profile:
     h2d_rows = probe_h2d(probed.expert_bytes, device, batch_sizes=plan.batch_sizes, size_factors=plan.size_factors,
                          progress=step)
     compute_rows = probe_expert_compute(c.hidden_size, c.expert_intermediate_size, dtype, device,
-                                        token_counts=plan.token_counts, progress=step)
+                                        token_counts=plan.token_counts, top_k=c.top_k,
+                                        weights_float32=c.routing_weights_float32, progress=step)
     capacities = sorted({int(round(f * c.n_experts)) for f in plan.capacity_fractions})
     cycle_rows = probe_cycles(model, capacities, node_counts=plan.node_counts, repeats=plan.repeats, seed=plan.seed,
                               progress=step)
@@ -211,7 +212,7 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None) -> Profile:
         cost=cost, shape=full, kind="measured",
         source=f"specfit calibrate on {machine['device_name']} ({probed.name})", machine=machine, fit=fit_info,
         probes={"h2d": h2d_rows, "expert_compute": compute_rows, "cycles": cycle_rows, "draft": draft_rows,
-                "probed_shape": probed.to_dict(), "dtype": str(dtype).replace("torch.", "")},
+                "probed_shape": probed.to_dict(), "dtype": str(dtype).replace("torch.", ""), "measures": MEASURES},
     )
 
 

@@ -258,3 +258,125 @@ class ExpertCache(LayerCounts):
             hit_mask=masks["hit"], admitted_mask=masks["admitted"], evicted_mask=masks["evicted"],
             streamed_mask=masks["streamed"],
         )
+
+    # ------------------------------------------------------------------ admit, one layer
+    def admit_layer(self, layer: int, expert_ids: np.ndarray) -> "LayerAdmit":
+        """``admit`` of a union with only row ``layer`` set, given as that layer's expert ids.
+
+        The effect on residency, scores, slots and counters is exactly ``admit``'s (the touch
+        clock advances once per call). In per-layer mode only row ``layer`` of the state is read
+        or written; global mode may evict other layers' experts, so it looks at every resident
+        expert when it must evict.
+        """
+        if not 0 <= int(layer) < self.n_layers:
+            raise ValueError(f"layer: expected 0..{self.n_layers - 1}, got {layer}")
+        ids = np.asarray(expert_ids, dtype=np.int64).reshape(-1)
+        if ids.size > 1 and not (ids[1:] > ids[:-1]).all():     # the offload passes them sorted already
+            ids = np.unique(ids)
+        if ids.size and (ids[0] < 0 or ids[-1] >= self.n_experts):
+            raise ValueError(f"expert_ids: expected ids in [0, {self.n_experts}), got {ids[0]}..{ids[-1]}")
+        layer = int(layer)
+        self._clock += 1
+        if self.mode == "per_layer":
+            return self._admit_layer_slots(layer, ids)
+        return self._admit_layer_global(layer, ids)
+
+    def _admit_layer_slots(self, layer: int, ids: np.ndarray) -> "LayerAdmit":
+        C = self.capacity
+        resident, slots = self._resident[layer], self._slot_expert[layer]   # views of this layer's rows
+        in_cache = resident[ids]
+        hit_ids, miss_ids = ids[in_cache], ids[~in_cache]
+        valid = slots >= 0
+        n_admit = min(miss_ids.size, C - hit_ids.size)        # after evicting every non-union expert
+        n_evict = max(0, n_admit - (C - int(np.count_nonzero(valid))))
+        admitted, streamed = miss_ids[:n_admit], miss_ids[n_admit:]
+        victim = np.zeros(C, dtype=bool)
+        if n_evict:
+            in_union = np.zeros(self.n_experts, dtype=bool)
+            in_union[ids] = True
+            held = np.where(valid, slots, 0)
+            evictable = valid & ~in_union[held]
+            key = np.where(evictable, self._score[layer][held], _NEVER)
+            victim[np.argsort(key, kind="stable")[:n_evict]] = True     # scores are unique
+        evicted_ids = np.sort(slots[victim])
+        # admitted experts take the free and the freed slots, in slot order
+        slots[np.flatnonzero(~valid | victim)[:n_admit]] = admitted
+        resident[evicted_ids] = False
+        resident[admitted] = True
+        self._touch_row(layer, 0, hit_ids, admitted)
+        self.hits[layer] += hit_ids.size
+        self.misses[layer] += miss_ids.size
+        self.evictions[layer] += n_evict
+        self.streamed[layer] += streamed.size
+        evicted = np.empty((evicted_ids.size, 2), dtype=np.int64)
+        evicted[:, 0], evicted[:, 1] = layer, evicted_ids
+        return LayerAdmit(hit_ids=hit_ids, admitted_ids=admitted, streamed_ids=streamed, evicted=evicted,
+                          hits=int(hit_ids.size), misses=int(miss_ids.size), evictions=int(n_evict),
+                          streamed=int(streamed.size))
+
+    def _admit_layer_global(self, layer: int, ids: np.ndarray) -> "LayerAdmit":
+        E, C = self.n_experts, self.capacity
+        resident = self._resident
+        in_cache = resident[layer][ids]
+        hit_ids, miss_ids = ids[in_cache], ids[~in_cache]
+        n_resident = int(np.count_nonzero(resident))
+        free = C - n_resident
+        # this layer's union is protected; any other resident expert may be evicted
+        n_admit = min(miss_ids.size, free + n_resident - hit_ids.size)
+        n_evict = max(0, n_admit - free)
+        victims = np.zeros(0, dtype=np.int64)
+        if n_evict:
+            evictable = resident.copy()
+            evictable[layer, ids] = False
+            flat = np.flatnonzero(evictable.ravel())
+            victims = np.sort(flat[np.argsort(self._score.ravel()[flat], kind="stable")[:n_evict]])
+            resident.reshape(-1)[victims] = False
+            np.add.at(self.evictions, victims // E, 1)      # charged to the layer that lost the expert
+        admitted, streamed = miss_ids[:n_admit], miss_ids[n_admit:]
+        resident[layer, admitted] = True
+        self._touch_row(layer, layer, hit_ids, admitted)
+        self.hits[layer] += hit_ids.size
+        self.misses[layer] += miss_ids.size
+        self.streamed[layer] += streamed.size
+        return LayerAdmit(hit_ids=hit_ids, admitted_ids=admitted, streamed_ids=streamed,
+                          evicted=np.stack([victims // E, victims % E], axis=1),
+                          hits=int(hit_ids.size), misses=int(miss_ids.size), evictions=int(n_evict),
+                          streamed=int(streamed.size))
+
+    def _touch_row(self, layer: int, key_layer: int, hit_ids: np.ndarray, admitted: np.ndarray) -> None:
+        """:meth:`_apply_touch` restricted to row ``layer``: hits and new arrivals are touched."""
+        score, count = self._score[layer], self._count[layer]
+        touched = np.concatenate([hit_ids, admitted])
+        is_miss = np.concatenate([np.zeros(hit_ids.size, dtype=np.int64), np.ones(admitted.size, dtype=np.int64)])
+        keys = self._touch_keys(self._clock, key_layer, is_miss, touched)
+        count[admitted] = 0
+        count[touched] += 1                                  # ids are distinct
+        if self.policy == "lru":
+            score[touched] = keys
+        elif self.policy == "fifo":
+            score[admitted] = keys[hit_ids.size:]
+        else:  # lfu: count first, recency second
+            span = np.int64(1) << 40
+            score[touched] = count[touched] * span + keys % span
+
+
+_NEVER = np.iinfo(np.int64).max    # the eviction key of a slot that must not be chosen
+
+
+@dataclass
+class LayerAdmit:
+    """Outcome of :meth:`ExpertCache.admit_layer` at one layer.
+
+    ``hit_ids``, ``admitted_ids`` (misses that took a slot) and ``streamed_ids`` (misses with no
+    slot) are int64, ascending; ``evicted`` is int64 [m, 2] of (layer, expert) pairs, ascending
+    (global mode may evict other layers' experts). Counts are ints.
+    """
+
+    hit_ids: np.ndarray
+    admitted_ids: np.ndarray
+    streamed_ids: np.ndarray
+    evicted: np.ndarray
+    hits: int
+    misses: int
+    evictions: int
+    streamed: int

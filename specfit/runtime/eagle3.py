@@ -39,7 +39,7 @@ from torch import nn
 
 from ..errors import SpecFitError
 from .drafting import DraftOutput
-from .model import KVCache, RMSNorm, apply_rope
+from .model import KVCache, RMSNorm, apply_rope, rope_inv_freq
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "EAGLE3_ARCHITECTURE"]
 
@@ -284,9 +284,7 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.set_draft_vocabulary(torch.arange(config.draft_vocab_size))
-        hd = config.head_dim
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config.head_dim, config.rope_theta), persistent=False)
         self.max_seq_len = 0
 
     @property
@@ -354,9 +352,23 @@ class Eagle3Drafter(nn.Module):
         raise SpecFitError(f"drafter input: hidden width {width} is neither the target's 3 x {self.config.target_hidden_size} "
                            f"features nor the drafter's hidden size {self.config.hidden_size}")
 
+    def _apply(self, fn, recurse=True):
+        # ``drafter.to(dtype=torch.bfloat16)`` casts float buffers too: recompute the RoPE
+        # frequencies in float32 rather than keep rounded ones (the angles would drift by radians
+        # at long positions), on whatever device the cast moved them to
+        super()._apply(fn, recurse)
+        if "inv_freq" in self._buffers and self.inv_freq.dtype != torch.float32:
+            inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta)
+            self.register_buffer("inv_freq", inv_freq.to(self.inv_freq.device), persistent=False)
+        return self
+
+    def rope_angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """float32 [T, head_dim / 2] rotary angles ``position * inv_freq``, whatever the dtype."""
+        return positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]
+
     def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, head_dim] for absolute ``positions`` [T]."""
-        freqs = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq[None, :]
+        """cos, sin [T, head_dim] for absolute ``positions`` [T], in the drafter's dtype."""
+        freqs = self.rope_angles(positions)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 

@@ -25,9 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, default_capture_layers
+from .devices import to_host, upload
 from .offload import ExpertOffload, OffloadCounters
 
-__all__ = ["MoETransformer", "ForwardOutput", "causal_mask"]
+__all__ = ["MoETransformer", "ForwardOutput", "causal_mask", "routing_plan", "expert_output", "rope_inv_freq"]
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.bool_): torch.bool}
 
 
 @dataclass
@@ -134,6 +137,13 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
+def rope_inv_freq(head_dim: int, theta: float) -> torch.Tensor:
+    """float32 [head_dim / 2] RoPE frequencies ``theta ** (-2i / head_dim)``, transformers' formula.
+    They stay float32 whatever the compute dtype: bf16 keeps 8 bits of them, and the error grows
+    with the position."""
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Half-split RoPE: rotate_half(x) = cat(-x2, x1)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -159,19 +169,51 @@ class MoEBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         if not self.routing_weights_float32:
             weights = weights.to(router_logits.dtype)
-        # the union decides the transfers, so routing must reach the host before any expert runs
-        expert_ids_host = expert_ids.cpu().numpy()
+        # the union decides the transfers, so routing must reach the host before any expert runs:
+        # the layer's one synchronisation
+        expert_ids_host = to_host(expert_ids)
+        experts, spans, index = routing_plan(expert_ids_host)
+        index = upload(index, x.device)              # one non-blocking copy for every expert's tokens
+        weights = weights.reshape(-1)
+        outputs = {}
+        # the offload yields hits first and misses as their copies land
+        for expert, gate_up, down in self.offload.layer_experts(self.layer, experts):
+            start, end = spans[expert]
+            outputs[expert] = expert_output(x, weights, index[:, start:end], gate_up, down)
         out = torch.zeros_like(x)
-        for expert, gate_up, down in self.offload.layer_experts(self.layer, np.unique(expert_ids_host)):
-            # (k-slot, token) order, as transformers gathers them
-            slot_in_top_k, token = np.nonzero(expert_ids_host.T == expert)
-            token = torch.from_numpy(token).to(x.device)
-            slot_in_top_k = torch.from_numpy(slot_in_top_k).to(x.device)
-            gate, up = F.linear(x[token], gate_up).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, down) * weights[token, slot_in_top_k, None]
+        for expert in experts.tolist():
             # ascending expert order with index_add_ reproduces transformers' sum bit for bit
+            token, y = outputs[expert]
             out.index_add_(0, token, y.to(out.dtype))
         return out, expert_ids_host
+
+
+def routing_plan(expert_ids: np.ndarray) -> tuple[np.ndarray, dict[int, tuple[int, int]], np.ndarray]:
+    """The layer's token-expert assignments sorted once, on the host.
+
+    ``expert_ids`` is int [T, k] (the router's top-k). Returns the union (ascending ids), each
+    expert's ``(start, end)`` columns, and ``index`` int64 [2, T*k]: row 0 the token, row 1 its
+    entry in the flattened [T, k] routing weights; within an expert, assignments are in
+    (k-slot, token) order, the order ``transformers`` gathers them in.
+    """
+    T, k = expert_ids.shape
+    flat = np.ascontiguousarray(expert_ids.T).reshape(-1).astype(np.int64)   # assignment = slot * T + token
+    order = np.argsort(flat, kind="stable")
+    experts, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
+    token, slot = order % T, order // T
+    spans = {e: (s, s + n) for e, s, n in zip(experts.tolist(), starts.tolist(), counts.tolist())}
+    return experts, spans, np.stack([token, token * k + slot])
+
+
+def expert_output(x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's part of a MoE layer: gather its tokens (``index`` [2, n] from
+    :func:`routing_plan`), SwiGLU through ``gate_up`` [2I, H] and ``down`` [H, I], scale by the
+    routing weights (``weights`` flattened [T * k]). Returns (token ids, outputs [n, H]); the
+    calibration's hit probe times exactly this plus the ``index_add_``."""
+    token = index[0]
+    gate, up = F.linear(x[token], gate_up).chunk(2, dim=-1)
+    return token, F.linear(F.silu(gate) * up, down) * weights[index[1], None]
 
 
 class DecoderLayer(nn.Module):
@@ -213,9 +255,16 @@ class MoETransformer(nn.Module):
     # ------------------------------------------------------------------ setup
     def init_rope(self) -> None:
         """(Re)compute RoPE frequencies on the model's device, after weights are loaded."""
-        hd = self.config.head_dim
-        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+        inv_freq = rope_inv_freq(self.config.head_dim, self.config.rope_theta)
         self.register_buffer("inv_freq", inv_freq.to(self.device), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # ``model.to(torch.bfloat16)`` casts float buffers too: recompute the frequencies rather
+        # than keep rounded ones, whose angles drift by radians at long positions
+        super()._apply(fn, recurse)
+        if "inv_freq" in self._buffers and self.inv_freq.dtype != torch.float32:
+            self.init_rope()
+        return self
 
     def attach_offload(self, offload: ExpertOffload) -> None:
         self.offload = offload
@@ -254,31 +303,39 @@ class MoETransformer(nn.Module):
                 be consecutive and ``cache_len = positions[0]``.
             logits_rows: which rows' logits to compute (e.g. ``[-1]`` after a prefill); all by
                 default.
+
+        Host inputs (numpy arrays, lists, CPU tensors) are checked on the host and reach the
+        device together in one non-blocking copy; tensors already on the device are used where
+        they are (checking device ``positions`` without a mask costs a synchronisation).
         """
-        input_ids = self._long(input_ids)
-        positions = self._long(positions)
-        T = input_ids.numel()
-        if positions.numel() != T:
-            raise ValueError(f"positions: expected {T} positions, one per input token, got {positions.numel()}")
+        ids = self._host_or_device(input_ids, np.int64)
+        positions = self._host_or_device(positions, np.int64)
+        T = ids.shape[0]
+        if positions.shape[0] != T:
+            raise ValueError(f"positions: expected {T} positions, one per input token, got {positions.shape[0]}")
         if attn_mask is None:
-            cache_len = int(positions[0])
-            if not torch.equal(positions, torch.arange(cache_len, cache_len + T, device=self.device)):
+            start = positions if isinstance(positions, np.ndarray) else positions.cpu().numpy()
+            cache_len = int(start[0]) if T else 0
+            if not np.array_equal(start, np.arange(cache_len, cache_len + T)):
                 raise ValueError("positions: without attn_mask the tokens must continue the cache at consecutive positions")
-            attn_mask = causal_mask(cache_len, T)
-        attn_mask = torch.as_tensor(attn_mask, dtype=torch.bool, device=self.device)
-        cache_len = attn_mask.shape[-1] - T
-        if attn_mask.shape != (T, cache_len + T) or cache_len < 0:
-            raise ValueError(f"attn_mask: expected shape [{T}, cache_len + {T}], got {list(attn_mask.shape)}")
+            attn_mask = np.tri(T, cache_len + T, k=cache_len, dtype=bool)
+        mask = self._host_or_device(attn_mask, np.bool_, flat=False)
+        cache_len = mask.shape[-1] - T
+        if mask.ndim != 2 or mask.shape[0] != T or cache_len < 0:
+            raise ValueError(f"attn_mask: expected shape [{T}, cache_len + {T}], got {list(mask.shape)}")
         if cache_len + T > self.max_seq_len:
             raise ValueError(f"KV cache: {cache_len} cached + {T} new tokens exceed its {self.max_seq_len} slots")
-        additive_mask = self._additive_mask(attn_mask, positions, cache_len)
+        rows = None if logits_rows is None else self._host_or_device(logits_rows, np.int64)
+        ids, positions, rows, mask = self._upload(ids, positions, rows, mask)
+        additive_mask = self._additive_mask(mask, positions, cache_len)
 
+        # float32 angles whatever the compute dtype (inv_freq stays float32, see _apply)
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
 
         self.offload.begin_pass()
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(ids)
         captured: dict[int, torch.Tensor] = {}
         routing = []
         for index, layer in enumerate(self.layers):
@@ -287,18 +344,38 @@ class MoETransformer(nn.Module):
             x, expert_ids = layer(x, cos, sin, cache_len, additive_mask)
             routing.append(expert_ids)
         x = self.norm(x)
-        if logits_rows is not None:
-            x = x[self._long(logits_rows)]
+        if rows is not None:
+            x = x[rows]
         hidden = torch.cat([captured[layer] for layer in self.capture_layers], dim=-1) if self.capture_layers else None
         return ForwardOutput(logits=self.lm_head(x), expert_ids=np.stack(routing, axis=1), hidden=hidden,
                              offload=self.offload.counters)
 
-    def _long(self, values) -> torch.Tensor:
-        """A 1-D int64 tensor on the model's device from a tensor, array or list (copying
-        read-only numpy arrays, such as a DraftTree's, which torch cannot wrap)."""
+    def _host_or_device(self, values, dtype, flat: bool = True):
+        """A numpy array of ``dtype`` for host values (tensors on the CPU, arrays, lists, including
+        a DraftTree's read-only arrays), or the tensor itself, converted, if it is on a device."""
         if isinstance(values, torch.Tensor):
-            return values.to(device=self.device, dtype=torch.long).reshape(-1)
-        return torch.tensor(np.asarray(values), dtype=torch.long, device=self.device).reshape(-1)
+            if values.device.type != "cpu":
+                return values.to(device=self.device, dtype=_TORCH_DTYPES[np.dtype(dtype)]).reshape(
+                    (-1,) if flat else values.shape)
+            values = values.detach().numpy()
+        values = np.asarray(values).astype(dtype, copy=False)
+        return values.reshape(-1) if flat else values
+
+    def _upload(self, *values):
+        """Host arrays among ``values`` on the device in one non-blocking copy: packed into one
+        byte buffer (8-byte integers first, so every view stays aligned), viewed back apart."""
+        host = sorted((i for i, v in enumerate(values) if isinstance(v, np.ndarray)),
+                      key=lambda i: -values[i].itemsize)
+        if not host:
+            return values
+        blob = upload(np.concatenate([np.ascontiguousarray(values[i]).reshape(-1).view(np.uint8) for i in host]),
+                      self.device)
+        out, offset = list(values), 0
+        for i in host:
+            array = values[i]
+            out[i] = blob[offset:offset + array.nbytes].view(_TORCH_DTYPES[array.dtype]).view(array.shape)
+            offset += array.nbytes
+        return out
 
     def _additive_mask(self, attn_mask: torch.Tensor, positions: torch.Tensor, cache_len: int) -> torch.Tensor:
         window = self.config.sliding_window
@@ -315,8 +392,10 @@ class MoETransformer(nn.Module):
     def compact_kv(self, cache_len: int, keep) -> None:
         """Keep the new tokens ``keep`` (indices into the last pass's T tokens, ascending) at
         slots ``cache_len .. cache_len + len(keep) - 1``; later slots become free."""
-        keep = self._long(keep)
-        if keep.numel() > 1 and not bool((keep[1:] > keep[:-1]).all()):
+        keep = self._host_or_device(keep, np.int64)
+        ascending = np.diff(keep) > 0 if isinstance(keep, np.ndarray) else (keep[1:] > keep[:-1]).cpu().numpy()
+        if not ascending.all():
             raise ValueError("keep: expected ascending indices of the new tokens")
+        (keep,) = self._upload(keep)
         for layer in self.layers:
             layer.self_attn.kv_cache.compact(cache_len, keep)
