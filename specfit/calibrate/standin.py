@@ -73,9 +73,9 @@ def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False).eval()
     model.init_rope()
-    host = HostExperts(config.n_layers, config.n_experts, config.hidden_size, config.expert_intermediate_size,
+    host = HostExperts(config.n_moe_layers, config.n_experts, config.hidden_size, config.expert_intermediate_size,
                        dtype, pin_memory=device.type == "cuda")
-    for layer in range(config.n_layers):
+    for layer in range(config.n_moe_layers):
         for tensor in (host.gate_up[layer], host.down[layer]):
             tensor.copy_(torch.randn(tensor.shape, generator=gen) / tensor.shape[-1] ** 0.5)
     model.attach_offload(ExpertOffload(host, cache_experts, device=device))
