@@ -32,7 +32,7 @@ from safetensors import safe_open
 from ..errors import SpecFitError
 from .config import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
 from .draft_model import ModelDrafter
-from .eagle3 import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Drafter
+from .eagle3 import EAGLE3_ARCHITECTURE, SPECULATORS_ARCHITECTURE, Eagle3Config, Eagle3Drafter
 from .model import MoETransformer
 from .offload import ExpertOffload, HostExperts
 
@@ -151,21 +151,24 @@ def load_tokenizer(model_dir: str | Path):
 
 # ----------------------------------------------------------------- drafters
 def is_eagle3(drafter_dir: str | Path) -> bool:
-    """An EAGLE-3 head (its config names ``LlamaForCausalLMEagle3``) or an independent draft model
-    (a supported MoE architecture)."""
+    """An EAGLE-3 head (its config names ``LlamaForCausalLMEagle3``, or vLLM speculators'
+    ``Eagle3Speculator``) or an independent draft model (a supported MoE architecture)."""
     path = Path(drafter_dir) / "config.json"
     try:
-        architectures = json.loads(path.read_text()).get("architectures") or []
+        raw = json.loads(path.read_text())
     except FileNotFoundError:
         raise SpecFitError(f"{path}: no such file; expected an EAGLE-3 head or a draft model's config.json") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SpecFitError(f"{path}: not a readable JSON file ({exc})") from None
-    if EAGLE3_ARCHITECTURE in architectures:
+    architectures = (raw.get("architectures") or []) if isinstance(raw, dict) else []
+    if EAGLE3_ARCHITECTURE in architectures or SPECULATORS_ARCHITECTURE in architectures:
+        return True
+    if isinstance(raw, dict) and raw.get("speculators_model_type") is not None:
         return True
     if any(a in SUPPORTED_ARCHITECTURES for a in architectures):
         return False
-    raise SpecFitError(f"{path}: key 'architectures' is {architectures}; expected {EAGLE3_ARCHITECTURE} or a draft "
-                       f"model of {', '.join(SUPPORTED_ARCHITECTURES)}")
+    raise SpecFitError(f"{path}: key 'architectures' is {architectures}; expected {EAGLE3_ARCHITECTURE}, "
+                       f"{SPECULATORS_ARCHITECTURE} or a draft model of {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def drafter_capture_layers(drafter_dir: str | Path, target: ModelConfig) -> tuple[int, ...] | None:
@@ -176,9 +179,11 @@ def drafter_capture_layers(drafter_dir: str | Path, target: ModelConfig) -> tupl
     config = Eagle3Config.from_file(Path(drafter_dir) / "config.json")
     config.check_target(target.vocab_size, target.hidden_size, source="target model")
     aux = config.aux_hidden_state_layer_ids
-    if aux is not None and not all(0 <= layer < target.n_layers for layer in aux):
-        raise SpecFitError(f"{Path(drafter_dir) / 'config.json'}: key 'eagle_aux_hidden_state_layer_ids' is "
-                           f"{list(aux)}, but the target has {target.n_layers} layers")
+    # input of layer n_layers = the last layer's output (vLLM's id L)
+    if aux is not None and not all(0 <= layer <= target.n_layers for layer in aux):
+        raise SpecFitError(f"{Path(drafter_dir) / 'config.json'}: key '{config.aux_layers_key}' is "
+                           f"{list(config.aux_layers_in_file)} (inputs of layers {list(aux)}), but the target has "
+                           f"{target.n_layers} layers")
     return aux
 
 
