@@ -114,6 +114,20 @@ def test_logits_match_transformers_float32(model_dirs, case):
         assert (out.logits - expected).abs().max().item() <= 1e-5, f"hub spelling: {hub_spelling}"
 
 
+@pytest.mark.parametrize("case", ["qwen2_moe-mlp_only_layers", "deepseek_v2-lite", "deepseek_v2-grouped"])
+def test_bfloat16_matches_transformers_with_deepseeks_router_in_float32(model_dirs, case):
+    model_dir = model_dirs(case)
+    ids = _tokens()
+    with torch.no_grad():
+        expected = load_reference(model_dir, torch.bfloat16)(ids[None]).logits[0]
+    model = _ours(model_dir, dtype="bfloat16")
+    out = model(ids, torch.arange(SEQ))
+    assert out.logits.dtype == torch.bfloat16 and torch.equal(out.logits.argmax(-1), expected.argmax(-1))
+    torch.testing.assert_close(out.logits.float(), expected.float(), rtol=0, atol=0.05)
+    router_dtype = model.moe_blocks()[0].gate.weight.dtype
+    assert router_dtype == (torch.float32 if case.startswith("deepseek") else torch.bfloat16)
+
+
 def _reference_topk(logits: torch.Tensor, config: ModelConfig) -> list[set]:
     """Each token's experts, written from the routing rule: softmax, DeepSeek's group limit
     (a group scores its best expert, the topk_group best groups stay), top-k."""
