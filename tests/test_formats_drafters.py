@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -219,6 +220,19 @@ def test_published_layout_matches_the_forward_written_out(tmp_path, variant):
     torch.testing.assert_close(first.logits, want1, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(second.logits, want2, rtol=1e-4, atol=1e-4)
     assert torch.equal(drafter.draft_ids, DRAFT_IDS)
+
+
+@pytest.mark.parametrize("variant", ["specforge-eagle3.1", "speculators-norm_before_fc"])
+def test_a_variant_survives_specfits_own_export(tmp_path, variant):
+    prefix, flags, config = VARIANTS[variant]
+    tensors = published_tensors(prefix, fc_norm=flags.get("fc_norm", False), norm_before_fc=flags.get("norm_before_fc", False))
+    drafter = Eagle3Drafter.from_pretrained(write(tmp_path / "in", config(), tensors), dtype=torch.float32)
+    drafter.save_pretrained(tmp_path / "out")
+    again = Eagle3Drafter.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    assert again.config == replace(drafter.config, dtype="float32")     # the export writes the weights' dtype
+    features, ids = _inputs()
+    for a, b in zip(two_levels(drafter, features, ids), two_levels(again, features, ids)):
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
 
 
 def test_the_variants_change_the_output(tmp_path):

@@ -254,7 +254,8 @@ def _dense_state_dict(checkpoint: Checkpoint, config: ModelConfig, dtype, device
         if config.router_float32:
             float32.add(f"{ours}moe.gate.weight")
         if config.shared_expert_intermediate_size:
-            I, stored = config.shared_expert_intermediate_size, "shared_expert" if config.shared_expert_gated else "shared_experts"
+            I = config.shared_expert_intermediate_size
+            stored = "shared_expert" if config.shared_expert_gated else "shared_experts"   # Qwen2-MoE / DeepSeek
             for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
                 shapes[f"{ours}shared_expert.{name}.weight"] = (f"{prefix}.{stored}.{name}.weight", shape)
             if config.shared_expert_gated:
@@ -269,7 +270,8 @@ def _dense_state_dict(checkpoint: Checkpoint, config: ModelConfig, dtype, device
 
 
 def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    H, hd, q_width, kv_width = config.hidden_size, config.head_dim, config.n_heads * config.head_dim, config.n_kv_heads * config.head_dim
+    H, hd = config.hidden_size, config.head_dim
+    q_width, kv_width = config.n_heads * hd, config.n_kv_heads * hd
     shapes = {"q_proj.weight": (q_width, H), "k_proj.weight": (kv_width, H), "v_proj.weight": (kv_width, H),
               "o_proj.weight": (H, q_width)}
     if config.attention_bias:

@@ -114,8 +114,9 @@ def _flat_npz(data: dict, path: Path) -> RoutingLog:
         index = data["generated_token_index"].astype(np.int64)
         order = np.lexsort((index, _first_seen_rank(seq)))
         _check_consecutive(seq[order], index[order], path)
-    return RoutingLog(experts[order], None if tokens is None else _token_ids(tokens[order], path), seq[order].astype(np.int64),
-                      str(path), None if weights is None else weights[order], "npz")
+    tokens = None if tokens is None else _token_ids(tokens[order], path)
+    return RoutingLog(experts[order], tokens, seq[order].astype(np.int64), str(path),
+                      None if weights is None else weights[order], "npz")
 
 
 def _per_sequence_npz(data: dict, path: Path) -> RoutingLog:
