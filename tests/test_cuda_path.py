@@ -429,11 +429,11 @@ def test_target_rotary_frequencies_stay_float32_when_the_model_is_cast():
 
     config = shape_config("tiny", 1)
     model = random_model(config, torch.device("cpu"), torch.float32)
-    expected = model.inv_freq.clone()
+    expected = model.rotary.inv_freq.clone()
     model.to(torch.bfloat16)
-    assert model.dtype == torch.bfloat16 and model.inv_freq.dtype == torch.float32
-    assert torch.equal(model.inv_freq, expected)
-    angles = (4000 * model.inv_freq).double().numpy()
+    assert model.dtype == torch.bfloat16 and model.rotary.inv_freq.dtype == torch.float32
+    assert torch.equal(model.rotary.inv_freq, expected)
+    angles = (4000 * model.rotary.inv_freq).double().numpy()
     assert np.abs(angles - _reference_angles([4000], config.head_dim, config.rope_theta)[0]).max() <= 1e-3
 
 

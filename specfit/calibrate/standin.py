@@ -35,6 +35,21 @@ SHAPE_CONFIGS = {
         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
         intermediate_size=14336, rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=32768,
         tie_word_embeddings=False),
+    "qwen1.5-moe-a2.7b": dict(
+        architectures=["Qwen2MoeForCausalLM"], vocab_size=151936, hidden_size=2048, num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=16, num_experts=60, num_experts_per_tok=4,
+        moe_intermediate_size=1408, shared_expert_intermediate_size=5632, intermediate_size=5632,
+        rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=8192, norm_topk_prob=False,
+        tie_word_embeddings=False),
+    "deepseek-v2-lite": dict(
+        architectures=["DeepseekV2ForCausalLM"], vocab_size=102400, hidden_size=2048, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, num_experts_per_tok=6,
+        moe_intermediate_size=1408, n_shared_experts=2, intermediate_size=10944, first_k_dense_replace=1,
+        kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        topk_method="greedy", routed_scaling_factor=1.0, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+        max_position_embeddings=163840, norm_topk_prob=False, tie_word_embeddings=False),
     "tiny": dict(
         architectures=["Qwen3MoeForCausalLM"], vocab_size=512, hidden_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4,
@@ -73,9 +88,9 @@ def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False).eval()
     model.init_rope()
-    host = HostExperts(config.n_layers, config.n_experts, config.hidden_size, config.expert_intermediate_size,
+    host = HostExperts(config.n_moe_layers, config.n_experts, config.hidden_size, config.expert_intermediate_size,
                        dtype, pin_memory=device.type == "cuda")
-    for layer in range(config.n_layers):
+    for layer in range(config.n_moe_layers):
         for tensor in (host.gate_up[layer], host.down[layer]):
             tensor.copy_(torch.randn(tensor.shape, generator=gen) / tensor.shape[-1] ** 0.5)
     model.attach_offload(ExpertOffload(host, cache_experts, device=device))

@@ -320,7 +320,7 @@ def _recorder(plan: DecodePlan, model, drafter, profile):
     from .record import TraceRecorder
 
     c = model.config
-    model_meta = {"name": Path(plan.model_dir).name, "n_layers": c.n_layers, "n_experts": c.n_experts, "top_k": c.top_k,
+    model_meta = {"name": Path(plan.model_dir).name, "n_layers": c.n_moe_layers, "n_experts": c.n_experts, "top_k": c.top_k,
                   "expert_bytes": model.offload.host.expert_bytes, "vocab_size": c.vocab_size}
     drafter_meta = {"name": Path(plan.drafter_dir).name if plan.drafter_dir else "none",
                     "kind": getattr(getattr(drafter, "config", None), "kind", "eagle3"),

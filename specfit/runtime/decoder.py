@@ -211,7 +211,7 @@ class Decoder:
         tree_slots = min(tree_slots, max(self.model.config.max_position_embeddings - committed_slots, 0))
         if self.model.max_seq_len < committed_slots + tree_slots:
             self.model.setup_kv_cache(committed_slots + tree_slots)
-        totals = OffloadCounters.zeros(self.model.config.n_layers)
+        totals = OffloadCounters.zeros(self.model.config.n_moe_layers)
 
         start = device_now(self.model.device)
         root, prefill = self.prefill(prompt_ids, max_new_tokens)

@@ -52,6 +52,8 @@ NODE_COLUMNS = (
     ("true_experts", None, True, "experts the target routed the node to, [layers * top_k]; null where unknown"),
     ("predicted_experts", None, False, "experts predicted at draft time, [layers * top_k]; null where not recorded"),
     ("verified", pa.bool_(), False, "live runs: the node was in the verified subtree"),
+    ("true_expert_weights", None, False, "router weights of true_experts, same order (imported logs that "
+                                         "record them); null where unknown"),
 )
 # live recordings: measured per-cycle values (repeated on the cycle's rows)
 MEASURED_COLUMNS = ("measured_time_s", "measured_draft_s", "measured_verify_s", "measured_bytes_h2d")
@@ -81,6 +83,7 @@ class Trace:
     true_experts: np.ndarray       # int16 [nodes, layers, top_k], -1 rows where unknown
     predicted_experts: np.ndarray | None = None   # int16 [nodes, layers, top_k] or None
     verified: np.ndarray | None = None            # bool [nodes] or None
+    true_expert_weights: np.ndarray | None = None  # float32 [nodes, layers, top_k], NaN rows where unknown
     measured: dict[str, np.ndarray] = field(default_factory=dict)  # per-cycle float64 [cycles]
 
     # ------------------------------------------------------------------ shape
@@ -199,6 +202,12 @@ def to_table(trace: Trace) -> pa.Table:
         cols["predicted_experts"] = _expert_column(trace.predicted_experts, trace.predicted_experts[:, 0, 0] >= 0, E)
     if trace.verified is not None:
         cols["verified"] = pa.array(trace.verified.astype(bool))
+    if trace.true_expert_weights is not None:
+        weights = trace.true_expert_weights
+        known = ~np.isnan(weights[:, 0, 0])
+        values = pa.array(np.nan_to_num(weights).reshape(-1).astype(np.float32), type=pa.float32())
+        cols["true_expert_weights"] = pa.FixedSizeListArray.from_arrays(values, weights.shape[1] * weights.shape[2],
+                                                                        mask=pa.array(~known))
     for name, values in trace.measured.items():
         cols[name] = pa.array(np.asarray(values, dtype=np.float64)[c])
     table = pa.table(cols)
@@ -314,6 +323,7 @@ def _from_table(table: pa.Table, meta: dict, source: str) -> Trace:
     verified = None
     if "verified" in table.column_names:
         verified = table.column("verified").fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
+    weights = _weight_array(table, L, k, source) if "true_expert_weights" in table.column_names else None
     node = _int_column(table, "node", source)
     if np.any(node != np.arange(n) - np.repeat(starts, np.diff(offsets))):
         raise SpecFitError(f"{source}: column 'node' must number each cycle's rows 0, 1, 2, ... (root first)")
@@ -328,8 +338,21 @@ def _from_table(table: pa.Table, meta: dict, source: str) -> Trace:
         path_prob=table.column("path_prob").to_numpy(zero_copy_only=False).astype(np.float64),
         verdict=_int_column(table, "verdict", source, fill=UNKNOWN).astype(np.int32),
         true_experts=_expert_array(table, "true_experts", L, k, source),
-        predicted_experts=predicted, verified=verified, measured=measured,
+        predicted_experts=predicted, verified=verified, measured=measured, true_expert_weights=weights,
     )
+
+
+def _weight_array(table: pa.Table, L: int, k: int, source: str) -> np.ndarray:
+    col = table.column("true_expert_weights").combine_chunks()
+    if not (pa.types.is_fixed_size_list(col.type) and pa.types.is_floating(col.type.value_type)) \
+            or col.type.list_size != L * k:
+        raise SpecFitError(f"{source}: column 'true_expert_weights' must be a fixed-size list of {L * k} floats "
+                           f"(layers x top_k = {L} x {k}), got {col.type}")
+    values = col.values.fill_null(0).to_numpy(zero_copy_only=False)[col.offset * L * k:(col.offset + len(col)) * L * k]
+    weights = values.astype(np.float32).reshape(len(col), L, k)
+    if col.null_count:
+        weights[~col.is_valid().to_numpy(zero_copy_only=False)] = np.nan
+    return weights
 
 
 # --------------------------------------------------------------------------- validation
@@ -401,6 +424,17 @@ def validate_trace(trace: Trace, source: str = "trace") -> dict:
         dup[known] = (srt[:, :, 1:] == srt[:, :, :-1]).any(axis=(1, 2))
         if dup.any():
             fail(name, dup, "repeats an expert within one layer's top-k")
+    if trace.true_expert_weights is not None:
+        weights = trace.true_expert_weights
+        if weights.shape != (n, L, k):
+            raise SpecFitError(f"{source}: 'true_expert_weights' must have shape [nodes, layers, top_k] = [{n}, {L}, {k}], "
+                               f"got {list(weights.shape)}")
+        has = ~np.isnan(weights[:, 0, 0])
+        bad = has & (~np.isfinite(weights) | (weights < 0)).any(axis=(1, 2))
+        if bad.any():
+            fail("true_expert_weights", bad, "must hold finite, non-negative router weights")
+        if (has & ~trace.true_known).any():
+            fail("true_expert_weights", has & ~trace.true_known, "is set where 'true_experts' is unknown")
     counts = {"cycles": C, "nodes": n, "verdicts_known": int(trace.verdict_known.sum()),
               "true_experts_known": int(trace.true_known.sum())}
     if trace.position_indexed:
