@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name in ("policy", "nodes", "tokens/cycle", "ms/cycle", "predicted", "time MAPE", "stall ms/cycle",
                  "predicted transfer", "MB H2D/cycle", "hit rate"):
         table.add_column(name, justify="left" if name == "policy" else "right")
-    transfer_s = profile.cost.miss_s - profile.cost.hit_s       # what the profile charges a miss beyond a hit
+    transfer_s = max(profile.cost.miss_s - profile.cost.hit_s, 0.0)   # what the profile charges a miss beyond a hit
     for s in summaries:
         rows = [c for c in cycles if c["policy"] == s["policy"]]
         s["stall_s_per_cycle"] = sum(c["transfer_time_s"] for c in rows) / max(len(rows), 1)

@@ -252,3 +252,15 @@ def test_real_olmoe_log_keeps_its_router_weights(tmp_path):
     # OLMoE does not renormalise its top-8: each token's weights sum to below 1, descending
     sums = back.true_expert_weights[roots].sum(axis=-1)
     assert np.all(sums < 1.0 + 1e-3) and np.all(np.diff(back.true_expert_weights[roots], axis=-1) <= 1e-3)
+
+
+def test_the_simulator_refuses_a_predictor_the_imported_trace_cannot_fit(per_sequence_npz):
+    from specfit.errors import SpecFitError
+    from specfit.simulate.replay import prepare_trace
+
+    path, _ = per_sequence_npz
+    log = read_routing_log(path)
+    trace = import_routing(log, model_for_log(log, None), drafter=SMALL_DRAFTER)
+    with pytest.raises(SpecFitError, match="--predictor affinity: the trace cannot fit it"):
+        prepare_trace("imported", trace, predictor="affinity")
+    assert prepare_trace("imported", trace, predictor="parent").n_cycles == trace.n_cycles

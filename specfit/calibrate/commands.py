@@ -9,6 +9,8 @@ from typing import Optional
 import typer
 
 from ..errors import SpecFitError, fail
+from ..io import check_output
+from ..threads import THREADS_HELP, set_cpu_threads
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
@@ -21,12 +23,12 @@ def calibrate_command(
                                         "qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b, tiny."),
     layers: Optional[int] = typer.Option(None, "--layers", help="With --shape: layers of the stand-in (costs are scaled to the full depth)."),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="EAGLE-3 drafter directory (its shape sizes the draft probe)."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: checkpoint's; "
                                         "bfloat16 on cuda, float32 on cpu for --shape)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Profile JSON to write (default: calibrate/<host>-<device>-<model>.json)."),
     quick: bool = typer.Option(False, "--quick", help="Smaller probe grids (CI, smoke tests)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP + "."),
     refit_runs: Optional[list[Path]] = typer.Option(None, "--refit", help="Refit --profile from the cycles of these "
                                                     "`specfit decode --out` run directories instead of probing."),
     profile: Optional[str] = typer.Option(None, "--profile", help="With --refit: the profile to refit (JSON or preset)."),
@@ -35,21 +37,21 @@ def calibrate_command(
     as_json: bool = typer.Option(False, "--json", help="Print only the profile JSON on stdout."),
 ) -> None:
     """Measure this machine and fit the cycle-time predictor into a hardware profile."""
-    import torch
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from . import calibrate_job
 
-    if threads:
-        torch.set_num_threads(threads)
     console = Console(stderr=True)
     try:
+        set_cpu_threads(threads)
+        check_output(out, "--out", kind="file")
         if refit_runs:
             _refit(refit_runs, profile, out, rescale, seed, as_json, console)
             return
-        if device == "cuda" and not torch.cuda.is_available():
-            raise SpecFitError("--device cuda: no CUDA device is available here; use --device cpu")
+        from ..runtime.devices import resolve_device
+
+        device = str(resolve_device(device))
         if (model is None) == (shape is None):
             raise SpecFitError("calibrate: pass exactly one of --model DIR or --shape NAME")
         plan = calibrate_job.CalibrationPlan(model_dir=model, shape=shape, layers=layers, drafter_dir=drafter, device=device,

@@ -11,6 +11,7 @@ import typer
 
 from ..errors import SpecFitError, fail
 from ..policies import POLICY_HELP
+from ..threads import THREADS_HELP, set_cpu_threads
 from .decode_job import CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE
 
 __all__ = ["register", "decode"]
@@ -49,7 +50,7 @@ def decode(
     max_levels: int = typer.Option(8, "--max-levels", help="Draft levels at most for specfit and static:N (and --record-full)."),
     acceptance: Optional[Path] = typer.Option(None, "--acceptance", help="Trace to fit an acceptance calibrator on "
                                               "(draft probability -> acceptance probability); default: the drafter's."),
-    device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
+    device: str = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: str = typer.Option(None, "--dtype", help="float32 or bfloat16 (default: bfloat16 on cuda, float32 on cpu)."),
     out: Path = typer.Option(None, "--out", help=f"Directory for {OUTPUT_FILE} (per prompt), {CYCLES_FILE} (per cycle) "
                              f"and {SUMMARY_FILE} (per policy)."),
@@ -58,7 +59,7 @@ def decode(
                                      "position of the greedy output (a trace `specfit simulate` replays exactly)."),
     json_lines: bool = typer.Option(False, "--json", help="Print one JSON object per prompt and policy on stdout and nothing else."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate --max-new-tokens tokens."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP + "."),
 ) -> None:
     """Decode with the experts in host memory and an expert cache on the device.
 
@@ -70,10 +71,6 @@ def decode(
 
     from .decode_job import DecodePlan, run_decode
 
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
     names = [p.strip() for p in (policies.split(",") if policies else [policy]) if p.strip()]
     plan = DecodePlan(model_dir=model, prompts_path=prompts, cache_experts=cache_experts, policies=names,
                       drafter_dir=drafter, profile=profile, rescale=rescale, max_new_tokens=max_new_tokens,
@@ -82,6 +79,11 @@ def decode(
                       acceptance_trace=acceptance, ignore_eos=ignore_eos, cache_mode=cache_mode,
                       cache_policy=cache_policy, predictor=predictor)
     stderr = Console(stderr=True)
+    try:
+        set_cpu_threads(threads)
+        plan.validate()
+    except SpecFitError as exc:
+        fail(str(exc))
 
     def emit(record_: dict) -> None:
         if json_lines:
@@ -138,6 +140,13 @@ def _print_summary(run, out: Path | None) -> None:
                       f"{s['bytes_per_cycle'] / 1e3:.0f} ({s['predicted_bytes_per_cycle'] / 1e3:.0f})",
                       f"{s['nodes_per_cycle']:.1f}", f"{s['hit_rate']:.2f}", _share(s["overhead_share"]))
     console.print(table)
+    if run.memory:
+        m = run.memory
+        pinned = f", pinned {m['pinned_bytes'] / 1e9:.3f} GB" if m["pinned_bytes"] else " (pageable: no GPU)"
+        console.print(f"host experts {m['host_expert_bytes'] / 1e9:.3f} GB{pinned}; device expert slots "
+                      f"{m['device_expert_bytes'] / 1e9:.3f} GB")
+    if run.drafter_features:
+        console.print(f"drafter features: {run.drafter_features}")
     if run.outputs_identical is not None:
         console.print("greedy outputs identical across policies: " + ("yes" if run.outputs_identical else "[red]NO[/red]"))
     if run.profile_path is not None:

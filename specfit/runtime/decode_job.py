@@ -109,8 +109,9 @@ class DecodePlan:
         for failed, message in checks:
             if failed:
                 raise SpecFitError(message)
-        if self.device not in (None, "cpu", "cuda"):
-            raise SpecFitError(f"--device: expected cpu or cuda, got {self.device!r}")
+        from .devices import resolve_device
+
+        resolve_device(self.device)
         if self.dtype not in (None, "float32", "bfloat16"):
             raise SpecFitError(f"--dtype: expected float32 or bfloat16, got {self.dtype!r}")
         from ..experts.cache import EVICTION_POLICIES
@@ -124,6 +125,10 @@ class DecodePlan:
             raise SpecFitError(f"--predictor: expected one of {', '.join(LIVE_PREDICTORS)} (live), got {self.predictor!r}")
         if not Path(self.model_dir).is_dir():
             raise SpecFitError(f"--model {self.model_dir}: not a directory")
+        from ..io import check_output
+
+        check_output(self.out_dir, "--out", kind="dir")
+        check_output(self.record, "--record", kind="file")
         if self.drafter_dir is not None and not Path(self.drafter_dir).is_dir():
             raise SpecFitError(f"--drafter {self.drafter_dir}: not a directory")
         return policies
@@ -141,6 +146,8 @@ class DecodeRun:
     outputs_identical: bool | None       # greedy runs of several policies: same tokens everywhere?
     trace_path: Path | None = None
     trace_cycles: int = 0
+    memory: dict = field(default_factory=dict)   # host expert bytes, pinned bytes, device expert-slot bytes
+    drafter_features: str | None = None          # which target layers feed the drafter
 
 
 class _Outputs:
@@ -170,19 +177,17 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                status: Callable[[str], None] | None = None, progress: Callable[[], None] | None = None) -> DecodeRun:
     """Run ``plan``; ``on_record`` gets each (policy, prompt) record as it completes, ``status``
     one-line messages (loading, calibrating), ``progress`` a tick per decoded prompt."""
-    import torch
 
     from .config import ModelConfig
+    from .devices import resolve_device
     from .loader import drafter_capture_layers, load_drafter, load_model, load_tokenizer
     from .prompts import read_prompts
 
     say = status or (lambda message: None)
     tick = progress or (lambda: None)
     policies = plan.validate()
-    device = plan.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SpecFitError("--device cuda: no CUDA device is available (use --device cpu)")
-    dtype = plan.dtype or ("bfloat16" if device == "cuda" else "float32")
+    device = resolve_device(plan.device)
+    dtype = plan.dtype or ("bfloat16" if device.type == "cuda" else "float32")
 
     config = ModelConfig.from_dir(plan.model_dir)
     tokenizer = load_tokenizer(plan.model_dir)
@@ -254,7 +259,12 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
         from ..traces.format import write_trace
 
         trace_path = write_trace(recorder.trace(), plan.record)
-    return DecodeRun(records=outputs.records, cycles=outputs.cycles, summaries=outputs.summaries,
+    host = model.offload.host
+    memory = {"host_expert_bytes": host.nbytes, "pinned_bytes": host.pinned_bytes,
+              "device_expert_bytes": model.offload.device_bytes}
+    describe = getattr(getattr(drafter, "config", None), "describe_feature_layers", None)
+    return DecodeRun(memory=memory, drafter_features=describe(model.config.n_layers) if describe else None,
+                     records=outputs.records, cycles=outputs.cycles, summaries=outputs.summaries,
                      profile_label=profile.label, profile_path=profile_path,
                      outputs_identical=_outputs_identical(outputs.records) if plan.temperature == 0 else None,
                      trace_path=trace_path, trace_cycles=len(recorder) if recorder is not None else 0)
@@ -277,7 +287,7 @@ def _profile(plan: DecodePlan, model, say):
         return load_profile(path).for_shape(shape, rescale=plan.rescale, source=str(path)), path
     say(f"no profile for this machine and model yet: quick calibration, saved to {path}")
     profile = calibrate(CalibrationPlan(model_dir=Path(plan.model_dir), drafter_dir=plan.drafter_dir,
-                                        device=str(model.device.type), quick=True, seed=plan.seed), model=model)
+                                        device=str(model.device), quick=True, seed=plan.seed), model=model)
     profile.save(path)
     return profile, path
 

@@ -61,8 +61,8 @@ class Checkpoint:
                 if not path.is_file():
                     raise SpecFitError(f"{index}: shard {path.name} is listed but missing from {self.model_dir}")
         elif single.is_file():
-            with safe_open(single, framework="pt") as f:
-                self.files = {name: single for name in f.keys()}
+            self._handles = {}
+            self.files = {name: single for name in self._handle(single).keys()}
         else:
             raise SpecFitError(f"{self.model_dir}: no model.safetensors or model.safetensors.index.json "
                                f"(only safetensors checkpoints are supported)")
@@ -82,10 +82,17 @@ class Checkpoint:
         if name not in self.files:
             raise SpecFitError(f"{self.model_dir}: missing tensor {name!r} (expected shape {expected})")
         handle = self._handle(self.files[name])
-        actual = list(handle.get_slice(name).get_shape())
+        try:
+            actual = list(handle.get_slice(name).get_shape())
+        except Exception as exc:  # a header that names the tensor but a file that lost it
+            raise SpecFitError(f"{self.files[name]}: tensor {name!r} cannot be read ({exc})") from None
         if actual != expected:
             raise SpecFitError(f"{self.files[name]}: tensor {name!r} has shape {actual}, expected {expected}")
-        return handle.get_tensor(name).to(dtype)
+        try:
+            tensor = handle.get_tensor(name)
+        except Exception as exc:  # truncated or overwritten data after a valid header
+            raise SpecFitError(f"{self.files[name]}: tensor {name!r} cannot be read; the file is damaged ({exc})") from None
+        return tensor.to(dtype)
 
     def close(self) -> None:
         self._handles.clear()

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from ..errors import SpecFitError, fail
+from ..io import check_output
 from ..policies import DEFAULT_POLICIES, POLICY_HELP
 
 
@@ -51,6 +52,7 @@ def simulate_command(
     """Replay traces through every policy with the same cache and cost model, and compare."""
 
     try:
+        check_output(out, "--out", kind="dir")
         cycles, summary = _simulate(traces, _split(profiles), _split([policies]), _parse_sizes(cache_experts), predictor,
                                     acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json,
                                     price_uncertainty, model)

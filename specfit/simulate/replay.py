@@ -117,6 +117,10 @@ def prepare_trace(name: str, trace: Trace, predictor: str = "oracle", acceptance
         raise SpecFitError(f"--predictor: expected one of {sorted(PREDICTORS)}, got {predictor!r}")
     if acceptance not in ("calibrated", "raw"):
         raise SpecFitError(f"--acceptance: expected calibrated or raw, got {acceptance!r}")
+    unfittable = trace.meta.get("recording", {}).get("unfittable_predictors", [])
+    if predictor in unfittable:
+        raise SpecFitError(f"--predictor {predictor}: the trace cannot fit it (its token ids are "
+                           f"{trace.meta['recording'].get('token_ids', 'unknown')}); use oracle, parent or recorded")
     probs = cross_calibrate(trace) if acceptance == "calibrated" else None
     if predictor == "router":
         if model_dir is None:

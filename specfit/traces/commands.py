@@ -10,6 +10,7 @@ import numpy as np
 import typer
 
 from ..errors import SpecFitError, fail
+from ..io import check_output
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
@@ -44,6 +45,7 @@ def synth_command(
     from .synth import RoutingParams, WORKLOADS, synthesize, with_drafter_overrides
 
     try:
+        check_output(out, "--out", kind="file")
         if workload not in WORKLOADS and top1_prob is None:
             raise SpecFitError(f"--workload: {workload!r} is not a preset ({', '.join(WORKLOADS)}); give --top1-prob "
                                "(and optionally --depth-decay) to describe its drafter")
@@ -85,6 +87,7 @@ def import_routing_command(
     from .synth import WORKLOADS, with_drafter_overrides
 
     try:
+        check_output(out, "--out", kind="file")
         if workload not in WORKLOADS:
             raise SpecFitError(f"--workload: expected one of {sorted(WORKLOADS)}, got {workload!r}")
         try:

@@ -397,6 +397,10 @@ def validate_trace(trace: Trace, source: str = "trace") -> dict:
     if not _depth_sorted_per_cycle(depth, off):
         # policies see a tree level by level: the first levels must be a prefix of the rows
         raise SpecFitError(f"{source}: column 'depth' must be non-decreasing within each cycle (nodes in drafting order)")
+    logprob = trace.draft_logprob.astype(np.float64)
+    bad = ~np.isfinite(logprob) | (logprob > 1e-6)     # float32 rounding may leave a certain token at +1e-7
+    if bad.any():
+        fail("draft_logprob", bad, "must be a finite log-probability (<= 0)")
     prob = trace.path_prob
     if not np.all(np.isfinite(prob)) or np.any((prob < 0) | (prob > 1)):
         fail("path_prob", ~np.isfinite(prob) | (prob < 0) | (prob > 1), "must be a probability in [0, 1]")
