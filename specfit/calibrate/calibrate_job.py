@@ -242,6 +242,19 @@ def refit(profile: Profile, run_dirs, seed: int = 0, holdout_fraction: float = 0
     Returns the refitted profile and a comparison on the *same* held-out cycles: the error of the
     original profile's predictions and of a fit on the other cycles.
     """
+    from ..runinfo import read_run_info
+
+    for d in run_dirs:
+        recorded = (read_run_info(d) or {}).get("shape")
+        if recorded is not None:
+            run_shape = ModelShape.from_dict(recorded, source=f"{Path(d) / 'run.json'}")
+            if not run_shape.same_shape(profile.shape):
+                raise SpecFitError(f"--refit {d}: its cycles were measured on {run_shape.name} ({run_shape.n_layers} "
+                                   f"layers, {run_shape.n_experts} experts, top-{run_shape.top_k}, "
+                                   f"{run_shape.expert_bytes} B/expert), the profile is for {profile.shape.name} "
+                                   f"({profile.shape.n_layers} layers, {profile.shape.n_experts} experts, "
+                                   f"top-{profile.shape.top_k}, {profile.shape.expert_bytes} B/expert); refit the "
+                                   f"profile of that model (or pass --rescale to map this one onto it first)")
     frames = [read_run_cycles(d) for d in run_dirs]
     df = pd.concat(frames, ignore_index=True)
     from ..costmodel import CostModel

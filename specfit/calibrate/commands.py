@@ -97,11 +97,20 @@ def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None
     from .presets import resolve_profile
     from .calibrate_job import refit
 
+    from ..runinfo import read_run_info
+    from .profile import ModelShape
+
     if profile_spec is None:
         fail("--refit: pass --profile (the profile the runs were decoded with)")
-    prof = resolve_profile(profile_spec)
-    new, comparison = refit(prof, run_dirs, seed=seed)
     path = out or Path(str(profile_spec)).with_suffix("").with_name(Path(str(profile_spec)).stem + "-refit.json")
+    check_output(path, "--out", kind="file")
+    # the model the runs decoded (run.json): a preset is built for it, a profile of another shape
+    # is refused unless --rescale maps it onto it
+    recorded = next(((read_run_info(d) or {}).get("shape") for d in run_dirs if (read_run_info(d) or {}).get("shape")),
+                    None)
+    shape = ModelShape.from_dict(recorded, source=f"{run_dirs[0]}/run.json") if recorded else None
+    prof = resolve_profile(profile_spec, shape, rescale=rescale)
+    new, comparison = refit(prof, run_dirs, seed=seed)
     new.save(path)
     if as_json:
         typer.echo(json.dumps({"profile": new.to_dict(), "comparison": comparison}, indent=2))
@@ -111,6 +120,9 @@ def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None
         table.add_column(col, justify="right")
     for label in ("before", "after"):
         e = comparison[label]
+        if not e.get("n"):     # too few cycles to hold any out
+            table.add_row(f"{label} refit", "-", "-")
+            continue
         table.add_row(f"{label} refit", f"{e['mape']:.1%}", f"{e.get('max_abs_err', e.get('max_abs_err_s')):.3g}")
     from rich.console import Console
 

@@ -24,6 +24,7 @@ def register(app: typer.Typer, traces_app: typer.Typer) -> None:
 
 
 def decode(
+    ctx: typer.Context,
     model: Path = typer.Option(..., "--model", help="Hugging Face model directory (config.json + safetensors)."),
     prompts: Path = typer.Option(..., "--prompts", help='JSONL file: one {"prompt": "..."} or {"input_ids": [...]} per line.'),
     cache_experts: int = typer.Option(..., "--cache-experts", help="Expert slots per layer on the device, or in all with "
@@ -102,7 +103,7 @@ def decode(
             def tick() -> None:
                 bar.advance(task)
 
-            result = run_decode(plan, on_record=emit, status=status, progress=tick)
+            result = run_decode(plan, on_record=emit, status=status, progress=tick, ctx=ctx)
     except SpecFitError as exc:
         fail(str(exc))
     if not json_lines:

@@ -214,6 +214,15 @@ class ModelConfig:
         if raw.get("hidden_act", "silu") != "silu":
             raise SpecFitError(f"{source}: key 'hidden_act' must be 'silu', got {raw['hidden_act']!r}")
         n_experts = get(*family.expert_count_keys)
+        top_k = get("num_experts_per_tok")
+        for name, value in (("hidden_size", hidden_size), ("num_hidden_layers", n_layers),
+                            ("num_attention_heads", n_heads), ("num_key_value_heads", n_kv_heads),
+                            (family.expert_count_keys[0], n_experts), ("num_experts_per_tok", top_k)):
+            if value < 1:
+                raise SpecFitError(f"{source}: key {name!r} must be at least 1, got {value}")
+        if top_k > n_experts:
+            raise SpecFitError(f"{source}: key 'num_experts_per_tok' is {top_k}, more than the {n_experts} experts "
+                               f"per layer ({' / '.join(family.expert_count_keys)})")
         max_positions = get("max_position_embeddings")
         mla = _mla_shape(raw, source, get, n_heads, n_kv_heads) if family.model_type == "deepseek_v2" else None
         head_dim = mla.qk_rope_head_dim if mla else get("head_dim", default=hidden_size // n_heads)
@@ -239,7 +248,7 @@ class ModelConfig:
             n_kv_heads=n_kv_heads,
             head_dim=head_dim,
             n_experts=n_experts,
-            top_k=get("num_experts_per_tok"),
+            top_k=top_k,
             expert_intermediate_size=get(*family.expert_width_keys),
             rms_norm_eps=get("rms_norm_eps", kind=float),
             rope_theta=0.0,      # filled from the RoPE spec below

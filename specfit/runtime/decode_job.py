@@ -174,9 +174,11 @@ class _Outputs:
 
 
 def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None,
-               status: Callable[[str], None] | None = None, progress: Callable[[], None] | None = None) -> DecodeRun:
+               status: Callable[[str], None] | None = None, progress: Callable[[], None] | None = None,
+               ctx=None) -> DecodeRun:
     """Run ``plan``; ``on_record`` gets each (policy, prompt) record as it completes, ``status``
-    one-line messages (loading, calibrating), ``progress`` a tick per decoded prompt."""
+    one-line messages (loading, calibrating), ``progress`` a tick per decoded prompt; ``ctx`` the
+    command's context, for the command line ``run.json`` records."""
 
     from .config import ModelConfig
     from .devices import resolve_device
@@ -207,6 +209,13 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     profile, profile_path = _profile(plan, model, say)
     calibrator = _acceptance_calibrator(plan.acceptance_trace) if plan.acceptance_trace else None
 
+    if plan.out_dir is not None:
+        from ..calibrate.profile import ModelShape
+        from ..runinfo import write_run_info
+
+        # the shape the cycles were measured on: a refit must not move them onto another one
+        shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
+        write_run_info(plan.out_dir, "decode", ctx, shape=shape.to_dict(), profile=profile.label)
     outputs = _Outputs(plan.out_dir)
     recorder = _recorder(plan, model, drafter, profile) if plan.record is not None else None
     expert_bytes, n_experts = model.offload.host.expert_bytes, model.config.n_experts

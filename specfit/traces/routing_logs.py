@@ -208,11 +208,22 @@ def _nested(column: pd.Series, path: Path, name: str, depth: int) -> np.ndarray:
 # ----------------------------------------------------------------- checks
 def _expert_ids(values: np.ndarray, path: Path, what: str) -> np.ndarray:
     values = np.asarray(values)
-    if values.ndim != 3 or not np.issubdtype(values.dtype, np.integer) or 0 in values.shape:
+    if values.ndim != 3 or not np.issubdtype(values.dtype, np.integer):
         raise SpecFitError(f"{path}: {what} must be integers [tokens, layers, top_k], got {values.dtype} "
+                           f"{list(values.shape)}")
+    if values.shape[0] == 0:
+        raise SpecFitError(f"{path}: {what} has no tokens (0 rows); expected a log of at least two routed tokens")
+    if 0 in values.shape:
+        raise SpecFitError(f"{path}: {what} must have at least one layer and one expert per token, got shape "
                            f"{list(values.shape)}")
     if values.min() < 0:
         raise SpecFitError(f"{path}: {what} holds a negative expert id ({int(values.min())}); expected ids >= 0")
+    srt = np.sort(values, axis=-1)
+    repeated = np.argwhere(srt[..., 1:] == srt[..., :-1])
+    if repeated.size:
+        token, layer, _ = (int(v) for v in repeated[0])
+        raise SpecFitError(f"{path}: {what} lists expert {int(srt[token, layer][repeated[0][2]])} twice for token "
+                           f"{token} at layer {layer}; a router's top-k names each expert once")
     return values.astype(np.int64)
 
 
