@@ -198,3 +198,19 @@ def test_simulate_without_a_baseline_prints_no_nan(tmp_path):
     frame = pd.DataFrame(json.loads(invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "specfit",
                                            "--cache-experts", 8, "--json").output))
     assert frame["speedup_vs_ar"].isna().all()
+
+
+# ----------------------------------------------------------------- interrupted runs
+def test_a_simulate_output_killed_while_writing_is_reported_not_crashed_on(tmp_path):
+    out = tmp_path / "sim"
+    assert invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--cache-experts", 8, "--out", out).exit_code == 0
+    # what a SIGKILL between the files leaves: cycles without the summary, a stale temporary
+    (out / "summary.parquet").unlink()
+    (out / "summary.csv").unlink()
+    (out / ".summary.parquet.x1y2.tmp").write_bytes(b"half")
+    one_line_error(invoke("report", out, "--out", tmp_path / "report"), "summary.parquet", "interrupted")
+    assert not (tmp_path / "report").exists()
+    # the rerun cleans up after the killed one
+    assert invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--cache-experts", 8, "--out", out).exit_code == 0
+    assert (out / "summary.parquet").is_file() and not list(out.glob(".*.tmp"))
+    assert invoke("report", out, "--out", tmp_path / "report").exit_code == 0

@@ -10,6 +10,7 @@ count) are scaled to the full depth; the scaling is recorded in the profile.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,8 @@ from .fit import CycleTimeFitter, prediction_errors
 from .probes import MEASURES, fit_h2d, probe_expert_compute, probe_h2d
 from .profile import ModelShape, Profile, machine_info
 
-__all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "default_profile_path", "RUN_CYCLE_COLUMNS"]
+__all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "default_profile_path", "cached_profile_path",
+           "RUN_CYCLE_COLUMNS"]
 
 # what `specfit decode --out` writes per cycle (cycles.parquet) and a refit reads
 RUN_CYCLE_COLUMNS = ("draft_levels", "nodes_verified", "hits", "misses", "measured_time_s")
@@ -89,8 +91,21 @@ def _slug(text: str) -> str:
 
 
 def default_profile_path(machine: dict, shape: ModelShape) -> Path:
-    """``calibrate/<host>-<device>-<model>.json`` under the current directory."""
-    return Path("calibrate") / f"{_slug(machine['host'])}-{_slug(machine['device_name'])}-{_slug(shape.name)}.json"
+    """``calibrate/<host>-<device>-<model>.json`` under the current directory (where
+    ``specfit calibrate`` writes by default and a project keeps its profiles)."""
+    return Path("calibrate") / _profile_name(machine, shape)
+
+
+def cached_profile_path(machine: dict, shape: ModelShape) -> Path:
+    """The same name in the user's cache (``$XDG_CACHE_HOME/specfit/profiles``, by default
+    ``~/.cache/specfit/profiles``), where ``specfit decode`` keeps the quick calibrations it makes
+    itself, whatever the current directory."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "specfit" / "profiles" / _profile_name(machine, shape)
+
+
+def _profile_name(machine: dict, shape: ModelShape) -> str:
+    return f"{_slug(machine['host'])}-{_slug(machine['device_name'])}-{_slug(shape.name)}.json"
 
 
 def _load_target(plan: CalibrationPlan):
@@ -218,14 +233,16 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None) -> Profile:
 
 # --------------------------------------------------------------------------- refit from a run
 def read_run_cycles(run_dir: str | Path) -> pd.DataFrame:
-    """The per-cycle measurements ``specfit decode --out RUN_DIR`` wrote (``cycles.parquet``)."""
-    path = Path(run_dir) / "cycles.parquet"
-    if not path.is_file():
-        raise SpecFitError(f"{path}: no such file; expected the cycles of a `specfit decode --out {run_dir}` run")
-    try:
-        df = pd.read_parquet(path)
-    except Exception as exc:  # pyarrow raises several types for corrupt files
-        raise SpecFitError(f"{path}: not a readable Parquet file ({exc})") from None
+    """The per-cycle measurements ``specfit decode --out RUN_DIR`` kept (``cycles.parquet``, and
+    the cycles journal of a run that was killed)."""
+    from ..runtime.run_dir import CYCLES_FILE, JOURNAL_FILE, read_decode_cycles
+
+    run_dir = Path(run_dir)
+    if not (run_dir / CYCLES_FILE).is_file() and not (run_dir / JOURNAL_FILE).is_file():
+        raise SpecFitError(f"{run_dir / CYCLES_FILE}: no such file; expected the cycles of a `specfit decode --out "
+                           f"{run_dir}` run")
+    df = read_decode_cycles(run_dir)
+    path = run_dir / CYCLES_FILE
     if "measured_time_s" not in df and "cycle_time_s" in df:      # written before the shared schema
         df = df.rename(columns={"cycle_time_s": "measured_time_s"})
     missing = [c for c in RUN_CYCLE_COLUMNS if c not in df.columns]

@@ -17,6 +17,7 @@ from ..calibrate.profile import load_profile
 from ..errors import SpecFitError
 from ..io import write_json_atomic
 from ..runinfo import read_run_info
+from ..runtime.run_dir import CYCLES_FILE, JOURNAL_FILE, read_decode_cycles
 from .calibration import calibration_section
 from .html import Page
 from .live import live_section
@@ -34,11 +35,15 @@ def classify(path: Path) -> list[str]:
     if not path.is_dir():
         raise SpecFitError(f"{path}: no such file or directory")
     kinds = []
+    info = read_run_info(path) or {}
     if (path / "profile.json").is_file():
         kinds.append("calibration")
     if (path / "summary.parquet").is_file():
         kinds.append("simulation")
-    elif (path / "cycles.parquet").is_file():
+    elif str(info.get("kind", "")).startswith("simulate"):
+        raise SpecFitError(f"{path}: a `specfit simulate` output without its summary.parquet (the run was interrupted "
+                           "while writing); run the simulation again")
+    elif (path / CYCLES_FILE).is_file() or (path / JOURNAL_FILE).is_file():
         kinds.append("live")
     if not kinds:
         raise SpecFitError(f"{path}: found no profile.json, summary.parquet or cycles.parquet; expected what "
@@ -79,7 +84,7 @@ def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report
             cycles = _read_parquet(path / "cycles.parquet") if (path / "cycles.parquet").is_file() else None
             simulation_section(page, summary, cycles, str(path))
         if "live" in kinds:
-            live_section(page, _read_parquet(path / "cycles.parquet"), str(path))
+            live_section(page, read_decode_cycles(path), str(path))
     index = Path(out_dir) / "index.html"
     page.save(index)
     write_json_atomic(Path(out_dir) / "inputs.json", [str(p) for p in inputs])

@@ -9,10 +9,10 @@ from typing import Optional
 
 import typer
 
-from ..errors import SpecFitError, fail
+from ..errors import Interrupted, SpecFitError, fail
 from ..policies import POLICY_HELP
 from ..threads import THREADS_HELP, set_cpu_threads
-from .decode_job import CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE
+from .run_dir import CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE
 
 __all__ = ["register", "decode"]
 
@@ -106,6 +106,9 @@ def decode(
             result = run_decode(plan, on_record=emit, status=status, progress=tick, ctx=ctx)
     except SpecFitError as exc:
         fail(str(exc))
+    except Interrupted as exc:
+        stderr.print(str(exc))
+        raise typer.Exit(130) from None
     if not json_lines:
         _print_summary(result, out)
 

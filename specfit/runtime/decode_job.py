@@ -28,16 +28,15 @@ from typing import Callable
 
 
 from ..accounting import live_row, summarise
-from ..errors import SpecFitError
-from ..io import atomic_write, write_json_atomic, write_jsonl_atomic
 
-__all__ = ["DecodePlan", "DecodeRun", "run_decode", "summarise_policy", "OUTPUT_FILE", "CYCLES_FILE", "SUMMARY_FILE",
-           "WARMUP_TOKENS"]
+
+from ..errors import Interrupted, SpecFitError
+from .run_dir import CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE, DecodeOutputs, read_decode_cycles
+
+__all__ = ["DecodePlan", "DecodeRun", "run_decode", "summarise_policy", "read_decode_cycles", "OUTPUT_FILE",
+           "CYCLES_FILE", "SUMMARY_FILE", "JOURNAL_FILE", "WARMUP_TOKENS"]
 
 WARMUP_TOKENS = 4
-OUTPUT_FILE = "decode.jsonl"
-CYCLES_FILE = "cycles.parquet"
-SUMMARY_FILE = "summary.json"
 
 
 @dataclass
@@ -150,29 +149,6 @@ class DecodeRun:
     drafter_features: str | None = None          # which target layers feed the drafter
 
 
-class _Outputs:
-    """The files under ``--out``, rewritten whole after each prompt (atomic: never half-written);
-    ``cycles`` are rows of :data:`specfit.accounting.CYCLE_COLUMNS` with their keys."""
-
-    def __init__(self, out_dir: Path | None):
-        self.out_dir = out_dir
-        self.records: list[dict] = []
-        self.cycles: list[dict] = []
-        self.summaries: list[dict] = []
-
-    def flush(self) -> None:
-        if self.out_dir is None:
-            return
-        import pandas as pd
-
-        write_jsonl_atomic(self.out_dir / OUTPUT_FILE, self.records)
-        if self.cycles:
-            frame = pd.DataFrame(self.cycles)
-            atomic_write(self.out_dir / CYCLES_FILE, lambda tmp: frame.to_parquet(tmp, index=False))
-        if self.summaries:
-            write_json_atomic(self.out_dir / SUMMARY_FILE, self.summaries)
-
-
 def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None,
                status: Callable[[str], None] | None = None, progress: Callable[[], None] | None = None,
                ctx=None) -> DecodeRun:
@@ -216,7 +192,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
         # the shape the cycles were measured on: a refit must not move them onto another one
         shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
         write_run_info(plan.out_dir, "decode", ctx, shape=shape.to_dict(), profile=profile.label)
-    outputs = _Outputs(plan.out_dir)
+    outputs = DecodeOutputs(plan.out_dir)
     recorder = _recorder(plan, model, drafter, profile) if plan.record is not None else None
     expert_bytes, n_experts = model.offload.host.expert_bytes, model.config.n_experts
     try:
@@ -234,7 +210,15 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             for index, prompt in enumerate(prompts):
                 if decoder.recorder is not None:
                     decoder.recorder.begin_sequence(index)
-                result = decoder.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos)
+
+                def keep(stats, committed, policy=policy, index=index, first=len(outputs.cycles)):
+                    row = live_row(stats, profile.cost, expert_bytes, n_experts)
+                    row["committed_tokens"] = committed       # what reached the output (after eos / the length cap)
+                    outputs.add_cycle({"policy": policy.name, "sequence": index, "position": stats.position,
+                                       "cycle": len(outputs.cycles) - first, **row})
+
+                result = decoder.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos,
+                                          on_cycle=keep)
                 if decoder.recorder is not None:
                     decoder.recorder.end_sequence(len(result.output_ids))
                 record = {"index": index, "line": prompt.line, "policy": policy.name, "cache_experts": plan.cache_experts,
@@ -242,11 +226,6 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 if tokenizer is not None:
                     record["text"] = tokenizer.decode(result.output_ids, skip_special_tokens=True)
                 outputs.records.append(record)
-                for c, (stats, committed) in enumerate(zip(result.cycles, result.cycle_tokens)):
-                    row = live_row(stats, profile.cost, expert_bytes, n_experts)
-                    row["committed_tokens"] = committed       # what reached the output (after eos / the length cap)
-                    outputs.cycles.append({"policy": policy.name, "sequence": index, "position": stats.position,
-                                           "cycle": c, **row})
                 outputs.flush()
                 if on_record is not None:
                     on_record(record)
@@ -261,8 +240,12 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 result = full.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos)
                 recorder.end_sequence(len(result.output_ids))
                 tick()
-    finally:
-        outputs.flush()
+    except KeyboardInterrupt:
+        outputs.close()
+        where = f" in {plan.out_dir}" if plan.out_dir is not None else " (no --out: nothing was written)"
+        raise Interrupted(f"interrupted: kept every complete cycle, {len(outputs.cycles)} of them "
+                          f"({len(outputs.records)} (policy, prompt) run(s) finished){where}") from None
+    outputs.close()
     trace_path = None
     if recorder is not None:
         from ..traces.format import write_trace
@@ -281,19 +264,21 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
 
 # --------------------------------------------------------------------------- pieces
 def _profile(plan: DecodePlan, model, say):
-    """(profile, path): ``--profile`` when given; else this machine's default profile for the
-    model, calibrated (quickly, on the loaded model) and saved on first use."""
+    """(profile, path): ``--profile`` when given; else this machine's profile for the model from
+    ``calibrate/`` in the current directory or the user's cache; else one calibrated quickly on
+    the loaded model and saved in the cache (and said where)."""
     from ..calibrate.presets import resolve_profile
     from ..calibrate.profile import ModelShape, load_profile, machine_info
-    from ..calibrate.calibrate_job import CalibrationPlan, calibrate, default_profile_path
+    from ..calibrate.calibrate_job import CalibrationPlan, cached_profile_path, calibrate, default_profile_path
 
     shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
     if plan.profile is not None:
         path = Path(plan.profile) if Path(plan.profile).suffix == ".json" else None
         return resolve_profile(plan.profile, shape, rescale=plan.rescale), path
-    path = default_profile_path(machine_info(), shape)
-    if path.is_file():
-        return load_profile(path).for_shape(shape, rescale=plan.rescale, source=str(path)), path
+    machine = machine_info()
+    for path in (default_profile_path(machine, shape), cached_profile_path(machine, shape)):
+        if path.is_file():
+            return load_profile(path).for_shape(shape, rescale=plan.rescale, source=str(path)), path
     say(f"no profile for this machine and model yet: quick calibration, saved to {path}")
     profile = calibrate(CalibrationPlan(model_dir=Path(plan.model_dir), drafter_dir=plan.drafter_dir,
                                         device=str(model.device), quick=True, seed=plan.seed), model=model)

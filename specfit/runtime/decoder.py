@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -197,8 +198,11 @@ class Decoder:
         self._last_known: np.ndarray | None = None   # [L, k] routing of the last committed token the target ran
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompt_ids, max_new_tokens: int, ignore_eos: bool = False) -> DecodeResult:
-        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``, measuring every cycle."""
+    def generate(self, prompt_ids, max_new_tokens: int, ignore_eos: bool = False,
+                 on_cycle: Callable[[CycleStats, int], None] | None = None) -> DecodeResult:
+        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``, measuring every cycle;
+        ``on_cycle(stats, tokens)`` gets each cycle as soon as it is committed, with the tokens it
+        added to the output (fewer than it committed when the output ends inside it)."""
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("prompt_ids: expected at least one token")
@@ -248,6 +252,8 @@ class Decoder:
             root = tokens[-1]
             if self.recorder is not None:
                 self.recorder.add_cycle(stats)
+            if on_cycle is not None:
+                on_cycle(stats, len(tokens))
         decode_time_s = device_now(self.model.device) - start
         return DecodeResult(prompt_ids=prompt_ids, output_ids=output, stop_reason=stop_reason,
                             prefill_time_s=prefill_time_s, decode_time_s=decode_time_s, n_cycles=len(cycle_tokens),

@@ -150,7 +150,14 @@ def _write_outputs(out: Path, cycles, summary, ctx=None) -> None:
     from ..io import atomic_write
     from ..runinfo import write_run_info
 
+    from ..io import remove_stale_temporaries
+
     out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out)
+    # a rerun into the same directory: the old summary goes first, so a killed write never leaves
+    # new cycles beside an old summary; the summary is written last and marks a complete output
+    for name in ("summary.parquet", "summary.csv"):
+        (out / name).unlink(missing_ok=True)
     write_run_info(out, "simulate", ctx)
     for name, frame in (("cycles", cycles), ("summary", summary)):
         atomic_write(out / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp, index=False))
