@@ -5,9 +5,14 @@ import os
 import pytest
 
 
-@pytest.fixture(autouse=True)
-def user_cache_in_tmp(tmp_path, monkeypatch):
-    """``specfit decode`` keeps the quick calibrations it makes in the user's cache: each test gets its own."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+@pytest.fixture(scope="session", autouse=True)
+def user_cache_in_tmp(tmp_path_factory):
+    """``specfit decode`` keeps the quick calibrations it makes in the user's cache (and matplotlib
+    its font list): one cache for the session, outside every test's own directory."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("user-cache"))
     yield
-    assert "XDG_CACHE_HOME" in os.environ
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before

@@ -214,3 +214,31 @@ def test_a_simulate_output_killed_while_writing_is_reported_not_crashed_on(tmp_p
     assert invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--cache-experts", 8, "--out", out).exit_code == 0
     assert (out / "summary.parquet").is_file() and not list(out.glob(".*.tmp"))
     assert invoke("report", out, "--out", tmp_path / "report").exit_code == 0
+
+
+# ----------------------------------------------------------------- memory
+def test_a_stand_in_that_would_not_fit_in_host_memory_is_refused_before_allocating(monkeypatch, tmp_path):
+    """``calibrate --shape qwen3-30b-a3b --layers 4`` on a machine with too little memory free: one
+    line with what it needs and what there is, before a single weight is made."""
+    import specfit.calibrate.standin as standin
+    import specfit.runtime.devices as devices
+
+    monkeypatch.setattr(devices, "available_host_bytes", lambda: 3 * 2**30)
+    made = []
+    monkeypatch.setattr(standin, "random_model", lambda *a, **k: made.append(1))
+    result = invoke("calibrate", "--shape", "qwen3-30b-a3b", "--layers", 4, "--device", "cpu",
+                    "--out", tmp_path / "p.json")
+    one_line_error(result, "--layers 4", "GiB of host memory", "3.0 GiB are available")
+    assert not made and not (tmp_path / "p.json").exists()
+
+
+def test_stand_in_memory_is_the_experts_in_bf16_plus_the_dense_weights():
+    import torch
+
+    from specfit.calibrate.standin import shape_config, standin_bytes
+
+    config = shape_config("qwen3-30b-a3b", 4)
+    held = standin_bytes(config, torch.bfloat16)
+    assert held["experts"] == 4 * 128 * 3 * 2048 * 768 * 2          # 4.8 GB: what the probe needs
+    embed = 151936 * 2048 * 2
+    assert 2 * embed < held["dense"] < 2 * embed + 4 * 2048 * 2048 * 16

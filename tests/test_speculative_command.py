@@ -84,7 +84,8 @@ def test_several_policies_decode_identically_and_write_measured_vs_predicted(che
     assert json.loads(refit.stdout)["comparison"]["n_cycles"] == len(cycles)
 
 
-def test_without_profile_a_quick_calibration_is_saved_in_the_user_cache_and_named(checkpoint, tmp_path):
+def test_without_profile_a_quick_calibration_is_saved_in_the_user_cache_and_named(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
     result = decode(checkpoint, "--policy", "chain:2")
     assert result.exit_code == 0, result.output
     cache = tmp_path / "user-cache" / "specfit" / "profiles"

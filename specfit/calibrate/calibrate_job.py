@@ -108,7 +108,7 @@ def _profile_name(machine: dict, shape: ModelShape) -> str:
     return f"{_slug(machine['host'])}-{_slug(machine['device_name'])}-{_slug(shape.name)}.json"
 
 
-def _load_target(plan: CalibrationPlan):
+def _load_target(plan: CalibrationPlan, status=None):
     """(model, probed shape, full shape, dtype) for a model directory or a named stand-in."""
     from ..runtime.config import DTYPES
 
@@ -128,16 +128,43 @@ def _load_target(plan: CalibrationPlan):
 
     if plan.shape is None:
         raise SpecFitError("calibrate: pass --model DIR or --shape NAME (one of " + ", ".join(SHAPE_CONFIGS) + ")")
-    dtype_name = plan.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    # the public shapes ship in bf16: a stand-in holds its experts the same way (and half the memory)
+    dtype_name = plan.dtype or "bfloat16"
     if dtype_name not in DTYPES:
         raise SpecFitError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype_name!r}")
     dtype = DTYPES[dtype_name]
     full = shape_config(plan.shape)
     config = shape_config(plan.shape, plan.layers)
-    model = random_model(config, device, dtype, seed=plan.seed)
+    check_standin_memory(plan, config, dtype, device)
+    model = random_model(config, device, dtype, seed=plan.seed, progress=status)
     probed = ModelShape.from_config(config, dtype, f"{plan.shape} ({config.n_layers} layers, random weights)")
     full_shape = ModelShape.from_config(full, dtype, plan.shape)
     return model, probed, full_shape
+
+
+# what the probes may not take of the host's available memory (other processes, the allocator)
+HOST_RESERVE_FRACTION = 0.15
+
+
+def check_standin_memory(plan: CalibrationPlan, config, dtype, device) -> None:
+    """Refuse, before anything is allocated, a stand-in whose weights (plus, on the CPU, the
+    smallest probe cache) would not fit in the host memory available beside what runs already."""
+    from ..runtime.devices import available_host_bytes
+    from .standin import standin_bytes
+
+    available = available_host_bytes()
+    if available is None:
+        return
+    held = standin_bytes(config, dtype)
+    needed = held["experts"] + (held["dense"] if device.type == "cpu" else 0)
+    if device.type == "cpu":       # the "device" slots are host memory too: at least the staging buffers
+        needed += 2 * config.expert_bytes(dtype)
+    budget = available * (1 - HOST_RESERVE_FRACTION)
+    if needed > budget:
+        raise SpecFitError(
+            f"calibrate --shape {plan.shape} --layers {config.n_layers}: needs {needed / 2**30:.1f} GiB of host memory "
+            f"({held['experts'] / 2**30:.1f} GiB of experts, {held['dense'] / 2**30:.1f} GiB dense, in "
+            f"{str(dtype).removeprefix('torch.')}), {available / 2**30:.1f} GiB are available; pass fewer --layers")
 
 
 def _load_drafter(plan: CalibrationPlan, model):
@@ -167,16 +194,17 @@ def _drafter_dims(plan: CalibrationPlan, config) -> tuple[int, int]:
         raise SpecFitError(f"{path}: expected JSON with 'hidden_size' and 'draft_vocab_size' ({exc})") from None
 
 
-def calibrate(plan: CalibrationPlan, progress=None, model=None) -> Profile:
+def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> Profile:
     """Run every probe, fit the cost model, and return the profile (not yet saved).
 
     ``model``: an already loaded target (e.g. by ``specfit decode``) to probe instead of loading
-    ``plan.model_dir``; its expert offload is restored afterwards.
+    ``plan.model_dir``; its expert offload is restored afterwards. ``progress`` ticks once per
+    probe step, ``status`` hears what is being done before the probes (building a stand-in).
     """
     started = time.perf_counter()
     step = progress or (lambda: None)
     if model is None:
-        model, probed, full = _load_target(plan)
+        model, probed, full = _load_target(plan, status)
     else:
         name = Path(plan.model_dir).name if plan.model_dir else "model"
         probed = full = ModelShape.from_config(model.config, model.dtype, name)

@@ -24,8 +24,8 @@ def calibrate_command(
     layers: Optional[int] = typer.Option(None, "--layers", help="With --shape: layers of the stand-in (costs are scaled to the full depth)."),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="EAGLE-3 drafter directory (its shape sizes the draft probe)."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: checkpoint's; "
-                                        "bfloat16 on cuda, float32 on cpu for --shape)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's; "
+                                        "bfloat16 for --shape, as the public shapes ship)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Profile JSON to write (default: calibrate/<host>-<device>-<model>.json)."),
     quick: bool = typer.Option(False, "--quick", help="Smaller probe grids (CI, smoke tests)."),
     threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP + "."),
@@ -58,9 +58,11 @@ def calibrate_command(
                                    dtype=dtype, quick=quick, seed=seed)
         plan.validate()
         with Progress(TextColumn("[bold]calibrate"), BarColumn(), TextColumn("{task.completed}/{task.total} probes"),
-                      TimeElapsedColumn(), console=console, disable=as_json) as bar:
-            task = bar.add_task("probes", total=plan.n_steps)
-            prof = calibrate_job.calibrate(plan, progress=lambda: bar.advance(task))
+                      TextColumn("{task.description}"), TimeElapsedColumn(), console=console, disable=as_json,
+                      transient=True) as bar:
+            task = bar.add_task("", total=plan.n_steps)
+            prof = calibrate_job.calibrate(plan, progress=lambda: bar.update(task, advance=1, description=""),
+                                           status=lambda message: bar.update(task, description=message))
         path = out or calibrate_job.default_profile_path(prof.machine, prof.shape)
         prof.save(path)
     except SpecFitError as exc:

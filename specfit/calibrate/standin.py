@@ -9,6 +9,8 @@ what the probes want: many distinct experts per pass, so hits and misses both va
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..errors import SpecFitError
@@ -70,11 +72,24 @@ def shape_config(name: str, n_layers: int | None = None) -> ModelConfig:
     return ModelConfig.from_dict(raw, source=f"shape {name}")
 
 
+def standin_bytes(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
+    """Host bytes a stand-in of ``config`` holds: its experts and its dense weights."""
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    element = torch.empty(0, dtype=dtype).element_size()
+    dense = sum(t.numel() for t in model.state_dict().values()) * element
+    return {"experts": config.n_moe_layers * config.n_experts * config.expert_bytes(dtype), "dense": dense}
+
+
 @torch.inference_mode()
 def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, cache_experts: int = 0,
-                 seed: int = 0) -> MoETransformer:
+                 seed: int = 0, progress: Callable[[str], None] | None = None) -> MoETransformer:
     """A :class:`MoETransformer` of ``config`` with random weights: dense weights on ``device``,
-    experts in (pinned, on CUDA) host memory behind an expert cache, as the loader builds it."""
+    experts in (pinned, on CUDA) host memory behind an expert cache, as the loader builds it.
+
+    Weights are filled in place, uniform with the variance of ``1 / fan_in`` (timing does not
+    depend on their distribution), so building needs no temporary copy of a layer's experts;
+    ``progress`` hears of each expert layer."""
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         model = MoETransformer(config)
@@ -83,15 +98,22 @@ def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
         if name.endswith("norm.weight"):
             state[name] = torch.ones(param.shape, dtype=dtype, device=device)
         else:
-            fan_in = param.shape[-1]
-            state[name] = (torch.randn(param.shape, generator=gen) / fan_in**0.5).to(device=device, dtype=dtype)
+            state[name] = _fill(torch.empty(param.shape, dtype=dtype), gen).to(device=device)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False).eval()
     model.init_rope()
     host = HostExperts(config.n_moe_layers, config.n_experts, config.hidden_size, config.expert_intermediate_size,
                        dtype, pin_memory=device.type == "cuda")
     for layer in range(config.n_moe_layers):
+        if progress is not None:
+            progress(f"random expert weights, layer {layer + 1}/{config.n_moe_layers}")
         for tensor in (host.gate_up[layer], host.down[layer]):
-            tensor.copy_(torch.randn(tensor.shape, generator=gen) / tensor.shape[-1] ** 0.5)
+            _fill(tensor, gen)
     model.attach_offload(ExpertOffload(host, cache_experts, device=device))
     return model
+
+
+def _fill(tensor: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Uniform in +-sqrt(3 / fan_in) (variance 1 / fan_in), in place, in the tensor's dtype."""
+    bound = (3.0 / tensor.shape[-1]) ** 0.5
+    return tensor.uniform_(-bound, bound, generator=gen)

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import SpecFitError
 
-__all__ = ["resolve_device", "free_device_bytes", "upload", "to_host"]
+__all__ = ["resolve_device", "free_device_bytes", "available_host_bytes", "upload", "to_host"]
 
 
 def resolve_device(spec: str | torch.device | None, option: str = "--device") -> torch.device:
@@ -36,13 +36,31 @@ def resolve_device(spec: str | torch.device | None, option: str = "--device") ->
     return torch.device("cuda", index)
 
 
+def available_host_bytes() -> int | None:
+    """Host memory new allocations can get without swapping or the kernel killing someone
+    (``MemAvailable`` of ``/proc/meminfo``); None where the system does not say."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        import os
+
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def free_device_bytes(device: torch.device) -> int | None:
     """Bytes that new device allocations can still get: the driver's free memory plus what
     PyTorch's caching allocator holds but does not use (``mem_get_info`` alone misses those).
-    None on the CPU, where the "device" buffers are host memory."""
+    On the CPU the "device" buffers are host memory: what the host has available."""
     device = torch.device(device)
     if device.type != "cuda":
-        return None
+        return available_host_bytes()
     free, _total = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     return int(free + max(cached, 0))
