@@ -103,13 +103,18 @@ def test_model_config_gives_the_shape_of_moe_layers(per_sequence_npz, tmp_path):
     assert both.exit_code == 2 and "pass --shape or --model, not both" in both.output
 
 
+def _valid(tokens, layers, k):
+    """Routing that names each expert once per token and layer."""
+    return np.broadcast_to(np.arange(k, dtype=np.int8), (tokens, layers, k)).copy()
+
+
 @pytest.mark.parametrize("arrays,message", [
-    ({"problem0": np.zeros((3, L, K), np.int8), "problem1": np.zeros((3, L, 4), np.int8)}, "disagree on \\[layers, top_k\\]"),
+    ({"problem0": _valid(3, L, K), "problem1": _valid(3, L, 4)}, "disagree on \\[layers, top_k\\]"),
     ({"problem0": -np.ones((3, L, K), np.int8)}, "negative expert id"),
     ({"problem0": np.zeros((3, L), np.int8)}, "must be integers \\[tokens, layers, top_k\\]"),
     ({"problem0": np.zeros((3, L, K), np.int8), "answer1": np.zeros((3, L, K), np.int8)}, "one shared prefix"),
-    ({"problem0": np.zeros((3, L, K), np.int8), "problem0_weights": np.ones((3, L, K)),
-      "problem1": np.zeros((3, L, K), np.int8)}, "recorded for some sequences only"),
+    ({"problem0": _valid(3, L, K), "problem0_weights": np.ones((3, L, K)),
+      "problem1": _valid(3, L, K)}, "recorded for some sequences only"),
 ])
 def test_bad_per_sequence_npz_is_one_error(tmp_path, arrays, message):
     path = tmp_path / "bad.npz"
