@@ -198,6 +198,10 @@ def demo_command(
                               progress=lambda *a: bar.advance(task))
     except SpecFitError as exc:
         fail(str(exc))
+    except KeyboardInterrupt:
+        typer.secho(f"interrupted: what finished is kept under {out} (decode runs keep every complete cycle); run "
+                    f"specfit demo again for the report", err=True)
+        raise typer.Exit(130) from None
 
     table = Table(title="Live decoding of the bundled tiny MoE on this machine (measured, predicted in brackets)")
     for col in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "nodes verified", "hit rate"):

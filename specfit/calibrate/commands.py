@@ -67,6 +67,9 @@ def calibrate_command(
         prof.save(path)
     except SpecFitError as exc:
         fail(str(exc))
+    except KeyboardInterrupt:
+        typer.secho("interrupted: no profile was written (probes are fitted only once they have all run)", err=True)
+        raise typer.Exit(130) from None
     if as_json:
         typer.echo(json.dumps(prof.to_dict(), indent=2))
         return

@@ -60,6 +60,10 @@ def simulate_command(
             _write_outputs(out, cycles, summary, ctx)
     except SpecFitError as exc:
         fail(str(exc))
+    except KeyboardInterrupt:
+        typer.secho("interrupted: nothing was written (a simulation writes its files when every replay is done)",
+                    err=True)
+        raise typer.Exit(130) from None
     if as_json:
         records = json.loads(summary.to_json(orient="records"))
         typer.echo(json.dumps(records, indent=2))
