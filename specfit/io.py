@@ -13,7 +13,22 @@ from typing import Callable
 from .errors import SpecFitError
 
 __all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "write_jsonl_atomic", "check_output",
-           "remove_stale_temporaries"]
+           "remove_stale_temporaries", "read_json_object"]
+
+
+def read_json_object(path: str | Path, expected: str = "a JSON file") -> dict:
+    """The JSON object in ``path``; one clear error for a missing file (naming what was
+    ``expected`` there), an unreadable or malformed one, or anything but an object at the top."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SpecFitError(f"{path}: no such file; expected {expected}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SpecFitError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(raw, dict):
+        raise SpecFitError(f"{path}: expected a JSON object at the top level")
+    return raw
 
 
 def check_output(path: str | Path | None, option: str, kind: str = "file") -> Path | None:

@@ -182,15 +182,13 @@ def _drafter_dims(plan: CalibrationPlan, config) -> tuple[int, int]:
     config.json when given, else EAGLE-3's defaults for the target (its hidden size, 32k tokens)."""
     if plan.drafter_dir is None:
         return config.hidden_size, min(config.vocab_size, 32000)
-    import json
+    from ..io import read_json_object
 
     path = Path(plan.drafter_dir) / "config.json"
+    raw = read_json_object(path, "the drafter's config.json")
     try:
-        raw = json.loads(path.read_text())
         return int(raw["hidden_size"]), int(raw.get("draft_vocab_size") or raw["vocab_size"])
-    except FileNotFoundError:
-        raise SpecFitError(f"{path}: no such file; expected the drafter's config.json") from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise SpecFitError(f"{path}: expected JSON with 'hidden_size' and 'draft_vocab_size' ({exc})") from None
 
 

@@ -20,13 +20,13 @@ scaling variants are read by :mod:`specfit.runtime.rope`.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..errors import SpecFitError
+from ..io import read_json_object
 from .rope import RopeSpec, parse_rope
 
 __all__ = ["ModelConfig", "MLAShape", "SUPPORTED_ARCHITECTURES", "DTYPES", "default_capture_layers"]
@@ -175,7 +175,7 @@ class ModelConfig:
         config = cls.from_file(model_dir / "config.json")
         generation_path = model_dir / "generation_config.json"
         if generation_path.is_file():
-            generation = _read_json(generation_path)
+            generation = read_json_object(generation_path)
             if generation.get("eos_token_id") is not None:
                 eos = _eos_ids(generation["eos_token_id"], generation_path)
                 config = replace(config, eos_token_ids=eos)
@@ -186,7 +186,7 @@ class ModelConfig:
         path = Path(path)
         if not path.is_file():
             raise SpecFitError(f"{path}: no such file; expected a Hugging Face config.json")
-        return cls.from_dict(_read_json(path), source=str(path))
+        return cls.from_dict(read_json_object(path), source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
@@ -275,16 +275,6 @@ class ModelConfig:
 
 
 # ----------------------------------------------------------------- helpers
-def _read_json(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SpecFitError(f"{path}: not a readable JSON file ({exc})") from None
-    if not isinstance(raw, dict):
-        raise SpecFitError(f"{path}: expected a JSON object at the top level")
-    return raw
-
-
 def _architecture(raw: dict, source: str) -> str:
     names = raw.get("architectures") or []
     if isinstance(names, str):

@@ -32,7 +32,6 @@ Without ids the EAGLE-3 default applies: inputs of layers 2, L/2 and L-3.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -120,16 +119,9 @@ class Eagle3Config:
     # ------------------------------------------------------------------ reading
     @classmethod
     def from_file(cls, path: str | Path) -> "Eagle3Config":
-        path = Path(path)
-        try:
-            raw = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise SpecFitError(f"{path}: no such file; expected the drafter's config.json") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise SpecFitError(f"{path}: not a readable JSON file ({exc})") from None
-        if not isinstance(raw, dict):
-            raise SpecFitError(f"{path}: expected a JSON object at the top level")
-        return cls.from_dict(raw, source=str(path))
+        from ..io import read_json_object
+
+        return cls.from_dict(read_json_object(path, "the drafter's config.json"), source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "Eagle3Config":

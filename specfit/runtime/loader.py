@@ -30,6 +30,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import SpecFitError
+from ..io import read_json_object
 from .config import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
 from .draft_model import ModelDrafter
 from .eagle3 import EAGLE3_ARCHITECTURE, SPECULATORS_ARCHITECTURE, Eagle3Config, Eagle3Drafter
@@ -161,13 +162,8 @@ def is_eagle3(drafter_dir: str | Path) -> bool:
     """An EAGLE-3 head (its config names ``LlamaForCausalLMEagle3``, or vLLM speculators'
     ``Eagle3Speculator``) or an independent draft model (a supported MoE architecture)."""
     path = Path(drafter_dir) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise SpecFitError(f"{path}: no such file; expected an EAGLE-3 head or a draft model's config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SpecFitError(f"{path}: not a readable JSON file ({exc})") from None
-    architectures = (raw.get("architectures") or []) if isinstance(raw, dict) else []
+    raw = read_json_object(path, "an EAGLE-3 head or a draft model's config.json")
+    architectures = raw.get("architectures") or []
     if EAGLE3_ARCHITECTURE in architectures or SPECULATORS_ARCHITECTURE in architectures:
         return True
     if isinstance(raw, dict) and raw.get("speculators_model_type") is not None:
