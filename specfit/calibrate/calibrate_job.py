@@ -25,7 +25,8 @@ from .fit import CycleTimeFitter, prediction_errors
 from .probes import fit_h2d, probe_expert_compute, probe_h2d
 from .profile import ModelShape, Profile, machine_info
 
-__all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "default_profile_path", "RUN_CYCLE_COLUMNS"]
+__all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "default_profile_path", "RUN_CYCLE_COLUMNS",
+           "probe_prior"]
 
 # what `specfit decode --out` writes per cycle (cycles.parquet) and a refit reads
 RUN_CYCLE_COLUMNS = ("draft_levels", "nodes_verified", "hits", "misses", "measured_time_s")
@@ -188,7 +189,9 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None) -> Profile:
     step()
 
     X, y = cycles_features(cycle_rows)
-    fitter = CycleTimeFitter(seed=plan.seed, fixed={"draft_level_s": draft_level_s}).fit(X, y, source="cycle probes")
+    prior = probe_prior(compute_rows, h2d_rows, probed.expert_bytes, pinned=device.type == "cuda")
+    fitter = CycleTimeFitter(seed=plan.seed, fixed={"draft_level_s": draft_level_s}, prior=prior).fit(
+        X, y, source="cycle probes")
     cost = fitter.cost_model(expert_bytes=full.expert_bytes)
     layer_scale = full.n_layers / probed.n_layers
     if layer_scale != 1:
@@ -197,8 +200,9 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None) -> Profile:
     pinned = device.type == "cuda"
     fit_info = {
         **fitter.quality_,
-        "method": "non-negative least squares on measured verification passes (relative error), "
-                  "draft_level_s fixed from the draft probe",
+        "method": "physical least squares on measured verification passes (relative error, Huber weights, "
+                  "miss_s = hit_s + transfer_s >= hit_s), draft_level_s fixed from the draft probe, terms the "
+                  "passes cannot identify held at the expert-compute and H2D probes' values",
         "probed_params": dict(zip(PARAM_NAMES, map(float, fitter.params_))),
         "layer_scale": layer_scale,
         "h2d": fit_h2d(h2d_rows, pinned=pinned if device.type == "cuda" else None),
@@ -213,6 +217,19 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None) -> Profile:
         probes={"h2d": h2d_rows, "expert_compute": compute_rows, "cycles": cycle_rows, "draft": draft_rows,
                 "probed_shape": probed.to_dict(), "dtype": str(dtype).replace("torch.", "")},
     )
+
+
+def probe_prior(compute_rows: list[dict], h2d_rows: list[dict], expert_bytes: int, pinned: bool) -> dict:
+    """What the direct probes say the per-expert terms are: a hit is one resident expert run on a
+    token (the compute probe's smallest batch), a transfer one expert's copy (the H2D fit)."""
+    prior = {}
+    if compute_rows:
+        smallest = min(compute_rows, key=lambda r: r["tokens"])
+        prior["hit_s"] = float(smallest["seconds"])
+    line = fit_h2d(h2d_rows, pinned=pinned if pinned else None) if h2d_rows else {}
+    if np.isfinite(line.get("gbps", np.nan)) and line["gbps"] > 0:
+        prior["transfer_s"] = float(line["overhead_s"] + expert_bytes / (line["gbps"] * 1e9))
+    return prior
 
 
 # --------------------------------------------------------------------------- refit from a run
@@ -247,7 +264,9 @@ def refit(profile: Profile, run_dirs, seed: int = 0, holdout_fraction: float = 0
 
     X = CostModel.features(df["draft_levels"], df["nodes_verified"], df["hits"], df["misses"])
     y = df["measured_time_s"].to_numpy(dtype=np.float64)
-    fitter = CycleTimeFitter(holdout_fraction=holdout_fraction, seed=seed).fit(X, y, source="decode cycles")
+    # the profile is the prior: a term these cycles cannot identify keeps the profile's value
+    fitter = CycleTimeFitter(holdout_fraction=holdout_fraction, seed=seed, prior=profile.cost).fit(
+        X, y, source="decode cycles")
     n_test = fitter.quality_["n_holdout"]
     test = np.random.default_rng(seed).permutation(len(y))[:n_test]
     before = prediction_errors(X[test] @ profile.cost.params, y[test])

@@ -1,12 +1,28 @@
-"""Fitting the cycle-time predictor from measured cycles.
+"""Fitting the cycle-time predictor from measured cycles, physically.
 
-Every cycle is summarised by the features of :meth:`CostModel.features`
-``(draft_levels, 1, n_nodes, hits, misses)`` and its measured time; the model is linear in the
-five parameters, so fitting is a non-negative least squares (scipy), iteratively reweighted with Huber weights so a few cycles
-slowed by something else on the machine do not pull the fit. Rows are weighted by
-1 / measured time so the fit minimises *relative* error (a 2 ms cycle matters as much as a
-200 ms one). Parameters measured directly by a probe (e.g. the transfer cost from the H2D sweep)
-can be held fixed. The held-out error is measured on cycles the fit did not see and kept as data.
+The fit works in a physical parametrisation of :class:`~specfit.costmodel.CostModel`: a miss costs
+a hit plus a non-negative transfer,
+
+    T = draft_level_s * d + base_s + per_node_s * |S| + hit_s * |U| + transfer_s * misses
+    miss_s = hit_s + transfer_s,   every term >= 0
+
+(``|U| = hits + misses``, the union), so no fit can make a miss cheaper than a hit. Rows are
+weighted by 1 / measured time, so the fit minimises *relative* error (a 2 ms cycle matters as much
+as a 200 ms one), and iteratively reweighted with Huber weights, so a few cycles slowed by
+something else on the machine are down-weighted instead of fitted.
+
+A term is fitted only where the data identify it; otherwise it is *held* at its prior value (a
+probe's direct measurement, or the profile being refitted; 0 without one) and ``quality_["held"]``
+says which and why. Identification is a forward selection on the weighted normal equations:
+``base_s`` is always fitted (every cycle has one); then, while some term's standard error from the
+data (the residual spread times the square root of the inverse normal matrix's diagonal) is below
+the prior's own uncertainty, the best-determined term is added. The prior's uncertainty is
+``prior_spread`` times the prior value, or times the value at which the term would be
+``VISIBLE_SHARE`` of a cycle when that is larger (a prior of 0 is not a certainty). A constant column,
+one that moves with the others (draft levels that grow with the node count), or a term too small to
+see in the noise thus stays at the prior instead of trading against the other terms, as a plain
+non-negative least squares does. Parameters measured directly by a probe (the draft level) can be
+``fixed``. The held-out error is measured on cycles the fit did not see and kept as data.
 """
 
 from __future__ import annotations
@@ -18,33 +34,110 @@ from ..accounting import prediction_errors
 from ..costmodel import PARAM_NAMES, CostModel
 from ..errors import SpecFitError
 
-__all__ = ["CycleTimeFitter", "prediction_errors"]
+__all__ = ["CycleTimeFitter", "prediction_errors", "PHYSICAL_NAMES", "physical_features", "to_physical",
+           "from_physical", "VISIBLE_SHARE"]
+
+# the fitted parameters, in the order of physical_features' columns
+PHYSICAL_NAMES = ("draft_level_s", "base_s", "per_node_s", "hit_s", "transfer_s")
+BASE = PHYSICAL_NAMES.index("base_s")
+# a term adding this share of a cycle is one the data should be able to see
+VISIBLE_SHARE = 0.02
+# relative residual spread assumed at least: exact synthetic data must not make every term "certain"
+NOISE_FLOOR = 0.005
+# a normal matrix (columns scaled to unit norm) this badly conditioned has collinear columns
+COLLINEAR_CONDITION = 1e8
+
+
+def physical_features(features) -> np.ndarray:
+    """Feature rows ``(draft_levels, 1, n_nodes, hits, misses)`` of :meth:`CostModel.features`
+    as the physical fit's columns ``(draft_levels, 1, n_nodes, hits + misses, misses)``."""
+    X = np.asarray(features, dtype=np.float64)
+    Z = X.copy()
+    Z[..., 3] = X[..., 3] + X[..., 4]
+    return Z
+
+
+def to_physical(params) -> np.ndarray:
+    """Cost-model parameters (:data:`PARAM_NAMES` order) as physical ones (:data:`PHYSICAL_NAMES`).
+    A model whose miss is cheaper than its hit (an unphysical fit) maps to hit = miss, transfer 0."""
+    d, base, node, hit, miss = (float(v) for v in params)
+    hit = min(hit, miss)
+    return np.array([d, base, node, hit, miss - hit])
+
+
+def from_physical(theta) -> np.ndarray:
+    d, base, node, hit, transfer = (float(v) for v in theta)
+    return np.array([d, base, node, hit, hit + transfer])
+
+
+def _physical_values(values: dict | CostModel | None, source: str) -> np.ndarray:
+    """A partial set of parameter values (CostModel names, or ``transfer_s``) as a physical
+    vector, NaN where unknown."""
+    out = np.full(len(PHYSICAL_NAMES), np.nan)
+    if values is None:
+        return out
+    d = values.to_dict() if isinstance(values, CostModel) else dict(values)
+    d.pop("expert_bytes", None)
+    unknown = set(d) - set(PARAM_NAMES) - {"transfer_s"}
+    if unknown:
+        raise SpecFitError(f"{source}: unknown parameter(s) {sorted(unknown)}; expected some of "
+                           f"{[*PARAM_NAMES, 'transfer_s']}")
+    for name in ("draft_level_s", "base_s", "per_node_s"):
+        if name in d:
+            out[PHYSICAL_NAMES.index(name)] = float(d[name])
+    hit, miss = d.get("hit_s"), d.get("miss_s")
+    if hit is not None and miss is not None:
+        out[3:] = to_physical([0, 0, 0, hit, miss])[3:]
+    elif hit is not None:
+        out[3] = float(hit)
+    if "transfer_s" in d:
+        out[4] = float(d["transfer_s"])
+    if np.any(out[np.isfinite(out)] < 0):
+        raise SpecFitError(f"{source}: parameters must be non-negative seconds, got {d}")
+    return out
 
 
 class CycleTimeFitter:
-    """Non-negative least-squares fit of the cost model (scikit-learn shape).
+    """Physically constrained, robust least-squares fit of the cost model (scikit-learn shape).
 
     Args:
         holdout_fraction: share of the cycles kept out of the fit to measure its error.
         seed: shuffles the split.
-        fixed: parameters held at given values, e.g. ``{"miss_s": 4e-4}``.
+        fixed: parameters held at given values, e.g. ``{"draft_level_s": 8e-4}`` (CostModel names,
+            or ``transfer_s``; ``miss_s`` alone holds the miss cost and fits the hit below it).
+        prior: what each parameter is believed to be before these cycles (a :class:`CostModel`,
+            or a partial dict: the probes' direct measurements, the profile being refitted); a
+            term the data cannot identify is held there (at 0 without a prior).
+        prior_spread: the prior's relative uncertainty; the data must determine a term better
+            than this for it to be fitted.
         robust_iterations: reweighting rounds with Huber weights (0: plain least squares).
 
     Attributes after ``fit``: ``params_`` (in :data:`PARAM_NAMES` order, fitted on all cycles),
-    ``quality_`` (held-out and training errors, counts, which parameters the data could not
-    identify).
+    ``physical_`` (:data:`PHYSICAL_NAMES` order), ``quality_`` (held-out and training errors,
+    counts, the fitted and the held terms with the reason, the residual spread).
     """
 
     def __init__(self, holdout_fraction: float = 0.25, seed: int = 0, fixed: dict | None = None,
-                 robust_iterations: int = 5):
+                 robust_iterations: int = 5, prior: dict | CostModel | None = None, prior_spread: float = 0.5):
         if not 0.0 <= holdout_fraction < 1.0:
             raise SpecFitError(f"holdout_fraction: expected a value in [0, 1), got {holdout_fraction}")
-        unknown = set(fixed or {}) - set(PARAM_NAMES)
-        if unknown:
-            raise SpecFitError(f"fixed: unknown parameter(s) {sorted(unknown)}; expected some of {list(PARAM_NAMES)}")
-        self.holdout_fraction, self.seed, self.fixed = holdout_fraction, seed, dict(fixed or {})
+        if not prior_spread > 0:
+            raise SpecFitError(f"prior_spread: expected a positive relative uncertainty, got {prior_spread}")
+        fixed = dict(fixed or {})
+        self._fixed_phys = _physical_values({k: v for k, v in fixed.items() if k != "miss_s"}, "fixed")
+        self._fixed_miss = float(fixed["miss_s"]) if "miss_s" in fixed else None
+        if self._fixed_miss is not None and np.isfinite(self._fixed_phys[3]):
+            # both given: the transfer is their difference
+            if self._fixed_miss < self._fixed_phys[3]:
+                raise SpecFitError(f"fixed: miss_s ({self._fixed_miss}) below hit_s ({self._fixed_phys[3]}) is unphysical")
+            self._fixed_phys[4], self._fixed_miss = self._fixed_miss - self._fixed_phys[3], None
+        self.holdout_fraction, self.seed, self.fixed = holdout_fraction, seed, fixed
         self.robust_iterations = int(robust_iterations)
+        self.prior = prior
+        self._prior_phys = _physical_values(prior, "prior")
+        self.prior_spread = float(prior_spread)
 
+    # ------------------------------------------------------------------ checks
     def _check(self, features, times_s, source: str) -> tuple[np.ndarray, np.ndarray]:
         X = np.asarray(features, dtype=np.float64)
         y = np.asarray(times_s, dtype=np.float64)
@@ -59,29 +152,115 @@ class CycleTimeFitter:
             raise SpecFitError(f"{source}: measured times must be positive seconds")
         return X, y
 
-    def _solve(self, X: np.ndarray, y: np.ndarray) -> np.ndarray:
-        params = np.zeros(len(PARAM_NAMES))
-        free = []
-        residual = y.copy()
-        for j, name in enumerate(PARAM_NAMES):
-            if name in self.fixed:
-                params[j] = float(self.fixed[name])
-                residual -= X[:, j] * params[j]
-            else:
-                free.append(j)
-        if free:
-            weight = 1.0 / y   # relative error
-            A, b = X[:, free] * weight[:, None], residual * weight
-            robust = np.ones_like(b)
-            for _ in range(self.robust_iterations + 1):
-                params[free], _ = nnls(A * robust[:, None], b * robust)
-                # Huber weights on the relative residuals: a cycle slowed down by something else on
-                # the machine (a page fault, another process) is down-weighted, not fitted
-                r = b - A @ params[free]
-                scale = 1.4826 * np.median(np.abs(r - np.median(r))) or 1e-12
-                robust = np.sqrt(np.minimum(1.0, 1.345 * scale / np.maximum(np.abs(r), 1e-300)))
-        return params
+    # ------------------------------------------------------------------ the solver
+    def solve(self, features, times_s) -> tuple[np.ndarray, dict]:
+        """(physical parameters, what was fitted and held) on already checked cycles; the cheap
+        entry point of the online refit (no held-out split, no error summaries)."""
+        X = np.asarray(features, dtype=np.float64)
+        y = np.asarray(times_s, dtype=np.float64)
+        Z = physical_features(X)
+        if self._fixed_miss is not None:
+            # miss_s held, hit_s free below it: T - miss_s * misses = ... + hit_s * hits
+            y_fit = y - self._fixed_miss * X[:, 4]
+            Z = Z.copy()
+            Z[:, 3], Z[:, 4] = X[:, 3], 0.0
+        else:
+            y_fit = y
+        fixed = np.isfinite(self._fixed_phys)
+        if self._fixed_miss is not None:
+            fixed[4] = True
+        held_at = np.where(np.isfinite(self._prior_phys), self._prior_phys, 0.0)
+        held_at = np.where(np.isfinite(self._fixed_phys), self._fixed_phys, held_at)
+        if self._fixed_miss is not None:
+            held_at[4] = 0.0
+            held_at[3] = min(held_at[3], self._fixed_miss)
+        weight = 1.0 / y                                     # relative error
+        A, b = Z * weight[:, None], y_fit * weight
+        robust = np.ones_like(b)
+        theta, info = held_at.copy(), {}
+        for _ in range(self.robust_iterations + 1):
+            Ar, br = A * robust[:, None], b * robust
+            free, info = self._identify(Ar, br, held_at, fixed, Z)
+            theta = held_at.copy()
+            if free:
+                rest = br - Ar[:, [j for j in range(len(theta)) if j not in free]] @ \
+                    theta[[j for j in range(len(theta)) if j not in free]]
+                theta[free], _ = nnls(Ar[:, free], rest)
+            # Huber weights on the relative residuals (scale: the median absolute deviation)
+            r = b - A @ theta
+            scale = 1.4826 * np.median(np.abs(r - np.median(r))) or 1e-12
+            robust = np.sqrt(np.minimum(1.0, 1.345 * scale / np.maximum(np.abs(r), 1e-300)))
+        if self._fixed_miss is not None:
+            theta[3] = min(theta[3], self._fixed_miss)       # a hit never costs more than the held miss
+            theta[4] = self._fixed_miss - theta[3]
+        info["free"] = [PHYSICAL_NAMES[j] for j in info.pop("free_idx")]
+        return theta, info
 
+    def _identify(self, A: np.ndarray, b: np.ndarray, held_at: np.ndarray, fixed: np.ndarray, Z: np.ndarray):
+        """Forward selection of the terms the data determine better than the prior (see the
+        module docstring). Returns (free column indices, info with the held terms' reasons)."""
+        n, p = A.shape
+        G, g, bb = A.T @ A, A.T @ b, float(b @ b)
+        unit = np.abs(A).mean(axis=0)                        # a term's share of a cycle per unit of it
+        with np.errstate(divide="ignore"):
+            visible = np.where(unit > 0, VISIBLE_SHARE / unit, np.inf)
+        prior_sd = self.prior_spread * np.maximum(held_at, visible)
+
+        def evaluate(S):
+            """(se of each term in S) of the least-squares fit on S with the rest held; None when
+            S's columns are collinear."""
+            S = list(S)
+            H = [j for j in range(p) if j not in S]
+            Gs = G[np.ix_(S, S)]
+            d = np.sqrt(np.diag(Gs))
+            if np.any(d == 0):
+                return None
+            scaled = Gs / np.outer(d, d)
+            if np.linalg.cond(scaled) > COLLINEAR_CONDITION:
+                return None
+            inv = np.linalg.inv(scaled) / np.outer(d, d)
+            vh = held_at[H]
+            rhs = g[S] - G[np.ix_(S, H)] @ vh
+            theta = inv @ rhs
+            rss = bb - 2 * vh @ g[H] + vh @ G[np.ix_(H, H)] @ vh - 2 * theta @ rhs + theta @ Gs @ theta
+            dof = max(n - len(S), 1)
+            sigma2 = max(rss / dof, NOISE_FLOOR ** 2)
+            return np.sqrt(sigma2 * np.diag(inv))
+
+        reasons = {}
+        candidates = [j for j in range(p) if not fixed[j]]
+        for j in candidates:
+            if not np.any(Z[:, j]):
+                reasons[j] = "absent from the data (always 0)"
+        free = [BASE] if BASE in candidates and evaluate([BASE]) is not None else []
+        remaining = [j for j in candidates if j not in free and j not in reasons]
+        ratios = {}
+        while remaining:
+            best, best_ratio = None, np.inf
+            for j in remaining:
+                se = evaluate(free + [j])
+                ratio = np.inf if se is None else se[-1] / prior_sd[j]
+                ratios[j] = ratio
+                if ratio < best_ratio:
+                    best, best_ratio = j, ratio
+            if best is None or best_ratio >= 1.0:
+                break
+            free.append(best)
+            remaining.remove(best)
+        for j in remaining:
+            if not np.isfinite(ratios.get(j, np.inf)):
+                others = [PHYSICAL_NAMES[k] for k in free]
+                reasons[j] = ("constant in the data" if np.ptp(Z[:, j]) == 0
+                              else f"moves with {', '.join(others)} in the data (collinear)")
+            else:
+                reasons[j] = (f"not determined by the data (standard error {ratios[j]:.1f}x the prior's "
+                              f"+-{self.prior_spread:.0%})")
+        held = {PHYSICAL_NAMES[j]: {"value": float(held_at[j]),
+                                    "at": "prior" if np.isfinite(self._prior_phys[j]) else "zero (no prior)",
+                                    "reason": reasons[j]} for j in sorted(reasons)}
+        return sorted(free), {"free_idx": sorted(free), "held": held}
+
+    # ------------------------------------------------------------------ estimator API
     def fit(self, features, times_s, source: str = "measured cycles") -> "CycleTimeFitter":
         X, y = self._check(features, times_s, source)
         n = X.shape[0]
@@ -90,10 +269,12 @@ class CycleTimeFitter:
         test, train = order[:n_test], order[n_test:]
         held_out = {}
         if n_test:
-            params = self._solve(X[train], y[train])
-            held_out = prediction_errors(X[test] @ params, y[test])
-        self.params_ = self._solve(X, y)
-        varying = [name for j, name in enumerate(PARAM_NAMES) if np.ptp(X[:, j]) > 0 or name == "base_s"]
+            theta, _ = self.solve(X[train], y[train])
+            held_out = prediction_errors(X[test] @ from_physical(theta), y[test])
+        theta, info = self.solve(X, y)
+        self.physical_ = theta
+        self.params_ = from_physical(theta)
+        residual = (y - X @ self.params_) / y
         self.quality_ = {
             "n_cycles": n,
             "n_train": int(train.size),
@@ -101,7 +282,14 @@ class CycleTimeFitter:
             "holdout": held_out,
             "train": prediction_errors(X @ self.params_, y),
             "fixed": dict(self.fixed),
-            "unidentified": [name for name in PARAM_NAMES if name not in varying and name not in self.fixed],
+            "parametrisation": "miss_s = hit_s + transfer_s, every term >= 0",
+            "physical_params": dict(zip(PHYSICAL_NAMES, map(float, theta))),
+            "fitted": info["free"],
+            "held": info["held"],
+            "unidentified": [name for name in info["held"]],
+            "prior": None if self.prior is None else
+            {k: float(v) for k, v in zip(PHYSICAL_NAMES, self._prior_phys) if np.isfinite(v)},
+            "residual_spread": float(1.4826 * np.median(np.abs(residual - np.median(residual)))),
         }
         return self
 
