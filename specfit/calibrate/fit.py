@@ -153,43 +153,52 @@ class CycleTimeFitter:
         return X, y
 
     # ------------------------------------------------------------------ the solver
-    def solve(self, features, times_s) -> tuple[np.ndarray, dict]:
-        """(physical parameters, what was fitted and held) on already checked cycles; the cheap
-        entry point of the online refit (no held-out split, no error summaries)."""
+    def _held_values(self) -> tuple[np.ndarray, np.ndarray]:
+        """(fixed mask, value of every term when it is not fitted) in physical order."""
+        fixed = np.isfinite(self._fixed_phys)
+        held_at = np.where(np.isfinite(self._prior_phys), self._prior_phys, 0.0)
+        held_at = np.where(fixed, self._fixed_phys, held_at)
+        if self._fixed_miss is not None:
+            fixed[4], held_at[4] = True, 0.0
+            held_at[3] = min(held_at[3], self._fixed_miss)
+        return fixed, held_at
+
+    def solve(self, features, times_s, start=None, robust_iterations: int | None = None) -> tuple[np.ndarray, dict]:
+        """(physical parameters, what was fitted and held) on already checked cycles.
+
+        ``start`` (physical parameters) gives the first round's Huber weights from its residuals
+        (else the first round is unweighted); ``robust_iterations`` overrides the rounds after it.
+        The online refit calls this with the current model and no further round: one pass, the
+        reweighting carried from refit to refit."""
         X = np.asarray(features, dtype=np.float64)
         y = np.asarray(times_s, dtype=np.float64)
         Z = physical_features(X)
+        y_fit = y
         if self._fixed_miss is not None:
             # miss_s held, hit_s free below it: T - miss_s * misses = ... + hit_s * hits
             y_fit = y - self._fixed_miss * X[:, 4]
-            Z = Z.copy()
             Z[:, 3], Z[:, 4] = X[:, 3], 0.0
-        else:
-            y_fit = y
-        fixed = np.isfinite(self._fixed_phys)
-        if self._fixed_miss is not None:
-            fixed[4] = True
-        held_at = np.where(np.isfinite(self._prior_phys), self._prior_phys, 0.0)
-        held_at = np.where(np.isfinite(self._fixed_phys), self._fixed_phys, held_at)
-        if self._fixed_miss is not None:
-            held_at[4] = 0.0
-            held_at[3] = min(held_at[3], self._fixed_miss)
+        fixed, held_at = self._held_values()
         weight = 1.0 / y                                     # relative error
         A, b = Z * weight[:, None], y_fit * weight
-        robust = np.ones_like(b)
-        theta, info = held_at.copy(), {}
-        for _ in range(self.robust_iterations + 1):
+        theta = None if start is None else np.asarray(start, dtype=np.float64)
+        rounds = self.robust_iterations if robust_iterations is None else int(robust_iterations)
+        info = {}
+        for _ in range(rounds + 1):
+            if theta is None:
+                robust = np.ones_like(b)
+            else:
+                # Huber weights on the relative residuals (scale: the median absolute deviation): a
+                # cycle slowed down by something else on the machine is down-weighted, not fitted
+                r = b - A @ theta
+                scale = 1.4826 * np.median(np.abs(r - np.median(r))) or 1e-12
+                robust = np.sqrt(np.minimum(1.0, 1.345 * scale / np.maximum(np.abs(r), 1e-300)))
             Ar, br = A * robust[:, None], b * robust
             free, info = self._identify(Ar, br, held_at, fixed, Z)
             theta = held_at.copy()
             if free:
-                rest = br - Ar[:, [j for j in range(len(theta)) if j not in free]] @ \
-                    theta[[j for j in range(len(theta)) if j not in free]]
-                theta[free], _ = nnls(Ar[:, free], rest)
-            # Huber weights on the relative residuals (scale: the median absolute deviation)
-            r = b - A @ theta
-            scale = 1.4826 * np.median(np.abs(r - np.median(r))) or 1e-12
-            robust = np.sqrt(np.minimum(1.0, 1.345 * scale / np.maximum(np.abs(r), 1e-300)))
+                held = [j for j in range(len(theta)) if j not in free]
+                theta[free], _ = nnls(Ar[:, free], br - Ar[:, held] @ theta[held])
         if self._fixed_miss is not None:
             theta[3] = min(theta[3], self._fixed_miss)       # a hit never costs more than the held miss
             theta[4] = self._fixed_miss - theta[3]
@@ -198,60 +207,54 @@ class CycleTimeFitter:
 
     def _identify(self, A: np.ndarray, b: np.ndarray, held_at: np.ndarray, fixed: np.ndarray, Z: np.ndarray):
         """Forward selection of the terms the data determine better than the prior (see the
-        module docstring). Returns (free column indices, info with the held terms' reasons)."""
+        module docstring). Returns (free column indices, info with the held terms' reasons).
+
+        One round costs one small inverse: freeing term j next to the free set F is a regression
+        of F's residual on j's column, whose Schur complement ``s_j = G_jj - G_jF G_FF^-1 G_Fj``
+        gives at once the standard error ``sigma_j / sqrt(s_j)``, the residual it removes
+        ``c_j^2 / s_j`` and the share of j's column the others do not explain ``s_j / G_jj``.
+        """
         n, p = A.shape
-        G, g, bb = A.T @ A, A.T @ b, float(b @ b)
+        G, g = A.T @ A, A.T @ b
         unit = np.abs(A).mean(axis=0)                        # a term's share of a cycle per unit of it
-        with np.errstate(divide="ignore"):
-            visible = np.where(unit > 0, VISIBLE_SHARE / unit, np.inf)
+        visible = np.divide(VISIBLE_SHARE, unit, out=np.full(p, np.inf), where=unit > 0)
         prior_sd = self.prior_spread * np.maximum(held_at, visible)
-
-        def evaluate(S):
-            """(se of each term in S) of the least-squares fit on S with the rest held; None when
-            S's columns are collinear."""
-            S = list(S)
-            H = [j for j in range(p) if j not in S]
-            Gs = G[np.ix_(S, S)]
-            d = np.sqrt(np.diag(Gs))
-            if np.any(d == 0):
-                return None
-            scaled = Gs / np.outer(d, d)
-            if np.linalg.cond(scaled) > COLLINEAR_CONDITION:
-                return None
-            inv = np.linalg.inv(scaled) / np.outer(d, d)
-            vh = held_at[H]
-            rhs = g[S] - G[np.ix_(S, H)] @ vh
-            theta = inv @ rhs
-            rss = bb - 2 * vh @ g[H] + vh @ G[np.ix_(H, H)] @ vh - 2 * theta @ rhs + theta @ Gs @ theta
-            dof = max(n - len(S), 1)
-            sigma2 = max(rss / dof, NOISE_FLOOR ** 2)
-            return np.sqrt(sigma2 * np.diag(inv))
-
-        reasons = {}
-        candidates = [j for j in range(p) if not fixed[j]]
-        for j in candidates:
-            if not np.any(Z[:, j]):
-                reasons[j] = "absent from the data (always 0)"
-        free = [BASE] if BASE in candidates and evaluate([BASE]) is not None else []
-        remaining = [j for j in candidates if j not in free and j not in reasons]
-        ratios = {}
+        diag = G.diagonal()
+        reasons = {j: "absent from the data (always 0)" for j in range(p) if not fixed[j] and diag[j] == 0}
+        free = [BASE] if not fixed[BASE] and BASE not in reasons else []
+        remaining = [j for j in range(p) if not fixed[j] and j not in free and j not in reasons]
+        ratios, unique = {}, {}
         while remaining:
-            best, best_ratio = None, np.inf
-            for j in remaining:
-                se = evaluate(free + [j])
-                ratio = np.inf if se is None else se[-1] / prior_sd[j]
-                ratios[j] = ratio
-                if ratio < best_ratio:
-                    best, best_ratio = j, ratio
-            if best is None or best_ratio >= 1.0:
+            C = np.array(remaining)
+            held = np.array([j for j in range(p) if j not in free])
+            b0 = b - A[:, held] @ held_at[held]              # what the free terms must explain
+            if free:
+                F = np.array(free)
+                inv = np.linalg.inv(G[F][:, F])
+                theta = inv @ (A[:, F].T @ b0)
+                r = b0 - A[:, F] @ theta
+                cross = G[F][:, C]
+                s = diag[C] - np.einsum("fc,fc->c", cross, inv @ cross)
+            else:
+                r, s = b0, diag[C].copy()
+            c = A[:, C].T @ r
+            rss = float(r @ r)
+            share = s / diag[C]
+            ok = share > 1.0 / COLLINEAR_CONDITION
+            s_safe = np.where(ok, s, 1.0)
+            sigma2 = np.maximum((rss - c * c / s_safe) / max(n - len(free) - 1, 1), NOISE_FLOOR ** 2)
+            ratio = np.where(ok, np.sqrt(sigma2 / s_safe) / prior_sd[C], np.inf)
+            for j, rj, uj in zip(remaining, ratio, share):
+                ratios[j], unique[j] = float(rj), float(uj)
+            best = int(np.argmin(ratio))
+            if not ratio[best] < 1.0:
                 break
-            free.append(best)
-            remaining.remove(best)
+            free.append(remaining.pop(best))
         for j in remaining:
-            if not np.isfinite(ratios.get(j, np.inf)):
-                others = [PHYSICAL_NAMES[k] for k in free]
-                reasons[j] = ("constant in the data" if np.ptp(Z[:, j]) == 0
-                              else f"moves with {', '.join(others)} in the data (collinear)")
+            if np.ptp(Z[:, j]) == 0:
+                reasons[j] = "constant in the data"
+            elif not np.isfinite(ratios[j]):
+                reasons[j] = f"moves with {', '.join(PHYSICAL_NAMES[k] for k in free)} in the data (collinear)"
             else:
                 reasons[j] = (f"not determined by the data (standard error {ratios[j]:.1f}x the prior's "
                               f"+-{self.prior_spread:.0%})")
