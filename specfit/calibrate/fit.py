@@ -163,11 +163,13 @@ class CycleTimeFitter:
             held_at[3] = min(held_at[3], self._fixed_miss)
         return fixed, held_at
 
-    def solve(self, features, times_s, start=None, robust_iterations: int | None = None) -> tuple[np.ndarray, dict]:
+    def solve(self, features, times_s, start=None, robust_iterations: int | None = None,
+              sample_weight=None) -> tuple[np.ndarray, dict]:
         """(physical parameters, what was fitted and held) on already checked cycles.
 
         ``start`` (physical parameters) gives the first round's Huber weights from its residuals
-        (else the first round is unweighted); ``robust_iterations`` overrides the rounds after it.
+        (else the first round is unweighted); ``robust_iterations`` overrides the rounds after it;
+        ``sample_weight`` weighs the cycles (the online refit's recency), at most 1 each.
         The online refit calls this with the current model and no further round: one pass, the
         reweighting carried from refit to refit."""
         X = np.asarray(features, dtype=np.float64)
@@ -180,6 +182,11 @@ class CycleTimeFitter:
             Z[:, 3], Z[:, 4] = X[:, 3], 0.0
         fixed, held_at = self._held_values()
         weight = 1.0 / y                                     # relative error
+        w = np.ones_like(y) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
+        self._weights = (float(w.sum()), float(w.sum() ** 2 / np.sum(w * w)), float(np.sum(w * w) / w.sum()))
+        # a term's share of a cycle per unit of it, over the (weighted) cycles
+        self._unit = (w @ np.abs(Z / y[:, None])) / w.sum()
+        weight = weight * np.sqrt(w)
         A, b = Z * weight[:, None], y_fit * weight
         theta = None if start is None else np.asarray(start, dtype=np.float64)
         rounds = self.robust_iterations if robust_iterations is None else int(robust_iterations)
@@ -190,7 +197,7 @@ class CycleTimeFitter:
             else:
                 # Huber weights on the relative residuals (scale: the median absolute deviation): a
                 # cycle slowed down by something else on the machine is down-weighted, not fitted
-                r = b - A @ theta
+                r = (y_fit - Z @ theta) / y
                 scale = 1.4826 * np.median(np.abs(r - np.median(r))) or 1e-12
                 robust = np.sqrt(np.minimum(1.0, 1.345 * scale / np.maximum(np.abs(r), 1e-300)))
             Ar, br = A * robust[:, None], b * robust
@@ -203,65 +210,77 @@ class CycleTimeFitter:
             theta[3] = min(theta[3], self._fixed_miss)       # a hit never costs more than the held miss
             theta[4] = self._fixed_miss - theta[3]
         info["free"] = [PHYSICAL_NAMES[j] for j in info.pop("free_idx")]
+        info["held_names"] = [PHYSICAL_NAMES[j] for j in sorted(info["held_idx"][0] + info["held_idx"][1])]
         return theta, info
 
     def _identify(self, A: np.ndarray, b: np.ndarray, held_at: np.ndarray, fixed: np.ndarray, Z: np.ndarray):
         """Forward selection of the terms the data determine better than the prior (see the
-        module docstring). Returns (free column indices, info with the held terms' reasons).
+        module docstring). Returns (free column indices, what is needed to say why the others are
+        held: :meth:`_held_terms` turns it into words).
 
-        One round costs one small inverse: freeing term j next to the free set F is a regression
-        of F's residual on j's column, whose Schur complement ``s_j = G_jj - G_jF G_FF^-1 G_Fj``
-        gives at once the standard error ``sigma_j / sqrt(s_j)``, the residual it removes
-        ``c_j^2 / s_j`` and the share of j's column the others do not explain ``s_j / G_jj``.
+        Everything is computed on the p x p normal equations. The noise ``sigma`` is the residual
+        spread of the largest model; one round costs one small inverse: freeing term j next to the
+        free set F, the Schur complement ``s_j = G_jj - G_jF G_FF^-1 G_Fj`` gives its standard
+        error ``sigma / sqrt(s_j)`` and the share of its column the free terms do not explain,
+        ``s_j / G_jj`` (collinear below ``1 / COLLINEAR_CONDITION``).
         """
-        n, p = A.shape
-        G, g = A.T @ A, A.T @ b
-        unit = np.abs(A).mean(axis=0)                        # a term's share of a cycle per unit of it
+        p = A.shape[1]
+        # rows weighted by w (recency): the spread of one cycle is rss / sum(w), with the degrees of
+        # freedom of n_eff = sum(w)^2 / sum(w^2) cycles; a parameter's variance scales by sum(w^2) / sum(w)
+        sum_w, n_eff, shrink = self._weights
+        G, g, bb = A.T @ A, A.T @ b, float(b @ b)
+        unit = self._unit
         visible = np.divide(VISIBLE_SHARE, unit, out=np.full(p, np.inf), where=unit > 0)
         prior_sd = self.prior_spread * np.maximum(held_at, visible)
         diag = G.diagonal()
-        reasons = {j: "absent from the data (always 0)" for j in range(p) if not fixed[j] and diag[j] == 0}
-        free = [BASE] if not fixed[BASE] and BASE not in reasons else []
-        remaining = [j for j in range(p) if not fixed[j] and j not in free and j not in reasons]
-        ratios, unique = {}, {}
+        absent = [j for j in range(p) if not fixed[j] and diag[j] == 0]
+        free = [BASE] if not fixed[BASE] and BASE not in absent else []
+        remaining = [j for j in range(p) if not fixed[j] and j not in free and j not in absent]
+        ratios = np.full(p, np.inf)
+        # the noise from the largest model (every candidate free, plain least squares): a subset's
+        # own residual would count the terms not yet freed as noise and free none of them
+        S = free + remaining
+        H = [j for j in range(p) if j not in S]
+        vH = held_at[H]
+        Ab0 = g - G[:, H] @ vH                               # A^T (b - A_H v_H): what S must explain
+        b0b0 = bb - 2 * vH @ g[H] + vH @ G[np.ix_(H, H)] @ vH
+        rss = b0b0 - Ab0[S] @ (np.linalg.pinv(G[np.ix_(S, S)], hermitian=True) @ Ab0[S]) if S else b0b0
+        dof = max(n_eff - len(S), 1.0)
+        sigma2 = max(rss / sum_w * n_eff / dof, NOISE_FLOOR ** 2)
         while remaining:
-            C = np.array(remaining)
-            held = np.array([j for j in range(p) if j not in free])
-            b0 = b - A[:, held] @ held_at[held]              # what the free terms must explain
+            C = remaining
             if free:
-                F = np.array(free)
-                inv = np.linalg.inv(G[F][:, F])
-                theta = inv @ (A[:, F].T @ b0)
-                r = b0 - A[:, F] @ theta
-                cross = G[F][:, C]
-                s = diag[C] - np.einsum("fc,fc->c", cross, inv @ cross)
+                cross = G[np.ix_(free, C)]
+                s = diag[C] - np.einsum("fc,fc->c", cross, np.linalg.inv(G[np.ix_(free, free)]) @ cross)
             else:
-                r, s = b0, diag[C].copy()
-            c = A[:, C].T @ r
-            rss = float(r @ r)
-            share = s / diag[C]
-            ok = share > 1.0 / COLLINEAR_CONDITION
-            s_safe = np.where(ok, s, 1.0)
-            sigma2 = np.maximum((rss - c * c / s_safe) / max(n - len(free) - 1, 1), NOISE_FLOOR ** 2)
-            ratio = np.where(ok, np.sqrt(sigma2 / s_safe) / prior_sd[C], np.inf)
-            for j, rj, uj in zip(remaining, ratio, share):
-                ratios[j], unique[j] = float(rj), float(uj)
+                s = diag[C].copy()
+            ok = s > diag[C] / COLLINEAR_CONDITION
+            ratio = np.where(ok, np.sqrt(sigma2 * shrink / np.where(ok, s, 1.0)) / prior_sd[C], np.inf)
+            ratios[C] = ratio
             best = int(np.argmin(ratio))
             if not ratio[best] < 1.0:
                 break
             free.append(remaining.pop(best))
-        for j in remaining:
-            if np.ptp(Z[:, j]) == 0:
-                reasons[j] = "constant in the data"
+        free.sort()
+        return free, {"free_idx": free, "held_idx": (absent, remaining, ratios, held_at, Z)}
+
+    def _held_terms(self, held_idx) -> dict:
+        """The held terms in words: their value, where it comes from, why they are held."""
+        absent, remaining, ratios, held_at, Z = held_idx
+        out = {}
+        for j in sorted(absent + remaining):
+            if j in absent:
+                reason = "absent from the data (always 0)"
+            elif np.ptp(Z[:, j]) == 0:
+                reason = "constant in the data"
             elif not np.isfinite(ratios[j]):
-                reasons[j] = f"moves with {', '.join(PHYSICAL_NAMES[k] for k in free)} in the data (collinear)"
+                reason = "moves with the fitted terms in the data (collinear)"
             else:
-                reasons[j] = (f"not determined by the data (standard error {ratios[j]:.1f}x the prior's "
-                              f"+-{self.prior_spread:.0%})")
-        held = {PHYSICAL_NAMES[j]: {"value": float(held_at[j]),
-                                    "at": "prior" if np.isfinite(self._prior_phys[j]) else "zero (no prior)",
-                                    "reason": reasons[j]} for j in sorted(reasons)}
-        return sorted(free), {"free_idx": sorted(free), "held": held}
+                reason = f"not determined by the data (standard error {ratios[j]:.1f}x the prior's +-{self.prior_spread:.0%})"
+            out[PHYSICAL_NAMES[j]] = {"value": float(held_at[j]),
+                                      "at": "prior" if np.isfinite(self._prior_phys[j]) else "zero (no prior)",
+                                      "reason": reason}
+        return out
 
     # ------------------------------------------------------------------ estimator API
     def fit(self, features, times_s, source: str = "measured cycles") -> "CycleTimeFitter":
@@ -288,8 +307,8 @@ class CycleTimeFitter:
             "parametrisation": "miss_s = hit_s + transfer_s, every term >= 0",
             "physical_params": dict(zip(PHYSICAL_NAMES, map(float, theta))),
             "fitted": info["free"],
-            "held": info["held"],
-            "unidentified": [name for name in info["held"]],
+            "held": self._held_terms(info["held_idx"]),
+            "unidentified": info["held_names"],
             "prior": None if self.prior is None else
             {k: float(v) for k, v in zip(PHYSICAL_NAMES, self._prior_phys) if np.isfinite(v)},
             "residual_spread": float(1.4826 * np.median(np.abs(residual - np.median(residual)))),

@@ -7,9 +7,10 @@ drift, and a policy that decides with them picks the wrong subtrees. :class:`Onl
 keeps the last ``window`` cycles (their features and measured times) and refits every
 ``refit_every`` cycles with :class:`~specfit.calibrate.fit.CycleTimeFitter`: relative error, Huber
 weights (a cycle disturbed once is not fitted), a miss never cheaper than a hit, and every term the
-window cannot identify held at the profile's value. A window of one policy's cycles usually pins
-``base_s`` and the terms its choices vary, so a change of the machine is absorbed within about half a
-window (the Huber weights treat the newer cycles as outliers until they are the majority).
+window cannot identify held at the profile's value. Cycles weigh less as they age (``half_life``),
+so a change of the machine outweighs the cycles before it after about one half-life, not after half
+the window. A window of one policy's cycles usually pins ``base_s`` and the terms its choices vary;
+the rest keep the profile's values.
 
 Before ``min_cycles`` cycles have been seen the model is the prior itself.
 """
@@ -33,17 +34,21 @@ class OnlineCostModel:
         window: how many recent cycles the fit sees.
         min_cycles: cycles seen before the first refit.
         refit_every: cycles between refits.
+        half_life: a cycle this many cycles old weighs half as much as the newest, so the model
+            follows a machine that changes instead of averaging over the whole window.
 
     Attributes: ``cost`` (the current model), ``n_seen`` (cycles observed), ``n_refits``,
-    ``held`` (the terms the last refit held at the prior, with the reason).
+    ``held`` (the terms the last refit held at the prior; :meth:`state` says why).
     """
 
-    def __init__(self, prior: CostModel, window: int = 32, min_cycles: int = 8, refit_every: int = 4):
+    def __init__(self, prior: CostModel, window: int = 48, min_cycles: int = 8, refit_every: int = 4,
+                 half_life: float = 8.0):
         if window < 2 or min_cycles < 2 or refit_every < 1:
             raise ValueError(f"OnlineCostModel: expected window >= 2, min_cycles >= 2, refit_every >= 1, got "
                              f"{window}, {min_cycles}, {refit_every}")
         self.prior = prior
         self.window, self.min_cycles, self.refit_every = int(window), int(min(min_cycles, window)), int(refit_every)
+        self.half_life = float(half_life)
         self._fitter = CycleTimeFitter(holdout_fraction=0.0, prior=prior)
         self._theta = to_physical(prior.params)
         self._features = np.zeros((self.window, len(PARAM_NAMES)))
@@ -51,7 +56,7 @@ class OnlineCostModel:
         self.n_seen = 0
         self.n_refits = 0
         self.cost = prior
-        self.held: dict = {}
+        self.held: list[str] = []
 
     def observe(self, draft_levels: int, n_nodes: int, hits: int, misses: int, time_s: float) -> None:
         """Add one measured cycle (the counts of what it verified, its measured seconds); refit
@@ -67,17 +72,21 @@ class OnlineCostModel:
 
     def _refit(self) -> None:
         n = min(self.n_seen, self.window)
+        age = (self.n_seen - 1 - np.arange(n)) % self.window        # slot i holds the cycle this many cycles old
+        recency = 0.5 ** (age / self.half_life)
         # one reweighting round per refit, its Huber weights from the current model's residuals:
         # over successive refits of overlapping windows this is the offline fit's iteration
-        theta, info = self._fitter.solve(self._features[:n], self._times[:n], start=self._theta, robust_iterations=0)
+        theta, info = self._fitter.solve(self._features[:n], self._times[:n], start=self._theta, robust_iterations=0,
+                                         sample_weight=recency)
         self._theta = theta
         params = from_physical(theta)
         self.cost = CostModel(**dict(zip(PARAM_NAMES, map(float, params))), expert_bytes=self.prior.expert_bytes)
-        self.held = info["held"]
+        self._held_idx = info["held_idx"]
+        self.held = info["held_names"]
         self.n_refits += 1
 
     def state(self) -> dict:
         """What the model is now, for a run's summary."""
         return {"cycles_seen": self.n_seen, "refits": self.n_refits, "window": self.window,
                 "params": {k: v for k, v in self.cost.to_dict().items() if k != "expert_bytes"},
-                "held": self.held}
+                "held": self._fitter._held_terms(self._held_idx) if self.n_refits else {}}
