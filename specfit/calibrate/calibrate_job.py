@@ -24,6 +24,7 @@ from .cycles import cycles_features, probe_cycles, probe_draft, probe_drafter_le
 from .fit import CycleTimeFitter, prediction_errors
 from .probes import fit_h2d, probe_expert_compute, probe_h2d
 from .profile import ModelShape, Profile, machine_info
+from .repeat import busy_warnings, machine_noise, repeat_rounds
 
 __all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "default_profile_path", "RUN_CYCLE_COLUMNS",
            "probe_prior"]
@@ -57,7 +58,8 @@ class CalibrationPlan:
     @property
     def n_steps(self) -> int:
         h2d = (2 if torch.device(self.device).type == "cuda" else 1) * len(self.size_factors) * len(self.batch_sizes)
-        return h2d + len(self.token_counts) + len(self.capacity_fractions) * len(self.node_counts) * self.repeats + 1
+        per_round = h2d + len(self.token_counts) + len(self.capacity_fractions) * len(self.node_counts) * self.repeats
+        return per_round * self.rounds + 1
 
     # probe grids; --quick trims them for CI
     @property
@@ -82,7 +84,13 @@ class CalibrationPlan:
 
     @property
     def repeats(self) -> int:
-        return 3 if self.quick else 5
+        """Random trees per (cache size, node count) in one round."""
+        return 2
+
+    @property
+    def rounds(self) -> int:
+        """Repetitions of every probe (the same work each round); a measurement is their median."""
+        return 3
 
 
 def _slug(text: str) -> str:
@@ -169,13 +177,19 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None) -> Profile:
     device, dtype, c = model.device, model.dtype, model.config
     machine = machine_info()
 
-    h2d_rows = probe_h2d(probed.expert_bytes, device, batch_sizes=plan.batch_sizes, size_factors=plan.size_factors,
-                         progress=step)
-    compute_rows = probe_expert_compute(c.hidden_size, c.expert_intermediate_size, dtype, device,
-                                        token_counts=plan.token_counts, progress=step)
     capacities = sorted({int(round(f * c.n_experts)) for f in plan.capacity_fractions})
-    cycle_rows = probe_cycles(model, capacities, node_counts=plan.node_counts, repeats=plan.repeats, seed=plan.seed,
-                              progress=step)
+    # every probe once per round, the rounds one after another: a disturbance of the machine shorter
+    # than a round touches one sample of a measurement, and the median drops it
+    rows, timing = repeat_rounds({
+        "h2d": lambda: probe_h2d(probed.expert_bytes, device, batch_sizes=plan.batch_sizes,
+                                 size_factors=plan.size_factors, progress=step),
+        "expert_compute": lambda: probe_expert_compute(c.hidden_size, c.expert_intermediate_size, dtype, device,
+                                                       token_counts=plan.token_counts, progress=step),
+        "cycles": lambda: probe_cycles(model, capacities, node_counts=plan.node_counts, repeats=plan.repeats,
+                                       seed=plan.seed, progress=step),
+    }, plan.rounds)
+    h2d_rows, compute_rows, cycle_rows = rows["h2d"], rows["expert_compute"], rows["cycles"]
+    noise = machine_noise(rows, timing, device.type, torch.get_num_threads())
     drafter = _load_drafter(plan, model)
     if drafter is not None:
         # the real drafter, levels of an EAGLE-2/3 tree with top-4: a level beyond the first
@@ -208,6 +222,8 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None) -> Profile:
         "h2d": fit_h2d(h2d_rows, pinned=pinned if device.type == "cuda" else None),
         "h2d_pageable": fit_h2d(h2d_rows, pinned=False) if device.type == "cuda" else None,
         "seconds": time.perf_counter() - started,
+        "probe_noise": noise,
+        "warnings": busy_warnings(noise),
     }
     for row, p in zip(cycle_rows, predicted):
         row["predicted_s"] = float(p)

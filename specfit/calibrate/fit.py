@@ -16,7 +16,8 @@ probe's direct measurement, or the profile being refitted; 0 without one) and ``
 says which and why. Identification is a forward selection on the weighted normal equations:
 ``base_s`` is always fitted (every cycle has one); then, while some term's standard error from the
 data (the residual spread times the square root of the inverse normal matrix's diagonal) is below
-the prior's own uncertainty, the best-determined term is added. The prior's uncertainty is
+the prior's own uncertainty, or the data put the term more than ``REFUTED`` standard errors from its
+prior (the prior is wrong, however noisy the data), the best-determined term is added. The prior's uncertainty is
 ``prior_spread`` times the prior value, or times the value at which the term would be
 ``VISIBLE_SHARE`` of a cycle when that is larger (a prior of 0 is not a certainty). A constant column,
 one that moves with the others (draft levels that grow with the node count), or a term too small to
@@ -44,6 +45,8 @@ BASE = PHYSICAL_NAMES.index("base_s")
 VISIBLE_SHARE = 0.02
 # relative residual spread assumed at least: exact synthetic data must not make every term "certain"
 NOISE_FLOOR = 0.005
+# the data refute a prior value that is this many standard errors from what they say
+REFUTED = 3.0
 # a normal matrix (columns scaled to unit norm) this badly conditioned has collinear columns
 COLLINEAR_CONDITION = 1e8
 
@@ -236,7 +239,7 @@ class CycleTimeFitter:
         absent = [j for j in range(p) if not fixed[j] and diag[j] == 0]
         free = [BASE] if not fixed[BASE] and BASE not in absent else []
         remaining = [j for j in range(p) if not fixed[j] and j not in free and j not in absent]
-        ratios = np.full(p, np.inf)
+        ratios, shifts = np.full(p, np.inf), np.zeros(p)
         # the noise from the largest model (every candidate free, plain least squares): a subset's
         # own residual would count the terms not yet freed as noise and free none of them
         S = free + remaining
@@ -249,24 +252,36 @@ class CycleTimeFitter:
         sigma2 = max(rss / sum_w * n_eff / dof, NOISE_FLOOR ** 2)
         while remaining:
             C = remaining
+            # the free terms' fit with the candidates held (at the prior): its residual's correlation
+            # with a candidate's column, over the Schur complement, is how far the data move it
+            H = [j for j in range(p) if j not in free]
+            vH = held_at[H]
+            Ab0 = g - G[:, H] @ vH
             if free:
+                inv = np.linalg.inv(G[np.ix_(free, free)])
                 cross = G[np.ix_(free, C)]
-                s = diag[C] - np.einsum("fc,fc->c", cross, np.linalg.inv(G[np.ix_(free, free)]) @ cross)
+                s = diag[C] - np.einsum("fc,fc->c", cross, inv @ cross)
+                c = Ab0[C] - cross.T @ (inv @ Ab0[free])
             else:
-                s = diag[C].copy()
+                s, c = diag[C].copy(), Ab0[C]
             ok = s > diag[C] / COLLINEAR_CONDITION
-            ratio = np.where(ok, np.sqrt(sigma2 * shrink / np.where(ok, s, 1.0)) / prior_sd[C], np.inf)
-            ratios[C] = ratio
+            s_safe = np.where(ok, s, 1.0)
+            se = np.sqrt(sigma2 * shrink / s_safe)
+            shift = np.abs(c / s_safe)
+            # identified: determined better than the prior knows it, or the prior refuted (the data
+            # put the term further than REFUTED standard errors from it)
+            ratio = np.where(ok, np.minimum(se / prior_sd[C], REFUTED * se / np.maximum(shift, 1e-300)), np.inf)
+            ratios[C], shifts[C] = ratio, np.where(ok, shift / se, 0.0)
             best = int(np.argmin(ratio))
             if not ratio[best] < 1.0:
                 break
             free.append(remaining.pop(best))
         free.sort()
-        return free, {"free_idx": free, "held_idx": (absent, remaining, ratios, held_at, Z)}
+        return free, {"free_idx": free, "held_idx": (absent, remaining, ratios, shifts, held_at, Z)}
 
     def _held_terms(self, held_idx) -> dict:
         """The held terms in words: their value, where it comes from, why they are held."""
-        absent, remaining, ratios, held_at, Z = held_idx
+        absent, remaining, ratios, shifts, held_at, Z = held_idx
         out = {}
         for j in sorted(absent + remaining):
             if j in absent:
@@ -276,7 +291,8 @@ class CycleTimeFitter:
             elif not np.isfinite(ratios[j]):
                 reason = "moves with the fitted terms in the data (collinear)"
             else:
-                reason = f"not determined by the data (standard error {ratios[j]:.1f}x the prior's +-{self.prior_spread:.0%})"
+                reason = (f"not determined by the data (its standard error is {ratios[j]:.1f}x the prior's "
+                          f"+-{self.prior_spread:.0%}, and the data put it {shifts[j]:.1f} standard errors from the prior)")
             out[PHYSICAL_NAMES[j]] = {"value": float(held_at[j]),
                                       "at": "prior" if np.isfinite(self._prior_phys[j]) else "zero (no prior)",
                                       "reason": reason}
