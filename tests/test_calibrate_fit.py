@@ -202,7 +202,11 @@ def test_draft_levels_that_move_with_the_node_count_are_not_traded_against_it():
     held = fitter.quality_["held"]
     assert len({"draft_level_s", "per_node_s"} & set(held)) == 1
     name = next(iter({"draft_level_s", "per_node_s"} & set(held)))
-    assert "collinear" in held[name]["reason"] and getattr(fitter.cost_model(), name) == getattr(TRUE, name)
+    assert "collinear" in held[name]["reason"]
+    # held with the base in the profile's proportion, the pair scaled by the machine's speed (~1 here)
+    cost = fitter.cost_model()
+    assert getattr(cost, name) / cost.base_s == pytest.approx(getattr(TRUE, name) / TRUE.base_s)
+    assert fitter.quality_["speed_factor"] == pytest.approx(1.0, abs=0.05)
     assert fitter.quality_["train"]["median_ape"] < 0.04
 
 
@@ -214,3 +218,20 @@ def test_a_prior_changes_nothing_where_the_data_identify_every_term():
     assert fitted.quality_["held"] == {}
     np.testing.assert_allclose(fitted.params_, CycleTimeFitter(seed=1).fit(X, y).params_, rtol=1e-9)
     assert fitted.cost_model().base_s == pytest.approx(TRUE.base_s, rel=0.15)
+
+
+def test_terms_held_together_follow_the_machines_speed_in_the_priors_proportions():
+    """Autoregressive cycles (one node, a union of 16) on a machine 1.6 times slower than the
+    profile: base, node and hit terms cannot be told apart, so they keep the profile's proportions
+    scaled by one speed factor, even where the profile's base is 0 and could not go lower."""
+    rng = np.random.default_rng(8)
+    prior = TRUE.replace(base_s=0.0, per_node_s=1e-4, hit_s=4e-4, miss_s=4.5e-4)
+    misses = rng.integers(0, 17, 80)
+    X = CostModel.features(0, 1, 16 - misses, misses)
+    y = 1.6 * (X @ prior.params) * (1 + 0.02 * rng.standard_normal(80))
+    fitter = CycleTimeFitter(holdout_fraction=0, prior=prior).fit(X, y)
+    cost, held = fitter.cost_model(), fitter.quality_["held"]
+    assert fitter.quality_["speed_factor"] == pytest.approx(1.6, rel=0.05)
+    assert "speed factor" in held["hit_s"]["at"] and held["hit_s"]["reason"] == "constant in the data"
+    assert cost.per_node_s / cost.hit_s == pytest.approx(prior.per_node_s / prior.hit_s)
+    assert fitter.quality_["train"]["median_ape"] < 0.03

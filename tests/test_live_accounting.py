@@ -99,10 +99,13 @@ def test_online_model_is_the_prior_until_it_has_seen_enough_cycles():
     assert online.cost is COST and online.n_refits == 0
     online.observe(0, 1, 12, 4, 2 * COST.time_s(0, 1, 12, 4))
     assert online.n_refits == 1
-    # autoregressive cycles twice as slow as the prior says: the base absorbs it; the node and
-    # hit terms do not vary (one node, a union of 16) and keep the profile's values
+    # the same autoregressive cycle, twice as slow as the prior says: nothing varies (one node, a
+    # union of 16, 4 misses), so the terms keep the profile's proportions, scaled by the speed factor
     assert online.cost.time_s(0, 1, 12, 4) == pytest.approx(2 * COST.time_s(0, 1, 12, 4), rel=1e-6)
-    assert online.cost.per_node_s == COST.per_node_s and online.cost.hit_s == COST.hit_s
+    assert online.state()["speed_factor"] == pytest.approx(2.0)
+    for name in ("base_s", "per_node_s", "hit_s", "miss_s"):
+        assert getattr(online.cost, name) == pytest.approx(2 * getattr(COST, name)), name
+    assert online.cost.draft_level_s == COST.draft_level_s       # never drafted: the profile's value
     assert {"per_node_s", "hit_s", "draft_level_s"} <= set(online.held)
 
 

@@ -13,17 +13,23 @@ something else on the machine are down-weighted instead of fitted.
 
 A term is fitted only where the data identify it; otherwise it is *held* at its prior value (a
 probe's direct measurement, or the profile being refitted; 0 without one) and ``quality_["held"]``
-says which and why. Identification is a forward selection on the weighted normal equations:
-``base_s`` is always fitted (every cycle has one); then, while some term's standard error from the
-data (the residual spread times the square root of the inverse normal matrix's diagonal) is below
-the prior's own uncertainty, or the data put the term more than ``REFUTED`` standard errors from its
-prior (the prior is wrong, however noisy the data), the best-determined term is added. The prior's uncertainty is
-``prior_spread`` times the prior value, or times the value at which the term would be
-``VISIBLE_SHARE`` of a cycle when that is larger (a prior of 0 is not a certainty). A constant column,
-one that moves with the others (draft levels that grow with the node count), or a term too small to
-see in the noise thus stays at the prior instead of trading against the other terms, as a plain
-non-negative least squares does. Parameters measured directly by a probe (the draft level) can be
-``fixed``. The held-out error is measured on cycles the fit did not see and kept as data.
+says which and why. Identification is a forward selection on the weighted normal equations
+(``base_s`` is fitted from the start when there is no prior for it): while some candidate's
+standard error (the residual spread of the largest model times the square root of the inverse
+normal matrix's diagonal) is below the prior's own uncertainty, or the data put it more than
+``REFUTED`` standard errors from its prior (the prior is wrong, however noisy the data), the
+best-determined candidate is freed. The prior's uncertainty is ``prior_spread`` times the prior
+value, or times the value at which the term would be ``VISIBLE_SHARE`` of a cycle when that is
+larger (a prior of 0 is not a certainty). A column that moves with the others (draft levels that
+grow with the node count) or a term too small to see in the noise thus stays at the prior instead
+of trading against the other terms, as a plain non-negative least squares does.
+
+The held terms share one candidate more, a *speed factor*: cycles that all run 1.6 times slower
+than the profile say so even when they cannot tell the base from the node and hit terms
+(autoregressive cycles: one node, a union of always the same size), and those terms then keep the
+profile's proportions, scaled (``quality_["speed_factor"]``). A term constant over the cycles (the
+base always) is only ever moved that way. Parameters measured directly by a probe (the draft level)
+can be ``fixed``. The held-out error is measured on cycles the fit did not see and kept as data.
 """
 
 from __future__ import annotations
@@ -186,7 +192,6 @@ class CycleTimeFitter:
         fixed, held_at = self._held_values()
         weight = 1.0 / y                                     # relative error
         w = np.ones_like(y) if sample_weight is None else np.asarray(sample_weight, dtype=np.float64)
-        self._weights = (float(w.sum()), float(w.sum() ** 2 / np.sum(w * w)), float(np.sum(w * w) / w.sum()))
         # a term's share of a cycle per unit of it, over the (weighted) cycles
         self._unit = (w @ np.abs(Z / y[:, None])) / w.sum()
         weight = weight * np.sqrt(w)
@@ -201,101 +206,171 @@ class CycleTimeFitter:
                 # Huber weights on the relative residuals (scale: the median absolute deviation): a
                 # cycle slowed down by something else on the machine is down-weighted, not fitted
                 r = (y_fit - Z @ theta) / y
-                scale = 1.4826 * np.median(np.abs(r - np.median(r))) or 1e-12
+                scale = max(1.4826 * np.median(np.abs(r - np.median(r))), NOISE_FLOOR)
                 robust = np.sqrt(np.minimum(1.0, 1.345 * scale / np.maximum(np.abs(r), 1e-300)))
             Ar, br = A * robust[:, None], b * robust
-            free, info = self._identify(Ar, br, held_at, fixed, Z)
-            theta = held_at.copy()
-            if free:
-                held = [j for j in range(len(theta)) if j not in free]
-                theta[free], _ = nnls(Ar[:, free], br - Ar[:, held] @ theta[held])
+            # the rows' weights in all (recency x Huber), for the noise per cycle and its degrees of freedom
+            wr = w * robust * robust
+            self._weights = (float(wr.sum()), float(wr.sum() ** 2 / np.sum(wr * wr)), float(np.sum(wr * wr) / wr.sum()))
+            choice = self._identify(Ar, br, held_at, fixed, Z)
+            theta = self._fit_choice(Ar, br, held_at, fixed, choice)
         if self._fixed_miss is not None:
             theta[3] = min(theta[3], self._fixed_miss)       # a hit never costs more than the held miss
             theta[4] = self._fixed_miss - theta[3]
-        info["free"] = [PHYSICAL_NAMES[j] for j in info.pop("free_idx")]
-        info["held_names"] = [PHYSICAL_NAMES[j] for j in sorted(info["held_idx"][0] + info["held_idx"][1])]
+        info = {"free": [PHYSICAL_NAMES[j] for j in choice["free"]], "speed": choice["speed_value"],
+                "held_names": [PHYSICAL_NAMES[j] for j in choice["held"]], "choice": choice}
         return theta, info
 
-    def _identify(self, A: np.ndarray, b: np.ndarray, held_at: np.ndarray, fixed: np.ndarray, Z: np.ndarray):
-        """Forward selection of the terms the data determine better than the prior (see the
-        module docstring). Returns (free column indices, what is needed to say why the others are
-        held: :meth:`_held_terms` turns it into words).
+    # A term the data cannot identify on its own is held at its prior value times one common speed
+    # factor s (fitted when the data determine it): the cycles may say that the machine runs at s
+    # times the speed the prior was measured at, and the terms they cannot tell apart keep the
+    # prior's proportions. Without a prior a term is held at 0.
+    def _columns(self, A, b, held_at, fixed, free, group, speed: bool):
+        """(design columns [n, k], what they must explain [n]) of a choice: the free terms, then
+        the held group's column (its prior contribution) when the speed factor is free."""
+        cols = [A[:, j] for j in free]
+        target = b - A[:, fixed] @ held_at[fixed] if fixed.any() else b
+        if group:
+            held_part = A[:, group] @ held_at[group]
+            if speed:
+                cols.append(held_part)
+            else:
+                target = target - held_part
+        return (np.stack(cols, axis=1) if cols else np.zeros((A.shape[0], 0))), target
 
-        Everything is computed on the p x p normal equations. The noise ``sigma`` is the residual
-        spread of the largest model; one round costs one small inverse: freeing term j next to the
-        free set F, the Schur complement ``s_j = G_jj - G_jF G_FF^-1 G_Fj`` gives its standard
-        error ``sigma / sqrt(s_j)`` and the share of its column the free terms do not explain,
-        ``s_j / G_jj`` (collinear below ``1 / COLLINEAR_CONDITION``).
+    def _fit_choice(self, A, b, held_at, fixed, choice) -> np.ndarray:
+        """Physical parameters of a choice: NNLS on its columns, the held group at s x prior."""
+        cols, target = self._columns(A, b, held_at, fixed, choice["free"], choice["group"], choice["speed"])
+        theta = held_at.copy()                               # fixed, absent or without a prior: as held
+        speed = 1.0
+        if cols.shape[1]:
+            coef, _ = nnls(cols, target)
+            theta[choice["free"]] = coef[:len(choice["free"])]
+            if choice["speed"]:
+                speed = float(coef[-1])
+        theta[choice["group"]] = speed * held_at[choice["group"]]
+        choice["speed_value"] = speed
+        return theta
+
+    def _identify(self, A: np.ndarray, b: np.ndarray, held_at: np.ndarray, fixed: np.ndarray, Z: np.ndarray) -> dict:
+        """Forward selection of what the data determine better than the prior (see the module
+        docstring): the free terms, and whether the speed factor of the held group is free.
+
+        The noise ``sigma`` is the residual spread of the largest model (every term free, plain
+        least squares). A candidate (a term leaving the held group, or the speed factor) is
+        scored in the model with it freed: its standard error ``sigma * sqrt(inv(G)_cc)`` against
+        the prior's uncertainty, or against its distance from the prior (refuted beyond
+        ``REFUTED`` standard errors); ``1 / (G_cc inv(G)_cc)`` is the share of its column the
+        others do not explain (collinear below ``1 / COLLINEAR_CONDITION``).
         """
         p = A.shape[1]
-        # rows weighted by w (recency): the spread of one cycle is rss / sum(w), with the degrees of
-        # freedom of n_eff = sum(w)^2 / sum(w^2) cycles; a parameter's variance scales by sum(w^2) / sum(w)
         sum_w, n_eff, shrink = self._weights
+        known = np.isfinite(self._prior_phys)
         G, g, bb = A.T @ A, A.T @ b, float(b @ b)
-        unit = self._unit
-        visible = np.divide(VISIBLE_SHARE, unit, out=np.full(p, np.inf), where=unit > 0)
-        prior_sd = self.prior_spread * np.maximum(held_at, visible)
         diag = G.diagonal()
         absent = [j for j in range(p) if not fixed[j] and diag[j] == 0]
-        free = [BASE] if not fixed[BASE] and BASE not in absent else []
-        remaining = [j for j in range(p) if not fixed[j] and j not in free and j not in absent]
-        ratios, shifts = np.full(p, np.inf), np.zeros(p)
-        # the noise from the largest model (every candidate free, plain least squares): a subset's
-        # own residual would count the terms not yet freed as noise and free none of them
-        S = free + remaining
-        H = [j for j in range(p) if j not in S]
-        vH = held_at[H]
-        Ab0 = g - G[:, H] @ vH                               # A^T (b - A_H v_H): what S must explain
-        b0b0 = bb - 2 * vH @ g[H] + vH @ G[np.ix_(H, H)] @ vH
-        rss = b0b0 - Ab0[S] @ (np.linalg.pinv(G[np.ix_(S, S)], hermitian=True) @ Ab0[S]) if S else b0b0
-        dof = max(n_eff - len(S), 1.0)
-        sigma2 = max(rss / sum_w * n_eff / dof, NOISE_FLOOR ** 2)
-        while remaining:
-            C = remaining
-            # the free terms' fit with the candidates held (at the prior): its residual's correlation
-            # with a candidate's column, over the Schur complement, is how far the data move it
-            H = [j for j in range(p) if j not in free]
-            vH = held_at[H]
-            Ab0 = g - G[:, H] @ vH
-            if free:
-                inv = np.linalg.inv(G[np.ix_(free, free)])
-                cross = G[np.ix_(free, C)]
-                s = diag[C] - np.einsum("fc,fc->c", cross, inv @ cross)
-                c = Ab0[C] - cross.T @ (inv @ Ab0[free])
-            else:
-                s, c = diag[C].copy(), Ab0[C]
-            ok = s > diag[C] / COLLINEAR_CONDITION
-            s_safe = np.where(ok, s, 1.0)
-            se = np.sqrt(sigma2 * shrink / s_safe)
-            shift = np.abs(c / s_safe)
-            # identified: determined better than the prior knows it, or the prior refuted (the data
-            # put the term further than REFUTED standard errors from it)
-            ratio = np.where(ok, np.minimum(se / prior_sd[C], REFUTED * se / np.maximum(shift, 1e-300)), np.inf)
-            ratios[C], shifts[C] = ratio, np.where(ok, shift / se, 0.0)
-            best = int(np.argmin(ratio))
-            if not ratio[best] < 1.0:
-                break
-            free.append(remaining.pop(best))
-        free.sort()
-        return free, {"free_idx": free, "held_idx": (absent, remaining, ratios, shifts, held_at, Z)}
+        movable = [j for j in range(p) if not fixed[j] and j not in absent]
+        free = [BASE] if BASE in movable and not known[BASE] else []
+        group = [j for j in movable if j not in free and known[j] and held_at[j] > 0]
+        # a term constant over the cycles (the base always; a union that never changes) is part of
+        # the cycle's constant: the data cannot tell it from the others, only scale them together
+        remaining = [j for j in movable if j not in free and np.ptp(Z[:, j]) > 0]
+        held_fixed = np.where(fixed, held_at, 0.0)
+        unit = self._unit
 
-    def _held_terms(self, held_idx) -> dict:
+        def system(f, grp, sp):
+            """Normal equations of a choice, from the p x p ones: design columns A @ M (a free term
+            is its own column; the speed factor is the held group's prior contribution)."""
+            k = len(f) + (1 if sp and grp else 0)
+            M = np.zeros((p, k))
+            M[f, np.arange(len(f))] = 1.0
+            v = held_fixed.copy()
+            if grp:
+                if sp:
+                    M[grp, -1] = held_at[grp]
+                else:
+                    v[grp] = held_at[grp]
+            return M.T @ G @ M, M.T @ (g - G @ v), bb - 2 * v @ g + v @ G @ v
+
+        def score(f, grp, sp, c, prior_value, visible):
+            """(score, estimate, distance from the prior in standard errors) of column c."""
+            Gk, rhs, _ = system(f, grp, sp)
+            try:
+                inv = np.linalg.inv(Gk)
+            except np.linalg.LinAlgError:
+                return np.inf, 0.0, 0.0
+            if not (Gk[c, c] > 0 and inv[c, c] > 0 and 1.0 / (Gk[c, c] * inv[c, c]) > 1.0 / COLLINEAR_CONDITION):
+                return np.inf, 0.0, 0.0
+            estimate = float(inv[c] @ rhs)
+            se = float(np.sqrt(sigma2 * shrink * inv[c, c]))
+            prior_sd = self.prior_spread * max(prior_value, visible)
+            shift = abs(estimate - prior_value)
+            return min(se / prior_sd, REFUTED * se / max(shift, 1e-300)), estimate, (shift / se if se > 0 else 0.0)
+
+        def speed_visible(grp):
+            share = float(unit[grp] @ held_at[grp]) if grp else 0.0     # the group's share of a cycle
+            return VISIBLE_SHARE / share if share > 0 else np.inf
+
+        # the noise from the largest model: a smaller model's residual would count the terms not
+        # yet freed as noise and free none of them
+        Gk, rhs, target2 = system(movable, [], False)
+        rss = target2 - rhs @ np.linalg.pinv(Gk, hermitian=True) @ rhs if movable else target2
+        sigma2 = max(rss / sum_w * n_eff / max(n_eff - len(movable), 1.0), NOISE_FLOOR ** 2)
+        scores = {}
+        speed, speed_now = False, 1.0
+        while True:
+            best, best_score, best_estimate = None, np.inf, 1.0
+            if group and not speed:
+                sc, est, dist = score(free, group, True, len(free), 1.0, speed_visible(group))
+                scores[("speed", None)] = (sc, dist)
+                best, best_score, best_estimate = ("speed", None), sc, est
+            for j in remaining:
+                grp = [k for k in group if k != j]
+                prior_value = speed_now * held_at[j] if j in group else 0.0
+                visible = VISIBLE_SHARE / unit[j] if unit[j] > 0 else np.inf
+                sc, est, dist = score(free + [j], grp, speed and bool(grp), len(free), prior_value, visible)
+                scores[("term", j)] = (sc, dist)
+                if sc < best_score:
+                    best, best_score, best_estimate = ("term", j), sc, est
+            if best is None or not best_score < 1.0:
+                break
+            kind, j = best
+            if kind == "speed":
+                speed, speed_now = True, max(best_estimate, 0.0)
+            else:
+                free.append(j)
+                remaining.remove(j)
+                if j in group:
+                    group.remove(j)
+            if speed and group and not score(free, group, True, len(free), 1.0, speed_visible(group))[0] < 1.0:
+                speed, speed_now = False, 1.0      # what is left of the group: the free terms explain it
+        if speed and len(group) == 1:
+            # a speed factor of one term is that term fitted
+            free, group, speed = free + group, [], False
+        held = sorted(j for j in range(p) if not fixed[j] and j not in free)
+        return {"free": sorted(free), "group": group, "speed": speed and bool(group), "held": held,
+                "absent": absent, "scores": scores, "held_at": held_at, "Z": Z, "speed_value": 1.0}
+
+    def _held_terms(self, choice) -> dict:
         """The held terms in words: their value, where it comes from, why they are held."""
-        absent, remaining, ratios, shifts, held_at, Z = held_idx
         out = {}
-        for j in sorted(absent + remaining):
-            if j in absent:
+        speed = choice["speed_value"] if choice["speed"] else 1.0
+        for j in choice["held"]:
+            score, shift = choice["scores"].get(("term", j), (np.inf, 0.0))
+            if j in choice["absent"]:
                 reason = "absent from the data (always 0)"
-            elif np.ptp(Z[:, j]) == 0:
+            elif np.ptp(choice["Z"][:, j]) == 0:
                 reason = "constant in the data"
-            elif not np.isfinite(ratios[j]):
+            elif not np.isfinite(score):
                 reason = "moves with the fitted terms in the data (collinear)"
             else:
-                reason = (f"not determined by the data (its standard error is {ratios[j]:.1f}x the prior's "
-                          f"+-{self.prior_spread:.0%}, and the data put it {shifts[j]:.1f} standard errors from the prior)")
-            out[PHYSICAL_NAMES[j]] = {"value": float(held_at[j]),
-                                      "at": "prior" if np.isfinite(self._prior_phys[j]) else "zero (no prior)",
-                                      "reason": reason}
+                reason = (f"not determined by the data (its standard error is over the prior's +-{self.prior_spread:.0%}, "
+                          f"and the data put it {shift:.1f} standard errors from the prior)")
+            in_group = j in choice["group"]
+            at = ("zero (no prior)" if not np.isfinite(self._prior_phys[j]) else
+                  f"prior x speed factor {speed:.3g}" if in_group and choice["speed"] else "prior")
+            out[PHYSICAL_NAMES[j]] = {"value": float(choice["held_at"][j] * (speed if in_group else 1.0)),
+                                      "at": at, "reason": reason}
         return out
 
     # ------------------------------------------------------------------ estimator API
@@ -323,7 +398,8 @@ class CycleTimeFitter:
             "parametrisation": "miss_s = hit_s + transfer_s, every term >= 0",
             "physical_params": dict(zip(PHYSICAL_NAMES, map(float, theta))),
             "fitted": info["free"],
-            "held": self._held_terms(info["held_idx"]),
+            "held": self._held_terms(info["choice"]),
+            "speed_factor": info["speed"],
             "unidentified": info["held_names"],
             "prior": None if self.prior is None else
             {k: float(v) for k, v in zip(PHYSICAL_NAMES, self._prior_phys) if np.isfinite(v)},

@@ -81,7 +81,7 @@ class OnlineCostModel:
         self._theta = theta
         params = from_physical(theta)
         self.cost = CostModel(**dict(zip(PARAM_NAMES, map(float, params))), expert_bytes=self.prior.expert_bytes)
-        self._held_idx = info["held_idx"]
+        self._choice = info["choice"]
         self.held = info["held_names"]
         self.n_refits += 1
 
@@ -89,4 +89,5 @@ class OnlineCostModel:
         """What the model is now, for a run's summary."""
         return {"cycles_seen": self.n_seen, "refits": self.n_refits, "window": self.window,
                 "params": {k: v for k, v in self.cost.to_dict().items() if k != "expert_bytes"},
-                "held": self._fitter._held_terms(self._held_idx) if self.n_refits else {}}
+                "speed_factor": self._choice["speed_value"] if self.n_refits else 1.0,
+                "held": self._fitter._held_terms(self._choice) if self.n_refits else {}}
