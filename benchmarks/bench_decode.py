@@ -76,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--frozen-profile", action="store_true", help="decide with the profile, no online refit")
     parser.add_argument("--predictor", default="router", help="expert predictor: router, affinity or parent")
     parser.add_argument("--busy", type=int, default=0, help="CPU-bound processes to run beside the benchmark")
+    parser.add_argument("--out", type=Path, default=None, help="keep the measured run's files (cycles.parquet, ...) here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
@@ -90,6 +91,8 @@ def main(argv: list[str] | None = None) -> None:
 def run_benchmark(args) -> None:
     load_before = os.getloadavg()
 
+    if args.out is not None:
+        args.out = args.out.resolve()      # before the chdir below
     work = Path(tempfile.mkdtemp(prefix="bench_decode."))
     os.chdir(work)     # a quick calibration lands in ./calibrate/ here, not in the checkout
 
@@ -113,7 +116,12 @@ def run_benchmark(args) -> None:
         profile = str(refitted.save(work / "refit.json"))
         print(f"refit on {comparison['n_cycles']} warm-up cycles: held-out cycle-time error (MAPE) "
               f"{comparison['before']['mape']:.0%} -> {comparison['after']['mape']:.0%}")
-    run = run_decode(plan(args.policies.split(","), acceptance_trace=acceptance, profile=profile or args.profile))
+    run = run_decode(plan(args.policies.split(","), acceptance_trace=acceptance, profile=profile or args.profile,
+                          out_dir=args.out))
+    if args.out is not None and profile is not None:
+        import shutil
+
+        shutil.copy(profile, args.out / "profile.json")
 
     rows = []
     for s in run.summaries:

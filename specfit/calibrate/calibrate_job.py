@@ -3,7 +3,12 @@
 
 The fitted model is the one the search and the simulator use. Its per-expert terms come from
 passes where the offloaded model really copies and computes experts; the draft term from a timed
-draft level (the drafter, or a stand-in of its shape). A stand-in model with fewer layers than the
+draft level (the drafter, or a stand-in of its shape). Every probe runs in ``rounds`` interleaved
+rounds of the same work and each measurement is their median (:mod:`specfit.calibrate.repeat`);
+the profile keeps every round's timing, the spread, the CPU share and load average, and warns
+when they say the machine was busy. The fit is physical (:mod:`specfit.calibrate.fit`): a miss
+never costs less than a hit, and a term the passes cannot identify is held at what the direct
+probes measured (a hit: one resident expert; a transfer: one expert's copy). A stand-in model with fewer layers than the
 named shape gives per-layer costs, so ``base_s`` and ``per_node_s`` (which grow with the layer
 count) are scaled to the full depth; the scaling is recorded in the profile.
 """

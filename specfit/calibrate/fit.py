@@ -173,14 +173,15 @@ class CycleTimeFitter:
         return fixed, held_at
 
     def solve(self, features, times_s, start=None, robust_iterations: int | None = None,
-              sample_weight=None) -> tuple[np.ndarray, dict]:
+              sample_weight=None, choice: dict | None = None) -> tuple[np.ndarray, dict]:
         """(physical parameters, what was fitted and held) on already checked cycles.
 
         ``start`` (physical parameters) gives the first round's Huber weights from its residuals
         (else the first round is unweighted); ``robust_iterations`` overrides the rounds after it;
         ``sample_weight`` weighs the cycles (the online refit's recency), at most 1 each.
         The online refit calls this with the current model and no further round: one pass, the
-        reweighting carried from refit to refit."""
+        reweighting carried from refit to refit. ``choice`` (``info["choice"]`` of an earlier
+        solve) keeps its fitted and held terms instead of selecting them again."""
         X = np.asarray(features, dtype=np.float64)
         y = np.asarray(times_s, dtype=np.float64)
         Z = physical_features(X)
@@ -212,7 +213,8 @@ class CycleTimeFitter:
             # the rows' weights in all (recency x Huber), for the noise per cycle and its degrees of freedom
             wr = w * robust * robust
             self._weights = (float(wr.sum()), float(wr.sum() ** 2 / np.sum(wr * wr)), float(np.sum(wr * wr) / wr.sum()))
-            choice = self._identify(Ar, br, held_at, fixed, Z)
+            if choice is None or rounds > 0:
+                choice = self._identify(Ar, br, held_at, fixed, Z)
             theta = self._fit_choice(Ar, br, held_at, fixed, choice)
         if self._fixed_miss is not None:
             theta[3] = min(theta[3], self._fixed_miss)       # a hit never costs more than the held miss

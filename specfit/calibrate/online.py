@@ -36,19 +36,23 @@ class OnlineCostModel:
         refit_every: cycles between refits.
         half_life: a cycle this many cycles old weighs half as much as the newest, so the model
             follows a machine that changes instead of averaging over the whole window.
+        select_every: refits between two selections of the terms to fit (which terms the window
+            identifies changes slowly; the refits in between keep the last selection and only
+            solve for the values, a tenth of the cost).
 
     Attributes: ``cost`` (the current model), ``n_seen`` (cycles observed), ``n_refits``,
     ``held`` (the terms the last refit held at the prior; :meth:`state` says why).
     """
 
     def __init__(self, prior: CostModel, window: int = 48, min_cycles: int = 8, refit_every: int = 4,
-                 half_life: float = 8.0):
+                 half_life: float = 8.0, select_every: int = 4):
         if window < 2 or min_cycles < 2 or refit_every < 1:
             raise ValueError(f"OnlineCostModel: expected window >= 2, min_cycles >= 2, refit_every >= 1, got "
                              f"{window}, {min_cycles}, {refit_every}")
         self.prior = prior
         self.window, self.min_cycles, self.refit_every = int(window), int(min(min_cycles, window)), int(refit_every)
-        self.half_life = float(half_life)
+        self.half_life, self.select_every = float(half_life), int(max(select_every, 1))
+        self._choice = None
         self._fitter = CycleTimeFitter(holdout_fraction=0.0, prior=prior)
         self._theta = to_physical(prior.params)
         self._features = np.zeros((self.window, len(PARAM_NAMES)))
@@ -76,8 +80,9 @@ class OnlineCostModel:
         recency = 0.5 ** (age / self.half_life)
         # one reweighting round per refit, its Huber weights from the current model's residuals:
         # over successive refits of overlapping windows this is the offline fit's iteration
+        reuse = self._choice if self.n_refits % self.select_every else None
         theta, info = self._fitter.solve(self._features[:n], self._times[:n], start=self._theta, robust_iterations=0,
-                                         sample_weight=recency)
+                                         sample_weight=recency, choice=reuse)
         self._theta = theta
         params = from_physical(theta)
         self.cost = CostModel(**dict(zip(PARAM_NAMES, map(float, params))), expert_bytes=self.prior.expert_bytes)
