@@ -203,13 +203,16 @@ def demo_command(
                     f"specfit demo again for the report", err=True)
         raise typer.Exit(130) from None
 
-    table = Table(title="Live decoding of the bundled tiny MoE on this machine (measured, predicted in brackets)")
-    for col in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "nodes verified", "hit rate"):
+    table = Table(title="Live decoding of the bundled tiny MoE on this machine (measured, predicted in brackets; "
+                        "time error: each cycle predicted before it ran, by the model refitted online / by the profile)")
+    for col in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "time error", "profile's", "union error",
+                "nodes verified", "hit rate"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for s in result["decode"].summaries:
         table.add_row(s["policy"], f"{s['tokens_per_s']:.1f}",
                       f"{s['tokens_per_cycle']:.2f} ({s['predicted_tokens_per_cycle']:.2f})",
                       f"{s['time_per_cycle_s'] * 1e3:.2f} ({s['predicted_time_per_cycle_s'] * 1e3:.2f})",
+                      _pct(s["time_mape"]), _pct(s["prior_time_mape"]), _pct(s["union_mape"]),
                       f"{s['nodes_per_cycle']:.1f}", f"{s['hit_rate']:.2f}")
     Console().print(table)
     summary = result["summary"]
@@ -230,3 +233,7 @@ def demo_command(
     Console().print(f"greedy outputs identical across policies: {'yes' if same else 'n/a' if same is None else 'NO'}; "
                     f"cache sizes simulated: {', '.join(map(str, caches))} experts per layer")
     Console().print(f"report: {result['report']}")
+
+
+def _pct(value: float) -> str:
+    return "-" if value != value else f"{value:.0%}"

@@ -77,11 +77,27 @@ def test_several_policies_decode_identically_and_write_measured_vs_predicted(che
     assert [s["policy"] for s in summary] == ["ar", "eagle3:12:4", "specfit"]
     assert summary[1]["tokens_per_cycle"] == pytest.approx(eagle["committed_tokens"].mean())
 
+    # each policy decided with the model refitted on its own cycles; the profile's prediction is kept
+    assert (cycles["online_predicted_time_s"] == cycles["predicted_time_s"]).all()
+    assert cycles["prior_predicted_time_s"].notna().all()
+    assert all(s["online_model"]["cycles_seen"] >= 1 for s in summary)
+    assert (cycles["charged_bytes_h2d"] == cycles["bytes_h2d"]).all()
+
     # the refit reads these cycles
     refit = runner.invoke(app, ["calibrate", "--refit", str(out), "--profile", "pcie4", "--out", str(tmp_path / "refit.json"),
                                 "--json"])
     assert refit.exit_code == 0, refit.output
     assert json.loads(refit.stdout)["comparison"]["n_cycles"] == len(cycles)
+
+
+def test_a_frozen_profile_decides_every_cycle_with_the_profile(checkpoint, tmp_path):
+    out = tmp_path / "frozen"
+    result = decode(checkpoint, "--policy", "specfit", "--profile", "pcie4", "--frozen-profile", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    cycles = pd.read_parquet(out / "cycles.parquet")
+    assert cycles["online_predicted_time_s"].isna().all()
+    np.testing.assert_allclose(cycles["predicted_time_s"], cycles["prior_predicted_time_s"])
+    assert "online_model" not in json.loads((out / "summary.json").read_text())[0]
 
 
 def test_without_profile_a_quick_calibration_is_saved_in_the_user_cache_and_named(checkpoint, tmp_path, monkeypatch):

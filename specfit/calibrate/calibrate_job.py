@@ -3,7 +3,12 @@
 
 The fitted model is the one the search and the simulator use. Its per-expert terms come from
 passes where the offloaded model really copies and computes experts; the draft term from a timed
-draft level (the drafter, or a stand-in of its shape). A stand-in model with fewer layers than the
+draft level (the drafter, or a stand-in of its shape). Every probe runs in ``rounds`` interleaved
+rounds of the same work and each measurement is their median (:mod:`specfit.calibrate.repeat`);
+the profile keeps every round's timing, the spread, the CPU share and load average, and warns
+when they say the machine was busy. The fit is physical (:mod:`specfit.calibrate.fit`): a miss
+never costs less than a hit, and a term the passes cannot identify is held at what the direct
+probes measured (a hit: one resident expert; a transfer: one expert's copy). A stand-in model with fewer layers than the
 named shape gives per-layer costs, so ``base_s`` and ``per_node_s`` (which grow with the layer
 count) are scaled to the full depth; the scaling is recorded in the profile.
 """
@@ -25,9 +30,10 @@ from .cycles import cycles_features, probe_cycles, probe_draft, probe_drafter_le
 from .fit import CycleTimeFitter, prediction_errors
 from .probes import MEASURES, fit_h2d, probe_expert_compute, probe_h2d
 from .profile import ModelShape, Profile, machine_info
+from .repeat import busy_warnings, machine_noise, repeat_rounds
 
 __all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "default_profile_path", "cached_profile_path",
-           "RUN_CYCLE_COLUMNS"]
+           "RUN_CYCLE_COLUMNS", "probe_prior"]
 
 # what `specfit decode --out` writes per cycle (cycles.parquet) and a refit reads
 RUN_CYCLE_COLUMNS = ("draft_levels", "nodes_verified", "hits", "misses", "measured_time_s")
@@ -58,7 +64,8 @@ class CalibrationPlan:
     @property
     def n_steps(self) -> int:
         h2d = (2 if torch.device(self.device).type == "cuda" else 1) * len(self.size_factors) * len(self.batch_sizes)
-        return h2d + len(self.token_counts) + len(self.capacity_fractions) * len(self.node_counts) * self.repeats + 1
+        per_round = h2d + len(self.token_counts) + len(self.capacity_fractions) * len(self.node_counts) * self.repeats
+        return per_round * self.rounds + 1
 
     # probe grids; --quick trims them for CI
     @property
@@ -83,7 +90,13 @@ class CalibrationPlan:
 
     @property
     def repeats(self) -> int:
-        return 3 if self.quick else 5
+        """Random trees per (cache size, node count) in one round."""
+        return 2
+
+    @property
+    def rounds(self) -> int:
+        """Repetitions of every probe (the same work each round); a measurement is their median."""
+        return 3
 
 
 def _slug(text: str) -> str:
@@ -209,14 +222,20 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> 
     device, dtype, c = model.device, model.dtype, model.config
     machine = machine_info()
 
-    h2d_rows = probe_h2d(probed.expert_bytes, device, batch_sizes=plan.batch_sizes, size_factors=plan.size_factors,
-                         progress=step)
-    compute_rows = probe_expert_compute(c.hidden_size, c.expert_intermediate_size, dtype, device,
-                                        token_counts=plan.token_counts, top_k=c.top_k,
-                                        weights_float32=c.routing_weights_float32, progress=step)
     capacities = sorted({int(round(f * c.n_experts)) for f in plan.capacity_fractions})
-    cycle_rows = probe_cycles(model, capacities, node_counts=plan.node_counts, repeats=plan.repeats, seed=plan.seed,
-                              progress=step)
+    # every probe once per round, the rounds one after another: a disturbance of the machine shorter
+    # than a round touches one sample of a measurement, and the median drops it
+    rows, timing = repeat_rounds({
+        "h2d": lambda: probe_h2d(probed.expert_bytes, device, batch_sizes=plan.batch_sizes,
+                                 size_factors=plan.size_factors, progress=step),
+        "expert_compute": lambda: probe_expert_compute(c.hidden_size, c.expert_intermediate_size, dtype, device,
+                                                       token_counts=plan.token_counts, top_k=c.top_k,
+                                                       weights_float32=c.routing_weights_float32, progress=step),
+        "cycles": lambda: probe_cycles(model, capacities, node_counts=plan.node_counts, repeats=plan.repeats,
+                                       seed=plan.seed, progress=step),
+    }, plan.rounds)
+    h2d_rows, compute_rows, cycle_rows = rows["h2d"], rows["expert_compute"], rows["cycles"]
+    noise = machine_noise(rows, timing, device.type, torch.get_num_threads())
     drafter = _load_drafter(plan, model)
     if drafter is not None:
         # the real drafter, levels of an EAGLE-2/3 tree with top-4: a level beyond the first
@@ -230,7 +249,9 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> 
     step()
 
     X, y = cycles_features(cycle_rows)
-    fitter = CycleTimeFitter(seed=plan.seed, fixed={"draft_level_s": draft_level_s}).fit(X, y, source="cycle probes")
+    prior = probe_prior(compute_rows, h2d_rows, probed.expert_bytes, pinned=device.type == "cuda")
+    fitter = CycleTimeFitter(seed=plan.seed, fixed={"draft_level_s": draft_level_s}, prior=prior).fit(
+        X, y, source="cycle probes")
     cost = fitter.cost_model(expert_bytes=full.expert_bytes)
     layer_scale = full.n_layers / probed.n_layers
     if layer_scale != 1:
@@ -239,13 +260,16 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> 
     pinned = device.type == "cuda"
     fit_info = {
         **fitter.quality_,
-        "method": "non-negative least squares on measured verification passes (relative error), "
-                  "draft_level_s fixed from the draft probe",
+        "method": "physical least squares on measured verification passes (relative error, Huber weights, "
+                  "miss_s = hit_s + transfer_s >= hit_s), draft_level_s fixed from the draft probe, terms the "
+                  "passes cannot identify held at the expert-compute and H2D probes' values",
         "probed_params": dict(zip(PARAM_NAMES, map(float, fitter.params_))),
         "layer_scale": layer_scale,
         "h2d": fit_h2d(h2d_rows, pinned=pinned if device.type == "cuda" else None),
         "h2d_pageable": fit_h2d(h2d_rows, pinned=False) if device.type == "cuda" else None,
         "seconds": time.perf_counter() - started,
+        "probe_noise": noise,
+        "warnings": busy_warnings(noise),
     }
     for row, p in zip(cycle_rows, predicted):
         row["predicted_s"] = float(p)
@@ -255,6 +279,19 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> 
         probes={"h2d": h2d_rows, "expert_compute": compute_rows, "cycles": cycle_rows, "draft": draft_rows,
                 "probed_shape": probed.to_dict(), "dtype": str(dtype).replace("torch.", ""), "measures": MEASURES},
     )
+
+
+def probe_prior(compute_rows: list[dict], h2d_rows: list[dict], expert_bytes: int, pinned: bool) -> dict:
+    """What the direct probes say the per-expert terms are: a hit is one resident expert run on a
+    token (the compute probe's smallest batch), a transfer one expert's copy (the H2D fit)."""
+    prior = {}
+    if compute_rows:
+        smallest = min(compute_rows, key=lambda r: r["tokens"])
+        prior["hit_s"] = float(smallest["seconds"])
+    line = fit_h2d(h2d_rows, pinned=pinned if pinned else None) if h2d_rows else {}
+    if np.isfinite(line.get("gbps", np.nan)) and line["gbps"] > 0:
+        prior["transfer_s"] = float(line["overhead_s"] + expert_bytes / (line["gbps"] * 1e9))
+    return prior
 
 
 # --------------------------------------------------------------------------- refit from a run
@@ -304,7 +341,9 @@ def refit(profile: Profile, run_dirs, seed: int = 0, holdout_fraction: float = 0
 
     X = CostModel.features(df["draft_levels"], df["nodes_verified"], df["hits"], df["misses"])
     y = df["measured_time_s"].to_numpy(dtype=np.float64)
-    fitter = CycleTimeFitter(holdout_fraction=holdout_fraction, seed=seed).fit(X, y, source="decode cycles")
+    # the profile is the prior: a term these cycles cannot identify keeps the profile's value
+    fitter = CycleTimeFitter(holdout_fraction=holdout_fraction, seed=seed, prior=profile.cost).fit(
+        X, y, source="decode cycles")
     n_test = fitter.quality_["n_holdout"]
     test = np.random.default_rng(seed).permutation(len(y))[:n_test]
     before = prediction_errors(X[test] @ profile.cost.params, y[test])

@@ -93,7 +93,17 @@ def _summary(prof, path: Path, console) -> None:
     table.add_row("held-out cycle MAPE", f"{held.get('mape', float('nan')):.1%} over {held.get('n', 0)} passes")
     table.add_row("held-out max error (s)", f"{held.get('max_abs_err', held.get('max_abs_err_s', float('nan'))):.3g}")
     table.add_row("probe time (s)", f"{fit.get('seconds', 0):.1f}")
+    noise = fit.get("probe_noise") or {}
+    if noise:
+        table.add_row("probe spread over rounds", f"{noise['spread_median']:.1%} median, {noise['spread_p90']:.1%} p90 "
+                      f"({noise['rounds']} rounds)")
+    if "fitted" in fit:
+        table.add_row("fitted from the passes", ", ".join(fit["fitted"]) or "-")
+    for name, held_term in (fit.get("held") or {}).items():
+        table.add_row(f"held: {name}", f"{held_term['value']:.4g} ({held_term['at']}): {held_term['reason']}")
     Console().print(table)
+    for warning in fit.get("warnings") or ():
+        console.print(f"[yellow]warning:[/yellow] {warning}")
 
 
 def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None:

@@ -61,6 +61,9 @@ def decode(
     json_lines: bool = typer.Option(False, "--json", help="Print one JSON object per prompt and policy on stdout and nothing else."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate --max-new-tokens tokens."),
     threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP + "."),
+    online_refit: bool = typer.Option(True, "--online-refit/--frozen-profile", help="Refit the cost model on the "
+                                      "run's recent cycles as it goes, the profile as the prior (default), or keep "
+                                      "the profile frozen (experiments that need a fixed model)."),
 ) -> None:
     """Decode with the experts in host memory and an expert cache on the device.
 
@@ -78,7 +81,7 @@ def decode(
                       device=device, dtype=dtype, out_dir=out, record=record, record_full=record_full,
                       temperature=temperature, seed=seed, tree_top_k=tree_top_k, max_levels=max_levels,
                       acceptance_trace=acceptance, ignore_eos=ignore_eos, cache_mode=cache_mode,
-                      cache_policy=cache_policy, predictor=predictor)
+                      cache_policy=cache_policy, predictor=predictor, online_refit=online_refit)
     stderr = Console(stderr=True)
     try:
         set_cpu_threads(threads)
@@ -132,15 +135,16 @@ def _print_summary(run, out: Path | None) -> None:
     console.print(table)
 
     table = Table(title=f"measured (predicted) per policy, profile {run.profile_label}; tokens/s over the measured "
-                        f"cycles, time MAPE per cycle")
-    for name in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "time MAPE", "KB H2D/cycle", "nodes", "hit rate",
-                 "search+book."):
+                        f"cycles; time MAPE per cycle of the model the policy decided with (online-refitted unless "
+                        f"--frozen-profile) and of the profile's")
+    for name in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "time MAPE", "profile's", "union MAPE",
+                 "KB H2D/cycle", "nodes", "hit rate", "search+book."):
         table.add_column(name, justify="left" if name == "policy" else "right")
     for s in run.summaries:
         table.add_row(s["policy"], f"{s['tokens_per_s']:.1f}",
                       f"{s['tokens_per_cycle']:.2f} ({s['predicted_tokens_per_cycle']:.2f})",
                       f"{s['time_per_cycle_s'] * 1e3:.2f} ({s['predicted_time_per_cycle_s'] * 1e3:.2f})",
-                      _share(s["time_mape"]),
+                      _share(s["time_mape"]), _share(s["prior_time_mape"]), _share(s["union_mape"]),
                       f"{s['bytes_per_cycle'] / 1e3:.0f} ({s['predicted_bytes_per_cycle'] / 1e3:.0f})",
                       f"{s['nodes_per_cycle']:.1f}", f"{s['hit_rate']:.2f}", _share(s["overhead_share"]))
     console.print(table)

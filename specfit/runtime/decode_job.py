@@ -9,7 +9,13 @@ interrupted, so every completed cycle survives):
   (:data:`specfit.accounting.CYCLE_COLUMNS`: predicted next to measured time, bytes, hits,
   misses, union sizes and committed tokens, plus the draft / verify / target-pass / transfer /
   drafter / search times), keyed by policy, sequence (prompt), position and cycle;
-- ``summary.json``: per policy, :func:`specfit.accounting.summarise` of its cycles.
+- ``summary.json``: per policy, :func:`specfit.accounting.summarise` of its cycles (the errors of
+  the profile's predictions and of the online-refitted model's, side by side) and the online
+  model's final parameters.
+
+Every policy decides with a cost model refitted on its own recent cycles as the run goes, the
+profile as the prior (:class:`specfit.calibrate.online.OnlineCostModel`); ``online_refit=False``
+(``--frozen-profile``) keeps the profile.
 
 ``--record TRACE`` writes the cycles of one policy as a trace; with ``--record-full`` a pass per
 prompt that verifies the whole drafted tree and commits one token records the position-indexed
@@ -66,6 +72,7 @@ class DecodePlan:
     cache_policy: str = "lru"
     predictor: str = "router"
     warmup: bool = True
+    online_refit: bool = True       # refit the cost model on the run's cycles as it goes (False: frozen profile)
 
     def validate(self):
         """Check the options that need no file; return the parsed policies."""
@@ -230,7 +237,10 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 if on_record is not None:
                     on_record(record)
                 tick()
-            outputs.summaries.append(summarise_policy(policy.name, outputs.records, outputs.cycles))
+            summary = summarise_policy(policy.name, outputs.records, outputs.cycles)
+            if decoder.online is not None:
+                summary["online_model"] = decoder.online.state()
+            outputs.summaries.append(summary)
         if plan.record_full:
             say(f"recording full trees at every position into {plan.record}")
             full = _full_decoder(plan, model, drafter, profile.cost, recorder)
@@ -306,7 +316,8 @@ def _decoder(plan, model, drafter, policy, cost, calibrator, recorder):
     predictor = make_predictor("router", model=model) if plan.predictor == "router" else make_predictor(plan.predictor)
     proposer = Proposer(drafter, plan.tree_top_k) if policy.max_levels > 0 else None
     return Decoder(model, proposer, policy, cost, predictor=predictor, eos_token_ids=model.config.eos_token_ids,
-                   temperature=plan.temperature, seed=plan.seed, calibrator=calibrator, recorder=recorder)
+                   temperature=plan.temperature, seed=plan.seed, calibrator=calibrator, recorder=recorder,
+                   online_refit=plan.online_refit)
 
 
 def _full_decoder(plan, model, drafter, cost, recorder):
@@ -317,7 +328,7 @@ def _full_decoder(plan, model, drafter, cost, recorder):
     # "verify everything": the rerank keeping as many nodes as the tree can have, one token committed
     policy = RerankPolicy(tree_capacity(plan.tree_top_k, plan.max_levels), plan.max_levels, name="full")
     return Decoder(model, Proposer(drafter, plan.tree_top_k), policy, cost, eos_token_ids=model.config.eos_token_ids,
-                   recorder=recorder, commit_root_only=True)
+                   recorder=recorder, commit_root_only=True, online_refit=False)
 
 
 def _recorder(plan: DecodePlan, model, drafter, profile):
