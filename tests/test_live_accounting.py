@@ -32,12 +32,12 @@ def count_copied_bytes(model, decoder):
     """Count, independently of the cache's counters, the bytes each verification pass copies to
     the device: every host tensor handed to the offload's copier. Returns the per-pass list."""
     copier = model.offload._copier
-    copy, verify = copier.copy, decoder.verify
+    issue, verify = copier.issue, decoder.verify
     moved, current = [], [0]
 
-    def counting_copy(dst, src, after=None):
-        current[0] += src.nbytes
-        return copy(dst, src, after)
+    def counting_issue(jobs, after=None):
+        current[0] += sum(src.nbytes for _, pairs in jobs for _, src in pairs)
+        return issue(jobs, after)
 
     def counting_verify(tree, nodes):
         current[0] = 0
@@ -45,7 +45,7 @@ def count_copied_bytes(model, decoder):
         moved.append(current[0])
         return out
 
-    copier.copy, decoder.verify = counting_copy, counting_verify
+    copier.issue, decoder.verify = counting_issue, counting_verify
     return moved
 
 
