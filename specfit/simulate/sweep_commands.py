@@ -103,9 +103,9 @@ def plan_command(
     reserve_gb: float = typer.Option(1.0, "--reserve-gb", help="Device memory kept for everything else: runtime "
                                      "context, activations, the drafter (GB)."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="Weight and KV-cache dtype: bfloat16, float16, float32."),
-    policies: Optional[str] = typer.Option(None, "--policies", help="Candidate policies (comma-separated; "
-                                           "specfit@L means max L levels); default: AR, chains, static and "
-                                           "EAGLE-3 trees of several widths and depths, specfit."),
+    policies: Optional[str] = typer.Option(None, "--policies", help="Candidate policies (comma-separated, e.g. "
+                                           "ar,chain:2,static:4,eagle3:16:4,specfit:6); default: AR, chains, "
+                                           "fixed and EAGLE-3 trees of several widths and depths, specfit."),
     cache_steps: int = typer.Option(4, "--cache-steps", help="Expert-cache sizes to try between none and "
                                     "the most the budget holds."),
     predictor: str = typer.Option("oracle", "--predictor", help="Expert predictor the policies decide with."),
@@ -150,17 +150,17 @@ def _print_plan(result, top: int) -> None:
     console.print(f"[bold]{mem.model}[/bold] in {mem.budget.device_bytes / 1e9:g} GB: dense weights "
                   f"{mem.dense_bytes / 1e9:.2f} GB, KV cache ({mem.budget.context_tokens} tokens) "
                   f"{mem.kv_bytes(0) / 1e9:.2f} GB, reserve {mem.budget.reserve_bytes / 1e9:.2f} GB; "
-                  f"one cached expert per layer {mem.slot_bytes / 1e9:.3f} GB, so up to {mem.max_cache_experts} "
-                  f"cached experts per layer")
+                  f"one cached expert per layer {mem.slot_bytes / 1e9:.3f} GB; cached experts per layer tried: "
+                  f"{', '.join(map(str, result.cache_sizes))}")
     table = Table(title=f"best settings on {', '.join(result.traces)} ({result.profile})")
-    for col in ("", "policy", "max levels", "cache/layer", "tokens/s", "vs ar", "device GB", "expert cache GB"):
+    for col in ("", "policy", "cache/layer", "tokens/s", "vs ar", "tree tokens", "device GB", "expert cache GB"):
         table.add_column(col, justify="left" if col in ("", "policy") else "right")
     for i, row in enumerate(result.ranked.head(top + 1).itertuples()):
-        table.add_row("best" if i == 0 else f"#{i + 1}", row.policy, str(row.max_levels), str(row.cache_experts),
-                      f"{row.tokens_per_s:.2f}", _ratio(row.speedup_vs_ar), f"{row.device_bytes / 1e9:.2f}",
+        table.add_row("best" if i == 0 else f"#{i + 1}", row.policy, str(row.cache_experts), f"{row.tokens_per_s:.2f}",
+                      _ratio(row.speedup_vs_ar), str(row.tree_tokens), f"{row.device_bytes / 1e9:.2f}",
                       f"{row.expert_cache_bytes / 1e9:.2f}")
     console.print(table)
     best = result.best
-    console.print(f"recommended: [bold]{best['policy']}[/bold] (max {best['max_levels']} levels) with "
-                  f"{best['cache_experts']} cached experts per layer: {best['tokens_per_s']:.2f} tokens/s predicted, "
-                  f"{best['device_bytes'] / 1e9:.2f} GB of device memory; sweep in {result.out_dir}/")
+    console.print(f"recommended: [bold]{best['policy']}[/bold] with {best['cache_experts']} cached experts per layer: "
+                  f"{best['tokens_per_s']:.2f} tokens/s predicted, {best['device_bytes'] / 1e9:.2f} GB of device memory "
+                  f"({result.cells} cells in {result.out_dir}/)")
