@@ -176,7 +176,12 @@ def test_plan_recommends_the_best_cell_of_its_exhaustive_grid(ray_local, tmp_pat
                                  best["policy"], "--cache-experts", str(best["cache_experts"]), "--json"])
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)[0]["tokens_per_s"] == pytest.approx(best["tokens_per_s"], rel=1e-9)
-    assert (tmp_path / "plan" / "plan.json").is_file()
+    # the report shows the plan (its frontier) and the sweep behind it
+    r = CliRunner().invoke(app, ["report", str(tmp_path / "plan"), "--out", str(tmp_path / "report")])
+    assert r.exit_code == 0, r.output
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert f"Recommended: {best['policy']} with {best['cache_experts']} cached experts per layer" in page
+    assert "the line is the best reachable within each memory size" in page and "Sweep: " in page
 
 
 def test_plan_for_a_model_shape_synthesises_each_workload_once(ray_local, tmp_path):

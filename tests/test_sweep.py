@@ -227,6 +227,19 @@ def test_resume_recomputes_only_missing_cells(grid_sweep, tmp_path):
     pd.testing.assert_frame_equal(after[cols], before[cols])
 
 
+def test_report_of_a_sweep_has_a_heat_map_panel_per_policy(grid_sweep, tmp_path):
+    folder, _, _ = grid_sweep
+    r = CliRunner().invoke(app, ["report", str(folder / "out"), "--out", str(tmp_path / "report")])
+    assert r.exit_code == 0, r.output
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert "Sweep: " in page and "cells finished</th><td>32 of 32" in page
+    # one figure for the one trace: cache size x link speed per policy, best over the predictors
+    assert page.count("<figure>") == 1
+    assert "by expert-cache size (experts per layer) and host-to-device bandwidth, per policy; each square is the " \
+           "best over predictor." in page
+    assert "The 20 fastest cells" in page
+
+
 def test_routing_logs_with_drafter_presets_equal_import_then_simulate(ray_local, tmp_path):
     _routing_log(tmp_path / "routing.npz", 64)
     spec = _write(tmp_path / "routing.yaml", "routing:\n  - {log: routing.npz, drafters: [chat, code], max_tokens: 96}\n"
