@@ -140,6 +140,18 @@ def test_sweep_without_ray_is_one_line_and_exit_2(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+def test_an_address_nothing_answers_on_is_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as sock:       # a port that was free a moment ago: nothing listens on it
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    r = CliRunner().invoke(app, ["sweep", str(_grid_spec(tmp_path)), "--out", str(tmp_path / "out"), "--address",
+                                 f"127.0.0.1:{port}"])
+    assert r.exit_code == 2
+    assert r.output.startswith(f"error: --address 127.0.0.1:{port}: no Ray head answers there")
+
+
 def test_parts_are_whole_files_and_temporaries_are_removed(tmp_path):
     rows = [{"cell_id": f"c{i}", "policy": "ar", "tokens_per_s": float(i), "static_n": None} for i in range(3)]
     write_part(tmp_path, rows[:2])

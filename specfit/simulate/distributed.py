@@ -63,6 +63,7 @@ def ray_session(address: str | None = None, num_cpus: int | None = None):
 
     options = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     if address:
+        _check_reachable(address)
         try:
             ray.init(address=address, **options)
         except (ConnectionError, ValueError, RuntimeError) as exc:
@@ -73,6 +74,20 @@ def ray_session(address: str | None = None, num_cpus: int | None = None):
         yield ray
     finally:
         ray.shutdown()
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A HOST:PORT that nothing listens on fails now, in one line (Ray itself retries for minutes)."""
+    import socket
+
+    host, sep, port = address.rpartition(":")
+    if not sep or "://" in address or not port.isdigit():
+        return          # "auto", "ray://...": Ray resolves those itself
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except OSError as exc:
+        raise SpecFitError(f"--address {address}: no Ray head answers there ({exc.strerror or exc}); expected the "
+                           "address `ray start --head` printed, e.g. HOST:6379") from None
 
 
 @dataclass

@@ -249,6 +249,7 @@ def _trace_sources(raw: dict, source: str, base: Path, workloads: dict) -> list[
     if not traces and not routing:
         raise SpecFitError(f"{source}: no traces; expected field 'traces' (trace files) or 'routing' (routing logs)")
     out = []
+    log_names = unique_names([Path(str(r.get("log", ""))) for r in routing])
     for path, name in zip(traces, unique_names([Path(t) for t in traces])):
         resolved = base / path
         if not resolved.is_file():
@@ -270,8 +271,7 @@ def _trace_sources(raw: dict, source: str, base: Path, workloads: dict) -> list[
         if not resolved.is_file():
             raise SpecFitError(f"{where}: field 'log': no such routing log {entry['log']!r} (relative to {base})")
         options = {k: entry[k] for k in ("shape", "max_tokens", "sequences", "seed", "sibling_reuse") if k in entry}
-        stem = Path(entry["log"]).stem if len(routing) == 1 or len({Path(r.get("log", "")).stem for r in routing}) == len(routing) \
-            else entry["log"]
+        stem = log_names[i]
         for drafter in drafters:
             out.append(TraceSource(name=f"{stem}:{drafter}", path=entry["log"], resolved=resolved, drafter=drafter,
                                    import_options=options,

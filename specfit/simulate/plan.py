@@ -237,7 +237,7 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
     from .dataset import read_results
     from .distributed import execute, ray_session
     from .grid import parse_spec
-    from .scenarios import scenario_label
+    from .scenarios import check_replay_options, scenario_label
 
     if not traces and model_shape is None:
         raise SpecFitError("plan: expected --trace (your workloads' traces) or --model-shape (traces are synthesised)")
@@ -249,6 +249,7 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
     if "ar" not in candidates:
         candidates.insert(0, "ar")      # every setting is compared with AR at its cache size
     _check_candidates(candidates)
+    check_replay_options(predictor, "calibrated", "per_layer", "lru")
     memory.max_cache_experts_for(1)     # a budget that holds no model fails before Ray starts
     for trace, path in zip(loaded, traces):
         _check_trace_matches(trace, config, budget.dtype_bytes, path)

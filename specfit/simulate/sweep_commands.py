@@ -11,8 +11,10 @@ import typer
 
 from ..errors import SpecFitError, fail
 
-# the settings columns a table shows for a cell (the rest are in the dataset)
-_SETTING_COLUMNS = ("trace", "profile", "cache_experts", "policy", "predictor", "max_levels")
+# the settings a table may show for a cell (column: header); those the grid varies are shown
+_SETTING_COLUMNS = {"trace": "trace", "profile": "profile", "cache_mode": "cache mode", "cache_policy": "eviction",
+                    "cache_experts": "cache", "policy": "policy", "predictor": "predictor", "acceptance": "acceptance",
+                    "max_levels": "max levels", "price_uncertainty": "priced"}
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
@@ -66,11 +68,16 @@ def _print_sweep(results, run, out_dir: Path, top: int) -> None:
     if not console.is_terminal:
         console = Console(width=132)
     best = results.sort_values("tokens_per_s", ascending=False, kind="stable").head(top)
-    table = Table(title=f"best {len(best)} of {len(results)} cells by tokens/s")
-    for col in (*_SETTING_COLUMNS, "link GB/s", "tokens/s", "vs ar", "hit rate", "nodes"):
-        table.add_column(col, justify="left" if col in ("trace", "profile", "policy", "predictor") else "right")
+    shown = [c for c in _SETTING_COLUMNS if c in ("policy", "cache_experts") or results[c].astype(str).nunique() > 1]
+    fixed = {_SETTING_COLUMNS[c]: results[c].iloc[0] for c in _SETTING_COLUMNS if c not in shown}
+    table = Table(title=f"best {len(best)} of {len(results)} cells by tokens/s",
+                  caption=", ".join(f"{k} {v}" for k, v in fixed.items()))
+    for col in shown:
+        table.add_column(_SETTING_COLUMNS[col], justify="right" if col in ("cache_experts", "max_levels") else "left")
+    for col in ("link GB/s", "tokens/s", "vs ar", "hit rate", "nodes"):
+        table.add_column(col, justify="right")
     for _, row in best.iterrows():
-        table.add_row(*(str(row[c]) for c in _SETTING_COLUMNS), f"{row['link_gbps']:.0f}", f"{row['tokens_per_s']:.2f}",
+        table.add_row(*(str(row[c]) for c in shown), f"{row['link_gbps']:.0f}", f"{row['tokens_per_s']:.2f}",
                       _ratio(row["speedup_vs_ar"]), f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}")
     console.print(table)
     rate = f", {run.computed / run.wall_s:.1f} cells/s on {run.workers} workers" if run.computed and run.wall_s else ""
