@@ -139,7 +139,9 @@ def interrupt_check(spec_path: Path, out: Path, n_cells: int, num_cpus: int) -> 
     cmd = [sys.executable, "-m", "specfit", "sweep", str(spec_path), "--out", str(out), "--num-cpus", str(num_cpus)]
 
     def start():
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        # SIGINT back to its default: a shell's background job inherits it ignored
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
     def wait_parts(proc, more_than):
         while proc.poll() is None:
@@ -162,7 +164,9 @@ def interrupt_check(spec_path: Path, out: Path, n_cells: int, num_cpus: int) -> 
     proc = start()
     wait_parts(proc, 0)
     stopped(proc, "SIGINT").send_signal(signal.SIGINT)
-    proc.communicate(timeout=120)
+    _, err = proc.communicate(timeout=120)
+    if proc.returncode != 130:
+        raise RuntimeError(f"SIGINT: the sweep exited with {proc.returncode}: {err.decode()[-2000:]}")
     steps.append(("SIGINT to the driver", proc.returncode, len(done_cell_ids(out)), temporaries()))
     proc = start()
     wait_parts(proc, len(part_files(out)) + 2)

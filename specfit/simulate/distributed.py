@@ -209,7 +209,7 @@ def _chunks(cells: list[Cell], size: int) -> list[list[Cell]]:
 
 
 def run_grid(spec: SweepSpec, cells: list[Cell], inputs: GridInputs, out_dir: Path, done: set[str],
-             chunk_cells: int | None = None, on_progress=None, ray=None) -> SweepRun:
+             chunk_cells: int | None = None, on_progress=None, *, ray) -> SweepRun:
     """Replay the cells not in ``done`` on the Ray instance ``ray`` (see :func:`ray_session`),
     writing each finished chunk into ``out_dir``'s dataset. ``on_progress(n_cells, description)``
     is called as chunks finish. Ctrl-C raises :class:`SweepInterrupted` (finished chunks are

@@ -181,6 +181,15 @@ def load_spec(path: str | Path) -> SweepSpec:
     return parse_spec(raw, source=str(path), base=path.parent)
 
 
+def _is_a(kind: type, value) -> bool:
+    """TOML and YAML types as the spec means them: a bool is not a number, an int is a float."""
+    if kind is bool or isinstance(value, bool):
+        return kind is bool and isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float))
+    return isinstance(value, kind)
+
+
 def _values(raw: dict, key: str, kind: type, default: list, source: str) -> list:
     value = raw.get(key, default)
     values = value if isinstance(value, list) else [value]
@@ -188,10 +197,7 @@ def _values(raw: dict, key: str, kind: type, default: list, source: str) -> list
         raise SpecFitError(f"{source}: field {key!r} is an empty list; expected at least one value")
     out = []
     for v in values:
-        ok = isinstance(v, bool) if kind is bool else (
-            isinstance(v, (int, float)) and not isinstance(v, bool) if kind is float else
-            isinstance(v, int) and not isinstance(v, bool) if kind is int else isinstance(v, str))
-        if not ok:
+        if not _is_a(kind, v):
             raise SpecFitError(f"{source}: field {key!r} must hold {kind.__name__} values, got {v!r}")
         out.append(float(v) if kind is float else v)
     if len(set(out)) != len(out):
@@ -217,7 +223,7 @@ def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec
     scalars = {}
     for key, (kind, default) in _SCALARS.items():
         value = raw.get(key, default)
-        if not isinstance(value, kind):
+        if not _is_a(kind, value):
             raise SpecFitError(f"{source}: field {key!r} must be a {kind.__name__}, got {value!r}")
         scalars[key] = value
     try:
@@ -262,7 +268,7 @@ def _trace_sources(raw: dict, source: str, base: Path, workloads: dict) -> list[
             raise SpecFitError(f"{where}: expected fields 'log' and 'drafters' (and optionally shape, max_tokens, "
                                f"sequences, seed, sibling_reuse), got {sorted(entry)}")
         for key, kind in _ROUTING_KEYS.items():
-            if key in entry and not (isinstance(entry[key], kind) or (kind is float and isinstance(entry[key], int))):
+            if key in entry and not _is_a(kind, entry[key]):
                 raise SpecFitError(f"{where}: field {key!r} must be a {kind.__name__}, got {entry[key]!r}")
         drafters = entry.get("drafters", ["chat"])
         if not drafters or any(d not in workloads for d in drafters):

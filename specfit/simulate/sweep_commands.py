@@ -44,6 +44,9 @@ def sweep_command(
     from .grid import load_spec
 
     try:
+        for option, value in (("--num-cpus", num_cpus), ("--chunk-cells", chunk_cells)):
+            if value is not None and value < 1:
+                raise SpecFitError(f"{option}: expected a positive number, got {value}")
         require_ray()
         parsed = load_spec(spec)
         out_dir = out or Path("runs") / spec.stem
