@@ -4,15 +4,19 @@ Grid (200 cells): the two sample traces x pcie5 at 0.5/1/2/4x its link speed x 5
 x 5 policies (ar, chain:2, eagle3:16:4, static:4, specfit). Both sides replay the same cells with
 the same :func:`specfit.simulate.grid.run_cell`; the serial side prepares each trace once, the Ray
 side runs the real sweep (:func:`specfit.simulate.distributed.run_grid`: prepare tasks, chunks,
-Parquet parts) on one local Ray instance with ``--num-cpus`` CPUs, twice: with cold workers (they
-import specfit on their first task) and with warm ones (as on a running cluster). Ray's start-up
-is timed on its own. The rows of both Ray runs must equal the serial ones.
+Parquet parts) on one local Ray instance with ``--num-cpus`` CPUs: once with cold workers (they
+import specfit on their first task), then ``--repeat`` times with warm ones (as on a running
+cluster), each warm run right after a serial run, so that a change in a shared machine's load hits
+both sides of a pair. Ray's start-up is timed on its own. Every Ray row must equal the serial one.
 
 Overhead per cell = (wall x workers - replay time) / cells: the worker-seconds a cell held beyond
 its replay (:func:`run_cell`'s ``replay_s``, the black box :func:`run_sweep` call), including the
 trace preparation, scheduling, serialisation, Parquet writes and idle CPUs at the end. On a shared
 machine other processes' CPU use shows up in it too (and in the replay times), so it also reports
 the CPU seconds of the driver, Ray's daemons and workers against those of the serial run.
+Busy share = replay time / (wall x workers); since cells/s = workers x busy share / mean replay
+time, ``workers x busy share / the serial run's busy share`` is the ratio of cells/s the sweep
+reaches when its replays run as fast as the serial run's (when other processes leave it its CPUs).
 
 An overhead probe repeats the comparison on 400 cells of a 16-position trace (replays of a few tens
 of milliseconds), where the per-cell overhead is not lost in the replays' noise.
@@ -21,7 +25,7 @@ Then the interruption check: the 200-cell grid as a ``specfit sweep`` subprocess
 Ray), SIGINT after the first part, rerun, SIGKILL of its process group after more parts, rerun to
 the end; every cell must be in the dataset once, every part readable, no temporary file left.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_sweep.py [--num-cpus 2] [--skip-interrupt]
+    OMP_NUM_THREADS=1 python benchmarks/bench_sweep.py [--num-cpus 2] [--repeat 3] [--skip-interrupt]
 """
 
 from __future__ import annotations
@@ -121,15 +125,24 @@ def same_rows(serial_run: dict, ray_run: dict) -> bool:
                                                           rows["cell_id"].map(reference).to_numpy())
 
 
-def table(runs: list[tuple[str, dict]], n: int) -> None:
-    base = runs[0][1]
-    print("| run | wall s | cells/s | vs serial | mean replay ms | overhead ms/cell | CPU s | extra CPU ms/cell |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name, r in runs:
+def table(runs: list[tuple[str, dict]], n: int, pairs: bool = False) -> None:
+    """One row per run; "vs serial" and the extra CPU against the first run, or with ``pairs``
+    against the serial run just before it."""
+    print("| run | wall s | cells/s | vs serial | mean replay ms | overhead ms/cell | busy share | "
+          "vs serial at its replay speed | CPU s | extra CPU ms/cell |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for i, (name, r) in enumerate(runs):
+        base = runs[i - i % 2][1] if pairs else runs[0][1]
         overhead = (r["wall_s"] * r["workers"] - r["replay_s"]) / n
         print(f"| {name} | {r['wall_s']:.1f} | {n / r['wall_s']:.2f} | {base['wall_s'] / r['wall_s']:.2f}x | "
-              f"{r['replay_s'] / n * 1e3:.0f} | {overhead * 1e3:.1f} | {r['cpu_s']:.1f} | "
+              f"{r['replay_s'] / n * 1e3:.0f} | {overhead * 1e3:.1f} | {busy(r):.3f} | "
+              f"{r['workers'] * busy(r) / busy(base):.2f}x | {r['cpu_s']:.1f} | "
               f"{(r['cpu_s'] - base['cpu_s']) / n * 1e3:.1f} |")
+
+
+def busy(run: dict) -> float:
+    """Share of the workers' wall time spent replaying: cells/s = workers x busy / mean replay."""
+    return run["replay_s"] / (run["wall_s"] * run["workers"])
 
 
 def interrupt_check(spec_path: Path, out: Path, n_cells: int, num_cpus: int) -> list[tuple]:
@@ -187,6 +200,7 @@ def interrupt_check(spec_path: Path, out: Path, n_cells: int, num_cpus: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--num-cpus", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3, help="serial / warm-Ray pairs, interleaved")
     parser.add_argument("--skip-interrupt", action="store_true")
     args = parser.parse_args()
     import ray
@@ -202,31 +216,44 @@ def main() -> None:
         prepare_trace("warm-up", tiny)        # the serial process imports what a preparation needs first
         spec, cells = grid(tmp / "bench.toml", SPEC.format(root=ROOT))
         probe_spec, probe_cells = grid(tmp / "probe.toml", PROBE_SPEC.format(trace=tmp / "tiny.parquet"))
-        load = [os.getloadavg()[0]]
-        s = serial(spec, cells)
-        s_probe = serial(probe_spec, probe_cells)
+        n, loads = len(cells), [os.getloadavg()[0]]
         t0 = time.perf_counter()
         ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
         init_s = time.perf_counter() - t0
+        pairs, probes = [], []
         try:
             cold = on_ray(ray, spec, cells, tmp / "cold")
-            warm = on_ray(ray, spec, cells, tmp / "warm")
-            r_probe = on_ray(ray, probe_spec, probe_cells, tmp / "probe")
+            # serial and warm Ray interleaved, so a change in the machine's load hits both sides
+            for i in range(args.repeat):
+                pairs.append((serial(spec, cells), on_ray(ray, spec, cells, tmp / f"warm{i}")))
+                loads.append(os.getloadavg()[0])
+            for i in range(args.repeat):
+                probes.append((serial(probe_spec, probe_cells), on_ray(ray, probe_spec, probe_cells, tmp / f"probe{i}")))
         finally:
             t1 = time.perf_counter()
             ray.shutdown()
             shutdown_s = time.perf_counter() - t1
-        load.append(os.getloadavg()[0])
-        n = len(cells)
-        print(f"{n} cells, {warm['workers']} Ray workers, {warm['chunks']} chunks of up to "
-              f"{-(-n // warm['chunks'])} cells; Ray start-up {init_s:.1f} s, shutdown {shutdown_s:.1f} s; "
-              f"load average (1 min) {load[0]:.2f} before, {load[1]:.2f} after; "
-              f"Ray rows identical to the serial ones: {same_rows(s, cold) and same_rows(s, warm)}\n")
-        table([("serial, one process", s), ("Ray, warm workers", warm), ("Ray, cold workers (first imports)", cold),
+        identical = all(same_rows(s, r) for s, r in pairs + probes) and same_rows(pairs[0][0], cold)
+        print(f"{n} cells, {cold['workers']} Ray workers, {cold['chunks']} chunks of up to {-(-n // cold['chunks'])} "
+              f"cells; Ray start-up {init_s:.1f} s, shutdown {shutdown_s:.1f} s; load average (1 min) "
+              f"{', '.join(f'{x:.1f}' for x in loads)}; Ray rows identical to the serial ones: {identical}\n")
+        rows = []
+        for i, (s, r) in enumerate(pairs):
+            rows += [(f"serial, one process (pair {i + 1})", s), (f"Ray, warm workers (pair {i + 1})", r)]
+        table(rows, n, pairs=True)
+        first = pairs[0][0]
+        print()
+        table([("serial, one process (pair 1)", first), ("Ray, cold workers (first imports)", cold),
                ("Ray, cold, with start-up", {**cold, "wall_s": cold["wall_s"] + init_s})], n)
-        print(f"\noverhead probe: {len(probe_cells)} cells of a 16-position trace, "
-              f"{r_probe['chunks']} chunks; rows identical: {same_rows(s_probe, r_probe)}\n")
-        table([("serial, one process", s_probe), ("Ray, warm workers", r_probe)], len(probe_cells))
+        print(f"\noverhead probe: {len(probe_cells)} cells of a 16-position trace, {probes[0][1]['chunks']} chunks\n")
+        rows = []
+        for i, (s, r) in enumerate(probes):
+            rows += [(f"serial (pair {i + 1})", s), (f"Ray, warm (pair {i + 1})", r)]
+        table(rows, len(probe_cells), pairs=True)
+        for name, got in (("200-cell grid", pairs), ("probe", probes)):
+            ratios = sorted(s["wall_s"] / r["wall_s"] for s, r in got)
+            print(f"\n{name}: Ray / serial cells/s per pair {', '.join(f'{x:.2f}x' for x in ratios)}, "
+                  f"median {ratios[len(ratios) // 2]:.2f}x")
         if not args.skip_interrupt:
             print("\n| step | exit code | cells in the dataset | temporary files |")
             print("|---|---|---|---|")
