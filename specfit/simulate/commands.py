@@ -86,41 +86,25 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..calibrate.presets import resolve_profile
     from ..calibrate.profile import ModelShape
-    from ..experts.cache import EVICTION_POLICIES
-    from ..experts.predictors import PREDICTORS
     from ..traces.format import read_trace
     from .replay import prepare_trace
-    from .sweep import Scenario, check_policies, run_sweep
-    from .whatif import apply_overrides, parse_overrides, scale_h2d
+    from .scenarios import build_scenario, check_replay_options, unique_names
+    from .sweep import check_policies, run_sweep
+    from .whatif import parse_overrides
 
-    if predictor not in PREDICTORS:
-        raise SpecFitError(f"--predictor: expected one of {sorted(PREDICTORS)}, got {predictor!r}")
-    if cache_mode not in ("per_layer", "global"):
-        raise SpecFitError(f"--cache-mode: expected per_layer or global, got {cache_mode!r}")
-    if cache_policy not in EVICTION_POLICIES:
-        raise SpecFitError(f"--cache-policy: expected one of {EVICTION_POLICIES}, got {cache_policy!r}")
+    check_replay_options(predictor, acceptance, cache_mode, cache_policy)
     check_policies(policies, max_levels)
     overrides = parse_overrides(cost_text)
     console = Console(stderr=True)
     prepared, scenarios = [], {}
-    names = _unique_names(trace_paths)
+    names = unique_names(trace_paths)
     for path, name in zip(trace_paths, names):
         trace = read_trace(path)
         with console.status(f"preparing {path} ...") if not quiet else _nothing():
             prepared.append(prepare_trace(name, trace, predictor, acceptance, model_dir=model_dir))
         shape = ModelShape.from_trace_meta(trace.model)
-        scenarios[name] = []
-        for spec in profiles:
-            profile = resolve_profile(spec, shape, rescale=rescale)
-            cost = apply_overrides(profile.cost, overrides)
-            if h2d_scale != 1.0:
-                cost = scale_h2d(cost, h2d_scale)
-            label = Path(spec).stem if spec.endswith(".json") else spec
-            label += f" x{h2d_scale:g} H2D" if h2d_scale != 1.0 else ""
-            label += " (" + ",".join(f"{k}={v:g}" for k, v in overrides.items()) + ")" if overrides else ""
-            scenarios[name].append(Scenario(label, cost))
+        scenarios[name] = [build_scenario(spec, shape, h2d_scale, overrides, rescale) for spec in profiles]
     n_runs = sum(len(scenarios[p.name]) for p in prepared) * len(cache_sizes) * len(policies)
     cycle_frames, summaries = [], []
     with Progress(TextColumn("[bold]simulate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -143,11 +127,6 @@ class _nothing:
 
     def __exit__(self, *exc):
         return False
-
-
-def _unique_names(paths: list[Path]) -> list[str]:
-    names = [p.stem for p in paths]
-    return [str(p) if names.count(n) > 1 else n for p, n in zip(paths, names)]
 
 
 def _write_outputs(out: Path, cycles, summary, ctx=None) -> None:
