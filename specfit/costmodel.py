@@ -6,6 +6,11 @@
 ``|S|`` counts the root. ``U_l(S)`` is the union of the experts that the nodes of S route to at
 layer l. The prediction is linear in the five parameters, so a cycle is summarised by its feature
 vector ``(draft_levels, 1, n_nodes, hits, misses)`` and fitting is a non-negative least squares.
+
+The formula is written once, in :func:`cycle_time_s`: :meth:`CostModel.time_s` (scalars) and
+:meth:`CostModel.predict_counts` (arrays) evaluate it, and the compiled kernels
+(:mod:`specfit.kernels`) compile the same function and receive the parameters as
+:attr:`CostModel.params`. The transfer part of a miss is :attr:`CostModel.transfer_s`.
 """
 
 from __future__ import annotations
@@ -18,9 +23,15 @@ import numpy as np
 
 from .tree import DraftTree, check_nodes
 
-__all__ = ["CostModel", "check_experts", "expert_union", "PARAM_NAMES"]
+__all__ = ["CostModel", "check_experts", "expert_union", "cycle_time_s", "PARAM_NAMES"]
 
 PARAM_NAMES = ("draft_level_s", "base_s", "per_node_s", "hit_s", "miss_s")
+
+
+def cycle_time_s(draft_level_s, base_s, per_node_s, hit_s, miss_s, draft_levels, n_nodes, hits, misses):
+    """The cycle-time formula, on scalars or numpy arrays alike (and compiled as it is by
+    :mod:`specfit.kernels`, so every driver sums the same terms in the same order)."""
+    return draft_level_s * draft_levels + base_s + per_node_s * n_nodes + hit_s * hits + miss_s * misses
 
 
 def check_experts(tree: DraftTree | None, experts, cached) -> tuple[np.ndarray, np.ndarray]:
@@ -96,9 +107,10 @@ class CostModel:
         d.update(changes)
         return CostModel(**d)
 
-    def item_weights(self, cached: np.ndarray) -> np.ndarray:
-        """[layers, experts] cost of having expert (l, e) in the cycle's union."""
-        return np.where(cached, self.hit_s, self.miss_s)
+    @property
+    def transfer_s(self) -> float:
+        """The host-to-device part of a miss: what a miss costs beyond a hit (never negative)."""
+        return max(self.miss_s - self.hit_s, 0.0)
 
     # ---------------------------------------------------------------- prediction
     @staticmethod
@@ -107,9 +119,15 @@ class CostModel:
         cols = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (draft_levels, 1.0, n_nodes, hits, misses)))
         return np.stack(cols, axis=-1)
 
-    def predict_counts(self, draft_levels, n_nodes, hits, misses):
-        """Cycle time from counts; works on scalars or arrays."""
-        return self.features(draft_levels, n_nodes, hits, misses) @ self.params
+    def time_s(self, draft_levels: int, n_nodes: int, hits: int, misses: int) -> float:
+        """Cycle time from counts (scalars)."""
+        return float(cycle_time_s(self.draft_level_s, self.base_s, self.per_node_s, self.hit_s, self.miss_s,
+                                  draft_levels, n_nodes, hits, misses))
+
+    def predict_counts(self, draft_levels, n_nodes, hits, misses) -> np.ndarray:
+        """Cycle times from count arrays (broadcast); float64."""
+        counts = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (draft_levels, n_nodes, hits, misses)))
+        return cycle_time_s(self.draft_level_s, self.base_s, self.per_node_s, self.hit_s, self.miss_s, *counts)
 
     def union_counts(self, experts, nodes, cached) -> tuple[int, int]:
         """(hits, misses) of the union of ``nodes``' experts against ``cached``."""
@@ -123,13 +141,7 @@ class CostModel:
         nodes = check_nodes(tree, nodes)
         experts, cached = check_experts(tree, experts, cached)
         hits, misses = self.union_counts(experts, nodes, cached)
-        return float(
-            self.draft_level_s * draft_levels
-            + self.base_s
-            + self.per_node_s * nodes.size
-            + self.hit_s * hits
-            + self.miss_s * misses
-        )
+        return self.time_s(draft_levels, nodes.size, hits, misses)
 
     # ---------------------------------------------------------------- persistence
     def to_dict(self) -> dict:

@@ -1,0 +1,70 @@
+"""The compiled kernels: numba ``@njit(cache=True)`` loops over flat typed arrays.
+
+One module per concept: :mod:`.bitsets` (expert sets as ``uint64`` words), :mod:`.closure`
+(maximum-weight closure by max-flow), :mod:`.search` (the exact subtree search, its reductions,
+the greedy baseline and the cost formula on a node set), :mod:`.cache` (the expert cache's admit
+and eviction), :mod:`.replay` (the trace replay loop). The Python modules that own each concept
+(:mod:`specfit.search`, :mod:`specfit.experts.cache`, :mod:`specfit.simulate.replay`) are thin
+wrappers: they validate, prepare arrays once and call these.
+
+Importing this package does not import numba: a kernel module is imported on first use
+(``kernels.search``), so commands that never run a kernel (``specfit --help``) start without
+numba's import time. Compiled code is cached on disk next to the sources (numba's ``__pycache__``
+``*.nbi`` / ``*.nbc`` files); the first call after an install or an edit compiles.
+
+Numba keys a cached kernel on its own source file only, while a kernel that calls one from another
+file (the replay calls the cache and the search) has that code compiled in. So before the first
+kernel module is imported, a digest of every kernel source (and of ``costmodel.py``, whose formula
+they compile) is compared with the one stored beside the cache; when it differs, this package's
+cached kernels are dropped and recompiled. With ``NUMBA_CACHE_DIR`` set the caches live elsewhere
+and this check is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+from pathlib import Path
+
+__all__ = ["bitsets", "closure", "search", "cache", "replay"]
+
+_MODULES = frozenset(__all__)
+_checked = False
+
+
+def __getattr__(name: str):
+    if name not in _MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _drop_stale_caches()
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def _drop_stale_caches() -> None:
+    global _checked
+    if _checked:
+        return
+    _checked = True
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return
+    here = Path(__file__).resolve().parent
+    sources = sorted(here.glob("*.py")) + [here.parent / "costmodel.py"]
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    want = digest.hexdigest()
+    stamp = here / "__pycache__" / "kernels.sha256"
+    try:
+        if stamp.read_text() == want:
+            return
+    except OSError:
+        pass
+    try:
+        for folder, pattern in ((here / "__pycache__", "*.nb[ic]"), (here.parent / "__pycache__", "costmodel.*.nb[ic]")):
+            for path in folder.glob(pattern):
+                path.unlink(missing_ok=True)
+        from ..io import write_text_atomic
+
+        write_text_atomic(stamp, want)
+    except OSError:   # a read-only install: numba then caches in the user's cache directory
+        pass

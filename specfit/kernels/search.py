@@ -1,0 +1,566 @@
+"""The exact subtree search compiled: Dinkelbach over a maximum-weight closure with its
+reductions, the greedy baseline, and the cost formula on a node set.
+
+The algorithm, every reduction and the tie rule are described in :mod:`specfit.search`, which
+validates the inputs and calls :func:`best_subtree`, :func:`greedy_subtree` and
+:func:`evaluate_nodes`. Trees are arrays in topological order (``parents[v] < v``), so one sweep
+over descending ids visits children before parents.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ..costmodel import cycle_time_s
+from .bitsets import ONE, count_union, pack_mask, pack_rows, union_rows
+from .closure import closure_of_weights
+from .tolerances import GAIN_EPS, TIE_REL
+
+__all__ = ["OK", "BAD_EXPERT", "ROOT_TIME", "pairwise_sum", "better", "cycle_time", "evaluate_nodes",
+           "best_subtree", "greedy_subtree", "any_node_may_pay"]
+
+# status codes the Python wrappers turn into the validation errors they already word
+OK, BAD_EXPERT, ROOT_TIME = 0, 1, 2
+
+cycle_time = njit(cache=True)(cycle_time_s)
+
+
+@njit(cache=True)
+def pairwise_sum(values, n):
+    """Sum of ``values[:n]`` in numpy's pairwise order, so a compiled total equals the numpy one
+    bit for bit (``DraftTree.expected_tokens`` sums with numpy)."""
+    return _pairwise(values, 0, n)
+
+
+@njit(cache=True)
+def _block(a, lo, n):
+    """numpy's leaf: a plain loop below 8 values, else eight interleaved partial sums."""
+    if n < 8:
+        res = 0.0
+        for i in range(lo, lo + n):
+            res += a[i]
+        return res
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    while i < n - n % 8:
+        r0 += a[lo + i]
+        r1 += a[lo + i + 1]
+        r2 += a[lo + i + 2]
+        r3 += a[lo + i + 3]
+        r4 += a[lo + i + 4]
+        r5 += a[lo + i + 5]
+        r6 += a[lo + i + 6]
+        r7 += a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@njit(cache=True)
+def _pairwise(a, lo, n):
+    """numpy's recursion (halves rounded to multiples of 8, leaves of at most 128 values) with
+    an explicit stack: numba's on-disk cache does not reload recursive functions safely."""
+    if n <= 128:
+        return _block(a, lo, n)
+    frame_lo = np.empty(64, dtype=np.int64)
+    frame_n = np.empty(64, dtype=np.int64)
+    stage = np.zeros(64, dtype=np.int64)
+    left = np.empty(64, dtype=np.float64)
+    frame_lo[0], frame_n[0], stage[0] = lo, n, 0
+    top = 1
+    ret = 0.0
+    while top:
+        i = top - 1
+        size = frame_n[i]
+        if size <= 128:
+            ret = _block(a, frame_lo[i], size)
+            top -= 1
+            continue
+        half = size // 2
+        half -= half % 8
+        if stage[i] == 0:
+            stage[i] = 1
+            frame_lo[top], frame_n[top], stage[top] = frame_lo[i], half, 0
+            top += 1
+        elif stage[i] == 1:
+            left[i] = ret
+            stage[i] = 2
+            frame_lo[top], frame_n[top], stage[top] = frame_lo[i] + half, size - half, 0
+            top += 1
+        else:
+            ret = left[i] + ret
+            top -= 1
+    return ret
+
+
+@njit(cache=True)
+def better(a_tokens, a_priced_s, a_nodes, b_tokens, b_priced_s, b_nodes):
+    """True when a beats b: a higher ratio, or (a tie within TIE_REL) the same ratio with fewer nodes."""
+    lhs = a_tokens * b_priced_s
+    rhs = b_tokens * a_priced_s
+    if abs(lhs - rhs) > TIE_REL * max(abs(lhs), abs(rhs)):
+        return lhs > rhs
+    return a_nodes < b_nodes
+
+
+@njit(cache=True)
+def expected_tokens(probs, nodes, n_nodes, scratch):
+    """1 + the path probabilities of ``nodes[1:n_nodes]`` (sorted, root first)."""
+    for i in range(1, n_nodes):
+        scratch[i - 1] = probs[nodes[i]]
+    return 1.0 + pairwise_sum(scratch, n_nodes - 1)
+
+
+@njit(cache=True)
+def experts_in_range(experts, n_experts):
+    flat = experts.ravel()
+    for i in range(flat.size):
+        if flat[i] < 0 or flat[i] >= n_experts:
+            return False
+    return True
+
+
+@njit(cache=True)
+def union_of_ids(experts, base, nodes, n_nodes, out):
+    """``out[L, words]`` = the union of the expert ids ``experts[base + v]`` over ``nodes[:n_nodes]``."""
+    out[:] = 0
+    n_layers, k = experts.shape[1], experts.shape[2]
+    for i in range(n_nodes):
+        row = base + nodes[i]
+        for layer in range(n_layers):
+            for s in range(k):
+                e = np.int64(experts[row, layer, s])
+                out[layer, e >> 6] |= ONE << np.uint64(e & 63)
+
+
+@njit(cache=True)
+def evaluate_nodes(probs, experts, cached, nodes, params, draft_levels):
+    """(status, expected tokens, time_s, hits, misses) of ``nodes`` (sorted, closed, with the
+    root); every expert id is range-checked, only the selected nodes' are read for the union."""
+    n_experts = cached.shape[1]
+    if not experts_in_range(experts, n_experts):
+        return BAD_EXPERT, 0.0, 0.0, 0, 0
+    union = np.empty((cached.shape[0], (n_experts + 63) // 64), dtype=np.uint64)
+    union_of_ids(experts, 0, nodes, nodes.size, union)
+    hits, misses = count_union(union, pack_mask(cached))
+    time_s = cycle_time(params[0], params[1], params[2], params[3], params[4], draft_levels, nodes.size, hits, misses)
+    scratch = np.empty(max(nodes.size, 1), dtype=np.float64)
+    return OK, expected_tokens(probs, nodes, nodes.size, scratch), time_s, hits, misses
+
+
+@njit(cache=True)
+def any_node_may_pay(parents, probs, experts, cached, params, draft_levels, draft_node_s):
+    """A cheap test before the search proper: with lam the root's ratio (a lower bound on the
+    optimum) and every expert free, does any subtree still have a positive value? If not, the
+    root alone is optimal and no expert set needs to be built."""
+    n = parents.size
+    if n == 1:
+        return False
+    union = np.empty((cached.shape[0], (cached.shape[1] + 63) // 64), dtype=np.uint64)
+    root = np.zeros(1, dtype=np.int64)
+    union_of_ids(experts, 0, root, 1, union)
+    hits, misses = count_union(union, pack_mask(cached))
+    root_s = cycle_time(params[0], params[1], params[2], params[3], params[4], draft_levels, 1, hits, misses)
+    if root_s <= 0:
+        return True   # let the search report the degenerate cost model
+    gain = probs - (params[2] + draft_node_s) / root_s
+    for v in range(n - 1, 0, -1):
+        if gain[v] > GAIN_EPS:
+            if parents[v] == 0:
+                return True
+            gain[parents[v]] += gain[v]
+    return False
+
+
+@njit(cache=True)
+def _evaluate_bits(probs, bits, cached_bits, nodes, n_nodes, params, draft_levels, union, scratch):
+    union_rows(bits, nodes, n_nodes, union)
+    hits, misses = count_union(union, cached_bits)
+    time_s = cycle_time(params[0], params[1], params[2], params[3], params[4], draft_levels, n_nodes, hits, misses)
+    return expected_tokens(probs, nodes, n_nodes, scratch), time_s, hits, misses
+
+
+# --------------------------------------------------------------------------- the inner problem
+@njit(cache=True)
+def _inner_setup(parents, experts, bits, repeated, cached, params, draft_node_s):
+    """Everything of the closure problems that does not depend on lam: each node's own cost
+    (per node, its price and the items only it needs first), and the shared items as a
+    membership list (member_group[j], member_node[j]) with the groups' costs."""
+    n, n_layers, k = experts.shape
+    n_experts = cached.shape[1]
+    words = bits.shape[2]
+    anc = bits.copy()                      # experts needed by v or an ancestor of v
+    for v in range(1, n):
+        p = parents[v]
+        for layer in range(n_layers):
+            for w in range(words):
+                anc[v, layer, w] |= anc[p, layer, w]
+    # the entries (node, item) that a node needs first, in node then slot order; the root's
+    # items are prepaid and a slot repeating its node's expert counts once
+    entry_node = np.empty(n * n_layers * k, dtype=np.int64)
+    entry_item = np.empty(n * n_layers * k, dtype=np.int64)
+    count = np.zeros(n_layers * n_experts, dtype=np.int64)
+    n_entries = 0
+    for v in range(1, n):
+        p = parents[v]
+        for layer in range(n_layers):
+            for s in range(k):
+                if repeated[v, layer, s]:
+                    continue
+                e = np.int64(experts[v, layer, s])
+                if not (anc[p, layer, e >> 6] >> np.uint64(e & 63)) & ONE:
+                    item = layer * n_experts + e
+                    entry_node[n_entries] = v
+                    entry_item[n_entries] = item
+                    n_entries += 1
+                    count[item] += 1
+    hit_s, miss_s = params[3], params[4]
+    flat_cached = cached.ravel()
+    own_cost = np.full(n, params[2] + draft_node_s)
+    n_members = 0
+    for j in range(n_entries):
+        item = entry_item[j]
+        if count[item] == 1:
+            own_cost[entry_node[j]] += hit_s if flat_cached[item] else miss_s
+        else:
+            n_members += 1
+    # shared items (two or more minimal requirers) are numbered in ascending item order
+    group_of = np.full(n_layers * n_experts, -1, dtype=np.int64)
+    n_groups = 0
+    for item in range(n_layers * n_experts):
+        if count[item] >= 2:
+            group_of[item] = n_groups
+            n_groups += 1
+    group_cost = np.empty(n_groups, dtype=np.float64)
+    member_group = np.empty(n_members, dtype=np.int64)
+    member_node = np.empty(n_members, dtype=np.int64)
+    m = 0
+    for j in range(n_entries):
+        item = entry_item[j]
+        g = group_of[item]
+        if g >= 0:
+            group_cost[g] = hit_s if flat_cached[item] else miss_s
+            member_group[m] = g
+            member_node[m] = entry_node[j]
+            m += 1
+    return own_cost, member_group, member_node, group_cost
+
+
+@njit(cache=True)
+def _prune(parents, weight, alive, inside):
+    """Drop subtrees whose optimistic value (shared items free) is not positive."""
+    n = parents.size
+    ub = weight.copy()
+    for v in range(n - 1, 0, -1):
+        if alive[v]:
+            if inside[v] or ub[v] > GAIN_EPS:
+                ub[parents[v]] += ub[v]
+            else:
+                alive[v] = False
+    for v in range(1, n):
+        alive[v] = alive[v] and alive[parents[v]]
+
+
+@njit(cache=True)
+def _force(parents, candidate, inside):
+    """Take every candidate whose parent is inside, top-down; True if any was taken."""
+    taken = False
+    for v in range(1, parents.size):
+        if not inside[v] and candidate[v] and inside[parents[v]]:
+            inside[v] = True
+            taken = True
+    return taken
+
+
+@njit(cache=True)
+def _tree_dp(parents, weight, undecided, inside):
+    """No shared items left: the best forest hanging from the inside nodes, exactly."""
+    n = parents.size
+    gain = np.where(undecided, weight, 0.0)
+    for v in range(n - 1, 0, -1):
+        if undecided[v] and gain[v] > GAIN_EPS and undecided[parents[v]]:
+            gain[parents[v]] += gain[v]
+    take = inside.copy()
+    for v in range(1, n):
+        if undecided[v]:
+            take[v] = take[parents[v]] and gain[v] > GAIN_EPS
+    return take
+
+
+@njit(cache=True)
+def _closure(parents, weight, undecided, inside, gcost, member_group, member_node, coupled):
+    """Shared items still couple undecided nodes: one max-weight closure by min cut, with the
+    items that have the same requirers merged into one."""
+    n = parents.size
+    pos = np.full(n, -1, dtype=np.int64)
+    idx = np.flatnonzero(undecided)
+    m = idx.size
+    for i in range(m):
+        pos[idx[i]] = i
+    # the coupled groups in order of first appearance, each with its member positions (a node
+    # holds an item once, and members come in ascending node order: each list is sorted)
+    n_groups = gcost.size
+    order_of = np.full(n_groups, -1, dtype=np.int64)
+    groups = np.empty(n_groups, dtype=np.int64)
+    size = np.zeros(n_groups, dtype=np.int64)
+    n_coupled = 0
+    for j in range(member_group.size):
+        if coupled[j]:
+            g = member_group[j]
+            if order_of[g] < 0:
+                order_of[g] = n_coupled
+                groups[n_coupled] = g
+                n_coupled += 1
+            size[order_of[g]] += 1
+    offset = np.zeros(n_coupled + 1, dtype=np.int64)
+    for i in range(n_coupled):
+        offset[i + 1] = offset[i] + size[i]
+    members = np.empty(offset[n_coupled], dtype=np.int64)
+    fill = offset[:-1].copy()
+    for j in range(member_group.size):
+        if coupled[j]:
+            o = order_of[member_group[j]]
+            members[fill[o]] = pos[member_node[j]]
+            fill[o] += 1
+    # merge groups with identical member lists (open addressing on a hash of the list)
+    slots = 1
+    while slots < 2 * n_coupled + 2:
+        slots *= 2
+    table = np.full(slots, -1, dtype=np.int64)       # -> merged item
+    rep = np.empty(n_coupled, dtype=np.int64)         # merged item -> its first group (order index)
+    merged_cost = np.zeros(n_coupled, dtype=np.float64)
+    n_merged = 0
+    for i in range(n_coupled):
+        h = np.uint64(1469598103934665603)
+        for x in range(offset[i], offset[i + 1]):
+            h = (h ^ np.uint64(members[x])) * np.uint64(1099511628211)
+        at = np.int64(h & np.uint64(slots - 1))
+        while True:
+            mi = table[at]
+            if mi < 0:
+                table[at] = n_merged
+                rep[n_merged] = i
+                merged_cost[n_merged] = gcost[groups[i]]
+                n_merged += 1
+                break
+            r = rep[mi]
+            same = offset[r + 1] - offset[r] == offset[i + 1] - offset[i]
+            if same:
+                for x in range(offset[i + 1] - offset[i]):
+                    if members[offset[r] + x] != members[offset[i] + x]:
+                        same = False
+                        break
+            if same:
+                merged_cost[mi] += gcost[groups[i]]
+                break
+            at = (at + 1) & (slots - 1)
+    node_w = np.empty(m + n_merged, dtype=np.float64)
+    for i in range(m):
+        node_w[i] = weight[idx[i]]
+    for j in range(n_merged):
+        node_w[m + j] = -merged_cost[j]
+    n_req = 0
+    for i in range(m):
+        if undecided[parents[idx[i]]]:
+            n_req += 1
+    for j in range(n_merged):
+        n_req += offset[rep[j] + 1] - offset[rep[j]]
+    req_from = np.empty(n_req, dtype=np.int64)
+    req_to = np.empty(n_req, dtype=np.int64)
+    r = 0
+    for i in range(m):
+        v = idx[i]
+        if undecided[parents[v]]:
+            req_from[r], req_to[r] = i, pos[parents[v]]
+            r += 1
+    for j in range(n_merged):
+        for x in range(offset[rep[j]], offset[rep[j] + 1]):
+            req_from[r], req_to[r] = members[x], m + j
+            r += 1
+    chosen = closure_of_weights(node_w, req_from, req_to, GAIN_EPS)
+    take = inside.copy()
+    for i in range(m):
+        if chosen[i]:
+            take[idx[i]] = True
+    return take
+
+
+@njit(cache=True)
+def _solve(parents, probs, own_cost, member_group, member_node, group_cost, lam):
+    """max over closed S of sum_v (p_v - lam * own_v) - lam * (the shared items S needs)."""
+    n = parents.size
+    n_groups = group_cost.size
+    weight = probs - lam * own_cost
+    weight[0] = 0.0
+    gcost = lam * group_cost
+    mg, mv = member_group, member_node
+    alive = np.ones(n, dtype=np.bool_)
+    inside = np.zeros(n, dtype=np.bool_)
+    inside[0] = True
+    live = np.ones(n_groups, dtype=np.bool_)      # groups not yet paid, folded or dropped
+    n_alive = np.zeros(n_groups, dtype=np.int64)
+    paid = np.zeros(n_groups, dtype=np.bool_)
+    pess = np.empty(n, dtype=np.float64)
+    candidate = np.empty(n, dtype=np.bool_)
+    for _ in range(n + 1):
+        _prune(parents, weight, alive, inside)
+        if n_groups == 0:
+            break
+        changed = False
+        # groups paid by a node inside, or with no live requirer, are gone
+        n_alive[:] = 0
+        paid[:] = False
+        for j in range(mg.size):
+            if inside[mv[j]]:
+                paid[mg[j]] = True
+            if alive[mv[j]]:
+                n_alive[mg[j]] += 1
+        any_single = False
+        for g in range(n_groups):
+            live[g] = live[g] and not paid[g] and n_alive[g] > 0
+            if live[g] and n_alive[g] == 1:
+                any_single = True
+        # a group with one live requirer is that node's own cost
+        if any_single:
+            for j in range(mg.size):
+                g = mg[j]
+                if live[g] and n_alive[g] == 1 and alive[mv[j]]:
+                    weight[mv[j]] -= gcost[g]
+            for g in range(n_groups):
+                if live[g] and n_alive[g] == 1:
+                    live[g] = False
+            changed = True
+        # force: a child of an inside node whose value stays positive when it pays every live
+        # shared item alone is in every maximiser. Forcing one node only pays items for the
+        # others, so values computed before the pass stay valid through it.
+        pess[:] = 0.0
+        for j in range(mg.size):
+            if live[mg[j]]:
+                pess[mv[j]] += gcost[mg[j]]
+        any_candidate = False
+        for v in range(n):
+            pess[v] = weight[v] - pess[v]
+            candidate[v] = alive[v] and not inside[v] and pess[v] > GAIN_EPS
+            any_candidate |= candidate[v]
+        if any_candidate:
+            changed |= _force(parents, candidate, inside)
+        if not changed:
+            break
+    undecided = alive & ~inside
+    coupled = np.zeros(mg.size, dtype=np.bool_)
+    any_coupled = False
+    for j in range(mg.size):
+        coupled[j] = live[mg[j]] and undecided[mv[j]]
+        any_coupled |= coupled[j]
+    if not any_coupled:
+        return _tree_dp(parents, weight, undecided, inside)
+    return _closure(parents, weight, undecided, inside, gcost, mg, mv, coupled)
+
+
+# --------------------------------------------------------------------------- the searches
+@njit(cache=True)
+def best_subtree(parents, probs, experts, cached, params, draft_levels, draft_node_s, start, has_start):
+    """(status, nodes, expected tokens, time_s, hits, misses) of the exact optimum."""
+    n = parents.size
+    n_experts = cached.shape[1]
+    empty = np.zeros(0, dtype=np.int64)
+    if not experts_in_range(experts[:1], n_experts):
+        return BAD_EXPERT, empty, 0.0, 0.0, 0, 0
+    if not has_start and not any_node_may_pay(parents, probs, experts, cached, params, draft_levels, draft_node_s):
+        if not experts_in_range(experts, n_experts):
+            return BAD_EXPERT, empty, 0.0, 0.0, 0, 0
+        nodes = np.zeros(1, dtype=np.int64)
+        status, tokens, time_s, hits, misses = evaluate_nodes(probs, experts[:1], cached, nodes, params, draft_levels)
+        if time_s <= 0:
+            return ROOT_TIME, empty, 0.0, 0.0, 0, 0
+        return OK, nodes, tokens, time_s, hits, misses
+    bits, repeated, ok = pack_rows(experts, n_experts)
+    if not ok:
+        return BAD_EXPERT, empty, 0.0, 0.0, 0, 0
+    cached_bits = pack_mask(cached)
+    union = np.empty(cached_bits.shape, dtype=np.uint64)
+    scratch = np.empty(n, dtype=np.float64)
+    best = np.zeros(1, dtype=np.int64)
+    best_tokens, best_s, best_hits, best_misses = _evaluate_bits(probs, bits, cached_bits, best, 1, params,
+                                                                 draft_levels, union, scratch)
+    if best_s <= 0:
+        return ROOT_TIME, empty, 0.0, 0.0, 0, 0
+    if has_start:
+        tokens, time_s, hits, misses = _evaluate_bits(probs, bits, cached_bits, start, start.size, params,
+                                                      draft_levels, union, scratch)
+        if better(tokens, time_s + draft_node_s * (start.size - 1), start.size, best_tokens, best_s, 1):
+            best, best_tokens, best_s, best_hits, best_misses = start.copy(), tokens, time_s, hits, misses
+    if n == 1:
+        return OK, best, best_tokens, best_s, best_hits, best_misses
+    own_cost, member_group, member_node, group_cost = _inner_setup(parents, experts, bits, repeated, cached, params,
+                                                                   draft_node_s)
+    for _ in range(64):   # Dinkelbach converges superlinearly; the cap is a guard, never reached in tests
+        best_priced = best_s + draft_node_s * (best.size - 1)
+        lam = best_tokens / best_priced
+        nodes = np.flatnonzero(_solve(parents, probs, own_cost, member_group, member_node, group_cost, lam))
+        tokens, time_s, hits, misses = _evaluate_bits(probs, bits, cached_bits, nodes, nodes.size, params,
+                                                      draft_levels, union, scratch)
+        if not better(tokens, time_s + draft_node_s * (nodes.size - 1), nodes.size, best_tokens, best_priced,
+                      best.size):
+            break
+        best, best_tokens, best_s, best_hits, best_misses = nodes, tokens, time_s, hits, misses
+    return OK, best, best_tokens, best_s, best_hits, best_misses
+
+
+@njit(cache=True)
+def greedy_subtree(parents, probs, experts, cached, params, draft_levels, draft_node_s):
+    """Baseline: grow from the root, each step adding the frontier node (a child of the selected
+    set) that gives the best ratio, while the ratio improves."""
+    n = parents.size
+    n_experts = cached.shape[1]
+    empty = np.zeros(0, dtype=np.int64)
+    bits, _, ok = pack_rows(experts, n_experts)
+    if not ok:
+        return BAD_EXPERT, empty, 0.0, 0.0, 0, 0
+    cached_bits = pack_mask(cached)
+    union = np.empty(cached_bits.shape, dtype=np.uint64)
+    scratch = np.empty(n, dtype=np.float64)
+    selected = np.zeros(n, dtype=np.bool_)
+    selected[0] = True
+    frontier = np.zeros(n, dtype=np.bool_)
+    for v in range(1, n):
+        frontier[v] = parents[v] == 0
+    best = np.zeros(1, dtype=np.int64)
+    best_tokens, best_s, best_hits, best_misses = _evaluate_bits(probs, bits, cached_bits, best, 1, params,
+                                                                 draft_levels, union, scratch)
+    if best_s <= 0:
+        return ROOT_TIME, empty, 0.0, 0.0, 0, 0
+    trial = np.empty(n, dtype=np.int64)
+    while frontier.any():
+        top_v = -1
+        top_tokens = top_s = 0.0
+        top_hits = top_misses = top_size = 0
+        for v in range(1, n):
+            if not frontier[v]:
+                continue
+            size = 0
+            for u in range(n):
+                if selected[u] or u == v:
+                    trial[size] = u
+                    size += 1
+            tokens, time_s, hits, misses = _evaluate_bits(probs, bits, cached_bits, trial, size, params,
+                                                          draft_levels, union, scratch)
+            if top_v < 0 or better(tokens, time_s + draft_node_s * (size - 1), size,
+                                   top_tokens, top_s + draft_node_s * (top_size - 1), top_size):
+                top_v, top_tokens, top_s, top_hits, top_misses, top_size = v, tokens, time_s, hits, misses, size
+        if not better(top_tokens, top_s + draft_node_s * (top_size - 1), top_size,
+                      best_tokens, best_s + draft_node_s * (best.size - 1), best.size):
+            break
+        selected[top_v] = True
+        frontier[top_v] = False
+        for u in range(top_v + 1, n):
+            if parents[u] == top_v:
+                frontier[u] = True
+        best = np.flatnonzero(selected)
+        best_tokens, best_s, best_hits, best_misses = top_tokens, top_s, top_hits, top_misses
+    return OK, best, best_tokens, best_s, best_hits, best_misses
