@@ -22,7 +22,9 @@
   and every step above keeps the minimal one (prune at ``<= 0``, force at ``> 0``, the source side
   of the min cut is what the source reaches in the residual graph).
 * Before any of it, a bound on the root's ratio with every expert free says whether any draft
-  node can pay at all; when none can, the root is returned without building expert sets.
+  node can pay at all; when none can, the root is returned without building expert sets. The
+  first inner problem's prune (lam only grows) drops the nodes no later one can take, before the
+  shared items are listed.
 * An optional price per draft node (``draft_node_s``, e.g. for experts the predictor gets wrong,
   :func:`uncertainty_price_s`) enters every node's weight; the ranking uses the priced time and
   the selection reports the predicted time and the price apart.
@@ -34,6 +36,7 @@ errors and returns :class:`Selection` objects.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,7 +85,7 @@ def _better(a: Selection, b: Selection) -> bool:
 
 def _check_draft_node_s(draft_node_s) -> float:
     value = float(draft_node_s)
-    if not np.isfinite(value) or value < 0:
+    if not math.isfinite(value) or value < 0:
         raise ValueError(f"draft_node_s: expected a finite non-negative number of seconds, got {draft_node_s!r}")
     return value
 
@@ -123,9 +126,13 @@ def evaluate(tree: DraftTree, nodes, experts, cached, cost: CostModel, draft_lev
     selected nodes' experts are read for the union: policies call this once per cycle on large trees."""
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
     draft_node_s = _check_draft_node_s(draft_node_s)
-    nodes = check_nodes(tree, nodes)
-    out = kernels.search.evaluate_nodes(tree.path_probs, experts, cached, nodes, cost.params, int(draft_levels))
-    status, tokens, time_s, hits, misses = out
+    search = kernels.search
+    given = np.asarray(nodes)
+    if not (given.ndim == 1 and given.dtype == np.int64 and search.canonical_closed(tree.parents, given)):
+        given = check_nodes(tree, nodes)   # sorts and dedups, or words what is wrong
+    nodes = given
+    status, tokens, time_s, hits, misses = search.evaluate_nodes(tree.path_probs, experts, cached, nodes, cost.params,
+                                                                 int(draft_levels))
     return _selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)
 
 
@@ -151,10 +158,18 @@ def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels
     """
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
     draft_node_s = _check_draft_node_s(draft_node_s)
-    first = _NO_START if start is None else check_nodes(tree, start, "start")
-    status, nodes, tokens, time_s, hits, misses = kernels.search.best_subtree(
-        tree.parents, tree.path_probs, experts, cached, cost.params, int(draft_levels), draft_node_s, first,
-        start is not None)
+    first = _NO_START
+    if start is not None:
+        first = np.asarray(start)
+        if not (first.ndim == 1 and first.dtype == np.int64):
+            first = check_nodes(tree, start, "start")
+    search = kernels.search
+    args = (tree.parents, tree.path_probs, experts, cached, cost.params, int(draft_levels), draft_node_s)
+    status, nodes, tokens, time_s, hits, misses = search.best_subtree(*args, first, start is not None)
+    if status == search.BAD_START:
+        # not sorted and unique, or not closed: check_nodes canonicalises the first and words the rest
+        first = check_nodes(tree, start, "start")
+        status, nodes, tokens, time_s, hits, misses = search.best_subtree(*args, first, True)
     return _selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)
 
 

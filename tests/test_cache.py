@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from core_helpers import RefLRUCache, core_settings, find_shared_data
+from core_helpers import RefCache, RefLRUCache, core_settings, find_shared_data
 from specfit import ExpertCache
 
 ROUTING = "olmoe-1b-7b-routing-general-coding.npz"
@@ -78,6 +78,29 @@ def test_global_lru_matches_the_reference_on_random_unions(n_layers, n_experts, 
     unions = random_unions(seed, n_layers, n_experts, steps, max_size)
     cache = ExpertCache(n_layers, n_experts, capacity, mode="global")
     replay(cache, RefLRUCache(n_layers, n_experts, capacity, mode="global"), unions)
+
+
+@core_settings(200)
+@given(st.sampled_from(["per_layer", "global"]), st.sampled_from(["lru", "lfu", "fifo"]), st.integers(1, 4),
+       st.integers(1, 10), st.data())
+def test_every_policy_matches_the_score_reference_on_random_unions(mode, policy, n_layers, n_experts, data):
+    # RefCache scores residents with explicit tuples: lru the last touch, lfu (touches since
+    # admission, last touch), fifo the admission; the victim is the smallest outside the union
+    limit = n_experts if mode == "per_layer" else n_layers * n_experts
+    capacity = data.draw(st.integers(0, limit + 2), label="capacity")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    steps = data.draw(st.integers(1, 25), label="steps")
+    max_size = data.draw(st.integers(1, n_experts), label="max_size")
+    cache = ExpertCache(n_layers, n_experts, capacity, mode=mode, policy=policy)
+    ref = RefCache(n_layers, n_experts, capacity, mode=mode, policy=policy)
+    for step, union in enumerate(random_unions(seed, n_layers, n_experts, steps, max_size)):
+        result = cache.admit(union)
+        for layer in range(n_layers):
+            hits, misses = ref.admit_ids(layer, np.flatnonzero(union[layer]).tolist())
+            assert (int(result.hits[layer]), int(result.misses[layer])) == (hits, misses), step
+        assert np.array_equal(cache.resident(), ref.resident()), step
+    for k in ("hits", "misses", "evictions", "streamed"):
+        assert getattr(cache, k).tolist() == ref.totals[k], k
 
 
 def test_per_layer_lru_hand_example():

@@ -57,33 +57,38 @@ def lowest_bit(word):
 
 @njit(cache=True)
 def pack_rows(experts, n_experts):
-    """int ``[n, L, k]`` expert ids -> (uint64 ``[n, L, words]`` sets, bool ``[n, L, k]`` marking a
-    slot that repeats an earlier slot's expert of the same node and layer, ok). ``ok`` is False
-    when an id lies outside ``[0, n_experts)`` (the arrays are then incomplete)."""
+    """int ``[n, L, k]`` expert ids -> (uint64 ``[n, L, words]`` sets, ok). A set holds each expert
+    once however often its slots repeat it; ``ok`` is False when an id lies outside
+    ``[0, n_experts)`` (the sets are then incomplete)."""
     n, n_layers, k = experts.shape
-    words = n_words(n_experts)
-    bits = np.zeros((n, n_layers, words), dtype=np.uint64)
-    repeated = np.zeros((n, n_layers, k), dtype=np.bool_)
+    bits = np.zeros((n, n_layers, n_words(n_experts)), dtype=np.uint64)
     for v in range(n):
         for layer in range(n_layers):
             for s in range(k):
                 e = np.int64(experts[v, layer, s])
                 if e < 0 or e >= n_experts:
-                    return bits, repeated, False
-                bit = ONE << np.uint64(e & 63)
-                w = e >> 6
-                if bits[v, layer, w] & bit:
-                    repeated[v, layer, s] = True
-                else:
-                    bits[v, layer, w] |= bit
-    return bits, repeated, True
+                    return bits, False
+                bits[v, layer, e >> 6] |= ONE << np.uint64(e & 63)
+    return bits, True
+
+
+# multiplying eight 0/1 bytes (one uint64, little-endian) by this gathers their low bits into
+# the top byte, byte i at bit 56 + i; every other partial product falls outside that byte
+_GATHER = np.uint64(0x0102040810204080)
 
 
 @njit(cache=True)
 def pack_mask(mask):
-    """bool ``[L, E]`` -> uint64 ``[L, words]``."""
+    """bool ``[L, E]`` (C order) -> uint64 ``[L, words]``."""
     n_layers, n_experts = mask.shape
     out = np.zeros((n_layers, n_words(n_experts)), dtype=np.uint64)
+    if n_experts % 8 == 0:
+        octets = mask.reshape(-1).view(np.uint8).view(np.uint64).reshape(n_layers, n_experts // 8)
+        for layer in range(n_layers):
+            for i in range(n_experts // 8):
+                byte = (octets[layer, i] * _GATHER) >> np.uint64(56)
+                out[layer, i >> 3] |= byte << np.uint64((i & 7) * 8)
+        return out
     for layer in range(n_layers):
         for e in range(n_experts):
             if mask[layer, e]:
@@ -132,7 +137,5 @@ def count_union(union, cached):
 
 def unpack(bits: np.ndarray, n_experts: int) -> np.ndarray:
     """uint64 ``[..., words]`` -> bool ``[..., n_experts]`` (numpy; no compilation needed)."""
-    bits = np.ascontiguousarray(bits, dtype=np.uint64)
-    as_bytes = bits.view(np.uint8) if bits.dtype.byteorder != ">" else bits.byteswap().view(np.uint8)
-    flat = np.unpackbits(as_bytes.reshape(bits.shape[:-1] + (-1,)), axis=-1, bitorder="little")
-    return flat[..., :n_experts].astype(bool)
+    as_bytes = np.ascontiguousarray(bits, dtype="<u8").view(np.uint8)
+    return np.unpackbits(as_bytes, axis=-1, count=n_experts, bitorder="little").view(bool)

@@ -45,13 +45,40 @@ def _touch(score, count, layer, e, key, admitted, policy):
 
 
 @njit(cache=True)
+def _smallest_first(keys, values, n, k):
+    """Reorder ``keys[:n]`` (unique) and ``values[:n]`` alike so that the k smallest keys come
+    first, in any order (quickselect, in place)."""
+    lo, hi = 0, n - 1
+    while lo < hi:
+        pivot = keys[(lo + hi) // 2]
+        i, j = lo, hi
+        while i <= j:
+            while keys[i] < pivot:
+                i += 1
+            while keys[j] > pivot:
+                j -= 1
+            if i <= j:
+                keys[i], keys[j] = keys[j], keys[i]
+                values[i], values[j] = values[j], values[i]
+                i += 1
+                j -= 1
+        if k - 1 <= j:
+            hi = j
+        elif k - 1 >= i:
+            lo = i
+        else:
+            break
+
+
+@njit(cache=True)
 def admit_row(layer, union, bits, score, count, slots, n_used, clock, counters, config, admitted, evicted,
-              n_evicted):
+              n_evicted, cand_score, cand_slot):
     """Make ``union`` (layer ``layer``'s experts as words) resident as far as capacity allows.
 
     Writes the admitted experts' bits into ``admitted[words]`` and the evicted items
     (``layer * E + expert``) into ``evicted[n_evicted:]``; returns ``(hits, misses, admitted,
-    evicted)`` counts. The caller advances ``clock`` once per admit call.
+    evicted)`` counts. ``cand_score`` / ``cand_slot`` are scratch of C entries. The caller
+    advances ``clock`` once per admit call.
     """
     global_mode, policy, n_experts, capacity = config[0] != 0, config[1], config[2], config[3]
     n_layers, words = bits.shape
@@ -69,8 +96,6 @@ def admit_row(layer, union, bits, score, count, slots, n_used, clock, counters, 
         n_admit = min(n_miss, capacity - n_hit)
     n_evict = max(0, n_admit - free)
     if n_evict > 0:
-        cand_score = np.empty(capacity, dtype=np.int64)
-        cand_slot = np.empty(capacity, dtype=np.int64)
         n_cand = 0
         for s in range(capacity):
             held = slots[row, s]
@@ -82,9 +107,12 @@ def admit_row(layer, union, bits, score, count, slots, n_used, clock, counters, 
             cand_score[n_cand] = score[owner, e]
             cand_slot[n_cand] = s
             n_cand += 1
-        order = np.argsort(cand_score[:n_cand])   # scores are unique: no ties to break
+        # the victims are the n_evict lowest scores (unique, so the set is exact); their order
+        # does not matter, the freed slots are refilled in slot order
+        if n_evict < n_cand:
+            _smallest_first(cand_score, cand_slot, n_cand, n_evict)
         for i in range(n_evict):
-            s = cand_slot[order[i]]
+            s = cand_slot[i]
             held = slots[row, s]
             owner, e = (held // n_experts, held % n_experts) if global_mode else (layer, held)
             bits[owner, e >> 6] &= ~(ONE << np.uint64(e & 63))
@@ -133,6 +161,8 @@ def admit_union(union, bits, score, count, slots, n_used, clock, counters, confi
     n_experts = config[2]
     clock[0] += 1
     evicted = np.empty(max(config[3], 1), dtype=np.int64)
+    cand_score = np.empty(max(config[3], 1), dtype=np.int64)
+    cand_slot = np.empty(max(config[3], 1), dtype=np.int64)
     before = np.empty(words, dtype=np.uint64)
     out_counts[:] = 0
     evicted_bits[:] = ZERO
@@ -140,7 +170,8 @@ def admit_union(union, bits, score, count, slots, n_used, clock, counters, confi
         for w in range(words):
             before[w] = bits[layer, w]
         n_hit, n_miss, n_admit, n_evict = admit_row(layer, union[layer], bits, score, count, slots, n_used, clock,
-                                                    counters, config, admitted_bits[layer], evicted, 0)
+                                                    counters, config, admitted_bits[layer], evicted, 0, cand_score,
+                                                    cand_slot)
         for i in range(n_evict):
             owner, e = evicted[i] // n_experts, evicted[i] % n_experts
             evicted_bits[owner, e >> 6] |= ONE << np.uint64(e & 63)
@@ -183,8 +214,10 @@ def admit_layer_ids(layer, ids, bits, score, count, slots, n_used, clock, counte
     before = bits[layer].copy()
     admitted = np.empty(words, dtype=np.uint64)
     evicted = np.empty(max(config[3], 1), dtype=np.int64)
+    cand_score = np.empty(max(config[3], 1), dtype=np.int64)
+    cand_slot = np.empty(max(config[3], 1), dtype=np.int64)
     _, _, _, n_evict = admit_row(layer, union, bits, score, count, slots, n_used, clock, counters, config, admitted,
-                                 evicted, 0)
+                                 evicted, 0, cand_score, cand_slot)
     scratch = np.empty(words * 64, dtype=np.int64)
     hit_ids = _ids_of(union & before, scratch)
     admitted_ids = _ids_of(admitted, scratch)
@@ -193,14 +226,16 @@ def admit_layer_ids(layer, ids, bits, score, count, slots, n_used, clock, counte
 
 
 @njit(cache=True)
-def admit_cycle(union, bits, score, count, slots, n_used, clock, counters, config, admitted, evicted):
-    """The replay's admit: a cycle's union ``[L, words]``; returns the (hits, misses) totals."""
+def admit_cycle(union, bits, score, count, slots, n_used, clock, counters, config, admitted, evicted, cand_score,
+                cand_slot):
+    """The replay's admit: a cycle's union ``[L, words]``; returns the (hits, misses) totals.
+    ``admitted`` (words), ``evicted``, ``cand_score`` and ``cand_slot`` (C entries) are scratch."""
     clock[0] += 1
     hits = 0
     misses = 0
     for layer in range(bits.shape[0]):
         n_hit, n_miss, _, _ = admit_row(layer, union[layer], bits, score, count, slots, n_used, clock, counters,
-                                        config, admitted, evicted, 0)
+                                        config, admitted, evicted, 0, cand_score, cand_slot)
         hits += n_hit
         misses += n_miss
     return hits, misses

@@ -70,13 +70,15 @@ def accepted_paths(offsets, parents, depth, tokens, verdicts):
 
 
 @njit(cache=True)
-def commit_cycle(c, nodes, n_sel, same_experts, offsets, depth, tokens, verdicts, true_experts, predicted_experts,
-                 path_offsets, paths, bits, score, count, slots, n_used, clock, counters, config, selected,
-                 true_union, predicted_union, admitted, evicted, int_cols, row, tokens_out, n_out):
+def commit_cycle(c, nodes, n_sel, same_experts, union_ready, offsets, depth, tokens, verdicts, true_experts,
+                 predicted_experts, path_offsets, paths, bits, score, count, slots, n_used, clock, counters, config,
+                 selected, true_union, predicted_union, admitted, evicted, cand_score, cand_slot, int_cols, row,
+                 tokens_out, n_out):
     """Verify ``nodes[:n_sel]`` (sorted, closed, with the root) at cycle ``c``: commit the accepted
-    path's prefix inside them plus the bonus token, admit the union of their true experts, and
-    fill the cycle's columns in ``int_cols[:, row]`` (all but the policy's predictions). Returns
-    the number of committed tokens and the new length of ``tokens_out``."""
+    path's prefix inside them plus the bonus token, admit the union of their true experts
+    (already in ``true_union`` when ``union_ready``), and fill the cycle's columns in
+    ``int_cols[:, row]`` (all but the policy's predictions). Returns the number of committed
+    tokens and the new length of ``tokens_out``."""
     base = offsets[c]
     for i in range(n_sel):
         selected[nodes[i]] = True
@@ -93,7 +95,8 @@ def commit_cycle(c, nodes, n_sel, same_experts, offsets, depth, tokens, verdicts
         n_out += 1
     tokens_out[n_out] = verdicts[base + paths[start + k - 1]]
     n_out += 1
-    union_of_ids(true_experts, base, nodes, n_sel, true_union)
+    if not union_ready:
+        union_of_ids(true_experts, base, nodes, n_sel, true_union)
     if not same_experts:
         union_of_ids(predicted_experts, base, nodes, n_sel, predicted_union)
     overlap = 0
@@ -107,7 +110,7 @@ def commit_cycle(c, nodes, n_sel, same_experts, offsets, depth, tokens, verdicts
     if same_experts:
         overlap = union_size
     hits, misses = admit_cycle(true_union, bits, score, count, slots, n_used, clock, counters, config, admitted,
-                               evicted)
+                               evicted, cand_score, cand_slot)
     int_cols[NODES_VERIFIED, row] = n_sel
     int_cols[DEEPEST_SELECTED, row] = depth[base + nodes[n_sel - 1]]
     int_cols[UNION_SIZE, row] = hits + misses
@@ -153,10 +156,15 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
     scratch = np.empty(max_nodes, dtype=np.float64)
     true_union = np.empty((n_layers, words), dtype=np.uint64)
     predicted_union = np.empty((n_layers, words), dtype=np.uint64)
-    policy_union = np.empty((n_layers, words), dtype=np.uint64)
     cached = np.empty((n_layers, words), dtype=np.uint64)
     admitted = np.empty(words, dtype=np.uint64)
     evicted = np.empty(max(config[3], 1), dtype=np.int64)
+    cand_score = np.empty(max(config[3], 1), dtype=np.int64)
+    cand_slot = np.empty(max(config[3], 1), dtype=np.int64)
+    # the oracle decides with the true experts; with them as the prediction the policy's union is
+    # the one charged
+    same_union = same_experts or kind == ORACLE
+    union_ready = same_experts and kind != ORACLE
     row = 0
     n_out = 0
     for s in range(sequence_starts.size - 1):
@@ -231,7 +239,7 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
                             selected[v] = False
                 sel_levels = levels
                 sel_tokens, sel_s, sel_hits, sel_misses = _evaluate(probs, predicted_experts, base, nodes, n_sel,
-                                                                    cached, params, levels, policy_union, scratch)
+                                                                    cached, params, levels, true_union, scratch)
             int_cols[SEQUENCE, row] = s
             int_cols[POSITION, row] = c - sequence_starts[s]
             int_cols[DRAFT_LEVELS, row] = sel_levels
@@ -239,10 +247,10 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
             int_cols[PREDICTED_MISSES, row] = sel_misses
             float_cols[PREDICTED_TIME_S, row] = sel_s
             float_cols[PREDICTED_TOKENS, row] = sel_tokens
-            k, n_out = commit_cycle(c, nodes, n_sel, same_experts or kind == ORACLE, offsets, depth, tokens,
-                                    verdicts, true_experts, predicted_experts, path_offsets, paths, bits, score,
-                                    count, slots, n_used, clock, counters, config, selected, true_union,
-                                    predicted_union, admitted, evicted, int_cols, row, tokens_out, n_out)
+            k, n_out = commit_cycle(c, nodes, n_sel, same_union, union_ready, offsets, depth, tokens, verdicts,
+                                    true_experts, predicted_experts, path_offsets, paths, bits, score, count, slots,
+                                    n_used, clock, counters, config, selected, true_union, predicted_union, admitted,
+                                    evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
             row += 1
             c += k
         tokens_per_sequence[s] = n_out - first_token

@@ -13,15 +13,15 @@ import numpy as np
 from numba import njit
 
 from ..costmodel import cycle_time_s
-from .bitsets import ONE, count_union, pack_mask, pack_rows, union_rows
+from .bitsets import ONE, count_union, pack_mask, pack_rows, popcount, union_rows
 from .closure import closure_of_weights
 from .tolerances import GAIN_EPS, TIE_REL
 
-__all__ = ["OK", "BAD_EXPERT", "ROOT_TIME", "pairwise_sum", "better", "cycle_time", "evaluate_nodes",
-           "best_subtree", "greedy_subtree", "any_node_may_pay"]
+__all__ = ["OK", "BAD_EXPERT", "ROOT_TIME", "BAD_START", "canonical_closed", "pairwise_sum", "better", "cycle_time",
+           "evaluate_nodes", "best_subtree", "greedy_subtree", "any_node_may_pay"]
 
 # status codes the Python wrappers turn into the validation errors they already word
-OK, BAD_EXPERT, ROOT_TIME = 0, 1, 2
+OK, BAD_EXPERT, ROOT_TIME, BAD_START = 0, 1, 2, 3
 
 cycle_time = njit(cache=True)(cycle_time_s)
 
@@ -142,29 +142,34 @@ def union_of_ids(experts, base, nodes, n_nodes, out):
 def evaluate_nodes(probs, experts, cached, nodes, params, draft_levels):
     """(status, expected tokens, time_s, hits, misses) of ``nodes`` (sorted, closed, with the
     root); every expert id is range-checked, only the selected nodes' are read for the union."""
-    n_experts = cached.shape[1]
-    if not experts_in_range(experts, n_experts):
+    if not experts_in_range(experts, cached.shape[1]):
         return BAD_EXPERT, 0.0, 0.0, 0, 0
-    union = np.empty((cached.shape[0], (n_experts + 63) // 64), dtype=np.uint64)
-    union_of_ids(experts, 0, nodes, nodes.size, union)
-    hits, misses = count_union(union, pack_mask(cached))
-    time_s = cycle_time(params[0], params[1], params[2], params[3], params[4], draft_levels, nodes.size, hits, misses)
-    scratch = np.empty(max(nodes.size, 1), dtype=np.float64)
-    return OK, expected_tokens(probs, nodes, nodes.size, scratch), time_s, hits, misses
+    tokens, time_s, hits, misses = _evaluate_ids(probs, experts, pack_mask(cached), nodes, params, draft_levels)
+    return OK, tokens, time_s, hits, misses
 
 
 @njit(cache=True)
-def any_node_may_pay(parents, probs, experts, cached, params, draft_levels, draft_node_s):
+def _evaluate_ids(probs, experts, cached_bits, nodes, params, draft_levels):
+    union = np.empty(cached_bits.shape, dtype=np.uint64)
+    union_of_ids(experts, 0, nodes, nodes.size, union)
+    hits, misses = count_union(union, cached_bits)
+    time_s = cycle_time(params[0], params[1], params[2], params[3], params[4], draft_levels, nodes.size, hits, misses)
+    scratch = np.empty(max(nodes.size, 1), dtype=np.float64)
+    return expected_tokens(probs, nodes, nodes.size, scratch), time_s, hits, misses
+
+
+@njit(cache=True)
+def any_node_may_pay(parents, probs, experts, cached_bits, params, draft_levels, draft_node_s):
     """A cheap test before the search proper: with lam the root's ratio (a lower bound on the
     optimum) and every expert free, does any subtree still have a positive value? If not, the
     root alone is optimal and no expert set needs to be built."""
     n = parents.size
     if n == 1:
         return False
-    union = np.empty((cached.shape[0], (cached.shape[1] + 63) // 64), dtype=np.uint64)
+    union = np.empty(cached_bits.shape, dtype=np.uint64)
     root = np.zeros(1, dtype=np.int64)
     union_of_ids(experts, 0, root, 1, union)
-    hits, misses = count_union(union, pack_mask(cached))
+    hits, misses = count_union(union, cached_bits)
     root_s = cycle_time(params[0], params[1], params[2], params[3], params[4], draft_levels, 1, hits, misses)
     if root_s <= 0:
         return True   # let the search report the degenerate cost model
@@ -187,68 +192,84 @@ def _evaluate_bits(probs, bits, cached_bits, nodes, n_nodes, params, draft_level
 
 # --------------------------------------------------------------------------- the inner problem
 @njit(cache=True)
-def _inner_setup(parents, experts, bits, repeated, cached, params, draft_node_s):
-    """Everything of the closure problems that does not depend on lam: each node's own cost
-    (per node, its price and the items only it needs first), and the shared items as a
-    membership list (member_group[j], member_node[j]) with the groups' costs."""
-    n, n_layers, k = experts.shape
-    n_experts = cached.shape[1]
-    words = bits.shape[2]
-    anc = bits.copy()                      # experts needed by v or an ancestor of v
+def _inner_setup(parents, bits, cached_bits, params, draft_node_s):
+    """What the closure problems share whatever lam: each node's *new* items (its experts that no
+    ancestor needs; the root's are prepaid), the items that two or more nodes need first
+    (``shared``), and each node's own cost: per node, its price, and its new items that no other
+    node needs first."""
+    n, n_layers, words = bits.shape
+    anc = bits.copy()                       # experts needed by v or an ancestor of v
+    new = np.zeros_like(bits)
+    once = np.zeros((n_layers, words), dtype=np.uint64)
+    shared = np.zeros((n_layers, words), dtype=np.uint64)
     for v in range(1, n):
         p = parents[v]
         for layer in range(n_layers):
             for w in range(words):
+                fresh = bits[v, layer, w] & ~anc[p, layer, w]
+                new[v, layer, w] = fresh
                 anc[v, layer, w] |= anc[p, layer, w]
-    # the entries (node, item) that a node needs first, in node then slot order; the root's
-    # items are prepaid and a slot repeating its node's expert counts once
-    entry_node = np.empty(n * n_layers * k, dtype=np.int64)
-    entry_item = np.empty(n * n_layers * k, dtype=np.int64)
-    count = np.zeros(n_layers * n_experts, dtype=np.int64)
-    n_entries = 0
-    for v in range(1, n):
-        p = parents[v]
-        for layer in range(n_layers):
-            for s in range(k):
-                if repeated[v, layer, s]:
-                    continue
-                e = np.int64(experts[v, layer, s])
-                if not (anc[p, layer, e >> 6] >> np.uint64(e & 63)) & ONE:
-                    item = layer * n_experts + e
-                    entry_node[n_entries] = v
-                    entry_item[n_entries] = item
-                    n_entries += 1
-                    count[item] += 1
+                shared[layer, w] |= once[layer, w] & fresh
+                once[layer, w] |= fresh
     hit_s, miss_s = params[3], params[4]
-    flat_cached = cached.ravel()
     own_cost = np.full(n, params[2] + draft_node_s)
+    for v in range(1, n):
+        hits = 0
+        misses = 0
+        for layer in range(n_layers):
+            for w in range(words):
+                single = new[v, layer, w] & ~shared[layer, w]
+                hits += popcount(single & cached_bits[layer, w])
+                misses += popcount(single & ~cached_bits[layer, w])
+        own_cost[v] += hit_s * hits + miss_s * misses
+    return own_cost, new, shared
+
+
+@njit(cache=True)
+def _members(alive, new, shared, cached_bits, params):
+    """The shared items as a membership list ``(member_group[j], member_node[j])`` over the nodes
+    still ``alive``, groups numbered in ascending item (layer, expert) order, with their costs."""
+    n, n_layers, words = new.shape
+    used = np.zeros((n_layers, words), dtype=np.uint64)
     n_members = 0
-    for j in range(n_entries):
-        item = entry_item[j]
-        if count[item] == 1:
-            own_cost[entry_node[j]] += hit_s if flat_cached[item] else miss_s
-        else:
-            n_members += 1
-    # shared items (two or more minimal requirers) are numbered in ascending item order
-    group_of = np.full(n_layers * n_experts, -1, dtype=np.int64)
+    for v in range(1, n):
+        if alive[v]:
+            for layer in range(n_layers):
+                for w in range(words):
+                    mine = new[v, layer, w] & shared[layer, w]
+                    used[layer, w] |= mine
+                    n_members += popcount(mine)
+    rank = np.empty((n_layers, words), dtype=np.int64)
     n_groups = 0
-    for item in range(n_layers * n_experts):
-        if count[item] >= 2:
-            group_of[item] = n_groups
-            n_groups += 1
+    for layer in range(n_layers):
+        for w in range(words):
+            rank[layer, w] = n_groups
+            n_groups += popcount(used[layer, w])
     group_cost = np.empty(n_groups, dtype=np.float64)
+    for layer in range(n_layers):
+        for w in range(words):
+            word = used[layer, w]
+            g = rank[layer, w]
+            while word:
+                low = word & (~word + ONE)
+                group_cost[g] = params[3] if cached_bits[layer, w] & low else params[4]
+                word ^= low
+                g += 1
     member_group = np.empty(n_members, dtype=np.int64)
     member_node = np.empty(n_members, dtype=np.int64)
-    m = 0
-    for j in range(n_entries):
-        item = entry_item[j]
-        g = group_of[item]
-        if g >= 0:
-            group_cost[g] = hit_s if flat_cached[item] else miss_s
-            member_group[m] = g
-            member_node[m] = entry_node[j]
-            m += 1
-    return own_cost, member_group, member_node, group_cost
+    j = 0
+    for v in range(1, n):
+        if alive[v]:
+            for layer in range(n_layers):
+                for w in range(words):
+                    word = new[v, layer, w] & shared[layer, w]
+                    while word:
+                        low = word & (~word + ONE)
+                        member_group[j] = rank[layer, w] + popcount(used[layer, w] & (low - ONE))
+                        member_node[j] = v
+                        word ^= low
+                        j += 1
+    return member_group, member_node, group_cost
 
 
 @njit(cache=True)
@@ -464,25 +485,46 @@ def _solve(parents, probs, own_cost, member_group, member_node, group_cost, lam)
 
 # --------------------------------------------------------------------------- the searches
 @njit(cache=True)
+def canonical_closed(parents, nodes):
+    """``nodes`` are sorted unique ids of the tree, start with the root and are ancestor-closed."""
+    n = parents.size
+    if nodes.size == 0 or nodes[0] != 0 or nodes[nodes.size - 1] >= n:
+        return False
+    member = np.zeros(n, dtype=np.bool_)
+    member[0] = True
+    for i in range(1, nodes.size):
+        v = nodes[i]
+        if v <= nodes[i - 1] or not member[parents[v]]:   # parents precede children in sorted ids
+            return False
+        member[v] = True
+    return True
+
+
+@njit(cache=True)
 def best_subtree(parents, probs, experts, cached, params, draft_levels, draft_node_s, start, has_start):
-    """(status, nodes, expected tokens, time_s, hits, misses) of the exact optimum."""
+    """(status, nodes, expected tokens, time_s, hits, misses) of the exact optimum. ``start``, when
+    given, must be sorted unique node ids with the root, ancestor-closed (else BAD_START)."""
     n = parents.size
     n_experts = cached.shape[1]
     empty = np.zeros(0, dtype=np.int64)
+    cached_bits = pack_mask(cached)
+    if has_start and not canonical_closed(parents, start):
+        return BAD_START, empty, 0.0, 0.0, 0, 0
     if not experts_in_range(experts[:1], n_experts):
         return BAD_EXPERT, empty, 0.0, 0.0, 0, 0
-    if not has_start and not any_node_may_pay(parents, probs, experts, cached, params, draft_levels, draft_node_s):
+    # when no draft node can pay even with every expert free, the root is the answer (a start set
+    # cannot beat it: ties go to the smaller set)
+    if not any_node_may_pay(parents, probs, experts, cached_bits, params, draft_levels, draft_node_s):
         if not experts_in_range(experts, n_experts):
             return BAD_EXPERT, empty, 0.0, 0.0, 0, 0
         nodes = np.zeros(1, dtype=np.int64)
-        status, tokens, time_s, hits, misses = evaluate_nodes(probs, experts[:1], cached, nodes, params, draft_levels)
+        tokens, time_s, hits, misses = _evaluate_ids(probs, experts, cached_bits, nodes, params, draft_levels)
         if time_s <= 0:
             return ROOT_TIME, empty, 0.0, 0.0, 0, 0
         return OK, nodes, tokens, time_s, hits, misses
-    bits, repeated, ok = pack_rows(experts, n_experts)
+    bits, ok = pack_rows(experts, n_experts)
     if not ok:
         return BAD_EXPERT, empty, 0.0, 0.0, 0, 0
-    cached_bits = pack_mask(cached)
     union = np.empty(cached_bits.shape, dtype=np.uint64)
     scratch = np.empty(n, dtype=np.float64)
     best = np.zeros(1, dtype=np.int64)
@@ -497,8 +539,19 @@ def best_subtree(parents, probs, experts, cached, params, draft_levels, draft_no
             best, best_tokens, best_s, best_hits, best_misses = start.copy(), tokens, time_s, hits, misses
     if n == 1:
         return OK, best, best_tokens, best_s, best_hits, best_misses
-    own_cost, member_group, member_node, group_cost = _inner_setup(parents, experts, bits, repeated, cached, params,
-                                                                   draft_node_s)
+    own_cost, new, shared = _inner_setup(parents, bits, cached_bits, params, draft_node_s)
+    # lam only grows from here, and with it every node's cost: a node the first inner problem's
+    # prune drops is dropped by every later one, so the shared items are listed for the rest only
+    lam = best_tokens / (best_s + draft_node_s * (best.size - 1))
+    alive = np.ones(n, dtype=np.bool_)
+    inside = np.zeros(n, dtype=np.bool_)
+    inside[0] = True
+    weight = probs - lam * own_cost
+    weight[0] = 0.0
+    _prune(parents, weight, alive, inside)
+    if not alive[1:].any():
+        return OK, best, best_tokens, best_s, best_hits, best_misses   # the first inner problem keeps the root alone
+    member_group, member_node, group_cost = _members(alive, new, shared, cached_bits, params)
     for _ in range(64):   # Dinkelbach converges superlinearly; the cap is a guard, never reached in tests
         best_priced = best_s + draft_node_s * (best.size - 1)
         lam = best_tokens / best_priced
@@ -519,7 +572,7 @@ def greedy_subtree(parents, probs, experts, cached, params, draft_levels, draft_
     n = parents.size
     n_experts = cached.shape[1]
     empty = np.zeros(0, dtype=np.int64)
-    bits, _, ok = pack_rows(experts, n_experts)
+    bits, ok = pack_rows(experts, n_experts)
     if not ok:
         return BAD_EXPERT, empty, 0.0, 0.0, 0, 0
     cached_bits = pack_mask(cached)

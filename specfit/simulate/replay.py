@@ -54,7 +54,8 @@ class PreparedTrace:
     tokens: np.ndarray              # int32 [nodes]
     verdicts: np.ndarray            # int32 [nodes]: the target's greedy next token at each node
     true_experts: np.ndarray        # int16 [nodes, L, k]
-    path_probs: np.ndarray          # float64 [nodes]: each full tree's path probabilities
+    raw_probs: np.ndarray           # float64 [nodes]: the path probabilities given (drafter's or calibrated)
+    path_probs: np.ndarray          # float64 [nodes]: each full tree's, clipped to the parent's as a DraftTree does
     level_probs: np.ndarray         # float64 [nodes]: the same in a tree cut at fewer levels than drafted
     level_offsets: np.ndarray       # int64 [cycles + 1]: cycle c's level sizes are level_sizes[lo[c]:lo[c + 1]]
     level_sizes: np.ndarray         # int64: nodes within d levels, d = 0 .. the cycle's depth
@@ -97,7 +98,9 @@ class PreparedTrace:
         if tree is None:
             lo = int(self.offsets[cycle])
             n = int(self.level_sizes[self.level_offsets[cycle] + levels])
-            probs = self.path_probs if levels == deepest else self.level_probs
+            # the DraftTree clips what it is given once: the given values for the full tree, the full
+            # tree's for a cut one (so its path_probs are path_probs or level_probs exactly)
+            probs = self.raw_probs if levels == deepest else self.path_probs
             tree = DraftTree(parents=self.parents[lo:lo + n].astype(np.int64), path_probs=probs[lo:lo + n],
                              tokens=self.tokens[lo:lo + n].astype(np.int64))
             self._trees[key] = tree
@@ -185,7 +188,8 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
     info.setdefault("predicted_slots_right", right)
     info.setdefault("slot_precision", right / slots if slots else 1.0)
     return PreparedTrace(name=name, trace=trace, predictor=predictor, offsets=offsets, parents=parents, depths=depths,
-                         tokens=tokens, verdicts=verdicts, true_experts=true_experts, path_probs=full, level_probs=level,
+                         tokens=tokens, verdicts=verdicts, true_experts=true_experts, raw_probs=raw, path_probs=full,
+                         level_probs=level,
                          level_offsets=level_offsets, level_sizes=level_sizes, predicted_experts=predicted_experts,
                          path_offsets=path_offsets, paths=paths, first_cycles=first, info=info)
 
@@ -348,6 +352,7 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
     predicted_union = np.empty_like(true_union)
     admitted = np.empty(words, dtype=np.uint64)
     evicted = np.empty(max(cache.capacity, 1), dtype=np.int64)
+    cand_score, cand_slot = np.empty_like(evicted), np.empty_like(evicted)
     needs_truth = policy.needs_truth
     same = needs_truth or prep.predicted_is_true
     offsets = prep.offsets
@@ -364,9 +369,9 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
             sel = choose(policy, view)
             nodes = np.ascontiguousarray(sel.nodes, dtype=np.int64)
             committed, n_out = k.commit_cycle(
-                c, nodes, nodes.size, same, offsets, prep.depths, prep.tokens, prep.verdicts, prep.true_experts,
+                c, nodes, nodes.size, same, False, offsets, prep.depths, prep.tokens, prep.verdicts, prep.true_experts,
                 prep.predicted_experts, prep.path_offsets, prep.paths, *state, selected, true_union, predicted_union,
-                admitted, evicted, int_cols, row, tokens_out, n_out)
+                admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
             int_cols[k.SEQUENCE, row] = s
             int_cols[k.POSITION, row] = c - bounds[s]
             int_cols[k.DRAFT_LEVELS, row] = sel.draft_levels
