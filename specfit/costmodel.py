@@ -97,7 +97,7 @@ class CostModel:
     @property
     def params(self) -> np.ndarray:
         """Parameters in the order of :data:`PARAM_NAMES` (the order of :meth:`features`)."""
-        return np.array([getattr(self, n) for n in PARAM_NAMES])
+        return np.array((self.draft_level_s, self.base_s, self.per_node_s, self.hit_s, self.miss_s))
 
     def replace(self, **changes) -> "CostModel":
         d = asdict(self)

@@ -108,6 +108,12 @@ def _validated(tree, experts, cached, cost, draft_levels):
     return np.ascontiguousarray(experts, dtype=np.int64), np.ascontiguousarray(cached)
 
 
+def _tree_arrays(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
+    """Writable copies of the tree's (read-only) parents and path probabilities: the kernels are
+    then compiled for one array type whoever calls them, which halves their first-call cost."""
+    return np.array(tree.parents), np.array(tree.path_probs)
+
+
 def _selection(status: int, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits,
                misses) -> Selection:
     if status == kernels.search.BAD_EXPERT:
@@ -128,11 +134,12 @@ def evaluate(tree: DraftTree, nodes, experts, cached, cost: CostModel, draft_lev
     draft_node_s = _check_draft_node_s(draft_node_s)
     search = kernels.search
     given = np.asarray(nodes)
-    if not (given.ndim == 1 and given.dtype == np.int64 and search.canonical_closed(tree.parents, given)):
+    if not (given.ndim == 1 and given.dtype == np.int64 and search.canonical_closed(_tree_arrays(tree)[0], given)):
         given = check_nodes(tree, nodes)   # sorts and dedups, or words what is wrong
     nodes = given
-    status, tokens, time_s, hits, misses = search.evaluate_nodes(tree.path_probs, experts, cached, nodes, cost.params,
-                                                                 int(draft_levels))
+    status, tokens, time_s, hits, misses = search.evaluate_nodes(
+        _tree_arrays(tree)[1], experts, kernels.bitsets.pack_mask(cached), cached.shape[1], nodes, cost.params,
+        int(draft_levels))
     return _selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)
 
 
@@ -164,7 +171,8 @@ def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels
         if not (first.ndim == 1 and first.dtype == np.int64):
             first = check_nodes(tree, start, "start")
     search = kernels.search
-    args = (tree.parents, tree.path_probs, experts, cached, cost.params, int(draft_levels), draft_node_s)
+    args = (*_tree_arrays(tree), experts, kernels.bitsets.pack_mask(cached), cached.shape[1], cost.params,
+            int(draft_levels), draft_node_s)
     status, nodes, tokens, time_s, hits, misses = search.best_subtree(*args, first, start is not None)
     if status == search.BAD_START:
         # not sorted and unique, or not closed: check_nodes canonicalises the first and words the rest
@@ -180,7 +188,8 @@ def greedy_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_leve
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
     draft_node_s = _check_draft_node_s(draft_node_s)
     status, nodes, tokens, time_s, hits, misses = kernels.search.greedy_subtree(
-        tree.parents, tree.path_probs, experts, cached, cost.params, int(draft_levels), draft_node_s)
+        *_tree_arrays(tree), experts, kernels.bitsets.pack_mask(cached), cached.shape[1], cost.params,
+        int(draft_levels), draft_node_s)
     return _selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)
 
 

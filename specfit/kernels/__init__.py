@@ -1,10 +1,11 @@
 """The compiled kernels: numba ``@njit(cache=True)`` loops over flat typed arrays.
 
-One module per concept: :mod:`.bitsets` (expert sets as ``uint64`` words), :mod:`.closure`
-(maximum-weight closure by max-flow), :mod:`.search` (the exact subtree search, its reductions,
-the greedy baseline and the cost formula on a node set), :mod:`.cache` (the expert cache's admit
-and eviction), :mod:`.replay` (the trace replay loop). The Python modules that own each concept
-(:mod:`specfit.search`, :mod:`specfit.experts.cache`, :mod:`specfit.simulate.replay`) are thin
+One module per concept: :mod:`.bitsets` (expert sets as ``uint64`` words), :mod:`.tree` (a draft
+tree's checks, clipping and depths), :mod:`.closure` (maximum-weight closure by max-flow),
+:mod:`.search` (the exact subtree search, its reductions, the greedy baseline and the cost
+formula on a node set), :mod:`.cache` (the expert cache's admit and eviction), :mod:`.replay` (the
+trace replay loop). The Python modules that own each concept (:mod:`specfit.tree`,
+:mod:`specfit.search`, :mod:`specfit.experts.cache`, :mod:`specfit.simulate.replay`) are thin
 wrappers: they validate, prepare arrays once and call these.
 
 Importing this package does not import numba: a kernel module is imported on first use
@@ -27,7 +28,7 @@ import importlib
 import os
 from pathlib import Path
 
-__all__ = ["bitsets", "closure", "search", "cache", "replay"]
+__all__ = ["bitsets", "tree", "closure", "search", "cache", "replay"]
 
 _MODULES = frozenset(__all__)
 _checked = False
@@ -48,19 +49,24 @@ def _drop_stale_caches() -> None:
     if os.environ.get("NUMBA_CACHE_DIR"):
         return
     here = Path(__file__).resolve().parent
-    sources = sorted(here.glob("*.py")) + [here.parent / "costmodel.py"]
+    drop_stale_caches(sorted(here.glob("*.py")) + [here.parent / "costmodel.py"], here / "__pycache__" / "kernels.sha256",
+                      [(here / "__pycache__", "*.nb[ic]"), (here.parent / "__pycache__", "costmodel.*.nb[ic]")])
+
+
+def drop_stale_caches(sources: list[Path], stamp: Path, caches: list[tuple[Path, str]]) -> bool:
+    """Delete the cache files matching ``caches`` (folder, glob pattern) unless ``stamp`` holds the
+    digest of ``sources``; then store it. True when files were dropped (or there was no stamp)."""
     digest = hashlib.sha256()
     for path in sources:
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     want = digest.hexdigest()
-    stamp = here / "__pycache__" / "kernels.sha256"
     try:
         if stamp.read_text() == want:
-            return
+            return False
     except OSError:
         pass
     try:
-        for folder, pattern in ((here / "__pycache__", "*.nb[ic]"), (here.parent / "__pycache__", "costmodel.*.nb[ic]")):
+        for folder, pattern in caches:
             for path in folder.glob(pattern):
                 path.unlink(missing_ok=True)
         from ..io import write_text_atomic
@@ -68,3 +74,4 @@ def _drop_stale_caches() -> None:
         write_text_atomic(stamp, want)
     except OSError:   # a read-only install: numba then caches in the user's cache directory
         pass
+    return True

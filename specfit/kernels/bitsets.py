@@ -38,9 +38,8 @@ def _cttz(typingctx, x):
     return sig, codegen
 
 
-@njit(cache=True)
-def n_words(n_experts):
-    return (n_experts + 63) // 64
+def n_words(n_experts: int) -> int:
+    return (int(n_experts) + 63) // 64
 
 
 @njit(cache=True)
@@ -61,7 +60,7 @@ def pack_rows(experts, n_experts):
     once however often its slots repeat it; ``ok`` is False when an id lies outside
     ``[0, n_experts)`` (the sets are then incomplete)."""
     n, n_layers, k = experts.shape
-    bits = np.zeros((n, n_layers, n_words(n_experts)), dtype=np.uint64)
+    bits = np.zeros((n, n_layers, (n_experts + 63) // 64), dtype=np.uint64)
     for v in range(n):
         for layer in range(n_layers):
             for s in range(k):
@@ -72,35 +71,12 @@ def pack_rows(experts, n_experts):
     return bits, True
 
 
-# multiplying eight 0/1 bytes (one uint64, little-endian) by this gathers their low bits into
-# the top byte, byte i at bit 56 + i; every other partial product falls outside that byte
-_GATHER = np.uint64(0x0102040810204080)
-
-
-@njit(cache=True)
-def pack_mask(mask):
-    """bool ``[L, E]`` (C order) -> uint64 ``[L, words]``."""
-    n_layers, n_experts = mask.shape
-    out = np.zeros((n_layers, n_words(n_experts)), dtype=np.uint64)
-    if n_experts % 8 == 0:
-        octets = mask.reshape(-1).view(np.uint8).view(np.uint64).reshape(n_layers, n_experts // 8)
-        for layer in range(n_layers):
-            for i in range(n_experts // 8):
-                byte = (octets[layer, i] * _GATHER) >> np.uint64(56)
-                out[layer, i >> 3] |= byte << np.uint64((i & 7) * 8)
-        return out
-    for layer in range(n_layers):
-        for e in range(n_experts):
-            if mask[layer, e]:
-                out[layer, e >> 6] |= ONE << np.uint64(e & 63)
-    return out
-
-
 @njit(cache=True)
 def pack_ids(ids, words, out):
     """Set the bits of ``ids`` (one layer's expert ids) in ``out[words]``, cleared first; False
     when an id is negative or beyond the words."""
-    out[:] = ZERO
+    for w in range(words):
+        out[w] = ZERO
     for i in range(ids.size):
         e = np.int64(ids[i])
         if e < 0 or e >= 64 * words:
@@ -112,8 +88,10 @@ def pack_ids(ids, words, out):
 @njit(cache=True)
 def union_rows(bits, nodes, n_nodes, out):
     """``out[L, words]`` = the OR of ``bits[v]`` over the first ``n_nodes`` of ``nodes``."""
-    out[:] = ZERO
     n_layers, words = out.shape
+    for layer in range(n_layers):
+        for w in range(words):
+            out[layer, w] = ZERO
     for i in range(n_nodes):
         v = nodes[i]
         for layer in range(n_layers):
@@ -133,6 +111,16 @@ def count_union(union, cached):
             total += popcount(u)
             hits += popcount(u & cached[layer, w])
     return hits, total - hits
+
+
+def pack_mask(mask: np.ndarray) -> np.ndarray:
+    """bool ``[..., E]`` -> uint64 ``[..., words]`` (numpy; the kernels take the words)."""
+    packed = np.packbits(np.asarray(mask, dtype=bool), axis=-1, bitorder="little")
+    words = n_words(mask.shape[-1])
+    if packed.shape[-1] != 8 * words:
+        pad = np.zeros(packed.shape[:-1] + (8 * words - packed.shape[-1],), dtype=np.uint8)
+        packed = np.concatenate([packed, pad], axis=-1)
+    return np.ascontiguousarray(packed).view("<u8").astype(np.uint64, copy=False)
 
 
 def unpack(bits: np.ndarray, n_experts: int) -> np.ndarray:

@@ -164,8 +164,12 @@ def admit_union(union, bits, score, count, slots, n_used, clock, counters, confi
     cand_score = np.empty(max(config[3], 1), dtype=np.int64)
     cand_slot = np.empty(max(config[3], 1), dtype=np.int64)
     before = np.empty(words, dtype=np.uint64)
-    out_counts[:] = 0
-    evicted_bits[:] = ZERO
+    for i in range(4):
+        for layer in range(n_layers):
+            out_counts[i, layer] = 0
+    for layer in range(n_layers):
+        for w in range(words):
+            evicted_bits[layer, w] = ZERO
     for layer in range(n_layers):
         for w in range(words):
             before[w] = bits[layer, w]
@@ -201,7 +205,7 @@ def admit_layer_ids(layer, ids, bits, score, count, slots, n_used, clock, counte
     """``admit_layer``: one layer's union as expert ids. Returns ``(ok, hit_ids, admitted_ids,
     streamed_ids, evicted items ascending)``; ``ok`` is False (and nothing changes) when an id
     lies outside ``[0, E)``."""
-    n_layers, words = bits.shape
+    words = bits.shape[1]
     n_experts = config[2]
     empty = np.zeros(0, dtype=np.int64)
     union = np.zeros(words, dtype=np.uint64)
@@ -219,10 +223,12 @@ def admit_layer_ids(layer, ids, bits, score, count, slots, n_used, clock, counte
     _, _, _, n_evict = admit_row(layer, union, bits, score, count, slots, n_used, clock, counters, config, admitted,
                                  evicted, 0, cand_score, cand_slot)
     scratch = np.empty(words * 64, dtype=np.int64)
-    hit_ids = _ids_of(union & before, scratch)
-    admitted_ids = _ids_of(admitted, scratch)
-    streamed_ids = _ids_of(union & ~before & ~admitted, scratch)
-    return True, hit_ids, admitted_ids, streamed_ids, np.sort(evicted[:n_evict])
+    hits = np.empty(words, dtype=np.uint64)
+    streamed = np.empty(words, dtype=np.uint64)
+    for w in range(words):
+        hits[w] = union[w] & before[w]
+        streamed[w] = union[w] & ~before[w] & ~admitted[w]
+    return True, _ids_of(hits, scratch), _ids_of(admitted, scratch), _ids_of(streamed, scratch), np.sort(evicted[:n_evict])
 
 
 @njit(cache=True)

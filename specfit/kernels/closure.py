@@ -29,7 +29,11 @@ def min_cut_source_side(n_vertices, source, sink, edge_from, edge_to, edge_cap, 
         tail[2 * i + 1], head[2 * i + 1], cap[2 * i + 1] = v, u, 0.0
         degree[u + 1] += 1
         degree[v + 1] += 1
-    start = np.cumsum(degree)
+    start = np.empty(n_vertices + 1, dtype=np.int64)
+    total = 0
+    for u in range(n_vertices + 1):
+        total += degree[u]
+        start[u] = total
     fill = start[:-1].copy()
     arcs = np.empty(2 * m, dtype=np.int64)
     for a in range(2 * m):
@@ -42,7 +46,8 @@ def min_cut_source_side(n_vertices, source, sink, edge_from, edge_to, edge_cap, 
     path = np.empty(n_vertices, dtype=np.int64)
     while True:
         # breadth-first levels over arcs with residual capacity
-        level[:] = -1
+        for u in range(n_vertices):
+            level[u] = -1
         level[source] = 0
         queue[0] = source
         q_head, q_tail = 0, 1
@@ -60,14 +65,16 @@ def min_cut_source_side(n_vertices, source, sink, edge_from, edge_to, edge_cap, 
             break
         # blocking flow: depth-first along level-increasing arcs, each vertex resuming at its
         # current arc; a dead end is retreated from and never entered again in this phase
-        current[:] = start[:-1]
+        for u in range(n_vertices):
+            current[u] = start[u]
         depth = 0
         u = source
         while True:
             if u == sink:
-                bottleneck = np.inf
-                for i in range(depth):
-                    bottleneck = min(bottleneck, cap[path[i]])
+                bottleneck = cap[path[0]]
+                for i in range(1, depth):
+                    if cap[path[i]] < bottleneck:
+                        bottleneck = cap[path[i]]
                 for i in range(depth):
                     cap[path[i]] -= bottleneck
                     cap[path[i] ^ 1] += bottleneck

@@ -64,7 +64,8 @@ def accepted_paths(offsets, parents, depth, tokens, verdicts):
     paths = np.empty(offsets[-1], dtype=np.int64)
     for c in range(n_cycles):
         size = _accepted_path(parents, depth, tokens, verdicts, offsets[c], offsets[c + 1] - offsets[c], ok, path)
-        paths[path_offsets[c]:path_offsets[c] + size] = path[:size]
+        for i in range(size):
+            paths[path_offsets[c] + i] = path[i]
         path_offsets[c + 1] = path_offsets[c] + size
     return path_offsets, paths[:path_offsets[-1]].copy()
 
@@ -177,11 +178,15 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
             n = level_sizes[level_offsets[c] + levels]
             # a tree cut at fewer levels than drafted has its probabilities clipped once more
             probs = path_probs if levels == deepest else level_probs
-            cached[:] = bits
+            for layer in range(n_layers):
+                for w in range(words):
+                    cached[layer, w] = bits[layer, w]
             if kind == ORACLE:
                 # the best prefix of the accepted path by true throughput; it commits all of it
                 size = _accepted_path(parents, depth, tokens, verdicts, base, n, ok, path)
-                true_union[:] = 0
+                for layer in range(n_layers):
+                    for w in range(words):
+                        true_union[layer, w] = 0
                 best_tokens = best_s = 0.0
                 best_hits = best_misses = best_j = -1
                 for j in range(size):
@@ -201,7 +206,8 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
                     if best_j < 0 or (j + 1) * best_s > best_tokens * time_s:
                         best_tokens, best_s, best_hits, best_misses, best_j = float(j + 1), time_s, hits, total - hits, j
                 n_sel = best_j + 1
-                nodes[:n_sel] = path[:n_sel]
+                for i in range(n_sel):
+                    nodes[i] = path[i]
                 sel_levels = best_j
                 sel_tokens, sel_s, sel_hits, sel_misses = best_tokens, best_s, best_hits, best_misses
             else:

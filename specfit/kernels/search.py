@@ -13,7 +13,7 @@ import numpy as np
 from numba import njit
 
 from ..costmodel import cycle_time_s
-from .bitsets import ONE, count_union, pack_mask, pack_rows, popcount, union_rows
+from .bitsets import ONE, ZERO, count_union, pack_rows, popcount, union_rows
 from .closure import closure_of_weights
 from .tolerances import GAIN_EPS, TIE_REL
 
@@ -118,18 +118,38 @@ def expected_tokens(probs, nodes, n_nodes, scratch):
 
 @njit(cache=True)
 def experts_in_range(experts, n_experts):
-    flat = experts.ravel()
-    for i in range(flat.size):
-        if flat[i] < 0 or flat[i] >= n_experts:
-            return False
+    n, n_layers, k = experts.shape
+    for v in range(n):
+        for layer in range(n_layers):
+            for s in range(k):
+                if experts[v, layer, s] < 0 or experts[v, layer, s] >= n_experts:
+                    return False
     return True
+
+
+@njit(cache=True)
+def _indices(mask):
+    """The positions of the True entries (ascending), as int64."""
+    n = 0
+    for i in range(mask.size):
+        if mask[i]:
+            n += 1
+    out = np.empty(n, dtype=np.int64)
+    j = 0
+    for i in range(mask.size):
+        if mask[i]:
+            out[j] = i
+            j += 1
+    return out
 
 
 @njit(cache=True)
 def union_of_ids(experts, base, nodes, n_nodes, out):
     """``out[L, words]`` = the union of the expert ids ``experts[base + v]`` over ``nodes[:n_nodes]``."""
-    out[:] = 0
     n_layers, k = experts.shape[1], experts.shape[2]
+    for layer in range(n_layers):
+        for w in range(out.shape[1]):
+            out[layer, w] = ZERO
     for i in range(n_nodes):
         row = base + nodes[i]
         for layer in range(n_layers):
@@ -139,12 +159,13 @@ def union_of_ids(experts, base, nodes, n_nodes, out):
 
 
 @njit(cache=True)
-def evaluate_nodes(probs, experts, cached, nodes, params, draft_levels):
+def evaluate_nodes(probs, experts, cached_bits, n_experts, nodes, params, draft_levels):
     """(status, expected tokens, time_s, hits, misses) of ``nodes`` (sorted, closed, with the
-    root); every expert id is range-checked, only the selected nodes' are read for the union."""
-    if not experts_in_range(experts, cached.shape[1]):
+    root) against the resident sets ``cached_bits[L, words]``; every expert id is range-checked,
+    only the selected nodes' are read for the union."""
+    if not experts_in_range(experts, n_experts):
         return BAD_EXPERT, 0.0, 0.0, 0, 0
-    tokens, time_s, hits, misses = _evaluate_ids(probs, experts, pack_mask(cached), nodes, params, draft_levels)
+    tokens, time_s, hits, misses = _evaluate_ids(probs, experts, cached_bits, nodes, params, draft_levels)
     return OK, tokens, time_s, hits, misses
 
 
@@ -173,7 +194,10 @@ def any_node_may_pay(parents, probs, experts, cached_bits, params, draft_levels,
     root_s = cycle_time(params[0], params[1], params[2], params[3], params[4], draft_levels, 1, hits, misses)
     if root_s <= 0:
         return True   # let the search report the degenerate cost model
-    gain = probs - (params[2] + draft_node_s) / root_s
+    per_node = (params[2] + draft_node_s) / root_s
+    gain = np.empty(n, dtype=np.float64)
+    for v in range(n):
+        gain[v] = probs[v] - per_node
     for v in range(n - 1, 0, -1):
         if gain[v] > GAIN_EPS:
             if parents[v] == 0:
@@ -302,7 +326,9 @@ def _force(parents, candidate, inside):
 def _tree_dp(parents, weight, undecided, inside):
     """No shared items left: the best forest hanging from the inside nodes, exactly."""
     n = parents.size
-    gain = np.where(undecided, weight, 0.0)
+    gain = np.empty(n, dtype=np.float64)
+    for v in range(n):
+        gain[v] = weight[v] if undecided[v] else 0.0
     for v in range(n - 1, 0, -1):
         if undecided[v] and gain[v] > GAIN_EPS and undecided[parents[v]]:
             gain[parents[v]] += gain[v]
@@ -319,7 +345,7 @@ def _closure(parents, weight, undecided, inside, gcost, member_group, member_nod
     items that have the same requirers merged into one."""
     n = parents.size
     pos = np.full(n, -1, dtype=np.int64)
-    idx = np.flatnonzero(undecided)
+    idx = _indices(undecided)
     m = idx.size
     for i in range(m):
         pos[idx[i]] = i
@@ -416,9 +442,13 @@ def _solve(parents, probs, own_cost, member_group, member_node, group_cost, lam)
     """max over closed S of sum_v (p_v - lam * own_v) - lam * (the shared items S needs)."""
     n = parents.size
     n_groups = group_cost.size
-    weight = probs - lam * own_cost
+    weight = np.empty(n, dtype=np.float64)
+    for v in range(n):
+        weight[v] = probs[v] - lam * own_cost[v]
     weight[0] = 0.0
-    gcost = lam * group_cost
+    gcost = np.empty(n_groups, dtype=np.float64)
+    for g in range(n_groups):
+        gcost[g] = lam * group_cost[g]
     mg, mv = member_group, member_node
     alive = np.ones(n, dtype=np.bool_)
     inside = np.zeros(n, dtype=np.bool_)
@@ -434,8 +464,9 @@ def _solve(parents, probs, own_cost, member_group, member_node, group_cost, lam)
             break
         changed = False
         # groups paid by a node inside, or with no live requirer, are gone
-        n_alive[:] = 0
-        paid[:] = False
+        for g in range(n_groups):
+            n_alive[g] = 0
+            paid[g] = False
         for j in range(mg.size):
             if inside[mv[j]]:
                 paid[mg[j]] = True
@@ -459,7 +490,8 @@ def _solve(parents, probs, own_cost, member_group, member_node, group_cost, lam)
         # force: a child of an inside node whose value stays positive when it pays every live
         # shared item alone is in every maximiser. Forcing one node only pays items for the
         # others, so values computed before the pass stay valid through it.
-        pess[:] = 0.0
+        for v in range(n):
+            pess[v] = 0.0
         for j in range(mg.size):
             if live[mg[j]]:
                 pess[mv[j]] += gcost[mg[j]]
@@ -472,7 +504,9 @@ def _solve(parents, probs, own_cost, member_group, member_node, group_cost, lam)
             changed |= _force(parents, candidate, inside)
         if not changed:
             break
-    undecided = alive & ~inside
+    undecided = np.empty(n, dtype=np.bool_)
+    for v in range(n):
+        undecided[v] = alive[v] and not inside[v]
     coupled = np.zeros(mg.size, dtype=np.bool_)
     any_coupled = False
     for j in range(mg.size):
@@ -501,13 +535,11 @@ def canonical_closed(parents, nodes):
 
 
 @njit(cache=True)
-def best_subtree(parents, probs, experts, cached, params, draft_levels, draft_node_s, start, has_start):
+def best_subtree(parents, probs, experts, cached_bits, n_experts, params, draft_levels, draft_node_s, start, has_start):
     """(status, nodes, expected tokens, time_s, hits, misses) of the exact optimum. ``start``, when
     given, must be sorted unique node ids with the root, ancestor-closed (else BAD_START)."""
     n = parents.size
-    n_experts = cached.shape[1]
     empty = np.zeros(0, dtype=np.int64)
-    cached_bits = pack_mask(cached)
     if has_start and not canonical_closed(parents, start):
         return BAD_START, empty, 0.0, 0.0, 0, 0
     if not experts_in_range(experts[:1], n_experts):
@@ -546,16 +578,21 @@ def best_subtree(parents, probs, experts, cached, params, draft_levels, draft_no
     alive = np.ones(n, dtype=np.bool_)
     inside = np.zeros(n, dtype=np.bool_)
     inside[0] = True
-    weight = probs - lam * own_cost
+    weight = np.empty(n, dtype=np.float64)
+    any_alive = False
+    for v in range(n):
+        weight[v] = probs[v] - lam * own_cost[v]
     weight[0] = 0.0
     _prune(parents, weight, alive, inside)
-    if not alive[1:].any():
+    for v in range(1, n):
+        any_alive |= alive[v]
+    if not any_alive:
         return OK, best, best_tokens, best_s, best_hits, best_misses   # the first inner problem keeps the root alone
     member_group, member_node, group_cost = _members(alive, new, shared, cached_bits, params)
     for _ in range(64):   # Dinkelbach converges superlinearly; the cap is a guard, never reached in tests
         best_priced = best_s + draft_node_s * (best.size - 1)
         lam = best_tokens / best_priced
-        nodes = np.flatnonzero(_solve(parents, probs, own_cost, member_group, member_node, group_cost, lam))
+        nodes = _indices(_solve(parents, probs, own_cost, member_group, member_node, group_cost, lam))
         tokens, time_s, hits, misses = _evaluate_bits(probs, bits, cached_bits, nodes, nodes.size, params,
                                                       draft_levels, union, scratch)
         if not better(tokens, time_s + draft_node_s * (nodes.size - 1), nodes.size, best_tokens, best_priced,
@@ -566,16 +603,14 @@ def best_subtree(parents, probs, experts, cached, params, draft_levels, draft_no
 
 
 @njit(cache=True)
-def greedy_subtree(parents, probs, experts, cached, params, draft_levels, draft_node_s):
+def greedy_subtree(parents, probs, experts, cached_bits, n_experts, params, draft_levels, draft_node_s):
     """Baseline: grow from the root, each step adding the frontier node (a child of the selected
     set) that gives the best ratio, while the ratio improves."""
     n = parents.size
-    n_experts = cached.shape[1]
     empty = np.zeros(0, dtype=np.int64)
     bits, ok = pack_rows(experts, n_experts)
     if not ok:
         return BAD_EXPERT, empty, 0.0, 0.0, 0, 0
-    cached_bits = pack_mask(cached)
     union = np.empty(cached_bits.shape, dtype=np.uint64)
     scratch = np.empty(n, dtype=np.float64)
     selected = np.zeros(n, dtype=np.bool_)
@@ -589,7 +624,10 @@ def greedy_subtree(parents, probs, experts, cached, params, draft_levels, draft_
     if best_s <= 0:
         return ROOT_TIME, empty, 0.0, 0.0, 0, 0
     trial = np.empty(n, dtype=np.int64)
-    while frontier.any():
+    n_frontier = 0
+    for v in range(n):
+        n_frontier += frontier[v]
+    while n_frontier:
         top_v = -1
         top_tokens = top_s = 0.0
         top_hits = top_misses = top_size = 0
@@ -611,9 +649,11 @@ def greedy_subtree(parents, probs, experts, cached, params, draft_levels, draft_
             break
         selected[top_v] = True
         frontier[top_v] = False
+        n_frontier -= 1
         for u in range(top_v + 1, n):
             if parents[u] == top_v:
                 frontier[u] = True
-        best = np.flatnonzero(selected)
+                n_frontier += 1
+        best = _indices(selected)
         best_tokens, best_s, best_hits, best_misses = top_tokens, top_s, top_hits, top_misses
     return OK, best, best_tokens, best_s, best_hits, best_misses

@@ -108,8 +108,8 @@ class PreparedTrace:
 
     @property
     def level_trees(self) -> "_LevelTrees":
-        """``level_trees[c][d]``: the tree of cycle c cut at d levels (built lazily; prefer
-        :meth:`tree` and :attr:`max_nodes`, which build nothing they do not need)."""
+        """``level_trees[c][d]``: the tree of cycle c cut at d levels, built when asked for (prefer
+        :meth:`tree`, and :attr:`max_nodes` over the largest ``level_trees[c][-1].n_nodes``)."""
         return _LevelTrees(self)
 
     @property
@@ -132,14 +132,28 @@ class _LevelTrees:
     def __len__(self) -> int:
         return self._prep.n_cycles
 
-    def __getitem__(self, cycle: int) -> tuple[DraftTree, ...]:
+    def __getitem__(self, cycle: int) -> "_CycleTrees":
         if not -len(self) <= cycle < len(self):
             raise IndexError(cycle)
-        cycle %= len(self)
-        return tuple(self._prep.tree(cycle, d) for d in range(self._prep.depth(cycle) + 1))
+        return _CycleTrees(self._prep, cycle % len(self))
 
     def __iter__(self):
-        return (self[c] for c in range(len(self)))
+        return (_CycleTrees(self._prep, c) for c in range(len(self)))
+
+
+class _CycleTrees:
+    """One cycle's trees by number of levels, each built when first asked for."""
+
+    def __init__(self, prep: PreparedTrace, cycle: int):
+        self._prep, self._cycle = prep, cycle
+
+    def __len__(self) -> int:
+        return self._prep.depth(self._cycle) + 1
+
+    def __getitem__(self, levels: int) -> DraftTree:
+        if not -len(self) <= levels < len(self):
+            raise IndexError(levels)
+        return self._prep.tree(self._cycle, levels % len(self))
 
 
 def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: np.ndarray | None = None,
@@ -361,11 +375,12 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
         c, first_token = int(bounds[s]), n_out
         while c < bounds[s + 1]:
             lo, hi = int(offsets[c]), int(offsets[c + 1])
+            # int64 once per cycle: the search takes int64 ids, and a policy may search several times
             view = _LevelView(
-                tree=prep.tree(c), experts=prep.predicted_experts[lo:hi], cached=cache.resident(), cost=cost,
-                draft_levels=prep.depth(c),
+                tree=prep.tree(c), experts=prep.predicted_experts[lo:hi].astype(np.int64), cached=cache.resident(),
+                cost=cost, draft_levels=prep.depth(c),
                 verdicts=prep.verdicts[lo:hi] if needs_truth else None,
-                true_experts=prep.true_experts[lo:hi] if needs_truth else None, prep=prep, cycle=c)
+                true_experts=prep.true_experts[lo:hi].astype(np.int64) if needs_truth else None, prep=prep, cycle=c)
             sel = choose(policy, view)
             nodes = np.ascontiguousarray(sel.nodes, dtype=np.int64)
             committed, n_out = k.commit_cycle(
