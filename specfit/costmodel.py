@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from functools import lru_cache
 
 import numpy as np
 
@@ -53,21 +52,23 @@ def check_experts(tree: DraftTree | None, experts, cached) -> tuple[np.ndarray, 
 
 def expert_union(experts: np.ndarray, nodes, n_experts: int) -> np.ndarray:
     """[layers, n_experts] bool: the union over ``nodes`` of their experts, per layer."""
-    n_layers, k = experts.shape[1], experts.shape[2]
-    nodes = np.asarray(nodes, dtype=np.int64)
-    sub = experts[nodes].reshape(nodes.size, n_layers * k)
-    union = np.zeros(n_layers * n_experts, dtype=bool)
-    # flat item ids layer * E + expert; the offsets run along the long (L * k) axis, which numpy
-    # broadcasts far faster than a trailing axis of only k
-    union[(sub + _slot_offsets(n_layers, k, n_experts)).ravel()] = True
-    return union.reshape(n_layers, n_experts)
+    from . import kernels
+
+    return kernels.bitsets.unpack(_union_bits(experts, nodes, n_experts), n_experts)
 
 
-@lru_cache(maxsize=16)
-def _slot_offsets(n_layers: int, k: int, n_experts: int) -> np.ndarray:
-    offsets = np.repeat(np.arange(n_layers, dtype=np.int64) * n_experts, k)
-    offsets.setflags(write=False)
-    return offsets
+def _union_bits(experts, nodes, n_experts: int) -> np.ndarray:
+    from . import kernels
+
+    experts = np.ascontiguousarray(experts, dtype=np.int64)
+    nodes = np.ascontiguousarray(nodes, dtype=np.int64).reshape(-1)
+    if nodes.size and (nodes.min() < 0 or nodes.max() >= experts.shape[0]):
+        raise ValueError(f"nodes: expected ids in [0, {experts.shape[0]}), got [{nodes.min()}, {nodes.max()}]")
+    if not kernels.search.experts_in_range(experts[nodes], n_experts):
+        raise ValueError(f"experts: expected expert ids in [0, {n_experts})")
+    union = np.empty((experts.shape[1], (n_experts + 63) // 64), dtype=np.uint64)
+    kernels.search.union_of_ids(experts, 0, nodes, nodes.size, union)
+    return union
 
 
 @dataclass
@@ -131,9 +132,11 @@ class CostModel:
 
     def union_counts(self, experts, nodes, cached) -> tuple[int, int]:
         """(hits, misses) of the union of ``nodes``' experts against ``cached``."""
-        union = expert_union(experts, nodes, cached.shape[1])
-        hits = int(np.count_nonzero(union & cached))
-        return hits, int(np.count_nonzero(union)) - hits
+        from . import kernels
+
+        hits, misses = kernels.bitsets.count_union(_union_bits(experts, nodes, cached.shape[1]),
+                                                   kernels.bitsets.pack_mask(cached))
+        return int(hits), int(misses)
 
     def predict(self, tree: DraftTree, nodes, experts, cached, draft_levels: int = 0) -> float:
         """Predicted cycle time of verifying ``nodes`` (ancestor-closed, with the root) after

@@ -162,22 +162,19 @@ class DraftTree:
         Returns the path's node ids from the root; the bonus token is ``verdicts[path[-1]]``."""
         if self.tokens is None:
             raise ValueError("tokens: the tree has no tokens, greedy acceptance needs them")
+        from . import kernels
+
+        n = self.n_nodes
         verdicts = np.asarray(verdicts)
-        inside = np.ones(self.n_nodes, dtype=bool) if nodes is None else np.zeros(self.n_nodes, dtype=bool)
+        if verdicts.shape != (n,) or not np.issubdtype(verdicts.dtype, np.integer):
+            raise ValueError(f"verdicts: expected an integer array of shape ({n},), got {verdicts.dtype} {verdicts.shape}")
+        inside = np.zeros(0 if nodes is None else n, dtype=bool)
         if nodes is not None:
             inside[np.asarray(nodes, dtype=np.int64)] = True
-        ok = np.zeros(self.n_nodes, dtype=bool)
-        ok[0] = True
-        for v in range(1, self.n_nodes):
-            p = self.parents[v]
-            ok[v] = inside[v] and ok[p] and self.tokens[v] == verdicts[p]
-        # deepest accepted node; among equals the first in order (siblings carry distinct tokens)
-        accepted = np.flatnonzero(ok)
-        last = int(accepted[np.argmax(self.depth[accepted])])
-        path = [last]
-        while path[-1] != 0:
-            path.append(int(self.parents[path[-1]]))
-        return np.array(path[::-1], dtype=np.int64)
+        ok, out = np.empty(n, dtype=bool), np.empty(n, dtype=np.int64)
+        size = kernels.tree.accepted_path(np.array(self.parents), np.array(self.depth), np.array(self.tokens),
+                                          verdicts.astype(np.int64), 0, n, inside, ok, out)
+        return out[:size].copy()
 
 
 def _raise_invalid(parents: np.ndarray, probs: np.ndarray) -> None:

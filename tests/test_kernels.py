@@ -96,3 +96,9 @@ def test_stale_cached_kernels_are_dropped_when_any_source_changes(tmp_path):
     (src / "b.py").write_text("y = 3\n")             # a file the cached kernel may have inlined
     assert drop_stale_caches(*args) is True
     assert not (cache / "a.f-1.py311.nbi").exists() and (cache / "a.cpython-311.pyc").exists()
+
+
+def test_warm_up_loads_the_live_kernels_and_leaves_no_state():
+    # a second call finds everything compiled: it takes a few milliseconds, not a compilation
+    kernels.warm_up()
+    assert kernels.warm_up() < 0.5

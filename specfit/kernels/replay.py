@@ -17,6 +17,7 @@ from numba import njit
 from .bitsets import popcount
 from .cache import admit_cycle
 from .search import cycle_time, expected_tokens, union_of_ids
+from .tree import accepted_path
 
 __all__ = ["AR", "CHAIN", "RERANK", "ORACLE", "INT_COLUMNS", "FLOAT_COLUMNS", "accepted_paths", "commit_cycle",
            "replay_compiled"]
@@ -32,26 +33,6 @@ PREDICTED_TIME_S, PREDICTED_TOKENS = 0, 1
 
 
 @njit(cache=True)
-def _accepted_path(parents, depth, tokens, verdicts, base, n, ok, out):
-    """Greedy acceptance within the first ``n`` nodes of the tree at rows ``base:``: the longest
-    root path whose every token equals the target's verdict at its parent (among equally deep
-    ends the first in order). Writes the path, root first, into ``out``; returns its length."""
-    ok[0] = True
-    last = 0
-    for v in range(1, n):
-        p = parents[base + v]
-        ok[v] = ok[p] and tokens[base + v] == verdicts[base + p]
-        if ok[v] and depth[base + v] > depth[base + last]:
-            last = v
-    size = depth[base + last] + 1
-    v = last
-    for i in range(size - 1, -1, -1):
-        out[i] = v
-        v = parents[base + v]
-    return size
-
-
-@njit(cache=True)
 def accepted_paths(offsets, parents, depth, tokens, verdicts):
     """Every cycle's full-tree accepted path: ``(path_offsets [cycles + 1], paths)``."""
     n_cycles = offsets.size - 1
@@ -60,10 +41,12 @@ def accepted_paths(offsets, parents, depth, tokens, verdicts):
         max_nodes = max(max_nodes, offsets[c + 1] - offsets[c])
     ok = np.empty(max_nodes, dtype=np.bool_)
     path = np.empty(max_nodes, dtype=np.int64)
+    everywhere = np.zeros(0, dtype=np.bool_)
     path_offsets = np.zeros(n_cycles + 1, dtype=np.int64)
     paths = np.empty(offsets[-1], dtype=np.int64)
     for c in range(n_cycles):
-        size = _accepted_path(parents, depth, tokens, verdicts, offsets[c], offsets[c + 1] - offsets[c], ok, path)
+        size = accepted_path(parents, depth, tokens, verdicts, offsets[c], offsets[c + 1] - offsets[c], everywhere, ok,
+                             path)
         for i in range(size):
             paths[path_offsets[c] + i] = path[i]
         path_offsets[c + 1] = path_offsets[c] + size
@@ -153,6 +136,7 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
     selected = np.zeros(max_nodes, dtype=np.bool_)
     ok = np.empty(max_nodes, dtype=np.bool_)
     path = np.empty(max_nodes, dtype=np.int64)
+    everywhere = np.zeros(0, dtype=np.bool_)
     neg = np.empty(max_nodes, dtype=np.float64)
     scratch = np.empty(max_nodes, dtype=np.float64)
     true_union = np.empty((n_layers, words), dtype=np.uint64)
@@ -183,7 +167,7 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
                     cached[layer, w] = bits[layer, w]
             if kind == ORACLE:
                 # the best prefix of the accepted path by true throughput; it commits all of it
-                size = _accepted_path(parents, depth, tokens, verdicts, base, n, ok, path)
+                size = accepted_path(parents, depth, tokens, verdicts, base, n, everywhere, ok, path)
                 for layer in range(n_layers):
                     for w in range(words):
                         true_union[layer, w] = 0
