@@ -64,10 +64,10 @@ def _union_bits(experts, nodes, n_experts: int) -> np.ndarray:
     nodes = np.ascontiguousarray(nodes, dtype=np.int64).reshape(-1)
     if nodes.size and (nodes.min() < 0 or nodes.max() >= experts.shape[0]):
         raise ValueError(f"nodes: expected ids in [0, {experts.shape[0]}), got [{nodes.min()}, {nodes.max()}]")
-    if not kernels.search.experts_in_range(experts[nodes], n_experts):
+    if not kernels.evaluate.experts_in_range(experts[nodes], n_experts):
         raise ValueError(f"experts: expected expert ids in [0, {n_experts})")
     union = np.empty((experts.shape[1], (n_experts + 63) // 64), dtype=np.uint64)
-    kernels.search.union_of_ids(experts, 0, nodes, nodes.size, union)
+    kernels.evaluate.union_of_ids(experts, 0, nodes, nodes.size, union)
     return union
 
 

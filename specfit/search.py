@@ -29,9 +29,10 @@
   :func:`uncertainty_price_s`) enters every node's weight; the ranking uses the priced time and
   the selection reports the predicted time and the price apart.
 
-The algorithm runs compiled (:mod:`specfit.kernels.search`, expert sets as ``uint64`` bitsets,
-the min cut in :mod:`specfit.kernels.closure`); this module validates the inputs, words the
-errors and returns :class:`Selection` objects.
+The algorithm runs compiled (:mod:`specfit.kernels.search` and :mod:`specfit.kernels.inner`,
+expert sets as ``uint64`` bitsets, the cost formula in :mod:`specfit.kernels.evaluate`, the min
+cut in :mod:`specfit.kernels.closure`); this module validates the inputs, words the errors and
+returns :class:`Selection` objects.
 """
 
 from __future__ import annotations
@@ -132,12 +133,12 @@ def evaluate(tree: DraftTree, nodes, experts, cached, cost: CostModel, draft_lev
     selected nodes' experts are read for the union: policies call this once per cycle on large trees."""
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
     draft_node_s = _check_draft_node_s(draft_node_s)
-    search = kernels.search
+    formula = kernels.evaluate
     given = np.asarray(nodes)
-    if not (given.ndim == 1 and given.dtype == np.int64 and search.canonical_closed(_tree_arrays(tree)[0], given)):
+    if not (given.ndim == 1 and given.dtype == np.int64 and formula.canonical_closed(_tree_arrays(tree)[0], given)):
         given = check_nodes(tree, nodes)   # sorts and dedups, or words what is wrong
     nodes = given
-    status, tokens, time_s, hits, misses = search.evaluate_nodes(
+    status, tokens, time_s, hits, misses = formula.evaluate_nodes(
         _tree_arrays(tree)[1], experts, kernels.bitsets.pack_mask(cached), cached.shape[1], nodes, cost.params,
         int(draft_levels))
     return _selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)

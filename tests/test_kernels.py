@@ -56,7 +56,7 @@ def test_pack_rows_reports_ids_out_of_range():
 def test_pairwise_sum_equals_numpys_sum_bit_for_bit(values):
     # the compiled evaluate promises DraftTree.expected_tokens' numbers exactly
     a = np.array(values, dtype=np.float64)
-    got = kernels.search.pairwise_sum(a, a.size)
+    got = kernels.evaluate.pairwise_sum(a, a.size)
     assert got == float(a.sum())
     assert math.isclose(got, math.fsum(values), rel_tol=1e-12, abs_tol=1e-300)
 

@@ -16,7 +16,7 @@ from numba import njit
 
 from .bitsets import popcount
 from .cache import admit_cycle
-from .search import cycle_time, expected_tokens, union_of_ids
+from .evaluate import cycle_time, expected_tokens, union_of_ids
 from .tree import accepted_path
 
 __all__ = ["AR", "CHAIN", "RERANK", "ORACLE", "INT_COLUMNS", "FLOAT_COLUMNS", "accepted_paths", "commit_cycle",
