@@ -114,8 +114,27 @@ def experts_in_range(experts, n_experts):
 def union_of_ids(experts, base, nodes, n_nodes, out):
     """``out[L, words]`` = the union of the expert ids ``experts[base + v]`` over ``nodes[:n_nodes]``."""
     n_layers, k = experts.shape[1], experts.shape[2]
+    words = out.shape[1]
+    if words <= 2:
+        # up to 128 experts: a layer's union builds up in two registers, layer by layer, instead
+        # of a read-modify-write of the same word of memory per slot
+        for layer in range(n_layers):
+            low = ZERO
+            high = ZERO
+            for i in range(n_nodes):
+                row = base + nodes[i]
+                for s in range(k):
+                    e = np.int64(experts[row, layer, s])
+                    bit = ONE << np.uint64(e & 63)
+                    upper = ZERO - np.uint64(e >> 6)   # all ones for ids 64..127
+                    low |= bit & ~upper
+                    high |= bit & upper
+            out[layer, 0] = low
+            if words == 2:
+                out[layer, 1] = high
+        return
     for layer in range(n_layers):
-        for w in range(out.shape[1]):
+        for w in range(words):
             out[layer, w] = ZERO
     for i in range(n_nodes):
         row = base + nodes[i]
