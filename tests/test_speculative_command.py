@@ -283,7 +283,7 @@ def test_router_predictor_in_replay_routes_the_embedding_like_the_live_one(check
     prep = prepare_trace("full", trace, predictor="router", acceptance="raw", model_dir=model_dir)
     model = load_model(model_dir)
     live = RouterPredictor(model).predict(NodeBatch(trace.token, np.full(trace.true_experts.shape, -1)))
-    np.testing.assert_array_equal(np.concatenate(prep.predicted), live)
+    np.testing.assert_array_equal(prep.predicted_experts, live)
     with pytest.raises(Exception, match="--model"):
         prepare_trace("full", trace, predictor="router")
 

@@ -135,8 +135,7 @@ class Profile:
                 f"B/expert); pass --rescale to map its transfer costs by expert bytes"
             )
         ratio = shape.expert_bytes / self.shape.expert_bytes if self.shape.expert_bytes else 1.0
-        transfer_s = max(self.cost.miss_s - self.cost.hit_s, 0.0)
-        cost = self.cost.replace(miss_s=self.cost.hit_s + transfer_s * ratio, expert_bytes=shape.expert_bytes)
+        cost = self.cost.replace(miss_s=self.cost.hit_s + self.cost.transfer_s * ratio, expert_bytes=shape.expert_bytes)
         return Profile(cost=cost, shape=shape, kind=self.kind, source=f"{self.label} rescaled to {shape.name}",
                        machine=self.machine, fit={**self.fit, "rescaled_from": self.shape.to_dict()},
                        probes=self.probes, created=self.created)
