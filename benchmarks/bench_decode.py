@@ -20,7 +20,13 @@ Without ``--profile`` the starting profile is a quick calibration of this machin
 written to a temporary directory, nothing to the checkout.
 
     python benchmarks/bench_decode.py [--policies ar,eagle3,specfit] [--max-new-tokens 64] \\
-        [--cache-experts 4] [--threads 1] [--no-warmup] [--repeats 5]
+        [--cache-experts 4] [--threads 1] [--no-warmup] [--frozen-profile] [--busy 1] [--predictor router] \\
+        [--repeats 5]
+
+Cycle-time errors are reported for the model each policy decided with (refitted online on its own
+cycles unless ``--frozen-profile``; each prediction made before its cycle ran, so held out by
+construction) and for the profile's prediction of the same selections. ``--busy N`` runs N
+CPU-bound processes beside the benchmark (a machine with other work on it), killed at the end.
 
 With ``--repeats N`` every policy is decoded N times, interleaved (the order rotates each round,
 each run a fresh load with its own warm-up), and the table reports the median tokens/s with its
@@ -33,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -73,9 +80,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="print the summaries as JSON")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of every policy (medians reported)")
+    parser.add_argument("--frozen-profile", action="store_true", help="decide with the profile, no online refit")
+    parser.add_argument("--predictor", default="router", help="expert predictor: router, affinity or parent")
+    parser.add_argument("--busy", type=int, default=0, help="CPU-bound processes to run beside the benchmark")
+    parser.add_argument("--out", type=Path, default=None, help="keep the measured run's files (cycles.parquet, ...) here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
+    try:
+        run_benchmark(args)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
 
+
+def run_benchmark(args) -> None:
+    load_before = os.getloadavg()
+
+    if args.out is not None:
+        args.out = args.out.resolve()      # before the chdir below
     work = Path(tempfile.mkdtemp(prefix="bench_decode."))
     os.chdir(work)     # a quick calibration lands in ./calibrate/ here, not in the checkout
 
@@ -83,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
         return DecodePlan(model_dir=args.model.resolve(), prompts_path=args.prompts.resolve(),
                           cache_experts=args.cache_experts, policies=policies, drafter_dir=args.drafter.resolve(),
                           max_new_tokens=args.max_new_tokens, device="cpu", tree_top_k=args.tree_top_k,
-                          ignore_eos=True, **{"profile": args.profile, **changes})
+                          ignore_eos=True, online_refit=not args.frozen_profile, predictor=args.predictor,
+                          **{"profile": args.profile, **changes})
 
     acceptance = profile = None
     if not args.no_warmup:
@@ -103,7 +128,12 @@ def main(argv: list[str] | None = None) -> None:
         repeated(policies, args.repeats, lambda specs: run_decode(plan(specs, acceptance_trace=acceptance,
                                                                         profile=profile or args.profile)))
         return
-    run = run_decode(plan(policies, acceptance_trace=acceptance, profile=profile or args.profile))
+    run = run_decode(plan(policies, acceptance_trace=acceptance, profile=profile or args.profile,
+                          out_dir=args.out))
+    if args.out is not None and profile is not None:
+        import shutil
+
+        shutil.copy(profile, args.out / "profile.json")
 
     rows = []
     for s in run.summaries:
@@ -129,8 +159,17 @@ def main(argv: list[str] | None = None) -> None:
     identical = "yes" if run.outputs_identical else "no"
     console.print(f"greedy outputs identical across policies: {identical}; search ms/cycle: "
                   + ", ".join(f"{r['policy']} {r['share_search_ms_per_cycle']:.3f}" for r in rows))
-    console.print("cycle-time MAPE (mean |predicted - measured| / measured): "
-                  + ", ".join(f"{r['policy']} {r['time_mape']:.0%}" for r in rows))
+    model = "the profile (frozen)" if args.frozen_profile else "the online-refitted model"
+    console.print(f"cycle-time MAPE (mean |predicted - measured| / measured) of {model}: "
+                  + ", ".join(f"{r['policy']} {r['time_mape']:.1%} (median {r['time_median_ape']:.1%})" for r in rows))
+    console.print("cycle-time MAPE of the profile's prediction of the same cycles: "
+                  + ", ".join(f"{r['policy']} {r['prior_time_mape']:.1%} (median {r['prior_time_median_ape']:.1%})"
+                              for r in rows))
+    console.print(f"union-size MAPE ({args.predictor} predictor): "
+                  + ", ".join(f"{r['policy']} {r['union_mape']:.1%} (per layer {r['union_layer_mape']:.1%})"
+                              for r in rows if r["union_mape"] == r["union_mape"]))
+    console.print(f"load average before / after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} on "
+                  f"{os.cpu_count()} cores, {args.busy} CPU-bound process(es) beside it")
 
 
 def repeated(policies: list[str], repeats: int, decode) -> None:

@@ -25,8 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .costmodel import CostModel
-from .experts.predictors import union_quality
+from .costmodel import CostModel, expert_union
 
 if TYPE_CHECKING:       # pandas is imported where a frame is built: the CLI starts without it
     import pandas as pd
@@ -53,7 +52,10 @@ CYCLE_COLUMNS = tuple(Column(*c) for c in (
     ("committed_tokens", "int", False, "tokens the cycle added to the output (accepted + bonus)"),
     ("predicted_tokens", "float", False, "expected committed tokens of the selection (1 + path probabilities)"),
     ("time_s", "float", False, "the cycle's time: measured live, charged in a replay"),
-    ("predicted_time_s", "float", False, "the cost model's time for the selection with predicted experts"),
+    ("predicted_time_s", "float", False, "the time the policy decided with: the cost model's for the selection "
+                                          "with predicted experts (the online model's when it refits)"),
+    ("prior_predicted_time_s", "float", False, "the profile's (the prior's) time for the same selection"),
+    ("online_predicted_time_s", "float", True, "the online-refitted model's time for the selection (empty when frozen)"),
     ("charged_time_s", "float", False, "the cost model's time for what happened (the true union's hits and misses)"),
     ("measured_time_s", "float", True, "wall-clock time of the cycle (draft + verify)"),
     ("union_size", "int", False, "experts of the verified nodes' true union, summed over layers"),
@@ -66,6 +68,8 @@ CYCLE_COLUMNS = tuple(Column(*c) for c in (
     ("bytes_h2d", "int", False, "bytes copied host-to-device"),
     ("prefetched", "int", False, "experts copied ahead of their pass, in the link time of drafted levels"),
     ("predicted_bytes_h2d", "float", False, "predicted misses times the bytes of one expert"),
+    ("charged_bytes_h2d", "int", False, "bytes the expert cache's bookkeeping gives the true experts from the "
+                                        "residency before the cycle (the cost model's view of what happened)"),
     ("prediction_precision", "float", False, "share of the verified draft nodes' predicted expert slots that were right"),
     ("draft_time_s", "float", True, "from the cycle's start to the selection"),
     ("verify_time_s", "float", True, "from the selection to the committed tokens"),
@@ -74,13 +78,22 @@ CYCLE_COLUMNS = tuple(Column(*c) for c in (
     ("drafter_time_s", "float", True, "the drafter's forward passes"),
     ("search_time_s", "float", True, "the policy's decisions"),
     ("predict_time_s", "float", True, "expert predictions for the drafted nodes"),
+    ("learn_time_s", "float", True, "after the commit: policy, predictor and cost model learn (in the cycle)"),
+    ("cpu_time_s", "float", True, "CPU time of the decoding thread over the cycle (wall time minus waiting, "
+                                  "e.g. for other processes, on a CPU device with one thread)"),
     ("hits_per_layer", "list", True, "hits per MoE layer"),
     ("misses_per_layer", "list", True, "misses per MoE layer"),
+    ("union_per_layer", "list", True, "experts of the verified nodes' true union, per MoE layer"),
+    ("predicted_union_per_layer", "list", True, "experts of the predicted union of the verified nodes, per layer"),
+    ("predicted_misses_per_layer", "list", True, "predicted union experts the search saw missing, per layer"),
 ))
 COLUMN_NAMES = tuple(c.name for c in CYCLE_COLUMNS)
 # (label, predicted column, actual column) of the errors the summary reports
-ERROR_QUANTITIES = (("time", "predicted_time_s", "time_s"), ("bytes", "predicted_bytes_h2d", "bytes_h2d"),
-                    ("tokens", "predicted_tokens", "committed_tokens"), ("union", "predicted_union_size", "union_size"))
+ERROR_QUANTITIES = (("time", "predicted_time_s", "time_s"), ("prior_time", "prior_predicted_time_s", "time_s"),
+                    ("online_time", "online_predicted_time_s", "time_s"),
+                    ("bytes", "predicted_bytes_h2d", "bytes_h2d"), ("charged_bytes", "charged_bytes_h2d", "bytes_h2d"),
+                    ("tokens", "predicted_tokens", "committed_tokens"), ("union", "predicted_union_size", "union_size"),
+                    ("misses", "predicted_misses", "misses"))
 
 
 def prediction_errors(predicted, actual) -> dict:
@@ -104,17 +117,25 @@ def prediction_errors(predicted, actual) -> dict:
 # --------------------------------------------------------------------------- rows
 def live_row(stats, cost: CostModel | None, expert_bytes: int, n_experts: int) -> dict:
     """The schema's row of one live cycle (a :class:`~specfit.runtime.decoder.CycleStats`) of a
-    model whose experts are ``expert_bytes`` each, ``n_experts`` per layer."""
+    model whose experts are ``expert_bytes`` each, ``n_experts`` per layer; ``cost`` is the
+    profile the run started from (the prior of an online refit)."""
     draft, verification, offload = stats.draft, stats.verification, stats.verification.offload
     sel = draft.selection
     nan = float("nan")
     hits, misses = offload.total_hits, offload.total_misses
-    union = overlap = predicted_union = -1
+    true_union = np.asarray(offload.hits) + np.asarray(offload.misses)
+    predicted_union = predicted_misses = None
+    overlap = -1
     if sel is not None and draft.experts.shape[1:] == verification.expert_ids.shape[1:]:
-        predicted_union, union, overlap = union_quality(draft.experts[verification.nodes], verification.expert_ids,
-                                                        n_experts)
-    else:
-        union = hits + misses
+        predicted = expert_union(draft.experts, verification.nodes, n_experts)
+        true = expert_union(verification.expert_ids, np.arange(verification.nodes.size), n_experts)
+        predicted_union = np.count_nonzero(predicted, axis=1)
+        overlap = int(np.count_nonzero(predicted & true))
+        if draft.cached is not None:
+            predicted_misses = np.count_nonzero(predicted & ~draft.cached, axis=1)
+    charged = stats.charged_misses_per_layer
+    prior_time = (cost.time_s(sel.draft_levels, sel.n_nodes, sel.hits, sel.misses) if sel is not None and cost
+                  else nan)
     row = {
         "draft_levels": draft.draft_levels,
         "nodes_drafted": draft.tree.n_nodes,
@@ -124,10 +145,12 @@ def live_row(stats, cost: CostModel | None, expert_bytes: int, n_experts: int) -
         "predicted_tokens": sel.expected_tokens if sel else nan,
         "time_s": stats.cycle_time_s,
         "predicted_time_s": sel.time_s if sel else nan,
+        "prior_predicted_time_s": prior_time,
+        "online_predicted_time_s": sel.time_s if sel is not None and stats.online else nan,
         "charged_time_s": cost.time_s(draft.draft_levels, verification.nodes.size, hits, misses) if cost else nan,
         "measured_time_s": stats.cycle_time_s,
-        "union_size": union,
-        "predicted_union_size": predicted_union,
+        "union_size": int(true_union.sum()),
+        "predicted_union_size": int(predicted_union.sum()) if predicted_union is not None else -1,
         "union_overlap": overlap,
         "hits": hits,
         "misses": misses,
@@ -136,6 +159,7 @@ def live_row(stats, cost: CostModel | None, expert_bytes: int, n_experts: int) -
         "bytes_h2d": offload.total_bytes_h2d + draft.prefetched * expert_bytes,
         "prefetched": draft.prefetched,
         "predicted_bytes_h2d": sel.misses * expert_bytes if sel else nan,
+        "charged_bytes_h2d": int(charged.sum()) * expert_bytes if charged is not None else -1,
         "prediction_precision": stats.predicted_slots_right / stats.predicted_slots if stats.predicted_slots else nan,
         "draft_time_s": stats.draft_time_s,
         "verify_time_s": stats.verify_time_s,
@@ -144,8 +168,13 @@ def live_row(stats, cost: CostModel | None, expert_bytes: int, n_experts: int) -
         "drafter_time_s": draft.drafter_time_s,
         "search_time_s": draft.search_time_s,
         "predict_time_s": draft.predict_time_s,
+        "learn_time_s": stats.learn_time_s,
+        "cpu_time_s": stats.cpu_time_s,
         "hits_per_layer": offload.hits.tolist(),
         "misses_per_layer": offload.misses.tolist(),
+        "union_per_layer": true_union.tolist(),
+        "predicted_union_per_layer": predicted_union.tolist() if predicted_union is not None else [],
+        "predicted_misses_per_layer": predicted_misses.tolist() if predicted_misses is not None else [],
     }
     return row
 
@@ -165,6 +194,9 @@ def replay_frame(columns: dict[str, np.ndarray], expert_bytes: int) -> "pd.DataF
         else:
             out[col.name] = np.full(n, np.nan if col.kind == "float" else -1)
     out["time_s"] = columns["charged_time_s"]
+    # a replay decides with its scenario's cost model, and charges the true experts through the cache
+    out["prior_predicted_time_s"] = columns["predicted_time_s"]
+    out["charged_bytes_h2d"] = columns["bytes_h2d"]
     out["predicted_hits"] = np.asarray(columns["predicted_union_size"]) - np.asarray(columns["predicted_misses"])
     out["predicted_bytes_h2d"] = np.asarray(columns["predicted_misses"], dtype=np.float64) * expert_bytes
     if "prediction_precision" not in columns:
@@ -222,10 +254,14 @@ def summarise(cycles: "pd.DataFrame") -> dict:
         else nan,
     }
     for label, predicted, actual in ERROR_QUANTITIES:
-        valid = c[actual] >= 0
+        if predicted not in c or actual not in c:
+            continue
+        valid = (c[actual] >= 0) & (c[predicted] >= 0)      # -1: not known for the cycle
         err = prediction_errors(c.loc[valid, predicted], c.loc[valid, actual])
         for measure in ("mape", "median_ape", "bias"):
             out[f"{label}_{measure}"] = err[measure]
+    out["union_layer_mape"] = _per_layer_error(c, "predicted_union_per_layer", "union_per_layer")
+    out["misses_layer_mape"] = _per_layer_error(c, "predicted_misses_per_layer", "misses_per_layer")
     measured = c["measured_time_s"].notna().any() if "measured_time_s" in c else False
     if measured:
         total = float(c["measured_time_s"].sum())
@@ -235,3 +271,13 @@ def summarise(cycles: "pd.DataFrame") -> dict:
         out["overhead_share"] = 1.0 - models / total if total > 0 else nan
         out["transfer_time_per_cycle_s"] = float(c["transfer_time_s"].mean())
     return out
+
+
+def _per_layer_error(c: "pd.DataFrame", predicted: str, actual: str) -> float:
+    """MAPE over every (cycle, layer) of two per-layer list columns (NaN where none is recorded)."""
+    if predicted not in c or actual not in c:
+        return float("nan")
+    pairs = [(p, a) for p, a in zip(c[predicted], c[actual]) if len(p) and len(p) == len(a)]
+    if not pairs:
+        return float("nan")
+    return prediction_errors(np.concatenate([p for p, _ in pairs]), np.concatenate([a for _, a in pairs]))["mape"]

@@ -31,6 +31,7 @@ def _main(version: bool = typer.Option(False, "--version", help="Print the versi
 _COMMAND_MODULES = (
     "specfit.runtime.commands",
     "specfit.simulate.commands",
+    "specfit.simulate.sweep_commands",
     "specfit.traces.commands",
     "specfit.calibrate.commands",
     "specfit.report.commands",

@@ -6,21 +6,31 @@
 ``|S|`` counts the root. ``U_l(S)`` is the union of the experts that the nodes of S route to at
 layer l. The prediction is linear in the five parameters, so a cycle is summarised by its feature
 vector ``(draft_levels, 1, n_nodes, hits, misses)`` and fitting is a non-negative least squares.
+
+The formula is written once, in :func:`cycle_time_s`: :meth:`CostModel.time_s` (scalars) and
+:meth:`CostModel.predict_counts` (arrays) evaluate it, and the compiled kernels
+(:mod:`specfit.kernels`) compile the same function and receive the parameters as
+:attr:`CostModel.params`. The transfer part of a miss is :attr:`CostModel.transfer_s`.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from functools import lru_cache
 
 import numpy as np
 
 from .tree import DraftTree, check_nodes
 
-__all__ = ["CostModel", "check_experts", "expert_union", "PARAM_NAMES"]
+__all__ = ["CostModel", "check_experts", "expert_union", "cycle_time_s", "PARAM_NAMES"]
 
 PARAM_NAMES = ("draft_level_s", "base_s", "per_node_s", "hit_s", "miss_s")
+
+
+def cycle_time_s(draft_level_s, base_s, per_node_s, hit_s, miss_s, draft_levels, n_nodes, hits, misses):
+    """The cycle-time formula, on scalars or numpy arrays alike (and compiled as it is by
+    :mod:`specfit.kernels`, so every driver sums the same terms in the same order)."""
+    return draft_level_s * draft_levels + base_s + per_node_s * n_nodes + hit_s * hits + miss_s * misses
 
 
 def check_experts(tree: DraftTree | None, experts, cached) -> tuple[np.ndarray, np.ndarray]:
@@ -42,21 +52,23 @@ def check_experts(tree: DraftTree | None, experts, cached) -> tuple[np.ndarray, 
 
 def expert_union(experts: np.ndarray, nodes, n_experts: int) -> np.ndarray:
     """[layers, n_experts] bool: the union over ``nodes`` of their experts, per layer."""
-    n_layers, k = experts.shape[1], experts.shape[2]
-    nodes = np.asarray(nodes, dtype=np.int64)
-    sub = experts[nodes].reshape(nodes.size, n_layers * k)
-    union = np.zeros(n_layers * n_experts, dtype=bool)
-    # flat item ids layer * E + expert; the offsets run along the long (L * k) axis, which numpy
-    # broadcasts far faster than a trailing axis of only k
-    union[(sub + _slot_offsets(n_layers, k, n_experts)).ravel()] = True
-    return union.reshape(n_layers, n_experts)
+    from . import kernels
+
+    return kernels.bitsets.unpack(_union_bits(experts, nodes, n_experts), n_experts)
 
 
-@lru_cache(maxsize=16)
-def _slot_offsets(n_layers: int, k: int, n_experts: int) -> np.ndarray:
-    offsets = np.repeat(np.arange(n_layers, dtype=np.int64) * n_experts, k)
-    offsets.setflags(write=False)
-    return offsets
+def _union_bits(experts, nodes, n_experts: int) -> np.ndarray:
+    from . import kernels
+
+    experts = np.ascontiguousarray(experts, dtype=np.int64)
+    nodes = np.ascontiguousarray(nodes, dtype=np.int64).reshape(-1)
+    if nodes.size and (nodes.min() < 0 or nodes.max() >= experts.shape[0]):
+        raise ValueError(f"nodes: expected ids in [0, {experts.shape[0]}), got [{nodes.min()}, {nodes.max()}]")
+    if not kernels.evaluate.experts_in_range(experts[nodes], n_experts):
+        raise ValueError(f"experts: expected expert ids in [0, {n_experts})")
+    union = np.empty((experts.shape[1], (n_experts + 63) // 64), dtype=np.uint64)
+    kernels.evaluate.union_of_ids(experts, 0, nodes, nodes.size, union)
+    return union
 
 
 @dataclass
@@ -86,7 +98,7 @@ class CostModel:
     @property
     def params(self) -> np.ndarray:
         """Parameters in the order of :data:`PARAM_NAMES` (the order of :meth:`features`)."""
-        return np.array([getattr(self, n) for n in PARAM_NAMES])
+        return np.array((self.draft_level_s, self.base_s, self.per_node_s, self.hit_s, self.miss_s))
 
     def replace(self, **changes) -> "CostModel":
         d = asdict(self)
@@ -96,9 +108,10 @@ class CostModel:
         d.update(changes)
         return CostModel(**d)
 
-    def item_weights(self, cached: np.ndarray) -> np.ndarray:
-        """[layers, experts] cost of having expert (l, e) in the cycle's union."""
-        return np.where(cached, self.hit_s, self.miss_s)
+    @property
+    def transfer_s(self) -> float:
+        """The host-to-device part of a miss: what a miss costs beyond a hit (never negative)."""
+        return max(self.miss_s - self.hit_s, 0.0)
 
     # ---------------------------------------------------------------- prediction
     @staticmethod
@@ -107,20 +120,23 @@ class CostModel:
         cols = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (draft_levels, 1.0, n_nodes, hits, misses)))
         return np.stack(cols, axis=-1)
 
-    def predict_counts(self, draft_levels, n_nodes, hits, misses):
-        """Cycle time from counts; works on scalars or arrays."""
-        return self.features(draft_levels, n_nodes, hits, misses) @ self.params
-
     def time_s(self, draft_levels: int, n_nodes: int, hits: int, misses: int) -> float:
-        """Cycle time from counts, on scalars (the hot path's form of :meth:`predict_counts`)."""
-        return float(self.draft_level_s * draft_levels + self.base_s + self.per_node_s * n_nodes
-                     + self.hit_s * hits + self.miss_s * misses)
+        """Cycle time from counts (scalars)."""
+        return float(cycle_time_s(self.draft_level_s, self.base_s, self.per_node_s, self.hit_s, self.miss_s,
+                                  draft_levels, n_nodes, hits, misses))
+
+    def predict_counts(self, draft_levels, n_nodes, hits, misses) -> np.ndarray:
+        """Cycle times from count arrays (broadcast); float64."""
+        counts = np.broadcast_arrays(*(np.asarray(x, dtype=np.float64) for x in (draft_levels, n_nodes, hits, misses)))
+        return cycle_time_s(self.draft_level_s, self.base_s, self.per_node_s, self.hit_s, self.miss_s, *counts)
 
     def union_counts(self, experts, nodes, cached) -> tuple[int, int]:
         """(hits, misses) of the union of ``nodes``' experts against ``cached``."""
-        union = expert_union(experts, nodes, cached.shape[1])
-        hits = int(np.count_nonzero(union & cached))
-        return hits, int(np.count_nonzero(union)) - hits
+        from . import kernels
+
+        hits, misses = kernels.bitsets.count_union(_union_bits(experts, nodes, cached.shape[1]),
+                                                   kernels.bitsets.pack_mask(cached))
+        return int(hits), int(misses)
 
     def predict(self, tree: DraftTree, nodes, experts, cached, draft_levels: int = 0) -> float:
         """Predicted cycle time of verifying ``nodes`` (ancestor-closed, with the root) after
@@ -128,13 +144,7 @@ class CostModel:
         nodes = check_nodes(tree, nodes)
         experts, cached = check_experts(tree, experts, cached)
         hits, misses = self.union_counts(experts, nodes, cached)
-        return float(
-            self.draft_level_s * draft_levels
-            + self.base_s
-            + self.per_node_s * nodes.size
-            + self.hit_s * hits
-            + self.miss_s * misses
-        )
+        return self.time_s(draft_levels, nodes.size, hits, misses)
 
     # ---------------------------------------------------------------- persistence
     def to_dict(self) -> dict:

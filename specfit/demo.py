@@ -15,10 +15,12 @@ import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import typer
 
 from .errors import SpecFitError, fail
+from .threads import THREADS_HELP, set_cpu_threads
 
 __all__ = ["DemoPlan", "run_demo", "register", "whatif_scenarios"]
 
@@ -35,6 +37,22 @@ class DemoPlan:
     max_new_tokens: int = 48
     n_prompts: int | None = None
     device: str = "cpu"
+
+    def validate(self) -> None:
+        """Every option checked before any probe runs or any file is written."""
+        from .assets import tiny_moe_dir
+        from .io import check_output
+        from .runtime.config import ModelConfig
+
+        n_experts = ModelConfig.from_dir(tiny_moe_dir()).n_experts
+        if not 0 <= self.cache_experts <= n_experts:
+            raise SpecFitError(f"--cache-experts: expected 0..{n_experts} (the bundled model has {n_experts} experts per "
+                               f"layer), got {self.cache_experts}")
+        if self.max_new_tokens < 1:
+            raise SpecFitError(f"--max-new-tokens: expected at least 1, got {self.max_new_tokens}")
+        if self.n_prompts is not None and self.n_prompts < 1:
+            raise SpecFitError(f"n_prompts: expected at least 1, got {self.n_prompts}")
+        check_output(self.out_dir, "--out", kind="dir")
 
     def __post_init__(self):
         if self.quick:
@@ -85,6 +103,7 @@ def run_demo(plan: DemoPlan, say=print, progress=None) -> dict:
     from .simulate.sweep import run_sweep
     from .traces.format import read_trace
 
+    plan.validate()
     out = Path(plan.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     write_run_info(out, "demo", quick=plan.quick)
@@ -158,21 +177,20 @@ def demo_command(
     quick: bool = typer.Option(False, "--quick", help="Fewer prompts and tokens, smaller probe grids (CI)."),
     cache_experts: int = typer.Option(8, "--cache-experts", help="Device expert slots per layer (the model has 16)."),
     max_new_tokens: int = typer.Option(48, "--max-new-tokens"),
-    threads: int = typer.Option(1, "--threads", help="torch CPU threads; the tiny model's matrices are too small "
-                                "for intra-op threads to pay, and extra threads stall on a busy machine."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP + "; the tiny model's matrices are "
+                                          "too small for intra-op threads to pay anyway."),
 ) -> None:
     """Calibrate, decode with ar / eagle3 / specfit, simulate what-ifs and write one HTML report."""
-    import torch
     from rich.console import Console
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
 
-    if threads:
-        torch.set_num_threads(threads)
     console = Console(stderr=True)
     plan = DemoPlan(out_dir=out, quick=quick, cache_experts=cache_experts, max_new_tokens=max_new_tokens)
     try:
+        set_cpu_threads(threads)
+        plan.validate()
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as bar:
             task = bar.add_task("demo", total=None)
@@ -180,14 +198,21 @@ def demo_command(
                               progress=lambda *a: bar.advance(task))
     except SpecFitError as exc:
         fail(str(exc))
+    except KeyboardInterrupt:
+        typer.secho(f"interrupted: what finished is kept under {out} (decode runs keep every complete cycle); run "
+                    f"specfit demo again for the report", err=True)
+        raise typer.Exit(130) from None
 
-    table = Table(title="Live decoding of the bundled tiny MoE on this machine (measured, predicted in brackets)")
-    for col in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "nodes verified", "hit rate"):
+    table = Table(title="Live decoding of the bundled tiny MoE on this machine (measured, predicted in brackets; "
+                        "time error: each cycle predicted before it ran, by the model refitted online / by the profile)")
+    for col in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "time error", "profile's", "union error",
+                "nodes verified", "hit rate"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for s in result["decode"].summaries:
         table.add_row(s["policy"], f"{s['tokens_per_s']:.1f}",
                       f"{s['tokens_per_cycle']:.2f} ({s['predicted_tokens_per_cycle']:.2f})",
                       f"{s['time_per_cycle_s'] * 1e3:.2f} ({s['predicted_time_per_cycle_s'] * 1e3:.2f})",
+                      _pct(s["time_mape"]), _pct(s["prior_time_mape"]), _pct(s["union_mape"]),
                       f"{s['nodes_per_cycle']:.1f}", f"{s['hit_rate']:.2f}")
     Console().print(table)
     summary = result["summary"]
@@ -208,3 +233,7 @@ def demo_command(
     Console().print(f"greedy outputs identical across policies: {'yes' if same else 'n/a' if same is None else 'NO'}; "
                     f"cache sizes simulated: {', '.join(map(str, caches))} experts per layer")
     Console().print(f"report: {result['report']}")
+
+
+def _pct(value: float) -> str:
+    return "-" if value != value else f"{value:.0%}"

@@ -6,11 +6,16 @@ one line (no traceback) and exits with status 2.
 
 from __future__ import annotations
 
-__all__ = ["SpecFitError", "fail"]
+__all__ = ["SpecFitError", "Interrupted", "fail"]
 
 
 class SpecFitError(ValueError):
     """Bad input: a message naming the file, the field and what was expected."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by the user (Ctrl-C) after saving what it had: the message says what was kept
+    and where; the CLI prints it and exits with status 130."""
 
 
 def fail(message: str) -> None:

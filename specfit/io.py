@@ -1,4 +1,6 @@
-"""Atomic file output: every file SpecFit writes appears whole or not at all."""
+"""File output: every file SpecFit writes appears whole or not at all, and every output path is
+checked before any work starts (:func:`check_output`), so a bad ``--out`` fails in one line
+instead of after minutes of decoding."""
 
 from __future__ import annotations
 
@@ -8,7 +10,61 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-__all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "write_jsonl_atomic"]
+from .errors import SpecFitError
+
+__all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "write_jsonl_atomic", "check_output",
+           "remove_stale_temporaries", "read_json_object"]
+
+
+def read_json_object(path: str | Path, expected: str = "a JSON file") -> dict:
+    """The JSON object in ``path``; one clear error for a missing file (naming what was
+    ``expected`` there), an unreadable or malformed one, or anything but an object at the top."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SpecFitError(f"{path}: no such file; expected {expected}") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise SpecFitError(f"{path}: not a readable JSON file ({exc})") from None
+    if not isinstance(raw, dict):
+        raise SpecFitError(f"{path}: expected a JSON object at the top level")
+    return raw
+
+
+def check_output(path: str | Path | None, option: str, kind: str = "file") -> Path | None:
+    """Fail with one line, before any work, when ``path`` cannot be written as a ``kind`` ("file"
+    or "dir"): a directory where a file is meant, a file where a directory is meant, or a parent
+    that is missing-and-uncreatable, not a directory, or not writable. Nothing is created: the
+    nearest existing ancestor is probed with a temporary file that is removed at once."""
+    if path is None:
+        return None
+    path = Path(path)
+    if path.exists():
+        if kind == "file" and path.is_dir():
+            raise SpecFitError(f"{option} {path}: is a directory; expected a file to write")
+        if kind == "dir" and not path.is_dir():
+            raise SpecFitError(f"{option} {path}: is a file; expected a directory to write into")
+    ancestor = path if kind == "dir" and path.is_dir() else path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise SpecFitError(f"{option} {path}: {ancestor} is a file, so nothing can be created under it")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".specfit-write-check.", dir=ancestor)
+    except OSError as exc:
+        raise SpecFitError(f"{option} {path}: cannot create files under {ancestor} ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
+    return path
+
+
+def remove_stale_temporaries(directory: str | Path) -> None:
+    """Delete temporary files an interrupted :func:`atomic_write` left in ``directory`` (a SIGKILL
+    gives it no chance to clean up)."""
+    directory = Path(directory)
+    if directory.is_dir():
+        for tmp in directory.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:

@@ -22,27 +22,33 @@
   and every step above keeps the minimal one (prune at ``<= 0``, force at ``> 0``, the source side
   of the min cut is what the source reaches in the residual graph).
 * Before any of it, a bound on the root's ratio with every expert free says whether any draft
-  node can pay at all; when none can, the root is returned without building expert sets.
+  node can pay at all; when none can, the root is returned without building expert sets. The
+  first inner problem's prune (lam only grows) drops the nodes no later one can take, before the
+  shared items are listed.
 * An optional price per draft node (``draft_node_s``, e.g. for experts the predictor gets wrong,
   :func:`uncertainty_price_s`) enters every node's weight; the ranking uses the priced time and
   the selection reports the predicted time and the price apart.
 
-Expert sets are bitsets (:mod:`specfit.bitsets`); trees of up to 96 nodes are swept in plain
-Python, larger ones level by level in numpy.
+The algorithm runs compiled (:mod:`specfit.kernels.search` and :mod:`specfit.kernels.inner`,
+expert sets as ``uint64`` bitsets, the cost formula in :mod:`specfit.kernels.evaluate`, the min
+cut in :mod:`specfit.kernels.closure`); this module validates the inputs, words the errors and
+returns :class:`Selection` objects.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
-from .bitsets import pack_experts, pack_mask, popcount
-from .costmodel import CostModel, check_experts, expert_union
+from . import kernels
+from .costmodel import CostModel, check_experts
+from .kernels.tolerances import GAIN_EPS, TIE_REL
 from .tree import DraftTree, check_nodes
 
 __all__ = ["Selection", "best_subtree", "greedy_subtree", "evaluate", "should_continue", "max_weight_closure",
-           "uncertainty_price_s"]
+           "uncertainty_price_s", "TIE_REL", "GAIN_EPS"]
 
 
 @dataclass(frozen=True)
@@ -72,102 +78,73 @@ class Selection:
         return int(self.nodes.size)
 
 
-class _Problem:
-    """Inputs of one search, pre-processed once (independent of lambda)."""
-
-    def __init__(self, tree: DraftTree, experts: np.ndarray, cached: np.ndarray, cost: CostModel, draft_levels: int,
-                 draft_node_s: float = 0.0):
-        self.tree, self.experts, self.cached, self.cost = tree, experts, cached, cost
-        self.draft_levels = int(draft_levels)
-        self.draft_node_s = float(draft_node_s)
-        n, n_layers, _ = experts.shape
-        self.n = n
-        self.n_items = n_layers * cached.shape[1]
-        self.item_w = cost.item_weights(cached).ravel()
-        # expert sets as bitsets [n, L, words]; a slot repeating an expert of the same node and
-        # layer (malformed routing) is marked and counted once
-        self.bits, repeated = pack_experts(experts, cached.shape[1])
-        self.cached_bits = pack_mask(cached)
-        # flat [n, L*k] views; numpy is slow on broadcasts whose inner axis is only k long
-        self.slot_layer = np.repeat(np.arange(n_layers), experts.shape[2])
-        self.items_of = experts.reshape(n, -1) + self.slot_layer * cached.shape[1]
-        self.repeated = repeated.reshape(n, -1)
-
-    def evaluate(self, nodes: np.ndarray) -> Selection:
-        """The cost formula, evaluated from scratch for ``nodes`` (sorted, closed, with root)."""
-        union = np.bitwise_or.reduce(self.bits[nodes], axis=0)
-        hits = popcount(union & self.cached_bits)
-        misses = popcount(union) - hits
-        c = self.cost
-        time_s = (c.draft_level_s * self.draft_levels + c.base_s + c.per_node_s * nodes.size
-                  + c.hit_s * hits + c.miss_s * misses)
-        expected = 1.0 + float(self.tree.path_probs[nodes[1:]].sum())
-        return Selection(nodes=nodes, expected_tokens=expected, time_s=float(time_s), hits=hits,
-                         misses=misses, draft_levels=self.draft_levels, price_s=self.draft_node_s * (nodes.size - 1))
-
-
-# Ratios within this relative distance are ties (float rounding of sums that are equal in reals).
-TIE_REL = 1e-12
-# The inner solver treats gains below this many tokens as zero: far above the rounding of
-# p - lam * cost (~1e-16 for the magnitudes involved), far below any gain that changes a ratio by
-# TIE_REL, even summed over a few hundred nodes.
-GAIN_EPS = 1e-14
-# Trees up to this many nodes are swept in plain Python: cheaper than a numpy call per level.
-_SCALAR_SWEEP_NODES = 96
-
-
 def _better(a: Selection, b: Selection) -> bool:
     """True when a beats b: a higher ratio, or (a tie) the same ratio with fewer nodes."""
-    lhs = a.expected_tokens * b.priced_time_s
-    rhs = b.expected_tokens * a.priced_time_s
-    if abs(lhs - rhs) > TIE_REL * max(abs(lhs), abs(rhs)):
-        return lhs > rhs
-    return a.n_nodes < b.n_nodes
+    return kernels.search.better(a.expected_tokens, a.priced_time_s, a.n_nodes, b.expected_tokens, b.priced_time_s,
+                                 b.n_nodes)
 
 
 def _check_draft_node_s(draft_node_s) -> float:
     value = float(draft_node_s)
-    if not np.isfinite(value) or value < 0:
+    if not math.isfinite(value) or value < 0:
         raise ValueError(f"draft_node_s: expected a finite non-negative number of seconds, got {draft_node_s!r}")
     return value
 
 
 def _validated(tree, experts, cached, cost, draft_levels):
+    """The inputs as the kernels take them (int64 [n, L, k] and bool [L, E], C order). Well-formed
+    arrays skip :func:`check_experts`; expert ids are range-checked by the kernel, which reports
+    a bad id for :func:`check_experts` to word."""
     if not isinstance(tree, DraftTree):
         raise ValueError(f"tree: expected a DraftTree, got {type(tree).__name__}")
     if not isinstance(cost, CostModel):
         raise ValueError(f"cost: expected a CostModel, got {type(cost).__name__}")
-    experts, cached = check_experts(tree, experts, cached)
+    if not (type(experts) is np.ndarray and experts.ndim == 3 and experts.dtype.kind in "iu"
+            and type(cached) is np.ndarray and cached.ndim == 2 and cached.dtype == np.bool_
+            and experts.shape[0] == tree.n_nodes and experts.shape[1] == cached.shape[0]):
+        experts, cached = check_experts(tree, experts, cached)
     if not (isinstance(draft_levels, (int, np.integer)) and not isinstance(draft_levels, bool)
             or isinstance(draft_levels, float) and draft_levels.is_integer()) or draft_levels < 0:
         raise ValueError(f"draft_levels: expected a non-negative integer, got {draft_levels!r}")
-    return experts, cached
+    return np.ascontiguousarray(experts, dtype=np.int64), np.ascontiguousarray(cached)
+
+
+def _tree_arrays(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
+    """Writable copies of the tree's (read-only) parents and path probabilities: the kernels are
+    then compiled for one array type whoever calls them, which halves their first-call cost."""
+    return np.array(tree.parents), np.array(tree.path_probs)
+
+
+def _selection(status: int, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits,
+               misses) -> Selection:
+    if status == kernels.search.BAD_EXPERT:
+        check_experts(tree, experts, cached)   # raises, naming the id and the range
+        raise AssertionError("the search kernel rejected expert ids that check_experts accepts")
+    if status == kernels.search.ROOT_TIME:
+        raise ValueError("cost: verifying the root alone is predicted to take 0 s; expected a cost model with a "
+                         "positive cycle time (base_s, per_node_s or the root's expert costs > 0)")
+    return Selection(nodes=nodes, expected_tokens=float(tokens), time_s=float(time_s), hits=int(hits),
+                     misses=int(misses), draft_levels=int(draft_levels), price_s=draft_node_s * (nodes.size - 1))
 
 
 def evaluate(tree: DraftTree, nodes, experts, cached, cost: CostModel, draft_levels: int = 0,
              draft_node_s: float = 0.0) -> Selection:
     """The predicted outcome of verifying ``nodes`` (validated, then the cost formula). Only the
-    selected nodes' experts are touched: policies call this once per cycle on large trees."""
+    selected nodes' experts are read for the union: policies call this once per cycle on large trees."""
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
     draft_node_s = _check_draft_node_s(draft_node_s)
-    nodes = check_nodes(tree, nodes)
-    union = expert_union(experts, nodes, cached.shape[1])
-    hits = int(np.count_nonzero(union & cached))
-    misses = int(np.count_nonzero(union)) - hits
-    c = cost   # the formula on scalars: predict_counts' array machinery costs more than the sum
-    time_s = c.draft_level_s * draft_levels + c.base_s + c.per_node_s * nodes.size + c.hit_s * hits + c.miss_s * misses
-    return Selection(nodes=nodes, expected_tokens=tree.expected_tokens(nodes), time_s=float(time_s), hits=hits,
-                     price_s=draft_node_s * (nodes.size - 1),
-                     misses=misses, draft_levels=int(draft_levels))
+    formula = kernels.evaluate
+    given = np.asarray(nodes)
+    if not (given.ndim == 1 and given.dtype == np.int64 and formula.canonical_closed(_tree_arrays(tree)[0], given)):
+        given = check_nodes(tree, nodes)   # sorts and dedups, or words what is wrong
+    nodes = given
+    status, tokens, time_s, hits, misses = formula.evaluate_nodes(
+        _tree_arrays(tree)[1], experts, kernels.bitsets.pack_mask(cached), cached.shape[1], nodes, cost.params,
+        int(draft_levels))
+    return _selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)
 
 
-# --------------------------------------------------------------------------- exact search
-def _root_selection(prob: _Problem) -> Selection:
-    root = prob.evaluate(np.zeros(1, dtype=np.int64))
-    if root.time_s <= 0:
-        raise ValueError("cost: verifying the root alone is predicted to take 0 s; expected a cost model with a "
-                         "positive cycle time (base_s, per_node_s or the root's expert costs > 0)")
-    return root
+_NO_START = np.zeros(0, dtype=np.int64)
 
 
 def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels: int = 0,
@@ -189,338 +166,44 @@ def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels
     """
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
     draft_node_s = _check_draft_node_s(draft_node_s)
-    if start is None and not _any_node_may_pay(tree, experts, cached, cost, draft_levels, draft_node_s):
-        return _root_selection(_Problem(tree, experts[:1], cached, cost, draft_levels, draft_node_s))
-    prob = _Problem(tree, experts, cached, cost, draft_levels, draft_node_s)
-    best = _root_selection(prob)
+    first = _NO_START
     if start is not None:
-        first = prob.evaluate(check_nodes(tree, start, "start"))
-        if _better(first, best):
-            best = first
-    if prob.n == 1:
-        return best
-    inner = _InnerSolver(prob)
-    for _ in range(64):  # Dinkelbach converges superlinearly; the cap is a guard, never reached in tests
-        lam = best.expected_tokens / best.priced_time_s
-        nodes = inner.solve(lam)
-        cand = prob.evaluate(nodes)
-        if not _better(cand, best):
-            break
-        best = cand
-    return best
+        first = np.asarray(start)
+        if not (first.ndim == 1 and first.dtype == np.int64):
+            first = check_nodes(tree, start, "start")
+    search = kernels.search
+    args = (*_tree_arrays(tree), experts, kernels.bitsets.pack_mask(cached), cached.shape[1], cost.params,
+            int(draft_levels), draft_node_s)
+    status, nodes, tokens, time_s, hits, misses = search.best_subtree(*args, first, start is not None)
+    if status == search.BAD_START:
+        # not sorted and unique, or not closed: check_nodes canonicalises the first and words the rest
+        first = check_nodes(tree, start, "start")
+        status, nodes, tokens, time_s, hits, misses = search.best_subtree(*args, first, True)
+    return _selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)
 
 
-def _any_node_may_pay(tree: DraftTree, experts, cached, cost: CostModel, draft_levels: int,
-                      draft_node_s: float) -> bool:
-    """A cheap test before the search proper: with lam the root's ratio (a lower bound on the
-    optimum) and every expert free, does any subtree still have a positive value? If not, the
-    root alone is optimal and no expert set needs to be built."""
-    if tree.n_nodes == 1:
-        return False
-    hits, misses = cost.union_counts(experts, [0], cached)
-    root_s = cost.predict_counts(draft_levels, 1, hits, misses)
-    if root_s <= 0:
-        return True  # let the search report the degenerate cost model
-    gain = (tree.path_probs - (cost.per_node_s + draft_node_s) / root_s).tolist()
-    parents = tree.parents.tolist()
-    for v in range(len(parents) - 1, 0, -1):   # children have larger ids: a bottom-up sweep
-        if gain[v] > GAIN_EPS:
-            if parents[v] == 0:
-                return True
-            gain[parents[v]] += gain[v]
-    return False
-
-
-class _InnerSolver:
-    """max over closed S of sum_v (p_v - lam * t_node) - lam * (sum of new items' weights).
-
-    Shared items (needed by two or more minimal nodes) are kept as a sparse membership list
-    ``(member_item[j], member_node[j])``; every reduction step is a handful of bincounts over it.
-    """
-
-    def __init__(self, prob: _Problem):
-        tree = prob.tree
-        n = prob.n
-        self.prob = prob
-        self.parents = tree.parents
-        self.levels = tree.levels
-        # below this size the tree sweeps run as scalar Python loops (see _prune)
-        self.parent_list = tree.parents.tolist() if n <= _SCALAR_SWEEP_NODES else None
-        # experts needed by v or an ancestor of v, by depth level (bitsets [n, L, words])
-        anc = prob.bits.copy()
-        for level in self.levels[1:]:
-            anc[level] |= anc[tree.parents[level]]
-        # slot (v, l, s) is new when v's parent's ancestor set lacks that expert; root items are prepaid
-        ex = prob.experts.reshape(n, -1)[1:]                   # [n-1, L*k]
-        n_layers, words = anc.shape[1], anc.shape[2]
-        at = (tree.parents[1:, None] * (n_layers * words) + prob.slot_layer * words) + (ex >> 6)
-        has = (anc.ravel()[at] >> (ex & 63).astype(np.uint64)) & np.uint64(1)
-        items = prob.items_of                                  # [n, L*k]
-        new = np.zeros(items.shape, dtype=bool)                # entry is an item v needs first
-        new[1:] = has == 0
-        new &= ~prob.repeated                                  # an item counts once per node
-        count = np.bincount(items.ravel(), weights=new.ravel(), minlength=prob.n_items)
-        w = prob.item_w
-        n_req = count[items] * new                             # minimal requirers of each new entry
-        self.p = tree.path_probs.astype(np.float64)
-        self.own_cost = prob.cost.per_node_s + prob.draft_node_s + np.where(n_req == 1, w[items], 0.0).sum(axis=1)
-        shared_v, shared_j = np.nonzero(n_req >= 2)
-        shared = count >= 2
-        group_of_item = np.cumsum(shared) - 1                  # shared items numbered 0..G-1
-        self.member_group = group_of_item[items[shared_v, shared_j]]
-        self.member_node = shared_v
-        self.group_cost = w[shared]
-        self.n_groups = self.group_cost.size
-
-    def _prune(self, weight, alive, inside) -> None:
-        """Drop subtrees whose optimistic value (shared items free) is not positive."""
-        if self.parent_list is not None:
-            # small trees: one scalar sweep (children have larger ids) beats a numpy call per level
-            par, ub, al, ins = self.parent_list, weight.tolist(), alive.tolist(), inside.tolist()
-            for v in range(len(par) - 1, 0, -1):
-                if al[v]:
-                    if ins[v] or ub[v] > GAIN_EPS:
-                        ub[par[v]] += ub[v]
-                    else:
-                        al[v] = False
-            for v in range(1, len(par)):
-                al[v] = al[v] and al[par[v]]
-            alive[:] = al
-            return
-        ub = np.where(alive, weight, -np.inf)
-        for level in self.levels[:0:-1]:
-            vals = ub[level]
-            keep = (vals > GAIN_EPS) | inside[level]
-            alive[level[~keep]] = False
-            np.add.at(ub, self.parents[level[keep]], vals[keep])
-        for level in self.levels[1:]:
-            alive[level] &= alive[self.parents[level]]
-
-    def solve(self, lam: float) -> np.ndarray:
-        n, G = self.prob.n, self.n_groups
-        weight = self.p - lam * self.own_cost
-        weight[0] = 0.0
-        gcost = lam * self.group_cost
-        mg, mv = self.member_group, self.member_node
-        alive = np.ones(n, dtype=bool)
-        inside = np.zeros(n, dtype=bool)
-        inside[0] = True
-        live = np.ones(G, dtype=bool)                 # groups not yet paid, folded or dropped
-
-        for _ in range(n + 1):
-            self._prune(weight, alive, inside)
-            if not G:
-                break
-            changed = False
-            # groups paid by a node inside, or with no live requirer, are gone
-            live &= np.bincount(mg, weights=inside[mv], minlength=G) == 0
-            n_alive = np.bincount(mg, weights=alive[mv], minlength=G)
-            live &= n_alive > 0
-            # a group with one live requirer is that node's own cost
-            single = live & (n_alive == 1)
-            if single.any():
-                m = single[mg] & alive[mv]
-                np.subtract.at(weight, mv[m], gcost[mg[m]])
-                live &= ~single
-                changed = True
-            # force: a child of an inside node whose value stays positive when it pays every
-            # live shared item alone is in every maximiser. Forcing one node only pays items for
-            # the others, so values computed before the pass stay valid through it, level by level.
-            pess = weight - np.bincount(mv, weights=gcost[mg] * live[mg], minlength=n) if G else weight
-            candidate = alive & ~inside & (pess > GAIN_EPS)
-            if candidate.any():
-                changed |= self._force(candidate, inside)
-            if not changed:
-                break
-
-        undecided = alive & ~inside
-        coupled = live[mg] & undecided[mv] if G else np.zeros(0, dtype=bool)
-        if not coupled.any():
-            return np.flatnonzero(self._tree_dp(weight, undecided, inside))
-        return np.flatnonzero(self._closure(weight, undecided, inside, gcost, coupled))
-
-    def _force(self, candidate, inside) -> bool:
-        """Take every candidate whose parent is inside, top-down; True if any was taken."""
-        before = np.count_nonzero(inside)
-        if self.parent_list is not None:
-            par, cand, ins = self.parent_list, candidate.tolist(), inside.tolist()
-            for v in range(1, len(par)):
-                ins[v] = ins[v] or (cand[v] and ins[par[v]])
-            inside[:] = ins
-        else:
-            for level in self.levels[1:]:
-                inside[level] |= candidate[level] & inside[self.parents[level]]
-        return np.count_nonzero(inside) != before
-
-    def _tree_dp(self, weight, undecided, inside) -> np.ndarray:
-        """No shared items left: the best forest hanging from the inside nodes, exactly."""
-        if self.parent_list is not None:
-            par, und = self.parent_list, undecided.tolist()
-            gain = [w if u else 0.0 for w, u in zip(weight.tolist(), und)]
-            for v in range(len(par) - 1, 0, -1):
-                if und[v] and gain[v] > GAIN_EPS and und[par[v]]:
-                    gain[par[v]] += gain[v]
-            take = inside.tolist()
-            for v in range(1, len(par)):
-                if und[v]:
-                    take[v] = take[par[v]] and gain[v] > GAIN_EPS
-            return np.array(take, dtype=bool)
-        parents = self.parents
-        gain = np.where(undecided, weight, 0.0)
-        for level in self.levels[:0:-1]:
-            lv = level[undecided[level]]
-            up = lv[(gain[lv] > GAIN_EPS) & undecided[parents[lv]]]
-            np.add.at(gain, parents[up], gain[up])
-        take = inside.copy()
-        for level in self.levels[1:]:
-            lv = level[undecided[level]]
-            take[lv] = take[parents[lv]] & (gain[lv] > GAIN_EPS)
-        return take
-
-    def _closure(self, weight, undecided, inside, gcost, coupled) -> np.ndarray:
-        """Shared items still couple undecided nodes: one max-weight closure by min cut, with the
-        items that have the same requirers merged into one."""
-        parents = self.parents
-        idx = np.flatnonzero(undecided)
-        pos = np.full(self.prob.n, -1, dtype=np.int64)
-        pos[idx] = np.arange(idx.size)
-        members: dict[int, list[int]] = {}
-        for g, v in zip(self.member_group[coupled].tolist(), self.member_node[coupled].tolist()):
-            members.setdefault(g, []).append(int(pos[v]))
-        merged: dict[tuple[int, ...], float] = {}
-        for g, mem in members.items():
-            key = tuple(sorted(mem))
-            merged[key] = merged.get(key, 0.0) + gcost[g]
-        m = idx.size
-        node_w = np.concatenate([weight[idx], -np.fromiter(merged.values(), dtype=np.float64, count=len(merged))])
-        requires = [(int(pos[v]), int(pos[parents[v]])) for v in idx if undecided[parents[v]]]
-        for j, key in enumerate(merged):
-            requires.extend((i, m + j) for i in key)
-        chosen = max_weight_closure(node_w, requires)
-        take = inside.copy()
-        take[idx[chosen[:m]]] = True
-        return take
-
-
-# --------------------------------------------------------------------------- max-weight closure
-def max_weight_closure(weights: np.ndarray, requires: list[tuple[int, int]]) -> np.ndarray:
-    """The minimal maximum-weight closed set: bool mask over ``weights``; ``(u, v)`` in
-    ``requires`` means u can only be chosen together with v. Solved as one s-t minimum cut
-    (Dinic's algorithm on float capacities)."""
-    weights = np.asarray(weights, dtype=np.float64)
-    m = weights.size
-    s, t = m, m + 1
-    graph = _FlowGraph(m + 2)
-    scale = float(np.abs(weights).sum()) or 1.0
-    for i, w in enumerate(weights):
-        if w > 0:
-            graph.add(s, i, float(w))
-        elif w < 0:
-            graph.add(i, t, float(-w))
-    for u, v in requires:
-        graph.add(u, v, float("inf"))
-    eps = scale * 1e-15 + GAIN_EPS
-    graph.max_flow(s, t, eps=eps)
-    reach = graph.reachable(s, eps=eps)
-    return reach[:m]
-
-
-class _FlowGraph:
-    """Residual graph for Dinic's algorithm (edges in flat lists, paired with their reverses)."""
-
-    def __init__(self, n: int):
-        self.n = n
-        self.adj: list[list[int]] = [[] for _ in range(n)]
-        self.to: list[int] = []
-        self.cap: list[float] = []
-
-    def add(self, u: int, v: int, c: float) -> None:
-        self.adj[u].append(len(self.to))
-        self.to.append(v)
-        self.cap.append(c)
-        self.adj[v].append(len(self.to))
-        self.to.append(u)
-        self.cap.append(0.0)
-
-    def _levels(self, s: int, t: int, eps: float) -> list[int] | None:
-        level = [-1] * self.n
-        level[s] = 0
-        queue = [s]
-        for u in queue:
-            for e in self.adj[u]:
-                v = self.to[e]
-                if level[v] < 0 and self.cap[e] > eps:
-                    level[v] = level[u] + 1
-                    queue.append(v)
-        return level if level[t] >= 0 else None
-
-    def max_flow(self, s: int, t: int, eps: float) -> float:
-        total = 0.0
-        to, cap, adj = self.to, self.cap, self.adj
-        while (level := self._levels(s, t, eps)) is not None:
-            it = [0] * self.n
-
-            def push(u: int, limit: float) -> float:
-                if u == t:
-                    return limit
-                edges = adj[u]
-                while it[u] < len(edges):
-                    e = edges[it[u]]
-                    v = to[e]
-                    if cap[e] > eps and level[v] == level[u] + 1:
-                        got = push(v, min(limit, cap[e]))
-                        if got > 0:
-                            cap[e] -= got
-                            cap[e ^ 1] += got
-                            return got
-                    it[u] += 1
-                return 0.0
-
-            while (f := push(s, float("inf"))) > 0:
-                total += f
-        return total
-
-    def reachable(self, s: int, eps: float) -> np.ndarray:
-        seen = np.zeros(self.n, dtype=bool)
-        seen[s] = True
-        stack = [s]
-        while stack:
-            u = stack.pop()
-            for e in self.adj[u]:
-                v = self.to[e]
-                if not seen[v] and self.cap[e] > eps:
-                    seen[v] = True
-                    stack.append(v)
-        return seen
-
-
-# --------------------------------------------------------------------------- greedy and stopping
 def greedy_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels: int = 0,
                    draft_node_s: float = 0.0) -> Selection:
     """Baseline: grow from the root, each step adding the frontier node (a child of the selected
     set) that gives the best ratio, while the ratio improves."""
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
-    prob = _Problem(tree, experts, cached, cost, draft_levels, _check_draft_node_s(draft_node_s))
-    children = tree.children()
-    selected = np.zeros(prob.n, dtype=bool)
-    selected[0] = True
-    best = _root_selection(prob)
-    frontier = set(children[0].tolist())
-    while frontier:
-        top = None
-        for v in sorted(frontier):
-            trial = selected.copy()
-            trial[v] = True
-            cand = prob.evaluate(np.flatnonzero(trial))
-            if top is None or _better(cand, top[1]):
-                top = (v, cand)
-        if not _better(top[1], best):
-            break
-        v, best = top
-        selected[v] = True
-        frontier.remove(v)
-        frontier.update(children[v].tolist())
-    return best
+    draft_node_s = _check_draft_node_s(draft_node_s)
+    status, nodes, tokens, time_s, hits, misses = kernels.search.greedy_subtree(
+        *_tree_arrays(tree), experts, kernels.bitsets.pack_mask(cached), cached.shape[1], cost.params,
+        int(draft_levels), draft_node_s)
+    return _selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)
+
+
+def max_weight_closure(weights: np.ndarray, requires: list[tuple[int, int]]) -> np.ndarray:
+    """The minimal maximum-weight closed set: bool mask over ``weights``; ``(u, v)`` in
+    ``requires`` means u can only be chosen together with v. Solved as one s-t minimum cut
+    (Dinic's algorithm on float capacities)."""
+    weights = np.ascontiguousarray(weights, dtype=np.float64)
+    pairs = np.asarray(requires, dtype=np.int64).reshape(-1, 2)
+    if weights.ndim != 1 or pairs.size and (pairs.min() < 0 or pairs.max() >= weights.size):
+        raise ValueError(f"requires: expected pairs of indices into {weights.size} weights")
+    return kernels.closure.closure_of_weights(weights, np.ascontiguousarray(pairs[:, 0]),
+                                              np.ascontiguousarray(pairs[:, 1]), GAIN_EPS)
 
 
 def uncertainty_price_s(cost: CostModel, n_layers: int, top_k: int, precision: float,
@@ -533,7 +216,7 @@ def uncertainty_price_s(cost: CostModel, n_layers: int, top_k: int, precision: f
         raise ValueError(f"precision: expected a share in [0, 1], got {precision!r}")
     if not 0.0 <= resident_share <= 1.0:
         raise ValueError(f"resident_share: expected a share in [0, 1], got {resident_share!r}")
-    return (1.0 - precision) * n_layers * top_k * (1.0 - resident_share) * max(cost.miss_s - cost.hit_s, 0.0)
+    return (1.0 - precision) * n_layers * top_k * (1.0 - resident_share) * cost.transfer_s
 
 
 def should_continue(previous: Selection | None, current: Selection) -> bool:

@@ -44,43 +44,23 @@ class DraftTree:
             raise ValueError(f"parents: expected integers, got dtype {parents.dtype}")
         parents = parents.astype(np.int64)
         n = parents.size
-        if parents[0] != -1:
-            raise ValueError(f"parents: node 0 must be the root (parents[0] == -1), got {parents[0]}")
-        idx = np.arange(n)
-        bad = np.flatnonzero((parents[1:] < 0) | (parents[1:] >= idx[1:])) + 1
-        if bad.size:
-            v = int(bad[0])
-            raise ValueError(
-                f"parents: every node v > 0 needs a parent in [0, v) (topological order, no cycles); "
-                f"node {v} has parent {parents[v]}"
-            )
-        probs = np.asarray(self.path_probs, dtype=np.float64)
+        probs = np.array(self.path_probs, dtype=np.float64)   # a copy the tree owns (clipped in place)
         if probs.shape != (n,):
             raise ValueError(f"path_probs: expected shape ({n},) to match parents, got {probs.shape}")
-        if not np.all(np.isfinite(probs)):
-            raise ValueError(f"path_probs: expected finite values, found NaN/inf at node {int(np.flatnonzero(~np.isfinite(probs))[0])}")
-        if np.any((probs < 0) | (probs > 1)):
-            v = int(np.flatnonzero((probs < 0) | (probs > 1))[0])
-            raise ValueError(f"path_probs: expected values in [0, 1], node {v} has {probs[v]!r}")
-        if probs[0] != 1.0:
-            raise ValueError(f"path_probs: the root's path probability must be 1, got {probs[0]!r}")
-        rising = np.flatnonzero(probs[1:] > probs[parents[1:]] + _PROB_SLACK) + 1
-        if rising.size:
-            v = int(rising[0])
-            raise ValueError(
-                f"path_probs: expected non-increasing along paths, node {v} has {probs[v]!r} > "
-                f"its parent {parents[v]}'s {probs[parents[v]]!r}"
-            )
-        probs = np.minimum(probs, np.r_[np.inf, probs[parents[1:]]])  # clip rounding slack
+        # one compiled pass checks, clips rounding slack and computes depths (trees are built per
+        # drafted level, on the decoder's and the replay's critical path); on a failure the
+        # checks below name the field and the node
+        from . import kernels
+
+        ok, depth = kernels.tree.check_tree(parents, probs, _PROB_SLACK)
+        if not ok:
+            _raise_invalid(parents, np.asarray(self.path_probs, dtype=np.float64))
         tokens = self.tokens
         if tokens is not None:
             tokens = np.asarray(tokens)
             if tokens.shape != (n,) or not np.issubdtype(tokens.dtype, np.integer):
                 raise ValueError(f"tokens: expected an integer array of shape ({n},), got {tokens.dtype} {tokens.shape}")
             tokens = tokens.astype(np.int64)
-        depth = np.zeros(n, dtype=np.int64)
-        for v in range(1, n):
-            depth[v] = depth[parents[v]] + 1
         for name, value in (("parents", parents), ("path_probs", probs), ("tokens", tokens), ("depth", depth)):
             if value is not None:
                 value.setflags(write=False)
@@ -182,22 +162,49 @@ class DraftTree:
         Returns the path's node ids from the root; the bonus token is ``verdicts[path[-1]]``."""
         if self.tokens is None:
             raise ValueError("tokens: the tree has no tokens, greedy acceptance needs them")
+        from . import kernels
+
+        n = self.n_nodes
         verdicts = np.asarray(verdicts)
-        inside = np.ones(self.n_nodes, dtype=bool) if nodes is None else np.zeros(self.n_nodes, dtype=bool)
+        if verdicts.shape != (n,) or not np.issubdtype(verdicts.dtype, np.integer):
+            raise ValueError(f"verdicts: expected an integer array of shape ({n},), got {verdicts.dtype} {verdicts.shape}")
+        inside = np.zeros(0 if nodes is None else n, dtype=bool)
         if nodes is not None:
             inside[np.asarray(nodes, dtype=np.int64)] = True
-        ok = np.zeros(self.n_nodes, dtype=bool)
-        ok[0] = True
-        for v in range(1, self.n_nodes):
-            p = self.parents[v]
-            ok[v] = inside[v] and ok[p] and self.tokens[v] == verdicts[p]
-        # deepest accepted node; among equals the first in order (siblings carry distinct tokens)
-        accepted = np.flatnonzero(ok)
-        last = int(accepted[np.argmax(self.depth[accepted])])
-        path = [last]
-        while path[-1] != 0:
-            path.append(int(self.parents[path[-1]]))
-        return np.array(path[::-1], dtype=np.int64)
+        ok, out = np.empty(n, dtype=bool), np.empty(n, dtype=np.int64)
+        size = kernels.tree.accepted_path(np.array(self.parents), np.array(self.depth), np.array(self.tokens),
+                                          verdicts.astype(np.int64), 0, n, inside, ok, out)
+        return out[:size].copy()
+
+
+def _raise_invalid(parents: np.ndarray, probs: np.ndarray) -> None:
+    """Raise the first failing check of a tree's parents and path probabilities."""
+    n = parents.size
+    if parents[0] != -1:
+        raise ValueError(f"parents: node 0 must be the root (parents[0] == -1), got {parents[0]}")
+    idx = np.arange(n)
+    bad = np.flatnonzero((parents[1:] < 0) | (parents[1:] >= idx[1:])) + 1
+    if bad.size:
+        v = int(bad[0])
+        raise ValueError(
+            f"parents: every node v > 0 needs a parent in [0, v) (topological order, no cycles); "
+            f"node {v} has parent {parents[v]}"
+        )
+    if not np.all(np.isfinite(probs)):
+        raise ValueError(f"path_probs: expected finite values, found NaN/inf at node {int(np.flatnonzero(~np.isfinite(probs))[0])}")
+    if np.any((probs < 0) | (probs > 1)):
+        v = int(np.flatnonzero((probs < 0) | (probs > 1))[0])
+        raise ValueError(f"path_probs: expected values in [0, 1], node {v} has {probs[v]!r}")
+    if probs[0] != 1.0:
+        raise ValueError(f"path_probs: the root's path probability must be 1, got {probs[0]!r}")
+    rising = np.flatnonzero(probs[1:] > probs[parents[1:]] + _PROB_SLACK) + 1
+    if rising.size:
+        v = int(rising[0])
+        raise ValueError(
+            f"path_probs: expected non-increasing along paths, node {v} has {probs[v]!r} > "
+            f"its parent {parents[v]}'s {probs[parents[v]]!r}"
+        )
+    raise AssertionError("kernels.tree.check_tree rejected a tree that every check accepts")
 
 
 def check_nodes(tree: DraftTree, nodes, name: str = "nodes") -> np.ndarray:

@@ -11,6 +11,7 @@ few thousand random trees.
 
 from __future__ import annotations
 
+import heapq
 import math
 import os
 from collections import OrderedDict
@@ -451,6 +452,67 @@ class RefLRUCache:
             out["misses"][layer] = len(misses)
         out.update({f"{k}_mask": v for k, v in masks.items()})
         return out
+
+
+class RefCache:
+    """The rules at the top of ``specfit/experts/cache.py`` for every eviction policy, in plain
+    Python: each resident key has a score tuple, the victim is the smallest among the resident
+    keys outside the layer's union. A global tick counts touches in order (hits before admitted
+    misses, ascending id, layer by layer): ``lru`` scores by the last touch, ``lfu`` by (touches
+    since admission, last touch), ``fifo`` by the admission tick."""
+
+    def __init__(self, n_layers: int, n_experts: int, capacity: int, mode: str = "per_layer", policy: str = "lru"):
+        self.n_layers, self.n_experts, self.mode, self.policy = n_layers, n_experts, mode, policy
+        self.capacity = min(capacity, n_experts if mode == "per_layer" else n_layers * n_experts)
+        self.pools = [dict() for _ in range(n_layers if mode == "per_layer" else 1)]  # key -> [last, count, admitted]
+        self.tick = 0
+        self.totals = {k: [0] * n_layers for k in ("hits", "misses", "evictions", "streamed")}
+
+    def _pool(self, layer: int) -> dict:
+        return self.pools[layer if self.mode == "per_layer" else 0]
+
+    def _score(self, entry):
+        last, count, admitted = entry
+        return {"lru": (last,), "lfu": (count, last), "fifo": (admitted,)}[self.policy]
+
+    def resident(self) -> np.ndarray:
+        out = np.zeros((self.n_layers, self.n_experts), dtype=bool)
+        if self.mode == "per_layer":
+            for layer, pool in enumerate(self.pools):
+                out[layer, list(pool)] = True
+        else:
+            for layer, e in self.pools[0]:
+                out[layer, e] = True
+        return out
+
+    def admit_ids(self, layer: int, ids) -> tuple[int, int]:
+        """One layer's union (expert ids); returns (hits, misses)."""
+        pool = self._pool(layer)
+        keys = sorted(ids) if self.mode == "per_layer" else [(layer, e) for e in sorted(ids)]
+        wanted = set(keys)
+        hits = [k for k in keys if k in pool]
+        misses = [k for k in keys if k not in pool]
+        for k in hits:
+            self.tick += 1
+            pool[k][0] = self.tick
+            pool[k][1] += 1
+        victims = None   # a heap of the residents outside the union (their scores do not change here)
+        for k in misses:
+            if len(pool) >= self.capacity:
+                if victims is None:
+                    victims = [(self._score(entry), x) for x, entry in pool.items() if x not in wanted]
+                    heapq.heapify(victims)
+                if not victims:
+                    self.totals["streamed"][layer] += 1
+                    continue
+                _, victim = heapq.heappop(victims)
+                del pool[victim]
+                self.totals["evictions"][layer if self.mode == "per_layer" else victim[0]] += 1
+            self.tick += 1
+            pool[k] = [self.tick, 1, self.tick]
+        self.totals["hits"][layer] += len(hits)
+        self.totals["misses"][layer] += len(misses)
+        return len(hits), len(misses)
 
 
 def find_shared_data(name: str) -> Path | None:

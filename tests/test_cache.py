@@ -1,5 +1,6 @@
 """ExpertCache against a straightforward LRU reference (OrderedDicts) on random unions and on real
-OLMoE routing, plus capacity edge cases, lfu / fifo basics and bad input."""
+OLMoE routing, ``admit_layer`` against the same reference and against ``admit`` of a one-row union,
+plus capacity edge cases, lfu / fifo basics and bad input."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from core_helpers import RefLRUCache, core_settings, find_shared_data
+from core_helpers import RefCache, RefLRUCache, core_settings, find_shared_data
 from specfit import ExpertCache
 
 ROUTING = "olmoe-1b-7b-routing-general-coding.npz"
@@ -79,6 +80,29 @@ def test_global_lru_matches_the_reference_on_random_unions(n_layers, n_experts, 
     replay(cache, RefLRUCache(n_layers, n_experts, capacity, mode="global"), unions)
 
 
+@core_settings(200)
+@given(st.sampled_from(["per_layer", "global"]), st.sampled_from(["lru", "lfu", "fifo"]), st.integers(1, 4),
+       st.integers(1, 10), st.data())
+def test_every_policy_matches_the_score_reference_on_random_unions(mode, policy, n_layers, n_experts, data):
+    # RefCache scores residents with explicit tuples: lru the last touch, lfu (touches since
+    # admission, last touch), fifo the admission; the victim is the smallest outside the union
+    limit = n_experts if mode == "per_layer" else n_layers * n_experts
+    capacity = data.draw(st.integers(0, limit + 2), label="capacity")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    steps = data.draw(st.integers(1, 25), label="steps")
+    max_size = data.draw(st.integers(1, n_experts), label="max_size")
+    cache = ExpertCache(n_layers, n_experts, capacity, mode=mode, policy=policy)
+    ref = RefCache(n_layers, n_experts, capacity, mode=mode, policy=policy)
+    for step, union in enumerate(random_unions(seed, n_layers, n_experts, steps, max_size)):
+        result = cache.admit(union)
+        for layer in range(n_layers):
+            hits, misses = ref.admit_ids(layer, np.flatnonzero(union[layer]).tolist())
+            assert (int(result.hits[layer]), int(result.misses[layer])) == (hits, misses), step
+        assert np.array_equal(cache.resident(), ref.resident()), step
+    for k in ("hits", "misses", "evictions", "streamed"):
+        assert getattr(cache, k).tolist() == ref.totals[k], k
+
+
 def test_per_layer_lru_hand_example():
     # one layer, 3 slots
     cache = ExpertCache(1, 8, 3)
@@ -110,6 +134,94 @@ def test_hits_are_touched_before_admitted_misses():
     cache.admit(np.isin(np.arange(6), [4, 1])[None])
     r = cache.admit(np.isin(np.arange(6), [2])[None])
     assert r.evicted_mask[0].nonzero()[0].tolist() == [1]
+
+
+# --------------------------------------------------------------------------- admit_layer
+def layer_steps(seed: int, n_layers: int, n_experts: int, steps: int, max_size: int):
+    """(layer, ids) steps: a layer-by-layer forward pass repeated, each layer's union random."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for union in random_unions(seed, n_layers, n_experts, steps, max_size):
+        for layer in range(n_layers):
+            ids = np.flatnonzero(union[layer])
+            out.append((layer, rng.permutation(ids) if rng.random() < 0.3 else ids))   # any order is a set
+    return out
+
+
+def one_row(n_layers, n_experts, layer, ids):
+    union = np.zeros((n_layers, n_experts), dtype=bool)
+    union[layer, ids] = True
+    return union
+
+
+@core_settings(150)
+@given(st.sampled_from(["per_layer", "global"]), st.integers(1, 4), st.integers(1, 10), st.data())
+def test_admit_layer_matches_the_reference_lru(mode, n_layers, n_experts, data):
+    limit = n_experts if mode == "per_layer" else n_layers * n_experts
+    capacity = data.draw(st.integers(0, limit + 2), label="capacity")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    cache = ExpertCache(n_layers, n_experts, capacity, mode=mode)
+    ref = RefLRUCache(n_layers, n_experts, capacity, mode=mode)
+    totals = {k: np.zeros(n_layers, dtype=np.int64) for k in ("hits", "misses", "evictions", "streamed")}
+    for step, (layer, ids) in enumerate(layer_steps(seed, n_layers, n_experts, 12, n_experts)):
+        got = cache.admit_layer(layer, ids)
+        want = ref.admit(one_row(n_layers, n_experts, layer, ids))
+        assert got.hit_ids.tolist() == np.flatnonzero(want["hit_mask"][layer]).tolist(), step
+        assert got.admitted_ids.tolist() == np.flatnonzero(want["admitted_mask"][layer]).tolist(), step
+        assert got.streamed_ids.tolist() == np.flatnonzero(want["streamed_mask"][layer]).tolist(), step
+        assert got.evicted.tolist() == np.argwhere(want["evicted_mask"]).tolist(), step
+        for arr in (got.hit_ids, got.admitted_ids, got.streamed_ids, got.evicted):
+            assert arr.dtype == np.int64
+        assert got.evicted.shape == (got.evictions, 2)
+        assert (got.hits, got.misses, got.evictions, got.streamed) == (
+            int(want["hits"][layer]), int(want["misses"][layer]), int(want["evictions"].sum()),
+            int(want["streamed"][layer]))
+        assert np.array_equal(cache.resident(), ref.resident()), step
+        for k in totals:
+            totals[k] += want[k]
+    for k, v in totals.items():
+        assert getattr(cache, k).tolist() == v.tolist(), f"cumulative {k}"
+
+
+@pytest.mark.parametrize("mode, capacity", [("per_layer", 0), ("per_layer", 3), ("per_layer", 8),
+                                            ("global", 5), ("global", 12)])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+def test_admit_layer_has_the_effect_of_admit_with_one_row(mode, capacity, policy):
+    # the contract the live offload relies on: interleaving the two calls on twin caches leaves
+    # the same residents, counters and later victims, under every eviction policy
+    by_layer = ExpertCache(3, 8, capacity, mode=mode, policy=policy)
+    by_union = ExpertCache(3, 8, capacity, mode=mode, policy=policy)
+    for step, (layer, ids) in enumerate(layer_steps(11, 3, 8, 40, 6)):
+        got = by_layer.admit_layer(layer, ids)
+        want = by_union.admit(one_row(3, 8, layer, ids))
+        assert got.admitted_ids.tolist() == np.flatnonzero(want.admitted_mask[layer]).tolist(), step
+        assert got.streamed_ids.tolist() == np.flatnonzero(want.streamed_mask[layer]).tolist(), step
+        assert got.evicted.tolist() == np.argwhere(want.evicted_mask).tolist(), step
+        assert np.array_equal(by_layer.resident(), by_union.resident()), step
+    for k in ("hits", "misses", "evictions", "streamed"):
+        assert getattr(by_layer, k).tolist() == getattr(by_union, k).tolist(), k
+
+
+def test_admit_layer_leaves_other_layers_alone_in_per_layer_mode():
+    cache = ExpertCache(3, 6, 2)
+    cache.admit(np.array([[1, 1, 0, 0, 0, 0], [0, 0, 1, 1, 0, 0], [0, 0, 0, 0, 1, 1]], dtype=bool))
+    before = cache.resident()
+    r = cache.admit_layer(1, np.array([5, 0]))
+    after = cache.resident()
+    assert np.array_equal(after[[0, 2]], before[[0, 2]])
+    assert r.admitted_ids.tolist() == [0, 5] and r.evicted.tolist() == [[1, 2], [1, 3]]
+    assert cache.hits.tolist() == [0, 0, 0] and cache.misses.tolist() == [2, 4, 2]
+
+
+@pytest.mark.parametrize("layer, ids, name", [
+    (3, [0], "layer"), (-1, [0], "layer"), (1.0, [0], "layer"), (True, [0], "layer"),
+    (0, [6], "expert_ids"), (0, [-1], "expert_ids"), (0, [[0]], "expert_ids"), (0, [0.5], "expert_ids"),
+])
+def test_admit_layer_rejects_bad_input_naming_it(layer, ids, name):
+    cache = ExpertCache(3, 6, 2)
+    with pytest.raises(ValueError, match=name):
+        cache.admit_layer(layer, np.array(ids))
+    assert not cache.resident().any() and cache.misses.sum() == 0
 
 
 # --------------------------------------------------------------------------- real routing

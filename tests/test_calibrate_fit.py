@@ -135,3 +135,103 @@ def test_presets_follow_published_bandwidths():
     assert json.loads(json.dumps(preset_profile("pcie4").to_dict()))["kind"] == "preset"
     with pytest.raises(SpecFitError, match="preset"):
         resolve_profile("pcie9")
+
+
+# --------------------------------------------------------------------------- the physical fit
+def plain_nnls(X, y):
+    """The fit as it was: non-negative least squares on relative error, hit and miss free."""
+    from scipy.optimize import nnls
+
+    w = 1.0 / y
+    return nnls(X * w[:, None], y * w)[0]
+
+
+def ar_like_cycles(rng, n, noise, transfer_s=0.0):
+    """Autoregressive cycles of a 4-layer top-4 model: one node, no draft level, a union of 16
+    experts of which 0..16 miss; the miss costs ``transfer_s`` more than a hit."""
+    misses = rng.integers(0, 17, n)
+    X = CostModel.features(0, 1, 16 - misses, misses)
+    truth = TRUE.replace(hit_s=3e-4, miss_s=3e-4 + transfer_s)
+    return X, X @ truth.params * (1 + noise * rng.standard_normal(n)), truth
+
+
+def test_a_miss_is_never_fitted_cheaper_than_a_hit():
+    flipped = 0
+    for seed in range(12):
+        X, y, truth = ar_like_cycles(np.random.default_rng(seed), 60, noise=0.05)
+        old = plain_nnls(X, y)
+        flipped += old[3] > old[4]
+        fitter = CycleTimeFitter(holdout_fraction=0, prior=TRUE.replace(hit_s=3e-4, miss_s=3e-4)).fit(X, y)
+        cost = fitter.cost_model()
+        assert cost.miss_s >= cost.hit_s, seed
+        assert fitter.physical_[4] >= 0 and cost.miss_s - cost.hit_s == pytest.approx(fitter.physical_[4])
+        # the cycles' time is still predicted: the typical error stays at the noise level
+        assert fitter.quality_["train"]["median_ape"] < 0.06
+    assert flipped >= 3       # the case is real: the unconstrained fit made misses cheaper than hits
+
+
+def test_a_term_the_data_cannot_identify_is_held_at_its_probe_value():
+    X, y, truth = ar_like_cycles(np.random.default_rng(5), 80, noise=0.02, transfer_s=2e-4)
+    probe = {"per_node_s": 7e-5, "hit_s": 2.5e-4, "transfer_s": 1.5e-4}
+    fitter = CycleTimeFitter(holdout_fraction=0, prior=probe).fit(X, y)
+    held = fitter.quality_["held"]
+    # one node per cycle and a union of 16 every time: the node and hit terms move with the base
+    assert held["per_node_s"]["value"] == 7e-5 and held["per_node_s"]["at"] == "prior"
+    assert held["hit_s"]["value"] == 2.5e-4 and held["hit_s"]["reason"] == "constant in the data"
+    assert "absent" in held["draft_level_s"]["reason"] and held["draft_level_s"]["at"].startswith("zero")
+    cost = fitter.cost_model()
+    assert cost.per_node_s == 7e-5 and cost.hit_s == 2.5e-4
+    # the transfer varies with the misses, so it is fitted: to the truth, not to the probe's value
+    assert fitter.quality_["fitted"] == ["base_s", "transfer_s"]
+    assert cost.miss_s - cost.hit_s == pytest.approx(2e-4, rel=0.15)
+    # the base absorbs what the held terms leave: the total is right
+    assert cost.base_s + cost.per_node_s + 16 * cost.hit_s == pytest.approx(
+        truth.base_s + truth.per_node_s + 16 * truth.hit_s, rel=0.02)
+
+
+def test_draft_levels_that_move_with_the_node_count_are_not_traded_against_it():
+    rng = np.random.default_rng(6)
+    n = 120
+    levels = rng.integers(0, 5, n)
+    nodes = levels + 1                          # a chain: one node per level
+    misses = rng.integers(0, 30, n)
+    hits = rng.integers(0, 40, n)
+    X = CostModel.features(levels, nodes, hits, misses)
+    y = X @ TRUE.params * (1 + 0.03 * rng.standard_normal(n))
+    fitter = CycleTimeFitter(holdout_fraction=0, prior=TRUE).fit(X, y)
+    held = fitter.quality_["held"]
+    assert len({"draft_level_s", "per_node_s"} & set(held)) == 1
+    name = next(iter({"draft_level_s", "per_node_s"} & set(held)))
+    assert "collinear" in held[name]["reason"]
+    # held with the base in the profile's proportion, the pair scaled by the machine's speed (~1 here)
+    cost = fitter.cost_model()
+    assert getattr(cost, name) / cost.base_s == pytest.approx(getattr(TRUE, name) / TRUE.base_s)
+    assert fitter.quality_["speed_factor"] == pytest.approx(1.0, abs=0.05)
+    assert fitter.quality_["train"]["median_ape"] < 0.04
+
+
+def test_a_prior_changes_nothing_where_the_data_identify_every_term():
+    rng = np.random.default_rng(7)
+    X, y = synthetic_cycles(rng, 400, noise=0.03)
+    wrong = TRUE.replace(base_s=1e-2, hit_s=1e-4, miss_s=1e-3)
+    fitted = CycleTimeFitter(seed=1, prior=wrong).fit(X, y)
+    assert fitted.quality_["held"] == {}
+    np.testing.assert_allclose(fitted.params_, CycleTimeFitter(seed=1).fit(X, y).params_, rtol=1e-9)
+    assert fitted.cost_model().base_s == pytest.approx(TRUE.base_s, rel=0.15)
+
+
+def test_terms_held_together_follow_the_machines_speed_in_the_priors_proportions():
+    """Autoregressive cycles (one node, a union of 16) on a machine 1.6 times slower than the
+    profile: base, node and hit terms cannot be told apart, so they keep the profile's proportions
+    scaled by one speed factor, even where the profile's base is 0 and could not go lower."""
+    rng = np.random.default_rng(8)
+    prior = TRUE.replace(base_s=0.0, per_node_s=1e-4, hit_s=4e-4, miss_s=4.5e-4)
+    misses = rng.integers(0, 17, 80)
+    X = CostModel.features(0, 1, 16 - misses, misses)
+    y = 1.6 * (X @ prior.params) * (1 + 0.02 * rng.standard_normal(80))
+    fitter = CycleTimeFitter(holdout_fraction=0, prior=prior).fit(X, y)
+    cost, held = fitter.cost_model(), fitter.quality_["held"]
+    assert fitter.quality_["speed_factor"] == pytest.approx(1.6, rel=0.05)
+    assert "speed factor" in held["hit_s"]["at"] and held["hit_s"]["reason"] == "constant in the data"
+    assert cost.per_node_s / cost.hit_s == pytest.approx(prior.per_node_s / prior.hit_s)
+    assert fitter.quality_["train"]["median_ape"] < 0.03

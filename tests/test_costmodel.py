@@ -43,6 +43,24 @@ def test_predict_equals_the_hand_computed_formula(nodes, draft_levels, hits, mis
     assert float(COST.predict_counts(draft_levels, len(nodes), hits, misses)) == time_s
 
 
+def test_time_s_and_predict_counts_are_one_formula():
+    # the scalar form, the array form and the formula written out agree bit for bit on real
+    # (non-dyadic) parameters, where a different order of the five terms would round differently
+    cost = CostModel(base_s=3.1e-3, per_node_s=4.3e-5, hit_s=1.7e-5, miss_s=3.9e-4, draft_level_s=7.7e-4)
+    rng = np.random.default_rng(0)
+    d, n, h, m = (rng.integers(0, hi, size=200) for hi in (9, 65, 400, 400))
+    times = cost.predict_counts(d, n, h, m)
+    assert times.dtype == np.float64 and times.shape == (200,)
+    for i in range(200):
+        by_hand = 7.7e-4 * float(d[i]) + 3.1e-3 + 4.3e-5 * float(n[i]) + 1.7e-5 * float(h[i]) + 3.9e-4 * float(m[i])
+        assert cost.time_s(int(d[i]), int(n[i]), int(h[i]), int(m[i])) == by_hand == times[i]
+
+
+@pytest.mark.parametrize("hit_s, miss_s, transfer_s", [(1e-5, 4e-4, 4e-4 - 1e-5), (2e-6, 2e-6, 0.0), (5e-5, 1e-5, 0.0)])
+def test_transfer_s_is_what_a_miss_costs_beyond_a_hit(hit_s, miss_s, transfer_s):
+    assert CostModel(base_s=1e-3, per_node_s=0.0, hit_s=hit_s, miss_s=miss_s).transfer_s == transfer_s
+
+
 def test_predict_default_draft_levels_is_zero():
     assert COST.predict(TREE, [0, 1], EXPERTS, CACHED) == COST.predict(TREE, [0, 1], EXPERTS, CACHED, 0)
 
@@ -58,7 +76,7 @@ def test_features_are_draft_levels_one_nodes_hits_misses():
     times = COST.predict_counts(np.array([0, 1, 2]), np.array([1, 2, 3]), 4, np.array([0, 5, 9]))
     assert np.asarray(times).tolist() == [
         0.5 + 0.25 + 0.25, 0.125 + 0.5 + 0.5 + 0.25 + 5.0, 0.25 + 0.5 + 0.75 + 0.25 + 9.0]
-    assert np.array_equal(rows @ params, times)
+    assert np.allclose(rows @ params, times, rtol=1e-15, atol=0)
 
 
 @core_settings(200)

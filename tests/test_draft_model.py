@@ -13,7 +13,7 @@ PROMPTS = [[3, 17, 42, 7], [5, 5, 9], [60, 1, 2, 3, 4, 5]]
 
 
 @pytest.fixture(autouse=True)
-def _one_thread(torch_single_thread):
+def _one_thread(torch_single_thread):  # noqa: F811  (the imported fixture, requested by name)
     yield
 
 

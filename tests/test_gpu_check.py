@@ -3,22 +3,44 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
+
+import pytest
 
 from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
 
 
-def test_gpu_check_runs_on_the_cpu_with_tiny_shapes(capsys):
+def _gpu_check():
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
     spec = importlib.util.spec_from_file_location("gpu_check", path)
     gpu_check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gpu_check)
-    summaries = gpu_check.main(["--device", "cpu", "--shape", "tiny", "--layers", "2", "--prompts", "1",
-                                "--prompt-tokens", "8", "--new-tokens", "6", "--draft-vocab", "256"])
+    return gpu_check
+
+
+def test_gpu_check_runs_on_the_cpu_with_tiny_shapes(capsys, tmp_path):
+    out_path = tmp_path / "gpu_check.json"
+    summaries = _gpu_check().main(["--device", "cpu", "--shape", "tiny", "--layers", "2", "--prompts", "1",
+                                   "--prompt-tokens", "8", "--new-tokens", "6", "--draft-vocab", "256",
+                                   "--out", str(out_path)])
     assert [s["policy"] for s in summaries] == ["ar", "eagle3", "specfit"]
     for s in summaries:
         assert s["cycles"] > 0 and s["time_per_cycle_s"] > 0 and math.isfinite(s["predicted_time_per_cycle_s"])
+        assert s["stall_s_per_cycle"] >= 0 and s["predicted_transfer_s_per_cycle"] >= 0
     assert summaries[1]["nodes_per_cycle"] > summaries[0]["nodes_per_cycle"] == 1.0
     out = capsys.readouterr().out
-    assert "H2D" in out and "measured vs predicted" in out
+    assert "H2D" in out and "measured vs predicted" in out and "pageable" in out
+    record = json.loads(out_path.read_text())
+    assert record["device"] == "cpu" and record["pinned_bytes"] == 0
+    assert record["host_expert_bytes"] == 2 * 16 * record["expert_bytes"]
+    assert set(record["profile"]["measures"]) >= {"h2d", "expert_compute", "cycles"}
+    assert [p["policy"] for p in record["policies"]] == ["ar", "eagle3", "specfit"]
+
+
+def test_gpu_check_rejects_a_device_it_cannot_use(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _gpu_check().main(["--device", "tpu"])
+    assert exit_info.value.code == 2
+    assert "--device 'tpu': expected cpu, cuda or cuda:N" in capsys.readouterr().err

@@ -86,6 +86,28 @@ def test_report_of_a_live_run_compares_predicted_and_measured(tmp_path):
     assert "MAPE 5.0%" in text       # predicted = 1.05 x measured on every cycle
 
 
+def test_live_report_shows_the_profile_and_online_errors_over_time_and_unions_per_layer(tmp_path):
+    rows = []
+    for i in range(40):
+        t = 0.01 if i < 20 else 0.02                     # the machine halves its speed at cycle 20
+        online = 0.01 if i < 22 else 0.02                # ... which the online model follows
+        rows.append({"policy": "specfit", "cycle": i, "draft_levels": 1, "nodes_verified": 2, "hits": 6, "misses": 2,
+                     "bytes_h2d": 2000, "charged_bytes_h2d": 2000, "measured_time_s": t, "predicted_time_s": online,
+                     "prior_predicted_time_s": 0.01, "online_predicted_time_s": online, "predicted_tokens": 1.5,
+                     "committed_tokens": 1, "union_per_layer": [4, 4], "predicted_union_per_layer": [3, 5]})
+    run = tmp_path / "run"
+    run.mkdir()
+    pd.DataFrame(rows).to_parquet(run / "cycles.parquet")
+    text = build_report([run], tmp_path / "rep").read_text()
+    assert "Cycle-time error over the run" in text and "Expert union per layer" in text
+    cells = re.findall(r"<td>([^<]*)</td>", text[text.index("time MAPE"):])
+    header = re.findall(r"<th>([^<]*)</th>", text[text.index("Per policy"):])[:len(cells)]
+    row = dict(zip(header, cells))
+    # the online model missed 2 cycles by half, the profile 20: MAPE 2.5 % against 25 %
+    assert row["time MAPE"] == "0.025" and row["profile's time MAPE"] == "0.25"
+    assert row["union/layer MAPE"] == "0.25" and row["charged = moved bytes"] == "yes"
+
+
 def test_report_command_errors_are_one_line(tmp_path):
     result = CliRunner().invoke(app, ["report", str(tmp_path), "--out", str(tmp_path / "r")])
     assert result.exit_code == 2

@@ -159,7 +159,7 @@ def test_decode_command_json_output_matches_the_decoder(cli_model, tmp_path):
     written = [json.loads(line) for line in (out_dir / "decode.jsonl").read_text().splitlines()]
     assert written == records
     # no temporary file left
-    assert sorted(p.name for p in out_dir.iterdir()) == ["cycles.parquet", "decode.jsonl", "summary.json"]
+    assert sorted(p.name for p in out_dir.iterdir()) == ["cycles.parquet", "decode.jsonl", "run.json", "summary.json"]
 
 
 def test_decode_command_prints_a_summary_table(cli_model, tmp_path):

@@ -67,8 +67,10 @@ def test_generation_config_eos_ids_take_precedence(tmp_path):
     ({"hidden_size": None}, "missing key 'hidden_size'"),
     ({"rope_theta": None}, "missing key 'rope_theta'"),
     ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "unsupported architecture \\(LlamaForCausalLM\\)"),
-    ({"mlp_only_layers": [0]}, "mlp_only_layers"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+    ({"mlp_only_layers": list(range(48))}, "no decoder layer has routed experts"),
+    ({"mlp_only_layers": "0,1"}, "'mlp_only_layers' must be a list"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type 'longrope'; supported"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "'rope_scaling.factor' is required"),
     ({"num_experts_per_tok": "eight"}, "'num_experts_per_tok' must be int"),
 ])
 def test_bad_config_is_one_error_naming_file_and_key(tmp_path, change, message):

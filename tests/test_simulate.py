@@ -109,7 +109,7 @@ def test_oracle_commits_the_longest_accepted_path_when_drafting_is_free(sample):
     free = CostModel(base_s=1e-3, per_node_s=1e-5, hit_s=0.0, miss_s=0.0, draft_level_s=0.0)
     log = replay(sample, make_policy("oracle"), ExpertCache(48, 128, 0), free)
     start = sample.first_cycles[log.columns["sequence"]] + log.columns["position"]
-    longest = np.array([sample.accepted[c].size for c in start])
+    longest = np.array([sample.accepted_path(c).size for c in start])
     np.testing.assert_array_equal(log.columns["committed_tokens"], longest)
 
 

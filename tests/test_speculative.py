@@ -101,7 +101,9 @@ def test_every_cycle_reports_measured_and_predicted(checkpoints):
     assert sum(c.committed_tokens for c in result.cycles) == NEW_TOKENS - 1 == sum(result.cycle_tokens)
     for stats in result.cycles:
         row = live_row(stats, COST, model.offload.host.expert_bytes, model.config.n_experts)
-        assert row["measured_time_s"] == pytest.approx(row["draft_time_s"] + row["verify_time_s"])
+        # the cycle ends once the policy, the predictor and the cost model have learnt from it
+        assert row["measured_time_s"] == pytest.approx(row["draft_time_s"] + row["verify_time_s"] + row["learn_time_s"])
+        assert row["learn_time_s"] > 0 and 0 < row["cpu_time_s"] <= row["measured_time_s"] * 1.05
         assert 0 < row["target_time_s"] <= row["verify_time_s"]
         assert row["drafter_time_s"] + row["search_time_s"] + row["predict_time_s"] <= row["draft_time_s"] + 1e-9
         assert row["bytes_h2d"] == row["misses"] * model.offload.host.expert_bytes
@@ -116,6 +118,14 @@ def test_every_cycle_reports_measured_and_predicted(checkpoints):
         assert row["charged_time_s"] == pytest.approx(COST.time_s(row["draft_levels"], row["nodes_verified"],
                                                                   row["hits"], row["misses"]))
         assert 0 <= row["union_overlap"] <= min(row["union_size"], row["predicted_union_size"])
+        # per layer: the sums are the cycle's totals, the predicted misses the ones the search saw
+        assert sum(row["union_per_layer"]) == row["union_size"]
+        assert sum(row["predicted_union_per_layer"]) == row["predicted_union_size"]
+        assert sum(row["predicted_misses_per_layer"]) == row["predicted_misses"] == sel.misses
+        # the profile's prediction of the same selection next to the one the policy decided with
+        assert row["prior_predicted_time_s"] == pytest.approx(COST.time_s(sel.draft_levels, sel.n_nodes, sel.hits,
+                                                                          sel.misses))
+        assert row["online_predicted_time_s"] == row["predicted_time_s"]
 
 
 def test_drafter_state_after_acceptance_equals_a_fresh_run(checkpoints):

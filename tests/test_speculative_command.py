@@ -4,6 +4,7 @@ simulator, interrupted runs, refits, bad drafter checkpoints."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -76,6 +77,12 @@ def test_several_policies_decode_identically_and_write_measured_vs_predicted(che
     assert [s["policy"] for s in summary] == ["ar", "eagle3:12:4", "specfit"]
     assert summary[1]["tokens_per_cycle"] == pytest.approx(eagle["committed_tokens"].mean())
 
+    # each policy decided with the model refitted on its own cycles; the profile's prediction is kept
+    assert (cycles["online_predicted_time_s"] == cycles["predicted_time_s"]).all()
+    assert cycles["prior_predicted_time_s"].notna().all()
+    assert all(s["online_model"]["cycles_seen"] >= 1 for s in summary)
+    assert (cycles["charged_bytes_h2d"] == cycles["bytes_h2d"]).all()
+
     # the refit reads these cycles
     refit = runner.invoke(app, ["calibrate", "--refit", str(out), "--profile", "pcie4", "--out", str(tmp_path / "refit.json"),
                                 "--json"])
@@ -83,13 +90,36 @@ def test_several_policies_decode_identically_and_write_measured_vs_predicted(che
     assert json.loads(refit.stdout)["comparison"]["n_cycles"] == len(cycles)
 
 
-def test_without_profile_a_quick_calibration_is_saved_and_named(checkpoint, tmp_path):
+def test_a_frozen_profile_decides_every_cycle_with_the_profile(checkpoint, tmp_path):
+    out = tmp_path / "frozen"
+    result = decode(checkpoint, "--policies", "chain:2,specfit", "--profile", "pcie4", "--frozen-profile", "--out",
+                    str(out))
+    assert result.exit_code == 0, result.output
+    cycles = pd.read_parquet(out / "cycles.parquet")
+    assert cycles["online_predicted_time_s"].isna().all()
+    chain, spec = cycles[cycles["policy"] == "chain:2"], cycles[cycles["policy"] == "specfit"]
+    assert len(chain) and len(spec)
+    np.testing.assert_allclose(chain["predicted_time_s"], chain["prior_predicted_time_s"])
+    # SpecFit adds the time of its own decisions (learned per level) to the profile's, nothing else
+    assert (spec["predicted_time_s"] >= spec["prior_predicted_time_s"] * (1 - 1e-9)).all()
+    assert "online_model" not in json.loads((out / "summary.json").read_text())[0]
+
+
+def test_without_profile_a_quick_calibration_is_saved_in_the_user_cache_and_named(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
     result = decode(checkpoint, "--policy", "chain:2")
     assert result.exit_code == 0, result.output
-    saved = list((tmp_path / "calibrate").glob("*.json"))
-    assert len(saved) == 1 and f"profile: calibrate/{saved[0].name}" in result.stdout.replace("\n", "")
+    cache = tmp_path / "user-cache" / "specfit" / "profiles"
+    saved = list(cache.glob("*.json"))
+    assert len(saved) == 1 and f"profile: {saved[0]}" in result.stdout.replace("\n", "")
+    assert not (tmp_path / "calibrate").exists()             # nothing written into the current directory
     again = decode(checkpoint, "--policy", "chain:2")      # found this time, not re-measured
     assert again.exit_code == 0 and "quick calibration" not in again.output
+    # a project's own calibrate/ directory comes first
+    (tmp_path / "calibrate").mkdir()
+    (tmp_path / "calibrate" / saved[0].name).write_text(saved[0].read_text())
+    mine = decode(checkpoint, "--policy", "chain:2")
+    assert f"profile: calibrate/{saved[0].name}" in mine.stdout.replace("\n", "")
 
 
 def test_full_trace_replays_in_the_simulator_to_the_same_tokens(checkpoint, tmp_path):
@@ -258,6 +288,48 @@ def test_router_predictor_in_replay_routes_the_embedding_like_the_live_one(check
     prep = prepare_trace("full", trace, predictor="router", acceptance="raw", model_dir=model_dir)
     model = load_model(model_dir)
     live = RouterPredictor(model).predict(NodeBatch(trace.token, np.full(trace.true_experts.shape, -1)))
-    np.testing.assert_array_equal(np.concatenate(prep.predicted), live)
+    np.testing.assert_array_equal(prep.predicted_experts, live)
     with pytest.raises(Exception, match="--model"):
         prepare_trace("full", trace, predictor="router")
+
+
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGKILL"])
+def test_a_run_stopped_mid_prompt_keeps_every_complete_cycle(checkpoint, tmp_path, signal_name):
+    """A real process, stopped while a prompt is being decoded: Ctrl-C saves every complete cycle
+    into cycles.parquet and says so; a SIGKILL leaves them in the journal, which the readers use."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from specfit.calibrate.calibrate_job import read_run_cycles
+    from specfit.runtime.run_dir import JOURNAL_FILE, read_decode_cycles
+
+    model_dir, drafter_dir, _ = checkpoint
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [3, 1, 4]}) + "\n")
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    process = subprocess.Popen([sys.executable, "-m", "specfit", "decode", "--model", str(model_dir), "--drafter",
+                                str(drafter_dir), "--prompts", str(prompts), "--cache-experts", "3", "--policy", "specfit",
+                                "--profile", "pcie4", "--max-new-tokens", "200", "--ignore-eos", "--out", str(out)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    journal = out / JOURNAL_FILE
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not journal.is_file() or len(journal.read_text().splitlines()) < 5):
+        time.sleep(0.1)
+    assert process.poll() is None, process.communicate()
+    process.send_signal(getattr(signal, signal_name))
+    _, stderr = process.communicate(timeout=60)
+    kept = read_decode_cycles(out)
+    assert len(kept) >= 5 and kept["sequence"].eq(0).all()      # cycles of the prompt that never finished
+    assert list(kept["cycle"]) == list(range(len(kept)))
+    assert len(read_run_cycles(out)) == len(kept)                # a refit reads them too
+    if signal_name == "SIGINT":
+        assert process.returncode == 130
+        assert f"kept every complete cycle, {len(kept)} of them" in stderr and str(out) in stderr
+        assert len(pd.read_parquet(out / "cycles.parquet")) == len(kept) and not journal.exists()
+    else:
+        assert process.returncode == -signal.SIGKILL and journal.exists()
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]

@@ -3,13 +3,19 @@
 
 The fitted model is the one the search and the simulator use. Its per-expert terms come from
 passes where the offloaded model really copies and computes experts; the draft term from a timed
-draft level (the drafter, or a stand-in of its shape). A stand-in model with fewer layers than the
+draft level (the drafter, or a stand-in of its shape). Every probe runs in ``rounds`` interleaved
+rounds of the same work and each measurement is their median (:mod:`specfit.calibrate.repeat`);
+the profile keeps every round's timing, the spread, the CPU share and load average, and warns
+when they say the machine was busy. The fit is physical (:mod:`specfit.calibrate.fit`): a miss
+never costs less than a hit, and a term the passes cannot identify is held at what the direct
+probes measured (a hit: one resident expert; a transfer: one expert's copy). A stand-in model with fewer layers than the
 named shape gives per-layer costs, so ``base_s`` and ``per_node_s`` (which grow with the layer
 count) are scaled to the full depth; the scaling is recorded in the profile.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,10 +28,12 @@ from ..costmodel import PARAM_NAMES
 from ..errors import SpecFitError
 from .cycles import cycles_features, probe_cycles, probe_draft, probe_drafter_levels
 from .fit import CycleTimeFitter, prediction_errors
-from .probes import fit_h2d, probe_expert_compute, probe_h2d
+from .probes import MEASURES, fit_h2d, probe_expert_compute, probe_h2d
 from .profile import ModelShape, Profile, machine_info
+from .repeat import busy_warnings, machine_noise, repeat_rounds
 
-__all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "default_profile_path", "RUN_CYCLE_COLUMNS"]
+__all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "default_profile_path", "cached_profile_path",
+           "RUN_CYCLE_COLUMNS", "probe_prior"]
 
 # what `specfit decode --out` writes per cycle (cycles.parquet) and a refit reads
 RUN_CYCLE_COLUMNS = ("draft_levels", "nodes_verified", "hits", "misses", "measured_time_s")
@@ -56,7 +64,8 @@ class CalibrationPlan:
     @property
     def n_steps(self) -> int:
         h2d = (2 if torch.device(self.device).type == "cuda" else 1) * len(self.size_factors) * len(self.batch_sizes)
-        return h2d + len(self.token_counts) + len(self.capacity_fractions) * len(self.node_counts) * self.repeats + 1
+        per_round = h2d + len(self.token_counts) + len(self.capacity_fractions) * len(self.node_counts) * self.repeats
+        return per_round * self.rounds + 1
 
     # probe grids; --quick trims them for CI
     @property
@@ -81,7 +90,13 @@ class CalibrationPlan:
 
     @property
     def repeats(self) -> int:
-        return 3 if self.quick else 5
+        """Random trees per (cache size, node count) in one round."""
+        return 2
+
+    @property
+    def rounds(self) -> int:
+        """Repetitions of every probe (the same work each round); a measurement is their median."""
+        return 3
 
 
 def _slug(text: str) -> str:
@@ -89,11 +104,24 @@ def _slug(text: str) -> str:
 
 
 def default_profile_path(machine: dict, shape: ModelShape) -> Path:
-    """``calibrate/<host>-<device>-<model>.json`` under the current directory."""
-    return Path("calibrate") / f"{_slug(machine['host'])}-{_slug(machine['device_name'])}-{_slug(shape.name)}.json"
+    """``calibrate/<host>-<device>-<model>.json`` under the current directory (where
+    ``specfit calibrate`` writes by default and a project keeps its profiles)."""
+    return Path("calibrate") / _profile_name(machine, shape)
 
 
-def _load_target(plan: CalibrationPlan):
+def cached_profile_path(machine: dict, shape: ModelShape) -> Path:
+    """The same name in the user's cache (``$XDG_CACHE_HOME/specfit/profiles``, by default
+    ``~/.cache/specfit/profiles``), where ``specfit decode`` keeps the quick calibrations it makes
+    itself, whatever the current directory."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "specfit" / "profiles" / _profile_name(machine, shape)
+
+
+def _profile_name(machine: dict, shape: ModelShape) -> str:
+    return f"{_slug(machine['host'])}-{_slug(machine['device_name'])}-{_slug(shape.name)}.json"
+
+
+def _load_target(plan: CalibrationPlan, status=None):
     """(model, probed shape, full shape, dtype) for a model directory or a named stand-in."""
     from ..runtime.config import DTYPES
 
@@ -113,16 +141,43 @@ def _load_target(plan: CalibrationPlan):
 
     if plan.shape is None:
         raise SpecFitError("calibrate: pass --model DIR or --shape NAME (one of " + ", ".join(SHAPE_CONFIGS) + ")")
-    dtype_name = plan.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    # the public shapes ship in bf16: a stand-in holds its experts the same way (and half the memory)
+    dtype_name = plan.dtype or "bfloat16"
     if dtype_name not in DTYPES:
         raise SpecFitError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype_name!r}")
     dtype = DTYPES[dtype_name]
     full = shape_config(plan.shape)
     config = shape_config(plan.shape, plan.layers)
-    model = random_model(config, device, dtype, seed=plan.seed)
+    check_standin_memory(plan, config, dtype, device)
+    model = random_model(config, device, dtype, seed=plan.seed, progress=status)
     probed = ModelShape.from_config(config, dtype, f"{plan.shape} ({config.n_layers} layers, random weights)")
     full_shape = ModelShape.from_config(full, dtype, plan.shape)
     return model, probed, full_shape
+
+
+# what the probes may not take of the host's available memory (other processes, the allocator)
+HOST_RESERVE_FRACTION = 0.15
+
+
+def check_standin_memory(plan: CalibrationPlan, config, dtype, device) -> None:
+    """Refuse, before anything is allocated, a stand-in whose weights (plus, on the CPU, the
+    smallest probe cache) would not fit in the host memory available beside what runs already."""
+    from ..runtime.devices import available_host_bytes
+    from .standin import standin_bytes
+
+    available = available_host_bytes()
+    if available is None:
+        return
+    held = standin_bytes(config, dtype)
+    needed = held["experts"] + (held["dense"] if device.type == "cpu" else 0)
+    if device.type == "cpu":       # the "device" slots are host memory too: at least the staging buffers
+        needed += 2 * config.expert_bytes(dtype)
+    budget = available * (1 - HOST_RESERVE_FRACTION)
+    if needed > budget:
+        raise SpecFitError(
+            f"calibrate --shape {plan.shape} --layers {config.n_layers}: needs {needed / 2**30:.1f} GiB of host memory "
+            f"({held['experts'] / 2**30:.1f} GiB of experts, {held['dense'] / 2**30:.1f} GiB dense, in "
+            f"{str(dtype).removeprefix('torch.')}), {available / 2**30:.1f} GiB are available; pass fewer --layers")
 
 
 def _load_drafter(plan: CalibrationPlan, model):
@@ -140,41 +195,47 @@ def _drafter_dims(plan: CalibrationPlan, config) -> tuple[int, int]:
     config.json when given, else EAGLE-3's defaults for the target (its hidden size, 32k tokens)."""
     if plan.drafter_dir is None:
         return config.hidden_size, min(config.vocab_size, 32000)
-    import json
+    from ..io import read_json_object
 
     path = Path(plan.drafter_dir) / "config.json"
+    raw = read_json_object(path, "the drafter's config.json")
     try:
-        raw = json.loads(path.read_text())
         return int(raw["hidden_size"]), int(raw.get("draft_vocab_size") or raw["vocab_size"])
-    except FileNotFoundError:
-        raise SpecFitError(f"{path}: no such file; expected the drafter's config.json") from None
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:
         raise SpecFitError(f"{path}: expected JSON with 'hidden_size' and 'draft_vocab_size' ({exc})") from None
 
 
-def calibrate(plan: CalibrationPlan, progress=None, model=None) -> Profile:
+def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> Profile:
     """Run every probe, fit the cost model, and return the profile (not yet saved).
 
     ``model``: an already loaded target (e.g. by ``specfit decode``) to probe instead of loading
-    ``plan.model_dir``; its expert offload is restored afterwards.
+    ``plan.model_dir``; its expert offload is restored afterwards. ``progress`` ticks once per
+    probe step, ``status`` hears what is being done before the probes (building a stand-in).
     """
     started = time.perf_counter()
     step = progress or (lambda: None)
     if model is None:
-        model, probed, full = _load_target(plan)
+        model, probed, full = _load_target(plan, status)
     else:
         name = Path(plan.model_dir).name if plan.model_dir else "model"
         probed = full = ModelShape.from_config(model.config, model.dtype, name)
     device, dtype, c = model.device, model.dtype, model.config
     machine = machine_info()
 
-    h2d_rows = probe_h2d(probed.expert_bytes, device, batch_sizes=plan.batch_sizes, size_factors=plan.size_factors,
-                         progress=step)
-    compute_rows = probe_expert_compute(c.hidden_size, c.expert_intermediate_size, dtype, device,
-                                        token_counts=plan.token_counts, progress=step)
     capacities = sorted({int(round(f * c.n_experts)) for f in plan.capacity_fractions})
-    cycle_rows = probe_cycles(model, capacities, node_counts=plan.node_counts, repeats=plan.repeats, seed=plan.seed,
-                              progress=step)
+    # every probe once per round, the rounds one after another: a disturbance of the machine shorter
+    # than a round touches one sample of a measurement, and the median drops it
+    rows, timing = repeat_rounds({
+        "h2d": lambda: probe_h2d(probed.expert_bytes, device, batch_sizes=plan.batch_sizes,
+                                 size_factors=plan.size_factors, progress=step),
+        "expert_compute": lambda: probe_expert_compute(c.hidden_size, c.expert_intermediate_size, dtype, device,
+                                                       token_counts=plan.token_counts, top_k=c.top_k,
+                                                       weights_float32=c.routing_weights_float32, progress=step),
+        "cycles": lambda: probe_cycles(model, capacities, node_counts=plan.node_counts, repeats=plan.repeats,
+                                       seed=plan.seed, progress=step),
+    }, plan.rounds)
+    h2d_rows, compute_rows, cycle_rows = rows["h2d"], rows["expert_compute"], rows["cycles"]
+    noise = machine_noise(rows, timing, device.type, torch.get_num_threads())
     drafter = _load_drafter(plan, model)
     if drafter is not None:
         # the real drafter, levels of an EAGLE-2/3 tree with top-4: a level beyond the first
@@ -188,7 +249,9 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None) -> Profile:
     step()
 
     X, y = cycles_features(cycle_rows)
-    fitter = CycleTimeFitter(seed=plan.seed, fixed={"draft_level_s": draft_level_s}).fit(X, y, source="cycle probes")
+    prior = probe_prior(compute_rows, h2d_rows, probed.expert_bytes, pinned=device.type == "cuda")
+    fitter = CycleTimeFitter(seed=plan.seed, fixed={"draft_level_s": draft_level_s}, prior=prior).fit(
+        X, y, source="cycle probes")
     cost = fitter.cost_model(expert_bytes=full.expert_bytes)
     layer_scale = full.n_layers / probed.n_layers
     if layer_scale != 1:
@@ -197,13 +260,16 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None) -> Profile:
     pinned = device.type == "cuda"
     fit_info = {
         **fitter.quality_,
-        "method": "non-negative least squares on measured verification passes (relative error), "
-                  "draft_level_s fixed from the draft probe",
+        "method": "physical least squares on measured verification passes (relative error, Huber weights, "
+                  "miss_s = hit_s + transfer_s >= hit_s), draft_level_s fixed from the draft probe, terms the "
+                  "passes cannot identify held at the expert-compute and H2D probes' values",
         "probed_params": dict(zip(PARAM_NAMES, map(float, fitter.params_))),
         "layer_scale": layer_scale,
         "h2d": fit_h2d(h2d_rows, pinned=pinned if device.type == "cuda" else None),
         "h2d_pageable": fit_h2d(h2d_rows, pinned=False) if device.type == "cuda" else None,
         "seconds": time.perf_counter() - started,
+        "probe_noise": noise,
+        "warnings": busy_warnings(noise),
     }
     for row, p in zip(cycle_rows, predicted):
         row["predicted_s"] = float(p)
@@ -211,20 +277,35 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None) -> Profile:
         cost=cost, shape=full, kind="measured",
         source=f"specfit calibrate on {machine['device_name']} ({probed.name})", machine=machine, fit=fit_info,
         probes={"h2d": h2d_rows, "expert_compute": compute_rows, "cycles": cycle_rows, "draft": draft_rows,
-                "probed_shape": probed.to_dict(), "dtype": str(dtype).replace("torch.", "")},
+                "probed_shape": probed.to_dict(), "dtype": str(dtype).replace("torch.", ""), "measures": MEASURES},
     )
+
+
+def probe_prior(compute_rows: list[dict], h2d_rows: list[dict], expert_bytes: int, pinned: bool) -> dict:
+    """What the direct probes say the per-expert terms are: a hit is one resident expert run on a
+    token (the compute probe's smallest batch), a transfer one expert's copy (the H2D fit)."""
+    prior = {}
+    if compute_rows:
+        smallest = min(compute_rows, key=lambda r: r["tokens"])
+        prior["hit_s"] = float(smallest["seconds"])
+    line = fit_h2d(h2d_rows, pinned=pinned if pinned else None) if h2d_rows else {}
+    if np.isfinite(line.get("gbps", np.nan)) and line["gbps"] > 0:
+        prior["transfer_s"] = float(line["overhead_s"] + expert_bytes / (line["gbps"] * 1e9))
+    return prior
 
 
 # --------------------------------------------------------------------------- refit from a run
 def read_run_cycles(run_dir: str | Path) -> pd.DataFrame:
-    """The per-cycle measurements ``specfit decode --out RUN_DIR`` wrote (``cycles.parquet``)."""
-    path = Path(run_dir) / "cycles.parquet"
-    if not path.is_file():
-        raise SpecFitError(f"{path}: no such file; expected the cycles of a `specfit decode --out {run_dir}` run")
-    try:
-        df = pd.read_parquet(path)
-    except Exception as exc:  # pyarrow raises several types for corrupt files
-        raise SpecFitError(f"{path}: not a readable Parquet file ({exc})") from None
+    """The per-cycle measurements ``specfit decode --out RUN_DIR`` kept (``cycles.parquet``, and
+    the cycles journal of a run that was killed)."""
+    from ..runtime.run_dir import CYCLES_FILE, JOURNAL_FILE, read_decode_cycles
+
+    run_dir = Path(run_dir)
+    if not (run_dir / CYCLES_FILE).is_file() and not (run_dir / JOURNAL_FILE).is_file():
+        raise SpecFitError(f"{run_dir / CYCLES_FILE}: no such file; expected the cycles of a `specfit decode --out "
+                           f"{run_dir}` run")
+    df = read_decode_cycles(run_dir)
+    path = run_dir / CYCLES_FILE
     if "measured_time_s" not in df and "cycle_time_s" in df:      # written before the shared schema
         df = df.rename(columns={"cycle_time_s": "measured_time_s"})
     missing = [c for c in RUN_CYCLE_COLUMNS if c not in df.columns]
@@ -241,13 +322,28 @@ def refit(profile: Profile, run_dirs, seed: int = 0, holdout_fraction: float = 0
     Returns the refitted profile and a comparison on the *same* held-out cycles: the error of the
     original profile's predictions and of a fit on the other cycles.
     """
+    from ..runinfo import read_run_info
+
+    for d in run_dirs:
+        recorded = (read_run_info(d) or {}).get("shape")
+        if recorded is not None:
+            run_shape = ModelShape.from_dict(recorded, source=f"{Path(d) / 'run.json'}")
+            if not run_shape.same_shape(profile.shape):
+                raise SpecFitError(f"--refit {d}: its cycles were measured on {run_shape.name} ({run_shape.n_layers} "
+                                   f"layers, {run_shape.n_experts} experts, top-{run_shape.top_k}, "
+                                   f"{run_shape.expert_bytes} B/expert), the profile is for {profile.shape.name} "
+                                   f"({profile.shape.n_layers} layers, {profile.shape.n_experts} experts, "
+                                   f"top-{profile.shape.top_k}, {profile.shape.expert_bytes} B/expert); refit the "
+                                   f"profile of that model (or pass --rescale to map this one onto it first)")
     frames = [read_run_cycles(d) for d in run_dirs]
     df = pd.concat(frames, ignore_index=True)
     from ..costmodel import CostModel
 
     X = CostModel.features(df["draft_levels"], df["nodes_verified"], df["hits"], df["misses"])
     y = df["measured_time_s"].to_numpy(dtype=np.float64)
-    fitter = CycleTimeFitter(holdout_fraction=holdout_fraction, seed=seed).fit(X, y, source="decode cycles")
+    # the profile is the prior: a term these cycles cannot identify keeps the profile's value
+    fitter = CycleTimeFitter(holdout_fraction=holdout_fraction, seed=seed, prior=profile.cost).fit(
+        X, y, source="decode cycles")
     n_test = fitter.quality_["n_holdout"]
     test = np.random.default_rng(seed).permutation(len(y))[:n_test]
     before = prediction_errors(X[test] @ profile.cost.params, y[test])

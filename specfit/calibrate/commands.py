@@ -9,6 +9,8 @@ from typing import Optional
 import typer
 
 from ..errors import SpecFitError, fail
+from ..io import check_output
+from ..threads import THREADS_HELP, set_cpu_threads
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
@@ -21,12 +23,12 @@ def calibrate_command(
                                         "qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b, tiny."),
     layers: Optional[int] = typer.Option(None, "--layers", help="With --shape: layers of the stand-in (costs are scaled to the full depth)."),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="EAGLE-3 drafter directory (its shape sizes the draft probe)."),
-    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
-    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: checkpoint's; "
-                                        "bfloat16 on cuda, float32 on cpu for --shape)."),
+    device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's; "
+                                        "bfloat16 for --shape, as the public shapes ship)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Profile JSON to write (default: calibrate/<host>-<device>-<model>.json)."),
     quick: bool = typer.Option(False, "--quick", help="Smaller probe grids (CI, smoke tests)."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP + "."),
     refit_runs: Optional[list[Path]] = typer.Option(None, "--refit", help="Refit --profile from the cycles of these "
                                                     "`specfit decode --out` run directories instead of probing."),
     profile: Optional[str] = typer.Option(None, "--profile", help="With --refit: the profile to refit (JSON or preset)."),
@@ -35,34 +37,39 @@ def calibrate_command(
     as_json: bool = typer.Option(False, "--json", help="Print only the profile JSON on stdout."),
 ) -> None:
     """Measure this machine and fit the cycle-time predictor into a hardware profile."""
-    import torch
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from . import calibrate_job
 
-    if threads:
-        torch.set_num_threads(threads)
     console = Console(stderr=True)
     try:
+        set_cpu_threads(threads)
+        check_output(out, "--out", kind="file")
         if refit_runs:
             _refit(refit_runs, profile, out, rescale, seed, as_json, console)
             return
-        if device == "cuda" and not torch.cuda.is_available():
-            raise SpecFitError("--device cuda: no CUDA device is available here; use --device cpu")
+        from ..runtime.devices import resolve_device
+
+        device = str(resolve_device(device))
         if (model is None) == (shape is None):
             raise SpecFitError("calibrate: pass exactly one of --model DIR or --shape NAME")
         plan = calibrate_job.CalibrationPlan(model_dir=model, shape=shape, layers=layers, drafter_dir=drafter, device=device,
                                    dtype=dtype, quick=quick, seed=seed)
         plan.validate()
         with Progress(TextColumn("[bold]calibrate"), BarColumn(), TextColumn("{task.completed}/{task.total} probes"),
-                      TimeElapsedColumn(), console=console, disable=as_json) as bar:
-            task = bar.add_task("probes", total=plan.n_steps)
-            prof = calibrate_job.calibrate(plan, progress=lambda: bar.advance(task))
+                      TextColumn("{task.description}"), TimeElapsedColumn(), console=console, disable=as_json,
+                      transient=True) as bar:
+            task = bar.add_task("", total=plan.n_steps)
+            prof = calibrate_job.calibrate(plan, progress=lambda: bar.update(task, advance=1, description=""),
+                                           status=lambda message: bar.update(task, description=message))
         path = out or calibrate_job.default_profile_path(prof.machine, prof.shape)
         prof.save(path)
     except SpecFitError as exc:
         fail(str(exc))
+    except KeyboardInterrupt:
+        typer.secho("interrupted: no profile was written (probes are fitted only once they have all run)", err=True)
+        raise typer.Exit(130) from None
     if as_json:
         typer.echo(json.dumps(prof.to_dict(), indent=2))
         return
@@ -86,7 +93,17 @@ def _summary(prof, path: Path, console) -> None:
     table.add_row("held-out cycle MAPE", f"{held.get('mape', float('nan')):.1%} over {held.get('n', 0)} passes")
     table.add_row("held-out max error (s)", f"{held.get('max_abs_err', held.get('max_abs_err_s', float('nan'))):.3g}")
     table.add_row("probe time (s)", f"{fit.get('seconds', 0):.1f}")
+    noise = fit.get("probe_noise") or {}
+    if noise:
+        table.add_row("probe spread over rounds", f"{noise['spread_median']:.1%} median, {noise['spread_p90']:.1%} p90 "
+                      f"({noise['rounds']} rounds)")
+    if "fitted" in fit:
+        table.add_row("fitted from the passes", ", ".join(fit["fitted"]) or "-")
+    for name, held_term in (fit.get("held") or {}).items():
+        table.add_row(f"held: {name}", f"{held_term['value']:.4g} ({held_term['at']}): {held_term['reason']}")
     Console().print(table)
+    for warning in fit.get("warnings") or ():
+        console.print(f"[yellow]warning:[/yellow] {warning}")
 
 
 def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None:
@@ -95,11 +112,20 @@ def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None
     from .presets import resolve_profile
     from .calibrate_job import refit
 
+    from ..runinfo import read_run_info
+    from .profile import ModelShape
+
     if profile_spec is None:
         fail("--refit: pass --profile (the profile the runs were decoded with)")
-    prof = resolve_profile(profile_spec)
-    new, comparison = refit(prof, run_dirs, seed=seed)
     path = out or Path(str(profile_spec)).with_suffix("").with_name(Path(str(profile_spec)).stem + "-refit.json")
+    check_output(path, "--out", kind="file")
+    # the model the runs decoded (run.json): a preset is built for it, a profile of another shape
+    # is refused unless --rescale maps it onto it
+    recorded = next(((read_run_info(d) or {}).get("shape") for d in run_dirs if (read_run_info(d) or {}).get("shape")),
+                    None)
+    shape = ModelShape.from_dict(recorded, source=f"{run_dirs[0]}/run.json") if recorded else None
+    prof = resolve_profile(profile_spec, shape, rescale=rescale)
+    new, comparison = refit(prof, run_dirs, seed=seed)
     new.save(path)
     if as_json:
         typer.echo(json.dumps({"profile": new.to_dict(), "comparison": comparison}, indent=2))
@@ -109,6 +135,9 @@ def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None
         table.add_column(col, justify="right")
     for label in ("before", "after"):
         e = comparison[label]
+        if not e.get("n"):     # too few cycles to hold any out
+            table.add_row(f"{label} refit", "-", "-")
+            continue
         table.add_row(f"{label} refit", f"{e['mape']:.1%}", f"{e.get('max_abs_err', e.get('max_abs_err_s')):.3g}")
     from rich.console import Console
 

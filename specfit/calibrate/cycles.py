@@ -14,13 +14,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import SpecFitError
 from ..runtime.decoder import device_now
+from ..runtime.devices import free_device_bytes
 from ..runtime.model import MoETransformer, causal_mask
 from ..runtime.offload import ExpertOffload
 from ..tree import DraftTree
 from .probes import median_time_s
 
-__all__ = ["random_tree", "probe_cycles", "probe_draft", "probe_drafter_levels", "cycles_features"]
+__all__ = ["random_tree", "probe_cycles", "fit_capacities", "PROBE_RESERVE_BYTES", "probe_draft", "probe_drafter_levels",
+           "cycles_features"]
 
 
 def random_tree(rng: np.random.Generator, n_nodes: int, vocab_size: int, max_depth: int = 8) -> DraftTree:
@@ -40,42 +43,96 @@ def random_tree(rng: np.random.Generator, n_nodes: int, vocab_size: int, max_dep
                      tokens=rng.integers(0, vocab_size, n_nodes))
 
 
+# device memory a probe leaves free beside its expert cache: the activations of a probe pass
+# (a few MB) and the allocator's rounding, with room to spare
+PROBE_RESERVE_BYTES = 1 << 30
+
+
+def fit_capacities(capacities, n_layers: int, n_experts: int, expert_bytes: int,
+                   budget_bytes: int | None) -> list[int]:
+    """The per-layer cache sizes to probe: each of ``capacities`` clipped to the largest whose
+    slots and staging buffers fit in ``budget_bytes`` (None: no limit), ascending, distinct."""
+    def device_bytes(capacity):
+        return (capacity * n_layers + (2 if capacity < n_experts else 0)) * expert_bytes
+
+    wanted = sorted({min(int(c), n_experts) for c in capacities})
+    if budget_bytes is None:
+        return wanted
+    if device_bytes(0) > budget_bytes:
+        raise SpecFitError(f"calibrate: the device has {budget_bytes / 2**30:.2f} GiB free beyond a reserve of "
+                           f"{PROBE_RESERVE_BYTES / 2**30:.0f} GiB, less than two experts' staging buffers "
+                           f"({device_bytes(0) / 2**30:.2f} GiB)")
+    fits = max(c for c in range(n_experts + 1) if device_bytes(c) <= budget_bytes)
+    return sorted({min(c, fits) for c in wanted})
+
+
 @torch.inference_mode()
 def probe_cycles(model: MoETransformer, capacities, node_counts=(1, 2, 4, 8, 16, 32), repeats: int = 3,
                  context_len: int = 64, seed: int = 0, progress: Callable[[], None] | None = None) -> list[dict]:
     """Target verification passes over random trees, per expert-cache size.
 
-    Rows: ``capacity``, ``n_nodes``, ``hits``, ``misses``, ``bytes_h2d``, ``seconds``,
-    ``draft_levels`` (always 0: drafting is probed apart).
+    Device memory: the model's own offload is released while the probes run (it is restored,
+    empty, at the end) and each probe's cache is released before the next is allocated, so at
+    most one cache is on the device at a time; cache sizes are clipped to what the device has
+    free (:func:`~specfit.runtime.devices.free_device_bytes`, less :data:`PROBE_RESERVE_BYTES`).
+
+    Rows: ``capacity`` (as probed), ``n_nodes``, ``hits``, ``misses``, ``bytes_h2d``, ``seconds``
+    (the pass, between device synchronisations), ``transfer_stall_s`` (how long compute waited
+    for expert copies within it), ``copy_busy_s`` (the spans of its copy bursts), ``draft_levels``
+    (always 0: drafting is probed apart).
     """
     rng = np.random.default_rng(seed)
     host = model.offload.host
     device = model.device
-    vocab = model.config.vocab_size
     model.setup_kv_cache(max(model.max_seq_len, context_len + max(node_counts)))
     rows = []
     original = model.offload
+    original.release()
+    _return_cached_memory(device)
     try:
-        for capacity in capacities:
-            model.attach_offload(ExpertOffload(host, int(capacity), device=device))
-            context = rng.integers(0, vocab, context_len)
-            model(context, np.arange(context_len), causal_mask(0, context_len))     # prefill, warms the cache
-            plan = [n for n in node_counts for _ in range(repeats)]
-            for n in rng.permutation(plan):
-                tree = random_tree(rng, int(n), vocab)
-                mask = np.concatenate([np.ones((tree.n_nodes, context_len), dtype=bool), tree.attention_mask()], axis=1)
-                start = device_now(device)
-                out = model(tree.tokens, tree.positions(context_len), torch.from_numpy(mask))
-                seconds = device_now(device) - start
-                c = out.offload
-                rows.append({"capacity": int(capacity), "n_nodes": int(n), "hits": c.total_hits,
-                             "misses": c.total_misses, "bytes_h2d": c.total_bytes_h2d, "draft_levels": 0,
-                             "seconds": seconds})
-                if progress:
-                    progress()
+        free = free_device_bytes(device)
+        budget = None if free is None else free - PROBE_RESERVE_BYTES
+        for capacity in fit_capacities(capacities, host.n_layers, host.n_experts, host.expert_bytes, budget):
+            offload = ExpertOffload(host, capacity, device=device)
+            model.attach_offload(offload)
+            try:
+                rows += _probe_one_cache(model, offload, rng, capacity, node_counts, repeats, context_len, progress)
+            finally:
+                offload.release()
+                _return_cached_memory(device)
     finally:
+        original.allocate()
         model.attach_offload(original)
     return rows
+
+
+def _probe_one_cache(model, offload, rng, capacity, node_counts, repeats, context_len, progress) -> list[dict]:
+    device, vocab = model.device, model.config.vocab_size
+    context = rng.integers(0, vocab, context_len)
+    model(context, np.arange(context_len), causal_mask(0, context_len))     # prefill, warms the cache
+    rows = []
+    plan = [n for n in node_counts for _ in range(repeats)]
+    for n in rng.permutation(plan):
+        tree = random_tree(rng, int(n), vocab)
+        mask = np.concatenate([np.ones((tree.n_nodes, context_len), dtype=bool), tree.attention_mask()], axis=1)
+        start = device_now(device)
+        out = model(tree.tokens, tree.positions(context_len), mask)
+        seconds = device_now(device) - start
+        timing = offload.pass_timing()
+        c = out.offload
+        rows.append({"capacity": int(capacity), "n_nodes": int(n), "hits": c.total_hits,
+                     "misses": c.total_misses, "bytes_h2d": c.total_bytes_h2d, "draft_levels": 0,
+                     "seconds": seconds, "transfer_stall_s": timing.stall_s, "copy_busy_s": timing.copy_busy_s})
+        if progress:
+            progress()
+    return rows
+
+
+def _return_cached_memory(device: torch.device) -> None:
+    # blocks freed by a released cache stay with PyTorch's allocator; hand them back so that the
+    # next, larger cache can be allocated in one piece
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def cycles_features(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:

@@ -28,7 +28,15 @@ KINDS = ("measured", "refit", "preset")
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The MoE shape a profile's costs belong to."""
+    """The MoE shape a profile's costs belong to.
+
+    ``n_layers`` counts MoE layers (the layer axis of the expert cache and of traces: a dense
+    layer has no experts to transfer) and ``expert_bytes`` one *routed* expert, the unit of a
+    transfer. ``shared_expert_bytes`` are the shared expert(s) of one MoE layer (Qwen2-MoE,
+    DeepSeek-V2): always resident with the dense weights, so their compute is part of the
+    measured per-pass and per-node terms and never of the hit/miss terms. It is recorded, not
+    compared: transfer costs depend on the routed experts only.
+    """
 
     name: str
     n_layers: int
@@ -36,6 +44,7 @@ class ModelShape:
     top_k: int
     expert_bytes: int
     hidden_size: int = 0
+    shared_expert_bytes: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -44,13 +53,13 @@ class ModelShape:
     def from_dict(cls, d: dict, source: str) -> "ModelShape":
         if not isinstance(d, dict):
             raise SpecFitError(f"{source}: field 'shape' must be an object with {[f.name for f in fields(cls)]}")
-        missing = [f.name for f in fields(cls) if f.name not in d and f.name != "hidden_size"]
+        missing = [f.name for f in fields(cls) if f.name not in d and f.name not in ("hidden_size", "shared_expert_bytes")]
         if missing:
             raise SpecFitError(f"{source}: field 'shape' lacks {missing}")
         try:
             return cls(name=str(d["name"]), n_layers=int(d["n_layers"]), n_experts=int(d["n_experts"]),
                        top_k=int(d["top_k"]), expert_bytes=int(d["expert_bytes"]),
-                       hidden_size=int(d.get("hidden_size", 0)))
+                       hidden_size=int(d.get("hidden_size", 0)), shared_expert_bytes=int(d.get("shared_expert_bytes", 0)))
         except (TypeError, ValueError):
             raise SpecFitError(f"{source}: field 'shape' must hold integers for the layer/expert counts and bytes") from None
 
@@ -58,14 +67,14 @@ class ModelShape:
     def from_config(cls, config, dtype, name: str) -> "ModelShape":
         """The shape of a model with this :class:`~specfit.runtime.config.ModelConfig`, its experts
         stored in ``dtype`` (a torch dtype)."""
-        return cls(name, config.n_layers, config.n_experts, config.top_k, config.expert_bytes(dtype),
-                   config.hidden_size)
+        return cls(name, config.n_moe_layers, config.n_experts, config.top_k, config.expert_bytes(dtype),
+                   config.hidden_size, config.shared_expert_bytes(dtype))
 
     @classmethod
     def from_trace_meta(cls, model: dict) -> "ModelShape":
         """The shape a trace's ``model`` metadata describes."""
         return cls(model["name"], model["n_layers"], model["n_experts"], model["top_k"], model["expert_bytes"],
-                   int(model.get("hidden_size", 0)))
+                   int(model.get("hidden_size", 0)), int(model.get("shared_expert_bytes", 0)))
 
     def same_shape(self, other: "ModelShape") -> bool:
         keys = ("n_layers", "n_experts", "top_k", "expert_bytes")
@@ -126,8 +135,7 @@ class Profile:
                 f"B/expert); pass --rescale to map its transfer costs by expert bytes"
             )
         ratio = shape.expert_bytes / self.shape.expert_bytes if self.shape.expert_bytes else 1.0
-        transfer_s = max(self.cost.miss_s - self.cost.hit_s, 0.0)
-        cost = self.cost.replace(miss_s=self.cost.hit_s + transfer_s * ratio, expert_bytes=shape.expert_bytes)
+        cost = self.cost.replace(miss_s=self.cost.hit_s + self.cost.transfer_s * ratio, expert_bytes=shape.expert_bytes)
         return Profile(cost=cost, shape=shape, kind=self.kind, source=f"{self.label} rescaled to {shape.name}",
                        machine=self.machine, fit={**self.fit, "rescaled_from": self.shape.to_dict()},
                        probes=self.probes, created=self.created)

@@ -9,6 +9,8 @@ what the probes want: many distinct experts per pass, so hits and misses both va
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from ..errors import SpecFitError
@@ -35,6 +37,21 @@ SHAPE_CONFIGS = {
         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
         intermediate_size=14336, rms_norm_eps=1e-5, rope_theta=1e6, max_position_embeddings=32768,
         tie_word_embeddings=False),
+    "qwen1.5-moe-a2.7b": dict(
+        architectures=["Qwen2MoeForCausalLM"], vocab_size=151936, hidden_size=2048, num_hidden_layers=24,
+        num_attention_heads=16, num_key_value_heads=16, num_experts=60, num_experts_per_tok=4,
+        moe_intermediate_size=1408, shared_expert_intermediate_size=5632, intermediate_size=5632,
+        rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=8192, norm_topk_prob=False,
+        tie_word_embeddings=False),
+    "deepseek-v2-lite": dict(
+        architectures=["DeepseekV2ForCausalLM"], vocab_size=102400, hidden_size=2048, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, num_experts_per_tok=6,
+        moe_intermediate_size=1408, n_shared_experts=2, intermediate_size=10944, first_k_dense_replace=1,
+        kv_lora_rank=512, q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        topk_method="greedy", routed_scaling_factor=1.0, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+        max_position_embeddings=163840, norm_topk_prob=False, tie_word_embeddings=False),
     "tiny": dict(
         architectures=["Qwen3MoeForCausalLM"], vocab_size=512, hidden_size=128, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=16, num_experts_per_tok=4,
@@ -55,11 +72,24 @@ def shape_config(name: str, n_layers: int | None = None) -> ModelConfig:
     return ModelConfig.from_dict(raw, source=f"shape {name}")
 
 
+def standin_bytes(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
+    """Host bytes a stand-in of ``config`` holds: its experts and its dense weights."""
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    element = torch.empty(0, dtype=dtype).element_size()
+    dense = sum(t.numel() for t in model.state_dict().values()) * element
+    return {"experts": config.n_moe_layers * config.n_experts * config.expert_bytes(dtype), "dense": dense}
+
+
 @torch.inference_mode()
 def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, cache_experts: int = 0,
-                 seed: int = 0) -> MoETransformer:
+                 seed: int = 0, progress: Callable[[str], None] | None = None) -> MoETransformer:
     """A :class:`MoETransformer` of ``config`` with random weights: dense weights on ``device``,
-    experts in (pinned, on CUDA) host memory behind an expert cache, as the loader builds it."""
+    experts in (pinned, on CUDA) host memory behind an expert cache, as the loader builds it.
+
+    Weights are filled in place, uniform with the variance of ``1 / fan_in`` (timing does not
+    depend on their distribution), so building needs no temporary copy of a layer's experts;
+    ``progress`` hears of each expert layer."""
     gen = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         model = MoETransformer(config)
@@ -68,15 +98,22 @@ def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
         if name.endswith("norm.weight"):
             state[name] = torch.ones(param.shape, dtype=dtype, device=device)
         else:
-            fan_in = param.shape[-1]
-            state[name] = (torch.randn(param.shape, generator=gen) / fan_in**0.5).to(device=device, dtype=dtype)
+            state[name] = _fill(torch.empty(param.shape, dtype=dtype), gen).to(device=device)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False).eval()
     model.init_rope()
-    host = HostExperts(config.n_layers, config.n_experts, config.hidden_size, config.expert_intermediate_size,
+    host = HostExperts(config.n_moe_layers, config.n_experts, config.hidden_size, config.expert_intermediate_size,
                        dtype, pin_memory=device.type == "cuda")
-    for layer in range(config.n_layers):
+    for layer in range(config.n_moe_layers):
+        if progress is not None:
+            progress(f"random expert weights, layer {layer + 1}/{config.n_moe_layers}")
         for tensor in (host.gate_up[layer], host.down[layer]):
-            tensor.copy_(torch.randn(tensor.shape, generator=gen) / tensor.shape[-1] ** 0.5)
+            _fill(tensor, gen)
     model.attach_offload(ExpertOffload(host, cache_experts, device=device))
     return model
+
+
+def _fill(tensor: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """Uniform in +-sqrt(3 / fan_in) (variance 1 / fan_in), in place, in the tensor's dtype."""
+    bound = (3.0 / tensor.shape[-1]) ** 0.5
+    return tensor.uniform_(-bound, bound, generator=gen)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .predictor_base import ExpertPredictor, NodeBatch, selected_rows, trace_batch
-from .predictors import AffinityPredictor
+from .affinity import AffinityPredictor
 
 __all__ = ["LearnedPredictor", "FEATURES"]
 

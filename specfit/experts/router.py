@@ -48,7 +48,7 @@ class RouterPredictor(ExpertPredictor):
             embed = model.embed_tokens.weight
             # each layer's RMSNorm weight folded into its router: logits = rms(x) @ (gate * norm).T
             router_weight = torch.stack([layer.moe.gate.weight.float() * layer.post_attention_layernorm.weight.float()
-                                         for layer in model.layers])
+                                         for layer in model.layers if layer.moe is not None])
             eps, top_k = model.config.rms_norm_eps, model.config.top_k
         if embed is None or router_weight is None or top_k < 1:
             raise ValueError("RouterPredictor: pass the target model, or its embedding, router weights and top_k")

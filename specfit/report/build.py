@@ -2,7 +2,8 @@
 
 Each input is recognised by its files: a profile JSON (calibration), a directory with
 ``summary.parquet`` (simulation), a directory with ``cycles.parquet`` and no summary (a live
-decode run). A directory may also hold a ``profile.json`` (the demo's layout) and a ``run.json``
+decode run), a directory with ``sweep.json`` (``specfit sweep``; with ``plan.json`` too, a
+``specfit plan``). A directory may also hold a ``profile.json`` (the demo's layout) and a ``run.json``
 saying what was run.
 """
 
@@ -17,6 +18,7 @@ from ..calibrate.profile import load_profile
 from ..errors import SpecFitError
 from ..io import write_json_atomic
 from ..runinfo import read_run_info
+from ..runtime.run_dir import CYCLES_FILE, JOURNAL_FILE, read_decode_cycles
 from .calibration import calibration_section
 from .html import Page
 from .live import live_section
@@ -26,7 +28,7 @@ __all__ = ["build_report", "classify"]
 
 
 def classify(path: Path) -> list[str]:
-    """The kinds of output found at ``path``: "calibration", "simulation", "live"."""
+    """The kinds of output found at ``path``: "calibration", "simulation", "live", "sweep", "plan"."""
     if path.is_file():
         if path.suffix == ".json":
             return ["calibration"]
@@ -34,15 +36,24 @@ def classify(path: Path) -> list[str]:
     if not path.is_dir():
         raise SpecFitError(f"{path}: no such file or directory")
     kinds = []
+    info = read_run_info(path) or {}
+    if (path / "sweep.json").is_file():
+        kinds.append("sweep")
+        if (path / "plan.json").is_file():
+            kinds.append("plan")
     if (path / "profile.json").is_file():
         kinds.append("calibration")
     if (path / "summary.parquet").is_file():
         kinds.append("simulation")
-    elif (path / "cycles.parquet").is_file():
+    elif str(info.get("kind", "")).startswith("simulate"):
+        raise SpecFitError(f"{path}: a `specfit simulate` output without its summary.parquet (the run was interrupted "
+                           "while writing); run the simulation again")
+    elif (path / CYCLES_FILE).is_file() or (path / JOURNAL_FILE).is_file():
         kinds.append("live")
     if not kinds:
-        raise SpecFitError(f"{path}: found no profile.json, summary.parquet or cycles.parquet; expected what "
-                           "`specfit calibrate`, `specfit simulate --out` or `specfit decode --out` write")
+        raise SpecFitError(f"{path}: found no profile.json, summary.parquet, cycles.parquet or sweep.json; expected "
+                           "what `specfit calibrate`, `specfit simulate --out`, `specfit decode --out` or `specfit sweep` "
+                           "write")
     return kinds
 
 
@@ -51,6 +62,21 @@ def _read_parquet(path: Path) -> pd.DataFrame:
         return pd.read_parquet(path)
     except Exception as exc:  # pyarrow raises several types for damaged files
         raise SpecFitError(f"{path}: not a readable Parquet file ({exc})") from None
+
+
+def _sweep_sections(page: Page, path: Path, kinds: list[str]) -> None:
+    import json
+
+    from ..simulate.dataset import read_results, read_sweep_file
+    from .sweep import plan_section, sweep_section
+
+    if "plan" in kinds:
+        try:
+            plan = json.loads((path / "plan.json").read_text())
+        except json.JSONDecodeError as exc:
+            raise SpecFitError(f"{path / 'plan.json'}: not valid JSON ({exc})") from None
+        plan_section(page, plan, str(path))
+    sweep_section(page, read_results(path), str(path), read_sweep_file(path))
 
 
 def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report") -> Path:
@@ -79,7 +105,9 @@ def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report
             cycles = _read_parquet(path / "cycles.parquet") if (path / "cycles.parquet").is_file() else None
             simulation_section(page, summary, cycles, str(path))
         if "live" in kinds:
-            live_section(page, _read_parquet(path / "cycles.parquet"), str(path))
+            live_section(page, read_decode_cycles(path), str(path))
+        if "sweep" in kinds:
+            _sweep_sections(page, path, kinds)
     index = Path(out_dir) / "index.html"
     page.save(index)
     write_json_atomic(Path(out_dir) / "inputs.json", [str(p) for p in inputs])

@@ -29,6 +29,22 @@ def calibration_section(page: Page, profile: Profile, name: str) -> None:
     })
     if profile.kind == "preset":
         page.paragraph("A preset derived from published hardware numbers, not a measurement of a machine.", "note")
+    noise = fit.get("probe_noise") or {}
+    if noise or fit.get("held"):
+        facts = {}
+        if noise:
+            share = noise.get("cpu_share")
+            facts["probe rounds"] = (f"{noise['rounds']}; spread (max - min) / median {noise['spread_median']:.1%} median, "
+                                     f"{noise['spread_p90']:.1%} p90" + (f"; CPU share {share:.0%}" if share is not None else "")
+                                     + f"; load average {noise.get('load_average', float('nan')):.1f} on "
+                                       f"{noise.get('cpu_count')} cores")
+        if "fitted" in fit:
+            facts["fitted from the data"] = ", ".join(fit["fitted"]) or "-"
+        for name, term in (fit.get("held") or {}).items():
+            facts[f"held: {name}"] = f"{term['value']:.4g} s ({term['at']}): {term['reason']}"
+        page.facts(facts)
+    for warning in fit.get("warnings") or ():
+        page.paragraph(f"Warning: {warning}", "note")
     params = pd.DataFrame({"parameter": list(profile.cost.to_dict()), "value": list(profile.cost.to_dict().values())})
     page.table(params, caption="Fitted cost model (seconds; expert_bytes in bytes)")
     probes = profile.probes

@@ -8,6 +8,7 @@ from typing import Optional
 import typer
 
 from ..errors import SpecFitError, fail
+from ..io import check_output
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
@@ -24,6 +25,7 @@ def report_command(
 
     target = out or Path("reports") / (inputs[0].stem if inputs else "report")
     try:
+        check_output(target, "--out", kind="dir")
         index = build_report(inputs, target, title=title)
     except SpecFitError as exc:
         fail(str(exc))

@@ -36,6 +36,17 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str) -> None:
     ax.set(xlabel="cycle", ylabel="ms")
     ax.legend(fontsize=7, ncol=2)
     page.figure(fig, "Cycle time over the run.")
+    errors = _errors_over_time(cycles, policies)
+    if errors is not None:
+        page.figure(errors, f"Cycle-time error over the run: |predicted - measured| / measured, a rolling mean over "
+                            f"{_ROLLING} cycles, of the profile's prediction (the prior, dashed) and of the model "
+                            f"refitted online on the run's own cycles, which the policy decided with (solid). Each "
+                            f"online prediction was made before its cycle was measured.")
+    union = _union_per_layer(cycles, policies)
+    if union is not None:
+        page.figure(union, "Expert union per layer, predicted (from the expert predictor, hatched) and true (what "
+                           "the verified nodes routed to), mean per cycle; the union is what the cycle-time "
+                           "prediction prices.")
 
     if "bytes_h2d" in cycles:
         per = cycles.groupby("policy", sort=False).agg(bytes=("bytes_h2d", "sum"), tokens=("committed_tokens", "sum"))
@@ -66,11 +77,74 @@ def _per_policy(cycles: pd.DataFrame) -> pd.DataFrame:
                      "tokens/s (predicted)": (g["predicted_tokens"].sum() / g["predicted_time_s"].sum()
                                               if g["predicted_time_s"].notna().all() else np.nan),
                      "tokens/cycle": s["tokens_per_cycle"], "pred. tokens/cycle": s["predicted_tokens_per_cycle"],
-                     "time MAPE": s["time_mape"], "time bias": s["time_bias"], "bytes MAPE": s["bytes_mape"],
-                     "union MAPE": s["union_mape"], "draft levels": s["draft_levels_per_cycle"],
+                     "time MAPE": s["time_mape"], "profile's time MAPE": s.get("prior_time_mape", np.nan),
+                     "time bias": s["time_bias"], "bytes MAPE": s["bytes_mape"],
+                     "union MAPE": s["union_mape"], "union/layer MAPE": s.get("union_layer_mape", np.nan),
+                     "charged = moved bytes": _charged_matches(g), "draft levels": s["draft_levels_per_cycle"],
                      "nodes verified": s["nodes_per_cycle"], "MB H2D/cycle": s["bytes_per_cycle"] / 1e6,
                      "hit rate": s["hit_rate"]})
     return pd.DataFrame(rows)
+
+
+_ROLLING = 16
+
+
+def _charged_matches(g: pd.DataFrame) -> str:
+    """Whether the bytes the cache bookkeeping gives the true experts are the bytes moved, per cycle."""
+    if "charged_bytes_h2d" not in g or (g["charged_bytes_h2d"] < 0).all():
+        return "-"
+    known = g[g["charged_bytes_h2d"] >= 0]
+    same = int((known["charged_bytes_h2d"] == known["bytes_h2d"]).sum())
+    return "yes" if same == len(known) else f"{same} of {len(known)} cycles"
+
+
+def _errors_over_time(cycles: pd.DataFrame, policies):
+    if "prior_predicted_time_s" not in cycles or cycles["prior_predicted_time_s"].isna().all():
+        return None
+    fig, ax = new_axes(7.5, 3.4)
+    colors = {}
+    for policy in policies:
+        g = cycles[cycles["policy"] == policy]
+        measured = g["measured_time_s"].to_numpy(dtype=float)
+        for column, style in (("prior_predicted_time_s", "--"), ("online_predicted_time_s", "-")):
+            predicted = g[column].to_numpy(dtype=float)
+            if not np.isfinite(predicted).any():
+                continue
+            ape = pd.Series(np.abs(predicted - measured) / measured).rolling(_ROLLING, min_periods=1).mean()
+            label = f"{policy} {'profile' if column.startswith('prior') else 'online'}"
+            line = ax.plot(np.arange(len(g)), ape * 100, lw=1, ls=style, label=label,
+                           color=colors.get(policy))
+            colors.setdefault(policy, line[0].get_color())
+    ax.set(xlabel="cycle of the policy", ylabel="rolling APE (%)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, ncol=2)
+    return fig
+
+
+def _union_per_layer(cycles: pd.DataFrame, policies):
+    if "union_per_layer" not in cycles:
+        return None
+    rows = {}
+    for policy in policies:
+        g = cycles[cycles["policy"] == policy]
+        true = [u for u in g["union_per_layer"] if len(u)]
+        predicted = [u for u in g["predicted_union_per_layer"] if len(u)]
+        if true and predicted and len(true) == len(predicted):
+            rows[policy] = (np.mean(np.stack(predicted), axis=0), np.mean(np.stack(true), axis=0))
+    if not rows:
+        return None
+    fig, ax = new_axes(7.5, 3.4)
+    n_layers = len(next(iter(rows.values()))[1])
+    width = 0.8 / (2 * len(rows))
+    x = np.arange(n_layers)
+    for i, (policy, (predicted, true)) in enumerate(rows.items()):
+        pos = x - 0.4 + width * (2 * i + 0.5)
+        bar = ax.bar(pos, true, width=width * 0.95, label=f"{policy} true")
+        ax.bar(pos + width, predicted, width=width * 0.95, color=bar[0].get_facecolor(), alpha=0.5, hatch="//",
+               label=f"{policy} predicted")
+    ax.set(xlabel="layer", ylabel="experts in the union per cycle")
+    ax.legend(fontsize=7, ncol=2)
+    return fig
 
 
 def _layer_heat_map(cycles: pd.DataFrame):

@@ -9,9 +9,10 @@ from typing import Optional
 
 import typer
 
-from ..errors import SpecFitError, fail
+from ..errors import Interrupted, SpecFitError, fail
 from ..policies import POLICY_HELP
-from .decode_job import CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE
+from ..threads import THREADS_HELP, set_cpu_threads
+from .run_dir import CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE
 
 __all__ = ["register", "decode"]
 
@@ -23,6 +24,7 @@ def register(app: typer.Typer, traces_app: typer.Typer) -> None:
 
 
 def decode(
+    ctx: typer.Context,
     model: Path = typer.Option(..., "--model", help="Hugging Face model directory (config.json + safetensors)."),
     prompts: Path = typer.Option(..., "--prompts", help='JSONL file: one {"prompt": "..."} or {"input_ids": [...]} per line.'),
     cache_experts: int = typer.Option(..., "--cache-experts", help="Expert slots per layer on the device, or in all with "
@@ -49,7 +51,7 @@ def decode(
     max_levels: int = typer.Option(8, "--max-levels", help="Draft levels at most for specfit and static:N (and --record-full)."),
     acceptance: Optional[Path] = typer.Option(None, "--acceptance", help="Trace to fit an acceptance calibrator on "
                                               "(draft probability -> acceptance probability); default: the drafter's."),
-    device: str = typer.Option(None, "--device", help="cpu or cuda (default: cuda when available)."),
+    device: str = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: str = typer.Option(None, "--dtype", help="float32 or bfloat16 (default: bfloat16 on cuda, float32 on cpu)."),
     out: Path = typer.Option(None, "--out", help=f"Directory for {OUTPUT_FILE} (per prompt), {CYCLES_FILE} (per cycle) "
                              f"and {SUMMARY_FILE} (per policy)."),
@@ -58,7 +60,10 @@ def decode(
                                      "position of the greedy output (a trace `specfit simulate` replays exactly)."),
     json_lines: bool = typer.Option(False, "--json", help="Print one JSON object per prompt and policy on stdout and nothing else."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Always generate --max-new-tokens tokens."),
-    threads: Optional[int] = typer.Option(None, "--threads", help="torch CPU threads (default: torch's)."),
+    threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP + "."),
+    online_refit: bool = typer.Option(True, "--online-refit/--frozen-profile", help="Refit the cost model on the "
+                                      "run's recent cycles as it goes, the profile as the prior (default), or keep "
+                                      "the profile frozen (experiments that need a fixed model)."),
 ) -> None:
     """Decode with the experts in host memory and an expert cache on the device.
 
@@ -70,18 +75,19 @@ def decode(
 
     from .decode_job import DecodePlan, run_decode
 
-    if threads:
-        import torch
-
-        torch.set_num_threads(threads)
     names = [p.strip() for p in (policies.split(",") if policies else [policy]) if p.strip()]
     plan = DecodePlan(model_dir=model, prompts_path=prompts, cache_experts=cache_experts, policies=names,
                       drafter_dir=drafter, profile=profile, rescale=rescale, max_new_tokens=max_new_tokens,
                       device=device, dtype=dtype, out_dir=out, record=record, record_full=record_full,
                       temperature=temperature, seed=seed, tree_top_k=tree_top_k, max_levels=max_levels,
                       acceptance_trace=acceptance, ignore_eos=ignore_eos, cache_mode=cache_mode,
-                      cache_policy=cache_policy, predictor=predictor)
+                      cache_policy=cache_policy, predictor=predictor, online_refit=online_refit)
     stderr = Console(stderr=True)
+    try:
+        set_cpu_threads(threads)
+        plan.validate()
+    except SpecFitError as exc:
+        fail(str(exc))
 
     def emit(record_: dict) -> None:
         if json_lines:
@@ -100,9 +106,12 @@ def decode(
             def tick() -> None:
                 bar.advance(task)
 
-            result = run_decode(plan, on_record=emit, status=status, progress=tick)
+            result = run_decode(plan, on_record=emit, status=status, progress=tick, ctx=ctx)
     except SpecFitError as exc:
         fail(str(exc))
+    except Interrupted as exc:
+        stderr.print(str(exc))
+        raise typer.Exit(130) from None
     if not json_lines:
         _print_summary(result, out)
 
@@ -126,18 +135,26 @@ def _print_summary(run, out: Path | None) -> None:
     console.print(table)
 
     table = Table(title=f"measured (predicted) per policy, profile {run.profile_label}; tokens/s over the measured "
-                        f"cycles, time MAPE per cycle")
-    for name in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "time MAPE", "KB H2D/cycle", "nodes", "hit rate",
-                 "search+book."):
+                        f"cycles; time MAPE per cycle of the model the policy decided with (online-refitted unless "
+                        f"--frozen-profile) and of the profile's")
+    for name in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "time MAPE", "profile's", "union MAPE",
+                 "KB H2D/cycle", "nodes", "hit rate", "search+book."):
         table.add_column(name, justify="left" if name == "policy" else "right")
     for s in run.summaries:
         table.add_row(s["policy"], f"{s['tokens_per_s']:.1f}",
                       f"{s['tokens_per_cycle']:.2f} ({s['predicted_tokens_per_cycle']:.2f})",
                       f"{s['time_per_cycle_s'] * 1e3:.2f} ({s['predicted_time_per_cycle_s'] * 1e3:.2f})",
-                      _share(s["time_mape"]),
+                      _share(s["time_mape"]), _share(s["prior_time_mape"]), _share(s["union_mape"]),
                       f"{s['bytes_per_cycle'] / 1e3:.0f} ({s['predicted_bytes_per_cycle'] / 1e3:.0f})",
                       f"{s['nodes_per_cycle']:.1f}", f"{s['hit_rate']:.2f}", _share(s["overhead_share"]))
     console.print(table)
+    if run.memory:
+        m = run.memory
+        pinned = f", pinned {m['pinned_bytes'] / 1e9:.3f} GB" if m["pinned_bytes"] else " (pageable: no GPU)"
+        console.print(f"host experts {m['host_expert_bytes'] / 1e9:.3f} GB{pinned}; device expert slots "
+                      f"{m['device_expert_bytes'] / 1e9:.3f} GB")
+    if run.drafter_features:
+        console.print(f"drafter features: {run.drafter_features}")
     if run.outputs_identical is not None:
         console.print("greedy outputs identical across policies: " + ("yes" if run.outputs_identical else "[red]NO[/red]"))
     if run.profile_path is not None:

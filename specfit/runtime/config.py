@@ -1,26 +1,35 @@
 """The target model's shape, read once from a Hugging Face ``config.json``.
 
-One :class:`ModelConfig` serves every supported family; the few places where the families differ
-(q/k normalisation, where the expert width lives, whether the top-k weights are renormalised, the
-dtype of the routing weights) are fields of the config, so the forward pass has no family
-branches beyond reading them.
+One :class:`ModelConfig` serves every supported family; the places where the families differ
+(q/k normalisation, attention biases, where the expert width lives, how the router picks and
+weighs experts, shared experts, dense MLP layers between MoE layers, MLA attention) are fields of
+the config, so the forward pass has no family branches beyond reading them.
 
-Both spellings of the keys are accepted: the hub's (``num_experts``, ``rope_theta``,
-``torch_dtype``) and what ``transformers`` 5.x writes (``num_local_experts``,
-``rope_parameters: {rope_theta, rope_type}``, ``dtype``).
+Layers: ``n_layers`` counts decoder layers (``num_hidden_layers``); ``moe_layers`` lists the ones
+with routed experts (Qwen2/Qwen3-MoE: not in ``mlp_only_layers`` and ``(i + 1) %
+decoder_sparse_step == 0``; DeepSeek-V2: ``i >= first_k_dense_replace``), the others run a dense
+MLP. Everything about experts — the expert ids of a pass, the host experts, the expert cache, its
+counters, traces and the cost model — is indexed by MoE layer (0 .. ``n_moe_layers`` - 1), so a
+dense layer costs nothing there; a shared expert is a dense, always-resident weight too.
+
+Both spellings of the keys are accepted: the hub's / ``transformers`` 4.x (``num_experts``,
+``rope_theta`` + ``rope_scaling``, ``torch_dtype``) and what ``transformers`` 5.x writes
+(``num_local_experts``, ``rope_parameters: {rope_theta, rope_type, ...}``, ``dtype``); RoPE
+scaling variants are read by :mod:`specfit.runtime.rope`.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..errors import SpecFitError
+from ..io import read_json_object
+from .rope import RopeSpec, parse_rope
 
-__all__ = ["ModelConfig", "SUPPORTED_ARCHITECTURES", "DTYPES", "default_capture_layers"]
+__all__ = ["ModelConfig", "MLAShape", "SUPPORTED_ARCHITECTURES", "DTYPES", "default_capture_layers"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -31,13 +40,22 @@ class _Family:
     qk_norm: str | None            # "per_head" (Qwen3), "full" (OLMoE: over the whole projection) or None
     expert_width_keys: tuple        # where the expert's intermediate size is stored
     always_renormalise: bool        # Mixtral renormalises the top-k weights whatever the config says
-    routing_weights_float32: bool   # Mixtral multiplies expert outputs by float32 weights
+    routing_weights_float32: bool   # Mixtral / DeepSeek multiply expert outputs by float32 weights
+    expert_count_keys: tuple = ("num_local_experts", "num_experts")
+    dense_layers: str | None = None  # "sparse_step" (Qwen), "first_k" (DeepSeek) or None (all MoE)
+    shared_expert: str | None = None  # "gated" (Qwen2-MoE) or "plain" (DeepSeek) or None
 
 
 _FAMILIES = {
-    "Qwen3MoeForCausalLM": _Family("qwen3_moe", "per_head", ("moe_intermediate_size",), False, False),
+    "Qwen3MoeForCausalLM": _Family("qwen3_moe", "per_head", ("moe_intermediate_size",), False, False,
+                                   dense_layers="sparse_step"),
     "OlmoeForCausalLM": _Family("olmoe", "full", ("intermediate_size",), False, False),
     "MixtralForCausalLM": _Family("mixtral", None, ("intermediate_size",), True, True),
+    "Qwen2MoeForCausalLM": _Family("qwen2_moe", None, ("moe_intermediate_size",), False, False,
+                                   dense_layers="sparse_step", shared_expert="gated"),
+    "DeepseekV2ForCausalLM": _Family("deepseek_v2", None, ("moe_intermediate_size",), False, True,
+                                     expert_count_keys=("n_routed_experts", "num_local_experts", "num_experts"),
+                                     dense_layers="first_k", shared_expert="plain"),
 }
 _BY_MODEL_TYPE = {family.model_type: arch for arch, family in _FAMILIES.items()}
 SUPPORTED_ARCHITECTURES = tuple(_FAMILIES)
@@ -52,6 +70,23 @@ def default_capture_layers(n_layers: int) -> tuple[int, ...]:
 
 
 @dataclass(frozen=True)
+class MLAShape:
+    """DeepSeek-V2's multi-head latent attention: queries through an optional low-rank
+    ``q_lora_rank``, keys and values from a shared ``kv_lora_rank`` latent plus a
+    ``qk_rope_head_dim`` rotary key shared by all heads."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """The shape and numerics of one MoE checkpoint.
 
@@ -63,11 +98,11 @@ class ModelConfig:
     model_type: str
     vocab_size: int
     hidden_size: int
-    n_layers: int
+    n_layers: int                   # decoder layers
     n_heads: int
     n_kv_heads: int
-    head_dim: int
-    n_experts: int
+    head_dim: int                   # the rotary width (MLA: qk_rope_head_dim)
+    n_experts: int                  # routed experts per MoE layer
     top_k: int
     expert_intermediate_size: int
     rms_norm_eps: float
@@ -81,6 +116,24 @@ class ModelConfig:
     sliding_window: int | None = None
     checkpoint_dtype: str | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe_layers: tuple[int, ...] | None = None      # decoder layers with routed experts (None: all)
+    dense_intermediate_size: int | None = None     # width of the dense MLP layers
+    shared_expert_intermediate_size: int = 0       # 0: no shared expert
+    shared_expert_gated: bool = False              # Qwen2-MoE: sigmoid(shared_expert_gate(x)) * shared(x)
+    attention_bias: bool = False                   # biases on q/k/v (Qwen2-MoE)
+    router: str = "softmax_topk"                   # or "group_limited_topk" (DeepSeek)
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    router_float32: bool = False                   # DeepSeek keeps the router weight and logits in float32
+    rope: RopeSpec | None = None                   # None: default RoPE with rope_theta
+    mla: MLAShape | None = None
+
+    def __post_init__(self):
+        if self.moe_layers is None:
+            object.__setattr__(self, "moe_layers", tuple(range(self.n_layers)))
+        if self.rope is None:
+            object.__setattr__(self, "rope", RopeSpec(theta=self.rope_theta))
 
     # ------------------------------------------------------------- derived sizes
     @property
@@ -89,12 +142,30 @@ class ModelConfig:
         return self.n_heads // self.n_kv_heads
 
     @property
+    def n_moe_layers(self) -> int:
+        """Layers with routed experts: the layer axis of expert ids, caches, counters and traces."""
+        return len(self.moe_layers)
+
+    def moe_index(self, layer: int) -> int | None:
+        """The MoE-layer index of decoder layer ``layer`` (None for a dense layer)."""
+        try:
+            return self.moe_layers.index(layer)
+        except ValueError:
+            return None
+
+    @property
     def expert_params(self) -> int:
-        """Parameters of one expert: gate and up [I, H], down [H, I]."""
+        """Parameters of one routed expert: gate and up [I, H], down [H, I]."""
         return 3 * self.expert_intermediate_size * self.hidden_size
 
     def expert_bytes(self, dtype: torch.dtype) -> int:
         return self.expert_params * torch.empty((), dtype=dtype).element_size()
+
+    def shared_expert_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of one MoE layer's shared expert(s): resident with the dense weights, never cached."""
+        params = 3 * self.shared_expert_intermediate_size * self.hidden_size
+        params += self.hidden_size if self.shared_expert_gated else 0
+        return params * torch.empty((), dtype=dtype).element_size()
 
     # ------------------------------------------------------------- construction
     @classmethod
@@ -104,7 +175,7 @@ class ModelConfig:
         config = cls.from_file(model_dir / "config.json")
         generation_path = model_dir / "generation_config.json"
         if generation_path.is_file():
-            generation = _read_json(generation_path)
+            generation = read_json_object(generation_path)
             if generation.get("eos_token_id") is not None:
                 eos = _eos_ids(generation["eos_token_id"], generation_path)
                 config = replace(config, eos_token_ids=eos)
@@ -115,7 +186,7 @@ class ModelConfig:
         path = Path(path)
         if not path.is_file():
             raise SpecFitError(f"{path}: no such file; expected a Hugging Face config.json")
-        return cls.from_dict(_read_json(path), source=str(path))
+        return cls.from_dict(read_json_object(path), source=str(path))
 
     @classmethod
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
@@ -135,35 +206,53 @@ class ModelConfig:
             return default
 
         hidden_size = get("hidden_size")
+        n_layers = get("num_hidden_layers")
         n_heads = get("num_attention_heads")
         n_kv_heads = get("num_key_value_heads", default=n_heads)
         if n_heads % n_kv_heads:
             raise SpecFitError(f"{source}: num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv_heads})")
-        head_dim = get("head_dim", default=hidden_size // n_heads)
         if raw.get("hidden_act", "silu") != "silu":
             raise SpecFitError(f"{source}: key 'hidden_act' must be 'silu', got {raw['hidden_act']!r}")
-        if raw.get("attention_bias"):
-            raise SpecFitError(f"{source}: key 'attention_bias' is true; attention biases are not supported")
-        _check_all_layers_moe(raw, source)
+        n_experts = get(*family.expert_count_keys)
+        top_k = get("num_experts_per_tok")
+        for name, value in (("hidden_size", hidden_size), ("num_hidden_layers", n_layers),
+                            ("num_attention_heads", n_heads), ("num_key_value_heads", n_kv_heads),
+                            (family.expert_count_keys[0], n_experts), ("num_experts_per_tok", top_k)):
+            if value < 1:
+                raise SpecFitError(f"{source}: key {name!r} must be at least 1, got {value}")
+        if top_k > n_experts:
+            raise SpecFitError(f"{source}: key 'num_experts_per_tok' is {top_k}, more than the {n_experts} experts "
+                               f"per layer ({' / '.join(family.expert_count_keys)})")
+        max_positions = get("max_position_embeddings")
+        mla = _mla_shape(raw, source, get, n_heads, n_kv_heads) if family.model_type == "deepseek_v2" else None
+        head_dim = mla.qk_rope_head_dim if mla else get("head_dim", default=hidden_size // n_heads)
+        moe_layers = _moe_layers(raw, source, family, n_layers, n_experts)
+        shared = _shared_expert_width(raw, source, family, get)
+        routing = _routing(raw, source, family, get, n_experts)
 
         sliding_window = get("sliding_window", default=None)
-        if family.model_type == "qwen3_moe" and not raw.get("use_sliding_window", False):
-            sliding_window = None  # Qwen3 ignores the window unless use_sliding_window is set
+        if family.model_type in ("qwen3_moe", "qwen2_moe") and not raw.get("use_sliding_window", False):
+            sliding_window = None  # Qwen ignores the window unless use_sliding_window is set
+        elif family.model_type == "qwen2_moe" and sliding_window:
+            raise SpecFitError(f"{source}: key 'use_sliding_window' is true; Qwen2-MoE's per-layer sliding "
+                               f"windows are not supported")
+        if sliding_window == 0:
+            sliding_window = None
         return cls(
             architecture=architecture,
             model_type=family.model_type,
             vocab_size=get("vocab_size"),
             hidden_size=hidden_size,
-            n_layers=get("num_hidden_layers"),
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=n_kv_heads,
             head_dim=head_dim,
-            n_experts=get("num_local_experts", "num_experts"),
-            top_k=get("num_experts_per_tok"),
+            n_experts=n_experts,
+            top_k=top_k,
             expert_intermediate_size=get(*family.expert_width_keys),
             rms_norm_eps=get("rms_norm_eps", kind=float),
-            rope_theta=_rope_theta(raw, source),
-            max_position_embeddings=get("max_position_embeddings"),
+            rope_theta=0.0,      # filled from the RoPE spec below
+            max_position_embeddings=max_positions,
             norm_topk_prob=family.always_renormalise or get("norm_topk_prob", default=False, kind=bool),
             qk_norm=family.qk_norm,
             routing_weights_float32=family.routing_weights_float32,
@@ -172,20 +261,20 @@ class ModelConfig:
             sliding_window=sliding_window,
             checkpoint_dtype=_dtype_name(raw, source),
             eos_token_ids=_eos_ids(raw.get("eos_token_id"), source),
-        )
+            moe_layers=moe_layers,
+            dense_intermediate_size=(get("intermediate_size") if len(moe_layers) < n_layers else None),
+            shared_expert_intermediate_size=shared,
+            shared_expert_gated=family.shared_expert == "gated",
+            attention_bias=_attention_bias(raw, source, family),
+            mla=mla,
+            **routing,
+        )._with_rope(parse_rope(raw, source, max_positions))
+
+    def _with_rope(self, rope: RopeSpec) -> "ModelConfig":
+        return replace(self, rope=rope, rope_theta=rope.theta)
 
 
 # ----------------------------------------------------------------- helpers
-def _read_json(path: Path) -> dict:
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SpecFitError(f"{path}: not a readable JSON file ({exc})") from None
-    if not isinstance(raw, dict):
-        raise SpecFitError(f"{path}: expected a JSON object at the top level")
-    return raw
-
-
 def _architecture(raw: dict, source: str) -> str:
     names = raw.get("architectures") or []
     if isinstance(names, str):
@@ -202,28 +291,85 @@ def _architecture(raw: dict, source: str) -> str:
     )
 
 
-def _check_all_layers_moe(raw: dict, source: str) -> None:
-    # Qwen3-MoE can interleave dense MLP layers; every released checkpoint is all-MoE and the
-    # runtime's per-layer expert cache assumes it.
-    if raw.get("mlp_only_layers"):
-        raise SpecFitError(f"{source}: key 'mlp_only_layers' is not empty; dense MLP layers are not supported")
-    if int(raw.get("decoder_sparse_step", 1) or 1) != 1:
-        raise SpecFitError(f"{source}: key 'decoder_sparse_step' must be 1 (every layer MoE), got {raw['decoder_sparse_step']}")
+def _moe_layers(raw: dict, source: str, family: _Family, n_layers: int, n_experts: int) -> tuple[int, ...]:
+    """The decoder layers with routed experts, as ``transformers`` decides them per family."""
+    if n_experts <= 0:
+        raise SpecFitError(f"{source}: the model has no routed experts (expert count {n_experts}); "
+                           f"SpecFit needs an MoE model")
+    if family.dense_layers == "sparse_step":
+        mlp_only = raw.get("mlp_only_layers") or []
+        if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
+            raise SpecFitError(f"{source}: key 'mlp_only_layers' must be a list of layer indices, got {mlp_only!r}")
+        step = raw.get("decoder_sparse_step", 1) or 1
+        if not isinstance(step, int) or step < 1:
+            raise SpecFitError(f"{source}: key 'decoder_sparse_step' must be a positive integer, got {step!r}")
+        layers = tuple(i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0)
+    elif family.dense_layers == "first_k":
+        first_k = raw.get("first_k_dense_replace", 0) or 0
+        if int(raw.get("moe_layer_freq", 1) or 1) != 1:
+            # the original DeepSeek code also skips layers by moe_layer_freq; transformers ignores it
+            raise SpecFitError(f"{source}: key 'moe_layer_freq' must be 1, got {raw['moe_layer_freq']}")
+        layers = tuple(range(int(first_k), n_layers))
+    else:
+        for key, neutral in (("mlp_only_layers", []), ("decoder_sparse_step", 1), ("first_k_dense_replace", 0)):
+            if raw.get(key) not in (None, neutral):
+                raise SpecFitError(f"{source}: key {key!r} is {raw[key]!r}; {family.model_type} has no dense layers")
+        layers = tuple(range(n_layers))
+    if not layers:
+        raise SpecFitError(f"{source}: no decoder layer has routed experts (keys 'mlp_only_layers', "
+                           f"'decoder_sparse_step', 'first_k_dense_replace')")
+    return layers
 
 
-def _rope_theta(raw: dict, source: str) -> float:
-    params = raw.get("rope_parameters")
-    scaling = raw.get("rope_scaling")
-    for key, block in (("rope_parameters", params), ("rope_scaling", scaling)):
-        if isinstance(block, dict):
-            rope_type = block.get("rope_type", block.get("type", "default"))
-            if rope_type != "default":
-                raise SpecFitError(f"{source}: key {key!r} has rope_type {rope_type!r}; only the default RoPE is supported")
-    if isinstance(params, dict) and params.get("rope_theta") is not None:
-        return float(params["rope_theta"])
-    if raw.get("rope_theta") is not None:
-        return float(raw["rope_theta"])
-    raise SpecFitError(f"{source}: missing key 'rope_theta' (or 'rope_parameters.rope_theta')")
+def _shared_expert_width(raw: dict, source: str, family: _Family, get) -> int:
+    if family.shared_expert == "gated":
+        return get("shared_expert_intermediate_size", default=0)
+    if family.shared_expert == "plain":
+        return get("moe_intermediate_size") * get("n_shared_experts", default=0)
+    return 0
+
+
+def _routing(raw: dict, source: str, family: _Family, get, n_experts: int) -> dict:
+    """How the router picks experts; DeepSeek-V2's greedy or group-limited top-k."""
+    if family.model_type != "deepseek_v2":
+        return {}
+    scoring = raw.get("scoring_func", "softmax")
+    if scoring != "softmax":
+        raise SpecFitError(f"{source}: key 'scoring_func' must be 'softmax' for DeepSeek-V2, got {scoring!r}")
+    if raw.get("norm_topk_prob"):
+        # transformers' DeepSeek-V2 router ignores this flag: there is no reference to be lossless against
+        raise SpecFitError(f"{source}: key 'norm_topk_prob' is true; transformers' DeepSeek-V2 router never "
+                           f"renormalises, so only false is supported")
+    method = raw.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise SpecFitError(f"{source}: key 'topk_method' must be 'greedy' or 'group_limited_greedy', got {method!r}")
+    routing = dict(router="softmax_topk", routed_scaling_factor=get("routed_scaling_factor", default=1.0, kind=float),
+                   router_float32=True)
+    if method == "group_limited_greedy":
+        n_group, topk_group = get("n_group"), get("topk_group")
+        if n_group < 1 or n_experts % n_group or not 1 <= topk_group <= n_group:
+            raise SpecFitError(f"{source}: keys 'n_group' ({n_group}) and 'topk_group' ({topk_group}) must split "
+                               f"the {n_experts} experts into equal groups and pick 1..n_group of them")
+        routing.update(router="group_limited_topk", n_group=n_group, topk_group=topk_group)
+    return routing
+
+
+def _attention_bias(raw: dict, source: str, family: _Family) -> bool:
+    if family.model_type == "qwen2_moe":
+        return bool(raw.get("qkv_bias", True))   # 4.x configs have no key: the biases are always there
+    if raw.get("attention_bias"):
+        raise SpecFitError(f"{source}: key 'attention_bias' is true; attention biases are supported for "
+                           f"Qwen2-MoE's q/k/v only")
+    return False
+
+
+def _mla_shape(raw: dict, source: str, get, n_heads: int, n_kv_heads: int) -> MLAShape:
+    if n_kv_heads != n_heads:
+        raise SpecFitError(f"{source}: DeepSeek-V2 attention needs num_key_value_heads == num_attention_heads "
+                           f"({n_kv_heads} != {n_heads})")
+    return MLAShape(q_lora_rank=get("q_lora_rank", default=None), kv_lora_rank=get("kv_lora_rank"),
+                    qk_nope_head_dim=get("qk_nope_head_dim"), qk_rope_head_dim=get("qk_rope_head_dim"),
+                    v_head_dim=get("v_head_dim"))
 
 
 def _dtype_name(raw: dict, source: str) -> str | None:

@@ -9,7 +9,13 @@ interrupted, so every completed cycle survives):
   (:data:`specfit.accounting.CYCLE_COLUMNS`: predicted next to measured time, bytes, hits,
   misses, union sizes and committed tokens, plus the draft / verify / target-pass / transfer /
   drafter / search times), keyed by policy, sequence (prompt), position and cycle;
-- ``summary.json``: per policy, :func:`specfit.accounting.summarise` of its cycles.
+- ``summary.json``: per policy, :func:`specfit.accounting.summarise` of its cycles (the errors of
+  the profile's predictions and of the online-refitted model's, side by side) and the online
+  model's final parameters.
+
+Every policy decides with a cost model refitted on its own recent cycles as the run goes, the
+profile as the prior (:class:`specfit.calibrate.online.OnlineCostModel`); ``online_refit=False``
+(``--frozen-profile``) keeps the profile.
 
 ``--record TRACE`` writes the cycles of one policy as a trace; with ``--record-full`` a pass per
 prompt that verifies the whole drafted tree and commits one token records the position-indexed
@@ -28,16 +34,15 @@ from typing import Callable
 
 
 from ..accounting import live_row, summarise
-from ..errors import SpecFitError
-from ..io import atomic_write, write_json_atomic, write_jsonl_atomic
 
-__all__ = ["DecodePlan", "DecodeRun", "run_decode", "summarise_policy", "OUTPUT_FILE", "CYCLES_FILE", "SUMMARY_FILE",
-           "WARMUP_TOKENS"]
+
+from ..errors import Interrupted, SpecFitError
+from .run_dir import CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE, DecodeOutputs, read_decode_cycles
+
+__all__ = ["DecodePlan", "DecodeRun", "run_decode", "summarise_policy", "read_decode_cycles", "OUTPUT_FILE",
+           "CYCLES_FILE", "SUMMARY_FILE", "JOURNAL_FILE", "WARMUP_TOKENS"]
 
 WARMUP_TOKENS = 4
-OUTPUT_FILE = "decode.jsonl"
-CYCLES_FILE = "cycles.parquet"
-SUMMARY_FILE = "summary.json"
 
 
 @dataclass
@@ -67,6 +72,7 @@ class DecodePlan:
     cache_policy: str = "lru"
     predictor: str = "router"
     warmup: bool = True
+    online_refit: bool = True       # refit the cost model on the run's cycles as it goes (False: frozen profile)
 
     def validate(self):
         """Check the options that need no file; return the parsed policies."""
@@ -109,8 +115,9 @@ class DecodePlan:
         for failed, message in checks:
             if failed:
                 raise SpecFitError(message)
-        if self.device not in (None, "cpu", "cuda"):
-            raise SpecFitError(f"--device: expected cpu or cuda, got {self.device!r}")
+        from .devices import resolve_device
+
+        resolve_device(self.device)
         if self.dtype not in (None, "float32", "bfloat16"):
             raise SpecFitError(f"--dtype: expected float32 or bfloat16, got {self.dtype!r}")
         from ..experts.cache import EVICTION_POLICIES
@@ -124,6 +131,10 @@ class DecodePlan:
             raise SpecFitError(f"--predictor: expected one of {', '.join(LIVE_PREDICTORS)} (live), got {self.predictor!r}")
         if not Path(self.model_dir).is_dir():
             raise SpecFitError(f"--model {self.model_dir}: not a directory")
+        from ..io import check_output
+
+        check_output(self.out_dir, "--out", kind="dir")
+        check_output(self.record, "--record", kind="file")
         if self.drafter_dir is not None and not Path(self.drafter_dir).is_dir():
             raise SpecFitError(f"--drafter {self.drafter_dir}: not a directory")
         return policies
@@ -142,48 +153,27 @@ class DecodeRun:
     trace_path: Path | None = None
     trace_cycles: int = 0
     policies: list = field(default_factory=list)   # the policy objects, with what they learned
-
-
-class _Outputs:
-    """The files under ``--out``, rewritten whole after each prompt (atomic: never half-written);
-    ``cycles`` are rows of :data:`specfit.accounting.CYCLE_COLUMNS` with their keys."""
-
-    def __init__(self, out_dir: Path | None):
-        self.out_dir = out_dir
-        self.records: list[dict] = []
-        self.cycles: list[dict] = []
-        self.summaries: list[dict] = []
-
-    def flush(self) -> None:
-        if self.out_dir is None:
-            return
-        import pandas as pd
-
-        write_jsonl_atomic(self.out_dir / OUTPUT_FILE, self.records)
-        if self.cycles:
-            frame = pd.DataFrame(self.cycles)
-            atomic_write(self.out_dir / CYCLES_FILE, lambda tmp: frame.to_parquet(tmp, index=False))
-        if self.summaries:
-            write_json_atomic(self.out_dir / SUMMARY_FILE, self.summaries)
+    memory: dict = field(default_factory=dict)   # host expert bytes, pinned bytes, device expert-slot bytes
+    drafter_features: str | None = None          # which target layers feed the drafter
 
 
 def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None,
-               status: Callable[[str], None] | None = None, progress: Callable[[], None] | None = None) -> DecodeRun:
+               status: Callable[[str], None] | None = None, progress: Callable[[], None] | None = None,
+               ctx=None) -> DecodeRun:
     """Run ``plan``; ``on_record`` gets each (policy, prompt) record as it completes, ``status``
-    one-line messages (loading, calibrating), ``progress`` a tick per decoded prompt."""
-    import torch
+    one-line messages (loading, calibrating), ``progress`` a tick per decoded prompt; ``ctx`` the
+    command's context, for the command line ``run.json`` records."""
 
     from .config import ModelConfig
+    from .devices import resolve_device
     from .loader import drafter_capture_layers, load_drafter, load_model, load_tokenizer
     from .prompts import read_prompts
 
     say = status or (lambda message: None)
     tick = progress or (lambda: None)
     policies = plan.validate()
-    device = plan.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise SpecFitError("--device cuda: no CUDA device is available (use --device cpu)")
-    dtype = plan.dtype or ("bfloat16" if device == "cuda" else "float32")
+    device = resolve_device(plan.device)
+    dtype = plan.dtype or ("bfloat16" if device.type == "cuda" else "float32")
 
     config = ModelConfig.from_dir(plan.model_dir)
     tokenizer = load_tokenizer(plan.model_dir)
@@ -203,9 +193,20 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     profile, profile_path = _profile(plan, model, say)
     calibrator = _acceptance_calibrator(plan.acceptance_trace) if plan.acceptance_trace else None
 
-    outputs = _Outputs(plan.out_dir)
+    if plan.out_dir is not None:
+        from ..calibrate.profile import ModelShape
+        from ..runinfo import write_run_info
+
+        # the shape the cycles were measured on: a refit must not move them onto another one
+        shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
+        write_run_info(plan.out_dir, "decode", ctx, shape=shape.to_dict(), profile=profile.label)
+    outputs = DecodeOutputs(plan.out_dir)
     recorder = _recorder(plan, model, drafter, profile) if plan.record is not None else None
     expert_bytes, n_experts = model.offload.host.expert_bytes, model.config.n_experts
+    if plan.warmup:
+        from ..kernel_warmup import warm_up
+
+        warm_up()      # numba loads (or, after an install, compiles) the kernels before any timed cycle
     try:
         for policy in policies:
             if plan.warmup:
@@ -221,7 +222,15 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             for index, prompt in enumerate(prompts):
                 if decoder.recorder is not None:
                     decoder.recorder.begin_sequence(index)
-                result = decoder.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos)
+
+                def keep(stats, committed, policy=policy, index=index, first=len(outputs.cycles)):
+                    row = live_row(stats, profile.cost, expert_bytes, n_experts)
+                    row["committed_tokens"] = committed       # what reached the output (after eos / the length cap)
+                    outputs.add_cycle({"policy": policy.name, "sequence": index, "position": stats.position,
+                                       "cycle": len(outputs.cycles) - first, **row})
+
+                result = decoder.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos,
+                                          on_cycle=keep)
                 if decoder.recorder is not None:
                     decoder.recorder.end_sequence(len(result.output_ids))
                 record = {"index": index, "line": prompt.line, "policy": policy.name, "cache_experts": plan.cache_experts,
@@ -229,16 +238,14 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 if tokenizer is not None:
                     record["text"] = tokenizer.decode(result.output_ids, skip_special_tokens=True)
                 outputs.records.append(record)
-                for c, (stats, committed) in enumerate(zip(result.cycles, result.cycle_tokens)):
-                    row = live_row(stats, profile.cost, expert_bytes, n_experts)
-                    row["committed_tokens"] = committed       # what reached the output (after eos / the length cap)
-                    outputs.cycles.append({"policy": policy.name, "sequence": index, "position": stats.position,
-                                           "cycle": c, **row})
                 outputs.flush()
                 if on_record is not None:
                     on_record(record)
                 tick()
-            outputs.summaries.append(summarise_policy(policy.name, outputs.records, outputs.cycles))
+            summary = summarise_policy(policy.name, outputs.records, outputs.cycles)
+            if decoder.online is not None:
+                summary["online_model"] = decoder.online.state()
+            outputs.summaries.append(summary)
         if plan.record_full:
             say(f"recording full trees at every position into {plan.record}")
             full = _full_decoder(plan, model, drafter, profile.cost, recorder)
@@ -248,14 +255,23 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 result = full.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos)
                 recorder.end_sequence(len(result.output_ids))
                 tick()
-    finally:
-        outputs.flush()
+    except KeyboardInterrupt:
+        outputs.close()
+        where = f" in {plan.out_dir}" if plan.out_dir is not None else " (no --out: nothing was written)"
+        raise Interrupted(f"interrupted: kept every complete cycle, {len(outputs.cycles)} of them "
+                          f"({len(outputs.records)} (policy, prompt) run(s) finished){where}") from None
+    outputs.close()
     trace_path = None
     if recorder is not None:
         from ..traces.format import write_trace
 
         trace_path = write_trace(recorder.trace(), plan.record)
-    return DecodeRun(records=outputs.records, cycles=outputs.cycles, summaries=outputs.summaries,
+    host = model.offload.host
+    memory = {"host_expert_bytes": host.nbytes, "pinned_bytes": host.pinned_bytes,
+              "device_expert_bytes": model.offload.device_bytes}
+    describe = getattr(getattr(drafter, "config", None), "describe_feature_layers", None)
+    return DecodeRun(memory=memory, drafter_features=describe(model.config.n_layers) if describe else None,
+                     records=outputs.records, cycles=outputs.cycles, summaries=outputs.summaries,
                      profile_label=profile.label, profile_path=profile_path,
                      outputs_identical=_outputs_identical(outputs.records) if plan.temperature == 0 else None,
                      trace_path=trace_path, trace_cycles=len(recorder) if recorder is not None else 0,
@@ -264,22 +280,24 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
 
 # --------------------------------------------------------------------------- pieces
 def _profile(plan: DecodePlan, model, say):
-    """(profile, path): ``--profile`` when given; else this machine's default profile for the
-    model, calibrated (quickly, on the loaded model) and saved on first use."""
+    """(profile, path): ``--profile`` when given; else this machine's profile for the model from
+    ``calibrate/`` in the current directory or the user's cache; else one calibrated quickly on
+    the loaded model and saved in the cache (and said where)."""
     from ..calibrate.presets import resolve_profile
     from ..calibrate.profile import ModelShape, load_profile, machine_info
-    from ..calibrate.calibrate_job import CalibrationPlan, calibrate, default_profile_path
+    from ..calibrate.calibrate_job import CalibrationPlan, cached_profile_path, calibrate, default_profile_path
 
     shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
     if plan.profile is not None:
         path = Path(plan.profile) if Path(plan.profile).suffix == ".json" else None
         return resolve_profile(plan.profile, shape, rescale=plan.rescale), path
-    path = default_profile_path(machine_info(), shape)
-    if path.is_file():
-        return load_profile(path).for_shape(shape, rescale=plan.rescale, source=str(path)), path
+    machine = machine_info()
+    for path in (default_profile_path(machine, shape), cached_profile_path(machine, shape)):
+        if path.is_file():
+            return load_profile(path).for_shape(shape, rescale=plan.rescale, source=str(path)), path
     say(f"no profile for this machine and model yet: quick calibration, saved to {path}")
     profile = calibrate(CalibrationPlan(model_dir=Path(plan.model_dir), drafter_dir=plan.drafter_dir,
-                                        device=str(model.device.type), quick=True, seed=plan.seed), model=model)
+                                        device=str(model.device), quick=True, seed=plan.seed), model=model)
     profile.save(path)
     return profile, path
 
@@ -304,7 +322,8 @@ def _decoder(plan, model, drafter, policy, cost, calibrator, recorder):
     predictor = make_predictor("router", model=model) if plan.predictor == "router" else make_predictor(plan.predictor)
     proposer = Proposer(drafter, plan.tree_top_k) if policy.max_levels > 0 else None
     return Decoder(model, proposer, policy, cost, predictor=predictor, eos_token_ids=model.config.eos_token_ids,
-                   temperature=plan.temperature, seed=plan.seed, calibrator=calibrator, recorder=recorder)
+                   temperature=plan.temperature, seed=plan.seed, calibrator=calibrator, recorder=recorder,
+                   online_refit=plan.online_refit)
 
 
 def _full_decoder(plan, model, drafter, cost, recorder):
@@ -315,14 +334,14 @@ def _full_decoder(plan, model, drafter, cost, recorder):
     # "verify everything": the rerank keeping as many nodes as the tree can have, one token committed
     policy = RerankPolicy(tree_capacity(plan.tree_top_k, plan.max_levels), plan.max_levels, name="full")
     return Decoder(model, Proposer(drafter, plan.tree_top_k), policy, cost, eos_token_ids=model.config.eos_token_ids,
-                   recorder=recorder, commit_root_only=True)
+                   recorder=recorder, commit_root_only=True, online_refit=False)
 
 
 def _recorder(plan: DecodePlan, model, drafter, profile):
     from .record import TraceRecorder
 
     c = model.config
-    model_meta = {"name": Path(plan.model_dir).name, "n_layers": c.n_layers, "n_experts": c.n_experts, "top_k": c.top_k,
+    model_meta = {"name": Path(plan.model_dir).name, "n_layers": c.n_moe_layers, "n_experts": c.n_experts, "top_k": c.top_k,
                   "expert_bytes": model.offload.host.expert_bytes, "vocab_size": c.vocab_size}
     drafter_meta = {"name": Path(plan.drafter_dir).name if plan.drafter_dir else "none",
                     "kind": getattr(getattr(drafter, "config", None), "kind", "eagle3"),

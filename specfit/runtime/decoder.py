@@ -19,13 +19,16 @@ drafted node, that records the position-indexed trace the simulator replays exac
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
 
-from ..costmodel import CostModel
+from ..calibrate.online import OnlineCostModel
+from ..costmodel import CostModel, expert_union
 from ..experts.calibration import AcceptanceCalibrator
 from ..experts.predictors import ExpertPredictor, NodeBatch, slots_right
 from ..policies import ArPolicy, CycleView, Observation, Policy
@@ -37,7 +40,7 @@ from .drafting import Proposer, tree_capacity
 from .model import MoETransformer, causal_mask
 from .offload import OffloadCounters
 
-__all__ = ["Decoder", "device_now", "DecodeResult", "Draft", "Verification", "Commit", "CycleStats"]
+__all__ = ["Decoder", "device_now", "charged_misses", "DecodeResult", "Draft", "Verification", "Commit", "CycleStats"]
 
 
 @dataclass
@@ -49,6 +52,8 @@ class Draft:
     edge_logprob: np.ndarray        # float64 [n] the drafter's log p(node | parent), root 0
     nodes: np.ndarray               # the nodes to verify (sorted, with the root)
     selection: Selection | None     # the policy's choice and its prediction (None without a cost model)
+    cached: np.ndarray | None = None  # bool [L, E] the expert cache's residency the policy saw
+    cost: CostModel | None = None   # the cost model the policy decided with (the online one when refitting)
     draft_levels: int = 0
     drafter_time_s: float = 0.0     # the drafter's forward passes
     search_time_s: float = 0.0      # the policy's decisions (keep drafting? which nodes?)
@@ -103,10 +108,16 @@ class CycleStats:
     verify_time_s: float           # from the selection to the committed tokens (target pass, acceptance, KV)
     predicted_slots: int = 0       # (layer, rank) slots predicted for verified draft nodes
     predicted_slots_right: int = 0  # ... naming an expert the node really routed to
+    learn_time_s: float = 0.0      # after the commit: the policy, the predictor and the cost model learn
+    cpu_time_s: float = float("nan")   # CPU time of the decoding thread over the cycle
+    online: bool = False           # the policy decided with the online-refitted cost model
+    # int [L]: misses the expert cache's bookkeeping gives the true experts from the residency before
+    # the cycle (what the cost model charges, checked against what the offload moved)
+    charged_misses_per_layer: np.ndarray | None = None
 
     @property
     def cycle_time_s(self) -> float:
-        return self.draft_time_s + self.verify_time_s
+        return self.draft_time_s + self.verify_time_s + self.learn_time_s
 
     @property
     def offload(self) -> OffloadCounters:
@@ -173,12 +184,16 @@ class Decoder:
         calibrator: maps draft probabilities to acceptance probabilities (None: the drafter's own).
         recorder: receives every cycle (see :class:`specfit.runtime.record.TraceRecorder`).
         commit_root_only: commit the root's verdict alone every cycle (full-tree recording).
+        online_refit: refit the cost model on the run's measured cycles as it goes, the profile
+            (``cost``) as the prior, and let the policy decide with it (True: an
+            :class:`~specfit.calibrate.online.OnlineCostModel` with its defaults; an instance to
+            configure it; False: the profile, frozen).
     """
 
     def __init__(self, model: MoETransformer, proposer: Proposer | None = None, policy: Policy | None = None,
                  cost: CostModel | None = None, predictor: ExpertPredictor | None = None, eos_token_ids=(),
                  temperature: float = 0.0, seed: int = 0, calibrator: AcceptanceCalibrator | None = None,
-                 recorder=None, commit_root_only: bool = False):
+                 recorder=None, commit_root_only: bool = False, online_refit: bool | OnlineCostModel = True):
         if temperature < 0:
             raise ValueError(f"temperature: expected >= 0, got {temperature}")
         policy = policy or ArPolicy()
@@ -187,6 +202,11 @@ class Decoder:
         if policy.max_levels > 0 and cost is None:
             raise ValueError(f"policy {policy.name!r} decides with a cost model: pass cost")
         self.model, self.proposer, self.policy, self.cost = model, proposer, policy, cost
+        self.prior_cost = cost                # the profile's model; self.cost is the one deciding
+        self.online: OnlineCostModel | None = None
+        if online_refit and cost is not None:
+            self.online = online_refit if isinstance(online_refit, OnlineCostModel) else OnlineCostModel(cost)
+        self._pending = None                  # the last cycle's counts and full time, for the online fit
         if predictor is None and cost is not None:
             from ..experts.router import RouterPredictor
 
@@ -204,8 +224,11 @@ class Decoder:
         self._last_known: np.ndarray | None = None   # [L, k] routing of the last committed token the target ran
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompt_ids, max_new_tokens: int, ignore_eos: bool = False) -> DecodeResult:
-        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``, measuring every cycle."""
+    def generate(self, prompt_ids, max_new_tokens: int, ignore_eos: bool = False,
+                 on_cycle: Callable[[CycleStats, int], None] | None = None) -> DecodeResult:
+        """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``, measuring every cycle;
+        ``on_cycle(stats, tokens)`` gets each cycle as soon as it is committed, with the tokens it
+        added to the output (fewer than it committed when the output ends inside it)."""
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("prompt_ids: expected at least one token")
@@ -218,7 +241,7 @@ class Decoder:
         tree_slots = min(tree_slots, max(self.model.config.max_position_embeddings - committed_slots, 0))
         if self.model.max_seq_len < committed_slots + tree_slots:
             self.model.setup_kv_cache(committed_slots + tree_slots)
-        totals = OffloadCounters.zeros(self.model.config.n_layers)
+        totals = OffloadCounters.zeros(self.model.config.n_moe_layers)
 
         start = device_now(self.model.device)
         root, prefill = self.prefill(prompt_ids, max_new_tokens)
@@ -230,18 +253,26 @@ class Decoder:
         decode_bytes_h2d = 0
         start = device_now(self.model.device)
         while stop_reason != "eos" and len(output) < max_new_tokens:
-            cycle_start = device_now(self.model.device)
+            cycle_start, cpu_start = device_now(self.model.device), time.thread_time()
             # a cycle commits at most depth + 1 tokens: deeper levels could never be used
             draft = self.draft(root, max_levels=max_new_tokens - len(output) - 1)
             selected = device_now(self.model.device)
             levers.finish_prefetch(self, draft)
+            # global mode can evict a later layer's expert within the pass: its check needs the state
+            before = copy.deepcopy(self.model.offload.cache) if self.model.offload.cache.mode == "global" else None
             verification = self.verify(draft.tree, draft.nodes, keep=levers.cache_keep(self, draft))
             commit = self.commit(draft, verification)
-            done = device_now(self.model.device)
+            verified = device_now(self.model.device)
             stats = CycleStats(position=len(output) - 1, draft=draft, verification=verification,
                                committed_tokens=len(commit.tokens), draft_time_s=selected - cycle_start,
-                               verify_time_s=done - selected)
+                               verify_time_s=verified - selected, online=self.online is not None)
             self._learn(stats)
+            stats.learn_time_s = device_now(self.model.device) - verified
+            stats.cpu_time_s = time.thread_time() - cpu_start
+            offload = verification.offload
+            self._pending = (draft.draft_levels, int(verification.nodes.size), offload.total_hits,
+                             offload.total_misses, stats.cycle_time_s)
+            stats.charged_misses_per_layer = charged_misses(verification.expert_ids, draft.cached, before)
             cycles.append(stats)
             totals += verification.offload
             prefetch_bytes = draft.prefetched * self.model.offload.host.expert_bytes
@@ -257,6 +288,8 @@ class Decoder:
             root = tokens[-1]
             if self.recorder is not None:
                 self.recorder.add_cycle(stats)
+            if on_cycle is not None:
+                on_cycle(stats, len(tokens))
         decode_time_s = device_now(self.model.device) - start
         return DecodeResult(prompt_ids=prompt_ids, output_ids=output, stop_reason=stop_reason,
                             prefill_time_s=prefill_time_s, decode_time_s=decode_time_s, n_cycles=len(cycle_tokens),
@@ -291,12 +324,13 @@ class Decoder:
         it select the nodes to verify."""
         draft = Draft(tree=DraftTree(parents=np.array([-1]), path_probs=np.array([1.0]), tokens=np.array([root_token])),
                       experts=np.zeros((1, 0, 0), dtype=np.int64), edge_logprob=np.zeros(1),
-                      nodes=np.zeros(1, dtype=np.int64), selection=None)
+                      nodes=np.zeros(1, dtype=np.int64), selection=None,
+                      cached=self.model.offload.cache.resident(), cost=self.cost)
         if self.cost is None:                           # nothing to decide with: verify the root
             return draft
         self.policy.begin_cycle()
         draft.experts = self._predict(draft, np.array([root_token]), None)
-        view = CycleView(draft.tree, draft.experts, self.model.offload.cache.resident(), self.cost, 0)
+        view = CycleView(draft.tree, draft.experts, draft.cached, self.cost, 0)
         levels_cap = min(self.policy.max_levels, max_levels)
         tree = None
         prefetcher = self.policy.prefetcher
@@ -391,6 +425,10 @@ class Decoder:
             context = torch.cat(draft.contexts)[torch.from_numpy(nodes)] if draft.contexts else None
             self.predictor.update(stats.draft.tree.tokens[nodes], verification.expert_ids,
                                   self.model.config.n_experts, last_known=last, context=context)
+        if self.online is not None and self._pending is not None:
+            # the previous cycle, whose time is complete only once its own learning has run
+            self.online.observe(*self._pending)
+            self.cost = self.online.cost
 
     def _predict(self, draft: Draft, tokens: np.ndarray, context) -> np.ndarray:
         start = time.perf_counter()
@@ -420,6 +458,24 @@ class Decoder:
 
     def _is_eos(self, token: int, ignore_eos: bool) -> bool:
         return not ignore_eos and token in self.eos_token_ids
+
+
+def charged_misses(expert_ids: np.ndarray, cached: np.ndarray, before=None) -> np.ndarray:
+    """int [L]: misses of the true experts (``expert_ids[node, layer, k]`` of the verified nodes)
+    against the residency ``cached[layer, expert]`` before the cycle, as the expert cache's own
+    bookkeeping gives them: per layer, the union's experts not resident; in global mode (``before``,
+    a copy of the cache before the pass) by admitting each layer's union in order, as the offload
+    does, since an admit can evict an expert a later layer then misses."""
+    n_experts = cached.shape[1]
+    union = expert_union(expert_ids, np.arange(expert_ids.shape[0]), n_experts)
+    if before is None:
+        return np.count_nonzero(union & ~cached, axis=1).astype(np.int64)
+    misses = np.zeros(union.shape[0], dtype=np.int64)
+    for layer in range(union.shape[0]):
+        row = np.zeros_like(union)
+        row[layer] = union[layer]
+        misses[layer] = before.admit(row).misses[layer]
+    return misses
 
 
 def device_now(device: torch.device) -> float:

@@ -7,7 +7,11 @@ in host memory, each expert once. Accepted layouts:
 - experts per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``; Mixtral
   ``block_sparse_moe.experts.{e}.{w1,w3,w2}.weight``) or fused (``mlp.experts.gate_up_proj``
   [E, 2I, H] with rows [:I] the gate, and ``mlp.experts.down_proj`` [E, H, I]), under either
-  ``mlp`` or ``block_sparse_moe``.
+  ``mlp`` or ``block_sparse_moe``; only MoE layers have them;
+- dense MLP layers ``mlp.{gate,up,down}_proj.weight``; shared experts ``mlp.shared_expert.*`` with
+  ``mlp.shared_expert_gate.weight`` [1, H] (Qwen2-MoE) or ``mlp.shared_experts.*`` (DeepSeek-V2);
+  q/k/v biases (Qwen2-MoE); DeepSeek-V2's MLA projections (``q_proj`` or ``q_a_proj`` /
+  ``q_a_layernorm`` / ``q_b_proj``, ``kv_a_proj_with_mqa``, ``kv_a_layernorm``, ``kv_b_proj``).
 
 Every tensor is checked against the shape the config implies; a missing or mis-shaped tensor is
 one error naming the tensor, its expected shape and the file.
@@ -26,9 +30,10 @@ import torch
 from safetensors import safe_open
 
 from ..errors import SpecFitError
+from ..io import read_json_object
 from .config import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
 from .draft_model import ModelDrafter
-from .eagle3 import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Drafter
+from .eagle3 import EAGLE3_ARCHITECTURE, SPECULATORS_ARCHITECTURE, Eagle3Config, Eagle3Drafter
 from .model import MoETransformer
 from .offload import ExpertOffload, HostExperts
 
@@ -57,8 +62,8 @@ class Checkpoint:
                 if not path.is_file():
                     raise SpecFitError(f"{index}: shard {path.name} is listed but missing from {self.model_dir}")
         elif single.is_file():
-            with safe_open(single, framework="pt") as f:
-                self.files = {name: single for name in f.keys()}
+            self._handles = {}
+            self.files = {name: single for name in self._handle(single).keys()}
         else:
             raise SpecFitError(f"{self.model_dir}: no model.safetensors or model.safetensors.index.json "
                                f"(only safetensors checkpoints are supported)")
@@ -78,10 +83,17 @@ class Checkpoint:
         if name not in self.files:
             raise SpecFitError(f"{self.model_dir}: missing tensor {name!r} (expected shape {expected})")
         handle = self._handle(self.files[name])
-        actual = list(handle.get_slice(name).get_shape())
+        try:
+            actual = list(handle.get_slice(name).get_shape())
+        except Exception as exc:  # a header that names the tensor but a file that lost it
+            raise SpecFitError(f"{self.files[name]}: tensor {name!r} cannot be read ({exc})") from None
         if actual != expected:
             raise SpecFitError(f"{self.files[name]}: tensor {name!r} has shape {actual}, expected {expected}")
-        return handle.get_tensor(name).to(dtype)
+        try:
+            tensor = handle.get_tensor(name)
+        except Exception as exc:  # truncated or overwritten data after a valid header
+            raise SpecFitError(f"{self.files[name]}: tensor {name!r} cannot be read; the file is damaged ({exc})") from None
+        return tensor.to(dtype)
 
     def close(self) -> None:
         self._handles.clear()
@@ -115,9 +127,9 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     checkpoint = Checkpoint(model_dir)
     try:
         dense = _dense_state_dict(checkpoint, config, dtype, device)
-        host = HostExperts(config.n_layers, config.n_experts, config.hidden_size, config.expert_intermediate_size,
+        host = HostExperts(config.n_moe_layers, config.n_experts, config.hidden_size, config.expert_intermediate_size,
                            dtype, pin_memory=device.type == "cuda")
-        for layer in range(config.n_layers):
+        for layer in config.moe_layers:
             _load_layer_experts(checkpoint, config, layer, host)
             checkpoint.close()   # unmap the files: pages read so far would otherwise stay resident
     finally:
@@ -147,21 +159,19 @@ def load_tokenizer(model_dir: str | Path):
 
 # ----------------------------------------------------------------- drafters
 def is_eagle3(drafter_dir: str | Path) -> bool:
-    """An EAGLE-3 head (its config names ``LlamaForCausalLMEagle3``) or an independent draft model
-    (a supported MoE architecture)."""
+    """An EAGLE-3 head (its config names ``LlamaForCausalLMEagle3``, or vLLM speculators'
+    ``Eagle3Speculator``) or an independent draft model (a supported MoE architecture)."""
     path = Path(drafter_dir) / "config.json"
-    try:
-        architectures = json.loads(path.read_text()).get("architectures") or []
-    except FileNotFoundError:
-        raise SpecFitError(f"{path}: no such file; expected an EAGLE-3 head or a draft model's config.json") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise SpecFitError(f"{path}: not a readable JSON file ({exc})") from None
-    if EAGLE3_ARCHITECTURE in architectures:
+    raw = read_json_object(path, "an EAGLE-3 head or a draft model's config.json")
+    architectures = raw.get("architectures") or []
+    if EAGLE3_ARCHITECTURE in architectures or SPECULATORS_ARCHITECTURE in architectures:
+        return True
+    if isinstance(raw, dict) and raw.get("speculators_model_type") is not None:
         return True
     if any(a in SUPPORTED_ARCHITECTURES for a in architectures):
         return False
-    raise SpecFitError(f"{path}: key 'architectures' is {architectures}; expected {EAGLE3_ARCHITECTURE} or a draft "
-                       f"model of {', '.join(SUPPORTED_ARCHITECTURES)}")
+    raise SpecFitError(f"{path}: key 'architectures' is {architectures}; expected {EAGLE3_ARCHITECTURE}, "
+                       f"{SPECULATORS_ARCHITECTURE} or a draft model of {', '.join(SUPPORTED_ARCHITECTURES)}")
 
 
 def drafter_capture_layers(drafter_dir: str | Path, target: ModelConfig) -> tuple[int, ...] | None:
@@ -172,9 +182,11 @@ def drafter_capture_layers(drafter_dir: str | Path, target: ModelConfig) -> tupl
     config = Eagle3Config.from_file(Path(drafter_dir) / "config.json")
     config.check_target(target.vocab_size, target.hidden_size, source="target model")
     aux = config.aux_hidden_state_layer_ids
-    if aux is not None and not all(0 <= layer < target.n_layers for layer in aux):
-        raise SpecFitError(f"{Path(drafter_dir) / 'config.json'}: key 'eagle_aux_hidden_state_layer_ids' is "
-                           f"{list(aux)}, but the target has {target.n_layers} layers")
+    # input of layer n_layers = the last layer's output (vLLM's id L)
+    if aux is not None and not all(0 <= layer <= target.n_layers for layer in aux):
+        raise SpecFitError(f"{Path(drafter_dir) / 'config.json'}: key '{config.aux_layers_key}' is "
+                           f"{list(config.aux_layers_in_file)} (inputs of layers {list(aux)}), but the target has "
+                           f"{target.n_layers} layers")
     return aux
 
 
@@ -221,30 +233,40 @@ def _resolve_dtype(dtype, config: ModelConfig) -> torch.dtype:
 
 
 def _dense_state_dict(checkpoint: Checkpoint, config: ModelConfig, dtype, device) -> dict[str, torch.Tensor]:
-    """Everything but the experts, under :class:`MoETransformer`'s parameter names."""
-    H, V, E, hd = config.hidden_size, config.vocab_size, config.n_experts, config.head_dim
+    """Everything but the routed experts, under :class:`MoETransformer`'s parameter names."""
+    H, V, E = config.hidden_size, config.vocab_size, config.n_experts
     shapes = {"embed_tokens.weight": ("model.embed_tokens.weight", (V, H)),
               "norm.weight": ("model.norm.weight", (H,))}
     if not config.tie_word_embeddings or "lm_head.weight" in checkpoint:
         shapes["lm_head.weight"] = ("lm_head.weight", (V, H))
-    if config.qk_norm == "per_head":
-        q_norm, k_norm = (hd,), (hd,)
-    else:
-        q_norm, k_norm = (config.n_heads * hd,), ((H // config.n_heads) * config.n_kv_heads,)
+    float32 = set()                      # tensors kept in float32 whatever the compute dtype
     for layer in range(config.n_layers):
         ours, theirs = f"layers.{layer}.", f"model.layers.{layer}."
-        attn = {"q_proj": (config.n_heads * hd, H), "k_proj": (config.n_kv_heads * hd, H),
-                "v_proj": (config.n_kv_heads * hd, H), "o_proj": (H, config.n_heads * hd)}
-        if config.qk_norm is not None:
-            attn.update(q_norm=q_norm, k_norm=k_norm)
+        attn = _mla_shapes(config) if config.mla is not None else _attention_shapes(config)
         for name, shape in attn.items():
-            shapes[f"{ours}self_attn.{name}.weight"] = (f"{theirs}self_attn.{name}.weight", shape)
+            shapes[f"{ours}self_attn.{name}"] = (f"{theirs}self_attn.{name}", shape)
         for name in ("input_layernorm", "post_attention_layernorm"):
             shapes[f"{ours}{name}.weight"] = (f"{theirs}{name}.weight", (H,))
-        shapes[f"{ours}moe.gate.weight"] = (f"{theirs}{_moe_prefix(checkpoint, layer)}.gate.weight", (E, H))
+        if config.moe_index(layer) is None:
+            I = config.dense_intermediate_size
+            for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                shapes[f"{ours}mlp.{name}.weight"] = (f"{theirs}mlp.{name}.weight", shape)
+            continue
+        prefix = f"{theirs}{_moe_prefix(checkpoint, layer)}"
+        shapes[f"{ours}moe.gate.weight"] = (f"{prefix}.gate.weight", (E, H))
+        if config.router_float32:
+            float32.add(f"{ours}moe.gate.weight")
+        if config.shared_expert_intermediate_size:
+            I = config.shared_expert_intermediate_size
+            stored = "shared_expert" if config.shared_expert_gated else "shared_experts"   # Qwen2-MoE / DeepSeek
+            for name, shape in (("gate_proj", (I, H)), ("up_proj", (I, H)), ("down_proj", (H, I))):
+                shapes[f"{ours}shared_expert.{name}.weight"] = (f"{prefix}.{stored}.{name}.weight", shape)
+            if config.shared_expert_gated:
+                shapes[f"{ours}shared_expert.gate.weight"] = (f"{prefix}.shared_expert_gate.weight", (1, H))
     # copy=True: a tensor read from a safetensors file can share the file's memory map, which
     # would keep every page read from that file resident for the model's lifetime
-    dense = {ours: checkpoint.get(theirs, shape, dtype).to(device, copy=True) for ours, (theirs, shape) in shapes.items()}
+    dense = {ours: checkpoint.get(theirs, shape, torch.float32 if ours in float32 else dtype).to(device, copy=True)
+             for ours, (theirs, shape) in shapes.items()}
     if "lm_head.weight" not in dense:
         dense["lm_head.weight"] = dense["embed_tokens.weight"]   # tied: one tensor, two uses
     return dense
@@ -262,11 +284,39 @@ def load_router(model_dir: str | Path, context_weight: float = 0.5):
         embed = checkpoint.get("model.embed_tokens.weight", (config.vocab_size, H), torch.float32)
         weights = [checkpoint.get(f"model.layers.{layer}.{_moe_prefix(checkpoint, layer)}.gate.weight", (E, H), torch.float32)
                    * checkpoint.get(f"model.layers.{layer}.post_attention_layernorm.weight", (H,), torch.float32)
-                   for layer in range(config.n_layers)]
+                   for layer in config.moe_layers]
     finally:
         checkpoint.close()
     return RouterPredictor(context_weight=context_weight, embed=embed, router_weight=torch.stack(weights),
                            eps=config.rms_norm_eps, top_k=config.top_k)
+
+
+def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    H, hd = config.hidden_size, config.head_dim
+    q_width, kv_width = config.n_heads * hd, config.n_kv_heads * hd
+    shapes = {"q_proj.weight": (q_width, H), "k_proj.weight": (kv_width, H), "v_proj.weight": (kv_width, H),
+              "o_proj.weight": (H, q_width)}
+    if config.attention_bias:
+        shapes.update({"q_proj.bias": (q_width,), "k_proj.bias": (kv_width,), "v_proj.bias": (kv_width,)})
+    if config.qk_norm == "per_head":
+        shapes.update({"q_norm.weight": (hd,), "k_norm.weight": (hd,)})
+    elif config.qk_norm == "full":
+        shapes.update({"q_norm.weight": (q_width,), "k_norm.weight": ((H // config.n_heads) * config.n_kv_heads,)})
+    return shapes
+
+
+def _mla_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    mla, H, heads = config.mla, config.hidden_size, config.n_heads
+    shapes = {"kv_a_proj_with_mqa.weight": (mla.kv_lora_rank + mla.qk_rope_head_dim, H),
+              "kv_a_layernorm.weight": (mla.kv_lora_rank,),
+              "kv_b_proj.weight": (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+              "o_proj.weight": (H, heads * mla.v_head_dim)}
+    if mla.q_lora_rank is None:
+        shapes["q_proj.weight"] = (heads * mla.qk_head_dim, H)
+    else:
+        shapes.update({"q_a_proj.weight": (mla.q_lora_rank, H), "q_a_layernorm.weight": (mla.q_lora_rank,),
+                       "q_b_proj.weight": (heads * mla.qk_head_dim, mla.q_lora_rank)})
+    return shapes
 
 
 def _moe_prefix(checkpoint: Checkpoint, layer: int) -> str:
@@ -277,18 +327,20 @@ def _moe_prefix(checkpoint: Checkpoint, layer: int) -> str:
 
 
 def _load_layer_experts(checkpoint: Checkpoint, config: ModelConfig, layer: int, host: HostExperts) -> None:
+    """The routed experts of decoder layer ``layer`` into ``host`` (indexed by MoE layer)."""
     E, H, I = config.n_experts, config.hidden_size, config.expert_intermediate_size
     base = f"model.layers.{layer}.{_moe_prefix(checkpoint, layer)}.experts"
     dtype = host.dtype
+    index = config.moe_index(layer)
     if f"{base}.gate_up_proj" in checkpoint:
-        host.gate_up[layer].copy_(checkpoint.get(f"{base}.gate_up_proj", (E, 2 * I, H), dtype))
-        host.down[layer].copy_(checkpoint.get(f"{base}.down_proj", (E, H, I), dtype))
+        host.gate_up[index].copy_(checkpoint.get(f"{base}.gate_up_proj", (E, 2 * I, H), dtype))
+        host.down[index].copy_(checkpoint.get(f"{base}.down_proj", (E, H, I), dtype))
         return
     gate, up, down = next((names for names in _EXPERT_NAMES if f"{base}.0.{names[0]}.weight" in checkpoint),
                           _EXPERT_NAMES[0])
     for expert in range(E):
         prefix = f"{base}.{expert}"
         # copy tensor by tensor so host memory stays near one copy of the experts
-        host.gate_up[layer][expert, :I].copy_(checkpoint.get(f"{prefix}.{gate}.weight", (I, H), dtype))
-        host.gate_up[layer][expert, I:].copy_(checkpoint.get(f"{prefix}.{up}.weight", (I, H), dtype))
-        host.down[layer][expert].copy_(checkpoint.get(f"{prefix}.{down}.weight", (H, I), dtype))
+        host.gate_up[index][expert, :I].copy_(checkpoint.get(f"{prefix}.{gate}.weight", (I, H), dtype))
+        host.gate_up[index][expert, I:].copy_(checkpoint.get(f"{prefix}.{up}.weight", (I, H), dtype))
+        host.down[index][expert].copy_(checkpoint.get(f"{prefix}.{down}.weight", (H, I), dtype))

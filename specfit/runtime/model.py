@@ -1,4 +1,5 @@
-"""A compact forward pass for Hugging Face MoE checkpoints (Qwen3-MoE, OLMoE, Mixtral).
+"""A compact forward pass for Hugging Face MoE checkpoints (Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral,
+DeepSeek-V2).
 
 gpt-fast style: plain modules, a static KV cache written at explicit slots, a forward that reads
 top to bottom. The math mirrors ``transformers``' eager path operation by operation (see
@@ -12,7 +13,10 @@ their positions (siblings of a tree share a position). :meth:`MoETransformer.com
 the accepted ones to contiguous slots after the prefix.
 
 The MoE block is the only place that knows about experts; it gets their weights from the
-:class:`~specfit.runtime.offload.ExpertOffload` layer by layer.
+:class:`~specfit.runtime.offload.ExpertOffload` layer by layer, under its MoE-layer index (dense
+layers and shared experts are plain resident weights, :mod:`specfit.runtime.dense`). The router
+is :mod:`specfit.runtime.routers`, RoPE :mod:`specfit.runtime.rope`, DeepSeek-V2's attention
+:mod:`specfit.runtime.mla`.
 """
 
 from __future__ import annotations
@@ -25,9 +29,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ModelConfig, default_capture_layers
+from .dense import DenseMLP, SharedExpert
+from .devices import to_host, upload
+from .layers import KVCache, RMSNorm, apply_rope
+from .mla import MLAttention
 from .offload import ExpertOffload, OffloadCounters
+from .rope import Rotary
+from .routers import route
 
-__all__ = ["MoETransformer", "ForwardOutput", "causal_mask"]
+__all__ = ["MoETransformer", "ForwardOutput", "causal_mask", "routing_plan", "expert_output"]
+
+_TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.bool_): torch.bool}
 
 
 @dataclass
@@ -36,10 +48,12 @@ class ForwardOutput:
 
     Attributes:
         logits: [R, V] for the requested rows (all T by default), in the compute dtype.
-        expert_ids: int64 [T, L, k], the router's top-k experts of each token at each layer.
+        expert_ids: int64 [T, L_moe, k], the router's top-k experts of each token at each MoE
+            layer (rank order).
         hidden: [T, len(capture_layers) * H], the inputs of the capture layers concatenated in
-            order (EAGLE-3's low / mid / high features), or None when nothing is captured.
-        offload: expert traffic of this pass, per layer.
+            order (EAGLE-3's low / mid / high features; layer ``n_layers`` is the last layer's
+            output before the final norm), or None when nothing is captured.
+        offload: expert traffic of this pass, per MoE layer.
     """
 
     logits: torch.Tensor
@@ -53,51 +67,15 @@ def causal_mask(n_cached: int, n_new: int) -> torch.Tensor:
     return torch.ones(n_new, n_cached + n_new, dtype=torch.bool).tril(diagonal=n_cached)
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm; frozen in the target, ``trainable`` for the drafter."""
-
-    def __init__(self, size: int, eps: float, trainable: bool = False):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=trainable)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # normalise in float32, cast back, then scale: transformers' order, which matters in bf16
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-class KVCache(nn.Module):
-    """Keys and values of one layer, [n_kv_heads, max_seq_len, head_dim], indexed by slot."""
-
-    def __init__(self, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype, device):
-        super().__init__()
-        shape = (n_kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-
-    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store [n_kv, T, hd] at slots start..start+T-1; return all keys/values up to there."""
-        end = start + k.shape[1]
-        self.k[:, start:end] = k
-        self.v[:, start:end] = v
-        return self.k[:, :end], self.v[:, :end]
-
-    def compact(self, start: int, keep: torch.Tensor) -> None:
-        # index_select copies first, so overlapping source and destination slots are safe
-        self.k[:, start:start + keep.numel()] = self.k[:, start:].index_select(1, keep)
-        self.v[:, start:start + keep.numel()] = self.v[:, start:].index_select(1, keep)
-
-
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         H, hd = config.hidden_size, config.head_dim
         self.n_heads, self.n_kv_heads, self.head_dim = config.n_heads, config.n_kv_heads, hd
-        self.q_proj = nn.Linear(H, config.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(H, config.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(H, config.n_kv_heads * hd, bias=False)
+        bias = config.attention_bias                                         # Qwen2-MoE: q/k/v biases
+        self.q_proj = nn.Linear(H, config.n_heads * hd, bias=bias)
+        self.k_proj = nn.Linear(H, config.n_kv_heads * hd, bias=bias)
+        self.v_proj = nn.Linear(H, config.n_kv_heads * hd, bias=bias)
         self.o_proj = nn.Linear(config.n_heads * hd, H, bias=False)
         self.qk_norm, self.clip_qkv = config.qk_norm, config.clip_qkv
         if config.qk_norm == "per_head":      # Qwen3: RMSNorm over head_dim, per head
@@ -108,6 +86,9 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm((H // config.n_heads) * config.n_kv_heads, config.rms_norm_eps)
         self.scale = hd ** -0.5
         self.kv_cache: KVCache | None = None
+
+    def make_kv_cache(self, max_seq_len: int, dtype: torch.dtype, device) -> KVCache:
+        return KVCache(self.n_kv_heads, max_seq_len, self.head_dim, dtype, device)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_len: int,
                 additive_mask: torch.Tensor) -> torch.Tensor:
@@ -134,58 +115,98 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Half-split RoPE: rotate_half(x) = cat(-x2, x1)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class MoEBlock(nn.Module):
-    """Router plus experts. Expert weights come from the offload, one expert at a time."""
+    """Router plus routed experts. Expert weights come from the offload, one expert at a time;
+    ``layer`` is the MoE-layer index the offload knows the experts by."""
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.gate = nn.Linear(config.hidden_size, config.n_experts, bias=False)
         self.layer, self.top_k = layer, config.top_k
-        self.norm_topk_prob = config.norm_topk_prob
-        self.routing_weights_float32 = config.routing_weights_float32
+        self.config = config
         self.offload: ExpertOffload | None = None
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing weights [T, k] and expert ids [T, k] of ``x`` [T, H]."""
+        return route(x, self.gate.weight, self.config)
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, np.ndarray]:
-        router_logits = self.gate(x)
-        probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-        weights, expert_ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        if not self.routing_weights_float32:
-            weights = weights.to(router_logits.dtype)
-        # the union decides the transfers, so routing must reach the host before any expert runs
-        expert_ids_host = expert_ids.cpu().numpy()
+        weights, expert_ids = self.route(x)
+        # the union decides the transfers, so routing must reach the host before any expert runs:
+        # the layer's one synchronisation
+        expert_ids_host = to_host(expert_ids)
+        experts, spans, index = routing_plan(expert_ids_host)
+        index = upload(index, x.device)              # one non-blocking copy for every expert's tokens
+        weights = weights.reshape(-1)
+        outputs = {}
+        # the offload yields hits first and misses as their copies land
+        for expert, gate_up, down in self.offload.layer_experts(self.layer, experts):
+            start, end = spans[expert]
+            outputs[expert] = expert_output(x, weights, index[:, start:end], gate_up, down)
         out = torch.zeros_like(x)
-        for expert, gate_up, down in self.offload.layer_experts(self.layer, np.unique(expert_ids_host)):
-            # (k-slot, token) order, as transformers gathers them
-            slot_in_top_k, token = np.nonzero(expert_ids_host.T == expert)
-            token = torch.from_numpy(token).to(x.device)
-            slot_in_top_k = torch.from_numpy(slot_in_top_k).to(x.device)
-            gate, up = F.linear(x[token], gate_up).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, down) * weights[token, slot_in_top_k, None]
+        for expert in experts.tolist():
             # ascending expert order with index_add_ reproduces transformers' sum bit for bit
+            token, y = outputs[expert]
             out.index_add_(0, token, y.to(out.dtype))
         return out, expert_ids_host
 
 
+def routing_plan(expert_ids: np.ndarray) -> tuple[np.ndarray, dict[int, tuple[int, int]], np.ndarray]:
+    """The layer's token-expert assignments sorted once, on the host.
+
+    ``expert_ids`` is int [T, k] (the router's top-k). Returns the union (ascending ids), each
+    expert's ``(start, end)`` columns, and ``index`` int64 [2, T*k]: row 0 the token, row 1 its
+    entry in the flattened [T, k] routing weights; within an expert, assignments are in
+    (k-slot, token) order, the order ``transformers`` gathers them in.
+    """
+    T, k = expert_ids.shape
+    flat = np.ascontiguousarray(expert_ids.T).reshape(-1).astype(np.int64)   # assignment = slot * T + token
+    order = np.argsort(flat, kind="stable")
+    experts, starts, counts = np.unique(flat[order], return_index=True, return_counts=True)
+    token, slot = order % T, order // T
+    spans = {e: (s, s + n) for e, s, n in zip(experts.tolist(), starts.tolist(), counts.tolist())}
+    return experts, spans, np.stack([token, token * k + slot])
+
+
+def expert_output(x: torch.Tensor, weights: torch.Tensor, index: torch.Tensor, gate_up: torch.Tensor,
+                  down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert's part of a MoE layer: gather its tokens (``index`` [2, n] from
+    :func:`routing_plan`), SwiGLU through ``gate_up`` [2I, H] and ``down`` [H, I], scale by the
+    routing weights (``weights`` flattened [T * k]). Returns (token ids, outputs [n, H]); the
+    calibration's hit probe times exactly this plus the ``index_add_``."""
+    token = index[0]
+    gate, up = F.linear(x[token], gate_up).chunk(2, dim=-1)
+    return token, F.linear(F.silu(gate) * up, down) * weights[index[1], None]
+
+
 class DecoderLayer(nn.Module):
+    """Attention, then routed experts (plus a shared expert where the family has one) on an MoE
+    layer or a dense MLP on a dense layer (``moe`` is None there)."""
+
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.moe = MoEBlock(config, layer)
+        H = config.hidden_size
+        self.input_layernorm = RMSNorm(H, config.rms_norm_eps)
+        if config.mla is not None:
+            self.self_attn = MLAttention(config)
+        else:
+            self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(H, config.rms_norm_eps)
+        moe_index = config.moe_index(layer)
+        self.moe = MoEBlock(config, moe_index) if moe_index is not None else None
+        self.mlp = DenseMLP(H, config.dense_intermediate_size) if moe_index is None else None
+        self.shared_expert = (SharedExpert(H, config.shared_expert_intermediate_size, config.shared_expert_gated)
+                              if moe_index is not None and config.shared_expert_intermediate_size else None)
 
-    def forward(self, x, cos, sin, cache_len, additive_mask) -> tuple[torch.Tensor, np.ndarray]:
+    def forward(self, x, cos, sin, cache_len, additive_mask) -> tuple[torch.Tensor, np.ndarray | None]:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache_len, additive_mask)
-        moe_out, expert_ids = self.moe(self.post_attention_layernorm(x))
-        return x + moe_out, expert_ids
+        h = self.post_attention_layernorm(x)
+        if self.moe is None:
+            return x + self.mlp(h), None
+        out, expert_ids = self.moe(h)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(h)    # routed + shared, transformers' order of the sum
+        return x + out, expert_ids
 
 
 class MoETransformer(nn.Module):
@@ -204,32 +225,36 @@ class MoETransformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.capture_layers = default_capture_layers(config.n_layers) if capture_layers is None else tuple(capture_layers)
-        bad = [layer for layer in self.capture_layers if not 0 <= layer < config.n_layers]
+        bad = [layer for layer in self.capture_layers if not 0 <= layer <= config.n_layers]
         if bad:
-            raise ValueError(f"capture_layers: expected layers in [0, {config.n_layers}), got {bad}")
+            raise ValueError(f"capture_layers: expected layers in [0, {config.n_layers}], got {bad}")
         self.offload: ExpertOffload | None = None
         self.max_seq_len = 0
 
     # ------------------------------------------------------------------ setup
     def init_rope(self) -> None:
         """(Re)compute RoPE frequencies on the model's device, after weights are loaded."""
-        hd = self.config.head_dim
-        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
-        self.register_buffer("inv_freq", inv_freq.to(self.device), persistent=False)
+        c = self.config
+        # a plain attribute, not a buffer: ``model.to(torch.bfloat16)`` leaves the float32
+        # frequencies alone (rounded ones would drift by radians at long positions)
+        self.rotary = Rotary(c.rope, c.head_dim, c.max_position_embeddings, device=self.device)
 
     def attach_offload(self, offload: ExpertOffload) -> None:
         self.offload = offload
-        for layer in self.layers:
-            layer.moe.offload = offload
+        for block in self.moe_blocks():
+            block.offload = offload
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        """The MoE blocks in MoE-layer order (dense layers have none)."""
+        return [layer.moe for layer in self.layers if layer.moe is not None]
 
     def setup_kv_cache(self, max_seq_len: int) -> None:
         """Allocate a static KV cache of ``max_seq_len`` slots per layer (its contents are lost)."""
         if max_seq_len > self.config.max_position_embeddings:
             raise ValueError(f"max_seq_len: {max_seq_len} exceeds the model's max_position_embeddings "
                              f"({self.config.max_position_embeddings})")
-        c = self.config
         for layer in self.layers:
-            layer.self_attn.kv_cache = KVCache(c.n_kv_heads, max_seq_len, c.head_dim, self.dtype, self.device)
+            layer.self_attn.kv_cache = layer.self_attn.make_kv_cache(max_seq_len, self.dtype, self.device)
         self.max_seq_len = int(max_seq_len)
 
     @property
@@ -254,51 +279,80 @@ class MoETransformer(nn.Module):
                 be consecutive and ``cache_len = positions[0]``.
             logits_rows: which rows' logits to compute (e.g. ``[-1]`` after a prefill); all by
                 default.
+
+        Host inputs (numpy arrays, lists, CPU tensors) are checked on the host and reach the
+        device together in one non-blocking copy; tensors already on the device are used where
+        they are (checking device ``positions`` without a mask costs a synchronisation).
         """
-        input_ids = self._long(input_ids)
-        positions = self._long(positions)
-        T = input_ids.numel()
-        if positions.numel() != T:
-            raise ValueError(f"positions: expected {T} positions, one per input token, got {positions.numel()}")
+        ids = self._host_or_device(input_ids, np.int64)
+        positions = self._host_or_device(positions, np.int64)
+        T = ids.shape[0]
+        if positions.shape[0] != T:
+            raise ValueError(f"positions: expected {T} positions, one per input token, got {positions.shape[0]}")
         if attn_mask is None:
-            cache_len = int(positions[0])
-            if not torch.equal(positions, torch.arange(cache_len, cache_len + T, device=self.device)):
+            start = positions if isinstance(positions, np.ndarray) else positions.cpu().numpy()
+            cache_len = int(start[0]) if T else 0
+            if not np.array_equal(start, np.arange(cache_len, cache_len + T)):
                 raise ValueError("positions: without attn_mask the tokens must continue the cache at consecutive positions")
-            attn_mask = causal_mask(cache_len, T)
-        attn_mask = torch.as_tensor(attn_mask, dtype=torch.bool, device=self.device)
-        cache_len = attn_mask.shape[-1] - T
-        if attn_mask.shape != (T, cache_len + T) or cache_len < 0:
-            raise ValueError(f"attn_mask: expected shape [{T}, cache_len + {T}], got {list(attn_mask.shape)}")
+            attn_mask = np.tri(T, cache_len + T, k=cache_len, dtype=bool)
+        mask = self._host_or_device(attn_mask, np.bool_, flat=False)
+        cache_len = mask.shape[-1] - T
+        if mask.ndim != 2 or mask.shape[0] != T or cache_len < 0:
+            raise ValueError(f"attn_mask: expected shape [{T}, cache_len + {T}], got {list(mask.shape)}")
         if cache_len + T > self.max_seq_len:
             raise ValueError(f"KV cache: {cache_len} cached + {T} new tokens exceed its {self.max_seq_len} slots")
-        additive_mask = self._additive_mask(attn_mask, positions, cache_len)
+        rows = None if logits_rows is None else self._host_or_device(logits_rows, np.int64)
+        ids, positions, rows, mask = self._upload(ids, positions, rows, mask)
+        additive_mask = self._additive_mask(mask, positions, cache_len)
 
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        # float32 angles whatever the compute dtype; MLA also rotates in float32, as transformers does
+        cos, sin = self.rotary.cos_sin(positions, torch.float32 if self.config.mla else self.dtype)
 
         self.offload.begin_pass()
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(ids)
         captured: dict[int, torch.Tensor] = {}
         routing = []
         for index, layer in enumerate(self.layers):
             if index in self.capture_layers:
                 captured[index] = x
             x, expert_ids = layer(x, cos, sin, cache_len, additive_mask)
-            routing.append(expert_ids)
+            if expert_ids is not None:
+                routing.append(expert_ids)
+        if len(self.layers) in self.capture_layers:
+            captured[len(self.layers)] = x
         x = self.norm(x)
-        if logits_rows is not None:
-            x = x[self._long(logits_rows)]
+        if rows is not None:
+            x = x[rows]
         hidden = torch.cat([captured[layer] for layer in self.capture_layers], dim=-1) if self.capture_layers else None
         return ForwardOutput(logits=self.lm_head(x), expert_ids=np.stack(routing, axis=1), hidden=hidden,
                              offload=self.offload.counters)
 
-    def _long(self, values) -> torch.Tensor:
-        """A 1-D int64 tensor on the model's device from a tensor, array or list (copying
-        read-only numpy arrays, such as a DraftTree's, which torch cannot wrap)."""
+    def _host_or_device(self, values, dtype, flat: bool = True):
+        """A numpy array of ``dtype`` for host values (tensors on the CPU, arrays, lists, including
+        a DraftTree's read-only arrays), or the tensor itself, converted, if it is on a device."""
         if isinstance(values, torch.Tensor):
-            return values.to(device=self.device, dtype=torch.long).reshape(-1)
-        return torch.tensor(np.asarray(values), dtype=torch.long, device=self.device).reshape(-1)
+            if values.device.type != "cpu":
+                return values.to(device=self.device, dtype=_TORCH_DTYPES[np.dtype(dtype)]).reshape(
+                    (-1,) if flat else values.shape)
+            values = values.detach().numpy()
+        values = np.asarray(values).astype(dtype, copy=False)
+        return values.reshape(-1) if flat else values
+
+    def _upload(self, *values):
+        """Host arrays among ``values`` on the device in one non-blocking copy: packed into one
+        byte buffer (8-byte integers first, so every view stays aligned), viewed back apart."""
+        host = sorted((i for i, v in enumerate(values) if isinstance(v, np.ndarray)),
+                      key=lambda i: -values[i].itemsize)
+        if not host:
+            return values
+        blob = upload(np.concatenate([np.ascontiguousarray(values[i]).reshape(-1).view(np.uint8) for i in host]),
+                      self.device)
+        out, offset = list(values), 0
+        for i in host:
+            array = values[i]
+            out[i] = blob[offset:offset + array.nbytes].view(_TORCH_DTYPES[array.dtype]).view(array.shape)
+            offset += array.nbytes
+        return out
 
     def _additive_mask(self, attn_mask: torch.Tensor, positions: torch.Tensor, cache_len: int) -> torch.Tensor:
         window = self.config.sliding_window
@@ -315,8 +369,10 @@ class MoETransformer(nn.Module):
     def compact_kv(self, cache_len: int, keep) -> None:
         """Keep the new tokens ``keep`` (indices into the last pass's T tokens, ascending) at
         slots ``cache_len .. cache_len + len(keep) - 1``; later slots become free."""
-        keep = self._long(keep)
-        if keep.numel() > 1 and not bool((keep[1:] > keep[:-1]).all()):
+        keep = self._host_or_device(keep, np.int64)
+        ascending = np.diff(keep) > 0 if isinstance(keep, np.ndarray) else (keep[1:] > keep[:-1]).cpu().numpy()
+        if not ascending.all():
             raise ValueError("keep: expected ascending indices of the new tokens")
+        (keep,) = self._upload(keep)
         for layer in self.layers:
             layer.self_attn.kv_cache.compact(cache_len, keep)

@@ -8,10 +8,11 @@ counters. Which experts stay resident is decided by the shared :class:`~specfit.
 (the same bookkeeping the simulator uses); this module only maps its admitted / evicted / streamed
 masks onto device buffers and performs the copies.
 
-On CUDA the copies run on a dedicated copy stream, so copying a layer's misses overlaps with the
-compute of its hits, and the next streamed expert is copied while the current one computes. On
-CPU the "device" buffers are separate host tensors and every copy is a real, synchronous copy, so
-the same code path (and the same counters) are exercised without a GPU.
+On CUDA the copies run on a dedicated copy stream (:mod:`~specfit.runtime.copier`), so copying a
+layer's misses overlaps with the compute of its hits, which run first, and the next streamed
+expert is copied while the current one computes. On CPU the "device" buffers are separate host
+tensors and every copy is a real, synchronous copy, so the same code path (and the same counters)
+are exercised without a GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import numpy as np
 import torch
 
 from ..experts.cache import ExpertCache, LayerCounts
+from .copier import StreamCopier, TransferTiming, make_copier
+from .devices import resolve_device
+from .pinned import CudaHostRegistrar, PinnedHostMemory, page_round
 
 __all__ = ["HostExperts", "ExpertOffload", "OffloadCounters"]
 
@@ -34,19 +38,34 @@ class HostExperts:
     ``gate_up[layer]`` is [E, 2I, H] (rows [:I] the gate projection, [I:] the up projection) and
     ``down[layer]`` is [E, H, I]: the layout the MoE block multiplies with, so a transfer is one
     contiguous copy per matrix.
+
+    With ``pin_memory`` the tensors are page-locked by registering exactly their pages
+    (:mod:`~specfit.runtime.pinned`), not through PyTorch's caching host allocator, which would
+    round each layer's block up to a power of two. ``registrar`` replaces the CUDA runtime's
+    ``cudaHostRegister`` (tests pass a recording fake).
     """
 
     def __init__(self, n_layers: int, n_experts: int, hidden_size: int, intermediate_size: int,
-                 dtype: torch.dtype, pin_memory: bool = False):
+                 dtype: torch.dtype, pin_memory: bool = False, registrar=None):
         self.n_layers, self.n_experts = int(n_layers), int(n_experts)
         self.hidden_size, self.intermediate_size = int(hidden_size), int(intermediate_size)
-        self.dtype, self.pinned = dtype, bool(pin_memory)
-        shape_gate_up = (n_experts, 2 * intermediate_size, hidden_size)
-        shape_down = (n_experts, hidden_size, intermediate_size)
+        self.dtype = dtype
+        if pin_memory and registrar is None:
+            registrar = CudaHostRegistrar()
+        self._memory = PinnedHostMemory(registrar)
+        self.pinned = registrar is not None
         # one allocation per layer and matrix: pinning a whole 58 GB model at once can fail where
         # per-layer allocations succeed, and a layer is the unit the loader fills
-        self.gate_up = [torch.empty(shape_gate_up, dtype=dtype, pin_memory=pin_memory) for _ in range(n_layers)]
-        self.down = [torch.empty(shape_down, dtype=dtype, pin_memory=pin_memory) for _ in range(n_layers)]
+        self.gate_up = [self._memory.empty(self.gate_up_shape, dtype) for _ in range(n_layers)]
+        self.down = [self._memory.empty(self.down_shape, dtype) for _ in range(n_layers)]
+
+    @property
+    def gate_up_shape(self) -> tuple[int, int, int]:
+        return (self.n_experts, 2 * self.intermediate_size, self.hidden_size)
+
+    @property
+    def down_shape(self) -> tuple[int, int, int]:
+        return (self.n_experts, self.hidden_size, self.intermediate_size)
 
     @property
     def expert_bytes(self) -> int:
@@ -55,7 +74,28 @@ class HostExperts:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of every expert: what the checkpoint holds for them in this dtype."""
         return self.expert_bytes * self.n_layers * self.n_experts
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes page-locked for the experts (0 when pageable): ``nbytes`` plus at most one
+        page per layer and matrix."""
+        return self._memory.pinned_bytes
+
+    @staticmethod
+    def planned_pinned_bytes(n_layers: int, n_experts: int, hidden_size: int, intermediate_size: int,
+                             dtype: torch.dtype) -> int:
+        """What pinning these experts locks, computed without allocating (the rule
+        :class:`PinnedHostMemory` applies: each layer's two matrices rounded up to a page)."""
+        gate_up = PinnedHostMemory.tensor_bytes((n_experts, 2 * intermediate_size, hidden_size), dtype)
+        down = PinnedHostMemory.tensor_bytes((n_experts, hidden_size, intermediate_size), dtype)
+        return n_layers * (page_round(gate_up) + page_round(down))
+
+    def release_pinning(self) -> None:
+        """Unlock the host pages now (the experts stay readable, pageable)."""
+        self._memory.release()
+        self.pinned = False
 
 
 @dataclass
@@ -82,63 +122,6 @@ class OffloadCounters(LayerCounts):
         return int(self.bytes_h2d.sum())
 
 
-class _Copier:
-    """Host-to-device copies: asynchronous on a CUDA copy stream, plain ``copy_`` elsewhere.
-
-    ``copy`` returns an event the compute side waits on before reading the destination;
-    ``compute_done`` returns an event marking the compute enqueued so far, which a later copy into
-    the same buffer waits on. Both are None on CPU, where everything is already in order.
-
-    Copy time is measured where it happens: on CUDA by timing events around each copy on the copy
-    stream (read back in :meth:`take_time_s`, after the pass), on CPU by the clock around the copy.
-    """
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device=device) if self.cuda else None
-        self._time_s = 0.0
-        self._timed_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, after=None):
-        if not self.cuda:
-            start = time.perf_counter()
-            dst.copy_(src)
-            self._time_s += time.perf_counter() - start
-            return None
-        with torch.cuda.stream(self.stream):
-            if after is not None:
-                self.stream.wait_event(after)
-            # recorded after the wait: the pair brackets the copy itself, not the wait
-            begin = torch.cuda.Event(enable_timing=True)
-            begin.record(self.stream)
-            dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event(enable_timing=True)
-            done.record(self.stream)
-        self._timed_events.append((begin, done))
-        return done
-
-    def take_time_s(self) -> float:
-        """Seconds spent copying since the last call (waits for the copies still in flight).
-        Copies on the one copy stream run one after another, so the sum is the stream's busy time."""
-        total, self._time_s = self._time_s, 0.0
-        if self._timed_events:
-            self._timed_events[-1][1].synchronize()
-            total += sum(begin.elapsed_time(done) for begin, done in self._timed_events) / 1e3
-            self._timed_events.clear()
-        return total
-
-    def wait(self, event) -> None:
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
-
-    def compute_done(self):
-        if not self.cuda:
-            return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream())
-        return event
-
-
 class ExpertOffload:
     """The device expert cache of a model whose experts live in :class:`HostExperts`.
 
@@ -146,34 +129,33 @@ class ExpertOffload:
         host: the experts in host memory.
         capacity: device slots per layer (``mode="per_layer"``) or in all (``"global"``);
             0 streams every expert, ``n_experts`` keeps every expert resident after first use.
-        device: where the slots live (the compute device).
+        device: where the slots live (the compute device; ``cuda`` means ``cuda:N`` of the current
+            device, fixed here, and every stream and event below uses that device).
         mode, policy: passed to :class:`~specfit.experts.ExpertCache`.
+        cuda_api: a stand-in for ``torch.cuda`` (tests): the stream copier then runs on CPU tensors.
 
     The MoE block calls :meth:`layer_experts` once per layer and forward pass; counters for the
     current pass accumulate in :attr:`counters` until :meth:`begin_pass` resets them.
     """
 
     def __init__(self, host: HostExperts, capacity: int, device: str | torch.device = "cpu",
-                 mode: str = "per_layer", policy: str = "lru"):
+                 mode: str = "per_layer", policy: str = "lru", cuda_api=None):
         self.host = host
-        self.device = torch.device(device)
+        device = torch.device(device)
+        self.device = resolve_device(device, option="device") if device.type == "cuda" else device
         L, E = host.n_layers, host.n_experts
         self.cache = ExpertCache(L, E, capacity, mode=mode, policy=policy, expert_bytes=host.expert_bytes)
-        n_slots = self.cache.capacity * L if mode == "per_layer" else self.cache.capacity
-        I, H = host.intermediate_size, host.hidden_size
-        self.slot_gate_up = torch.empty((n_slots, 2 * I, H), dtype=host.dtype, device=self.device)
-        self.slot_down = torch.empty((n_slots, H, I), dtype=host.dtype, device=self.device)
-        self.slot_of = np.full((L, E), -1, dtype=np.int64)   # device slot of each resident expert
-        self._free_slots: list[int] = []
-        self.reset()
+        self._n_slots = self.cache.capacity * L if mode == "per_layer" else self.cache.capacity
         # A layer's union always fits once capacity >= E (per layer, or globally since only the
         # current layer's union is protected from eviction); below that, overflow is streamed.
-        n_staging = 2 if self.cache.capacity < E else 0
-        self.staging_gate_up = torch.empty((n_staging, 2 * I, H), dtype=host.dtype, device=self.device)
-        self.staging_down = torch.empty((n_staging, H, I), dtype=host.dtype, device=self.device)
-        self._staging_free = [None] * n_staging                # event: last compute that read the buffer
-        self._copier = _Copier(self.device)
+        self._n_staging = 2 if self.cache.capacity < E else 0
+        self.slot_of = np.full((L, E), -1, dtype=np.int64)   # device slot of each resident expert
+        self._free_slots: list[int] = []
+        self.released = True
+        self.allocate()
+        self._copier = make_copier(self.device, cuda_api)
         self.counters = OffloadCounters.zeros(L)
+        self.last_timing = TransferTiming.zero()
         # eviction priorities for the pass under way (float [L, E]), set by the decoder from the
         # policy's cache advisor (specfit.experts.lookahead); None: the cache's own policy
         self.keep: np.ndarray | None = None
@@ -181,14 +163,43 @@ class ExpertOffload:
         self._prefetch_pending: list = []
         self._prefetch_pool = None
 
+    # ------------------------------------------------------------------ device memory
+    def allocate(self) -> None:
+        """Allocate the slots and staging buffers (done by the constructor; again after
+        :meth:`release`), with an empty cache."""
+        host, I, H = self.host, self.host.intermediate_size, self.host.hidden_size
+        def buffers(n):
+            return (torch.empty((n, 2 * I, H), dtype=host.dtype, device=self.device),
+                    torch.empty((n, H, I), dtype=host.dtype, device=self.device))
+        self.slot_gate_up, self.slot_down = buffers(self._n_slots)
+        self.staging_gate_up, self.staging_down = buffers(self._n_staging)
+        self.released = False
+        self.reset()
+
+    def release(self) -> None:
+        """Free the device memory of the slots and staging buffers and empty the cache (e.g. so
+        that a calibration probe can allocate its own); :meth:`allocate` brings them back."""
+        self.reset()
+        self.slot_gate_up = self.slot_gate_up.new_empty((0, *self.slot_gate_up.shape[1:]))
+        self.slot_down = self.slot_down.new_empty((0, *self.slot_down.shape[1:]))
+        self.staging_gate_up = self.staging_gate_up.new_empty((0, *self.staging_gate_up.shape[1:]))
+        self.staging_down = self.staging_down.new_empty((0, *self.staging_down.shape[1:]))
+        self._free_slots = []
+        self.released = True
+
     @property
     def n_slots(self) -> int:
-        return int(self.slot_gate_up.shape[0])
+        return self._n_slots
 
     @property
     def device_bytes(self) -> int:
-        """Device memory held for experts: the slots plus the staging buffers."""
+        """Device memory held for experts now: the slots plus the staging buffers (0 when released)."""
         return sum(t.nbytes for t in (self.slot_gate_up, self.slot_down, self.staging_gate_up, self.staging_down))
+
+    @property
+    def planned_device_bytes(self) -> int:
+        """What :meth:`allocate` holds: slots plus staging buffers."""
+        return (self._n_slots + self._n_staging) * self.host.expert_bytes
 
     def reset(self) -> None:
         """Empty the device cache: no expert resident, every slot free, cache counters zero."""
@@ -196,68 +207,76 @@ class ExpertOffload:
             self.wait_prefetch()
         self.cache.reset()
         self.slot_of[:] = -1
-        self._free_slots = list(range(self.n_slots - 1, -1, -1))   # a stack: pop() hands out slot 0 first
+        self._free_slots = list(range(self._n_slots - 1, -1, -1))   # a stack: pop() hands out slot 0 first
 
+    # ------------------------------------------------------------------ passes
     def begin_pass(self) -> None:
-        """Start counting a new forward pass."""
+        """Start counting a new forward pass (timings of a pass never read are dropped unread)."""
         self.counters = OffloadCounters.zeros(self.host.n_layers)
-        self._copier.take_time_s()
+        self._copier.discard()
+
+    def pass_timing(self) -> TransferTiming:
+        """Copy timing of the pass begun last (call once it is done; it waits for its copies)."""
+        self.last_timing = self._copier.take_timing()
+        return self.last_timing
 
     def pass_transfer_time_s(self) -> float:
-        """Seconds of host-to-device copying in the pass begun last (call once it is done)."""
-        return self._copier.take_time_s()
+        """Seconds the pass begun last stood waiting for host-to-device copies: the exposed
+        transfer time the cost model charges (on CPU every copy is exposed)."""
+        return self.pass_timing().stall_s
 
     def layer_experts(self, layer: int, expert_ids: np.ndarray) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         """Yield ``(expert_id, gate_up [2I, H], down [H, I])`` on the device for each id of
-        ``expert_ids`` (the layer's union), in ascending id order.
+        ``expert_ids`` (the layer's union), in the order they can run: the hits (ascending id),
+        then the misses in the order they are copied (those admitted into slots, then the
+        streamed ones, each ascending). A consumer that must sum in id order keeps the outputs.
 
-        Resident experts are hits; misses are admitted into slots (copied once, before the
-        first yield, so their copies overlap the hits' compute) or, when the layer has no slot
-        left for them, streamed one by one through the staging buffers. A streamed expert's
-        tensors are valid until the consumer asks for the next expert.
+        Misses are admitted into slots (all copied before the first yield, so their copies overlap
+        the hits' compute) or, when the layer has no slot left for them, streamed one by one
+        through the two staging buffers. A streamed expert's tensors are valid until the consumer
+        asks for the next expert.
         """
-        expert_ids = np.unique(np.asarray(expert_ids, dtype=np.int64))
-        union = np.zeros((self.host.n_layers, self.host.n_experts), dtype=bool)
-        union[layer, expert_ids] = True
-        result = self.cache.admit(union, keep=self.keep)
-        self._count(layer, result)
-
+        if self.released:
+            raise RuntimeError("ExpertOffload: device memory was released; call allocate() first")
+        admit = self.cache.admit_layer(layer, expert_ids, keep=self.keep)
+        self._count(layer, admit)
+        copier = self._copier
         # global mode may evict other layers' experts: free every evicted slot first
-        for evicted_layer, evicted_expert in np.argwhere(result.evicted_mask):
+        for evicted_layer, evicted_expert in admit.evicted.tolist():
             self._free_slots.append(int(self.slot_of[evicted_layer, evicted_expert]))
             self.slot_of[evicted_layer, evicted_expert] = -1
-        # slots just freed may still be read by compute already enqueued (an earlier layer or
-        # pass); copies into them wait for it
-        compute_so_far = self._copier.compute_done()
-        ready = {}
-        for expert in np.flatnonzero(result.admitted_mask[layer]):
+        admitted = admit.admitted_ids.tolist()
+        slots = []
+        for expert in admitted:
             slot = self._free_slots.pop()
             self.slot_of[layer, expert] = slot
-            ready[int(expert)] = self._copy_expert(layer, expert, self.slot_gate_up[slot], self.slot_down[slot],
-                                                   after=compute_so_far)
+            slots.append(slot)
+        if slots:
+            # slots just freed may still be read by compute already enqueued (an earlier layer or
+            # pass): the copies into them wait for it
+            copier.record_compute("compute")
+            copier.issue([(("slot", slot), self._pairs(layer, expert, self.slot_gate_up[slot], self.slot_down[slot]))
+                          for expert, slot in zip(admitted, slots)], after="compute")
+        streamed = admit.streamed_ids.tolist()
+        n_buffers = self._n_staging
+        for i in range(min(len(streamed), n_buffers)):
+            self._stage(i, layer, streamed[i])
 
-        streamed = [int(e) for e in np.flatnonzero(result.streamed_mask[layer])]
-        staged = {}
-        for i in range(min(len(streamed), len(self._staging_free))):
-            staged[streamed[i]] = self._stage(i, layer, streamed[i])
-
-        n_streamed_done = 0
-        for expert in expert_ids.tolist():
-            if expert in staged:
-                buffer, event = staged.pop(expert)
-                self._copier.wait(event)
-                yield expert, self.staging_gate_up[buffer], self.staging_down[buffer]
-                # the consumer has enqueued this expert's compute: the buffer can be refilled
-                # with the streamed expert after next (double buffering)
-                self._staging_free[buffer] = self._copier.compute_done()
-                following = n_streamed_done + len(self._staging_free)
-                if following < len(streamed):
-                    staged[streamed[following]] = self._stage(following, layer, streamed[following])
-                n_streamed_done += 1
-            else:
-                slot = int(self.slot_of[layer, expert])
-                self._copier.wait(ready.get(expert))
-                yield expert, self.slot_gate_up[slot], self.slot_down[slot]
+        for expert in admit.hit_ids.tolist():
+            slot = int(self.slot_of[layer, expert])
+            yield expert, self.slot_gate_up[slot], self.slot_down[slot]
+        for expert, slot in zip(admitted, slots):
+            copier.wait(("slot", slot))
+            yield expert, self.slot_gate_up[slot], self.slot_down[slot]
+        for i, expert in enumerate(streamed):
+            buffer = i % n_buffers
+            copier.wait(("stage", buffer))
+            yield expert, self.staging_gate_up[buffer], self.staging_down[buffer]
+            # the consumer has enqueued this expert's compute: the buffer can take the streamed
+            # expert after next (double buffering)
+            copier.record_compute(("stage_free", buffer))
+            if i + n_buffers < len(streamed):
+                self._stage(i + n_buffers, layer, streamed[i + n_buffers])
 
     # ------------------------------------------------------------------ prefetch
     def prefetch(self, mask: np.ndarray, keep: np.ndarray | None = None) -> int:
@@ -266,22 +285,24 @@ class ExpertOffload:
         many copies were started. On CUDA they run on the copy stream, elsewhere on a worker
         thread, both beside whatever the caller does next (the drafter); :meth:`wait_prefetch`
         waits for them before the pass that reads the slots."""
+        if self.released:
+            raise RuntimeError("ExpertOffload: device memory was released; call allocate() first")
         result = self.cache.prefetch(mask, keep)
-        for layer, expert in np.argwhere(result.evicted_mask):
+        for layer, expert in np.argwhere(result.evicted_mask).tolist():
             self._free_slots.append(int(self.slot_of[layer, expert]))
             self.slot_of[layer, expert] = -1
         jobs = []
-        for layer, expert in np.argwhere(result.admitted_mask):
+        for layer, expert in np.argwhere(result.admitted_mask).tolist():
             slot = self._free_slots.pop()
             self.slot_of[layer, expert] = slot
-            jobs.append((int(layer), int(expert), slot))
+            jobs.append((("slot", slot), self._pairs(layer, expert, self.slot_gate_up[slot], self.slot_down[slot])))
         if not jobs:
             return 0
-        if self._copier.cuda:
-            after = self._copier.compute_done()
-            for layer, expert, slot in jobs:
-                self._copy_expert(layer, expert, self.slot_gate_up[slot], self.slot_down[slot], after=after)
-            self._prefetch_pending.append(None)
+        if isinstance(self._copier, StreamCopier):
+            # the slots may still be read by compute already enqueued: the copies wait for it
+            self._copier.record_compute("compute")
+            self._copier.issue(jobs, after="compute")
+            self._prefetch_pending.extend(key for key, _ in jobs)
             return len(jobs)
         if self._prefetch_pool is None:
             from concurrent.futures import ThreadPoolExecutor
@@ -290,9 +311,9 @@ class ExpertOffload:
 
         def copy_all() -> float:
             start = time.perf_counter()
-            for layer, expert, slot in jobs:
-                self.slot_gate_up[slot].copy_(self.host.gate_up[layer][expert])
-                self.slot_down[slot].copy_(self.host.down[layer][expert])
+            for _, pairs in jobs:
+                for dst, src in pairs:
+                    dst.copy_(src)
             return time.perf_counter() - start
 
         self._prefetch_pending.append(self._prefetch_pool.submit(copy_all))
@@ -303,30 +324,31 @@ class ExpertOffload:
         waited for them) in seconds: the copy time that did not overlap is the wait."""
         if not self._prefetch_pending:
             return 0.0, 0.0
-        start = time.perf_counter()
-        if self._copier.cuda:
-            copy_s = self._copier.take_time_s()            # synchronises the copy stream
+        if isinstance(self._copier, StreamCopier):
+            for key in self._prefetch_pending:
+                self._copier.wait(key)
+            timing = self._copier.take_timing()       # synchronises the copies and the waits
+            copy_s, wait_s = timing.copy_busy_s, timing.stall_s
         else:
+            start = time.perf_counter()
             copy_s = sum(f.result() for f in self._prefetch_pending)
-        wait_s = time.perf_counter() - start
+            wait_s = time.perf_counter() - start
         self._prefetch_pending.clear()
         return copy_s, wait_s
 
     # ------------------------------------------------------------------ helpers
-    def _stage(self, index: int, layer: int, expert: int):
-        buffer = index % len(self._staging_free)
-        event = self._copy_expert(layer, expert, self.staging_gate_up[buffer], self.staging_down[buffer],
-                                  after=self._staging_free[buffer])
-        return buffer, event
+    def _stage(self, index: int, layer: int, expert: int) -> None:
+        buffer = index % self._n_staging
+        pairs = self._pairs(layer, expert, self.staging_gate_up[buffer], self.staging_down[buffer])
+        self._copier.issue([(("stage", buffer), pairs)], after=("stage_free", buffer))
 
-    def _copy_expert(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor, after=None):
-        self._copier.copy(gate_up, self.host.gate_up[layer][expert], after=after)
-        return self._copier.copy(down, self.host.down[layer][expert])
+    def _pairs(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor):
+        return ((gate_up, self.host.gate_up[layer][expert]), (down, self.host.down[layer][expert]))
 
-    def _count(self, layer: int, result) -> None:
+    def _count(self, layer: int, admit) -> None:
         c = self.counters
-        c.hits[layer] += result.hits[layer]
-        c.misses[layer] += result.misses[layer]
-        c.streamed[layer] += result.streamed[layer]
-        c.evictions += result.evictions      # global mode charges the layer that lost the expert
-        c.bytes_h2d[layer] += result.misses[layer] * self.host.expert_bytes
+        c.hits[layer] += admit.hits
+        c.misses[layer] += admit.misses
+        c.streamed[layer] += admit.streamed
+        np.add.at(c.evictions, admit.evicted[:, 0], 1)   # global mode charges the layer that lost the expert
+        c.bytes_h2d[layer] += admit.misses * self.host.expert_bytes

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from ..errors import SpecFitError, fail
+from ..io import check_output
 from ..policies import DEFAULT_POLICIES, POLICY_HELP
 
 
@@ -51,6 +52,7 @@ def simulate_command(
     """Replay traces through every policy with the same cache and cost model, and compare."""
 
     try:
+        check_output(out, "--out", kind="dir")
         cycles, summary = _simulate(traces, _split(profiles), _split([policies]), _parse_sizes(cache_experts), predictor,
                                     acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json,
                                     price_uncertainty, model)
@@ -58,6 +60,10 @@ def simulate_command(
             _write_outputs(out, cycles, summary, ctx)
     except SpecFitError as exc:
         fail(str(exc))
+    except KeyboardInterrupt:
+        typer.secho("interrupted: nothing was written (a simulation writes its files when every replay is done)",
+                    err=True)
+        raise typer.Exit(130) from None
     if as_json:
         records = json.loads(summary.to_json(orient="records"))
         typer.echo(json.dumps(records, indent=2))
@@ -80,41 +86,25 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from ..calibrate.presets import resolve_profile
     from ..calibrate.profile import ModelShape
-    from ..experts.cache import EVICTION_POLICIES
-    from ..experts.predictors import PREDICTORS
     from ..traces.format import read_trace
     from .replay import prepare_trace
-    from .sweep import Scenario, check_policies, run_sweep
-    from .whatif import apply_overrides, parse_overrides, scale_h2d
+    from .scenarios import build_scenario, check_replay_options, unique_names
+    from .sweep import check_policies, run_sweep
+    from .whatif import parse_overrides
 
-    if predictor not in PREDICTORS:
-        raise SpecFitError(f"--predictor: expected one of {sorted(PREDICTORS)}, got {predictor!r}")
-    if cache_mode not in ("per_layer", "global"):
-        raise SpecFitError(f"--cache-mode: expected per_layer or global, got {cache_mode!r}")
-    if cache_policy not in EVICTION_POLICIES:
-        raise SpecFitError(f"--cache-policy: expected one of {EVICTION_POLICIES}, got {cache_policy!r}")
+    check_replay_options(predictor, acceptance, cache_mode, cache_policy)
     check_policies(policies, max_levels)
     overrides = parse_overrides(cost_text)
     console = Console(stderr=True)
     prepared, scenarios = [], {}
-    names = _unique_names(trace_paths)
+    names = unique_names(trace_paths)
     for path, name in zip(trace_paths, names):
         trace = read_trace(path)
         with console.status(f"preparing {path} ...") if not quiet else _nothing():
             prepared.append(prepare_trace(name, trace, predictor, acceptance, model_dir=model_dir))
         shape = ModelShape.from_trace_meta(trace.model)
-        scenarios[name] = []
-        for spec in profiles:
-            profile = resolve_profile(spec, shape, rescale=rescale)
-            cost = apply_overrides(profile.cost, overrides)
-            if h2d_scale != 1.0:
-                cost = scale_h2d(cost, h2d_scale)
-            label = Path(spec).stem if spec.endswith(".json") else spec
-            label += f" x{h2d_scale:g} H2D" if h2d_scale != 1.0 else ""
-            label += " (" + ",".join(f"{k}={v:g}" for k, v in overrides.items()) + ")" if overrides else ""
-            scenarios[name].append(Scenario(label, cost))
+        scenarios[name] = [build_scenario(spec, shape, h2d_scale, overrides, rescale) for spec in profiles]
     n_runs = sum(len(scenarios[p.name]) for p in prepared) * len(cache_sizes) * len(policies)
     cycle_frames, summaries = [], []
     with Progress(TextColumn("[bold]simulate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -139,16 +129,18 @@ class _nothing:
         return False
 
 
-def _unique_names(paths: list[Path]) -> list[str]:
-    names = [p.stem for p in paths]
-    return [str(p) if names.count(n) > 1 else n for p, n in zip(paths, names)]
-
-
 def _write_outputs(out: Path, cycles, summary, ctx=None) -> None:
     from ..io import atomic_write
     from ..runinfo import write_run_info
 
+    from ..io import remove_stale_temporaries
+
     out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out)
+    # a rerun into the same directory: the old summary goes first, so a killed write never leaves
+    # new cycles beside an old summary; the summary is written last and marks a complete output
+    for name in ("summary.parquet", "summary.csv"):
+        (out / name).unlink(missing_ok=True)
     write_run_info(out, "simulate", ctx)
     for name, frame in (("cycles", cycles), ("summary", summary)):
         atomic_write(out / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp, index=False))
@@ -173,9 +165,14 @@ def _print_summary(summary, out: Optional[Path]) -> None:
             policy = row["policy"] + (f" (N={int(row['static_n'])})" if row["policy"].startswith("static:auto") else "")
             table.add_row(str(row["cache_experts"]), policy, f"{row['tokens_per_s']:.2f}", f"{row['tokens_per_cycle']:.2f}",
                           f"{row['bytes_per_token'] / 1e6:.1f}", f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}",
-                          f"{row['speedup_vs_ar']:.2f}x", f"{row['speedup_vs_eagle3']:.2f}x",
+                          _ratio(row["speedup_vs_ar"]), _ratio(row["speedup_vs_eagle3"]),
                           f"{row['union_precision']:.2f}/{row['union_recall']:.2f}",
                           f"{row['tokens_bias']:+.1%}")
         console.print(table)
     if out is not None:
         console.print(f"per-cycle rows and the summary written to {out}/ (cycles|summary).(parquet|csv)")
+
+
+def _ratio(value: float) -> str:
+    """A speed-up, or "-" where its baseline was not among the policies."""
+    return "-" if value != value else f"{value:.2f}x"

@@ -9,9 +9,19 @@ the expert cache (which then admits them), and moves to position t + committed. 
 carries from cycle to cycle and from sequence to sequence.
 
 Everything that does not depend on the policy is computed once per trace in
-:class:`PreparedTrace`: draft trees cut at every level, predicted and true expert arrays,
-and the accepted path of every full tree (the accepted path inside a selected, ancestor-closed
-subtree is its prefix inside the subtree, because siblings carry distinct tokens).
+:class:`PreparedTrace`, as flat arrays over the trace's node rows: the path probabilities of the
+full trees and of the trees cut at fewer levels, the tree's size within each number of levels,
+the predicted experts, and the accepted path of every full tree (the accepted path inside a
+selected, ancestor-closed subtree is its prefix inside the subtree, because siblings carry
+distinct tokens).
+
+The loop runs compiled (:mod:`specfit.kernels.replay`): entirely for ``ar``, ``chain:K``, the
+rerank policies (``eagle3``, ``static:N``) and ``oracle``, whose decisions compile; for any other
+policy (``specfit``) a Python loop hands the policy each cycle's :class:`~specfit.policies.CycleView`
+and calls the compiled commit (accepted prefix, union, cache admit, columns) with its selection.
+That loop also runs the policy's levers (:data:`specfit.policies.LEVERS`: the cache advisor's keep
+priorities for the admit, the prefetcher's copies while levels are "drafted") and reports each
+cycle to :meth:`~specfit.policies.Policy.observe`, as the live decoder does.
 """
 
 from __future__ import annotations
@@ -21,37 +31,90 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .. import kernels
 from ..costmodel import CostModel
 from ..errors import SpecFitError
 from ..experts.cache import ExpertCache
-from ..policies import CycleView, Observation, Policy, choose
+from ..policies import ArPolicy, ChainPolicy, CycleView, Observation, OraclePolicy, Policy, RerankPolicy, choose
 from ..traces.format import Trace
 from ..tree import DraftTree
 
 __all__ = ["PreparedTrace", "prepare", "prepare_trace", "replay", "CycleLog", "CYCLE_COLUMNS"]
 
 
-@dataclass
+@dataclass(eq=False)
 class PreparedTrace:
-    """Per-cycle inputs of the replay, shared by every policy, cache size and cost model."""
+    """Per-trace inputs of the replay, shared by every policy, cache size and cost model.
+
+    Node arrays are aligned with the trace's rows (``trace.offsets`` splits them into cycles).
+    """
 
     name: str
     trace: Trace
     predictor: str
-    level_trees: list[tuple[DraftTree, ...]]   # [cycle][d]: the tree of the first d levels
-    level_sizes: list[np.ndarray]              # [cycle]: int64 [depth + 1] nodes within d levels
-    predicted: list[np.ndarray]                # [cycle]: int64 [n, L, k]
-    true: list[np.ndarray]                     # [cycle]: int64 [n, L, k]
-    verdicts: list[np.ndarray]                 # [cycle]: int64 [n]
-    accepted: list[np.ndarray]                 # [cycle]: accepted path of the full tree, root first
-    true_items: list[np.ndarray]               # [cycle]: int64 [n, L * k] true experts as layer * E + expert
-    predicted_items: list[np.ndarray]          # [cycle]: the same for the predicted experts
-    first_cycles: np.ndarray                   # first cycle (position 0) of each sequence
+    offsets: np.ndarray             # int64 [cycles + 1]: cycle c owns node rows offsets[c]:offsets[c + 1]
+    parents: np.ndarray             # int16 [nodes]: local parent ids, -1 at roots
+    depths: np.ndarray              # int16 [nodes]
+    tokens: np.ndarray              # int32 [nodes]
+    verdicts: np.ndarray            # int32 [nodes]: the target's greedy next token at each node
+    true_experts: np.ndarray        # int16 [nodes, L, k]
+    raw_probs: np.ndarray           # float64 [nodes]: the path probabilities given (drafter's or calibrated)
+    path_probs: np.ndarray          # float64 [nodes]: each full tree's, clipped to the parent's as a DraftTree does
+    level_probs: np.ndarray         # float64 [nodes]: the same in a tree cut at fewer levels than drafted
+    level_offsets: np.ndarray       # int64 [cycles + 1]: cycle c's level sizes are level_sizes[lo[c]:lo[c + 1]]
+    level_sizes: np.ndarray         # int64: nodes within d levels, d = 0 .. the cycle's depth
+    predicted_experts: np.ndarray   # int16 [nodes, L, k] the policies decide with (the true array for oracle)
+    path_offsets: np.ndarray        # int64 [cycles + 1]: cycle c's accepted path is paths[po[c]:po[c + 1]]
+    paths: np.ndarray               # int64: accepted paths of the full trees, root first, local node ids
+    first_cycles: np.ndarray        # first cycle (position 0) of each sequence
     info: dict = field(default_factory=dict)   # e.g. the predictor's and calibrator's quality
+    _trees: dict = field(default_factory=dict, repr=False)
 
     @property
     def n_cycles(self) -> int:
-        return len(self.level_trees)
+        return self.trace.n_cycles
+
+    @property
+    def predicted_is_true(self) -> bool:
+        """The policies decide with the true experts (the oracle predictor)."""
+        return self.predicted_experts is self.true_experts
+
+    @property
+    def max_nodes(self) -> int:
+        """Nodes of the largest drafted tree."""
+        return int(self.trace.tree_sizes.max())
+
+    def accepted_path(self, cycle: int) -> np.ndarray:
+        """The full tree's accepted path at ``cycle`` (local node ids, root first)."""
+        return self.paths[self.path_offsets[cycle]:self.path_offsets[cycle + 1]]
+
+    def depth(self, cycle: int) -> int:
+        """Levels drafted at ``cycle``."""
+        return int(self.level_offsets[cycle + 1] - self.level_offsets[cycle] - 1)
+
+    def tree(self, cycle: int, levels: int | None = None) -> DraftTree:
+        """The tree of ``cycle`` cut at ``levels`` drafted levels (all by default), built on first
+        use and kept: the Python policies' view of the arrays the compiled ones read."""
+        deepest = self.depth(cycle)
+        levels = deepest if levels is None else min(int(levels), deepest)
+        key = (cycle, levels)
+        tree = self._trees.get(key)
+        if tree is None:
+            lo = int(self.offsets[cycle])
+            n = int(self.level_sizes[self.level_offsets[cycle] + levels])
+            # the DraftTree clips what it is given once: the given values for the full tree, the full
+            # tree's for a cut one (so its path_probs are path_probs or level_probs exactly)
+            probs = self.raw_probs if levels == deepest else self.path_probs
+            tree = DraftTree(parents=self.parents[lo:lo + n].astype(np.int64), path_probs=probs[lo:lo + n],
+                             tokens=self.tokens[lo:lo + n].astype(np.int64))
+            self._trees[key] = tree
+        return tree
+
+    @property
+    def level_trees(self) -> "_LevelTrees":
+        """``level_trees[c][d]``: the tree of cycle c cut at d levels, built when asked for (prefer
+        :meth:`tree`, and :attr:`max_nodes` over the largest ``level_trees[c][-1].n_nodes``)."""
+        return _LevelTrees(self)
 
     @property
     def reference(self) -> list[np.ndarray]:
@@ -64,46 +127,136 @@ class PreparedTrace:
         return out
 
 
+class _LevelTrees:
+    """A lazy ``[cycle][levels]`` sequence of :meth:`PreparedTrace.tree`."""
+
+    def __init__(self, prep: PreparedTrace):
+        self._prep = prep
+
+    def __len__(self) -> int:
+        return self._prep.n_cycles
+
+    def __getitem__(self, cycle: int) -> "_CycleTrees":
+        if not -len(self) <= cycle < len(self):
+            raise IndexError(cycle)
+        return _CycleTrees(self._prep, cycle % len(self))
+
+    def __iter__(self):
+        return (_CycleTrees(self._prep, c) for c in range(len(self)))
+
+
+class _CycleTrees:
+    """One cycle's trees by number of levels, each built when first asked for."""
+
+    def __init__(self, prep: PreparedTrace, cycle: int):
+        self._prep, self._cycle = prep, cycle
+
+    def __len__(self) -> int:
+        return self._prep.depth(self._cycle) + 1
+
+    def __getitem__(self, levels: int) -> DraftTree:
+        if not -len(self) <= levels < len(self):
+            raise IndexError(levels)
+        return self._prep.tree(self._cycle, levels % len(self))
+
+
 def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: np.ndarray | None = None,
             predictor: str = "oracle", info: dict | None = None) -> PreparedTrace:
-    """Cut the trace into per-cycle arrays. ``predicted_experts`` ``[nodes, L, k]`` is what the
-    policies decide with; ``path_probs`` ``[nodes]`` replaces the drafter's (e.g. calibrated)."""
+    """Cut the trace into the replay's flat arrays. ``predicted_experts`` ``[nodes, L, k]`` is what
+    the policies decide with; ``path_probs`` ``[nodes]`` replaces the drafter's (e.g. calibrated)."""
     if not trace.position_indexed:
         raise SpecFitError(f"{name}: counterfactual replay needs a position-indexed trace (a full tree at every "
                            "position with every verdict known); this one was recorded as "
                            f"{trace.meta['recording'].get('kind')!r} without it")
-    probs = trace.path_prob if path_probs is None else np.asarray(path_probs, dtype=np.float64)
-    level_trees, level_sizes, pred, true, verdicts, accepted = [], [], [], [], [], []
-    for c in range(trace.n_cycles):
-        r = trace.rows(c)
-        tree = DraftTree(parents=trace.parent[r].astype(np.int64), path_probs=probs[r],
-                         tokens=trace.token[r].astype(np.int64))
-        depth = tree.depth
-        sizes = np.searchsorted(depth, np.arange(tree.max_depth + 1), side="right")   # depth is sorted
-        level_trees.append(tuple(tree.subtree(np.arange(n)) if n < tree.n_nodes else tree for n in sizes))
-        level_sizes.append(sizes)
-        true.append(trace.true_experts[r].astype(np.int64))
-        # the oracle predictor's arrays are the true ones (the replay then skips a second union)
-        pred.append(true[-1] if predicted_experts is trace.true_experts else predicted_experts[r].astype(np.int64))
-        v = trace.verdict[r].astype(np.int64)
-        verdicts.append(v)
-        accepted.append(tree.accepted_path(v))
+    # the dtypes the compiled kernels take (those of a trace read from disk: no copies)
+    offsets = np.ascontiguousarray(trace.offsets, dtype=np.int64)
+    parents = np.ascontiguousarray(trace.parent, dtype=np.int16)
+    depths = np.ascontiguousarray(trace.depth, dtype=np.int16)
+    tokens = np.ascontiguousarray(trace.token, dtype=np.int32)
+    verdicts = np.ascontiguousarray(trace.verdict, dtype=np.int32)
+    true_experts = np.ascontiguousarray(trace.true_experts, dtype=np.int16)
+    n = trace.n_nodes
+    cycle_of = trace.cycle_of_node
+    root = trace.parent < 0
+    parent_row = np.where(root, np.arange(n), trace.parent.astype(np.int64) + offsets[:-1][cycle_of])
+    raw = trace.path_prob if path_probs is None else np.asarray(path_probs, dtype=np.float64)
+    _check_path_probs(name, raw, root, parent_row, cycle_of, offsets)
+    # a DraftTree clips each node to its parent's value (rounding slack); a tree cut at fewer
+    # levels is built from the full tree's clipped values and clips once more
+    full = np.where(root, raw, np.minimum(raw, raw[parent_row]))
+    level = np.where(root, full, np.minimum(full, full[parent_row]))
+    depth = trace.depth.astype(np.int64)
+    n_levels = np.maximum.reduceat(depth, offsets[:-1]) + 1
+    level_offsets = np.r_[0, np.cumsum(n_levels)].astype(np.int64)
+    # nodes within d levels: depth is sorted within a cycle, so count the nodes at depth <= d
+    within = np.zeros(level_offsets[-1], dtype=np.int64)
+    np.add.at(within, level_offsets[:-1][cycle_of] + depth, 1)
+    level_sizes = np.cumsum(within)
+    level_sizes -= np.repeat(np.r_[0, level_sizes[level_offsets[1:-1] - 1]], n_levels)
+    if predicted_experts is trace.true_experts:
+        predicted_experts = true_experts     # the oracle predictor: the replay then skips a second union
+    else:
+        predicted_experts = _checked_experts(name, predicted_experts, trace)
+    path_offsets, paths = kernels.replay.accepted_paths(offsets, parents, depths, tokens, verdicts)
     seq = trace.sequence
     first = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
-    layer_base = (np.arange(trace.n_layers) * trace.n_experts)[None, :, None]
-    true_items = [(e + layer_base).reshape(e.shape[0], -1) for e in true]
     info = dict(info or {})
-    slots, right = _slots_right(pred, true)
+    slots, right = _slots_right(predicted_experts, true_experts, ~root)
     info.setdefault("predicted_slots", slots)
     info.setdefault("predicted_slots_right", right)
     info.setdefault("slot_precision", right / slots if slots else 1.0)
-    return PreparedTrace(name=name, trace=trace, predictor=predictor, level_trees=level_trees,
-                         level_sizes=level_sizes, predicted=pred, true=true, verdicts=verdicts,
-                         accepted=accepted,
-                         true_items=true_items,
-                         predicted_items=[(e + layer_base).reshape(e.shape[0], -1) if e is not t else ti
-                                          for e, t, ti in zip(pred, true, true_items)],
-                         first_cycles=first, info=info)
+    return PreparedTrace(name=name, trace=trace, predictor=predictor, offsets=offsets, parents=parents, depths=depths,
+                         tokens=tokens, verdicts=verdicts, true_experts=true_experts, raw_probs=raw, path_probs=full,
+                         level_probs=level,
+                         level_offsets=level_offsets, level_sizes=level_sizes, predicted_experts=predicted_experts,
+                         path_offsets=path_offsets, paths=paths, first_cycles=first, info=info)
+
+
+def _check_path_probs(name, probs, root, parent_row, cycle_of, offsets) -> None:
+    """The checks a DraftTree makes, on every cycle at once, naming the first bad node."""
+    def fail(bad: np.ndarray, what: str) -> None:
+        i = int(np.flatnonzero(bad)[0])
+        c = int(cycle_of[i])
+        raise ValueError(f"{name}: path_probs {what} (cycle {c}, node {i - int(offsets[c])}, got {probs[i]!r})")
+
+    if probs.shape != root.shape:
+        raise ValueError(f"{name}: path_probs: expected one value per node ({root.size}), got shape {probs.shape}")
+    if not np.all(np.isfinite(probs) & (probs >= 0) & (probs <= 1)):
+        fail(~(np.isfinite(probs) & (probs >= 0) & (probs <= 1)), "must be probabilities in [0, 1]")
+    if np.any(probs[root] != 1.0):
+        fail(root & (probs != 1.0), "must be 1 at the root")
+    rising = ~root & (probs > probs[parent_row] + 1e-9)
+    if rising.any():
+        fail(rising, "must not increase along a path")
+
+
+def _checked_experts(name: str, experts, trace: Trace) -> np.ndarray:
+    experts = np.asarray(experts)
+    want = (trace.n_nodes, trace.n_layers, trace.top_k)
+    if experts.shape != want or not np.issubdtype(experts.dtype, np.integer):
+        raise ValueError(f"{name}: predicted experts: expected integers of shape {list(want)}, got "
+                         f"{experts.dtype} {list(experts.shape)}")
+    if experts.size and (experts.min() < 0 or experts.max() >= trace.n_experts):
+        raise ValueError(f"{name}: predicted experts: expected ids in [0, {trace.n_experts}), got "
+                         f"[{experts.min()}, {experts.max()}]")
+    return np.ascontiguousarray(experts, dtype=np.int16)
+
+
+def _slots_right(predicted: np.ndarray, true: np.ndarray, draft: np.ndarray) -> tuple[int, int]:
+    """(predicted, right) (layer, expert) slots of the draft nodes: how many name an expert the
+    node really routes to, what pricing prediction uncertainty (:func:`specfit.search.uncertainty_price_s`)
+    needs."""
+    from ..experts.predictors import slots_right
+
+    rows = np.flatnonzero(draft)
+    total = rows.size * int(np.prod(true.shape[1:]))
+    if predicted is true:
+        return total, total
+    right = 0
+    for lo in range(0, rows.size, 65536):   # slots_right compares k x k per slot: keep the temporary small
+        chunk = rows[lo:lo + 65536]
+        right += slots_right(predicted[chunk], true[chunk])
+    return int(total), int(right)
 
 
 def prepare_trace(name: str, trace: Trace, predictor: str = "oracle", acceptance: str = "calibrated",
@@ -118,6 +271,10 @@ def prepare_trace(name: str, trace: Trace, predictor: str = "oracle", acceptance
         raise SpecFitError(f"--predictor: expected one of {sorted(PREDICTORS)}, got {predictor!r}")
     if acceptance not in ("calibrated", "raw"):
         raise SpecFitError(f"--acceptance: expected calibrated or raw, got {acceptance!r}")
+    unfittable = trace.meta.get("recording", {}).get("unfittable_predictors", [])
+    if predictor in unfittable:
+        raise SpecFitError(f"--predictor {predictor}: the trace cannot fit it (its token ids are "
+                           f"{trace.meta['recording'].get('token_ids', 'unknown')}); use oracle, parent or recorded")
     probs = cross_calibrate(trace) if acceptance == "calibrated" else None
     if predictor == "router":
         if model_dir is None:
@@ -134,48 +291,24 @@ def prepare_trace(name: str, trace: Trace, predictor: str = "oracle", acceptance
     return prepare(name, trace, experts, probs, predictor=predictor)
 
 
-def _slots_right(predicted: list[np.ndarray], true: list[np.ndarray]) -> tuple[int, int]:
-    """(predicted, right) (layer, expert) slots of the draft nodes: how many name an expert the
-    node really routes to, what pricing prediction uncertainty (:func:`specfit.search.uncertainty_price_s`)
-    needs."""
-    from ..experts.predictors import slots_right
-
-    right = sum(p[1:].size if p is t else slots_right(p[1:], t[1:]) for p, t in zip(predicted, true))
-    total = sum(p[1:].size for p in predicted)
-    return int(total), int(right)
-
-
-def _union(items: np.ndarray, nodes: np.ndarray, n_items: int) -> np.ndarray:
-    """[L * E] bool union of the selected nodes' experts: :func:`specfit.costmodel.expert_union`
-    on the flat item ids precomputed once per trace (the replay's hot path)."""
-    union = np.zeros(n_items, dtype=bool)
-    union[items[nodes].ravel()] = True
-    return union
-
-
-def _missing(items: np.ndarray, resident: np.ndarray) -> int:
-    """How many distinct flat item ids of ``items`` are not resident."""
-    items = np.unique(items)
-    return int(items.size - np.count_nonzero(resident[items]))
-
-
 @dataclass
 class _LevelView(CycleView):
-    """A :class:`CycleView` whose truncations come from the trees cut once in
-    :func:`prepare` instead of being rebuilt every cycle (the policies are unchanged)."""
+    """A :class:`CycleView` whose truncations come from the prepared trace's arrays (trees built
+    once per cycle and level) instead of being cut from the full tree (the policies are unchanged)."""
 
-    level_trees: tuple = ()
-    level_sizes: np.ndarray | None = None
+    prep: PreparedTrace | None = None
+    cycle: int = 0
 
     def truncated(self, levels: int) -> "_LevelView":
-        levels = min(int(levels), len(self.level_trees) - 1)
-        n = int(self.level_sizes[levels])
+        prep, c = self.prep, self.cycle
+        levels = min(int(levels), prep.depth(c))
+        n = int(prep.level_sizes[prep.level_offsets[c] + levels])
         return _LevelView(
-            tree=self.level_trees[levels], experts=self.experts[:n], cached=self.cached, cost=self.cost,
+            tree=prep.tree(c, levels), experts=self.experts[:n], cached=self.cached, cost=self.cost,
             draft_levels=levels,
             verdicts=None if self.verdicts is None else self.verdicts[:n],
             true_experts=None if self.true_experts is None else self.true_experts[:n],
-            level_trees=self.level_trees, level_sizes=self.level_sizes)
+            prep=prep, cycle=c)
 
 
 CYCLE_COLUMNS = ("sequence", "position", "nodes_verified", "draft_levels", "deepest_selected", "union_size",
@@ -195,98 +328,151 @@ class CycleLog:
         return int(self.columns["sequence"].size)
 
 
+def _compiled_rule(policy: Policy) -> tuple[int, int, int] | None:
+    """``(kind, total_nodes, max_levels)`` for a policy whose decision the replay kernel makes
+    itself, or None. Exact classes only (a subclass may decide differently), and no lever."""
+    k = kernels.replay
+    if policy.cache_advisor is not None or policy.prefetcher is not None:
+        return None
+    kind = type(policy)
+    if kind is ArPolicy:
+        return k.AR, 0, 0
+    if kind is ChainPolicy:
+        return k.CHAIN, 0, int(policy.max_levels)
+    if kind is RerankPolicy:
+        return k.RERANK, int(policy.total_nodes), int(policy.max_levels)
+    if kind is OraclePolicy:
+        return k.ORACLE, 0, int(policy.max_levels)
+    return None
+
+
 def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostModel,
            record_unions: bool = False) -> CycleLog:
     """Replay every sequence of ``prep`` through ``policy`` with ``cache`` (mutated: it carries
     state across cycles) and ``cost`` (the policy's cost model). ``record_unions`` keeps each
     cycle's true union (e.g. for :func:`specfit.experts.belady.belady_counts`)."""
-    L, E = prep.trace.n_layers, prep.trace.n_experts
+    trace = prep.trace
+    if (cache.n_layers, cache.n_experts) != (trace.n_layers, trace.n_experts):
+        raise ValueError(f"cache: expected {trace.n_layers} layers x {trace.n_experts} experts to match the trace, "
+                         f"got {cache.n_layers} x {cache.n_experts}")
     n = prep.n_cycles
-    cols = {name: np.zeros(n, dtype=np.float64 if name.startswith("predicted_t") else np.int64)
-            for name in CYCLE_COLUMNS}
-    committed: list[np.ndarray] = []
+    int_cols = np.zeros((len(kernels.replay.INT_COLUMNS), n), dtype=np.int64)
+    float_cols = np.zeros((len(kernels.replay.FLOAT_COLUMNS), n), dtype=np.float64)
+    tokens_out = np.zeros(n + int(prep.depths.max(initial=0)) + 1, dtype=np.int64)
+    bounds = np.r_[prep.first_cycles, n].astype(np.int64)
+    per_sequence = np.zeros(bounds.size - 1, dtype=np.int64)
+    rule = None if record_unions else _compiled_rule(policy)
     unions: list[np.ndarray] | None = [] if record_unions else None
-    i = 0
-    bounds = np.r_[prep.first_cycles, n]
-    needs_truth = policy.needs_truth
-    advisor, prefetcher = policy.cache_advisor, policy.prefetcher
     prefetched = np.zeros(n, dtype=np.int64)
+    if rule is not None:
+        rows = kernels.replay.replay_compiled(
+            *rule, prep.predicted_is_true, prep.offsets, prep.parents, prep.depths, prep.tokens, prep.verdicts,
+            prep.true_experts, prep.predicted_experts, prep.path_probs, prep.level_probs, prep.level_offsets,
+            prep.level_sizes, prep.path_offsets, prep.paths, bounds, cost.params, *cache.kernel_state(),
+            int_cols, float_cols, tokens_out, per_sequence)
+    else:
+        rows = _replay_python(prep, policy, cache, cost, bounds, int_cols, float_cols, tokens_out, per_sequence,
+                              prefetched, unions)
+    cols = {name: int_cols[i, :rows] for i, name in enumerate(kernels.replay.INT_COLUMNS)}
+    cols.update({name: float_cols[i, :rows] for i, name in enumerate(kernels.replay.FLOAT_COLUMNS)})
+    cols = {name: cols[name] for name in CYCLE_COLUMNS}
+    # the charged time: the same cost formula, on the true union against the cache state
+    cols["charged_time_s"] = cost.predict_counts(cols["draft_levels"], cols["nodes_verified"], cols["hits"], cols["misses"])
+    cols["prefetched"] = prefetched[:rows]
+    # the traced model's experts: the misses and the prefetched copies (whose link time was idle)
+    cols["bytes_h2d"] = (cols["misses"] + cols["prefetched"]) * trace.expert_bytes
+    committed = np.split(tokens_out[:int(per_sequence.sum())], np.cumsum(per_sequence)[:-1])
+    return CycleLog(columns=cols, committed=committed, unions=unions)
+
+
+def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostModel, bounds, int_cols,
+                   float_cols, tokens_out, per_sequence, prefetched, unions) -> int:
+    """The loop for a policy that decides in Python: a view per cycle, ``choose`` (with the
+    prefetcher's copies before each level), the compiled commit (with the cache advisor's keep
+    priorities), then what the cycle revealed to ``policy.observe``."""
+    trace = prep.trace
+    k = kernels.replay
+    state = cache.kernel_state()
+    n_experts = trace.n_experts
+    words = (n_experts + 63) // 64
+    selected = np.zeros(prep.max_nodes, dtype=bool)
+    true_union = np.empty((trace.n_layers, words), dtype=np.uint64)
+    predicted_union = np.empty_like(true_union)
+    admitted = np.empty(words, dtype=np.uint64)
+    evicted = np.empty(max(cache.capacity, 1), dtype=np.int64)
+    cand_score, cand_slot = np.empty_like(evicted), np.empty_like(evicted)
+    needs_truth = policy.needs_truth
+    same = needs_truth or prep.predicted_is_true
+    advisor, prefetcher = policy.cache_advisor, policy.prefetcher
+    offsets = prep.offsets
+    row = n_out = 0
 
     def prefetch_level(view: _LevelView, levels: int) -> _LevelView:
         """Copy the prefetcher's plan while level ``levels + 1`` is drafted (the tree so far)."""
         part = view.truncated(levels)
-        keep = None if advisor is None else advisor.keep(part.tree, part.experts, [0], E)
+        keep = None if advisor is None else advisor.keep(part.tree, part.experts, [0], n_experts)
         mask, priority = prefetcher.plan(part.tree, part.experts, view.cached, cost, keep=keep)
         if mask.any():
-            prefetched[i] += int(cache.prefetch(mask, keep=priority).admitted_mask.sum())
+            prefetched[row] += int(cache.prefetch(mask, keep=priority).admitted_mask.sum())
             return dataclasses.replace(view, cached=cache.resident())
         return view
-    for seq_index, (start, stop) in enumerate(zip(bounds[:-1], bounds[1:])):
-        c = int(start)
-        tokens_out: list[np.ndarray] = []
-        while c < stop:
-            true = prep.true[c]
+
+    for s in range(bounds.size - 1):
+        c, first_token = int(bounds[s]), n_out
+        while c < bounds[s + 1]:
+            lo, hi = int(offsets[c]), int(offsets[c + 1])
+            # int64 once per cycle: the search takes int64 ids, and a policy may search several times
             view = _LevelView(
-                tree=prep.level_trees[c][-1], experts=prep.predicted[c], cached=cache.resident(), cost=cost,
-                draft_levels=len(prep.level_trees[c]) - 1,
-                verdicts=prep.verdicts[c] if needs_truth else None, true_experts=true if needs_truth else None,
-                level_trees=prep.level_trees[c], level_sizes=prep.level_sizes[c])
+                tree=prep.tree(c), experts=prep.predicted_experts[lo:hi].astype(np.int64), cached=cache.resident(),
+                cost=cost, draft_levels=prep.depth(c),
+                verdicts=prep.verdicts[lo:hi] if needs_truth else None,
+                true_experts=prep.true_experts[lo:hi].astype(np.int64) if needs_truth else None, prep=prep, cycle=c)
             if prefetcher is not None:
                 prefetcher.begin_cycle()
             sel = choose(policy, view, before_level=None if prefetcher is None else prefetch_level)
-            nodes = sel.nodes
-            tree = prep.level_trees[c][-1]
-            path = prep.accepted[c]
-            selected = np.zeros(tree.n_nodes, dtype=bool)
-            selected[nodes] = True
-            inside = selected[path]
-            k = int(path.size if inside.all() else np.argmin(inside))   # root + accepted drafts
-            union = _union(prep.true_items[c], nodes, L * E)
-            resident = cache.resident().ravel()      # what the policy's last search saw
-            # the draft's look-ahead for the cache (a policy's cache_advisor): what the nodes left
-            # out predict the next cycles need, before the verdicts are known
+            nodes = np.ascontiguousarray(sel.nodes, dtype=np.int64)
+            resident = cache.resident()          # what the policy's last decision saw
+            drafted = prep.tree(c, sel.draft_levels)
             keep = None
-            if advisor is not None:       # only the levels the policy drafted
-                n_drafted = int(prep.level_sizes[c][sel.draft_levels])
-                keep = advisor.keep(prep.level_trees[c][sel.draft_levels], prep.predicted[c][:n_drafted], nodes, E)
-            result = cache.admit(union.reshape(L, E), keep=keep)
             if advisor is not None:
-                advisor.observe(union.reshape(L, E))
-            if unions is not None:
-                unions.append(np.flatnonzero(union))
-            # the experts the policy decided with (the oracle policy decides with the true ones)
-            same = needs_truth or prep.predicted[c] is prep.true[c]
-            predicted_union = union if same else _union(prep.predicted_items[c], nodes, L * E)
-            tokens_out.append(np.r_[tree.tokens[path[1:k]], prep.verdicts[c][path[k - 1]]])
+                # the draft's look-ahead for the cache: what the nodes left out predict the next
+                # cycles need, before the verdicts are known (only the levels the policy drafted)
+                n_drafted = int(prep.level_sizes[prep.level_offsets[c] + sel.draft_levels])
+                keep = advisor.keep(drafted, view.experts[:n_drafted], nodes, n_experts)
+            committed, n_out = k.commit_cycle(
+                c, nodes, nodes.size, same, False, offsets, prep.depths, prep.tokens, prep.verdicts, prep.true_experts,
+                prep.predicted_experts, prep.path_offsets, prep.paths, *state, cache._check_keep(keep), selected,
+                true_union, predicted_union, admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
+            if advisor is not None or unions is not None:
+                union = kernels.bitsets.unpack(true_union, n_experts)
+                if advisor is not None:
+                    advisor.observe(union)
+                if unions is not None:
+                    unions.append(np.flatnonzero(union))
+            int_cols[k.SEQUENCE, row] = s
+            int_cols[k.POSITION, row] = c - bounds[s]
+            int_cols[k.DRAFT_LEVELS, row] = sel.draft_levels
+            int_cols[k.PREDICTED_UNION_SIZE, row] = sel.hits + sel.misses
+            int_cols[k.PREDICTED_MISSES, row] = sel.misses
+            float_cols[k.PREDICTED_TIME_S, row] = sel.time_s
+            float_cols[k.PREDICTED_TOKENS, row] = sel.expected_tokens
             # what the cycle revealed, as the live decoder reports it: the drafted tree, the
             # verified nodes and the target's verdicts at them (the trace's predictions were
             # scored for the whole trace up front)
-            policy.observe(Observation(tree=prep.level_trees[c][sel.draft_levels], verified=nodes,
-                                       verdicts=prep.verdicts[c][nodes], draft_levels=sel.draft_levels,
-                                       misses=result.total_misses, predicted_misses=sel.misses,
-                                       root_misses=_missing(prep.true_items[c][0], resident),
-                                       root_predicted_misses=_missing(prep.predicted_items[c][0], resident)))
-            cols["sequence"][i] = seq_index
-            cols["position"][i] = c - start
-            cols["nodes_verified"][i] = nodes.size
-            cols["draft_levels"][i] = sel.draft_levels
-            cols["deepest_selected"][i] = tree.depth[nodes[-1]]
-            cols["union_size"][i] = result.total_hits + result.total_misses
-            cols["hits"][i] = result.total_hits
-            cols["misses"][i] = result.total_misses
-            cols["predicted_union_size"][i] = sel.hits + sel.misses
-            cols["predicted_misses"][i] = sel.misses
-            cols["union_overlap"][i] = np.count_nonzero(predicted_union & union)
-            cols["predicted_time_s"][i] = sel.time_s
-            cols["predicted_tokens"][i] = sel.expected_tokens
-            cols["committed_tokens"][i] = k
-            i += 1
-            c += k
-        committed.append(np.concatenate(tokens_out) if tokens_out else np.zeros(0, dtype=np.int64))
-    cols = {name: v[:i] for name, v in cols.items()}
-    cols["prefetched"] = prefetched[:i]
-    # the charged time: the same cost formula, on the true union against the cache state
-    cols["charged_time_s"] = cost.predict_counts(cols["draft_levels"], cols["nodes_verified"], cols["hits"], cols["misses"])
-    # the traced model's experts: the misses and the prefetched copies (whose link time was idle)
-    cols["bytes_h2d"] = (cols["misses"] + cols["prefetched"]) * prep.trace.expert_bytes
-    return CycleLog(columns=cols, committed=committed, unions=unions)
+            policy.observe(Observation(tree=drafted, verified=nodes, verdicts=prep.verdicts[lo + nodes],
+                                       draft_levels=sel.draft_levels, misses=int(int_cols[k.MISSES, row]),
+                                       predicted_misses=sel.misses,
+                                       root_misses=_missing(prep.true_experts[lo], resident),
+                                       root_predicted_misses=_missing(prep.predicted_experts[lo], resident)))
+            row += 1
+            c += committed
+        per_sequence[s] = n_out - first_token
+    return row
+
+
+def _missing(experts: np.ndarray, resident: np.ndarray) -> int:
+    """How many distinct experts of one node's routing (``[L, k]``) are not ``resident`` ([L, E])."""
+    layer = np.broadcast_to(np.arange(experts.shape[0])[:, None], experts.shape)
+    wanted = np.zeros_like(resident)
+    wanted[layer, experts] = True
+    return int(np.count_nonzero(wanted & ~resident))

@@ -74,7 +74,7 @@ def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: l
 
     cycle_frames, rows = [], []
     for prep in prepared:
-        max_nodes = max(int(t[-1].n_nodes) for t in prep.level_trees)
+        max_nodes = prep.max_nodes
         for scenario in scenarios:
             imposed: dict[str, CycleLog] = {}     # policies with their own cache size run once per scenario
             for capacity in cache_sizes:

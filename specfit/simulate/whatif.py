@@ -38,7 +38,7 @@ def apply_overrides(cost: CostModel, overrides: dict[str, float]) -> CostModel:
 
 def scale_h2d(cost: CostModel, factor: float) -> CostModel:
     """The cost model with ``factor`` times the host-to-device bandwidth: the transfer part of a
-    miss (``miss_s - hit_s``) divided by ``factor``."""
+    miss (:attr:`CostModel.transfer_s`) divided by ``factor``."""
     if not factor > 0:
         raise SpecFitError(f"--h2d-scale: expected a positive factor, got {factor}")
-    return cost.replace(miss_s=cost.hit_s + max(cost.miss_s - cost.hit_s, 0.0) / factor)
+    return cost.replace(miss_s=cost.hit_s + cost.transfer_s / factor)

@@ -10,6 +10,7 @@ import numpy as np
 import typer
 
 from ..errors import SpecFitError, fail
+from ..io import check_output
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
@@ -44,6 +45,7 @@ def synth_command(
     from .synth import RoutingParams, WORKLOADS, synthesize, with_drafter_overrides
 
     try:
+        check_output(out, "--out", kind="file")
         if workload not in WORKLOADS and top1_prob is None:
             raise SpecFitError(f"--workload: {workload!r} is not a preset ({', '.join(WORKLOADS)}); give --top1-prob "
                                "(and optionally --depth-decay) to describe its drafter")
@@ -63,9 +65,13 @@ def synth_command(
 
 
 def import_routing_command(
-    log_file: Path = typer.Argument(..., help="Routing log: .npz (expert_ids, sequence_id, token_id) or .jsonl."),
+    log_file: Path = typer.Argument(..., help="Routing log: .npz (expert_ids + sequence_id [+ token_id, "
+                                    "generated_token_index, router_weights], or one array per sequence: problem0, "
+                                    "problem1, ...), .jsonl or .parquet (one record per token and layer, or per token)."),
     out: Path = typer.Option(..., "--out", help="Trace file to write (.parquet)."),
     shape: Optional[str] = typer.Option(None, "--shape", help="Model shape (default: inferred from layers x top-k)."),
+    model: Optional[Path] = typer.Option(None, "--model", help="The model's config.json (or its directory): the "
+                                         "shape from its MoE layers, routed experts and top-k."),
     workload: str = typer.Option("chat", "--workload", help="Drafter preset for the synthesised trees: chat, math or code."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Import only the first positions."),
     sequences: Optional[int] = typer.Option(None, "--sequences", help="Import only the first sequences."),
@@ -77,22 +83,26 @@ def import_routing_command(
 ) -> None:
     """Turn a real routing log into a trace: real committed-token experts, synthesised draft trees."""
     from .format import write_trace
-    from .importers import import_routing, model_for_log, read_routing_log
+    from .importers import import_routing, model_for_log, model_from_config, read_routing_log
     from .synth import WORKLOADS, with_drafter_overrides
 
     try:
+        check_output(out, "--out", kind="file")
         if workload not in WORKLOADS:
             raise SpecFitError(f"--workload: expected one of {sorted(WORKLOADS)}, got {workload!r}")
         try:
             drafter = with_drafter_overrides(workload, width=tree_width, depth=tree_depth)
         except ValueError as exc:
             raise SpecFitError(str(exc)) from None
+        if shape is not None and model is not None:
+            raise SpecFitError("import-routing: pass --shape or --model, not both")
         log = read_routing_log(log_file)
         if sequences is not None:
             keep = np.unique(log.sequence, return_index=True)[1]
             first = log.sequence[np.sort(keep)][:sequences]
             log = log.select(np.flatnonzero(np.isin(log.sequence, first)))
-        trace = _with_status(lambda: import_routing(log, model_for_log(log, shape), workload=workload,
+        meta = model_from_config(model) if model is not None else model_for_log(log, shape)
+        trace = _with_status(lambda: import_routing(log, meta, workload=workload,
                                                     drafter=drafter, sibling_reuse=sibling_reuse, seed=seed, max_tokens=max_tokens),
                              "importing", as_json)
         write_trace(trace, out)
@@ -187,3 +197,9 @@ def _report_written(trace, out: Path, as_json: bool) -> None:
         target = targets.get(key)
         table.add_row(key, "" if target is None else f"{target:.3f}", f"{stats.get(key, float('nan')):.3f}")
     Console().print(table)
+    recording = trace.meta.get("recording", {})
+    if recording.get("token_ids") == "synthesised":
+        typer.echo(f"the log has no token ids: reference tokens are synthesised; predictors that learn from token ids "
+                   f"({', '.join(recording.get('unfittable_predictors', []))}) cannot be fitted on this trace")
+    if recording.get("router_weights"):
+        typer.echo("router weights of the reference path kept (column true_expert_weights)")

@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 from ..errors import SpecFitError
 from ..io import atomic_write
 from ..tree import DraftTree
+from .validate import check_meta, validate_trace
 
 __all__ = ["SCHEMA_VERSION", "METADATA_KEY", "Trace", "read_trace", "write_trace", "validate_trace"]
 
@@ -52,11 +53,11 @@ NODE_COLUMNS = (
     ("true_experts", None, True, "experts the target routed the node to, [layers * top_k]; null where unknown"),
     ("predicted_experts", None, False, "experts predicted at draft time, [layers * top_k]; null where not recorded"),
     ("verified", pa.bool_(), False, "live runs: the node was in the verified subtree"),
+    ("true_expert_weights", None, False, "router weights of true_experts, same order (imported logs that "
+                                         "record them); null where unknown"),
 )
 # live recordings: measured per-cycle values (repeated on the cycle's rows)
 MEASURED_COLUMNS = ("measured_time_s", "measured_draft_s", "measured_verify_s", "measured_bytes_h2d")
-REQUIRED_META = ("model", "drafter", "workload", "recording", "provenance")
-REQUIRED_MODEL = ("name", "n_layers", "n_experts", "top_k", "expert_bytes")
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Trace:
     true_experts: np.ndarray       # int16 [nodes, layers, top_k], -1 rows where unknown
     predicted_experts: np.ndarray | None = None   # int16 [nodes, layers, top_k] or None
     verified: np.ndarray | None = None            # bool [nodes] or None
+    true_expert_weights: np.ndarray | None = None  # float32 [nodes, layers, top_k], NaN rows where unknown
     measured: dict[str, np.ndarray] = field(default_factory=dict)  # per-cycle float64 [cycles]
 
     # ------------------------------------------------------------------ shape
@@ -199,6 +201,12 @@ def to_table(trace: Trace) -> pa.Table:
         cols["predicted_experts"] = _expert_column(trace.predicted_experts, trace.predicted_experts[:, 0, 0] >= 0, E)
     if trace.verified is not None:
         cols["verified"] = pa.array(trace.verified.astype(bool))
+    if trace.true_expert_weights is not None:
+        weights = trace.true_expert_weights
+        known = ~np.isnan(weights[:, 0, 0])
+        values = pa.array(np.nan_to_num(weights).reshape(-1).astype(np.float32), type=pa.float32())
+        cols["true_expert_weights"] = pa.FixedSizeListArray.from_arrays(values, weights.shape[1] * weights.shape[2],
+                                                                        mask=pa.array(~known))
     for name, values in trace.measured.items():
         cols[name] = pa.array(np.asarray(values, dtype=np.float64)[c])
     table = pa.table(cols)
@@ -237,7 +245,7 @@ def read_trace(path: str | Path, validate: bool = True) -> Trace:
     if version != SCHEMA_VERSION:
         raise SpecFitError(f"{path}: schema_version {version!r} is not supported; expected {SCHEMA_VERSION} "
                            f"(re-create the trace with this version of specfit)")
-    _check_meta(meta, str(path))
+    check_meta(meta, str(path))
     names = set(pf.schema_arrow.names)
     missing = [c for c, _, req, _ in NODE_COLUMNS if req and c not in names]
     if missing:
@@ -248,22 +256,6 @@ def read_trace(path: str | Path, validate: bool = True) -> Trace:
     if validate:
         validate_trace(trace, source=str(path))
     return trace
-
-
-def _check_meta(meta: dict, source: str) -> None:
-    missing = [k for k in REQUIRED_META if k not in meta]
-    if missing:
-        raise SpecFitError(f"{source}: metadata is missing field(s) {missing}")
-    model = meta["model"]
-    if not isinstance(model, dict) or any(k not in model for k in REQUIRED_MODEL):
-        raise SpecFitError(f"{source}: metadata field 'model' must hold {list(REQUIRED_MODEL)}")
-    for k in ("n_layers", "n_experts", "top_k"):
-        if not isinstance(model[k], int) or model[k] <= 0:
-            raise SpecFitError(f"{source}: metadata model.{k} must be a positive integer, got {model[k]!r}")
-    if model["top_k"] > model["n_experts"]:
-        raise SpecFitError(f"{source}: metadata model.top_k ({model['top_k']}) exceeds model.n_experts")
-    if not isinstance(model["expert_bytes"], int) or model["expert_bytes"] < 0:
-        raise SpecFitError(f"{source}: metadata model.expert_bytes must be a non-negative integer")
 
 
 def _int_column(table: pa.Table, name: str, source: str, fill: int | None = None) -> np.ndarray:
@@ -314,6 +306,7 @@ def _from_table(table: pa.Table, meta: dict, source: str) -> Trace:
     verified = None
     if "verified" in table.column_names:
         verified = table.column("verified").fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
+    weights = _weight_array(table, L, k, source) if "true_expert_weights" in table.column_names else None
     node = _int_column(table, "node", source)
     if np.any(node != np.arange(n) - np.repeat(starts, np.diff(offsets))):
         raise SpecFitError(f"{source}: column 'node' must number each cycle's rows 0, 1, 2, ... (root first)")
@@ -328,122 +321,21 @@ def _from_table(table: pa.Table, meta: dict, source: str) -> Trace:
         path_prob=table.column("path_prob").to_numpy(zero_copy_only=False).astype(np.float64),
         verdict=_int_column(table, "verdict", source, fill=UNKNOWN).astype(np.int32),
         true_experts=_expert_array(table, "true_experts", L, k, source),
-        predicted_experts=predicted, verified=verified, measured=measured,
+        predicted_experts=predicted, verified=verified, measured=measured, true_expert_weights=weights,
     )
 
 
+def _weight_array(table: pa.Table, L: int, k: int, source: str) -> np.ndarray:
+    col = table.column("true_expert_weights").combine_chunks()
+    if not (pa.types.is_fixed_size_list(col.type) and pa.types.is_floating(col.type.value_type)) \
+            or col.type.list_size != L * k:
+        raise SpecFitError(f"{source}: column 'true_expert_weights' must be a fixed-size list of {L * k} floats "
+                           f"(layers x top_k = {L} x {k}), got {col.type}")
+    values = col.values.fill_null(0).to_numpy(zero_copy_only=False)[col.offset * L * k:(col.offset + len(col)) * L * k]
+    weights = values.astype(np.float32).reshape(len(col), L, k)
+    if col.null_count:
+        weights[~col.is_valid().to_numpy(zero_copy_only=False)] = np.nan
+    return weights
+
+
 # --------------------------------------------------------------------------- validation
-def validate_trace(trace: Trace, source: str = "trace") -> dict:
-    """Check every invariant the simulator relies on; returns a few counts for the report.
-
-    Raises :class:`SpecFitError` naming the first violated field (and cycle where it applies).
-    """
-    _check_meta(trace.meta, source)
-    n, C = trace.n_nodes, trace.n_cycles
-    L, k, E = trace.n_layers, trace.top_k, trace.n_experts
-    off = trace.offsets
-    if C < 1 or off[0] != 0 or off[-1] != n or np.any(np.diff(off) < 1):
-        raise SpecFitError(f"{source}: cycle offsets must split the {n} node rows into non-empty cycles")
-    for name in ("parent", "depth", "token", "draft_logprob", "path_prob", "verdict"):
-        if getattr(trace, name).shape != (n,):
-            raise SpecFitError(f"{source}: '{name}' must have one value per node ({n}), got {getattr(trace, name).shape}")
-    for name in ("sequence", "position"):
-        if getattr(trace, name).shape != (C,):
-            raise SpecFitError(f"{source}: '{name}' must have one value per cycle ({C})")
-    cyc = trace.cycle_of_node
-    local = np.arange(n) - off[cyc]
-    root = local == 0
-
-    def fail(field_name: str, rows: np.ndarray, what: str) -> None:
-        i = int(np.flatnonzero(rows)[0])
-        raise SpecFitError(f"{source}: column '{field_name}' {what} (cycle {int(cyc[i])}, node {int(local[i])})")
-
-    parent = trace.parent.astype(np.int64)
-    if np.any(parent[root] != -1):
-        fail("parent", root & (parent != -1), "must be -1 at each cycle's root")
-    if np.any((parent[~root] < 0) | (parent[~root] >= local[~root])):
-        fail("parent", ~root & ((parent < 0) | (parent >= local)), "must point to an earlier node of the same cycle")
-    gparent = np.where(root, 0, parent + off[cyc])   # global row of each node's parent
-    depth = trace.depth.astype(np.int64)
-    expected_depth = np.zeros(n, dtype=np.int64)
-    # parents precede children, so one pass per level settles every depth
-    for _ in range(int(depth.max(initial=0)) + 1):
-        expected_depth = np.where(root, 0, expected_depth[gparent] + 1)
-    if np.any(depth != expected_depth):
-        fail("depth", depth != expected_depth, "must equal the parent's depth + 1 (root 0)")
-    if not _depth_sorted_per_cycle(depth, off):
-        # policies see a tree level by level: the first levels must be a prefix of the rows
-        raise SpecFitError(f"{source}: column 'depth' must be non-decreasing within each cycle (nodes in drafting order)")
-    prob = trace.path_prob
-    if not np.all(np.isfinite(prob)) or np.any((prob < 0) | (prob > 1)):
-        fail("path_prob", ~np.isfinite(prob) | (prob < 0) | (prob > 1), "must be a probability in [0, 1]")
-    if np.any(prob[root] != 1.0):
-        fail("path_prob", root & (prob != 1.0), "must be 1 at the root")
-    if np.any(prob > prob[gparent] + 1e-9):
-        fail("path_prob", prob > prob[gparent] + 1e-9, "must not exceed the parent's path_prob")
-    if np.any(trace.token < 0):
-        fail("token", trace.token < 0, "must be a non-negative token id")
-    # siblings must carry distinct tokens: greedy acceptance then accepts at most one child
-    key = np.stack([cyc, np.where(root, -1, parent), trace.token.astype(np.int64)], axis=1)[~root]
-    if np.unique(key, axis=0).shape[0] != key.shape[0]:
-        raise SpecFitError(f"{source}: column 'token' repeats a token among siblings; drafted siblings must be distinct tokens")
-    for name, experts in (("true_experts", trace.true_experts), ("predicted_experts", trace.predicted_experts)):
-        if experts is None:
-            continue
-        if experts.shape != (n, L, k):
-            raise SpecFitError(f"{source}: '{name}' must have shape [nodes, layers, top_k] = [{n}, {L}, {k}], got {list(experts.shape)}")
-        known = experts[:, 0, 0] >= 0
-        bad = known & ((experts < 0) | (experts >= E)).any(axis=(1, 2))
-        if bad.any():
-            fail(name, bad, f"must hold expert ids in [0, {E})")
-        srt = np.sort(experts[known], axis=2)
-        dup = np.zeros(n, dtype=bool)
-        dup[known] = (srt[:, :, 1:] == srt[:, :, :-1]).any(axis=(1, 2))
-        if dup.any():
-            fail(name, dup, "repeats an expert within one layer's top-k")
-    counts = {"cycles": C, "nodes": n, "verdicts_known": int(trace.verdict_known.sum()),
-              "true_experts_known": int(trace.true_known.sum())}
-    if trace.position_indexed:
-        _validate_position_indexed(trace, source, root)
-    return counts
-
-
-def _depth_sorted_per_cycle(depth: np.ndarray, off: np.ndarray) -> bool:
-    d = np.diff(depth.astype(np.int64))
-    boundary = np.zeros(d.size, dtype=bool)
-    boundary[off[1:-1] - 1] = True
-    return bool(np.all((d >= 0) | boundary))
-
-
-def _validate_position_indexed(trace: Trace, source: str, root: np.ndarray) -> None:
-    """A full trace: every node verified (verdict and true experts known), one cycle per position
-    of each sequence, and consecutive roots spelling the reference output."""
-    if not trace.verdict_known.all():
-        raise SpecFitError(f"{source}: column 'verdict' has nulls; a position-indexed trace needs every node's verdict")
-    if not trace.true_known.all():
-        raise SpecFitError(f"{source}: column 'true_experts' has nulls; a position-indexed trace needs every node's true experts")
-    seq, pos = trace.sequence.astype(np.int64), trace.position.astype(np.int64)
-    same = seq[1:] == seq[:-1]
-    if np.any(same & (pos[1:] != pos[:-1] + 1)) or np.any(~same & (pos[1:] != 0)) or pos[0] != 0:
-        raise SpecFitError(f"{source}: columns 'sequence'/'position' must list positions 0, 1, 2, ... of each sequence "
-                           "in order (one cycle per position)")
-    if np.unique(seq[np.r_[True, ~same]]).size != int(np.sum(np.r_[True, ~same])):
-        raise SpecFitError(f"{source}: column 'sequence' must keep each sequence's cycles together")
-    roots = trace.offsets[:-1]
-    root_verdict, next_root_token = trace.verdict[roots[:-1]], trace.token[roots[1:]]
-    bad = same & (root_verdict != next_root_token)
-    if bad.any():
-        c = int(np.flatnonzero(bad)[0])
-        raise SpecFitError(f"{source}: column 'verdict' at the root of cycle {c} ({int(root_verdict[c])}) must equal the "
-                           f"root token of the next position ({int(next_root_token[c])}); the roots spell the reference output")
-    # a node may only be accepted where the reference still has a next token
-    last = np.r_[~same, True]
-    remaining = np.zeros(trace.n_cycles, dtype=np.int64)   # positions left after this one in its sequence
-    for c in range(trace.n_cycles - 1, -1, -1):
-        remaining[c] = 0 if last[c] else remaining[c + 1] + 1
-    for c in np.flatnonzero(remaining < int(trace.depth.max(initial=0))):
-        tree = trace.tree(int(c))
-        path = tree.accepted_path(trace.verdict[trace.rows(int(c))])
-        if path.size - 1 > remaining[c]:
-            raise SpecFitError(f"{source}: cycle {int(c)} accepts {path.size - 1} draft tokens but only "
-                               f"{int(remaining[c])} reference tokens follow its position")

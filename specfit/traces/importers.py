@@ -1,24 +1,23 @@
 """Importers: real routing logs -> position-indexed traces.
 
-A routing log records, for each decoded token, the experts the target's router picked at every
-MoE layer. That is exactly the committed path of a trace; the draft trees around it are not in the
-log, so they are synthesised (:mod:`specfit.traces.drafter`) and the off-path nodes' experts are
-drawn from a :class:`~specfit.traces.routing.RoutingModel` calibrated to the log's own per-layer
-statistics (popularity, consecutive reuse, token affinity). The trace metadata lists what is real
-and what is synthesised.
+A routing log (any layout of :mod:`specfit.traces.routing_logs`) records, for each decoded token,
+the experts the target's router picked at every MoE layer. That is exactly the committed path of a
+trace; the draft trees around it are not in the log, so they are synthesised
+(:mod:`specfit.traces.drafter`) and the off-path nodes' experts are drawn from a
+:class:`~specfit.traces.routing.RoutingModel` calibrated to the log's own per-layer statistics
+(popularity, consecutive reuse, token affinity). The trace metadata lists what is real and what
+is synthesised.
 
-Input layouts:
-
-- ``.npz`` with ``expert_ids [tokens, layers, top_k]``, ``sequence_id [tokens]``,
-  ``token_id [tokens]`` and optionally ``generated_token_index [tokens]`` (rows in decode order);
-- ``.jsonl`` with one record per token and layer:
-  ``{"sequence_id": 3, "token_index": 17, "token_id": 1045, "layer": 0, "experts": [5, 9, ...]}``.
+Router weights, when the log has them, go into the trace's ``true_expert_weights`` for the
+reference path (the off-path nodes' experts are synthesised, so their weights are unknown). A log
+without token ids (per-sequence npz logs) is imported with synthesised reference tokens; the
+metadata then says ``recording.token_ids: "synthesised"`` and lists under
+``recording.unfittable_predictors`` the predictors that learn from token ids (``affinity``), and
+the routing model's token affinity falls back to the log's consecutive reuse.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,93 +28,16 @@ from ..errors import SpecFitError
 from .drafter import DrafterParams
 from .format import Trace
 from .routing import RoutingModel, TokenSampler
+from .routing_logs import JSONL_FIELDS, RoutingLog, dump_jsonl, read_routing_log
 from .stats import consecutive_reuse, popularity, same_token_reuse
 from .summary import trace_statistics
 from .synth import MODEL_SHAPES, WORKLOADS, build_trees
 
-__all__ = ["RoutingLog", "read_routing_log", "import_routing", "model_for_log", "dump_jsonl"]
+__all__ = ["RoutingLog", "read_routing_log", "import_routing", "model_for_log", "model_from_config", "dump_jsonl",
+           "JSONL_FIELDS", "TOKEN_PREDICTORS"]
 
-JSONL_FIELDS = ("sequence_id", "token_index", "token_id", "layer", "experts")
-
-
-@dataclass
-class RoutingLog:
-    """Decode routing: ``experts [tokens, layers, top_k]``, ``tokens [tokens]``,
-    ``sequence [tokens]`` (rows of a sequence consecutive, in decode order)."""
-
-    experts: np.ndarray
-    tokens: np.ndarray
-    sequence: np.ndarray
-    source: str
-
-    def select(self, rows: np.ndarray) -> "RoutingLog":
-        return RoutingLog(self.experts[rows], self.tokens[rows], self.sequence[rows], self.source)
-
-
-def read_routing_log(path: str | Path) -> RoutingLog:
-    """Read an ``.npz`` or ``.jsonl`` routing log (see the module docstring)."""
-    path = Path(path)
-    if not path.is_file():
-        raise SpecFitError(f"{path}: no such routing log")
-    if path.suffix == ".npz":
-        return _read_npz(path)
-    if path.suffix in (".jsonl", ".json"):
-        return _read_jsonl(path)
-    raise SpecFitError(f"{path}: unknown routing-log format; expected a .npz or .jsonl file")
-
-
-def _read_npz(path: Path) -> RoutingLog:
-    try:
-        data = np.load(path, allow_pickle=False)   # never unpickle a user file
-    except (OSError, ValueError) as exc:
-        raise SpecFitError(f"{path}: not a readable .npz file ({exc})") from None
-    missing = [k for k in ("expert_ids", "sequence_id", "token_id") if k not in data.files]
-    if missing:
-        raise SpecFitError(f"{path}: missing array(s) {missing}; expected expert_ids [tokens, layers, top_k], "
-                           "sequence_id [tokens], token_id [tokens]")
-    experts = data["expert_ids"]
-    if experts.ndim != 3 or not np.issubdtype(experts.dtype, np.integer):
-        raise SpecFitError(f"{path}: array 'expert_ids' must be integers [tokens, layers, top_k], got {experts.dtype} {experts.shape}")
-    seq, tok = data["sequence_id"], data["token_id"]
-    if seq.shape != (experts.shape[0],) or tok.shape != (experts.shape[0],):
-        raise SpecFitError(f"{path}: arrays 'sequence_id' and 'token_id' must have one entry per row of expert_ids ({experts.shape[0]})")
-    order = np.arange(experts.shape[0])
-    if "generated_token_index" in data.files:
-        # rows are in decode order already; a stable sort only guards against interleaved logs
-        order = np.lexsort((data["generated_token_index"], _first_seen_rank(seq)))
-    return RoutingLog(experts[order].astype(np.int64), tok[order].astype(np.int64), seq[order].astype(np.int64), str(path))
-
-
-def _first_seen_rank(seq: np.ndarray) -> np.ndarray:
-    _, first, inverse = np.unique(seq, return_index=True, return_inverse=True)
-    return np.argsort(np.argsort(first))[inverse]
-
-
-def _read_jsonl(path: Path) -> RoutingLog:
-    try:
-        df = pd.read_json(path, lines=True)
-    except ValueError as exc:
-        raise SpecFitError(f"{path}: not valid JSON lines ({exc})") from None
-    missing = [f for f in JSONL_FIELDS if f not in df.columns]
-    if missing:
-        raise SpecFitError(f"{path}: records miss field(s) {missing}; expected one record per token and layer with {list(JSONL_FIELDS)}")
-    k = df["experts"].map(len)
-    if k.nunique() != 1:
-        raise SpecFitError(f"{path}: field 'experts' must list the same number (top_k) of experts in every record")
-    layers = np.sort(df["layer"].unique())
-    if not np.array_equal(layers, np.arange(layers.size)):
-        raise SpecFitError(f"{path}: field 'layer' must cover 0..L-1, got {layers.tolist()[:8]}...")
-    # sequences keep the order in which the file first lists them, tokens their index
-    df["sequence_rank"] = _first_seen_rank(df["sequence_id"].to_numpy())
-    df = df.sort_values(["sequence_rank", "token_index", "layer"], kind="stable")
-    counts = df.groupby(["sequence_id", "token_index"]).size()
-    if (counts != layers.size).any():
-        bad = counts[counts != layers.size].index[0]
-        raise SpecFitError(f"{path}: token {bad} has {int(counts[bad])} layer records; expected {layers.size}")
-    experts = np.stack(df["experts"].to_numpy()).reshape(-1, layers.size, int(k.iloc[0]))
-    firsts = df[df["layer"] == 0]
-    return RoutingLog(experts.astype(np.int64), firsts["token_id"].to_numpy().astype(np.int64),
-                      firsts["sequence_id"].to_numpy().astype(np.int64), str(path))
+# predictors that learn a token -> experts table: meaningless on synthesised token ids
+TOKEN_PREDICTORS = ("affinity",)
 
 
 def import_routing(log: RoutingLog, model: dict, workload: str = "imported", drafter: DrafterParams | None = None,
@@ -134,15 +56,23 @@ def import_routing(log: RoutingLog, model: dict, workload: str = "imported", dra
         raise SpecFitError(f"{log.source}: expert ids must be in [0, {E}) for {model['name']!r}")
     drafter = drafter or WORKLOADS.get(workload, WORKLOADS["chat"])
     rng = np.random.default_rng(seed)
-    vocab = max(int(model.get("vocab_size", 0)), int(log.tokens.max()) + 1)
+    known_tokens = log.token_ids_known
+    vocab = int(model.get("vocab_size", 0))
+    if known_tokens:
+        vocab = max(vocab, int(log.tokens.max()) + 1)
+    elif vocab <= 0:
+        raise SpecFitError(f"{log.source}: the log has no token ids and the model shape {model['name']!r} no "
+                           f"vocab_size to synthesise them from")
     token_sampler = TokenSampler(vocab, 1.0, rng)
+    tokens = log.tokens if known_tokens else _synthesised_tokens(log, token_sampler, rng)
     reuse = consecutive_reuse(log.experts, log.sequence)
-    affinity = same_token_reuse(log.experts, log.tokens)   # NaN when no token repeats
+    # NaN when no token repeats, and meaningless without token ids: then the temporal reuse stands in
+    affinity = same_token_reuse(log.experts, tokens) if known_tokens else np.full(L, np.nan)
     router = RoutingModel(popularity(log.experts, E), np.nan_to_num(reuse, nan=0.0),
                           np.where(np.isfinite(affinity), affinity, np.nan_to_num(reuse, nan=0.0)),
                           sibling_reuse, k, vocab, seed=seed)
     router.calibrate(token_sampler, rng)
-    ref_tokens, ref_experts = [], []
+    ref_tokens, ref_experts, ref_weights = [], [], []
     budget = np.inf if max_tokens is None else int(max_tokens)
     for s in pd.unique(log.sequence):
         rows = np.flatnonzero(log.sequence == s)
@@ -150,31 +80,71 @@ def import_routing(log: RoutingLog, model: dict, workload: str = "imported", dra
             continue
         rows = rows[: int(min(rows.size, budget + 1))]
         budget -= rows.size - 1
-        ref_tokens.append(log.tokens[rows])
+        ref_tokens.append(tokens[rows])
         ref_experts.append(log.experts[rows])
+        if log.weights is not None:
+            ref_weights.append(log.weights[rows])
     if not ref_tokens:
         raise SpecFitError(f"{log.source}: no sequence has two or more tokens; nothing to import")
     arrays = build_trees(ref_tokens, ref_experts, router, drafter, token_sampler, rng)
+    real = ["experts of the reference tokens (every root and on-path node)"]
+    synthesised = ["draft trees", "draft probabilities", "off-path draft tokens", "off-path verdicts",
+                   "off-path nodes' experts (routing model calibrated to this log's statistics)"]
+    if known_tokens:
+        real.insert(0, "reference tokens")
+    else:
+        synthesised.insert(0, "reference tokens (the log has no token ids)")
+    if log.weights is not None:
+        real.append("router weights of the reference tokens' experts")
+    recording = {"kind": "imported", "position_indexed": True, "full_verification": True,
+                 "tool": f"specfit {__version__} traces import-routing", "source": Path(log.source).name,
+                 "layout": log.layout, "seed": seed, "token_ids": "real" if known_tokens else "synthesised",
+                 "router_weights": log.weights is not None}
+    if not known_tokens:
+        recording["unfittable_predictors"] = list(TOKEN_PREDICTORS)
     meta = {
         "model": {key: model[key] for key in ("name", "n_layers", "n_experts", "top_k", "expert_bytes", "vocab_size")
                   if key in model},
         "drafter": {"name": "synthetic-eagle3", **drafter.to_dict()},
         "workload": workload,
-        "recording": {"kind": "imported", "position_indexed": True, "full_verification": True,
-                      "tool": f"specfit {__version__} traces import-routing", "source": Path(log.source).name,
-                      "seed": seed},
-        "provenance": {
-            "real": ["reference tokens", "experts of the reference tokens (every root and on-path node)"],
-            "synthesised": ["draft trees", "draft probabilities", "off-path draft tokens", "off-path verdicts",
-                            "off-path nodes' experts (routing model calibrated to this log's statistics)"]},
+        "recording": recording,
+        "provenance": {"real": real, "synthesised": synthesised},
         "parameters": {"fitted": {"token_prob": router.token_prob_.round(4).tolist(),
                                   "consecutive_prob": router.consecutive_prob_.round(4).tolist(),
                                   "sibling_prob": router.sibling_prob_.round(4).tolist()},
                        "sibling_reuse": sibling_reuse},
     }
     trace = Trace(meta=meta, **arrays)
+    if log.weights is not None:
+        trace.true_expert_weights = _reference_weights(trace, ref_weights)
     trace.meta["statistics"] = trace_statistics(trace)
     return trace
+
+
+def _synthesised_tokens(log: RoutingLog, sampler: TokenSampler, rng: np.random.Generator) -> np.ndarray:
+    return sampler.sample(log.sequence.size, rng).astype(np.int64)
+
+
+def _reference_weights(trace: Trace, ref_weights: list[np.ndarray]) -> np.ndarray:
+    """Router weights of the on-path nodes (a cycle's root and its nodes that spell the reference),
+    NaN elsewhere: the node at depth d of position p's tree is the reference token p + d."""
+    n = trace.n_nodes
+    cycle = trace.cycle_of_node
+    roots = trace.offsets[:-1]
+    local_parent = trace.parent.astype(np.int64)
+    gparent = np.where(local_parent >= 0, local_parent + trace.offsets[cycle], 0)
+    on_path = np.zeros(n, dtype=bool)
+    on_path[roots] = True
+    for _ in range(int(trace.depth.max(initial=0))):   # parents precede children: one pass per level
+        on_path = on_path | ((local_parent >= 0) & on_path[gparent] & (trace.token == trace.verdict[gparent]))
+    weights = np.full(trace.true_experts.shape, np.nan, dtype=np.float32)
+    rows = np.flatnonzero(on_path)
+    seq = trace.sequence[cycle[rows]]
+    index = trace.position[cycle[rows]].astype(np.int64) + trace.depth[rows].astype(np.int64)
+    for s in np.unique(seq):
+        pick = seq == s
+        weights[rows[pick]] = ref_weights[int(s)][index[pick]]
+    return weights
 
 
 def model_for_log(log: RoutingLog, shape: str | None) -> dict:
@@ -187,18 +157,19 @@ def model_for_log(log: RoutingLog, shape: str | None) -> dict:
     for m in MODEL_SHAPES.values():
         if (m["n_layers"], m["top_k"]) == (L, k) and log.experts.max() < m["n_experts"]:
             return dict(m)
-    raise SpecFitError(f"{log.source}: no known model shape has {L} layers x top-{k}; pass --shape")
+    raise SpecFitError(f"{log.source}: no known model shape has {L} layers x top-{k}; pass --shape NAME or "
+                       f"--model (the model's config.json)")
 
 
-def dump_jsonl(log: RoutingLog, path: str | Path) -> None:
-    """Write ``log`` in the JSONL layout (one record per token and layer)."""
-    position = np.zeros(log.sequence.size, dtype=np.int64)
-    for s in np.unique(log.sequence):
-        rows = np.flatnonzero(log.sequence == s)
-        position[rows] = np.arange(rows.size)
-    with open(path, "w") as f:
-        for i in range(log.sequence.size):
-            for layer in range(log.experts.shape[1]):
-                f.write(json.dumps({"sequence_id": int(log.sequence[i]), "token_index": int(position[i]),
-                                    "token_id": int(log.tokens[i]), "layer": layer,
-                                    "experts": log.experts[i, layer].tolist()}) + "\n")
+def model_from_config(config_path: str | Path) -> dict:
+    """The model metadata of a Hugging Face ``config.json`` (or a model directory): its MoE
+    layers, routed experts, top-k, bytes of one bf16 routed expert and vocabulary."""
+    import torch
+
+    from ..runtime.config import ModelConfig
+
+    path = Path(config_path)
+    config = ModelConfig.from_dir(path) if path.is_dir() else ModelConfig.from_file(path)
+    return {"name": (path if path.is_dir() else path.parent).name, "n_layers": config.n_moe_layers,
+            "n_experts": config.n_experts, "top_k": config.top_k, "expert_bytes": config.expert_bytes(torch.bfloat16),
+            "vocab_size": config.vocab_size}

@@ -1,0 +1,98 @@
+"""The cost model refitted while a run goes: a rolling, robust, physical fit of the recent measured
+cycles, with the profile as the prior.
+
+A profile describes the machine as it was when it was calibrated. When that changes during a run
+(another process takes a core, clocks move, the cache settles into another regime) the predictions
+drift, and a policy that decides with them picks the wrong subtrees. :class:`OnlineCostModel`
+keeps the last ``window`` cycles (their features and measured times) and refits every
+``refit_every`` cycles with :class:`~specfit.calibrate.fit.CycleTimeFitter`: relative error, Huber
+weights (a cycle disturbed once is not fitted), a miss never cheaper than a hit, and every term the
+window cannot identify held at the profile's value. Cycles weigh less as they age (``half_life``),
+so a change of the machine outweighs the cycles before it after about one half-life, not after half
+the window. A window of one policy's cycles usually pins ``base_s`` and the terms its choices vary;
+the rest keep the profile's values.
+
+Before ``min_cycles`` cycles have been seen the model is the prior itself.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..costmodel import PARAM_NAMES, CostModel
+from .fit import CycleTimeFitter, from_physical, to_physical
+
+__all__ = ["OnlineCostModel"]
+
+
+class OnlineCostModel:
+    """A cost model that follows the measured cycles of a run.
+
+    Args:
+        prior: the profile's cost model (the start, and the value of every term the window cannot
+            identify).
+        window: how many recent cycles the fit sees.
+        min_cycles: cycles seen before the first refit.
+        refit_every: cycles between refits.
+        half_life: a cycle this many cycles old weighs half as much as the newest, so the model
+            follows a machine that changes instead of averaging over the whole window.
+        select_every: refits between two selections of the terms to fit (which terms the window
+            identifies changes slowly; the refits in between keep the last selection and only
+            solve for the values, a tenth of the cost).
+
+    Attributes: ``cost`` (the current model), ``n_seen`` (cycles observed), ``n_refits``,
+    ``held`` (the terms the last refit held at the prior; :meth:`state` says why).
+    """
+
+    def __init__(self, prior: CostModel, window: int = 48, min_cycles: int = 8, refit_every: int = 4,
+                 half_life: float = 8.0, select_every: int = 4):
+        if window < 2 or min_cycles < 2 or refit_every < 1:
+            raise ValueError(f"OnlineCostModel: expected window >= 2, min_cycles >= 2, refit_every >= 1, got "
+                             f"{window}, {min_cycles}, {refit_every}")
+        self.prior = prior
+        self.window, self.min_cycles, self.refit_every = int(window), int(min(min_cycles, window)), int(refit_every)
+        self.half_life, self.select_every = float(half_life), int(max(select_every, 1))
+        self._choice = None
+        self._fitter = CycleTimeFitter(holdout_fraction=0.0, prior=prior)
+        self._theta = to_physical(prior.params)
+        self._features = np.zeros((self.window, len(PARAM_NAMES)))
+        self._times = np.zeros(self.window)
+        self.n_seen = 0
+        self.n_refits = 0
+        self.cost = prior
+        self.held: list[str] = []
+
+    def observe(self, draft_levels: int, n_nodes: int, hits: int, misses: int, time_s: float) -> None:
+        """Add one measured cycle (the counts of what it verified, its measured seconds); refit
+        when it is time."""
+        if not (time_s > 0 and np.isfinite(time_s)):
+            return                                   # nothing to learn from (an empty or broken clock)
+        slot = self.n_seen % self.window
+        self._features[slot] = (draft_levels, 1.0, n_nodes, hits, misses)
+        self._times[slot] = time_s
+        self.n_seen += 1
+        if self.n_seen >= self.min_cycles and (self.n_seen - self.min_cycles) % self.refit_every == 0:
+            self._refit()
+
+    def _refit(self) -> None:
+        n = min(self.n_seen, self.window)
+        age = (self.n_seen - 1 - np.arange(n)) % self.window        # slot i holds the cycle this many cycles old
+        recency = 0.5 ** (age / self.half_life)
+        # one reweighting round per refit, its Huber weights from the current model's residuals:
+        # over successive refits of overlapping windows this is the offline fit's iteration
+        reuse = self._choice if self.n_refits % self.select_every else None
+        theta, info = self._fitter.solve(self._features[:n], self._times[:n], start=self._theta, robust_iterations=0,
+                                         sample_weight=recency, choice=reuse)
+        self._theta = theta
+        params = from_physical(theta)
+        self.cost = CostModel(**dict(zip(PARAM_NAMES, map(float, params))), expert_bytes=self.prior.expert_bytes)
+        self._choice = info["choice"]
+        self.held = info["held_names"]
+        self.n_refits += 1
+
+    def state(self) -> dict:
+        """What the model is now, for a run's summary."""
+        return {"cycles_seen": self.n_seen, "refits": self.n_refits, "window": self.window,
+                "params": {k: v for k, v in self.cost.to_dict().items() if k != "expert_bytes"},
+                "speed_factor": self._choice["speed_value"] if self.n_refits else 1.0,
+                "held": self._fitter._held_terms(self._choice) if self.n_refits else {}}

@@ -1,0 +1,77 @@
+"""The compiled kernels: numba ``@njit(cache=True)`` loops over flat typed arrays.
+
+One module per concept: :mod:`.bitsets` (expert sets as ``uint64`` words), :mod:`.tree` (a draft
+tree's checks, clipping, depths and accepted path), :mod:`.evaluate` (the cost formula on a node
+set), :mod:`.closure` (maximum-weight closure by max-flow), :mod:`.inner` (the inner closure
+problem with its reductions), :mod:`.search` (Dinkelbach, the root bound, the greedy baseline),
+:mod:`.cache` (the expert cache's admit and eviction), :mod:`.replay` (the trace replay loop). The Python modules that own each concept (:mod:`specfit.tree`,
+:mod:`specfit.search`, :mod:`specfit.experts.cache`, :mod:`specfit.simulate.replay`) are thin
+wrappers: they validate, prepare arrays once and call these.
+
+Importing this package does not import numba: a kernel module is imported on first use
+(``kernels.search``), so commands that never run a kernel (``specfit --help``) start without
+numba's import time. Compiled code is cached on disk next to the sources (numba's ``__pycache__``
+``*.nbi`` / ``*.nbc`` files); the first call after an install or an edit compiles.
+
+Numba keys a cached kernel on its own source file only, while a kernel that calls one from another
+file (the replay calls the cache and the search) has that code compiled in. So before the first
+kernel module is imported, a digest of every kernel source (and of ``costmodel.py``, whose formula
+they compile) is compared with the one stored beside the cache; when it differs, this package's
+cached kernels are dropped and recompiled. With ``NUMBA_CACHE_DIR`` set the caches live elsewhere
+and this check is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+from pathlib import Path
+
+__all__ = ["bitsets", "tree", "evaluate", "closure", "inner", "search", "cache", "replay", "drop_stale_caches"]
+
+_MODULES = frozenset(("bitsets", "tree", "evaluate", "closure", "inner", "search", "cache", "replay"))
+_checked = False
+
+
+def __getattr__(name: str):
+    if name not in _MODULES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    _drop_stale_caches()
+    return importlib.import_module(f"{__name__}.{name}")
+
+
+def _drop_stale_caches() -> None:
+    global _checked
+    if _checked:
+        return
+    _checked = True
+    if os.environ.get("NUMBA_CACHE_DIR"):
+        return
+    here = Path(__file__).resolve().parent
+    drop_stale_caches(sorted(here.glob("*.py")) + [here.parent / "costmodel.py"], here / "__pycache__" / "kernels.sha256",
+                      [(here / "__pycache__", "*.nb[ic]"), (here.parent / "__pycache__", "costmodel.*.nb[ic]")])
+
+
+def drop_stale_caches(sources: list[Path], stamp: Path, caches: list[tuple[Path, str]]) -> bool:
+    """Delete the cache files matching ``caches`` (folder, glob pattern) unless ``stamp`` holds the
+    digest of ``sources``; then store it. True when files were dropped (or there was no stamp)."""
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    want = digest.hexdigest()
+    try:
+        if stamp.read_text() == want:
+            return False
+    except OSError:
+        pass
+    try:
+        for folder, pattern in caches:
+            for path in folder.glob(pattern):
+                path.unlink(missing_ok=True)
+        from ..io import write_text_atomic
+
+        write_text_atomic(stamp, want)
+    except OSError:   # a read-only install: numba then caches in the user's cache directory
+        pass
+    return True

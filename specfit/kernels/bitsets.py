@@ -1,0 +1,129 @@
+"""Expert sets as bitsets: ``uint64`` words, bit ``e % 64`` of word ``e // 64`` holds expert e.
+
+A node's experts at one layer are ``words = ceil(E / 64)`` words; the search and the replay take
+unions of a few dozen nodes' sets and count how many of the union are resident, which on bitsets
+is an OR, an AND and a popcount per word instead of passes over ``[layers, experts]`` masks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, types
+from numba.extending import intrinsic
+
+__all__ = ["n_words", "popcount", "lowest_bit", "pack_rows", "pack_mask", "pack_ids", "union_rows",
+           "count_union", "unpack"]
+
+ONE = np.uint64(1)
+ZERO = np.uint64(0)
+
+
+@intrinsic
+def _ctpop(typingctx, x):
+    sig = types.uint64(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        return builder.ctpop(args[0])
+
+    return sig, codegen
+
+
+@intrinsic
+def _cttz(typingctx, x):
+    sig = types.uint64(types.uint64)
+
+    def codegen(context, builder, signature, args):
+        return builder.cttz(args[0], context.get_constant(types.boolean, True))
+
+    return sig, codegen
+
+
+def n_words(n_experts: int) -> int:
+    return (int(n_experts) + 63) // 64
+
+
+@njit(cache=True)
+def popcount(word):
+    """Set bits of one uint64 word (the CPU's popcount instruction)."""
+    return np.int64(_ctpop(word))
+
+
+@njit(cache=True)
+def lowest_bit(word):
+    """Index of the lowest set bit of a non-zero word."""
+    return np.int64(_cttz(word))
+
+
+@njit(cache=True)
+def pack_rows(experts, n_experts):
+    """int ``[n, L, k]`` expert ids -> (uint64 ``[n, L, words]`` sets, ok). A set holds each expert
+    once however often its slots repeat it; ``ok`` is False when an id lies outside
+    ``[0, n_experts)`` (the sets are then incomplete)."""
+    n, n_layers, k = experts.shape
+    bits = np.zeros((n, n_layers, (n_experts + 63) // 64), dtype=np.uint64)
+    for v in range(n):
+        for layer in range(n_layers):
+            for s in range(k):
+                e = np.int64(experts[v, layer, s])
+                if e < 0 or e >= n_experts:
+                    return bits, False
+                bits[v, layer, e >> 6] |= ONE << np.uint64(e & 63)
+    return bits, True
+
+
+@njit(cache=True)
+def pack_ids(ids, words, out):
+    """Set the bits of ``ids`` (one layer's expert ids) in ``out[words]``, cleared first; False
+    when an id is negative or beyond the words."""
+    for w in range(words):
+        out[w] = ZERO
+    for i in range(ids.size):
+        e = np.int64(ids[i])
+        if e < 0 or e >= 64 * words:
+            return False
+        out[e >> 6] |= ONE << np.uint64(e & 63)
+    return True
+
+
+@njit(cache=True)
+def union_rows(bits, nodes, n_nodes, out):
+    """``out[L, words]`` = the OR of ``bits[v]`` over the first ``n_nodes`` of ``nodes``."""
+    n_layers, words = out.shape
+    for layer in range(n_layers):
+        for w in range(words):
+            out[layer, w] = ZERO
+    for i in range(n_nodes):
+        v = nodes[i]
+        for layer in range(n_layers):
+            for w in range(words):
+                out[layer, w] |= bits[v, layer, w]
+
+
+@njit(cache=True)
+def count_union(union, cached):
+    """(hits, misses) of a union ``[L, words]`` against resident sets ``cached[L, words]``."""
+    hits = 0
+    total = 0
+    n_layers, words = union.shape
+    for layer in range(n_layers):
+        for w in range(words):
+            u = union[layer, w]
+            total += popcount(u)
+            hits += popcount(u & cached[layer, w])
+    return hits, total - hits
+
+
+def pack_mask(mask: np.ndarray) -> np.ndarray:
+    """bool ``[..., E]`` -> uint64 ``[..., words]`` (numpy; the kernels take the words)."""
+    packed = np.packbits(np.asarray(mask, dtype=bool), axis=-1, bitorder="little")
+    words = n_words(mask.shape[-1])
+    if packed.shape[-1] != 8 * words:
+        pad = np.zeros(packed.shape[:-1] + (8 * words - packed.shape[-1],), dtype=np.uint8)
+        packed = np.concatenate([packed, pad], axis=-1)
+    return np.ascontiguousarray(packed).view("<u8").astype(np.uint64, copy=False)
+
+
+def unpack(bits: np.ndarray, n_experts: int) -> np.ndarray:
+    """uint64 ``[..., words]`` -> bool ``[..., n_experts]`` (numpy; no compilation needed)."""
+    as_bytes = np.ascontiguousarray(bits, dtype="<u8").view(np.uint8)
+    return np.unpackbits(as_bytes, axis=-1, count=n_experts, bitorder="little").view(bool)

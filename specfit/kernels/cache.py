@@ -1,0 +1,295 @@
+"""The expert cache's admit and eviction, compiled; the rules are those of
+:mod:`specfit.experts.cache`, which owns the state and calls these.
+
+State (arrays the kernels update in place):
+
+- ``bits`` uint64 ``[L, words]``: resident experts per layer;
+- ``score`` / ``count`` int64 ``[L, E]``: eviction key (smallest goes first) and touches (lfu);
+- ``slots`` int64 ``[rows, C]``: what each slot holds, -1 when free; per-layer mode one row per
+  layer holding expert ids, global mode one row holding items ``layer * E + expert``; victims are
+  looked for among a layer's (or the cache's) C slots, never over ``[L, E]``;
+- ``n_used`` int64 ``[rows]``: occupied slots per row;
+- ``clock`` int64 ``[1]``: advanced once per admit call;
+- ``counters`` int64 ``[4, L]``: running hits, misses, evictions, streamed per layer;
+- ``config`` int64 ``[4]``: global mode (0/1), eviction policy (:data:`LRU`, :data:`LFU`,
+  :data:`FIFO`), E, C.
+
+Every admit also takes ``keep``, float64 ``[L, E]`` look-ahead priorities (the rules of
+:mod:`specfit.experts.cache`: victims by ascending ``(keep, score)``, the misses that find a slot
+by descending ``keep``), or an empty ``[0, 0]`` array for the plain policy (:data:`NO_KEEP`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .bitsets import ONE, ZERO, lowest_bit, popcount
+
+__all__ = ["LRU", "LFU", "FIFO", "NO_KEEP", "admit_row", "admit_union", "admit_layer_ids", "admit_cycle"]
+
+LRU, LFU, FIFO = 0, 1, 2
+HITS, MISSES, EVICTIONS, STREAMED = 0, 1, 2, 3
+# lfu orders by touch count first, recency (the touch key modulo SPAN) second
+SPAN = np.int64(1) << np.int64(40)
+NO_KEEP = np.zeros((0, 0), dtype=np.float64)    # ``keep`` when the cache's own policy decides alone
+
+
+@njit(cache=True)
+def _touch(score, count, layer, e, key, admitted, policy):
+    if admitted:
+        count[layer, e] = 0
+    count[layer, e] += 1
+    if policy == LRU:
+        score[layer, e] = key
+    elif policy == FIFO:
+        if admitted:
+            score[layer, e] = key
+    else:
+        score[layer, e] = count[layer, e] * SPAN + key % SPAN
+
+
+@njit(cache=True)
+def _smallest_first(keys, values, n, k):
+    """Reorder ``keys[:n]`` (unique) and ``values[:n]`` alike so that the k smallest keys come
+    first, in any order (quickselect, in place)."""
+    lo, hi = 0, n - 1
+    while lo < hi:
+        pivot = keys[(lo + hi) // 2]
+        i, j = lo, hi
+        while i <= j:
+            while keys[i] < pivot:
+                i += 1
+            while keys[j] > pivot:
+                j -= 1
+            if i <= j:
+                keys[i], keys[j] = keys[j], keys[i]
+                values[i], values[j] = values[j], values[i]
+                i += 1
+                j -= 1
+        if k - 1 <= j:
+            hi = j
+        elif k - 1 >= i:
+            lo = i
+        else:
+            break
+
+
+@njit(cache=True)
+def _lowest_keep_first(keep, n_experts, global_mode, layer, row_slots, cand_score, cand_slot, n_cand):
+    """Reorder the candidates (``cand_score`` / ``cand_slot[:n_cand]``) by ascending (keep, score)."""
+    order = np.argsort(cand_score[:n_cand])            # scores are unique
+    keys = np.empty(n_cand, dtype=np.float64)
+    for i in range(n_cand):
+        held = row_slots[cand_slot[order[i]]]
+        owner, e = (held // n_experts, held % n_experts) if global_mode else (layer, held)
+        keys[i] = keep[owner, e]
+    by_keep = order[np.argsort(keys, kind="mergesort")]   # stable: equal keeps stay in score order
+    scores, slots = cand_score[by_keep], cand_slot[by_keep]
+    for i in range(n_cand):
+        cand_score[i], cand_slot[i] = scores[i], slots[i]
+
+
+@njit(cache=True)
+def _most_kept(keep, layer, union, resident, n_miss, n_admit):
+    """The ``n_admit`` misses of ``union`` with the highest ``keep`` (ties: ascending id), as words."""
+    ids = np.empty(n_miss, dtype=np.int64)
+    n = 0
+    for w in range(union.size):
+        word = union[w] & ~resident[w]
+        while word:
+            ids[n] = w * 64 + lowest_bit(word)
+            word &= word - ONE
+            n += 1
+    keys = np.empty(n, dtype=np.float64)
+    for i in range(n):
+        keys[i] = -keep[layer, ids[i]]
+    chosen = np.argsort(keys, kind="mergesort")[:n_admit]
+    take = np.zeros(union.size, dtype=np.uint64)
+    for i in chosen:
+        e = ids[i]
+        take[e >> 6] |= ONE << np.uint64(e & 63)
+    return take
+
+
+@njit(cache=True)
+def admit_row(layer, union, bits, score, count, slots, n_used, clock, counters, config, keep, admitted, evicted,
+              n_evicted, cand_score, cand_slot):
+    """Make ``union`` (layer ``layer``'s experts as words) resident as far as capacity allows.
+
+    Writes the admitted experts' bits into ``admitted[words]`` and the evicted items
+    (``layer * E + expert``) into ``evicted[n_evicted:]``; returns ``(hits, misses, admitted,
+    evicted)`` counts. ``cand_score`` / ``cand_slot`` are scratch of C entries. The caller
+    advances ``clock`` once per admit call.
+    """
+    global_mode, policy, n_experts, capacity = config[0] != 0, config[1], config[2], config[3]
+    n_layers, words = bits.shape
+    n_hit = 0
+    n_miss = 0
+    for w in range(words):
+        n_hit += popcount(union[w] & bits[layer, w])
+        n_miss += popcount(union[w] & ~bits[layer, w])
+    row = 0 if global_mode else layer
+    free = capacity - n_used[row]
+    if global_mode:
+        # every resident expert outside this layer's union may go
+        n_admit = min(n_miss, free + n_used[row] - n_hit)
+    else:
+        n_admit = min(n_miss, capacity - n_hit)
+    n_evict = max(0, n_admit - free)
+    if n_evict > 0:
+        n_cand = 0
+        for s in range(capacity):
+            held = slots[row, s]
+            if held < 0:
+                continue
+            owner, e = (held // n_experts, held % n_experts) if global_mode else (layer, held)
+            if owner == layer and (union[e >> 6] >> np.uint64(e & 63)) & ONE:
+                continue   # the layer's union is protected
+            cand_score[n_cand] = score[owner, e]
+            cand_slot[n_cand] = s
+            n_cand += 1
+        # the victims are the n_evict lowest scores (unique, so the set is exact), or with
+        # look-ahead the lowest (keep, score); their order does not matter, the freed slots are
+        # refilled in slot order
+        if keep.shape[0] > 0:
+            _lowest_keep_first(keep, n_experts, global_mode, layer, slots[row], cand_score, cand_slot, n_cand)
+        elif n_evict < n_cand:
+            _smallest_first(cand_score, cand_slot, n_cand, n_evict)
+        for i in range(n_evict):
+            s = cand_slot[i]
+            held = slots[row, s]
+            owner, e = (held // n_experts, held % n_experts) if global_mode else (layer, held)
+            bits[owner, e >> 6] &= ~(ONE << np.uint64(e & 63))
+            slots[row, s] = -1
+            counters[EVICTIONS, owner] += 1
+            evicted[n_evicted + i] = owner * n_experts + e
+        n_used[row] -= n_evict
+    # misses in ascending id take the free slots in slot order; the rest are streamed
+    layer_term = layer if global_mode else 0
+    base = clock[0] * (n_layers + 1) + layer_term
+    hit_key = (base * 2) * n_experts
+    miss_key = (base * 2 + 1) * n_experts
+    placed = 0
+    next_slot = 0
+    # with look-ahead, the misses that stay when not all fit are those it values most
+    take = _most_kept(keep, layer, union, bits[layer], n_miss, n_admit) if keep.shape[0] > 0 and n_admit < n_miss \
+        else union
+    for w in range(words):
+        admitted[w] = ZERO
+        hit_word = union[w] & bits[layer, w]
+        miss_word = union[w] & ~bits[layer, w] & take[w]
+        while hit_word:
+            e = w * 64 + lowest_bit(hit_word)
+            hit_word &= hit_word - ONE
+            _touch(score, count, layer, e, hit_key + e, False, policy)
+        while miss_word and placed < n_admit:
+            e = w * 64 + lowest_bit(miss_word)
+            miss_word &= miss_word - ONE
+            while slots[row, next_slot] >= 0:
+                next_slot += 1
+            slots[row, next_slot] = layer * n_experts + e if global_mode else e
+            admitted[w] |= ONE << np.uint64(e & 63)
+            _touch(score, count, layer, e, miss_key + e, True, policy)
+            placed += 1
+        bits[layer, w] |= admitted[w]
+    n_used[row] += n_admit
+    counters[HITS, layer] += n_hit
+    counters[MISSES, layer] += n_miss
+    counters[STREAMED, layer] += n_miss - n_admit
+    return n_hit, n_miss, n_admit, n_evict
+
+
+@njit(cache=True)
+def admit_union(union, bits, score, count, slots, n_used, clock, counters, config, keep, out_counts, hit_bits,
+                admitted_bits, evicted_bits, streamed_bits):
+    """``admit`` of a whole cycle's union ``[L, words]``, layer 0 first, with per-layer counts
+    (``out_counts[4, L]``) and the hit / admitted / evicted / streamed sets as words."""
+    n_layers, words = bits.shape
+    n_experts = config[2]
+    clock[0] += 1
+    evicted = np.empty(max(config[3], 1), dtype=np.int64)
+    cand_score = np.empty(max(config[3], 1), dtype=np.int64)
+    cand_slot = np.empty(max(config[3], 1), dtype=np.int64)
+    before = np.empty(words, dtype=np.uint64)
+    for i in range(4):
+        for layer in range(n_layers):
+            out_counts[i, layer] = 0
+    for layer in range(n_layers):
+        for w in range(words):
+            evicted_bits[layer, w] = ZERO
+    for layer in range(n_layers):
+        for w in range(words):
+            before[w] = bits[layer, w]
+        n_hit, n_miss, n_admit, n_evict = admit_row(layer, union[layer], bits, score, count, slots, n_used, clock,
+                                                    counters, config, keep, admitted_bits[layer], evicted, 0, cand_score,
+                                                    cand_slot)
+        for i in range(n_evict):
+            owner, e = evicted[i] // n_experts, evicted[i] % n_experts
+            evicted_bits[owner, e >> 6] |= ONE << np.uint64(e & 63)
+            out_counts[EVICTIONS, owner] += 1
+        for w in range(words):
+            hit_bits[layer, w] = union[layer, w] & before[w]
+            streamed_bits[layer, w] = union[layer, w] & ~before[w] & ~admitted_bits[layer, w]
+        out_counts[HITS, layer] = n_hit
+        out_counts[MISSES, layer] = n_miss
+        out_counts[STREAMED, layer] = n_miss - n_admit
+
+
+@njit(cache=True)
+def _ids_of(words, out):
+    n = 0
+    for w in range(words.size):
+        word = words[w]
+        while word:
+            out[n] = w * 64 + lowest_bit(word)
+            word &= word - ONE
+            n += 1
+    return out[:n].copy()
+
+
+@njit(cache=True)
+def admit_layer_ids(layer, ids, bits, score, count, slots, n_used, clock, counters, config, keep):
+    """``admit_layer``: one layer's union as expert ids. Returns ``(ok, hit_ids, admitted_ids,
+    streamed_ids, evicted items ascending)``; ``ok`` is False (and nothing changes) when an id
+    lies outside ``[0, E)``."""
+    words = bits.shape[1]
+    n_experts = config[2]
+    empty = np.zeros(0, dtype=np.int64)
+    union = np.zeros(words, dtype=np.uint64)
+    for i in range(ids.size):
+        e = np.int64(ids[i])
+        if e < 0 or e >= n_experts:
+            return False, empty, empty, empty, empty
+        union[e >> 6] |= ONE << np.uint64(e & 63)
+    clock[0] += 1
+    before = bits[layer].copy()
+    admitted = np.empty(words, dtype=np.uint64)
+    evicted = np.empty(max(config[3], 1), dtype=np.int64)
+    cand_score = np.empty(max(config[3], 1), dtype=np.int64)
+    cand_slot = np.empty(max(config[3], 1), dtype=np.int64)
+    _, _, _, n_evict = admit_row(layer, union, bits, score, count, slots, n_used, clock, counters, config, keep, admitted,
+                                 evicted, 0, cand_score, cand_slot)
+    scratch = np.empty(words * 64, dtype=np.int64)
+    hits = np.empty(words, dtype=np.uint64)
+    streamed = np.empty(words, dtype=np.uint64)
+    for w in range(words):
+        hits[w] = union[w] & before[w]
+        streamed[w] = union[w] & ~before[w] & ~admitted[w]
+    return True, _ids_of(hits, scratch), _ids_of(admitted, scratch), _ids_of(streamed, scratch), np.sort(evicted[:n_evict])
+
+
+@njit(cache=True)
+def admit_cycle(union, bits, score, count, slots, n_used, clock, counters, config, keep, admitted, evicted, cand_score,
+                cand_slot):
+    """The replay's admit: a cycle's union ``[L, words]``; returns the (hits, misses) totals.
+    ``admitted`` (words), ``evicted``, ``cand_score`` and ``cand_slot`` (C entries) are scratch."""
+    clock[0] += 1
+    hits = 0
+    misses = 0
+    for layer in range(bits.shape[0]):
+        n_hit, n_miss, _, _ = admit_row(layer, union[layer], bits, score, count, slots, n_used, clock, counters,
+                                        config, keep, admitted, evicted, 0, cand_score, cand_slot)
+        hits += n_hit
+        misses += n_miss
+    return hits, misses

@@ -1,0 +1,189 @@
+"""The cost formula on a node set, compiled: the union of the nodes' experts against the resident
+sets, the cycle time (:func:`specfit.costmodel.cycle_time_s`, compiled as it is) and the expected
+tokens, summed in numpy's order so that the numbers equal :class:`specfit.tree.DraftTree`'s."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from ..costmodel import cycle_time_s
+from .bitsets import ONE, ZERO, count_union, union_rows
+
+__all__ = ["OK", "BAD_EXPERT", "cycle_time", "pairwise_sum", "expected_tokens", "experts_in_range", "union_of_ids",
+           "canonical_closed", "evaluate_nodes", "evaluate_ids", "evaluate_bits"]
+
+# status codes the Python wrappers turn into the validation errors they already word
+OK, BAD_EXPERT = 0, 1
+
+cycle_time = njit(cache=True)(cycle_time_s)
+
+
+@njit(cache=True)
+def pairwise_sum(values, n):
+    """Sum of ``values[:n]`` in numpy's pairwise order, so a compiled total equals the numpy one
+    bit for bit (``DraftTree.expected_tokens`` sums with numpy)."""
+    return _pairwise(values, 0, n)
+
+
+@njit(cache=True)
+def _block(a, lo, n):
+    """numpy's leaf: a plain loop below 8 values, else eight interleaved partial sums."""
+    if n < 8:
+        res = 0.0
+        for i in range(lo, lo + n):
+            res += a[i]
+        return res
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    while i < n - n % 8:
+        r0 += a[lo + i]
+        r1 += a[lo + i + 1]
+        r2 += a[lo + i + 2]
+        r3 += a[lo + i + 3]
+        r4 += a[lo + i + 4]
+        r5 += a[lo + i + 5]
+        r6 += a[lo + i + 6]
+        r7 += a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@njit(cache=True)
+def _pairwise(a, lo, n):
+    """numpy's recursion (halves rounded to multiples of 8, leaves of at most 128 values) with
+    an explicit stack: numba's on-disk cache does not reload recursive functions safely."""
+    if n <= 128:
+        return _block(a, lo, n)
+    frame_lo = np.empty(64, dtype=np.int64)
+    frame_n = np.empty(64, dtype=np.int64)
+    stage = np.zeros(64, dtype=np.int64)
+    left = np.empty(64, dtype=np.float64)
+    frame_lo[0], frame_n[0], stage[0] = lo, n, 0
+    top = 1
+    ret = 0.0
+    while top:
+        i = top - 1
+        size = frame_n[i]
+        if size <= 128:
+            ret = _block(a, frame_lo[i], size)
+            top -= 1
+            continue
+        half = size // 2
+        half -= half % 8
+        if stage[i] == 0:
+            stage[i] = 1
+            frame_lo[top], frame_n[top], stage[top] = frame_lo[i], half, 0
+            top += 1
+        elif stage[i] == 1:
+            left[i] = ret
+            stage[i] = 2
+            frame_lo[top], frame_n[top], stage[top] = frame_lo[i] + half, size - half, 0
+            top += 1
+        else:
+            ret = left[i] + ret
+            top -= 1
+    return ret
+
+
+@njit(cache=True)
+def expected_tokens(probs, nodes, n_nodes, scratch):
+    """1 + the path probabilities of ``nodes[1:n_nodes]`` (sorted, root first)."""
+    for i in range(1, n_nodes):
+        scratch[i - 1] = probs[nodes[i]]
+    return 1.0 + pairwise_sum(scratch, n_nodes - 1)
+
+
+@njit(cache=True)
+def experts_in_range(experts, n_experts):
+    n, n_layers, k = experts.shape
+    for v in range(n):
+        for layer in range(n_layers):
+            for s in range(k):
+                if experts[v, layer, s] < 0 or experts[v, layer, s] >= n_experts:
+                    return False
+    return True
+
+
+@njit(cache=True)
+def union_of_ids(experts, base, nodes, n_nodes, out):
+    """``out[L, words]`` = the union of the expert ids ``experts[base + v]`` over ``nodes[:n_nodes]``."""
+    n_layers, k = experts.shape[1], experts.shape[2]
+    words = out.shape[1]
+    if words <= 2:
+        # up to 128 experts: a layer's union builds up in two registers, layer by layer, instead
+        # of a read-modify-write of the same word of memory per slot
+        for layer in range(n_layers):
+            low = ZERO
+            high = ZERO
+            for i in range(n_nodes):
+                row = base + nodes[i]
+                for s in range(k):
+                    e = np.int64(experts[row, layer, s])
+                    bit = ONE << np.uint64(e & 63)
+                    upper = ZERO - np.uint64(e >> 6)   # all ones for ids 64..127
+                    low |= bit & ~upper
+                    high |= bit & upper
+            out[layer, 0] = low
+            if words == 2:
+                out[layer, 1] = high
+        return
+    for layer in range(n_layers):
+        for w in range(words):
+            out[layer, w] = ZERO
+    for i in range(n_nodes):
+        row = base + nodes[i]
+        for layer in range(n_layers):
+            for s in range(k):
+                e = np.int64(experts[row, layer, s])
+                out[layer, e >> 6] |= ONE << np.uint64(e & 63)
+
+
+@njit(cache=True)
+def canonical_closed(parents, nodes):
+    """``nodes`` are sorted unique ids of the tree, start with the root and are ancestor-closed."""
+    n = parents.size
+    if nodes.size == 0 or nodes[0] != 0 or nodes[nodes.size - 1] >= n:
+        return False
+    member = np.zeros(n, dtype=np.bool_)
+    member[0] = True
+    for i in range(1, nodes.size):
+        v = nodes[i]
+        if v <= nodes[i - 1] or not member[parents[v]]:   # parents precede children in sorted ids
+            return False
+        member[v] = True
+    return True
+
+
+@njit(cache=True)
+def evaluate_nodes(probs, experts, cached_bits, n_experts, nodes, params, draft_levels):
+    """(status, expected tokens, time_s, hits, misses) of ``nodes`` (sorted, closed, with the
+    root) against the resident sets ``cached_bits[L, words]``; every expert id is range-checked,
+    only the selected nodes' are read for the union."""
+    if not experts_in_range(experts, n_experts):
+        return BAD_EXPERT, 0.0, 0.0, 0, 0
+    tokens, time_s, hits, misses = evaluate_ids(probs, experts, cached_bits, nodes, params, draft_levels)
+    return OK, tokens, time_s, hits, misses
+
+
+@njit(cache=True)
+def evaluate_ids(probs, experts, cached_bits, nodes, params, draft_levels):
+    union = np.empty(cached_bits.shape, dtype=np.uint64)
+    union_of_ids(experts, 0, nodes, nodes.size, union)
+    hits, misses = count_union(union, cached_bits)
+    time_s = cycle_time(params[0], params[1], params[2], params[3], params[4], draft_levels, nodes.size, hits, misses)
+    scratch = np.empty(max(nodes.size, 1), dtype=np.float64)
+    return expected_tokens(probs, nodes, nodes.size, scratch), time_s, hits, misses
+
+
+@njit(cache=True)
+def evaluate_bits(probs, bits, cached_bits, nodes, n_nodes, params, draft_levels, union, scratch):
+    union_rows(bits, nodes, n_nodes, union)
+    hits, misses = count_union(union, cached_bits)
+    time_s = cycle_time(params[0], params[1], params[2], params[3], params[4], draft_levels, n_nodes, hits, misses)
+    return expected_tokens(probs, nodes, n_nodes, scratch), time_s, hits, misses

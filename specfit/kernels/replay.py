@@ -1,0 +1,249 @@
+"""The trace replay compiled: the per-cycle commit (accepted prefix, union of the true experts,
+cache admit, the cycle's columns) and the whole loop for the policies whose decisions compile.
+
+The replay's rules are those of :mod:`specfit.simulate.replay`, which prepares the flat arrays
+(:class:`~specfit.simulate.replay.PreparedTrace`) and calls these. A trace is node arrays of all
+cycles concatenated (cycle c owns rows ``offsets[c]:offsets[c + 1]``, node ids local to the cycle)
+and, per cycle, the tree's size within each number of drafted levels and the full tree's accepted
+path. The decisions compiled here are those of :mod:`specfit.policies`'s ``ar``, ``chain:K``,
+rerank (``eagle3``, ``static:N``) and ``oracle``, on the same arrays the Python policies see.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .bitsets import popcount
+from .cache import admit_cycle
+from .evaluate import cycle_time, expected_tokens, union_of_ids
+from .tree import accepted_path
+
+__all__ = ["AR", "CHAIN", "RERANK", "ORACLE", "INT_COLUMNS", "FLOAT_COLUMNS", "accepted_paths", "commit_cycle",
+           "replay_compiled"]
+
+AR, CHAIN, RERANK, ORACLE = 0, 1, 2, 3
+# the rows of the replay's output arrays
+INT_COLUMNS = ("sequence", "position", "nodes_verified", "draft_levels", "deepest_selected", "union_size", "hits",
+               "misses", "predicted_union_size", "predicted_misses", "union_overlap", "committed_tokens")
+FLOAT_COLUMNS = ("predicted_time_s", "predicted_tokens")
+(SEQUENCE, POSITION, NODES_VERIFIED, DRAFT_LEVELS, DEEPEST_SELECTED, UNION_SIZE, HITS, MISSES, PREDICTED_UNION_SIZE,
+ PREDICTED_MISSES, UNION_OVERLAP, COMMITTED_TOKENS) = range(12)
+PREDICTED_TIME_S, PREDICTED_TOKENS = 0, 1
+
+
+@njit(cache=True)
+def accepted_paths(offsets, parents, depth, tokens, verdicts):
+    """Every cycle's full-tree accepted path: ``(path_offsets [cycles + 1], paths)``."""
+    n_cycles = offsets.size - 1
+    max_nodes = 1
+    for c in range(n_cycles):
+        max_nodes = max(max_nodes, offsets[c + 1] - offsets[c])
+    ok = np.empty(max_nodes, dtype=np.bool_)
+    path = np.empty(max_nodes, dtype=np.int64)
+    everywhere = np.zeros(0, dtype=np.bool_)
+    path_offsets = np.zeros(n_cycles + 1, dtype=np.int64)
+    paths = np.empty(offsets[-1], dtype=np.int64)
+    for c in range(n_cycles):
+        size = accepted_path(parents, depth, tokens, verdicts, offsets[c], offsets[c + 1] - offsets[c], everywhere, ok,
+                             path)
+        for i in range(size):
+            paths[path_offsets[c] + i] = path[i]
+        path_offsets[c + 1] = path_offsets[c] + size
+    return path_offsets, paths[:path_offsets[-1]].copy()
+
+
+@njit(cache=True)
+def commit_cycle(c, nodes, n_sel, same_experts, union_ready, offsets, depth, tokens, verdicts, true_experts,
+                 predicted_experts, path_offsets, paths, bits, score, count, slots, n_used, clock, counters, config,
+                 keep, selected, true_union, predicted_union, admitted, evicted, cand_score, cand_slot, int_cols, row,
+                 tokens_out, n_out):
+    """Verify ``nodes[:n_sel]`` (sorted, closed, with the root) at cycle ``c``: commit the accepted
+    path's prefix inside them plus the bonus token, admit the union of their true experts
+    (already in ``true_union`` when ``union_ready``), and fill the cycle's columns in
+    ``int_cols[:, row]`` (all but the policy's predictions); ``keep`` orders the cache's evictions
+    (:mod:`specfit.kernels.cache`). Returns the number of committed
+    tokens and the new length of ``tokens_out``."""
+    base = offsets[c]
+    for i in range(n_sel):
+        selected[nodes[i]] = True
+    k = 0
+    for i in range(path_offsets[c], path_offsets[c + 1]):
+        if not selected[paths[i]]:
+            break
+        k += 1
+    for i in range(n_sel):
+        selected[nodes[i]] = False
+    start = path_offsets[c]
+    for i in range(1, k):
+        tokens_out[n_out] = tokens[base + paths[start + i]]
+        n_out += 1
+    tokens_out[n_out] = verdicts[base + paths[start + k - 1]]
+    n_out += 1
+    if not union_ready:
+        union_of_ids(true_experts, base, nodes, n_sel, true_union)
+    if not same_experts:
+        union_of_ids(predicted_experts, base, nodes, n_sel, predicted_union)
+    overlap = 0
+    union_size = 0
+    n_layers, words = true_union.shape
+    for layer in range(n_layers):
+        for w in range(words):
+            union_size += popcount(true_union[layer, w])
+            if not same_experts:
+                overlap += popcount(true_union[layer, w] & predicted_union[layer, w])
+    if same_experts:
+        overlap = union_size
+    hits, misses = admit_cycle(true_union, bits, score, count, slots, n_used, clock, counters, config, keep, admitted,
+                               evicted, cand_score, cand_slot)
+    int_cols[NODES_VERIFIED, row] = n_sel
+    int_cols[DEEPEST_SELECTED, row] = depth[base + nodes[n_sel - 1]]
+    int_cols[UNION_SIZE, row] = hits + misses
+    int_cols[HITS, row] = hits
+    int_cols[MISSES, row] = misses
+    int_cols[UNION_OVERLAP, row] = overlap
+    int_cols[COMMITTED_TOKENS, row] = k
+    return k, n_out
+
+
+@njit(cache=True)
+def _evaluate(probs, experts, base, nodes, n_sel, cached, params, draft_levels, union, scratch):
+    """The cost formula on ``nodes[:n_sel]`` of the tree at rows ``base:`` (Selection's numbers)."""
+    union_of_ids(experts, base, nodes, n_sel, union)
+    hits = 0
+    total = 0
+    for layer in range(union.shape[0]):
+        for w in range(union.shape[1]):
+            total += popcount(union[layer, w])
+            hits += popcount(union[layer, w] & cached[layer, w])
+    misses = total - hits
+    time_s = cycle_time(params[0], params[1], params[2], params[3], params[4], draft_levels, n_sel, hits, misses)
+    return expected_tokens(probs[base:], nodes, n_sel, scratch), time_s, hits, misses
+
+
+@njit(cache=True)
+def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parents, depth, tokens, verdicts,
+                    true_experts, predicted_experts, path_probs, level_probs, level_offsets, level_sizes,
+                    path_offsets, paths, sequence_starts, params, bits, score, count, slots, n_used, clock,
+                    counters, config, int_cols, float_cols, tokens_out, tokens_per_sequence):
+    """Replay every sequence with a compiled policy (``kind`` one of AR, CHAIN, RERANK, ORACLE;
+    ``total_nodes`` the rerank's N, ``max_levels`` the levels it drafts). Returns the number of
+    cycles run (the columns' length)."""
+    max_nodes = 1
+    for c in range(offsets.size - 1):
+        max_nodes = max(max_nodes, offsets[c + 1] - offsets[c])
+    n_layers, words = bits.shape
+    nodes = np.empty(max_nodes, dtype=np.int64)
+    no_keep = np.zeros((0, 0), dtype=np.float64)   # the plain eviction policy
+    selected = np.zeros(max_nodes, dtype=np.bool_)
+    ok = np.empty(max_nodes, dtype=np.bool_)
+    path = np.empty(max_nodes, dtype=np.int64)
+    everywhere = np.zeros(0, dtype=np.bool_)
+    neg = np.empty(max_nodes, dtype=np.float64)
+    scratch = np.empty(max_nodes, dtype=np.float64)
+    true_union = np.empty((n_layers, words), dtype=np.uint64)
+    predicted_union = np.empty((n_layers, words), dtype=np.uint64)
+    cached = np.empty((n_layers, words), dtype=np.uint64)
+    admitted = np.empty(words, dtype=np.uint64)
+    evicted = np.empty(max(config[3], 1), dtype=np.int64)
+    cand_score = np.empty(max(config[3], 1), dtype=np.int64)
+    cand_slot = np.empty(max(config[3], 1), dtype=np.int64)
+    # the oracle decides with the true experts; with them as the prediction the policy's union is
+    # the one charged
+    same_union = same_experts or kind == ORACLE
+    union_ready = same_experts and kind != ORACLE
+    row = 0
+    n_out = 0
+    for s in range(sequence_starts.size - 1):
+        c = sequence_starts[s]
+        first_token = n_out
+        while c < sequence_starts[s + 1]:
+            base = offsets[c]
+            deepest = level_offsets[c + 1] - level_offsets[c] - 1
+            levels = 0 if kind == AR else min(max_levels, deepest)
+            n = level_sizes[level_offsets[c] + levels]
+            # a tree cut at fewer levels than drafted has its probabilities clipped once more
+            probs = path_probs if levels == deepest else level_probs
+            for layer in range(n_layers):
+                for w in range(words):
+                    cached[layer, w] = bits[layer, w]
+            if kind == ORACLE:
+                # the best prefix of the accepted path by true throughput; it commits all of it
+                size = accepted_path(parents, depth, tokens, verdicts, base, n, everywhere, ok, path)
+                for layer in range(n_layers):
+                    for w in range(words):
+                        true_union[layer, w] = 0
+                best_tokens = best_s = 0.0
+                best_hits = best_misses = best_j = -1
+                for j in range(size):
+                    row_j = base + path[j]
+                    for layer in range(n_layers):
+                        for slot in range(true_experts.shape[2]):
+                            e = np.int64(true_experts[row_j, layer, slot])
+                            true_union[layer, e >> 6] |= np.uint64(1) << np.uint64(e & 63)
+                    hits = 0
+                    total = 0
+                    for layer in range(n_layers):
+                        for w in range(words):
+                            total += popcount(true_union[layer, w])
+                            hits += popcount(true_union[layer, w] & cached[layer, w])
+                    time_s = cycle_time(params[0], params[1], params[2], params[3], params[4], j, j + 1, hits,
+                                        total - hits)
+                    if best_j < 0 or (j + 1) * best_s > best_tokens * time_s:
+                        best_tokens, best_s, best_hits, best_misses, best_j = float(j + 1), time_s, hits, total - hits, j
+                n_sel = best_j + 1
+                for i in range(n_sel):
+                    nodes[i] = path[i]
+                sel_levels = best_j
+                sel_tokens, sel_s, sel_hits, sel_misses = best_tokens, best_s, best_hits, best_misses
+            else:
+                if kind == AR:
+                    nodes[0] = 0
+                    n_sel = 1
+                elif kind == CHAIN:
+                    nodes[0] = 0
+                    n_sel = 1
+                    while n_sel <= max_levels:
+                        top = -1
+                        for u in range(nodes[n_sel - 1] + 1, n):
+                            if parents[base + u] == nodes[n_sel - 1] and (top < 0 or probs[base + u] > probs[base + top]):
+                                top = u
+                        if top < 0:
+                            break
+                        nodes[n_sel] = top
+                        n_sel += 1
+                else:
+                    # rerank: the total_nodes most probable nodes (ties: the earlier), closed
+                    for v in range(n):
+                        neg[v] = -probs[base + v]
+                    order = np.argsort(neg[:n], kind="mergesort")
+                    selected[0] = True
+                    for i in range(min(total_nodes, n)):
+                        selected[order[i]] = True
+                    for v in range(n - 1, 0, -1):
+                        if selected[v]:
+                            selected[parents[base + v]] = True
+                    n_sel = 0
+                    for v in range(n):
+                        if selected[v]:
+                            nodes[n_sel] = v
+                            n_sel += 1
+                            selected[v] = False
+                sel_levels = levels
+                sel_tokens, sel_s, sel_hits, sel_misses = _evaluate(probs, predicted_experts, base, nodes, n_sel,
+                                                                    cached, params, levels, true_union, scratch)
+            int_cols[SEQUENCE, row] = s
+            int_cols[POSITION, row] = c - sequence_starts[s]
+            int_cols[DRAFT_LEVELS, row] = sel_levels
+            int_cols[PREDICTED_UNION_SIZE, row] = sel_hits + sel_misses
+            int_cols[PREDICTED_MISSES, row] = sel_misses
+            float_cols[PREDICTED_TIME_S, row] = sel_s
+            float_cols[PREDICTED_TOKENS, row] = sel_tokens
+            k, n_out = commit_cycle(c, nodes, n_sel, same_union, union_ready, offsets, depth, tokens, verdicts,
+                                    true_experts, predicted_experts, path_offsets, paths, bits, score, count, slots,
+                                    n_used, clock, counters, config, no_keep, selected, true_union, predicted_union,
+                                    admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
+            row += 1
+            c += k
+        tokens_per_sequence[s] = n_out - first_token
+    return row

@@ -1,0 +1,9 @@
+"""Float tolerances of the exact search, shared by the compiled kernels and the Python wrappers
+(this module imports no numba)."""
+
+# Ratios within this relative distance are ties (float rounding of sums that are equal in reals).
+TIE_REL = 1e-12
+# The inner solver treats gains below this many tokens as zero: far above the rounding of
+# p - lam * cost (~1e-16 for the magnitudes involved), far below any gain that changes a ratio by
+# TIE_REL, even summed over a few hundred nodes.
+GAIN_EPS = 1e-14

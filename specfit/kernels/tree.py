@@ -1,0 +1,56 @@
+"""Draft trees compiled: validation, depths and probability clipping in one pass (the checks
+:class:`specfit.tree.DraftTree` makes, which words the error when this reports one), and greedy
+acceptance (the accepted path)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["check_tree", "accepted_path"]
+
+
+@njit(cache=True)
+def check_tree(parents, probs, slack):
+    """(ok, depths) of a tree given as int64 ``parents`` (root -1, ``0 <= parents[v] < v``) and
+    float64 ``probs`` (finite, in [0, 1], the root's 1, never above the parent's by more than
+    ``slack``), ``ok`` False when any of these fails; ``probs`` is clipped in place to each parent's
+    value as given."""
+    n = parents.size
+    depth = np.zeros(n, dtype=np.int64)
+    given = probs.copy()
+    ok = parents[0] == -1 and probs[0] == 1.0
+    for v in range(n):
+        p = given[v]
+        if not (np.isfinite(p) and 0.0 <= p <= 1.0):
+            ok = False
+    for v in range(1, n):
+        u = parents[v]
+        if u < 0 or u >= v:
+            return False, depth
+        if given[v] > given[u] + slack:
+            ok = False
+        probs[v] = min(given[v], given[u])
+        depth[v] = depth[u] + 1
+    return ok, depth
+
+
+@njit(cache=True)
+def accepted_path(parents, depth, tokens, verdicts, base, n, inside, ok, out):
+    """Greedy acceptance among the first ``n`` nodes of the tree at rows ``base:`` (and, when
+    ``inside`` is not empty, only the nodes it marks): the longest root path on which every node's
+    token equals the target's verdict at its parent; among equally deep ends the first in order.
+    Writes the path, root first, into ``out``; returns its length. ``ok`` is scratch of n."""
+    ok[0] = True
+    last = 0
+    for v in range(1, n):
+        p = parents[base + v]
+        ok[v] = (inside.size == 0 or inside[v]) and ok[p] and tokens[base + v] == verdicts[base + p]
+        if ok[v] and depth[base + v] > depth[base + last]:
+            last = v
+    size = depth[base + last] + 1
+    v = last
+    for i in range(size - 1, -1, -1):
+        out[i] = v
+        v = parents[base + v]
+    return size

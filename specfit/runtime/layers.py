@@ -1,0 +1,52 @@
+"""The building blocks the target, its attention variants and the drafters share: RMSNorm, a
+static KV cache indexed by slot, and half-split RoPE."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["RMSNorm", "KVCache", "apply_rope"]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm; frozen in the target, ``trainable`` for the drafter."""
+
+    def __init__(self, size: int, eps: float, trainable: bool = False):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=trainable)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # normalise in float32, cast back, then scale: transformers' order, which matters in bf16
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class KVCache(nn.Module):
+    """Keys and values of one layer, [n_kv_heads, max_seq_len, head_dim], indexed by slot."""
+
+    def __init__(self, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype, device):
+        super().__init__()
+        shape = (n_kv_heads, max_seq_len, head_dim)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store [n_kv, T, hd] at slots start..start+T-1; return all keys/values up to there."""
+        end = start + k.shape[1]
+        self.k[:, start:end] = k
+        self.v[:, start:end] = v
+        return self.k[:, :end], self.v[:, :end]
+
+    def compact(self, start: int, keep: torch.Tensor) -> None:
+        # index_select copies first, so overlapping source and destination slots are safe
+        self.k[:, start:start + keep.numel()] = self.k[:, start:].index_select(1, keep)
+        self.v[:, start:start + keep.numel()] = self.v[:, start:].index_select(1, keep)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Half-split RoPE: rotate_half(x) = cat(-x2, x1)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin

@@ -1,0 +1,107 @@
+"""DeepSeek-V2's multi-head latent attention (MLA), with a cache of the compressed latents.
+
+Per token, keys and values come from one ``kv_lora_rank``-wide latent and one
+``qk_rope_head_dim``-wide rotary key shared by every head:
+
+    q            = q_proj(x)   or   q_b_proj(q_a_layernorm(q_a_proj(x)))    [heads, qk_nope + qk_rope]
+    latent, k_pe = split(kv_a_proj_with_mqa(x));  latent = kv_a_layernorm(latent)
+    k_nope, v    = split(kv_b_proj(latent))                                  per head
+    key          = cat(k_nope, rope(k_pe));  query = cat(q_nope, rope(q_pe))
+
+The cache holds ``latent`` and the rotated ``k_pe`` (what ``transformers`` caches), and every pass
+expands all cached latents through ``kv_b_proj``, so keys and values are computed as in
+``transformers``. RoPE here is the interleaved form (pairs ``(x[2i], x[2i+1])`` rotated as complex
+numbers) in float32, on the rotary part only; the softmax scale is ``qk_head_dim^-0.5``, times
+``yarn_mscale(factor, mscale_all_dim)^2`` under YaRN scaling. The two inner norms use
+``transformers``' default epsilon (1e-6), not ``rms_norm_eps``.
+
+Slots and masks follow :mod:`specfit.runtime.model`: a pass writes its T entries after the
+``cache_len`` committed ones, and :meth:`LatentCache.compact` keeps the accepted ones.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import ModelConfig
+from .layers import KVCache, RMSNorm
+from .rope import yarn_mscale
+
+__all__ = ["MLAttention", "LatentCache"]
+
+_INNER_NORM_EPS = 1e-6
+
+
+class LatentCache(KVCache):
+    """Compressed keys of one layer: ``k`` = latents [1, max_seq_len, kv_lora_rank], ``v`` =
+    rotated shared keys [1, max_seq_len, qk_rope_head_dim], indexed by slot."""
+
+    def __init__(self, kv_lora_rank: int, rope_dim: int, max_seq_len: int, dtype: torch.dtype, device):
+        nn.Module.__init__(self)
+        self.register_buffer("k", torch.zeros((1, max_seq_len, kv_lora_rank), dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("v", torch.zeros((1, max_seq_len, rope_dim), dtype=dtype, device=device),
+                             persistent=False)
+
+
+class MLAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        mla, H = config.mla, config.hidden_size
+        self.n_heads, self.mla = config.n_heads, mla
+        qk = mla.qk_head_dim
+        if mla.q_lora_rank is None:
+            self.q_proj = nn.Linear(H, self.n_heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(H, mla.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, _INNER_NORM_EPS)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, self.n_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, _INNER_NORM_EPS)
+        self.kv_b_proj = nn.Linear(mla.kv_lora_rank, self.n_heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(self.n_heads * mla.v_head_dim, H, bias=False)
+        self.scale = qk ** -0.5
+        rope = config.rope
+        if rope.rope_type != "default" and rope.mscale_all_dim:
+            self.scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+        self.kv_cache: LatentCache | None = None
+
+    def make_kv_cache(self, max_seq_len: int, dtype: torch.dtype, device) -> LatentCache:
+        return LatentCache(self.mla.kv_lora_rank, self.mla.qk_rope_head_dim, max_seq_len, dtype, device)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache_len: int,
+                additive_mask: torch.Tensor) -> torch.Tensor:
+        """``cos``/``sin`` [T, qk_rope_head_dim] in float32 (half-split layout, attention factor
+        applied), as :class:`~specfit.runtime.rope.Rotary` returns them."""
+        mla, T = self.mla, x.shape[0]
+        if mla.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, self.n_heads, mla.qk_head_dim).transpose(0, 1)               # [heads, T, qk]
+        q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+
+        half = mla.qk_rope_head_dim // 2
+        rotation = torch.complex(cos[:, :half].float(), sin[:, :half].float())     # [T, rope / 2]
+        q_pe, k_pe = _rotate_pairs(q_pe, rotation), _rotate_pairs(k_pe, rotation)
+        latents, k_pes = self.kv_cache.write(cache_len, latent[None], k_pe[None])  # [1, S, r], [1, S, rope]
+
+        S = latents.shape[1]
+        kv = self.kv_b_proj(latents[0]).view(S, self.n_heads, mla.qk_nope_head_dim + mla.v_head_dim).transpose(0, 1)
+        k_nope, values = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
+        keys = torch.cat((k_nope, k_pes.expand(self.n_heads, S, -1)), dim=-1)
+        query = torch.cat((q_nope, q_pe), dim=-1)
+        scores = torch.matmul(query, keys.transpose(1, 2)) * self.scale + additive_mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.matmul(probs, values).transpose(0, 1).reshape(T, self.n_heads * mla.v_head_dim)
+        return self.o_proj(out)
+
+
+def _rotate_pairs(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE: ``x`` [..., T, d] as d/2 complex pairs times ``rotation`` [T, d/2], in float32."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * rotation).flatten(-2).type_as(x)

@@ -1,0 +1,95 @@
+"""The output directory of ``specfit decode --out``: what is in it, how it is written so that
+nothing is ever half-written and a killed run keeps every complete cycle, and how it is read back
+(by ``specfit report`` and ``specfit calibrate --refit``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..errors import SpecFitError
+from ..io import atomic_write, remove_stale_temporaries, write_json_atomic, write_jsonl_atomic
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+__all__ = ["DecodeOutputs", "read_decode_cycles", "OUTPUT_FILE", "CYCLES_FILE", "SUMMARY_FILE", "JOURNAL_FILE"]
+
+OUTPUT_FILE = "decode.jsonl"
+CYCLES_FILE = "cycles.parquet"
+SUMMARY_FILE = "summary.json"
+JOURNAL_FILE = "cycles.jsonl"
+
+
+class DecodeOutputs:
+    """The files under ``--out``: ``decode.jsonl``, ``cycles.parquet`` and ``summary.json``
+    rewritten whole after each prompt (atomic: never half-written), and every cycle appended to the
+    ``cycles.jsonl`` journal as it completes, so that even a killed run keeps each complete cycle
+    (:func:`read_decode_cycles` reads both). ``cycles`` are rows of
+    :data:`specfit.accounting.CYCLE_COLUMNS` with their keys."""
+
+    def __init__(self, out_dir: Path | None):
+        self.out_dir = out_dir
+        self.records: list[dict] = []
+        self.cycles: list[dict] = []
+        self.summaries: list[dict] = []
+        self._journal = None
+        if out_dir is not None:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            remove_stale_temporaries(out_dir)
+            (Path(out_dir) / JOURNAL_FILE).unlink(missing_ok=True)
+
+    def add_cycle(self, row: dict) -> None:
+        self.cycles.append(row)
+        if self.out_dir is None:
+            return
+        if self._journal is None:
+            self._journal = open(Path(self.out_dir) / JOURNAL_FILE, "a", encoding="utf-8")
+        self._journal.write(json.dumps(row) + "\n")
+        self._journal.flush()
+
+    def flush(self) -> None:
+        if self.out_dir is None:
+            return
+        import pandas as pd
+
+        write_jsonl_atomic(self.out_dir / OUTPUT_FILE, self.records)
+        if self.cycles:
+            frame = pd.DataFrame(self.cycles)
+            atomic_write(self.out_dir / CYCLES_FILE, lambda tmp: frame.to_parquet(tmp, index=False))
+        if self.summaries:
+            write_json_atomic(self.out_dir / SUMMARY_FILE, self.summaries)
+
+    def close(self) -> None:
+        """Everything is in ``cycles.parquet``: the journal has served its purpose."""
+        self.flush()
+        if self._journal is not None:
+            self._journal.close()
+            self._journal = None
+        if self.out_dir is not None:
+            (Path(self.out_dir) / JOURNAL_FILE).unlink(missing_ok=True)
+
+
+def read_decode_cycles(out_dir: str | Path) -> "pd.DataFrame":
+    """The cycles a ``specfit decode --out`` run kept: ``cycles.parquet``, plus the journal's
+    complete lines beyond it when the run was killed before it could write them (a torn last line
+    is left out)."""
+    import pandas as pd
+
+    out_dir = Path(out_dir)
+    parquet, journal = out_dir / CYCLES_FILE, out_dir / JOURNAL_FILE
+    try:
+        frame = pd.read_parquet(parquet) if parquet.is_file() else pd.DataFrame()
+    except Exception as exc:  # pyarrow raises several types for damaged files
+        raise SpecFitError(f"{parquet}: not a readable Parquet file ({exc})") from None
+    if journal.is_file():
+        rows = []
+        for line in journal.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break          # the line being written when the run was killed
+        if len(rows) > len(frame):
+            frame = pd.DataFrame(rows)
+    return frame

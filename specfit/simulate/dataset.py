@@ -1,0 +1,156 @@
+"""A sweep's results on disk: one directory, one Parquet part file per finished chunk of cells.
+
+Layout of a sweep directory:
+
+    sweep.json              the spec and every cell of the grid (ids and parameters), in grid order
+    run.json                the command that ran it (see :mod:`specfit.runinfo`)
+    results/part-*.parquet  one row per finished cell: the replay summary plus the cell's parameters
+    .lock                   held while a sweep writes here (a second one is refused)
+
+Every file appears whole or not at all (:func:`specfit.io.atomic_write`): a part is written to a
+temporary file and renamed into place once its chunk is done, so a sweep killed at any moment
+leaves finished parts and, at worst, a temporary file that the next run removes. The cells already
+in ``results/`` are skipped on restart; the part file is the commit point of its cells.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+from contextlib import contextmanager
+from pathlib import Path
+
+import pandas as pd
+
+from ..errors import SpecFitError
+from ..io import atomic_write, write_json_atomic
+
+__all__ = ["SWEEP_FILE", "RESULTS_DIR", "is_sweep_dir", "locked", "remove_stale_temporaries", "done_cell_ids",
+           "write_part", "write_sweep_file", "read_sweep_file", "read_results", "fill_speedups", "part_files"]
+
+SWEEP_FILE = "sweep.json"
+RESULTS_DIR = "results"
+# what identifies a baseline row's group: every cell parameter but the policy
+_GROUP_COLUMNS = ("trace", "source", "drafter", "profile", "profile_source", "h2d_scale", "cost_overrides", "rescale",
+                  "cache_experts", "cache_mode", "cache_policy", "predictor", "acceptance", "max_levels",
+                  "price_uncertainty", "inputs_digest")
+
+
+def is_sweep_dir(path: Path) -> bool:
+    return (Path(path) / SWEEP_FILE).is_file()
+
+
+@contextmanager
+def locked(out_dir: Path):
+    """Hold the sweep directory's lock: two sweeps writing the same dataset would compute cells twice."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / ".lock", "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SpecFitError(f"{out_dir}: another sweep is writing this directory; wait for it or use another --out") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def part_files(out_dir: Path) -> list[Path]:
+    return sorted((Path(out_dir) / RESULTS_DIR).glob("part-*.parquet"))
+
+
+def remove_stale_temporaries(out_dir: Path) -> int:
+    """Remove temporary files a killed sweep left behind (only while holding the lock)."""
+    n = 0
+    for folder in (Path(out_dir), Path(out_dir) / RESULTS_DIR):
+        for tmp in folder.glob(".*.tmp"):
+            tmp.unlink(missing_ok=True)
+            n += 1
+    return n
+
+
+def done_cell_ids(out_dir: Path) -> set[str]:
+    """The ids of the cells whose rows are in the dataset."""
+    import pyarrow.parquet as pq
+
+    done: set[str] = set()
+    for part in part_files(out_dir):
+        try:
+            ids = pq.read_table(part, columns=["cell_id"]).column("cell_id").to_pylist()
+        except Exception as exc:  # pyarrow raises several types for a damaged file
+            raise SpecFitError(f"{part}: not a readable sweep part file ({exc}); remove it to recompute its cells") from None
+        done.update(ids)
+    return done
+
+
+def write_part(out_dir: Path, rows: list[dict]) -> Path:
+    """Write one finished chunk's rows as a new part file (named after its cells, so a part is
+    never overwritten by another chunk's)."""
+    frame = pd.DataFrame(rows)
+    if "static_n" in frame:
+        frame["static_n"] = pd.array([None if pd.isna(v) else int(v) for v in frame["static_n"]], dtype="Int64")
+    for col in ("speedup_vs_ar", "speedup_vs_eagle3"):
+        if col in frame:
+            frame[col] = pd.to_numeric(frame[col], errors="coerce").astype(float)
+    name = hashlib.sha256(",".join(frame["cell_id"]).encode()).hexdigest()[:16]
+    path = Path(out_dir) / RESULTS_DIR / f"part-{name}.parquet"
+    return atomic_write(path, lambda tmp: frame.to_parquet(tmp, index=False))
+
+
+def write_sweep_file(out_dir: Path, spec: dict, cells: list[dict]) -> Path:
+    return write_json_atomic(Path(out_dir) / SWEEP_FILE, {"spec": spec, "cells": cells})
+
+
+def read_sweep_file(out_dir: Path) -> dict:
+    path = Path(out_dir) / SWEEP_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecFitError(f"{out_dir}: no {SWEEP_FILE}; expected the output directory of `specfit sweep`") from None
+    except json.JSONDecodeError as exc:
+        raise SpecFitError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
+        raise SpecFitError(f"{path}: expected an object with a 'cells' list")
+    return data
+
+
+def read_results(out_dir: Path, current_only: bool = True) -> pd.DataFrame:
+    """Every finished cell's row, in grid order, with the speed-ups vs ``ar`` / ``eagle3`` filled
+    in where the baseline's cell of the same setting is in the grid. ``current_only``: keep only
+    the cells of the grid in ``sweep.json`` (a directory reused with a changed spec keeps the old
+    parts, which a later spec may need again)."""
+    parts = part_files(out_dir)
+    frames = []
+    for part in parts:
+        try:
+            frames.append(pd.read_parquet(part))
+        except Exception as exc:  # pyarrow raises several types for a damaged file
+            raise SpecFitError(f"{part}: not a readable sweep part file ({exc})") from None
+    if not frames:
+        return pd.DataFrame(columns=["cell_id"])
+    frame = pd.concat(frames, ignore_index=True)
+    dup = frame["cell_id"][frame["cell_id"].duplicated()]
+    if len(dup):
+        raise SpecFitError(f"{out_dir}: cell {dup.iloc[0]} appears in two part files; remove one of them")
+    if current_only and is_sweep_dir(out_dir):
+        order = {c["cell_id"]: i for i, c in enumerate(read_sweep_file(out_dir)["cells"])}
+        frame = frame[frame["cell_id"].isin(order)]
+        frame = frame.iloc[frame["cell_id"].map(order).argsort(kind="stable")].reset_index(drop=True)
+    return fill_speedups(frame)
+
+
+def fill_speedups(frame: pd.DataFrame) -> pd.DataFrame:
+    """``speedup_vs_ar`` and ``speedup_vs_eagle3`` from the ``ar`` / ``eagle3`` row of each
+    setting (every cell parameter but the policy equal), as ``simulate`` computes them."""
+    if frame.empty or "tokens_per_s" not in frame:
+        return frame
+    frame = frame.copy()
+    keys = [c for c in _GROUP_COLUMNS if c in frame.columns]
+    group = pd.MultiIndex.from_frame(frame[keys].astype(str))
+    for base in ("ar", "eagle3"):
+        is_base = (frame["policy"] == base).to_numpy()
+        ref = pd.Series(frame["tokens_per_s"].to_numpy()[is_base], index=group[is_base])
+        ref = ref[~ref.index.duplicated()]
+        frame[f"speedup_vs_{base}"] = frame["tokens_per_s"].to_numpy() / ref.reindex(group).to_numpy()
+    return frame

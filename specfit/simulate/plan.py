@@ -1,0 +1,322 @@
+"""``specfit plan``: from a device-memory budget to the best setting, by running a sweep.
+
+The memory model (bytes on the device, batch size 1):
+
+    device = dense weights + KV cache + expert slots + staging + reserve
+    dense weights = every parameter but the routed experts (embeddings, attention, norms,
+                    routers, lm_head) x dtype bytes
+    KV cache      = layers x kv_heads x head_dim x 2 (K and V) x (context + tree tokens) x dtype bytes
+    expert slots  = cached experts per layer x layers x bytes of one expert
+    staging       = two experts' buffers while not every expert is cached (the runtime streams the
+                    overflow of a layer's union through them, :mod:`specfit.runtime.offload`)
+
+``tree tokens`` is the largest tree a policy verifies (its KV entries are written before the
+accepted path is compacted). The cache sizes tried run from none to the most the budget holds
+(``cache_steps`` steps); the candidate policies are AR, chains, fixed rerank trees
+(``static:N``), EAGLE-3 trees of several widths and depths and ``specfit`` with several level
+caps. Every (policy, cache size) is one cell per trace; a setting's throughput over several traces
+is their total committed tokens over their total time, and the best setting is the fastest,
+the one using less memory on a tie.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from ..errors import SpecFitError
+
+__all__ = ["MemoryBudget", "MemoryModel", "dense_weight_params", "kv_bytes_per_token", "tree_tokens",
+           "DEFAULT_CANDIDATES", "cache_sizes", "rank_settings", "PlanResult", "run_plan", "PLAN_FILE"]
+
+PLAN_FILE = "plan.json"
+DEFAULT_CANDIDATES = ("ar", "chain:1", "chain:2", "chain:3", "chain:4", "static:2", "static:3", "static:4", "static:8",
+                      "eagle3:8:3", "eagle3:16:4", "eagle3:32:5", "eagle3:60:7", "specfit:4", "specfit:8")
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    device_bytes: float
+    context_tokens: int = 4096
+    reserve_bytes: float = 1e9
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        if not self.device_bytes > 0:
+            raise SpecFitError(f"--device-memory-gb: expected a positive size, got {self.device_bytes / 1e9:g}")
+        if self.context_tokens < 1 or self.reserve_bytes < 0:
+            raise SpecFitError("--context-tokens: expected >= 1 and --reserve-gb >= 0")
+        if self.dtype not in _DTYPE_BYTES:
+            raise SpecFitError(f"--dtype: expected one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        return _DTYPE_BYTES[self.dtype]
+
+
+def dense_weight_params(config) -> int:
+    """Parameters of everything but the routed experts of a :class:`~specfit.runtime.config.ModelConfig`:
+    what the runtime's model holds on the device (attention of any kind, norms, routers, shared
+    experts and dense MLP layers, embeddings), counted on a model built on the meta device."""
+    return sum(t.numel() for t in _meta_model(config).state_dict().values())
+
+
+def kv_bytes_per_token(config, dtype_bytes: int) -> int:
+    """KV-cache bytes one token takes in every layer, as the runtime's attention allocates them
+    (full keys and values; MLA's compressed latents)."""
+    import torch
+
+    dtype = {2: torch.bfloat16, 4: torch.float32}[dtype_bytes]
+    caches = [layer.self_attn.make_kv_cache(1, dtype, "meta") for layer in _meta_model(config).layers]
+    return sum(t.nbytes for cache in caches for t in cache.buffers())
+
+
+def _meta_model(config):
+    import torch
+
+    from ..runtime.model import MoETransformer
+
+    with torch.device("meta"):
+        return MoETransformer(config)
+
+
+def tree_tokens(policy: str, max_nodes_by_levels: np.ndarray) -> int:
+    """The most nodes (root included) ``policy`` verifies in a cycle; ``max_nodes_by_levels[d]``:
+    the largest tree within d levels on the traces."""
+    name, _, rest = policy.partition(":")
+    args = [int(a) for a in rest.split(":")] if rest else []
+    deepest = len(max_nodes_by_levels) - 1
+    if name == "ar":
+        return 1
+    if name == "chain":
+        return min(args[0], deepest) + 1
+    if name in ("static", "eagle3"):
+        total = args[0] if args else 60
+        return int(min(total, max_nodes_by_levels[-1]))
+    levels = args[0] if args else deepest                  # specfit[:L], oracle
+    return int(max_nodes_by_levels[min(levels, deepest)])
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    model: str
+    config: object            # ModelConfig
+    budget: MemoryBudget
+
+    @property
+    def dense_bytes(self) -> int:
+        return dense_weight_params(self.config) * self.budget.dtype_bytes
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.config.expert_params * self.budget.dtype_bytes
+
+    @property
+    def slot_bytes(self) -> int:
+        """One more cached expert in every layer."""
+        return self.config.n_layers * self.expert_bytes
+
+    def kv_bytes(self, tree: int) -> int:
+        return kv_bytes_per_token(self.config, self.budget.dtype_bytes) * (self.budget.context_tokens + tree)
+
+    def staging_bytes(self, cache_experts: int) -> int:
+        return 2 * self.expert_bytes if cache_experts < self.config.n_experts else 0
+
+    def device_bytes(self, cache_experts: int, tree: int) -> float:
+        return (self.dense_bytes + self.kv_bytes(tree) + cache_experts * self.slot_bytes
+                + self.staging_bytes(cache_experts) + self.budget.reserve_bytes)
+
+    def max_cache_experts_for(self, tree: int) -> int:
+        """The most cached experts per layer that fit (``n_experts`` at most); an error when even
+        none fit."""
+        left = self.budget.device_bytes - self.device_bytes(0, tree)
+        if left < 0:
+            need = self.device_bytes(0, tree)
+            raise SpecFitError(
+                f"--device-memory-gb {self.budget.device_bytes / 1e9:g}: {self.model} needs {need / 1e9:.2f} GB with no "
+                f"cached expert (dense weights {self.dense_bytes / 1e9:.2f} GB, KV cache {self.kv_bytes(tree) / 1e9:.2f} "
+                f"GB, staging {self.staging_bytes(0) / 1e9:.3f} GB, reserve {self.budget.reserve_bytes / 1e9:.2f} GB)")
+        E = self.config.n_experts
+        if self.device_bytes(E, tree) <= self.budget.device_bytes:
+            return E
+        return int(min(E - 1, (self.budget.device_bytes - self.device_bytes(0, tree)) // self.slot_bytes))
+
+    @property
+    def max_cache_experts(self) -> int:
+        return self.max_cache_experts_for(0)
+
+    def to_dict(self) -> dict:
+        return {"model": self.model, "device_bytes": self.budget.device_bytes, "context_tokens": self.budget.context_tokens,
+                "reserve_bytes": self.budget.reserve_bytes, "dtype": self.budget.dtype, "dense_bytes": self.dense_bytes,
+                "expert_bytes": self.expert_bytes, "slot_bytes": self.slot_bytes,
+                "kv_bytes_per_token": kv_bytes_per_token(self.config, self.budget.dtype_bytes)}
+
+
+def cache_sizes(max_cache: int, steps: int) -> list[int]:
+    """None, the most that fits, and ``steps - 1`` evenly spaced sizes between."""
+    if steps < 1:
+        raise SpecFitError(f"--cache-steps: expected >= 1, got {steps}")
+    return sorted({int(round(max_cache * i / steps)) for i in range(steps + 1)})
+
+
+def rank_settings(results: pd.DataFrame, memory: MemoryModel, max_nodes_by_levels: np.ndarray,
+                  policies: list[str]) -> pd.DataFrame:
+    """One row per (policy, cache size) over every trace (total tokens / total time), with its
+    device memory, fastest first (less memory, then candidate order, on a tie)."""
+    g = results.groupby(["policy", "cache_experts"], sort=False)[["tokens", "time_s"]].sum().reset_index()
+    g["tokens_per_s"] = g["tokens"] / g["time_s"]
+    ar = g[g["policy"] == "ar"].set_index("cache_experts")["tokens_per_s"]
+    g["speedup_vs_ar"] = g["tokens_per_s"] / g["cache_experts"].map(ar)
+    g["tree_tokens"] = [tree_tokens(p, max_nodes_by_levels) for p in g["policy"]]
+    g["expert_cache_bytes"] = g["cache_experts"] * memory.slot_bytes
+    g["kv_bytes"] = [memory.kv_bytes(t) for t in g["tree_tokens"]]
+    g["device_bytes"] = [memory.device_bytes(c, t) for c, t in zip(g["cache_experts"], g["tree_tokens"])]
+    g["candidate"] = g["policy"].map({p: i for i, p in enumerate(policies)})
+    g = g.sort_values(["tokens_per_s", "device_bytes", "candidate"], ascending=[False, True, True], kind="stable")
+    return g.drop(columns="candidate").reset_index(drop=True)
+
+
+@dataclass
+class PlanResult:
+    memory: MemoryModel
+    traces: list[str]
+    profile: str
+    ranked: pd.DataFrame
+    out_dir: Path
+    cache_sizes: list = field(default_factory=list)   # cached experts per layer tried
+    run: object = None
+    cells: int = 0
+
+    @property
+    def best(self) -> dict:
+        return self.ranked.iloc[0].to_dict()
+
+    def to_dict(self, top: int = 5) -> dict:
+        rows = self.ranked.to_dict(orient="records")
+        clean = [{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()} for r in rows]
+        return {"memory": self.memory.to_dict(), "traces": self.traces, "profile": self.profile,
+                "cache_sizes": self.cache_sizes, "cells": self.cells, "sweep": str(self.out_dir),
+                "best": clean[0], "runners_up": clean[1:top + 1], "settings": clean}
+
+
+def _model_config(model_shape: str | None, trace_model: dict | None):
+    from ..calibrate.standin import SHAPE_CONFIGS, shape_config
+    from ..runtime.config import ModelConfig
+
+    name = model_shape or (trace_model or {}).get("name")
+    if name is None:
+        raise SpecFitError("plan: expected --model-shape or --trace")
+    if name.endswith(".json"):
+        return Path(name).stem, ModelConfig.from_file(name)
+    if name not in SHAPE_CONFIGS:
+        raise SpecFitError(f"--model-shape: the trace's model {name!r} has no known config; expected one of "
+                           f"{', '.join(k for k in SHAPE_CONFIGS if k != 'tiny')} or a config.json")
+    return name, shape_config(name)
+
+
+def _check_trace_matches(trace, config, dtype_bytes: int, path) -> None:
+    m = trace.model
+    expected = (config.n_layers, config.n_experts, config.top_k, config.expert_params * dtype_bytes)
+    got = (m["n_layers"], m["n_experts"], m["top_k"], m["expert_bytes"])
+    if expected != got:
+        raise SpecFitError(f"{path}: the trace's model (layers, experts, top-k, expert bytes) {got} differs from "
+                           f"--model-shape / --dtype {expected}")
+
+
+def _max_nodes_by_levels(traces: list) -> np.ndarray:
+    """[d]: the largest tree within d draft levels, over every cycle of every trace."""
+    deepest = max(int(t.depth.max()) for t in traces)
+    out = np.zeros(deepest + 1, dtype=np.int64)
+    for t in traces:
+        cycle = t.cycle_of_node
+        for d in range(deepest + 1):
+            out[d] = max(out[d], int(np.bincount(cycle[t.depth <= d], minlength=t.n_cycles).max()))
+    return out
+
+
+def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], workloads: list[str], tokens: int,
+             profile: str, h2d_scale: float = 1.0, rescale: bool = False, policies: str | None = None,
+             cache_steps: int = 4, predictor: str = "oracle", out_dir: Path | None = None, address: str | None = None,
+             num_cpus: int | None = None, show_progress: bool = True, ctx=None) -> PlanResult:
+    """Build the candidate grid for ``budget``, run it as a sweep into ``out_dir`` and rank it."""
+    from ..io import write_json_atomic
+    from ..traces.format import read_trace
+    from .dataset import read_results
+    from .distributed import execute, ray_session
+    from .grid import parse_spec
+    from .scenarios import check_replay_options, scenario_label
+
+    if not traces and model_shape is None:
+        raise SpecFitError("plan: expected --trace (your workloads' traces) or --model-shape (traces are synthesised)")
+    loaded = [read_trace(p) for p in traces]
+    name, config = _model_config(model_shape, loaded[0].model if loaded else None)
+    memory = MemoryModel(name, config, budget)
+    out_dir = Path(out_dir) if out_dir is not None else Path("runs") / f"plan-{name}-{budget.device_bytes / 1e9:g}gb"
+    candidates = [p.strip() for p in policies.split(",") if p.strip()] if policies else list(DEFAULT_CANDIDATES)
+    if "ar" not in candidates:
+        candidates.insert(0, "ar")      # every setting is compared with AR at its cache size
+    _check_candidates(candidates)
+    check_replay_options(predictor, "calibrated", "per_layer", "lru")
+    memory.max_cache_experts_for(1)     # a budget that holds no model fails before Ray starts
+    for trace, path in zip(loaded, traces):
+        _check_trace_matches(trace, config, budget.dtype_bytes, path)
+    with ray_session(address, num_cpus) as ray:
+        if not loaded:
+            traces, loaded = _synthesised_traces(ray, name, workloads, tokens, out_dir / "traces")
+        by_levels = _max_nodes_by_levels(loaded)
+        largest_tree = max(tree_tokens(p, by_levels) for p in candidates)
+        sizes = cache_sizes(memory.max_cache_experts_for(largest_tree), cache_steps)
+        raw = {"traces": [str(Path(p).resolve()) for p in traces], "profiles": [str(Path(profile).resolve())
+                                                                              if profile.endswith(".json") else profile],
+               "h2d_scale": [h2d_scale], "cache_experts": sizes, "policies": candidates, "predictor": [predictor],
+               "rescale": rescale}
+        spec = parse_spec(raw, source="plan")
+        run = execute(spec, out_dir, show_progress=show_progress, ctx=ctx,
+                      extra={"plan": {**memory.to_dict(), "cache_sizes": sizes, "candidates": candidates}})
+    results = read_results(out_dir)
+    ranked = rank_settings(results, memory, by_levels, candidates)
+    label = scenario_label(profile, h2d_scale, {})
+    result = PlanResult(memory=memory, traces=sorted(results["trace"].unique()), profile=label, ranked=ranked,
+                        out_dir=out_dir, cache_sizes=sizes, run=run, cells=len(results))
+    write_json_atomic(out_dir / PLAN_FILE, result.to_dict())
+    return result
+
+
+def _check_candidates(candidates: list[str]) -> None:
+    from .sweep import check_policies
+
+    bad = [p for p in candidates if p in ("static:auto", "eagle3-nocache")]
+    if bad:
+        raise SpecFitError(f"--policies: {bad} are simulator baselines, not settings to deploy; name the policy "
+                           "itself (static:N, eagle3:N:D)")
+    check_policies(candidates, 8)
+
+
+def _synth_task(shape: str, workload: str, tokens: int):
+    from ..traces.synth import synthesize
+
+    # two sequences: the calibrated acceptance and fitted predictors are cross-fitted on the other one
+    return synthesize(shape, workload, tokens, seed=0, sequence_tokens=max(2, -(-tokens // 2)))
+
+
+def _synthesised_traces(ray, shape: str, workloads: list[str], tokens: int, folder: Path):
+    """Traces of ``shape`` for each workload preset, synthesised in parallel on Ray once and kept
+    in the plan's directory (a rerun reuses them)."""
+    from ..traces.format import read_trace, write_trace
+    from ..traces.synth import MODEL_SHAPES, WORKLOADS
+
+    if shape not in MODEL_SHAPES:
+        raise SpecFitError(f"--model-shape {shape!r}: traces can be synthesised for {sorted(MODEL_SHAPES)}; give --trace")
+    bad = [w for w in workloads if w not in WORKLOADS]
+    if bad or not workloads:
+        raise SpecFitError(f"--workload: expected presets of {sorted(WORKLOADS)}, got {workloads}")
+    paths = [folder / f"{shape}-{w}-{tokens}.parquet" for w in workloads]
+    remote = ray.remote(_synth_task)
+    todo = {remote.remote(shape, w, tokens): p for w, p in zip(workloads, paths) if not p.is_file()}
+    for ref, path in todo.items():
+        write_trace(ray.get(ref), path)
+    return paths, [read_trace(p) for p in paths]

@@ -1,0 +1,71 @@
+"""Turning replay options into what the replay needs: the option checks and the cost-model
+scenarios (a preset or profile for the trace's model shape, with what-if changes and its label).
+
+``specfit simulate`` and ``specfit sweep`` both build their scenarios here, so a sweep cell and
+the same setting run with ``simulate`` replay under the same cost model and carry the same label.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import SpecFitError
+from .sweep import Scenario
+
+__all__ = ["check_replay_options", "build_scenario", "scenario_label", "unique_names", "link_gbps"]
+
+
+def check_replay_options(predictor: str, acceptance: str, cache_mode: str, cache_policy: str,
+                         source: str = "") -> None:
+    """One clear error for an unknown predictor, acceptance, cache mode or eviction policy;
+    ``source`` (e.g. a spec file) prefixes the message instead of the option's name."""
+    from ..experts.cache import EVICTION_POLICIES
+    from ..experts.predictors import PREDICTORS
+
+    where = (lambda key, option: f"{source}: field {key!r}") if source else (lambda key, option: option)
+    if predictor not in PREDICTORS:
+        raise SpecFitError(f"{where('predictor', '--predictor')}: expected one of {sorted(PREDICTORS)}, got {predictor!r}")
+    if acceptance not in ("calibrated", "raw"):
+        raise SpecFitError(f"{where('acceptance', '--acceptance')}: expected calibrated or raw, got {acceptance!r}")
+    if cache_mode not in ("per_layer", "global"):
+        raise SpecFitError(f"{where('cache_mode', '--cache-mode')}: expected per_layer or global, got {cache_mode!r}")
+    if cache_policy not in EVICTION_POLICIES:
+        raise SpecFitError(f"{where('cache_policy', '--cache-policy')}: expected one of {EVICTION_POLICIES}, "
+                           f"got {cache_policy!r}")
+
+
+def scenario_label(profile_spec: str, h2d_scale: float, overrides: dict[str, float]) -> str:
+    """``pcie5``, ``MY-MACHINE x2 H2D``, ``pcie4 (base_s=0.004)``: what the summary's ``profile`` says."""
+    label = Path(profile_spec).stem if str(profile_spec).endswith(".json") else str(profile_spec)
+    label += f" x{h2d_scale:g} H2D" if h2d_scale != 1.0 else ""
+    label += " (" + ",".join(f"{k}={v:g}" for k, v in overrides.items()) + ")" if overrides else ""
+    return label
+
+
+def build_scenario(profile_spec: str, shape, h2d_scale: float = 1.0, overrides: dict[str, float] | None = None,
+                   rescale: bool = False) -> Scenario:
+    """The cost model of ``profile_spec`` (preset name or profile JSON) for a model of ``shape``
+    (:class:`~specfit.calibrate.profile.ModelShape`), with ``overrides`` applied and the host
+    link ``h2d_scale`` times as fast."""
+    from ..calibrate.presets import resolve_profile
+    from .whatif import apply_overrides, scale_h2d
+
+    overrides = overrides or {}
+    profile = resolve_profile(profile_spec, shape, rescale=rescale)
+    cost = apply_overrides(profile.cost, overrides)
+    if h2d_scale != 1.0:
+        cost = scale_h2d(cost, h2d_scale)
+    return Scenario(scenario_label(profile_spec, h2d_scale, overrides), cost)
+
+
+def link_gbps(cost) -> float:
+    """The host-to-device bandwidth a cost model implies: one expert's bytes over the transfer
+    part of a miss (``miss_s - hit_s``); infinite when a miss costs no more than a hit."""
+    transfer_s = cost.miss_s - cost.hit_s
+    return cost.expert_bytes / transfer_s / 1e9 if transfer_s > 0 and cost.expert_bytes else float("inf")
+
+
+def unique_names(paths: list[Path]) -> list[str]:
+    """Trace names for the summary: the file stem, or the whole path where two stems collide."""
+    names = [Path(p).stem for p in paths]
+    return [str(p) if names.count(n) > 1 else n for p, n in zip(paths, names)]

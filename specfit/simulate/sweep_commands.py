@@ -1,0 +1,176 @@
+"""``specfit sweep`` (a what-if grid on Ray) and ``specfit plan`` (the best setting for a
+device-memory budget)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..errors import SpecFitError, fail
+
+# the settings a table may show for a cell (column: header); those the grid varies are shown
+_SETTING_COLUMNS = {"trace": "trace", "profile": "profile", "cache_mode": "cache mode", "cache_policy": "eviction",
+                    "cache_experts": "cache", "policy": "policy", "predictor": "predictor", "acceptance": "acceptance",
+                    "max_levels": "max levels", "price_uncertainty": "priced"}
+
+
+def register(app: typer.Typer, traces_app: typer.Typer) -> None:
+    app.command("sweep")(sweep_command)
+    app.command("plan")(plan_command)
+
+
+def sweep_command(
+    ctx: typer.Context,
+    spec: Path = typer.Argument(..., help="Sweep spec (.toml, .yaml): traces, profiles, --h2d-scale values, cache "
+                                          "sizes and modes, policies, predictors, drafter presets (see simulate/)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Dataset directory (default: runs/<spec name>); "
+                                       "rerunning into it skips the cells already there."),
+    address: Optional[str] = typer.Option(None, "--address", help="Join this Ray cluster (e.g. auto or "
+                                          "HOST:6379) instead of starting Ray on this machine."),
+    num_cpus: Optional[int] = typer.Option(None, "--num-cpus", help="CPUs of the local Ray instance "
+                                           "(default: this machine's cores)."),
+    chunk_cells: Optional[int] = typer.Option(None, "--chunk-cells", help="Cells per Ray task (default: "
+                                              "sized from the grid and the workers)."),
+    top: int = typer.Option(10, "--top", help="Best cells to list at the end."),
+    as_json: bool = typer.Option(False, "--json", help="Print only a JSON list of the rows (one per cell: the "
+                                 "columns of `simulate --json` plus the cell's parameters) on stdout."),
+) -> None:
+    """Run a grid of replays as Ray tasks into one resumable Parquet dataset."""
+    from .dataset import read_results
+    from .distributed import SweepInterrupted, execute, require_ray
+    from .grid import load_spec
+
+    try:
+        for option, value in (("--num-cpus", num_cpus), ("--chunk-cells", chunk_cells)):
+            if value is not None and value < 1:
+                raise SpecFitError(f"{option}: expected a positive number, got {value}")
+        require_ray()
+        parsed = load_spec(spec)
+        out_dir = out or Path("runs") / spec.stem
+        run = execute(parsed, out_dir, address, num_cpus, chunk_cells, show_progress=not as_json, ctx=ctx)
+        results = read_results(out_dir)
+    except SpecFitError as exc:
+        fail(str(exc))
+    except SweepInterrupted as exc:
+        typer.secho(f"{exc}; run the same command again to resume", err=True)
+        raise typer.Exit(130)
+    if as_json:
+        typer.echo(json.dumps(json.loads(results.to_json(orient="records")), indent=2))
+        return
+    _print_sweep(results, run, out_dir, top)
+
+
+def _print_sweep(results, run, out_dir: Path, top: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=132)
+    best = results.sort_values("tokens_per_s", ascending=False, kind="stable").head(top)
+    shown = [c for c in _SETTING_COLUMNS if c in ("policy", "cache_experts") or results[c].astype(str).nunique() > 1]
+    fixed = {_SETTING_COLUMNS[c]: results[c].iloc[0] for c in _SETTING_COLUMNS if c not in shown}
+    table = Table(title=f"best {len(best)} of {len(results)} cells by tokens/s",
+                  caption=", ".join(f"{k} {v}" for k, v in fixed.items()))
+    for col in shown:
+        table.add_column(_SETTING_COLUMNS[col], justify="right" if col in ("cache_experts", "max_levels") else "left")
+    for col in ("link GB/s", "tokens/s", "vs ar", "hit rate", "nodes"):
+        table.add_column(col, justify="right")
+    for _, row in best.iterrows():
+        table.add_row(*(str(row[c]) for c in shown), f"{row['link_gbps']:.0f}", f"{row['tokens_per_s']:.2f}",
+                      _ratio(row["speedup_vs_ar"]), f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}")
+    console.print(table)
+    rate = f", {run.computed / run.wall_s:.1f} cells/s on {run.workers} workers" if run.computed and run.wall_s else ""
+    console.print(f"{run.computed} cells replayed now, {run.skipped} already in the dataset{rate}; "
+                  f"rows in {out_dir}/results/ (Parquet), render with `specfit report {out_dir}`")
+
+
+def _ratio(value) -> str:
+    import math
+
+    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2f}x"
+
+
+def plan_command(
+    ctx: typer.Context,
+    device_memory_gb: float = typer.Option(..., "--device-memory-gb", help="Device memory for the model, its KV "
+                                           "cache, the expert cache and staging (GB = 1e9 bytes)."),
+    model_shape: Optional[str] = typer.Option(None, "--model-shape", help="Model shape for the memory model "
+                                              "(qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b) or a config.json; "
+                                              "default: the trace's model."),
+    traces: list[Path] = typer.Option([], "--trace", help="Position-indexed trace(s) of your workloads; repeat "
+                                      "for several. Without one, traces of --model-shape are synthesised."),
+    workloads: str = typer.Option("chat", "--workload", help="Comma-separated drafter presets to synthesise "
+                                  "traces for when no --trace is given: chat, math, code."),
+    tokens: int = typer.Option(128, "--tokens", help="Positions per synthesised trace."),
+    profile: str = typer.Option("pcie5", "--profile", help="Preset (pcie4, pcie5, gh200) or profile JSON."),
+    h2d_scale: float = typer.Option(1.0, "--h2d-scale", help="What-if: multiply the host-to-device bandwidth."),
+    rescale: bool = typer.Option(False, "--rescale", help="Allow a profile measured for another model shape."),
+    context_tokens: int = typer.Option(4096, "--context-tokens", help="KV-cache length to reserve (tokens)."),
+    reserve_gb: float = typer.Option(1.0, "--reserve-gb", help="Device memory kept for everything else: runtime "
+                                     "context, activations, the drafter (GB)."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="Weight and KV-cache dtype: bfloat16, float16, float32."),
+    policies: Optional[str] = typer.Option(None, "--policies", help="Candidate policies (comma-separated, e.g. "
+                                           "ar,chain:2,static:4,eagle3:16:4,specfit:6); default: AR, chains, "
+                                           "fixed and EAGLE-3 trees of several widths and depths, specfit."),
+    cache_steps: int = typer.Option(4, "--cache-steps", help="Expert-cache sizes to try between none and "
+                                    "the most the budget holds."),
+    predictor: str = typer.Option("oracle", "--predictor", help="Expert predictor the policies decide with."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Sweep directory (default: runs/plan-<model>-<G>gb)."),
+    address: Optional[str] = typer.Option(None, "--address", help="Join this Ray cluster."),
+    num_cpus: Optional[int] = typer.Option(None, "--num-cpus", help="CPUs of the local Ray instance."),
+    top: int = typer.Option(5, "--top", help="Runner-up settings to list."),
+    as_json: bool = typer.Option(False, "--json", help="Print only the recommendation and runners-up as JSON."),
+) -> None:
+    """Turn a device-memory budget into candidate settings, replay them as a sweep, print the best."""
+    from .distributed import SweepInterrupted, require_ray
+    from .plan import MemoryBudget, run_plan
+
+    try:
+        require_ray()
+        budget = MemoryBudget(device_bytes=device_memory_gb * 1e9, context_tokens=context_tokens,
+                              reserve_bytes=reserve_gb * 1e9, dtype=dtype)
+        result = run_plan(budget, model_shape=model_shape, traces=list(traces),
+                          workloads=[w.strip() for w in workloads.split(",") if w.strip()], tokens=tokens,
+                          profile=profile, h2d_scale=h2d_scale, rescale=rescale, policies=policies,
+                          cache_steps=cache_steps, predictor=predictor, out_dir=out, address=address,
+                          num_cpus=num_cpus, show_progress=not as_json, ctx=ctx)
+    except SpecFitError as exc:
+        fail(str(exc))
+    except SweepInterrupted as exc:
+        typer.secho(f"{exc}; run the same command again to resume", err=True)
+        raise typer.Exit(130)
+    if as_json:
+        typer.echo(json.dumps(result.to_dict(top), indent=2))
+        return
+    _print_plan(result, top)
+
+
+def _print_plan(result, top: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=132)
+    mem = result.memory
+    console.print(f"[bold]{mem.model}[/bold] in {mem.budget.device_bytes / 1e9:g} GB: dense weights "
+                  f"{mem.dense_bytes / 1e9:.2f} GB, KV cache ({mem.budget.context_tokens} tokens) "
+                  f"{mem.kv_bytes(0) / 1e9:.2f} GB, reserve {mem.budget.reserve_bytes / 1e9:.2f} GB; "
+                  f"one cached expert per layer {mem.slot_bytes / 1e9:.3f} GB; cached experts per layer tried: "
+                  f"{', '.join(map(str, result.cache_sizes))}")
+    table = Table(title=f"best settings on {', '.join(result.traces)} ({result.profile})")
+    for col in ("", "policy", "cache/layer", "tokens/s", "vs ar", "tree tokens", "device GB", "expert cache GB"):
+        table.add_column(col, justify="left" if col in ("", "policy") else "right")
+    for i, row in enumerate(result.ranked.head(top + 1).itertuples()):
+        table.add_row("best" if i == 0 else f"#{i + 1}", row.policy, str(row.cache_experts), f"{row.tokens_per_s:.2f}",
+                      _ratio(row.speedup_vs_ar), str(row.tree_tokens), f"{row.device_bytes / 1e9:.2f}",
+                      f"{row.expert_cache_bytes / 1e9:.2f}")
+    console.print(table)
+    best = result.best
+    console.print(f"recommended: [bold]{best['policy']}[/bold] with {best['cache_experts']} cached experts per layer: "
+                  f"{best['tokens_per_s']:.2f} tokens/s predicted, {best['device_bytes'] / 1e9:.2f} GB of device memory "
+                  f"({result.cells} cells in {result.out_dir}/)")

@@ -1,0 +1,26 @@
+"""How many CPU threads torch uses, for the commands that run models (torch is imported only when
+the threads are set, so the CLI starts without it)."""
+
+from __future__ import annotations
+
+from .errors import SpecFitError
+
+__all__ = ["set_cpu_threads", "DEFAULT_CPU_THREADS", "THREADS_HELP"]
+
+# torch's default (one intra-op thread per core) collapses when another process shares the cores:
+# its threads spin-wait on each other (benchmarks/RESULTS.md, "Threads"); one thread does not
+DEFAULT_CPU_THREADS = 1
+THREADS_HELP = (f"torch CPU threads (default {DEFAULT_CPU_THREADS}: torch's own default of one per core stalls "
+                "when other processes share the cores; raise it on a machine of your own)")
+
+
+def set_cpu_threads(threads: int | None, option: str = "--threads") -> int:
+    """Set torch's intra-op threads (``None``: :data:`DEFAULT_CPU_THREADS`); one clear error for a
+    count below 1."""
+    threads = DEFAULT_CPU_THREADS if threads is None else threads
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise SpecFitError(f"{option}: expected a whole number of threads >= 1, got {threads!r}")
+    import torch
+
+    torch.set_num_threads(threads)
+    return threads

@@ -1,0 +1,18 @@
+"""Test-wide settings: nothing a test runs may write into the user's home."""
+
+import os
+
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def user_cache_in_tmp(tmp_path_factory):
+    """``specfit decode`` keeps the quick calibrations it makes in the user's cache (and matplotlib
+    its font list): one cache for the session, outside every test's own directory."""
+    before = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("user-cache"))
+    yield
+    if before is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = before

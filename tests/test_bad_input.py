@@ -1,0 +1,244 @@
+"""Bad input, class by class: every command ends in one line naming the file, field or option and
+what was expected (exit code 2), having written nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from runtime_fixtures import make_tiny_model
+from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
+from trace_helpers import SAMPLE_OLMOE
+from specfit.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def in_tmp_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad_input")
+    model = make_tiny_model("qwen3_moe", root / "model", seed=3)
+    (root / "prompts.jsonl").write_text(json.dumps({"input_ids": [3, 1, 4]}) + "\n")
+    return model
+
+
+def files_under(path: Path) -> set[str]:
+    return {str(p.relative_to(path)) for p in path.rglob("*")}
+
+
+def one_line_error(result, *needles: str) -> None:
+    """Exit code 2 and a single 'error: ...' line that names what was wrong."""
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert "Traceback" not in result.output
+
+
+def invoke(*args) -> object:
+    return runner.invoke(app, [str(a) for a in args])
+
+
+# ----------------------------------------------------------------- output paths
+def _commands(model_dir: Path, tmp: Path, out_dir: str, out_file: str) -> dict[str, list]:
+    prompts = model_dir.parent / "prompts.jsonl"
+    decode = ["decode", "--model", model_dir, "--prompts", prompts, "--cache-experts", 2, "--profile", "pcie4",
+              "--max-new-tokens", 2]
+    return {
+        "decode --out": decode + ["--out", out_dir],
+        "decode --record": decode + ["--record", out_file],
+        "simulate --out": ["simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--cache-experts", 8,
+                           "--out", out_dir],
+        "report --out": ["report", SAMPLE_OLMOE.parent.parent / "calibrate" / "vm-x86-64-tiny-moe.json", "--out",
+                         out_dir],
+        "demo --out": ["demo", "--quick", "--out", out_dir],
+        "calibrate --out": ["calibrate", "--shape", "tiny", "--layers", 1, "--quick", "--out", out_file],
+        "calibrate --refit --out": ["calibrate", "--refit", tmp, "--profile", "pcie4", "--out", out_file],
+        "traces synth --out": ["traces", "synth", "--shape", "olmoe-1b-7b", "--tokens", 16, "--out", out_file],
+        "traces import-routing --out": ["traces", "import-routing", tmp / "log.npz", "--out", out_file],
+    }
+
+
+OUTPUT_OPTIONS = {   # command -> what its output option expects
+    "decode --out": "dir", "decode --record": "file", "simulate --out": "dir", "report --out": "dir",
+    "demo --out": "dir", "calibrate --out": "file", "calibrate --refit --out": "file", "traces synth --out": "file",
+    "traces import-routing --out": "file"}
+# a file where a directory is expected, a directory where a file is, a parent nothing can be created in
+CASES = [(command, case) for command, kind in OUTPUT_OPTIONS.items()
+         for case in ("the wrong kind", "under /proc", "under a file")]
+
+
+@pytest.mark.parametrize("command, case", CASES)
+def test_every_output_path_is_checked_before_any_work(model_dir, tmp_path, command, case):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("keep me\n")
+    a_dir = tmp_path / "a-dir"
+    a_dir.mkdir()
+    np.savez(tmp_path / "log.npz", expert_ids=np.tile(np.arange(8), (6, 16, 1)), sequence_id=np.zeros(6, np.int32))
+    wrong_kind = a_file if OUTPUT_OPTIONS[command] == "dir" else a_dir
+    target = {"the wrong kind": wrong_kind, "under /proc": Path("/proc/specfit-test/x"), "under a file": a_file / "x"}[case]
+    before = files_under(tmp_path)
+    argv = _commands(model_dir, tmp_path, str(target), str(target))[command]
+    one_line_error(invoke(*argv), command.split()[-1], str(target))
+    assert files_under(tmp_path) == before and a_file.read_text() == "keep me\n"
+
+
+# ----------------------------------------------------------------- damaged weights
+@pytest.mark.parametrize("damage", ["truncated", "random bytes", "empty"])
+def test_damaged_target_weights_are_one_line(model_dir, tmp_path, damage):
+    broken = tmp_path / "model"
+    broken.mkdir()
+    for f in model_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    weights = broken / "model.safetensors"
+    raw = weights.read_bytes()
+    weights.write_bytes({"truncated": raw[: len(raw) // 2], "random bytes": os.urandom(len(raw)), "empty": b""}[damage])
+    result = invoke("decode", "--model", broken, "--prompts", model_dir.parent / "prompts.jsonl", "--cache-experts", 2,
+                    "--profile", "pcie4", "--max-new-tokens", 2)
+    one_line_error(result, "model.safetensors")
+
+
+# ----------------------------------------------------------------- traces
+def test_nan_draft_log_probabilities_fail_validation_not_the_simulator(tmp_path):
+    table = pq.read_table(SAMPLE_OLMOE)
+    logprob = table.column("draft_logprob").to_numpy().copy()
+    logprob[5] = np.nan                                        # a NaN float, not a null
+    column = table.schema.get_field_index("draft_logprob")
+    bad = tmp_path / "nan.parquet"
+    pq.write_table(table.set_column(column, "draft_logprob", pa.array(logprob, type=pa.float32())), bad)
+    one_line_error(invoke("traces", "validate", bad), "draft_logprob", "finite")
+    one_line_error(invoke("simulate", "--trace", bad, "--policies", "ar,specfit", "--cache-experts", 8,
+                          "--acceptance", "calibrated"), "draft_logprob")
+
+
+def test_routing_logs_with_no_rows_or_repeated_experts_blame_the_log(tmp_path):
+    empty = tmp_path / "empty.npz"
+    np.savez(empty, expert_ids=np.zeros((0, 16, 8), np.int16), sequence_id=np.zeros(0, np.int32))
+    one_line_error(invoke("traces", "import-routing", empty, "--out", tmp_path / "t.parquet"), str(empty), "no tokens")
+    repeated = tmp_path / "repeated.npz"
+    experts = np.tile(np.arange(8), (6, 16, 1))
+    experts[3, 2, 1] = experts[3, 2, 0]
+    np.savez(repeated, expert_ids=experts, sequence_id=np.zeros(6, np.int32))
+    one_line_error(invoke("traces", "import-routing", repeated, "--out", tmp_path / "t.parquet"), str(repeated),
+                   "token 3 at layer 2")
+    assert not (tmp_path / "t.parquet").exists()
+
+
+# ----------------------------------------------------------------- configs and profiles
+def test_more_experts_per_token_than_experts_is_blamed_on_the_config(model_dir, tmp_path):
+    bad = tmp_path / "model"
+    bad.mkdir()
+    for f in model_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    config = json.loads((bad / "config.json").read_text())
+    experts = config.get("num_experts", config.get("num_local_experts"))
+    config["num_experts_per_tok"] = experts + 1
+    (bad / "config.json").write_text(json.dumps(config))
+    for extra in ([], ["--rescale"]):
+        result = invoke("decode", "--model", bad, "--prompts", model_dir.parent / "prompts.jsonl", "--cache-experts", 2,
+                        "--profile", "pcie4", "--max-new-tokens", 2, *extra)
+        one_line_error(result, "config.json", "num_experts_per_tok")
+
+
+def test_a_refit_onto_a_profile_of_another_shape_is_refused(model_dir, tmp_path):
+    run = tmp_path / "run"
+    result = invoke("decode", "--model", model_dir, "--prompts", model_dir.parent / "prompts.jsonl",
+                    "--cache-experts", 2, "--profile", "pcie4", "--max-new-tokens", 16, "--ignore-eos", "--out", run)
+    assert result.exit_code == 0, result.output
+    other = tmp_path / "other.json"
+    assert invoke("calibrate", "--shape", "tiny", "--layers", 1, "--quick", "--out", other).exit_code == 0
+    refitted = tmp_path / "refit.json"
+    one_line_error(invoke("calibrate", "--refit", run, "--profile", other, "--out", refitted), "--rescale")
+    assert not refitted.exists()
+    # a preset is built for the run's model, and --rescale maps the other profile onto it
+    assert invoke("calibrate", "--refit", run, "--profile", "pcie4", "--out", refitted).exit_code == 0
+    assert json.loads(refitted.read_text())["shape"]["n_experts"] == json.loads((run / "run.json").read_text())["shape"]["n_experts"]
+    assert invoke("calibrate", "--refit", run, "--profile", other, "--rescale", "--out", refitted).exit_code == 0
+
+
+# ----------------------------------------------------------------- options
+@pytest.mark.parametrize("argv, needle", [
+    (["simulate", "--trace", SAMPLE_OLMOE, "--policies", "chain:0"], "chain:0"),
+    (["simulate", "--trace", SAMPLE_OLMOE, "--policies", "static:1"], "static:1"),
+    (["demo", "--cache-experts", "-1"], "--cache-experts"),
+    (["demo", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["demo", "--threads", "0"], "--threads"),
+    (["calibrate", "--shape", "tiny", "--threads", "0"], "--threads"),
+])
+def test_bad_options_are_refused_before_any_work_or_file(tmp_path, argv, needle):
+    before = files_under(tmp_path)
+    one_line_error(invoke(*argv), needle)
+    assert files_under(tmp_path) == before
+
+
+def test_decode_threads_zero_is_refused(model_dir):
+    result = invoke("decode", "--model", model_dir, "--prompts", model_dir.parent / "prompts.jsonl", "--cache-experts",
+                    2, "--threads", 0)
+    one_line_error(result, "--threads")
+
+
+def test_simulate_without_a_baseline_prints_no_nan(tmp_path):
+    result = invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "specfit", "--cache-experts", 8)
+    assert result.exit_code == 0, result.output
+    assert "nan" not in result.output.lower()
+    frame = pd.DataFrame(json.loads(invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "specfit",
+                                           "--cache-experts", 8, "--json").output))
+    assert frame["speedup_vs_ar"].isna().all()
+
+
+# ----------------------------------------------------------------- interrupted runs
+def test_a_simulate_output_killed_while_writing_is_reported_not_crashed_on(tmp_path):
+    out = tmp_path / "sim"
+    assert invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--cache-experts", 8, "--out", out).exit_code == 0
+    # what a SIGKILL between the files leaves: cycles without the summary, a stale temporary
+    (out / "summary.parquet").unlink()
+    (out / "summary.csv").unlink()
+    (out / ".summary.parquet.x1y2.tmp").write_bytes(b"half")
+    one_line_error(invoke("report", out, "--out", tmp_path / "report"), "summary.parquet", "interrupted")
+    assert not (tmp_path / "report").exists()
+    # the rerun cleans up after the killed one
+    assert invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--cache-experts", 8, "--out", out).exit_code == 0
+    assert (out / "summary.parquet").is_file() and not list(out.glob(".*.tmp"))
+    assert invoke("report", out, "--out", tmp_path / "report").exit_code == 0
+
+
+# ----------------------------------------------------------------- memory
+def test_a_stand_in_that_would_not_fit_in_host_memory_is_refused_before_allocating(monkeypatch, tmp_path):
+    """``calibrate --shape qwen3-30b-a3b --layers 4`` on a machine with too little memory free: one
+    line with what it needs and what there is, before a single weight is made."""
+    import specfit.calibrate.standin as standin
+    import specfit.runtime.devices as devices
+
+    monkeypatch.setattr(devices, "available_host_bytes", lambda: 3 * 2**30)
+    made = []
+    monkeypatch.setattr(standin, "random_model", lambda *a, **k: made.append(1))
+    result = invoke("calibrate", "--shape", "qwen3-30b-a3b", "--layers", 4, "--device", "cpu",
+                    "--out", tmp_path / "p.json")
+    one_line_error(result, "--layers 4", "GiB of host memory", "3.0 GiB are available")
+    assert not made and not (tmp_path / "p.json").exists()
+
+
+def test_stand_in_memory_is_the_experts_in_bf16_plus_the_dense_weights():
+    import torch
+
+    from specfit.calibrate.standin import shape_config, standin_bytes
+
+    config = shape_config("qwen3-30b-a3b", 4)
+    held = standin_bytes(config, torch.bfloat16)
+    assert held["experts"] == 4 * 128 * 3 * 2048 * 768 * 2          # 4.8 GB: what the probe needs
+    embed = 151936 * 2048 * 2
+    assert 2 * embed < held["dense"] < 2 * embed + 4 * 2048 * 2048 * 16

@@ -1,0 +1,80 @@
+"""Calibration that survives a noisy machine: probes repeated in rounds, medians, the spread, busy
+warnings, the probes' own timings in the profile."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from specfit.assets import tiny_moe_dir, tiny_moe_eagle3_dir
+from specfit.calibrate.calibrate_job import CalibrationPlan, calibrate
+from specfit.calibrate.repeat import busy_warnings, machine_noise, repeat_rounds
+from specfit.errors import SpecFitError
+
+
+def scripted(values_by_round):
+    """A probe whose round r returns rows with the seconds values_by_round[r]."""
+    calls = iter(values_by_round)
+
+    def probe():
+        return [{"tokens": i, "seconds": s} for i, s in enumerate(next(calls))]
+
+    return probe
+
+
+def test_the_median_of_the_rounds_drops_a_disturbed_sample():
+    rows, timing = repeat_rounds({"p": scripted([[1.0, 2.0, 3.0], [1.1, 9.0, 3.0], [0.9, 2.2, 3.0]])}, rounds=3)
+    got = rows["p"]
+    assert [r["seconds"] for r in got] == [1.0, 2.2, 3.0]
+    assert got[1]["seconds_rounds"] == [2.0, 9.0, 2.2]
+    assert got[1]["spread"] == pytest.approx((9.0 - 2.0) / 2.2)
+    assert got[2]["spread"] == 0.0
+    assert len(timing["p"]["wall_s"]) == 3
+
+
+def test_rounds_that_measure_different_work_are_refused():
+    calls = iter([[{"n_nodes": 4, "hits": 3, "seconds": 1.0}], [{"n_nodes": 4, "hits": 5, "seconds": 1.0}]])
+    with pytest.raises(SpecFitError, match="hits: 3 vs 5"):
+        repeat_rounds({"cycles": lambda: next(calls)}, rounds=2)
+
+
+def test_a_busy_machine_is_reported():
+    def sleepy():                       # wall time the process does not spend computing
+        time.sleep(0.02)
+        return [{"tokens": 1, "seconds": 0.02}]
+
+    rows, timing = repeat_rounds({"p": sleepy}, rounds=2)
+    noise = machine_noise(rows, timing, "cpu", threads=1)
+    assert noise["cpu_share"] < 0.5
+    assert any("of a CPU core" in w for w in busy_warnings(noise))
+    # a CUDA probe waits on the device: its CPU share says nothing
+    assert machine_noise(rows, timing, "cuda", threads=1)["cpu_share"] is None
+    noisy = {**noise, "cpu_share": 1.0, "spread_median": 0.4, "load_average": 0.5, "cpu_count": 2}
+    assert len(busy_warnings(noisy)) == 1 and "varied by 40%" in busy_warnings(noisy)[0]
+    quiet = {**noisy, "spread_median": 0.03}
+    assert busy_warnings(quiet) == []
+    assert "load average 5.0 on 2" in busy_warnings({**quiet, "load_average": 5.0})[0]
+
+
+def test_calibrate_keeps_every_rounds_timing_and_fits_the_medians(monkeypatch):
+    torch.set_num_threads(1)
+    plan = CalibrationPlan(model_dir=tiny_moe_dir(), drafter_dir=tiny_moe_eagle3_dir(), quick=True)
+    profile = calibrate(plan)
+    cycles = profile.probes["cycles"]
+    assert len(cycles) == len(plan.capacity_fractions) * len(plan.node_counts) * plan.repeats
+    for row in cycles:
+        assert len(row["seconds_rounds"]) == plan.rounds
+        assert row["seconds"] == pytest.approx(float(np.median(row["seconds_rounds"])))
+    for name in ("h2d", "expert_compute"):
+        assert all(len(r["seconds_rounds"]) == plan.rounds for r in profile.probes[name])
+    noise = profile.fit["probe_noise"]
+    assert noise["rounds"] == plan.rounds and noise["spread_median"] >= 0
+    assert isinstance(profile.fit["warnings"], list)
+    cost = profile.cost
+    assert cost.miss_s >= cost.hit_s
+    # the fit says which terms it fitted and which it held, and every term is one or the other
+    assert set(profile.fit["fitted"]) | set(profile.fit["held"]) | {"draft_level_s"} == \
+        {"draft_level_s", "base_s", "per_node_s", "hit_s", "transfer_s"}

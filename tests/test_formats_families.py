@@ -1,0 +1,269 @@
+"""Target families of issue 16 against ``transformers`` on tiny random models it saved itself:
+Qwen2-MoE (gated shared expert, q/k/v biases, dense layers between MoE layers), DeepSeek-V2 (MLA,
+shared experts, greedy and group-limited routing, dense first layers, YaRN), RoPE scaling on the
+other families, both config spellings, offload counters per MoE layer, and ``specfit decode``."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from formats_fixtures import as_hub_spelling, make_family_model
+from runtime_fixtures import N_EXPERTS, TOP_K, VOCAB, load_reference
+from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
+from speculative_fixtures import make_drafter
+from specfit.cli import app
+from specfit.errors import SpecFitError
+from specfit.runtime.config import ModelConfig
+from specfit.runtime.loader import load_model
+
+pytest.importorskip("transformers")
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+CASES = {
+    "qwen2_moe": ("qwen2_moe", {}),
+    "qwen2_moe-mlp_only_layers": ("qwen2_moe", {"mlp_only_layers": [1]}),
+    "qwen2_moe-sparse_step_2": ("qwen2_moe", {"decoder_sparse_step": 2, "num_hidden_layers": 4}),
+    "deepseek_v2-lite": ("deepseek_v2", {}),
+    "deepseek_v2-grouped": ("deepseek_v2", {"q_lora_rank": 16, "topk_method": "group_limited_greedy", "n_group": 4,
+                                            "topk_group": 2, "routed_scaling_factor": 2.5, "rope_scaling": None}),
+    "qwen3_moe-yarn": ("qwen3_moe", {"rope_scaling": YARN}),
+    "qwen3_moe-mlp_only_layers": ("qwen3_moe", {"mlp_only_layers": [0]}),
+    "mixtral-linear": ("mixtral", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    "olmoe-dynamic": ("olmoe", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+}
+SEQ = 12
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    cache = {}
+
+    def get(case, hub_spelling=False):
+        if (case, hub_spelling) not in cache:
+            family, overrides = CASES[case]
+            root = tmp_path_factory.mktemp(case)
+            cache[case, hub_spelling] = make_family_model(family, root, seed=3, hub_spelling=hub_spelling, **overrides)
+        return cache[case, hub_spelling]
+
+    return get
+
+
+def _tokens(n=SEQ, seed=1):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _ours(model_dir, cache_experts=3, max_seq_len=64, **kwargs):
+    model = load_model(model_dir, cache_experts=cache_experts, **kwargs)
+    model.setup_kv_cache(max_seq_len)
+    return model
+
+
+# ----------------------------------------------------------------------------- configs
+@pytest.mark.parametrize("case", ["qwen2_moe-mlp_only_layers", "deepseek_v2-lite", "qwen3_moe-yarn", "mixtral-linear"])
+def test_transformers_4_and_5_config_spellings_give_the_same_config(model_dirs, case):
+    saved = json.loads((model_dirs(case) / "config.json").read_text())
+    assert "rope_parameters" in saved and "dtype" in saved          # what transformers 5.x writes
+    hub = as_hub_spelling(saved)
+    assert "rope_parameters" not in hub and "torch_dtype" in hub
+    assert ModelConfig.from_dict(saved) == ModelConfig.from_dict(hub)
+
+
+def test_dense_and_moe_layers_follow_each_familys_keys():
+    def layers(case, **extra):
+        family, overrides = CASES[case]
+        from formats_fixtures import family_config
+
+        raw = family_config(family, **{**overrides, **extra}).to_dict()
+        return ModelConfig.from_dict(raw).moe_layers
+
+    assert layers("qwen2_moe") == (0, 1, 2)
+    assert layers("qwen2_moe-mlp_only_layers") == (0, 2)
+    assert layers("qwen2_moe-sparse_step_2") == (1, 3)            # (i + 1) % step == 0
+    assert layers("deepseek_v2-lite") == (1, 2)                   # i >= first_k_dense_replace
+    assert layers("deepseek_v2-lite", first_k_dense_replace=0) == (0, 1, 2)
+
+
+def test_qwen2_moe_shared_expert_is_resident_and_only_routed_experts_are_offloaded(model_dirs):
+    model = _ours(model_dirs("qwen2_moe-mlp_only_layers"), cache_experts=N_EXPERTS)
+    c = model.config
+    assert c.moe_layers == (0, 2) and c.shared_expert_gated and c.attention_bias
+    host = model.offload.host
+    assert host.n_layers == 2 and host.expert_bytes == c.expert_bytes(torch.float32)
+    assert host.nbytes == 2 * N_EXPERTS * 3 * 32 * 64 * 4                    # routed experts only
+    shared = model.layers[0].shared_expert
+    assert shared.gate.weight.shape == (1, 64) and shared.gate_proj.weight.shape == (48, 64)
+    assert model.layers[1].moe is None and model.layers[1].shared_expert is None
+    assert model.layers[1].mlp.gate_proj.weight.shape == (80, 64)            # the dense layer's MLP
+    assert c.shared_expert_bytes(torch.float32) == (3 * 48 * 64 + 64) * 4
+
+
+# ----------------------------------------------------------------------------- numerics
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers_float32(model_dirs, case):
+    ids = _tokens()
+    for hub_spelling in (False, True):
+        model_dir = model_dirs(case, hub_spelling)
+        with torch.no_grad():
+            expected = load_reference(model_dir)(ids[None]).logits[0]
+        out = _ours(model_dir)(ids, torch.arange(SEQ))
+        assert (out.logits - expected).abs().max().item() <= 1e-5, f"hub spelling: {hub_spelling}"
+
+
+@pytest.mark.parametrize("case", ["qwen2_moe-mlp_only_layers", "deepseek_v2-lite", "deepseek_v2-grouped"])
+def test_bfloat16_matches_transformers_with_deepseeks_router_in_float32(model_dirs, case):
+    model_dir = model_dirs(case)
+    ids = _tokens()
+    with torch.no_grad():
+        expected = load_reference(model_dir, torch.bfloat16)(ids[None]).logits[0]
+    model = _ours(model_dir, dtype="bfloat16")
+    out = model(ids, torch.arange(SEQ))
+    assert out.logits.dtype == torch.bfloat16 and torch.equal(out.logits.argmax(-1), expected.argmax(-1))
+    torch.testing.assert_close(out.logits.float(), expected.float(), rtol=0, atol=0.05)
+    router_dtype = model.moe_blocks()[0].gate.weight.dtype
+    assert router_dtype == (torch.float32 if case.startswith("deepseek") else torch.bfloat16)
+
+
+def _reference_topk(logits: torch.Tensor, config: ModelConfig) -> list[set]:
+    """Each token's experts, written from the routing rule: softmax, DeepSeek's group limit
+    (a group scores its best expert, the topk_group best groups stay), top-k."""
+    probs = torch.softmax(logits.double(), dim=-1)
+    chosen = []
+    for row in probs:
+        if config.router == "group_limited_topk":
+            size = config.n_experts // config.n_group
+            group_best = [max(row[g * size:(g + 1) * size]) for g in range(config.n_group)]
+            keep = sorted(range(config.n_group), key=lambda g: -group_best[g])[: config.topk_group]
+            row = torch.tensor([p if e // size in keep else 0.0 for e, p in enumerate(row.tolist())])
+        chosen.append(set(torch.argsort(row, descending=True)[: config.top_k].tolist()))
+    return chosen
+
+
+@pytest.mark.parametrize("case", ["qwen2_moe-mlp_only_layers", "qwen2_moe-sparse_step_2", "deepseek_v2-lite",
+                                  "deepseek_v2-grouped"])
+def test_routing_of_each_moe_layer_matches_transformers_router(model_dirs, case):
+    model_dir = model_dirs(case)
+    ids = _tokens()
+    with torch.no_grad():
+        reference = load_reference(model_dir)(ids[None], output_router_logits=True)
+    model = _ours(model_dir)
+    out = model(ids, torch.arange(SEQ))
+    assert out.expert_ids.shape == (SEQ, model.config.n_moe_layers, TOP_K)
+    assert len(reference.router_logits) == model.config.n_moe_layers       # transformers: MoE layers only
+    for moe_layer, logits in enumerate(reference.router_logits):
+        got = [set(row.tolist()) for row in out.expert_ids[:, moe_layer]]
+        assert got == _reference_topk(logits.reshape(SEQ, -1), model.config), f"MoE layer {moe_layer}"
+
+
+def _greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens through the KV cache, one pass per token, and each pass's misses per MoE layer."""
+    model.setup_kv_cache(len(prompt) + new_tokens + 1)
+    out = model(prompt, torch.arange(len(prompt)), logits_rows=[-1])
+    tokens, misses = [int(out.logits[-1].argmax())], [out.offload.misses.copy()]
+    for position in range(len(prompt), len(prompt) + new_tokens - 1):
+        out = model([tokens[-1]], [position])
+        tokens.append(int(out.logits[-1].argmax()))
+        misses.append(out.offload.misses.copy())
+    return tokens, misses
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_greedy_output_equals_generate_and_counters_are_per_moe_layer(model_dirs, case):
+    model_dir = model_dirs(case)
+    reference = load_reference(model_dir)
+    model = load_model(model_dir, cache_experts=N_EXPERTS)       # every expert resident after its first use
+    for prompt in ([5], _tokens(7, seed=2).tolist()):
+        want = reference.generate(torch.tensor([prompt]), max_new_tokens=16, do_sample=False)[0, len(prompt):]
+        model.offload.reset()
+        tokens, misses = _greedy(model, prompt, 16)
+        assert tokens == want.tolist()
+        per_layer = np.stack(misses)
+        assert per_layer.shape[1] == model.config.n_moe_layers
+        # an expert is missed once, the first time it is used: at most E per MoE layer
+        assert (per_layer.sum(axis=0) <= N_EXPERTS).all() and (per_layer.sum(axis=0) >= TOP_K).all()
+
+
+def test_counters_count_the_union_of_routed_experts_per_moe_layer(model_dirs):
+    model = _ours(model_dirs("deepseek_v2-lite"), cache_experts=N_EXPERTS)
+    out = model(_tokens(), torch.arange(SEQ))
+    union = [np.unique(out.expert_ids[:, layer]).size for layer in range(model.config.n_moe_layers)]
+    assert out.offload.misses.tolist() == union and out.offload.hits.tolist() == [0, 0]
+    again = model(_tokens(3, seed=5), torch.arange(SEQ, SEQ + 3))
+    fresh = [np.setdiff1d(again.expert_ids[:, layer], out.expert_ids[:, layer]).size for layer in range(2)]
+    assert again.offload.misses.tolist() == fresh
+    assert (again.offload.hits + again.offload.misses).tolist() == [np.unique(again.expert_ids[:, i]).size
+                                                                   for i in range(2)]
+    bytes_per_expert = model.offload.host.expert_bytes
+    assert again.offload.bytes_h2d.tolist() == [n * bytes_per_expert for n in fresh]
+
+
+# ----------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("change,message", [
+    ({"topk_method": "noaux_tc"}, "'topk_method' must be 'greedy' or 'group_limited_greedy'"),
+    ({"norm_topk_prob": True}, "'norm_topk_prob' is true"),
+    ({"scoring_func": "sigmoid"}, "'scoring_func' must be 'softmax'"),
+    ({"moe_layer_freq": 2}, "'moe_layer_freq' must be 1"),
+    ({"num_key_value_heads": 2}, "num_key_value_heads == num_attention_heads"),
+    ({"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 2}, "'n_group' \\(3\\)"),
+])
+def test_unsupported_deepseek_variants_are_one_error(tmp_path, model_dirs, change, message):
+    raw = json.loads((model_dirs("deepseek_v2-lite", True) / "config.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**raw, **change}))
+    with pytest.raises(SpecFitError, match=message) as info:
+        ModelConfig.from_file(path)
+    assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+def test_qwen2_moe_sliding_window_is_refused(tmp_path, model_dirs):
+    raw = json.loads((model_dirs("qwen2_moe") / "config.json").read_text())
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**raw, "use_sliding_window": True, "sliding_window": 8}))
+    with pytest.raises(SpecFitError, match="'use_sliding_window' is true"):
+        ModelConfig.from_file(path)
+
+
+# ----------------------------------------------------------------------------- specfit decode
+runner = CliRunner()
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2, 6]]
+NEW_TOKENS = 10
+
+
+@pytest.mark.parametrize("case,overrides", [("qwen2_moe", {}), ("deepseek_v2-lite", {"first_k_dense_replace": 0})],
+                         ids=["qwen2_moe", "deepseek_v2-all-moe"])
+def test_specfit_decode_runs_the_family_lossless_against_generate(tmp_path, monkeypatch, case, overrides):
+    monkeypatch.chdir(tmp_path)       # the quick calibration's profile goes to ./calibrate
+    family, base = CASES[case]
+    model_dir = make_family_model(family, tmp_path / "model", seed=7, hub_spelling=True, **{**base, **overrides})
+    drafter_dir = make_drafter(model_dir, tmp_path / "drafter", fit_prompts=PROMPTS, new_tokens=NEW_TOKENS)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in PROMPTS))
+    result = runner.invoke(app, ["decode", "--model", str(model_dir), "--drafter", str(drafter_dir), "--prompts",
+                                 str(prompts), "--cache-experts", "3", "--device", "cpu", "--max-new-tokens",
+                                 str(NEW_TOKENS), "--ignore-eos", "--policies", "ar,eagle3:8:3", "--profile", "pcie4",
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    reference = load_reference(model_dir)
+    for record in records:
+        prompt = PROMPTS[record["index"]]
+        want = reference.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):]
+        assert record["output_ids"] == want.tolist(), record["policy"]
+    assert {r["policy"] for r in records} == {"ar", "eagle3:8:3"}
+
+
+def test_specfit_decode_runs_a_model_with_dense_layers(tmp_path, monkeypatch):
+    from specfit.runtime.decode_job import DecodePlan, run_decode
+
+    monkeypatch.chdir(tmp_path)
+    model_dir = make_family_model("deepseek_v2", tmp_path / "model", seed=7)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": PROMPTS[0]}) + "\n")
+    run = run_decode(DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["ar"],
+                                profile="pcie4", max_new_tokens=NEW_TOKENS, device="cpu", ignore_eos=True))
+    want = load_reference(model_dir).generate(torch.tensor([PROMPTS[0]]), max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert run.records[0]["output_ids"] == want[0, len(PROMPTS[0]):].tolist()

@@ -1,0 +1,90 @@
+"""RoPE variants against ``transformers``' own rotary embedding, in both config spellings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specfit.errors import SpecFitError
+from specfit.runtime.rope import Rotary, parse_rope
+
+pytest.importorskip("transformers")
+
+MAX_POS = 128
+VARIANTS = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32},
+    "yarn-mscale": {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 16, "mscale": 0.707,
+                    "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32},
+}
+
+
+def _reference(parameters: dict):
+    """transformers' rotary embedding of a Qwen3-MoE config with these RoPE parameters."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
+
+    config = Qwen3MoeConfig(hidden_size=64, num_attention_heads=4, head_dim=32, max_position_embeddings=MAX_POS,
+                            rope_parameters={"rope_theta": 5000.0, **parameters})
+    return Qwen3MoeRotaryEmbedding(config)
+
+
+def _ours(parameters: dict) -> Rotary:
+    spec = parse_rope({"rope_parameters": {"rope_theta": 5000.0, **parameters}}, "config.json", MAX_POS)
+    return Rotary(spec, 32, MAX_POS)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_frequencies_and_attention_factor_equal_transformers(variant):
+    reference, ours = _reference(VARIANTS[variant]), _ours(VARIANTS[variant])
+    assert torch.equal(ours.inv_freq, reference.inv_freq)
+    assert ours.attention_scaling == pytest.approx(reference.attention_scaling, rel=1e-12)
+    positions = torch.arange(0, 100, 7)
+    want_cos, want_sin = reference(torch.zeros(1, dtype=torch.float32), positions[None])
+    cos, sin = ours.cos_sin(positions, torch.float32)
+    assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+
+
+def test_dynamic_ntk_grows_beyond_the_original_length_and_resets_like_transformers():
+    reference, ours = _reference(VARIANTS["dynamic"]), _ours(VARIANTS["dynamic"])
+    # a pass inside the original length, two growing past it, then one back inside
+    for positions in (torch.arange(0, 40), torch.arange(150, 170), torch.arange(100, 110), torch.arange(0, 20)):
+        want_cos, want_sin = reference(torch.zeros(1), positions[None])
+        cos, sin = ours.cos_sin(positions, torch.float32)
+        assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0]), positions[0].item()
+        assert torch.equal(ours.inv_freq, reference.inv_freq)
+    assert not torch.equal(_ours(VARIANTS["dynamic"]).cos_sin(torch.arange(150, 151), torch.float32)[0],
+                           _ours(VARIANTS["default"]).cos_sin(torch.arange(150, 151), torch.float32)[0])
+
+
+def test_hub_and_transformers5_spellings_give_the_same_rope():
+    five = {"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0,
+                                "original_max_position_embeddings": 32768}}
+    hub = {"rope_theta": 1e6, "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    assert parse_rope(five, "a", 131072) == parse_rope(hub, "b", 131072)
+    # a rope_scaling block takes precedence and inherits the top-level theta, as in transformers
+    mixed = {"rope_theta": 1e6, "rope_parameters": {"rope_theta": 1.0, "rope_type": "default"},
+             "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    spec = parse_rope(mixed, "c", 4096)
+    assert (spec.rope_type, spec.factor, spec.theta) == ("linear", 2.0, 1e6)
+    # yarn without original_max_position_embeddings: the model's length, as transformers defaults it
+    assert parse_rope({"rope_theta": 10.0, "rope_scaling": {"type": "yarn", "factor": 2.0}}, "d", 4096) \
+        .original_max_position_embeddings == 4096
+
+
+@pytest.mark.parametrize("raw,message", [
+    ({"rope_theta": 1e4, "rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope_type 'longrope'"),
+    ({"rope_theta": 1e4, "rope_scaling": {"type": "dynamic"}}, "'rope_scaling.factor' is required"),
+    ({"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": "x"}}, "'rope_scaling.factor' must be a number"),
+    ({"rope_theta": 1e4, "rope_scaling": {"type": "llama3", "factor": 8.0}}, "misses \\['low_freq_factor'"),
+    ({"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
+     "partial_rotary_factor"),
+    ({}, "missing key 'rope_theta'"),
+])
+def test_bad_rope_is_one_error(raw, message):
+    with pytest.raises(SpecFitError, match=message):
+        parse_rope(raw, "config.json", 4096)

@@ -1,0 +1,105 @@
+"""The compiled kernels' building blocks against numpy and plain Python: bitsets, popcounts,
+numpy's pairwise sum, the min cut's source side, and the guard that drops stale cached kernels."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from core_helpers import core_settings
+from specfit import kernels
+from specfit.kernel_warmup import warm_up
+from specfit.kernels import drop_stale_caches
+
+
+@core_settings(100)
+@given(st.integers(1, 5), st.integers(1, 200), st.integers(1, 9), st.integers(0, 2**32 - 1))
+def test_pack_rows_and_unpack_are_the_sets_of_the_ids(n, n_experts, k, seed):
+    rng = np.random.default_rng(seed)
+    experts = rng.integers(0, n_experts, size=(n, 3, k))
+    bits, ok = kernels.bitsets.pack_rows(experts, n_experts)
+    assert ok and bits.dtype == np.uint64 and bits.shape == (n, 3, (n_experts + 63) // 64)
+    dense = kernels.bitsets.unpack(bits, n_experts)
+    assert dense.dtype == np.bool_ and dense.shape == (n, 3, n_experts)
+    for v in range(n):
+        for layer in range(3):
+            assert set(np.flatnonzero(dense[v, layer]).tolist()) == set(experts[v, layer].tolist())
+    for word in bits.ravel()[:20]:
+        assert kernels.bitsets.popcount(word) == bin(int(word)).count("1")
+        if word:
+            assert kernels.bitsets.lowest_bit(word) == (int(word) & -int(word)).bit_length() - 1
+
+
+@pytest.mark.parametrize("n_experts", [1, 7, 8, 63, 64, 65, 128, 136])
+def test_pack_mask_matches_a_bit_by_bit_reference(n_experts):
+    # multiples of 8 take the eight-bytes-at-once path, the others the plain loop
+    mask = np.random.default_rng(n_experts).random((5, n_experts)) < 0.4
+    bits = kernels.bitsets.pack_mask(mask)
+    for layer in range(5):
+        for e in range(n_experts):
+            assert bool(int(bits[layer, e // 64]) >> (e % 64) & 1) == mask[layer, e]
+    assert np.array_equal(kernels.bitsets.unpack(bits, n_experts), mask)
+
+
+def test_pack_rows_reports_ids_out_of_range():
+    for bad in (-1, 10):
+        experts = np.zeros((2, 1, 2), dtype=np.int64)
+        experts[1, 0, 1] = bad
+        assert kernels.bitsets.pack_rows(experts, 10)[1] is False
+
+
+@core_settings(100)
+@given(st.lists(st.floats(0.0, 1.0), max_size=600))
+def test_pairwise_sum_equals_numpys_sum_bit_for_bit(values):
+    # the compiled evaluate promises DraftTree.expected_tokens' numbers exactly
+    a = np.array(values, dtype=np.float64)
+    got = kernels.evaluate.pairwise_sum(a, a.size)
+    assert got == float(a.sum())
+    assert math.isclose(got, math.fsum(values), rel_tol=1e-12, abs_tol=1e-300)
+
+
+def test_min_cut_source_side_is_what_the_source_reaches():
+    # s=0 -> 1 (3), 1 -> 2 (1), 2 -> t=3 (5), 0 -> 2 (1): max flow 2 saturates 1->2 and 0->2;
+    # the source still reaches 1 through the unsaturated 0 -> 1
+    f = np.array([0, 1, 2, 0]), np.array([1, 2, 3, 2]), np.array([3.0, 1.0, 5.0, 1.0])
+    seen = kernels.closure.min_cut_source_side(4, 0, 3, *f, 1e-12)
+    assert seen.tolist() == [True, True, False, False]
+    # an infinite edge is never cut
+    seen = kernels.closure.min_cut_source_side(3, 0, 2, np.array([0, 1]), np.array([1, 2]),
+                                               np.array([np.inf, 2.0]), 1e-12)
+    assert seen.tolist() == [True, True, False]
+
+
+def _fake_package(tmp_path):
+    src = tmp_path / "pkg"
+    cache = src / "__pycache__"
+    cache.mkdir(parents=True)
+    (src / "a.py").write_text("x = 1\n")
+    (src / "b.py").write_text("y = 2\n")
+    for name in ("a.f-1.py311.nbi", "a.f-1.py311.1.nbc", "a.cpython-311.pyc"):
+        (cache / name).write_text("")
+    return src, cache
+
+
+def test_stale_cached_kernels_are_dropped_when_any_source_changes(tmp_path):
+    src, cache = _fake_package(tmp_path)
+    sources = [src / "a.py", src / "b.py"]
+    args = (sources, cache / "kernels.sha256", [(cache, "*.nb[ic]")])
+    assert drop_stale_caches(*args) is True          # no stamp yet: whatever is there may be stale
+    assert sorted(p.name for p in cache.iterdir()) == ["a.cpython-311.pyc", "kernels.sha256"]
+    (cache / "a.f-1.py311.nbi").write_text("")       # numba caches again
+    assert drop_stale_caches(*args) is False          # same sources: kept
+    assert (cache / "a.f-1.py311.nbi").exists()
+    (src / "b.py").write_text("y = 3\n")             # a file the cached kernel may have inlined
+    assert drop_stale_caches(*args) is True
+    assert not (cache / "a.f-1.py311.nbi").exists() and (cache / "a.cpython-311.pyc").exists()
+
+
+def test_warm_up_loads_the_live_kernels_and_leaves_no_state():
+    # a second call finds everything compiled: it takes a few milliseconds, not a compilation
+    warm_up()
+    assert warm_up() < 0.5

@@ -1,0 +1,179 @@
+"""What the live decoder checks against measurements: bytes from true experts against the bytes the
+offload really copied, per-layer unions, and the cost model refitted online as the machine drifts."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
+from specfit.accounting import live_row, prediction_errors
+from specfit.assets import tiny_moe_dir, tiny_moe_eagle3_dir
+from specfit.calibrate.online import OnlineCostModel
+from specfit.costmodel import CostModel
+from specfit.policies import ArPolicy, make_policy
+from specfit.runtime.decoder import Decoder
+from specfit.runtime.drafting import Proposer
+from specfit.runtime.loader import drafter_capture_layers, load_drafter, load_model
+
+PROMPT = [5, 17, 230, 41, 8, 99, 1020, 3, 64, 12]
+COST = CostModel(base_s=4e-3, per_node_s=1e-4, hit_s=2e-4, miss_s=3e-4, draft_level_s=8e-4)
+
+
+def tiny(cache_experts: int, cache_mode: str = "per_layer"):
+    capture = drafter_capture_layers(tiny_moe_eagle3_dir(), load_model(tiny_moe_dir()).config)
+    model = load_model(tiny_moe_dir(), cache_experts=cache_experts, cache_mode=cache_mode, capture_layers=capture)
+    return model, load_drafter(tiny_moe_eagle3_dir(), model)
+
+
+def count_copied_bytes(model, decoder):
+    """Count, independently of the cache's counters, the bytes each verification pass copies to
+    the device: every host tensor handed to the offload's copier. Returns the per-pass list."""
+    copier = model.offload._copier
+    issue, verify = copier.issue, decoder.verify
+    moved, current = [], [0]
+
+    def counting_issue(jobs, after=None):
+        current[0] += sum(src.nbytes for _, pairs in jobs for _, src in pairs)
+        return issue(jobs, after)
+
+    def counting_verify(tree, nodes, **kwargs):
+        current[0] = 0
+        out = verify(tree, nodes, **kwargs)
+        moved.append(current[0])
+        return out
+
+    copier.issue, decoder.verify = counting_issue, counting_verify
+    return moved
+
+
+@pytest.mark.parametrize("cache_mode, cache_experts", [("per_layer", 3), ("per_layer", 8), ("global", 12)])
+def test_bytes_charged_from_the_true_experts_equal_the_bytes_copied(cache_mode, cache_experts):
+    model, drafter = tiny(cache_experts, cache_mode)
+    expert_bytes, n_experts = model.offload.host.expert_bytes, model.config.n_experts
+    for spec in ("eagle3:16:4", "specfit"):
+        model.offload.reset()
+        decoder = Decoder(model, Proposer(drafter, 4), make_policy(spec), COST.replace(expert_bytes=expert_bytes))
+        moved = count_copied_bytes(model, decoder)
+        result = decoder.generate(PROMPT, 24, ignore_eos=True)
+        assert len(moved) == len(result.cycles) and sum(moved) > 0
+        streamed = 0
+        for stats, copied in zip(result.cycles, moved):
+            row = live_row(stats, COST, expert_bytes, n_experts)
+            assert row["charged_bytes_h2d"] == copied == row["bytes_h2d"]
+            streamed += int(stats.offload.streamed.sum())
+            if cache_mode == "per_layer":
+                # per layer, the cost model's own count on the true experts is the same number
+                nodes = np.arange(stats.verification.nodes.size)
+                _, misses = COST.union_counts(stats.verification.expert_ids, nodes, stats.draft.cached)
+                assert misses * expert_bytes == copied
+        if cache_experts == 3:
+            assert streamed > 0        # unions larger than the slots: the staging path was exercised
+
+
+def test_per_layer_unions_are_the_verified_nodes_experts():
+    model, drafter = tiny(4)
+    decoder = Decoder(model, Proposer(drafter, 4), make_policy("eagle3:16:4"), COST)
+    result = decoder.generate(PROMPT, 16, ignore_eos=True)
+    for stats in result.cycles:
+        row = live_row(stats, COST, model.offload.host.expert_bytes, model.config.n_experts)
+        v = stats.verification
+        # reference: per layer, the set of experts any verified node routes to
+        true = [len({int(e) for i in range(v.nodes.size) for e in v.expert_ids[i, layer]})
+                for layer in range(model.config.n_layers)]
+        predicted = [len({int(e) for node in v.nodes for e in stats.draft.experts[node, layer]})
+                     for layer in range(model.config.n_layers)]
+        assert row["union_per_layer"] == true and row["predicted_union_per_layer"] == predicted
+        missing = [len({int(e) for node in v.nodes for e in stats.draft.experts[node, layer]
+                        if not stats.draft.cached[layer, e]}) for layer in range(model.config.n_layers)]
+        assert row["predicted_misses_per_layer"] == missing
+
+
+# --------------------------------------------------------------------------- the online refit
+def test_online_model_is_the_prior_until_it_has_seen_enough_cycles():
+    online = OnlineCostModel(COST, window=16, min_cycles=6, refit_every=2)
+    for _ in range(5):
+        online.observe(0, 1, 12, 4, 2 * COST.time_s(0, 1, 12, 4))
+    assert online.cost is COST and online.n_refits == 0
+    online.observe(0, 1, 12, 4, 2 * COST.time_s(0, 1, 12, 4))
+    assert online.n_refits == 1
+    # the same autoregressive cycle, twice as slow as the prior says: nothing varies (one node, a
+    # union of 16, 4 misses), so the terms keep the profile's proportions, scaled by the speed factor
+    assert online.cost.time_s(0, 1, 12, 4) == pytest.approx(2 * COST.time_s(0, 1, 12, 4), rel=1e-6)
+    assert online.state()["speed_factor"] == pytest.approx(2.0)
+    for name in ("base_s", "per_node_s", "hit_s", "miss_s"):
+        assert getattr(online.cost, name) == pytest.approx(2 * getattr(COST, name)), name
+    assert online.cost.draft_level_s == COST.draft_level_s       # never drafted: the profile's value
+    assert {"per_node_s", "hit_s", "draft_level_s"} <= set(online.held)
+
+
+def test_online_model_follows_a_change_of_the_transfer_cost():
+    """The cache regime changes mid-run: a miss costs six times the transfer it did."""
+    rng = np.random.default_rng(3)
+    truth = COST
+    online = OnlineCostModel(COST, window=32)
+    errors = []
+    for t in range(160):
+        if t == 60:
+            truth = COST.replace(miss_s=COST.hit_s + 6 * (COST.miss_s - COST.hit_s))
+        levels, nodes = int(rng.integers(0, 4)), int(rng.integers(1, 8))
+        union = int(rng.integers(8, 40))
+        misses = int(rng.integers(0, union + 1))
+        predicted = online.cost.time_s(levels, nodes, union - misses, misses)
+        measured = truth.time_s(levels, nodes, union - misses, misses) * (1 + 0.05 * rng.standard_normal())
+        errors.append(abs(predicted - measured) / measured)
+        online.observe(levels, nodes, union - misses, misses, measured)
+    assert np.mean(errors[40:60]) < 0.08              # settled on the prior's machine
+    assert np.mean(errors[60:70]) > 0.15              # the change
+    assert np.mean(errors[110:]) < 0.08               # corrected within about 50 cycles
+    assert online.cost.miss_s - online.cost.hit_s == pytest.approx(6 * (COST.miss_s - COST.hit_s), rel=0.2)
+
+
+def delayed(model, delay_s: list[float]):
+    """Make every target pass take ``delay_s[0]`` seconds longer (changed while decoding)."""
+    forward = model.forward
+
+    def slow(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        time.sleep(delay_s[0])
+        return out
+
+    model.forward = slow
+    return model
+
+
+def test_a_decoder_corrects_its_prediction_when_the_machine_slows_down():
+    model = load_model(tiny_moe_dir(), cache_experts=8)
+    delay = [0.02]
+    delayed(model, delay)
+    results = {}
+    prior = COST.replace(base_s=0.024)         # a profile calibrated on the machine as it starts
+    for online in (True, False):
+        model.offload.reset()
+        delay[0] = 0.02
+        decoder = Decoder(model, None, ArPolicy(), prior, online_refit=online)
+        first = decoder.generate(PROMPT, 30, ignore_eos=True)
+        delay[0] = 0.05                                   # another process, a clock change ...
+        second = decoder.generate(PROMPT, 60, ignore_eos=True)
+        rows = [live_row(s, prior, model.offload.host.expert_bytes, model.config.n_experts)
+                for s in first.cycles + second.cycles]
+        results[online] = rows
+        for stats in first.cycles + second.cycles:
+            # the policy decides with the model the decoder holds for the cycle
+            assert stats.draft.selection.time_s == pytest.approx(stats.draft.cost.time_s(0, 1, stats.draft.selection.hits,
+                                                                                         stats.draft.selection.misses))
+    online, frozen = results[True], results[False]
+    late = slice(len(online) - 30, None)                  # the last 30 cycles, 30 after the change
+    err = {name: prediction_errors([r["predicted_time_s"] for r in rows[late]], [r["time_s"] for r in rows[late]])
+           for name, rows in (("online", online), ("frozen", frozen))}
+    assert err["frozen"]["median_ape"] > 0.3              # the profile no longer describes the machine
+    # the refitted model does, to the noise of a shared machine's compute
+    assert err["online"]["median_ape"] < min(0.15, err["frozen"]["median_ape"] / 3)
+    # both predictions are kept; frozen runs have no online one
+    for r in online + frozen:
+        assert r["prior_predicted_time_s"] == pytest.approx(prior.time_s(0, 1, r["predicted_hits"],
+                                                                         r["predicted_misses"]))
+    assert all(np.isnan(r["online_predicted_time_s"]) for r in frozen)
+    assert all(r["online_predicted_time_s"] == r["predicted_time_s"] for r in online)

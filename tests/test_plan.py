@@ -1,0 +1,208 @@
+"""``specfit plan``: the memory model against the runtime's own tensors, and on a shipped trace a
+recommendation that is the best cell of the exhaustive grid the plan ran (and that ``simulate``
+reproduces)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from trace_helpers import SAMPLE_OLMOE
+from typer.testing import CliRunner
+
+from specfit.calibrate.standin import SHAPE_CONFIGS, shape_config
+from specfit.cli import app
+from specfit.errors import SpecFitError
+from specfit.runtime.model import MoETransformer
+from specfit.runtime.offload import ExpertOffload, HostExperts
+from specfit.simulate.dataset import read_results
+from specfit.simulate.plan import (
+    DEFAULT_CANDIDATES,
+    MemoryBudget,
+    MemoryModel,
+    rank_settings,
+)
+from specfit.traces.format import read_trace
+
+GB = 1e9
+
+
+def _meta_model_params(config) -> int:
+    """Every parameter the runtime's model holds on the device (its experts live in the offload)."""
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _kv_bytes(config, tokens: int, dtype=torch.bfloat16) -> int:
+    """The bytes of the KV caches the runtime allocates for ``tokens`` slots in every layer."""
+    with torch.device("meta"):
+        model = MoETransformer(config)
+    caches = [layer.self_attn.make_kv_cache(tokens, dtype, "meta") for layer in model.layers]
+    return sum(t.nbytes for cache in caches for t in cache.buffers())
+
+
+@pytest.mark.parametrize("name", sorted(SHAPE_CONFIGS))
+def test_dense_weights_and_kv_cache_are_the_runtimes(name):
+    config = shape_config(name)
+    memory = MemoryModel(name, config, MemoryBudget(80 * GB, context_tokens=1000, reserve_bytes=0))
+    assert memory.dense_bytes == 2 * _meta_model_params(config)
+    assert memory.kv_bytes(24) == _kv_bytes(config, 1024)
+    assert memory.expert_bytes == 3 * config.hidden_size * config.expert_intermediate_size * 2
+
+
+def test_qwen3_30b_a3b_dense_weights_are_about_3_gb():
+    # 30.5 B parameters of which 48 x 128 experts x 4.72 M are routed experts (REFERENCE.md)
+    memory = MemoryModel("qwen3-30b-a3b", shape_config("qwen3-30b-a3b"), MemoryBudget(24 * GB))
+    total = memory.dense_bytes / 2 + 48 * 128 * 3 * 2048 * 768
+    assert 30.0e9 < total < 31.0e9
+    assert memory.slot_bytes == 48 * 9_437_184
+
+
+def test_expert_slots_and_staging_are_the_offloads():
+    config = shape_config("tiny")
+    host = HostExperts(config.n_layers, config.n_experts, config.hidden_size, config.expert_intermediate_size,
+                       torch.float32)
+    memory = MemoryModel("tiny", config, MemoryBudget(1 * GB, dtype="float32"))
+    for capacity in (0, 3, config.n_experts):
+        offload = ExpertOffload(host, capacity, device=torch.device("cpu"))
+        assert capacity * memory.slot_bytes + memory.staging_bytes(capacity) == offload.device_bytes
+
+
+def test_largest_cache_that_fits_by_brute_force():
+    config = shape_config("olmoe-1b-7b")
+    dense, E = 2 * _meta_model_params(config), config.n_experts
+    expert = 3 * config.hidden_size * config.expert_intermediate_size * 2
+    for budget_gb in (2.1, 3.3, 4.0, 9.0, 40.0):
+        memory = MemoryModel("olmoe", config, MemoryBudget(budget_gb * GB, context_tokens=4096, reserve_bytes=0.5 * GB))
+        fits = [c for c in range(E + 1) if dense + _kv_bytes(config, 4096 + 58) + c * config.n_layers * expert
+                + (2 * expert if c < E else 0) + 0.5 * GB <= budget_gb * GB]
+        assert memory.max_cache_experts_for(58) == max(fits)
+    # 2 GB holds the dense weights and the KV cache but not the staging buffers and the reserve
+    memory = MemoryModel("olmoe", config, MemoryBudget(2.0 * GB, context_tokens=4096, reserve_bytes=0.5 * GB))
+    with pytest.raises(SpecFitError, match="--device-memory-gb 2: olmoe needs 2.02 GB with no cached expert"):
+        memory.max_cache_experts_for(58)
+
+
+def test_settings_over_several_traces_are_ranked_by_total_tokens_over_total_time():
+    memory = MemoryModel("olmoe", shape_config("olmoe-1b-7b"), MemoryBudget(8 * GB))
+    rows = pd.DataFrame({"policy": ["ar", "ar", "chain:1", "chain:1", "ar", "chain:1"],
+                         "cache_experts": [0, 0, 0, 0, 8, 8], "trace": ["a", "b", "a", "b", "a", "a"],
+                         "tokens": [10, 30, 10, 30, 10, 10], "time_s": [1.0, 1.0, 0.5, 3.0, 0.5, 0.5]})
+    ranked = rank_settings(rows, memory, np.array([1, 4, 10]), ["ar", "chain:1"])
+    by = ranked.set_index(["policy", "cache_experts"])["tokens_per_s"]
+    assert by[("ar", 0)] == 20.0 and by[("chain:1", 0)] == 40 / 3.5 and by[("ar", 8)] == 20.0
+    # ar at 0 and ar at 8 tie: the one with less device memory ranks first
+    assert list(zip(ranked["policy"], ranked["cache_experts"]))[:2] == [("ar", 0), ("ar", 8)]
+    assert ranked.loc[1, "device_bytes"] - ranked.loc[0, "device_bytes"] == 8 * memory.slot_bytes
+
+
+def test_plan_errors_are_one_line():
+    runner = CliRunner()
+    for args, message in [
+        (["--device-memory-gb", "1"], "--device-memory-gb 1: olmoe-1b-7b needs"),
+        (["--device-memory-gb", "8", "--policies", "ar,static:auto"], "simulator baselines"),
+        (["--device-memory-gb", "8", "--model-shape", "qwen3-30b-a3b"], "differs from --model-shape"),
+        (["--device-memory-gb", "8", "--dtype", "float8"], "--dtype"),
+    ]:
+        r = runner.invoke(app, ["plan", "--trace", str(SAMPLE_OLMOE), *args])
+        assert r.exit_code == 2, (args, r.output)
+        assert r.output.startswith("error: ") and message in r.output and len(r.output.strip().splitlines()) == 1
+
+
+# ------------------------------------------------------------------ on Ray
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _tree_tokens(policy: str, trace) -> int:
+    """Nodes a policy verifies at most on ``trace`` (root included), from the policy's definition."""
+    name, _, rest = policy.partition(":")
+    args = [int(a) for a in rest.split(":")] if rest else []
+    largest = int(trace.tree_sizes.max())
+    if name == "ar":
+        return 1
+    if name == "chain":
+        return args[0] + 1
+    if name in ("static", "eagle3"):
+        return min(args[0], largest)
+    return max(int((trace.depth[trace.offsets[c]:trace.offsets[c + 1]] <= args[0]).sum()) for c in range(trace.n_cycles))
+
+
+def test_plan_recommends_the_best_cell_of_its_exhaustive_grid(ray_local, tmp_path):
+    budget_gb, reserve_gb = 4.0, 1.0
+    r = CliRunner().invoke(app, ["plan", "--trace", str(SAMPLE_OLMOE), "--device-memory-gb", str(budget_gb),
+                                 "--profile", "pcie5", "--out", str(tmp_path / "plan"), "--json"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    trace = read_trace(SAMPLE_OLMOE)
+    config = shape_config("olmoe-1b-7b")
+    dense = 2 * _meta_model_params(config)
+    expert = 3 * config.hidden_size * config.expert_intermediate_size * 2
+    E, L = config.n_experts, config.n_layers
+
+    def device_bytes(policy, cache):
+        return (dense + _kv_bytes(config, 4096 + _tree_tokens(policy, trace)) + cache * L * expert
+                + (2 * expert if cache < E else 0) + reserve_gb * GB)
+
+    # the cache sizes: none up to the most that fits next to the largest candidate tree, 4 steps
+    largest = max(_tree_tokens(p, trace) for p in DEFAULT_CANDIDATES)
+    most = max(c for c in range(E + 1) if dense + _kv_bytes(config, 4096 + largest) + c * L * expert
+               + (2 * expert if c < E else 0) + reserve_gb * GB <= budget_gb * GB)
+    sizes = sorted({round(most * i / 4) for i in range(5)})
+    assert plan["cache_sizes"] == sizes and most > 0
+    # the grid is exhaustive: every candidate policy at every size, once
+    results = read_results(tmp_path / "plan")
+    assert sorted(zip(results["policy"], results["cache_experts"])) == sorted(
+        (p, c) for p in DEFAULT_CANDIDATES for c in sizes)
+    assert plan["cells"] == len(results) == len(DEFAULT_CANDIDATES) * len(sizes)
+    # the best cell, by the test's own ranking: fastest, then least device memory
+    mem = {(p, c): device_bytes(p, c) for p, c in zip(results["policy"], results["cache_experts"])}
+    assert all(m <= budget_gb * GB for m in mem.values())
+    fastest = results["tokens_per_s"].max()
+    tied = results[results["tokens_per_s"] == fastest]
+    expected = min(zip(tied["policy"], tied["cache_experts"]), key=lambda pc: mem[pc])
+    best = plan["best"]
+    assert (best["policy"], best["cache_experts"]) == expected
+    assert best["tokens_per_s"] == fastest and best["device_bytes"] == mem[expected]
+    ranked = [plan["best"], *plan["runners_up"]]
+    assert all(a["tokens_per_s"] >= b["tokens_per_s"] for a, b in zip(ranked, ranked[1:]))
+    # the recommendation holds when the setting is replayed on its own
+    r = CliRunner().invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), "--profile", "pcie5", "--policies",
+                                 best["policy"], "--cache-experts", str(best["cache_experts"]), "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)[0]["tokens_per_s"] == pytest.approx(best["tokens_per_s"], rel=1e-9)
+    # the report shows the plan (its frontier) and the sweep behind it
+    r = CliRunner().invoke(app, ["report", str(tmp_path / "plan"), "--out", str(tmp_path / "report")])
+    assert r.exit_code == 0, r.output
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert f"Recommended: {best['policy']} with {best['cache_experts']} cached experts per layer" in page
+    assert "the line is the best reachable within each memory size" in page and "Sweep: " in page
+
+
+def test_plan_for_a_model_shape_synthesises_each_workload_once(ray_local, tmp_path):
+    args = ["plan", "--model-shape", "olmoe-1b-7b", "--workload", "chat,code", "--tokens", "24", "--device-memory-gb",
+            "3", "--policies", "ar,specfit:4", "--cache-steps", "1", "--out", str(tmp_path / "plan"), "--json"]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    traces = sorted((tmp_path / "plan" / "traces").glob("*.parquet"))
+    assert [t.name for t in traces] == ["olmoe-1b-7b-chat-24.parquet", "olmoe-1b-7b-code-24.parquet"]
+    results = read_results(tmp_path / "plan")
+    assert len(results) == 2 * 2 * 2                 # workloads x policies x (none, most that fits)
+    for setting in [plan["best"], *plan["runners_up"]]:
+        rows = results[(results["policy"] == setting["policy"]) & (results["cache_experts"] == setting["cache_experts"])]
+        assert len(rows) == 2
+        assert setting["tokens_per_s"] == pytest.approx(rows["tokens"].sum() / rows["time_s"].sum(), rel=1e-12)
+    stamps = [t.stat().st_mtime_ns for t in traces]
+    r = CliRunner().invoke(app, args)                 # a rerun reuses the traces and every cell
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["best"] == plan["best"]
+    assert [t.stat().st_mtime_ns for t in traces] == stamps

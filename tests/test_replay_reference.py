@@ -1,0 +1,265 @@
+"""The compiled replay against a plain-Python replay written from the specification (the module
+docstring of ``specfit/simulate/replay.py``, the policy rules of ``specfit/policies.py`` and the
+cache rules of ``specfit/experts/cache.py``), on both shipped traces, for every policy and every
+cache mode and eviction policy, with true and with predicted experts.
+
+The reference shares no code with the replay: trees, unions, the accepted path, the fixed
+policies' choices, the cost formula and the cache are all re-done here. ``specfit`` is the one
+policy it drives through the library (``choose`` on plain :class:`CycleView` objects), since the
+replay's job there is the bookkeeping around the policy's decision.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from core_helpers import RefCache
+from specfit import CostModel, ExpertCache
+from specfit.calibrate.presets import SHAPES, preset_profile
+from specfit.experts.calibration import cross_calibrate
+from specfit.experts.predictors import cross_predict
+from specfit.policies import CycleView, Observation, choose, make_policy
+from specfit.simulate.replay import prepare, replay
+from specfit.traces.format import read_trace
+from specfit.tree import DraftTree
+
+from trace_helpers import SAMPLE_OLMOE, SAMPLE_QWEN3, hand_trace
+
+
+# --------------------------------------------------------------------------- the reference
+class RefTree:
+    """One cycle's tree as Python lists; probabilities clipped to the parent's as a DraftTree does."""
+
+    def __init__(self, trace, c: int, predicted, raw_probs):
+        lo, hi = int(trace.offsets[c]), int(trace.offsets[c + 1])
+        self.parents = [int(p) for p in trace.parent[lo:hi]]
+        self.tokens = [int(t) for t in trace.token[lo:hi]]
+        self.verdicts = [int(v) for v in trace.verdict[lo:hi]]
+        self.depth = [0] * len(self.parents)
+        for v in range(1, len(self.parents)):
+            self.depth[v] = self.depth[self.parents[v]] + 1
+        self.raw = [float(x) for x in raw_probs[lo:hi]]
+        self.probs = [self.raw[0]] + [min(self.raw[v], self.raw[self.parents[v]]) for v in range(1, len(self.raw))]
+        self.lo, self.hi = lo, hi
+        self._true, self._predicted, self._n_experts = trace.true_experts, predicted, trace.n_experts
+
+    def _items(self, experts, v: int) -> set[int]:
+        E, rows = self._n_experts, experts[self.lo + v].tolist()
+        return {layer * E + e for layer, row in enumerate(rows) for e in row}
+
+    def true_items(self, nodes) -> set[int]:
+        """The (layer, expert) items, as layer * E + expert, the nodes route to."""
+        return set().union(*(self._items(self._true, v) for v in nodes))
+
+    def pred_items(self, nodes) -> set[int]:
+        return set().union(*(self._items(self._predicted, v) for v in nodes))
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depth)
+
+    def within(self, levels: int) -> list[int]:
+        return [v for v in range(len(self.parents)) if self.depth[v] <= levels]
+
+    def level_probs(self, levels: int) -> list[float]:
+        """Probabilities as the policies see them after ``levels`` levels: a tree cut short is
+        rebuilt from the full tree's values, which clips them once more."""
+        if levels >= self.max_depth:
+            return self.probs
+        return [self.probs[0]] + [min(self.probs[v], self.probs[self.parents[v]]) for v in range(1, len(self.probs))]
+
+    def accepted_path(self, nodes: list[int]) -> list[int]:
+        """Greedy acceptance inside ``nodes``: follow the child whose token is the parent's verdict."""
+        inside = set(nodes)
+        path = [0]
+        while True:
+            nxt = [u for u in inside if u and self.parents[u] == path[-1] and self.tokens[u] == self.verdicts[path[-1]]]
+            if not nxt:
+                return path
+            path.append(min(nxt))
+
+
+def ref_time(cost: CostModel, draft_levels: int, n_nodes: int, hits: int, misses: int) -> float:
+    return (cost.draft_level_s * draft_levels + cost.base_s + cost.per_node_s * n_nodes + cost.hit_s * hits
+            + cost.miss_s * misses)
+
+
+def ref_counts(items: set[int], resident: np.ndarray) -> tuple[int, int]:
+    E = resident.shape[1]
+    hits = sum(1 for i in items if resident[i // E, i % E])
+    return hits, len(items) - hits
+
+
+def ref_decide(spec: str, tree: RefTree, resident: np.ndarray, cost: CostModel):
+    """(nodes, draft_levels, predicted tokens, predicted time, hits, misses) of a fixed policy."""
+    name, _, rest = spec.partition(":")
+    args = [int(a) for a in rest.split(":")] if rest else []
+    depth = tree.max_depth
+    if name == "oracle":
+        levels = min(64, depth)
+        path = tree.accepted_path(tree.within(levels))
+        best = None
+        for j in range(len(path)):
+            items = tree.true_items(path[:j + 1])
+            hits, misses = ref_counts(items, resident)
+            t = ref_time(cost, j, j + 1, hits, misses)
+            if best is None or (j + 1) * best[3] > best[2] * t:
+                best = (path[:j + 1], j, float(j + 1), t, hits, misses)
+        return best
+    if name == "ar":
+        levels, nodes = 0, [0]
+    elif name == "chain":
+        levels = min(args[0], depth)
+        probs = tree.level_probs(levels)
+        nodes = [0]
+        while len(nodes) <= args[0]:
+            kids = [u for u in tree.within(levels) if u and tree.parents[u] == nodes[-1]]
+            if not kids:
+                break
+            nodes.append(max(kids, key=lambda u: (probs[u], -u)))
+    else:   # eagle3[:N[:D]] and static:N rank by path probability and keep N, ties to the lower id
+        if name == "eagle3":
+            total, levels = (args + [60, 7][len(args):])[:2]
+        else:
+            total, levels = args[0], min(args[0] - 1, 8)   # static: depth N - 1, at most the 8 levels drafted
+        levels = min(levels, depth)
+        probs = tree.level_probs(levels)
+        keep = sorted(tree.within(levels), key=lambda u: (-probs[u], u))[:total]
+        closed = set(keep) | {0}
+        for v in list(closed):
+            while v:
+                v = tree.parents[v]
+                closed.add(v)
+        nodes = sorted(closed)
+    probs = tree.level_probs(levels)
+    items = tree.pred_items(nodes)
+    hits, misses = ref_counts(items, resident)
+    tokens = 1.0 + math.fsum(probs[v] for v in nodes if v)
+    return nodes, levels, tokens, ref_time(cost, levels, len(nodes), hits, misses), hits, misses
+
+
+def reference_replay(trace, predicted, raw_probs, spec: str, cache: RefCache, cost: CostModel):
+    """Per-cycle rows (dicts) and the tokens committed per sequence."""
+    rows, committed = [], []
+    seq = trace.sequence
+    starts = [c for c in range(trace.n_cycles) if c == 0 or seq[c] != seq[c - 1]] + [trace.n_cycles]
+    policy = make_policy(spec) if spec == "specfit" else None
+    E = trace.n_experts
+    for s, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
+        c, out = a, []
+        while c < b:
+            tree = RefTree(trace, c, predicted, raw_probs)
+            resident = cache.resident()
+            if policy is not None:
+                view = CycleView(tree=DraftTree(parents=np.array(tree.parents), path_probs=np.array(tree.raw),
+                                                tokens=np.array(tree.tokens)),
+                                 experts=np.asarray(predicted[tree.lo:tree.hi]), cached=resident, cost=cost,
+                                 draft_levels=tree.max_depth)
+                sel = choose(policy, view)
+                nodes, levels = [int(v) for v in sel.nodes], sel.draft_levels
+                tokens_p, time_p, hits_p, misses_p = sel.expected_tokens, sel.time_s, sel.hits, sel.misses
+            else:
+                nodes, levels, tokens_p, time_p, hits_p, misses_p = ref_decide(spec, tree, resident, cost)
+            path = tree.accepted_path(nodes)
+            k = len(path)
+            out += [tree.tokens[v] for v in path[1:]] + [tree.verdicts[path[-1]]]
+            true = tree.true_items(nodes)
+            pred = true if spec == "oracle" else tree.pred_items(nodes)
+            by_layer = [[] for _ in range(trace.n_layers)]
+            for i in true:
+                by_layer[i // E].append(i % E)
+            hits = misses = 0
+            for layer in range(trace.n_layers):
+                h, m = cache.admit_ids(layer, by_layer[layer])
+                hits, misses = hits + h, misses + m
+            if policy is not None:      # what the cycle revealed, as both drivers report it
+                policy.observe(Observation(
+                    verified=np.array(nodes), verdicts=np.array([tree.verdicts[v] for v in nodes]), draft_levels=levels,
+                    misses=misses, predicted_misses=misses_p,
+                    root_misses=ref_counts(tree.true_items([0]), resident)[1],
+                    root_predicted_misses=ref_counts(tree.pred_items([0]), resident)[1]))
+            rows.append({"sequence": s, "position": c - a, "nodes_verified": len(nodes), "draft_levels": levels,
+                         "deepest_selected": max(tree.depth[v] for v in nodes), "union_size": len(true),
+                         "hits": hits, "misses": misses, "predicted_union_size": hits_p + misses_p,
+                         "predicted_misses": misses_p, "union_overlap": len(pred & true),
+                         "predicted_time_s": time_p, "predicted_tokens": tokens_p, "committed_tokens": k,
+                         "charged_time_s": ref_time(cost, levels, len(nodes), hits, misses)})
+            c += k
+        committed.append(out)
+    return rows, committed
+
+
+# --------------------------------------------------------------------------- the comparison
+EXACT = ("sequence", "position", "nodes_verified", "draft_levels", "deepest_selected", "union_size", "hits", "misses",
+         "predicted_union_size", "predicted_misses", "union_overlap", "committed_tokens")
+CLOSE = ("predicted_time_s", "predicted_tokens", "charged_time_s")
+
+
+def check_replay(trace, predicted, raw_probs, spec, capacity, mode, cache_policy, cost):
+    prep = prepare("t", trace, predicted, None if raw_probs is trace.path_prob else raw_probs)
+    cache = ExpertCache(trace.n_layers, trace.n_experts, capacity, mode=mode, policy=cache_policy)
+    log = replay(prep, make_policy(spec), cache, cost)
+    ref = RefCache(trace.n_layers, trace.n_experts, capacity, mode=mode, policy=cache_policy)
+    rows, committed = reference_replay(trace, predicted, raw_probs, spec, ref, cost)
+    where = f"{spec} {mode} {cache_policy} {capacity}"
+    assert len(log) == len(rows), where
+    for name in EXACT:
+        assert log.columns[name].tolist() == [r[name] for r in rows], f"{where}: {name}"
+    for name in CLOSE:
+        np.testing.assert_allclose(log.columns[name], [r[name] for r in rows], rtol=1e-12, atol=0,
+                                   err_msg=f"{where}: {name}")
+    assert [x.tolist() for x in log.committed] == committed, where
+    assert log.columns["bytes_h2d"].tolist() == [r["misses"] * trace.expert_bytes for r in rows], where
+    assert np.array_equal(cache.resident(), ref.resident()), where
+    for name in ("hits", "misses", "evictions", "streamed"):
+        assert getattr(cache, name).tolist() == ref.totals[name], f"{where}: cache {name}"
+
+
+POLICIES = ["ar", "chain:1", "chain:4", "eagle3", "eagle3:16:3", "static:8", "specfit", "oracle"]
+CACHES = [("per_layer", "lru"), ("per_layer", "lfu"), ("per_layer", "fifo"), ("global", "lru"), ("global", "lfu"),
+          ("global", "fifo")]
+
+
+@pytest.fixture(scope="module")
+def olmoe():
+    trace = read_trace(SAMPLE_OLMOE)
+    return trace, cross_predict("affinity", trace), cross_calibrate(trace)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return read_trace(SAMPLE_QWEN3)
+
+
+@pytest.mark.parametrize("mode, cache_policy", CACHES)
+@pytest.mark.parametrize("spec", POLICIES)
+def test_replay_equals_the_reference_on_real_routing_with_predicted_experts(olmoe, spec, mode, cache_policy):
+    trace, predicted, probs = olmoe
+    capacity = 12 if mode == "per_layer" else 16 * 12
+    cost = preset_profile("gh200", SHAPES["olmoe-1b-7b"]).cost
+    check_replay(trace, predicted, probs, spec, capacity, mode, cache_policy, cost)
+
+
+@pytest.mark.parametrize("spec", POLICIES)
+def test_replay_equals_the_reference_with_true_experts_and_no_cache(olmoe, spec):
+    trace = olmoe[0]
+    cost = preset_profile("pcie4", SHAPES["olmoe-1b-7b"]).cost
+    check_replay(trace, trace.true_experts, trace.path_prob, spec, 0, "per_layer", "lru", cost)
+
+
+@pytest.mark.parametrize("mode, cache_policy, capacity", [("per_layer", "lru", 32), ("per_layer", "fifo", 16),
+                                                          ("global", "lfu", 48 * 8)])
+@pytest.mark.parametrize("spec", ["ar", "chain:4", "eagle3", "static:8", "specfit", "oracle"])
+def test_replay_equals_the_reference_on_the_qwen3_sample(qwen3, spec, mode, cache_policy, capacity):
+    cost = preset_profile("gh200", SHAPES["qwen3-30b-a3b"]).cost
+    check_replay(qwen3, qwen3.true_experts, qwen3.path_prob, spec, capacity, mode, cache_policy, cost)
+
+
+@pytest.mark.parametrize("spec", POLICIES)
+def test_replay_equals_the_reference_on_the_hand_trace(spec):
+    trace = hand_trace()
+    cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.01, miss_s=0.5, draft_level_s=0.2, expert_bytes=1000)
+    check_replay(trace, trace.true_experts, trace.path_prob, spec, 1, "per_layer", "lru", cost)

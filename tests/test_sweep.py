@@ -1,0 +1,341 @@
+"""``specfit sweep``: the spec and its cells, the resumable dataset, and a small sweep on a local
+Ray instance (2 CPUs) whose every row is checked against the same setting run with ``simulate``;
+an interrupted sweep (SIGINT, then SIGKILL) resumes with no cell lost or computed twice."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from trace_helpers import ROOT, SAMPLE_OLMOE
+from typer.testing import CliRunner
+
+from specfit.cli import app
+from specfit.errors import SpecFitError
+from specfit.simulate.dataset import (
+    done_cell_ids,
+    part_files,
+    read_results,
+    remove_stale_temporaries,
+    write_part,
+)
+from specfit.simulate.grid import expand, load_spec
+from specfit.traces.format import read_trace
+
+# 2 x 2 x 2 x 4 = 32 cells: two link speeds, two cache sizes, two predictors, four policies
+GRID_TOML = """
+traces = ["{trace}"]
+profiles = "pcie4"
+h2d_scale = [1, 2]
+cache_experts = [0, 16]
+predictor = ["oracle", "affinity"]
+policies = ["ar", "eagle3", "specfit", "static:auto"]
+"""
+GRID_YAML = """
+traces: ["{trace}"]
+profiles: pcie4
+h2d_scale: [1, 2]
+cache_experts: [0, 16]
+predictor: [oracle, affinity]
+policies: [ar, eagle3, specfit, static:auto]
+"""
+SIMULATE_COLUMNS = ("trace", "profile", "cache_experts", "policy", "predictor", "slot_precision", "tokens", "cycles",
+                    "time_s", "tokens_per_s", "tokens_per_cycle", "bytes_h2d", "bytes_per_token", "hit_rate",
+                    "nodes_per_cycle", "draft_levels_per_cycle", "wasted_draft_levels", "predicted_tokens_per_cycle",
+                    "tokens_bias", "time_bias", "time_mape", "union_mape", "union_precision", "union_recall",
+                    "miss_count_error", "miss_count_abs_error", "static_n", "speedup_vs_ar", "speedup_vs_eagle3")
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def _grid_spec(tmp_path: Path, fmt: str = "toml", trace: Path = SAMPLE_OLMOE) -> Path:
+    if not (tmp_path / "olmoe.parquet").exists():
+        shutil.copy(trace, tmp_path / "olmoe.parquet")
+    return _write(tmp_path / f"grid.{fmt}", (GRID_TOML if fmt == "toml" else GRID_YAML).format(trace="olmoe.parquet"))
+
+
+def _routing_log(path: Path, tokens_per_sequence: int) -> Path:
+    """The sample trace's real routing (its reference tokens' experts) as a routing log, each
+    sequence cut to its first tokens."""
+    trace = read_trace(SAMPLE_OLMOE)
+    roots = trace.offsets[:-1]
+    keep = np.concatenate([np.flatnonzero(trace.sequence == s)[:tokens_per_sequence] for s in np.unique(trace.sequence)])
+    np.savez(path, expert_ids=trace.true_experts[roots[keep]].astype(np.int64),
+             sequence_id=trace.sequence[keep].astype(np.int64), token_id=trace.token[roots[keep]].astype(np.int64))
+    return path
+
+
+@pytest.fixture(scope="module")
+def small_trace(tmp_path_factory) -> Path:
+    """A two-sequence trace of 2 x 47 positions on the sample's real routing (a quick replay)."""
+    folder = tmp_path_factory.mktemp("small")
+    out = folder / "olmoe-small.parquet"
+    r = CliRunner().invoke(app, ["traces", "import-routing", str(_routing_log(folder / "routing.npz", 48)),
+                                 "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    return out
+
+
+# ------------------------------------------------------------------ the spec and its cells (no Ray)
+def test_toml_and_yaml_specs_give_the_same_cells(tmp_path):
+    toml_cells = expand(load_spec(_grid_spec(tmp_path, "toml")))
+    yaml_cells = expand(load_spec(_grid_spec(tmp_path, "yaml")))
+    assert toml_cells == yaml_cells
+    assert len(toml_cells) == 32
+    # every combination once, scalars taken as one-value axes
+    combos = {(c.h2d_scale, c.cache_experts, c.predictor, c.policy) for c in toml_cells}
+    assert len(combos) == 32 and {c.profile_source for c in toml_cells} == {"pcie4"}
+    ids = [c.cell_id for c in toml_cells]
+    assert len(set(ids)) == 32
+
+
+def test_cell_ids_follow_parameters_and_file_contents(tmp_path):
+    spec = _grid_spec(tmp_path)
+    first = [c.cell_id for c in expand(load_spec(spec))]
+    assert first == [c.cell_id for c in expand(load_spec(spec))]          # stable across runs
+    # a file with the same name but other bytes is another input: every id changes
+    data = (tmp_path / "olmoe.parquet").read_bytes()
+    (tmp_path / "olmoe.parquet").write_bytes(data + b"\0")
+    assert not set(first) & {c.cell_id for c in expand(load_spec(spec))}
+
+
+def test_bad_specs_name_the_file_and_field(tmp_path):
+    shutil.copy(SAMPLE_OLMOE, tmp_path / "olmoe.parquet")
+    cases = [
+        ('traces = ["olmoe.parquet"]\npolicy = ["ar"]', "unknown field(s) ['policy']"),
+        ('traces = ["olmoe.parquet"]\npolicies = ["ar", "warp"]', "field 'policies'"),
+        ('traces = ["olmoe.parquet"]\ncache_experts = [8, "x"]', "field 'cache_experts' must hold int"),
+        ('traces = ["olmoe.parquet"]\ncache_experts = [8, 8]', "lists a value twice"),
+        ('traces = ["olmoe.parquet"]\npredictor = "psychic"', "field 'predictor'"),
+        ('traces = ["olmoe.parquet"]\ncost = "base_s=x"', "field 'cost'"),
+        ('traces = ["nosuch.parquet"]', "no such trace file 'nosuch.parquet'"),
+        ('policies = ["ar"]', "no traces"),
+        ('routing = [{log = "olmoe.parquet", drafters = ["poetry"]}]', "field 'drafters'"),
+        ('traces = ["olmoe.parquet"', "not valid TOML"),
+    ]
+    for text, message in cases:
+        with pytest.raises(SpecFitError) as err:
+            load_spec(_write(tmp_path / "bad.toml", text))
+        assert "bad.toml" in str(err.value) and message in str(err.value), (text, str(err.value))
+    with pytest.raises(SpecFitError, match="unknown spec format"):
+        load_spec(_write(tmp_path / "spec.ini", "x=1"))
+
+
+def test_sweep_without_ray_is_one_line_and_exit_2(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)       # `import ray` raises ImportError
+    r = CliRunner().invoke(app, ["sweep", str(_grid_spec(tmp_path)), "--out", str(tmp_path / "out")])
+    assert r.exit_code == 2
+    assert r.output.strip() == "error: specfit sweep needs Ray: pip install 'specfit[sweep]'"
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_address_nothing_answers_on_is_one_line(tmp_path):
+    import socket
+
+    with socket.socket() as sock:       # a port that was free a moment ago: nothing listens on it
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    r = CliRunner().invoke(app, ["sweep", str(_grid_spec(tmp_path)), "--out", str(tmp_path / "out"), "--address",
+                                 f"127.0.0.1:{port}"])
+    assert r.exit_code == 2
+    assert r.output.startswith(f"error: --address 127.0.0.1:{port}: no Ray head answers there")
+
+
+def test_parts_are_whole_files_and_temporaries_are_removed(tmp_path):
+    rows = [{"cell_id": f"c{i}", "policy": "ar", "tokens_per_s": float(i), "static_n": None} for i in range(3)]
+    write_part(tmp_path, rows[:2])
+    write_part(tmp_path, rows[2:])
+    stale = tmp_path / "results" / ".part-x.parquet.abc.tmp"
+    stale.write_bytes(b"half a parquet file")
+    assert done_cell_ids(tmp_path) == {"c0", "c1", "c2"}              # a temporary is never a part
+    assert remove_stale_temporaries(tmp_path) == 1 and not stale.exists()
+    write_part(tmp_path, rows[1:2])                                   # c1 twice: refused on read
+    with pytest.raises(SpecFitError, match="appears in two part files"):
+        read_results(tmp_path)
+
+
+# ------------------------------------------------------------------ on Ray
+@pytest.fixture(scope="module")
+def ray_local():
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def grid_sweep(ray_local, small_trace, tmp_path_factory):
+    """The 32-cell grid swept once on the local Ray instance (CLI, JSON output)."""
+    folder = tmp_path_factory.mktemp("grid")
+    spec = _grid_spec(folder, trace=small_trace)
+    r = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(folder / "out"), "--json"])
+    assert r.exit_code == 0, r.output
+    return folder, spec, pd.read_json(__import__("io").StringIO(r.stdout), orient="records")
+
+
+def _simulate_reference(folder: Path, predictor: str, h2d_scale: float) -> pd.DataFrame:
+    out = folder / f"sim-{predictor}-{h2d_scale:g}"
+    r = CliRunner().invoke(app, ["simulate", "--trace", str(folder / "olmoe.parquet"), "--profile", "pcie4",
+                                 "--h2d-scale", str(h2d_scale), "--cache-experts", "0,16", "--predictor", predictor,
+                                 "--policies", "ar,eagle3,specfit,static:auto", "--out", str(out), "--json"])
+    assert r.exit_code == 0, r.output
+    return pd.read_parquet(out / "summary.parquet")
+
+
+def _same(a, b) -> bool:
+    if pd.isna(a) and pd.isna(b):
+        return True
+    return a == b
+
+
+def test_every_row_equals_the_same_cell_run_with_simulate(grid_sweep):
+    folder, spec, rows = grid_sweep
+    results = read_results(folder / "out")                  # full precision, from the Parquet parts
+    assert len(results) == 32 and results["cell_id"].is_unique
+    assert set(results["cell_id"]) == {c.cell_id for c in expand(load_spec(spec))}
+    assert len(rows) == 32 and set(SIMULATE_COLUMNS) <= set(rows.columns)
+    for col in ("h2d_scale", "cache_mode", "cache_policy", "acceptance", "max_levels", "link_gbps", "replay_s"):
+        assert col in results.columns
+    keys = ["profile", "cache_experts", "policy", "predictor"]
+    for predictor in ("oracle", "affinity"):
+        for h2d in (1.0, 2.0):
+            reference = _simulate_reference(folder, predictor, h2d).set_index(keys)
+            mine = results[(results["predictor"] == predictor) & (results["h2d_scale"] == h2d)].set_index(keys)
+            assert len(mine) == len(reference) == 8
+            for key, ref_row in reference.iterrows():
+                row = mine.loc[key]
+                for col in SIMULATE_COLUMNS:
+                    if col in keys:
+                        continue
+                    assert _same(row[col], ref_row[col]), (key, col, row[col], ref_row[col])
+            assert np.allclose(mine["link_gbps"], 25.0 * h2d)       # pcie4 is 25 GB/s
+
+
+def test_resume_recomputes_only_missing_cells(grid_sweep, tmp_path):
+    folder, spec, _ = grid_sweep
+    out = tmp_path / "out"
+    shutil.copytree(folder / "out", out)
+    before = read_results(out)
+    removed = part_files(out)[:3]
+    lost = set(pd.concat(pd.read_parquet(p) for p in removed)["cell_id"])
+    for p in removed:
+        p.unlink()
+    r = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert f"{len(lost)} cells replayed now, {32 - len(lost)} already in the dataset" in r.output
+    after = read_results(out)
+    cols = [c for c in before.columns if c != "replay_s"]
+    pd.testing.assert_frame_equal(after[cols], before[cols])
+
+
+def test_report_of_a_sweep_has_a_heat_map_panel_per_policy(grid_sweep, tmp_path):
+    folder, _, _ = grid_sweep
+    r = CliRunner().invoke(app, ["report", str(folder / "out"), "--out", str(tmp_path / "report")])
+    assert r.exit_code == 0, r.output
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert "Sweep: " in page and "cells finished</th><td>32 of 32" in page
+    # one figure for the one trace: cache size x link speed per policy, best over the predictors
+    assert page.count("<figure>") == 1
+    assert "by expert-cache size (experts per layer) and host-to-device bandwidth, per policy; each square is the " \
+           "best over predictor." in page
+    assert "The 20 fastest cells" in page
+
+
+def test_routing_logs_with_drafter_presets_equal_import_then_simulate(ray_local, tmp_path):
+    _routing_log(tmp_path / "routing.npz", 64)
+    spec = _write(tmp_path / "routing.yaml", "routing:\n  - {log: routing.npz, drafters: [chat, code], max_tokens: 96}\n"
+                                              "profiles: gh200\ncache_experts: 16\npolicies: [ar, specfit]\n")
+    r = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(tmp_path / "out"), "--json"])
+    assert r.exit_code == 0, r.output
+    results = read_results(tmp_path / "out")
+    assert sorted(results["trace"].unique()) == ["routing:chat", "routing:code"]
+    assert set(results["drafter"]) == {"chat", "code"}
+    for drafter in ("chat", "code"):
+        imported = tmp_path / f"routing-{drafter}.parquet"
+        r = CliRunner().invoke(app, ["traces", "import-routing", str(tmp_path / "routing.npz"), "--out", str(imported),
+                                     "--workload", drafter, "--max-tokens", "96"])
+        assert r.exit_code == 0, r.output
+        r = CliRunner().invoke(app, ["simulate", "--trace", str(imported), "--profile", "gh200", "--cache-experts", "16",
+                                     "--policies", "ar,specfit", "--out", str(tmp_path / f"sim-{drafter}")])
+        assert r.exit_code == 0, r.output
+        reference = pd.read_parquet(tmp_path / f"sim-{drafter}" / "summary.parquet").set_index("policy")
+        mine = results[results["drafter"] == drafter].set_index("policy")
+        for policy in ("ar", "specfit"):
+            for col in ("tokens", "cycles", "time_s", "bytes_h2d", "hit_rate", "nodes_per_cycle"):
+                assert mine.loc[policy, col] == reference.loc[policy, col], (drafter, policy, col)
+    # the drafter decides the trees: the code preset accepts more per cycle
+    spec_rows = results[results["policy"] == "specfit"].set_index("drafter")
+    assert spec_rows.loc["code", "tokens_per_cycle"] > spec_rows.loc["chat", "tokens_per_cycle"]
+
+
+def _default_sigint() -> None:
+    # a background job of a shell (CI, nohup ... &) starts with SIGINT ignored, and so would the sweep
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _sweep_process(spec: Path, out: Path, address: str) -> subprocess.Popen:
+    """A sweep in its own process (and process group) that joins the test's Ray instance."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "specfit", "sweep", str(spec), "--out", str(out), "--address",
+                             address, "--chunk-cells", "1"], env=env, cwd=str(spec.parent), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_default_sigint)
+
+
+def _wait_for_parts(proc: subprocess.Popen, out: Path, more_than: int, timeout_s: float = 120) -> int:
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        n = len(part_files(out)) if (out / "results").exists() else 0
+        if n > more_than or proc.poll() is not None:
+            return n
+        time.sleep(0.02)
+    raise AssertionError("the sweep wrote no part file in time")
+
+
+def _no_temporaries(out: Path) -> bool:
+    return not list(out.rglob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_sigint_then_sigkill_then_resume_loses_and_repeats_no_cell(ray_local, small_trace, grid_sweep, tmp_path):
+    folder, _, _ = grid_sweep
+    spec = _grid_spec(tmp_path, trace=small_trace)
+    out = tmp_path / "out"
+    address = ray_local.get_runtime_context().gcs_address
+    # 1. Ctrl-C: the driver cancels its tasks, keeps every finished chunk and exits 130
+    proc = _sweep_process(spec, out, address)
+    _wait_for_parts(proc, out, more_than=0)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr.decode()
+    assert b"run the same command again to resume" in stderr
+    after_sigint = done_cell_ids(out)
+    assert 0 < len(after_sigint) < 32 and _no_temporaries(out)
+    # 2. kill -9 while it writes
+    proc = _sweep_process(spec, out, address)
+    n = _wait_for_parts(proc, out, more_than=len(part_files(out)))
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    after_kill = done_cell_ids(out)
+    assert after_sigint < after_kill and n <= len(after_kill) < 32     # a part may land before the kill
+    for part in part_files(out):
+        pd.read_parquet(part)                                    # every part is a whole file
+    # 3. resume: only the missing cells run, each cell is in the dataset exactly once
+    r = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert f"{32 - len(after_kill)} cells replayed now, {len(after_kill)} already in the dataset" in r.output
+    results = read_results(out)
+    assert len(results) == 32 and results["cell_id"].is_unique and _no_temporaries(out)
+    reference = read_results(folder / "out").set_index("cell_id")
+    cols = [c for c in SIMULATE_COLUMNS]
+    pd.testing.assert_frame_equal(results.set_index("cell_id")[cols], reference.loc[results["cell_id"], cols])
