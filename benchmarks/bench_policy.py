@@ -184,18 +184,15 @@ def prepare_all(name: str, trace, keys: set[str]) -> dict[str, PreparedTrace]:
 
 
 def _experts(prep: PreparedTrace, trace) -> np.ndarray:
-    out = np.empty_like(trace.true_experts)
-    for c, e in enumerate(prep.predicted):
-        out[trace.offsets[c]:trace.offsets[c + 1]] = e
-    return out
+    return prep.predicted_experts.astype(trace.true_experts.dtype)
 
 
 def _verdict_probs(trace, prep: PreparedTrace) -> np.ndarray:
     """Path probabilities that know the verdicts: 1 on each tree's accepted path, a hair above 0
     elsewhere (the tree needs positive, non-increasing probabilities)."""
     probs = np.full(trace.n_nodes, 1e-9)
-    for c, path in enumerate(prep.accepted):
-        probs[trace.offsets[c] + path] = 1.0
+    for c in range(prep.n_cycles):
+        probs[trace.offsets[c] + prep.accepted_path(c)] = 1.0
     probs[trace.offsets[:-1]] = 1.0
     return probs
 
@@ -290,8 +287,9 @@ def predictor_quality(preps: dict[str, PreparedTrace], trace) -> dict:
             continue
         totals = np.zeros(3)
         for c in range(0, prep.n_cycles, 4):
-            first = int(prep.level_sizes[c][min(1, len(prep.level_sizes[c]) - 1)])
-            totals += union_quality(prep.predicted[c][:first], prep.true[c][:first], trace.n_experts)
+            lo = int(prep.offsets[c])
+            first = lo + int(prep.level_sizes[prep.level_offsets[c] + min(1, prep.depth(c))])
+            totals += union_quality(prep.predicted_experts[lo:first], prep.true_experts[lo:first], trace.n_experts)
         out[predictor] = {"slot_precision": prep.info["slot_precision"],
                           "union_precision": totals[2] / totals[0], "union_recall": totals[2] / totals[1]}
     return out

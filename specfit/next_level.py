@@ -24,7 +24,7 @@ from .tree import DraftTree
 
 __all__ = ["LevelStats", "expected_level", "optimistic_level"]
 
-_PHI = 0.6180339887498949   # spreads fractional expert counts evenly over children and layers
+_NO_EXPERTS = np.zeros((0, 0, 0), dtype=np.int64)   # a tree drafted without expert predictions
 
 
 class LevelStats:
@@ -54,23 +54,18 @@ class LevelStats:
         nodes = tree.level(depth)
         if nodes.size == 0:
             return
-        parents = tree.parents[nodes]
-        p = tree.path_probs
-        cond = np.where(p[parents] > 0, p[nodes] / np.maximum(p[parents], 1e-300), 0.0)
-        # rank among siblings by conditional probability (ties: drafting order)
-        order = np.lexsort((nodes, -cond, parents))
-        first = np.r_[True, parents[order][1:] != parents[order][:-1]]
-        start = np.maximum.accumulate(np.where(first, np.arange(order.size), 0))
-        rank = np.empty(order.size, dtype=np.int64)
-        rank[order] = np.arange(order.size) - start
+        from . import kernels
+
+        has_experts = experts.ndim == 3 and experts.shape[1] > 0
+        sums, counts, n_parents, new = kernels.levels.level_summary(
+            tree.parents, tree.path_probs, nodes, np.ascontiguousarray(experts, dtype=np.int64) if has_experts
+            else _NO_EXPERTS, self.acceptance_.shape[1])
         m = self.memory
-        keep = rank < self.acceptance_.shape[1]
-        for r in np.unique(rank[keep]):
-            self.acceptance_[depth, r] = m * self.acceptance_[depth, r] + (1 - m) * float(cond[rank == r].mean())
-        width = nodes.size / np.unique(parents).size
+        for r in np.flatnonzero(counts):
+            self.acceptance_[depth, r] = m * self.acceptance_[depth, r] + (1 - m) * (sums[r] / counts[r])
+        width = nodes.size / n_parents
         self.width_ = width if self.width_ == 0 else m * self.width_ + (1 - m) * width
-        if experts.ndim == 3 and experts.shape[1] > 0:
-            new = _new_per_layer(experts[nodes], experts[parents])
+        if has_experts:
             prior = self.new_experts_[depth] * (experts.shape[2] if self._new_is_share[depth] else 1)
             self.new_experts_[depth] = m * prior + (1 - m) * new if self.seen_[depth] else new
             self._new_is_share[depth] = False
@@ -89,12 +84,6 @@ class LevelStats:
         return float(np.clip(value, 0.0, top_k))
 
 
-def _new_per_layer(children: np.ndarray, parents: np.ndarray) -> float:
-    """Mean over nodes and layers of how many of a node's experts its parent does not route to."""
-    shared = (children[..., :, None] == parents[..., None, :]).any(axis=-1)   # [n, L, k]
-    return float((~shared).sum(axis=-1).mean())
-
-
 def expected_level(tree: DraftTree, experts: np.ndarray, cached: np.ndarray, stats: LevelStats, depth: int,
                    frontier_width: int | None = None):
     """(tree, experts, cached) with the expected level ``depth + 1`` appended (see the module
@@ -111,17 +100,13 @@ def expected_level(tree: DraftTree, experts: np.ndarray, cached: np.ndarray, sta
     cond = stats.acceptance_[stats.known_depth(depth + 1), :width]
     parents = np.repeat(frontier, width)
     probs = p[parents] * np.tile(cond, frontier.size)
-    n_layers, top_k = experts.shape[1], experts.shape[2]
-    m = stats.new_experts(depth + 1, top_k)
-    child_experts = experts[parents].copy()
-    n_children = parents.size
-    # m new experts per layer on average: floor(m) or floor(m) + 1 slots, spread evenly
-    j, layer = np.meshgrid(np.arange(n_children), np.arange(n_layers), indexing="ij")
-    n_new = np.floor(m).astype(int) + (((j * n_layers + layer) * _PHI) % 1.0 < m - np.floor(m))
+    top_k = experts.shape[2]
     n_experts = cached.shape[1]
-    fresh = n_experts + (j[..., None] * top_k + np.arange(top_k)[None, None, :])   # unique per child and slot
-    slot = np.arange(top_k)[None, None, :]
-    child_experts = np.where(slot >= top_k - n_new[..., None], fresh, child_experts)
+    from . import kernels
+
+    child_experts = kernels.levels.virtual_children(np.ascontiguousarray(experts, dtype=np.int64), parents,
+                                                    stats.new_experts(depth + 1, top_k), n_experts)
+    n_children = parents.size
     virtual = DraftTree(parents=np.concatenate([tree.parents, parents]),
                         path_probs=np.concatenate([p, np.minimum(probs, p[parents])]))
     grown = np.zeros((cached.shape[0], n_experts + n_children * top_k), dtype=bool)

@@ -4,7 +4,8 @@ One module per concept: :mod:`.bitsets` (expert sets as ``uint64`` words), :mod:
 tree's checks, clipping, depths and accepted path), :mod:`.evaluate` (the cost formula on a node
 set), :mod:`.closure` (maximum-weight closure by max-flow), :mod:`.inner` (the inner closure
 problem with its reductions), :mod:`.search` (Dinkelbach, the root bound, the greedy baseline),
-:mod:`.cache` (the expert cache's admit and eviction), :mod:`.replay` (the trace replay loop). The Python modules that own each concept (:mod:`specfit.tree`,
+:mod:`.cache` (the expert cache's admit and eviction), :mod:`.replay` (the trace replay loop),
+:mod:`.levels` (the expected next draft level). The Python modules that own each concept (:mod:`specfit.tree`,
 :mod:`specfit.search`, :mod:`specfit.experts.cache`, :mod:`specfit.simulate.replay`) are thin
 wrappers: they validate, prepare arrays once and call these.
 
@@ -28,9 +29,10 @@ import importlib
 import os
 from pathlib import Path
 
-__all__ = ["bitsets", "tree", "evaluate", "closure", "inner", "search", "cache", "replay", "drop_stale_caches"]
+__all__ = ["bitsets", "tree", "evaluate", "closure", "inner", "search", "cache", "replay", "levels",
+           "drop_stale_caches"]
 
-_MODULES = frozenset(("bitsets", "tree", "evaluate", "closure", "inner", "search", "cache", "replay"))
+_MODULES = frozenset(("bitsets", "tree", "evaluate", "closure", "inner", "search", "cache", "replay", "levels"))
 _checked = False
 
 
