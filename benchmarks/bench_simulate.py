@@ -79,6 +79,10 @@ def main() -> None:
         print(f"| {spec} | {cycles} | {first * 1e3:.1f} | {best * 1e3:.2f} | {cycles / best:,.0f} | "
               f"{cycles / best_cpu:,.0f} | {best / cycles * 1e6:.1f} |")
     print()
+    if Path(args.trace).resolve() != (ROOT / "traces" / "qwen3-30b-a3b-chat.parquet").resolve():
+        print("(the figures before the compiled replay and the goals are for the default trace: no comparison here)")
+        print(f"\nload average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
+        return
     print("| policy | before (cycles/s) | goal (first bar) | now | now (cpu) | speed-up | met |")
     print("|---|---:|---:|---:|---:|---:|---|")
     for spec in POLICIES:

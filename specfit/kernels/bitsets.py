@@ -113,6 +113,35 @@ def count_union(union, cached):
     return hits, total - hits
 
 
+@njit(cache=True)
+def count_missing(experts, row, cached):
+    """How many distinct experts of one node's routing ``experts[row]`` (``[L, k]``) are not in
+    the resident sets ``cached[L, words]``."""
+    n_layers, k = experts.shape[1], experts.shape[2]
+    missing = 0
+    for layer in range(n_layers):
+        seen = ZERO
+        for s in range(k):
+            e = np.int64(experts[row, layer, s])
+            bit = ONE << np.uint64(e & 63)
+            word = cached[layer, e >> 6]
+            if e < 64:      # ids repeat rarely and only within a layer: dedupe the first word by bits
+                if seen & bit:
+                    continue
+                seen |= bit
+            else:
+                repeated = False
+                for t in range(s):
+                    if experts[row, layer, t] == experts[row, layer, s]:
+                        repeated = True
+                        break
+                if repeated:
+                    continue
+            if not word & bit:
+                missing += 1
+    return missing
+
+
 def pack_mask(mask: np.ndarray) -> np.ndarray:
     """bool ``[..., E]`` -> uint64 ``[..., words]`` (numpy; the kernels take the words)."""
     packed = np.packbits(np.asarray(mask, dtype=bool), axis=-1, bitorder="little")

@@ -431,7 +431,6 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
                 prefetcher.begin_cycle()
             sel = choose(policy, view, before_level=None if prefetcher is None else prefetch_level)
             nodes = np.ascontiguousarray(sel.nodes, dtype=np.int64)
-            resident = cache.resident()          # what the policy's last decision saw
             drafted = prep.tree(c, sel.draft_levels)
             keep = None
             if advisor is not None:
@@ -439,6 +438,9 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
                 # cycles need, before the verdicts are known (only the levels the policy drafted)
                 n_drafted = int(prep.level_sizes[prep.level_offsets[c] + sel.draft_levels])
                 keep = advisor.keep(drafted, view.experts[:n_drafted], nodes, n_experts)
+            # what the root's true and predicted experts miss against the residency the policy saw
+            root_misses = kernels.bitsets.count_missing(prep.true_experts, lo, state[0])
+            root_predicted_misses = kernels.bitsets.count_missing(prep.predicted_experts, lo, state[0])
             committed, n_out = k.commit_cycle(
                 c, nodes, nodes.size, same, False, offsets, prep.depths, prep.tokens, prep.verdicts, prep.true_experts,
                 prep.predicted_experts, prep.path_offsets, prep.paths, *state, cache._check_keep(keep), selected,
@@ -462,17 +464,9 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
             policy.observe(Observation(tree=drafted, verified=nodes, verdicts=prep.verdicts[lo + nodes],
                                        draft_levels=sel.draft_levels, misses=int(int_cols[k.MISSES, row]),
                                        predicted_misses=sel.misses,
-                                       root_misses=_missing(prep.true_experts[lo], resident),
-                                       root_predicted_misses=_missing(prep.predicted_experts[lo], resident)))
+                                       root_misses=root_misses, root_predicted_misses=root_predicted_misses))
             row += 1
             c += committed
         per_sequence[s] = n_out - first_token
     return row
 
-
-def _missing(experts: np.ndarray, resident: np.ndarray) -> int:
-    """How many distinct experts of one node's routing (``[L, k]``) are not ``resident`` ([L, E])."""
-    layer = np.broadcast_to(np.arange(experts.shape[0])[:, None], experts.shape)
-    wanted = np.zeros_like(resident)
-    wanted[layer, experts] = True
-    return int(np.count_nonzero(wanted & ~resident))
