@@ -240,7 +240,13 @@ def test_the_decoder_reports_what_each_cycle_revealed(checkpoints):
             super().observe(observation)
 
     model, drafter = load(*checkpoints["qwen3_moe"], cache_experts=3)
-    decoder = speculative_decoder(model, drafter, Spy(6), COST, tree_top_k=3)
+    # with the online refit the measured cycles the cost model is fitted on hold the decisions'
+    # time already: it is not reported for pricing on top
+    online = speculative_decoder(model, drafter, Spy(6), COST, tree_top_k=3)
+    online.generate(prompts()[3], 8, ignore_eos=True)
+    assert seen and all(obs.decision_time_s is None for obs in seen)
+    seen.clear()
+    decoder = speculative_decoder(model, drafter, Spy(6), COST, tree_top_k=3, online_refit=False)
     result = decoder.generate(prompts()[3], NEW_TOKENS, ignore_eos=True)
     assert len(seen) == len(result.cycles)
     for obs, stats in zip(seen, result.cycles):

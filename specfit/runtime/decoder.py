@@ -409,8 +409,12 @@ class Decoder:
             stats.predicted_slots, stats.predicted_slots_right = int(predicted.size), slots_right(predicted, true)
         draft = stats.draft
         # the policy's own time this cycle: everything in the draft phase but the drafter's passes
-        # (its decisions, the expert predictions, trees and views per level)
-        decision_time_s = max(stats.draft_time_s - draft.drafter_time_s, 0.0) if draft.selection is not None else None
+        # (its decisions, the expert predictions, trees and views per level). With the online
+        # refit the cost model is fitted on measured cycles, which hold that time already: a policy
+        # that priced it on top would count it twice
+        decision_time_s = None
+        if draft.selection is not None and self.online is None:
+            decision_time_s = max(stats.draft_time_s - draft.drafter_time_s, 0.0)
         self.policy.observe(Observation(predicted_slots=stats.predicted_slots,
                                         predicted_slots_right=stats.predicted_slots_right,
                                         resident_share=self.model.offload.cache.capacity_share,
