@@ -1,0 +1,139 @@
+"""The values one decode cycle's stages hand each other (:mod:`specfit.runtime.decoder`): a
+:class:`Draft`, a :class:`Verification`, a :class:`Commit`, the cycle's :class:`CycleStats`, and a
+prompt's :class:`DecodeResult`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..costmodel import CostModel
+from ..search import Selection
+from ..tree import DraftTree
+from .offload import OffloadCounters
+
+__all__ = ["Draft", "Verification", "Commit", "CycleStats", "DecodeResult"]
+
+
+@dataclass
+class Draft:
+    """A cycle's draft phase: what the policy saw, what it chose, what drafting cost."""
+
+    tree: DraftTree                 # every drafted node, in drafting order (root alone without drafting)
+    experts: np.ndarray             # int [n, L, k] predicted experts of every node
+    edge_logprob: np.ndarray        # float64 [n] the drafter's log p(node | parent), root 0
+    nodes: np.ndarray               # the nodes to verify (sorted, with the root)
+    selection: Selection | None     # the policy's choice and its prediction (None without a cost model)
+    cached: np.ndarray | None = None  # bool [L, E] the expert cache's residency the policy saw
+    cost: CostModel | None = None   # the cost model the policy decided with (the online one when refitting)
+    draft_levels: int = 0
+    drafter_time_s: float = 0.0     # the drafter's forward passes
+    search_time_s: float = 0.0      # the policy's decisions (keep drafting? which nodes?)
+    predict_time_s: float = 0.0     # expert predictions for the drafted nodes
+    prefetched: int = 0             # experts copied ahead of the pass while levels were drafted
+    prefetch_copy_s: float = 0.0    # their copy time (beside the drafter)
+    prefetch_wait_s: float = 0.0    # the part of it the verification pass had to wait for
+    last_known: np.ndarray | None = None   # [L, k] the routing the predictions saw as most recent
+    cached: np.ndarray | None = None       # [L, E] the residency the policy's last decision saw
+    contexts: list = field(default_factory=list)   # per level: the drafter context rows of its nodes (root: NaN)
+
+
+@dataclass
+class Verification:
+    """The target's verdicts on the verified nodes of a tree.
+
+    ``nodes`` are the verified node ids (sorted, with the root); ``verdicts[i]`` is the target's
+    greedy next token after ``nodes[i]``, ``logits[i]`` its logits there; ``expert_ids[i, layer,
+    k]`` its true experts; ``hidden[i]`` its captured features (EAGLE-3's drafter input).
+    """
+
+    nodes: np.ndarray
+    verdicts: np.ndarray
+    logits: torch.Tensor
+    expert_ids: np.ndarray
+    hidden: torch.Tensor | None
+    offload: OffloadCounters
+    verify_time_s: float          # the target pass
+    transfer_time_s: float        # host-to-device expert copies within it
+
+
+@dataclass
+class Commit:
+    """What a cycle committed: the accepted path (node ids from the root), its rows in the
+    verification pass, and the tokens (accepted draft tokens, then the bonus token)."""
+
+    path: np.ndarray
+    rows: np.ndarray
+    tokens: list[int]
+
+
+@dataclass
+class CycleStats:
+    """Measurements of one decode cycle, next to what the policy predicted for it
+    (:mod:`specfit.accounting` turns it into a row of the one per-cycle schema)."""
+
+    position: int                  # index of the cycle's root in the output
+    draft: Draft
+    verification: Verification
+    committed_tokens: int          # accepted draft tokens + the bonus token
+    draft_time_s: float            # from the cycle's start to the selection (drafter, predictions, policy)
+    verify_time_s: float           # from the selection to the committed tokens (target pass, acceptance, KV)
+    predicted_slots: int = 0       # (layer, rank) slots predicted for verified draft nodes
+    predicted_slots_right: int = 0  # ... naming an expert the node really routed to
+    learn_time_s: float = 0.0      # after the commit: the policy, the predictor and the cost model learn
+    cpu_time_s: float = float("nan")   # CPU time of the decoding thread over the cycle
+    online: bool = False           # the policy decided with the online-refitted cost model
+    # int [L]: misses the expert cache's bookkeeping gives the true experts from the residency before
+    # the cycle (what the cost model charges, checked against what the offload moved)
+    charged_misses_per_layer: np.ndarray | None = None
+
+    @property
+    def cycle_time_s(self) -> float:
+        return self.draft_time_s + self.verify_time_s + self.learn_time_s
+
+    @property
+    def offload(self) -> OffloadCounters:
+        return self.verification.offload
+
+
+@dataclass
+class DecodeResult:
+    """One prompt's generation. Counters cover every target pass, prefill included;
+    ``decode_bytes_h2d`` only the passes after the prefill."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    stop_reason: str                  # "eos", or "length" when max_new_tokens was reached
+    prefill_time_s: float
+    decode_time_s: float
+    n_cycles: int
+    offload: OffloadCounters
+    decode_bytes_h2d: int
+    cycle_tokens: list[int] = field(default_factory=list)   # tokens each decode cycle added to the output
+    cycles: list[CycleStats] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode-phase throughput: tokens committed by the cycles after the prefill per second."""
+        committed = sum(self.cycle_tokens)
+        return committed / self.decode_time_s if self.decode_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": len(self.prompt_ids),
+            "output_ids": list(self.output_ids),
+            "n_new_tokens": len(self.output_ids),
+            "stop_reason": self.stop_reason,
+            "prefill_time_s": self.prefill_time_s,
+            "decode_time_s": self.decode_time_s,
+            "decode_tokens": sum(self.cycle_tokens),
+            "tokens_per_s": self.tokens_per_s,
+            "n_cycles": self.n_cycles,
+            "bytes_h2d": self.offload.total_bytes_h2d,
+            "decode_bytes_h2d": self.decode_bytes_h2d,
+            "hits": self.offload.total_hits,
+            "misses": self.offload.total_misses,
+            "hit_rate": self.offload.hit_rate,
+        }
