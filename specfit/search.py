@@ -139,12 +139,25 @@ def evaluate(tree: DraftTree, nodes, experts, cached, cost: CostModel, draft_lev
         given = check_nodes(tree, nodes)   # sorts and dedups, or words what is wrong
     nodes = given
     status, tokens, time_s, hits, misses = formula.evaluate_nodes(
-        _tree_arrays(tree)[1], experts, kernels.bitsets.pack_mask(cached), cached.shape[1], nodes, cost.params,
+        _tree_arrays(tree)[1], experts, _packed(cached), cached.shape[1], nodes, cost.params,
         int(draft_levels))
     return _selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)
 
 
 _NO_START = np.zeros(0, dtype=np.int64)
+_LAST_PACKED: list = [None, None]     # the last read-only residency packed, and its words
+
+
+def _packed(cached: np.ndarray) -> np.ndarray:
+    """``cached`` as the kernels' words. A policy searches several times per cycle on the same
+    residency: the drivers hand it over read-only, and a read-only array (which cannot change in
+    place) is packed once."""
+    if cached is _LAST_PACKED[0]:
+        return _LAST_PACKED[1]
+    words = kernels.bitsets.pack_mask(cached)
+    if not cached.flags.writeable:
+        _LAST_PACKED[0], _LAST_PACKED[1] = cached, words
+    return words
 
 
 def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels: int = 0,
@@ -172,7 +185,7 @@ def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels
         if not (first.ndim == 1 and first.dtype == np.int64):
             first = check_nodes(tree, start, "start")
     search = kernels.search
-    args = (*_tree_arrays(tree), experts, kernels.bitsets.pack_mask(cached), cached.shape[1], cost.params,
+    args = (*_tree_arrays(tree), experts, _packed(cached), cached.shape[1], cost.params,
             int(draft_levels), draft_node_s)
     status, nodes, tokens, time_s, hits, misses = search.best_subtree(*args, first, start is not None)
     if status == search.BAD_START:
@@ -189,7 +202,7 @@ def greedy_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_leve
     experts, cached = _validated(tree, experts, cached, cost, draft_levels)
     draft_node_s = _check_draft_node_s(draft_node_s)
     status, nodes, tokens, time_s, hits, misses = kernels.search.greedy_subtree(
-        *_tree_arrays(tree), experts, kernels.bitsets.pack_mask(cached), cached.shape[1], cost.params,
+        *_tree_arrays(tree), experts, _packed(cached), cached.shape[1], cost.params,
         int(draft_levels), draft_node_s)
     return _selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)
 

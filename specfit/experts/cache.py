@@ -144,9 +144,13 @@ class ExpertCache(LayerCounts):
         return (self._bits, self._score, self._count, self._slots, self._n_used, self._clock, self._counters,
                 self._config)
 
-    def resident(self) -> np.ndarray:
-        """[L, E] bool copy of what is resident now."""
-        return kernels.bitsets.unpack(self._bits, self.n_experts)
+    def resident(self, read_only: bool = False) -> np.ndarray:
+        """[L, E] bool copy of what is resident now; ``read_only`` marks it so (what a policy
+        decides on: the search then packs it once however often it searches)."""
+        out = kernels.bitsets.unpack(self._bits, self.n_experts)
+        if read_only:
+            out.flags.writeable = False
+        return out
 
     def warm(self, resident: np.ndarray) -> None:
         """Start from ``resident`` (e.g. a prefill's experts) without counting hits or misses;
@@ -244,7 +248,8 @@ class ExpertCache(LayerCounts):
         """The wanted experts whose keep beats the keep of the slot they would take (free slots
         first, then the resident experts outside ``mask`` in ascending keep), per layer or over
         the whole cache."""
-        rows = [slice(layer, layer + 1) for layer in range(self.n_layers)] if self.mode == "per_layer" else [slice(None)]
+        per_layer = self.mode == "per_layer"
+        rows = [slice(layer, layer + 1) for layer in range(self.n_layers)] if per_layer else [slice(None)]
         ok = np.zeros_like(want)
         for r in rows:
             w, res, k, m = want[r].ravel(), resident[r].ravel(), keep[r].ravel(), mask[r].ravel()
@@ -275,6 +280,6 @@ class ExpertCache(LayerCounts):
             return kernels.cache.NO_KEEP
         keep = np.ascontiguousarray(keep, dtype=np.float64)
         if keep.shape != (self.n_layers, self.n_experts) or not np.isfinite(keep).all() or (keep < 0).any():
-            raise ValueError(f"keep: expected finite non-negative priorities of shape {(self.n_layers, self.n_experts)},"
-                             f" got {keep.shape}")
+            raise ValueError(f"keep: expected finite non-negative priorities of shape "
+                             f"{(self.n_layers, self.n_experts)}, got {keep.shape}")
         return keep

@@ -202,7 +202,7 @@ class Decoder:
         draft = Draft(tree=DraftTree(parents=np.array([-1]), path_probs=np.array([1.0]), tokens=np.array([root_token])),
                       experts=np.zeros((1, 0, 0), dtype=np.int64), edge_logprob=np.zeros(1),
                       nodes=np.zeros(1, dtype=np.int64), selection=None,
-                      cached=self.model.offload.cache.resident(), cost=self.cost)
+                      cached=self.model.offload.cache.resident(read_only=True), cost=self.cost)
         if self.cost is None:                           # nothing to decide with: verify the root
             return draft
         self.policy.begin_cycle()

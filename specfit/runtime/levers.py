@@ -23,7 +23,7 @@ def prefetch_level(decoder, draft, view: CycleView, prefetcher) -> CycleView:
     mask, priority = prefetcher.plan(view.tree, view.experts, view.cached, decoder.cost, keep=keep)
     if mask.any():
         draft.prefetched += offload.prefetch(mask, keep=priority)
-        view = CycleView(view.tree, view.experts, offload.cache.resident(), view.cost, view.draft_levels)
+        view = CycleView(view.tree, view.experts, offload.cache.resident(read_only=True), view.cost, view.draft_levels)
     draft.search_time_s += time.perf_counter() - start
     return view
 

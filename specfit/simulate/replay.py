@@ -122,7 +122,8 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
     cols.update({name: float_cols[i, :rows] for i, name in enumerate(kernels.replay.FLOAT_COLUMNS)})
     cols = {name: cols[name] for name in CYCLE_COLUMNS}
     # the charged time: the same cost formula, on the true union against the cache state
-    cols["charged_time_s"] = cost.predict_counts(cols["draft_levels"], cols["nodes_verified"], cols["hits"], cols["misses"])
+    cols["charged_time_s"] = cost.predict_counts(cols["draft_levels"], cols["nodes_verified"], cols["hits"],
+                                                 cols["misses"])
     cols["prefetched"] = prefetched[:rows]
     # the traced model's experts: the misses and the prefetched copies (whose link time was idle)
     cols["bytes_h2d"] = (cols["misses"] + cols["prefetched"]) * trace.expert_bytes
@@ -159,7 +160,7 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
         mask, priority = prefetcher.plan(part.tree, part.experts, view.cached, cost, keep=keep)
         if mask.any():
             prefetched[row] += int(cache.prefetch(mask, keep=priority).admitted_mask.sum())
-            return dataclasses.replace(view, cached=cache.resident())
+            return dataclasses.replace(view, cached=cache.resident(read_only=True))
         return view
 
     for s in range(bounds.size - 1):
@@ -168,8 +169,8 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
             lo, hi = int(offsets[c]), int(offsets[c + 1])
             # int64 once per cycle: the search takes int64 ids, and a policy may search several times
             view = _LevelView(
-                tree=prep.tree(c), experts=prep.predicted_experts[lo:hi].astype(np.int64), cached=cache.resident(),
-                cost=cost, draft_levels=prep.depth(c),
+                tree=prep.tree(c), experts=prep.predicted_experts[lo:hi].astype(np.int64),
+                cached=cache.resident(read_only=True), cost=cost, draft_levels=prep.depth(c),
                 verdicts=prep.verdicts[lo:hi] if needs_truth else None,
                 true_experts=prep.true_experts[lo:hi].astype(np.int64) if needs_truth else None, prep=prep, cycle=c)
             if prefetcher is not None:
