@@ -307,9 +307,10 @@ def _no_temporaries(out: Path) -> bool:
 
 
 @pytest.mark.slow
-def test_sigint_then_sigkill_then_resume_loses_and_repeats_no_cell(ray_local, small_trace, grid_sweep, tmp_path):
-    folder, _, _ = grid_sweep
-    spec = _grid_spec(tmp_path, trace=small_trace)
+def test_sigint_then_sigkill_then_resume_loses_and_repeats_no_cell(ray_local, tmp_path):
+    # the whole sample trace: its cells take long enough (the compiled replay runs a 94-position
+    # trace's cell in milliseconds) for the signals to land while cells are still running
+    spec = _grid_spec(tmp_path)
     out = tmp_path / "out"
     address = ray_local.get_runtime_context().gcs_address
     # 1. Ctrl-C: the driver cancels its tasks, keeps every finished chunk and exits 130
@@ -336,6 +337,8 @@ def test_sigint_then_sigkill_then_resume_loses_and_repeats_no_cell(ray_local, sm
     assert f"{32 - len(after_kill)} cells replayed now, {len(after_kill)} already in the dataset" in r.output
     results = read_results(out)
     assert len(results) == 32 and results["cell_id"].is_unique and _no_temporaries(out)
-    reference = read_results(folder / "out").set_index("cell_id")
+    r = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(tmp_path / "reference")])
+    assert r.exit_code == 0, r.output
+    reference = read_results(tmp_path / "reference").set_index("cell_id")
     cols = [c for c in SIMULATE_COLUMNS]
     pd.testing.assert_frame_equal(results.set_index("cell_id")[cols], reference.loc[results["cell_id"], cols])
