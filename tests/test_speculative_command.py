@@ -333,3 +333,47 @@ def test_a_run_stopped_mid_prompt_keeps_every_complete_cycle(checkpoint, tmp_pat
     else:
         assert process.returncode == -signal.SIGKILL and journal.exists()
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_predictor_fitted_on_a_recorded_trace_decodes_losslessly(checkpoint, tmp_path):
+    from specfit.runtime.decode_job import _fitted_predictor
+    from specfit.runtime.loader import load_model
+
+    trace_path = tmp_path / "full.parquet"
+    result = decode(checkpoint, "--policy", "ar", "--record", str(trace_path), "--record-full", "--max-levels", "2",
+                    "--profile", "pcie4")
+    assert result.exit_code == 0, result.output
+    ar = decode(checkpoint, "--policy", "ar", "--profile", "pcie4", "--json")
+    fitted = decode(checkpoint, "--policy", "specfit", "--predictor", "learned", "--predictor-trace", str(trace_path),
+                    "--profile", "pcie4", "--json")
+    assert fitted.exit_code == 0, fitted.output
+
+    def outputs(r):
+        return [json.loads(line)["output_ids"] for line in r.stdout.splitlines()]
+
+    assert outputs(ar) and outputs(fitted) == outputs(ar)
+    # the fitted predictor predicts before it has seen a verified token (an unfitted one cannot)
+    model = load_model(checkpoint[0])
+    plan = DecodePlan(model_dir=checkpoint[0], prompts_path=checkpoint[2], cache_experts=3, policies=["ar"],
+                      predictor="affinity", predictor_trace=trace_path)
+    trace = read_trace(trace_path)
+    from specfit.experts.predictors import NodeBatch, make_predictor
+
+    batch = NodeBatch(trace.token[:4], np.full((4,) + trace.true_experts.shape[1:], -1))
+    assert _fitted_predictor(plan, model).predict(batch).shape == (4,) + trace.true_experts.shape[1:]
+    with pytest.raises(Exception, match="not fitted"):
+        make_predictor("affinity").predict(batch)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--predictor", "router", "--predictor-trace", "{trace}"], "learns nothing from a trace"),
+    (["--predictor", "learned", "--predictor-trace", "{missing}"], "no such trace file"),
+    (["--predictor", "affinity", "--predictor-trace", "{other}"], "a trace of another model"),
+])
+def test_a_bad_predictor_trace_is_one_line(checkpoint, tmp_path, args, message):
+    from trace_helpers import SAMPLE_QWEN3
+
+    paths = {"trace": str(SAMPLE_QWEN3), "missing": str(tmp_path / "nope.parquet"), "other": str(SAMPLE_QWEN3)}
+    result = decode(checkpoint, "--policy", "specfit", "--profile", "pcie4", *[a.format(**paths) for a in args])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert message in result.output and result.output.strip().count("\n") == 0

@@ -32,8 +32,11 @@ def decode(
     cache_mode: str = typer.Option("per_layer", "--cache-mode", help="per_layer or global (as in simulate)."),
     cache_policy: str = typer.Option("lru", "--cache-policy", help="Eviction: lru, lfu or fifo (as in simulate)."),
     predictor: str = typer.Option("router", "--predictor", help="Expert predictor the policies decide with: router (the "
-                                  "target's routers on the drafter's state), affinity or parent (learned from the run's "
-                                  "verified tokens)."),
+                                  "target's routers on the drafter's state), or affinity, learned or parent (learned "
+                                  "from the run's verified tokens)."),
+    predictor_trace: Optional[Path] = typer.Option(None, "--predictor-trace", help="A recorded trace of this model "
+                                                   "(--record-full) to fit --predictor affinity or learned on before "
+                                                   "decoding; it goes on learning from the run."),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="EAGLE-3 drafter directory (published format); "
                                            "every policy but ar needs one."),
     policy: str = typer.Option("ar", "--policy", help=f"Decoding policy: {POLICY_HELP} (live: all but the simulator's)."),
@@ -81,7 +84,8 @@ def decode(
                       device=device, dtype=dtype, out_dir=out, record=record, record_full=record_full,
                       temperature=temperature, seed=seed, tree_top_k=tree_top_k, max_levels=max_levels,
                       acceptance_trace=acceptance, ignore_eos=ignore_eos, cache_mode=cache_mode,
-                      cache_policy=cache_policy, predictor=predictor, online_refit=online_refit)
+                      cache_policy=cache_policy, predictor=predictor, predictor_trace=predictor_trace,
+                      online_refit=online_refit)
     stderr = Console(stderr=True)
     try:
         set_cpu_threads(threads)

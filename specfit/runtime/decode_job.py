@@ -39,6 +39,9 @@ from ..accounting import live_row, summarise
 from ..errors import Interrupted, SpecFitError
 from .run_dir import CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE, DecodeOutputs, read_decode_cycles
 
+# the predictors a recorded trace can fit before a live run (--predictor-trace)
+FITTED_PREDICTORS = ("affinity", "learned")
+
 __all__ = ["DecodePlan", "DecodeRun", "run_decode", "summarise_policy", "read_decode_cycles", "OUTPUT_FILE",
            "CYCLES_FILE", "SUMMARY_FILE", "JOURNAL_FILE", "WARMUP_TOKENS"]
 
@@ -71,6 +74,7 @@ class DecodePlan:
     cache_mode: str = "per_layer"
     cache_policy: str = "lru"
     predictor: str = "router"
+    predictor_trace: Path | None = None   # a recorded trace the predictor is fitted on before decoding
     warmup: bool = True
     online_refit: bool = True       # refit the cost model on the run's cycles as it goes (False: frozen profile)
 
@@ -129,6 +133,12 @@ class DecodePlan:
             raise SpecFitError(f"--cache-policy: expected one of {', '.join(EVICTION_POLICIES)}, got {self.cache_policy!r}")
         if self.predictor not in LIVE_PREDICTORS:
             raise SpecFitError(f"--predictor: expected one of {', '.join(LIVE_PREDICTORS)} (live), got {self.predictor!r}")
+        if self.predictor_trace is not None:
+            if self.predictor not in FITTED_PREDICTORS:
+                raise SpecFitError(f"--predictor-trace: fits {' or '.join(FITTED_PREDICTORS)}; --predictor "
+                                   f"{self.predictor} learns nothing from a trace")
+            if not Path(self.predictor_trace).is_file():
+                raise SpecFitError(f"--predictor-trace {self.predictor_trace}: no such trace file")
         if not Path(self.model_dir).is_dir():
             raise SpecFitError(f"--model {self.model_dir}: not a directory")
         from ..io import check_output
@@ -192,6 +202,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     drafter = load_drafter(plan.drafter_dir, model) if plan.drafter_dir is not None else None
     profile, profile_path = _profile(plan, model, say)
     calibrator = _acceptance_calibrator(plan.acceptance_trace) if plan.acceptance_trace else None
+    fitted = _fitted_predictor(plan, model) if plan.predictor_trace else None
 
     if plan.out_dir is not None:
         from ..calibrate.profile import ModelShape
@@ -212,13 +223,13 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             if plan.warmup:
                 say(f"warm-up {policy.name}")
                 model.offload.reset()
-                _decoder(plan, model, drafter, policy, profile.cost, calibrator, None).generate(
+                _decoder(plan, model, drafter, policy, profile.cost, calibrator, None, fitted).generate(
                     prompts[0].input_ids, min(WARMUP_TOKENS, plan.max_new_tokens), ignore_eos=True)
             say(f"decode {policy.name}")
             # every policy starts from an empty expert cache; prompts then share it, as a server's would
             model.offload.reset()
             decoder = _decoder(plan, model, drafter, policy, profile.cost, calibrator,
-                               recorder if recorder is not None and not plan.record_full else None)
+                               recorder if recorder is not None and not plan.record_full else None, fitted)
             for index, prompt in enumerate(prompts):
                 if decoder.recorder is not None:
                     decoder.recorder.begin_sequence(index)
@@ -313,13 +324,42 @@ def _acceptance_calibrator(trace_path: Path):
     return calibrator
 
 
-def _decoder(plan, model, drafter, policy, cost, calibrator, recorder):
+def _fitted_predictor(plan, model):
+    """``plan.predictor`` fitted on ``plan.predictor_trace`` (a trace of this model)."""
+    from ..experts.predictors import make_predictor
+    from ..traces.format import read_trace
+
+    path = plan.predictor_trace
+    trace = read_trace(path)
+    config = model.config
+    have = (config.n_moe_layers, config.n_experts, config.top_k)
+    if (trace.n_layers, trace.n_experts, trace.top_k) != have:
+        raise SpecFitError(f"--predictor-trace {path}: {trace.n_layers} MoE layers x {trace.n_experts} experts, top-"
+                           f"{trace.top_k}; the model has {have[0]} x {have[1]}, top-{have[2]}: a trace of another model")
+    recording = trace.meta.get("recording", {})
+    if plan.predictor in recording.get("unfittable_predictors", []):
+        raise SpecFitError(f"--predictor-trace {path}: its token ids are {recording.get('token_ids', 'unknown')}; "
+                           f"--predictor {plan.predictor} learns from token ids")
+    if not trace.true_known.any():
+        raise SpecFitError(f"--predictor-trace {path}: no node's true experts are known; record it with --record-full")
+    return make_predictor(plan.predictor).fit(trace)
+
+
+def _decoder(plan, model, drafter, policy, cost, calibrator, recorder, fitted=None):
+    import copy
+
     from ..experts.predictors import make_predictor
     from .decoder import Decoder
     from .drafting import Proposer
 
-    # a fresh predictor per decoder: the fitted ones learn from the run's own verified nodes
-    predictor = make_predictor("router", model=model) if plan.predictor == "router" else make_predictor(plan.predictor)
+    # a fresh predictor per decoder (a copy of the fitted one): the fitted ones go on learning from
+    # the run's own verified nodes
+    if fitted is not None:
+        predictor = copy.deepcopy(fitted)
+    elif plan.predictor == "router":
+        predictor = make_predictor("router", model=model)
+    else:
+        predictor = make_predictor(plan.predictor)
     proposer = Proposer(drafter, plan.tree_top_k) if policy.max_levels > 0 else None
     return Decoder(model, proposer, policy, cost, predictor=predictor, eos_token_ids=model.config.eos_token_ids,
                    temperature=plan.temperature, seed=plan.seed, calibrator=calibrator, recorder=recorder,
