@@ -19,7 +19,7 @@ from typing import Optional
 
 import typer
 
-from .errors import SpecFitError, fail
+from .errors import SpecFitError, fail, stopped
 from .threads import THREADS_HELP, set_cpu_threads
 
 __all__ = ["DemoPlan", "run_demo", "register", "whatif_scenarios"]
@@ -199,9 +199,8 @@ def demo_command(
     except SpecFitError as exc:
         fail(str(exc))
     except KeyboardInterrupt:
-        typer.secho(f"interrupted: what finished is kept under {out} (decode runs keep every complete cycle); run "
-                    f"specfit demo again for the report", err=True)
-        raise typer.Exit(130) from None
+        stopped(f"interrupted: what finished is kept under {out} (decode runs keep every complete cycle); run "
+                f"specfit demo again for the report")
 
     table = Table(title="Live decoding of the bundled tiny MoE on this machine (measured, predicted in brackets; "
                         "time error: each cycle predicted before it ran, by the model refitted online / by the profile)")

@@ -1,12 +1,12 @@
 """Bad user input: the one exception type, and the CLI's way of reporting it.
 
 Every command catches :class:`SpecFitError` and calls :func:`fail`, which prints the message as
-one line (no traceback) and exits with status 2.
+one line (no traceback) and exits with status 2; a Ctrl-C ends in :func:`stopped` (status 130).
 """
 
 from __future__ import annotations
 
-__all__ = ["SpecFitError", "Interrupted", "fail"]
+__all__ = ["SpecFitError", "Interrupted", "fail", "stopped"]
 
 
 class SpecFitError(ValueError):
@@ -24,3 +24,11 @@ def fail(message: str) -> None:
 
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(2)
+
+
+def stopped(message: str) -> None:
+    """Say what a run stopped by Ctrl-C kept (or that it kept nothing) and exit with status 130."""
+    import typer
+
+    typer.secho(message, err=True)
+    raise typer.Exit(130) from None

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import SpecFitError, fail
+from ..errors import SpecFitError, fail, stopped
 from ..io import check_output
 from ..threads import THREADS_HELP, set_cpu_threads
 
@@ -68,8 +68,7 @@ def calibrate_command(
     except SpecFitError as exc:
         fail(str(exc))
     except KeyboardInterrupt:
-        typer.secho("interrupted: no profile was written (probes are fitted only once they have all run)", err=True)
-        raise typer.Exit(130) from None
+        stopped("interrupted: no profile was written (probes are fitted only once they have all run)")
     if as_json:
         typer.echo(json.dumps(prof.to_dict(), indent=2))
         return

@@ -101,21 +101,9 @@ def min_cut_source_side(n_vertices, source, sink, edge_from, edge_to, edge_cap, 
             u = tail[path[depth]]
             current[u] += 1
 
-    seen = np.zeros(n_vertices, dtype=np.bool_)
-    seen[source] = True
-    queue[0] = source
-    q_head, q_tail = 0, 1
-    while q_head < q_tail:
-        u = queue[q_head]
-        q_head += 1
-        for i in range(start[u], start[u + 1]):
-            a = arcs[i]
-            v = head[a]
-            if not seen[v] and cap[a] > eps:
-                seen[v] = True
-                queue[q_tail] = v
-                q_tail += 1
-    return seen
+    # the loop ends right after a breadth-first pass that did not reach the sink: its levels mark
+    # the source side of the minimum cut
+    return level >= 0
 
 
 @njit(cache=True)

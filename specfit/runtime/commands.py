@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import Interrupted, SpecFitError, fail
+from ..errors import Interrupted, SpecFitError, fail, stopped
 from ..policies import POLICY_HELP
 from ..threads import THREADS_HELP, set_cpu_threads
 from .run_dir import CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE
@@ -114,8 +114,7 @@ def decode(
     except SpecFitError as exc:
         fail(str(exc))
     except Interrupted as exc:
-        stderr.print(str(exc))
-        raise typer.Exit(130) from None
+        stopped(str(exc))
     if not json_lines:
         _print_summary(result, out)
 

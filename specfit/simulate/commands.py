@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import SpecFitError, fail
+from ..errors import SpecFitError, fail, stopped
 from ..io import check_output
 from ..policies import DEFAULT_POLICIES, POLICY_HELP
 
@@ -61,9 +61,7 @@ def simulate_command(
     except SpecFitError as exc:
         fail(str(exc))
     except KeyboardInterrupt:
-        typer.secho("interrupted: nothing was written (a simulation writes its files when every replay is done)",
-                    err=True)
-        raise typer.Exit(130) from None
+        stopped("interrupted: nothing was written (a simulation writes its files when every replay is done)")
     if as_json:
         records = json.loads(summary.to_json(orient="records"))
         typer.echo(json.dumps(records, indent=2))

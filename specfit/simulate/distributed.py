@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SpecFitError
+from ..errors import Interrupted, SpecFitError
 from .grid import Cell, SweepSpec, TraceSource, policy_cost_rank, run_cell
 
 __all__ = ["require_ray", "ray_session", "run_grid", "SweepRun", "GridInputs", "resolve_inputs", "RAY_MISSING",
@@ -34,11 +34,12 @@ _MAX_CHUNK_CELLS = 16
 _PREPARED_KEPT = 2           # prepared traces a worker keeps deserialised (they are large)
 
 
-class SweepInterrupted(Exception):
+class SweepInterrupted(Interrupted):
     """Ctrl-C during a sweep: what was finished is on disk."""
 
     def __init__(self, done: int, total: int):
-        super().__init__(f"interrupted: {done} of {total} cells are in the dataset")
+        super().__init__(f"interrupted: {done} of {total} cells are in the dataset; run the same command again to "
+                         f"resume")
         self.done, self.total = done, total
 
 

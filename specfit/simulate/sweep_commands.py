@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import SpecFitError, fail
+from ..errors import Interrupted, SpecFitError, fail, stopped
 
 # the settings a table may show for a cell (column: header); those the grid varies are shown
 _SETTING_COLUMNS = {"trace": "trace", "profile": "profile", "cache_mode": "cache mode", "cache_policy": "eviction",
@@ -40,7 +40,7 @@ def sweep_command(
 ) -> None:
     """Run a grid of replays as Ray tasks into one resumable Parquet dataset."""
     from .dataset import read_results
-    from .distributed import SweepInterrupted, execute, require_ray
+    from .distributed import execute, require_ray
     from .grid import load_spec
 
     try:
@@ -54,9 +54,8 @@ def sweep_command(
         results = read_results(out_dir)
     except SpecFitError as exc:
         fail(str(exc))
-    except SweepInterrupted as exc:
-        typer.secho(f"{exc}; run the same command again to resume", err=True)
-        raise typer.Exit(130)
+    except Interrupted as exc:
+        stopped(str(exc))
     if as_json:
         typer.echo(json.dumps(json.loads(results.to_json(orient="records")), indent=2))
         return
@@ -126,7 +125,7 @@ def plan_command(
     as_json: bool = typer.Option(False, "--json", help="Print only the recommendation and runners-up as JSON."),
 ) -> None:
     """Turn a device-memory budget into candidate settings, replay them as a sweep, print the best."""
-    from .distributed import SweepInterrupted, require_ray
+    from .distributed import require_ray
     from .plan import MemoryBudget, run_plan
 
     try:
@@ -140,9 +139,8 @@ def plan_command(
                           num_cpus=num_cpus, show_progress=not as_json, ctx=ctx)
     except SpecFitError as exc:
         fail(str(exc))
-    except SweepInterrupted as exc:
-        typer.secho(f"{exc}; run the same command again to resume", err=True)
-        raise typer.Exit(130)
+    except Interrupted as exc:
+        stopped(str(exc))
     if as_json:
         typer.echo(json.dumps(result.to_dict(top), indent=2))
         return
