@@ -16,3 +16,12 @@ def user_cache_in_tmp(tmp_path_factory):
         os.environ.pop("XDG_CACHE_HOME", None)
     else:
         os.environ["XDG_CACHE_HOME"] = before
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray instance of 2 CPUs for one test module (skips without Ray)."""
+    ray = pytest.importorskip("ray")
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()

@@ -114,14 +114,6 @@ def test_plan_errors_are_one_line():
 
 
 # ------------------------------------------------------------------ on Ray
-@pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def _tree_tokens(policy: str, trace) -> int:
     """Nodes a policy verifies at most on ``trace`` (root included), from the policy's definition."""
     name, _, rest = policy.partition(":")

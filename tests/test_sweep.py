@@ -167,14 +167,6 @@ def test_parts_are_whole_files_and_temporaries_are_removed(tmp_path):
 
 # ------------------------------------------------------------------ on Ray
 @pytest.fixture(scope="module")
-def ray_local():
-    ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def grid_sweep(ray_local, small_trace, tmp_path_factory):
     """The 32-cell grid swept once on the local Ray instance (CLI, JSON output)."""
     folder = tmp_path_factory.mktemp("grid")
