@@ -190,12 +190,13 @@ class ExpertCache(LayerCounts):
     def admit(self, union: np.ndarray, keep: np.ndarray | None = None) -> AdmitResult:
         """Make a cycle's union (``[L, E]`` bool) resident as far as capacity allows; ``keep``
         (float ``[L, E]``, optional) orders the victims before the policy's scores do."""
-        union = self._check_mask("union", union)
+        return self._admit(self._check_mask("union", union), self.kernel_keep(keep))
+
+    def _admit(self, union: np.ndarray, keep: np.ndarray) -> AdmitResult:
         bitsets = kernels.bitsets
         counts = np.zeros((4, self.n_layers), dtype=np.int64)
         sets = np.zeros((4, self.n_layers, self._words), dtype=np.uint64)
-        kernels.cache.admit_union(bitsets.pack_mask(union), *self.kernel_state(), self._check_keep(keep), counts,
-                                  *sets)
+        kernels.cache.admit_union(bitsets.pack_mask(union), *self.kernel_state(), keep, counts, *sets)
         hit, admitted, evicted, streamed = (bitsets.unpack(s, self.n_experts) for s in sets)
         return AdmitResult(hits=counts[0], misses=counts[1], evictions=counts[2], streamed=counts[3], hit_mask=hit,
                            admitted_mask=admitted, evicted_mask=evicted, streamed_mask=streamed)
@@ -210,7 +211,7 @@ class ExpertCache(LayerCounts):
         if ids.ndim != 1 or not (np.issubdtype(ids.dtype, np.integer) or ids.size == 0):
             raise ValueError(f"expert_ids: expected a 1-D array of integer expert ids, got {ids.dtype} {ids.shape}")
         ok, hit_ids, admitted_ids, streamed_ids, evicted = kernels.cache.admit_layer_ids(
-            int(layer), ids.astype(np.int64, copy=False), *self.kernel_state(), self._check_keep(keep))
+            int(layer), ids.astype(np.int64, copy=False), *self.kernel_state(), self.kernel_keep(keep))
         if not ok:
             raise ValueError(f"expert_ids: expected ids in [0, {self.n_experts}), got [{ids.min()}, {ids.max()}]")
         pairs = np.stack([evicted // self.n_experts, evicted % self.n_experts], axis=1)
@@ -227,7 +228,7 @@ class ExpertCache(LayerCounts):
         ``admitted_mask`` holds the experts copied and ``evicted_mask`` those whose slots they took.
         Prefetched experts count as touched now; resident ones in ``mask`` too."""
         mask = self._check_mask("mask", mask)
-        keep_arg = self._check_keep(keep)
+        keep_arg = self.kernel_keep(keep)
         zeros, empty = np.zeros(self.n_layers, dtype=np.int64), np.zeros_like(mask)
         if self.capacity == 0:
             return AdmitResult(zeros, zeros, zeros, zeros, empty, empty, empty, empty)
@@ -238,7 +239,7 @@ class ExpertCache(LayerCounts):
             # evict something at least as valuable (the cheapest victim set is the lowest keeps)
             want &= self._worth_a_slot(want, mask, resident, keep_arg)
         counted = self._counters[[0, 1, 3]].copy()          # a prefetch is no hit, miss or stream
-        result = self.admit(want | (mask & resident), keep)
+        result = self._admit(want | (mask & resident), keep_arg)
         self._counters[[0, 1, 3]] = counted
         self.prefetched += result.admitted_mask.sum(axis=1)
         return AdmitResult(hits=zeros, misses=zeros, evictions=result.evictions, streamed=zeros, hit_mask=empty,
@@ -274,8 +275,9 @@ class ExpertCache(LayerCounts):
                              f"{mask.dtype} {mask.shape}")
         return mask
 
-    def _check_keep(self, keep) -> np.ndarray:
-        """``keep`` as the kernels take it: float64 [L, E], or the empty array for none."""
+    def kernel_keep(self, keep) -> np.ndarray:
+        """``keep`` validated, as the kernels take it after :meth:`kernel_state`'s arrays: float64
+        [L, E], or the empty array for none."""
         if keep is None:
             return kernels.cache.NO_KEEP
         keep = np.ascontiguousarray(keep, dtype=np.float64)

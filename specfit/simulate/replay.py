@@ -189,7 +189,7 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
             root_predicted_misses = kernels.bitsets.count_missing(prep.predicted_experts, lo, state[0])
             committed, n_out = k.commit_cycle(
                 c, nodes, nodes.size, same, False, offsets, prep.depths, prep.tokens, prep.verdicts, prep.true_experts,
-                prep.predicted_experts, prep.path_offsets, prep.paths, *state, cache._check_keep(keep), selected,
+                prep.predicted_experts, prep.path_offsets, prep.paths, *state, cache.kernel_keep(keep), selected,
                 true_union, predicted_union, admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
             if advisor is not None or unions is not None:
                 union = kernels.bitsets.unpack(true_union, n_experts)
