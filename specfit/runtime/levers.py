@@ -44,13 +44,13 @@ def miss_report(draft, verification) -> dict:
     if sel is None or draft.cached is None or draft.experts.shape[1:] != verification.expert_ids.shape[1:]:
         return {}
 
-    def missing(experts: np.ndarray) -> int:
-        layer = np.broadcast_to(np.arange(experts.shape[0])[:, None], experts.shape)
-        items = np.unique(layer * draft.cached.shape[1] + experts.astype(np.int64))
-        return int(items.size - np.count_nonzero(draft.cached.ravel()[items]))
+    from .. import kernels
 
+    # the root's misses against the residency the policy saw, counted as the replay counts them
+    cached = kernels.bitsets.pack_mask(draft.cached)
     return {"misses": verification.offload.total_misses, "predicted_misses": sel.misses,
-            "root_misses": missing(verification.expert_ids[0]), "root_predicted_misses": missing(draft.experts[0])}
+            "root_misses": int(kernels.bitsets.count_missing(verification.expert_ids, 0, cached)),
+            "root_predicted_misses": int(kernels.bitsets.count_missing(draft.experts, 0, cached))}
 
 
 def cache_keep(decoder, draft) -> np.ndarray | None:
