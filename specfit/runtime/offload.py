@@ -241,16 +241,8 @@ class ExpertOffload:
         admit = self.cache.admit_layer(layer, expert_ids, keep=self.keep)
         self._count(layer, admit)
         copier = self._copier
-        # global mode may evict other layers' experts: free every evicted slot first
-        for evicted_layer, evicted_expert in admit.evicted.tolist():
-            self._free_slots.append(int(self.slot_of[evicted_layer, evicted_expert]))
-            self.slot_of[evicted_layer, evicted_expert] = -1
         admitted = admit.admitted_ids.tolist()
-        slots = []
-        for expert in admitted:
-            slot = self._free_slots.pop()
-            self.slot_of[layer, expert] = slot
-            slots.append(slot)
+        slots = self._reassign(admit.evicted.tolist(), [(layer, expert) for expert in admitted])
         if slots:
             # slots just freed may still be read by compute already enqueued (an earlier layer or
             # pass): the copies into them wait for it
@@ -288,14 +280,10 @@ class ExpertOffload:
         if self.released:
             raise RuntimeError("ExpertOffload: device memory was released; call allocate() first")
         result = self.cache.prefetch(mask, keep)
-        for layer, expert in np.argwhere(result.evicted_mask).tolist():
-            self._free_slots.append(int(self.slot_of[layer, expert]))
-            self.slot_of[layer, expert] = -1
-        jobs = []
-        for layer, expert in np.argwhere(result.admitted_mask).tolist():
-            slot = self._free_slots.pop()
-            self.slot_of[layer, expert] = slot
-            jobs.append((("slot", slot), self._pairs(layer, expert, self.slot_gate_up[slot], self.slot_down[slot])))
+        admitted = np.argwhere(result.admitted_mask).tolist()
+        slots = self._reassign(np.argwhere(result.evicted_mask).tolist(), admitted)
+        jobs = [(("slot", slot), self._pairs(layer, expert, self.slot_gate_up[slot], self.slot_down[slot]))
+                for (layer, expert), slot in zip(admitted, slots)]
         if not jobs:
             return 0
         if isinstance(self._copier, StreamCopier):
@@ -337,6 +325,19 @@ class ExpertOffload:
         return copy_s, wait_s
 
     # ------------------------------------------------------------------ helpers
+    def _reassign(self, evicted, admitted) -> list[int]:
+        """Free the slots of the ``evicted`` (layer, expert) pairs first (global mode may evict
+        other layers' experts), then give each ``admitted`` pair a free slot; returns those slots."""
+        for layer, expert in evicted:
+            self._free_slots.append(int(self.slot_of[layer, expert]))
+            self.slot_of[layer, expert] = -1
+        slots = []
+        for layer, expert in admitted:
+            slot = self._free_slots.pop()
+            self.slot_of[layer, expert] = slot
+            slots.append(slot)
+        return slots
+
     def _stage(self, index: int, layer: int, expert: int) -> None:
         buffer = index % self._n_staging
         pairs = self._pairs(layer, expert, self.staging_gate_up[buffer], self.staging_down[buffer])
