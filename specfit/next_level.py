@@ -33,7 +33,9 @@ class LevelStats:
     ``acceptance_[depth, rank]``: conditional probability of a rank-``rank`` child (0 = the most
     probable of its siblings) at ``depth``; ``new_experts_[depth]``: predicted experts per layer not
     shared with the parent; ``width_``: children per expanded node. Unseen entries hold the prior
-    (``prior_acceptance`` for rank 0, halving per rank; ``prior_new_experts``).
+    (``prior_acceptance`` for rank 0, halving per rank; ``prior_new_experts``). The arrays are the
+    state the compiled rules (:mod:`specfit.kernels.levels`) update in place, here and inside
+    :mod:`specfit.kernels.decide`.
     """
 
     def __init__(self, max_depth: int = 16, max_rank: int = 16, memory: float = 0.95, prior_acceptance: float = 0.5,
@@ -44,44 +46,44 @@ class LevelStats:
         self.acceptance_ = np.tile(prior_acceptance * 0.5 ** np.arange(max_rank), (max_depth + 2, 1))
         self.new_experts_ = np.full(max_depth + 2, float(prior_new_experts))   # a share of top_k until seen
         self._new_is_share = np.ones(max_depth + 2, dtype=bool)
-        self.width_ = 0.0
+        self._width = np.zeros(1)
         self.seen_ = np.zeros(max_depth + 2, dtype=np.int64)
+
+    @property
+    def width_(self) -> float:
+        return float(self._width[0])
+
+    @width_.setter
+    def width_(self, value: float) -> None:
+        self._width[0] = value
+
+    @property
+    def arrays(self) -> tuple:
+        """``(acceptance, new_experts, new_is_share, seen, width)`` as the kernels take them."""
+        return self.acceptance_, self.new_experts_, self._new_is_share, self.seen_, self._width
 
     def update(self, tree: DraftTree, experts: np.ndarray, depth: int) -> None:
         """Learn from the nodes of ``tree`` at ``depth`` (just drafted) and their predicted experts."""
-        if depth < 1 or depth >= self.new_experts_.size:
-            return
-        nodes = tree.level(depth)
-        if nodes.size == 0:
-            return
         from . import kernels
 
         has_experts = experts.ndim == 3 and experts.shape[1] > 0
-        sums, counts, n_parents, new = kernels.levels.level_summary(
-            tree.parents, tree.path_probs, nodes, np.ascontiguousarray(experts, dtype=np.int64) if has_experts
-            else _NO_EXPERTS, self.acceptance_.shape[1])
-        m = self.memory
-        for r in np.flatnonzero(counts):
-            self.acceptance_[depth, r] = m * self.acceptance_[depth, r] + (1 - m) * (sums[r] / counts[r])
-        width = nodes.size / n_parents
-        self.width_ = width if self.width_ == 0 else m * self.width_ + (1 - m) * width
-        if has_experts:
-            prior = self.new_experts_[depth] * (experts.shape[2] if self._new_is_share[depth] else 1)
-            self.new_experts_[depth] = m * prior + (1 - m) * new if self.seen_[depth] else new
-            self._new_is_share[depth] = False
-        self.seen_[depth] += 1
+        kernels.levels.stats_update(
+            np.array(tree.parents), np.array(tree.path_probs), tree.level(depth),
+            np.ascontiguousarray(experts, dtype=np.int64) if has_experts else _NO_EXPERTS, int(depth), *self.arrays,
+            self.memory)
 
     def known_depth(self, depth: int) -> int:
         """``depth`` if a level that deep has been seen, else the deepest seen level above it (the
         next level is assumed to be like the last one); ``depth`` itself when none was seen."""
-        d = min(depth, self.seen_.size - 1)
-        seen = np.flatnonzero(self.seen_[: d + 1] > 0)
-        return d if self.seen_[d] or seen.size == 0 else int(seen[-1])
+        from . import kernels
+
+        return int(kernels.levels.known_depth(self.seen_, int(depth)))
 
     def new_experts(self, depth: int, top_k: int) -> float:
-        d = self.known_depth(depth)
-        value = self.new_experts_[d] * top_k if self._new_is_share[d] else self.new_experts_[d]
-        return float(np.clip(value, 0.0, top_k))
+        from . import kernels
+
+        return float(kernels.levels.expected_new_experts(self.new_experts_, self._new_is_share, self.seen_, int(depth),
+                                                         int(top_k)))
 
 
 def expected_level(tree: DraftTree, experts: np.ndarray, cached: np.ndarray, stats: LevelStats, depth: int,
@@ -92,26 +94,17 @@ def expected_level(tree: DraftTree, experts: np.ndarray, cached: np.ndarray, sta
     newest = tree.level(depth)
     if newest.size == 0:
         return None
-    width = int(round(stats.width_)) if stats.width_ > 0 else int(newest.size)
-    width = max(1, min(width, stats.acceptance_.shape[1]))
-    n_front = frontier_width or width
-    p = tree.path_probs
-    frontier = newest[np.lexsort((newest, -p[newest]))][:n_front]
-    cond = stats.acceptance_[stats.known_depth(depth + 1), :width]
-    parents = np.repeat(frontier, width)
-    probs = p[parents] * np.tile(cond, frontier.size)
-    top_k = experts.shape[2]
-    n_experts = cached.shape[1]
     from . import kernels
 
-    child_experts = kernels.levels.virtual_children(np.ascontiguousarray(experts, dtype=np.int64), parents,
-                                                    stats.new_experts(depth + 1, top_k), n_experts)
-    n_children = parents.size
-    virtual = DraftTree(parents=np.concatenate([tree.parents, parents]),
-                        path_probs=np.concatenate([p, np.minimum(probs, p[parents])]))
-    grown = np.zeros((cached.shape[0], n_experts + n_children * top_k), dtype=bool)
+    n_experts = cached.shape[1]
+    parents, probs, grown_experts = kernels.levels.expected_children(
+        np.array(tree.parents), np.array(tree.path_probs), newest, np.ascontiguousarray(experts, dtype=np.int64),
+        stats.acceptance_, stats.new_experts_, stats._new_is_share, stats.seen_, stats.width_, int(depth), n_experts,
+        int(frontier_width or 0))
+    n_children = parents.size - tree.n_nodes
+    grown = np.zeros((cached.shape[0], n_experts + n_children * experts.shape[2]), dtype=bool)
     grown[:, :n_experts] = cached
-    return virtual, np.concatenate([experts, child_experts]), grown
+    return DraftTree(parents=parents, path_probs=probs), grown_experts, grown
 
 
 def optimistic_level(tree: DraftTree, experts: np.ndarray, depth: int):
@@ -120,11 +113,10 @@ def optimistic_level(tree: DraftTree, experts: np.ndarray, depth: int):
     frontier = tree.level(depth)
     if frontier.size == 0:
         return None
-    top = frontier[np.argmax(tree.path_probs[frontier])]
-    parent_p = tree.path_probs[tree.parents[top]]
-    q = min(float(tree.path_probs[top] / parent_p), 1.0) if parent_p > 0 else 0.0
-    if q <= 0:
+    from . import kernels
+
+    parents, probs, grown_experts = kernels.levels.optimistic_children(
+        np.array(tree.parents), np.array(tree.path_probs), frontier, np.ascontiguousarray(experts, dtype=np.int64))
+    if parents.size == 0:
         return None
-    virtual = DraftTree(parents=np.concatenate([tree.parents, frontier]),
-                        path_probs=np.concatenate([tree.path_probs, tree.path_probs[frontier] * q]))
-    return virtual, np.concatenate([experts, experts[frontier]])
+    return DraftTree(parents=parents, path_probs=probs), grown_experts

@@ -18,18 +18,20 @@ that could not pay. What the policy decides with:
 
 from __future__ import annotations
 
-from collections import deque
+import numpy as np
 
-from .next_level import LevelStats, expected_level, optimistic_level
+from . import kernels
+from .next_level import LevelStats
 from .policy_base import CycleView, Observation, Policy, edge_outcomes
-from .search import Selection, best_subtree, should_continue, uncertainty_price_s
+from .search import Selection, _check_draft_node_s, _packed, _selection, _validated, best_subtree
 
 __all__ = ["SpecFitPolicy", "LOOKAHEADS", "PRICES"]
 
 LOOKAHEADS = ("expected", "optimistic", "none")
 PRICES = ("observed", "precision", "none")
-# observed prices forget at this rate per cycle that verified draft nodes
-_PRICE_MEMORY = 0.99
+_LOOKAHEAD_CODES = {"none": 0, "expected": 1, "optimistic": 2}     # kernels.decide.NONE, EXPECTED, OPTIMISTIC
+_PRICE_CODES = {"none": 0, "precision": 1, "observed": 2}          # kernels.decide.NO_PRICE, PRECISION, OBSERVED
+_RECENT_FIRST = 8     # first levels the level-0 test remembers
 
 
 class SpecFitPolicy(Policy):
@@ -70,17 +72,24 @@ class SpecFitPolicy(Policy):
         if price_uncertainty not in PRICES:
             raise ValueError(f"price_uncertainty: expected one of {PRICES}, got {price_uncertainty!r}")
         self.price_uncertainty = price_uncertainty
-        # observed mode: misses beyond the predicted ones, per verified draft node (exponential sums)
         self.min_observed = int(min_observed)
-        self._extra_misses = self._draft_nodes = 0.0
-        self._n_observed = 0
         self.acceptance = acceptance
         self.fixed_overhead_s = overhead_level_s
         self.overhead_level_s = 0.0 if overhead_level_s is None else float(overhead_level_s)
-        self._slots = self._slots_right = 0
-        self._resident_share = 0.0
-        self.draft_node_s = 0.0
         self.stats = LevelStats(max_depth=max(self.max_levels, 1))
+        # the state the compiled rules (specfit.kernels.decide) read and update in place: the
+        # configuration, the observed price's sums, the slot precision, the level-0 test's memory of
+        # recent first levels (best path probability, width) and the cycle's price per draft node
+        d = kernels.decide
+        self._conf = np.zeros(d.N_CONF, dtype=np.int64)
+        self._conf[[d.MAX_LEVELS, d.LOOKAHEAD, d.FIRST_LEVEL_TEST, d.PRICE, d.MIN_OBSERVED]] = (
+            self.max_levels, _LOOKAHEAD_CODES[lookahead], self.first_level_test, _PRICE_CODES[price_uncertainty],
+            self.min_observed)
+        self._fstate = np.zeros(d.N_FSTATE)
+        self._fstate[d.STATS_MEMORY] = self.stats.memory
+        self._istate = np.zeros(d.N_ISTATE, dtype=np.int64)
+        self._recent_p = np.zeros(_RECENT_FIRST)
+        self._recent_w = np.zeros(_RECENT_FIRST, dtype=np.int64)
         self._best: Selection | None = None
         self._previous: Selection | None = None
         self._levels = -1
@@ -88,10 +97,17 @@ class SpecFitPolicy(Policy):
         self._cost = None
         self._view_key = None
         self._view: CycleView | None = None
-        # across cycles: the best level-1 path probability and width of recently drafted first
-        # levels, and how many cycles in a row the level-0 test has declined to draft
-        self._recent_first = deque(maxlen=8)
-        self._declined = 0
+
+    @property
+    def draft_node_s(self) -> float:
+        """This cycle's price per draft node (s)."""
+        return float(self._fstate[kernels.decide.NODE_PRICE])
+
+    @property
+    def state(self) -> tuple:
+        """The arrays the compiled rules take after the tree's (``conf, fstate, istate, recent_p,
+        recent_w`` and the level statistics'), in :func:`specfit.kernels.decide.decide_level`'s order."""
+        return (self._conf, self._fstate, self._istate, self._recent_p, self._recent_w, *self.stats.arrays)
 
     def begin_cycle(self) -> None:
         self._best = self._previous = None
@@ -100,22 +116,19 @@ class SpecFitPolicy(Policy):
 
     # ------------------------------------------------------------------ learning
     def observe(self, observation: Observation) -> None:
-        self._slots += observation.predicted_slots
-        self._slots_right += observation.predicted_slots_right
+        d = kernels.decide
+        self._istate[d.SLOTS] += observation.predicted_slots
+        self._istate[d.SLOTS_RIGHT] += observation.predicted_slots_right
         if observation.resident_share is not None:
-            self._resident_share = observation.resident_share
+            self._fstate[d.RESIDENT_SHARE] = observation.resident_share
         if self.fixed_overhead_s is None and observation.decision_time_s is not None:
             per_decision = observation.decision_time_s / (observation.draft_levels + 1)
             self.overhead_level_s = per_decision if self.overhead_level_s == 0 else \
                 0.9 * self.overhead_level_s + 0.1 * per_decision
         o = observation
-        if o.misses is not None and o.verified is not None and o.verified.size > 1 and o.root_misses is not None:
-            # misses the draft nodes added beyond their prediction: the root's own errors are paid
-            # by every candidate subtree alike, so they are left out
-            extra = (o.misses - o.root_misses) - (o.predicted_misses - o.root_predicted_misses)
-            self._extra_misses = _PRICE_MEMORY * self._extra_misses + extra
-            self._draft_nodes = _PRICE_MEMORY * self._draft_nodes + (o.verified.size - 1)
-            self._n_observed += o.verified.size - 1
+        if o.misses is not None and o.verified is not None and o.root_misses is not None:
+            d.observe_cycle(self._fstate, self._istate, int(o.verified.size), int(o.misses), int(o.root_misses),
+                            int(o.predicted_misses), int(o.root_predicted_misses))
         if self.acceptance is not None and observation.tree is not None:
             nodes, accepted = edge_outcomes(observation)
             self.acceptance.update(observation.tree, nodes, accepted)
@@ -143,97 +156,41 @@ class SpecFitPolicy(Policy):
             self._cost_key = key
         return self._cost
 
-    def _price(self, view: CycleView) -> float:
-        mode = self.price_uncertainty
-        if mode == "none":
-            return 0.0
-        if mode == "observed" and self._n_observed >= self.min_observed and self._draft_nodes > 0:
-            per_node = max(self._extra_misses / self._draft_nodes, 0.0)
-            return per_node * max(view.cost.miss_s - view.cost.hit_s, 0.0)
-        if not self._slots:
-            return 0.0
-        _, n_layers, top_k = view.experts.shape
-        return uncertainty_price_s(view.cost, n_layers, top_k, self._slots_right / self._slots,
-                                   resident_share=self._resident_share)
-
-    def _search(self, view: CycleView) -> Selection:
-        if self._levels != view.draft_levels or self._best is None:
-            if self._levels < 0:
-                self.draft_node_s = self._price(view)    # one price per cycle
-            self._previous = self._best
-            # the previous level's answer is still a valid subtree: a warm start for Dinkelbach
-            start = None if self._previous is None else self._previous.nodes
-            self._best = best_subtree(view.tree, view.experts, view.cached, view.cost, view.draft_levels, start=start,
-                                      draft_node_s=self.draft_node_s)
-            self._levels = view.draft_levels
-        return self._best
+    def _price_once(self, view: CycleView) -> float:
+        """The cycle's price per draft node, set at its first search (one price per cycle)."""
+        d = kernels.decide
+        if self._levels < 0:
+            _, n_layers, top_k = view.experts.shape
+            self._fstate[d.NODE_PRICE] = _check_draft_node_s(d.node_price(
+                self._conf, self._fstate, self._istate, n_layers, top_k, view.cost.hit_s, view.cost.miss_s))
+        return self.draft_node_s
 
     # ------------------------------------------------------------------ the two decisions
     def keep_drafting(self, view: CycleView) -> bool:
         if view.draft_levels >= self.max_levels:
             return False
         view = self._decision_view(view)
-        if view.draft_levels == 0:
-            root = self._search(view)
-            return self._first_level_may_pay(view, root) if self.first_level_test else root.time_s > 0
-        if view.draft_levels == 1:
-            first = view.tree.level(1)
-            if first.size:
-                self._recent_first.append((float(view.tree.path_probs[first].max()), int(first.size)))
-        self.stats.update(view.tree, view.experts, view.draft_levels)
-        current = self._search(view)
-        if should_continue(self._previous, current):
-            return True
-        return self.lookahead != "none" and self._next_level_may_pay(view, current)
+        tree, levels = view.tree, int(view.draft_levels)
+        experts, cached = _validated(tree, view.experts, view.cached, view.cost, levels)
+        price = self._price_once(view)
+        previous = self._previous if self._levels == levels else self._best
+        start = np.zeros(0, dtype=np.int64) if previous is None else previous.nodes
+        status, go_on, nodes, tokens, time_s, hits, misses = kernels.decide.decide_level(
+            np.array(tree.parents), np.array(tree.path_probs), experts, _packed(cached), cached.shape[1],
+            view.cost.params, levels, *self.state, start,
+            0.0 if previous is None else previous.expected_tokens, 0.0 if previous is None else previous.time_s)
+        best = _selection(status, tree, experts, cached, levels, price, nodes, tokens, time_s, hits, misses)
+        self._previous, self._best, self._levels = previous, best, levels
+        return bool(go_on)
 
     def select(self, view: CycleView) -> Selection:
         # the whole drafted tree with the levels actually spent: no earlier subtree is missed
-        return self._search(self._decision_view(view))
-
-    def _first_level_may_pay(self, view: CycleView, root: Selection) -> bool:
-        """Whether drafting level 1 can beat verifying the root alone.
-
-        k first-level nodes with path probability at most p add at most k p tokens and cost at
-        least d + k c (d: a draft level, c: per node plus its price), so they pay only if
-        p T0 > c + d / k, T0 the root's cycle time. With p = 1 this is a bound that holds for any
-        drafter; with p and k from recently drafted first levels it stops a drafter that has been
-        useless, and every 16th declined cycle drafts anyway to notice when it improves.
-        """
-        c = view.cost.per_node_s + self.draft_node_s
-        if root.time_s <= c:
-            return False
-        if self._recent_first and self._declined < 16:
-            p = max(prob for prob, _ in self._recent_first)
-            k = max(width for _, width in self._recent_first)
-            if p * root.time_s <= c + view.cost.draft_level_s / k:
-                self._declined += 1
-                return False
-        self._declined = 0
-        return True
-
-    def _next_level_may_pay(self, view: CycleView, current: Selection) -> bool:
-        """Whether the best subtree with one more (virtual) level, charged that level, beats the
-        current best: the expected level of :func:`specfit.next_level.expected_level`, or the
-        optimistic one."""
-        d = view.draft_levels
-        if self.lookahead == "expected":
-            grown = expected_level(view.tree, view.experts, view.cached, self.stats, d)
-            if grown is None:
-                return False
-            tree, experts, cached = grown
-            # a bound that saves the search: a subtree S with the virtual level has A(S) <= A_r + x
-            # (x: all virtual probability) and T(S) >= T_r + d (one more level), where A_r <= R T_r
-            # for its real part (R: the current best ratio); so A(S) / T(S) <= R whenever x <= R d
-            extra = float(tree.path_probs[view.tree.n_nodes:].sum())
-            bound_tokens = current.expected_tokens + extra
-            bound_time = current.priced_time_s + view.cost.draft_level_s
-            if bound_tokens * current.priced_time_s <= current.expected_tokens * bound_time:
-                return False
-        else:
-            grown = optimistic_level(view.tree, view.experts, d)
-            if grown is None:
-                return False
-            (tree, experts), cached = grown, view.cached
-        ahead = best_subtree(tree, experts, cached, view.cost, d + 1, start=current.nodes,
-                             draft_node_s=self.draft_node_s)
-        return should_continue(current, ahead)
+        view = self._decision_view(view)
+        if self._levels != view.draft_levels or self._best is None:
+            price = self._price_once(view)
+            self._previous = self._best
+            start = None if self._previous is None else self._previous.nodes
+            self._best = best_subtree(view.tree, view.experts, view.cached, view.cost, view.draft_levels, start=start,
+                                      draft_node_s=price)
+            self._levels = view.draft_levels
+        return self._best

@@ -1,0 +1,223 @@
+"""SpecFit's decisions compiled: the price per draft node, the level-0 test, the per-level stopping
+rule with its look-ahead, the final selection, and what a verified cycle teaches the price.
+
+The rules are those documented in :mod:`specfit.specfit_policy`, whose
+:class:`~specfit.specfit_policy.SpecFitPolicy` holds the state in the arrays these update in place
+and calls :func:`decide_level` once per drafted level (the live decoder's case), while the replay
+(:mod:`.replay`) calls :func:`decide_cycle` and :func:`observe_cycle` for a whole cycle without
+leaving compiled code. One implementation serves both drivers.
+
+State (arrays owned by the policy):
+
+* ``conf`` int64: :data:`MAX_LEVELS`, :data:`LOOKAHEAD` (:data:`NONE` / :data:`EXPECTED` /
+  :data:`OPTIMISTIC`), :data:`FIRST_LEVEL_TEST`, :data:`PRICE` (:data:`NO_PRICE` /
+  :data:`PRECISION` / :data:`OBSERVED`), :data:`MIN_OBSERVED`;
+* ``fstate`` float64: :data:`EXTRA_MISSES` and :data:`DRAFT_NODES` (exponential sums of the misses
+  verified draft nodes had beyond their prediction, and of those nodes), :data:`RESIDENT_SHARE`,
+  :data:`NODE_PRICE` (this cycle's price per draft node, s), :data:`STATS_MEMORY`;
+* ``istate`` int64: :data:`N_OBSERVED`, :data:`SLOTS`, :data:`SLOTS_RIGHT`, :data:`DECLINED` (cycles in
+  a row the level-0 test declined), :data:`N_RECENT` and :data:`RECENT_NEXT` (a ring of the best
+  path probability ``recent_p`` and width ``recent_w`` of recently drafted first levels);
+* the :class:`~specfit.next_level.LevelStats` arrays (``acceptance``, ``new_experts``,
+  ``new_is_share``, ``seen``, ``width``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .levels import expected_children, level_nodes, optimistic_children, stats_update
+from .search import OK, best_subtree, better
+from .tree import check_tree
+
+__all__ = ["node_price", "first_level_may_pay", "decide_level", "select_level", "decide_cycle", "observe_cycle"]
+
+MAX_LEVELS, LOOKAHEAD, FIRST_LEVEL_TEST, PRICE, MIN_OBSERVED = range(5)
+NONE, EXPECTED, OPTIMISTIC = 0, 1, 2
+NO_PRICE, PRECISION, OBSERVED = 0, 1, 2
+EXTRA_MISSES, DRAFT_NODES, RESIDENT_SHARE, NODE_PRICE, STATS_MEMORY = range(5)
+N_OBSERVED, SLOTS, SLOTS_RIGHT, DECLINED, N_RECENT, RECENT_NEXT = range(6)
+N_CONF, N_FSTATE, N_ISTATE = 5, 5, 6
+PRICE_MEMORY = 0.99      # observed prices forget at this rate per cycle that verified draft nodes
+RECHECK = 16             # the level-0 test drafts anyway after this many declined cycles
+_SLACK = 1e-9            # a grown tree is clipped as a DraftTree clips (its slack only words errors)
+
+
+@njit(cache=True)
+def node_price(conf, fstate, istate, n_layers, top_k, hit_s, miss_s):
+    """The cycle's price per draft node (s): the observed extra misses per verified draft node
+    once ``MIN_OBSERVED`` were seen, else the precision bound
+    (:func:`specfit.search.uncertainty_price_s`), 0 without predictions or with no price."""
+    mode = conf[PRICE]
+    transfer_s = max(miss_s - hit_s, 0.0)
+    if mode == NO_PRICE:
+        return 0.0
+    if mode == OBSERVED and istate[N_OBSERVED] >= conf[MIN_OBSERVED] and fstate[DRAFT_NODES] > 0:
+        return max(fstate[EXTRA_MISSES] / fstate[DRAFT_NODES], 0.0) * transfer_s
+    if istate[SLOTS] == 0:
+        return 0.0
+    precision = istate[SLOTS_RIGHT] / istate[SLOTS]
+    return (1.0 - precision) * n_layers * top_k * (1.0 - fstate[RESIDENT_SHARE]) * transfer_s
+
+
+@njit(cache=True)
+def first_level_may_pay(root_s, params, fstate, istate, recent_p, recent_w):
+    """Whether drafting level 1 can beat verifying the root alone (``root_s`` its time).
+
+    k first-level nodes with path probability at most p add at most k p tokens and cost at least
+    d + k c (d: a draft level, c: per node plus its price), so they pay only if p T0 > c + d / k,
+    T0 the root's cycle time. With p = 1 this is a bound that holds for any drafter; with p and k
+    from recently drafted first levels it stops a drafter that has been useless, and every
+    ``RECHECK``-th declined cycle drafts anyway to notice when it improves."""
+    c = params[2] + fstate[NODE_PRICE]
+    if root_s <= c:
+        return False
+    n_recent = istate[N_RECENT]
+    if n_recent and istate[DECLINED] < RECHECK:
+        p = recent_p[0]
+        k = recent_w[0]
+        for i in range(1, n_recent):
+            p = max(p, recent_p[i])
+            k = max(k, recent_w[i])
+        if p * root_s <= c + params[0] / k:
+            istate[DECLINED] += 1
+            return False
+    istate[DECLINED] = 0
+    return True
+
+
+@njit(cache=True)
+def _ahead_pays(parents, probs, experts, cached_bits, n_experts, params, d, conf, price, acceptance, new_experts,
+                new_is_share, seen, width, cur_nodes, cur_tokens, cur_s):
+    """Whether the best subtree with one more (virtual) level, charged that level, beats the
+    current best (``cur_*``; the look-ahead of :mod:`specfit.next_level`)."""
+    newest = level_nodes(parents, d)
+    if newest.size == 0:
+        return False
+    cur_priced = cur_s + price * (cur_nodes.size - 1)
+    if conf[LOOKAHEAD] == EXPECTED:
+        top_k = experts.shape[2]
+        g_parents, g_probs, g_experts = expected_children(parents, probs, newest, experts, acceptance, new_experts,
+                                                          new_is_share, seen, width[0], d, n_experts, 0)
+        check_tree(g_parents, g_probs, _SLACK)
+        n_grown = n_experts + (g_parents.size - parents.size) * top_k
+        # a bound that saves the search: with the virtual level, A(S) <= A_r + x (x: all virtual
+        # probability) and T(S) >= T_r + d, so A(S) / T(S) <= R whenever x <= R d
+        extra = 0.0
+        for v in range(parents.size, g_parents.size):
+            extra += g_probs[v]
+        if (cur_tokens + extra) * cur_priced <= cur_tokens * (cur_priced + params[0]):
+            return False
+    else:
+        g_parents, g_probs, g_experts = optimistic_children(parents, probs, newest, experts)
+        if g_parents.size == 0:
+            return False
+        check_tree(g_parents, g_probs, _SLACK)
+        n_grown = n_experts
+    grown_bits = np.zeros((cached_bits.shape[0], (n_grown + 63) // 64), dtype=np.uint64)
+    grown_bits[:, :cached_bits.shape[1]] = cached_bits
+    status, nodes, tokens, time_s, _, _ = best_subtree(g_parents, g_probs, g_experts, grown_bits, n_grown, params,
+                                                       d + 1, price, cur_nodes, True)
+    return status == OK and better(tokens, time_s + price * (nodes.size - 1), nodes.size, cur_tokens, cur_priced,
+                                   cur_nodes.size)
+
+
+@njit(cache=True)
+def decide_level(parents, probs, experts, cached_bits, n_experts, params, d, conf, fstate, istate, recent_p,
+                 recent_w, acceptance, new_experts, new_is_share, seen, width, prev_nodes, prev_tokens, prev_s):
+    """After drafting level ``d`` of the tree (``d`` below ``MAX_LEVELS``): the best subtree and
+    whether to draft another level. ``prev_*`` is the best of level ``d - 1`` (``prev_nodes``
+    empty: none; a warm start for the search); ``fstate[NODE_PRICE]`` must hold the cycle's price.
+    Returns ``(status, go_on, nodes, tokens, time_s, hits, misses)``; a status other than OK is the
+    search's error (and go_on False)."""
+    price = fstate[NODE_PRICE]
+    if d == 0:
+        status, nodes, tokens, time_s, hits, misses = best_subtree(parents, probs, experts, cached_bits, n_experts,
+                                                                   params, 0, price, np.zeros(0, dtype=np.int64), False)
+        if status != OK:
+            return status, False, nodes, tokens, time_s, hits, misses
+        if conf[FIRST_LEVEL_TEST]:
+            go = first_level_may_pay(time_s, params, fstate, istate, recent_p, recent_w)
+        else:
+            go = time_s > 0
+        return status, go, nodes, tokens, time_s, hits, misses
+    if d == 1:
+        first = level_nodes(parents, 1)
+        if first.size:
+            best_p = probs[first[0]]
+            for v in first:
+                best_p = max(best_p, probs[v])
+            i = istate[RECENT_NEXT]
+            recent_p[i], recent_w[i] = best_p, first.size
+            istate[RECENT_NEXT] = (i + 1) % recent_p.size
+            istate[N_RECENT] = min(istate[N_RECENT] + 1, recent_p.size)
+    stats_update(parents, probs, level_nodes(parents, d), experts, d, acceptance, new_experts, new_is_share, seen,
+                 width, fstate[STATS_MEMORY])
+    has_prev = prev_nodes.size > 0
+    status, nodes, tokens, time_s, hits, misses = best_subtree(parents, probs, experts, cached_bits, n_experts, params,
+                                                               d, price, prev_nodes, has_prev)
+    if status != OK:
+        return status, False, nodes, tokens, time_s, hits, misses
+    go = not has_prev or better(tokens, time_s + price * (nodes.size - 1), nodes.size, prev_tokens,
+                                prev_s + price * (prev_nodes.size - 1), prev_nodes.size)
+    if not go and conf[LOOKAHEAD] != NONE:
+        go = _ahead_pays(parents, probs, experts, cached_bits, n_experts, params, d, conf, price, acceptance,
+                         new_experts, new_is_share, seen, width, nodes, tokens, time_s)
+    return status, go, nodes, tokens, time_s, hits, misses
+
+
+@njit(cache=True)
+def decide_cycle(parents, path_probs, level_probs, experts, level_sizes, cached_bits, n_experts, params, conf, fstate,
+                 istate, recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width):
+    """One whole cycle on an already drafted tree (the replay's case; ``choose`` over
+    :func:`decide_level`): levels 0, 1, ... until the rule stops or the tree ends, then the
+    selection at the levels drafted. ``level_sizes[d]``: nodes within ``d`` levels; a tree cut
+    at fewer levels than drafted has the probabilities ``level_probs``, the full one ``path_probs``.
+    Returns ``(status, draft_levels, nodes, tokens, time_s, hits, misses)``."""
+    deepest = level_sizes.size - 1
+    n_layers, top_k = experts.shape[1], experts.shape[2]
+    fstate[NODE_PRICE] = node_price(conf, fstate, istate, n_layers, top_k, params[3], params[4])
+    prev_nodes, prev_tokens, prev_s, prev_hits, prev_misses = np.zeros(0, dtype=np.int64), 0.0, 0.0, 0, 0
+    levels = 0
+    searched = -1
+    while levels < deepest and levels < conf[MAX_LEVELS]:
+        n = level_sizes[levels]
+        status, go, nodes, tokens, time_s, hits, misses = decide_level(
+            parents[:n], level_probs[:n], experts[:n], cached_bits, n_experts, params, levels, conf, fstate,
+            istate, recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width, prev_nodes, prev_tokens,
+            prev_s)
+        if status != OK:
+            return status, levels, nodes, tokens, time_s, hits, misses
+        prev_nodes, prev_tokens, prev_s, prev_hits, prev_misses, searched = nodes, tokens, time_s, hits, misses, levels
+        if not go:
+            break
+        levels += 1
+    if searched == levels:
+        return OK, levels, prev_nodes, prev_tokens, prev_s, prev_hits, prev_misses
+    n = level_sizes[levels]
+    probs = path_probs if levels == deepest else level_probs
+    status, nodes, tokens, time_s, hits, misses = select_level(parents[:n], probs[:n], experts[:n], cached_bits,
+                                                               n_experts, params, levels, fstate, prev_nodes)
+    return status, levels, nodes, tokens, time_s, hits, misses
+
+
+@njit(cache=True)
+def select_level(parents, probs, experts, cached_bits, n_experts, params, d, fstate, prev_nodes):
+    """The best subtree at ``d`` drafted levels when :func:`decide_level` did not search there
+    (the tree ended, or ``MAX_LEVELS``): the search warm-started from the previous best."""
+    return best_subtree(parents, probs, experts, cached_bits, n_experts, params, d, fstate[NODE_PRICE], prev_nodes,
+                        prev_nodes.size > 0)
+
+
+@njit(cache=True)
+def observe_cycle(fstate, istate, n_verified, misses, root_misses, predicted_misses, root_predicted_misses):
+    """What a verified cycle teaches the observed price: the misses its draft nodes had beyond
+    their predicted ones (the root's own errors are paid by every candidate alike, so they are left
+    out), when it verified a draft node."""
+    if n_verified <= 1:
+        return
+    extra = (misses - root_misses) - (predicted_misses - root_predicted_misses)
+    fstate[EXTRA_MISSES] = PRICE_MEMORY * fstate[EXTRA_MISSES] + extra
+    fstate[DRAFT_NODES] = PRICE_MEMORY * fstate[DRAFT_NODES] + (n_verified - 1)
+    istate[N_OBSERVED] += n_verified - 1
