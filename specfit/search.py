@@ -115,14 +115,17 @@ def _tree_arrays(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
     return np.array(tree.parents), np.array(tree.path_probs)
 
 
+ROOT_TIME_MESSAGE = ("cost: verifying the root alone is predicted to take 0 s; expected a cost model with a positive "
+                     "cycle time (base_s, per_node_s or the root's expert costs > 0)")
+
+
 def _selection(status: int, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits,
                misses) -> Selection:
     if status == kernels.search.BAD_EXPERT:
         check_experts(tree, experts, cached)   # raises, naming the id and the range
         raise AssertionError("the search kernel rejected expert ids that check_experts accepts")
     if status == kernels.search.ROOT_TIME:
-        raise ValueError("cost: verifying the root alone is predicted to take 0 s; expected a cost model with a "
-                         "positive cycle time (base_s, per_node_s or the root's expert costs > 0)")
+        raise ValueError(ROOT_TIME_MESSAGE)
     return Selection(nodes=nodes, expected_tokens=float(tokens), time_s=float(time_s), hits=int(hits),
                      misses=int(misses), draft_levels=int(draft_levels), price_s=draft_node_s * (nodes.size - 1))
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from specfit import CostModel, DraftTree
+from specfit import CostModel, DraftTree, kernels
 from specfit.policies import ChainPolicy, CycleView, RerankPolicy, SpecFitPolicy, choose, make_policy
 
 L, E = 2, 12
@@ -255,4 +255,9 @@ def test_the_look_ahead_bound_never_changes_the_decision(seed):
     current = best_subtree(v.tree, v.experts, v.cached, cost, 2)
     tree, ex, cached = expected_level(v.tree, v.experts, v.cached, policy.stats, 2)
     searched = should_continue(current, best_subtree(tree, ex, cached, cost, 3, start=current.nodes))
-    assert policy._next_level_may_pay(v, current) == searched
+    conf, fstate, istate, _, _, *stats = policy.state
+    bounded = kernels.decide.next_level_may_pay(
+        np.array(v.tree.parents), np.array(v.tree.path_probs), v.experts.astype(np.int64),
+        kernels.bitsets.pack_mask(v.cached), E, cost.params, 2, conf, 0.0, *stats, current.nodes,
+        current.expected_tokens, current.time_s)
+    assert bounded == searched

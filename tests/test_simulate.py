@@ -10,12 +10,12 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
-from specfit import CostModel, ExpertCache
+from specfit import CostModel, ExpertCache, kernels
 from specfit.calibrate.presets import SHAPES, preset_profile
 from specfit.cli import app
 from specfit.costmodel import expert_union
 from specfit.errors import SpecFitError
-from specfit.policies import make_policy
+from specfit.policies import Observation, SpecFitPolicy, make_policy
 from specfit.simulate.replay import prepare, replay
 from specfit.simulate.sweep import Scenario, run_sweep
 from specfit.simulate.whatif import parse_overrides, scale_h2d
@@ -243,3 +243,34 @@ def test_prefetch_never_moves_more_than_the_drafted_levels_carry(sample):
     per_level = cost.draft_level_s / (cost.miss_s - cost.hit_s)
     assert (c["prefetched"] <= np.floor(c["draft_levels"] * per_level + 1e-9)).all()
     assert c["prefetched"].sum() > 0
+
+
+@pytest.mark.parametrize("build", [
+    lambda: make_policy("specfit"),
+    lambda: SpecFitPolicy(8, price_uncertainty="precision", lookahead="optimistic"),
+    lambda: SpecFitPolicy(3, price_uncertainty="none", lookahead="none", first_level_test=False),
+    lambda: SpecFitPolicy(8, overhead_level_s=2e-4),
+], ids=["default", "precision-optimistic", "plain-3-levels", "overhead"])
+def test_specfit_compiled_replay_equals_its_policy_driven_level_by_level(build):
+    """The compiled SpecFit replay (kernels.decide.decide_cycle in the replay kernel) and the loop
+    that drives the policy object level by level (``choose``, as live; forced by record_unions)
+    decide alike, cycle for cycle, and leave the policy in the same state, with predicted experts
+    and a cache, so that the observed price and the level-0 test both act."""
+    trace = read_trace(SAMPLE_OLMOE)
+    prep = prepare("parent", trace, np.roll(trace.true_experts, 1, axis=0))   # a poor prediction
+    cost = preset_profile("pcie4", SHAPES.get(trace.model["name"])).cost
+    logs, states = [], []
+    for python_loop in (False, True):
+        policy = build()
+        policy.observe(Observation(predicted_slots=100, predicted_slots_right=60, resident_share=0.25))
+        log = replay(prep, policy, ExpertCache(trace.n_layers, trace.n_experts, 16), cost, record_unions=python_loop)
+        logs.append(log)
+        states.append([a.copy() for a in policy.state])
+    assert len(logs[0]) == len(logs[1]) > 0
+    for name, column in logs[0].columns.items():
+        np.testing.assert_array_equal(column, logs[1].columns[name], err_msg=name)
+    for a, b in zip(states[0], states[1]):
+        np.testing.assert_array_equal(a, b)
+    # the rules acted: drafting happened and the observed price was learned
+    assert logs[0].columns["draft_levels"].max() > 0
+    assert states[0][2][kernels.decide.N_OBSERVED] > 0 or states[0][0][kernels.decide.PRICE] != kernels.decide.OBSERVED

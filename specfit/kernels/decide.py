@@ -31,7 +31,7 @@ from .levels import expected_children, level_nodes, optimistic_children, stats_u
 from .search import OK, best_subtree, better
 from .tree import check_tree
 
-__all__ = ["node_price", "first_level_may_pay", "decide_level", "select_level", "decide_cycle", "observe_cycle"]
+__all__ = ["node_price", "first_level_may_pay", "next_level_may_pay", "decide_level", "select_level", "decide_cycle", "observe_cycle"]
 
 MAX_LEVELS, LOOKAHEAD, FIRST_LEVEL_TEST, PRICE, MIN_OBSERVED = range(5)
 NONE, EXPECTED, OPTIMISTIC = 0, 1, 2
@@ -88,7 +88,7 @@ def first_level_may_pay(root_s, params, fstate, istate, recent_p, recent_w):
 
 
 @njit(cache=True)
-def _ahead_pays(parents, probs, experts, cached_bits, n_experts, params, d, conf, price, acceptance, new_experts,
+def next_level_may_pay(parents, probs, experts, cached_bits, n_experts, params, d, conf, price, acceptance, new_experts,
                 new_is_share, seen, width, cur_nodes, cur_tokens, cur_s):
     """Whether the best subtree with one more (virtual) level, charged that level, beats the
     current best (``cur_*``; the look-ahead of :mod:`specfit.next_level`)."""
@@ -162,7 +162,7 @@ def decide_level(parents, probs, experts, cached_bits, n_experts, params, d, con
     go = not has_prev or better(tokens, time_s + price * (nodes.size - 1), nodes.size, prev_tokens,
                                 prev_s + price * (prev_nodes.size - 1), prev_nodes.size)
     if not go and conf[LOOKAHEAD] != NONE:
-        go = _ahead_pays(parents, probs, experts, cached_bits, n_experts, params, d, conf, price, acceptance,
+        go = next_level_may_pay(parents, probs, experts, cached_bits, n_experts, params, d, conf, price, acceptance,
                          new_experts, new_is_share, seen, width, nodes, tokens, time_s)
     return status, go, nodes, tokens, time_s, hits, misses
 

@@ -6,7 +6,8 @@ The replay's rules are those of :mod:`specfit.simulate.replay`, which prepares t
 cycles concatenated (cycle c owns rows ``offsets[c]:offsets[c + 1]``, node ids local to the cycle)
 and, per cycle, the tree's size within each number of drafted levels and the full tree's accepted
 path. The decisions compiled here are those of :mod:`specfit.policies`'s ``ar``, ``chain:K``,
-rerank (``eagle3``, ``static:N``) and ``oracle``, on the same arrays the Python policies see.
+rerank (``eagle3``, ``static:N``) and ``oracle``, on the same arrays the Python policies see;
+SpecFit's (:func:`replay_specfit`) are :mod:`.decide`'s, the code its policy object calls live.
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .bitsets import popcount
+from .bitsets import count_missing, popcount
 from .cache import admit_cycle
+from .decide import decide_cycle, observe_cycle
 from .evaluate import cycle_time, expected_tokens, union_of_ids
 from .tree import accepted_path
 
 __all__ = ["AR", "CHAIN", "RERANK", "ORACLE", "INT_COLUMNS", "FLOAT_COLUMNS", "accepted_paths", "commit_cycle",
-           "replay_compiled"]
+           "record_decision", "replay_compiled", "replay_specfit"]
 
 AR, CHAIN, RERANK, ORACLE = 0, 1, 2, 3
 # the rows of the replay's output arrays
@@ -122,6 +124,35 @@ def _evaluate(probs, experts, base, nodes, n_sel, cached, params, draft_levels, 
 
 
 @njit(cache=True)
+def record_decision(int_cols, float_cols, row, sequence, position, draft_levels, hits, misses, time_s, tokens):
+    """The policy's part of cycle ``row``'s columns: where it ran, the levels it drafted and its
+    selection's predicted union, misses, time and tokens (:func:`commit_cycle` writes the rest)."""
+    int_cols[SEQUENCE, row] = sequence
+    int_cols[POSITION, row] = position
+    int_cols[DRAFT_LEVELS, row] = draft_levels
+    int_cols[PREDICTED_UNION_SIZE, row] = hits + misses
+    int_cols[PREDICTED_MISSES, row] = misses
+    float_cols[PREDICTED_TIME_S, row] = time_s
+    float_cols[PREDICTED_TOKENS, row] = tokens
+
+
+@njit(cache=True)
+def _commit_scratch(offsets, bits, config):
+    """The largest tree's size and the scratch arrays :func:`commit_cycle` takes: the plain
+    eviction order (no keep), a node mask, the true and predicted unions, the residency the policy
+    sees, and the cache's admit scratch."""
+    max_nodes = 1
+    for c in range(offsets.size - 1):
+        max_nodes = max(max_nodes, offsets[c + 1] - offsets[c])
+    n_layers, words = bits.shape
+    capacity = max(config[3], 1)
+    return (max_nodes, np.zeros((0, 0), dtype=np.float64), np.zeros(max_nodes, dtype=np.bool_),
+            np.empty((n_layers, words), dtype=np.uint64), np.empty((n_layers, words), dtype=np.uint64),
+            np.empty((n_layers, words), dtype=np.uint64), np.empty(words, dtype=np.uint64),
+            np.empty(capacity, dtype=np.int64), np.empty(capacity, dtype=np.int64), np.empty(capacity, dtype=np.int64))
+
+
+@njit(cache=True)
 def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parents, depth, tokens, verdicts,
                     true_experts, predicted_experts, path_probs, level_probs, level_offsets, level_sizes,
                     path_offsets, paths, sequence_starts, params, bits, score, count, slots, n_used, clock,
@@ -129,25 +160,15 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
     """Replay every sequence with a compiled policy (``kind`` one of AR, CHAIN, RERANK, ORACLE;
     ``total_nodes`` the rerank's N, ``max_levels`` the levels it drafts). Returns the number of
     cycles run (the columns' length)."""
-    max_nodes = 1
-    for c in range(offsets.size - 1):
-        max_nodes = max(max_nodes, offsets[c + 1] - offsets[c])
+    max_nodes, no_keep, selected, true_union, predicted_union, cached, admitted, evicted, cand_score, cand_slot = \
+        _commit_scratch(offsets, bits, config)
     n_layers, words = bits.shape
     nodes = np.empty(max_nodes, dtype=np.int64)
-    no_keep = np.zeros((0, 0), dtype=np.float64)   # the plain eviction policy
-    selected = np.zeros(max_nodes, dtype=np.bool_)
     ok = np.empty(max_nodes, dtype=np.bool_)
     path = np.empty(max_nodes, dtype=np.int64)
     everywhere = np.zeros(0, dtype=np.bool_)
     neg = np.empty(max_nodes, dtype=np.float64)
     scratch = np.empty(max_nodes, dtype=np.float64)
-    true_union = np.empty((n_layers, words), dtype=np.uint64)
-    predicted_union = np.empty((n_layers, words), dtype=np.uint64)
-    cached = np.empty((n_layers, words), dtype=np.uint64)
-    admitted = np.empty(words, dtype=np.uint64)
-    evicted = np.empty(max(config[3], 1), dtype=np.int64)
-    cand_score = np.empty(max(config[3], 1), dtype=np.int64)
-    cand_slot = np.empty(max(config[3], 1), dtype=np.int64)
     # the oracle decides with the true experts; with them as the prediction the policy's union is
     # the one charged
     same_union = same_experts or kind == ORACLE
@@ -232,17 +253,67 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
                 sel_levels = levels
                 sel_tokens, sel_s, sel_hits, sel_misses = _evaluate(probs, predicted_experts, base, nodes, n_sel,
                                                                     cached, params, levels, true_union, scratch)
-            int_cols[SEQUENCE, row] = s
-            int_cols[POSITION, row] = c - sequence_starts[s]
-            int_cols[DRAFT_LEVELS, row] = sel_levels
-            int_cols[PREDICTED_UNION_SIZE, row] = sel_hits + sel_misses
-            int_cols[PREDICTED_MISSES, row] = sel_misses
-            float_cols[PREDICTED_TIME_S, row] = sel_s
-            float_cols[PREDICTED_TOKENS, row] = sel_tokens
+            record_decision(int_cols, float_cols, row, s, c - sequence_starts[s], sel_levels, sel_hits, sel_misses,
+                            sel_s, sel_tokens)
             k, n_out = commit_cycle(c, nodes, n_sel, same_union, union_ready, offsets, depth, tokens, verdicts,
                                     true_experts, predicted_experts, path_offsets, paths, bits, score, count, slots,
                                     n_used, clock, counters, config, no_keep, selected, true_union, predicted_union,
                                     admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
+            row += 1
+            c += k
+        tokens_per_sequence[s] = n_out - first_token
+    return row
+
+
+@njit(cache=True)
+def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true_experts, predicted_experts,
+                   path_probs, level_probs, level_offsets, level_sizes, path_offsets, paths, sequence_starts, n_experts,
+                   params, conf, fstate, istate, recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width,
+                   bits, score, count, slots, n_used, clock, counters, config, int_cols, float_cols, tokens_out,
+                   tokens_per_sequence):
+    """Replay every sequence with SpecFit's rules (:func:`.decide.decide_cycle` on each cycle's
+    tree with its predicted experts and the residency at the cycle's start, then the commit and
+    :func:`.decide.observe_cycle`), the policy's state arrays updated in place. Returns the number
+    of cycles run; ``status`` errors of the search end the replay early with ``-1 - status``."""
+    max_nodes, no_keep, selected, true_union, predicted_union, cached, admitted, evicted, cand_score, cand_slot = \
+        _commit_scratch(offsets, bits, config)
+    n_layers, words = bits.shape
+    top_k = predicted_experts.shape[2]
+    cycle_parents = np.empty(max_nodes, dtype=np.int64)
+    cycle_experts = np.empty((max_nodes, n_layers, top_k), dtype=np.int64)
+    row = 0
+    n_out = 0
+    for s in range(sequence_starts.size - 1):
+        c = sequence_starts[s]
+        first_token = n_out
+        while c < sequence_starts[s + 1]:
+            base = offsets[c]
+            n = offsets[c + 1] - base
+            for v in range(n):
+                cycle_parents[v] = parents[base + v]
+                for layer in range(n_layers):
+                    for slot in range(top_k):
+                        cycle_experts[v, layer, slot] = predicted_experts[base + v, layer, slot]
+            for layer in range(n_layers):
+                for w in range(words):
+                    cached[layer, w] = bits[layer, w]
+            status, levels, nodes, sel_tokens, sel_s, sel_hits, sel_misses = decide_cycle(
+                cycle_parents[:n], path_probs[base:base + n], level_probs[base:base + n], cycle_experts[:n],
+                level_sizes[level_offsets[c]:level_offsets[c + 1]], cached, n_experts, params, conf, fstate, istate,
+                recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width)
+            if status != 0:
+                return -1 - status
+            # what the root's true and predicted experts miss against the residency the policy saw
+            root_misses = count_missing(true_experts, base, bits)
+            root_predicted_misses = count_missing(predicted_experts, base, bits)
+            record_decision(int_cols, float_cols, row, s, c - sequence_starts[s], levels, sel_hits, sel_misses, sel_s,
+                            sel_tokens)
+            k, n_out = commit_cycle(c, nodes, nodes.size, same_experts, False, offsets, depth, tokens, verdicts,
+                                    true_experts, predicted_experts, path_offsets, paths, bits, score, count, slots,
+                                    n_used, clock, counters, config, no_keep, selected, true_union, predicted_union,
+                                    admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
+            observe_cycle(fstate, istate, nodes.size, int_cols[MISSES, row], root_misses, sel_misses,
+                          root_predicted_misses)
             row += 1
             c += k
         tokens_per_sequence[s] = n_out - first_token

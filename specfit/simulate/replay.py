@@ -12,10 +12,11 @@ Everything that does not depend on the policy is computed once per trace in a
 :class:`~specfit.simulate.prepared.PreparedTrace` (:mod:`specfit.simulate.prepared`).
 
 The loop runs compiled (:mod:`specfit.kernels.replay`): entirely for ``ar``, ``chain:K``, the
-rerank policies (``eagle3``, ``static:N``) and ``oracle``, whose decisions compile; for any other
-policy (``specfit``) a Python loop hands the policy each cycle's :class:`~specfit.policies.CycleView`
-and calls the compiled commit (accepted prefix, union, cache admit, columns) with its selection.
-That loop also runs the policy's levers (:data:`specfit.policies.LEVERS`: the cache advisor's keep
+rerank policies (``eagle3``, ``static:N``), ``oracle`` and ``specfit`` (whose decisions are
+compiled in :mod:`specfit.kernels.decide`, the code its policy object runs live), when no lever
+and no online acceptance calibrator is attached; for any other policy a Python loop hands the
+policy each cycle's :class:`~specfit.policies.CycleView` and calls the compiled commit (accepted
+prefix, union, cache admit, columns) with its selection. That loop also runs the policy's levers (:data:`specfit.policies.LEVERS`: the cache advisor's keep
 priorities for the admit, the prefetcher's copies while levels are "drafted") and reports each
 cycle to :meth:`~specfit.policies.Policy.observe`, as the live decoder does.
 """
@@ -31,6 +32,8 @@ from .. import kernels
 from ..costmodel import CostModel
 from ..experts.cache import ExpertCache
 from ..policies import ArPolicy, ChainPolicy, CycleView, Observation, OraclePolicy, Policy, RerankPolicy, choose
+from ..search import ROOT_TIME_MESSAGE
+from ..specfit_policy import SpecFitPolicy
 from .prepared import PreparedTrace, prepare, prepare_trace
 
 __all__ = ["PreparedTrace", "prepare", "prepare_trace", "replay", "CycleLog", "CYCLE_COLUMNS"]
@@ -107,6 +110,8 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
     bounds = np.r_[prep.first_cycles, n].astype(np.int64)
     per_sequence = np.zeros(bounds.size - 1, dtype=np.int64)
     rule = None if record_unions else _compiled_rule(policy)
+    compiled_specfit = (not record_unions and type(policy) is SpecFitPolicy and policy.acceptance is None
+                        and policy.cache_advisor is None and policy.prefetcher is None)
     unions: list[np.ndarray] | None = [] if record_unions else None
     prefetched = np.zeros(n, dtype=np.int64)
     if rule is not None:
@@ -115,6 +120,17 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
             prep.true_experts, prep.predicted_experts, prep.path_probs, prep.level_probs, prep.level_offsets,
             prep.level_sizes, prep.path_offsets, prep.paths, bounds, cost.params, *cache.kernel_state(),
             int_cols, float_cols, tokens_out, per_sequence)
+    elif compiled_specfit:
+        # the policy's state arrays are updated in place, as its own calls would update them
+        rows = kernels.replay.replay_specfit(
+            prep.predicted_is_true, prep.offsets, prep.parents, prep.depths, prep.tokens, prep.verdicts,
+            prep.true_experts, prep.predicted_experts, prep.path_probs, prep.level_probs, prep.level_offsets,
+            prep.level_sizes, prep.path_offsets, prep.paths, bounds, trace.n_experts,
+            policy._priced_cost(cost).params, *policy.state, *cache.kernel_state(), int_cols, float_cols, tokens_out,
+            per_sequence)
+        if rows < 0:
+            raise ValueError(ROOT_TIME_MESSAGE if -1 - rows == kernels.search.ROOT_TIME else
+                             "trace: a predicted expert id is out of range for the trace's experts")
     else:
         rows = _replay_python(prep, policy, cache, cost, bounds, int_cols, float_cols, tokens_out, per_sequence,
                               prefetched, unions)
@@ -197,13 +213,8 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
                     advisor.observe(union)
                 if unions is not None:
                     unions.append(np.flatnonzero(union))
-            int_cols[k.SEQUENCE, row] = s
-            int_cols[k.POSITION, row] = c - bounds[s]
-            int_cols[k.DRAFT_LEVELS, row] = sel.draft_levels
-            int_cols[k.PREDICTED_UNION_SIZE, row] = sel.hits + sel.misses
-            int_cols[k.PREDICTED_MISSES, row] = sel.misses
-            float_cols[k.PREDICTED_TIME_S, row] = sel.time_s
-            float_cols[k.PREDICTED_TOKENS, row] = sel.expected_tokens
+            k.record_decision(int_cols, float_cols, row, s, c - int(bounds[s]), sel.draft_levels, sel.hits, sel.misses,
+                              sel.time_s, sel.expected_tokens)
             # what the cycle revealed, as the live decoder reports it: the drafted tree, the
             # verified nodes and the target's verdicts at them (the trace's predictions were
             # scored for the whole trace up front)
