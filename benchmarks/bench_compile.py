@@ -5,7 +5,7 @@
 
 Each family runs in its own fresh process with ``NUMBA_CACHE_DIR`` pointing at a new, empty
 folder (cold), then again at the same folder (warm): the search (DraftTree, best_subtree,
-greedy_subtree, evaluate), the expert cache (admit, admit_layer) and the replay (prepare and one
+greedy_subtree, evaluate, and SpecFit's per-level decision as the live decoder calls it), the expert cache (admit, admit_layer) and the replay (prepare and one
 replay per policy on the OLMoE sample trace). ``specfit --help`` is timed ``--runs`` times with the
 cache warm (it imports no numba) and so is a small ``specfit simulate`` run (the CLI end to end,
 after one run that warms the checkout's own cache).
@@ -44,6 +44,9 @@ greedy_subtree(tree, experts, cached, cost, 2)
 mark("greedy_subtree")
 evaluate(tree, [0, 1], experts, cached, cost, 1)
 mark("evaluate")
+from specfit.policies import CycleView, SpecFitPolicy, choose
+choose(SpecFitPolicy(), CycleView(tree, experts, cached, cost, 2))
+mark("specfit per level")
 """,
     "cache": """
 import numpy as np
