@@ -14,6 +14,13 @@ that could not pay. What the policy decides with:
   the predicted time, and the search stays exact for it: it is the same formula.
 - **Acceptance.** The tree's path probabilities, or an online calibration of them
   (:class:`specfit.experts.acceptance_online.OnlineAcceptance`) learned from every cycle's verdicts.
+
+The rules run compiled (:mod:`specfit.kernels.decide`): :meth:`SpecFitPolicy.keep_drafting` calls
+:func:`~specfit.kernels.decide.decide_level` once per drafted level, as the live decoder drives it,
+and the replay runs whole cycles of the same kernels (:func:`~specfit.kernels.replay.replay_specfit`)
+when no lever and no acceptance calibrator is attached. The policy's state (the observed price, the
+slot precision, the level-0 test's memory, :class:`~specfit.next_level.LevelStats`) lives in the
+arrays those kernels update in place, so either driver leaves it the same.
 """
 
 from __future__ import annotations
@@ -86,7 +93,6 @@ class SpecFitPolicy(Policy):
             self.max_levels, _LOOKAHEAD_CODES[lookahead], self.first_level_test, _PRICE_CODES[price_uncertainty],
             self.min_observed)
         self._fstate = np.zeros(d.N_FSTATE)
-        self._fstate[d.STATS_MEMORY] = self.stats.memory
         self._istate = np.zeros(d.N_ISTATE, dtype=np.int64)
         self._recent_p = np.zeros(_RECENT_FIRST)
         self._recent_w = np.zeros(_RECENT_FIRST, dtype=np.int64)
@@ -107,6 +113,7 @@ class SpecFitPolicy(Policy):
     def state(self) -> tuple:
         """The arrays the compiled rules take after the tree's (``conf, fstate, istate, recent_p,
         recent_w`` and the level statistics'), in :func:`specfit.kernels.decide.decide_level`'s order."""
+        self._fstate[kernels.decide.STATS_MEMORY] = self.stats.memory    # the statistics' own rate
         return (self._conf, self._fstate, self._istate, self._recent_p, self._recent_w, *self.stats.arrays)
 
     def begin_cycle(self) -> None:
