@@ -237,36 +237,14 @@ class ExpertCache(LayerCounts):
         if keep is not None:
             # an expert only displaces experts it outranks: drop the prefetches that would have to
             # evict something at least as valuable (the cheapest victim set is the lowest keeps)
-            want &= self._worth_a_slot(want, mask, resident, keep_arg)
+            want &= kernels.cache.worth_a_slot(want, mask, resident, keep_arg, self.capacity,
+                                               self.mode == "per_layer")
         counted = self._counters[[0, 1, 3]].copy()          # a prefetch is no hit, miss or stream
         result = self._admit(want | (mask & resident), keep_arg)
         self._counters[[0, 1, 3]] = counted
         self.prefetched += result.admitted_mask.sum(axis=1)
         return AdmitResult(hits=zeros, misses=zeros, evictions=result.evictions, streamed=zeros, hit_mask=empty,
                            admitted_mask=result.admitted_mask, evicted_mask=result.evicted_mask, streamed_mask=empty)
-
-    def _worth_a_slot(self, want: np.ndarray, mask: np.ndarray, resident: np.ndarray, keep: np.ndarray) -> np.ndarray:
-        """The wanted experts whose keep beats the keep of the slot they would take (free slots
-        first, then the resident experts outside ``mask`` in ascending keep), per layer or over
-        the whole cache."""
-        per_layer = self.mode == "per_layer"
-        rows = [slice(layer, layer + 1) for layer in range(self.n_layers)] if per_layer else [slice(None)]
-        ok = np.zeros_like(want)
-        for r in rows:
-            w, res, k, m = want[r].ravel(), resident[r].ravel(), keep[r].ravel(), mask[r].ravel()
-            free = self.capacity - int(res.sum())
-            cand = np.flatnonzero(w)
-            cand = cand[np.argsort(-k[cand], kind="stable")]          # most valuable first
-            victims = np.sort(k[res & ~m])                            # cheapest slot first
-            n = min(cand.size, free + victims.size)
-            # beyond the free slots, the i-th most valuable takes the i-th cheapest slot if it outranks it
-            take = np.arange(n) < free
-            beyond = np.arange(max(free, 0), n)
-            take[beyond] = k[cand[beyond]] > victims[beyond - free]
-            flat = np.zeros(w.size, dtype=bool)
-            flat[cand[:n][take]] = True
-            ok[r] = flat.reshape(ok[r].shape)
-        return ok
 
     def _check_mask(self, name: str, mask) -> np.ndarray:
         mask = np.asarray(mask)

@@ -26,7 +26,8 @@ from numba import njit
 
 from .bitsets import ONE, ZERO, lowest_bit, popcount
 
-__all__ = ["LRU", "LFU", "FIFO", "NO_KEEP", "admit_row", "admit_union", "admit_layer_ids", "admit_cycle"]
+__all__ = ["LRU", "LFU", "FIFO", "NO_KEEP", "admit_row", "admit_union", "admit_layer_ids", "admit_cycle",
+           "worth_a_slot"]
 
 LRU, LFU, FIFO = 0, 1, 2
 HITS, MISSES, EVICTIONS, STREAMED = 0, 1, 2, 3
@@ -293,3 +294,46 @@ def admit_cycle(union, bits, score, count, slots, n_used, clock, counters, confi
         hits += n_hit
         misses += n_miss
     return hits, misses
+
+
+@njit(cache=True)
+def worth_a_slot(want, mask, resident, keep, capacity, per_layer):
+    """bool ``[L, E]``: the ``want``ed experts (not resident) whose ``keep`` beats the keep of the
+    slot each would take in a prefetch: per layer (``per_layer``) or over the whole cache, the
+    most valuable wanted expert first takes a free slot, and beyond the free slots the i-th most
+    valuable takes the i-th cheapest victim (resident and outside ``mask``) if it outranks it.
+    Ties of keep keep the (layer, expert) order."""
+    n_layers, n_experts = want.shape
+    out = np.zeros(n_layers * n_experts, dtype=np.bool_)
+    w, m, res, k = want.ravel(), mask.ravel(), resident.ravel(), keep.ravel()
+    width = n_experts if per_layer else n_layers * n_experts
+    for lo in range(0, n_layers * n_experts, width):
+        used = 0
+        n_cand = 0
+        n_victims = 0
+        for i in range(lo, lo + width):
+            used += res[i]
+            n_cand += w[i]
+            n_victims += res[i] and not m[i]
+        cand = np.empty(n_cand, dtype=np.int64)
+        victims = np.empty(n_victims, dtype=np.float64)
+        a = b = 0
+        for i in range(lo, lo + width):
+            if w[i]:
+                cand[a] = i
+                a += 1
+            if res[i] and not m[i]:
+                victims[b] = k[i]
+                b += 1
+        neg = np.empty(n_cand, dtype=np.float64)
+        for j in range(n_cand):
+            neg[j] = -k[cand[j]]
+        order = np.argsort(neg, kind="mergesort")          # most valuable first, stable
+        victims = np.sort(victims)                          # cheapest slot first
+        free = capacity - used
+        n = min(n_cand, free + n_victims)
+        for j in range(n):
+            c = cand[order[j]]
+            if j < free or k[c] > victims[j - free]:
+                out[c] = True
+    return out.reshape((n_layers, n_experts))
