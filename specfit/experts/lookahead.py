@@ -39,31 +39,10 @@ __all__ = ["DraftLookahead", "next_token_weights"]
 def next_token_weights(tree: DraftTree, selected, decay: float = 1.0) -> np.ndarray:
     """float [n]: the weight of each node as a near-future token after verifying ``selected``
     (0 for the selected nodes and for nodes hanging from no selected node)."""
-    n = tree.n_nodes
-    sel = np.zeros(n, dtype=bool)
-    sel[np.asarray(selected, dtype=np.int64)] = True
-    p = tree.path_probs
-    parents = tree.parents
-    # P(v is the last accepted node) for every selected v
-    last = np.where(sel, p, 0.0)
-    kids = np.flatnonzero(sel & (parents >= 0))
-    np.subtract.at(last, parents[kids], p[kids])
-    last = np.clip(last, 0.0, None)
-    weight = np.zeros(n)
-    anchor = np.full(n, -1, dtype=np.int64)     # the selected node an unselected node hangs from
-    below = np.zeros(n, dtype=np.int64)         # its depth below that node
-    for v in range(1, n):                       # parents precede children
-        u = parents[v]
-        if sel[v]:
-            continue
-        if sel[u]:
-            anchor[v], below[v] = u, 1
-        elif anchor[u] >= 0:
-            anchor[v], below[v] = anchor[u], below[u] + 1
-        a = anchor[v]
-        if a >= 0 and p[a] > 0:
-            weight[v] = last[a] * min(p[v] / p[a], 1.0) * decay ** (below[v] - 1)
-    return weight
+    from .. import kernels
+
+    return kernels.lookahead.next_token_weights(np.array(tree.parents), np.array(tree.path_probs),
+                                                np.asarray(selected, dtype=np.int64), float(decay))
 
 
 class DraftLookahead:
@@ -119,9 +98,8 @@ class DraftLookahead:
         if nodes.size == 0:
             return out
         # 1 - prod(1 - w): sum log(1 - w) per (layer, expert); a repeated slot counts once per node
-        items = (experts[nodes] + (np.arange(n_layers) * n_experts)[None, :, None]).reshape(nodes.size, -1)
+        from .. import kernels
+
         log_miss = np.log1p(-np.minimum(weight[nodes], 1 - 1e-12))
-        acc = np.zeros(n_layers * n_experts)
-        for row, lm in zip(items, log_miss):
-            acc[np.unique(row)] += lm
+        acc = kernels.lookahead.add_per_expert(np.ascontiguousarray(experts, dtype=np.int64), nodes, log_miss, n_experts)
         return -np.expm1(acc).reshape(n_layers, n_experts)

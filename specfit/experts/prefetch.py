@@ -29,13 +29,10 @@ __all__ = ["DraftPrefetch", "need_priority"]
 def need_priority(tree: DraftTree, experts: np.ndarray, n_experts: int) -> np.ndarray:
     """float [L, E]: for each expert, the largest path probability of a node predicted to route to
     it (the root's experts: 1)."""
-    experts = np.asarray(experts, dtype=np.int64)
-    n, n_layers, top_k = experts.shape
-    out = np.zeros(n_layers * n_experts)
-    items = (experts + (np.arange(n_layers) * n_experts)[None, :, None]).reshape(n, -1)
-    weight = np.repeat(tree.path_probs[:n], items.shape[1])
-    np.maximum.at(out, items.ravel(), weight)
-    return out.reshape(n_layers, n_experts)
+    from .. import kernels
+
+    return kernels.lookahead.need_priority(np.array(tree.path_probs), np.ascontiguousarray(experts, dtype=np.int64),
+                                           int(n_experts))
 
 
 class DraftPrefetch:
