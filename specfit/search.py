@@ -84,14 +84,15 @@ def _better(a: Selection, b: Selection) -> bool:
                                  b.n_nodes)
 
 
-def _check_draft_node_s(draft_node_s) -> float:
+def check_draft_node_s(draft_node_s) -> float:
+    """``draft_node_s`` as a float, or an error naming it when it is not finite and >= 0."""
     value = float(draft_node_s)
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"draft_node_s: expected a finite non-negative number of seconds, got {draft_node_s!r}")
     return value
 
 
-def _validated(tree, experts, cached, cost, draft_levels):
+def validated(tree, experts, cached, cost, draft_levels):
     """The inputs as the kernels take them (int64 [n, L, k] and bool [L, E], C order). Well-formed
     arrays skip :func:`check_experts`; expert ids are range-checked by the kernel, which reports
     a bad id for :func:`check_experts` to word."""
@@ -119,8 +120,10 @@ ROOT_TIME_MESSAGE = ("cost: verifying the root alone is predicted to take 0 s; e
                      "cycle time (base_s, per_node_s or the root's expert costs > 0)")
 
 
-def _selection(status: int, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits,
-               misses) -> Selection:
+def kernel_selection(status: int, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits,
+                     misses) -> Selection:
+    """The :class:`Selection` of a search kernel's answer (``status`` and its outcome), or the
+    error its status stands for, worded (a bad expert id, a cost model with no cycle time)."""
     if status == kernels.search.BAD_EXPERT:
         check_experts(tree, experts, cached)   # raises, naming the id and the range
         raise AssertionError("the search kernel rejected expert ids that check_experts accepts")
@@ -134,24 +137,24 @@ def evaluate(tree: DraftTree, nodes, experts, cached, cost: CostModel, draft_lev
              draft_node_s: float = 0.0) -> Selection:
     """The predicted outcome of verifying ``nodes`` (validated, then the cost formula). Only the
     selected nodes' experts are read for the union: policies call this once per cycle on large trees."""
-    experts, cached = _validated(tree, experts, cached, cost, draft_levels)
-    draft_node_s = _check_draft_node_s(draft_node_s)
+    experts, cached = validated(tree, experts, cached, cost, draft_levels)
+    draft_node_s = check_draft_node_s(draft_node_s)
     formula = kernels.evaluate
     given = np.asarray(nodes)
     if not (given.ndim == 1 and given.dtype == np.int64 and formula.canonical_closed(_tree_arrays(tree)[0], given)):
         given = check_nodes(tree, nodes)   # sorts and dedups, or words what is wrong
     nodes = given
     status, tokens, time_s, hits, misses = formula.evaluate_nodes(
-        _tree_arrays(tree)[1], experts, _packed(cached), cached.shape[1], nodes, cost.params,
+        _tree_arrays(tree)[1], experts, packed(cached), cached.shape[1], nodes, cost.params,
         int(draft_levels))
-    return _selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)
+    return kernel_selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)
 
 
 _NO_START = np.zeros(0, dtype=np.int64)
 _LAST_PACKED: list = [None, None]     # the last read-only residency packed, and its words
 
 
-def _packed(cached: np.ndarray) -> np.ndarray:
+def packed(cached: np.ndarray) -> np.ndarray:
     """``cached`` as the kernels' words. A policy searches several times per cycle on the same
     residency: the drivers hand it over read-only, and a read-only array (which cannot change in
     place) is packed once."""
@@ -180,34 +183,34 @@ def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels
             :func:`uncertainty_price_s`). The search ranks by ``time_s + price_s``; the selection's
             ``time_s`` stays the cost model's prediction and ``price_s`` holds the price.
     """
-    experts, cached = _validated(tree, experts, cached, cost, draft_levels)
-    draft_node_s = _check_draft_node_s(draft_node_s)
+    experts, cached = validated(tree, experts, cached, cost, draft_levels)
+    draft_node_s = check_draft_node_s(draft_node_s)
     first = _NO_START
     if start is not None:
         first = np.asarray(start)
         if not (first.ndim == 1 and first.dtype == np.int64):
             first = check_nodes(tree, start, "start")
     search = kernels.search
-    args = (*_tree_arrays(tree), experts, _packed(cached), cached.shape[1], cost.params,
+    args = (*_tree_arrays(tree), experts, packed(cached), cached.shape[1], cost.params,
             int(draft_levels), draft_node_s)
     status, nodes, tokens, time_s, hits, misses = search.best_subtree(*args, first, start is not None)
     if status == search.BAD_START:
         # not sorted and unique, or not closed: check_nodes canonicalises the first and words the rest
         first = check_nodes(tree, start, "start")
         status, nodes, tokens, time_s, hits, misses = search.best_subtree(*args, first, True)
-    return _selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)
+    return kernel_selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)
 
 
 def greedy_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels: int = 0,
                    draft_node_s: float = 0.0) -> Selection:
     """Baseline: grow from the root, each step adding the frontier node (a child of the selected
     set) that gives the best ratio, while the ratio improves."""
-    experts, cached = _validated(tree, experts, cached, cost, draft_levels)
-    draft_node_s = _check_draft_node_s(draft_node_s)
+    experts, cached = validated(tree, experts, cached, cost, draft_levels)
+    draft_node_s = check_draft_node_s(draft_node_s)
     status, nodes, tokens, time_s, hits, misses = kernels.search.greedy_subtree(
-        *_tree_arrays(tree), experts, _packed(cached), cached.shape[1], cost.params,
+        *_tree_arrays(tree), experts, packed(cached), cached.shape[1], cost.params,
         int(draft_levels), draft_node_s)
-    return _selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)
+    return kernel_selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)
 
 
 def max_weight_closure(weights: np.ndarray, requires: list[tuple[int, int]]) -> np.ndarray:
@@ -232,7 +235,8 @@ def uncertainty_price_s(cost: CostModel, n_layers: int, top_k: int, precision: f
         raise ValueError(f"precision: expected a share in [0, 1], got {precision!r}")
     if not 0.0 <= resident_share <= 1.0:
         raise ValueError(f"resident_share: expected a share in [0, 1], got {resident_share!r}")
-    return (1.0 - precision) * n_layers * top_k * (1.0 - resident_share) * cost.transfer_s
+    return float(kernels.decide.precision_price(float(precision), int(n_layers), int(top_k), float(resident_share),
+                                                cost.transfer_s))
 
 
 def should_continue(previous: Selection | None, current: Selection) -> bool:

@@ -30,7 +30,7 @@ import numpy as np
 from . import kernels
 from .next_level import LevelStats
 from .policy_base import CycleView, Observation, Policy, edge_outcomes
-from .search import Selection, _check_draft_node_s, _packed, _selection, _validated, best_subtree
+from .search import Selection, best_subtree, check_draft_node_s, kernel_selection, packed, validated
 
 __all__ = ["SpecFitPolicy", "LOOKAHEADS", "PRICES"]
 
@@ -168,7 +168,7 @@ class SpecFitPolicy(Policy):
         d = kernels.decide
         if self._levels < 0:
             _, n_layers, top_k = view.experts.shape
-            self._fstate[d.NODE_PRICE] = _check_draft_node_s(d.node_price(
+            self._fstate[d.NODE_PRICE] = check_draft_node_s(d.node_price(
                 self._conf, self._fstate, self._istate, n_layers, top_k, view.cost.hit_s, view.cost.miss_s))
         return self.draft_node_s
 
@@ -178,15 +178,15 @@ class SpecFitPolicy(Policy):
             return False
         view = self._decision_view(view)
         tree, levels = view.tree, int(view.draft_levels)
-        experts, cached = _validated(tree, view.experts, view.cached, view.cost, levels)
+        experts, cached = validated(tree, view.experts, view.cached, view.cost, levels)
         price = self._price_once(view)
         previous = self._previous if self._levels == levels else self._best
         start = np.zeros(0, dtype=np.int64) if previous is None else previous.nodes
         status, go_on, nodes, tokens, time_s, hits, misses = kernels.decide.decide_level(
-            np.array(tree.parents), np.array(tree.path_probs), experts, _packed(cached), cached.shape[1],
+            np.array(tree.parents), np.array(tree.path_probs), experts, packed(cached), cached.shape[1],
             view.cost.params, levels, *self.state, start,
             0.0 if previous is None else previous.expected_tokens, 0.0 if previous is None else previous.time_s)
-        best = _selection(status, tree, experts, cached, levels, price, nodes, tokens, time_s, hits, misses)
+        best = kernel_selection(status, tree, experts, cached, levels, price, nodes, tokens, time_s, hits, misses)
         self._previous, self._best, self._levels = previous, best, levels
         return bool(go_on)
 

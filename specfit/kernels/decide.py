@@ -31,7 +31,7 @@ from .levels import expected_children, level_nodes, optimistic_children, stats_u
 from .search import OK, best_subtree, better
 from .tree import check_tree
 
-__all__ = ["node_price", "first_level_may_pay", "next_level_may_pay", "decide_level", "select_level", "decide_cycle", "observe_cycle"]
+__all__ = ["node_price", "precision_price", "first_level_may_pay", "next_level_may_pay", "decide_level", "select_level", "decide_cycle", "observe_cycle"]
 
 MAX_LEVELS, LOOKAHEAD, FIRST_LEVEL_TEST, PRICE, MIN_OBSERVED = range(5)
 NONE, EXPECTED, OPTIMISTIC = 0, 1, 2
@@ -57,8 +57,14 @@ def node_price(conf, fstate, istate, n_layers, top_k, hit_s, miss_s):
         return max(fstate[EXTRA_MISSES] / fstate[DRAFT_NODES], 0.0) * transfer_s
     if istate[SLOTS] == 0:
         return 0.0
-    precision = istate[SLOTS_RIGHT] / istate[SLOTS]
-    return (1.0 - precision) * n_layers * top_k * (1.0 - fstate[RESIDENT_SHARE]) * transfer_s
+    return precision_price(istate[SLOTS_RIGHT] / istate[SLOTS], n_layers, top_k, fstate[RESIDENT_SHARE], transfer_s)
+
+
+@njit(cache=True)
+def precision_price(precision, n_layers, top_k, resident_share, transfer_s):
+    """Expected extra seconds per draft node when a share ``1 - precision`` of its predicted
+    experts is wrong (:func:`specfit.search.uncertainty_price_s`, which validates and calls this)."""
+    return (1.0 - precision) * n_layers * top_k * (1.0 - resident_share) * transfer_s
 
 
 @njit(cache=True)
