@@ -9,6 +9,8 @@ once untimed (numba loads or compiles its kernels, and the Python policies' tree
 kept on the prepared trace), then ``--repeat`` times; the best is reported, as wall clock and as
 the thread's CPU time (which a loaded machine inflates less). Preparing the trace (once per trace)
 is timed separately. Then the goals next to the figures of the code before the compiled replay.
+Every policy but the last replays entirely in compiled code; ``specfit+cache+prefetch`` (the
+look-ahead eviction and the prefetch between levels) runs the Python loop around compiled rules.
 ``--profile-policy`` prints the top functions of a cProfile run, to show where the time goes.
 """
 
