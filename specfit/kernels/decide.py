@@ -94,8 +94,8 @@ def first_level_may_pay(root_s, params, fstate, istate, recent_p, recent_w):
 
 
 @njit(cache=True)
-def next_level_may_pay(parents, probs, experts, cached_bits, n_experts, params, d, conf, price, acceptance, new_experts,
-                new_is_share, seen, width, cur_nodes, cur_tokens, cur_s):
+def next_level_may_pay(parents, probs, experts, cached_bits, n_experts, params, d, conf, price, acceptance,
+                       new_experts, new_is_share, seen, width, cur_nodes, cur_tokens, cur_s):
     """Whether the best subtree with one more (virtual) level, charged that level, beats the
     current best (``cur_*``; the look-ahead of :mod:`specfit.next_level`)."""
     newest = level_nodes(parents, d)
@@ -169,7 +169,7 @@ def decide_level(parents, probs, experts, cached_bits, n_experts, params, d, con
                                 prev_s + price * (prev_nodes.size - 1), prev_nodes.size)
     if not go and conf[LOOKAHEAD] != NONE:
         go = next_level_may_pay(parents, probs, experts, cached_bits, n_experts, params, d, conf, price, acceptance,
-                         new_experts, new_is_share, seen, width, nodes, tokens, time_s)
+                                new_experts, new_is_share, seen, width, nodes, tokens, time_s)
     return status, go, nodes, tokens, time_s, hits, misses
 
 
