@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .bitsets import count_union, pack_rows
+from .bitsets import count_union, pack_rows, popcount
 from .evaluate import (BAD_EXPERT, OK, canonical_closed, cycle_time, evaluate_bits, evaluate_ids, evaluate_nodes,
                        experts_in_range, union_of_ids)
 from .inner import indices, members, prune, setup, solve
@@ -126,7 +126,64 @@ def best_subtree(parents, probs, experts, cached_bits, n_experts, params, draft_
                       best.size):
             break
         best, best_tokens, best_s, best_hits, best_misses = nodes, tokens, time_s, hits, misses
+    trimmed = trim_ties(parents, probs, bits, cached_bits, params, draft_node_s, best, best_tokens, best_s)
+    if trimmed.size < best.size:
+        tokens, time_s, hits, misses = evaluate_bits(probs, bits, cached_bits, trimmed, trimmed.size, params,
+                                                      draft_levels, union, scratch)
+        if better(tokens, time_s + draft_node_s * (trimmed.size - 1), trimmed.size, best_tokens,
+                  best_s + draft_node_s * (best.size - 1), best.size):
+            best, best_tokens, best_s, best_hits, best_misses = trimmed, tokens, time_s, hits, misses
     return OK, best, best_tokens, best_s, best_hits, best_misses
+
+
+@njit(cache=True)
+def trim_ties(parents, probs, bits, cached_bits, params, draft_node_s, best, tokens, time_s):
+    """``best`` without the selected leaves whose removal is a tie (or better) by :func:`better`:
+    the inner problem keeps a node whose gain is a hair above zero, while ratios within
+    ``TIE_REL`` are ties, which go to the smaller set. A leaf's marginal time is its per-node cost,
+    its price and the experts no other selected node needs (``once & ~twice`` over the selection's
+    expert sets); leaves are dropped one at a time, each against the set it leaves."""
+    n_layers, words = cached_bits.shape
+    keep = best.copy()
+    n = keep.size
+    once = np.empty((n_layers, words), dtype=np.uint64)
+    twice = np.empty((n_layers, words), dtype=np.uint64)
+    priced = time_s + draft_node_s * (n - 1)
+    while n > 1:
+        once[:] = 0
+        twice[:] = 0
+        for i in range(n):
+            v = keep[i]
+            for layer in range(n_layers):
+                for w in range(words):
+                    twice[layer, w] |= once[layer, w] & bits[v, layer, w]
+                    once[layer, w] |= bits[v, layer, w]
+        dropped = -1
+        for i in range(n - 1, 0, -1):
+            v = keep[i]
+            leaf = True
+            for j in range(i + 1, n):
+                if parents[keep[j]] == v:
+                    leaf = False
+                    break
+            if not leaf:
+                continue
+            marginal = params[2] + draft_node_s
+            for layer in range(n_layers):
+                for w in range(words):
+                    alone = bits[v, layer, w] & once[layer, w] & ~twice[layer, w]
+                    marginal += params[3] * popcount(alone & cached_bits[layer, w])
+                    marginal += params[4] * popcount(alone & ~cached_bits[layer, w])
+            if better(tokens - probs[v], priced - marginal, n - 1, tokens, priced, n):
+                dropped = i
+                tokens, priced = tokens - probs[v], priced - marginal
+                break
+        if dropped < 0:
+            break
+        for i in range(dropped, n - 1):
+            keep[i] = keep[i + 1]
+        n -= 1
+    return keep[:n].copy()
 
 
 @njit(cache=True)
