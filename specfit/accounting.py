@@ -78,7 +78,7 @@ CYCLE_COLUMNS = tuple(Column(*c) for c in (
     ("drafter_time_s", "float", True, "the drafter's forward passes"),
     ("search_time_s", "float", True, "the policy's decisions"),
     ("predict_time_s", "float", True, "expert predictions for the drafted nodes"),
-    ("learn_time_s", "float", True, "after the commit: policy, predictor and cost model learn (in the cycle)"),
+    ("learn_time_s", "float", True, "after the commit: policy and predictor learn (in the cycle; the cost model sees it as the next starts)"),
     ("cpu_time_s", "float", True, "CPU time of the decoding thread over the cycle (wall time minus waiting, "
                                   "e.g. for other processes, on a CPU device with one thread)"),
     ("hits_per_layer", "list", True, "hits per MoE layer"),

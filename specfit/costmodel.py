@@ -108,6 +108,13 @@ class CostModel:
         d.update(changes)
         return CostModel(**d)
 
+    def scaled(self, factor: float) -> "CostModel":
+        """Every time term times ``factor`` (a machine that runs the same work ``factor`` times
+        slower); the bytes per expert unchanged."""
+        if not (factor >= 0 and math.isfinite(factor)):
+            raise ValueError(f"CostModel.scaled: expected a finite factor >= 0, got {factor!r}")
+        return self.replace(**{name: factor * getattr(self, name) for name in PARAM_NAMES})
+
     @property
     def transfer_s(self) -> float:
         """The host-to-device part of a miss: what a miss costs beyond a hit (never negative)."""

@@ -131,6 +131,81 @@ def test_online_model_follows_a_change_of_the_transfer_cost():
     assert online.cost.miss_s - online.cost.hit_s == pytest.approx(6 * (COST.miss_s - COST.hit_s), rel=0.2)
 
 
+def test_speed_tracker_follows_a_machine_that_slows_within_a_few_cycles():
+    """No refit (the window never fills): the tracker alone moves the prediction to a machine 1.5x
+    slower, in half-lives of one cycle, and scales every term alike, so decisions do not change."""
+    online = OnlineCostModel(COST, window=64, min_cycles=64, speed_half_life=1.0)
+    cycle = (2, 9, 20, 6)
+    for _ in range(5):
+        online.observe(*cycle, COST.time_s(*cycle), priced=cycle[2:])
+    assert online.speed == pytest.approx(1.0) and online.cost.time_s(*cycle) == pytest.approx(COST.time_s(*cycle))
+    errors = []
+    for _ in range(6):
+        measured = 1.5 * COST.time_s(*cycle)
+        errors.append(abs(online.cost.time_s(*cycle) - measured) / measured)
+        online.observe(*cycle, measured, priced=cycle[2:])
+    # the first slow cycle is a surprise (1/3 off); the error halves in log with every cycle after it
+    assert errors[0] == pytest.approx(1 / 3)
+    assert all(later < earlier for earlier, later in zip(errors, errors[1:]))
+    assert errors[4] < 0.03 and online.speed == pytest.approx(1.5, rel=0.02)
+    assert online.n_refits == 0 and online.fitted is COST
+    other = (0, 1, 12, 4)
+    assert (online.cost.time_s(*cycle) / online.cost.time_s(*other)
+            == pytest.approx(COST.time_s(*cycle) / COST.time_s(*other), rel=1e-12))
+    assert online.state()["tracked_speed"] == pytest.approx(online.speed)
+    # without the priced counts (or with the tracker off) nothing is tracked
+    untracked = OnlineCostModel(COST, window=64, min_cycles=64)
+    off = OnlineCostModel(COST, window=64, min_cycles=64, speed_half_life=None)
+    for _ in range(6):
+        untracked.observe(*cycle, 1.5 * COST.time_s(*cycle))
+        off.observe(*cycle, 1.5 * COST.time_s(*cycle), priced=cycle[2:])
+    assert untracked.cost is COST and off.cost is COST
+
+
+def test_speed_tracker_lowers_the_held_out_error_on_a_machine_whose_speed_wanders():
+    """A shared machine's speed moves in phases (log speed an AR(1) process, correlation 0.8 from
+    one cycle to the next, as measured in bench_decode.py): each cycle predicted before it is
+    observed, the tracked model's error is well below the fit's alone."""
+    rng = np.random.default_rng(11)
+    models = {"tracked": OnlineCostModel(COST), "fit only": OnlineCostModel(COST, speed_half_life=None)}
+    errors = {name: [] for name in models}
+    log_speed = 0.0
+    for _ in range(400):
+        log_speed = 0.8 * log_speed + 0.12 * rng.standard_normal()
+        levels, nodes = int(rng.integers(0, 4)), int(rng.integers(1, 8))
+        union = int(rng.integers(8, 40))
+        misses = int(rng.integers(0, union + 1))
+        measured = COST.time_s(levels, nodes, union - misses, misses) * np.exp(log_speed)
+        for name, online in models.items():
+            predicted = online.cost.time_s(levels, nodes, union - misses, misses)
+            errors[name].append(abs(predicted - measured) / measured)
+            online.observe(levels, nodes, union - misses, misses, measured, priced=(union - misses, misses))
+    tracked, fit_only = np.mean(errors["tracked"][50:]), np.mean(errors["fit only"][50:])
+    assert tracked < 0.75 * fit_only
+    with pytest.raises(ValueError, match="speed_half_life"):
+        OnlineCostModel(COST, speed_half_life=-1.0)
+
+
+def test_the_model_that_prices_a_cycle_has_seen_every_cycle_before_it():
+    """The decoder hands the online model the previous cycle before it decides the next one."""
+
+    class Recording(OnlineCostModel):
+        def observe(self, *args, **kwargs):
+            super().observe(*args, **kwargs)
+            seen.append(self.cost)
+
+    seen: list[CostModel] = []
+    model = load_model(tiny_moe_dir(), cache_experts=4)
+    decoder = Decoder(model, None, ArPolicy(), COST, online_refit=Recording(COST, min_cycles=4, refit_every=1))
+    result = decoder.generate(PROMPT, 24, ignore_eos=True)
+    assert len(seen) == len(result.cycles) - 1 and decoder.online.n_refits > 0
+    for k, stats in enumerate(result.cycles):
+        sel = stats.draft.selection
+        cost = COST if k == 0 else seen[k - 1]
+        assert stats.draft.cost is cost
+        assert sel.time_s == pytest.approx(cost.time_s(0, 1, sel.hits, sel.misses))
+
+
 def delayed(model, delay_s: list[float]):
     """Make every target pass take ``delay_s[0]`` seconds longer (changed while decoding)."""
     forward = model.forward

@@ -12,7 +12,19 @@ so a change of the machine outweighs the cycles before it after about one half-l
 the window. A window of one policy's cycles usually pins ``base_s`` and the terms its choices vary;
 the rest keep the profile's values.
 
-Before ``min_cycles`` cycles have been seen the model is the prior itself.
+On top of the fit, a *speed tracker* follows what a refit every few cycles cannot: a machine whose
+speed moves from one cycle to the next. A shared CPU runs the same cycle 0.7-1.4x its median time,
+in phases that last several cycles (the log of measured / predicted time of one cycle correlates
+0.7-0.8 with the next's, measured in ``bench_decode.py``). Each observed cycle that comes with the
+counts its policy priced moves the log speed toward that cycle's log(measured / fitted prediction)
+with a half-life of ``speed_half_life`` cycles, and :attr:`OnlineCostModel.cost` is the fitted
+model with every term scaled by that speed. A common factor leaves every decision between subtrees
+as it was (throughput is a ratio of tokens to seconds); it makes the predicted seconds right. The
+same factor absorbs a predictor's steady over- or under-estimate of the union, since the residual
+is taken against the counts the policy priced.
+
+Before ``min_cycles`` cycles have been seen the fit is the prior itself (the speed tracker starts
+with the first cycle).
 """
 
 from __future__ import annotations
@@ -39,16 +51,21 @@ class OnlineCostModel:
         select_every: refits between two selections of the terms to fit (which terms the window
             identifies changes slowly; the refits in between keep the last selection and only
             solve for the values, a tenth of the cost).
+        speed_half_life: cycles after which a cycle's speed weighs half in the speed tracker (None
+            or 0: no tracker, the fit alone).
 
-    Attributes: ``cost`` (the current model), ``n_seen`` (cycles observed), ``n_refits``,
-    ``held`` (the terms the last refit held at the prior; :meth:`state` says why).
+    Attributes: ``cost`` (the current model: the fit times the tracked speed), ``fitted`` (the fit
+    alone), ``speed`` (the tracked factor), ``n_seen`` (cycles observed), ``n_refits``, ``held`` (the
+    terms the last refit held at the prior; :meth:`state` says why).
     """
 
     def __init__(self, prior: CostModel, window: int = 48, min_cycles: int = 8, refit_every: int = 4,
-                 half_life: float = 8.0, select_every: int = 4):
+                 half_life: float = 16.0, select_every: int = 4, speed_half_life: float | None = 1.0):
         if window < 2 or min_cycles < 2 or refit_every < 1:
             raise ValueError(f"OnlineCostModel: expected window >= 2, min_cycles >= 2, refit_every >= 1, got "
                              f"{window}, {min_cycles}, {refit_every}")
+        if speed_half_life is not None and not speed_half_life >= 0:
+            raise ValueError(f"speed_half_life: expected >= 0 cycles or None, got {speed_half_life}")
         self.prior = prior
         self.window, self.min_cycles, self.refit_every = int(window), int(min(min_cycles, window)), int(refit_every)
         self.half_life, self.select_every = float(half_life), int(max(select_every, 1))
@@ -59,20 +76,37 @@ class OnlineCostModel:
         self._times = np.zeros(self.window)
         self.n_seen = 0
         self.n_refits = 0
+        self.fitted = prior
         self.cost = prior
+        # the speed tracker: each new cycle's weight, and the log speed it has reached
+        self._speed_rate = 1.0 - 0.5 ** (1.0 / speed_half_life) if speed_half_life else 0.0
+        self._log_speed = 0.0
         self.held: list[str] = []
 
-    def observe(self, draft_levels: int, n_nodes: int, hits: int, misses: int, time_s: float) -> None:
+    @property
+    def speed(self) -> float:
+        """The tracked speed: measured over fitted time of the recent cycles (1: as fitted)."""
+        return float(np.exp(self._log_speed))
+
+    def observe(self, draft_levels: int, n_nodes: int, hits: int, misses: int, time_s: float,
+                priced: tuple[int, int] | None = None) -> None:
         """Add one measured cycle (the counts of what it verified, its measured seconds); refit
-        when it is time."""
+        when it is time. ``priced``: the (hits, misses) the policy priced the cycle with, before it
+        ran (the predicted union's); with it the speed tracker learns from the cycle."""
         if not (time_s > 0 and np.isfinite(time_s)):
             return                                   # nothing to learn from (an empty or broken clock)
+        if priced is not None and self._speed_rate > 0:
+            # against the fit that predicted the cycle (a refit below only changes the next ones)
+            fitted_s = self.fitted.time_s(draft_levels, n_nodes, *priced)
+            if fitted_s > 0:
+                self._log_speed += self._speed_rate * (np.log(time_s / fitted_s) - self._log_speed)
         slot = self.n_seen % self.window
         self._features[slot] = (draft_levels, 1.0, n_nodes, hits, misses)
         self._times[slot] = time_s
         self.n_seen += 1
         if self.n_seen >= self.min_cycles and (self.n_seen - self.min_cycles) % self.refit_every == 0:
             self._refit()
+        self.cost = self.fitted.scaled(self.speed) if self._log_speed else self.fitted
 
     def _refit(self) -> None:
         n = min(self.n_seen, self.window)
@@ -85,7 +119,7 @@ class OnlineCostModel:
                                          sample_weight=recency, choice=reuse)
         self._theta = theta
         params = from_physical(theta)
-        self.cost = CostModel(**dict(zip(PARAM_NAMES, map(float, params))), expert_bytes=self.prior.expert_bytes)
+        self.fitted = CostModel(**dict(zip(PARAM_NAMES, map(float, params))), expert_bytes=self.prior.expert_bytes)
         self._choice = info["choice"]
         self.held = info["held_names"]
         self.n_refits += 1
@@ -93,6 +127,7 @@ class OnlineCostModel:
     def state(self) -> dict:
         """What the model is now, for a run's summary."""
         return {"cycles_seen": self.n_seen, "refits": self.n_refits, "window": self.window,
-                "params": {k: v for k, v in self.cost.to_dict().items() if k != "expert_bytes"},
+                "params": {k: v for k, v in self.fitted.to_dict().items() if k != "expert_bytes"},
                 "speed_factor": self._choice["speed_value"] if self.n_refits else 1.0,
+                "tracked_speed": self.speed,
                 "held": self._fitter._held_terms(self._choice) if self.n_refits else {}}

@@ -131,6 +131,7 @@ class Decoder:
         start = device_now(self.model.device)
         while stop_reason != "eos" and len(output) < max_new_tokens:
             cycle_start, cpu_start = device_now(self.model.device), time.thread_time()
+            self._observe_last_cycle()
             # a cycle commits at most depth + 1 tokens: deeper levels could never be used
             draft = self.draft(root, max_levels=max_new_tokens - len(output) - 1)
             selected = device_now(self.model.device)
@@ -147,8 +148,9 @@ class Decoder:
             stats.learn_time_s = device_now(self.model.device) - verified
             stats.cpu_time_s = time.thread_time() - cpu_start
             offload = verification.offload
-            self._pending = (draft.draft_levels, int(verification.nodes.size), offload.total_hits,
-                             offload.total_misses, stats.cycle_time_s)
+            priced = None if draft.selection is None else (draft.selection.hits, draft.selection.misses)
+            self._pending = ((draft.draft_levels, int(verification.nodes.size), offload.total_hits,
+                              offload.total_misses, stats.cycle_time_s), priced)
             stats.charged_misses_per_layer = charged_misses(verification.expert_ids, draft.cached, before)
             cycles.append(stats)
             totals += verification.offload
@@ -306,10 +308,17 @@ class Decoder:
             context = torch.cat(draft.contexts)[torch.from_numpy(nodes)] if draft.contexts else None
             self.predictor.update(stats.draft.tree.tokens[nodes], verification.expert_ids,
                                   self.model.config.n_experts, last_known=last, context=context)
-        if self.online is not None and self._pending is not None:
-            # the previous cycle, whose time is complete only once its own learning has run
-            self.online.observe(*self._pending)
-            self.cost = self.online.cost
+
+    def _observe_last_cycle(self) -> None:
+        """The online cost model sees the previous cycle (whose time is complete only once its own
+        learning has run) before this one is decided: the model that prices a cycle has seen every
+        cycle before it. Runs inside the new cycle's time."""
+        if self.online is None or self._pending is None:
+            return
+        counts, priced = self._pending
+        self.online.observe(*counts, priced=priced)
+        self.cost = self.online.cost
+        self._pending = None
 
     def _predict(self, draft: Draft, tokens: np.ndarray, context) -> np.ndarray:
         start = time.perf_counter()
