@@ -1,0 +1,91 @@
+"""Benchmark: the online cost model's held-out cycle-time error, replayed on recorded live cycles.
+
+A live run's ``cycles.parquet`` keeps, per cycle, the counts its policy priced (predicted hits and
+misses), the counts it verified and its measured time. Replaying them in order through an
+:class:`~specfit.calibrate.online.OnlineCostModel` — each cycle predicted before it is observed —
+gives the error a model would have had on the same cycles (the decisions are the recorded ones;
+only the prediction is replayed). With the model the run used, the replay reproduces the recorded
+``predicted_time_s``. Prints one row per run directory and model: MAPE per policy, and the lag-1
+correlation of log(measured / predicted) (what a causal model has left to learn).
+
+    python benchmarks/bench_decode.py --out runs/quiet          # writes cycles.parquet and profile.json
+    python benchmarks/bench_online.py runs/quiet [runs/busy ...] [--profile PROFILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specfit.calibrate.online import OnlineCostModel  # noqa: E402
+from specfit.calibrate.presets import resolve_profile  # noqa: E402
+from specfit.runtime.run_dir import read_decode_cycles  # noqa: E402
+
+# (label, OnlineCostModel options, whether the model sees a cycle before the next is priced)
+MODELS = (
+    ("refit only, seen one cycle late (before stop 22)", {"half_life": 8.0, "speed_half_life": None}, False),
+    ("refit only, seen before the next", {"half_life": 8.0, "speed_half_life": None}, True),
+    ("refit + speed tracker (the default)", {}, True),
+)
+
+
+def replay(cycles, prior, options: dict, seen_first: bool) -> np.ndarray:
+    """Predicted seconds of every cycle (in order), each made before the model saw it."""
+    online = OnlineCostModel(prior, **options)
+    rows = list(cycles.itertuples())
+    predicted = np.zeros(len(rows))
+
+    def see(row):
+        online.observe(row.draft_levels, row.nodes_verified, row.hits, row.misses, row.measured_time_s,
+                       priced=(row.predicted_hits, row.predicted_misses))
+
+    for t, row in enumerate(rows):
+        if seen_first and t:
+            see(rows[t - 1])
+        predicted[t] = online.cost.time_s(row.draft_levels, row.nodes_verified, row.predicted_hits,
+                                          row.predicted_misses)
+        if not seen_first and t:
+            see(rows[t - 1])
+    return predicted
+
+
+def errors(measured: np.ndarray, predicted: np.ndarray) -> tuple[float, float]:
+    """(MAPE, lag-1 correlation of the log ratio)."""
+    ratio = np.log(measured / predicted)
+    lag1 = float(np.corrcoef(ratio[:-1], ratio[1:])[0, 1]) if ratio.size > 2 else float("nan")
+    return float(np.mean(np.abs(predicted - measured) / measured)), lag1
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="run directories (cycles.parquet, profile.json)")
+    parser.add_argument("--profile", default=None, help="the prior (default: RUN/profile.json)")
+    args = parser.parse_args(argv)
+    table = Table(title="online cost model on recorded cycles: MAPE (lag-1 correlation of log measured/predicted)")
+    for name in ("run", "model", "policies"):
+        table.add_column(name)
+    for run in args.runs:
+        prior = resolve_profile(args.profile or run / "profile.json").cost
+        cycles = read_decode_cycles(run)
+        cycles = cycles[cycles["predicted_hits"] >= 0]          # cycles a policy priced
+        groups = [(p, g.sort_values(["sequence", "position"])) for p, g in cycles.groupby("policy", sort=False)]
+        recorded = [f"{p} {errors(g.measured_time_s.values, g.predicted_time_s.values)[0]:.1%}" for p, g in groups]
+        table.add_row(run.name, "as recorded", ", ".join(recorded))
+        for label, options, seen_first in MODELS:
+            cells = []
+            for policy, g in groups:
+                mape, lag1 = errors(g.measured_time_s.values, replay(g, prior, options, seen_first))
+                cells.append(f"{policy} {mape:.1%} ({lag1:+.2f})")
+            table.add_row("", label, ", ".join(cells))
+    Console(width=200).print(table)
+
+
+if __name__ == "__main__":
+    main()
