@@ -114,6 +114,16 @@ def count_union(union, cached):
 
 
 @njit(cache=True)
+def in_row(experts, row, layer, expert, stop):
+    """Whether ``expert`` is one of the first ``stop`` slots of ``experts[row, layer]`` (a node's
+    routing at one layer): the test for a slot repeated within a layer, or shared with a parent."""
+    for t in range(stop):
+        if experts[row, layer, t] == expert:
+            return True
+    return False
+
+
+@njit(cache=True)
 def count_missing(experts, row, cached):
     """How many distinct experts of one node's routing ``experts[row]`` (``[L, k]``) are not in
     the resident sets ``cached[L, words]``."""
@@ -129,14 +139,8 @@ def count_missing(experts, row, cached):
                 if seen & bit:
                     continue
                 seen |= bit
-            else:
-                repeated = False
-                for t in range(s):
-                    if experts[row, layer, t] == experts[row, layer, s]:
-                        repeated = True
-                        break
-                if repeated:
-                    continue
+            elif in_row(experts, row, layer, experts[row, layer, s], s):
+                continue
             if not word & bit:
                 missing += 1
     return missing

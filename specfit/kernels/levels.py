@@ -11,6 +11,8 @@ import math
 import numpy as np
 from numba import njit
 
+from .bitsets import in_row
+
 __all__ = ["level_summary", "virtual_children"]
 
 PHI = 0.6180339887498949   # spreads fractional expert counts evenly over children and layers
@@ -60,13 +62,7 @@ def level_summary(parents, probs, nodes, experts, max_rank):
             v, u = nodes[i], par[i]
             for layer in range(n_layers):
                 for s in range(k):
-                    e = experts[v, layer, s]
-                    shared = False
-                    for t in range(k):
-                        if experts[u, layer, t] == e:
-                            shared = True
-                            break
-                    if not shared:
+                    if not in_row(experts, u, layer, experts[v, layer, s], k):
                         total += 1
         new_mean = total / (n * n_layers)
     return sums, counts, n_parents, new_mean

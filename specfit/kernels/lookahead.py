@@ -10,6 +10,8 @@ import math
 import numpy as np
 from numba import njit
 
+from .bitsets import in_row
+
 __all__ = ["next_token_weights", "add_per_expert", "need_priority"]
 
 
@@ -60,14 +62,9 @@ def add_per_expert(experts, nodes, values, n_experts):
         for layer in range(n_layers):
             for s in range(top_k):
                 e = experts[v, layer, s]
-                repeated = False
-                for t in range(s):
-                    if experts[v, layer, t] == e:
-                        repeated = True
-                        break
                 if not 0 <= e < n_experts:
                     raise ValueError("experts: an expert id is out of range")
-                if not repeated:
+                if not in_row(experts, v, layer, e, s):
                     acc[layer * n_experts + e] += values[i]
     return acc
 
