@@ -161,6 +161,9 @@ def variants() -> dict[str, Variant]:
         Variant("specfit affinity", prep="affinity", spec=ALL),
         Variant("specfit learned", prep="learned", spec=ALL),
         Variant("specfit parent", prep="parent", spec=ALL),
+        Variant("specfit learned no-price", prep="learned",
+                build=lambda d: _levers(SpecFitPolicy(8, price_uncertainty="none")),
+                note="every lever, the learned predictor, no uncertainty price"),
     ]
     return {x.label: x for x in v}
 

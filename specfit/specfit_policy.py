@@ -38,6 +38,8 @@ LOOKAHEADS = ("expected", "optimistic", "none")
 PRICES = ("observed", "precision", "none")
 _LOOKAHEAD_CODES = {"none": 0, "expected": 1, "optimistic": 2}     # kernels.decide.NONE, EXPECTED, OPTIMISTIC
 _PRICE_CODES = {"none": 0, "precision": 1, "observed": 2}          # kernels.decide.NO_PRICE, PRECISION, OBSERVED
+_LOOKAHEAD_NAMES = {code: name for name, code in _LOOKAHEAD_CODES.items()}
+_PRICE_NAMES = {code: name for name, code in _PRICE_CODES.items()}
 _RECENT_FIRST = 8     # first levels the level-0 test remembers
 
 
@@ -68,30 +70,22 @@ class SpecFitPolicy(Policy):
     def __init__(self, max_levels: int = 8, price_uncertainty="observed", lookahead="expected",
                  first_level_test: bool = True, overhead_level_s: float | None = None, acceptance=None,
                  min_observed: int = 16):
-        self.max_levels = int(max_levels)
-        lookahead = {True: "expected", False: "none"}.get(lookahead, lookahead)
-        if lookahead not in LOOKAHEADS:
-            raise ValueError(f"lookahead: expected one of {LOOKAHEADS}, got {lookahead!r}")
         if overhead_level_s is not None and not overhead_level_s >= 0:
             raise ValueError(f"overhead_level_s: expected seconds >= 0 or None, got {overhead_level_s!r}")
-        self.lookahead, self.first_level_test = lookahead, bool(first_level_test)
-        price_uncertainty = {True: "observed", False: "none"}.get(price_uncertainty, price_uncertainty)
-        if price_uncertainty not in PRICES:
-            raise ValueError(f"price_uncertainty: expected one of {PRICES}, got {price_uncertainty!r}")
-        self.price_uncertainty = price_uncertainty
-        self.min_observed = int(min_observed)
+        d = kernels.decide
+        # the state the compiled rules (specfit.kernels.decide) read and update in place: the
+        # configuration (its settings below are properties that write it, so a setting changed
+        # after construction reaches the compiled rules), the observed price's sums, the slot
+        # precision, the level-0 test's memory of recent first levels (best path probability,
+        # width) and the cycle's price per draft node
+        self._conf = np.zeros(d.N_CONF, dtype=np.int64)
+        self._conf[d.MAX_LEVELS] = int(max_levels)
+        self.lookahead, self.first_level_test = lookahead, first_level_test
+        self.price_uncertainty, self.min_observed = price_uncertainty, min_observed
         self.acceptance = acceptance
         self.fixed_overhead_s = overhead_level_s
         self.overhead_level_s = 0.0 if overhead_level_s is None else float(overhead_level_s)
         self.stats = LevelStats(max_depth=max(self.max_levels, 1))
-        # the state the compiled rules (specfit.kernels.decide) read and update in place: the
-        # configuration, the observed price's sums, the slot precision, the level-0 test's memory of
-        # recent first levels (best path probability, width) and the cycle's price per draft node
-        d = kernels.decide
-        self._conf = np.zeros(d.N_CONF, dtype=np.int64)
-        self._conf[[d.MAX_LEVELS, d.LOOKAHEAD, d.FIRST_LEVEL_TEST, d.PRICE, d.MIN_OBSERVED]] = (
-            self.max_levels, _LOOKAHEAD_CODES[lookahead], self.first_level_test, _PRICE_CODES[price_uncertainty],
-            self.min_observed)
         self._fstate = np.zeros(d.N_FSTATE)
         self._istate = np.zeros(d.N_ISTATE, dtype=np.int64)
         self._recent_p = np.zeros(_RECENT_FIRST)
@@ -103,6 +97,50 @@ class SpecFitPolicy(Policy):
         self._cost = None
         self._view_key = None
         self._view: CycleView | None = None
+
+    # ------------------------------------------------------------------ settings (in the compiled configuration)
+    @property
+    def max_levels(self) -> int:
+        """Levels drafted at most (fixed at construction: the level statistics are sized by it)."""
+        return int(self._conf[kernels.decide.MAX_LEVELS])
+
+    @property
+    def lookahead(self) -> str:
+        return _LOOKAHEAD_NAMES[int(self._conf[kernels.decide.LOOKAHEAD])]
+
+    @lookahead.setter
+    def lookahead(self, value) -> None:
+        value = {True: "expected", False: "none"}.get(value, value)
+        if value not in LOOKAHEADS:
+            raise ValueError(f"lookahead: expected one of {LOOKAHEADS}, got {value!r}")
+        self._conf[kernels.decide.LOOKAHEAD] = _LOOKAHEAD_CODES[value]
+
+    @property
+    def price_uncertainty(self) -> str:
+        return _PRICE_NAMES[int(self._conf[kernels.decide.PRICE])]
+
+    @price_uncertainty.setter
+    def price_uncertainty(self, value) -> None:
+        value = {True: "observed", False: "none"}.get(value, value)
+        if value not in PRICES:
+            raise ValueError(f"price_uncertainty: expected one of {PRICES}, got {value!r}")
+        self._conf[kernels.decide.PRICE] = _PRICE_CODES[value]
+
+    @property
+    def first_level_test(self) -> bool:
+        return bool(self._conf[kernels.decide.FIRST_LEVEL_TEST])
+
+    @first_level_test.setter
+    def first_level_test(self, value) -> None:
+        self._conf[kernels.decide.FIRST_LEVEL_TEST] = bool(value)
+
+    @property
+    def min_observed(self) -> int:
+        return int(self._conf[kernels.decide.MIN_OBSERVED])
+
+    @min_observed.setter
+    def min_observed(self, value) -> None:
+        self._conf[kernels.decide.MIN_OBSERVED] = int(value)
 
     @property
     def draft_node_s(self) -> float:

@@ -16,7 +16,7 @@ from specfit.cli import app
 from specfit.costmodel import expert_union
 from specfit.errors import SpecFitError
 from specfit.policies import Observation, SpecFitPolicy, make_policy
-from specfit.simulate.replay import prepare, replay
+from specfit.simulate.replay import prepare, prepare_trace, replay
 from specfit.simulate.sweep import Scenario, run_sweep
 from specfit.simulate.whatif import parse_overrides, scale_h2d
 from specfit.traces.format import read_trace
@@ -154,6 +154,29 @@ def test_static_auto_is_the_best_fixed_size(sample):
     _, summary = run_sweep([sample], ["static:auto", "static:2", "static:8", "static:32"], [16], [Scenario("g", cost)])
     rate = summary.set_index("policy")["tokens_per_s"]
     assert rate["static:auto"] >= rate[["static:2", "static:8", "static:32"]].max()
+
+
+def test_a_setting_changed_after_construction_reaches_the_compiled_rules():
+    """The compiled rules read SpecFit's settings from its configuration array: a setting changed
+    on the policy object (as ``run_sweep(price_uncertainty=False)`` does) must change that array."""
+    d = kernels.decide
+    policy = SpecFitPolicy(max_levels=5)
+    conf = policy.state[0]
+    assert (policy.price_uncertainty, policy.lookahead, policy.first_level_test, policy.max_levels) == \
+        ("observed", "expected", True, 5)
+    policy.price_uncertainty, policy.lookahead, policy.first_level_test, policy.min_observed = False, "optimistic", 0, 3
+    assert (conf[d.PRICE], conf[d.LOOKAHEAD], conf[d.FIRST_LEVEL_TEST], conf[d.MIN_OBSERVED]) == \
+        (d.NO_PRICE, d.OPTIMISTIC, 0, 3)
+    assert (policy.price_uncertainty, policy.lookahead, policy.first_level_test) == ("none", "optimistic", False)
+    with pytest.raises(ValueError, match="price_uncertainty"):
+        policy.price_uncertainty = "sometimes"
+    # end to end: with a predictor that gets experts wrong, pricing them changes what SpecFit does
+    trace = read_trace(SAMPLE_QWEN3)
+    parent = prepare_trace("qwen3", trace, predictor="parent")
+    scenarios = [Scenario("pcie4", preset_profile("pcie4", SHAPES["qwen3-30b-a3b"]).cost)]
+    runs = {priced: run_sweep([parent], ["specfit"], [0], scenarios, price_uncertainty=priced)[0]
+            for priced in (True, False)}
+    assert not runs[True]["nodes_verified"].equals(runs[False]["nodes_verified"])
 
 
 def test_whatif_h2d_scale_and_overrides():
