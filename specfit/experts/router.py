@@ -8,7 +8,8 @@ with its gate. The predictor estimates a draft node's residual as
     e + context_weight * |e| * c / |c|,   e = embedding(token of v), c = drafter output at v's parent
 
 (the drafter's output at the parent summarises the context from which it drafted v), and routes
-that estimate through every layer's norm and router. The drafter's states live in its own learned,
+that estimate through every layer's norm and router (the norm's per-row scale moves no expert past
+another, so only the norm weights, folded into the routers, are applied). The drafter's states live in its own learned,
 un-normalised space, so the context is rescaled to the embedding's norm: added raw it swamps the
 token. Siblings differ by their token, so they get different experts — identical predictions for
 siblings make extra nodes look free (see DESIGN.md). Without a context (the root, whose drafter
@@ -53,6 +54,10 @@ class RouterPredictor(ExpertPredictor):
         if embed is None or router_weight is None or top_k < 1:
             raise ValueError("RouterPredictor: pass the target model, or its embedding, router weights and top_k")
         self.embed, self.router_weight, self.eps, self.top_k = embed, router_weight, float(eps), int(top_k)
+        # every layer's router as the columns of one matrix [H, L * E]: one GEMM per call
+        n_layers, n_experts, hidden = router_weight.shape
+        self._columns = router_weight.reshape(n_layers * n_experts, hidden).t().contiguous()
+        self._layers_experts = (n_layers, n_experts)
 
     def get_params(self) -> dict:
         return {"context_weight": self.context_weight}
@@ -61,14 +66,14 @@ class RouterPredictor(ExpertPredictor):
     def predict(self, batch: NodeBatch) -> np.ndarray:
         """int64 [n, L, top_k] experts of the batch's nodes from their tokens and, when given, the
         drafter's context."""
-        tokens = torch.as_tensor(np.asarray(batch.tokens), dtype=torch.long, device=self.embed.device).reshape(-1)
+        tokens = torch.as_tensor(np.asarray(batch.tokens, dtype=np.int64), device=self.embed.device).reshape(-1)
         x = self.embed[tokens].float()
         if batch.context is not None:
             c = batch.context.to(device=x.device, dtype=torch.float32)
-            scale = self.context_weight * x.norm(dim=-1, keepdim=True) / c.norm(dim=-1, keepdim=True).clamp_min(1e-12)
-            x = x + scale * c
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)       # RMSNorm, as the layers do
-        logits = torch.matmul(x, self.router_weight.transpose(1, 2))           # [L, n, E]
-        # softmax is monotone: the top-k of the logits are the router's top-k
-        experts = logits.topk(self.top_k, dim=-1).indices.permute(1, 0, 2)     # [n, L, k]
-        return experts.cpu().numpy().astype(np.int64)
+            scale = x.norm(dim=-1, keepdim=True).div_(c.norm(dim=-1, keepdim=True).clamp_min_(1e-12))
+            x = torch.addcmul(x, scale.mul_(self.context_weight), c)
+        # The layers route rms(x) = x / sqrt(mean(x^2) + eps) (the norm weights are folded into the
+        # router matrix): one positive factor per row, which moves no logit past another, and
+        # softmax is monotone: the top-k of x's raw logits are the router's top-k
+        logits = (x @ self._columns).view(x.shape[0], *self._layers_experts)      # [n, L, E]
+        return logits.topk(self.top_k, dim=-1).indices.cpu().numpy()             # int64 [n, L, k]
