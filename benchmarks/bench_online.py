@@ -29,10 +29,12 @@ from specfit.calibrate.presets import resolve_profile  # noqa: E402
 from specfit.runtime.run_dir import read_decode_cycles  # noqa: E402
 
 # (label, OnlineCostModel options, whether the model sees a cycle before the next is priced)
+BEFORE = {"half_life": 8.0, "refit_every": 4, "select_every": 4, "speed_half_life": None}   # the defaults before stop 22
 MODELS = (
-    ("refit only, seen one cycle late (before stop 22)", {"half_life": 8.0, "speed_half_life": None}, False),
-    ("refit only, seen before the next", {"half_life": 8.0, "speed_half_life": None}, True),
-    ("refit + speed tracker (the default)", {}, True),
+    ("refit only, seen one cycle late (before stop 22)", BEFORE, False),
+    ("refit only, seen before the next", BEFORE, True),
+    ("refit every 4 + speed tracker (stop 22's live runs)", {"refit_every": 4, "select_every": 4}, True),
+    ("refit + speed tracker (the default: every 8)", {}, True),
 )
 
 

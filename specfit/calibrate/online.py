@@ -59,8 +59,8 @@ class OnlineCostModel:
     terms the last refit held at the prior; :meth:`state` says why).
     """
 
-    def __init__(self, prior: CostModel, window: int = 48, min_cycles: int = 8, refit_every: int = 4,
-                 half_life: float = 16.0, select_every: int = 4, speed_half_life: float | None = 1.0):
+    def __init__(self, prior: CostModel, window: int = 48, min_cycles: int = 8, refit_every: int = 8,
+                 half_life: float = 16.0, select_every: int = 2, speed_half_life: float | None = 1.0):
         if window < 2 or min_cycles < 2 or refit_every < 1:
             raise ValueError(f"OnlineCostModel: expected window >= 2, min_cycles >= 2, refit_every >= 1, got "
                              f"{window}, {min_cycles}, {refit_every}")
