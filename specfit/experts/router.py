@@ -14,8 +14,13 @@ un-normalised space, so the context is rescaled to the embedding's norm: added r
 token. Siblings differ by their token, so they get different experts — identical predictions for
 siblings make extra nodes look free (see DESIGN.md). Without a context (the root, whose drafter
 entry is only computed once a level is drafted; a drafter whose hidden size differs from the
-target's; a replay, where no drafter state was recorded) the embedding alone is routed. Its
-measured precision is in ``benchmarks/RESULTS.md``. For a replay, :func:`specfit.runtime.loader.load_router`
+target's; a replay, where no drafter state was recorded) the embedding alone is routed. How far
+the context pulls differs by layer (a deep layer's residual holds more of the context than the
+token), so the weight is chosen per layer, online, from the nodes the target has verified: each
+:meth:`RouterPredictor.update` counts, per layer and per candidate weight (:data:`CONTEXT_WEIGHTS`),
+how many of the verified nodes' experts that weight would have predicted, and from ``min_nodes``
+nodes on each layer uses its best candidate (ties: the configured ``context_weight``). Its measured
+precision is in ``benchmarks/RESULTS.md``. For a replay, :func:`specfit.runtime.loader.load_router`
 builds it from a checkpoint's embedding, norms and routers alone.
 """
 
@@ -26,7 +31,10 @@ import torch
 
 from .predictor_base import ExpertPredictor, NodeBatch
 
-__all__ = ["RouterPredictor"]
+__all__ = ["RouterPredictor", "CONTEXT_WEIGHTS"]
+
+# the per-layer context weights the online choice compares (with the configured one)
+CONTEXT_WEIGHTS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 
 
 class RouterPredictor(ExpertPredictor):
@@ -35,16 +43,21 @@ class RouterPredictor(ExpertPredictor):
     Args:
         model: the target; its embedding, per-layer ``post_attention_layernorm`` and ``moe.gate``
             weights are used in place (nothing is copied but the stacked router matrices).
-        context_weight: the drafter context's norm relative to the token embedding's.
+        context_weight: the drafter context's norm relative to the token embedding's (every
+            layer's until the online choice has seen ``min_nodes`` verified nodes with a context).
+        adapt: choose the weight per layer from the verified nodes (False: ``context_weight`` always).
+        min_nodes: verified nodes with a context before the per-layer choice replaces it.
     """
 
     name = "router"
 
     def __init__(self, model=None, context_weight: float = 0.5, *, embed: torch.Tensor | None = None,
-                 router_weight: torch.Tensor | None = None, eps: float = 1e-6, top_k: int = 0):
+                 router_weight: torch.Tensor | None = None, eps: float = 1e-6, top_k: int = 0,
+                 adapt: bool = True, min_nodes: int = 64):
         if not context_weight >= 0:
             raise ValueError(f"context_weight: expected >= 0, got {context_weight}")
         self.context_weight = float(context_weight)
+        self.adapt, self.min_nodes = bool(adapt), int(min_nodes)
         if model is not None:
             embed = model.embed_tokens.weight
             # each layer's RMSNorm weight folded into its router: logits = rms(x) @ (gate * norm).T
@@ -58,22 +71,65 @@ class RouterPredictor(ExpertPredictor):
         n_layers, n_experts, hidden = router_weight.shape
         self._columns = router_weight.reshape(n_layers * n_experts, hidden).t().contiguous()
         self._layers_experts = (n_layers, n_experts)
+        # the online choice: candidates (the configured weight among them), right slots per
+        # (candidate, layer) so far, nodes seen, and the weight each layer uses now
+        candidates = sorted(set(CONTEXT_WEIGHTS) | {self.context_weight})
+        self._candidates = torch.tensor(candidates, dtype=torch.float32)
+        self._configured = candidates.index(self.context_weight)
+        self._right = np.zeros((len(candidates), n_layers))
+        self._nodes_seen = 0
+        self.layer_weights = np.full(n_layers, self.context_weight)
+        self._weights = torch.from_numpy(self.layer_weights.astype(np.float32)).view(1, n_layers, 1)
 
     def get_params(self) -> dict:
-        return {"context_weight": self.context_weight}
+        return {"context_weight": self.context_weight, "adapt": self.adapt, "min_nodes": self.min_nodes}
 
     @torch.inference_mode()
     def predict(self, batch: NodeBatch) -> np.ndarray:
         """int64 [n, L, top_k] experts of the batch's nodes from their tokens and, when given, the
         drafter's context."""
-        tokens = torch.as_tensor(np.asarray(batch.tokens, dtype=np.int64), device=self.embed.device).reshape(-1)
-        x = self.embed[tokens].float()
-        if batch.context is not None:
-            c = batch.context.to(device=x.device, dtype=torch.float32)
-            scale = x.norm(dim=-1, keepdim=True).div_(c.norm(dim=-1, keepdim=True).clamp_min_(1e-12))
-            x = torch.addcmul(x, scale.mul_(self.context_weight), c)
-        # The layers route rms(x) = x / sqrt(mean(x^2) + eps) (the norm weights are folded into the
-        # router matrix): one positive factor per row, which moves no logit past another, and
-        # softmax is monotone: the top-k of x's raw logits are the router's top-k
-        logits = (x @ self._columns).view(x.shape[0], *self._layers_experts)      # [n, L, E]
+        token_logits, context_logits = self._logits(batch.tokens, batch.context)
+        logits = token_logits if context_logits is None else token_logits + self._weights.to(token_logits.device) * context_logits
         return logits.topk(self.top_k, dim=-1).indices.cpu().numpy()             # int64 [n, L, k]
+
+    @torch.inference_mode()
+    def update(self, tokens, experts, n_experts, last_known=None, context=None) -> None:
+        """Count, per layer and candidate weight, the verified nodes' experts each candidate would
+        have predicted (nodes with a context only), and move each layer to its best candidate."""
+        if not self.adapt or context is None:
+            return
+        context = torch.as_tensor(context)
+        valid = ~torch.isnan(context).any(dim=-1).cpu().numpy()
+        if not valid.any():
+            return
+        token_logits, context_logits = self._logits(np.asarray(tokens)[valid], context[torch.from_numpy(valid)])
+        weights = self._candidates.to(token_logits.device).view(-1, 1, 1, 1)
+        chosen = (token_logits + weights * context_logits).topk(self.top_k, dim=-1).indices     # [C, m, L, k]
+        true = torch.as_tensor(np.asarray(experts)[valid], dtype=torch.long, device=chosen.device)
+        routed = torch.zeros(token_logits.shape, dtype=torch.bool, device=chosen.device)
+        routed.scatter_(-1, true.clamp(0, routed.shape[-1] - 1), true >= 0)                     # [m, L, E]
+        right = routed.expand(chosen.shape[0], *routed.shape).gather(-1, chosen).sum(dim=(1, 3))  # [C, L]
+        self._right += right.cpu().numpy()
+        self._nodes_seen += int(valid.sum())
+        if self._nodes_seen >= self.min_nodes:
+            # the best candidate per layer; the configured weight wins ties
+            score = self._right.copy()
+            score[self._configured] += 0.5
+            self.layer_weights = self._candidates.numpy()[score.argmax(axis=0)].astype(np.float64)
+            self._weights = torch.from_numpy(self.layer_weights.astype(np.float32)).view(1, -1, 1)
+
+    def _logits(self, tokens, context):
+        """The routers' logits [n, L, E] of the nodes' embeddings, and of their contexts scaled to
+        each embedding's norm (None without a context): the logits at weight w are
+        ``token + w * context``. The layers route rms(x) = x / sqrt(mean(x^2) + eps) with the norm
+        weights folded into the routers: one positive factor per row, which moves no logit past
+        another, and softmax is monotone, so these logits have the router's top-k."""
+        tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=self.embed.device).reshape(-1)
+        x = self.embed[tokens].float()
+        shape = (x.shape[0], *self._layers_experts)
+        token_logits = (x @ self._columns).view(shape)
+        if context is None:
+            return token_logits, None
+        c = context.to(device=x.device, dtype=torch.float32)
+        scale = x.norm(dim=-1, keepdim=True).div_(c.norm(dim=-1, keepdim=True).clamp_min_(1e-12))
+        return token_logits, ((scale * c) @ self._columns).view(shape)

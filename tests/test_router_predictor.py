@@ -1,0 +1,79 @@
+"""The router predictor's per-layer context weight, chosen online from verified nodes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specfit.experts.predictor_base import NodeBatch
+from specfit.experts.router import CONTEXT_WEIGHTS, RouterPredictor
+
+V, H, L, E, K = 64, 32, 3, 16, 4
+
+
+def routers(seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(V, H, generator=generator), torch.randn(L, E, H, generator=generator)
+
+
+def routed(embed, router_weight, tokens, context, weights):
+    """The truth of this synthetic target: layer l routes rms(e + w_l |e| c / |c|) (by hand, the
+    norm included)."""
+    e = embed[torch.from_numpy(tokens)]
+    out = []
+    for layer, w in enumerate(weights):
+        x = e + w * e.norm(dim=-1, keepdim=True) / context.norm(dim=-1, keepdim=True) * context
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        out.append((x @ router_weight[layer].T).topk(K, dim=-1).indices)
+    return torch.stack(out, dim=1).numpy()                                     # [n, L, k]
+
+
+def nodes(rng, n):
+    return rng.integers(0, V, n), torch.from_numpy(rng.standard_normal((n, H)).astype(np.float32))
+
+
+def precision(predicted, true):
+    return np.mean([len(set(p) & set(t)) / K for p, t in zip(predicted.reshape(-1, K), true.reshape(-1, K))])
+
+
+def test_each_layer_learns_its_own_context_weight_from_verified_nodes():
+    embed, router_weight = routers()
+    truth = (0.0, 4.0, 1.0)
+    adaptive = RouterPredictor(context_weight=0.5, embed=embed, router_weight=router_weight, top_k=K, min_nodes=48)
+    fixed = RouterPredictor(context_weight=0.5, embed=embed, router_weight=router_weight, top_k=K, adapt=False)
+    rng = np.random.default_rng(1)
+    # before min_nodes verified nodes every layer keeps the configured weight
+    tokens, context = nodes(rng, 40)
+    adaptive.update(tokens, routed(embed, router_weight, tokens, context, truth), E, context=context)
+    assert adaptive.layer_weights.tolist() == [0.5] * L
+    # rows without a context (NaN, as the decoder records the root) teach nothing
+    blank = torch.full((8, H), float("nan"))
+    adaptive.update(tokens[:8], routed(embed, router_weight, tokens[:8], context[:8], truth), E, context=blank)
+    assert adaptive._nodes_seen == 40
+    for _ in range(4):
+        tokens, context = nodes(rng, 40)
+        adaptive.update(tokens, routed(embed, router_weight, tokens, context, truth), E, context=context)
+    assert adaptive.layer_weights.tolist() == list(truth)
+    assert set(truth) <= set(CONTEXT_WEIGHTS)
+    # held out: fresh nodes, predicted before any update from them
+    tokens, context = nodes(rng, 200)
+    true = routed(embed, router_weight, tokens, context, truth)
+    batch = NodeBatch(tokens=tokens, last_known=None, context=context)
+    assert precision(adaptive.predict(batch), true) == pytest.approx(1.0)
+    assert precision(fixed.predict(batch), true) < 0.9
+    # without a context every layer routes the embedding alone, adapted or not
+    alone = NodeBatch(tokens=tokens, last_known=None)
+    assert np.array_equal(adaptive.predict(alone), fixed.predict(alone))
+    assert np.array_equal(np.sort(fixed.predict(alone), axis=-1),
+                          np.sort(routed(embed, router_weight, tokens, torch.ones(200, H), (0.0,) * L), axis=-1))
+
+
+def test_a_fixed_weight_predicts_as_the_router_would():
+    embed, router_weight = routers(3)
+    predictor = RouterPredictor(context_weight=2.0, embed=embed, router_weight=router_weight, top_k=K, adapt=False)
+    tokens, context = nodes(np.random.default_rng(4), 100)
+    predictor.update(tokens, routed(embed, router_weight, tokens, context, (0.0,) * L), E, context=context)
+    assert predictor.layer_weights.tolist() == [2.0] * L               # adapt=False: nothing moves
+    got = predictor.predict(NodeBatch(tokens=tokens, last_known=None, context=context))
+    assert np.array_equal(np.sort(got, axis=-1), np.sort(routed(embed, router_weight, tokens, context, (2.0,) * L), axis=-1))
