@@ -18,9 +18,12 @@ target's; a replay, where no drafter state was recorded) the embedding alone is 
 the context pulls differs by layer (a deep layer's residual holds more of the context than the
 token), so the weight is chosen per layer, online, from the nodes the target has verified: each
 :meth:`RouterPredictor.update` counts, per layer and per candidate weight (:data:`CONTEXT_WEIGHTS`),
-how many of the verified nodes' experts that weight would have predicted, and from ``min_nodes``
-nodes on each layer uses its best candidate (ties: the configured ``context_weight``). Its measured
-precision is in ``benchmarks/RESULTS.md``. For a replay, :func:`specfit.runtime.loader.load_router`
+how many of the verified nodes' experts that weight would have predicted (in batches of
+``batch_nodes`` nodes, so a cycle with few verified nodes pays only for keeping them), and from
+``min_nodes`` nodes on each layer uses its best candidate (ties: the configured
+``context_weight``); after ``max_nodes`` the choice is kept (the statistics of one target and
+drafter do not move, and the counting costs a live cycle time). Its measured precision is in
+``benchmarks/RESULTS.md``. For a replay, :func:`specfit.runtime.loader.load_router`
 builds it from a checkpoint's embedding, norms and routers alone.
 """
 
@@ -47,17 +50,20 @@ class RouterPredictor(ExpertPredictor):
             layer's until the online choice has seen ``min_nodes`` verified nodes with a context).
         adapt: choose the weight per layer from the verified nodes (False: ``context_weight`` always).
         min_nodes: verified nodes with a context before the per-layer choice replaces it.
+        batch_nodes, max_nodes: nodes counted per batch; nodes after which the choice is kept.
     """
 
     name = "router"
 
     def __init__(self, model=None, context_weight: float = 0.5, *, embed: torch.Tensor | None = None,
                  router_weight: torch.Tensor | None = None, eps: float = 1e-6, top_k: int = 0,
-                 adapt: bool = True, min_nodes: int = 64):
+                 adapt: bool = True, min_nodes: int = 64, batch_nodes: int = 32, max_nodes: int = 2048):
         if not context_weight >= 0:
             raise ValueError(f"context_weight: expected >= 0, got {context_weight}")
         self.context_weight = float(context_weight)
         self.adapt, self.min_nodes = bool(adapt), int(min_nodes)
+        self.batch_nodes, self.max_nodes = max(int(batch_nodes), 1), int(max_nodes)
+        self._batch: list[tuple[np.ndarray, torch.Tensor, np.ndarray]] = []     # verified nodes not yet counted
         if model is not None:
             embed = model.embed_tokens.weight
             # each layer's RMSNorm weight folded into its router: logits = rms(x) @ (gate * norm).T
@@ -82,7 +88,8 @@ class RouterPredictor(ExpertPredictor):
         self._weights = torch.from_numpy(self.layer_weights.astype(np.float32)).view(1, n_layers, 1)
 
     def get_params(self) -> dict:
-        return {"context_weight": self.context_weight, "adapt": self.adapt, "min_nodes": self.min_nodes}
+        return {"context_weight": self.context_weight, "adapt": self.adapt, "min_nodes": self.min_nodes,
+                "batch_nodes": self.batch_nodes, "max_nodes": self.max_nodes}
 
     @torch.inference_mode()
     def predict(self, batch: NodeBatch) -> np.ndarray:
@@ -92,25 +99,41 @@ class RouterPredictor(ExpertPredictor):
         logits = token_logits if context_logits is None else token_logits + self._weights.to(token_logits.device) * context_logits
         return logits.topk(self.top_k, dim=-1).indices.cpu().numpy()             # int64 [n, L, k]
 
-    @torch.inference_mode()
+    @property
+    def learning(self) -> bool:
+        """Whether verified nodes still change the per-layer choice."""
+        return self.adapt and self._nodes_seen < self.max_nodes
+
     def update(self, tokens, experts, n_experts, last_known=None, context=None) -> None:
-        """Count, per layer and candidate weight, the verified nodes' experts each candidate would
-        have predicted (nodes with a context only), and move each layer to its best candidate."""
-        if not self.adapt or context is None:
+        """Keep the verified nodes that have a context; every ``batch_nodes`` of them, count what
+        each candidate weight would have predicted and move each layer to its best candidate."""
+        if not self.learning or context is None:
             return
         context = torch.as_tensor(context)
         valid = ~torch.isnan(context).any(dim=-1).cpu().numpy()
         if not valid.any():
             return
-        token_logits, context_logits = self._logits(np.asarray(tokens)[valid], context[torch.from_numpy(valid)])
+        self._batch.append((np.asarray(tokens)[valid], context[torch.from_numpy(valid)], np.asarray(experts)[valid]))
+        if sum(t.size for t, _, _ in self._batch) >= self.batch_nodes:
+            tokens, context, experts = (np.concatenate([b[0] for b in self._batch]), torch.cat([b[1] for b in self._batch]),
+                                        np.concatenate([b[2] for b in self._batch]))
+            self._batch.clear()
+            self._count(tokens, context, experts)
+
+    @torch.inference_mode()
+    def _count(self, tokens: np.ndarray, context: torch.Tensor, experts: np.ndarray) -> None:
+        token_logits, context_logits = self._logits(tokens, context)
         weights = self._candidates.to(token_logits.device).view(-1, 1, 1, 1)
         chosen = (token_logits + weights * context_logits).topk(self.top_k, dim=-1).indices     # [C, m, L, k]
-        true = torch.as_tensor(np.asarray(experts)[valid], dtype=torch.long, device=chosen.device)
-        routed = torch.zeros(token_logits.shape, dtype=torch.bool, device=chosen.device)
-        routed.scatter_(-1, true.clamp(0, routed.shape[-1] - 1), true >= 0)                     # [m, L, E]
+        true = torch.as_tensor(experts, dtype=torch.long, device=chosen.device)
+        n_experts = token_logits.shape[-1]
+        # [m, L, E] whether each node routed to each expert (an unknown slot, -1, to a spare column)
+        routed = torch.zeros((*token_logits.shape[:-1], n_experts + 1), dtype=torch.bool, device=chosen.device)
+        routed.scatter_(-1, torch.where(true >= 0, true, n_experts), True)
+        routed = routed[..., :n_experts]
         right = routed.expand(chosen.shape[0], *routed.shape).gather(-1, chosen).sum(dim=(1, 3))  # [C, L]
         self._right += right.cpu().numpy()
-        self._nodes_seen += int(valid.sum())
+        self._nodes_seen += int(tokens.size)
         if self._nodes_seen >= self.min_nodes:
             # the best candidate per layer; the configured weight wins ties
             score = self._right.copy()
