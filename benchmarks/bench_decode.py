@@ -20,7 +20,7 @@ Without ``--profile`` the starting profile is a quick calibration of this machin
 written to a temporary directory, nothing to the checkout.
 
     python benchmarks/bench_decode.py [--policies ar,eagle3,specfit] [--max-new-tokens 64] \\
-        [--cache-experts 4] [--threads 1] [--no-warmup] [--frozen-profile] [--busy 1] [--predictor router] \\
+        [--cache-experts 4] [--threads 1] [--no-warmup] [--frozen-profile] [--busy 1] [--predictor router] [--router-fixed] \\
         [--repeats 5]
 
 Cycle-time errors are reported for the model each policy decided with (refitted online on its own
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="interleaved runs of every policy (medians reported)")
     parser.add_argument("--frozen-profile", action="store_true", help="decide with the profile, no online refit")
     parser.add_argument("--predictor", default="router", help="expert predictor: router, affinity or parent")
+    parser.add_argument("--router-fixed", action="store_true", help="router predictor without per-layer context weights")
     parser.add_argument("--busy", type=int, default=0, help="CPU-bound processes to run beside the benchmark")
     parser.add_argument("--out", type=Path, default=None, help="keep the measured run's files (cycles.parquet, ...) here")
     args = parser.parse_args(argv)
@@ -113,6 +114,7 @@ def run_benchmark(args) -> None:
                           cache_experts=args.cache_experts, policies=policies, drafter_dir=args.drafter.resolve(),
                           max_new_tokens=args.max_new_tokens, device="cpu", tree_top_k=args.tree_top_k,
                           ignore_eos=True, online_refit=not args.frozen_profile, predictor=args.predictor,
+                          router_adapt=not args.router_fixed,
                           **{"profile": args.profile, **changes})
 
     acceptance = profile = None

@@ -369,6 +369,7 @@ def test_a_predictor_fitted_on_a_recorded_trace_decodes_losslessly(checkpoint, t
     (["--predictor", "router", "--predictor-trace", "{trace}"], "learns nothing from a trace"),
     (["--predictor", "learned", "--predictor-trace", "{missing}"], "no such trace file"),
     (["--predictor", "affinity", "--predictor-trace", "{other}"], "a trace of another model"),
+    (["--predictor", "affinity", "--router-fixed"], "fixes the router predictor's context weight"),
 ])
 def test_a_bad_predictor_trace_is_one_line(checkpoint, tmp_path, args, message):
     from trace_helpers import SAMPLE_QWEN3

@@ -34,6 +34,8 @@ def decode(
     predictor: str = typer.Option("router", "--predictor", help="Expert predictor the policies decide with: router (the "
                                   "target's routers on the drafter's state), or affinity, learned or parent (learned "
                                   "from the run's verified tokens)."),
+    router_fixed: bool = typer.Option(False, "--router-fixed", help="--predictor router with its configured context "
+                                      "weight at every layer (no per-layer weights learned from the verified nodes)."),
     predictor_trace: Optional[Path] = typer.Option(None, "--predictor-trace", help="A recorded trace of this model "
                                                    "(--record-full) to fit --predictor affinity or learned on before "
                                                    "decoding; it goes on learning from the run."),
@@ -85,6 +87,7 @@ def decode(
                       temperature=temperature, seed=seed, tree_top_k=tree_top_k, max_levels=max_levels,
                       acceptance_trace=acceptance, ignore_eos=ignore_eos, cache_mode=cache_mode,
                       cache_policy=cache_policy, predictor=predictor, predictor_trace=predictor_trace,
+                      router_adapt=not router_fixed,
                       online_refit=online_refit)
     stderr = Console(stderr=True)
     try:

@@ -75,6 +75,7 @@ class DecodePlan:
     cache_policy: str = "lru"
     predictor: str = "router"
     predictor_trace: Path | None = None   # a recorded trace the predictor is fitted on before decoding
+    router_adapt: bool = True       # the router predictor learns a context weight per layer (False: fixed)
     warmup: bool = True
     online_refit: bool = True       # refit the cost model on the run's cycles as it goes (False: frozen profile)
 
@@ -133,6 +134,8 @@ class DecodePlan:
             raise SpecFitError(f"--cache-policy: expected one of {', '.join(EVICTION_POLICIES)}, got {self.cache_policy!r}")
         if self.predictor not in LIVE_PREDICTORS:
             raise SpecFitError(f"--predictor: expected one of {', '.join(LIVE_PREDICTORS)} (live), got {self.predictor!r}")
+        if not self.router_adapt and self.predictor != "router":
+            raise SpecFitError(f"--router-fixed: fixes the router predictor's context weight; --predictor is {self.predictor}")
         if self.predictor_trace is not None:
             if self.predictor not in FITTED_PREDICTORS:
                 raise SpecFitError(f"--predictor-trace: fits {' or '.join(FITTED_PREDICTORS)}; --predictor "
@@ -357,7 +360,7 @@ def _decoder(plan, model, drafter, policy, cost, calibrator, recorder, fitted=No
     if fitted is not None:
         predictor = copy.deepcopy(fitted)
     elif plan.predictor == "router":
-        predictor = make_predictor("router", model=model)
+        predictor = make_predictor("router", model=model, adapt=plan.router_adapt)
     else:
         predictor = make_predictor(plan.predictor)
     proposer = Proposer(drafter, plan.tree_top_k) if policy.max_levels > 0 else None
