@@ -40,7 +40,8 @@ def precision(predicted, true):
 def test_each_layer_learns_its_own_context_weight_from_verified_nodes():
     embed, router_weight = routers()
     truth = (0.0, 4.0, 1.0)
-    adaptive = RouterPredictor(context_weight=0.5, embed=embed, router_weight=router_weight, top_k=K, min_nodes=48)
+    adaptive = RouterPredictor(context_weight=0.5, embed=embed, router_weight=router_weight, top_k=K, min_nodes=48,
+                               batch_nodes=32, max_nodes=200)
     fixed = RouterPredictor(context_weight=0.5, embed=embed, router_weight=router_weight, top_k=K, adapt=False)
     rng = np.random.default_rng(1)
     # before min_nodes verified nodes every layer keeps the configured weight
@@ -51,9 +52,18 @@ def test_each_layer_learns_its_own_context_weight_from_verified_nodes():
     blank = torch.full((8, H), float("nan"))
     adaptive.update(tokens[:8], routed(embed, router_weight, tokens[:8], context[:8], truth), E, context=blank)
     assert adaptive._nodes_seen == 40
+    # a few nodes wait for a full batch before they are counted
+    tokens, context = nodes(rng, 20)
+    adaptive.update(tokens, routed(embed, router_weight, tokens, context, truth), E, context=context)
+    assert adaptive._nodes_seen == 40 and adaptive.layer_weights.tolist() == [0.5] * L
     for _ in range(4):
         tokens, context = nodes(rng, 40)
         adaptive.update(tokens, routed(embed, router_weight, tokens, context, truth), E, context=context)
+    assert adaptive.layer_weights.tolist() == list(truth)
+    # past max_nodes the choice is kept: nodes routed another way change nothing
+    assert adaptive._nodes_seen >= 200 and not adaptive.learning
+    tokens, context = nodes(rng, 100)
+    adaptive.update(tokens, routed(embed, router_weight, tokens, context, (4.0, 0.0, 0.0)), E, context=context)
     assert adaptive.layer_weights.tolist() == list(truth)
     assert set(truth) <= set(CONTEXT_WEIGHTS)
     # held out: fresh nodes, predicted before any update from them

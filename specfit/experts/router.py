@@ -57,7 +57,7 @@ class RouterPredictor(ExpertPredictor):
 
     def __init__(self, model=None, context_weight: float = 0.5, *, embed: torch.Tensor | None = None,
                  router_weight: torch.Tensor | None = None, eps: float = 1e-6, top_k: int = 0,
-                 adapt: bool = True, min_nodes: int = 64, batch_nodes: int = 32, max_nodes: int = 2048):
+                 adapt: bool = True, min_nodes: int = 64, batch_nodes: int = 64, max_nodes: int = 1024):
         if not context_weight >= 0:
             raise ValueError(f"context_weight: expected >= 0, got {context_weight}")
         self.context_weight = float(context_weight)
@@ -110,7 +110,7 @@ class RouterPredictor(ExpertPredictor):
         if not self.learning or context is None:
             return
         context = torch.as_tensor(context)
-        valid = ~torch.isnan(context).any(dim=-1).cpu().numpy()
+        valid = ~np.isnan(context[:, 0].cpu().numpy())          # a node without a context is a row of NaN
         if not valid.any():
             return
         self._batch.append((np.asarray(tokens)[valid], context[torch.from_numpy(valid)], np.asarray(experts)[valid]))
