@@ -261,3 +261,19 @@ def test_the_look_ahead_bound_never_changes_the_decision(seed):
         kernels.bitsets.pack_mask(v.cached), E, cost.params, 2, conf, 0.0, *stats, current.nodes,
         current.expected_tokens, current.time_s)
     assert bounded == searched
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_common_speed_factor_changes_no_decision(seed):
+    """The online model's speed tracker scales every term of the cost model: SpecFit must choose
+    the same subtree after the same levels, only with its time scaled."""
+    rng = np.random.default_rng(seed)
+    experts = rng.integers(0, E, size=(len(PARENTS), L, 2))
+    cached = rng.random((L, E)) < 0.3
+    cost = CostModel(base_s=rng.uniform(0.5, 2), per_node_s=rng.uniform(0, 0.2), hit_s=rng.uniform(0, 0.05),
+                     miss_s=rng.uniform(0.05, 0.6), draft_level_s=rng.uniform(0, 0.3))
+    for factor in (0.37, 1.9):
+        base = choose(SpecFitPolicy(), view(experts, cost, cached))
+        scaled = choose(SpecFitPolicy(), view(experts, cost.scaled(factor), cached))
+        assert scaled.nodes.tolist() == base.nodes.tolist() and scaled.draft_levels == base.draft_levels
+        assert scaled.time_s == pytest.approx(factor * base.time_s, rel=1e-12)
