@@ -15,7 +15,7 @@ the rest keep the profile's values.
 On top of the fit, a *speed tracker* follows what a refit every few cycles cannot: a machine whose
 speed moves from one cycle to the next. A shared CPU runs the same cycle 0.7-1.4x its median time,
 in phases that last several cycles (the log of measured / predicted time of one cycle correlates
-0.7-0.8 with the next's, measured in ``bench_decode.py``). Each observed cycle that comes with the
+0.5-0.9 with the next's in ``bench_decode.py`` runs, ``benchmarks/bench_online.py``). Each observed cycle that comes with the
 counts its policy priced moves the log speed toward that cycle's log(measured / fitted prediction)
 with a half-life of ``speed_half_life`` cycles, and :attr:`OnlineCostModel.cost` is the fitted
 model with every term scaled by that speed. A common factor leaves every decision between subtrees
