@@ -25,6 +25,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specfit.calibrate.online import OnlineCostModel  # noqa: E402
+from specfit.errors import SpecFitError  # noqa: E402
 from specfit.calibrate.presets import resolve_profile  # noqa: E402
 from specfit.runtime.run_dir import read_decode_cycles  # noqa: E402
 
@@ -74,8 +75,13 @@ def main(argv: list[str] | None = None) -> None:
     for name in ("run", "model", "policies"):
         table.add_column(name)
     for run in args.runs:
-        prior = resolve_profile(args.profile or run / "profile.json").cost
-        cycles = read_decode_cycles(run)
+        try:
+            prior = resolve_profile(args.profile or run / "profile.json").cost
+            cycles = read_decode_cycles(run)
+        except SpecFitError as exc:
+            raise SystemExit(f"bench_online: {exc} (a `bench_decode.py --out` run directory, or pass --profile)")
+        if cycles.empty:
+            raise SystemExit(f"bench_online: {run}: no recorded cycles")
         cycles = cycles[cycles["predicted_hits"] >= 0]          # cycles a policy priced
         groups = [(p, g.sort_values(["sequence", "position"])) for p, g in cycles.groupby("policy", sort=False)]
         recorded = [f"{p} {errors(g.measured_time_s.values, g.predicted_time_s.values)[0]:.1%}" for p, g in groups]
