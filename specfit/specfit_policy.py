@@ -34,12 +34,40 @@ from .search import Selection, best_subtree, check_draft_node_s, kernel_selectio
 
 __all__ = ["SpecFitPolicy", "LOOKAHEADS", "PRICES"]
 
-LOOKAHEADS = ("expected", "optimistic", "none")
-PRICES = ("observed", "precision", "none")
-_LOOKAHEAD_CODES = {"none": 0, "expected": 1, "optimistic": 2}     # kernels.decide.NONE, EXPECTED, OPTIMISTIC
-_PRICE_CODES = {"none": 0, "precision": 1, "observed": 2}          # kernels.decide.NO_PRICE, PRECISION, OBSERVED
-_LOOKAHEAD_NAMES = {code: name for name, code in _LOOKAHEAD_CODES.items()}
-_PRICE_NAMES = {code: name for name, code in _PRICE_CODES.items()}
+_LOOKAHEAD_CODES = {"expected": 1, "optimistic": 2, "none": 0}     # kernels.decide.EXPECTED, OPTIMISTIC, NONE
+_PRICE_CODES = {"observed": 2, "precision": 1, "none": 0}          # kernels.decide.OBSERVED, PRECISION, NO_PRICE
+LOOKAHEADS, PRICES = tuple(_LOOKAHEAD_CODES), tuple(_PRICE_CODES)
+
+
+class _Setting:
+    """A SpecFit setting stored in the configuration array the compiled rules read (slot ``slot``
+    of :mod:`specfit.kernels.decide`), so a change after construction reaches them: a named choice
+    (``codes``: name -> code, ``aliases`` for True / False) or a plain ``kind``."""
+
+    def __init__(self, slot: str, codes: dict | None = None, aliases: dict | None = None, kind=int):
+        self.slot, self.codes, self.aliases, self.kind = slot, codes, aliases or {}, kind
+        self.names = None if codes is None else {code: name for name, code in codes.items()}
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, policy, owner=None):
+        if policy is None:
+            return self
+        value = int(policy._conf[getattr(kernels.decide, self.slot)])
+        return self.kind(value) if self.codes is None else self.names[value]
+
+    def __set__(self, policy, value) -> None:
+        if self.codes is None:
+            value = self.kind(value)
+        else:
+            value = self.aliases.get(value, value)
+            if value not in self.codes:
+                raise ValueError(f"{self.name}: expected one of {tuple(self.codes)}, got {value!r}")
+            value = self.codes[value]
+        policy._conf[getattr(kernels.decide, self.slot)] = value
+
+
 _RECENT_FIRST = 8     # first levels the level-0 test remembers
 
 
@@ -104,43 +132,10 @@ class SpecFitPolicy(Policy):
         """Levels drafted at most (fixed at construction: the level statistics are sized by it)."""
         return int(self._conf[kernels.decide.MAX_LEVELS])
 
-    @property
-    def lookahead(self) -> str:
-        return _LOOKAHEAD_NAMES[int(self._conf[kernels.decide.LOOKAHEAD])]
-
-    @lookahead.setter
-    def lookahead(self, value) -> None:
-        value = {True: "expected", False: "none"}.get(value, value)
-        if value not in LOOKAHEADS:
-            raise ValueError(f"lookahead: expected one of {LOOKAHEADS}, got {value!r}")
-        self._conf[kernels.decide.LOOKAHEAD] = _LOOKAHEAD_CODES[value]
-
-    @property
-    def price_uncertainty(self) -> str:
-        return _PRICE_NAMES[int(self._conf[kernels.decide.PRICE])]
-
-    @price_uncertainty.setter
-    def price_uncertainty(self, value) -> None:
-        value = {True: "observed", False: "none"}.get(value, value)
-        if value not in PRICES:
-            raise ValueError(f"price_uncertainty: expected one of {PRICES}, got {value!r}")
-        self._conf[kernels.decide.PRICE] = _PRICE_CODES[value]
-
-    @property
-    def first_level_test(self) -> bool:
-        return bool(self._conf[kernels.decide.FIRST_LEVEL_TEST])
-
-    @first_level_test.setter
-    def first_level_test(self, value) -> None:
-        self._conf[kernels.decide.FIRST_LEVEL_TEST] = bool(value)
-
-    @property
-    def min_observed(self) -> int:
-        return int(self._conf[kernels.decide.MIN_OBSERVED])
-
-    @min_observed.setter
-    def min_observed(self, value) -> None:
-        self._conf[kernels.decide.MIN_OBSERVED] = int(value)
+    lookahead = _Setting("LOOKAHEAD", _LOOKAHEAD_CODES, {True: "expected", False: "none"})
+    price_uncertainty = _Setting("PRICE", _PRICE_CODES, {True: "observed", False: "none"})
+    first_level_test = _Setting("FIRST_LEVEL_TEST", kind=bool)
+    min_observed = _Setting("MIN_OBSERVED", kind=int)
 
     @property
     def draft_node_s(self) -> float:

@@ -80,12 +80,11 @@ class RouterPredictor(ExpertPredictor):
         # the online choice: candidates (the configured weight among them), right slots per
         # (candidate, layer) so far, nodes seen, and the weight each layer uses now
         candidates = sorted(set(CONTEXT_WEIGHTS) | {self.context_weight})
-        self._candidates = torch.tensor(candidates, dtype=torch.float32)
+        self._candidates = torch.tensor(candidates, dtype=torch.float32, device=embed.device)
         self._configured = candidates.index(self.context_weight)
         self._right = np.zeros((len(candidates), n_layers))
         self._nodes_seen = 0
-        self.layer_weights = np.full(n_layers, self.context_weight)
-        self._weights = torch.from_numpy(self.layer_weights.astype(np.float32)).view(1, n_layers, 1)
+        self._weights = self._candidates[np.full(n_layers, self._configured)].view(1, n_layers, 1)
 
     def get_params(self) -> dict:
         return {"context_weight": self.context_weight, "adapt": self.adapt, "min_nodes": self.min_nodes,
@@ -96,8 +95,13 @@ class RouterPredictor(ExpertPredictor):
         """int64 [n, L, top_k] experts of the batch's nodes from their tokens and, when given, the
         drafter's context."""
         token_logits, context_logits = self._logits(batch.tokens, batch.context)
-        logits = token_logits if context_logits is None else token_logits + self._weights.to(token_logits.device) * context_logits
+        logits = token_logits if context_logits is None else token_logits + self._weights * context_logits
         return logits.topk(self.top_k, dim=-1).indices.cpu().numpy()             # int64 [n, L, k]
+
+    @property
+    def layer_weights(self) -> np.ndarray:
+        """float [L]: the context weight each layer uses now."""
+        return self._weights.view(-1).double().cpu().numpy()
 
     @property
     def learning(self) -> bool:
@@ -123,8 +127,7 @@ class RouterPredictor(ExpertPredictor):
     @torch.inference_mode()
     def _count(self, tokens: np.ndarray, context: torch.Tensor, experts: np.ndarray) -> None:
         token_logits, context_logits = self._logits(tokens, context)
-        weights = self._candidates.to(token_logits.device).view(-1, 1, 1, 1)
-        chosen = (token_logits + weights * context_logits).topk(self.top_k, dim=-1).indices     # [C, m, L, k]
+        chosen = (token_logits + self._candidates.view(-1, 1, 1, 1) * context_logits).topk(self.top_k, dim=-1).indices     # [C, m, L, k]
         true = torch.as_tensor(experts, dtype=torch.long, device=chosen.device)
         n_experts = token_logits.shape[-1]
         # [m, L, E] whether each node routed to each expert (an unknown slot, -1, to a spare column)
@@ -138,8 +141,7 @@ class RouterPredictor(ExpertPredictor):
             # the best candidate per layer; the configured weight wins ties
             score = self._right.copy()
             score[self._configured] += 0.5
-            self.layer_weights = self._candidates.numpy()[score.argmax(axis=0)].astype(np.float64)
-            self._weights = torch.from_numpy(self.layer_weights.astype(np.float32)).view(1, -1, 1)
+            self._weights = self._candidates[score.argmax(axis=0)].view(1, -1, 1)
 
     def _logits(self, tokens, context):
         """The routers' logits [n, L, E] of the nodes' embeddings, and of their contexts scaled to
