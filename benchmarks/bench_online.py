@@ -24,30 +24,36 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specfit.accounting import read_cycles  # noqa: E402
 from specfit.calibrate.online import OnlineCostModel  # noqa: E402
 from specfit.errors import SpecFitError  # noqa: E402
 from specfit.calibrate.presets import resolve_profile  # noqa: E402
 from specfit.runtime.run_dir import read_decode_cycles  # noqa: E402
 
-# (label, OnlineCostModel options, whether the model sees a cycle before the next is priced)
+# (label, OnlineCostModel options, whether the model sees a cycle before the next is priced, whether
+# it is handed the recorded seconds of its own update in each cycle (update_time_s; runs from stop 23 on))
 BEFORE = {"half_life": 8.0, "refit_every": 4, "select_every": 4, "speed_half_life": None}   # the defaults before stop 22
 MODELS = (
-    ("refit only, seen one cycle late (before stop 22)", BEFORE, False),
-    ("refit only, seen before the next", BEFORE, True),
-    ("refit every 4 + speed tracker (stop 22's live runs)", {"refit_every": 4, "select_every": 4}, True),
-    ("refit + speed tracker (the default: every 8)", {}, True),
+    ("refit only, seen one cycle late (before stop 22)", BEFORE, False, False),
+    ("refit only, seen before the next", BEFORE, True, False),
+    ("refit every 4 + speed tracker (stop 22's live runs)", {"refit_every": 4, "select_every": 4}, True, False),
+    ("refit every 8 + speed tracker (stop 22's default)", {}, True, False),
+    ("... + its own update priced (the default)", {}, True, True),
 )
 
 
-def replay(cycles, prior, options: dict, seen_first: bool) -> np.ndarray:
-    """Predicted seconds of every cycle (in order), each made before the model saw it."""
+def replay(cycles, prior, options: dict, seen_first: bool, priced_update: bool = True) -> np.ndarray:
+    """Predicted seconds of every cycle (in order), each made before the model saw it. With
+    ``priced_update`` the model is handed each cycle's recorded update time (a model whose refit
+    schedule differs from the recorded one's learns the recorded updates' seconds, not its own)."""
     online = OnlineCostModel(prior, **options)
     rows = list(cycles.itertuples())
     predicted = np.zeros(len(rows))
 
     def see(row):
         online.observe(row.draft_levels, row.nodes_verified, row.hits, row.misses, row.measured_time_s,
-                       priced=(row.predicted_hits, row.predicted_misses))
+                       priced=(row.predicted_hits, row.predicted_misses),
+                       overhead_s=row.update_time_s if priced_update else 0.0)
 
     for t, row in enumerate(rows):
         if seen_first and t:
@@ -82,14 +88,17 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"bench_online: {exc} (a `bench_decode.py --out` run directory, or pass --profile)")
         if cycles.empty:
             raise SystemExit(f"bench_online: {run}: no recorded cycles")
+        cycles = read_cycles(cycles)                             # columns an older run lacks, empty
         cycles = cycles[cycles["predicted_hits"] >= 0]          # cycles a policy priced
         groups = [(p, g.sort_values(["sequence", "position"])) for p, g in cycles.groupby("policy", sort=False)]
         recorded = [f"{p} {errors(g.measured_time_s.values, g.predicted_time_s.values)[0]:.1%}" for p, g in groups]
         table.add_row(run.name, "as recorded", ", ".join(recorded))
-        for label, options, seen_first in MODELS:
+        for label, options, seen_first, priced_update in MODELS:
+            if priced_update and not np.isfinite(cycles["update_time_s"].to_numpy(dtype=float)).any():
+                continue                                         # recorded before update_time_s existed
             cells = []
             for policy, g in groups:
-                mape, lag1 = errors(g.measured_time_s.values, replay(g, prior, options, seen_first))
+                mape, lag1 = errors(g.measured_time_s.values, replay(g, prior, options, seen_first, priced_update))
                 cells.append(f"{policy} {mape:.1%} ({lag1:+.2f})")
             table.add_row("", label, ", ".join(cells))
     Console(width=200).print(table)

@@ -79,6 +79,8 @@ CYCLE_COLUMNS = tuple(Column(*c) for c in (
     ("search_time_s", "float", True, "the policy's decisions"),
     ("predict_time_s", "float", True, "expert predictions for the drafted nodes"),
     ("learn_time_s", "float", True, "after the commit: policy and predictor learn (in the cycle; the cost model sees it as the next starts)"),
+    ("update_time_s", "float", True, "at the cycle's start (in draft_time_s): the online cost model's update, "
+                                     "whose expected time the cycle's predicted time holds"),
     ("cpu_time_s", "float", True, "CPU time of the decoding thread over the cycle (wall time minus waiting, "
                                   "e.g. for other processes, on a CPU device with one thread)"),
     ("hits_per_layer", "list", True, "hits per MoE layer"),
@@ -169,6 +171,7 @@ def live_row(stats, cost: CostModel | None, expert_bytes: int, n_experts: int) -
         "search_time_s": draft.search_time_s,
         "predict_time_s": draft.predict_time_s,
         "learn_time_s": stats.learn_time_s,
+        "update_time_s": stats.update_time_s,
         "cpu_time_s": stats.cpu_time_s,
         "hits_per_layer": offload.hits.tolist(),
         "misses_per_layer": offload.misses.tolist(),

@@ -16,6 +16,7 @@ The formula is written once, in :func:`cycle_time_s`: :meth:`CostModel.time_s` (
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -101,19 +102,20 @@ class CostModel:
         return np.array((self.draft_level_s, self.base_s, self.per_node_s, self.hit_s, self.miss_s))
 
     def replace(self, **changes) -> "CostModel":
-        d = asdict(self)
-        unknown = set(changes) - set(d)
+        known = {f.name for f in fields(self)}
+        unknown = set(changes).difference(known)
         if unknown:
-            raise ValueError(f"CostModel: unknown parameter(s) {sorted(unknown)}; expected some of {sorted(d)}")
-        d.update(changes)
-        return CostModel(**d)
+            raise ValueError(f"CostModel: unknown parameter(s) {sorted(unknown)}; expected some of {sorted(known)}")
+        return dataclasses.replace(self, **changes)
 
-    def scaled(self, factor: float) -> "CostModel":
+    def scaled(self, factor: float, plus_base_s: float = 0.0) -> "CostModel":
         """Every time term times ``factor`` (a machine that runs the same work ``factor`` times
-        slower); the bytes per expert unchanged."""
+        slower), then ``plus_base_s`` seconds more per cycle; the bytes per expert unchanged."""
         if not (factor >= 0 and math.isfinite(factor)):
             raise ValueError(f"CostModel.scaled: expected a finite factor >= 0, got {factor!r}")
-        return self.replace(**{name: factor * getattr(self, name) for name in PARAM_NAMES})
+        return CostModel(base_s=factor * self.base_s + plus_base_s, per_node_s=factor * self.per_node_s,
+                         hit_s=factor * self.hit_s, miss_s=factor * self.miss_s,
+                         draft_level_s=factor * self.draft_level_s, expert_bytes=self.expert_bytes)
 
     @property
     def transfer_s(self) -> float:

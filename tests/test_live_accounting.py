@@ -3,6 +3,7 @@ offload really copied, per-layer unions, and the cost model refitted online as t
 
 from __future__ import annotations
 
+import gc
 import time
 
 import numpy as np
@@ -14,9 +15,10 @@ from specfit.assets import tiny_moe_dir, tiny_moe_eagle3_dir
 from specfit.calibrate.online import OnlineCostModel
 from specfit.costmodel import CostModel
 from specfit.policies import ArPolicy, make_policy
-from specfit.runtime.decoder import Decoder
+from specfit.runtime.decoder import Decoder, gc_paused
 from specfit.runtime.drafting import Proposer
 from specfit.runtime.loader import drafter_capture_layers, load_drafter, load_model
+from specfit.runtime.record import TraceRecorder
 
 PROMPT = [5, 17, 230, 41, 8, 99, 1020, 3, 64, 12]
 COST = CostModel(base_s=4e-3, per_node_s=1e-4, hit_s=2e-4, miss_s=3e-4, draft_level_s=8e-4)
@@ -184,6 +186,94 @@ def test_speed_tracker_lowers_the_held_out_error_on_a_machine_whose_speed_wander
     assert tracked < 0.75 * fit_only
     with pytest.raises(ValueError, match="speed_half_life"):
         OnlineCostModel(COST, speed_half_life=-1.0)
+
+
+def test_the_online_model_prices_its_own_update_in_the_cycle_that_runs_it():
+    """A refit takes milliseconds inside the cycle that runs it (a refit with term selection the
+    longest), a cycle without one almost nothing. Handed each cycle's update seconds with the cycle,
+    the model fits the work without them, learns each kind's seconds, and predicts a refit cycle
+    with its refit: near-exact on a machine whose work is exact; the model that is not handed them
+    misses every refit cycle by the refit and smears it over the others through its fit."""
+    update_s = {0: 5e-5, 1: 1.5e-3, 2: 3e-3}          # observe only, refit, refit with selection
+    cycles = [(levels, nodes, 20, 6) for levels, nodes in ((0, 1), (2, 9), (4, 21), (1, 3))] * 40
+    errors, refit_errors = {}, {}
+    for priced in (True, False):
+        online, pending, rel, at_refit = OnlineCostModel(COST), None, [], []
+        for k, cycle in enumerate(cycles):
+            kind = 0                                    # the update at this cycle's start, as the decoder runs it
+            if pending is not None:
+                refits = online.n_refits
+                online.observe(*pending[0], pending[1], priced=pending[0][2:], overhead_s=pending[2] if priced else 0.0)
+                if online.n_refits > refits:
+                    kind = 2 if refits % online.select_every == 0 else 1
+            this_update = update_s[kind] if pending is not None else 0.0
+            measured = COST.time_s(*cycle) + this_update
+            predicted = online.cost.time_s(*cycle)
+            if k >= 40:
+                rel.append(abs(predicted - measured) / measured)
+                if kind:
+                    at_refit.append(rel[-1])
+            pending = (cycle, measured, this_update)
+        errors[priced], refit_errors[priced] = np.mean(rel), np.mean(at_refit)
+        if priced:
+            assert online.fitted.base_s == pytest.approx(COST.base_s, rel=0.02)     # the fit holds the work only
+            means = online.state()["update_s"]
+            assert means == pytest.approx({"observe": 5e-5, "refit": 1.5e-3, "select": 3e-3}, rel=1e-6)
+    assert errors[True] < 0.005 and refit_errors[True] < 0.005
+    assert refit_errors[False] > 0.05 and errors[False] > 3 * errors[True]
+
+
+def recorder_for(model) -> TraceRecorder:
+    c = model.config
+    meta = {"name": "tiny-moe", "n_layers": c.n_moe_layers, "n_experts": c.n_experts, "top_k": c.top_k,
+            "expert_bytes": model.offload.host.expert_bytes, "vocab_size": c.vocab_size}
+    return TraceRecorder(meta, {"name": "tiny-moe-eagle3", "tree_top_k": 4, "max_levels": 8}, "test", full=False)
+
+
+@pytest.mark.parametrize("spec", ["ar", "eagle3:16:4", "specfit"])
+def test_a_generation_leaves_no_reference_cycles(spec):
+    """The decoder pauses Python's cyclic collector while its cycles run; that is free only if a
+    cycle leaves nothing for the collector: every object a cycle makes is freed by its reference
+    count. A generation with the collector off, the online model, the router predictor's learning
+    and a trace recorder on, leaves no unreachable object behind."""
+    model, drafter = tiny(4)
+    policy = make_policy(spec)
+    decoder = Decoder(model, Proposer(drafter, 4) if policy.max_levels else None, policy,
+                      COST.replace(expert_bytes=model.offload.host.expert_bytes), recorder=recorder_for(model))
+    decoder.generate(PROMPT, 6, ignore_eos=True)             # first-call caches (compiled kernels, lazy imports)
+    gc.collect()
+    gc.disable()
+    try:
+        result = decoder.generate(PROMPT, 40, ignore_eos=True)
+        left = gc.collect()
+    finally:
+        gc.enable()
+    assert len(result.cycles) >= 10 and decoder.online.n_refits > 0
+    assert left == 0
+
+
+def test_the_collector_is_paused_while_the_cycles_run_and_restored_after():
+    model = load_model(tiny_moe_dir(), cache_experts=4)
+    seen = []
+    for pause in (True, False):
+        decoder = Decoder(model, None, ArPolicy(), COST, pause_gc=pause)
+        decoder.generate(PROMPT, 8, ignore_eos=True, on_cycle=lambda stats, n: seen.append(gc.isenabled()))
+        assert gc.isenabled()
+        assert set(seen) == {not pause}
+        seen.clear()
+    # an exception inside the block restores the collector as well; a collector already off stays off
+    with pytest.raises(RuntimeError):
+        with gc_paused():
+            assert not gc.isenabled()
+            raise RuntimeError("a cycle failed")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_the_model_that_prices_a_cycle_has_seen_every_cycle_before_it():

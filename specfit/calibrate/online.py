@@ -23,6 +23,15 @@ as it was (throughput is a ratio of tokens to seconds); it makes the predicted s
 same factor absorbs a predictor's steady over- or under-estimate of the union, since the residual
 is taken against the counts the policy priced.
 
+The model's own update is part of the cycle it runs in, and not a steady part: a refit every
+``refit_every`` cycles takes 0.5-1.5 ms, a refit that also selects the terms up to 3 ms, in cycles of
+5-50 ms on the bundled model, against ~0.05 ms for a cycle without one (``bench_decode.py`` runs
+showed refit cycles 10-20 % slower than predicted). So the caller hands each cycle's measured update
+time back with the cycle (``overhead_s``): the fit and the tracker learn the cycle without it, a
+running mean per kind of update (none, refit, refit with selection) learns what each costs, and
+:attr:`cost` for the cycle that has just run an update carries that kind's expected time in its
+``base_s``: the policy decides, and the cycle is predicted, with the update it did pay.
+
 Before ``min_cycles`` cycles have been seen the fit is the prior itself (the speed tracker starts
 with the first cycle).
 """
@@ -54,10 +63,15 @@ class OnlineCostModel:
         speed_half_life: cycles after which a cycle's speed weighs half in the speed tracker (None
             or 0: no tracker, the fit alone).
 
-    Attributes: ``cost`` (the current model: the fit times the tracked speed), ``fitted`` (the fit
-    alone), ``speed`` (the tracked factor), ``n_seen`` (cycles observed), ``n_refits``, ``held`` (the
-    terms the last refit held at the prior; :meth:`state` says why).
+    Attributes: ``cost`` (the current model: the fit times the tracked speed, plus the expected
+    time of the update just made), ``fitted`` (the fit alone), ``speed`` (the tracked factor),
+    ``update_s`` (the expected seconds of the update just made, in ``cost``), ``n_seen`` (cycles
+    observed), ``n_refits``, ``held`` (the terms the last refit held at the prior; :meth:`state`
+    says why).
     """
+
+    UPDATE_KINDS = ("observe", "refit", "select")
+    UPDATE_RATE = 0.25          # the weight of a new measurement of an update's seconds, after the first four
 
     def __init__(self, prior: CostModel, window: int = 48, min_cycles: int = 8, refit_every: int = 8,
                  half_life: float = 16.0, select_every: int = 2, speed_half_life: float | None = 1.0):
@@ -82,6 +96,11 @@ class OnlineCostModel:
         self._speed_rate = 1.0 - 0.5 ** (1.0 / speed_half_life) if speed_half_life else 0.0
         self._log_speed = 0.0
         self.held: list[str] = []
+        # the model's own update, per kind: a running mean of its measured seconds, how many were seen
+        self._update_mean = np.zeros(len(self.UPDATE_KINDS))
+        self._update_seen = np.zeros(len(self.UPDATE_KINDS), dtype=np.int64)
+        self._last_kind: int | None = None
+        self.update_s = 0.0
 
     @property
     def speed(self) -> float:
@@ -89,24 +108,41 @@ class OnlineCostModel:
         return float(np.exp(self._log_speed))
 
     def observe(self, draft_levels: int, n_nodes: int, hits: int, misses: int, time_s: float,
-                priced: tuple[int, int] | None = None) -> None:
+                priced: tuple[int, int] | None = None, overhead_s: float = 0.0) -> None:
         """Add one measured cycle (the counts of what it verified, its measured seconds); refit
         when it is time. ``priced``: the (hits, misses) the policy priced the cycle with, before it
-        ran (the predicted union's); with it the speed tracker learns from the cycle."""
-        if not (time_s > 0 and np.isfinite(time_s)):
+        ran (the predicted union's); with it the speed tracker learns from the cycle.
+        ``overhead_s``: the seconds of this model's previous update (:meth:`observe` call) that ran
+        inside the observed cycle; they are not fitted, and they teach the model what an update of
+        that kind costs."""
+        overhead_s = float(overhead_s) if overhead_s > 0 and np.isfinite(overhead_s) else 0.0
+        if self._last_kind is not None and overhead_s > 0:
+            kind = self._last_kind
+            self._update_seen[kind] += 1
+            # a mean over the first few, then a running mean of the recent ones
+            rate = max(1.0 / self._update_seen[kind], self.UPDATE_RATE)
+            self._update_mean[kind] += rate * (overhead_s - self._update_mean[kind])
+        self._last_kind = None
+        work_s = time_s - overhead_s
+        if not (work_s > 0 and np.isfinite(work_s)):
             return                                   # nothing to learn from (an empty or broken clock)
         if priced is not None and self._speed_rate > 0:
             # against the fit that predicted the cycle (a refit below only changes the next ones)
             fitted_s = self.fitted.time_s(draft_levels, n_nodes, *priced)
             if fitted_s > 0:
-                self._log_speed += self._speed_rate * (np.log(time_s / fitted_s) - self._log_speed)
+                self._log_speed += self._speed_rate * (np.log(work_s / fitted_s) - self._log_speed)
         slot = self.n_seen % self.window
         self._features[slot] = (draft_levels, 1.0, n_nodes, hits, misses)
-        self._times[slot] = time_s
+        self._times[slot] = work_s
         self.n_seen += 1
+        kind = 0
         if self.n_seen >= self.min_cycles and (self.n_seen - self.min_cycles) % self.refit_every == 0:
+            kind = 1 if self.n_refits % self.select_every else 2
             self._refit()
-        self.cost = self.fitted.scaled(self.speed) if self._log_speed else self.fitted
+        self._last_kind = kind
+        self.update_s = float(self._update_mean[kind])
+        tracked = bool(self._log_speed) or self.update_s > 0
+        self.cost = self.fitted.scaled(self.speed, plus_base_s=self.update_s) if tracked else self.fitted
 
     def _refit(self) -> None:
         n = min(self.n_seen, self.window)
@@ -130,4 +166,5 @@ class OnlineCostModel:
                 "params": {k: v for k, v in self.fitted.to_dict().items() if k != "expert_bytes"},
                 "speed_factor": self._choice["speed_value"] if self.n_refits else 1.0,
                 "tracked_speed": self.speed,
+                "update_s": {k: float(v) for k, v in zip(self.UPDATE_KINDS, self._update_mean)},
                 "held": self._fitter._held_terms(self._choice) if self.n_refits else {}}

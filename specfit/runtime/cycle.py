@@ -83,6 +83,7 @@ class CycleStats:
     predicted_slots: int = 0       # (layer, rank) slots predicted for verified draft nodes
     predicted_slots_right: int = 0  # ... naming an expert the node really routed to
     learn_time_s: float = 0.0      # after the commit: the policy and the predictor learn
+    update_time_s: float = 0.0     # at the start (in draft_time_s): the online cost model's update
     cpu_time_s: float = float("nan")   # CPU time of the decoding thread over the cycle
     online: bool = False           # the policy decided with the online-refitted cost model
     # int [L]: misses the expert cache's bookkeeping gives the true experts from the residency before

@@ -19,7 +19,9 @@ drafted node, that records the position-indexed trace the simulator replays exac
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import gc
 import time
 from typing import Callable
 
@@ -65,12 +67,18 @@ class Decoder:
             (``cost``) as the prior, and let the policy decide with it (True: an
             :class:`~specfit.calibrate.online.OnlineCostModel` with its defaults; an instance to
             configure it; False: the profile, frozen).
+        pause_gc: no automatic cyclic garbage collection while a generation's cycles run (one
+            young-generation collection when they end, inside the decode time). Python's collector
+            otherwise stops a cycle at random for 0.2-2 ms (a full collection: ~160 ms), which is
+            noise in every cycle time the cost model learns from and is checked against; the cycles
+            themselves leave no reference cycles behind (a test pins it), so nothing accumulates.
     """
 
     def __init__(self, model: MoETransformer, proposer: Proposer | None = None, policy: Policy | None = None,
                  cost: CostModel | None = None, predictor: ExpertPredictor | None = None, eos_token_ids=(),
                  temperature: float = 0.0, seed: int = 0, calibrator: AcceptanceCalibrator | None = None,
-                 recorder=None, commit_root_only: bool = False, online_refit: bool | OnlineCostModel = True):
+                 recorder=None, commit_root_only: bool = False, online_refit: bool | OnlineCostModel = True,
+                 pause_gc: bool = True):
         if temperature < 0:
             raise ValueError(f"temperature: expected >= 0, got {temperature}")
         policy = policy or ArPolicy()
@@ -93,6 +101,7 @@ class Decoder:
         self.temperature = float(temperature)
         self.rng = np.random.default_rng(seed)
         self.calibrator, self.recorder, self.commit_root_only = calibrator, recorder, bool(commit_root_only)
+        self.pause_gc = bool(pause_gc)
         self.top_k = None if proposer is None else (policy.draft_top_k or proposer.top_k)
         # the drafter's states estimate the target's only when they live in the same space
         self.drafter_context = (proposer is not None and proposer.context_in_target_space
@@ -129,46 +138,48 @@ class Decoder:
         stop_reason = "eos" if self._is_eos(root, ignore_eos) else "length"
         decode_bytes_h2d = 0
         start = device_now(self.model.device)
-        while stop_reason != "eos" and len(output) < max_new_tokens:
-            cycle_start, cpu_start = device_now(self.model.device), time.thread_time()
-            self._observe_last_cycle()
-            # a cycle commits at most depth + 1 tokens: deeper levels could never be used
-            draft = self.draft(root, max_levels=max_new_tokens - len(output) - 1)
-            selected = device_now(self.model.device)
-            levers.finish_prefetch(self, draft)
-            # global mode can evict a later layer's expert within the pass: its check needs the state
-            before = copy.deepcopy(self.model.offload.cache) if self.model.offload.cache.mode == "global" else None
-            verification = self.verify(draft.tree, draft.nodes, keep=levers.cache_keep(self, draft))
-            commit = self.commit(draft, verification)
-            verified = device_now(self.model.device)
-            stats = CycleStats(position=len(output) - 1, draft=draft, verification=verification,
-                               committed_tokens=len(commit.tokens), draft_time_s=selected - cycle_start,
-                               verify_time_s=verified - selected, online=self.online is not None)
-            self._learn(stats)
-            stats.learn_time_s = device_now(self.model.device) - verified
-            stats.cpu_time_s = time.thread_time() - cpu_start
-            offload = verification.offload
-            priced = None if draft.selection is None else (draft.selection.hits, draft.selection.misses)
-            self._pending = ((draft.draft_levels, int(verification.nodes.size), offload.total_hits,
-                              offload.total_misses, stats.cycle_time_s), priced)
-            stats.charged_misses_per_layer = charged_misses(verification.expert_ids, draft.cached, before)
-            cycles.append(stats)
-            totals += verification.offload
-            prefetch_bytes = draft.prefetched * self.model.offload.host.expert_bytes
-            decode_bytes_h2d += verification.offload.total_bytes_h2d + prefetch_bytes
-            tokens = commit.tokens[: max_new_tokens - len(output)]
-            for i, token in enumerate(tokens):
-                if self._is_eos(token, ignore_eos):
-                    tokens = tokens[: i + 1]
-                    stop_reason = "eos"
-                    break
-            output.extend(tokens)
-            cycle_tokens.append(len(tokens))
-            root = tokens[-1]
-            if self.recorder is not None:
-                self.recorder.add_cycle(stats)
-            if on_cycle is not None:
-                on_cycle(stats, len(tokens))
+        with gc_paused(self.pause_gc):
+            while stop_reason != "eos" and len(output) < max_new_tokens:
+                cycle_start, cpu_start = device_now(self.model.device), time.thread_time()
+                update_s = self._observe_last_cycle()
+                # a cycle commits at most depth + 1 tokens: deeper levels could never be used
+                draft = self.draft(root, max_levels=max_new_tokens - len(output) - 1)
+                selected = device_now(self.model.device)
+                levers.finish_prefetch(self, draft)
+                # global mode can evict a later layer's expert within the pass: its check needs the state
+                before = copy.deepcopy(self.model.offload.cache) if self.model.offload.cache.mode == "global" else None
+                verification = self.verify(draft.tree, draft.nodes, keep=levers.cache_keep(self, draft))
+                commit = self.commit(draft, verification)
+                verified = device_now(self.model.device)
+                stats = CycleStats(position=len(output) - 1, draft=draft, verification=verification,
+                                   committed_tokens=len(commit.tokens), draft_time_s=selected - cycle_start,
+                                   verify_time_s=verified - selected, online=self.online is not None,
+                                   update_time_s=update_s)
+                self._learn(stats)
+                stats.learn_time_s = device_now(self.model.device) - verified
+                stats.cpu_time_s = time.thread_time() - cpu_start
+                offload = verification.offload
+                priced = None if draft.selection is None else (draft.selection.hits, draft.selection.misses)
+                self._pending = ((draft.draft_levels, int(verification.nodes.size), offload.total_hits,
+                                  offload.total_misses, stats.cycle_time_s), priced, update_s)
+                stats.charged_misses_per_layer = charged_misses(verification.expert_ids, draft.cached, before)
+                cycles.append(stats)
+                totals += verification.offload
+                prefetch_bytes = draft.prefetched * self.model.offload.host.expert_bytes
+                decode_bytes_h2d += verification.offload.total_bytes_h2d + prefetch_bytes
+                tokens = commit.tokens[: max_new_tokens - len(output)]
+                for i, token in enumerate(tokens):
+                    if self._is_eos(token, ignore_eos):
+                        tokens = tokens[: i + 1]
+                        stop_reason = "eos"
+                        break
+                output.extend(tokens)
+                cycle_tokens.append(len(tokens))
+                root = tokens[-1]
+                if self.recorder is not None:
+                    self.recorder.add_cycle(stats)
+                if on_cycle is not None:
+                    on_cycle(stats, len(tokens))
         decode_time_s = device_now(self.model.device) - start
         return DecodeResult(prompt_ids=prompt_ids, output_ids=output, stop_reason=stop_reason,
                             prefill_time_s=prefill_time_s, decode_time_s=decode_time_s, n_cycles=len(cycle_tokens),
@@ -309,16 +320,20 @@ class Decoder:
             self.predictor.update(stats.draft.tree.tokens[nodes], verification.expert_ids,
                                   self.model.config.n_experts, last_known=last, context=context)
 
-    def _observe_last_cycle(self) -> None:
+    def _observe_last_cycle(self) -> float:
         """The online cost model sees the previous cycle (whose time is complete only once its own
         learning has run) before this one is decided: the model that prices a cycle has seen every
-        cycle before it. Runs inside the new cycle's time."""
+        cycle before it. Runs inside the new cycle's time; returns its seconds, which the model is
+        handed with this cycle when the next one starts (it prices its own update, see
+        :class:`~specfit.calibrate.online.OnlineCostModel`)."""
         if self.online is None or self._pending is None:
-            return
-        counts, priced = self._pending
-        self.online.observe(*counts, priced=priced)
+            return 0.0
+        start = time.perf_counter()
+        counts, priced, overhead_s = self._pending
+        self.online.observe(*counts, priced=priced, overhead_s=overhead_s)
         self.cost = self.online.cost
         self._pending = None
+        return time.perf_counter() - start
 
     def _predict(self, draft: Draft, tokens: np.ndarray, context) -> np.ndarray:
         start = time.perf_counter()
@@ -366,6 +381,22 @@ def charged_misses(expert_ids: np.ndarray, cached: np.ndarray, before=None) -> n
         row[layer] = union[layer]
         misses[layer] = before.admit(row).misses[layer]
     return misses
+
+
+@contextlib.contextmanager
+def gc_paused(pause: bool = True):
+    """No automatic cyclic garbage collection inside the block (when ``pause``); one collection of
+    the youngest generation when it ends, so what the block left unreachable is freed there and
+    then, and the collector's state is as it was before."""
+    was_enabled = gc.isenabled()
+    if pause:
+        gc.disable()
+    try:
+        yield
+    finally:
+        if pause and was_enabled:
+            gc.enable()
+            gc.collect(0)
 
 
 def device_now(device: torch.device) -> float:
