@@ -56,7 +56,7 @@ class RouterPredictor(ExpertPredictor):
     name = "router"
 
     def __init__(self, model=None, context_weight: float = 0.5, *, embed: torch.Tensor | None = None,
-                 router_weight: torch.Tensor | None = None, eps: float = 1e-6, top_k: int = 0,
+                 router_weight: torch.Tensor | None = None, top_k: int = 0,
                  adapt: bool = True, min_nodes: int = 64, batch_nodes: int = 64, max_nodes: int = 1024):
         if not context_weight >= 0:
             raise ValueError(f"context_weight: expected >= 0, got {context_weight}")
@@ -69,10 +69,10 @@ class RouterPredictor(ExpertPredictor):
             # each layer's RMSNorm weight folded into its router: logits = rms(x) @ (gate * norm).T
             router_weight = torch.stack([layer.moe.gate.weight.float() * layer.post_attention_layernorm.weight.float()
                                          for layer in model.layers if layer.moe is not None])
-            eps, top_k = model.config.rms_norm_eps, model.config.top_k
+            top_k = model.config.top_k
         if embed is None or router_weight is None or top_k < 1:
             raise ValueError("RouterPredictor: pass the target model, or its embedding, router weights and top_k")
-        self.embed, self.router_weight, self.eps, self.top_k = embed, router_weight, float(eps), int(top_k)
+        self.embed, self.router_weight, self.top_k = embed, router_weight, int(top_k)
         # every layer's router as the columns of one matrix [H, L * E]: one GEMM per call
         n_layers, n_experts, hidden = router_weight.shape
         self._columns = router_weight.reshape(n_layers * n_experts, hidden).t().contiguous()

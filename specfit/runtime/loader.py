@@ -288,7 +288,7 @@ def load_router(model_dir: str | Path, context_weight: float = 0.5):
     finally:
         checkpoint.close()
     return RouterPredictor(context_weight=context_weight, embed=embed, router_weight=torch.stack(weights),
-                           eps=config.rms_norm_eps, top_k=config.top_k)
+                           top_k=config.top_k)
 
 
 def _attention_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
