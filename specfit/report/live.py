@@ -150,13 +150,16 @@ def _union_per_layer(cycles: pd.DataFrame, policies):
 def _layer_heat_map(cycles: pd.DataFrame):
     if "misses_per_layer" not in cycles or "hits_per_layer" not in cycles:
         return None
-    policies = list(dict.fromkeys(cycles["policy"]))
-    rows = []
-    for policy in policies:
+    policies, rows = [], []
+    for policy in dict.fromkeys(cycles["policy"]):
         g = cycles[cycles["policy"] == policy]
         misses = np.sum(np.stack(g["misses_per_layer"].to_numpy()), axis=0)
         hits = np.sum(np.stack(g["hits_per_layer"].to_numpy()), axis=0)
-        rows.append(misses / np.maximum(misses + hits, 1))
+        if misses.size:                     # a run recorded before the per-layer columns has none
+            policies.append(policy)
+            rows.append(misses / np.maximum(misses + hits, 1))
+    if not rows:
+        return None
     fig, ax = new_axes(7.5, 0.6 + 0.45 * len(policies))
     im = ax.imshow(np.array(rows), aspect="auto", cmap="magma", vmin=0, vmax=1)
     ax.set_yticks(range(len(policies)), policies)
