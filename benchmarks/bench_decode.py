@@ -51,6 +51,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specfit.assets import demo_prompts_path, tiny_moe_dir, tiny_moe_eagle3_dir  # noqa: E402
+from specfit.errors import SpecFitError  # noqa: E402
 from specfit.runtime.decode_job import DecodePlan, run_decode  # noqa: E402
 
 
@@ -98,6 +99,8 @@ def main(argv: list[str] | None = None) -> None:
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
         run_benchmark(args)
+    except SpecFitError as exc:                 # bad input: one line, as the CLI says it
+        raise SystemExit(f"bench_decode: {exc}") from None
     finally:
         for hog in hogs:
             hog.kill()
