@@ -72,6 +72,8 @@ class Decoder:
             otherwise stops a cycle at random for 0.2-2 ms (a full collection: ~160 ms), which is
             noise in every cycle time the cost model learns from and is checked against; the cycles
             themselves leave no reference cycles behind (a test pins it), so nothing accumulates.
+            The collector is the process's: an application whose other threads make cyclic
+            garbage while a generation runs can pass False.
     """
 
     def __init__(self, model: MoETransformer, proposer: Proposer | None = None, policy: Policy | None = None,
