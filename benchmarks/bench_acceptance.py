@@ -27,6 +27,7 @@ from sklearn.isotonic import IsotonicRegression
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from specfit import kernels  # noqa: E402
 from specfit.errors import SpecFitError  # noqa: E402
 from specfit.experts.calibration import AcceptanceCalibrator  # noqa: E402
 from specfit.traces.format import read_trace  # noqa: E402
@@ -35,16 +36,17 @@ from specfit.traces.format import read_trace  # noqa: E402
 def outcomes(trace) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """(parent row, depth, known, accepted) per node: ``known`` where the parent has a verdict
     (then every ancestor has one: verified sets are ancestor-closed), ``accepted`` where the node is
-    on the accepted path (the root always)."""
+    on the cycle's accepted path (the replay's own kernel; the root always)."""
     root = trace.parent < 0
-    parent_row = np.where(root, np.arange(trace.n_nodes), trace.parent.astype(np.int64) + trace.offsets[trace.cycle_of_node])
+    parent_row = np.where(root, np.arange(trace.n_nodes), trace.parent_rows)
     known = root | (trace.verdict[parent_row] >= 0)
-    edge_ok = root | (known & (trace.token == trace.verdict[parent_row]))
-    accepted, depth = root.copy(), np.zeros(trace.n_nodes, dtype=np.int64)
-    for _ in range(int(trace.depth.max(initial=0))):       # parents precede children: one pass per level
-        accepted = root | (edge_ok & accepted[parent_row])
-        depth = np.where(root, 0, depth[parent_row] + 1)
-    return parent_row, depth, known, accepted
+    offsets = np.ascontiguousarray(trace.offsets, dtype=np.int64)
+    path_offsets, paths = kernels.replay.accepted_paths(
+        offsets, np.ascontiguousarray(trace.parent, dtype=np.int16), np.ascontiguousarray(trace.depth, dtype=np.int16),
+        np.ascontiguousarray(trace.token, dtype=np.int32), np.ascontiguousarray(trace.verdict, dtype=np.int32))
+    accepted = np.zeros(trace.n_nodes, dtype=bool)
+    accepted[paths + np.repeat(offsets[:-1], np.diff(path_offsets))] = True
+    return parent_row, trace.depth.astype(np.int64), known, accepted
 
 
 def along_paths_min(values: np.ndarray, parent_row: np.ndarray, root: np.ndarray, levels: int) -> np.ndarray:

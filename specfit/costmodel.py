@@ -113,9 +113,9 @@ class CostModel:
         slower), then ``plus_base_s`` seconds more per cycle; the bytes per expert unchanged."""
         if not (factor >= 0 and math.isfinite(factor)):
             raise ValueError(f"CostModel.scaled: expected a finite factor >= 0, got {factor!r}")
-        return CostModel(base_s=factor * self.base_s + plus_base_s, per_node_s=factor * self.per_node_s,
-                         hit_s=factor * self.hit_s, miss_s=factor * self.miss_s,
-                         draft_level_s=factor * self.draft_level_s, expert_bytes=self.expert_bytes)
+        terms = {name: factor * getattr(self, name) for name in PARAM_NAMES}
+        terms["base_s"] += plus_base_s
+        return dataclasses.replace(self, **terms)
 
     @property
     def transfer_s(self) -> float:

@@ -135,16 +135,16 @@ class OnlineCostModel:
         self._features[slot] = (draft_levels, 1.0, n_nodes, hits, misses)
         self._times[slot] = work_s
         self.n_seen += 1
-        kind = 0
+        kind = 0                                     # index into UPDATE_KINDS
         if self.n_seen >= self.min_cycles and (self.n_seen - self.min_cycles) % self.refit_every == 0:
-            kind = 1 if self.n_refits % self.select_every else 2
-            self._refit()
+            kind = 2 if self._refit() else 1
         self._last_kind = kind
         self.update_s = float(self._update_mean[kind])
         tracked = bool(self._log_speed) or self.update_s > 0
         self.cost = self.fitted.scaled(self.speed, plus_base_s=self.update_s) if tracked else self.fitted
 
-    def _refit(self) -> None:
+    def _refit(self) -> bool:
+        """Refit on the window; True when this refit selected the terms again."""
         n = min(self.n_seen, self.window)
         age = (self.n_seen - 1 - np.arange(n)) % self.window        # slot i holds the cycle this many cycles old
         recency = 0.5 ** (age / self.half_life)
@@ -159,6 +159,7 @@ class OnlineCostModel:
         self._choice = info["choice"]
         self.held = info["held_names"]
         self.n_refits += 1
+        return reuse is None
 
     def state(self) -> dict:
         """What the model is now, for a run's summary."""

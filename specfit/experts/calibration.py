@@ -21,11 +21,10 @@ __all__ = ["AcceptanceCalibrator", "edge_outcomes", "cross_calibrate"]
 def edge_outcomes(trace, cycles=None) -> tuple[np.ndarray, np.ndarray]:
     """(draft probability, accepted 0/1) of every non-root node of ``cycles`` whose parent's
     verdict is known."""
-    cyc = trace.cycle_of_node
-    parent_row = np.where(trace.parent >= 0, trace.parent.astype(np.int64) + trace.offsets[cyc], -1)
+    parent_row = trace.parent_rows
     mask = parent_row >= 0
     if cycles is not None:
-        mask &= np.isin(cyc, np.asarray(cycles))
+        mask &= np.isin(trace.cycle_of_node, np.asarray(cycles))
     mask[mask] = trace.verdict[parent_row[mask]] >= 0
     q = np.exp(trace.draft_logprob[mask].astype(np.float64))
     return q, (trace.token[mask] == trace.verdict[parent_row[mask]]).astype(np.float64)
@@ -54,10 +53,9 @@ class AcceptanceCalibrator:
     def path_probs(self, trace) -> np.ndarray:
         """[nodes] calibrated path probabilities of every node of ``trace`` (root: 1)."""
         edge = self.predict_edge(np.exp(trace.draft_logprob.astype(np.float64)))
-        cyc = trace.cycle_of_node
         root = trace.parent < 0
         edge[root] = 1.0
-        parent_row = np.where(root, np.arange(trace.n_nodes), trace.parent.astype(np.int64) + trace.offsets[cyc])
+        parent_row = np.where(root, np.arange(trace.n_nodes), trace.parent_rows)
         out = edge.copy()
         # parents precede children: one pass per level turns edge probabilities into path products
         for _ in range(int(trace.depth.max(initial=0))):

@@ -157,7 +157,7 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
     n = trace.n_nodes
     cycle_of = trace.cycle_of_node
     root = trace.parent < 0
-    parent_row = np.where(root, np.arange(n), trace.parent.astype(np.int64) + offsets[:-1][cycle_of])
+    parent_row = np.where(root, np.arange(n), trace.parent_rows)
     raw = trace.path_prob if path_probs is None else np.asarray(path_probs, dtype=np.float64)
     _check_path_probs(name, raw, root, parent_row, cycle_of, offsets)
     # a DraftTree clips each node to its parent's value (rounding slack); a tree cut at fewer

@@ -131,6 +131,11 @@ class Trace:
         return np.repeat(np.arange(self.n_cycles), self.tree_sizes)
 
     @property
+    def parent_rows(self) -> np.ndarray:
+        """int64 [nodes]: the row of each node's parent in the trace's node arrays (-1 for roots)."""
+        return np.where(self.parent >= 0, self.parent.astype(np.int64) + self.offsets[:-1][self.cycle_of_node], -1)
+
+    @property
     def position_indexed(self) -> bool:
         return bool(self.meta["recording"].get("position_indexed", False))
 

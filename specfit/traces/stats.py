@@ -91,11 +91,6 @@ def accepted_lengths(trace) -> np.ndarray:
                      for c in range(trace.n_cycles)], dtype=np.int64)
 
 
-def _parent_rows(trace) -> np.ndarray:
-    cyc = trace.cycle_of_node
-    return np.where(trace.parent >= 0, trace.parent.astype(np.int64) + trace.offsets[cyc], -1)
-
-
 def acceptance_by_depth(trace) -> dict[int, float]:
     """Per depth d: of the trees whose accepted path reaches depth d - 1, the share that reaches
     depth d (acceptance rate of a level given the previous one was accepted)."""
@@ -108,7 +103,7 @@ def edge_calibration(trace, bins: int = 10) -> list[dict]:
     """Drafter calibration: nodes binned by draft probability (exp(draft_logprob)); per bin the
     mean draft probability and the share of nodes that equal the target's verdict at their
     parent. A calibrated drafter has the two equal."""
-    parent_row = _parent_rows(trace)
+    parent_row = trace.parent_rows
     mask = (parent_row >= 0)
     mask[mask] = trace.verdict[parent_row[mask]] >= 0
     q = np.exp(trace.draft_logprob[mask].astype(np.float64))

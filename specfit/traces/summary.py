@@ -15,7 +15,7 @@ def trace_statistics(trace) -> dict:
     """The statistics a synthetic trace is checked against (layer means)."""
     roots = trace.offsets[:-1]
     ref = trace.true_experts[roots].astype(np.int64)
-    parent_row = np.where(trace.parent >= 0, trace.parent.astype(np.int64) + trace.offsets[trace.cycle_of_node], -1)
+    parent_row = trace.parent_rows
     # sibling pairs: consecutive children of the same parent, neither carrying the true next token
     off = (parent_row >= 0) & trace.true_known
     off[off] &= trace.token[off] != trace.verdict[parent_row[off]]
