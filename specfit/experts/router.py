@@ -99,6 +99,11 @@ class RouterPredictor(ExpertPredictor):
         return logits.topk(self.top_k, dim=-1).indices.cpu().numpy()             # int64 [n, L, k]
 
     @property
+    def layers_experts(self) -> tuple[int, int]:
+        """(MoE layers, experts per layer) of the routers."""
+        return self._layers_experts
+
+    @property
     def layer_weights(self) -> np.ndarray:
         """float [L]: the context weight each layer uses now."""
         return self._weights.view(-1).double().cpu().numpy()

@@ -261,9 +261,9 @@ def prepare_trace(name: str, trace: Trace, predictor: str = "oracle", acceptance
         from ..runtime.loader import load_router
 
         router = load_router(model_dir)
-        if router.router_weight.shape[:2] != (trace.n_layers, trace.n_experts):
-            raise SpecFitError(f"--model {model_dir}: {router.router_weight.shape[0]} layers x "
-                               f"{router.router_weight.shape[1]} experts, the trace has {trace.n_layers} x {trace.n_experts}")
+        if router.layers_experts != (trace.n_layers, trace.n_experts):
+            raise SpecFitError(f"--model {model_dir}: {router.layers_experts[0]} layers x "
+                               f"{router.layers_experts[1]} experts, the trace has {trace.n_layers} x {trace.n_experts}")
         experts = router.predict_trace(trace)
     else:
         experts = cross_predict(predictor, trace)
