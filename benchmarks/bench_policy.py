@@ -264,17 +264,15 @@ def run_setting(preps: dict[str, PreparedTrace], chosen: list[Variant], capacity
 
 
 def offline_reliability(trace) -> dict:
-    """Brier / ECE of every edge's raw drafter probability and of the isotonic calibration
-    (cross-fitted), on all edges whose outcome the trace knows."""
+    """Brier / ECE of the raw drafter probability and of the calibration (cross-fitted; its path
+    probability over the parent's), on every edge whose parent is accepted."""
     from specfit.experts.acceptance_online import reliability
-    from specfit.experts.calibration import edge_outcomes
+    from specfit.experts.calibration import edge_mask, edge_outcomes
 
     q, accepted = edge_outcomes(trace)
     cal = cross_calibrate(trace)
-    parent_row = trace.parent.astype(np.int64) + trace.offsets[trace.cycle_of_node]
-    mask = trace.parent >= 0
-    mask[mask] = trace.verdict[parent_row[mask]] >= 0
-    edge_cal = cal[mask] / cal[parent_row[mask]]
+    mask = edge_mask(trace)
+    edge_cal = cal[mask] / cal[trace.parent_rows[mask]]
     return {"raw": reliability(q, accepted), "isotonic": reliability(edge_cal, accepted)}
 
 
@@ -385,8 +383,8 @@ def main() -> None:
         for pred, q in quality.items():
             print(f"| {pred} | {q['slot_precision']:.3f} | {q['union_precision']:.3f} | {q['union_recall']:.3f} |")
         rel = offline_reliability(trace)
-        print(f"\nAcceptance, all edges: raw Brier {rel['raw']['brier']:.4f} ECE {rel['raw']['ece']:.4f}; isotonic "
-              f"(cross-fitted) Brier {rel['isotonic']['brier']:.4f} ECE {rel['isotonic']['ece']:.4f}")
+        print(f"\nAcceptance, edges of accepted parents: raw Brier {rel['raw']['brier']:.4f} ECE {rel['raw']['ece']:.4f}; "
+              f"calibrated (cross-fitted) Brier {rel['isotonic']['brier']:.4f} ECE {rel['isotonic']['ece']:.4f}")
         for profile in args.profiles.split(","):
             cost = resolve_profile(profile, shape).cost
             rows = []

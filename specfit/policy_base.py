@@ -91,15 +91,19 @@ class Observation:
 
 
 def edge_outcomes(observation: Observation) -> tuple[np.ndarray, np.ndarray]:
-    """(nodes, accepted 0/1) of every drafted node whose parent was verified: accepted when its
-    token is the target's greedy next token at the parent."""
+    """(nodes, accepted 0/1) of every drafted node whose parent lies on the accepted path (the
+    root always does): accepted when its token is the target's greedy next token at the parent.
+    The product of such outcomes along a path is its acceptance (the chain rule); children of a
+    rejected parent are left out (the target's verdict there continues a context it never keeps)."""
     tree, verified, verdicts = observation.tree, observation.verified, observation.verdicts
     if tree is None or verified is None or verdicts is None or tree.tokens is None or tree.n_nodes < 2:
         return np.zeros(0, dtype=np.int64), np.zeros(0)
     verdict_of = np.full(tree.n_nodes, -1, dtype=np.int64)
     verdict_of[np.asarray(verified, dtype=np.int64)] = np.asarray(verdicts, dtype=np.int64)
+    on_path = np.zeros(tree.n_nodes, dtype=bool)
+    on_path[tree.accepted_path(verdict_of, verified)] = True
     nodes = np.arange(1, tree.n_nodes)
-    nodes = nodes[verdict_of[tree.parents[nodes]] >= 0]
+    nodes = nodes[on_path[tree.parents[nodes]]]
     accepted = (tree.tokens[nodes] == verdict_of[tree.parents[nodes]]).astype(np.float64)
     return nodes, accepted
 

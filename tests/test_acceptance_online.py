@@ -27,7 +27,7 @@ def test_edge_features_by_hand():
     assert x[1:, 7].tolist() == [0, 1, 0, 1]
 
 
-def test_edge_outcomes_are_the_children_of_verified_nodes():
+def test_edge_outcomes_are_the_children_of_nodes_on_the_accepted_path():
     # verified {0, 1}: the target says 6 after the root (node 1 accepted, 2 not) and 9 after 1
     obs = Observation(tree=TREE, verified=np.array([0, 1]), verdicts=np.array([6, 9]))
     nodes, accepted = edge_outcomes(obs)
@@ -35,6 +35,10 @@ def test_edge_outcomes_are_the_children_of_verified_nodes():
     assert accepted.tolist() == [1, 0, 0, 1]
     nodes, _ = edge_outcomes(Observation(tree=TREE, verified=np.array([0]), verdicts=np.array([7])))
     assert nodes.tolist() == [1, 2]
+    # the target says 7 after the root: node 1 is rejected, so the verdict at it (9) says nothing
+    # the chain rule multiplies, and its children are left out
+    nodes, accepted = edge_outcomes(Observation(tree=TREE, verified=np.array([0, 1]), verdicts=np.array([7, 9])))
+    assert nodes.tolist() == [1, 2] and accepted.tolist() == [0, 1]
 
 
 def test_reliability_by_definition():

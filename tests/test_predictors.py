@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from specfit.errors import SpecFitError
-from specfit.experts.calibration import AcceptanceCalibrator, cross_calibrate, edge_outcomes
+from specfit.experts.calibration import AcceptanceCalibrator, cross_calibrate, edge_mask, edge_outcomes, edge_probs
 from specfit.experts.predictors import (AffinityPredictor, ExpertPredictor, ParentPredictor, cross_predict,
                                         cycle_folds, last_known_experts, make_predictor, predictor_from_dict,
                                         union_quality)
@@ -86,12 +86,19 @@ def test_union_quality_counts():
 def test_calibrator_is_monotone_and_matches_acceptance(olmoe):
     cal = AcceptanceCalibrator().fit(olmoe)
     grid = np.linspace(0, 1, 50)
-    assert np.all(np.diff(cal.predict_edge(grid)) >= 0)
+    # increasing in the node's own probability: a runner-up's (its top sibling's fixed) and a top child's
+    for top in (0.3, 0.6, 0.95):
+        assert np.all(np.diff(cal.predict_edge(grid[:-1] * top, np.full(49, top))) >= 0)
+    assert np.all(np.diff(cal.predict_edge(grid, grid)) >= 0)
     q, accepted = edge_outcomes(olmoe)
-    # calibrated probabilities average to the observed acceptance (isotonic regression preserves it)
-    assert abs(cal.predict_edge(q).mean() - accepted.mean()) < 0.01
+    q_all, top_all = edge_probs(olmoe)
+    mask = edge_mask(olmoe)
+    np.testing.assert_array_equal(q_all[mask], q)
+    # calibrated probabilities average to the observed acceptance (isotonic regression and the
+    # logistic refinement's intercept preserve it)
+    assert abs(cal.predict_edge(q, top_all[mask]).mean() - accepted.mean()) < 0.01
     back = AcceptanceCalibrator.from_dict(json.loads(json.dumps(cal.to_dict())))
-    np.testing.assert_allclose(back.predict_edge(grid), cal.predict_edge(grid))
+    np.testing.assert_allclose(back.predict_edge(grid, np.ones(50)), cal.predict_edge(grid, np.ones(50)))
 
 
 def test_calibrated_path_probabilities_are_valid_trees(olmoe):

@@ -60,7 +60,8 @@ class Decoder:
         temperature: 0 for greedy decoding; above 0 tokens are sampled from the target's
             ``softmax(logits / temperature)`` (lossless tree speculative sampling).
         seed: seeds the sampler (a new generation restarts nothing: the stream continues).
-        calibrator: maps draft probabilities to acceptance probabilities (None: the drafter's own).
+        calibrator: the acceptance calibrator that turns the drafter's probabilities into path
+            probabilities (None: the drafter's own).
         recorder: receives every cycle (see :class:`specfit.runtime.record.TraceRecorder`).
         commit_root_only: commit the root's verdict alone every cycle (full-tree recording).
         online_refit: refit the cost model on the run's measured cycles as it goes, the profile
@@ -231,7 +232,7 @@ class Decoder:
         while (view.draft_levels < levels_cap and self._room_for_level(view)
                and self._decide(draft, self.policy.keep_drafting, view)):
             if tree is None:
-                tree = self.proposer.draft(root_token, levels_cap, self.top_k, self._acceptance())
+                tree = self.proposer.draft(root_token, levels_cap, self.top_k, self.calibrator)
             if prefetcher is not None:        # copies beside the level about to be drafted
                 view = levers.prefetch_level(self, draft, view, prefetcher)
             start = device_now(self.model.device)
@@ -354,9 +355,6 @@ class Decoder:
         result = decide(view)
         draft.search_time_s += time.perf_counter() - start
         return result
-
-    def _acceptance(self):
-        return None if self.calibrator is None else self.calibrator.predict_edge
 
     def _room_for_level(self, view: CycleView) -> bool:
         """Whether the next level's nodes still fit the target's KV slots after the committed tokens."""

@@ -110,12 +110,13 @@ class TreeDraft:
             1 is drafted (the proposer runs the pending accepted entries then).
         top_k: children per expanded node and nodes expanded per level.
         max_levels: levels at most (sizes the arrays).
-        acceptance: maps the drafter's probability of a node given its parent to the probability
-            that the target accepts it (an acceptance calibrator); None uses the drafter's own.
+        acceptance: an acceptance calibrator (:class:`~specfit.experts.calibration.AcceptanceCalibrator`:
+            its edge map and depth correction give each node's path probability, as on a trace);
+            None uses the drafter's own probabilities.
     """
 
     def __init__(self, session: DrafterSession, root_token: int, root_output: Callable[[], DraftOutput], top_k: int,
-                 max_levels: int, acceptance: Callable[[np.ndarray], np.ndarray] | None = None):
+                 max_levels: int, acceptance=None):
         if top_k < 1:
             raise ValueError(f"top_k: expected >= 1, got {top_k}")
         self.session, self.top_k, self._root_output, self._acceptance = session, int(top_k), root_output, acceptance
@@ -125,6 +126,7 @@ class TreeDraft:
         self.depth = np.zeros(capacity, dtype=np.int64)
         self.cum_logprob = np.zeros(capacity, dtype=np.float64)   # the drafter's, root -> node
         self.path_prob = np.ones(capacity, dtype=np.float64)      # the acceptance estimate the policy uses
+        self.edge_product = np.ones(capacity, dtype=np.float64)   # calibrated edges multiplied, root -> node
         self.slot = np.full(capacity, -1, dtype=np.int64)         # KV slot of an expanded node's entry
         self.tokens[0] = int(root_token)
         self.n_nodes, self.levels = 1, 0
@@ -208,8 +210,13 @@ class TreeDraft:
         self.cum_logprob[new] = self.cum_logprob[parents] + edge_lp
         if self._acceptance is None:
             self.path_prob[new] = np.exp(self.cum_logprob[new])
-        else:   # calibrated edges multiply along the path, so path probabilities never rise
-            self.path_prob[new] = self.path_prob[parents] * self._acceptance(np.exp(edge_lp))
+        else:   # as the calibrator does on a trace: edges multiplied, depth-corrected, never above the parent
+            # each expanded node's children are its top-k: the first one's probability is the top
+            q = np.exp(edge_lp)
+            top = np.repeat(q.reshape(top_lp.shape)[:, 0], top_lp.shape[-1])
+            self.edge_product[new] = self.edge_product[parents] * self._acceptance.predict_edge(q, top)
+            self.path_prob[new] = np.minimum(self.path_prob[parents],
+                                             self._acceptance.path_from_product(self.edge_product[new], self.depth[new]))
         self.n_nodes += m
         order = np.lexsort((new, -self.cum_logprob[new]))
         self.frontier = np.sort(new[order[: self.top_k]])
@@ -242,8 +249,7 @@ class Proposer:
         self.session = DrafterSession(self.drafter, max_entries)
         self._pending = [(features, list(prompt_ids[1:]) + [int(first_token)])]
 
-    def draft(self, root_token: int, max_levels: int, top_k: int | None = None,
-              acceptance: Callable[[np.ndarray], np.ndarray] | None = None) -> TreeDraft:
+    def draft(self, root_token: int, max_levels: int, top_k: int | None = None, acceptance=None) -> TreeDraft:
         """An empty tree under ``root_token``; :meth:`TreeDraft.grow` drafts its levels."""
         return TreeDraft(self.session, root_token, self._sync, top_k or self.top_k, max_levels, acceptance)
 
