@@ -11,9 +11,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from specfit.errors import SpecFitError
+from specfit.experts.calibration import AcceptanceCalibrator
 from specfit.policies import rerank
 from specfit.runtime.drafting import DrafterSession, TreeDraft
 from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter
+from specfit.traces.format import Trace, read_trace
+
+from trace_helpers import SAMPLE_OLMOE, hand_trace
 
 VOCAB, DRAFT_VOCAB, TARGET_H = 64, 24, 40
 
@@ -292,3 +296,25 @@ def test_dynamic_tree_is_connected_with_non_increasing_path_probs():
     assert tree.n_nodes == 10 and tree.max_depth <= 4
     assert np.all(tree.path_probs[1:] <= tree.path_probs[tree.parents[1:]])
     assert set(tree.tokens[1:].tolist()) <= set(DRAFT_IDS.tolist())
+
+
+def test_a_calibrated_live_tree_has_the_path_probabilities_the_calibrator_gives_its_trace():
+    """Live and replay apply one calibration: a tree drafted with the calibrator carries the path
+    probabilities that calibrator gives the same tree recorded as a trace."""
+    calibrator = AcceptanceCalibrator().fit(read_trace(SAMPLE_OLMOE))
+    assert calibrator.edge_coef_ is not None and calibrator.coef_ is not None     # every step in use
+    session = DrafterSession(random_drafter(), max_entries=64)
+    root = session.commit(features(6), tokens(6))
+    drafting = TreeDraft(session, 7, lambda: root, top_k=3, max_levels=4, acceptance=calibrator)
+    for _ in range(4):
+        drafting.grow()
+    tree = drafting.tree()
+    n = tree.n_nodes
+    trace = Trace(meta=hand_trace().meta, offsets=np.array([0, n]), sequence=np.zeros(1, dtype=np.int32),
+                  position=np.zeros(1, dtype=np.int32), parent=tree.parents.astype(np.int16),
+                  depth=tree.depth.astype(np.int16), token=tree.tokens.astype(np.int32),
+                  draft_logprob=drafting.edge_logprob.astype(np.float32), path_prob=np.ones(n),
+                  verdict=np.full(n, -1, dtype=np.int32), true_experts=np.zeros((n, 1, 1), dtype=np.int16))
+    np.testing.assert_allclose(tree.path_probs, calibrator.path_probs(trace), rtol=1e-6)
+    own = np.exp(drafting.cum_logprob[:n])
+    assert not np.allclose(tree.path_probs, own)                              # the calibration did act
