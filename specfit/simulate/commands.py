@@ -34,7 +34,8 @@ def simulate_command(
                                   "router (the target's routers; needs --model)."),
     model: Optional[Path] = typer.Option(None, "--model", help="The traced model's directory, for --predictor router."),
     acceptance: str = typer.Option("calibrated", "--acceptance", help="Path probabilities the policies use: "
-                                   "calibrated (isotonic, cross-fitted) or raw (the drafter's)."),
+                                   "calibrated (the acceptance calibrator, "
+                                   "cross-fitted) or raw (the drafter's)."),
     cost: Optional[str] = typer.Option(None, "--cost", help="Override cost-model parameters, e.g. base_s=0.004,miss_s=2e-4."),
     h2d_scale: float = typer.Option(1.0, "--h2d-scale", help="What-if: multiply the host-to-device bandwidth."),
     rescale: bool = typer.Option(False, "--rescale", help="Allow a profile measured for another model shape "
