@@ -41,7 +41,7 @@ from sklearn.linear_model import LogisticRegression
 
 __all__ = ["AcceptanceCalibrator", "accepted_nodes", "edge_mask", "edge_outcomes", "edge_probs", "cross_calibrate"]
 
-_LOGIT_EPS = 1e-4       # probabilities are clipped to [eps, 1 - eps] before the depth correction's logit
+_LOGIT_EPS = 1e-4       # probabilities are clipped to [eps, 1 - eps] before a logit
 
 
 def _logit(p: np.ndarray) -> np.ndarray:
@@ -106,8 +106,8 @@ def edge_outcomes(trace, cycles=None, given_parent_accepted: bool = True) -> tup
 
 
 class AcceptanceCalibrator:
-    """Edge map and depth correction (scikit-learn shaped: hyper-parameters in the constructor,
-    learned attributes with a trailing underscore).
+    """Edge map, confidence refinement and depth correction (scikit-learn shaped: hyper-parameters
+    in the constructor, learned attributes with a trailing underscore).
 
     Args:
         min_prob: the edge map's floor.
@@ -116,7 +116,8 @@ class AcceptanceCalibrator:
             measure against).
         confidence: refine the edge map by the drafter's confidence at the parent.
         depth_correction: fit the depth correction (False: path probabilities are the products).
-        min_nodes: nodes with a known outcome the depth correction needs; fewer leave it off.
+        min_nodes: outcomes the confidence refinement (edges) and the depth correction (nodes) need;
+            fewer leave that step off.
     """
 
     def __init__(self, min_prob: float = 1e-4, given_parent_accepted: bool = True, confidence: bool = True,
