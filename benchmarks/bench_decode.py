@@ -16,6 +16,9 @@ the loop a user runs once per machine and model (``--no-warmup`` skips it):
    term comes from a stand-in layer, the refit measures the real drafter and the per-level work;
 3. the full trace calibrates the drafter's acceptance probabilities (``--acceptance``).
 
+``--warmup-prompts`` runs the warm-up on other prompts than the measured run's, so that the
+acceptance calibration and the refit are held out from the prompts they are judged on.
+
 Without ``--profile`` the starting profile is a quick calibration of this machine. Everything is
 written to a temporary directory, nothing to the checkout.
 
@@ -80,6 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", type=Path, default=tiny_moe_dir())
     parser.add_argument("--drafter", type=Path, default=tiny_moe_eagle3_dir())
     parser.add_argument("--prompts", type=Path, default=demo_prompts_path())
+    parser.add_argument("--warmup-prompts", type=Path, default=None,
+                        help="prompts of the warm-up (refit and acceptance calibration; default: --prompts), "
+                             "e.g. other prompts than the measured run's, for a held-out calibration")
     parser.add_argument("--policies", default="ar,eagle3,specfit")
     parser.add_argument("--cache-experts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -110,18 +116,21 @@ def main(argv: list[str] | None = None) -> None:
 def run_benchmark(args) -> None:
     load_before = os.getloadavg()
 
-    if args.out is not None:
-        args.out = args.out.resolve()      # before the chdir below
+    # paths resolved before the chdir below
+    for name in ("out", "model", "drafter", "prompts", "warmup_prompts"):
+        if getattr(args, name) is not None:
+            setattr(args, name, getattr(args, name).resolve())
+    if args.profile is not None and Path(args.profile).exists():
+        args.profile = str(Path(args.profile).resolve())
     work = Path(tempfile.mkdtemp(prefix="bench_decode."))
     os.chdir(work)     # a quick calibration lands in ./calibrate/ here, not in the checkout
 
     def plan(policies: list[str], **changes) -> DecodePlan:
-        return DecodePlan(model_dir=args.model.resolve(), prompts_path=args.prompts.resolve(),
-                          cache_experts=args.cache_experts, policies=policies, drafter_dir=args.drafter.resolve(),
-                          max_new_tokens=args.max_new_tokens, device="cpu", tree_top_k=args.tree_top_k,
-                          ignore_eos=True, online_refit=not args.frozen_profile, predictor=args.predictor,
-                          router_adapt=not args.router_fixed,
-                          **{"profile": args.profile, **changes})
+        settings = dict(model_dir=args.model, prompts_path=args.prompts, cache_experts=args.cache_experts,
+                        policies=policies, drafter_dir=args.drafter, max_new_tokens=args.max_new_tokens, device="cpu",
+                        tree_top_k=args.tree_top_k, ignore_eos=True, online_refit=not args.frozen_profile,
+                        predictor=args.predictor, router_adapt=not args.router_fixed, profile=args.profile)
+        return DecodePlan(**{**settings, **changes})
 
     acceptance = profile = None
     if not args.no_warmup:
@@ -130,7 +139,8 @@ def run_benchmark(args) -> None:
 
         acceptance = work / "full.parquet"
         warm = run_decode(plan(["ar", "chain:2", "eagle3:16:4"], out_dir=work / "warmup", record=acceptance,
-                               record_full=True, max_levels=7))
+                               record_full=True, max_levels=7,
+                               prompts_path=args.warmup_prompts or args.prompts))
         start = resolve_profile(warm.profile_path or args.profile)
         refitted, comparison = refit(start, [work / "warmup"])
         profile = str(refitted.save(work / "refit.json"))
