@@ -111,7 +111,8 @@ class TreeDraft:
         top_k: children per expanded node and nodes expanded per level.
         max_levels: levels at most (sizes the arrays).
         acceptance: an acceptance calibrator (:class:`~specfit.experts.calibration.AcceptanceCalibrator`:
-            its edge map and depth correction give each node's path probability, as on a trace);
+            its edge map, confidence refinement and depth correction give each node's path
+            probability, as on a trace);
             None uses the drafter's own probabilities.
     """
 
