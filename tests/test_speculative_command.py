@@ -310,9 +310,11 @@ def test_a_run_stopped_mid_prompt_keeps_every_complete_cycle(checkpoint, tmp_pat
     prompts = tmp_path / "long.jsonl"
     prompts.write_text(json.dumps({"input_ids": [3, 1, 4]}) + "\n")
     out = tmp_path / "run"
+    # one draft level at most: two tokens a cycle, so 200 tokens take ~100 cycles and the signal
+    # lands mid-prompt (a deeper SpecFit that commits more per cycle can finish first)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     process = subprocess.Popen([sys.executable, "-m", "specfit", "decode", "--model", str(model_dir), "--drafter",
-                                str(drafter_dir), "--prompts", str(prompts), "--cache-experts", "3", "--policy", "specfit",
+                                str(drafter_dir), "--prompts", str(prompts), "--cache-experts", "3", "--policy", "specfit:1",
                                 "--profile", "pcie4", "--max-new-tokens", "200", "--ignore-eos", "--out", str(out)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     journal = out / JOURNAL_FILE
