@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
+from process_helpers import default_sigint
 from runtime_fixtures import VOCAB, make_tiny_model
 from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
 from speculative_fixtures import make_drafter
@@ -310,13 +311,12 @@ def test_a_run_stopped_mid_prompt_keeps_every_complete_cycle(checkpoint, tmp_pat
     prompts = tmp_path / "long.jsonl"
     prompts.write_text(json.dumps({"input_ids": [3, 1, 4]}) + "\n")
     out = tmp_path / "run"
-    # one draft level at most: two tokens a cycle, so 200 tokens take ~100 cycles and the signal
-    # lands mid-prompt (a deeper SpecFit that commits more per cycle can finish first)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     process = subprocess.Popen([sys.executable, "-m", "specfit", "decode", "--model", str(model_dir), "--drafter",
-                                str(drafter_dir), "--prompts", str(prompts), "--cache-experts", "3", "--policy", "specfit:1",
+                                str(drafter_dir), "--prompts", str(prompts), "--cache-experts", "3", "--policy", "specfit",
                                 "--profile", "pcie4", "--max-new-tokens", "200", "--ignore-eos", "--out", str(out)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                               preexec_fn=default_sigint)
     journal = out / JOURNAL_FILE
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and (not journal.is_file() or len(journal.read_text().splitlines()) < 5):

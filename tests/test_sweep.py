@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from process_helpers import default_sigint
 from trace_helpers import ROOT, SAMPLE_OLMOE
 from typer.testing import CliRunner
 
@@ -271,17 +272,12 @@ def test_routing_logs_with_drafter_presets_equal_import_then_simulate(ray_local,
     assert spec_rows.loc["code", "tokens_per_cycle"] > spec_rows.loc["chat", "tokens_per_cycle"]
 
 
-def _default_sigint() -> None:
-    # a background job of a shell (CI, nohup ... &) starts with SIGINT ignored, and so would the sweep
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-
-
 def _sweep_process(spec: Path, out: Path, address: str) -> subprocess.Popen:
     """A sweep in its own process (and process group) that joins the test's Ray instance."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "specfit", "sweep", str(spec), "--out", str(out), "--address",
                              address, "--chunk-cells", "1"], env=env, cwd=str(spec.parent), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=_default_sigint)
+                            stderr=subprocess.PIPE, start_new_session=True, preexec_fn=default_sigint)
 
 
 def _wait_for_parts(proc: subprocess.Popen, out: Path, more_than: int, timeout_s: float = 120) -> int:
