@@ -33,7 +33,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specfit.errors import SpecFitError  # noqa: E402
-from specfit.experts.calibration import AcceptanceCalibrator, accepted_nodes  # noqa: E402
+from specfit.experts.calibration import AcceptanceCalibrator, accepted_nodes, edge_mask  # noqa: E402
 from specfit.traces.format import read_trace  # noqa: E402
 
 SETTINGS = {
@@ -82,8 +82,7 @@ def main(argv: list[str] | None = None) -> None:
         except SpecFitError as exc:
             raise SystemExit(f"bench_acceptance: {exc}")
         depth, accepted = trace.depth.astype(np.int64), accepted_nodes(trace)
-        parent_row = np.maximum(trace.parent_rows, 0)
-        scored = (trace.parent >= 0) & (trace.verdict[parent_row] >= 0)
+        scored = edge_mask(trace, given_parent_accepted=False)     # every node whose outcome is known
         if not scored.any():
             raise SystemExit(f"bench_acceptance: {path}: no node whose parent was verified")
         depths = range(1, min(int(depth.max()), args.max_depth) + 1)

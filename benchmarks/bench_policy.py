@@ -271,7 +271,7 @@ def offline_reliability(trace) -> dict:
 
     q, accepted = edge_outcomes(trace)
     cal = cross_calibrate(trace)
-    mask = edge_mask(trace)
+    mask = edge_mask(trace)                      # the edges of edge_outcomes, in the same order
     edge_cal = cal[mask] / cal[trace.parent_rows[mask]]
     return {"raw": reliability(q, accepted), "isotonic": reliability(edge_cal, accepted)}
 

@@ -86,13 +86,14 @@ def edge_probs(trace) -> tuple[np.ndarray, np.ndarray]:
     return q, np.where(root, 1.0, top[parent_row])
 
 
-def edge_mask(trace, cycles=None, given_parent_accepted: bool = True) -> np.ndarray:
+def edge_mask(trace, cycles=None, given_parent_accepted: bool = True, accepted=None) -> np.ndarray:
     """bool [nodes]: the edges :func:`edge_outcomes` scores (non-root nodes of ``cycles`` whose
     parent has a verdict; with ``given_parent_accepted`` only those whose parent lies on the
-    accepted path)."""
+    accepted path). ``accepted``: the trace's :func:`accepted_nodes`, when the caller has them."""
     mask = _known(trace, cycles)
     if given_parent_accepted:
-        mask &= accepted_nodes(trace)[np.maximum(trace.parent_rows, 0)]
+        on_path = accepted_nodes(trace) if accepted is None else accepted
+        mask &= on_path[np.maximum(trace.parent_rows, 0)]
     return mask
 
 
@@ -134,7 +135,8 @@ class AcceptanceCalibrator:
                 "confidence": self.confidence, "depth_correction": self.depth_correction, "min_nodes": self.min_nodes}
 
     def fit(self, trace, cycles=None) -> "AcceptanceCalibrator":
-        mask = edge_mask(trace, cycles, self.given_parent_accepted)
+        on_path = accepted_nodes(trace)
+        mask = edge_mask(trace, cycles, self.given_parent_accepted, on_path)
         q_all, top_all = edge_probs(trace)
         q, top = q_all[mask], top_all[mask]
         accepted = (trace.token[mask] == trace.verdict[trace.parent_rows[mask]]).astype(np.float64)
@@ -151,7 +153,7 @@ class AcceptanceCalibrator:
         self.brier_ = float(np.mean((self.predict_edge(q, top) - accepted) ** 2)) if q.size else float("nan")
         self.n_edges_ = int(q.size)
         if self.depth_correction:
-            self._fit_depth(trace, cycles)
+            self._fit_depth(trace, cycles, on_path)
         return self
 
     def _confidence_features(self, q: np.ndarray, top: np.ndarray) -> np.ndarray:
@@ -160,7 +162,7 @@ class AcceptanceCalibrator:
         is_top = (q >= top).astype(np.float64)
         return np.stack([_logit(self._isotonic(q)), is_top, (1 - is_top) * _logit(top)], axis=1)
 
-    def _fit_depth(self, trace, cycles) -> None:
+    def _fit_depth(self, trace, cycles, on_path: np.ndarray) -> None:
         """The logistic depth correction on every node with a known outcome, or none when too few
         nodes or no monotone fit."""
         known = _known(trace, cycles)
@@ -168,7 +170,7 @@ class AcceptanceCalibrator:
             return
         x = _logit(self._products(trace)[known])
         depth = trace.depth[known].astype(np.float64)
-        y = accepted_nodes(trace)[known]
+        y = on_path[known]
         if y.all() or not y.any():
             return
         max_depth = int(depth.max())
