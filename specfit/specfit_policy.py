@@ -69,6 +69,7 @@ class _Setting:
 
 
 _RECENT_FIRST = 8     # first levels the level-0 test remembers
+_NO_NODES = np.zeros(0, dtype=np.int64)
 
 
 class SpecFitPolicy(Policy):
@@ -125,6 +126,7 @@ class SpecFitPolicy(Policy):
         self._cost = None
         self._view_key = None
         self._view: CycleView | None = None
+        self._params_of = self._params = None
 
     # ------------------------------------------------------------------ settings (in the compiled configuration)
     @property
@@ -180,6 +182,8 @@ class SpecFitPolicy(Policy):
         if self._view_key == key:
             return self._view
         cost = self._priced_cost(view.cost)
+        if cost is not self._params_of:       # one parameter array per cost model (a cycle's)
+            self._params, self._params_of = cost.params, cost
         tree = view.tree if self.acceptance is None else self.acceptance.calibrated(view.tree)
         self._view = CycleView(tree, view.experts, view.cached, cost, view.draft_levels, view.verdicts,
                                view.true_experts)
@@ -192,7 +196,7 @@ class SpecFitPolicy(Policy):
             return cost
         key = (id(cost), o)
         if self._cost_key != key:
-            self._cost = cost.replace(base_s=cost.base_s + o, draft_level_s=cost.draft_level_s + o)
+            self._cost = cost.scaled(1.0, plus_base_s=o, plus_draft_level_s=o)
             self._cost_key = key
         return self._cost
 
@@ -207,18 +211,19 @@ class SpecFitPolicy(Policy):
 
     # ------------------------------------------------------------------ the two decisions
     def keep_drafting(self, view: CycleView) -> bool:
-        if view.draft_levels >= self.max_levels:
+        levels = int(view.draft_levels)
+        if levels >= self._conf[kernels.decide.MAX_LEVELS]:
             return False
         view = self._decision_view(view)
-        tree, levels = view.tree, int(view.draft_levels)
+        tree = view.tree
         experts, cached = validated(tree, view.experts, view.cached, view.cost, levels)
         price = self._price_once(view)
         previous = self._previous if self._levels == levels else self._best
-        start = np.zeros(0, dtype=np.int64) if previous is None else previous.nodes
+        start, prev_tokens, prev_s = ((_NO_NODES, 0.0, 0.0) if previous is None else
+                                      (previous.nodes, previous.expected_tokens, previous.time_s))
         status, go_on, nodes, tokens, time_s, hits, misses = kernels.decide.decide_level(
             np.array(tree.parents), np.array(tree.path_probs), experts, packed(cached), cached.shape[1],
-            view.cost.params, levels, *self.state, start,
-            0.0 if previous is None else previous.expected_tokens, 0.0 if previous is None else previous.time_s)
+            self._params, levels, *self.state, start, prev_tokens, prev_s)
         best = kernel_selection(status, tree, experts, cached, levels, price, nodes, tokens, time_s, hits, misses)
         self._previous, self._best, self._levels = previous, best, levels
         return bool(go_on)

@@ -66,6 +66,21 @@ class DraftTree:
                 value.setflags(write=False)
             object.__setattr__(self, name, value)
 
+    @classmethod
+    def grown(cls, parents: np.ndarray, path_probs: np.ndarray, tokens: np.ndarray, depth: np.ndarray) -> "DraftTree":
+        """The tree of arrays a drafter grew level by level (:class:`specfit.runtime.drafting.TreeDraft`),
+        which holds this class's invariants by construction: int64 ``parents`` in topological
+        order, float64 ``path_probs`` in [0, 1] never above the parent's (checked finite when each
+        level is added), int64 ``tokens`` and ``depth``. They are taken as read-only views, without
+        the checks and copies of the constructor: the live decoder builds one such tree per
+        drafted level, after a model pass, when every call costs several times its warm price."""
+        tree = object.__new__(cls)
+        for name, value in (("parents", parents), ("path_probs", path_probs), ("tokens", tokens), ("depth", depth)):
+            value = value.view()
+            value.setflags(write=False)
+            object.__setattr__(tree, name, value)
+        return tree
+
     # ----------------------------------------------------------------- structure
     @property
     def n_nodes(self) -> int:
@@ -142,14 +157,14 @@ class DraftTree:
         return self.subtree(np.flatnonzero(self.depth <= max_depth))
 
     # ----------------------------------------------------------- verification
-    def attention_mask(self, nodes=None) -> np.ndarray:
-        """[m, m] bool tree mask over ``nodes`` (default: all): row i may attend to column j when
-        node j is node i or one of its ancestors."""
-        m = self.ancestors_mask()
-        if nodes is None:
-            return m
-        nodes = np.asarray(nodes, dtype=np.int64)
-        return m[np.ix_(nodes, nodes)]
+    def attention_mask(self, nodes=None, prefix_len: int = 0) -> np.ndarray:
+        """[m, prefix_len + m] bool tree mask over ``nodes`` (default: all; ascending): row i may
+        attend to the ``prefix_len`` committed tokens before the tree, and to column
+        ``prefix_len + j`` when node ``nodes[j]`` is node i or one of its ancestors."""
+        from . import kernels
+
+        nodes = np.arange(self.n_nodes) if nodes is None else np.asarray(nodes, dtype=np.int64)
+        return kernels.tree.tree_mask(self.parents, nodes, int(prefix_len))
 
     def positions(self, prefix_len: int, nodes=None) -> np.ndarray:
         """Absolute positions of ``nodes`` (default: all) when the root sits at ``prefix_len``."""
@@ -172,9 +187,9 @@ class DraftTree:
         if nodes is not None:
             inside[np.asarray(nodes, dtype=np.int64)] = True
         ok, out = np.empty(n, dtype=bool), np.empty(n, dtype=np.int64)
-        size = kernels.tree.accepted_path(np.array(self.parents), np.array(self.depth), np.array(self.tokens),
-                                          verdicts.astype(np.int64), 0, n, inside, ok, out)
-        return out[:size].copy()
+        size = kernels.tree.accepted_path(self.parents, self.depth, self.tokens, verdicts.astype(np.int64), 0, n,
+                                          inside, ok, out)
+        return out[:size]
 
 
 def _raise_invalid(parents: np.ndarray, probs: np.ndarray) -> None:

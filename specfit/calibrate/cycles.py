@@ -114,7 +114,7 @@ def _probe_one_cache(model, offload, rng, capacity, node_counts, repeats, contex
     plan = [n for n in node_counts for _ in range(repeats)]
     for n in rng.permutation(plan):
         tree = random_tree(rng, int(n), vocab)
-        mask = np.concatenate([np.ones((tree.n_nodes, context_len), dtype=bool), tree.attention_mask()], axis=1)
+        mask = tree.attention_mask(prefix_len=context_len)
         start = device_now(device)
         out = model(tree.tokens, tree.positions(context_len), mask)
         seconds = device_now(device) - start

@@ -38,6 +38,8 @@ with the first cycle).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ..costmodel import PARAM_NAMES, CostModel
@@ -105,7 +107,7 @@ class OnlineCostModel:
     @property
     def speed(self) -> float:
         """The tracked speed: measured over fitted time of the recent cycles (1: as fitted)."""
-        return float(np.exp(self._log_speed))
+        return math.exp(self._log_speed)
 
     def observe(self, draft_levels: int, n_nodes: int, hits: int, misses: int, time_s: float,
                 priced: tuple[int, int] | None = None, overhead_s: float = 0.0) -> None:
@@ -115,7 +117,7 @@ class OnlineCostModel:
         ``overhead_s``: the seconds of this model's previous update (:meth:`observe` call) that ran
         inside the observed cycle; they are not fitted, and they teach the model what an update of
         that kind costs."""
-        overhead_s = float(overhead_s) if overhead_s > 0 and np.isfinite(overhead_s) else 0.0
+        overhead_s = float(overhead_s) if overhead_s > 0 and math.isfinite(overhead_s) else 0.0
         if self._last_kind is not None and overhead_s > 0:
             kind = self._last_kind
             self._update_seen[kind] += 1
@@ -124,13 +126,13 @@ class OnlineCostModel:
             self._update_mean[kind] += rate * (overhead_s - self._update_mean[kind])
         self._last_kind = None
         work_s = time_s - overhead_s
-        if not (work_s > 0 and np.isfinite(work_s)):
+        if not (work_s > 0 and math.isfinite(work_s)):
             return                                   # nothing to learn from (an empty or broken clock)
         if priced is not None and self._speed_rate > 0:
             # against the fit that predicted the cycle (a refit below only changes the next ones)
             fitted_s = self.fitted.time_s(draft_levels, n_nodes, *priced)
             if fitted_s > 0:
-                self._log_speed += self._speed_rate * (np.log(work_s / fitted_s) - self._log_speed)
+                self._log_speed += self._speed_rate * (math.log(work_s / fitted_s) - self._log_speed)
         slot = self.n_seen % self.window
         self._features[slot] = (draft_levels, 1.0, n_nodes, hits, misses)
         self._times[slot] = work_s

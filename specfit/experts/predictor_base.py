@@ -71,6 +71,9 @@ class ExpertPredictor(ABC):
 
     name = "predictor"
     needs_truth = False
+    # whether :meth:`update` can still change what it predicts (a driver skips gathering what it
+    # would hand an update otherwise)
+    learning = True
 
     def fit(self, trace, cycles=None) -> "ExpertPredictor":
         return self

@@ -166,7 +166,10 @@ def slots_right(predicted: np.ndarray, true: np.ndarray) -> int:
     """How many predicted ``[nodes, layers, k]`` (layer, expert) slots name an expert the node
     really routes to at that layer: the numerator of the slot precision that prices prediction
     uncertainty (:func:`specfit.search.uncertainty_price_s`), live and in the simulator."""
-    return int((predicted[..., :, None] == true[..., None, :]).any(axis=-1).sum())
+    from .. import kernels
+
+    return int(kernels.bitsets.slots_right(np.ascontiguousarray(predicted, dtype=np.int64),
+                                           np.ascontiguousarray(true, dtype=np.int64)))
 
 
 def union_quality(predicted: np.ndarray, true: np.ndarray, n_experts: int) -> tuple[int, int, int]:

@@ -32,12 +32,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import kernels
 from .predictor_base import ExpertPredictor, NodeBatch
 
 __all__ = ["RouterPredictor", "CONTEXT_WEIGHTS"]
 
 # the per-layer context weights the online choice compares (with the configured one)
 CONTEXT_WEIGHTS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+
+_NO_ROWS = np.zeros((0, 0), dtype=np.float32)      # no context: no context logits
+_NO_SCALE = np.zeros(0)
 
 
 class RouterPredictor(ExpertPredictor):
@@ -63,7 +67,7 @@ class RouterPredictor(ExpertPredictor):
         self.context_weight = float(context_weight)
         self.adapt, self.min_nodes = bool(adapt), int(min_nodes)
         self.batch_nodes, self.max_nodes = max(int(batch_nodes), 1), int(max_nodes)
-        self._batch: list[tuple[np.ndarray, torch.Tensor, np.ndarray]] = []     # verified nodes not yet counted
+        self._batch: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []     # verified nodes not yet counted
         if model is not None:
             embed = model.embed_tokens.weight
             # each layer's RMSNorm weight folded into its router: logits = rms(x) @ (gate * norm).T
@@ -76,27 +80,32 @@ class RouterPredictor(ExpertPredictor):
         # every layer's router as the columns of one matrix [H, L * E]: one GEMM per call
         n_layers, n_experts, hidden = router_weight.shape
         self._columns = router_weight.reshape(n_layers * n_experts, hidden).t().contiguous()
+        # on the host the same weights as float32 numpy arrays (views where they are float32 already)
+        self._host_weights = None
+        if embed.device.type == "cpu":
+            self._host_weights = (embed.detach().float().numpy(), self._columns.detach().float().numpy())
         self._layers_experts = (n_layers, n_experts)
         # the online choice: candidates (the configured weight among them), right slots per
         # (candidate, layer) so far, nodes seen, and the weight each layer uses now
         candidates = sorted(set(CONTEXT_WEIGHTS) | {self.context_weight})
-        self._candidates = torch.tensor(candidates, dtype=torch.float32, device=embed.device)
+        self._candidates = np.array(candidates, dtype=np.float64)
         self._configured = candidates.index(self.context_weight)
-        self._right = np.zeros((len(candidates), n_layers))
+        self._right = np.zeros((len(candidates), n_layers), dtype=np.int64)
         self._nodes_seen = 0
-        self._weights = self._candidates[np.full(n_layers, self._configured)].view(1, n_layers, 1)
+        self._layer_weight = np.full(n_layers, self.context_weight)
 
     def get_params(self) -> dict:
         return {"context_weight": self.context_weight, "adapt": self.adapt, "min_nodes": self.min_nodes,
                 "batch_nodes": self.batch_nodes, "max_nodes": self.max_nodes}
 
-    @torch.inference_mode()
     def predict(self, batch: NodeBatch) -> np.ndarray:
         """int64 [n, L, top_k] experts of the batch's nodes from their tokens and, when given, the
         drafter's context."""
-        token_logits, context_logits = self._logits(batch.tokens, batch.context)
-        logits = token_logits if context_logits is None else token_logits + self._weights * context_logits
-        return logits.topk(self.top_k, dim=-1).indices.cpu().numpy()             # int64 [n, L, k]
+        tokens = np.ascontiguousarray(batch.tokens, dtype=np.int64).reshape(-1)
+        if self._host_weights is not None:
+            return kernels.router.predict_host(*self._host_weights, tokens, _host(batch.context), self._layer_weight,
+                                               self.top_k)
+        return kernels.router.top_k_experts(*self._device_logits(tokens, batch.context), self._layer_weight, self.top_k)
 
     @property
     def layers_experts(self) -> tuple[int, int]:
@@ -106,7 +115,7 @@ class RouterPredictor(ExpertPredictor):
     @property
     def layer_weights(self) -> np.ndarray:
         """float [L]: the context weight each layer uses now."""
-        return self._weights.view(-1).double().cpu().numpy()
+        return self._layer_weight.copy()
 
     @property
     def learning(self) -> bool:
@@ -118,48 +127,48 @@ class RouterPredictor(ExpertPredictor):
         each candidate weight would have predicted and move each layer to its best candidate."""
         if not self.learning or context is None:
             return
-        context = torch.as_tensor(context)
-        valid = ~np.isnan(context[:, 0].cpu().numpy())          # a node without a context is a row of NaN
+        context = _host(context)
+        valid = ~np.isnan(context[:, 0])                         # a node without a context is a row of NaN
         if not valid.any():
             return
-        self._batch.append((np.asarray(tokens)[valid], context[torch.from_numpy(valid)], np.asarray(experts)[valid]))
+        self._batch.append((np.asarray(tokens)[valid], context[valid], np.asarray(experts)[valid]))
         if sum(t.size for t, _, _ in self._batch) >= self.batch_nodes:
-            tokens, context, experts = (np.concatenate([b[0] for b in self._batch]), torch.cat([b[1] for b in self._batch]),
-                                        np.concatenate([b[2] for b in self._batch]))
+            tokens, context, experts = (np.concatenate([b[i] for b in self._batch]) for i in range(3))
             self._batch.clear()
             self._count(tokens, context, experts)
 
-    @torch.inference_mode()
-    def _count(self, tokens: np.ndarray, context: torch.Tensor, experts: np.ndarray) -> None:
-        token_logits, context_logits = self._logits(tokens, context)
-        chosen = (token_logits + self._candidates.view(-1, 1, 1, 1) * context_logits).topk(self.top_k, dim=-1).indices     # [C, m, L, k]
-        true = torch.as_tensor(experts, dtype=torch.long, device=chosen.device)
-        n_experts = token_logits.shape[-1]
-        # [m, L, E] whether each node routed to each expert (an unknown slot, -1, to a spare column)
-        routed = torch.zeros((*token_logits.shape[:-1], n_experts + 1), dtype=torch.bool, device=chosen.device)
-        routed.scatter_(-1, torch.where(true >= 0, true, n_experts), True)
-        routed = routed[..., :n_experts]
-        right = routed.expand(chosen.shape[0], *routed.shape).gather(-1, chosen).sum(dim=(1, 3))  # [C, L]
-        self._right += right.cpu().numpy()
+    def _count(self, tokens: np.ndarray, context: np.ndarray, experts: np.ndarray) -> None:
+        true = np.ascontiguousarray(experts, dtype=np.int64)
+        if self._host_weights is not None:
+            kernels.router.count_host(*self._host_weights, tokens, context, self._candidates, true, self._right)
+        else:
+            kernels.router.count_right(*self._device_logits(tokens, context), self._candidates, true, self._right)
         self._nodes_seen += int(tokens.size)
         if self._nodes_seen >= self.min_nodes:
             # the best candidate per layer; the configured weight wins ties
-            score = self._right.copy()
+            score = self._right.astype(np.float64)
             score[self._configured] += 0.5
-            self._weights = self._candidates[score.argmax(axis=0)].view(1, -1, 1)
+            self._layer_weight = self._candidates[score.argmax(axis=0)]
 
-    def _logits(self, tokens, context):
-        """The routers' logits [n, L, E] of the nodes' embeddings, and of their contexts scaled to
-        each embedding's norm (None without a context): the logits at weight w are
-        ``token + w * context``. The layers route rms(x) = x / sqrt(mean(x^2) + eps) with the norm
-        weights folded into the routers: one positive factor per row, which moves no logit past
-        another, and softmax is monotone, so these logits have the router's top-k."""
-        tokens = torch.as_tensor(np.asarray(tokens, dtype=np.int64), device=self.embed.device).reshape(-1)
-        x = self.embed[tokens].float()
-        shape = (x.shape[0], *self._layers_experts)
-        token_logits = (x @ self._columns).view(shape)
+    @torch.inference_mode()
+    def _device_logits(self, tokens: np.ndarray, context) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """With the weights on a device: the routers' logits of the nodes' embeddings and of their
+        contexts (float32 [n, L * E] each, brought to the host; the context's with no rows without
+        a context), and each row's scale ``|embedding| / |context|``, from one GEMM there
+        (:func:`specfit.kernels.router.host_logits` is the same on the host)."""
+        x = self.embed.index_select(0, torch.from_numpy(tokens).to(self.embed.device)).float()
         if context is None:
-            return token_logits, None
-        c = context.to(device=x.device, dtype=torch.float32)
-        scale = x.norm(dim=-1, keepdim=True).div_(c.norm(dim=-1, keepdim=True).clamp_min_(1e-12))
-        return token_logits, ((scale * c) @ self._columns).view(shape)
+            return (x @ self._columns).cpu().numpy(), _NO_ROWS, _NO_SCALE
+        n = x.shape[0]
+        both = torch.cat((x, torch.as_tensor(context).to(device=x.device, dtype=torch.float32)))
+        logits = (both @ self._columns).cpu().numpy()
+        host = both.cpu().numpy()
+        return logits[:n], logits[n:], kernels.router.row_scales(host[:n], host[n:])
+
+def _host(context) -> np.ndarray:
+    """A context (a tensor, on any device, or an array; None: no rows) as float32 [n, H] on the host."""
+    if context is None:
+        return _NO_ROWS
+    if isinstance(context, torch.Tensor):
+        context = context.detach().float().cpu().numpy()
+    return np.ascontiguousarray(context, dtype=np.float32)

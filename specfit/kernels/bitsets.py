@@ -12,7 +12,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 __all__ = ["n_words", "popcount", "lowest_bit", "pack_rows", "pack_mask", "pack_ids", "union_rows",
-           "count_union", "unpack"]
+           "count_union", "unpack", "slots_right"]
 
 ONE = np.uint64(1)
 ZERO = np.uint64(0)
@@ -144,6 +144,21 @@ def count_missing(experts, row, cached):
             if not word & bit:
                 missing += 1
     return missing
+
+
+@njit(cache=True)
+def slots_right(predicted, true):
+    """How many of the predicted ``[n, L, k]`` slots name an expert that the same node routes to
+    at that layer in ``true`` ``[n, L, k_true]``."""
+    right = 0
+    for i in range(predicted.shape[0]):
+        for layer in range(predicted.shape[1]):
+            for s in range(predicted.shape[2]):
+                for t in range(true.shape[2]):
+                    if predicted[i, layer, s] == true[i, layer, t]:
+                        right += 1
+                        break
+    return right
 
 
 def pack_mask(mask: np.ndarray) -> np.ndarray:

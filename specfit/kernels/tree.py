@@ -1,13 +1,13 @@
 """Draft trees compiled: validation, depths and probability clipping in one pass (the checks
 :class:`specfit.tree.DraftTree` makes, which words the error when this reports one), and greedy
-acceptance (the accepted path)."""
+acceptance (the accepted path), and the tree attention mask of a verification pass."""
 
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-__all__ = ["check_tree", "accepted_path"]
+__all__ = ["check_tree", "accepted_path", "tree_mask"]
 
 
 @njit(cache=True)
@@ -54,3 +54,23 @@ def accepted_path(parents, depth, tokens, verdicts, base, n, inside, ok, out):
         out[i] = v
         v = parents[base + v]
     return size
+
+
+@njit(cache=True)
+def tree_mask(parents, nodes, prefix):
+    """bool [m, prefix + m] for the ``m`` ``nodes`` (ascending, ancestor-closed) of a tree given
+    by ``parents``: row i sees the ``prefix`` committed columns and, among the nodes, itself and
+    its ancestors (column ``prefix + j`` for ``nodes[j]``)."""
+    m = nodes.size
+    column = np.full(parents.size, -1, dtype=np.int64)
+    for j in range(m):
+        column[nodes[j]] = j
+    mask = np.zeros((m, prefix + m), dtype=np.bool_)
+    for i in range(m):
+        mask[i, :prefix] = True
+        v = nodes[i]
+        while v >= 0:
+            if column[v] >= 0:
+                mask[i, prefix + column[v]] = True
+            v = parents[v]
+    return mask

@@ -36,6 +36,7 @@ class Draft:
     prefetch_copy_s: float = 0.0    # their copy time (beside the drafter)
     prefetch_wait_s: float = 0.0    # the part of it the verification pass had to wait for
     last_known: np.ndarray | None = None   # [L, k] the routing the predictions saw as most recent
+    last_known_rows: np.ndarray | None = None   # [max nodes, L, k] it, broadcast (a read-only view)
     cached: np.ndarray | None = None       # [L, E] the residency the policy's last decision saw
     contexts: list = field(default_factory=list)   # per level: the drafter context rows of its nodes (root: NaN)
 

@@ -44,6 +44,10 @@ from .offload import OffloadCounters
 __all__ = ["Decoder", "device_now", "charged_misses", "DecodeResult", "Draft", "Verification", "Commit", "CycleStats"]
 
 
+# the arrays of a tree that is its root alone (read-only, shared)
+_ROOT_PARENTS, _ROOT_PROBS, _ROOT_DEPTH = np.array([-1]), np.array([1.0]), np.array([0])
+
+
 class Decoder:
     """Decoding of ``model``, speculative when it has a ``proposer``.
 
@@ -106,6 +110,7 @@ class Decoder:
         self.calibrator, self.recorder, self.commit_root_only = calibrator, recorder, bool(commit_root_only)
         self.pause_gc = bool(pause_gc)
         self.top_k = None if proposer is None else (policy.draft_top_k or proposer.top_k)
+        self._max_nodes = 1 if proposer is None else tree_capacity(self.top_k, policy.max_levels)   # per tree
         # the drafter's states estimate the target's only when they live in the same space
         self.drafter_context = (proposer is not None and proposer.context_in_target_space
                                 and proposer.drafter.config.hidden_size == model.config.hidden_size)
@@ -215,7 +220,7 @@ class Decoder:
     def draft(self, root_token: int, max_levels: int = 0) -> Draft:
         """Draft level by level while the policy asks for more (at most ``max_levels``), then let
         it select the nodes to verify."""
-        draft = Draft(tree=DraftTree(parents=np.array([-1]), path_probs=np.array([1.0]), tokens=np.array([root_token])),
+        draft = Draft(tree=DraftTree.grown(_ROOT_PARENTS, _ROOT_PROBS, np.array([root_token]), _ROOT_DEPTH),
                       experts=np.zeros((1, 0, 0), dtype=np.int64), edge_logprob=np.zeros(1),
                       nodes=np.zeros(1, dtype=np.int64), selection=None,
                       cached=self.model.offload.cache.resident(read_only=True), cost=self.cost)
@@ -253,8 +258,7 @@ class Decoder:
         slots after the committed tokens in node order; ``keep`` (float [L, E]) orders the expert
         cache's evictions during the pass (the policy's cache advisor)."""
         nodes = np.asarray(nodes, dtype=np.int64)
-        prefix_mask = np.ones((nodes.size, self.cache_len), dtype=bool)
-        mask = np.concatenate([prefix_mask, tree.attention_mask(nodes)], axis=1)
+        mask = tree.attention_mask(nodes, prefix_len=self.cache_len)
         start = device_now(self.model.device)
         self.model.offload.keep = keep
         try:
@@ -315,11 +319,10 @@ class Decoder:
                                         draft_levels=draft.draft_levels, decision_time_s=decision_time_s,
                                         **levers.miss_report(draft, verification)))
         levers.observe_union(self, verification)
-        if self.predictor is not None:
+        if self.predictor is not None and self.predictor.learning:
             nodes = verification.nodes
-            last = None if draft.last_known is None else np.broadcast_to(draft.last_known,
-                                                                          (nodes.size,) + draft.last_known.shape)
-            context = torch.cat(draft.contexts)[torch.from_numpy(nodes)] if draft.contexts else None
+            last = None if draft.last_known is None else draft.last_known_rows[:nodes.size]
+            context = np.concatenate(draft.contexts)[nodes] if draft.contexts else None
             self.predictor.update(stats.draft.tree.tokens[nodes], verification.expert_ids,
                                   self.model.config.n_experts, last_known=last, context=context)
 
@@ -340,12 +343,17 @@ class Decoder:
 
     def _predict(self, draft: Draft, tokens: np.ndarray, context) -> np.ndarray:
         start = time.perf_counter()
-        draft.last_known = self._last_known
+        n = len(tokens)
+        if draft.last_known is None:          # once per cycle: the routing every node's prediction sees
+            draft.last_known = self._last_known
+            draft.last_known_rows = np.broadcast_to(self._last_known, (self._max_nodes,) + self._last_known.shape)
+        if context is not None and context.device.type == "cpu":
+            context = context.numpy()         # a view: predictors read host contexts as arrays
         if self.drafter_context:      # kept for the predictor's update (a probe of the drafter's state)
-            draft.contexts.append(context.detach().float().cpu() if context is not None
-                                  else torch.full((len(tokens), self.model.config.hidden_size), float("nan")))
-        last = np.broadcast_to(self._last_known, (len(tokens),) + self._last_known.shape)
-        experts = self.predictor.predict(NodeBatch(tokens=np.asarray(tokens), last_known=last, context=context))
+            draft.contexts.append(np.full((n, self.model.config.hidden_size), np.nan, dtype=np.float32)
+                                  if context is None else context if isinstance(context, np.ndarray)
+                                  else context.float().cpu().numpy())
+        experts = self.predictor.predict(NodeBatch(tokens=tokens, last_known=draft.last_known_rows[:n], context=context))
         draft.predict_time_s += time.perf_counter() - start
         return np.asarray(experts, dtype=np.int64)
 

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..errors import SpecFitError
 from ..tree import DraftTree
 
 __all__ = ["DraftOutput", "DrafterSession", "TreeDraft", "Level", "Proposer", "tree_capacity"]
@@ -151,7 +152,7 @@ class TreeDraft:
     def tree(self) -> DraftTree:
         """Every node drafted so far, in drafting order (each level extends the previous tree)."""
         n = self.n_nodes
-        return DraftTree(parents=self.parents[:n], path_probs=self.path_prob[:n], tokens=self.tokens[:n])
+        return DraftTree.grown(self.parents[:n], self.path_prob[:n], self.tokens[:n], self.depth[:n])
 
     @property
     def edge_logprob(self) -> np.ndarray:
@@ -218,6 +219,9 @@ class TreeDraft:
             self.edge_product[new] = self.edge_product[parents] * self._acceptance.predict_edge(q, top)
             self.path_prob[new] = np.minimum(self.path_prob[parents],
                                              self._acceptance.path_from_product(self.edge_product[new], self.depth[new]))
+        if np.isnan(self.path_prob[new]).any():
+            raise SpecFitError(f"drafter: NaN probabilities at draft level {self.levels + 1} (its logits hold NaN); "
+                               "expected finite logits")
         self.n_nodes += m
         order = np.lexsort((new, -self.cum_logprob[new]))
         self.frontier = np.sort(new[order[: self.top_k]])

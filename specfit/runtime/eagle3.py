@@ -308,7 +308,7 @@ class Eagle3Drafter(nn.Module):
         """Keep the new entries ``keep`` (ascending indices into the last call's T entries) at
         slots ``cache_len .. cache_len + len(keep) - 1``."""
         keep = torch.as_tensor(keep, dtype=torch.long, device=self.device).reshape(-1)
-        self.midlayer.self_attn.kv_cache.compact(cache_len, keep)
+        self.midlayer.self_attn.kv_cache.compact(cache_len, keep + cache_len)
 
     # ------------------------------------------------------------------ target checks
     def check_target(self, vocab_size: int, hidden_size: int, source: str = "target") -> None:

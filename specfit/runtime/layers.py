@@ -25,13 +25,21 @@ class RMSNorm(nn.Module):
 
 
 class KVCache(nn.Module):
-    """Keys and values of one layer, [n_kv_heads, max_seq_len, head_dim], indexed by slot."""
+    """Keys and values of one layer, [n_kv_heads, max_seq_len, head_dim], indexed by slot.
 
-    def __init__(self, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype, device):
+    ``storage`` [2, n_kv_heads, max_seq_len, head_dim] holds them when given (a model keeps every
+    layer's in one tensor, so that compacting the accepted path is one copy for all layers)."""
+
+    def __init__(self, n_kv_heads: int, max_seq_len: int, head_dim: int, dtype: torch.dtype, device,
+                 storage: torch.Tensor | None = None):
         super().__init__()
         shape = (n_kv_heads, max_seq_len, head_dim)
-        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        if storage is None:
+            storage = torch.zeros((2, *shape), dtype=dtype, device=device)
+        elif tuple(storage.shape) != (2, *shape):
+            raise ValueError(f"storage: expected shape {(2, *shape)}, got {tuple(storage.shape)}")
+        self.register_buffer("k", storage[0], persistent=False)
+        self.register_buffer("v", storage[1], persistent=False)
 
     def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store [n_kv, T, hd] at slots start..start+T-1; return all keys/values up to there."""
@@ -40,10 +48,11 @@ class KVCache(nn.Module):
         self.v[:, start:end] = v
         return self.k[:, :end], self.v[:, :end]
 
-    def compact(self, start: int, keep: torch.Tensor) -> None:
-        # index_select copies first, so overlapping source and destination slots are safe
-        self.k[:, start:start + keep.numel()] = self.k[:, start:].index_select(1, keep)
-        self.v[:, start:start + keep.numel()] = self.v[:, start:].index_select(1, keep)
+    def compact(self, start: int, slots: torch.Tensor) -> None:
+        """Copy the entries at ``slots`` (absolute, ascending, none below ``start``) to slots
+        ``start ..``; index_select copies first, so overlapping slots are safe."""
+        self.k[:, start:start + slots.numel()] = self.k.index_select(1, slots)
+        self.v[:, start:start + slots.numel()] = self.v.index_select(1, slots)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

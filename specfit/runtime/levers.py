@@ -8,7 +8,9 @@ import time
 
 import numpy as np
 
+from .. import kernels
 from ..policy_base import CycleView
+from ..search import packed
 
 __all__ = ["prefetch_level", "finish_prefetch", "miss_report", "cache_keep", "observe_union"]
 
@@ -44,10 +46,9 @@ def miss_report(draft, verification) -> dict:
     if sel is None or draft.cached is None or draft.experts.shape[1:] != verification.expert_ids.shape[1:]:
         return {}
 
-    from .. import kernels
-
     # the root's misses against the residency the policy saw, counted as the replay counts them
-    cached = kernels.bitsets.pack_mask(draft.cached)
+    # (the policy's searches packed that read-only residency already)
+    cached = packed(draft.cached)
     return {"misses": verification.offload.total_misses, "predicted_misses": sel.misses,
             "root_misses": int(kernels.bitsets.count_missing(verification.expert_ids, 0, cached)),
             "root_predicted_misses": int(kernels.bitsets.count_missing(draft.experts, 0, cached))}

@@ -230,6 +230,7 @@ class MoETransformer(nn.Module):
             raise ValueError(f"capture_layers: expected layers in [0, {config.n_layers}], got {bad}")
         self.offload: ExpertOffload | None = None
         self.max_seq_len = 0
+        self._kv_storage: torch.Tensor | None = None     # every layer's K/V in one tensor (setup_kv_cache)
 
     # ------------------------------------------------------------------ setup
     def init_rope(self) -> None:
@@ -253,8 +254,20 @@ class MoETransformer(nn.Module):
         if max_seq_len > self.config.max_position_embeddings:
             raise ValueError(f"max_seq_len: {max_seq_len} exceeds the model's max_position_embeddings "
                              f"({self.config.max_position_embeddings})")
-        for layer in self.layers:
-            layer.self_attn.kv_cache = layer.self_attn.make_kv_cache(max_seq_len, self.dtype, self.device)
+        attention = [layer.self_attn for layer in self.layers]
+        self._kv_storage = None
+        shapes = {(a.n_kv_heads, a.head_dim) for a in attention if type(a) is Attention}
+        if len(shapes) == 1 and all(type(a) is Attention for a in attention):
+            # every layer's keys and values in one tensor [layers, 2, kv heads, slots, head dim]:
+            # compact_kv moves the accepted path of all layers in one copy
+            (n_kv_heads, head_dim), = shapes
+            self._kv_storage = torch.zeros((len(attention), 2, n_kv_heads, max_seq_len, head_dim), dtype=self.dtype,
+                                           device=self.device)
+            for a, storage in zip(attention, self._kv_storage):
+                a.kv_cache = KVCache(n_kv_heads, max_seq_len, head_dim, self.dtype, self.device, storage=storage)
+        else:
+            for a in attention:
+                a.kv_cache = a.make_kv_cache(max_seq_len, self.dtype, self.device)
         self.max_seq_len = int(max_seq_len)
 
     @property
@@ -370,9 +383,22 @@ class MoETransformer(nn.Module):
         """Keep the new tokens ``keep`` (indices into the last pass's T tokens, ascending) at
         slots ``cache_len .. cache_len + len(keep) - 1``; later slots become free."""
         keep = self._host_or_device(keep, np.int64)
-        ascending = np.diff(keep) > 0 if isinstance(keep, np.ndarray) else (keep[1:] > keep[:-1]).cpu().numpy()
-        if not ascending.all():
-            raise ValueError("keep: expected ascending indices of the new tokens")
-        (keep,) = self._upload(keep)
+        if isinstance(keep, np.ndarray):
+            if keep.size > 1 and not (keep[1:] > keep[:-1]).all():
+                raise ValueError("keep: expected ascending indices of the new tokens")
+            # ascending from 0: once an entry is not in its own slot, none after it is; the ones
+            # before it stay where they are
+            first = int(np.count_nonzero(keep == np.arange(keep.size)))
+            if first == keep.size:
+                return
+            start, slots = cache_len + first, upload(keep[first:] + cache_len, self.device)
+        else:
+            if not bool((keep[1:] > keep[:-1]).all()):
+                raise ValueError("keep: expected ascending indices of the new tokens")
+            start, slots = cache_len, keep + cache_len
+        if self._kv_storage is not None:
+            storage = self._kv_storage
+            storage[:, :, :, start:start + slots.numel()] = storage.index_select(3, slots)
+            return
         for layer in self.layers:
-            layer.self_attn.kv_cache.compact(cache_len, keep)
+            layer.self_attn.kv_cache.compact(start, slots)

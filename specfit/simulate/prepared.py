@@ -232,7 +232,7 @@ def _slots_right(predicted: np.ndarray, true: np.ndarray, draft: np.ndarray) -> 
     if predicted is true:
         return total, total
     right = 0
-    for lo in range(0, rows.size, 65536):   # slots_right compares k x k per slot: keep the temporary small
+    for lo in range(0, rows.size, 65536):   # in chunks: keep the int64 copies slots_right takes small
         chunk = rows[lo:lo + 65536]
         right += slots_right(predicted[chunk], true[chunk])
     return int(total), int(right)

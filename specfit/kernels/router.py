@@ -1,0 +1,124 @@
+"""The router predictor's selection compiled: each layer's top-k experts of a node's estimated
+residual, and the online count of which context weight would have predicted the verified nodes.
+
+The routers' logits come in two parts per node, both ``[n, L * E]`` (layer-major columns): of the
+token's embedding ``x`` and of the drafter's context ``c`` unscaled. The logits at context weight
+``w`` are ``token + w * (|x| / |c|) * context`` (the context rescaled to the embedding's norm;
+the scale is one factor per row, so it is applied here rather than to ``c`` before the GEMM).
+Ties between experts go to the lower id, as the order of a stable sort would have them.
+
+With the weights on the host, :func:`predict_host` and :func:`count_host` take the embedding
+table and the routers' columns and do the whole step in one call (gather, GEMM, scale, top-k).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+__all__ = ["row_scales", "top_k_experts", "count_right", "host_logits", "predict_host", "count_host"]
+
+
+@njit(cache=True)
+def row_scales(x, c):
+    """float64 [n]: ``|x[i]| / max(|c[i]|, 1e-12)`` (the context's rescaling to the embedding)."""
+    n = x.shape[0]
+    out = np.empty(n)
+    for i in range(n):
+        xs = 0.0
+        cs = 0.0
+        for j in range(x.shape[1]):
+            xs += np.float64(x[i, j]) * np.float64(x[i, j])
+            cs += np.float64(c[i, j]) * np.float64(c[i, j])
+        out[i] = np.sqrt(xs) / max(np.sqrt(cs), 1e-12)
+    return out
+
+
+@njit(cache=True)
+def _select(row, k, out):
+    """The ``k`` largest entries of ``row`` (ids, descending; ties: the lower id) into ``out``."""
+    e = row.size
+    for s in range(k):
+        best = -1
+        for x in range(e):
+            taken = False
+            for t in range(s):
+                if out[t] == x:
+                    taken = True
+                    break
+            if not taken and (best < 0 or row[x] > row[best]):
+                best = x
+        out[s] = best
+
+
+@njit(cache=True)
+def top_k_experts(token_logits, context_logits, scale, layer_weight, k):
+    """int64 [n, L, k]: per node and layer, the top-``k`` experts of ``token + layer_weight[l] *
+    scale[i] * context`` (``context_logits`` with no rows: the token's logits alone)."""
+    n = token_logits.shape[0]
+    n_layers = layer_weight.size
+    n_experts = token_logits.shape[1] // n_layers
+    with_context = context_logits.shape[0] > 0
+    out = np.empty((n, n_layers, k), dtype=np.int64)
+    row = np.empty(n_experts)
+    for i in range(n):
+        for layer in range(n_layers):
+            base = layer * n_experts
+            w = layer_weight[layer] * scale[i] if with_context else 0.0
+            for x in range(n_experts):
+                row[x] = token_logits[i, base + x]
+                if with_context:
+                    row[x] += w * context_logits[i, base + x]
+            _select(row, k, out[i, layer])
+    return out
+
+
+@njit(cache=True)
+def count_right(token_logits, context_logits, scale, candidates, true, right):
+    """Add to ``right[c, l]`` how many of the nodes' true experts (``true`` int [n, L, k], -1 for an
+    unknown slot) the top-k at context weight ``candidates[c]`` names at layer l."""
+    n, n_layers, k = true.shape
+    n_experts = token_logits.shape[1] // n_layers
+    row = np.empty(n_experts)
+    chosen = np.empty(k, dtype=np.int64)
+    for c in range(candidates.size):
+        for i in range(n):
+            w = candidates[c] * scale[i]
+            for layer in range(n_layers):
+                base = layer * n_experts
+                for x in range(n_experts):
+                    row[x] = token_logits[i, base + x] + w * context_logits[i, base + x]
+                _select(row, k, chosen)
+                for s in range(k):
+                    for t in range(k):
+                        if true[i, layer, t] == chosen[s]:
+                            right[c, layer] += 1
+                            break
+
+
+@njit(cache=True)
+def host_logits(embed, columns, tokens, context):
+    """(token logits, context logits, row scales) from host weights: ``embed`` float32 [V, H],
+    ``columns`` float32 [H, L * E] (every layer's router, norm folded in), the nodes' ``tokens``
+    and their drafter ``context`` float32 [n, H] (no rows: none)."""
+    x = np.empty((tokens.size, embed.shape[1]), dtype=embed.dtype)
+    for i in range(tokens.size):
+        x[i] = embed[tokens[i]]
+    token_logits = np.dot(x, columns)
+    if context.shape[0] == 0:
+        return token_logits, np.empty((0, 0), dtype=columns.dtype), np.empty(0)
+    return token_logits, np.dot(context, columns), row_scales(x, context)
+
+
+@njit(cache=True)
+def predict_host(embed, columns, tokens, context, layer_weight, k):
+    """:func:`top_k_experts` of :func:`host_logits`: the router predictor's whole step."""
+    token_logits, context_logits, scale = host_logits(embed, columns, tokens, context)
+    return top_k_experts(token_logits, context_logits, scale, layer_weight, k)
+
+
+@njit(cache=True)
+def count_host(embed, columns, tokens, context, candidates, true, right):
+    """:func:`count_right` of :func:`host_logits`."""
+    token_logits, context_logits, scale = host_logits(embed, columns, tokens, context)
+    count_right(token_logits, context_logits, scale, candidates, true, right)
