@@ -56,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specfit.assets import demo_prompts_path, tiny_moe_dir, tiny_moe_eagle3_dir  # noqa: E402
 from specfit.errors import SpecFitError  # noqa: E402
 from specfit.runtime.decode_job import DecodePlan, run_decode  # noqa: E402
+from specfit.threads import set_cpu_threads  # noqa: E402
 
 
 def cycle_breakdown(cycles: list[dict], policy: str) -> dict:
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--busy", type=int, default=0, help="CPU-bound processes to run beside the benchmark")
     parser.add_argument("--out", type=Path, default=None, help="keep the measured run's files (cycles.parquet, ...) here")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    set_cpu_threads(args.threads)
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
         run_benchmark(args)

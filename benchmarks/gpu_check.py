@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             result = decoder.generate(prompt, args.new_tokens, ignore_eos=True)
             records.append({"policy": policy.name, "index": index, **result.to_dict()})
             cycles.extend({"policy": policy.name, "sequence": index, "cycle": c,
-                           **live_row(s, profile.cost, model.offload.host.expert_bytes, config.n_experts)}
+                           **live_row(s, profile.cost, model.offload.host.expert_bytes)}
                           for c, s in enumerate(result.cycles))
     summaries = [summarise_policy(p, records, cycles) for p in POLICIES]
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .costmodel import CostModel, expert_union
+from .costmodel import CostModel
 
 if TYPE_CHECKING:       # pandas is imported where a frame is built: the CLI starts without it
     import pandas as pd
@@ -117,9 +117,9 @@ def prediction_errors(predicted, actual) -> dict:
 
 
 # --------------------------------------------------------------------------- rows
-def live_row(stats, cost: CostModel | None, expert_bytes: int, n_experts: int) -> dict:
+def live_row(stats, cost: CostModel | None, expert_bytes: int) -> dict:
     """The schema's row of one live cycle (a :class:`~specfit.runtime.decoder.CycleStats`) of a
-    model whose experts are ``expert_bytes`` each, ``n_experts`` per layer; ``cost`` is the
+    model whose experts are ``expert_bytes`` each; ``cost`` is the
     profile the run started from (the prior of an online refit)."""
     draft, verification, offload = stats.draft, stats.verification, stats.verification.offload
     sel = draft.selection
@@ -128,13 +128,13 @@ def live_row(stats, cost: CostModel | None, expert_bytes: int, n_experts: int) -
     true_union = np.asarray(offload.hits) + np.asarray(offload.misses)
     predicted_union = predicted_misses = None
     overlap = -1
-    if sel is not None and draft.experts.shape[1:] == verification.expert_ids.shape[1:]:
-        predicted = expert_union(draft.experts, verification.nodes, n_experts)
-        true = expert_union(verification.expert_ids, np.arange(verification.nodes.size), n_experts)
-        predicted_union = np.count_nonzero(predicted, axis=1)
-        overlap = int(np.count_nonzero(predicted & true))
-        if draft.cached is not None:
-            predicted_misses = np.count_nonzero(predicted & ~draft.cached, axis=1)
+    counts = stats.union_counts
+    if counts is not None:
+        from . import kernels
+
+        e = kernels.evaluate
+        predicted_union, predicted_misses = counts[e.PREDICTED_UNION], counts[e.PREDICTED_MISSES]
+        overlap = int(counts[e.OVERLAP].sum())
     charged = stats.charged_misses_per_layer
     prior_time = (cost.time_s(sel.draft_levels, sel.n_nodes, sel.hits, sel.misses) if sel is not None and cost
                   else nan)

@@ -1,5 +1,5 @@
-"""How many CPU threads torch uses, for the commands that run models (torch is imported only when
-the threads are set, so the CLI starts without it)."""
+"""How many CPU threads torch and the BLAS libraries use, for the commands that run models (torch
+is imported only when the threads are set, so the CLI starts without it)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,18 @@ THREADS_HELP = (f"torch CPU threads (default {DEFAULT_CPU_THREADS}: torch's own 
 
 
 def set_cpu_threads(threads: int | None, option: str = "--threads") -> int:
-    """Set torch's intra-op threads (``None``: :data:`DEFAULT_CPU_THREADS`); one clear error for a
-    count below 1."""
+    """Set torch's intra-op threads and the thread pools of numpy's and scipy's BLAS (the compiled
+    router predictor's GEMMs run in scipy's) to ``threads`` (``None``:
+    :data:`DEFAULT_CPU_THREADS`); one clear error for a count below 1. A BLAS pool of one thread
+    per core wakes its threads for every small product of the decoder's per-level bookkeeping,
+    which costs more than the product itself (``benchmarks/RESULTS.md``)."""
     threads = DEFAULT_CPU_THREADS if threads is None else threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise SpecFitError(f"{option}: expected a whole number of threads >= 1, got {threads!r}")
+    import scipy.linalg.cython_blas  # noqa: F401  (loads scipy's BLAS, so that its pool is limited too)
     import torch
+    from threadpoolctl import threadpool_limits
 
     torch.set_num_threads(threads)
+    threadpool_limits(limits=threads, user_api="blas")
     return threads

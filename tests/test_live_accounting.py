@@ -54,7 +54,7 @@ def count_copied_bytes(model, decoder):
 @pytest.mark.parametrize("cache_mode, cache_experts", [("per_layer", 3), ("per_layer", 8), ("global", 12)])
 def test_bytes_charged_from_the_true_experts_equal_the_bytes_copied(cache_mode, cache_experts):
     model, drafter = tiny(cache_experts, cache_mode)
-    expert_bytes, n_experts = model.offload.host.expert_bytes, model.config.n_experts
+    expert_bytes = model.offload.host.expert_bytes
     for spec in ("eagle3:16:4", "specfit"):
         model.offload.reset()
         decoder = Decoder(model, Proposer(drafter, 4), make_policy(spec), COST.replace(expert_bytes=expert_bytes))
@@ -63,7 +63,7 @@ def test_bytes_charged_from_the_true_experts_equal_the_bytes_copied(cache_mode, 
         assert len(moved) == len(result.cycles) and sum(moved) > 0
         streamed = 0
         for stats, copied in zip(result.cycles, moved):
-            row = live_row(stats, COST, expert_bytes, n_experts)
+            row = live_row(stats, COST, expert_bytes)
             assert row["charged_bytes_h2d"] == copied == row["bytes_h2d"]
             streamed += int(stats.offload.streamed.sum())
             if cache_mode == "per_layer":
@@ -80,7 +80,7 @@ def test_per_layer_unions_are_the_verified_nodes_experts():
     decoder = Decoder(model, Proposer(drafter, 4), make_policy("eagle3:16:4"), COST)
     result = decoder.generate(PROMPT, 16, ignore_eos=True)
     for stats in result.cycles:
-        row = live_row(stats, COST, model.offload.host.expert_bytes, model.config.n_experts)
+        row = live_row(stats, COST, model.offload.host.expert_bytes)
         v = stats.verification
         # reference: per layer, the set of experts any verified node routes to
         true = [len({int(e) for i in range(v.nodes.size) for e in v.expert_ids[i, layer]})
@@ -322,7 +322,7 @@ def test_a_decoder_corrects_its_prediction_when_the_machine_slows_down():
         first = decoder.generate(PROMPT, 30, ignore_eos=True)
         delay[0] = 0.05                                   # another process, a clock change ...
         second = decoder.generate(PROMPT, 60, ignore_eos=True)
-        rows = [live_row(s, prior, model.offload.host.expert_bytes, model.config.n_experts)
+        rows = [live_row(s, prior, model.offload.host.expert_bytes)
                 for s in first.cycles + second.cycles]
         results[online] = rows
         for stats in first.cycles + second.cycles:

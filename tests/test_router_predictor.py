@@ -87,3 +87,23 @@ def test_a_fixed_weight_predicts_as_the_router_would():
     assert predictor.layer_weights.tolist() == [2.0] * L               # adapt=False: nothing moves
     got = predictor.predict(NodeBatch(tokens=tokens, last_known=None, context=context))
     assert np.array_equal(np.sort(got, axis=-1), np.sort(routed(embed, router_weight, tokens, context, (2.0,) * L), axis=-1))
+
+
+def test_the_compiled_selection_is_the_top_k_with_ties_to_the_lower_expert():
+    """The router kernel's top-k against a sort written from the definition (descending logit,
+    equal logits in ascending expert order), on rows with many ties."""
+    from specfit.kernels.router import top_k_experts
+
+    rng = np.random.default_rng(7)
+    for trial in range(60):
+        n, layers, experts = int(rng.integers(1, 12)), int(rng.integers(1, 5)), int(rng.integers(4, 130))
+        k = int(rng.integers(1, min(experts, 8) + 1))
+        logits = rng.standard_normal((n, layers * experts)).astype(np.float32)
+        if trial % 2:
+            logits = np.round(logits, 1)               # ties everywhere
+        got = top_k_experts(logits, np.zeros((0, 0), np.float32), np.zeros(0), np.zeros(layers), k)
+        for i in range(n):
+            for layer in range(layers):
+                row = logits[i, layer * experts:(layer + 1) * experts]
+                expected = sorted(range(experts), key=lambda e: (-row[e], e))[:k]
+                assert got[i, layer].tolist() == expected

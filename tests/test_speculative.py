@@ -100,7 +100,7 @@ def test_every_cycle_reports_measured_and_predicted(checkpoints):
     result = decoder.generate(prompts()[2], NEW_TOKENS, ignore_eos=True)
     assert sum(c.committed_tokens for c in result.cycles) == NEW_TOKENS - 1 == sum(result.cycle_tokens)
     for stats in result.cycles:
-        row = live_row(stats, COST, model.offload.host.expert_bytes, model.config.n_experts)
+        row = live_row(stats, COST, model.offload.host.expert_bytes)
         # the cycle ends once the policy, the predictor and the cost model have learnt from it
         assert row["measured_time_s"] == pytest.approx(row["draft_time_s"] + row["verify_time_s"] + row["learn_time_s"])
         assert row["learn_time_s"] > 0 and 0 < row["cpu_time_s"] <= row["measured_time_s"] * 1.05
@@ -220,7 +220,7 @@ def test_levers_keep_greedy_output_and_prefetched_experts_are_the_right_weights(
         cycles = [c for r in results for c in r.cycles]
         assert sum(c.draft.prefetched for c in cycles) > 0, spec
         for stats in cycles:
-            row = live_row(stats, cost, model.offload.host.expert_bytes, model.config.n_experts)
+            row = live_row(stats, cost, model.offload.host.expert_bytes)
             assert row["bytes_h2d"] == (row["misses"] + row["prefetched"]) * model.offload.host.expert_bytes
             assert stats.draft.prefetch_wait_s <= stats.verify_time_s + 1e-9
 

@@ -8,10 +8,11 @@ import numpy as np
 from numba import njit
 
 from ..costmodel import cycle_time_s
-from .bitsets import ONE, ZERO, count_union, union_rows
+from .bitsets import ONE, ZERO, count_union, popcount, union_rows
 
 __all__ = ["OK", "BAD_EXPERT", "cycle_time", "pairwise_sum", "expected_tokens", "experts_in_range", "union_of_ids",
-           "canonical_closed", "evaluate_nodes", "evaluate_ids", "evaluate_bits"]
+           "canonical_closed", "evaluate_nodes", "evaluate_ids", "evaluate_bits", "union_accounting",
+           "TRUE_UNION", "PREDICTED_UNION", "OVERLAP", "PREDICTED_MISSES", "TRUE_MISSES"]
 
 # status codes the Python wrappers turn into the validation errors they already word
 OK, BAD_EXPERT = 0, 1
@@ -187,3 +188,33 @@ def evaluate_bits(probs, bits, cached_bits, nodes, n_nodes, params, draft_levels
     hits, misses = count_union(union, cached_bits)
     time_s = cycle_time(params[0], params[1], params[2], params[3], params[4], draft_levels, n_nodes, hits, misses)
     return expected_tokens(probs, nodes, n_nodes, scratch), time_s, hits, misses
+
+
+# the rows of union_accounting's answer
+TRUE_UNION, PREDICTED_UNION, OVERLAP, PREDICTED_MISSES, TRUE_MISSES = range(5)
+
+
+@njit(cache=True)
+def union_accounting(predicted, nodes, true, cached_bits):
+    """int64 [5, L]: per layer, of a verified cycle, the sizes of the true union (``true`` [m, L, k]:
+    the verified nodes' experts, in the order of ``nodes``), of the predicted one (``predicted``
+    [n, L, k] rows ``nodes``), of their overlap, and the experts of each union not resident in
+    ``cached_bits`` [L, words] (rows :data:`TRUE_UNION` .. :data:`TRUE_MISSES`): what a live
+    cycle's row reports next to what the policy predicted, in one pass."""
+    n_layers, words = cached_bits.shape
+    m = nodes.size
+    rows = np.arange(m)
+    true_bits = np.empty((n_layers, words), dtype=np.uint64)
+    union_of_ids(true, 0, rows, m, true_bits)
+    predicted_bits = np.empty((n_layers, words), dtype=np.uint64)
+    union_of_ids(predicted, 0, nodes, m, predicted_bits)
+    out = np.zeros((5, n_layers), dtype=np.int64)
+    for layer in range(n_layers):
+        for w in range(words):
+            t, p, c = true_bits[layer, w], predicted_bits[layer, w], cached_bits[layer, w]
+            out[TRUE_UNION, layer] += popcount(t)
+            out[PREDICTED_UNION, layer] += popcount(p)
+            out[OVERLAP, layer] += popcount(t & p)
+            out[PREDICTED_MISSES, layer] += popcount(p & ~c)
+            out[TRUE_MISSES, layer] += popcount(t & ~c)
+    return out

@@ -35,20 +35,29 @@ def row_scales(x, c):
 
 
 @njit(cache=True)
-def _select(row, k, out):
-    """The ``k`` largest entries of ``row`` (ids, descending; ties: the lower id) into ``out``."""
+def _select(row, k, out, best):
+    """The ``k`` largest entries of ``row`` (ids, descending; ties: the lower id) into ``out``,
+    by insertion into a sorted list of the best so far (``best``: scratch of ``k`` values), one
+    pass over the row: a row of E experts costs about E comparisons, not k E."""
     e = row.size
     for s in range(k):
-        best = -1
-        for x in range(e):
-            taken = False
-            for t in range(s):
-                if out[t] == x:
-                    taken = True
-                    break
-            if not taken and (best < 0 or row[x] > row[best]):
-                best = x
-        out[s] = best
+        out[s] = s
+        best[s] = row[s]
+    for s in range(1, k):                    # sort the first k (ties: the lower id first)
+        v, x = best[s], out[s]
+        t = s
+        while t > 0 and best[t - 1] < v:
+            best[t], out[t] = best[t - 1], out[t - 1]
+            t -= 1
+        best[t], out[t] = v, x
+    for x in range(k, e):
+        v = row[x]
+        if v > best[k - 1]:                  # strictly: an equal value keeps the lower id
+            t = k - 1
+            while t > 0 and best[t - 1] < v:
+                best[t], out[t] = best[t - 1], out[t - 1]
+                t -= 1
+            best[t], out[t] = v, x
 
 
 @njit(cache=True)
@@ -61,6 +70,7 @@ def top_k_experts(token_logits, context_logits, scale, layer_weight, k):
     with_context = context_logits.shape[0] > 0
     out = np.empty((n, n_layers, k), dtype=np.int64)
     row = np.empty(n_experts)
+    best = np.empty(k)
     for i in range(n):
         for layer in range(n_layers):
             base = layer * n_experts
@@ -69,7 +79,7 @@ def top_k_experts(token_logits, context_logits, scale, layer_weight, k):
                 row[x] = token_logits[i, base + x]
                 if with_context:
                     row[x] += w * context_logits[i, base + x]
-            _select(row, k, out[i, layer])
+            _select(row, k, out[i, layer], best)
     return out
 
 
@@ -81,6 +91,7 @@ def count_right(token_logits, context_logits, scale, candidates, true, right):
     n_experts = token_logits.shape[1] // n_layers
     row = np.empty(n_experts)
     chosen = np.empty(k, dtype=np.int64)
+    best = np.empty(k)
     for c in range(candidates.size):
         for i in range(n):
             w = candidates[c] * scale[i]
@@ -88,7 +99,7 @@ def count_right(token_logits, context_logits, scale, candidates, true, right):
                 base = layer * n_experts
                 for x in range(n_experts):
                     row[x] = token_logits[i, base + x] + w * context_logits[i, base + x]
-                _select(row, k, chosen)
+                _select(row, k, chosen, best)
                 for s in range(k):
                     for t in range(k):
                         if true[i, layer, t] == chosen[s]:

@@ -31,12 +31,20 @@ def target_probs(logits: torch.Tensor, temperature: float) -> np.ndarray:
 
 
 def greedy_accept(tree: DraftTree, nodes: np.ndarray, verdicts: np.ndarray) -> tuple[np.ndarray, int]:
-    """(accepted path from the root, bonus token) for the target's greedy ``verdicts`` at
-    ``nodes`` (row i is node ``nodes[i]``)."""
-    full = np.full(tree.n_nodes, -1, dtype=np.int64)
+    """(accepted path from the root, bonus token) for the target's greedy ``verdicts`` (int64) at
+    ``nodes`` (row i is node ``nodes[i]``; sorted, with the root): the decoder's own arrays, so
+    the tree's compiled rule is called without :meth:`DraftTree.accepted_path`'s checks."""
+    from .. import kernels
+
+    n = tree.n_nodes
+    full = np.full(n, -1, dtype=np.int64)
     full[nodes] = verdicts
-    path = tree.accepted_path(full, nodes)
-    return path, int(full[path[-1]])
+    inside = np.zeros(n, dtype=bool)
+    inside[nodes] = True
+    out = np.empty(n, dtype=np.int64)
+    size = kernels.tree.accepted_path(tree.parents, tree.depth, tree.tokens, full, 0, n, inside, np.empty(n, dtype=bool),
+                                      out)
+    return out[:size], int(full[out[size - 1]])
 
 
 def sample_accept(tree: DraftTree, nodes: np.ndarray, logits: torch.Tensor, temperature: float,

@@ -90,6 +90,10 @@ class CycleStats:
     # int [L]: misses the expert cache's bookkeeping gives the true experts from the residency before
     # the cycle (what the cost model charges, checked against what the offload moved)
     charged_misses_per_layer: np.ndarray | None = None
+    # int [5, L]: the true and predicted unions per layer, their overlap, and each one's misses
+    # against the residency the policy saw (rows of specfit.kernels.evaluate.union_accounting);
+    # None without a prediction
+    union_counts: np.ndarray | None = None
 
     @property
     def cycle_time_s(self) -> float:

@@ -216,7 +216,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
         write_run_info(plan.out_dir, "decode", ctx, shape=shape.to_dict(), profile=profile.label)
     outputs = DecodeOutputs(plan.out_dir)
     recorder = _recorder(plan, model, drafter, profile) if plan.record is not None else None
-    expert_bytes, n_experts = model.offload.host.expert_bytes, model.config.n_experts
+    expert_bytes = model.offload.host.expert_bytes
     if plan.warmup:
         from ..kernel_warmup import warm_up
 
@@ -238,7 +238,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                     decoder.recorder.begin_sequence(index)
 
                 def keep(stats, committed, policy=policy, index=index, first=len(outputs.cycles)):
-                    row = live_row(stats, profile.cost, expert_bytes, n_experts)
+                    row = live_row(stats, profile.cost, expert_bytes)
                     row["committed_tokens"] = committed       # what reached the output (after eos / the length cap)
                     outputs.add_cycle({"policy": policy.name, "sequence": index, "position": stats.position,
                                        "cycle": len(outputs.cycles) - first, **row})

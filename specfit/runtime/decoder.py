@@ -28,11 +28,13 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .. import kernels
 from ..calibrate.online import OnlineCostModel
 from ..costmodel import CostModel, expert_union
 from ..experts.calibration import AcceptanceCalibrator
 from ..experts.predictors import ExpertPredictor, NodeBatch, slots_right
 from ..policies import ArPolicy, CycleView, Observation, Policy
+from ..search import packed
 from ..tree import DraftTree
 from .acceptance import greedy_accept, sample_accept, target_probs
 from . import levers
@@ -41,11 +43,13 @@ from .model import MoETransformer, causal_mask
 from .cycle import Commit, CycleStats, DecodeResult, Draft, Verification
 from .offload import OffloadCounters
 
-__all__ = ["Decoder", "device_now", "charged_misses", "DecodeResult", "Draft", "Verification", "Commit", "CycleStats"]
+__all__ = ["Decoder", "device_now", "device_clock", "charged_misses", "DecodeResult", "Draft", "Verification", "Commit", "CycleStats"]
 
 
 # the arrays of a tree that is its root alone (read-only, shared)
 _ROOT_PARENTS, _ROOT_PROBS, _ROOT_DEPTH = np.array([-1]), np.array([1.0]), np.array([0])
+_NO_EXPERTS = np.zeros((1, 0, 0), dtype=np.int64)     # the root's, before (or without) predictions
+_NO_EXPERTS.setflags(write=False)
 
 
 class Decoder:
@@ -114,6 +118,7 @@ class Decoder:
         # the drafter's states estimate the target's only when they live in the same space
         self.drafter_context = (proposer is not None and proposer.context_in_target_space
                                 and proposer.drafter.config.hidden_size == model.config.hidden_size)
+        self._now = device_clock(model.device)   # seconds, after the device's queued work
         self.cache_len = 0                  # committed tokens whose K/V are in the cache
         self._last_known: np.ndarray | None = None   # [L, k] routing of the last committed token the target ran
 
@@ -137,44 +142,47 @@ class Decoder:
             self.model.setup_kv_cache(committed_slots + tree_slots)
         totals = OffloadCounters.zeros(self.model.config.n_moe_layers)
 
-        start = device_now(self.model.device)
+        now = self._now
+        start = now()
         root, prefill = self.prefill(prompt_ids, max_new_tokens)
-        prefill_time_s = device_now(self.model.device) - start
+        prefill_time_s = now() - start
         totals += prefill.offload
 
         output, cycle_tokens, cycles = [root], [], []
         stop_reason = "eos" if self._is_eos(root, ignore_eos) else "length"
         decode_bytes_h2d = 0
-        start = device_now(self.model.device)
+        expert_bytes = self.model.offload.host.expert_bytes
+        start = cycle_start = now()
+        cpu_start = time.thread_time()
         with gc_paused(self.pause_gc):
             while stop_reason != "eos" and len(output) < max_new_tokens:
-                cycle_start, cpu_start = device_now(self.model.device), time.thread_time()
+                # the cycles are contiguous: each starts where the previous one's accounting ended,
+                # so every second of the decode is in a cycle's measured time
                 update_s = self._observe_last_cycle()
                 # a cycle commits at most depth + 1 tokens: deeper levels could never be used
                 draft = self.draft(root, max_levels=max_new_tokens - len(output) - 1)
-                selected = device_now(self.model.device)
+                selected = now()
                 levers.finish_prefetch(self, draft)
                 # global mode can evict a later layer's expert within the pass: its check needs the state
                 before = copy.deepcopy(self.model.offload.cache) if self.model.offload.cache.mode == "global" else None
                 verification = self.verify(draft.tree, draft.nodes, keep=levers.cache_keep(self, draft))
                 commit = self.commit(draft, verification)
-                verified = device_now(self.model.device)
+                verified = now()
                 stats = CycleStats(position=len(output) - 1, draft=draft, verification=verification,
                                    committed_tokens=len(commit.tokens), draft_time_s=selected - cycle_start,
                                    verify_time_s=verified - selected, online=self.online is not None,
                                    update_time_s=update_s)
                 self._learn(stats)
-                stats.learn_time_s = device_now(self.model.device) - verified
+                stats.learn_time_s = now() - verified
                 stats.cpu_time_s = time.thread_time() - cpu_start
                 offload = verification.offload
                 priced = None if draft.selection is None else (draft.selection.hits, draft.selection.misses)
                 self._pending = ((draft.draft_levels, int(verification.nodes.size), offload.total_hits,
                                   offload.total_misses, stats.cycle_time_s), priced, update_s)
-                stats.charged_misses_per_layer = charged_misses(verification.expert_ids, draft.cached, before)
+                self._account(stats, before)
                 cycles.append(stats)
-                totals += verification.offload
-                prefetch_bytes = draft.prefetched * self.model.offload.host.expert_bytes
-                decode_bytes_h2d += verification.offload.total_bytes_h2d + prefetch_bytes
+                totals += offload
+                decode_bytes_h2d += offload.total_bytes_h2d + draft.prefetched * expert_bytes
                 tokens = commit.tokens[: max_new_tokens - len(output)]
                 for i, token in enumerate(tokens):
                     if self._is_eos(token, ignore_eos):
@@ -188,7 +196,8 @@ class Decoder:
                     self.recorder.add_cycle(stats)
                 if on_cycle is not None:
                     on_cycle(stats, len(tokens))
-        decode_time_s = device_now(self.model.device) - start
+                cycle_start, cpu_start = now(), time.thread_time()
+        decode_time_s = now() - start
         return DecodeResult(prompt_ids=prompt_ids, output_ids=output, stop_reason=stop_reason,
                             prefill_time_s=prefill_time_s, decode_time_s=decode_time_s, n_cycles=len(cycle_tokens),
                             offload=totals, decode_bytes_h2d=decode_bytes_h2d, cycle_tokens=cycle_tokens,
@@ -221,8 +230,7 @@ class Decoder:
         """Draft level by level while the policy asks for more (at most ``max_levels``), then let
         it select the nodes to verify."""
         draft = Draft(tree=DraftTree.grown(_ROOT_PARENTS, _ROOT_PROBS, np.array([root_token]), _ROOT_DEPTH),
-                      experts=np.zeros((1, 0, 0), dtype=np.int64), edge_logprob=np.zeros(1),
-                      nodes=np.zeros(1, dtype=np.int64), selection=None,
+                      experts=_NO_EXPERTS, edge_logprob=np.zeros(1), nodes=np.zeros(1, dtype=np.int64), selection=None,
                       cached=self.model.offload.cache.resident(read_only=True), cost=self.cost)
         if self.cost is None:                           # nothing to decide with: verify the root
             return draft
@@ -240,9 +248,9 @@ class Decoder:
                 tree = self.proposer.draft(root_token, levels_cap, self.top_k, self.calibrator)
             if prefetcher is not None:        # copies beside the level about to be drafted
                 view = levers.prefetch_level(self, draft, view, prefetcher)
-            start = device_now(self.model.device)
+            start = self._now()
             level = tree.grow()
-            draft.drafter_time_s += device_now(self.model.device) - start
+            draft.drafter_time_s += self._now() - start
             context = level.context if self.drafter_context else None
             draft.experts = np.concatenate([draft.experts, self._predict(draft, level.tokens, context)])
             view = CycleView(tree.tree(), draft.experts, view.cached, self.cost, view.draft_levels + 1)
@@ -259,14 +267,14 @@ class Decoder:
         cache's evictions during the pass (the policy's cache advisor)."""
         nodes = np.asarray(nodes, dtype=np.int64)
         mask = tree.attention_mask(nodes, prefix_len=self.cache_len)
-        start = device_now(self.model.device)
+        start = self._now()
         self.model.offload.keep = keep
         try:
             out = self.model(tree.tokens[nodes], tree.positions(self.cache_len, nodes), torch.from_numpy(mask))
         finally:
             self.model.offload.keep = None
         verdicts = out.logits.argmax(dim=-1).cpu().numpy()
-        verify_time_s = device_now(self.model.device) - start
+        verify_time_s = self._now() - start
         return Verification(nodes=nodes, verdicts=verdicts, logits=out.logits, expert_ids=out.expert_ids,
                             hidden=out.hidden, offload=out.offload, verify_time_s=verify_time_s,
                             transfer_time_s=self.model.offload.pass_transfer_time_s())
@@ -285,7 +293,9 @@ class Decoder:
         if self.proposer is not None:
             # EAGLE-3 re-runs the accepted tokens with the target's features: each accepted node's
             # features paired with the token that followed it (the last one with the bonus token)
-            self.proposer.accept(verification.hidden[torch.from_numpy(rows).to(verification.hidden.device)], tokens)
+            hidden = verification.hidden
+            index = torch.from_numpy(rows)
+            self.proposer.accept(hidden[index if hidden.device.type == "cpu" else index.to(hidden.device)], tokens)
         return Commit(path=path, rows=rows, tokens=tokens)
 
     def keep_path(self, verification: Verification, path: np.ndarray) -> np.ndarray:
@@ -325,6 +335,20 @@ class Decoder:
             context = np.concatenate(draft.contexts)[nodes] if draft.contexts else None
             self.predictor.update(stats.draft.tree.tokens[nodes], verification.expert_ids,
                                   self.model.config.n_experts, last_known=last, context=context)
+
+    def _account(self, stats: CycleStats, before) -> None:
+        """The cycle's union accounting in one pass (:func:`specfit.kernels.evaluate.union_accounting`):
+        per layer the true and predicted unions, their overlap and misses against the residency
+        the policy saw, and the misses the cache's bookkeeping charges the true experts
+        (``before``: the cache before a global-mode pass, which admits layer by layer)."""
+        draft, verification = stats.draft, stats.verification
+        if draft.selection is not None and draft.experts.shape[1:] == verification.expert_ids.shape[1:]:
+            stats.union_counts = kernels.evaluate.union_accounting(draft.experts, verification.nodes,
+                                                                   verification.expert_ids, packed(draft.cached))
+            if before is None:
+                stats.charged_misses_per_layer = stats.union_counts[kernels.evaluate.TRUE_MISSES]
+                return
+        stats.charged_misses_per_layer = charged_misses(verification.expert_ids, draft.cached, before)
 
     def _observe_last_cycle(self) -> float:
         """The online cost model sees the previous cycle (whose time is complete only once its own
@@ -412,3 +436,11 @@ def device_now(device: torch.device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def device_clock(device: torch.device) -> Callable[[], float]:
+    """:func:`device_now` for one device, as a function of no arguments (the decoder reads it a
+    dozen times per cycle: on the host it is the plain clock)."""
+    if device.type != "cuda":
+        return time.perf_counter
+    return lambda: device_now(device)

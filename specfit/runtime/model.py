@@ -231,6 +231,7 @@ class MoETransformer(nn.Module):
         self.offload: ExpertOffload | None = None
         self.max_seq_len = 0
         self._kv_storage: torch.Tensor | None = None     # every layer's K/V in one tensor (setup_kv_cache)
+        self._kv_host: np.ndarray | None = None           # ... viewed as numpy, on the host
 
     # ------------------------------------------------------------------ setup
     def init_rope(self) -> None:
@@ -255,7 +256,7 @@ class MoETransformer(nn.Module):
             raise ValueError(f"max_seq_len: {max_seq_len} exceeds the model's max_position_embeddings "
                              f"({self.config.max_position_embeddings})")
         attention = [layer.self_attn for layer in self.layers]
-        self._kv_storage = None
+        self._kv_storage = self._kv_host = None
         shapes = {(a.n_kv_heads, a.head_dim) for a in attention if type(a) is Attention}
         if len(shapes) == 1 and all(type(a) is Attention for a in attention):
             # every layer's keys and values in one tensor [layers, 2, kv heads, slots, head dim]:
@@ -265,6 +266,8 @@ class MoETransformer(nn.Module):
                                            device=self.device)
             for a, storage in zip(attention, self._kv_storage):
                 a.kv_cache = KVCache(n_kv_heads, max_seq_len, head_dim, self.dtype, self.device, storage=storage)
+            if self.device.type == "cpu" and self.dtype in (torch.float32, torch.float16, torch.float64):
+                self._kv_host = self._kv_storage.numpy()      # the same memory, as numpy sees it
         else:
             for a in attention:
                 a.kv_cache = a.make_kv_cache(max_seq_len, self.dtype, self.device)
@@ -396,6 +399,9 @@ class MoETransformer(nn.Module):
             if not bool((keep[1:] > keep[:-1]).all()):
                 raise ValueError("keep: expected ascending indices of the new tokens")
             start, slots = cache_len, keep + cache_len
+        if self._kv_host is not None:     # on the host: one numpy copy (torch's dispatch costs more here)
+            self._kv_host[:, :, :, start:start + slots.numel()] = self._kv_host[:, :, :, slots.numpy()]
+            return
         if self._kv_storage is not None:
             storage = self._kv_storage
             storage[:, :, :, start:start + slots.numel()] = storage.index_select(3, slots)
