@@ -388,7 +388,9 @@ def test_a_pass_synchronises_once_per_moe_layer(fake_cuda, sync_counter, capacit
     assert sync_counter["other"] == [] and sync_counter["upload"] == config.n_layers + 1
     sync_counter["start"]()
     model.compact_kv(10, np.array([0, 1, 3]))
-    assert sync_counter["other"] == [] and sync_counter["upload"] == 1
+    # the moved slots' indices are uploaded at most once (a model on the host copies with them as
+    # they are), and nothing else synchronises
+    assert sync_counter["other"] == [] and sync_counter["upload"] <= 1
 
 
 # ----------------------------------------------------------------- rotary frequencies in bf16

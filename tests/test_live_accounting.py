@@ -342,3 +342,20 @@ def test_a_decoder_corrects_its_prediction_when_the_machine_slows_down():
                                                                          r["predicted_misses"]))
     assert all(np.isnan(r["online_predicted_time_s"]) for r in frozen)
     assert all(r["online_predicted_time_s"] == r["predicted_time_s"] for r in online)
+
+
+def test_the_cycles_measured_times_add_up_to_the_decode_time():
+    """Each cycle is measured from where the previous one's accounting ended: work done between
+    cycles (here a callback that sleeps 3 ms after every cycle) lands in the next cycle's time, so
+    only the last cycle's accounting is outside the sum."""
+    model, drafter = tiny(4)
+    pause_s = 3e-3
+    for spec in ("ar", "specfit"):
+        model.offload.reset()
+        decoder = Decoder(model, Proposer(drafter, 4), make_policy(spec), COST)
+        result = decoder.generate(PROMPT, 20, ignore_eos=True, on_cycle=lambda stats, tokens: time.sleep(pause_s))
+        measured = sum(c.cycle_time_s for c in result.cycles)
+        assert len(result.cycles) >= 4
+        # every pause but the last is inside a cycle; what else lies outside is far below one pause
+        assert result.decode_time_s - pause_s - 1e-3 <= measured <= result.decode_time_s
+        assert all(c.draft_time_s >= pause_s for c in result.cycles[1:])

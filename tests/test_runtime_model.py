@@ -174,6 +174,29 @@ def test_kv_compaction_continues_like_the_linear_sequence(model_dirs, family):
     assert (after - expected).abs().max().item() <= 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_compaction_moves_the_kept_entries_of_every_layer(model_dirs, dtype):
+    """Every layer's keys and values at the kept slots move to the slots after the committed ones,
+    the entries already in place stay, the committed ones are untouched: checked slot by slot
+    against copies taken before, on the host's numpy copy (float32) and on the one torch tensor
+    that holds every layer (bfloat16, which numpy cannot view)."""
+    model = _ours(model_dirs("qwen3_moe"), dtype=dtype, max_seq_len=32)
+    generator = torch.Generator().manual_seed(5)
+    caches = [layer.self_attn.kv_cache for layer in model.layers]
+    for cache in caches:
+        cache.k.copy_(torch.randn(cache.k.shape, generator=generator))
+        cache.v.copy_(torch.randn(cache.v.shape, generator=generator))
+    before = [(cache.k.clone(), cache.v.clone()) for cache in caches]
+    committed, keep = 7, np.array([0, 1, 4, 6, 9])
+    model.compact_kv(committed, keep)
+    for cache, (k, v) in zip(caches, before):
+        for slot in range(committed):
+            assert torch.equal(cache.k[:, slot], k[:, slot]) and torch.equal(cache.v[:, slot], v[:, slot])
+        for i, kept in enumerate(keep):
+            assert torch.equal(cache.k[:, committed + i], k[:, committed + kept])
+            assert torch.equal(cache.v[:, committed + i], v[:, committed + kept])
+
+
 def test_causal_mask_is_a_linear_continuation():
     mask = causal_mask(2, 3)
     assert mask.tolist() == [[True, True, True, False, False],

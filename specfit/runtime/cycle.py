@@ -79,7 +79,7 @@ class CycleStats:
     draft: Draft
     verification: Verification
     committed_tokens: int          # accepted draft tokens + the bonus token
-    draft_time_s: float            # from the cycle's start to the selection (drafter, predictions, policy)
+    draft_time_s: float            # from the cycle's start (the previous cycle's learning done) to the selection
     verify_time_s: float           # from the selection to the committed tokens (target pass, acceptance, KV)
     predicted_slots: int = 0       # (layer, rank) slots predicted for verified draft nodes
     predicted_slots_right: int = 0  # ... naming an expert the node really routed to

@@ -10,6 +10,11 @@ A cycle is three stages that hand each other values, as vLLM's proposer / scorer
     commit -> a :class:`Commit`: acceptance (greedy, or tree speculative sampling when
               ``temperature > 0``), KV compaction of the accepted path, the bonus token
 
+The cycles are measured back to back: each from the end of the previous one's learning step to the
+end of its own, so the previous cycle's accounting (its row, the trace recorder, the caller's
+callback) is in its time, the cycles' measured times add up to the decode's time, and the cost
+model learns, and prices, all of it.
+
 Autoregressive decoding is the case without a proposer. After each cycle the policy observes what
 verification revealed (:meth:`specfit.policies.Policy.observe`), exactly as the simulator reports
 it, and the expert predictor learns the verified nodes' routing. With ``commit_root_only`` the
@@ -46,7 +51,7 @@ from .offload import OffloadCounters
 __all__ = ["Decoder", "device_now", "device_clock", "charged_misses", "DecodeResult", "Draft", "Verification", "Commit", "CycleStats"]
 
 
-# the arrays of a tree that is its root alone (read-only, shared)
+# the arrays of a tree that is its root alone (shared: the tree holds read-only views of them)
 _ROOT_PARENTS, _ROOT_PROBS, _ROOT_DEPTH = np.array([-1]), np.array([1.0]), np.array([0])
 _NO_EXPERTS = np.zeros((1, 0, 0), dtype=np.int64)     # the root's, before (or without) predictions
 _NO_EXPERTS.setflags(write=False)
@@ -156,8 +161,6 @@ class Decoder:
         cpu_start = time.thread_time()
         with gc_paused(self.pause_gc):
             while stop_reason != "eos" and len(output) < max_new_tokens:
-                # the cycles are contiguous: each starts where the previous one's accounting ended,
-                # so every second of the decode is in a cycle's measured time
                 update_s = self._observe_last_cycle()
                 # a cycle commits at most depth + 1 tokens: deeper levels could never be used
                 draft = self.draft(root, max_levels=max_new_tokens - len(output) - 1)
@@ -173,8 +176,9 @@ class Decoder:
                                    verify_time_s=verified - selected, online=self.online is not None,
                                    update_time_s=update_s)
                 self._learn(stats)
-                stats.learn_time_s = now() - verified
-                stats.cpu_time_s = time.thread_time() - cpu_start
+                learned, cpu_learned = now(), time.thread_time()
+                stats.learn_time_s = learned - verified
+                stats.cpu_time_s = cpu_learned - cpu_start
                 offload = verification.offload
                 priced = None if draft.selection is None else (draft.selection.hits, draft.selection.misses)
                 self._pending = ((draft.draft_levels, int(verification.nodes.size), offload.total_hits,
@@ -196,7 +200,9 @@ class Decoder:
                     self.recorder.add_cycle(stats)
                 if on_cycle is not None:
                     on_cycle(stats, len(tokens))
-                cycle_start, cpu_start = now(), time.thread_time()
+                # the next cycle starts where this one's measured part ended: its accounting above
+                # (the row, the recorder, the callback) is in the next cycle's time
+                cycle_start, cpu_start = learned, cpu_learned
         decode_time_s = now() - start
         return DecodeResult(prompt_ids=prompt_ids, output_ids=output, stop_reason=stop_reason,
                             prefill_time_s=prefill_time_s, decode_time_s=decode_time_s, n_cycles=len(cycle_tokens),

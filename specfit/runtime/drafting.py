@@ -158,8 +158,9 @@ class TreeDraft:
     def edge_logprob(self) -> np.ndarray:
         """float64 [n] the drafter's log-probability of each node given its parent (root: 0)."""
         n = self.n_nodes
-        cum, parents = self.cum_logprob[:n], self.parents[:n]
-        return np.r_[0.0, cum[1:] - cum[parents[1:]]]
+        out = np.zeros(n)
+        out[1:] = self.cum_logprob[1:n] - self.cum_logprob[self.parents[1:n]]
+        return out
 
     def hidden_of(self, nodes: np.ndarray) -> torch.Tensor:
         """The drafter's output at expanded ``nodes`` (a child's hidden input)."""

@@ -394,14 +394,15 @@ class MoETransformer(nn.Module):
             first = int(np.count_nonzero(keep == np.arange(keep.size)))
             if first == keep.size:
                 return
-            start, slots = cache_len + first, upload(keep[first:] + cache_len, self.device)
+            start, source = cache_len + first, keep[first:] + cache_len
+            if self._kv_host is not None:     # on the host: one numpy copy (torch's dispatch costs more here)
+                self._kv_host[:, :, :, start:start + source.size] = self._kv_host[:, :, :, source]
+                return
+            slots = upload(source, self.device)
         else:
             if not bool((keep[1:] > keep[:-1]).all()):
                 raise ValueError("keep: expected ascending indices of the new tokens")
             start, slots = cache_len, keep + cache_len
-        if self._kv_host is not None:     # on the host: one numpy copy (torch's dispatch costs more here)
-            self._kv_host[:, :, :, start:start + slots.numel()] = self._kv_host[:, :, :, slots.numpy()]
-            return
         if self._kv_storage is not None:
             storage = self._kv_storage
             storage[:, :, :, start:start + slots.numel()] = storage.index_select(3, slots)
