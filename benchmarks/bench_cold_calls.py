@@ -1,0 +1,88 @@
+"""Benchmark: what one small call costs right after a model pass, against the same call warm.
+
+The live decoder's bookkeeping runs between the drafter's and the target's passes, which sweep the
+core's caches with weights and torch's own code. This decodes the bundled model with ``specfit``
+and, right after every target pass, times one call of each kind (the order rotating per cycle, so
+that no kind is always first); then the same calls in a warm loop. Prints medians in microseconds:
+why the decoder's bookkeeping is counted in calls, and why torch's calls cost the most there.
+
+    python benchmarks/bench_cold_calls.py
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main() -> None:
+    from numba import njit
+
+    from specfit.threads import set_cpu_threads
+
+    set_cpu_threads(1)
+    import torch
+
+    from specfit.assets import demo_prompts_path, tiny_moe_dir, tiny_moe_eagle3_dir
+    from specfit.runtime import decoder as decoder_module
+    from specfit.runtime.decode_job import DecodePlan, run_decode
+
+    @njit
+    def one_array(a):
+        return a[0]
+
+    @njit
+    def ten_arrays(a, b, c, d, e, f, g, h, i, j):
+        return a[0]
+
+    ints = np.zeros(20, dtype=np.int64)
+    calls = {
+        "a Python function": lambda: len(ints),
+        "np.zeros(20)": lambda: np.zeros(20),
+        "np.full(20, -1)": lambda: np.full(20, -1, dtype=np.int64),
+        "np.concatenate of two": lambda: np.concatenate([ints, ints]),
+        "numba, 1 array": lambda: one_array(ints),
+        "numba, 10 arrays": lambda: ten_arrays(ints, ints, ints, ints, ints, ints, ints, ints, ints, ints),
+        "torch.from_numpy": lambda: torch.from_numpy(ints),
+        "torch add of 3": lambda: torch.ones(3) + 1,
+    }
+    for call in calls.values():
+        call()                                    # compiled and loaded before anything is timed
+    cold = {name: [] for name in calls}
+    verify = decoder_module.Decoder.verify
+    order = list(calls)
+
+    def timed_verify(self, *args, **kwargs):
+        out = verify(self, *args, **kwargs)
+        shift = len(cold[order[0]]) % len(order)
+        for name in order[shift:] + order[:shift]:
+            start = time.perf_counter()
+            calls[name]()
+            cold[name].append(time.perf_counter() - start)
+        return out
+
+    decoder_module.Decoder.verify = timed_verify
+    work = Path(tempfile.mkdtemp(prefix="bench_cold_calls."))
+    run_decode(DecodePlan(model_dir=tiny_moe_dir(), prompts_path=demo_prompts_path(), cache_experts=4,
+                          policies=["specfit"], drafter_dir=tiny_moe_eagle3_dir(), max_new_tokens=64, device="cpu",
+                          profile="pcie4", ignore_eos=True, out_dir=work / "run"))
+    decoder_module.Decoder.verify = verify
+    print(f"| call | right after a target pass (us, median of {len(cold[order[0]])}) | warm (us) | ratio |")
+    print("|---|---:|---:|---:|")
+    for name, call in calls.items():
+        start = time.perf_counter()
+        for _ in range(2000):
+            call()
+        warm = (time.perf_counter() - start) / 2000
+        after = float(np.median(cold[name]))
+        print(f"| {name} | {after * 1e6:.1f} | {warm * 1e6:.2f} | {after / warm:.0f}x |")
+
+
+if __name__ == "__main__":
+    main()
