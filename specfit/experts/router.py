@@ -29,6 +29,8 @@ builds it from a checkpoint's embedding, norms and routers alone.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -93,6 +95,9 @@ class RouterPredictor(ExpertPredictor):
         self._right = np.zeros((len(candidates), n_layers), dtype=np.int64)
         self._nodes_seen = 0
         self._layer_weight = np.full(n_layers, self.context_weight)
+        # the experts of a token routed alone (no context: the layers' weights do not enter), per token
+        self._token_alone = functools.lru_cache(maxsize=4096)(
+            lambda token: self._predict(np.array([token], dtype=np.int64), None))
 
     def get_params(self) -> dict:
         return {"context_weight": self.context_weight, "adapt": self.adapt, "min_nodes": self.min_nodes,
@@ -102,10 +107,16 @@ class RouterPredictor(ExpertPredictor):
         """int64 [n, L, top_k] experts of the batch's nodes from their tokens and, when given, the
         drafter's context."""
         tokens = np.ascontiguousarray(batch.tokens, dtype=np.int64).reshape(-1)
+        if batch.context is None and tokens.size == 1:
+            # a token alone (a cycle's root) routes the same every time: remembered
+            return self._token_alone(int(tokens[0])).copy()
+        return self._predict(tokens, batch.context)
+
+    def _predict(self, tokens: np.ndarray, context) -> np.ndarray:
         if self._host_weights is not None:
-            return kernels.router.predict_host(*self._host_weights, tokens, _host(batch.context), self._layer_weight,
+            return kernels.router.predict_host(*self._host_weights, tokens, _host(context), self._layer_weight,
                                                self.top_k)
-        return kernels.router.top_k_experts(*self._device_logits(tokens, batch.context), self._layer_weight, self.top_k)
+        return kernels.router.top_k_experts(*self._device_logits(tokens, context), self._layer_weight, self.top_k)
 
     @property
     def layers_experts(self) -> tuple[int, int]:

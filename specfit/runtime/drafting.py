@@ -123,13 +123,14 @@ class TreeDraft:
             raise ValueError(f"top_k: expected >= 1, got {top_k}")
         self.session, self.top_k, self._root_output, self._acceptance = session, int(top_k), root_output, acceptance
         capacity = tree_capacity(self.top_k, max(int(max_levels), 1))
-        self.tokens = np.zeros(capacity, dtype=np.int64)
-        self.parents = np.full(capacity, -1, dtype=np.int64)
-        self.depth = np.zeros(capacity, dtype=np.int64)
-        self.cum_logprob = np.zeros(capacity, dtype=np.float64)   # the drafter's, root -> node
-        self.path_prob = np.ones(capacity, dtype=np.float64)      # the acceptance estimate the policy uses
-        self.edge_product = np.ones(capacity, dtype=np.float64)   # calibrated edges multiplied, root -> node
-        self.slot = np.full(capacity, -1, dtype=np.int64)         # KV slot of an expanded node's entry
+        # two allocations per cycle (rows of one integer and one float block), not seven
+        ints, floats = np.zeros((4, capacity), dtype=np.int64), np.zeros((3, capacity), dtype=np.float64)
+        self.tokens, self.parents, self.depth, self.slot = ints
+        self.parents[0] = self.slot[0] = -1                       # slot: KV slot of an expanded node's entry
+        self.cum_logprob, self.path_prob, self.edge_product = floats
+        # cum_logprob: the drafter's, root -> node; path_prob: the acceptance estimate the policy
+        # uses; edge_product: calibrated edges multiplied, root -> node (the root's two are 1)
+        self.path_prob[0] = self.edge_product[0] = 1.0
         self.tokens[0] = int(root_token)
         self.n_nodes, self.levels = 1, 0
         self.frontier = np.zeros(0, dtype=np.int64)
