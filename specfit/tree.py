@@ -158,13 +158,16 @@ class DraftTree:
 
     # ----------------------------------------------------------- verification
     def attention_mask(self, nodes=None, prefix_len: int = 0) -> np.ndarray:
-        """[m, prefix_len + m] bool tree mask over ``nodes`` (default: all; ascending): row i may
-        attend to the ``prefix_len`` committed tokens before the tree, and to column
-        ``prefix_len + j`` when node ``nodes[j]`` is node i or one of its ancestors."""
+        """[m, prefix_len + m] bool tree mask over ``nodes`` (default: all): row i may attend to
+        the ``prefix_len`` committed tokens before the tree, and to column ``prefix_len + j`` when
+        node ``nodes[j]`` is node i or one of its ancestors."""
         from . import kernels
 
-        nodes = np.arange(self.n_nodes) if nodes is None else np.asarray(nodes, dtype=np.int64)
-        return kernels.tree.tree_mask(self.parents, nodes, int(prefix_len))
+        nodes = np.arange(self.n_nodes) if nodes is None else np.asarray(nodes, dtype=np.int64).reshape(-1)
+        ok, mask = kernels.tree.tree_mask(self.parents, nodes, int(prefix_len))
+        if not ok:
+            raise ValueError(f"nodes: expected ids in [0, {self.n_nodes}), got [{nodes.min()}, {nodes.max()}]")
+        return mask
 
     def positions(self, prefix_len: int, nodes=None) -> np.ndarray:
         """Absolute positions of ``nodes`` (default: all) when the root sits at ``prefix_len``."""

@@ -83,6 +83,8 @@ def test_attention_mask_is_ancestor_or_self():
     assert np.array_equal(m, expected)
     sub = tree.attention_mask([0, 2, 5])
     assert sub.tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    with pytest.raises(ValueError, match="nodes"):
+        tree.attention_mask([0, 7])
 
 
 def test_positions_follow_depth_from_the_prefix():
@@ -173,6 +175,11 @@ def test_structure_matches_a_brute_force_walk(case, data):
     assert tree.is_ancestor_closed(closure)
     sub_mask = tree.attention_mask(closure)
     assert np.array_equal(sub_mask, mask[np.ix_(closure, closure)])
+    # with the committed tokens before the tree: all of them visible to every node, then the same
+    prefix = data.draw(st.integers(0, 5))
+    with_prefix = tree.attention_mask(closure, prefix_len=prefix)
+    assert with_prefix.shape == (len(closure), prefix + len(closure))
+    assert with_prefix[:, :prefix].all() and np.array_equal(with_prefix[:, prefix:], sub_mask)
 
 
 @core_settings(150)

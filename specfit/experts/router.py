@@ -176,6 +176,7 @@ class RouterPredictor(ExpertPredictor):
         host = both.cpu().numpy()
         return logits[:n], logits[n:], kernels.router.row_scales(host[:n], host[n:])
 
+
 def _host(context) -> np.ndarray:
     """A context (a tensor, on any device, or an array; None: no rows) as float32 [n, H] on the host."""
     if context is None:

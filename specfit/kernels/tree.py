@@ -58,12 +58,14 @@ def accepted_path(parents, depth, tokens, verdicts, base, n, inside, ok, out):
 
 @njit(cache=True)
 def tree_mask(parents, nodes, prefix):
-    """bool [m, prefix + m] for the ``m`` ``nodes`` (ascending, ancestor-closed) of a tree given
-    by ``parents``: row i sees the ``prefix`` committed columns and, among the nodes, itself and
-    its ancestors (column ``prefix + j`` for ``nodes[j]``)."""
+    """(ok, bool [m, prefix + m]) for the ``m`` ``nodes`` of a tree given by ``parents``: row i
+    sees the ``prefix`` committed columns and, among the nodes, itself and its ancestors (column
+    ``prefix + j`` for ``nodes[j]``); ``ok`` False (and no mask) when a node id is out of range."""
     m = nodes.size
     column = np.full(parents.size, -1, dtype=np.int64)
     for j in range(m):
+        if nodes[j] < 0 or nodes[j] >= parents.size:
+            return False, np.zeros((0, 0), dtype=np.bool_)
         column[nodes[j]] = j
     mask = np.zeros((m, prefix + m), dtype=np.bool_)
     for i in range(m):
@@ -73,4 +75,4 @@ def tree_mask(parents, nodes, prefix):
             if column[v] >= 0:
                 mask[i, prefix + column[v]] = True
             v = parents[v]
-    return mask
+    return True, mask
