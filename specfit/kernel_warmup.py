@@ -9,14 +9,17 @@ __all__ = ["warm_up"]
 
 def warm_up() -> float:
     """Load (or, the first time after an install or an edit, compile) the kernels a live decoder
-    calls every cycle: a tree's checks and accepted path, the search, SpecFit's per-level
-    decision, ``evaluate`` and the cache's admits, so that no timed cycle pays for it. Returns the seconds it took."""
+    calls every cycle: a tree's checks, mask and accepted path, the search, SpecFit's per-level
+    decision, ``evaluate``, the cycle's union accounting, the slot precision, the router
+    predictor's selection and the cache's admits, so that no timed cycle pays for it. Returns the
+    seconds it took."""
     import time
 
     import numpy as np
 
     from .costmodel import CostModel
     from .experts.cache import ExpertCache
+    from .experts.predictor_base import NodeBatch
     from .policy_base import CycleView
     from .search import best_subtree, evaluate
     from .specfit_policy import SpecFitPolicy
@@ -36,6 +39,20 @@ def warm_up() -> float:
         policy.keep_drafting(view.truncated(levels))
     policy.select(view.truncated(1))
     tree.accepted_path(np.array([6, 0, 0]))
+    tree.attention_mask(np.array([0, 1]), prefix_len=2)
+    from . import kernels
+    from .experts.predictors import slots_right
+    from .experts.router import RouterPredictor
+    from .search import packed
+
+    kernels.evaluate.union_accounting(experts, np.array([0, 1]), experts[:2], packed(cached))
+    slots_right(experts, experts)
+    import torch
+
+    router = RouterPredictor(embed=torch.zeros(8, 4), router_weight=torch.ones(1, 2, 4), top_k=1, min_nodes=1,
+                             batch_nodes=1)
+    router.predict(NodeBatch(tokens=np.array([1, 2]), last_known=None, context=torch.ones(2, 4)))
+    router.update(np.array([1]), np.zeros((1, 1, 1), dtype=np.int64), 2, context=torch.ones(1, 4))
     cache = ExpertCache(1, 2, 1)
     cache.admit(~cached)
     cache.admit_layer(0, np.array([1]))
