@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specfit.experts.predictor_base import NodeBatch
-from specfit.experts.router import CONTEXT_WEIGHTS, RouterPredictor
+from specfit.experts.router import CONTEXT_WEIGHTS, RECENT_BONUSES, RouterPredictor
 
 V, H, L, E, K = 64, 32, 3, 16, 4
 
@@ -101,9 +101,62 @@ def test_the_compiled_selection_is_the_top_k_with_ties_to_the_lower_expert():
         logits = rng.standard_normal((n, layers * experts)).astype(np.float32)
         if trial % 2:
             logits = np.round(logits, 1)               # ties everywhere
-        got = top_k_experts(logits, np.zeros((0, 0), np.float32), np.zeros(0), np.zeros(layers), k)
+        got = top_k_experts(logits, np.zeros((0, 0), np.float32), np.zeros(0), np.zeros(layers),
+                            np.zeros((0, 0, 0), dtype=np.int64), np.zeros(layers), k)
         for i in range(n):
             for layer in range(layers):
                 row = logits[i, layer * experts:(layer + 1) * experts]
                 expected = sorted(range(experts), key=lambda e: (-row[e], e))[:k]
                 assert got[i, layer].tolist() == expected
+
+
+def routed_with_recent(embed, router_weight, tokens, context, weights, last, bonuses):
+    """As :func:`routed`, with each layer's experts of ``last`` (the previous token's routing) raised
+    by ``bonuses[l]`` standard deviations of the layer's logits (by hand)."""
+    e = embed[torch.from_numpy(tokens)]
+    out = []
+    for layer, (w, b) in enumerate(zip(weights, bonuses)):
+        x = e + w * e.norm(dim=-1, keepdim=True) / context.norm(dim=-1, keepdim=True) * context
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        logits = (x @ router_weight[layer].T).double()
+        sd = logits.std(dim=-1, unbiased=False, keepdim=True)
+        bump = torch.zeros_like(logits)
+        bump.scatter_(1, torch.from_numpy(last[:, layer]), 1.0)
+        out.append((logits + b * sd * bump).topk(K, dim=-1).indices)
+    return torch.stack(out, dim=1).numpy()
+
+
+def test_each_layer_learns_how_much_the_previous_tokens_experts_count():
+    """A target whose layers reuse the previous token's experts by different amounts: the online
+    choice finds each layer's bonus (and keeps the weights), and then predicts held-out nodes
+    exactly; a target that never reuses them keeps no bonus."""
+    embed, router_weight = routers(5)
+    weights, truth = (1.0, 1.0, 1.0), (0.0, 1.5, 0.5)
+    assert set(truth) <= set(RECENT_BONUSES)
+    rng = np.random.default_rng(2)
+
+    def batch(n):
+        tokens, context = nodes(rng, n)
+        last = np.stack([rng.permutation(E)[:K] for _ in range(n * L)]).reshape(n, L, K)
+        return tokens, context, last
+
+    adaptive = RouterPredictor(context_weight=1.0, recent_bonus=1.0, embed=embed, router_weight=router_weight,
+                               top_k=K, min_nodes=48, batch_nodes=32, max_nodes=400)
+    for _ in range(10):
+        tokens, context, last = batch(40)
+        adaptive.update(tokens, routed_with_recent(embed, router_weight, tokens, context, weights, last, truth), E,
+                        last_known=last, context=context)
+    assert adaptive.layer_bonuses.tolist() == list(truth) and adaptive.layer_weights.tolist() == list(weights)
+    tokens, context, last = batch(200)
+    true = routed_with_recent(embed, router_weight, tokens, context, weights, last, truth)
+    batch_ = NodeBatch(tokens=tokens, last_known=last, context=context)
+    assert precision(adaptive.predict(batch_), true) == pytest.approx(1.0)
+    # the same predictor without the recent routing given: the bonus has nothing to act on
+    assert precision(adaptive.predict(NodeBatch(tokens=tokens, last_known=None, context=context)), true) < 0.95
+    plain = RouterPredictor(context_weight=1.0, recent_bonus=1.0, embed=embed, router_weight=router_weight, top_k=K,
+                            min_nodes=48, batch_nodes=32, max_nodes=400)
+    for _ in range(10):
+        tokens, context, last = batch(40)
+        plain.update(tokens, routed_with_recent(embed, router_weight, tokens, context, weights, last, (0.0,) * L), E,
+                     last_known=last, context=context)
+    assert plain.layer_bonuses.tolist() == [0.0] * L

@@ -274,8 +274,10 @@ def test_every_live_predictor_decodes_losslessly_and_is_scored(checkpoint, tmp_p
     assert (specfit["predicted_union_size"] > 0).all() and specfit["union_overlap"].sum() > 0
 
 
-def test_router_predictor_in_replay_routes_the_embedding_like_the_live_one(checkpoint, tmp_path):
-    from specfit.experts.predictors import NodeBatch
+def test_router_predictor_in_replay_routes_like_the_live_one(checkpoint, tmp_path):
+    """A replay has no drafter state: the router predictor routes each node's embedding, with the
+    most recent known routing (the token before the cycle's root) raised, as the live one does."""
+    from specfit.experts.predictors import NodeBatch, last_known_experts
     from specfit.experts.router import RouterPredictor
     from specfit.runtime.loader import load_model
     from specfit.simulate.replay import prepare_trace
@@ -288,8 +290,13 @@ def test_router_predictor_in_replay_routes_the_embedding_like_the_live_one(check
     trace = read_trace(trace_path)
     prep = prepare_trace("full", trace, predictor="router", acceptance="raw", model_dir=model_dir)
     model = load_model(model_dir)
-    live = RouterPredictor(model).predict(NodeBatch(trace.token, np.full(trace.true_experts.shape, -1)))
+    sizes = np.diff(trace.offsets)
+    last = np.repeat(last_known_experts(trace), sizes, axis=0)
+    assert (last[:, 0, 0] >= 0).mean() > 0.5                    # the recent routing is known for most nodes
+    live = RouterPredictor(model).predict(NodeBatch(trace.token, last))
     np.testing.assert_array_equal(prep.predicted_experts, live)
+    assert not np.array_equal(live, RouterPredictor(model, recent_bonus=0.0).predict(
+        NodeBatch(trace.token, np.full(trace.true_experts.shape, -1))))
     with pytest.raises(Exception, match="--model"):
         prepare_trace("full", trace, predictor="router")
 

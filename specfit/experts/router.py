@@ -25,11 +25,17 @@ how many of the verified nodes' experts that weight would have predicted (in bat
 drafter do not move, and the counting costs a live cycle time). Its measured precision is in
 ``benchmarks/RESULTS.md``. For a replay, :func:`specfit.runtime.loader.load_router`
 builds it from a checkpoint's embedding, norms and routers alone.
+
+Consecutive tokens share experts, and the most recent routing the target has revealed (the token
+before the cycle's root, :attr:`NodeBatch.last_known`) is known at draft time: each layer adds
+``recent_bonus`` standard deviations of the node's logits to that routing's experts. The bonus is
+chosen per layer online like the context weight (candidates :data:`RECENT_BONUSES`; the two are
+counted one coordinate at a time, each at the other's current value). Without it the predicted
+experts of a tree's nodes overlap less than the true ones do, and the predicted union is too large
+(``benchmarks/RESULTS.md``, stop 25).
 """
 
 from __future__ import annotations
-
-import functools
 
 import numpy as np
 import torch
@@ -37,13 +43,16 @@ import torch
 from .. import kernels
 from .predictor_base import ExpertPredictor, NodeBatch
 
-__all__ = ["RouterPredictor", "CONTEXT_WEIGHTS"]
+__all__ = ["RouterPredictor", "CONTEXT_WEIGHTS", "RECENT_BONUSES"]
 
-# the per-layer context weights the online choice compares (with the configured one)
+# the per-layer context weights and recent-routing bonuses the online choice compares (with the
+# configured ones)
 CONTEXT_WEIGHTS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
+RECENT_BONUSES = (0.0, 0.5, 1.0, 1.5, 2.0)
 
 _NO_ROWS = np.zeros((0, 0), dtype=np.float32)      # no context: no context logits
 _NO_SCALE = np.zeros(0)
+_NO_LAST = np.zeros((0, 0, 0), dtype=np.int64)     # no recent routing known
 
 
 class RouterPredictor(ExpertPredictor):
@@ -54,22 +63,27 @@ class RouterPredictor(ExpertPredictor):
             weights are used in place (nothing is copied but the stacked router matrices).
         context_weight: the drafter context's norm relative to the token embedding's (every
             layer's until the online choice has seen ``min_nodes`` verified nodes with a context).
-        adapt: choose the weight per layer from the verified nodes (False: ``context_weight`` always).
+        recent_bonus: standard deviations of a node's logits added to the experts of the most
+            recent known routing (every layer's until the online choice replaces it).
+        adapt: choose the weight and the bonus per layer from the verified nodes (False: the
+            configured ones always).
         min_nodes: verified nodes with a context before the per-layer choice replaces it.
         batch_nodes, max_nodes: nodes counted per batch; nodes after which the choice is kept.
     """
 
     name = "router"
 
-    def __init__(self, model=None, context_weight: float = 0.5, *, embed: torch.Tensor | None = None,
-                 router_weight: torch.Tensor | None = None, top_k: int = 0,
+    def __init__(self, model=None, context_weight: float = 0.5, *, recent_bonus: float = 1.0,
+                 embed: torch.Tensor | None = None, router_weight: torch.Tensor | None = None, top_k: int = 0,
                  adapt: bool = True, min_nodes: int = 64, batch_nodes: int = 64, max_nodes: int = 1024):
         if not context_weight >= 0:
             raise ValueError(f"context_weight: expected >= 0, got {context_weight}")
-        self.context_weight = float(context_weight)
+        if not recent_bonus >= 0:
+            raise ValueError(f"recent_bonus: expected >= 0, got {recent_bonus}")
+        self.context_weight, self.recent_bonus = float(context_weight), float(recent_bonus)
         self.adapt, self.min_nodes = bool(adapt), int(min_nodes)
         self.batch_nodes, self.max_nodes = max(int(batch_nodes), 1), int(max_nodes)
-        self._batch: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []     # verified nodes not yet counted
+        self._batch: list[tuple] = []     # verified nodes not yet counted: (tokens, contexts, recent routing, experts)
         if model is not None:
             embed = model.embed_tokens.weight
             # each layer's RMSNorm weight folded into its router: logits = rms(x) @ (gate * norm).T
@@ -87,36 +101,33 @@ class RouterPredictor(ExpertPredictor):
         if embed.device.type == "cpu":
             self._host_weights = (embed.detach().float().numpy(), self._columns.detach().float().numpy())
         self._layers_experts = (n_layers, n_experts)
-        # the online choice: candidates (the configured weight among them), right slots per
-        # (candidate, layer) so far, nodes seen, and the weight each layer uses now
-        candidates = sorted(set(CONTEXT_WEIGHTS) | {self.context_weight})
-        self._candidates = np.array(candidates, dtype=np.float64)
-        self._configured = candidates.index(self.context_weight)
-        self._right = np.zeros((len(candidates), n_layers), dtype=np.int64)
+        # the online choice: candidates (the configured values among them), right slots per
+        # (candidate, layer) so far, nodes seen, and the weight and bonus each layer uses now
+        weights = sorted(set(CONTEXT_WEIGHTS) | {self.context_weight})
+        bonuses = sorted(set(RECENT_BONUSES) | {self.recent_bonus})
+        self._candidates = np.array(weights, dtype=np.float64)
+        self._bonus_candidates = np.array(bonuses, dtype=np.float64)
+        self._configured = (weights.index(self.context_weight), bonuses.index(self.recent_bonus))
+        self._right = np.zeros((len(weights), n_layers), dtype=np.int64)
+        self._right_bonus = np.zeros((len(bonuses), n_layers), dtype=np.int64)
         self._nodes_seen = 0
         self._layer_weight = np.full(n_layers, self.context_weight)
-        # the experts of a token routed alone (no context: the layers' weights do not enter), per token
-        self._token_alone = functools.lru_cache(maxsize=4096)(
-            lambda token: self._predict(np.array([token], dtype=np.int64), None))
+        self._layer_bonus = np.full(n_layers, self.recent_bonus)
 
     def get_params(self) -> dict:
-        return {"context_weight": self.context_weight, "adapt": self.adapt, "min_nodes": self.min_nodes,
-                "batch_nodes": self.batch_nodes, "max_nodes": self.max_nodes}
+        return {"context_weight": self.context_weight, "recent_bonus": self.recent_bonus, "adapt": self.adapt,
+                "min_nodes": self.min_nodes, "batch_nodes": self.batch_nodes, "max_nodes": self.max_nodes}
 
     def predict(self, batch: NodeBatch) -> np.ndarray:
         """int64 [n, L, top_k] experts of the batch's nodes from their tokens and, when given, the
         drafter's context."""
         tokens = np.ascontiguousarray(batch.tokens, dtype=np.int64).reshape(-1)
-        if batch.context is None and tokens.size == 1:
-            # a token alone (a cycle's root) routes the same every time: remembered
-            return self._token_alone(int(tokens[0])).copy()
-        return self._predict(tokens, batch.context)
-
-    def _predict(self, tokens: np.ndarray, context) -> np.ndarray:
+        last = _recent(batch.last_known)
         if self._host_weights is not None:
-            return kernels.router.predict_host(*self._host_weights, tokens, _host(context), self._layer_weight,
-                                               self.top_k)
-        return kernels.router.top_k_experts(*self._device_logits(tokens, context), self._layer_weight, self.top_k)
+            return kernels.router.predict_host(*self._host_weights, tokens, _host(batch.context), self._layer_weight,
+                                               last, self._layer_bonus, self.top_k)
+        return kernels.router.top_k_experts(*self._device_logits(tokens, batch.context), self._layer_weight, last,
+                                            self._layer_bonus, self.top_k)
 
     @property
     def layers_experts(self) -> tuple[int, int]:
@@ -127,6 +138,11 @@ class RouterPredictor(ExpertPredictor):
     def layer_weights(self) -> np.ndarray:
         """float [L]: the context weight each layer uses now."""
         return self._layer_weight.copy()
+
+    @property
+    def layer_bonuses(self) -> np.ndarray:
+        """float [L]: the recent-routing bonus each layer uses now."""
+        return self._layer_bonus.copy()
 
     @property
     def learning(self) -> bool:
@@ -142,24 +158,33 @@ class RouterPredictor(ExpertPredictor):
         valid = ~np.isnan(context[:, 0])                         # a node without a context is a row of NaN
         if not valid.any():
             return
-        self._batch.append((np.asarray(tokens)[valid], context[valid], np.asarray(experts)[valid]))
-        if sum(t.size for t, _, _ in self._batch) >= self.batch_nodes:
-            tokens, context, experts = (np.concatenate([b[i] for b in self._batch]) for i in range(3))
+        experts = np.asarray(experts)
+        last = np.full(experts.shape, -1, dtype=np.int64) if last_known is None else np.asarray(last_known)
+        self._batch.append((np.asarray(tokens)[valid], context[valid], last[valid], experts[valid]))
+        if sum(b[0].size for b in self._batch) >= self.batch_nodes:
+            tokens, context, last, experts = (np.concatenate([b[i] for b in self._batch]) for i in range(4))
             self._batch.clear()
-            self._count(tokens, context, experts)
+            self._count(tokens, context, last, experts)
 
-    def _count(self, tokens: np.ndarray, context: np.ndarray, experts: np.ndarray) -> None:
-        true = np.ascontiguousarray(experts, dtype=np.int64)
+    def _count(self, tokens: np.ndarray, context: np.ndarray, last: np.ndarray, experts: np.ndarray) -> None:
+        true, last = np.ascontiguousarray(experts, dtype=np.int64), np.ascontiguousarray(last, dtype=np.int64)
+        state = (self._layer_weight, last, self._layer_bonus, self._candidates, self._bonus_candidates, true,
+                 self._right, self._right_bonus)
         if self._host_weights is not None:
-            kernels.router.count_host(*self._host_weights, tokens, context, self._candidates, true, self._right)
+            kernels.router.count_host(*self._host_weights, tokens, context, *state)
         else:
-            kernels.router.count_right(*self._device_logits(tokens, context), self._candidates, true, self._right)
+            kernels.router.count_right(*self._device_logits(tokens, context), *state)
         self._nodes_seen += int(tokens.size)
         if self._nodes_seen >= self.min_nodes:
-            # the best candidate per layer; the configured weight wins ties
-            score = self._right.astype(np.float64)
-            score[self._configured] += 0.5
-            self._layer_weight = self._candidates[score.argmax(axis=0)]
+            # the best candidate per layer, each coordinate at the other's value when it was
+            # counted; the configured values win ties
+            for right, candidates, configured, name in ((self._right, self._candidates, self._configured[0],
+                                                         "_layer_weight"),
+                                                        (self._right_bonus, self._bonus_candidates, self._configured[1],
+                                                         "_layer_bonus")):
+                score = right.astype(np.float64)
+                score[configured] += 0.5
+                setattr(self, name, candidates[score.argmax(axis=0)])
 
     @torch.inference_mode()
     def _device_logits(self, tokens: np.ndarray, context) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -175,6 +200,14 @@ class RouterPredictor(ExpertPredictor):
         logits = (both @ self._columns).cpu().numpy()
         host = both.cpu().numpy()
         return logits[:n], logits[n:], kernels.router.row_scales(host[:n], host[n:])
+
+
+def _recent(last_known) -> np.ndarray:
+    """The most recent known routing of each node (int [n, L, k'], -1 unknown) as the kernels take
+    it; none: no rows."""
+    if last_known is None:
+        return _NO_LAST
+    return np.ascontiguousarray(last_known, dtype=np.int64)
 
 
 def _host(context) -> np.ndarray:

@@ -5,7 +5,10 @@ The routers' logits come in two parts per node, both ``[n, L * E]`` (layer-major
 token's embedding ``x`` and of the drafter's context ``c`` unscaled. The logits at context weight
 ``w`` are ``token + w * (|x| / |c|) * context`` (the context rescaled to the embedding's norm;
 the scale is one factor per row, so it is applied here rather than to ``c`` before the GEMM).
-Ties between experts go to the lower id, as the order of a stable sort would have them.
+Then the experts of the most recent routing known (``last``: the token before the cycle's root;
+consecutive tokens share experts) get ``bonus * sd`` more, ``sd`` the spread of the node's logits
+at that layer, so the bonus is in units the router's own scale sets. Ties between experts go to
+the lower id, as the order of a stable sort would have them.
 
 With the weights on the host, :func:`predict_host` and :func:`count_host` take the embedding
 table and the routers' columns and do the whole step in one call (gather, GEMM, scale, top-k).
@@ -61,9 +64,36 @@ def _select(row, k, out, best):
 
 
 @njit(cache=True)
-def top_k_experts(token_logits, context_logits, scale, layer_weight, k):
+def _row(token_logits, context_logits, i, base, w, last, bonus, layer, row):
+    """A node's logits at one layer (columns ``base ..``) into ``row``: the token's, plus ``w``
+    times the context's (``w`` already scaled to the node's row), plus ``bonus`` standard
+    deviations of the row for each expert of ``last[i, layer]`` (an id below 0: unknown)."""
+    n_experts = row.size
+    with_context = context_logits.shape[0] > 0
+    for x in range(n_experts):
+        row[x] = token_logits[i, base + x]
+        if with_context:
+            row[x] += w * context_logits[i, base + x]
+    if bonus != 0.0 and last.shape[0] > 0:
+        mean = 0.0
+        for x in range(n_experts):
+            mean += row[x]
+        mean /= n_experts
+        var = 0.0
+        for x in range(n_experts):
+            var += (row[x] - mean) ** 2
+        add = bonus * np.sqrt(var / n_experts)
+        for t in range(last.shape[2]):
+            e = last[i, layer, t]
+            if 0 <= e < n_experts:
+                row[e] += add
+
+
+@njit(cache=True)
+def top_k_experts(token_logits, context_logits, scale, layer_weight, last, layer_bonus, k):
     """int64 [n, L, k]: per node and layer, the top-``k`` experts of ``token + layer_weight[l] *
-    scale[i] * context`` (``context_logits`` with no rows: the token's logits alone)."""
+    scale[i] * context`` (``context_logits`` with no rows: the token's logits alone) with
+    ``layer_bonus[l]`` for the experts of ``last[i, l]`` (int [n, L, k'], or no rows: none)."""
     n = token_logits.shape[0]
     n_layers = layer_weight.size
     n_experts = token_logits.shape[1] // n_layers
@@ -73,38 +103,57 @@ def top_k_experts(token_logits, context_logits, scale, layer_weight, k):
     best = np.empty(k)
     for i in range(n):
         for layer in range(n_layers):
-            base = layer * n_experts
             w = layer_weight[layer] * scale[i] if with_context else 0.0
-            for x in range(n_experts):
-                row[x] = token_logits[i, base + x]
-                if with_context:
-                    row[x] += w * context_logits[i, base + x]
+            _row(token_logits, context_logits, i, layer * n_experts, w, last, layer_bonus[layer], layer, row)
             _select(row, k, out[i, layer], best)
     return out
 
 
 @njit(cache=True)
-def count_right(token_logits, context_logits, scale, candidates, true, right):
-    """Add to ``right[c, l]`` how many of the nodes' true experts (``true`` int [n, L, k], -1 for an
-    unknown slot) the top-k at context weight ``candidates[c]`` names at layer l."""
+def _count(token_logits, context_logits, scale, weights, last, bonuses, true, right, row, chosen, best):
+    """Add to ``right[c, l]`` the true experts named by the top-k at context weight
+    ``weights[c, l]`` and bonus ``bonuses[c, l]``."""
     n, n_layers, k = true.shape
-    n_experts = token_logits.shape[1] // n_layers
-    row = np.empty(n_experts)
-    chosen = np.empty(k, dtype=np.int64)
-    best = np.empty(k)
-    for c in range(candidates.size):
+    n_experts = row.size
+    for c in range(weights.shape[0]):
         for i in range(n):
-            w = candidates[c] * scale[i]
             for layer in range(n_layers):
-                base = layer * n_experts
-                for x in range(n_experts):
-                    row[x] = token_logits[i, base + x] + w * context_logits[i, base + x]
+                w = weights[c, layer] * scale[i] if context_logits.shape[0] > 0 else 0.0
+                _row(token_logits, context_logits, i, layer * n_experts, w, last, bonuses[c, layer], layer, row)
                 _select(row, k, chosen, best)
                 for s in range(k):
                     for t in range(k):
                         if true[i, layer, t] == chosen[s]:
                             right[c, layer] += 1
                             break
+
+
+@njit(cache=True)
+def count_right(token_logits, context_logits, scale, layer_weight, last, layer_bonus, weight_candidates,
+                bonus_candidates, true, right_weight, right_bonus):
+    """The online choice's counts, one coordinate at a time: add to ``right_weight[c, l]`` how many
+    of the nodes' true experts (``true`` int [n, L, k], -1 for an unknown slot) the top-k names at
+    context weight ``weight_candidates[c]`` with each layer's current bonus, and to
+    ``right_bonus[c, l]`` the same at bonus ``bonus_candidates[c]`` with each layer's current
+    context weight."""
+    n_layers = layer_weight.size
+    n_experts = token_logits.shape[1] // n_layers
+    k = true.shape[2]
+    row = np.empty(n_experts)
+    chosen = np.empty(k, dtype=np.int64)
+    best = np.empty(k)
+    weights = np.empty((weight_candidates.size, n_layers))
+    bonuses = np.empty((weight_candidates.size, n_layers))
+    for c in range(weight_candidates.size):
+        weights[c] = weight_candidates[c]
+        bonuses[c] = layer_bonus
+    _count(token_logits, context_logits, scale, weights, last, bonuses, true, right_weight, row, chosen, best)
+    weights = np.empty((bonus_candidates.size, n_layers))
+    bonuses = np.empty((bonus_candidates.size, n_layers))
+    for c in range(bonus_candidates.size):
+        weights[c] = layer_weight
+        bonuses[c] = bonus_candidates[c]
+    _count(token_logits, context_logits, scale, weights, last, bonuses, true, right_bonus, row, chosen, best)
 
 
 @njit(cache=True)
@@ -122,14 +171,16 @@ def host_logits(embed, columns, tokens, context):
 
 
 @njit(cache=True)
-def predict_host(embed, columns, tokens, context, layer_weight, k):
+def predict_host(embed, columns, tokens, context, layer_weight, last, layer_bonus, k):
     """:func:`top_k_experts` of :func:`host_logits`: the router predictor's whole step."""
     token_logits, context_logits, scale = host_logits(embed, columns, tokens, context)
-    return top_k_experts(token_logits, context_logits, scale, layer_weight, k)
+    return top_k_experts(token_logits, context_logits, scale, layer_weight, last, layer_bonus, k)
 
 
 @njit(cache=True)
-def count_host(embed, columns, tokens, context, candidates, true, right):
+def count_host(embed, columns, tokens, context, layer_weight, last, layer_bonus, weight_candidates, bonus_candidates,
+               true, right_weight, right_bonus):
     """:func:`count_right` of :func:`host_logits`."""
     token_logits, context_logits, scale = host_logits(embed, columns, tokens, context)
-    count_right(token_logits, context_logits, scale, candidates, true, right)
+    count_right(token_logits, context_logits, scale, layer_weight, last, layer_bonus, weight_candidates,
+                bonus_candidates, true, right_weight, right_bonus)
