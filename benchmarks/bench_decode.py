@@ -116,6 +116,19 @@ def main(argv: list[str] | None = None) -> None:
             hog.wait()
 
 
+def run_as_arm(argv: list[str], patches: dict) -> bool:
+    """The child side of an A/B benchmark that runs this one in fresh processes (``bench_noise.py``,
+    ``bench_router.py``): ``--run-arm ARM -- ARGS`` applies ``patches[ARM]`` (when there is one)
+    in this process, then runs :func:`main` with ARGS. False when ``argv`` is not a child's."""
+    if argv[:1] != ["--run-arm"]:
+        return False
+    arm, rest = argv[1], argv[3:]
+    if arm in patches:
+        patches[arm]()
+    main(rest)
+    return True
+
+
 def run_benchmark(args) -> None:
     load_before = os.getloadavg()
 

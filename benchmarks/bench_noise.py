@@ -57,13 +57,9 @@ def one_run(arm: str, bench_args: list[str]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--run-arm"]:                  # a child: undo the fixes if asked, run bench_decode
-        arm, rest = argv[1], argv[3:]
-        if arm == "old":
-            undo_noise_fixes()
-        import bench_decode
+    import bench_decode
 
-        bench_decode.main(rest)
+    if bench_decode.run_as_arm(argv, {"old": undo_noise_fixes}):     # a child: undo the fixes if asked, run bench_decode
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=4, help="new/old pairs, alternating")

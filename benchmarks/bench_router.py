@@ -59,13 +59,9 @@ def summary(run_dir: Path, policy: str) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--run-arm"]:                  # a child: undo the bonus if asked, run bench_decode
-        arm, rest = argv[1], argv[3:]
-        if arm == "none":
-            without_bonus()
-        import bench_decode
+    import bench_decode
 
-        bench_decode.main(rest)
+    if bench_decode.run_as_arm(argv, {"none": without_bonus}):     # a child: undo the bonus if asked, run bench_decode
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--pairs", type=int, default=2)
