@@ -10,9 +10,9 @@ __all__ = ["warm_up"]
 def warm_up() -> float:
     """Load (or, the first time after an install or an edit, compile) the kernels a live decoder
     calls every cycle: a tree's checks, mask and accepted path, the search, SpecFit's per-level
-    decision, ``evaluate``, the cycle's union accounting, the slot precision, the router
-    predictor's selection and the cache's admits, so that no timed cycle pays for it. Returns the
-    seconds it took."""
+    decision and what a cycle teaches it, ``evaluate``, the cycle's union accounting, the slot
+    precision, the router predictor's selection, the cache's admits and the KV compaction, so that
+    no timed cycle pays for it. Returns the seconds it took."""
     import time
 
     import numpy as np
@@ -38,7 +38,14 @@ def warm_up() -> float:
     for levels in range(2):
         policy.keep_drafting(view.truncated(levels))
     policy.select(view.truncated(1))
+    from .policy_base import Observation
+
+    policy.observe(Observation(tree=tree, verified=np.array([0, 1]), verdicts=np.array([6, 0]), draft_levels=1,
+                               misses=1, predicted_misses=1, root_misses=0, root_predicted_misses=0))
     tree.accepted_path(np.array([6, 0, 0]))
+    from .runtime.acceptance import greedy_accept
+
+    greedy_accept(tree, np.array([0, 1]), np.array([6, 0]))
     tree.attention_mask(np.array([0, 1]), prefix_len=2)
     from . import kernels
     from .experts.predictors import slots_right
@@ -46,13 +53,19 @@ def warm_up() -> float:
     from .search import packed
 
     kernels.evaluate.union_accounting(experts, np.array([0, 1]), experts[:2], packed(cached))
+    kernels.bitsets.count_missing(experts, 0, packed(cached))      # the root's misses
     slots_right(experts, experts)
     import torch
 
     router = RouterPredictor(embed=torch.zeros(8, 4), router_weight=torch.ones(1, 2, 4), top_k=1, min_nodes=1,
                              batch_nodes=1)
-    router.predict(NodeBatch(tokens=np.array([1, 2]), last_known=None, context=torch.ones(2, 4)))
+    # the decoder hands every node the last committed token's routing as a read-only broadcast
+    # (one row of it, the root's, is passed on as it is: a read-only array to the kernel)
+    last_known = np.broadcast_to(np.zeros((1, 1), dtype=np.int64), (4, 1, 1))
+    for n, known in ((2, None), (2, last_known[:2]), (1, last_known[:1])):
+        router.predict(NodeBatch(tokens=np.arange(1, n + 1), last_known=known, context=torch.ones(n, 4)))
     router.update(np.array([1]), np.zeros((1, 1, 1), dtype=np.int64), 2, context=torch.ones(1, 4))
+    kernels.kv.compact(np.zeros((2, 4, 8), dtype=np.uint8), 1, np.array([0, 2]))
     cache = ExpertCache(1, 2, 1)
     cache.admit(~cached)
     cache.admit_layer(0, np.array([1]))

@@ -119,8 +119,8 @@ class SpecFitPolicy(Policy):
         self._istate = np.zeros(d.N_ISTATE, dtype=np.int64)
         self._recent_p = np.zeros(_RECENT_FIRST)
         self._recent_w = np.zeros(_RECENT_FIRST, dtype=np.int64)
-        self._best: Selection | None = None
-        self._previous: Selection | None = None
+        self._best: tuple | None = None       # this cycle's best so far, as the kernel answers it
+        self._previous: tuple | None = None
         self._levels = -1
         self._cost_key = None
         self._cost = None
@@ -219,13 +219,15 @@ class SpecFitPolicy(Policy):
         experts, cached = validated(tree, view.experts, view.cached, view.cost, levels)
         price = self._price_once(view)
         previous = self._previous if self._levels == levels else self._best
-        start, prev_tokens, prev_s = ((_NO_NODES, 0.0, 0.0) if previous is None else
-                                      (previous.nodes, previous.expected_tokens, previous.time_s))
-        status, go_on, nodes, tokens, time_s, hits, misses = kernels.decide.decide_level(
+        # a level's best stays the kernel's raw answer (nodes, tokens, time, hits, misses, levels,
+        # price) until select() makes the one Selection of the cycle
+        start, prev_tokens, prev_s = (_NO_NODES, 0.0, 0.0) if previous is None else previous[:3]
+        status, go_on, *best = kernels.decide.decide_level(
             np.array(tree.parents), np.array(tree.path_probs), experts, packed(cached), cached.shape[1],
             self._params, levels, *self.state, start, prev_tokens, prev_s)
-        best = kernel_selection(status, tree, experts, cached, levels, price, nodes, tokens, time_s, hits, misses)
-        self._previous, self._best, self._levels = previous, best, levels
+        if status != kernels.search.OK:
+            kernel_selection(status, tree, experts, cached, levels, price, *best)   # words the error
+        self._previous, self._best, self._levels = previous, (*best, levels, price), levels
         return bool(go_on)
 
     def select(self, view: CycleView) -> Selection:
@@ -234,8 +236,11 @@ class SpecFitPolicy(Policy):
         if self._levels != view.draft_levels or self._best is None:
             price = self._price_once(view)
             self._previous = self._best
-            start = None if self._previous is None else self._previous.nodes
-            self._best = best_subtree(view.tree, view.experts, view.cached, view.cost, view.draft_levels, start=start,
-                                      draft_node_s=price)
+            start = None if self._previous is None else self._previous[0]
+            best = best_subtree(view.tree, view.experts, view.cached, view.cost, view.draft_levels, start=start,
+                                draft_node_s=price)
+            self._best = (best.nodes, best.expected_tokens, best.time_s, best.hits, best.misses, best.draft_levels, price)
             self._levels = view.draft_levels
-        return self._best
+        nodes, tokens, time_s, hits, misses, levels, price = self._best
+        return Selection(nodes=nodes, expected_tokens=float(tokens), time_s=float(time_s), hits=int(hits),
+                         misses=int(misses), draft_levels=int(levels), price_s=price * (nodes.size - 1))

@@ -10,6 +10,7 @@ from runtime_fixtures import (FAMILIES, N_LAYERS, TOP_K, VOCAB, load_reference, 
                               shard_checkpoint)
 from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
 from specfit.runtime.loader import load_model
+from specfit.runtime.decoder import greedy_verdicts
 from specfit.runtime.model import causal_mask
 from specfit.tree import DraftTree
 
@@ -174,12 +175,13 @@ def test_kv_compaction_continues_like_the_linear_sequence(model_dirs, family):
     assert (after - expected).abs().max().item() <= 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64, torch.bfloat16])
 def test_kv_compaction_moves_the_kept_entries_of_every_layer(model_dirs, dtype):
     """Every layer's keys and values at the kept slots move to the slots after the committed ones,
     the entries already in place stay, the committed ones are untouched: checked slot by slot
-    against copies taken before, on the host's numpy copy (float32) and on the one torch tensor
-    that holds every layer (bfloat16, which numpy cannot view)."""
+    against copies taken before, by the compiled kernel on the host's bytes (float32, float16,
+    float64) and on the one torch tensor that holds every layer (bfloat16, which numpy cannot
+    view)."""
     model = _ours(model_dirs("qwen3_moe"), dtype=dtype, max_seq_len=32)
     generator = torch.Generator().manual_seed(5)
     caches = [layer.self_attn.kv_cache for layer in model.layers]
@@ -195,6 +197,26 @@ def test_kv_compaction_moves_the_kept_entries_of_every_layer(model_dirs, dtype):
         for i, kept in enumerate(keep):
             assert torch.equal(cache.k[:, committed + i], k[:, committed + kept])
             assert torch.equal(cache.v[:, committed + i], v[:, committed + kept])
+
+
+@pytest.mark.parametrize("keep, message", [([0, 3, 2], "ascending"), ([1, 1], "ascending"), ([-1, 2], "within"),
+                                            ([0, 40], "within")])
+def test_kv_compaction_rejects_keep_it_cannot_move_and_moves_nothing(model_dirs, keep, message):
+    model = _ours(model_dirs("qwen3_moe"), max_seq_len=32)
+    cache = model.layers[0].self_attn.kv_cache
+    cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(1)))
+    before = cache.k.clone()
+    with pytest.raises(ValueError, match=message):
+        model.compact_kv(4, np.array(keep))
+    assert torch.equal(cache.k, before)
+
+
+def test_greedy_verdicts_are_torch_argmax_ties_to_the_first():
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (64, 50), generator=generator).float()    # many ties
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        got = greedy_verdicts(logits.to(dtype))
+        assert got.dtype == np.int64 and got.tolist() == logits.to(dtype).argmax(dim=-1).tolist()
 
 
 def test_causal_mask_is_a_linear_continuation():

@@ -259,3 +259,36 @@ def test_the_decoder_reports_what_each_cycle_revealed(checkpoints):
         nodes, accepted = edge_outcomes(obs)
         # the committed draft tokens are exactly the accepted edges on the verified path
         assert int(accepted[np.isin(nodes, stats.verification.nodes)].sum()) == stats.committed_tokens - 1
+
+
+def _compiled_signatures() -> dict:
+    """kernel name -> the argument types numba has compiled it for, in this process."""
+    import importlib
+
+    from numba.core.registry import CPUDispatcher
+
+    from specfit import kernels
+
+    out = {}
+    for name in kernels._MODULES:
+        module = importlib.import_module(f"specfit.kernels.{name}")
+        for attr, value in vars(module).items():
+            if isinstance(value, CPUDispatcher) and value.__module__ == module.__name__:
+                out[f"{name}.{attr}"] = set(value.signatures)
+    return out
+
+
+def test_a_live_decode_after_the_warm_up_compiles_nothing(checkpoints):
+    """Every kernel a live cycle calls is loaded by the warm-up with the argument types the cycle
+    passes (read-only tree arrays, the KV cache's bytes, ...): otherwise a timed cycle compiles."""
+    from specfit.kernel_warmup import warm_up
+
+    model, drafter = load(*checkpoints["qwen3_moe"], cache_experts=2)
+    warm_up()
+    before = _compiled_signatures()
+    for spec in ("ar", "eagle3:12:3", "specfit"):
+        decoder = speculative_decoder(model, drafter, make_policy(spec), COST, tree_top_k=3)
+        decoder.generate(prompts()[2], NEW_TOKENS, ignore_eos=True)
+    after = _compiled_signatures()
+    new = {k: sorted(map(str, v - before.get(k, set()))) for k, v in after.items() if v - before.get(k, set())}
+    assert new == {}, "\n".join(f"{k}: {v}" for k, v in new.items())

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from core_helpers import ancestors_or_self, core_settings, depths, is_closed, parents_st, probs_st
 from specfit import DraftTree
+from specfit.runtime.acceptance import greedy_accept
 
 #         0
 #       /   \
@@ -223,6 +224,10 @@ def test_accepted_path_matches_a_brute_force_walk(case, data):
             break
         path.append(nxt[0])
     assert tree.accepted_path(verdicts, nodes).tolist() == path
+    # the decoder's form: verdicts known at the verified nodes only, the bonus token with the path
+    rows = np.arange(n) if nodes is None else np.array(nodes, dtype=np.int64)
+    got, bonus = greedy_accept(tree, rows, verdicts[rows].astype(np.int64))
+    assert got.tolist() == path and bonus == verdicts[path[-1]]
 
 
 # --------------------------------------------------------------------------- bad input

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["check_tree", "accepted_path", "tree_mask"]
+__all__ = ["check_tree", "accepted_path", "greedy_path", "tree_mask"]
 
 
 @njit(cache=True)
@@ -54,6 +54,22 @@ def accepted_path(parents, depth, tokens, verdicts, base, n, inside, ok, out):
         out[i] = v
         v = parents[base + v]
     return size
+
+
+@njit(cache=True)
+def greedy_path(parents, depth, tokens, nodes, verdicts):
+    """(path, bonus) of greedy acceptance when the target's verdicts ``verdicts[i]`` are known at
+    ``nodes[i]`` only (the verified nodes, with the root): :func:`accepted_path` among them, then
+    the verdict at the path's last node."""
+    n = parents.size
+    full = np.full(n, -1, dtype=np.int64)
+    inside = np.zeros(n, dtype=np.bool_)
+    for i in range(nodes.size):
+        full[nodes[i]] = verdicts[i]
+        inside[nodes[i]] = True
+    out = np.empty(n, dtype=np.int64)
+    size = accepted_path(parents, depth, tokens, full, 0, n, inside, np.empty(n, dtype=np.bool_), out)
+    return out[:size], full[out[size - 1]]
 
 
 @njit(cache=True)

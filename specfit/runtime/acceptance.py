@@ -36,15 +36,8 @@ def greedy_accept(tree: DraftTree, nodes: np.ndarray, verdicts: np.ndarray) -> t
     the tree's compiled rule is called without :meth:`DraftTree.accepted_path`'s checks."""
     from .. import kernels
 
-    n = tree.n_nodes
-    full = np.full(n, -1, dtype=np.int64)
-    full[nodes] = verdicts
-    inside = np.zeros(n, dtype=bool)
-    inside[nodes] = True
-    out = np.empty(n, dtype=np.int64)
-    size = kernels.tree.accepted_path(tree.parents, tree.depth, tree.tokens, full, 0, n, inside, np.empty(n, dtype=bool),
-                                      out)
-    return out[:size], int(full[out[size - 1]])
+    path, bonus = kernels.tree.greedy_path(tree.parents, tree.depth, tree.tokens, nodes, verdicts)
+    return path, int(bonus)
 
 
 def sample_accept(tree: DraftTree, nodes: np.ndarray, logits: torch.Tensor, temperature: float,

@@ -48,7 +48,7 @@ from .model import MoETransformer, causal_mask
 from .cycle import Commit, CycleStats, DecodeResult, Draft, Verification
 from .offload import OffloadCounters
 
-__all__ = ["Decoder", "device_now", "device_clock", "charged_misses", "DecodeResult", "Draft", "Verification", "Commit", "CycleStats"]
+__all__ = ["Decoder", "device_now", "device_clock", "charged_misses", "greedy_verdicts", "DecodeResult", "Draft", "Verification", "Commit", "CycleStats"]
 
 
 # the arrays of a tree that is its root alone (shared: the tree holds read-only views of them)
@@ -279,7 +279,7 @@ class Decoder:
             out = self.model(tree.tokens[nodes], tree.positions(self.cache_len, nodes), torch.from_numpy(mask))
         finally:
             self.model.offload.keep = None
-        verdicts = out.logits.argmax(dim=-1).cpu().numpy()
+        verdicts = greedy_verdicts(out.logits)
         verify_time_s = self._now() - start
         return Verification(nodes=nodes, verdicts=verdicts, logits=out.logits, expert_ids=out.expert_ids,
                             hidden=out.hidden, offload=out.offload, verify_time_s=verify_time_s,
@@ -377,7 +377,7 @@ class Decoder:
         if draft.last_known is None:          # once per cycle: the routing every node's prediction sees
             draft.last_known = self._last_known
             draft.last_known_rows = np.broadcast_to(self._last_known, (self._max_nodes,) + self._last_known.shape)
-        if context is not None and context.device.type == "cpu":
+        if context is not None and context.is_cpu:
             context = context.numpy()         # a view: predictors read host contexts as arrays
         if self.drafter_context:      # kept for the predictor's update (a probe of the drafter's state)
             draft.contexts.append(np.full((n, self.model.config.hidden_size), np.nan, dtype=np.float32)
@@ -401,6 +401,15 @@ class Decoder:
 
     def _is_eos(self, token: int, ignore_eos: bool) -> bool:
         return not ignore_eos and token in self.eos_token_ids
+
+
+def greedy_verdicts(logits: torch.Tensor) -> np.ndarray:
+    """int64 [T]: the target's greedy token at each row of ``logits`` [T, V] (the first of tied
+    maxima, as ``torch.argmax``), on the host. Host logits numpy reads in place: its argmax over a
+    [20, 2048] block takes ~6 us where torch's dispatch takes ~100."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        return logits.numpy().argmax(axis=-1)
+    return logits.argmax(dim=-1).cpu().numpy()
 
 
 def charged_misses(expert_ids: np.ndarray, cached: np.ndarray, before=None) -> np.ndarray:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import kernels
 from .config import ModelConfig, default_capture_layers
 from .dense import DenseMLP, SharedExpert
 from .devices import to_host, upload
@@ -267,7 +268,10 @@ class MoETransformer(nn.Module):
             for a, storage in zip(attention, self._kv_storage):
                 a.kv_cache = KVCache(n_kv_heads, max_seq_len, head_dim, self.dtype, self.device, storage=storage)
             if self.device.type == "cpu" and self.dtype in (torch.float32, torch.float16, torch.float64):
-                self._kv_host = self._kv_storage.numpy()      # the same memory, as numpy sees it
+                # the same memory as bytes [layers x 2 x kv heads, slots, bytes per slot], which
+                # one compiled kernel compacts for any element type
+                host = self._kv_storage.numpy()
+                self._kv_host = host.reshape(-1, max_seq_len, head_dim).view(np.uint8)
         else:
             for a in attention:
                 a.kv_cache = a.make_kv_cache(max_seq_len, self.dtype, self.device)
@@ -381,10 +385,22 @@ class MoETransformer(nn.Module):
         return torch.zeros(attn_mask.shape, dtype=self.dtype, device=self.device).masked_fill(
             ~attn_mask, torch.finfo(self.dtype).min)
 
-    @torch.inference_mode()
     def compact_kv(self, cache_len: int, keep) -> None:
         """Keep the new tokens ``keep`` (indices into the last pass's T tokens, ascending) at
         slots ``cache_len .. cache_len + len(keep) - 1``; later slots become free."""
+        if self._kv_host is not None and not (isinstance(keep, torch.Tensor) and keep.device.type != "cpu"):
+            # on the host: one compiled call checks and moves every layer's entries in place
+            # (numpy's or torch's indexing costs 5-10x more at these sizes)
+            status = kernels.kv.compact(self._kv_host, int(cache_len), self._host_or_device(keep, np.int64))
+            if status != kernels.kv.OK:
+                raise ValueError("keep: expected ascending indices of the new tokens" if status == kernels.kv.NOT_ASCENDING
+                                 else f"keep: expected indices of the new tokens within the cache's {self.max_seq_len} "
+                                      f"slots after cache_len {cache_len}")
+            return
+        self._compact_kv_tensors(cache_len, keep)
+
+    @torch.inference_mode()
+    def _compact_kv_tensors(self, cache_len: int, keep) -> None:
         keep = self._host_or_device(keep, np.int64)
         if isinstance(keep, np.ndarray):
             if keep.size > 1 and not (keep[1:] > keep[:-1]).all():
@@ -394,11 +410,7 @@ class MoETransformer(nn.Module):
             first = int(np.count_nonzero(keep == np.arange(keep.size)))
             if first == keep.size:
                 return
-            start, source = cache_len + first, keep[first:] + cache_len
-            if self._kv_host is not None:     # on the host: one numpy copy (torch's dispatch costs more here)
-                self._kv_host[:, :, :, start:start + source.size] = self._kv_host[:, :, :, source]
-                return
-            slots = upload(source, self.device)
+            start, slots = cache_len + first, upload(keep[first:] + cache_len, self.device)
         else:
             if not bool((keep[1:] > keep[:-1]).all()):
                 raise ValueError("keep: expected ascending indices of the new tokens")
