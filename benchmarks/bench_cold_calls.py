@@ -4,7 +4,8 @@ The live decoder's bookkeeping runs between the drafter's and the target's passe
 core's caches with weights and torch's own code. This decodes the bundled model with ``specfit``
 and, right after every target pass, times one call of each kind (the order rotating per cycle, so
 that no kind is always first); then the same calls in a warm loop. Prints medians in microseconds:
-why the decoder's bookkeeping is counted in calls, and why torch's calls cost the most there.
+why the decoder's bookkeeping is counted in calls, and why torch's calls cost the most there. The
+last rows are two of the decoder's own steps the old way and the way it takes them now.
 
     python benchmarks/bench_cold_calls.py
 """
@@ -41,7 +42,21 @@ def main() -> None:
     def ten_arrays(a, b, c, d, e, f, g, h, i, j):
         return a[0]
 
+    from specfit import kernels
+
     ints = np.zeros(20, dtype=np.int64)
+    # a verification's logits (15 nodes x the bundled vocabulary) and the bundled model's KV cache
+    # [layers, 2, kv heads, slots, head dim], whose accepted path (5 entries) moves in a compaction
+    logits = torch.randn(15, 2048)
+    kv = np.random.default_rng(0).random((4, 2, 2, 300, 32), dtype=np.float32)
+    kv_bytes = kv.reshape(-1, 300, 32).view(np.uint8)
+    keep = np.array([0, 1, 3, 6, 9])
+
+    def compact_by_indexing():            # the decoder's compaction before stop 26
+        first = int(np.count_nonzero(keep == np.arange(keep.size)))
+        start, source = 100 + first, keep[first:] + 100
+        kv[:, :, :, start:start + source.size] = kv[:, :, :, source]
+
     calls = {
         "a Python function": lambda: len(ints),
         "np.zeros(20)": lambda: np.zeros(20),
@@ -51,6 +66,10 @@ def main() -> None:
         "numba, 10 arrays": lambda: ten_arrays(ints, ints, ints, ints, ints, ints, ints, ints, ints, ints),
         "torch.from_numpy": lambda: torch.from_numpy(ints),
         "torch add of 3": lambda: torch.ones(3) + 1,
+        "verdicts: torch argmax of [15, 2048]": lambda: logits.argmax(dim=-1).cpu().numpy(),
+        "verdicts: numpy argmax of the same": lambda: logits.numpy().argmax(axis=-1),
+        "KV compaction by numpy indexing": compact_by_indexing,
+        "KV compaction, compiled (kernels.kv)": lambda: kernels.kv.compact(kv_bytes, 100, keep),
     }
     for call in calls.values():
         call()                                    # compiled and loaded before anything is timed
