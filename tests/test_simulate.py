@@ -268,6 +268,47 @@ def test_prefetch_never_moves_more_than_the_drafted_levels_carry(sample):
     assert c["prefetched"].sum() > 0
 
 
+@pytest.mark.parametrize("spec", ["specfit+cache+prefetch", "specfit+usage+prefetch", "chain:2+cache+prefetch",
+                                  "static:6+cache+prefetch", "ar+usage"])
+@pytest.mark.parametrize("predictor", ["true", "poor"])
+def test_compiled_lever_replay_equals_the_loop_through_the_lever_objects(spec, predictor):
+    """The compiled levers (kernels.levers in the replay kernels) and the Python loop that runs the
+    DraftLookahead / DraftPrefetch objects (forced by record_unions) give the same columns (the
+    prefetched copies included), committed tokens, cache state and counters, advisor use record,
+    prefetch carry and policy state, with a cache small enough that keep and prefetch both act."""
+    trace = read_trace(SAMPLE_OLMOE)
+    experts = trace.true_experts if predictor == "true" else np.roll(trace.true_experts, 1, axis=0)
+    prep = prepare("oracle" if predictor == "true" else "parent", trace, experts)
+    cost = preset_profile("gh200", SHAPES.get(trace.model["name"])).cost
+    runs = []
+    for python_loop in (False, True):
+        policy = make_policy(spec)
+        policy.observe(Observation(predicted_slots=100, predicted_slots_right=60, resident_share=0.25))
+        cache = ExpertCache(trace.n_layers, trace.n_experts, 16)
+        log = replay(prep, policy, cache, cost, record_unions=python_loop)
+        runs.append((log, cache, policy))
+    (a, cache_a, pol_a), (b, cache_b, pol_b) = runs
+    assert len(a) == len(b) > 0
+    for name, column in a.columns.items():
+        np.testing.assert_array_equal(column, b.columns[name], err_msg=name)
+    for x, y in zip(a.committed, b.committed):
+        np.testing.assert_array_equal(x, y)
+    for x, y in zip(cache_a.kernel_state(), cache_b.kernel_state()):
+        np.testing.assert_array_equal(x, y)
+    np.testing.assert_array_equal(cache_a.prefetched, cache_b.prefetched)
+    np.testing.assert_array_equal(pol_a.cache_advisor.usage_, pol_b.cache_advisor.usage_)
+    if pol_a.prefetcher is not None:
+        assert pol_a.prefetcher._carry == pol_b.prefetcher._carry
+        assert a.columns["prefetched"].sum() == cache_a.prefetched.sum() > 0
+    for x, y in zip(getattr(pol_a, "state", ()), getattr(pol_b, "state", ())):
+        np.testing.assert_array_equal(x, y)
+    # the keep priorities acted: the same run without the advisor evicts differently
+    plain = make_policy(spec.split("+")[0] + ("+prefetch" if pol_a.prefetcher is not None else ""))
+    plain.observe(Observation(predicted_slots=100, predicted_slots_right=60, resident_share=0.25))
+    other = replay(prep, plain, ExpertCache(trace.n_layers, trace.n_experts, 16), cost)
+    assert not np.array_equal(other.columns["misses"][:len(a)], a.columns["misses"][:len(other)])
+
+
 @pytest.mark.parametrize("build", [
     lambda: make_policy("specfit"),
     lambda: SpecFitPolicy(8, price_uncertainty="precision", lookahead="optimistic"),
@@ -275,7 +316,7 @@ def test_prefetch_never_moves_more_than_the_drafted_levels_carry(sample):
     lambda: SpecFitPolicy(8, overhead_level_s=2e-4),
 ], ids=["default", "precision-optimistic", "plain-3-levels", "overhead"])
 def test_specfit_compiled_replay_equals_its_policy_driven_level_by_level(build):
-    """The compiled SpecFit replay (kernels.decide.decide_cycle in the replay kernel) and the loop
+    """The compiled SpecFit replay (kernels.replay.decide_cycle over kernels.decide's rules) and the loop
     that drives the policy object level by level (``choose``, as live; forced by record_unions)
     decide alike, cycle for cycle, and leave the policy in the same state, with predicted experts
     and a cache, so that the observed price and the level-0 test both act."""

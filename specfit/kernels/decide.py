@@ -4,8 +4,9 @@ rule with its look-ahead, the final selection, and what a verified cycle teaches
 The rules are those documented in :mod:`specfit.specfit_policy`, whose
 :class:`~specfit.specfit_policy.SpecFitPolicy` holds the state in the arrays these update in place
 and calls :func:`decide_level` once per drafted level (the live decoder's case), while the replay
-(:mod:`.replay`) calls :func:`decide_cycle` and :func:`observe_cycle` for a whole cycle without
-leaving compiled code. One implementation serves both drivers.
+(:mod:`.replay`) runs the same level loop over a whole cycle (``decide_cycle`` there, with the
+prefetch lever between levels) and :func:`observe_cycle` without leaving compiled code. One
+implementation serves both drivers.
 
 State (arrays owned by the policy):
 
@@ -31,7 +32,7 @@ from .levels import expected_children, level_nodes, optimistic_children, stats_u
 from .search import OK, best_subtree, better
 from .tree import check_tree
 
-__all__ = ["node_price", "precision_price", "first_level_may_pay", "next_level_may_pay", "decide_level", "select_level", "decide_cycle", "observe_cycle"]
+__all__ = ["node_price", "precision_price", "first_level_may_pay", "next_level_may_pay", "decide_level", "select_level", "observe_cycle"]
 
 MAX_LEVELS, LOOKAHEAD, FIRST_LEVEL_TEST, PRICE, MIN_OBSERVED = range(5)
 NONE, EXPECTED, OPTIMISTIC = 0, 1, 2
@@ -171,41 +172,6 @@ def decide_level(parents, probs, experts, cached_bits, n_experts, params, d, con
         go = next_level_may_pay(parents, probs, experts, cached_bits, n_experts, params, d, conf, price, acceptance,
                                 new_experts, new_is_share, seen, width, nodes, tokens, time_s)
     return status, go, nodes, tokens, time_s, hits, misses
-
-
-@njit(cache=True)
-def decide_cycle(parents, path_probs, level_probs, experts, level_sizes, cached_bits, n_experts, params, conf, fstate,
-                 istate, recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width):
-    """One whole cycle on an already drafted tree (the replay's case; ``choose`` over
-    :func:`decide_level`): levels 0, 1, ... until the rule stops or the tree ends, then the
-    selection at the levels drafted. ``level_sizes[d]``: nodes within ``d`` levels; a tree cut
-    at fewer levels than drafted has the probabilities ``level_probs``, the full one ``path_probs``.
-    Returns ``(status, draft_levels, nodes, tokens, time_s, hits, misses)``."""
-    deepest = level_sizes.size - 1
-    n_layers, top_k = experts.shape[1], experts.shape[2]
-    fstate[NODE_PRICE] = node_price(conf, fstate, istate, n_layers, top_k, params[3], params[4])
-    prev_nodes, prev_tokens, prev_s, prev_hits, prev_misses = np.zeros(0, dtype=np.int64), 0.0, 0.0, 0, 0
-    levels = 0
-    searched = -1
-    while levels < deepest and levels < conf[MAX_LEVELS]:
-        n = level_sizes[levels]
-        status, go, nodes, tokens, time_s, hits, misses = decide_level(
-            parents[:n], level_probs[:n], experts[:n], cached_bits, n_experts, params, levels, conf, fstate,
-            istate, recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width, prev_nodes, prev_tokens,
-            prev_s)
-        if status != OK:
-            return status, levels, nodes, tokens, time_s, hits, misses
-        prev_nodes, prev_tokens, prev_s, prev_hits, prev_misses, searched = nodes, tokens, time_s, hits, misses, levels
-        if not go:
-            break
-        levels += 1
-    if searched == levels:
-        return OK, levels, prev_nodes, prev_tokens, prev_s, prev_hits, prev_misses
-    n = level_sizes[levels]
-    probs = path_probs if levels == deepest else level_probs
-    status, nodes, tokens, time_s, hits, misses = select_level(parents[:n], probs[:n], experts[:n], cached_bits,
-                                                               n_experts, params, levels, fstate, prev_nodes)
-    return status, levels, nodes, tokens, time_s, hits, misses
 
 
 @njit(cache=True)

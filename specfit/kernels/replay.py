@@ -8,6 +8,9 @@ and, per cycle, the tree's size within each number of drafted levels and the ful
 path. The decisions compiled here are those of :mod:`specfit.policies`'s ``ar``, ``chain:K``,
 rerank (``eagle3``, ``static:N``) and ``oracle``, on the same arrays the Python policies see;
 SpecFit's (:func:`replay_specfit`) are :mod:`.decide`'s, the code its policy object calls live.
+Both loops run the levers compiled too (:mod:`.levers`: the draft's look-ahead ``keep`` for the
+cache's evictions, prefetch before each drafted level, the advisor's use record), as the Python
+loop of :mod:`specfit.simulate.replay` runs them through the lever objects.
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ from numba import njit
 
 from .bitsets import count_missing, popcount
 from .cache import admit_cycle
-from .decide import decide_cycle, observe_cycle
+from .decide import MAX_LEVELS, NODE_PRICE, OK, decide_level, node_price, observe_cycle, select_level
 from .evaluate import cycle_time, expected_tokens, union_of_ids
+from .levers import ADVISOR, CARRY, PREFETCH, keep_priorities, observe_union, prefetch_level
 from .tree import accepted_path
 
 __all__ = ["AR", "CHAIN", "RERANK", "ORACLE", "INT_COLUMNS", "FLOAT_COLUMNS", "accepted_paths", "commit_cycle",
@@ -156,13 +160,19 @@ def _commit_scratch(offsets, bits, config):
 def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parents, depth, tokens, verdicts,
                     true_experts, predicted_experts, path_probs, level_probs, level_offsets, level_sizes,
                     path_offsets, paths, sequence_starts, params, bits, score, count, slots, n_used, clock,
-                    counters, config, int_cols, float_cols, tokens_out, tokens_per_sequence):
+                    counters, config, link_params, lconf, lf, usage, layer_prefetched, prefetched, int_cols, float_cols,
+                    tokens_out, tokens_per_sequence):
     """Replay every sequence with a compiled policy (``kind`` one of AR, CHAIN, RERANK, ORACLE;
-    ``total_nodes`` the rerank's N, ``max_levels`` the levels it drafts). Returns the number of
-    cycles run (the columns' length)."""
+    ``total_nodes`` the rerank's N, ``max_levels`` the levels it drafts) and the levers of
+    ``lconf`` (:mod:`.levers`, not with the oracle). Returns the number of cycles run (the
+    columns' length)."""
     max_nodes, no_keep, selected, true_union, predicted_union, cached, admitted, evicted, cand_score, cand_slot = \
         _commit_scratch(offsets, bits, config)
     n_layers, words = bits.shape
+    top_k = predicted_experts.shape[2]
+    levers = lconf[ADVISOR] != 0 or lconf[PREFETCH] != 0
+    cycle_parents = np.empty(max_nodes if levers else 0, dtype=np.int64)
+    cycle_experts = np.empty((max_nodes if levers else 0, n_layers, top_k), dtype=np.int64)
     nodes = np.empty(max_nodes, dtype=np.int64)
     ok = np.empty(max_nodes, dtype=np.bool_)
     path = np.empty(max_nodes, dtype=np.int64)
@@ -188,6 +198,23 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
             for layer in range(n_layers):
                 for w in range(words):
                     cached[layer, w] = bits[layer, w]
+            if levers:
+                for v in range(n):
+                    cycle_parents[v] = parents[base + v]
+                    for layer in range(n_layers):
+                        for slot in range(top_k):
+                            cycle_experts[v, layer, slot] = predicted_experts[base + v, layer, slot]
+            copied = 0
+            if lconf[PREFETCH]:
+                # before each level the policy drafts, on the tree so far (prefetch_level refreshes
+                # the residency the selection below is evaluated on)
+                lf[CARRY] = 0.0
+                for d in range(levels):
+                    m = level_sizes[level_offsets[c] + d]
+                    copied += prefetch_level(cycle_parents[:m], level_probs[base:base + m], cycle_experts[:m],
+                                             config[2], lconf, lf, usage,
+                                             link_params, bits, score, count, slots, n_used, clock, counters, config,
+                                             cached, layer_prefetched)
             if kind == ORACLE:
                 # the best prefix of the accepted path by true throughput; it commits all of it
                 size = accepted_path(parents, depth, tokens, verdicts, base, n, everywhere, ok, path)
@@ -255,10 +282,14 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
                                                                     cached, params, levels, true_union, scratch)
             record_decision(int_cols, float_cols, row, s, c - sequence_starts[s], sel_levels, sel_hits, sel_misses,
                             sel_s, sel_tokens)
+            keep = _commit_keep(cycle_parents, path_probs[base:base + n], level_probs[base:base + n], cycle_experts, n,
+                                deepest, levels, nodes[:n_sel], config[2], lconf, lf, usage, no_keep)
             k, n_out = commit_cycle(c, nodes, n_sel, same_union, union_ready, offsets, depth, tokens, verdicts,
                                     true_experts, predicted_experts, path_offsets, paths, bits, score, count, slots,
-                                    n_used, clock, counters, config, no_keep, selected, true_union, predicted_union,
+                                    n_used, clock, counters, config, keep, selected, true_union, predicted_union,
                                     admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
+            observe_union(true_union, config[2], lconf, lf, usage)
+            prefetched[row] = copied
             row += 1
             c += k
         tokens_per_sequence[s] = n_out - first_token
@@ -266,15 +297,71 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
 
 
 @njit(cache=True)
+def decide_cycle(parents, path_probs, level_probs, experts, level_sizes, cached_bits, n_experts, params, conf, fstate,
+                 istate, recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width, link_params, lconf, lf,
+                 usage, bits, score, count, slots, n_used, clock, counters, config, layer_prefetched):
+    """SpecFit's whole cycle on an already drafted tree (``choose`` over
+    :func:`.decide.decide_level`): levels 0, 1, ... until the rule stops or the tree ends, then the
+    selection at the levels drafted. ``level_sizes[d]``: nodes within ``d`` levels; a tree cut at
+    fewer levels than drafted has the probabilities ``level_probs``, the full one ``path_probs``.
+    With the prefetch lever on (``lconf``), each level the rule asks for is preceded by
+    :func:`.levers.prefetch_level` on the tree so far (``link_params``: the cost model whose link
+    time it fills), which refreshes ``cached_bits``. Returns ``(status, draft_levels, nodes,
+    tokens, time_s, hits, misses, experts copied)``."""
+    deepest = level_sizes.size - 1
+    n_layers, top_k = experts.shape[1], experts.shape[2]
+    fstate[NODE_PRICE] = node_price(conf, fstate, istate, n_layers, top_k, params[3], params[4])
+    prev_nodes, prev_tokens, prev_s, prev_hits, prev_misses = np.zeros(0, dtype=np.int64), 0.0, 0.0, 0, 0
+    levels = 0
+    searched = -1
+    copied = 0
+    while levels < deepest and levels < conf[MAX_LEVELS]:
+        n = level_sizes[levels]
+        status, go, nodes, tokens, time_s, hits, misses = decide_level(
+            parents[:n], level_probs[:n], experts[:n], cached_bits, n_experts, params, levels, conf, fstate,
+            istate, recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width, prev_nodes, prev_tokens,
+            prev_s)
+        if status != OK:
+            return status, levels, nodes, tokens, time_s, hits, misses, copied
+        prev_nodes, prev_tokens, prev_s, prev_hits, prev_misses, searched = nodes, tokens, time_s, hits, misses, levels
+        if not go:
+            break
+        if lconf[PREFETCH]:
+            copied += prefetch_level(parents[:n], level_probs[:n], experts[:n], n_experts, lconf, lf, usage, link_params,
+                                     bits, score, count, slots, n_used, clock, counters, config, cached_bits,
+                                     layer_prefetched)
+        levels += 1
+    if searched == levels:
+        return OK, levels, prev_nodes, prev_tokens, prev_s, prev_hits, prev_misses, copied
+    n = level_sizes[levels]
+    probs = path_probs if levels == deepest else level_probs
+    status, nodes, tokens, time_s, hits, misses = select_level(parents[:n], probs[:n], experts[:n], cached_bits,
+                                                               n_experts, params, levels, fstate, prev_nodes)
+    return status, levels, nodes, tokens, time_s, hits, misses, copied
+
+
+@njit(cache=True)
+def _commit_keep(parents, path_probs, level_probs, experts, n, deepest, levels, nodes, n_experts, lconf, lf, usage,
+                 no_keep):
+    """The cache advisor's keep for a cycle's commit (the tree of the ``levels`` drafted, ``n``
+    nodes, after verifying ``nodes``), or ``no_keep`` without an advisor."""
+    if not lconf[ADVISOR]:
+        return no_keep
+    probs = path_probs if levels == deepest else level_probs
+    return keep_priorities(parents[:n], probs[:n], experts[:n], nodes, n_experts, lconf, lf, usage)
+
+
+@njit(cache=True)
 def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true_experts, predicted_experts,
                    path_probs, level_probs, level_offsets, level_sizes, path_offsets, paths, sequence_starts, n_experts,
                    params, conf, fstate, istate, recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width,
-                   bits, score, count, slots, n_used, clock, counters, config, int_cols, float_cols, tokens_out,
-                   tokens_per_sequence):
-    """Replay every sequence with SpecFit's rules (:func:`.decide.decide_cycle` on each cycle's
-    tree with its predicted experts and the residency at the cycle's start, then the commit and
-    :func:`.decide.observe_cycle`), the policy's state arrays updated in place. Returns the number
-    of cycles run; ``status`` errors of the search end the replay early with ``-1 - status``."""
+                   bits, score, count, slots, n_used, clock, counters, config, link_params, lconf, lf, usage,
+                   layer_prefetched, prefetched, int_cols, float_cols, tokens_out, tokens_per_sequence):
+    """Replay every sequence with SpecFit's rules (:func:`decide_cycle` on each cycle's tree with
+    its predicted experts and the residency at the cycle's start, then the commit and
+    :func:`.decide.observe_cycle`), the policy's state arrays updated in place, and the levers of
+    ``lconf`` (:mod:`.levers`; ``prefetched[row]`` the experts each cycle copied ahead). Returns the
+    number of cycles run; ``status`` errors of the search end the replay early with ``-1 - status``."""
     max_nodes, no_keep, selected, true_union, predicted_union, cached, admitted, evicted, cand_score, cand_slot = \
         _commit_scratch(offsets, bits, config)
     n_layers, words = bits.shape
@@ -297,10 +384,13 @@ def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true
             for layer in range(n_layers):
                 for w in range(words):
                     cached[layer, w] = bits[layer, w]
-            status, levels, nodes, sel_tokens, sel_s, sel_hits, sel_misses = decide_cycle(
-                cycle_parents[:n], path_probs[base:base + n], level_probs[base:base + n], cycle_experts[:n],
-                level_sizes[level_offsets[c]:level_offsets[c + 1]], cached, n_experts, params, conf, fstate, istate,
-                recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width)
+            lf[CARRY] = 0.0
+            sizes = level_sizes[level_offsets[c]:level_offsets[c + 1]]
+            status, levels, nodes, sel_tokens, sel_s, sel_hits, sel_misses, copied = decide_cycle(
+                cycle_parents[:n], path_probs[base:base + n], level_probs[base:base + n], cycle_experts[:n], sizes,
+                cached, n_experts, params, conf, fstate, istate, recent_p, recent_w, acceptance, new_experts,
+                new_is_share, seen, width, link_params, lconf, lf, usage, bits, score, count, slots, n_used, clock,
+                counters, config, layer_prefetched)
             if status != 0:
                 return -1 - status
             # what the root's true and predicted experts miss against the residency the policy saw
@@ -308,12 +398,16 @@ def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true
             root_predicted_misses = count_missing(predicted_experts, base, bits)
             record_decision(int_cols, float_cols, row, s, c - sequence_starts[s], levels, sel_hits, sel_misses, sel_s,
                             sel_tokens)
+            keep = _commit_keep(cycle_parents, path_probs[base:base + n], level_probs[base:base + n], cycle_experts,
+                                sizes[levels], sizes.size - 1, levels, nodes, n_experts, lconf, lf, usage, no_keep)
             k, n_out = commit_cycle(c, nodes, nodes.size, same_experts, False, offsets, depth, tokens, verdicts,
                                     true_experts, predicted_experts, path_offsets, paths, bits, score, count, slots,
-                                    n_used, clock, counters, config, no_keep, selected, true_union, predicted_union,
+                                    n_used, clock, counters, config, keep, selected, true_union, predicted_union,
                                     admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
+            observe_union(true_union, n_experts, lconf, lf, usage)
             observe_cycle(fstate, istate, nodes.size, int_cols[MISSES, row], root_misses, sel_misses,
                           root_predicted_misses)
+            prefetched[row] = copied
             row += 1
             c += k
         tokens_per_sequence[s] = n_out - first_token

@@ -13,12 +13,16 @@ Everything that does not depend on the policy is computed once per trace in a
 
 The loop runs compiled (:mod:`specfit.kernels.replay`): entirely for ``ar``, ``chain:K``, the
 rerank policies (``eagle3``, ``static:N``), ``oracle`` and ``specfit`` (whose decisions are
-compiled in :mod:`specfit.kernels.decide`, the code its policy object runs live), when no lever
-and no online acceptance calibrator is attached; for any other policy a Python loop hands the
-policy each cycle's :class:`~specfit.policies.CycleView` and calls the compiled commit (accepted
-prefix, union, cache admit, columns) with its selection. That loop also runs the policy's levers (:data:`specfit.policies.LEVERS`: the cache advisor's keep
-priorities for the admit, the prefetcher's copies while levels are "drafted") and reports each
-cycle to :meth:`~specfit.policies.Policy.observe`, as the live decoder does.
+compiled in :mod:`specfit.kernels.decide`, the code its policy object runs live), with the cache
+and prefetch levers (:data:`specfit.policies.LEVERS` ``+cache``, ``+usage``, ``+prefetch``; their
+rules compiled in :mod:`specfit.kernels.levers`) but not with an online acceptance calibrator,
+and not for the oracle with a lever. For any other policy, and when the unions are recorded, a
+Python loop hands the policy each cycle's :class:`~specfit.policies.CycleView` and calls the
+compiled commit (accepted prefix, union, cache admit, columns) with its selection. That loop runs
+the levers through their objects (the cache advisor's keep priorities for the admit, the
+prefetcher's copies while levels are "drafted") and reports each cycle to
+:meth:`~specfit.policies.Policy.observe`, as the live decoder does; a test checks that the two
+loops give the same columns, cache, advisor and policy state.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ import numpy as np
 from .. import kernels
 from ..costmodel import CostModel
 from ..experts.cache import ExpertCache
+from ..experts.lookahead import DraftLookahead
+from ..experts.prefetch import DraftPrefetch
 from ..policies import ArPolicy, ChainPolicy, CycleView, Observation, OraclePolicy, Policy, RerankPolicy, choose
 from ..search import ROOT_TIME_MESSAGE
 from ..specfit_policy import SpecFitPolicy
@@ -78,11 +84,12 @@ class CycleLog:
 
 def _compiled_rule(policy: Policy) -> tuple[int, int, int] | None:
     """``(kind, total_nodes, max_levels)`` for a policy whose decision the replay kernel makes
-    itself, or None. Exact classes only (a subclass may decide differently), and no lever."""
+    itself, or None. Exact classes only (a subclass may decide differently); the oracle with no
+    lever."""
     k = kernels.replay
-    if policy.cache_advisor is not None or policy.prefetcher is not None:
-        return None
     kind = type(policy)
+    if kind is OraclePolicy and (policy.cache_advisor is not None or policy.prefetcher is not None):
+        return None
     if kind is ArPolicy:
         return k.AR, 0, 0
     if kind is ChainPolicy:
@@ -109,31 +116,36 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
     tokens_out = np.zeros(n + int(prep.depths.max(initial=0)) + 1, dtype=np.int64)
     bounds = np.r_[prep.first_cycles, n].astype(np.int64)
     per_sequence = np.zeros(bounds.size - 1, dtype=np.int64)
-    rule = None if record_unions else _compiled_rule(policy)
-    compiled_specfit = (not record_unions and type(policy) is SpecFitPolicy and policy.acceptance is None
-                        and policy.cache_advisor is None and policy.prefetcher is None)
+    levers = None if record_unions else lever_state(policy, cache)
+    rule = None if levers is None else _compiled_rule(policy)
+    compiled_specfit = levers is not None and type(policy) is SpecFitPolicy and policy.acceptance is None
     unions: list[np.ndarray] | None = [] if record_unions else None
     prefetched = np.zeros(n, dtype=np.int64)
+    if rule is not None or compiled_specfit:
+        layer_prefetched = np.zeros(trace.n_layers, dtype=np.int64)
+        lever_args = (cost.params, *levers, layer_prefetched, prefetched)
     if rule is not None:
         rows = kernels.replay.replay_compiled(
             *rule, prep.predicted_is_true, prep.offsets, prep.parents, prep.depths, prep.tokens, prep.verdicts,
             prep.true_experts, prep.predicted_experts, prep.path_probs, prep.level_probs, prep.level_offsets,
             prep.level_sizes, prep.path_offsets, prep.paths, bounds, cost.params, *cache.kernel_state(),
-            int_cols, float_cols, tokens_out, per_sequence)
+            *lever_args, int_cols, float_cols, tokens_out, per_sequence)
     elif compiled_specfit:
         # the policy's state arrays are updated in place, as its own calls would update them
         rows = kernels.replay.replay_specfit(
             prep.predicted_is_true, prep.offsets, prep.parents, prep.depths, prep.tokens, prep.verdicts,
             prep.true_experts, prep.predicted_experts, prep.path_probs, prep.level_probs, prep.level_offsets,
             prep.level_sizes, prep.path_offsets, prep.paths, bounds, trace.n_experts,
-            policy._priced_cost(cost).params, *policy.state, *cache.kernel_state(), int_cols, float_cols, tokens_out,
-            per_sequence)
+            policy._priced_cost(cost).params, *policy.state, *cache.kernel_state(), *lever_args, int_cols, float_cols,
+            tokens_out, per_sequence)
         if rows < 0:
             raise ValueError(ROOT_TIME_MESSAGE if -1 - rows == kernels.search.ROOT_TIME else
                              "trace: a predicted expert id is out of range for the trace's experts")
     else:
         rows = _replay_python(prep, policy, cache, cost, bounds, int_cols, float_cols, tokens_out, per_sequence,
                               prefetched, unions)
+    if rule is not None or compiled_specfit:
+        _return_lever_state(policy, cache, levers, layer_prefetched)
     cols = {name: int_cols[i, :rows] for i, name in enumerate(kernels.replay.INT_COLUMNS)}
     cols.update({name: float_cols[i, :rows] for i, name in enumerate(kernels.replay.FLOAT_COLUMNS)})
     cols = {name: cols[name] for name in CYCLE_COLUMNS}
@@ -145,6 +157,41 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
     cols["bytes_h2d"] = (cols["misses"] + cols["prefetched"]) * trace.expert_bytes
     committed = np.split(tokens_out[:int(per_sequence.sum())], np.cumsum(per_sequence)[:-1])
     return CycleLog(columns=cols, committed=committed, unions=unions)
+
+
+def lever_state(policy: Policy, cache: ExpertCache) -> tuple | None:
+    """``(lconf, lf, usage)`` of :mod:`specfit.kernels.levers` for the policy's cache advisor and
+    prefetcher (none: the levers off), or None when one of them is not a lever the compiled replay
+    runs (an exact :class:`DraftLookahead` / :class:`DraftPrefetch`)."""
+    lv = kernels.levers
+    advisor, prefetcher = policy.cache_advisor, policy.prefetcher
+    if (advisor is not None and type(advisor) is not DraftLookahead) or \
+            (prefetcher is not None and type(prefetcher) is not DraftPrefetch):
+        return None
+    lconf, lf = np.zeros(lv.N_LCONF, dtype=np.int64), np.zeros(lv.N_LF)
+    usage = np.zeros((cache.n_layers, cache.n_experts))
+    if advisor is not None:
+        lconf[lv.ADVISOR], lconf[lv.USE_DRAFT] = 1, int(advisor.use_draft)
+        lf[[lv.DECAY, lv.MIN_WEIGHT, lv.USAGE_WEIGHT, lv.USAGE_MEMORY]] = (
+            advisor.decay, advisor.min_weight, advisor.usage_weight, advisor.usage_memory)
+        if advisor.usage_ is not None and advisor.usage_.shape == usage.shape:
+            usage[:] = advisor.usage_
+            lconf[lv.USAGE_SEEN] = 1
+    if prefetcher is not None:
+        lconf[lv.PREFETCH] = 1
+        lf[[lv.EFFICIENCY, lv.MIN_NEED, lv.CARRY]] = prefetcher.efficiency_, prefetcher.min_need, prefetcher._carry
+    return lconf, lf, usage
+
+
+def _return_lever_state(policy: Policy, cache: ExpertCache, levers: tuple, layer_prefetched: np.ndarray) -> None:
+    """What the compiled replay changed in the levers' arrays, back into their objects."""
+    lv = kernels.levers
+    lconf, lf, usage = levers
+    if policy.cache_advisor is not None and lconf[lv.USAGE_SEEN]:
+        policy.cache_advisor.usage_ = usage
+    if policy.prefetcher is not None:
+        policy.prefetcher._carry = float(lf[lv.CARRY])
+    cache.prefetched += layer_prefetched
 
 
 def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostModel, bounds, int_cols,

@@ -1,0 +1,178 @@
+"""The replay's levers compiled: the draft's look-ahead ``keep`` priorities, the prefetch into a
+drafted level's link time, and the advisor's record of each expert's recent use. The rules are
+those of :class:`specfit.experts.lookahead.DraftLookahead`, :class:`specfit.experts.prefetch.DraftPrefetch`
+and :meth:`specfit.experts.cache.ExpertCache.prefetch`, which the live decoder and the replay's
+Python loop call; the compiled replay (:mod:`.replay`) calls these on the same arrays instead, and
+a test checks the two loops give the same columns, cache state and advisor state.
+
+State (arrays the replay passes, built by :func:`specfit.simulate.replay.lever_state`):
+
+* ``lconf`` int64: :data:`ADVISOR` (a cache advisor is on), :data:`USE_DRAFT` (its keep reads the
+  draft), :data:`PREFETCH` (a prefetcher is on), :data:`USAGE_SEEN` (the advisor has observed a
+  union: its use record counts);
+* ``lf`` float64: the advisor's :data:`DECAY`, :data:`MIN_WEIGHT`, :data:`USAGE_WEIGHT`,
+  :data:`USAGE_MEMORY`; the prefetcher's :data:`EFFICIENCY`, :data:`MIN_NEED` and the
+  :data:`CARRY` of a level's fractional budget within a cycle;
+* ``usage`` float64 ``[L, E]``: the advisor's exponential average of each expert's use per cycle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from .bitsets import ONE, popcount
+from .cache import MISSES, HITS, STREAMED, admit_row, worth_a_slot
+from .lookahead import add_per_expert, need_priority, next_token_weights
+
+__all__ = ["ADVISOR", "USE_DRAFT", "PREFETCH", "USAGE_SEEN", "DECAY", "MIN_WEIGHT", "USAGE_WEIGHT", "USAGE_MEMORY",
+           "EFFICIENCY", "MIN_NEED", "CARRY", "N_LCONF", "N_LF", "keep_priorities", "prefetch_level",
+           "observe_union"]
+
+ADVISOR, USE_DRAFT, PREFETCH, USAGE_SEEN = range(4)
+DECAY, MIN_WEIGHT, USAGE_WEIGHT, USAGE_MEMORY, EFFICIENCY, MIN_NEED, CARRY = range(7)
+N_LCONF, N_LF = 4, 7
+_ROOT = np.zeros(1, dtype=np.int64)
+
+
+@njit(cache=True)
+def keep_priorities(parents, probs, experts, selected, n_experts, lconf, lf, usage):
+    """float ``[L, E]``: :meth:`DraftLookahead.keep` of the tree (``parents``, path ``probs``, the
+    predicted ``experts`` of its nodes) after verifying ``selected``."""
+    n, n_layers = experts.shape[0], experts.shape[1]
+    use_draft = lconf[USE_DRAFT] != 0
+    draft = np.zeros((n_layers, n_experts))
+    if use_draft and n > 1:
+        weight = next_token_weights(parents, probs, selected, lf[DECAY])
+        floor = max(lf[MIN_WEIGHT], 1e-12)
+        count = 0
+        for v in range(n):
+            count += weight[v] >= floor
+        if count:
+            nodes = np.empty(count, dtype=np.int64)
+            log_miss = np.empty(count)
+            j = 0
+            for v in range(n):
+                if weight[v] >= floor:
+                    nodes[j] = v
+                    log_miss[j] = math.log1p(-min(weight[v], 1 - 1e-12))
+                    j += 1
+            acc = add_per_expert(experts, nodes, log_miss, n_experts)
+            for layer in range(n_layers):
+                for e in range(n_experts):
+                    draft[layer, e] = -math.expm1(acc[layer * n_experts + e])
+    if lf[USAGE_WEIGHT] == 0 or lconf[USAGE_SEEN] == 0:
+        return draft
+    out = np.empty((n_layers, n_experts))
+    for layer in range(n_layers):
+        for e in range(n_experts):
+            u = lf[USAGE_WEIGHT] * usage[layer, e]
+            out[layer, e] = 1 - (1 - draft[layer, e]) * (1 - u) if use_draft else u
+    return out
+
+
+@njit(cache=True)
+def _budget(lf, params):
+    """:meth:`DraftPrefetch.budget`: experts one drafted level carries (``params``: the cost
+    model's, draft level first, hit and miss last); the fraction left carries over."""
+    transfer_s = max(params[4] - params[3], 0.0)
+    if transfer_s <= 0 or lf[EFFICIENCY] <= 0:
+        return 0
+    total = lf[CARRY] + lf[EFFICIENCY] * params[0] / transfer_s
+    n = int(math.floor(total + 1e-9))
+    lf[CARRY] = total - n
+    return n
+
+
+@njit(cache=True)
+def prefetch_level(parents, probs, experts, n_experts, lconf, lf, usage, params, bits, score, count, slots, n_used,
+                   clock, counters, config, cached, layer_prefetched):
+    """Before a level is drafted on the tree so far: :meth:`DraftPrefetch.plan` (with the
+    advisor's keep of the tree, the root selected) and :meth:`ExpertCache.prefetch` of the plan.
+    ``cached`` (the residency the policy decides with, as words) is refreshed after a copy;
+    ``layer_prefetched[L]`` counts the copies. Returns the number of experts copied."""
+    n_layers = experts.shape[1]
+    need = need_priority(probs, experts, n_experts)
+    priority = need.copy()
+    if lconf[ADVISOR]:
+        keep = keep_priorities(parents, probs, experts, _ROOT, n_experts, lconf, lf, usage)
+        for layer in range(n_layers):
+            for e in range(n_experts):
+                priority[layer, e] = max(need[layer, e], keep[layer, e])
+    budget = _budget(lf, params)
+    if budget == 0:
+        return 0
+    # the most needed first; among equals the earlier layer (needed first in the pass)
+    n_cand = 0
+    cand = np.empty(n_layers * n_experts, dtype=np.int64)
+    for layer in range(n_layers):
+        for e in range(n_experts):
+            if need[layer, e] >= lf[MIN_NEED] and not (cached[layer, e >> 6] >> np.uint64(e & 63)) & ONE:
+                cand[n_cand] = layer * n_experts + e
+                n_cand += 1
+    if n_cand == 0 or config[3] == 0:
+        return 0
+    neg = np.empty(n_cand)
+    for i in range(n_cand):
+        neg[i] = -need[cand[i] // n_experts, cand[i] % n_experts]
+    order = np.argsort(neg, kind="mergesort")
+    mask = np.zeros((n_layers, n_experts), dtype=np.bool_)
+    for i in range(min(budget, n_cand)):
+        c = cand[order[i]]
+        mask[c // n_experts, c % n_experts] = True
+    # ExpertCache.prefetch: the wanted experts that outrank the slot each would take, copied
+    resident = np.zeros((n_layers, n_experts), dtype=np.bool_)
+    want = np.zeros((n_layers, n_experts), dtype=np.bool_)
+    for layer in range(n_layers):
+        for e in range(n_experts):
+            resident[layer, e] = (bits[layer, e >> 6] >> np.uint64(e & 63)) & ONE
+            want[layer, e] = mask[layer, e] and not resident[layer, e]
+    worth = worth_a_slot(want, mask, resident, priority, config[3], config[0] == 0)
+    words = bits.shape[1]
+    union = np.zeros((n_layers, words), dtype=np.uint64)
+    for layer in range(n_layers):
+        for e in range(n_experts):
+            if (want[layer, e] and worth[layer, e]) or (mask[layer, e] and resident[layer, e]):
+                union[layer, e >> 6] |= ONE << np.uint64(e & 63)
+    kept = np.empty((3, n_layers), dtype=np.int64)     # a prefetch is no hit, miss or stream
+    for layer in range(n_layers):
+        kept[0, layer], kept[1, layer], kept[2, layer] = counters[HITS, layer], counters[MISSES, layer], \
+            counters[STREAMED, layer]
+    capacity = max(config[3], 1)
+    evicted = np.empty(capacity, dtype=np.int64)
+    cand_score = np.empty(capacity, dtype=np.int64)
+    cand_slot = np.empty(capacity, dtype=np.int64)
+    admitted = np.empty(words, dtype=np.uint64)
+    clock[0] += 1
+    copied = 0
+    for layer in range(n_layers):
+        admit_row(layer, union[layer], bits, score, count, slots, n_used, clock, counters, config, priority, admitted,
+                  evicted, 0, cand_score, cand_slot)
+        n = 0
+        for w in range(words):
+            n += popcount(admitted[w])
+        layer_prefetched[layer] += n
+        copied += n
+    for layer in range(n_layers):
+        counters[HITS, layer], counters[MISSES, layer], counters[STREAMED, layer] = kept[0, layer], kept[1, layer], \
+            kept[2, layer]
+    for layer in range(n_layers):
+        for w in range(words):
+            cached[layer, w] = bits[layer, w]
+    return copied
+
+
+@njit(cache=True)
+def observe_union(union, n_experts, lconf, lf, usage):
+    """:meth:`DraftLookahead.observe` of a cycle's true union (words ``[L, words]``)."""
+    if not lconf[ADVISOR]:
+        return
+    memory = lf[USAGE_MEMORY]
+    for layer in range(usage.shape[0]):
+        for e in range(n_experts):
+            used = 1.0 if (union[layer, e >> 6] >> np.uint64(e & 63)) & ONE else 0.0
+            usage[layer, e] *= memory
+            usage[layer, e] += (1 - memory) * used
+    lconf[USAGE_SEEN] = 1
