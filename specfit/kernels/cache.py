@@ -78,17 +78,20 @@ def _smallest_first(keys, values, n, k):
 
 @njit(cache=True)
 def _lowest_keep_first(keep, n_experts, global_mode, layer, row_slots, cand_score, cand_slot, n_cand):
-    """Reorder the candidates (``cand_score`` / ``cand_slot[:n_cand]``) by ascending (keep, score)."""
-    order = np.argsort(cand_score[:n_cand])            # scores are unique
+    """Reorder the candidates (``cand_score`` / ``cand_slot[:n_cand]``) by ascending (keep, score)
+    (scores are unique, so the order is total): an insertion sort, as there are at most C."""
     keys = np.empty(n_cand, dtype=np.float64)
     for i in range(n_cand):
-        held = row_slots[cand_slot[order[i]]]
+        held = row_slots[cand_slot[i]]
         owner, e = (held // n_experts, held % n_experts) if global_mode else (layer, held)
         keys[i] = keep[owner, e]
-    by_keep = order[np.argsort(keys, kind="mergesort")]   # stable: equal keeps stay in score order
-    scores, slots = cand_score[by_keep], cand_slot[by_keep]
-    for i in range(n_cand):
-        cand_score[i], cand_slot[i] = scores[i], slots[i]
+    for i in range(1, n_cand):
+        key, score, slot = keys[i], cand_score[i], cand_slot[i]
+        j = i - 1
+        while j >= 0 and (keys[j] > key or (keys[j] == key and cand_score[j] > score)):
+            keys[j + 1], cand_score[j + 1], cand_slot[j + 1] = keys[j], cand_score[j], cand_slot[j]
+            j -= 1
+        keys[j + 1], cand_score[j + 1], cand_slot[j + 1] = key, score, slot
 
 
 @njit(cache=True)
@@ -315,6 +318,8 @@ def worth_a_slot(want, mask, resident, keep, capacity, per_layer):
             used += res[i]
             n_cand += w[i]
             n_victims += res[i] and not m[i]
+        if n_cand == 0:
+            continue
         cand = np.empty(n_cand, dtype=np.int64)
         victims = np.empty(n_victims, dtype=np.float64)
         a = b = 0

@@ -62,7 +62,8 @@ def keep_priorities(parents, probs, experts, selected, n_experts, lconf, lf, usa
             acc = add_per_expert(experts, nodes, log_miss, n_experts)
             for layer in range(n_layers):
                 for e in range(n_experts):
-                    draft[layer, e] = -math.expm1(acc[layer * n_experts + e])
+                    if acc[layer * n_experts + e] != 0:      # (numpy's -expm1(0) is -0.0: the same keep)
+                        draft[layer, e] = -math.expm1(acc[layer * n_experts + e])
     if lf[USAGE_WEIGHT] == 0 or lconf[USAGE_SEEN] == 0:
         return draft
     out = np.empty((n_layers, n_experts))
@@ -114,14 +115,18 @@ def prefetch_level(parents, probs, experts, n_experts, lconf, lf, usage, params,
                 n_cand += 1
     if n_cand == 0 or config[3] == 0:
         return 0
-    neg = np.empty(n_cand)
-    for i in range(n_cand):
-        neg[i] = -need[cand[i] // n_experts, cand[i] % n_experts]
-    order = np.argsort(neg, kind="mergesort")
+    # the budget's first candidates in (-need, item) order, picked one by one (a budget is a few)
     mask = np.zeros((n_layers, n_experts), dtype=np.bool_)
-    for i in range(min(budget, n_cand)):
-        c = cand[order[i]]
+    flat = need.ravel()
+    for _ in range(min(budget, n_cand)):
+        best = -1
+        for i in range(n_cand):
+            c = cand[i]
+            if c >= 0 and (best < 0 or flat[c] > flat[cand[best]]):
+                best = i
+        c = cand[best]
         mask[c // n_experts, c % n_experts] = True
+        cand[best] = -1
     # ExpertCache.prefetch: the wanted experts that outrank the slot each would take, copied
     resident = np.zeros((n_layers, n_experts), dtype=np.bool_)
     want = np.zeros((n_layers, n_experts), dtype=np.bool_)
