@@ -38,9 +38,16 @@ _ROOT = np.zeros(1, dtype=np.int64)
 
 
 @njit(cache=True)
-def keep_priorities(parents, probs, experts, selected, n_experts, lconf, lf, usage):
+def _at(where, layer, e):
+    """Whether item (layer, e) is in ``where`` (words ``[L, words]``; no rows: every item)."""
+    return where.shape[0] == 0 or ((where[layer, e >> 6] >> np.uint64(e & 63)) & ONE) != 0
+
+
+@njit(cache=True)
+def keep_priorities(parents, probs, experts, selected, n_experts, lconf, lf, usage, where):
     """float ``[L, E]``: :meth:`DraftLookahead.keep` of the tree (``parents``, path ``probs``, the
-    predicted ``experts`` of its nodes) after verifying ``selected``."""
+    predicted ``experts`` of its nodes) after verifying ``selected``, at the items of ``where``
+    (the ones the cache will read: the resident experts and those it may admit; 0 elsewhere)."""
     n, n_layers = experts.shape[0], experts.shape[1]
     use_draft = lconf[USE_DRAFT] != 0
     draft = np.zeros((n_layers, n_experts))
@@ -62,13 +69,16 @@ def keep_priorities(parents, probs, experts, selected, n_experts, lconf, lf, usa
             acc = add_per_expert(experts, nodes, log_miss, n_experts)
             for layer in range(n_layers):
                 for e in range(n_experts):
-                    if acc[layer * n_experts + e] != 0:      # (numpy's -expm1(0) is -0.0: the same keep)
+                    # (numpy's -expm1(0) is -0.0: the same keep)
+                    if acc[layer * n_experts + e] != 0 and _at(where, layer, e):
                         draft[layer, e] = -math.expm1(acc[layer * n_experts + e])
     if lf[USAGE_WEIGHT] == 0 or lconf[USAGE_SEEN] == 0:
         return draft
-    out = np.empty((n_layers, n_experts))
+    out = np.zeros((n_layers, n_experts))
     for layer in range(n_layers):
         for e in range(n_experts):
+            if not _at(where, layer, e):
+                continue
             u = lf[USAGE_WEIGHT] * usage[layer, e]
             out[layer, e] = 1 - (1 - draft[layer, e]) * (1 - u) if use_draft else u
     return out
@@ -91,17 +101,12 @@ def _budget(lf, params):
 def prefetch_level(parents, probs, experts, n_experts, lconf, lf, usage, params, bits, score, count, slots, n_used,
                    clock, counters, config, cached, layer_prefetched):
     """Before a level is drafted on the tree so far: :meth:`DraftPrefetch.plan` (with the
-    advisor's keep of the tree, the root selected) and :meth:`ExpertCache.prefetch` of the plan.
+    advisor's keep of the tree, the root selected, computed only where the cache reads it) and
+    :meth:`ExpertCache.prefetch` of the plan.
     ``cached`` (the residency the policy decides with, as words) is refreshed after a copy;
     ``layer_prefetched[L]`` counts the copies. Returns the number of experts copied."""
     n_layers = experts.shape[1]
     need = need_priority(probs, experts, n_experts)
-    priority = need.copy()
-    if lconf[ADVISOR]:
-        keep = keep_priorities(parents, probs, experts, _ROOT, n_experts, lconf, lf, usage)
-        for layer in range(n_layers):
-            for e in range(n_experts):
-                priority[layer, e] = max(need[layer, e], keep[layer, e])
     budget = _budget(lf, params)
     if budget == 0:
         return 0
@@ -128,14 +133,25 @@ def prefetch_level(parents, probs, experts, n_experts, lconf, lf, usage, params,
         mask[c // n_experts, c % n_experts] = True
         cand[best] = -1
     # ExpertCache.prefetch: the wanted experts that outrank the slot each would take, copied
+    words = bits.shape[1]
     resident = np.zeros((n_layers, n_experts), dtype=np.bool_)
     want = np.zeros((n_layers, n_experts), dtype=np.bool_)
+    read = bits.copy()           # the items the priorities are read at: resident or wanted
     for layer in range(n_layers):
         for e in range(n_experts):
             resident[layer, e] = (bits[layer, e >> 6] >> np.uint64(e & 63)) & ONE
             want[layer, e] = mask[layer, e] and not resident[layer, e]
+            if mask[layer, e]:
+                read[layer, e >> 6] |= ONE << np.uint64(e & 63)
+    # DraftPrefetch.plan's priority: this cycle's need, or the advisor's keep (the root selected)
+    # where higher
+    priority = need.copy()
+    if lconf[ADVISOR]:
+        keep = keep_priorities(parents, probs, experts, _ROOT, n_experts, lconf, lf, usage, read)
+        for layer in range(n_layers):
+            for e in range(n_experts):
+                priority[layer, e] = max(need[layer, e], keep[layer, e])
     worth = worth_a_slot(want, mask, resident, priority, config[3], config[0] == 0)
-    words = bits.shape[1]
     union = np.zeros((n_layers, words), dtype=np.uint64)
     for layer in range(n_layers):
         for e in range(n_experts):

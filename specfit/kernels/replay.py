@@ -171,6 +171,7 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
     n_layers, words = bits.shape
     top_k = predicted_experts.shape[2]
     levers = lconf[ADVISOR] != 0 or lconf[PREFETCH] != 0
+    read = np.empty_like(bits)
     cycle_parents = np.empty(max_nodes if levers else 0, dtype=np.int64)
     cycle_experts = np.empty((max_nodes if levers else 0, n_layers, top_k), dtype=np.int64)
     nodes = np.empty(max_nodes, dtype=np.int64)
@@ -283,8 +284,10 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
             record_decision(int_cols, float_cols, row, s, c - sequence_starts[s], sel_levels, sel_hits, sel_misses,
                             sel_s, sel_tokens)
             keep = _commit_keep(cycle_parents, path_probs[base:base + n], level_probs[base:base + n], cycle_experts, n,
-                                deepest, levels, nodes[:n_sel], config[2], lconf, lf, usage, no_keep)
-            k, n_out = commit_cycle(c, nodes, n_sel, same_union, union_ready, offsets, depth, tokens, verdicts,
+                                deepest, levels, nodes[:n_sel], config[2], lconf, lf, usage, no_keep, true_experts,
+                                base, bits, true_union, read)
+            ready = union_ready or lconf[ADVISOR] != 0      # _commit_keep made the true union
+            k, n_out = commit_cycle(c, nodes, n_sel, same_union, ready, offsets, depth, tokens, verdicts,
                                     true_experts, predicted_experts, path_offsets, paths, bits, score, count, slots,
                                     n_used, clock, counters, config, keep, selected, true_union, predicted_union,
                                     admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
@@ -342,13 +345,19 @@ def decide_cycle(parents, path_probs, level_probs, experts, level_sizes, cached_
 
 @njit(cache=True)
 def _commit_keep(parents, path_probs, level_probs, experts, n, deepest, levels, nodes, n_experts, lconf, lf, usage,
-                 no_keep):
+                 no_keep, true_experts, base, bits, true_union, read):
     """The cache advisor's keep for a cycle's commit (the tree of the ``levels`` drafted, ``n``
-    nodes, after verifying ``nodes``), or ``no_keep`` without an advisor."""
+    nodes, after verifying ``nodes``), or ``no_keep`` without an advisor. With one, the true union
+    of ``nodes`` is made here (in ``true_union``: the commit takes it as ready) and the keep is
+    computed where the admit reads it, at the resident experts and the union's."""
     if not lconf[ADVISOR]:
         return no_keep
+    union_of_ids(true_experts, base, nodes, nodes.size, true_union)
+    for layer in range(bits.shape[0]):
+        for w in range(bits.shape[1]):
+            read[layer, w] = bits[layer, w] | true_union[layer, w]
     probs = path_probs if levels == deepest else level_probs
-    return keep_priorities(parents[:n], probs[:n], experts[:n], nodes, n_experts, lconf, lf, usage)
+    return keep_priorities(parents[:n], probs[:n], experts[:n], nodes, n_experts, lconf, lf, usage, read)
 
 
 @njit(cache=True)
@@ -368,6 +377,7 @@ def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true
     top_k = predicted_experts.shape[2]
     cycle_parents = np.empty(max_nodes, dtype=np.int64)
     cycle_experts = np.empty((max_nodes, n_layers, top_k), dtype=np.int64)
+    read = np.empty_like(bits)
     row = 0
     n_out = 0
     for s in range(sequence_starts.size - 1):
@@ -399,8 +409,10 @@ def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true
             record_decision(int_cols, float_cols, row, s, c - sequence_starts[s], levels, sel_hits, sel_misses, sel_s,
                             sel_tokens)
             keep = _commit_keep(cycle_parents, path_probs[base:base + n], level_probs[base:base + n], cycle_experts,
-                                sizes[levels], sizes.size - 1, levels, nodes, n_experts, lconf, lf, usage, no_keep)
-            k, n_out = commit_cycle(c, nodes, nodes.size, same_experts, False, offsets, depth, tokens, verdicts,
+                                sizes[levels], sizes.size - 1, levels, nodes, n_experts, lconf, lf, usage, no_keep,
+                                true_experts, base, bits, true_union, read)
+            ready = lconf[ADVISOR] != 0      # _commit_keep made the true union
+            k, n_out = commit_cycle(c, nodes, nodes.size, same_experts, ready, offsets, depth, tokens, verdicts,
                                     true_experts, predicted_experts, path_offsets, paths, bits, score, count, slots,
                                     n_used, clock, counters, config, keep, selected, true_union, predicted_union,
                                     admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
