@@ -9,8 +9,10 @@ once untimed (numba loads or compiles its kernels, and the Python policies' tree
 kept on the prepared trace), then ``--repeat`` times; the best is reported, as wall clock and as
 the thread's CPU time (which a loaded machine inflates less). Preparing the trace (once per trace)
 is timed separately. Then the goals next to the figures of the code before the compiled replay.
-Every policy but the last replays entirely in compiled code; ``specfit+cache+prefetch`` (the
-look-ahead eviction and the prefetch between levels) runs the Python loop around compiled rules.
+Every policy replays entirely in compiled code, the lever policies too (``specfit+cache+prefetch``:
+the look-ahead eviction and the prefetch between levels; ``chain:1+cache+prefetch`` and
+``ar+usage``, the fixed settings with levers that ``bench_policy.py`` compares SpecFit with), whose
+"before" figures are those of the Python loop that ran them until stop 27.
 ``--profile-policy`` prints the top functions of a cProfile run, to show where the time goes.
 """
 
@@ -36,13 +38,15 @@ from specfit.simulate.replay import prepare, replay  # noqa: E402
 from specfit.traces.format import read_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICIES = ("ar", "chain:4", "eagle3", "static:8", "specfit", "oracle", "specfit+cache+prefetch")
+POLICIES = ("ar", "chain:4", "eagle3", "static:8", "specfit", "oracle", "specfit+cache+prefetch",
+            "chain:1+cache+prefetch", "ar+usage")
 # cycles/s of the replay before the compiled kernels (benchmarks/RESULTS.md, same command, best
 # of 5, one quiet core), and the goals (first bar)
 BEFORE = {"ar": 3442, "chain:4": 2388, "eagle3": 2386, "static:8": 2652, "specfit": 621, "oracle": 2297}
-# the lever policy (look-ahead eviction and prefetch) replays in the Python loop: measured before its
-# look-ahead and prefetch rules were compiled (commit 3d2b12c, same measurement, best of 5, one core)
-BEFORE_LEVERS = {"specfit+cache+prefetch": 380}
+# the lever policies in the Python loop around compiled rules, before the levers were compiled into
+# the replay kernels (commit 898f015, best of 3 on one core, the better of two runs side by side with
+# this code: benchmarks/RESULTS.md "Stop 27")
+BEFORE_LEVERS = {"specfit+cache+prefetch": 730, "chain:1+cache+prefetch": 987, "ar+usage": 3445}
 GOALS = {"eagle3": (20_000, 10_000), "specfit": (5_000, 2_500)}
 
 

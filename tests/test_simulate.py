@@ -273,9 +273,10 @@ def test_prefetch_never_moves_more_than_the_drafted_levels_carry(sample):
 @pytest.mark.parametrize("predictor", ["true", "poor"])
 def test_compiled_lever_replay_equals_the_loop_through_the_lever_objects(spec, predictor):
     """The compiled levers (kernels.levers in the replay kernels) and the Python loop that runs the
-    DraftLookahead / DraftPrefetch objects (forced by record_unions) give the same columns (the
-    prefetched copies included), committed tokens, cache state and counters, advisor use record,
-    prefetch carry and policy state, with a cache small enough that keep and prefetch both act."""
+    DraftLookahead / DraftPrefetch objects (``compiled=False``) give the same columns (the
+    prefetched copies included), committed tokens, recorded unions, cache state and counters,
+    advisor use record, prefetch carry and policy state, with a cache small enough that keep and
+    prefetch both act."""
     trace = read_trace(SAMPLE_OLMOE)
     experts = trace.true_experts if predictor == "true" else np.roll(trace.true_experts, 1, axis=0)
     prep = prepare("oracle" if predictor == "true" else "parent", trace, experts)
@@ -285,13 +286,16 @@ def test_compiled_lever_replay_equals_the_loop_through_the_lever_objects(spec, p
         policy = make_policy(spec)
         policy.observe(Observation(predicted_slots=100, predicted_slots_right=60, resident_share=0.25))
         cache = ExpertCache(trace.n_layers, trace.n_experts, 16)
-        log = replay(prep, policy, cache, cost, record_unions=python_loop)
+        log = replay(prep, policy, cache, cost, record_unions=True, compiled=not python_loop)
         runs.append((log, cache, policy))
     (a, cache_a, pol_a), (b, cache_b, pol_b) = runs
     assert len(a) == len(b) > 0
     for name, column in a.columns.items():
         np.testing.assert_array_equal(column, b.columns[name], err_msg=name)
     for x, y in zip(a.committed, b.committed):
+        np.testing.assert_array_equal(x, y)
+    assert len(a.unions) == len(b.unions) == len(a)
+    for x, y in zip(a.unions, b.unions):
         np.testing.assert_array_equal(x, y)
     for x, y in zip(cache_a.kernel_state(), cache_b.kernel_state()):
         np.testing.assert_array_equal(x, y)
@@ -317,7 +321,7 @@ def test_compiled_lever_replay_equals_the_loop_through_the_lever_objects(spec, p
 ], ids=["default", "precision-optimistic", "plain-3-levels", "overhead"])
 def test_specfit_compiled_replay_equals_its_policy_driven_level_by_level(build):
     """The compiled SpecFit replay (kernels.replay.decide_cycle over kernels.decide's rules) and the loop
-    that drives the policy object level by level (``choose``, as live; forced by record_unions)
+    that drives the policy object level by level (``choose``, as live; ``compiled=False``)
     decide alike, cycle for cycle, and leave the policy in the same state, with predicted experts
     and a cache, so that the observed price and the level-0 test both act."""
     trace = read_trace(SAMPLE_OLMOE)
@@ -327,12 +331,15 @@ def test_specfit_compiled_replay_equals_its_policy_driven_level_by_level(build):
     for python_loop in (False, True):
         policy = build()
         policy.observe(Observation(predicted_slots=100, predicted_slots_right=60, resident_share=0.25))
-        log = replay(prep, policy, ExpertCache(trace.n_layers, trace.n_experts, 16), cost, record_unions=python_loop)
+        log = replay(prep, policy, ExpertCache(trace.n_layers, trace.n_experts, 16), cost, record_unions=True,
+                     compiled=not python_loop)
         logs.append(log)
         states.append([a.copy() for a in policy.state])
     assert len(logs[0]) == len(logs[1]) > 0
     for name, column in logs[0].columns.items():
         np.testing.assert_array_equal(column, logs[1].columns[name], err_msg=name)
+    for x, y in zip(logs[0].unions, logs[1].unions, strict=True):
+        np.testing.assert_array_equal(x, y)
     for a, b in zip(states[0], states[1]):
         np.testing.assert_array_equal(a, b)
     # the rules acted: drafting happened and the observed price was learned

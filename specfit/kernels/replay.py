@@ -141,6 +141,17 @@ def record_decision(int_cols, float_cols, row, sequence, position, draft_levels,
 
 
 @njit(cache=True)
+def _log_union(union_log, row, true_union):
+    """Keep cycle ``row``'s true union (words) in ``union_log[row]`` when the unions are recorded
+    (``union_log`` has a row per cycle; none: not recorded)."""
+    if union_log.shape[0] == 0:
+        return
+    for layer in range(true_union.shape[0]):
+        for w in range(true_union.shape[1]):
+            union_log[row, layer, w] = true_union[layer, w]
+
+
+@njit(cache=True)
 def _commit_scratch(offsets, bits, config):
     """The largest tree's size and the scratch arrays :func:`commit_cycle` takes: the plain
     eviction order (no keep), a node mask, the true and predicted unions, the residency the policy
@@ -160,12 +171,12 @@ def _commit_scratch(offsets, bits, config):
 def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parents, depth, tokens, verdicts,
                     true_experts, predicted_experts, path_probs, level_probs, level_offsets, level_sizes,
                     path_offsets, paths, sequence_starts, params, bits, score, count, slots, n_used, clock,
-                    counters, config, link_params, lconf, lf, usage, layer_prefetched, prefetched, int_cols, float_cols,
-                    tokens_out, tokens_per_sequence):
+                    counters, config, link_params, lconf, lf, usage, layer_prefetched, prefetched, union_log, int_cols,
+                    float_cols, tokens_out, tokens_per_sequence):
     """Replay every sequence with a compiled policy (``kind`` one of AR, CHAIN, RERANK, ORACLE;
     ``total_nodes`` the rerank's N, ``max_levels`` the levels it drafts) and the levers of
-    ``lconf`` (:mod:`.levers`, not with the oracle). Returns the number of cycles run (the
-    columns' length)."""
+    ``lconf`` (:mod:`.levers`, not with the oracle); each cycle's true union goes to
+    ``union_log[row]`` when it has rows. Returns the number of cycles run (the columns' length)."""
     max_nodes, no_keep, selected, true_union, predicted_union, cached, admitted, evicted, cand_score, cand_slot = \
         _commit_scratch(offsets, bits, config)
     n_layers, words = bits.shape
@@ -293,6 +304,7 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
                                     admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
             observe_union(true_union, config[2], lconf, lf, usage)
             prefetched[row] = copied
+            _log_union(union_log, row, true_union)
             row += 1
             c += k
         tokens_per_sequence[s] = n_out - first_token
@@ -365,12 +377,13 @@ def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true
                    path_probs, level_probs, level_offsets, level_sizes, path_offsets, paths, sequence_starts, n_experts,
                    params, conf, fstate, istate, recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width,
                    bits, score, count, slots, n_used, clock, counters, config, link_params, lconf, lf, usage,
-                   layer_prefetched, prefetched, int_cols, float_cols, tokens_out, tokens_per_sequence):
+                   layer_prefetched, prefetched, union_log, int_cols, float_cols, tokens_out, tokens_per_sequence):
     """Replay every sequence with SpecFit's rules (:func:`decide_cycle` on each cycle's tree with
     its predicted experts and the residency at the cycle's start, then the commit and
     :func:`.decide.observe_cycle`), the policy's state arrays updated in place, and the levers of
-    ``lconf`` (:mod:`.levers`; ``prefetched[row]`` the experts each cycle copied ahead). Returns the
-    number of cycles run; ``status`` errors of the search end the replay early with ``-1 - status``."""
+    ``lconf`` (:mod:`.levers`; ``prefetched[row]`` the experts each cycle copied ahead), and each
+    cycle's true union in ``union_log[row]`` when it has rows. Returns the number of cycles run;
+    ``status`` errors of the search end the replay early with ``-1 - status``."""
     max_nodes, no_keep, selected, true_union, predicted_union, cached, admitted, evicted, cand_score, cand_slot = \
         _commit_scratch(offsets, bits, config)
     n_layers, words = bits.shape
@@ -417,6 +430,7 @@ def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true
                                     n_used, clock, counters, config, keep, selected, true_union, predicted_union,
                                     admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
             observe_union(true_union, n_experts, lconf, lf, usage)
+            _log_union(union_log, row, true_union)
             observe_cycle(fstate, istate, nodes.size, int_cols[MISSES, row], root_misses, sel_misses,
                           root_predicted_misses)
             prefetched[row] = copied

@@ -16,8 +16,8 @@ rerank policies (``eagle3``, ``static:N``), ``oracle`` and ``specfit`` (whose de
 compiled in :mod:`specfit.kernels.decide`, the code its policy object runs live), with the cache
 and prefetch levers (:data:`specfit.policies.LEVERS` ``+cache``, ``+usage``, ``+prefetch``; their
 rules compiled in :mod:`specfit.kernels.levers`) but not with an online acceptance calibrator,
-and not for the oracle with a lever. For any other policy, and when the unions are recorded, a
-Python loop hands the policy each cycle's :class:`~specfit.policies.CycleView` and calls the
+and not for the oracle with a lever. For any other policy (and with ``compiled=False``, the
+reference the kernels are tested against) a Python loop hands the policy each cycle's :class:`~specfit.policies.CycleView` and calls the
 compiled commit (accepted prefix, union, cache admit, columns) with its selection. That loop runs
 the levers through their objects (the cache advisor's keep priorities for the admit, the
 prefetcher's copies while levels are "drafted") and reports each cycle to
@@ -102,10 +102,12 @@ def _compiled_rule(policy: Policy) -> tuple[int, int, int] | None:
 
 
 def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostModel,
-           record_unions: bool = False) -> CycleLog:
+           record_unions: bool = False, compiled: bool = True) -> CycleLog:
     """Replay every sequence of ``prep`` through ``policy`` with ``cache`` (mutated: it carries
     state across cycles) and ``cost`` (the policy's cost model). ``record_unions`` keeps each
-    cycle's true union (e.g. for :func:`specfit.experts.belady.belady_counts`)."""
+    cycle's true union (e.g. for :func:`specfit.experts.belady.belady_counts`). ``compiled=False``
+    runs the Python loop through the policy and lever objects even where the kernels could run
+    the whole replay (the reference the kernels are tested against; slower, same results)."""
     trace = prep.trace
     if (cache.n_layers, cache.n_experts) != (trace.n_layers, trace.n_experts):
         raise ValueError(f"cache: expected {trace.n_layers} layers x {trace.n_experts} experts to match the trace, "
@@ -116,14 +118,15 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
     tokens_out = np.zeros(n + int(prep.depths.max(initial=0)) + 1, dtype=np.int64)
     bounds = np.r_[prep.first_cycles, n].astype(np.int64)
     per_sequence = np.zeros(bounds.size - 1, dtype=np.int64)
-    levers = None if record_unions else lever_state(policy, cache)
+    levers = lever_state(policy, cache) if compiled else None
     rule = None if levers is None else _compiled_rule(policy)
     compiled_specfit = levers is not None and type(policy) is SpecFitPolicy and policy.acceptance is None
     unions: list[np.ndarray] | None = [] if record_unions else None
     prefetched = np.zeros(n, dtype=np.int64)
     if rule is not None or compiled_specfit:
         layer_prefetched = np.zeros(trace.n_layers, dtype=np.int64)
-        lever_args = (cost.params, *levers, layer_prefetched, prefetched)
+        union_log = np.zeros((n if record_unions else 0, trace.n_layers, (trace.n_experts + 63) // 64), dtype=np.uint64)
+        lever_args = (cost.params, *levers, layer_prefetched, prefetched, union_log)
     if rule is not None:
         rows = kernels.replay.replay_compiled(
             *rule, prep.predicted_is_true, prep.offsets, prep.parents, prep.depths, prep.tokens, prep.verdicts,
@@ -146,6 +149,8 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
                               prefetched, unions)
     if rule is not None or compiled_specfit:
         _return_lever_state(policy, cache, levers, layer_prefetched)
+        if record_unions:
+            unions = [np.flatnonzero(kernels.bitsets.unpack(union_log[r], trace.n_experts)) for r in range(rows)]
     cols = {name: int_cols[i, :rows] for i, name in enumerate(kernels.replay.INT_COLUMNS)}
     cols.update({name: float_cols[i, :rows] for i, name in enumerate(kernels.replay.FLOAT_COLUMNS)})
     cols = {name: cols[name] for name in CYCLE_COLUMNS}
