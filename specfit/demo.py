@@ -26,7 +26,9 @@ __all__ = ["DemoPlan", "run_demo", "register", "whatif_scenarios"]
 
 DECODE_POLICIES = ("ar", "eagle3", "specfit")
 WARMUP_POLICIES = ("ar", "chain:2", "eagle3:16:4")
-SIM_POLICIES = ("ar", "chain:2", "eagle3", "static:auto", "specfit", "oracle")
+# the what-if: the fixed settings, SpecFit alone and with every replay lever (the look-ahead eviction,
+# the prefetch into drafted levels), and the oracle that knows the verdicts
+SIM_POLICIES = ("ar", "chain:2", "eagle3", "static:auto", "specfit", "specfit+cache+prefetch", "oracle")
 
 
 @dataclass
