@@ -79,27 +79,27 @@ class DraftLookahead:
         self.usage_ += (1 - self.usage_memory) * union
 
     def keep(self, tree: DraftTree, experts: np.ndarray, selected, n_experts: int) -> np.ndarray:
-        """float [L, E] in [0, 1]: the probability that a near-future token needs each expert."""
-        experts = np.asarray(experts, dtype=np.int64)
-        draft = self.draft_keep(tree, experts, selected, n_experts) if self.use_draft else None
-        if self.usage_weight == 0 or self.usage_ is None or self.usage_.shape[1] != n_experts:
-            return draft if draft is not None else np.zeros((experts.shape[1], n_experts))
-        usage = self.usage_weight * self.usage_
-        return usage if draft is None else 1 - (1 - draft) * (1 - usage)
-
-    def draft_keep(self, tree: DraftTree, experts: np.ndarray, selected, n_experts: int) -> np.ndarray:
-        """The draft's part of :meth:`keep`."""
-        n, n_layers, top_k = experts.shape
-        out = np.zeros((n_layers, n_experts))
-        if n <= 1:
-            return out
-        weight = next_token_weights(tree, selected, self.decay)
-        nodes = np.flatnonzero(weight >= max(self.min_weight, 1e-12))
-        if nodes.size == 0:
-            return out
-        # 1 - prod(1 - w): sum log(1 - w) per (layer, expert); a repeated slot counts once per node
+        """float [L, E] in [0, 1]: the probability that a near-future token needs each expert
+        (:func:`specfit.kernels.levers.keep_priorities`, the code the compiled replay runs)."""
         from .. import kernels
 
-        log_miss = np.log1p(-np.minimum(weight[nodes], 1 - 1e-12))
-        acc = kernels.lookahead.add_per_expert(np.ascontiguousarray(experts, dtype=np.int64), nodes, log_miss, n_experts)
-        return -np.expm1(acc).reshape(n_layers, n_experts)
+        lv = kernels.levers
+        experts = np.ascontiguousarray(experts, dtype=np.int64)
+        lconf, lf = np.zeros(lv.N_LCONF, dtype=np.int64), np.zeros(lv.N_LF)
+        usage = self.usage_ if self.usage_ is not None and self.usage_.shape == (experts.shape[1], n_experts) else None
+        self.kernel_config(lconf, lf, usage is not None)
+        if usage is None:
+            usage = np.zeros((experts.shape[1], n_experts))
+        return lv.keep_priorities(np.array(tree.parents), np.array(tree.path_probs), experts,
+                                  np.asarray(selected, dtype=np.int64), int(n_experts), lconf, lf, usage,
+                                  lv.EVERYWHERE)
+
+    def kernel_config(self, lconf: np.ndarray, lf: np.ndarray, usage_seen: bool) -> None:
+        """Write this advisor's settings into the lever arrays of :mod:`specfit.kernels.levers`
+        (``usage_seen``: its use record counts)."""
+        from .. import kernels
+
+        lv = kernels.levers
+        lconf[lv.ADVISOR], lconf[lv.USE_DRAFT], lconf[lv.USAGE_SEEN] = 1, int(self.use_draft), int(usage_seen)
+        lf[[lv.DECAY, lv.MIN_WEIGHT, lv.USAGE_WEIGHT, lv.USAGE_MEMORY]] = (self.decay, self.min_weight,
+                                                                           self.usage_weight, self.usage_memory)

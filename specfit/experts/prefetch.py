@@ -62,6 +62,15 @@ class DraftPrefetch:
     def get_params(self) -> dict:
         return {"efficiency": self.fixed_efficiency, "min_need": self.min_need}
 
+    def kernel_config(self, lconf: np.ndarray, lf: np.ndarray) -> None:
+        """Write this prefetcher's settings and state into the lever arrays of
+        :mod:`specfit.kernels.levers`."""
+        from .. import kernels
+
+        lv = kernels.levers
+        lconf[lv.PREFETCH] = 1
+        lf[[lv.EFFICIENCY, lv.MIN_NEED, lv.CARRY]] = self.efficiency_, self.min_need, self._carry
+
     def begin_cycle(self) -> None:
         self._carry = 0.0
 

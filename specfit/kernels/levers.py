@@ -1,9 +1,10 @@
 """The replay's levers compiled: the draft's look-ahead ``keep`` priorities, the prefetch into a
 drafted level's link time, and the advisor's record of each expert's recent use. The rules are
-those of :class:`specfit.experts.lookahead.DraftLookahead`, :class:`specfit.experts.prefetch.DraftPrefetch`
-and :meth:`specfit.experts.cache.ExpertCache.prefetch`, which the live decoder and the replay's
-Python loop call; the compiled replay (:mod:`.replay`) calls these on the same arrays instead, and
-a test checks the two loops give the same columns, cache state and advisor state.
+those of :class:`specfit.experts.lookahead.DraftLookahead` (whose ``keep`` is
+:func:`keep_priorities`), :class:`specfit.experts.prefetch.DraftPrefetch` and
+:meth:`specfit.experts.cache.ExpertCache.prefetch`, which the live decoder and the replay's Python
+loop call; the compiled replay (:mod:`.replay`) calls these on the same arrays instead, and a test
+checks the two loops give the same columns, cache state and advisor state.
 
 State (arrays the replay passes, built by :func:`specfit.simulate.replay.lever_state`):
 
@@ -28,13 +29,14 @@ from .cache import MISSES, HITS, STREAMED, admit_row, worth_a_slot
 from .lookahead import add_per_expert, need_priority, next_token_weights
 
 __all__ = ["ADVISOR", "USE_DRAFT", "PREFETCH", "USAGE_SEEN", "DECAY", "MIN_WEIGHT", "USAGE_WEIGHT", "USAGE_MEMORY",
-           "EFFICIENCY", "MIN_NEED", "CARRY", "N_LCONF", "N_LF", "keep_priorities", "prefetch_level",
-           "observe_union"]
+           "EFFICIENCY", "MIN_NEED", "CARRY", "N_LCONF", "N_LF", "EVERYWHERE", "keep_priorities",
+           "prefetch_level", "observe_union"]
 
 ADVISOR, USE_DRAFT, PREFETCH, USAGE_SEEN = range(4)
 DECAY, MIN_WEIGHT, USAGE_WEIGHT, USAGE_MEMORY, EFFICIENCY, MIN_NEED, CARRY = range(7)
 N_LCONF, N_LF = 4, 7
 _ROOT = np.zeros(1, dtype=np.int64)
+EVERYWHERE = np.zeros((0, 0), dtype=np.uint64)    # ``where`` for every item
 
 
 @njit(cache=True)

@@ -176,15 +176,12 @@ def lever_state(policy: Policy, cache: ExpertCache) -> tuple | None:
     lconf, lf = np.zeros(lv.N_LCONF, dtype=np.int64), np.zeros(lv.N_LF)
     usage = np.zeros((cache.n_layers, cache.n_experts))
     if advisor is not None:
-        lconf[lv.ADVISOR], lconf[lv.USE_DRAFT] = 1, int(advisor.use_draft)
-        lf[[lv.DECAY, lv.MIN_WEIGHT, lv.USAGE_WEIGHT, lv.USAGE_MEMORY]] = (
-            advisor.decay, advisor.min_weight, advisor.usage_weight, advisor.usage_memory)
-        if advisor.usage_ is not None and advisor.usage_.shape == usage.shape:
+        seen = advisor.usage_ is not None and advisor.usage_.shape == usage.shape
+        advisor.kernel_config(lconf, lf, seen)
+        if seen:
             usage[:] = advisor.usage_
-            lconf[lv.USAGE_SEEN] = 1
     if prefetcher is not None:
-        lconf[lv.PREFETCH] = 1
-        lf[[lv.EFFICIENCY, lv.MIN_NEED, lv.CARRY]] = prefetcher.efficiency_, prefetcher.min_need, prefetcher._carry
+        prefetcher.kernel_config(lconf, lf)
     return lconf, lf, usage
 
 
