@@ -294,17 +294,21 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
                                                                     cached, params, levels, true_union, scratch)
             record_decision(int_cols, float_cols, row, s, c - sequence_starts[s], sel_levels, sel_hits, sel_misses,
                             sel_s, sel_tokens)
-            keep = _commit_keep(cycle_parents, path_probs[base:base + n], level_probs[base:base + n], cycle_experts, n,
-                                deepest, levels, nodes[:n_sel], config[2], lconf, lf, usage, no_keep, true_experts,
-                                base, bits, true_union, read)
+            keep = no_keep
+            if lconf[ADVISOR]:
+                keep = _commit_keep(cycle_parents, path_probs[base:base + n], level_probs[base:base + n], cycle_experts,
+                                    n, deepest, levels, nodes[:n_sel], config[2], lconf, lf, usage, no_keep,
+                                    true_experts, base, bits, true_union, read)
             ready = union_ready or lconf[ADVISOR] != 0      # _commit_keep made the true union
             k, n_out = commit_cycle(c, nodes, n_sel, same_union, ready, offsets, depth, tokens, verdicts,
                                     true_experts, predicted_experts, path_offsets, paths, bits, score, count, slots,
                                     n_used, clock, counters, config, keep, selected, true_union, predicted_union,
                                     admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
-            observe_union(true_union, config[2], lconf, lf, usage)
+            if lconf[ADVISOR]:
+                observe_union(true_union, config[2], lconf, lf, usage)
             prefetched[row] = copied
-            _log_union(union_log, row, true_union)
+            if union_log.shape[0]:
+                _log_union(union_log, row, true_union)
             row += 1
             c += k
         tokens_per_sequence[s] = n_out - first_token
@@ -421,16 +425,20 @@ def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true
             root_predicted_misses = count_missing(predicted_experts, base, bits)
             record_decision(int_cols, float_cols, row, s, c - sequence_starts[s], levels, sel_hits, sel_misses, sel_s,
                             sel_tokens)
-            keep = _commit_keep(cycle_parents, path_probs[base:base + n], level_probs[base:base + n], cycle_experts,
-                                sizes[levels], sizes.size - 1, levels, nodes, n_experts, lconf, lf, usage, no_keep,
-                                true_experts, base, bits, true_union, read)
+            keep = no_keep
+            if lconf[ADVISOR]:      # (guarded here: a call passes every array it takes)
+                keep = _commit_keep(cycle_parents, path_probs[base:base + n], level_probs[base:base + n], cycle_experts,
+                                    sizes[levels], sizes.size - 1, levels, nodes, n_experts, lconf, lf, usage, no_keep,
+                                    true_experts, base, bits, true_union, read)
             ready = lconf[ADVISOR] != 0      # _commit_keep made the true union
             k, n_out = commit_cycle(c, nodes, nodes.size, same_experts, ready, offsets, depth, tokens, verdicts,
                                     true_experts, predicted_experts, path_offsets, paths, bits, score, count, slots,
                                     n_used, clock, counters, config, keep, selected, true_union, predicted_union,
                                     admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
-            observe_union(true_union, n_experts, lconf, lf, usage)
-            _log_union(union_log, row, true_union)
+            if lconf[ADVISOR]:
+                observe_union(true_union, n_experts, lconf, lf, usage)
+            if union_log.shape[0]:
+                _log_union(union_log, row, true_union)
             observe_cycle(fstate, istate, nodes.size, int_cols[MISSES, row], root_misses, sel_misses,
                           root_predicted_misses)
             prefetched[row] = copied
