@@ -6,7 +6,7 @@
 Each family runs in its own fresh process with ``NUMBA_CACHE_DIR`` pointing at a new, empty
 folder (cold), then again at the same folder (warm): the search (DraftTree, best_subtree,
 greedy_subtree, evaluate, and SpecFit's per-level decision as the live decoder calls it), the expert cache (admit, admit_layer) and the replay (prepare and one
-replay per policy on the OLMoE sample trace). ``specfit --help`` is timed ``--runs`` times with the
+replay per policy, the lever policy ``specfit+cache+prefetch`` last, on the OLMoE sample trace). ``specfit --help`` is timed ``--runs`` times with the
 cache warm (it imports no numba) and so is a small ``specfit simulate`` run (the CLI end to end,
 after one run that warms the checkout's own cache).
 """
@@ -71,7 +71,7 @@ cost = preset_profile("pcie4", SHAPES["olmoe-1b-7b"]).cost
 mark("import")
 prep = prepare("s", trace, trace.true_experts)
 mark("prepare")
-for spec in ("ar", "eagle3", "specfit", "oracle"):
+for spec in ("ar", "eagle3", "specfit", "oracle", "specfit+cache+prefetch"):
     replay(prep, make_policy(spec), ExpertCache(16, 64, 8), cost)
     mark(spec)
 """,
