@@ -11,8 +11,9 @@ def warm_up() -> float:
     """Load (or, the first time after an install or an edit, compile) the kernels a live decoder
     calls every cycle: a tree's checks, mask and accepted path, the search, SpecFit's per-level
     decision and what a cycle teaches it, ``evaluate``, the cycle's union accounting, the slot
-    precision, the router predictor's selection, the cache's admits and the KV compaction, so that
-    no timed cycle pays for it. Returns the seconds it took."""
+    precision, the router predictor's selection, the cache's admits, the KV compaction and the
+    levers' rules (look-ahead keep, prefetch, admit by keep), so that no timed cycle pays for it.
+    Returns the seconds it took."""
     import time
 
     import numpy as np
@@ -69,4 +70,16 @@ def warm_up() -> float:
     cache = ExpertCache(1, 2, 1)
     cache.admit(~cached)
     cache.admit_layer(0, np.array([1]))
+    # the levers (+cache, +usage, +prefetch): the look-ahead keep before and after a use record,
+    # the prefetch's plan and copies, and the admit by keep
+    from .experts.lookahead import DraftLookahead
+    from .experts.prefetch import DraftPrefetch
+
+    advisor = DraftLookahead()
+    advisor.keep(tree, experts, [0], 2)
+    advisor.observe(~cached)
+    keep = advisor.keep(tree, experts, np.array([0, 1]), 2)
+    _, priority = DraftPrefetch().plan(tree, experts, cached, cost.replace(draft_level_s=1.0), keep=keep)
+    cache.prefetch(np.ones_like(cached), keep=priority)
+    cache.admit(~cached, keep=keep)
     return time.perf_counter() - start

@@ -286,7 +286,7 @@ def test_a_live_decode_after_the_warm_up_compiles_nothing(checkpoints):
     model, drafter = load(*checkpoints["qwen3_moe"], cache_experts=2)
     warm_up()
     before = _compiled_signatures()
-    for spec in ("ar", "eagle3:12:3", "specfit"):
+    for spec in ("ar", "eagle3:12:3", "specfit", "specfit+cache+prefetch", "ar+usage"):
         decoder = speculative_decoder(model, drafter, make_policy(spec), COST, tree_top_k=3)
         decoder.generate(prompts()[2], NEW_TOKENS, ignore_eos=True)
     after = _compiled_signatures()
