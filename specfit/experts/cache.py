@@ -232,19 +232,14 @@ class ExpertCache(LayerCounts):
         zeros, empty = np.zeros(self.n_layers, dtype=np.int64), np.zeros_like(mask)
         if self.capacity == 0:
             return AdmitResult(zeros, zeros, zeros, zeros, empty, empty, empty, empty)
-        resident = self.resident()
-        want = mask & ~resident
-        if keep is not None:
-            # an expert only displaces experts it outranks: drop the prefetches that would have to
-            # evict something at least as valuable (the cheapest victim set is the lowest keeps)
-            want &= kernels.cache.worth_a_slot(want, mask, resident, keep_arg, self.capacity,
-                                               self.mode == "per_layer")
-        counted = self._counters[[0, 1, 3]].copy()          # a prefetch is no hit, miss or stream
-        result = self._admit(want | (mask & resident), keep_arg)
-        self._counters[[0, 1, 3]] = counted
-        self.prefetched += result.admitted_mask.sum(axis=1)
-        return AdmitResult(hits=zeros, misses=zeros, evictions=result.evictions, streamed=zeros, hit_mask=empty,
-                           admitted_mask=result.admitted_mask, evicted_mask=result.evicted_mask, streamed_mask=empty)
+        counts = np.zeros((4, self.n_layers), dtype=np.int64)
+        admitted, evicted = (np.zeros((self.n_layers, self._words), dtype=np.uint64) for _ in range(2))
+        kernels.cache.prefetch_items(mask, *self.kernel_state(), keep_arg, counts, admitted, evicted)
+        admitted_mask = kernels.bitsets.unpack(admitted, self.n_experts)
+        self.prefetched += admitted_mask.sum(axis=1)
+        return AdmitResult(hits=zeros, misses=zeros, evictions=counts[2], streamed=zeros, hit_mask=empty,
+                           admitted_mask=admitted_mask, evicted_mask=kernels.bitsets.unpack(evicted, self.n_experts),
+                           streamed_mask=empty)
 
     def _check_mask(self, name: str, mask) -> np.ndarray:
         mask = np.asarray(mask)

@@ -74,35 +74,25 @@ class DraftPrefetch:
     def begin_cycle(self) -> None:
         self._carry = 0.0
 
-    def budget(self, cost) -> int:
-        """Experts one drafted level can carry (fractions carry over within a cycle)."""
-        transfer_s = max(cost.miss_s - cost.hit_s, 0.0)
-        if transfer_s <= 0 or self.efficiency_ <= 0:
-            return 0
-        total = self._carry + self.efficiency_ * cost.draft_level_s / transfer_s
-        n = int(np.floor(total + 1e-9))
-        self._carry = total - n
-        return n
-
     def plan(self, tree: DraftTree, experts: np.ndarray, cached: np.ndarray, cost,
              keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(mask, priority), both [L, E]: the experts to copy while the next level is drafted, and
         the priorities the cache orders its victims by (this cycle's need, or ``keep`` where
-        higher: what the next cycles are predicted to need)."""
-        n_experts = cached.shape[1]
-        need = need_priority(tree, experts, n_experts) if experts.shape[1] else np.zeros(cached.shape)
-        priority = need if keep is None else np.maximum(need, keep)
-        budget = self.budget(cost)
-        mask = np.zeros(cached.shape, dtype=bool)
-        if budget == 0:
-            return mask, priority
-        candidate = np.flatnonzero(((need >= self.min_need) & ~cached).ravel())
-        if candidate.size == 0:
-            return mask, priority
-        # the most needed first; among equals the earlier layer (needed first in the pass)
-        order = np.lexsort((candidate, -need.ravel()[candidate]))
-        mask.ravel()[candidate[order[:budget]]] = True
-        return mask, priority
+        higher: what the next cycles are predicted to need). The rule is
+        :func:`specfit.kernels.levers.plan_level`, the code the compiled replay runs: the most
+        needed non-resident experts first, as many as the level's link time carries,
+        ``efficiency * draft_level_s / transfer_s`` (fractions carry over to the next level of the
+        same cycle)."""
+        from .. import kernels
+
+        lv = kernels.levers
+        lconf, lf = np.zeros(lv.N_LCONF, dtype=np.int64), np.zeros(lv.N_LF)
+        self.kernel_config(lconf, lf)
+        need, mask = lv.plan_level(np.array(tree.path_probs), np.ascontiguousarray(experts, dtype=np.int64),
+                                   int(cached.shape[1]), kernels.bitsets.pack_mask(np.asarray(cached, dtype=bool)), lf,
+                                   cost.params)
+        self._carry = float(lf[lv.CARRY])
+        return mask, (need if keep is None else np.maximum(need, keep))
 
     def observe(self, copy_s: float, wait_s: float) -> None:
         """Live: a cycle's prefetch copy time and the part of it the verification waited for."""

@@ -27,7 +27,7 @@ from numba import njit
 from .bitsets import ONE, ZERO, lowest_bit, popcount
 
 __all__ = ["LRU", "LFU", "FIFO", "NO_KEEP", "admit_row", "admit_union", "admit_layer_ids", "admit_cycle",
-           "worth_a_slot"]
+           "worth_a_slot", "prefetch_items"]
 
 LRU, LFU, FIFO = 0, 1, 2
 HITS, MISSES, EVICTIONS, STREAMED = 0, 1, 2, 3
@@ -342,3 +342,49 @@ def worth_a_slot(want, mask, resident, keep, capacity, per_layer):
             if j < free or k[c] > victims[j - free]:
                 out[c] = True
     return out.reshape((n_layers, n_experts))
+
+
+@njit(cache=True)
+def prefetch_items(mask, bits, score, count, slots, n_used, clock, counters, config, keep, out_counts, admitted_bits,
+                   evicted_bits):
+    """``ExpertCache.prefetch``: copy the experts of ``mask`` (bool ``[L, E]``) that are not
+    resident, as far as slots allow and (with ``keep``) only those that outrank the slot each
+    would take (:func:`worth_a_slot`); the resident ones in ``mask`` count as touched. No hit,
+    miss or stream is counted. Writes the admit's per-layer counts (``out_counts[4, L]``) and the
+    admitted and evicted experts as words; returns the number of experts copied."""
+    n_layers, n_experts = mask.shape
+    words = bits.shape[1]
+    if config[3] == 0:
+        return 0
+    resident = np.zeros((n_layers, n_experts), dtype=np.bool_)
+    want = np.zeros((n_layers, n_experts), dtype=np.bool_)
+    for layer in range(n_layers):
+        for e in range(n_experts):
+            resident[layer, e] = (bits[layer, e >> 6] >> np.uint64(e & 63)) & ONE
+            want[layer, e] = mask[layer, e] and not resident[layer, e]
+    if keep.shape[0] > 0:
+        # an expert only displaces experts it outranks: the cheapest victim set is the lowest keeps
+        worth = worth_a_slot(want, mask, resident, keep, config[3], config[0] == 0)
+        for layer in range(n_layers):
+            for e in range(n_experts):
+                want[layer, e] = want[layer, e] and worth[layer, e]
+    union = np.zeros((n_layers, words), dtype=np.uint64)
+    for layer in range(n_layers):
+        for e in range(n_experts):
+            if want[layer, e] or (mask[layer, e] and resident[layer, e]):
+                union[layer, e >> 6] |= ONE << np.uint64(e & 63)
+    kept = np.empty((3, n_layers), dtype=np.int64)
+    for layer in range(n_layers):
+        kept[0, layer], kept[1, layer], kept[2, layer] = counters[HITS, layer], counters[MISSES, layer], \
+            counters[STREAMED, layer]
+    scratch = np.empty((2, n_layers, words), dtype=np.uint64)
+    admit_union(union, bits, score, count, slots, n_used, clock, counters, config, keep, out_counts, scratch[0],
+                admitted_bits, evicted_bits, scratch[1])
+    for layer in range(n_layers):
+        counters[HITS, layer], counters[MISSES, layer], counters[STREAMED, layer] = kept[0, layer], kept[1, layer], \
+            kept[2, layer]
+    copied = 0
+    for layer in range(n_layers):
+        for w in range(words):
+            copied += popcount(admitted_bits[layer, w])
+    return copied

@@ -1,10 +1,11 @@
 """The replay's levers compiled: the draft's look-ahead ``keep`` priorities, the prefetch into a
 drafted level's link time, and the advisor's record of each expert's recent use. The rules are
 those of :class:`specfit.experts.lookahead.DraftLookahead` (whose ``keep`` is
-:func:`keep_priorities`), :class:`specfit.experts.prefetch.DraftPrefetch` and
-:meth:`specfit.experts.cache.ExpertCache.prefetch`, which the live decoder and the replay's Python
-loop call; the compiled replay (:mod:`.replay`) calls these on the same arrays instead, and a test
-checks the two loops give the same columns, cache state and advisor state.
+:func:`keep_priorities`) and :class:`specfit.experts.prefetch.DraftPrefetch` (whose ``plan`` is
+:func:`plan_level`), with :func:`.cache.prefetch_items` (``ExpertCache.prefetch``) for the copies:
+the live decoder and the replay's Python loop reach them through those objects, the compiled
+replay (:mod:`.replay`) calls them on the same arrays, and a test checks the two loops give the
+same columns, cache state and advisor state.
 
 State (arrays the replay passes, built by :func:`specfit.simulate.replay.lever_state`):
 
@@ -25,12 +26,12 @@ import numpy as np
 from numba import njit
 
 from .bitsets import ONE, popcount
-from .cache import MISSES, HITS, STREAMED, admit_row, worth_a_slot
+from .cache import prefetch_items
 from .lookahead import add_per_expert, need_priority, next_token_weights
 
 __all__ = ["ADVISOR", "USE_DRAFT", "PREFETCH", "USAGE_SEEN", "DECAY", "MIN_WEIGHT", "USAGE_WEIGHT", "USAGE_MEMORY",
            "EFFICIENCY", "MIN_NEED", "CARRY", "N_LCONF", "N_LF", "EVERYWHERE", "keep_priorities",
-           "prefetch_level", "observe_union"]
+           "plan_level", "prefetch_level", "observe_union"]
 
 ADVISOR, USE_DRAFT, PREFETCH, USAGE_SEEN = range(4)
 DECAY, MIN_WEIGHT, USAGE_WEIGHT, USAGE_MEMORY, EFFICIENCY, MIN_NEED, CARRY = range(7)
@@ -100,19 +101,18 @@ def _budget(lf, params):
 
 
 @njit(cache=True)
-def prefetch_level(parents, probs, experts, n_experts, lconf, lf, usage, params, bits, score, count, slots, n_used,
-                   clock, counters, config, cached, layer_prefetched):
-    """Before a level is drafted on the tree so far: :meth:`DraftPrefetch.plan` (with the
-    advisor's keep of the tree, the root selected, computed only where the cache reads it) and
-    :meth:`ExpertCache.prefetch` of the plan.
-    ``cached`` (the residency the policy decides with, as words) is refreshed after a copy;
-    ``layer_prefetched[L]`` counts the copies. Returns the number of experts copied."""
+def plan_level(probs, experts, n_experts, cached, lf, params):
+    """:meth:`DraftPrefetch.plan` without the priorities: ``(need [L, E], mask [L, E])``, each
+    expert's need (the largest path probability of a node predicted to route to it) and the
+    non-resident experts (``cached``: words) to copy while the next level is drafted, the most
+    needed first (among equals the earlier layer, needed first in the pass), as many as the
+    level's budget (:func:`_budget`, its carry in ``lf``) and at least ``MIN_NEED``."""
     n_layers = experts.shape[1]
     need = need_priority(probs, experts, n_experts)
+    mask = np.zeros((n_layers, n_experts), dtype=np.bool_)
     budget = _budget(lf, params)
     if budget == 0:
-        return 0
-    # the most needed first; among equals the earlier layer (needed first in the pass)
+        return need, mask
     n_cand = 0
     cand = np.empty(n_layers * n_experts, dtype=np.int64)
     for layer in range(n_layers):
@@ -120,10 +120,7 @@ def prefetch_level(parents, probs, experts, n_experts, lconf, lf, usage, params,
             if need[layer, e] >= lf[MIN_NEED] and not (cached[layer, e >> 6] >> np.uint64(e & 63)) & ONE:
                 cand[n_cand] = layer * n_experts + e
                 n_cand += 1
-    if n_cand == 0 or config[3] == 0:
-        return 0
     # the budget's first candidates in (-need, item) order, picked one by one (a budget is a few)
-    mask = np.zeros((n_layers, n_experts), dtype=np.bool_)
     flat = need.ravel()
     for _ in range(min(budget, n_cand)):
         best = -1
@@ -134,55 +131,42 @@ def prefetch_level(parents, probs, experts, n_experts, lconf, lf, usage, params,
         c = cand[best]
         mask[c // n_experts, c % n_experts] = True
         cand[best] = -1
-    # ExpertCache.prefetch: the wanted experts that outrank the slot each would take, copied
+    return need, mask
+
+
+@njit(cache=True)
+def prefetch_level(parents, probs, experts, n_experts, lconf, lf, usage, params, bits, score, count, slots, n_used,
+                   clock, counters, config, cached, layer_prefetched):
+    """Before a level is drafted on the tree so far: :func:`plan_level`, the priorities (the
+    need, or the advisor's keep of the tree with the root selected where higher, computed only
+    where the cache reads them) and :func:`.cache.prefetch_items` of the plan, as the live
+    decoder runs :meth:`DraftPrefetch.plan` and :meth:`ExpertCache.prefetch`. ``cached`` (the
+    residency the policy decides with, as words) is refreshed after a copy; ``layer_prefetched[L]``
+    counts the copies. Returns the number of experts copied."""
+    n_layers = experts.shape[1]
+    need, mask = plan_level(probs, experts, n_experts, cached, lf, params)
+    if config[3] == 0 or not mask.any():
+        return 0
     words = bits.shape[1]
-    resident = np.zeros((n_layers, n_experts), dtype=np.bool_)
-    want = np.zeros((n_layers, n_experts), dtype=np.bool_)
-    read = bits.copy()           # the items the priorities are read at: resident or wanted
-    for layer in range(n_layers):
-        for e in range(n_experts):
-            resident[layer, e] = (bits[layer, e >> 6] >> np.uint64(e & 63)) & ONE
-            want[layer, e] = mask[layer, e] and not resident[layer, e]
-            if mask[layer, e]:
-                read[layer, e >> 6] |= ONE << np.uint64(e & 63)
-    # DraftPrefetch.plan's priority: this cycle's need, or the advisor's keep (the root selected)
-    # where higher
     priority = need.copy()
     if lconf[ADVISOR]:
+        read = bits.copy()           # the items the priorities are read at: resident or wanted
+        for layer in range(n_layers):
+            for e in range(n_experts):
+                if mask[layer, e]:
+                    read[layer, e >> 6] |= ONE << np.uint64(e & 63)
         keep = keep_priorities(parents, probs, experts, _ROOT, n_experts, lconf, lf, usage, read)
         for layer in range(n_layers):
             for e in range(n_experts):
                 priority[layer, e] = max(need[layer, e], keep[layer, e])
-    worth = worth_a_slot(want, mask, resident, priority, config[3], config[0] == 0)
-    union = np.zeros((n_layers, words), dtype=np.uint64)
-    for layer in range(n_layers):
-        for e in range(n_experts):
-            if (want[layer, e] and worth[layer, e]) or (mask[layer, e] and resident[layer, e]):
-                union[layer, e >> 6] |= ONE << np.uint64(e & 63)
-    kept = np.empty((3, n_layers), dtype=np.int64)     # a prefetch is no hit, miss or stream
-    for layer in range(n_layers):
-        kept[0, layer], kept[1, layer], kept[2, layer] = counters[HITS, layer], counters[MISSES, layer], \
-            counters[STREAMED, layer]
-    capacity = max(config[3], 1)
-    evicted = np.empty(capacity, dtype=np.int64)
-    cand_score = np.empty(capacity, dtype=np.int64)
-    cand_slot = np.empty(capacity, dtype=np.int64)
-    admitted = np.empty(words, dtype=np.uint64)
-    clock[0] += 1
-    copied = 0
-    for layer in range(n_layers):
-        admit_row(layer, union[layer], bits, score, count, slots, n_used, clock, counters, config, priority, admitted,
-                  evicted, 0, cand_score, cand_slot)
-        n = 0
-        for w in range(words):
-            n += popcount(admitted[w])
-        layer_prefetched[layer] += n
-        copied += n
-    for layer in range(n_layers):
-        counters[HITS, layer], counters[MISSES, layer], counters[STREAMED, layer] = kept[0, layer], kept[1, layer], \
-            kept[2, layer]
+    counts = np.zeros((4, n_layers), dtype=np.int64)
+    admitted = np.zeros((n_layers, words), dtype=np.uint64)
+    evicted = np.zeros((n_layers, words), dtype=np.uint64)
+    copied = prefetch_items(mask, bits, score, count, slots, n_used, clock, counters, config, priority, counts,
+                            admitted, evicted)
     for layer in range(n_layers):
         for w in range(words):
+            layer_prefetched[layer] += popcount(admitted[layer, w])
             cached[layer, w] = bits[layer, w]
     return copied
 

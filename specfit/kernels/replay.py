@@ -141,6 +141,17 @@ def record_decision(int_cols, float_cols, row, sequence, position, draft_levels,
 
 
 @njit(cache=True)
+def _cycle_arrays(parents, predicted_experts, base, n, cycle_parents, cycle_experts):
+    """Cycle rows ``base:base + n``'s parents and predicted experts as int64 (what the search and
+    the levers take), into the scratch arrays."""
+    for v in range(n):
+        cycle_parents[v] = parents[base + v]
+        for layer in range(cycle_experts.shape[1]):
+            for slot in range(cycle_experts.shape[2]):
+                cycle_experts[v, layer, slot] = predicted_experts[base + v, layer, slot]
+
+
+@njit(cache=True)
 def _log_union(union_log, row, true_union):
     """Keep cycle ``row``'s true union (words) in ``union_log[row]`` when the unions are recorded
     (``union_log`` has a row per cycle; none: not recorded)."""
@@ -211,11 +222,7 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
                 for w in range(words):
                     cached[layer, w] = bits[layer, w]
             if levers:
-                for v in range(n):
-                    cycle_parents[v] = parents[base + v]
-                    for layer in range(n_layers):
-                        for slot in range(top_k):
-                            cycle_experts[v, layer, slot] = predicted_experts[base + v, layer, slot]
+                _cycle_arrays(parents, predicted_experts, base, n, cycle_parents, cycle_experts)
             copied = 0
             if lconf[PREFETCH]:
                 # before each level the policy drafts, on the tree so far (prefetch_level refreshes
@@ -403,11 +410,7 @@ def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true
         while c < sequence_starts[s + 1]:
             base = offsets[c]
             n = offsets[c + 1] - base
-            for v in range(n):
-                cycle_parents[v] = parents[base + v]
-                for layer in range(n_layers):
-                    for slot in range(top_k):
-                        cycle_experts[v, layer, slot] = predicted_experts[base + v, layer, slot]
+            _cycle_arrays(parents, predicted_experts, base, n, cycle_parents, cycle_experts)
             for layer in range(n_layers):
                 for w in range(words):
                     cached[layer, w] = bits[layer, w]
