@@ -200,7 +200,7 @@ def run_benchmark(args) -> None:
                       f"{r['share_search']:.1%}", f"{r['share_bookkeeping']:.1%}")
     console = Console(width=160)
     console.print(table)
-    identical = "yes" if run.outputs_identical else "no"
+    identical = {True: "yes", False: "NO", None: "n/a (one policy)"}[run.outputs_identical]
     console.print(f"greedy outputs identical across policies: {identical}; search ms/cycle: "
                   + ", ".join(f"{r['policy']} {r['share_search_ms_per_cycle']:.3f}" for r in rows))
     console.print("bookkeeping = expert predictions + learning after the commit + the cost model's update + the rest: "

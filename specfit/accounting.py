@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from . import kernels
 from .costmodel import CostModel
 
 if TYPE_CHECKING:       # pandas is imported where a frame is built: the CLI starts without it
@@ -130,8 +131,6 @@ def live_row(stats, cost: CostModel | None, expert_bytes: int) -> dict:
     overlap = -1
     counts = stats.union_counts
     if counts is not None:
-        from . import kernels
-
         e = kernels.evaluate
         predicted_union, predicted_misses = counts[e.PREDICTED_UNION], counts[e.PREDICTED_MISSES]
         overlap = int(counts[e.OVERLAP].sum())

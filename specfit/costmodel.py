@@ -21,6 +21,7 @@ from dataclasses import asdict, dataclass, fields
 
 import numpy as np
 
+from . import kernels
 from .tree import DraftTree, check_nodes
 
 __all__ = ["CostModel", "check_experts", "expert_union", "cycle_time_s", "PARAM_NAMES"]
@@ -53,14 +54,10 @@ def check_experts(tree: DraftTree | None, experts, cached) -> tuple[np.ndarray, 
 
 def expert_union(experts: np.ndarray, nodes, n_experts: int) -> np.ndarray:
     """[layers, n_experts] bool: the union over ``nodes`` of their experts, per layer."""
-    from . import kernels
-
     return kernels.bitsets.unpack(_union_bits(experts, nodes, n_experts), n_experts)
 
 
 def _union_bits(experts, nodes, n_experts: int) -> np.ndarray:
-    from . import kernels
-
     experts = np.ascontiguousarray(experts, dtype=np.int64)
     nodes = np.ascontiguousarray(nodes, dtype=np.int64).reshape(-1)
     if nodes.size and (nodes.min() < 0 or nodes.max() >= experts.shape[0]):
@@ -152,8 +149,6 @@ class CostModel:
 
     def union_counts(self, experts, nodes, cached) -> tuple[int, int]:
         """(hits, misses) of the union of ``nodes``' experts against ``cached``."""
-        from . import kernels
-
         hits, misses = kernels.bitsets.count_union(_union_bits(experts, nodes, cached.shape[1]),
                                                    kernels.bitsets.pack_mask(cached))
         return int(hits), int(misses)

@@ -4,6 +4,8 @@ live decoder calls every cycle once on a tiny input, through the Python modules 
 
 from __future__ import annotations
 
+from . import kernels
+
 __all__ = ["warm_up"]
 
 
@@ -48,7 +50,6 @@ def warm_up() -> float:
 
     greedy_accept(tree, np.array([0, 1]), np.array([6, 0]))
     tree.attention_mask(np.array([0, 1]), prefix_len=2)
-    from . import kernels
     from .experts.predictors import slots_right
     from .experts.router import RouterPredictor
     from .search import packed

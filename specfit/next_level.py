@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import kernels
 from .tree import DraftTree
 
 __all__ = ["LevelStats", "expected_level", "optimistic_level"]
@@ -64,8 +65,6 @@ class LevelStats:
 
     def update(self, tree: DraftTree, experts: np.ndarray, depth: int) -> None:
         """Learn from the nodes of ``tree`` at ``depth`` (just drafted) and their predicted experts."""
-        from . import kernels
-
         has_experts = experts.ndim == 3 and experts.shape[1] > 0
         kernels.levels.stats_update(
             np.array(tree.parents), np.array(tree.path_probs), tree.level(depth),
@@ -75,13 +74,9 @@ class LevelStats:
     def known_depth(self, depth: int) -> int:
         """``depth`` if a level that deep has been seen, else the deepest seen level above it (the
         next level is assumed to be like the last one); ``depth`` itself when none was seen."""
-        from . import kernels
-
         return int(kernels.levels.known_depth(self.seen_, int(depth)))
 
     def new_experts(self, depth: int, top_k: int) -> float:
-        from . import kernels
-
         return float(kernels.levels.expected_new_experts(self.new_experts_, self._new_is_share, self.seen_, int(depth),
                                                          int(top_k)))
 
@@ -94,8 +89,6 @@ def expected_level(tree: DraftTree, experts: np.ndarray, cached: np.ndarray, sta
     newest = tree.level(depth)
     if newest.size == 0:
         return None
-    from . import kernels
-
     n_experts = cached.shape[1]
     parents, probs, grown_experts = kernels.levels.expected_children(
         np.array(tree.parents), np.array(tree.path_probs), newest, np.ascontiguousarray(experts, dtype=np.int64),
@@ -113,8 +106,6 @@ def optimistic_level(tree: DraftTree, experts: np.ndarray, depth: int):
     frontier = tree.level(depth)
     if frontier.size == 0:
         return None
-    from . import kernels
-
     parents, probs, grown_experts = kernels.levels.optimistic_children(
         np.array(tree.parents), np.array(tree.path_probs), frontier, np.ascontiguousarray(experts, dtype=np.int64))
     if parents.size == 0:

@@ -12,6 +12,8 @@ from functools import cached_property
 
 import numpy as np
 
+from . import kernels
+
 __all__ = ["DraftTree", "check_nodes"]
 
 # Path probabilities come out of products of float32/float64 softmax values; a child may exceed its
@@ -50,8 +52,6 @@ class DraftTree:
         # one compiled pass checks, clips rounding slack and computes depths (trees are built per
         # drafted level, on the decoder's and the replay's critical path); on a failure the
         # checks below name the field and the node
-        from . import kernels
-
         ok, depth = kernels.tree.check_tree(parents, probs, _PROB_SLACK)
         if not ok:
             _raise_invalid(parents, np.asarray(self.path_probs, dtype=np.float64))
@@ -161,8 +161,6 @@ class DraftTree:
         """[m, prefix_len + m] bool tree mask over ``nodes`` (default: all): row i may attend to
         the ``prefix_len`` committed tokens before the tree, and to column ``prefix_len + j`` when
         node ``nodes[j]`` is node i or one of its ancestors."""
-        from . import kernels
-
         nodes = np.arange(self.n_nodes) if nodes is None else np.asarray(nodes, dtype=np.int64).reshape(-1)
         ok, mask = kernels.tree.tree_mask(self.parents, nodes, int(prefix_len))
         if not ok:
@@ -180,8 +178,6 @@ class DraftTree:
         Returns the path's node ids from the root; the bonus token is ``verdicts[path[-1]]``."""
         if self.tokens is None:
             raise ValueError("tokens: the tree has no tokens, greedy acceptance needs them")
-        from . import kernels
-
         n = self.n_nodes
         verdicts = np.asarray(verdicts)
         if verdicts.shape != (n,) or not np.issubdtype(verdicts.dtype, np.integer):

@@ -39,6 +39,8 @@ import numpy as np
 from sklearn.isotonic import IsotonicRegression
 from sklearn.linear_model import LogisticRegression
 
+from .. import kernels
+
 __all__ = ["AcceptanceCalibrator", "accepted_nodes", "edge_mask", "edge_outcomes", "edge_probs", "cross_calibrate"]
 
 _LOGIT_EPS = 1e-4       # probabilities are clipped to [eps, 1 - eps] before a logit
@@ -52,8 +54,6 @@ def _logit(p: np.ndarray) -> np.ndarray:
 def accepted_nodes(trace) -> np.ndarray:
     """bool [nodes]: the node lies on its cycle's accepted path (greedy verdicts; the root always).
     A node below an unverified parent is never on it."""
-    from .. import kernels
-
     offsets = np.ascontiguousarray(trace.offsets, dtype=np.int64)
     path_offsets, paths = kernels.replay.accepted_paths(
         offsets, np.ascontiguousarray(trace.parent, dtype=np.int16), np.ascontiguousarray(trace.depth, dtype=np.int16),

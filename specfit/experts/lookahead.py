@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import kernels
 from ..tree import DraftTree
 
 __all__ = ["DraftLookahead", "next_token_weights"]
@@ -39,8 +40,6 @@ __all__ = ["DraftLookahead", "next_token_weights"]
 def next_token_weights(tree: DraftTree, selected, decay: float = 1.0) -> np.ndarray:
     """float [n]: the weight of each node as a near-future token after verifying ``selected``
     (0 for the selected nodes and for nodes hanging from no selected node)."""
-    from .. import kernels
-
     return kernels.lookahead.next_token_weights(np.array(tree.parents), np.array(tree.path_probs),
                                                 np.asarray(selected, dtype=np.int64), float(decay))
 
@@ -81,8 +80,6 @@ class DraftLookahead:
     def keep(self, tree: DraftTree, experts: np.ndarray, selected, n_experts: int) -> np.ndarray:
         """float [L, E] in [0, 1]: the probability that a near-future token needs each expert
         (:func:`specfit.kernels.levers.keep_priorities`, the code the compiled replay runs)."""
-        from .. import kernels
-
         lv = kernels.levers
         experts = np.ascontiguousarray(experts, dtype=np.int64)
         lconf, lf = np.zeros(lv.N_LCONF, dtype=np.int64), np.zeros(lv.N_LF)
@@ -97,8 +94,6 @@ class DraftLookahead:
     def kernel_config(self, lconf: np.ndarray, lf: np.ndarray, usage_seen: bool) -> None:
         """Write this advisor's settings into the lever arrays of :mod:`specfit.kernels.levers`
         (``usage_seen``: its use record counts)."""
-        from .. import kernels
-
         lv = kernels.levers
         lconf[lv.ADVISOR], lconf[lv.USE_DRAFT], lconf[lv.USAGE_SEEN] = 1, int(self.use_draft), int(usage_seen)
         lf[[lv.DECAY, lv.MIN_WEIGHT, lv.USAGE_WEIGHT, lv.USAGE_MEMORY]] = (self.decay, self.min_weight,

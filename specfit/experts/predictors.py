@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import kernels
 from ..errors import SpecFitError
 from .affinity import AffinityPredictor, popularity
 from .predictor_base import ExpertPredictor, NodeBatch, last_known_experts, selected_rows as _selected_rows, trace_batch
@@ -166,8 +167,6 @@ def slots_right(predicted: np.ndarray, true: np.ndarray) -> int:
     """How many predicted ``[nodes, layers, k]`` (layer, expert) slots name an expert the node
     really routes to at that layer: the numerator of the slot precision that prices prediction
     uncertainty (:func:`specfit.search.uncertainty_price_s`), live and in the simulator."""
-    from .. import kernels
-
     return int(kernels.bitsets.slots_right(np.ascontiguousarray(predicted, dtype=np.int64),
                                            np.ascontiguousarray(true, dtype=np.int64)))
 

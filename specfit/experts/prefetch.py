@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import kernels
 from ..tree import DraftTree
 
 __all__ = ["DraftPrefetch", "need_priority"]
@@ -29,8 +30,6 @@ __all__ = ["DraftPrefetch", "need_priority"]
 def need_priority(tree: DraftTree, experts: np.ndarray, n_experts: int) -> np.ndarray:
     """float [L, E]: for each expert, the largest path probability of a node predicted to route to
     it (the root's experts: 1)."""
-    from .. import kernels
-
     return kernels.lookahead.need_priority(np.array(tree.path_probs), np.ascontiguousarray(experts, dtype=np.int64),
                                            int(n_experts))
 
@@ -65,8 +64,6 @@ class DraftPrefetch:
     def kernel_config(self, lconf: np.ndarray, lf: np.ndarray) -> None:
         """Write this prefetcher's settings and state into the lever arrays of
         :mod:`specfit.kernels.levers`."""
-        from .. import kernels
-
         lv = kernels.levers
         lconf[lv.PREFETCH] = 1
         lf[[lv.EFFICIENCY, lv.MIN_NEED, lv.CARRY]] = self.efficiency_, self.min_need, self._carry
@@ -83,8 +80,6 @@ class DraftPrefetch:
         needed non-resident experts first, as many as the level's link time carries,
         ``efficiency * draft_level_s / transfer_s`` (fractions carry over to the next level of the
         same cycle)."""
-        from .. import kernels
-
         lv = kernels.levers
         lconf, lf = np.zeros(lv.N_LCONF, dtype=np.int64), np.zeros(lv.N_LF)
         self.kernel_config(lconf, lf)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .. import kernels
 from ..tree import DraftTree
 
 __all__ = ["greedy_accept", "sample_accept", "target_probs"]
@@ -34,8 +35,6 @@ def greedy_accept(tree: DraftTree, nodes: np.ndarray, verdicts: np.ndarray) -> t
     """(accepted path from the root, bonus token) for the target's greedy ``verdicts`` (int64) at
     ``nodes`` (row i is node ``nodes[i]``; sorted, with the root): the decoder's own arrays, so
     the tree's compiled rule is called without :meth:`DraftTree.accepted_path`'s checks."""
-    from .. import kernels
-
     path, bonus = kernels.tree.greedy_path(tree.parents, tree.depth, tree.tokens, nodes, verdicts)
     return path, int(bonus)
 

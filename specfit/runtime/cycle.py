@@ -26,7 +26,7 @@ class Draft:
     edge_logprob: np.ndarray        # float64 [n] the drafter's log p(node | parent), root 0
     nodes: np.ndarray               # the nodes to verify (sorted, with the root)
     selection: Selection | None     # the policy's choice and its prediction (None without a cost model)
-    cached: np.ndarray | None = None  # bool [L, E] the expert cache's residency the policy saw
+    cached: np.ndarray | None = None  # bool [L, E] the expert cache's residency the policy's last decision saw
     cost: CostModel | None = None   # the cost model the policy decided with (the online one when refitting)
     draft_levels: int = 0
     drafter_time_s: float = 0.0     # the drafter's forward passes
@@ -36,8 +36,7 @@ class Draft:
     prefetch_copy_s: float = 0.0    # their copy time (beside the drafter)
     prefetch_wait_s: float = 0.0    # the part of it the verification pass had to wait for
     last_known: np.ndarray | None = None   # [L, k] the routing the predictions saw as most recent
-    last_known_rows: np.ndarray | None = None   # [max nodes, L, k] it, broadcast (a read-only view)
-    cached: np.ndarray | None = None       # [L, E] the residency the policy's last decision saw
+    last_known_rows: np.ndarray | None = None   # [max nodes, L, k] it, once per node the tree can hold
     contexts: list = field(default_factory=list)   # per level: the drafter context rows of its nodes (root: NaN)
 
 

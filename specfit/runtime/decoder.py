@@ -294,7 +294,7 @@ class Decoder:
         else:
             path, bonus = greedy_accept(draft.tree, verification.nodes, verification.verdicts)
         rows = self.keep_path(verification, path)
-        tokens = [int(t) for t in draft.tree.tokens[path[1:]]] + [bonus]
+        tokens = draft.tree.tokens[path[1:]].tolist() + [bonus]
         self._last_known = verification.expert_ids[rows[-1]]
         if self.proposer is not None:
             # EAGLE-3 re-runs the accepted tokens with the target's features: each accepted node's
@@ -307,7 +307,7 @@ class Decoder:
     def keep_path(self, verification: Verification, path: np.ndarray) -> np.ndarray:
         """Move the K/V of the verified ``path`` nodes to the slots after the committed tokens;
         return their rows in the verification pass."""
-        keep = np.searchsorted(verification.nodes, path)         # path nodes' indices in the pass
+        keep = verification.nodes.searchsorted(path)             # path nodes' indices in the pass
         if keep.size != verification.nodes.size:                 # otherwise the slots are already in place
             self.model.compact_kv(self.cache_len, keep)
         self.cache_len += keep.size
@@ -375,8 +375,10 @@ class Decoder:
         start = time.perf_counter()
         n = len(tokens)
         if draft.last_known is None:          # once per cycle: the routing every node's prediction sees
-            draft.last_known = self._last_known
-            draft.last_known_rows = np.broadcast_to(self._last_known, (self._max_nodes,) + self._last_known.shape)
+            draft.last_known = last = self._last_known
+            # as rows the kernels read in place (two C calls; np.broadcast_to's view costs ~10 Python calls)
+            draft.last_known_rows = rows = np.empty((self._max_nodes,) + last.shape, dtype=np.int64)
+            rows[...] = last
         if context is not None and context.is_cpu:
             context = context.numpy()         # a view: predictors read host contexts as arrays
         if self.drafter_context:      # kept for the predictor's update (a probe of the drafter's state)
