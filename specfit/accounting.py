@@ -117,41 +117,47 @@ def prediction_errors(predicted, actual) -> dict:
             "max_abs_err": float(np.abs(p - a).max())}
 
 
+_NAN = float("nan")
+
 # --------------------------------------------------------------------------- rows
 def live_row(stats, cost: CostModel | None, expert_bytes: int) -> dict:
     """The schema's row of one live cycle (a :class:`~specfit.runtime.decoder.CycleStats`) of a
     model whose experts are ``expert_bytes`` each; ``cost`` is the
-    profile the run started from (the prior of an online refit)."""
+    profile the run started from (the prior of an online refit). It is built inside the next
+    cycle's measured time, so each per-layer array is turned into a list once and the totals are
+    summed from it (a numpy reduction of a few ints costs several times a Python sum of them)."""
     draft, verification, offload = stats.draft, stats.verification, stats.verification.offload
     sel = draft.selection
-    nan = float("nan")
-    hits, misses = offload.total_hits, offload.total_misses
-    true_union = np.asarray(offload.hits) + np.asarray(offload.misses)
-    predicted_union = predicted_misses = None
-    overlap = -1
+    nan = _NAN
+    hits_per_layer, misses_per_layer = offload.hits.tolist(), offload.misses.tolist()
+    hits, misses = sum(hits_per_layer), sum(misses_per_layer)
+    union_per_layer = [h + m for h, m in zip(hits_per_layer, misses_per_layer)]
+    predicted_union, predicted_misses = [], []
+    predicted_union_size = overlap = -1
     counts = stats.union_counts
     if counts is not None:
         e = kernels.evaluate
-        predicted_union, predicted_misses = counts[e.PREDICTED_UNION], counts[e.PREDICTED_MISSES]
-        overlap = int(counts[e.OVERLAP].sum())
+        predicted_union, predicted_misses = counts[e.PREDICTED_UNION].tolist(), counts[e.PREDICTED_MISSES].tolist()
+        predicted_union_size, overlap = sum(predicted_union), int(counts[e.OVERLAP].sum())
     charged = stats.charged_misses_per_layer
-    prior_time = (cost.time_s(sel.draft_levels, sel.n_nodes, sel.hits, sel.misses) if sel is not None and cost
-                  else nan)
+    n_verified = int(verification.nodes.size)
+    time_s = stats.cycle_time_s
     row = {
         "draft_levels": draft.draft_levels,
         "nodes_drafted": draft.tree.n_nodes,
-        "nodes_verified": int(verification.nodes.size),
+        "nodes_verified": n_verified,
         "deepest_selected": int(draft.tree.depth[verification.nodes].max()),
         "committed_tokens": stats.committed_tokens,
         "predicted_tokens": sel.expected_tokens if sel else nan,
-        "time_s": stats.cycle_time_s,
+        "time_s": time_s,
         "predicted_time_s": sel.time_s if sel else nan,
-        "prior_predicted_time_s": prior_time,
+        "prior_predicted_time_s": (cost.time_s(sel.draft_levels, sel.n_nodes, sel.hits, sel.misses)
+                                   if sel is not None and cost else nan),
         "online_predicted_time_s": sel.time_s if sel is not None and stats.online else nan,
-        "charged_time_s": cost.time_s(draft.draft_levels, verification.nodes.size, hits, misses) if cost else nan,
-        "measured_time_s": stats.cycle_time_s,
-        "union_size": int(true_union.sum()),
-        "predicted_union_size": int(predicted_union.sum()) if predicted_union is not None else -1,
+        "charged_time_s": cost.time_s(draft.draft_levels, n_verified, hits, misses) if cost else nan,
+        "measured_time_s": time_s,
+        "union_size": hits + misses,
+        "predicted_union_size": predicted_union_size,
         "union_overlap": overlap,
         "hits": hits,
         "misses": misses,
@@ -172,11 +178,11 @@ def live_row(stats, cost: CostModel | None, expert_bytes: int) -> dict:
         "learn_time_s": stats.learn_time_s,
         "update_time_s": stats.update_time_s,
         "cpu_time_s": stats.cpu_time_s,
-        "hits_per_layer": offload.hits.tolist(),
-        "misses_per_layer": offload.misses.tolist(),
-        "union_per_layer": true_union.tolist(),
-        "predicted_union_per_layer": predicted_union.tolist() if predicted_union is not None else [],
-        "predicted_misses_per_layer": predicted_misses.tolist() if predicted_misses is not None else [],
+        "hits_per_layer": hits_per_layer,
+        "misses_per_layer": misses_per_layer,
+        "union_per_layer": union_per_layer,
+        "predicted_union_per_layer": predicted_union,
+        "predicted_misses_per_layer": predicted_misses,
     }
     return row
 

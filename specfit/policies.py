@@ -60,7 +60,7 @@ class ArPolicy(Policy):
     name = "ar"
 
     def select(self, view: CycleView) -> Selection:
-        return view.evaluate([0])
+        return view.evaluate(np.zeros(1, dtype=np.int64))     # the root, as the kernels take nodes
 
 
 class ChainPolicy(Policy):

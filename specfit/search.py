@@ -140,13 +140,13 @@ def evaluate(tree: DraftTree, nodes, experts, cached, cost: CostModel, draft_lev
     experts, cached = validated(tree, experts, cached, cost, draft_levels)
     draft_node_s = check_draft_node_s(draft_node_s)
     formula = kernels.evaluate
+    parents, probs = _tree_arrays(tree)
     given = np.asarray(nodes)
-    if not (given.ndim == 1 and given.dtype == np.int64 and formula.canonical_closed(_tree_arrays(tree)[0], given)):
+    if not (given.ndim == 1 and given.dtype == np.int64 and formula.canonical_closed(parents, given)):
         given = check_nodes(tree, nodes)   # sorts and dedups, or words what is wrong
     nodes = given
     status, tokens, time_s, hits, misses = formula.evaluate_nodes(
-        _tree_arrays(tree)[1], experts, packed(cached), cached.shape[1], nodes, cost.params,
-        int(draft_levels))
+        probs, experts, packed(cached), cached.shape[1], nodes, cost.params, int(draft_levels))
     return kernel_selection(status, tree, experts, cached, draft_levels, draft_node_s, nodes, tokens, time_s, hits, misses)
 
 

@@ -111,6 +111,29 @@ def test_online_model_is_the_prior_until_it_has_seen_enough_cycles():
     assert {"per_node_s", "hit_s", "draft_level_s"} <= set(online.held)
 
 
+
+def test_short_cycles_refit_after_enough_measured_time_too():
+    """A refit costs milliseconds: with ``refit_interval_s`` the model refits after ``refit_every``
+    cycles only once that many measured seconds have passed too (the first refit at ``min_cycles``
+    either way), so short cycles refit less often; 0 refits by cycle count alone."""
+    cycle = (0, 1, 12, 4)
+    t = COST.time_s(*cycle)                      # 7.7 ms
+    every = {}
+    for interval in (0.0, 0.05):
+        online = OnlineCostModel(COST, window=16, min_cycles=4, refit_every=2, refit_interval_s=interval)
+        refits = []
+        for i in range(40):
+            before = online.n_refits
+            online.observe(*cycle, t)
+            if online.n_refits > before:
+                refits.append(i + 1)
+        every[interval] = refits
+    assert every[0.0] == list(range(4, 41, 2))
+    # 0.05 s is 6.5 cycles of 7.7 ms: a refit every 7 cycles after the first
+    assert every[0.05] == list(range(4, 41, 7))
+    with pytest.raises(ValueError, match="refit_interval_s"):
+        OnlineCostModel(COST, refit_interval_s=-1.0)
+
 def test_online_model_follows_a_change_of_the_transfer_cost():
     """The cache regime changes mid-run: a miss costs six times the transfer it did."""
     rng = np.random.default_rng(3)

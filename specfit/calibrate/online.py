@@ -24,7 +24,7 @@ same factor absorbs a predictor's steady over- or under-estimate of the union, s
 is taken against the counts the policy priced.
 
 The model's own update is part of the cycle it runs in, and not a steady part: a refit every
-``refit_every`` cycles takes 0.5-1.5 ms, a refit that also selects the terms up to 3 ms, in cycles of
+``refit_every`` cycles (and ``refit_interval_s`` seconds) takes 0.5-1.5 ms, a refit that also selects the terms up to 3 ms, in cycles of
 5-50 ms on the bundled model, against ~0.05 ms for a cycle without one (``bench_decode.py`` runs
 showed refit cycles 10-20 % slower than predicted). So the caller hands each cycle's measured update
 time back with the cycle (``overhead_s``): the fit and the tracker learn the cycle without it, a
@@ -57,6 +57,11 @@ class OnlineCostModel:
         window: how many recent cycles the fit sees.
         min_cycles: cycles seen before the first refit.
         refit_every: cycles between refits.
+        refit_interval_s: measured seconds between refits at least (after the first): a refit
+            costs 0.5-3 ms, so short cycles refit less often than every ``refit_every`` cycles and
+            the refits stay near 1 % of the run's time (autoregressive cycles of ~8 ms on the
+            bundled model refitted every 8 spent 2.2 % of it; the refit's error on recorded runs
+            is the same at 0 to 0.2 s, ``benchmarks/RESULTS.md``).
         half_life: a cycle this many cycles old weighs half as much as the newest, so the model
             follows a machine that changes instead of averaging over the whole window.
         select_every: refits between two selections of the terms to fit (which terms the window
@@ -76,12 +81,15 @@ class OnlineCostModel:
     UPDATE_RATE = 0.25          # the weight of a new measurement of an update's seconds, after the first four
 
     def __init__(self, prior: CostModel, window: int = 48, min_cycles: int = 8, refit_every: int = 8,
-                 half_life: float = 16.0, select_every: int = 2, speed_half_life: float | None = 1.0):
+                 half_life: float = 16.0, select_every: int = 2, speed_half_life: float | None = 1.0,
+                 refit_interval_s: float = 0.1):
         if window < 2 or min_cycles < 2 or refit_every < 1:
             raise ValueError(f"OnlineCostModel: expected window >= 2, min_cycles >= 2, refit_every >= 1, got "
                              f"{window}, {min_cycles}, {refit_every}")
         if speed_half_life is not None and not speed_half_life >= 0:
             raise ValueError(f"speed_half_life: expected >= 0 cycles or None, got {speed_half_life}")
+        if not refit_interval_s >= 0:
+            raise ValueError(f"refit_interval_s: expected >= 0 seconds, got {refit_interval_s}")
         self.prior = prior
         self.window, self.min_cycles, self.refit_every = int(window), int(min(min_cycles, window)), int(refit_every)
         self.half_life, self.select_every = float(half_life), int(max(select_every, 1))
@@ -92,6 +100,9 @@ class OnlineCostModel:
         self._times = np.zeros(self.window)
         self.n_seen = 0
         self.n_refits = 0
+        self.refit_interval_s = float(refit_interval_s)
+        self._since_refit = 0            # cycles and measured seconds observed since the last refit
+        self._since_refit_s = 0.0
         self.fitted = prior
         self.cost = prior
         # the speed tracker: each new cycle's weight, and the log speed it has reached
@@ -138,8 +149,12 @@ class OnlineCostModel:
         self._times[slot] = work_s
         self.n_seen += 1
         kind = 0                                     # index into UPDATE_KINDS
-        if self.n_seen >= self.min_cycles and (self.n_seen - self.min_cycles) % self.refit_every == 0:
+        self._since_refit += 1
+        self._since_refit_s += time_s
+        if self.n_seen >= self.min_cycles and (self.n_refits == 0 or self._since_refit >= self.refit_every
+                                               and self._since_refit_s >= self.refit_interval_s):
             kind = 2 if self._refit() else 1
+            self._since_refit, self._since_refit_s = 0, 0.0
         self._last_kind = kind
         self.update_s = float(self._update_mean[kind])
         tracked = bool(self._log_speed) or self.update_s > 0
