@@ -32,13 +32,16 @@ from specfit.runtime.run_dir import read_decode_cycles  # noqa: E402
 
 # (label, OnlineCostModel options, whether the model sees a cycle before the next is priced, whether
 # it is handed the recorded seconds of its own update in each cycle (update_time_s; runs from stop 23 on))
-BEFORE = {"half_life": 8.0, "refit_every": 4, "select_every": 4, "speed_half_life": None}   # the defaults before stop 22
+BEFORE = {"half_life": 8.0, "refit_every": 4, "select_every": 4, "speed_half_life": None,
+          "refit_interval_s": 0.0}   # the defaults before stop 22
 MODELS = (
     ("refit only, seen one cycle late (before stop 22)", BEFORE, False, False),
     ("refit only, seen before the next", BEFORE, True, False),
-    ("refit every 4 + speed tracker (stop 22's live runs)", {"refit_every": 4, "select_every": 4}, True, False),
-    ("refit every 8 + speed tracker (stop 22's default)", {}, True, False),
-    ("... + its own update priced (the default)", {}, True, True),
+    ("refit every 4 + speed tracker (stop 22's live runs)",
+     {"refit_every": 4, "select_every": 4, "refit_interval_s": 0.0}, True, False),
+    ("refit every 8 + speed tracker (stop 22's default)", {"refit_interval_s": 0.0}, True, False),
+    ("... + its own update priced (stop 23's default)", {"refit_interval_s": 0.0}, True, True),
+    ("... + refits at least 0.1 s apart (the default)", {}, True, True),
 )
 
 
