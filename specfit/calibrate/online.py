@@ -24,9 +24,10 @@ same factor absorbs a predictor's steady over- or under-estimate of the union, s
 is taken against the counts the policy priced.
 
 The model's own update is part of the cycle it runs in, and not a steady part: a refit every
-``refit_every`` cycles (and ``refit_interval_s`` seconds) takes 0.5-1.5 ms, a refit that also selects the terms up to 3 ms, in cycles of
-5-50 ms on the bundled model, against ~0.05 ms for a cycle without one (``bench_decode.py`` runs
-showed refit cycles 10-20 % slower than predicted). So the caller hands each cycle's measured update
+``refit_every`` cycles (and at least ``refit_interval_s`` seconds apart) takes 0.5-1.5 ms, a refit
+that also selects the terms up to 3 ms, in cycles of 5-50 ms on the bundled model, against ~0.05 ms
+for a cycle without one (``bench_decode.py`` runs showed refit cycles 10-20 % slower than
+predicted). So the caller hands each cycle's measured update
 time back with the cycle (``overhead_s``): the fit and the tracker learn the cycle without it, a
 running mean per kind of update (none, refit, refit with selection) learns what each costs, and
 :attr:`cost` for the cycle that has just run an update carries that kind's expected time in its
