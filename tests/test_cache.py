@@ -56,6 +56,37 @@ def random_unions(seed: int, n_layers: int, n_experts: int, steps: int, max_size
 
 
 # --------------------------------------------------------------------------- random unions
+@core_settings(100)
+@given(st.sampled_from(["per_layer", "global"]), st.sampled_from(["lru", "lfu", "fifo"]), st.booleans(),
+       st.integers(1, 4), st.integers(1, 130), st.data())
+def test_the_replays_admit_of_all_layers_in_one_call_equals_admit(mode, policy, with_keep, n_layers, n_experts, data):
+    # the replay admits a cycle's layers in one compiled call (kernels.cache.admit_cycle); the
+    # cache's admit calls the same rule once per layer and reports each layer: both must leave the
+    # same state (residency, scores, slots, counters) and count the same hits and misses
+    from specfit import kernels
+
+    limit = n_experts if mode == "per_layer" else n_layers * n_experts
+    capacity = data.draw(st.integers(0, limit + 2), label="capacity")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    steps = data.draw(st.integers(1, 20), label="steps")
+    max_size = data.draw(st.integers(1, n_experts), label="max_size")
+    rng = np.random.default_rng(seed)
+    one = ExpertCache(n_layers, n_experts, capacity, mode=mode, policy=policy)
+    per_layer = ExpertCache(n_layers, n_experts, capacity, mode=mode, policy=policy)
+    words = (n_experts + 63) // 64
+    admitted = np.empty((n_layers, words), dtype=np.uint64)
+    cand = [np.empty(max(capacity, 1), dtype=np.int64) for _ in range(2)]
+    evicted = np.empty(n_layers * max(capacity, 1), dtype=np.int64)
+    for step, union in enumerate(random_unions(seed, n_layers, n_experts, steps, max_size)):
+        keep = rng.integers(0, 4, size=union.shape).astype(float) if with_keep else None   # ties happen
+        hits, misses = kernels.cache.admit_cycle(kernels.bitsets.pack_mask(union), *one.kernel_state(),
+                                                 one.kernel_keep(keep), admitted, evicted, *cand)
+        result = per_layer.admit(union, keep=keep)
+        assert (hits, misses) == (int(result.hits.sum()), int(result.misses.sum())), step
+        for a, b in zip(one.kernel_state(), per_layer.kernel_state()):
+            assert np.array_equal(a, b), step
+
+
 @core_settings(200)
 @given(st.integers(1, 4), st.integers(1, 10), st.data())
 def test_per_layer_lru_matches_the_reference_on_random_unions(n_layers, n_experts, data):

@@ -34,6 +34,29 @@ def test_pack_rows_and_unpack_are_the_sets_of_the_ids(n, n_experts, k, seed):
             assert kernels.bitsets.lowest_bit(word) == (int(word) & -int(word)).bit_length() - 1
 
 
+@core_settings(100)
+@given(st.integers(1, 12), st.integers(1, 200), st.integers(1, 9), st.integers(0, 2**32 - 1))
+def test_unions_and_misses_of_packed_rows_are_those_of_the_ids(n, n_experts, k, seed):
+    # the replay takes its unions and the root's misses on a prepared trace's per-node sets
+    rng = np.random.default_rng(seed)
+    experts = rng.integers(0, n_experts, size=(n, 4, k)).astype(np.int16)
+    bits, ok = kernels.bitsets.pack_rows(experts, n_experts)
+    words = (n_experts + 63) // 64
+    cached = kernels.bitsets.pack_mask(rng.random((4, n_experts)) < 0.5)
+    base = int(rng.integers(0, n))
+    nodes = np.sort(rng.choice(n - base, size=int(rng.integers(1, n - base + 1)), replace=False)).astype(np.int64)
+    got, want = np.empty((4, words), np.uint64), np.empty((4, words), np.uint64)
+    kernels.bitsets.union_of_rows(bits, base, nodes, nodes.size, got)
+    kernels.evaluate.union_of_ids(experts, base, nodes, nodes.size, want)
+    assert ok and np.array_equal(got, want)
+    dense = kernels.bitsets.unpack(cached, n_experts)
+    for row in range(n):
+        missing = sum(len(set(experts[row, layer].tolist()) - set(np.flatnonzero(dense[layer]).tolist()))
+                      for layer in range(4))
+        assert kernels.bitsets.count_missing_row(bits, row, cached) == missing
+        assert kernels.bitsets.count_missing(experts, row, cached) == missing
+
+
 @pytest.mark.parametrize("n_experts", [1, 7, 8, 63, 64, 65, 128, 136])
 def test_pack_mask_matches_a_bit_by_bit_reference(n_experts):
     # multiples of 8 take the eight-bytes-at-once path, the others the plain loop

@@ -139,7 +139,7 @@ class ExpertCache(LayerCounts):
 
     def kernel_state(self) -> tuple:
         """The arrays the compiled kernels update in place, in the order of
-        :func:`specfit.kernels.cache.admit_row` (bits, score, count, slots, n_used, clock,
+        :func:`specfit.kernels.cache.admit_rows` (bits, score, count, slots, n_used, clock,
         counters, config): for a compiled driver (the replay) that admits without a Python call."""
         return (self._bits, self._score, self._count, self._slots, self._n_used, self._clock, self._counters,
                 self._config)

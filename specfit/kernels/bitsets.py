@@ -12,7 +12,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 __all__ = ["n_words", "popcount", "lowest_bit", "pack_rows", "pack_mask", "pack_ids", "union_rows",
-           "count_union", "unpack", "slots_right"]
+           "union_of_rows", "count_union", "count_missing", "count_missing_row", "unpack", "slots_right"]
 
 ONE = np.uint64(1)
 ZERO = np.uint64(0)
@@ -97,6 +97,33 @@ def union_rows(bits, nodes, n_nodes, out):
         for layer in range(n_layers):
             for w in range(words):
                 out[layer, w] |= bits[v, layer, w]
+
+
+@njit(cache=True)
+def union_of_rows(bits, base, nodes, n_nodes, out):
+    """``out[L, words]`` = the OR of the sets ``bits[base + v]`` (``[rows, L, words]``, e.g. a
+    prepared trace's per-node sets) over ``v`` in ``nodes[:n_nodes]``: a pass over ``L x words``
+    words per node, which the compiler vectorises, instead of one per expert id."""
+    m = out.shape[0] * out.shape[1]
+    flat = out.reshape(m)
+    rows = bits.reshape(bits.shape[0], m)
+    for j in range(m):
+        flat[j] = ZERO
+    for i in range(n_nodes):
+        row = rows[base + nodes[i]]
+        for j in range(m):
+            flat[j] |= row[j]
+
+
+@njit(cache=True)
+def count_missing_row(bits, row, cached):
+    """How many experts of one node's sets ``bits[row]`` (``[L, words]``) are not in the resident
+    sets ``cached[L, words]`` (:func:`count_missing` on the node's packed routing)."""
+    missing = 0
+    for layer in range(cached.shape[0]):
+        for w in range(cached.shape[1]):
+            missing += popcount(bits[row, layer, w] & ~cached[layer, w])
+    return missing
 
 
 @njit(cache=True)

@@ -26,7 +26,7 @@ from numba import njit
 
 from .bitsets import ONE, ZERO, lowest_bit, popcount
 
-__all__ = ["LRU", "LFU", "FIFO", "NO_KEEP", "admit_row", "admit_union", "admit_layer_ids", "admit_cycle",
+__all__ = ["LRU", "LFU", "FIFO", "NO_KEEP", "admit_rows", "admit_union", "admit_layer_ids", "admit_cycle",
            "worth_a_slot", "prefetch_items"]
 
 LRU, LFU, FIFO = 0, 1, 2
@@ -51,115 +51,127 @@ def _touch(score, count, layer, e, key, admitted, policy):
 
 
 @njit(cache=True)
-def _smallest_first(keys, values, n, k):
-    """Reorder ``keys[:n]`` (unique) and ``values[:n]`` alike so that the k smallest keys come
-    first, in any order (quickselect, in place)."""
-    lo, hi = 0, n - 1
-    while lo < hi:
-        pivot = keys[(lo + hi) // 2]
-        i, j = lo, hi
-        while i <= j:
-            while keys[i] < pivot:
-                i += 1
-            while keys[j] > pivot:
-                j -= 1
-            if i <= j:
-                keys[i], keys[j] = keys[j], keys[i]
-                values[i], values[j] = values[j], values[i]
-                i += 1
-                j -= 1
-        if k - 1 <= j:
-            hi = j
-        elif k - 1 >= i:
-            lo = i
-        else:
-            break
-
-
-@njit(cache=True)
-def _lowest_keep_first(keep, n_experts, global_mode, layer, row_slots, cand_score, cand_slot, n_cand):
-    """Reorder the candidates (``cand_score`` / ``cand_slot[:n_cand]``) by ascending (keep, score)
-    (scores are unique, so the order is total): an insertion sort, as there are at most C."""
-    keys = np.empty(n_cand, dtype=np.float64)
-    for i in range(n_cand):
-        held = row_slots[cand_slot[i]]
+def _lowest_scores(score, n_experts, global_mode, layer, union, slots, row, n_evict, cand_score, cand_slot):
+    """The plain eviction's victims: the ``n_evict`` held items outside the layer's ``union`` (row
+    ``layer`` of ``[L, words]``) with
+    the lowest scores (unique, so the set is exact) into ``cand_score`` / ``cand_slot[:n_evict]``,
+    in one pass over the slots that keeps the lowest so far sorted (a new item rarely enters)."""
+    m = 0
+    for s in range(slots.shape[1]):
+        held = slots[row, s]
+        if held < 0:
+            continue
         owner, e = (held // n_experts, held % n_experts) if global_mode else (layer, held)
-        keys[i] = keep[owner, e]
-    for i in range(1, n_cand):
-        key, score, slot = keys[i], cand_score[i], cand_slot[i]
-        j = i - 1
-        while j >= 0 and (keys[j] > key or (keys[j] == key and cand_score[j] > score)):
-            keys[j + 1], cand_score[j + 1], cand_slot[j + 1] = keys[j], cand_score[j], cand_slot[j]
+        if owner == layer and (union[layer, e >> 6] >> np.uint64(e & 63)) & ONE:
+            continue   # the layer's union is protected
+        key = score[owner, e]
+        if m == n_evict:
+            if key >= cand_score[m - 1]:
+                continue
+            m -= 1       # the largest kept so far leaves
+        j = m
+        while j > 0 and cand_score[j - 1] > key:
+            cand_score[j] = cand_score[j - 1]
+            cand_slot[j] = cand_slot[j - 1]
             j -= 1
-        keys[j + 1], cand_score[j + 1], cand_slot[j + 1] = key, score, slot
+        cand_score[j] = key
+        cand_slot[j] = s
+        m += 1
 
 
 @njit(cache=True)
-def _most_kept(keep, layer, union, resident, n_miss, n_admit):
-    """The ``n_admit`` misses of ``union`` with the highest ``keep`` (ties: ascending id), as words."""
-    ids = np.empty(n_miss, dtype=np.int64)
-    n = 0
-    for w in range(union.size):
-        word = union[w] & ~resident[w]
-        while word:
-            ids[n] = w * 64 + lowest_bit(word)
-            word &= word - ONE
-            n += 1
-    keys = np.empty(n, dtype=np.float64)
-    for i in range(n):
-        keys[i] = -keep[layer, ids[i]]
-    chosen = np.argsort(keys, kind="mergesort")[:n_admit]
-    take = np.zeros(union.size, dtype=np.uint64)
-    for i in chosen:
-        e = ids[i]
-        take[e >> 6] |= ONE << np.uint64(e & 63)
-    return take
+def _kept(keep, n_experts, global_mode, layer, held):
+    """The look-ahead priority of a held item (an expert id in per-layer mode, ``layer * E + e``
+    in global mode)."""
+    return keep[held // n_experts, held % n_experts] if global_mode else keep[layer, held]
 
 
 @njit(cache=True)
-def admit_row(layer, union, bits, score, count, slots, n_used, clock, counters, config, keep, admitted, evicted,
-              n_evicted, cand_score, cand_slot):
-    """Make ``union`` (layer ``layer``'s experts as words) resident as far as capacity allows.
+def _lowest_keep_first(keep, n_experts, global_mode, layer, slots, row, cand_score, cand_slot, n_cand):
+    """Reorder the candidates (``cand_score`` / ``cand_slot[:n_cand]``) by ascending (keep, score)
+    (scores are unique, so the order is total): an insertion sort, as there are at most C; the
+    keeps are looked up, not copied (nothing in the admit allocates)."""
+    for i in range(1, n_cand):
+        score, slot = cand_score[i], cand_slot[i]
+        key = _kept(keep, n_experts, global_mode, layer, slots[row, slot])
+        j = i - 1
+        while j >= 0:
+            other = _kept(keep, n_experts, global_mode, layer, slots[row, cand_slot[j]])
+            if not (other > key or (other == key and cand_score[j] > score)):
+                break
+            cand_score[j + 1], cand_slot[j + 1] = cand_score[j], cand_slot[j]
+            j -= 1
+        cand_score[j + 1], cand_slot[j + 1] = score, slot
 
-    Writes the admitted experts' bits into ``admitted[words]`` and the evicted items
-    (``layer * E + expert``) into ``evicted[n_evicted:]``; returns ``(hits, misses, admitted,
-    evicted)`` counts. ``cand_score`` / ``cand_slot`` are scratch of C entries. The caller
-    advances ``clock`` once per admit call.
+
+@njit(cache=True)
+def _most_kept(keep, layer, union, bits, n_admit, take):
+    """The ``n_admit`` misses of ``union[layer]`` with the highest ``keep`` (ties: ascending id),
+    as words in ``take[layer]``: the best remaining miss ``n_admit`` times (a layer has few
+    misses)."""
+    words = union.shape[1]
+    for w in range(words):
+        take[layer, w] = ZERO
+    for _ in range(n_admit):
+        best = -1
+        best_keep = 0.0
+        for w in range(words):
+            word = union[layer, w] & ~bits[layer, w] & ~take[layer, w]
+            while word:
+                e = w * 64 + lowest_bit(word)
+                word &= word - ONE
+                if best < 0 or keep[layer, e] > best_keep:
+                    best, best_keep = e, keep[layer, e]
+        take[layer, best >> 6] |= ONE << np.uint64(best & 63)
+
+
+@njit(cache=True)
+def admit_rows(lo, hi, union, bits, score, count, slots, n_used, clock, counters, config, keep, admitted, evicted,
+               cand_score, cand_slot):
+    """Make layers ``lo .. hi - 1`` of ``union`` (``[L, words]``) resident as far as capacity
+    allows, layer ``lo`` first.
+
+    Writes each layer's admitted experts into ``admitted[layer]`` and the evicted items
+    (``layer * E + expert``) into ``evicted`` (room for ``(hi - lo) x C``); returns the ``(hits,
+    misses, admitted, evicted)`` counts over the layers. ``cand_score`` / ``cand_slot`` are
+    scratch of C entries. The caller advances ``clock`` once per admit call. (The layers are a
+    loop here rather than a call each: numba counts references to a call's array arguments, which
+    costs more than a layer's admit.)
     """
     global_mode, policy, n_experts, capacity = config[0] != 0, config[1], config[2], config[3]
     n_layers, words = bits.shape
-    n_hit = 0
-    n_miss = 0
-    for w in range(words):
-        n_hit += popcount(union[w] & bits[layer, w])
-        n_miss += popcount(union[w] & ~bits[layer, w])
-    row = 0 if global_mode else layer
-    free = capacity - n_used[row]
-    if global_mode:
-        # every resident expert outside this layer's union may go
-        n_admit = min(n_miss, free + n_used[row] - n_hit)
-    else:
-        n_admit = min(n_miss, capacity - n_hit)
-    n_evict = max(0, n_admit - free)
-    if n_evict > 0:
-        n_cand = 0
-        for s in range(capacity):
-            held = slots[row, s]
-            if held < 0:
-                continue
-            owner, e = (held // n_experts, held % n_experts) if global_mode else (layer, held)
-            if owner == layer and (union[e >> 6] >> np.uint64(e & 63)) & ONE:
-                continue   # the layer's union is protected
-            cand_score[n_cand] = score[owner, e]
-            cand_slot[n_cand] = s
-            n_cand += 1
-        # the victims are the n_evict lowest scores (unique, so the set is exact), or with
-        # look-ahead the lowest (keep, score); their order does not matter, the freed slots are
-        # refilled in slot order
-        if keep.shape[0] > 0:
-            _lowest_keep_first(keep, n_experts, global_mode, layer, slots[row], cand_score, cand_slot, n_cand)
-        elif n_evict < n_cand:
-            _smallest_first(cand_score, cand_slot, n_cand, n_evict)
+    total_hit = total_miss = total_admit = n_evicted = 0
+    for layer in range(lo, hi):
+        n_hit = 0
+        n_miss = 0
+        for w in range(words):
+            n_hit += popcount(union[layer, w] & bits[layer, w])
+            n_miss += popcount(union[layer, w] & ~bits[layer, w])
+        row = 0 if global_mode else layer
+        free = capacity - n_used[row]
+        if global_mode:
+            # every resident expert outside this layer's union may go
+            n_admit = min(n_miss, free + n_used[row] - n_hit)
+        else:
+            n_admit = min(n_miss, capacity - n_hit)
+        n_evict = max(0, n_admit - free)
+        if n_evict > 0 and keep.shape[0] == 0:
+            _lowest_scores(score, n_experts, global_mode, layer, union, slots, row, n_evict, cand_score, cand_slot)
+        elif n_evict > 0:
+            n_cand = 0
+            for s in range(capacity):
+                held = slots[row, s]
+                if held < 0:
+                    continue
+                owner, e = (held // n_experts, held % n_experts) if global_mode else (layer, held)
+                if owner == layer and (union[layer, e >> 6] >> np.uint64(e & 63)) & ONE:
+                    continue   # the layer's union is protected
+                cand_score[n_cand] = score[owner, e]
+                cand_slot[n_cand] = s
+                n_cand += 1
+            # with look-ahead the victims are the lowest (keep, score)
+            _lowest_keep_first(keep, n_experts, global_mode, layer, slots, row, cand_score, cand_slot, n_cand)
+        # the victims' order does not matter: the freed slots are refilled in slot order
         for i in range(n_evict):
             s = cand_slot[i]
             held = slots[row, s]
@@ -169,39 +181,47 @@ def admit_row(layer, union, bits, score, count, slots, n_used, clock, counters, 
             counters[EVICTIONS, owner] += 1
             evicted[n_evicted + i] = owner * n_experts + e
         n_used[row] -= n_evict
-    # misses in ascending id take the free slots in slot order; the rest are streamed
-    layer_term = layer if global_mode else 0
-    base = clock[0] * (n_layers + 1) + layer_term
-    hit_key = (base * 2) * n_experts
-    miss_key = (base * 2 + 1) * n_experts
-    placed = 0
-    next_slot = 0
-    # with look-ahead, the misses that stay when not all fit are those it values most
-    take = _most_kept(keep, layer, union, bits[layer], n_miss, n_admit) if keep.shape[0] > 0 and n_admit < n_miss \
-        else union
-    for w in range(words):
-        admitted[w] = ZERO
-        hit_word = union[w] & bits[layer, w]
-        miss_word = union[w] & ~bits[layer, w] & take[w]
-        while hit_word:
-            e = w * 64 + lowest_bit(hit_word)
-            hit_word &= hit_word - ONE
-            _touch(score, count, layer, e, hit_key + e, False, policy)
-        while miss_word and placed < n_admit:
-            e = w * 64 + lowest_bit(miss_word)
-            miss_word &= miss_word - ONE
-            while slots[row, next_slot] >= 0:
-                next_slot += 1
-            slots[row, next_slot] = layer * n_experts + e if global_mode else e
-            admitted[w] |= ONE << np.uint64(e & 63)
-            _touch(score, count, layer, e, miss_key + e, True, policy)
-            placed += 1
-        bits[layer, w] |= admitted[w]
-    n_used[row] += n_admit
-    counters[HITS, layer] += n_hit
-    counters[MISSES, layer] += n_miss
-    counters[STREAMED, layer] += n_miss - n_admit
-    return n_hit, n_miss, n_admit, n_evict
+        # misses in ascending id take the free slots in slot order; the rest are streamed
+        layer_term = layer if global_mode else 0
+        base = clock[0] * (n_layers + 1) + layer_term
+        hit_key = (base * 2) * n_experts
+        miss_key = (base * 2 + 1) * n_experts
+        placed = 0
+        next_slot = 0
+        # with look-ahead, the misses that stay when not all fit are those it values most (written
+        # into ``admitted[layer]``, which each word reads before it clears it)
+        limited = keep.shape[0] > 0 and n_admit < n_miss
+        if limited:
+            _most_kept(keep, layer, union, bits, n_admit, admitted)
+        for w in range(words):
+            miss_word = union[layer, w] & ~bits[layer, w]
+            if limited:
+                miss_word &= admitted[layer, w]
+            admitted[layer, w] = ZERO
+            hit_word = union[layer, w] & bits[layer, w]
+            while hit_word:
+                e = w * 64 + lowest_bit(hit_word)
+                hit_word &= hit_word - ONE
+                _touch(score, count, layer, e, hit_key + e, False, policy)
+            while miss_word and placed < n_admit:
+                e = w * 64 + lowest_bit(miss_word)
+                miss_word &= miss_word - ONE
+                while slots[row, next_slot] >= 0:
+                    next_slot += 1
+                slots[row, next_slot] = layer * n_experts + e if global_mode else e
+                admitted[layer, w] |= ONE << np.uint64(e & 63)
+                _touch(score, count, layer, e, miss_key + e, True, policy)
+                placed += 1
+            bits[layer, w] |= admitted[layer, w]
+        n_used[row] += n_admit
+        counters[HITS, layer] += n_hit
+        counters[MISSES, layer] += n_miss
+        counters[STREAMED, layer] += n_miss - n_admit
+        total_hit += n_hit
+        total_miss += n_miss
+        total_admit += n_admit
+        n_evicted += n_evict
+    return total_hit, total_miss, total_admit, n_evicted
 
 
 @njit(cache=True)
@@ -225,9 +245,9 @@ def admit_union(union, bits, score, count, slots, n_used, clock, counters, confi
     for layer in range(n_layers):
         for w in range(words):
             before[w] = bits[layer, w]
-        n_hit, n_miss, n_admit, n_evict = admit_row(layer, union[layer], bits, score, count, slots, n_used, clock,
-                                                    counters, config, keep, admitted_bits[layer], evicted, 0, cand_score,
-                                                    cand_slot)
+        n_hit, n_miss, n_admit, n_evict = admit_rows(layer, layer + 1, union, bits, score, count, slots, n_used, clock,
+                                                     counters, config, keep, admitted_bits, evicted, cand_score,
+                                                     cand_slot)
         for i in range(n_evict):
             owner, e = evicted[i] // n_experts, evicted[i] % n_experts
             evicted_bits[owner, e >> 6] |= ONE << np.uint64(e & 63)
@@ -260,42 +280,39 @@ def admit_layer_ids(layer, ids, bits, score, count, slots, n_used, clock, counte
     words = bits.shape[1]
     n_experts = config[2]
     empty = np.zeros(0, dtype=np.int64)
-    union = np.zeros(words, dtype=np.uint64)
+    union = np.zeros(bits.shape, dtype=np.uint64)
     for i in range(ids.size):
         e = np.int64(ids[i])
         if e < 0 or e >= n_experts:
             return False, empty, empty, empty, empty
-        union[e >> 6] |= ONE << np.uint64(e & 63)
+        union[layer, e >> 6] |= ONE << np.uint64(e & 63)
     clock[0] += 1
     before = bits[layer].copy()
-    admitted = np.empty(words, dtype=np.uint64)
+    admitted = np.empty(bits.shape, dtype=np.uint64)
     evicted = np.empty(max(config[3], 1), dtype=np.int64)
     cand_score = np.empty(max(config[3], 1), dtype=np.int64)
     cand_slot = np.empty(max(config[3], 1), dtype=np.int64)
-    _, _, _, n_evict = admit_row(layer, union, bits, score, count, slots, n_used, clock, counters, config, keep, admitted,
-                                 evicted, 0, cand_score, cand_slot)
+    _, _, _, n_evict = admit_rows(layer, layer + 1, union, bits, score, count, slots, n_used, clock, counters, config,
+                                  keep, admitted, evicted, cand_score, cand_slot)
     scratch = np.empty(words * 64, dtype=np.int64)
     hits = np.empty(words, dtype=np.uint64)
     streamed = np.empty(words, dtype=np.uint64)
     for w in range(words):
-        hits[w] = union[w] & before[w]
-        streamed[w] = union[w] & ~before[w] & ~admitted[w]
-    return True, _ids_of(hits, scratch), _ids_of(admitted, scratch), _ids_of(streamed, scratch), np.sort(evicted[:n_evict])
+        hits[w] = union[layer, w] & before[w]
+        streamed[w] = union[layer, w] & ~before[w] & ~admitted[layer, w]
+    return True, _ids_of(hits, scratch), _ids_of(admitted[layer], scratch), _ids_of(streamed, scratch), \
+        np.sort(evicted[:n_evict])
 
 
 @njit(cache=True)
 def admit_cycle(union, bits, score, count, slots, n_used, clock, counters, config, keep, admitted, evicted, cand_score,
                 cand_slot):
     """The replay's admit: a cycle's union ``[L, words]``; returns the (hits, misses) totals.
-    ``admitted`` (words), ``evicted``, ``cand_score`` and ``cand_slot`` (C entries) are scratch."""
+    ``admitted`` (``[L, words]``), ``evicted`` (L x C entries), ``cand_score`` and ``cand_slot`` (C
+    entries) are scratch."""
     clock[0] += 1
-    hits = 0
-    misses = 0
-    for layer in range(bits.shape[0]):
-        n_hit, n_miss, _, _ = admit_row(layer, union[layer], bits, score, count, slots, n_used, clock, counters,
-                                        config, keep, admitted, evicted, 0, cand_score, cand_slot)
-        hits += n_hit
-        misses += n_miss
+    hits, misses, _, _ = admit_rows(0, bits.shape[0], union, bits, score, count, slots, n_used, clock, counters, config,
+                                    keep, admitted, evicted, cand_score, cand_slot)
     return hits, misses
 
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .bitsets import count_missing, popcount
+from .bitsets import count_missing_row, popcount, union_of_rows
 from .cache import admit_cycle
 from .decide import MAX_LEVELS, NODE_PRICE, OK, decide_level, node_price, observe_cycle, select_level
-from .evaluate import cycle_time, expected_tokens, union_of_ids
+from .evaluate import cycle_time, expected_tokens
 from .levers import ADVISOR, CARRY, PREFETCH, keep_priorities, observe_union, prefetch_level
 from .tree import accepted_path
 
@@ -60,13 +60,14 @@ def accepted_paths(offsets, parents, depth, tokens, verdicts):
 
 
 @njit(cache=True)
-def commit_cycle(c, nodes, n_sel, same_experts, union_ready, offsets, depth, tokens, verdicts, true_experts,
-                 predicted_experts, path_offsets, paths, bits, score, count, slots, n_used, clock, counters, config,
+def commit_cycle(c, nodes, n_sel, same_experts, union_ready, offsets, depth, tokens, verdicts, true_bits,
+                 predicted_bits, path_offsets, paths, bits, score, count, slots, n_used, clock, counters, config,
                  keep, selected, true_union, predicted_union, admitted, evicted, cand_score, cand_slot, int_cols, row,
                  tokens_out, n_out):
     """Verify ``nodes[:n_sel]`` (sorted, closed, with the root) at cycle ``c``: commit the accepted
     path's prefix inside them plus the bonus token, admit the union of their true experts
-    (already in ``true_union`` when ``union_ready``), and fill the cycle's columns in
+    (``true_bits`` / ``predicted_bits``: the trace's per-node sets ``[nodes, L, words]``; the true
+    union already in ``true_union`` when ``union_ready``), and fill the cycle's columns in
     ``int_cols[:, row]`` (all but the policy's predictions); ``keep`` orders the cache's evictions
     (:mod:`specfit.kernels.cache`). Returns the number of committed
     tokens and the new length of ``tokens_out``."""
@@ -87,9 +88,9 @@ def commit_cycle(c, nodes, n_sel, same_experts, union_ready, offsets, depth, tok
     tokens_out[n_out] = verdicts[base + paths[start + k - 1]]
     n_out += 1
     if not union_ready:
-        union_of_ids(true_experts, base, nodes, n_sel, true_union)
+        union_of_rows(true_bits, base, nodes, n_sel, true_union)
     if not same_experts:
-        union_of_ids(predicted_experts, base, nodes, n_sel, predicted_union)
+        union_of_rows(predicted_bits, base, nodes, n_sel, predicted_union)
     overlap = 0
     union_size = 0
     n_layers, words = true_union.shape
@@ -113,9 +114,10 @@ def commit_cycle(c, nodes, n_sel, same_experts, union_ready, offsets, depth, tok
 
 
 @njit(cache=True)
-def _evaluate(probs, experts, base, nodes, n_sel, cached, params, draft_levels, union, scratch):
-    """The cost formula on ``nodes[:n_sel]`` of the tree at rows ``base:`` (Selection's numbers)."""
-    union_of_ids(experts, base, nodes, n_sel, union)
+def _evaluate(probs, bits, base, nodes, n_sel, cached, params, draft_levels, union, scratch):
+    """The cost formula on ``nodes[:n_sel]`` of the tree at rows ``base:`` (Selection's numbers;
+    ``bits`` the per-node expert sets the policy decides with)."""
+    union_of_rows(bits, base, nodes, n_sel, union)
     hits = 0
     total = 0
     for layer in range(union.shape[0]):
@@ -174,19 +176,21 @@ def _commit_scratch(offsets, bits, config):
     capacity = max(config[3], 1)
     return (max_nodes, np.zeros((0, 0), dtype=np.float64), np.zeros(max_nodes, dtype=np.bool_),
             np.empty((n_layers, words), dtype=np.uint64), np.empty((n_layers, words), dtype=np.uint64),
-            np.empty((n_layers, words), dtype=np.uint64), np.empty(words, dtype=np.uint64),
-            np.empty(capacity, dtype=np.int64), np.empty(capacity, dtype=np.int64), np.empty(capacity, dtype=np.int64))
+            np.empty((n_layers, words), dtype=np.uint64), np.empty((n_layers, words), dtype=np.uint64),
+            np.empty(n_layers * capacity, dtype=np.int64), np.empty(capacity, dtype=np.int64),
+            np.empty(capacity, dtype=np.int64))
 
 
 @njit(cache=True)
 def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parents, depth, tokens, verdicts,
-                    true_experts, predicted_experts, path_probs, level_probs, level_offsets, level_sizes,
-                    path_offsets, paths, sequence_starts, params, bits, score, count, slots, n_used, clock,
+                    predicted_experts, true_bits, predicted_bits, path_probs, level_probs, level_offsets,
+                    level_sizes, path_offsets, paths, sequence_starts, params, bits, score, count, slots, n_used, clock,
                     counters, config, link_params, lconf, lf, usage, layer_prefetched, prefetched, union_log, int_cols,
                     float_cols, tokens_out, tokens_per_sequence):
     """Replay every sequence with a compiled policy (``kind`` one of AR, CHAIN, RERANK, ORACLE;
     ``total_nodes`` the rerank's N, ``max_levels`` the levels it drafts) and the levers of
-    ``lconf`` (:mod:`.levers`, not with the oracle); each cycle's true union goes to
+    ``lconf`` (:mod:`.levers`, not with the oracle); ``true_bits`` / ``predicted_bits`` are the
+    expert ids' per-node sets (the unions are taken on them); each cycle's true union goes to
     ``union_log[row]`` when it has rows. Returns the number of cycles run (the columns' length)."""
     max_nodes, no_keep, selected, true_union, predicted_union, cached, admitted, evicted, cand_score, cand_slot = \
         _commit_scratch(offsets, bits, config)
@@ -245,9 +249,8 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
                 for j in range(size):
                     row_j = base + path[j]
                     for layer in range(n_layers):
-                        for slot in range(true_experts.shape[2]):
-                            e = np.int64(true_experts[row_j, layer, slot])
-                            true_union[layer, e >> 6] |= np.uint64(1) << np.uint64(e & 63)
+                        for w in range(words):
+                            true_union[layer, w] |= true_bits[row_j, layer, w]
                     hits = 0
                     total = 0
                     for layer in range(n_layers):
@@ -297,7 +300,7 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
                             n_sel += 1
                             selected[v] = False
                 sel_levels = levels
-                sel_tokens, sel_s, sel_hits, sel_misses = _evaluate(probs, predicted_experts, base, nodes, n_sel,
+                sel_tokens, sel_s, sel_hits, sel_misses = _evaluate(probs, predicted_bits, base, nodes, n_sel,
                                                                     cached, params, levels, true_union, scratch)
             record_decision(int_cols, float_cols, row, s, c - sequence_starts[s], sel_levels, sel_hits, sel_misses,
                             sel_s, sel_tokens)
@@ -305,10 +308,10 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
             if lconf[ADVISOR]:
                 keep = _commit_keep(cycle_parents, path_probs[base:base + n], level_probs[base:base + n], cycle_experts,
                                     n, deepest, levels, nodes[:n_sel], config[2], lconf, lf, usage, no_keep,
-                                    true_experts, base, bits, true_union, read)
+                                    true_bits, base, bits, true_union, read)
             ready = union_ready or lconf[ADVISOR] != 0      # _commit_keep made the true union
             k, n_out = commit_cycle(c, nodes, n_sel, same_union, ready, offsets, depth, tokens, verdicts,
-                                    true_experts, predicted_experts, path_offsets, paths, bits, score, count, slots,
+                                    true_bits, predicted_bits, path_offsets, paths, bits, score, count, slots,
                                     n_used, clock, counters, config, keep, selected, true_union, predicted_union,
                                     admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
             if lconf[ADVISOR]:
@@ -368,14 +371,14 @@ def decide_cycle(parents, path_probs, level_probs, experts, level_sizes, cached_
 
 @njit(cache=True)
 def _commit_keep(parents, path_probs, level_probs, experts, n, deepest, levels, nodes, n_experts, lconf, lf, usage,
-                 no_keep, true_experts, base, bits, true_union, read):
+                 no_keep, true_bits, base, bits, true_union, read):
     """The cache advisor's keep for a cycle's commit (the tree of the ``levels`` drafted, ``n``
     nodes, after verifying ``nodes``), or ``no_keep`` without an advisor. With one, the true union
     of ``nodes`` is made here (in ``true_union``: the commit takes it as ready) and the keep is
     computed where the admit reads it, at the resident experts and the union's."""
     if not lconf[ADVISOR]:
         return no_keep
-    union_of_ids(true_experts, base, nodes, nodes.size, true_union)
+    union_of_rows(true_bits, base, nodes, nodes.size, true_union)
     for layer in range(bits.shape[0]):
         for w in range(bits.shape[1]):
             read[layer, w] = bits[layer, w] | true_union[layer, w]
@@ -384,8 +387,8 @@ def _commit_keep(parents, path_probs, level_probs, experts, n, deepest, levels, 
 
 
 @njit(cache=True)
-def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true_experts, predicted_experts,
-                   path_probs, level_probs, level_offsets, level_sizes, path_offsets, paths, sequence_starts, n_experts,
+def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true_bits, predicted_experts,
+                   predicted_bits, path_probs, level_probs, level_offsets, level_sizes, path_offsets, paths, sequence_starts, n_experts,
                    params, conf, fstate, istate, recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width,
                    bits, score, count, slots, n_used, clock, counters, config, link_params, lconf, lf, usage,
                    layer_prefetched, prefetched, union_log, int_cols, float_cols, tokens_out, tokens_per_sequence):
@@ -424,18 +427,18 @@ def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true
             if status != 0:
                 return -1 - status
             # what the root's true and predicted experts miss against the residency the policy saw
-            root_misses = count_missing(true_experts, base, bits)
-            root_predicted_misses = count_missing(predicted_experts, base, bits)
+            root_misses = count_missing_row(true_bits, base, bits)
+            root_predicted_misses = count_missing_row(predicted_bits, base, bits)
             record_decision(int_cols, float_cols, row, s, c - sequence_starts[s], levels, sel_hits, sel_misses, sel_s,
                             sel_tokens)
             keep = no_keep
             if lconf[ADVISOR]:      # (guarded here: a call passes every array it takes)
                 keep = _commit_keep(cycle_parents, path_probs[base:base + n], level_probs[base:base + n], cycle_experts,
                                     sizes[levels], sizes.size - 1, levels, nodes, n_experts, lconf, lf, usage, no_keep,
-                                    true_experts, base, bits, true_union, read)
+                                    true_bits, base, bits, true_union, read)
             ready = lconf[ADVISOR] != 0      # _commit_keep made the true union
             k, n_out = commit_cycle(c, nodes, nodes.size, same_experts, ready, offsets, depth, tokens, verdicts,
-                                    true_experts, predicted_experts, path_offsets, paths, bits, score, count, slots,
+                                    true_bits, predicted_bits, path_offsets, paths, bits, score, count, slots,
                                     n_used, clock, counters, config, keep, selected, true_union, predicted_union,
                                     admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
             if lconf[ADVISOR]:

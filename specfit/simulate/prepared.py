@@ -43,6 +43,8 @@ class PreparedTrace:
     level_offsets: np.ndarray       # int64 [cycles + 1]: cycle c's level sizes are level_sizes[lo[c]:lo[c + 1]]
     level_sizes: np.ndarray         # int64: nodes within d levels, d = 0 .. the cycle's depth
     predicted_experts: np.ndarray   # int16 [nodes, L, k] the policies decide with (the true array for oracle)
+    true_bits: np.ndarray           # uint64 [nodes, L, words]: each node's true experts per layer as a set
+    predicted_bits: np.ndarray      # uint64 [nodes, L, words]: the same of the predicted (the true array for oracle)
     path_offsets: np.ndarray        # int64 [cycles + 1]: cycle c's accepted path is paths[po[c]:po[c + 1]]
     paths: np.ndarray               # int64: accepted paths of the full trees, root first, local node ids
     first_cycles: np.ndarray        # first cycle (position 0) of each sequence
@@ -176,6 +178,10 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
         predicted_experts = true_experts     # the oracle predictor: the replay then skips a second union
     else:
         predicted_experts = _checked_experts(name, predicted_experts, trace)
+    # the per-node sets the replay takes its unions on (an OR per word instead of a pass per id)
+    true_bits = _packed(name, "true experts", true_experts, trace.n_experts)
+    predicted_bits = true_bits if predicted_experts is true_experts else \
+        _packed(name, "predicted experts", predicted_experts, trace.n_experts)
     path_offsets, paths = kernels.replay.accepted_paths(offsets, parents, depths, tokens, verdicts)
     seq = trace.sequence
     first = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
@@ -188,6 +194,7 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
                          tokens=tokens, verdicts=verdicts, true_experts=true_experts, raw_probs=raw, path_probs=full,
                          level_probs=level,
                          level_offsets=level_offsets, level_sizes=level_sizes, predicted_experts=predicted_experts,
+                         true_bits=true_bits, predicted_bits=predicted_bits,
                          path_offsets=path_offsets, paths=paths, first_cycles=first, info=info)
 
 
@@ -207,6 +214,13 @@ def _check_path_probs(name, probs, root, parent_row, cycle_of, offsets) -> None:
     rising = ~root & (probs > probs[parent_row] + 1e-9)
     if rising.any():
         fail(rising, "must not increase along a path")
+
+
+def _packed(name: str, what: str, experts: np.ndarray, n_experts: int) -> np.ndarray:
+    bits, ok = kernels.bitsets.pack_rows(experts, n_experts)
+    if not ok:
+        raise ValueError(f"{name}: {what}: expected ids in [0, {n_experts}), got [{experts.min()}, {experts.max()}]")
+    return bits
 
 
 def _checked_experts(name: str, experts, trace: Trace) -> np.ndarray:

@@ -130,15 +130,15 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
     if rule is not None:
         rows = kernels.replay.replay_compiled(
             *rule, prep.predicted_is_true, prep.offsets, prep.parents, prep.depths, prep.tokens, prep.verdicts,
-            prep.true_experts, prep.predicted_experts, prep.path_probs, prep.level_probs, prep.level_offsets,
-            prep.level_sizes, prep.path_offsets, prep.paths, bounds, cost.params, *cache.kernel_state(),
-            *lever_args, int_cols, float_cols, tokens_out, per_sequence)
+            prep.predicted_experts, prep.true_bits, prep.predicted_bits, prep.path_probs, prep.level_probs,
+            prep.level_offsets, prep.level_sizes, prep.path_offsets, prep.paths, bounds, cost.params,
+            *cache.kernel_state(), *lever_args, int_cols, float_cols, tokens_out, per_sequence)
     elif compiled_specfit:
         # the policy's state arrays are updated in place, as its own calls would update them
         rows = kernels.replay.replay_specfit(
             prep.predicted_is_true, prep.offsets, prep.parents, prep.depths, prep.tokens, prep.verdicts,
-            prep.true_experts, prep.predicted_experts, prep.path_probs, prep.level_probs, prep.level_offsets,
-            prep.level_sizes, prep.path_offsets, prep.paths, bounds, trace.n_experts,
+            prep.true_bits, prep.predicted_experts, prep.predicted_bits, prep.path_probs, prep.level_probs,
+            prep.level_offsets, prep.level_sizes, prep.path_offsets, prep.paths, bounds, trace.n_experts,
             policy._priced_cost(cost).params, *policy.state, *cache.kernel_state(), *lever_args, int_cols, float_cols,
             tokens_out, per_sequence)
         if rows < 0:
@@ -209,9 +209,9 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
     selected = np.zeros(prep.max_nodes, dtype=bool)
     true_union = np.empty((trace.n_layers, words), dtype=np.uint64)
     predicted_union = np.empty_like(true_union)
-    admitted = np.empty(words, dtype=np.uint64)
-    evicted = np.empty(max(cache.capacity, 1), dtype=np.int64)
-    cand_score, cand_slot = np.empty_like(evicted), np.empty_like(evicted)
+    admitted = np.empty((trace.n_layers, words), dtype=np.uint64)
+    cand_score, cand_slot = (np.empty(max(cache.capacity, 1), dtype=np.int64) for _ in range(2))
+    evicted = np.empty(trace.n_layers * cand_score.size, dtype=np.int64)
     needs_truth = policy.needs_truth
     same = needs_truth or prep.predicted_is_true
     advisor, prefetcher = policy.cache_advisor, policy.prefetcher
@@ -250,11 +250,11 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
                 n_drafted = int(prep.level_sizes[prep.level_offsets[c] + sel.draft_levels])
                 keep = advisor.keep(drafted, view.experts[:n_drafted], nodes, n_experts)
             # what the root's true and predicted experts miss against the residency the policy saw
-            root_misses = kernels.bitsets.count_missing(prep.true_experts, lo, state[0])
-            root_predicted_misses = kernels.bitsets.count_missing(prep.predicted_experts, lo, state[0])
+            root_misses = kernels.bitsets.count_missing_row(prep.true_bits, lo, state[0])
+            root_predicted_misses = kernels.bitsets.count_missing_row(prep.predicted_bits, lo, state[0])
             committed, n_out = k.commit_cycle(
-                c, nodes, nodes.size, same, False, offsets, prep.depths, prep.tokens, prep.verdicts, prep.true_experts,
-                prep.predicted_experts, prep.path_offsets, prep.paths, *state, cache.kernel_keep(keep), selected,
+                c, nodes, nodes.size, same, False, offsets, prep.depths, prep.tokens, prep.verdicts, prep.true_bits,
+                prep.predicted_bits, prep.path_offsets, prep.paths, *state, cache.kernel_keep(keep), selected,
                 true_union, predicted_union, admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
             if advisor is not None or unions is not None:
                 union = kernels.bitsets.unpack(true_union, n_experts)
