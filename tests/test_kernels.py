@@ -57,6 +57,30 @@ def test_unions_and_misses_of_packed_rows_are_those_of_the_ids(n, n_experts, k, 
         assert kernels.bitsets.count_missing(experts, row, cached) == missing
 
 
+@core_settings(100)
+@given(st.integers(1, 30), st.integers(1, 300), st.integers(1, 8), st.integers(0, 2**32 - 1))
+def test_first_bad_routing_finds_what_a_sort_finds(n, n_experts, k, seed):
+    # the trace validation's check of expert ids, against sorting each layer's ids (both paths:
+    # up to 128 experts in registers, more in words)
+    k = min(k, n_experts)
+    rng = np.random.default_rng(seed)
+    experts = np.stack([np.stack([rng.permutation(n_experts)[:k] for _ in range(3)]) for _ in range(n)])
+    experts = experts.astype(np.int16)
+    for _ in range(int(rng.integers(0, 3))):
+        v, layer, s = rng.integers(0, n), rng.integers(0, 3), rng.integers(0, k)
+        experts[v, layer, s] = rng.choice([-1, -3, n_experts, n_experts + 5, int(rng.integers(0, n_experts))])
+    experts[rng.random(n) < 0.2, 0, 0] = -1            # unknown rows are skipped
+    known = experts[:, 0, 0] >= 0
+    out = known & ((experts < 0) | (experts >= n_experts)).any(axis=(1, 2))
+    srt = np.sort(experts, axis=2)
+    rep = known & (srt[:, :, 1:] == srt[:, :, :-1]).any(axis=(1, 2))
+    first_out = int(np.flatnonzero(out)[0]) if out.any() else -1
+    got_out, got_rep = kernels.bitsets.first_bad_routing(experts, n_experts)
+    assert got_out == first_out
+    if first_out < 0:
+        assert got_rep == (int(np.flatnonzero(rep)[0]) if rep.any() else -1)
+
+
 @pytest.mark.parametrize("n_experts", [1, 7, 8, 63, 64, 65, 128, 136])
 def test_pack_mask_matches_a_bit_by_bit_reference(n_experts):
     # multiples of 8 take the eight-bytes-at-once path, the others the plain loop

@@ -120,6 +120,26 @@ def test_validation_names_the_field(field, edit, message):
         validate_trace(trace, source="hand")
 
 
+def test_validation_names_the_node_that_repeats_an_expert_and_allows_equal_tokens_across_cycles():
+    import copy
+
+    trace = hand_trace()
+    # a sibling group is one parent's children: the same (local parent, token) in two cycles is fine
+    trace.token[5] = 11
+    validate_trace(trace, source="hand")
+    wide = copy.deepcopy(hand_trace())
+    wide.meta["model"]["top_k"] = 2
+    wide.true_experts = np.concatenate([wide.true_experts, (wide.true_experts + 1) % 4], axis=2)
+    wide.predicted_experts = wide.true_experts.copy()
+    validate_trace(wide, source="hand")
+    wide.predicted_experts[5, 0, 1] = wide.predicted_experts[5, 0, 0]
+    with pytest.raises(SpecFitError, match=r"'predicted_experts' repeats an expert .*\(cycle 1, node 1\)"):
+        validate_trace(wide, source="hand")
+    wide.true_experts[6, 0, 1] = 7     # an id out of range is reported before a repeat in another row
+    with pytest.raises(SpecFitError, match=r"'true_experts' must hold expert ids in \[0, 4\) \(cycle 2, node 0\)"):
+        validate_trace(wide, source="hand")
+
+
 def test_synthetic_statistics_match_their_targets(small_synth):
     stats = small_synth.meta["statistics"]
     targets = small_synth.meta["parameters"]["targets"]

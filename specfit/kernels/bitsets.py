@@ -12,7 +12,8 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 __all__ = ["n_words", "popcount", "lowest_bit", "pack_rows", "pack_mask", "pack_ids", "union_rows",
-           "union_of_rows", "count_union", "count_missing", "count_missing_row", "unpack", "slots_right"]
+           "union_of_rows", "count_union", "count_missing", "count_missing_row", "unpack", "slots_right",
+           "first_bad_routing"]
 
 ONE = np.uint64(1)
 ZERO = np.uint64(0)
@@ -171,6 +172,58 @@ def count_missing(experts, row, cached):
             if not word & bit:
                 missing += 1
     return missing
+
+
+@njit(cache=True)
+def first_bad_routing(experts, n_experts):
+    """Over the known rows of ``experts`` (``[n, L, k]``; a row is unknown where its first id is
+    negative): ``(the first row with an id outside [0, n_experts), the first row that repeats an
+    expert within one layer)``, -1 where there is none; the pass stops at the first row out of
+    range (a repeat is then looked for only before it). A layer's ids as bits."""
+    n, n_layers, k = experts.shape
+    seen = np.zeros((n_experts + 63) // 64, dtype=np.uint64)
+    out_of_range = repeated = -1
+    for v in range(n):
+        if experts[v, 0, 0] < 0:
+            continue
+        if n_experts <= 128:
+            # a layer's ids as two words in registers: a repeat leaves fewer bits than ids
+            for layer in range(n_layers):
+                low = ZERO
+                high = ZERO
+                bad = False
+                for s in range(k):
+                    e = np.int64(experts[v, layer, s])
+                    bad |= (e < 0) | (e >= n_experts)
+                    bit = ONE << np.uint64(e & 63)
+                    upper = ZERO - np.uint64((e >> 6) & 1)
+                    low |= bit & ~upper
+                    high |= bit & upper
+                if bad:
+                    out_of_range = v
+                    break
+                if repeated < 0 and popcount(low) + popcount(high) < k:
+                    repeated = v
+            if out_of_range >= 0:
+                break
+            continue
+        for layer in range(n_layers):
+            for w in range(seen.size):
+                seen[w] = ZERO
+            for s in range(k):
+                e = np.int64(experts[v, layer, s])
+                if e < 0 or e >= n_experts:
+                    if out_of_range < 0:
+                        out_of_range = v
+                    continue
+                bit = ONE << np.uint64(e & 63)
+                if seen[e >> 6] & bit:
+                    if repeated < 0:
+                        repeated = v
+                seen[e >> 6] |= bit
+        if out_of_range >= 0:
+            break
+    return out_of_range, repeated
 
 
 @njit(cache=True)

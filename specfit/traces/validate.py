@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import kernels
 from ..errors import SpecFitError
 
 __all__ = ["validate_trace", "check_meta", "REQUIRED_META", "REQUIRED_MODEL"]
@@ -86,24 +87,27 @@ def validate_trace(trace, source: str = "trace") -> dict:
         fail("path_prob", prob > prob[gparent] + 1e-9, "must not exceed the parent's path_prob")
     if np.any(trace.token < 0):
         fail("token", trace.token < 0, "must be a non-negative token id")
-    # siblings must carry distinct tokens: greedy acceptance then accepts at most one child
-    key = np.stack([cyc, np.where(root, -1, parent), trace.token.astype(np.int64)], axis=1)[~root]
-    if np.unique(key, axis=0).shape[0] != key.shape[0]:
+    # siblings must carry distinct tokens: greedy acceptance then accepts at most one child. A
+    # sibling group is its parent's row: (row, token) as one int64 (rows < 2^32, tokens < 2^31)
+    tokens = trace.token.astype(np.int64)
+    if n < 2**32 and tokens.max(initial=0) < 2**31:
+        key = np.sort((gparent[~root] << 31) | tokens[~root])
+        repeats = bool(np.any(key[1:] == key[:-1]))
+    else:
+        key = np.stack([cyc, np.where(root, -1, parent), tokens], axis=1)[~root]
+        repeats = np.unique(key, axis=0).shape[0] != key.shape[0]
+    if repeats:
         raise SpecFitError(f"{source}: column 'token' repeats a token among siblings; drafted siblings must be distinct tokens")
     for name, experts in (("true_experts", trace.true_experts), ("predicted_experts", trace.predicted_experts)):
         if experts is None:
             continue
         if experts.shape != (n, L, k):
             raise SpecFitError(f"{source}: '{name}' must have shape [nodes, layers, top_k] = [{n}, {L}, {k}], got {list(experts.shape)}")
-        known = experts[:, 0, 0] >= 0
-        bad = known & ((experts < 0) | (experts >= E)).any(axis=(1, 2))
-        if bad.any():
-            fail(name, bad, f"must hold expert ids in [0, {E})")
-        srt = np.sort(experts[known], axis=2)
-        dup = np.zeros(n, dtype=bool)
-        dup[known] = (srt[:, :, 1:] == srt[:, :, :-1]).any(axis=(1, 2))
-        if dup.any():
-            fail(name, dup, "repeats an expert within one layer's top-k")
+        out_of_range, repeated = kernels.bitsets.first_bad_routing(experts, E)
+        if out_of_range >= 0:
+            fail(name, np.arange(n) == out_of_range, f"must hold expert ids in [0, {E})")
+        if repeated >= 0:
+            fail(name, np.arange(n) == repeated, "repeats an expert within one layer's top-k")
     if trace.true_expert_weights is not None:
         weights = trace.true_expert_weights
         if weights.shape != (n, L, k):
