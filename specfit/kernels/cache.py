@@ -51,20 +51,13 @@ def _touch(score, count, layer, e, key, admitted, policy):
 
 
 @njit(cache=True)
-def _lowest_scores(score, n_experts, global_mode, layer, union, slots, row, n_evict, cand_score, cand_slot):
-    """The plain eviction's victims: the ``n_evict`` held items outside the layer's ``union`` (row
-    ``layer`` of ``[L, words]``) with
-    the lowest scores (unique, so the set is exact) into ``cand_score`` / ``cand_slot[:n_evict]``,
-    in one pass over the slots that keeps the lowest so far sorted (a new item rarely enters)."""
+def _lowest_first(cand_score, cand_slot, n_cand, n_evict):
+    """The plain eviction's victims: reorder the candidates so that the ``n_evict`` lowest scores
+    (unique, so the set is exact) come first, in one pass that keeps the lowest so far sorted at
+    the front (a new candidate rarely enters; the front never passes the one being read)."""
     m = 0
-    for s in range(slots.shape[1]):
-        held = slots[row, s]
-        if held < 0:
-            continue
-        owner, e = (held // n_experts, held % n_experts) if global_mode else (layer, held)
-        if owner == layer and (union[layer, e >> 6] >> np.uint64(e & 63)) & ONE:
-            continue   # the layer's union is protected
-        key = score[owner, e]
+    for i in range(n_cand):
+        key, slot = cand_score[i], cand_slot[i]
         if m == n_evict:
             if key >= cand_score[m - 1]:
                 continue
@@ -75,7 +68,7 @@ def _lowest_scores(score, n_experts, global_mode, layer, union, slots, row, n_ev
             cand_slot[j] = cand_slot[j - 1]
             j -= 1
         cand_score[j] = key
-        cand_slot[j] = s
+        cand_slot[j] = slot
         m += 1
 
 
@@ -155,9 +148,7 @@ def admit_rows(lo, hi, union, bits, score, count, slots, n_used, clock, counters
         else:
             n_admit = min(n_miss, capacity - n_hit)
         n_evict = max(0, n_admit - free)
-        if n_evict > 0 and keep.shape[0] == 0:
-            _lowest_scores(score, n_experts, global_mode, layer, union, slots, row, n_evict, cand_score, cand_slot)
-        elif n_evict > 0:
+        if n_evict > 0:
             n_cand = 0
             for s in range(capacity):
                 held = slots[row, s]
@@ -169,8 +160,11 @@ def admit_rows(lo, hi, union, bits, score, count, slots, n_used, clock, counters
                 cand_score[n_cand] = score[owner, e]
                 cand_slot[n_cand] = s
                 n_cand += 1
-            # with look-ahead the victims are the lowest (keep, score)
-            _lowest_keep_first(keep, n_experts, global_mode, layer, slots, row, cand_score, cand_slot, n_cand)
+            # the victims: the lowest scores, or with look-ahead the lowest (keep, score)
+            if keep.shape[0] == 0:
+                _lowest_first(cand_score, cand_slot, n_cand, n_evict)
+            else:
+                _lowest_keep_first(keep, n_experts, global_mode, layer, slots, row, cand_score, cand_slot, n_cand)
         # the victims' order does not matter: the freed slots are refilled in slot order
         for i in range(n_evict):
             s = cand_slot[i]
