@@ -148,9 +148,18 @@ def _cycle_arrays(parents, predicted_experts, base, n, cycle_parents, cycle_expe
     the levers take), into the scratch arrays."""
     for v in range(n):
         cycle_parents[v] = parents[base + v]
+    _expert_rows(predicted_experts, base, 0, n, cycle_experts)
+
+
+@njit(cache=True)
+def _expert_rows(predicted_experts, base, lo, hi, cycle_experts):
+    """Rows ``lo:hi`` of the cycle at ``base``'s predicted experts as int64, into the scratch;
+    returns how many rows it then holds (``hi``, or ``lo`` when that is more)."""
+    for v in range(lo, hi):
         for layer in range(cycle_experts.shape[1]):
             for slot in range(cycle_experts.shape[2]):
                 cycle_experts[v, layer, slot] = predicted_experts[base + v, layer, slot]
+    return max(lo, hi)
 
 
 @njit(cache=True)
@@ -326,17 +335,20 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
 
 
 @njit(cache=True)
-def decide_cycle(parents, path_probs, level_probs, experts, level_sizes, cached_bits, n_experts, params, conf, fstate,
-                 istate, recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width, link_params, lconf, lf,
-                 usage, bits, score, count, slots, n_used, clock, counters, config, layer_prefetched):
+def decide_cycle(parents, path_probs, level_probs, experts, source, base, level_sizes, cached_bits, n_experts, params,
+                 conf, fstate, istate, recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width,
+                 link_params, lconf, lf, usage, bits, score, count, slots, n_used, clock, counters, config,
+                 layer_prefetched):
     """SpecFit's whole cycle on an already drafted tree (``choose`` over
     :func:`.decide.decide_level`): levels 0, 1, ... until the rule stops or the tree ends, then the
     selection at the levels drafted. ``level_sizes[d]``: nodes within ``d`` levels; a tree cut at
     fewer levels than drafted has the probabilities ``level_probs``, the full one ``path_probs``.
     With the prefetch lever on (``lconf``), each level the rule asks for is preceded by
     :func:`.levers.prefetch_level` on the tree so far (``link_params``: the cost model whose link
-    time it fills), which refreshes ``cached_bits``. Returns ``(status, draft_levels, nodes,
-    tokens, time_s, hits, misses, experts copied)``."""
+    time it fills), which refreshes ``cached_bits``. ``experts`` is int64 scratch that takes the
+    predicted experts of ``source``'s rows ``base:`` as the levels reach them (a cycle rarely
+    drafts its whole tree). Returns ``(status, draft_levels, nodes, tokens, time_s, hits, misses,
+    experts copied)``."""
     deepest = level_sizes.size - 1
     n_layers, top_k = experts.shape[1], experts.shape[2]
     fstate[NODE_PRICE] = node_price(conf, fstate, istate, n_layers, top_k, params[3], params[4])
@@ -344,8 +356,10 @@ def decide_cycle(parents, path_probs, level_probs, experts, level_sizes, cached_
     levels = 0
     searched = -1
     copied = 0
+    have = 0
     while levels < deepest and levels < conf[MAX_LEVELS]:
         n = level_sizes[levels]
+        have = _expert_rows(source, base, have, n, experts)
         status, go, nodes, tokens, time_s, hits, misses = decide_level(
             parents[:n], level_probs[:n], experts[:n], cached_bits, n_experts, params, levels, conf, fstate,
             istate, recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width, prev_nodes, prev_tokens,
@@ -363,6 +377,7 @@ def decide_cycle(parents, path_probs, level_probs, experts, level_sizes, cached_
     if searched == levels:
         return OK, levels, prev_nodes, prev_tokens, prev_s, prev_hits, prev_misses, copied
     n = level_sizes[levels]
+    _expert_rows(source, base, have, n, experts)
     probs = path_probs if levels == deepest else level_probs
     status, nodes, tokens, time_s, hits, misses = select_level(parents[:n], probs[:n], experts[:n], cached_bits,
                                                                n_experts, params, levels, fstate, prev_nodes)
@@ -413,15 +428,17 @@ def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true
         while c < sequence_starts[s + 1]:
             base = offsets[c]
             n = offsets[c + 1] - base
-            _cycle_arrays(parents, predicted_experts, base, n, cycle_parents, cycle_experts)
+            for v in range(n):
+                cycle_parents[v] = parents[base + v]
             for layer in range(n_layers):
                 for w in range(words):
                     cached[layer, w] = bits[layer, w]
             lf[CARRY] = 0.0
             sizes = level_sizes[level_offsets[c]:level_offsets[c + 1]]
+            # (decide_cycle copies the predicted experts of the levels it reaches)
             status, levels, nodes, sel_tokens, sel_s, sel_hits, sel_misses, copied = decide_cycle(
-                cycle_parents[:n], path_probs[base:base + n], level_probs[base:base + n], cycle_experts[:n], sizes,
-                cached, n_experts, params, conf, fstate, istate, recent_p, recent_w, acceptance, new_experts,
+                cycle_parents[:n], path_probs[base:base + n], level_probs[base:base + n], cycle_experts,
+                predicted_experts, base, sizes, cached, n_experts, params, conf, fstate, istate, recent_p, recent_w, acceptance, new_experts,
                 new_is_share, seen, width, link_params, lconf, lf, usage, bits, score, count, slots, n_used, clock,
                 counters, config, layer_prefetched)
             if status != 0:
