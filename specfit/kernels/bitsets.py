@@ -11,8 +11,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["n_words", "popcount", "lowest_bit", "pack_rows", "pack_mask", "pack_ids", "union_rows",
-           "union_of_rows", "count_union", "count_missing", "count_missing_row", "unpack", "slots_right",
+__all__ = ["n_words", "popcount", "lowest_bit", "pack_rows", "pack_mask", "pack_ids", "union_of_rows", "count_union", "count_missing", "count_missing_row", "unpack", "slots_right",
            "first_bad_routing"]
 
 ONE = np.uint64(1)
@@ -84,20 +83,6 @@ def pack_ids(ids, words, out):
             return False
         out[e >> 6] |= ONE << np.uint64(e & 63)
     return True
-
-
-@njit(cache=True)
-def union_rows(bits, nodes, n_nodes, out):
-    """``out[L, words]`` = the OR of ``bits[v]`` over the first ``n_nodes`` of ``nodes``."""
-    n_layers, words = out.shape
-    for layer in range(n_layers):
-        for w in range(words):
-            out[layer, w] = ZERO
-    for i in range(n_nodes):
-        v = nodes[i]
-        for layer in range(n_layers):
-            for w in range(words):
-                out[layer, w] |= bits[v, layer, w]
 
 
 @njit(cache=True)

@@ -8,7 +8,7 @@ import numpy as np
 from numba import njit
 
 from ..costmodel import cycle_time_s
-from .bitsets import ONE, ZERO, count_union, popcount, union_rows
+from .bitsets import ONE, ZERO, count_union, popcount, union_of_rows
 
 __all__ = ["OK", "BAD_EXPERT", "cycle_time", "pairwise_sum", "expected_tokens", "experts_in_range", "union_of_ids",
            "canonical_closed", "evaluate_nodes", "evaluate_ids", "evaluate_bits", "union_accounting",
@@ -184,7 +184,7 @@ def evaluate_ids(probs, experts, cached_bits, nodes, params, draft_levels):
 
 @njit(cache=True)
 def evaluate_bits(probs, bits, cached_bits, nodes, n_nodes, params, draft_levels, union, scratch):
-    union_rows(bits, nodes, n_nodes, union)
+    union_of_rows(bits, 0, nodes, n_nodes, union)
     hits, misses = count_union(union, cached_bits)
     time_s = cycle_time(params[0], params[1], params[2], params[3], params[4], draft_levels, n_nodes, hits, misses)
     return expected_tokens(probs, nodes, n_nodes, scratch), time_s, hits, misses

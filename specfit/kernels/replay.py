@@ -403,7 +403,8 @@ def _commit_keep(parents, path_probs, level_probs, experts, n, deepest, levels, 
 
 @njit(cache=True)
 def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true_bits, predicted_experts,
-                   predicted_bits, path_probs, level_probs, level_offsets, level_sizes, path_offsets, paths, sequence_starts, n_experts,
+                   predicted_bits, path_probs, level_probs, level_offsets, level_sizes, path_offsets, paths,
+                   sequence_starts, n_experts,
                    params, conf, fstate, istate, recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width,
                    bits, score, count, slots, n_used, clock, counters, config, link_params, lconf, lf, usage,
                    layer_prefetched, prefetched, union_log, int_cols, float_cols, tokens_out, tokens_per_sequence):

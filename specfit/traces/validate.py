@@ -88,15 +88,11 @@ def validate_trace(trace, source: str = "trace") -> dict:
     if np.any(trace.token < 0):
         fail("token", trace.token < 0, "must be a non-negative token id")
     # siblings must carry distinct tokens: greedy acceptance then accepts at most one child. A
-    # sibling group is its parent's row: (row, token) as one int64 (rows < 2^32, tokens < 2^31)
-    tokens = trace.token.astype(np.int64)
-    if n < 2**32 and tokens.max(initial=0) < 2**31:
-        key = np.sort((gparent[~root] << 31) | tokens[~root])
-        repeats = bool(np.any(key[1:] == key[:-1]))
-    else:
-        key = np.stack([cyc, np.where(root, -1, parent), tokens], axis=1)[~root]
-        repeats = np.unique(key, axis=0).shape[0] != key.shape[0]
-    if repeats:
+    # sibling group is its parent's row: sorted by (row, token), a repeat sits next to its twin
+    rows, tokens = gparent[~root], trace.token.astype(np.int64)[~root]
+    order = np.lexsort((tokens, rows))
+    rows, tokens = rows[order], tokens[order]
+    if np.any((rows[1:] == rows[:-1]) & (tokens[1:] == tokens[:-1])):
         raise SpecFitError(f"{source}: column 'token' repeats a token among siblings; drafted siblings must be distinct tokens")
     for name, experts in (("true_experts", trace.true_experts), ("predicted_experts", trace.predicted_experts)):
         if experts is None:
