@@ -239,6 +239,12 @@ def apply_levers(policy: Policy, levers: list[str], spec: str = "") -> Policy:
         attribute, _, build = LEVERS[lever]
         if attribute == "acceptance" and not isinstance(policy, SpecFitPolicy):
             raise ValueError(f"policy {spec!r}: +{lever} needs a policy that searches (specfit)")
+        if attribute == "prefetcher" and isinstance(policy, OraclePolicy):
+            # the oracle drafts, and is charged for, only the levels of the prefix it picks in
+            # hindsight: copies "while levels are drafted" would use link time no cycle pays for
+            raise ValueError(f"policy {spec!r}: +{lever} is not defined for the oracle (it picks the levels it drafts "
+                             f"in hindsight, so there is no drafted level's link time to copy in); expected "
+                             f"oracle, oracle+cache or oracle+usage")
         setattr(policy, attribute, build())
     if levers:
         policy.name = policy.name + "".join(f"+{lever}" for lever in levers)

@@ -232,10 +232,21 @@ def test_levers_attach_to_any_policy():
     assert make_policy("ar").cache_advisor is None and make_policy("ar").prefetcher is None
 
 
-@pytest.mark.parametrize("spec", ["ar+nothing", "chain:1+online", "specfit+"])
+@pytest.mark.parametrize("spec", ["ar+nothing", "chain:1+online", "specfit+", "oracle+prefetch", "oracle+cache+prefetch"])
 def test_bad_lever_is_one_clear_error(spec):
     with pytest.raises(ValueError, match="policy"):
         make_policy(spec)
+
+
+def test_the_oracle_takes_the_cache_levers_but_not_the_prefetch():
+    """The oracle picks in hindsight the prefix it verifies and is charged for its levels alone; a
+    prefetch "while levels are drafted" would copy in the link time of levels it never pays for
+    (the replay of ``oracle+prefetch`` copied ~150 experts a cycle at gh200, every cycle beyond
+    its charged levels' budget), so that combination is refused, naming what is allowed."""
+    with pytest.raises(ValueError, match="oracle, oracle\\+cache or oracle\\+usage"):
+        make_policy("oracle+prefetch")
+    assert make_policy("oracle+cache").cache_advisor is not None
+    assert make_policy("oracle+usage").prefetcher is None
 
 
 @pytest.mark.parametrize("seed", range(30))

@@ -16,7 +16,8 @@ rerank policies (``eagle3``, ``static:N``), ``oracle`` and ``specfit`` (whose de
 compiled in :mod:`specfit.kernels.decide`, the code its policy object runs live), with the cache
 and prefetch levers (:data:`specfit.policies.LEVERS` ``+cache``, ``+usage``, ``+prefetch``; their
 rules compiled in :mod:`specfit.kernels.levers`) but not with an online acceptance calibrator,
-and not for the oracle with a lever. For any other policy (and with ``compiled=False``, the
+and not for the oracle with a cache lever (``+prefetch`` is refused for the oracle, which drafts,
+in hindsight, only the levels it verifies). For any other policy (and with ``compiled=False``, the
 reference the kernels are tested against) a Python loop hands the policy each cycle's :class:`~specfit.policies.CycleView` and calls the
 compiled commit (accepted prefix, union, cache admit, columns) with its selection. That loop runs
 the levers through their objects (the cache advisor's keep priorities for the admit, the
