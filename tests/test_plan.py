@@ -100,17 +100,30 @@ def test_settings_over_several_traces_are_ranked_by_total_tokens_over_total_time
     assert ranked.loc[1, "device_bytes"] - ranked.loc[0, "device_bytes"] == 8 * memory.slot_bytes
 
 
-def test_plan_errors_are_one_line():
+def test_plan_errors_are_one_line_before_ray_starts_or_anything_is_written(tmp_path):
     runner = CliRunner()
+    bad_profile = tmp_path / "no_cost.json"
+    bad_profile.write_text("{}")
+    trace = ["--trace", str(SAMPLE_OLMOE)]
+    shape = ["--model-shape", "olmoe-1b-7b"]
     for args, message in [
-        (["--device-memory-gb", "1"], "--device-memory-gb 1: olmoe-1b-7b needs"),
-        (["--device-memory-gb", "8", "--policies", "ar,static:auto"], "simulator baselines"),
-        (["--device-memory-gb", "8", "--model-shape", "qwen3-30b-a3b"], "differs from --model-shape"),
-        (["--device-memory-gb", "8", "--dtype", "float8"], "--dtype"),
+        (trace + ["--device-memory-gb", "1"], "--device-memory-gb 1: olmoe-1b-7b needs"),
+        (trace + ["--device-memory-gb", "8", "--policies", "ar,static:auto"], "simulator baselines"),
+        (trace + ["--device-memory-gb", "8", "--model-shape", "qwen3-30b-a3b"], "differs from --model-shape"),
+        (trace + ["--device-memory-gb", "8", "--dtype", "float8"], "--dtype"),
+        (trace + ["--device-memory-gb", "8", "--context-tokens", "0"], "--context-tokens: expected >= 1, got 0"),
+        (trace + ["--device-memory-gb", "8", "--reserve-gb", "-1"], "--reserve-gb: expected >= 0, got -1"),
+        (trace + ["--device-memory-gb", "8", "--cache-steps", "0"], "--cache-steps: expected >= 1, got 0"),
+        (trace + ["--device-memory-gb", "8", "--profile", str(bad_profile)], str(bad_profile)),
+        (shape + ["--device-memory-gb", "24", "--tokens", "0"], "--tokens: expected >= 1"),
+        (shape + ["--device-memory-gb", "24", "--workload", "poetry"], "--workload"),
     ]:
-        r = runner.invoke(app, ["plan", "--trace", str(SAMPLE_OLMOE), *args])
+        out = tmp_path / "plan"
+        r = runner.invoke(app, ["plan", *args, "--out", str(out), "--num-cpus", "1"])
         assert r.exit_code == 2, (args, r.output)
-        assert r.output.startswith("error: ") and message in r.output and len(r.output.strip().splitlines()) == 1
+        assert r.output.startswith("error: ") and message in r.output and len(r.output.strip().splitlines()) == 1, \
+            (args, r.output)
+        assert not out.exists(), args
 
 
 # ------------------------------------------------------------------ on Ray

@@ -48,8 +48,10 @@ class MemoryBudget:
     def __post_init__(self) -> None:
         if not self.device_bytes > 0:
             raise SpecFitError(f"--device-memory-gb: expected a positive size, got {self.device_bytes / 1e9:g}")
-        if self.context_tokens < 1 or self.reserve_bytes < 0:
-            raise SpecFitError("--context-tokens: expected >= 1 and --reserve-gb >= 0")
+        if self.context_tokens < 1:
+            raise SpecFitError(f"--context-tokens: expected >= 1, got {self.context_tokens}")
+        if not self.reserve_bytes >= 0:
+            raise SpecFitError(f"--reserve-gb: expected >= 0, got {self.reserve_bytes / 1e9:g}")
         if self.dtype not in _DTYPE_BYTES:
             raise SpecFitError(f"--dtype: expected one of {sorted(_DTYPE_BYTES)}, got {self.dtype!r}")
 
@@ -243,6 +245,7 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
              cache_steps: int = 4, predictor: str = "oracle", out_dir: Path | None = None, address: str | None = None,
              num_cpus: int | None = None, show_progress: bool = True, ctx=None) -> PlanResult:
     """Build the candidate grid for ``budget``, run it as a sweep into ``out_dir`` and rank it."""
+    from ..calibrate.presets import resolve_profile
     from ..io import write_json_atomic
     from ..traces.format import read_trace
     from .dataset import read_results
@@ -261,9 +264,15 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
         candidates.insert(0, "ar")      # every setting is compared with AR at its cache size
     _check_candidates(candidates)
     check_replay_options(predictor, "calibrated", "per_layer", "lru")
-    memory.max_cache_experts_for(1)     # a budget that holds no model fails before Ray starts
+    # every input is checked before Ray starts and anything is written: a budget that holds no
+    # model, the traces' model, the synthesis options, the cache steps, the profile
+    memory.max_cache_experts_for(1)
     for trace, path in zip(loaded, traces):
         _check_trace_matches(trace, config, budget.dtype_bytes, path)
+    if not loaded:
+        _check_synthesis(name, workloads, tokens)
+    cache_sizes(1, cache_steps)
+    resolve_profile(profile)
     with ray_session(address, num_cpus) as ray:
         if not loaded:
             traces, loaded = _synthesised_traces(ray, name, workloads, tokens, out_dir / "traces")
@@ -303,10 +312,8 @@ def _synth_task(shape: str, workload: str, tokens: int):
     return synthesize(shape, workload, tokens, seed=0, sequence_tokens=max(2, -(-tokens // 2)))
 
 
-def _synthesised_traces(ray, shape: str, workloads: list[str], tokens: int, folder: Path):
-    """Traces of ``shape`` for each workload preset, synthesised in parallel on Ray once and kept
-    in the plan's directory (a rerun reuses them)."""
-    from ..traces.format import read_trace, write_trace
+def _check_synthesis(shape: str, workloads: list[str], tokens: int) -> None:
+    """The options :func:`_synthesised_traces` takes, checked before any Ray task runs."""
     from ..traces.synth import MODEL_SHAPES, WORKLOADS
 
     if shape not in MODEL_SHAPES:
@@ -314,6 +321,16 @@ def _synthesised_traces(ray, shape: str, workloads: list[str], tokens: int, fold
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad or not workloads:
         raise SpecFitError(f"--workload: expected presets of {sorted(WORKLOADS)}, got {workloads}")
+    if tokens < 1:
+        raise SpecFitError(f"--tokens: expected >= 1 positions per workload to synthesise, got {tokens}")
+
+
+def _synthesised_traces(ray, shape: str, workloads: list[str], tokens: int, folder: Path):
+    """Traces of ``shape`` for each workload preset, synthesised in parallel on Ray once and kept
+    in the plan's directory (a rerun reuses them)."""
+    from ..traces.format import read_trace, write_trace
+
+    _check_synthesis(shape, workloads, tokens)
     paths = [folder / f"{shape}-{w}-{tokens}.parquet" for w in workloads]
     remote = ray.remote(_synth_task)
     todo = {remote.remote(shape, w, tokens): p for w, p in zip(workloads, paths) if not p.is_file()}
