@@ -228,8 +228,13 @@ def read_cycles(frame: "pd.DataFrame") -> "pd.DataFrame":
 
 # --------------------------------------------------------------------------- summaries
 def summarise(cycles: "pd.DataFrame") -> dict:
-    """Totals and prediction quality of one policy's cycles (rows of :data:`CYCLE_COLUMNS`)."""
+    """Totals and prediction quality of one policy's cycles (rows of :data:`CYCLE_COLUMNS`); with
+    no cycles (an output that ended at the prefill's token) the counts are 0 and the rates NaN."""
     c = cycles
+    if c.empty and "committed_tokens" not in c:
+        import pandas as pd
+
+        c = read_cycles(pd.DataFrame({"time_s": np.zeros(0)}))
     tokens = int(c["committed_tokens"].sum())
     time_s = float(c["time_s"].sum())
     n = len(c)
@@ -240,7 +245,7 @@ def summarise(cycles: "pd.DataFrame") -> dict:
     hits, misses = int(c["hits"].sum()), int(c["misses"].sum())
     out = {
         "tokens": tokens, "cycles": n, "time_s": time_s,
-        "tokens_per_s": tokens / time_s if time_s > 0 else float("inf"),
+        "tokens_per_s": tokens / time_s if time_s > 0 else (nan if n == 0 else float("inf")),
         "tokens_per_cycle": tokens / n if n else 0.0,
         "time_per_cycle_s": time_s / n if n else nan,
         "predicted_time_per_cycle_s": float(c["predicted_time_s"].mean()) if n else nan,

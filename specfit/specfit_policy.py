@@ -101,6 +101,8 @@ class SpecFitPolicy(Policy):
                  min_observed: int = 16):
         if overhead_level_s is not None and not overhead_level_s >= 0:
             raise ValueError(f"overhead_level_s: expected seconds >= 0 or None, got {overhead_level_s!r}")
+        if int(max_levels) < 1:
+            raise ValueError(f"policy 'specfit:{max_levels}': expected D >= 1 draft levels (specfit:0 would be ar)")
         d = kernels.decide
         # the state the compiled rules (specfit.kernels.decide) read and update in place: the
         # configuration (its settings below are properties that write it, so a setting changed

@@ -138,6 +138,24 @@ def test_routing_logs_with_no_rows_or_repeated_experts_blame_the_log(tmp_path):
     assert not (tmp_path / "t.parquet").exists()
 
 
+def test_a_routing_log_that_is_no_zip_and_bad_import_options_are_one_line(tmp_path):
+    garbage = tmp_path / "garbage.npz"
+    garbage.write_bytes(b"not a zip archive")
+    one_line_error(invoke("traces", "import-routing", garbage, "--out", tmp_path / "t.parquet"), str(garbage),
+                   "not a readable .npz")
+    ok = tmp_path / "ok.npz"
+    np.savez(ok, expert_ids=np.tile(np.arange(8), (6, 16, 1)), sequence_id=np.zeros(6, np.int32))
+    for option, value in (("--sequences", 0), ("--sibling-reuse", 2)):
+        one_line_error(invoke("traces", "import-routing", ok, option, value, "--out", tmp_path / "t.parquet"), option)
+    assert not (tmp_path / "t.parquet").exists()
+
+
+def test_a_refit_of_a_file_instead_of_a_run_directory_is_one_line(tmp_path):
+    one_line_error(invoke("calibrate", "--refit", SAMPLE_OLMOE, "--profile", "pcie4", "--out", tmp_path / "p.json"),
+                   "--refit", "run directory")
+    assert not (tmp_path / "p.json").exists()
+
+
 # ----------------------------------------------------------------- configs and profiles
 def test_more_experts_per_token_than_experts_is_blamed_on_the_config(model_dir, tmp_path):
     bad = tmp_path / "model"
@@ -174,6 +192,9 @@ def test_a_refit_onto_a_profile_of_another_shape_is_refused(model_dir, tmp_path)
 @pytest.mark.parametrize("argv, needle", [
     (["simulate", "--trace", SAMPLE_OLMOE, "--policies", "chain:0"], "chain:0"),
     (["simulate", "--trace", SAMPLE_OLMOE, "--policies", "static:1"], "static:1"),
+    (["simulate", "--trace", SAMPLE_OLMOE, "--policies", "specfit:0"], "specfit:0"),
+    (["simulate", "--trace", SAMPLE_OLMOE, "--policies", ","], "--policies: expected at least one policy"),
+    (["simulate", "--trace", SAMPLE_OLMOE, "--max-levels", "0"], "--max-levels"),
     (["demo", "--cache-experts", "-1"], "--cache-experts"),
     (["demo", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["demo", "--threads", "0"], "--threads"),

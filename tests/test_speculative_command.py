@@ -256,6 +256,22 @@ def test_a_live_run_and_a_replay_of_its_trace_count_the_same_hits_misses_and_byt
     assert (streamed["hits"] == 0).all() and streamed["misses"].sum() > live["misses"].sum()
 
 
+def test_a_decode_whose_outputs_end_at_the_prefill_token_reports_no_cycles(checkpoint, tmp_path):
+    """--max-new-tokens 1 (or a first token that is EOS): no cycle runs; the run still writes its
+    outputs and its summary (0 cycles, rates NaN) instead of failing on an empty cycle table."""
+    model_dir, drafter_dir, prompts = checkpoint
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["decode", "--model", str(model_dir), "--drafter", str(drafter_dir), "--prompts",
+                                 str(prompts), "--cache-experts", "3", "--device", "cpu", "--max-new-tokens", "1",
+                                 "--policies", "ar,specfit", "--profile", "pcie4", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((out / "summary.json").read_text())
+    assert [s["cycles"] for s in summary] == [0, 0] and all(s["tokens"] == 0 for s in summary)
+    records = [json.loads(line) for line in (out / "decode.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * len(PROMPTS) and all(len(r["output_ids"]) == 1 for r in records)
+    assert not (out / "cycles.parquet").exists() and "cycles.parquet" not in result.output
+
+
 def test_decode_refuses_an_unknown_cache_policy_before_loading(checkpoint):
     result = decode(checkpoint, "--cache-policy", "mru")
     assert result.exit_code == 2 and "--cache-policy" in result.output

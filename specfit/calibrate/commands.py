@@ -118,6 +118,10 @@ def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None
         fail("--refit: pass --profile (the profile the runs were decoded with)")
     path = out or Path(str(profile_spec)).with_suffix("").with_name(Path(str(profile_spec)).stem + "-refit.json")
     check_output(path, "--out", kind="file")
+    for d in run_dirs:
+        if not Path(d).is_dir():
+            fail(f"--refit {d}: expected a `specfit decode --out` run directory (with cycles.parquet), "
+                 f"{'got a file' if Path(d).exists() else 'no such directory'}")
     # the model the runs decoded (run.json): a preset is built for it, a profile of another shape
     # is refused unless --rescale maps it onto it
     recorded = next(((read_run_info(d) or {}).get("shape") for d in run_dirs if (read_run_info(d) or {}).get("shape")),

@@ -152,7 +152,7 @@ def _print_summary(run, out: Path | None) -> None:
                       f"{s['time_per_cycle_s'] * 1e3:.2f} ({s['predicted_time_per_cycle_s'] * 1e3:.2f})",
                       _share(s["time_mape"]), _share(s["prior_time_mape"]), _share(s["union_mape"]),
                       f"{s['bytes_per_cycle'] / 1e3:.0f} ({s['predicted_bytes_per_cycle'] / 1e3:.0f})",
-                      f"{s['nodes_per_cycle']:.1f}", f"{s['hit_rate']:.2f}", _share(s["overhead_share"]))
+                      f"{s['nodes_per_cycle']:.1f}", f"{s['hit_rate']:.2f}", _share(s.get("overhead_share", float("nan"))))
     console.print(table)
     if run.memory:
         m = run.memory
@@ -166,7 +166,9 @@ def _print_summary(run, out: Path | None) -> None:
     if run.profile_path is not None:
         console.print(f"profile: {run.profile_path}")
     if out is not None:
-        console.print(f"wrote {out / OUTPUT_FILE}, {out / CYCLES_FILE}, {out / SUMMARY_FILE}")
+        # (no cycles.parquet when no cycle ran: an output that ended at the prefill's token)
+        console.print("wrote " + ", ".join(str(out / f) for f in (OUTPUT_FILE, CYCLES_FILE, SUMMARY_FILE)
+                                           if (out / f).exists()))
     if run.trace_path is not None:
         console.print(f"wrote {run.trace_path} ({run.trace_cycles} cycles)")
 

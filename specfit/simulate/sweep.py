@@ -36,6 +36,10 @@ class Scenario:
 
 def check_policies(specs: list[str], max_levels: int) -> None:
     """Fail early, with the CLI's wording, on a policy spec that cannot be built."""
+    if not specs:
+        raise SpecFitError("--policies: expected at least one policy, e.g. ar,eagle3,specfit")
+    if max_levels < 1:
+        raise SpecFitError(f"--max-levels: expected >= 1 draft levels, got {max_levels}")
     for spec in specs:
         try:
             make_policy(spec, max_levels=max_levels)

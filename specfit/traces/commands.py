@@ -96,6 +96,10 @@ def import_routing_command(
             raise SpecFitError(str(exc)) from None
         if shape is not None and model is not None:
             raise SpecFitError("import-routing: pass --shape or --model, not both")
+        if sequences is not None and sequences < 1:
+            raise SpecFitError(f"--sequences: expected >= 1, got {sequences}")
+        if not 0.0 <= sibling_reuse <= 1.0:
+            raise SpecFitError(f"--sibling-reuse: expected a fraction in [0, 1], got {sibling_reuse:g}")
         log = read_routing_log(log_file)
         if sequences is not None:
             keep = np.unique(log.sequence, return_index=True)[1]

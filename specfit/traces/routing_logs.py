@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import re
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,7 +91,7 @@ def _read_npz(path: Path) -> RoutingLog:
     try:
         data = np.load(path, allow_pickle=False)   # never unpickle a user file
         arrays = {name: data[name] for name in data.files}
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, zipfile.BadZipFile) as exc:
         raise SpecFitError(f"{path}: not a readable .npz file ({exc})") from None
     if "expert_ids" in arrays:
         return _flat_npz(arrays, path)
