@@ -117,6 +117,35 @@ def test_report_command_errors_are_one_line(tmp_path):
     assert "Traceback" not in result.output
 
 
+def test_damaged_run_tables_are_one_line_and_write_no_report(sim_dir, tmp_path):
+    """A summary or cycle table without a column the report reads, a live run with no cycles, or
+    times stored as text: one error naming the run and what is wrong, and no report directory."""
+    cases = {}
+    summary = pd.read_parquet(sim_dir / "summary.parquet")
+    damaged = tmp_path / "no_tokens_per_s"
+    shutil.copytree(sim_dir, damaged)
+    summary.drop(columns="tokens_per_s").to_parquet(damaged / "summary.parquet")
+    cases[damaged] = "missing column 'tokens_per_s'"
+    live = {"policy": ["ar"] * 3, "cycle": [0, 1, 2], "draft_levels": [0] * 3, "nodes_verified": [1] * 3,
+            "hits": [1] * 3, "misses": [1] * 3, "bytes_h2d": [10] * 3, "measured_time_s": ["0.01", "0.02", "0.01"],
+            "predicted_time_s": [0.01] * 3, "predicted_tokens": [1.0] * 3, "committed_tokens": [1] * 3}
+    text_times = tmp_path / "text_times"
+    text_times.mkdir()
+    pd.DataFrame(live).to_parquet(text_times / "cycles.parquet")
+    cases[text_times] = "wrong type or range"
+    empty = tmp_path / "no_cycles"
+    empty.mkdir()
+    pd.DataFrame({k: v[:0] for k, v in live.items()}).to_parquet(empty / "cycles.parquet")
+    cases[empty] = "no decode cycles to report"
+    for run, needle in cases.items():
+        out = tmp_path / f"report-{run.name}"
+        result = CliRunner().invoke(app, ["report", str(run), "--out", str(out)])
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.output
+        assert str(run) in lines[0] and needle in lines[0], lines[0]
+        assert not out.exists()
+
+
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 

@@ -9,6 +9,7 @@ saying what was run.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pandas as pd
@@ -57,6 +58,20 @@ def classify(path: Path) -> list[str]:
     return kinds
 
 
+@contextlib.contextmanager
+def _damaged_tables(path: Path, files: str):
+    """A run directory's tables that lack a column the report reads, or hold a value of another
+    type, are one error naming the files and the column, not a traceback."""
+    try:
+        yield
+    except KeyError as exc:
+        raise SpecFitError(f"{path}: {files}: missing column {exc}; expected the columns the specfit version "
+                           f"that reads it writes") from None
+    except (ValueError, TypeError) as exc:
+        detail = str(exc) if len(str(exc)) <= 120 else str(exc)[:117] + "..."
+        raise SpecFitError(f"{path}: {files}: a column holds values of the wrong type or range ({detail})") from None
+
+
 def _read_parquet(path: Path) -> pd.DataFrame:
     try:
         return pd.read_parquet(path)
@@ -103,9 +118,14 @@ def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report
         if "simulation" in kinds:
             summary = _read_parquet(path / "summary.parquet")
             cycles = _read_parquet(path / "cycles.parquet") if (path / "cycles.parquet").is_file() else None
-            simulation_section(page, summary, cycles, str(path))
+            with _damaged_tables(path, "summary.parquet / cycles.parquet"):
+                simulation_section(page, summary, cycles, str(path))
         if "live" in kinds:
-            live_section(page, read_decode_cycles(path), str(path))
+            cycles = read_decode_cycles(path)
+            if cycles.empty:
+                raise SpecFitError(f"{path / 'cycles.parquet'}: no decode cycles to report")
+            with _damaged_tables(path, "cycles.parquet"):
+                live_section(page, cycles, str(path))
         if "sweep" in kinds:
             _sweep_sections(page, path, kinds)
     index = Path(out_dir) / "index.html"
