@@ -112,6 +112,13 @@ def test_profile_of_another_shape_is_refused_unless_rescaled(tmp_path):
         ('{"profile_version": 1, "shape": {"name": "x"}, "cost": {"base_s": 1}}', "cost"),
         ('{"profile_version": 1, "shape": {"name": "x", "n_layers": 1, "n_experts": 2, "top_k": 1, "expert_bytes": 1},'
          ' "cost": {"base_s": -1, "per_node_s": 0, "hit_s": 0, "miss_s": 0}}', "non-negative"),
+        ('{"profile_version": 1, "shape": {"name": "x", "n_layers": 0, "n_experts": 2, "top_k": 1, "expert_bytes": 1},'
+         ' "cost": {"base_s": 1, "per_node_s": 0, "hit_s": 0, "miss_s": 0}}', "n_layers >= 1, .* got n_layers=0"),
+        ('{"profile_version": 1, "shape": {"name": "x", "n_layers": 2, "n_experts": 2, "top_k": 3, "expert_bytes": 1},'
+         ' "cost": {"base_s": 1, "per_node_s": 0, "hit_s": 0, "miss_s": 0}}', "top_k <= n_experts"),
+        ('{"profile_version": 1, "shape": {"name": "x", "n_layers": 2, "n_experts": 2, "top_k": 1, "expert_bytes": 8},'
+         ' "cost": {"base_s": 1, "per_node_s": 0, "hit_s": 0, "miss_s": 0, "expert_bytes": 9}}',
+         "'cost.expert_bytes' is 9, but 'shape.expert_bytes' is 8"),
     ],
 )
 def test_corrupt_profile_is_one_clear_error(tmp_path, content, match):

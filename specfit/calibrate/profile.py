@@ -57,11 +57,17 @@ class ModelShape:
         if missing:
             raise SpecFitError(f"{source}: field 'shape' lacks {missing}")
         try:
-            return cls(name=str(d["name"]), n_layers=int(d["n_layers"]), n_experts=int(d["n_experts"]),
-                       top_k=int(d["top_k"]), expert_bytes=int(d["expert_bytes"]),
-                       hidden_size=int(d.get("hidden_size", 0)), shared_expert_bytes=int(d.get("shared_expert_bytes", 0)))
+            shape = cls(name=str(d["name"]), n_layers=int(d["n_layers"]), n_experts=int(d["n_experts"]),
+                        top_k=int(d["top_k"]), expert_bytes=int(d["expert_bytes"]),
+                        hidden_size=int(d.get("hidden_size", 0)), shared_expert_bytes=int(d.get("shared_expert_bytes", 0)))
         except (TypeError, ValueError):
             raise SpecFitError(f"{source}: field 'shape' must hold integers for the layer/expert counts and bytes") from None
+        if not (shape.n_layers >= 1 and shape.n_experts >= 1 and 1 <= shape.top_k <= shape.n_experts
+                and shape.expert_bytes >= 1 and shape.hidden_size >= 0 and shape.shared_expert_bytes >= 0):
+            raise SpecFitError(f"{source}: field 'shape' must have n_layers >= 1, n_experts >= 1, 1 <= top_k <= "
+                               f"n_experts and expert_bytes >= 1, got n_layers={shape.n_layers}, "
+                               f"n_experts={shape.n_experts}, top_k={shape.top_k}, expert_bytes={shape.expert_bytes}")
+        return shape
 
     @classmethod
     def from_config(cls, config, dtype, name: str) -> "ModelShape":
@@ -168,7 +174,11 @@ class Profile:
             cost = CostModel.from_dict(d["cost"], source=f"{source}: field 'cost'")
         except ValueError as exc:
             raise SpecFitError(str(exc)) from None
-        return cls(cost=cost, shape=ModelShape.from_dict(d["shape"], source), kind=d.get("kind", "measured"),
+        shape = ModelShape.from_dict(d["shape"], source)
+        if cost.expert_bytes and cost.expert_bytes != shape.expert_bytes:
+            raise SpecFitError(f"{source}: field 'cost.expert_bytes' is {cost.expert_bytes}, but 'shape.expert_bytes' is "
+                               f"{shape.expert_bytes}; expected the same expert size in both")
+        return cls(cost=cost, shape=shape, kind=d.get("kind", "measured"),
                    source=str(d.get("source", "")), machine=dict(d.get("machine", {})), fit=dict(d.get("fit", {})),
                    probes=dict(d.get("probes", {})), created=str(d.get("created", "")))
 

@@ -73,7 +73,7 @@ def _h2d(page: Page, df: pd.DataFrame, fit: dict) -> None:
         label = "pinned" if pinned else ("pageable" if len(df["pinned"].unique()) > 1 else "host copy")
         ax.plot(group["bytes"] / 1e6, group["seconds"] * 1e3, "o", label=label)
         line = fit.get("h2d") if (pinned or len(df["pinned"].unique()) == 1) else fit.get("h2d_pageable")
-        if line and np.isfinite(line.get("gbps", np.nan)):
+        if line and np.isfinite(line.get("gbps", np.nan)) and line["gbps"] > 0:
             x = np.linspace(0, group["bytes"].max(), 50)
             ax.plot(x / 1e6, (line["overhead_s"] + x / (line["gbps"] * 1e9)) * 1e3, "-",
                     label=f"fit: {line['gbps']:.3g} GB/s + {line['overhead_s'] * 1e6:.3g} µs")
