@@ -141,6 +141,25 @@ def test_sweep_without_ray_is_one_line_and_exit_2(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("field, value, needle", [
+    ("profiles", '"no-such-preset"', "field 'profiles': 'no-such-preset'"),
+    ("profiles", '"empty.json"', "field 'profiles': "),
+    ("traces", '["truncated.parquet"]', "not a Parquet trace file"),
+])
+def test_a_spec_naming_a_bad_profile_or_trace_is_one_line_and_leaves_nothing(tmp_path, field, value, needle):
+    """The inputs are checked before the grid is recorded: no sweep.json or run.json that a report
+    would take for an empty sweep, and no directory the run created."""
+    (tmp_path / "empty.json").write_text("{}")
+    (tmp_path / "truncated.parquet").write_bytes(SAMPLE_OLMOE.read_bytes()[:1000])
+    text = GRID_TOML.format(trace="olmoe.parquet").replace(f"{field} = ", f"{field} = {value}\n# was: ", 1)
+    shutil.copy(SAMPLE_OLMOE, tmp_path / "olmoe.parquet")
+    spec = _write(tmp_path / "bad.toml", text)
+    r = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(tmp_path / "out"), "--num-cpus", "1"])
+    lines = [line for line in r.output.splitlines() if line.startswith("error: ")]
+    assert r.exit_code == 2 and len(lines) == 1 and needle in lines[0], r.output
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_address_nothing_answers_on_is_one_line(tmp_path):
     import socket
 

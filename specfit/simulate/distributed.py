@@ -126,8 +126,14 @@ def resolve_inputs(spec: SweepSpec, cells: list[Cell]) -> GridInputs:
         key = cell.scenario_key
         if key not in scenarios:
             profile = str(base / cell.profile_source) if cell.profile_source.endswith(".json") else cell.profile_source
-            scenarios[key] = build_scenario(profile, shapes[cell.trace], cell.h2d_scale,
-                                            parse_overrides(cell.cost_overrides), cell.rescale)
+            try:
+                scenarios[key] = build_scenario(profile, shapes[cell.trace], cell.h2d_scale,
+                                                parse_overrides(cell.cost_overrides), cell.rescale)
+            except SpecFitError as exc:
+                if Path(spec.path).suffix not in (".toml", ".yaml", ".yml"):
+                    raise
+                # the value came from the spec file's `profiles`, not from a --profile option
+                raise SpecFitError(f"{spec.path}: field 'profiles': {str(exc).removeprefix('--profile ')}") from None
     return GridInputs(data=data, scenarios=scenarios)
 
 
@@ -282,9 +288,29 @@ def _get(ray, ref):
 
 def execute(spec: SweepSpec, out_dir: Path, address: str | None = None, num_cpus: int | None = None,
             chunk_cells: int | None = None, show_progress: bool = True, ctx=None, extra: dict | None = None) -> SweepRun:
-    """The whole sweep: lock ``out_dir``, record the grid, skip the finished cells, run the rest
-    on Ray with a progress bar (cells done / total, ETA). ``extra`` goes into ``sweep.json``
-    (e.g. the plan's memory model)."""
+    """The whole sweep: lock ``out_dir``, check its inputs, record the grid, skip the finished
+    cells, run the rest on Ray with a progress bar (cells done / total, ETA). ``extra`` goes into
+    ``sweep.json`` (e.g. the plan's memory model). Bad input leaves no directory it created."""
+    import shutil
+
+    from .dataset import locked
+    from .grid import expand
+
+    require_ray()
+    out_dir = Path(out_dir)
+    cells = expand(spec)
+    created = not out_dir.exists()
+    try:
+        with locked(out_dir):
+            return _execute_locked(spec, cells, out_dir, address, num_cpus, chunk_cells, show_progress, ctx, extra)
+    except SpecFitError:
+        if created and [p.name for p in out_dir.iterdir()] == [".lock"]:
+            shutil.rmtree(out_dir)
+        raise
+
+
+def _execute_locked(spec: SweepSpec, cells: list[Cell], out_dir: Path, address, num_cpus, chunk_cells, show_progress,
+                    ctx, extra) -> SweepRun:
     from rich.console import Console
     from rich.progress import (
         BarColumn,
@@ -296,32 +322,25 @@ def execute(spec: SweepSpec, out_dir: Path, address: str | None = None, num_cpus
     )
 
     from ..runinfo import write_run_info
-    from .dataset import (
-        done_cell_ids,
-        locked,
-        remove_stale_temporaries,
-        write_sweep_file,
-    )
-    from .grid import expand
+    from .dataset import done_cell_ids, remove_stale_temporaries, write_sweep_file
 
-    require_ray()
-    out_dir = Path(out_dir)
-    cells = expand(spec)
-    with locked(out_dir):
-        remove_stale_temporaries(out_dir)
-        write_sweep_file(out_dir, {**spec.to_dict(), **(extra or {})}, [c.params() for c in cells])
-        write_run_info(out_dir, "sweep", ctx)
-        done = done_cell_ids(out_dir)
-        if all(c.cell_id in done for c in cells):
-            return SweepRun(total=len(cells), skipped=len(cells), computed=0, wall_s=0.0, replay_s=0.0, workers=0,
-                            chunks=0)
-        inputs = resolve_inputs(spec, cells)
-        console = Console(stderr=True)
-        columns = (TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("cells"),
-                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"))
-        with ray_session(address, num_cpus) as ray, \
-                Progress(*columns, console=console, disable=not show_progress, transient=True) as bar:
-            already = sum(c.cell_id in done for c in cells)
-            task = bar.add_task("starting", total=len(cells), completed=already)
-            return run_grid(spec, cells, inputs, out_dir, done, chunk_cells, ray=ray,
-                            on_progress=lambda n, what: bar.update(task, advance=n, description=what))
+    remove_stale_temporaries(out_dir)
+    done = done_cell_ids(out_dir)
+    finished = all(c.cell_id in done for c in cells)
+    # the traces and profiles are checked before the grid is recorded: a spec that names a bad
+    # one leaves no sweep.json or run.json (which a report would take for an empty sweep)
+    inputs = None if finished else resolve_inputs(spec, cells)
+    write_sweep_file(out_dir, {**spec.to_dict(), **(extra or {})}, [c.params() for c in cells])
+    write_run_info(out_dir, "sweep", ctx)
+    if finished:
+        return SweepRun(total=len(cells), skipped=len(cells), computed=0, wall_s=0.0, replay_s=0.0, workers=0,
+                        chunks=0)
+    console = Console(stderr=True)
+    columns = (TextColumn("[bold]sweep"), BarColumn(), MofNCompleteColumn(), TextColumn("cells"),
+               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), TextColumn("{task.description}"))
+    with ray_session(address, num_cpus) as ray, \
+            Progress(*columns, console=console, disable=not show_progress, transient=True) as bar:
+        already = sum(c.cell_id in done for c in cells)
+        task = bar.add_task("starting", total=len(cells), completed=already)
+        return run_grid(spec, cells, inputs, out_dir, done, chunk_cells, ray=ray,
+                        on_progress=lambda n, what: bar.update(task, advance=n, description=what))
