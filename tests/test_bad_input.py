@@ -112,6 +112,23 @@ def test_damaged_target_weights_are_one_line(model_dir, tmp_path, damage):
     one_line_error(result, "model.safetensors")
 
 
+def test_nan_target_weights_are_blamed_on_the_target_not_decoded_into_garbage(model_dir, tmp_path):
+    """NaN logits argmax to token 0: without the check the run 'succeeds' with a garbage output."""
+    from safetensors.numpy import load_file, save_file
+
+    broken = tmp_path / "model"
+    broken.mkdir()
+    for f in model_dir.iterdir():
+        (broken / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(broken / "model.safetensors")
+    name = next(k for k in tensors if k.endswith("lm_head.weight") or k.endswith("norm.weight"))
+    tensors[name] = np.full_like(tensors[name], np.nan)
+    save_file(tensors, broken / "model.safetensors")
+    result = invoke("decode", "--model", broken, "--prompts", model_dir.parent / "prompts.jsonl", "--cache-experts", 2,
+                    "--profile", "pcie4", "--max-new-tokens", 2)
+    one_line_error(result, "target model", "NaN or infinite logits")
+
+
 # ----------------------------------------------------------------- traces
 def test_nan_draft_log_probabilities_fail_validation_not_the_simulator(tmp_path):
     table = pq.read_table(SAMPLE_OLMOE)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -196,6 +197,14 @@ def test_target_with_another_hidden_size_or_vocabulary_is_rejected(tmp_path):
         drafter.check_target(vocab_size=VOCAB, hidden_size=48)
     with pytest.raises(SpecFitError, match="vocab_size 65"):
         drafter.check_target(vocab_size=VOCAB + 1, hidden_size=TARGET_H)
+    # before any weight is read, the message names the drafter's config file
+    from types import SimpleNamespace
+
+    from specfit.runtime.loader import drafter_capture_layers
+
+    with pytest.raises(SpecFitError, match=re.escape(f"{tmp_path / 'config.json'}: config key 'vocab_size' is {VOCAB}, "
+                                                     f"but the target model has vocab_size {VOCAB + 1}")):
+        drafter_capture_layers(tmp_path, SimpleNamespace(vocab_size=VOCAB + 1, hidden_size=TARGET_H, n_layers=4))
     with pytest.raises(SpecFitError, match="hidden width 100"):
         run(drafter, torch.zeros(2, 100), tokens(2))
 

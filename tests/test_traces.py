@@ -103,6 +103,9 @@ def test_not_a_trace_and_missing_file(tmp_path):
         read_trace(plain)
     with pytest.raises(SpecFitError, match="no such trace file"):
         read_trace(tmp_path / "absent.parquet")
+    (tmp_path / "folder.parquet").mkdir()
+    with pytest.raises(SpecFitError, match="folder.parquet: a directory, expected a trace file"):
+        read_trace(tmp_path / "folder.parquet")
 
 
 @pytest.mark.parametrize("field, edit, message", [

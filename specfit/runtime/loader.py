@@ -180,7 +180,10 @@ def drafter_capture_layers(drafter_dir: str | Path, target: ModelConfig) -> tupl
     if not is_eagle3(drafter_dir):
         return None
     config = Eagle3Config.from_file(Path(drafter_dir) / "config.json")
-    config.check_target(target.vocab_size, target.hidden_size, source="target model")
+    try:
+        config.check_target(target.vocab_size, target.hidden_size, source="target model")
+    except SpecFitError as exc:         # named by the drafter's file, whose keys the message quotes
+        raise SpecFitError(f"{Path(drafter_dir) / 'config.json'}: {str(exc).removeprefix('drafter: ')}") from None
     aux = config.aux_hidden_state_layer_ids
     # input of layer n_layers = the last layer's output (vLLM's id L)
     if aux is not None and not all(0 <= layer <= target.n_layers for layer in aux):

@@ -234,7 +234,8 @@ def read_trace(path: str | Path, validate: bool = True) -> Trace:
     """Read a trace file; raises :class:`SpecFitError` for anything that is not a valid trace."""
     path = Path(path)
     if not path.is_file():
-        raise SpecFitError(f"{path}: no such trace file")
+        raise SpecFitError(f"{path}: " + ("a directory, expected a trace file (.parquet)" if path.is_dir()
+                                          else "no such trace file"))
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as exc:
