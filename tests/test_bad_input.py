@@ -167,6 +167,28 @@ def test_a_routing_log_that_is_no_zip_and_bad_import_options_are_one_line(tmp_pa
     assert not (tmp_path / "t.parquet").exists()
 
 
+def test_empty_gapped_and_out_of_range_routing_logs_say_what_is_wrong(tmp_path):
+    cases = []
+    empty_npz = tmp_path / "empty.npz"
+    empty_npz.write_bytes(b"")
+    cases.append((empty_npz, "not a readable .npz file"))
+    empty_jsonl = tmp_path / "empty.jsonl"
+    empty_jsonl.write_text("")
+    cases.append((empty_jsonl, "the log has no records"))
+    gap = tmp_path / "gap.jsonl"
+    gap.write_text("".join(json.dumps({"sequence_id": 0, "token_index": i, "experts": [[0, 1]] * 2}) + "\n"
+                           for i in (0, 1, 2, 4)))
+    cases.append((gap, "sequence 0 skips from token index 2 to 4"))
+    out_of_range = tmp_path / "oob.npz"
+    experts = np.tile(np.arange(8), (6, 16, 1))
+    experts[2, 3, 0] = 99
+    np.savez(out_of_range, expert_ids=experts, sequence_id=np.zeros(6, np.int32))
+    cases.append((out_of_range, "expert id 99 is out of range for every known model shape with 16 layers x top-8"))
+    for path, needle in cases:
+        one_line_error(invoke("traces", "import-routing", path, "--out", tmp_path / "t.parquet"), str(path), needle)
+    assert not (tmp_path / "t.parquet").exists()
+
+
 def test_a_refit_of_a_file_instead_of_a_run_directory_is_one_line(tmp_path):
     one_line_error(invoke("calibrate", "--refit", SAMPLE_OLMOE, "--profile", "pcie4", "--out", tmp_path / "p.json"),
                    "--refit", "run directory")

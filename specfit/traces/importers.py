@@ -154,9 +154,15 @@ def model_for_log(log: RoutingLog, shape: str | None) -> dict:
             raise SpecFitError(f"--shape: unknown model shape {shape!r}; expected one of {sorted(MODEL_SHAPES)}")
         return dict(MODEL_SHAPES[shape])
     T, L, k = log.experts.shape
-    for m in MODEL_SHAPES.values():
-        if (m["n_layers"], m["top_k"]) == (L, k) and log.experts.max() < m["n_experts"]:
+    same = [m for m in MODEL_SHAPES.values() if (m["n_layers"], m["top_k"]) == (L, k)]
+    largest = int(log.experts.max()) if log.experts.size else -1
+    for m in same:
+        if largest < m["n_experts"]:
             return dict(m)
+    if same:
+        known = ", ".join(f"{m['name']}: {m['n_experts']} experts" for m in same)
+        raise SpecFitError(f"{log.source}: expert id {largest} is out of range for every known model shape with {L} "
+                           f"layers x top-{k} ({known}); pass --shape NAME or --model (the model's config.json)")
     raise SpecFitError(f"{log.source}: no known model shape has {L} layers x top-{k}; pass --shape NAME or "
                        f"--model (the model's config.json)")
 

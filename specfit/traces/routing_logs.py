@@ -91,7 +91,7 @@ def _read_npz(path: Path) -> RoutingLog:
     try:
         data = np.load(path, allow_pickle=False)   # never unpickle a user file
         arrays = {name: data[name] for name in data.files}
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise SpecFitError(f"{path}: not a readable .npz file ({exc})") from None
     if "expert_ids" in arrays:
         return _flat_npz(arrays, path)
@@ -152,6 +152,8 @@ def _per_sequence_npz(data: dict, path: Path) -> RoutingLog:
 def _from_records(df: pd.DataFrame, path: Path, layout: str) -> RoutingLog:
     df = df.rename(columns={alias: "token_index" for alias in _INDEX_ALIASES[1:] if alias in df.columns})
     df = df.rename(columns={alias: "router_weights" for alias in _WEIGHT_ALIASES[1:] if alias in df.columns})
+    if df.empty and len(df.columns) == 0:
+        raise SpecFitError(f"{path}: the log has no records")
     missing = [f for f in ("sequence_id", "token_index", "experts") if f not in df.columns]
     if missing:
         raise SpecFitError(f"{path}: records miss field(s) {missing}; expected one record per token and layer with "
@@ -255,7 +257,7 @@ def _check_consecutive(seq: np.ndarray, index: np.ndarray, path: Path) -> None:
     if bad.size:
         i = int(bad[0])
         what = "repeats" if step[i] == 0 else "skips from"
-        raise SpecFitError(f"{path}: sequence {seq[i]!r} {what} token index {int(index[i])} to {int(index[i + 1])}; "
+        raise SpecFitError(f"{path}: sequence {seq[i].item()!r} {what} token index {int(index[i])} to {int(index[i + 1])}; "
                            f"a sequence's token indices must be consecutive")
 
 
