@@ -215,7 +215,8 @@ def _model_config(model_shape: str | None, trace_model: dict | None):
     if name.endswith(".json"):
         return Path(name).stem, ModelConfig.from_file(name)
     if name not in SHAPE_CONFIGS:
-        raise SpecFitError(f"--model-shape: the trace's model {name!r} has no known config; expected one of "
+        whose = f"--model-shape {name!r}" if model_shape else f"--model-shape: the trace's model {name!r}"
+        raise SpecFitError(f"{whose} has no known config; expected one of "
                            f"{', '.join(k for k in SHAPE_CONFIGS if k != 'tiny')} or a config.json")
     return name, shape_config(name)
 
