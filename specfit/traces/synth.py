@@ -16,6 +16,7 @@ metadata (``parameters`` and ``statistics``).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 
 import numpy as np
@@ -53,6 +54,16 @@ class RoutingParams:
     token_affinity: float = 0.72     # OLMoE decode routing: 0.72
     sibling_reuse: float = 0.3       # not observable in routing logs; bounded by the two above
     token_zipf: float = 1.0          # Zipf exponent of token frequencies
+
+    def __post_init__(self) -> None:
+        for name, option in (("popularity_zipf", "--popularity-zipf"), ("token_zipf", "--token-zipf")):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise SpecFitError(f"{option}: expected a finite Zipf exponent >= 0, got {value}")
+        for name in ("consecutive_reuse", "token_affinity", "sibling_reuse"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:          # (NaN fails this too)
+                raise SpecFitError(f"--{name.replace('_', '-')}: expected a fraction in [0, 1], got {value}")
 
     def to_dict(self) -> dict:
         return asdict(self)
