@@ -71,7 +71,11 @@ def test_generation_config_eos_ids_take_precedence(tmp_path):
     ({"mlp_only_layers": "0,1"}, "'mlp_only_layers' must be a list"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type 'longrope'; supported"),
     ({"rope_scaling": {"rope_type": "linear"}}, "'rope_scaling.factor' is required"),
-    ({"num_experts_per_tok": "eight"}, "'num_experts_per_tok' must be int"),
+    ({"num_experts_per_tok": "eight"}, "'num_experts_per_tok' must be an integer, got 'eight'"),
+    ({"hidden_size": "2048"}, "'hidden_size' must be an integer, got '2048'"),
+    ({"num_hidden_layers": 4.5}, "'num_hidden_layers' must be an integer, got 4.5"),
+    ({"num_hidden_layers": True}, "'num_hidden_layers' must be an integer, got True"),
+    ({"rms_norm_eps": "1e-6"}, "'rms_norm_eps' must be a number, got '1e-6'"),
 ])
 def test_bad_config_is_one_error_naming_file_and_key(tmp_path, change, message):
     raw = {k: v for k, v in {**HUB_QWEN3, **change}.items() if v is not None}

@@ -195,11 +195,18 @@ class ModelConfig:
 
         def get(*keys, default=_REQUIRED, kind=int):
             for key in keys:
-                if raw.get(key) is not None:
+                value = raw.get(key)
+                if value is not None:
+                    # JSON numbers only: a string, a bool or a fractional count is a damaged config,
+                    # not something to convert (int("128") and int(4.5) would both pass silently)
+                    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+                    if kind in (int, float) and not (numeric and (kind is float or float(value).is_integer())):
+                        raise SpecFitError(f"{source}: key {key!r} must be {'an integer' if kind is int else 'a number'}, "
+                                           f"got {value!r}")
                     try:
-                        return kind(raw[key])
-                    except (TypeError, ValueError):
-                        raise SpecFitError(f"{source}: key {key!r} must be {kind.__name__}, got {raw[key]!r}") from None
+                        return kind(value)
+                    except (TypeError, ValueError, OverflowError):
+                        raise SpecFitError(f"{source}: key {key!r} must be {kind.__name__}, got {value!r}") from None
             if default is _REQUIRED:
                 spelled = " or ".join(repr(k) for k in keys)
                 raise SpecFitError(f"{source}: missing key {spelled} ({architecture})")
