@@ -120,6 +120,16 @@ def test_misshaped_tensor_is_named_with_both_shapes(qwen_dir):
         load_model(qwen_dir)
 
 
+def test_integer_weights_are_named_with_their_stored_type(qwen_dir):
+    name = "model.layers.1.mlp.experts.2.down_proj.weight"
+
+    def edit(tensors):
+        tensors[name] = tensors[name].to(torch.int32)
+    _rewrite(qwen_dir, edit)
+    with pytest.raises(SpecFitError, match=rf"tensor '{name}' is stored as I32, expected floating-point weights"):
+        load_model(qwen_dir)
+
+
 def test_misshaped_fused_experts_are_rejected(tmp_path):
     model_dir = make_tiny_model("olmoe", tmp_path / "fused", fused_experts=True)
 

@@ -89,6 +89,10 @@ class Checkpoint:
             raise SpecFitError(f"{self.files[name]}: tensor {name!r} cannot be read ({exc})") from None
         if actual != expected:
             raise SpecFitError(f"{self.files[name]}: tensor {name!r} has shape {actual}, expected {expected}")
+        stored = handle.get_slice(name).get_dtype()
+        if dtype.is_floating_point and not (stored.startswith("F") or stored == "BF16"):
+            raise SpecFitError(f"{self.files[name]}: tensor {name!r} is stored as {stored}, expected floating-point "
+                               f"weights (F32, F16 or BF16)")
         try:
             tensor = handle.get_tensor(name)
         except Exception as exc:  # truncated or overwritten data after a valid header
