@@ -241,6 +241,8 @@ def test_a_refit_onto_a_profile_of_another_shape_is_refused(model_dir, tmp_path)
      "--popularity-zipf: expected a finite Zipf exponent >= 0, got nan"),
     (["traces", "synth", "--shape", "olmoe-1b-7b", "--tokens", "8", "--consecutive-reuse", "-0.1", "--out",
       "s.parquet"], "--consecutive-reuse: expected a fraction in [0, 1]"),
+    (["traces", "synth", "--shape", "olmoe-1b-7b", "--tokens", "8", "--top1-prob", "1.5", "--out", "s.parquet"],
+     "drafter field 'top1_prob' (--top1-prob): expected in (0, 1), got 1.5"),
     (["demo", "--cache-experts", "-1"], "--cache-experts"),
     (["demo", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["demo", "--threads", "0"], "--threads"),

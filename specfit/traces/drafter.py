@@ -37,12 +37,18 @@ class DrafterParams:
     calibration_exponent: float = 1.15  # acceptance = draft_prob ** exponent (1: calibrated)
 
     def __post_init__(self) -> None:
-        if self.width < 1 or self.depth < 0:
-            raise ValueError(f"drafter: expected width >= 1 and depth >= 0, got {self.width}, {self.depth}")
-        if not (0 < self.top1_prob < 1 and 0 < self.depth_decay <= 1 and self.confidence_spread > 0
-                and self.calibration_exponent > 0):
-            raise ValueError("drafter: expected 0 < top1_prob < 1, 0 < depth_decay <= 1, confidence_spread > 0, "
-                             "calibration_exponent > 0")
+        # each check names the field with the command-line option that sets it (`traces synth`,
+        # `traces import-routing`) and the value it got; NaN fails every one of them
+        checks = (("width", "--tree-width", self.width >= 1, ">= 1"),
+                  ("depth", "--tree-depth", self.depth >= 0, ">= 0"),
+                  ("top1_prob", "--top1-prob", 0 < self.top1_prob < 1, "in (0, 1)"),
+                  ("depth_decay", "--depth-decay", 0 < self.depth_decay <= 1, "in (0, 1]"),
+                  ("confidence_spread", None, self.confidence_spread > 0, "> 0"),
+                  ("calibration_exponent", "--calibration-exponent", self.calibration_exponent > 0, "> 0"))
+        for name, option, ok, expected in checks:
+            if not ok:
+                what = f"drafter field {name!r}" + (f" ({option})" if option else "")
+                raise ValueError(f"{what}: expected {expected}, got {getattr(self, name)}")
 
     def to_dict(self) -> dict:
         return asdict(self)
