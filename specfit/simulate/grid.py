@@ -237,8 +237,13 @@ def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec
             for mode in axes["cache_mode"]:
                 for policy in axes["cache_policy"]:
                     check_replay_options(predictor, acceptance, mode, policy, source=source)
-    if min(axes["cache_experts"]) < 0 or min(axes["max_levels"]) < 1 or min(axes["h2d_scale"]) <= 0:
-        raise SpecFitError(f"{source}: fields 'cache_experts' >= 0, 'max_levels' >= 1 and 'h2d_scale' > 0 expected")
+    for field, bad, expected in (("cache_experts", lambda v: v < 0, ">= 0"), ("max_levels", lambda v: v < 1, ">= 1"),
+                                 ("h2d_scale", lambda v: not v > 0, "> 0")):
+        wrong = [v for v in axes[field] if bad(v)]
+        if wrong:
+            # `specfit plan` builds its spec from options: name the option it came from
+            where = f"--{field.replace('_', '-')}" if source == "plan" else f"{source}: field '{field}'"
+            raise SpecFitError(f"{where}: expected values {expected}, got {wrong[0]:g}")
     sources = _trace_sources(raw, source, base, WORKLOADS)
     return SweepSpec(path=source, sources=tuple(sources), axes=axes, **scalars)
 

@@ -273,6 +273,8 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
     if not loaded:
         _check_synthesis(name, workloads, tokens)
     cache_sizes(1, cache_steps)
+    if not h2d_scale > 0:
+        raise SpecFitError(f"--h2d-scale: expected values > 0, got {h2d_scale:g}")
     resolve_profile(profile)
     with ray_session(address, num_cpus) as ray:
         if not loaded:
