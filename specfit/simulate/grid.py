@@ -237,12 +237,12 @@ def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec
             for mode in axes["cache_mode"]:
                 for policy in axes["cache_policy"]:
                     check_replay_options(predictor, acceptance, mode, policy, source=source)
-    for field, bad, expected in (("cache_experts", lambda v: v < 0, ">= 0"), ("max_levels", lambda v: v < 1, ">= 1"),
-                                 ("h2d_scale", lambda v: not v > 0, "> 0")):
-        wrong = [v for v in axes[field] if bad(v)]
+    for key, bad, expected in (("cache_experts", lambda v: v < 0, ">= 0"), ("max_levels", lambda v: v < 1, ">= 1"),
+                               ("h2d_scale", lambda v: not v > 0, "> 0")):
+        wrong = [v for v in axes[key] if bad(v)]
         if wrong:
             # `specfit plan` builds its spec from options: name the option it came from
-            where = f"--{field.replace('_', '-')}" if source == "plan" else f"{source}: field '{field}'"
+            where = f"--{key.replace('_', '-')}" if source == "plan" else f"{source}: field '{key}'"
             raise SpecFitError(f"{where}: expected values {expected}, got {wrong[0]:g}")
     sources = _trace_sources(raw, source, base, WORKLOADS)
     return SweepSpec(path=source, sources=tuple(sources), axes=axes, **scalars)
