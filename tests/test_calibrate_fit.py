@@ -108,6 +108,7 @@ def test_profile_of_another_shape_is_refused_unless_rescaled(tmp_path):
     [
         ("{not json", "not valid JSON"),
         ('{"profile_version": 99}', "profile_version"),
+        ('{"shape": {}, "cost": {}}', "field 'profile_version' is missing, this SpecFit reads version 1"),
         ('{"profile_version": 1, "cost": {}}', "missing field 'shape'"),
         ('{"profile_version": 1, "shape": {"name": "x"}, "cost": {"base_s": 1}}', "cost"),
         ('{"profile_version": 1, "shape": {"name": "x", "n_layers": 1, "n_experts": 2, "top_k": 1, "expert_bytes": 1},'

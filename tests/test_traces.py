@@ -87,6 +87,9 @@ def test_other_schema_version_is_one_clear_error(tmp_path, small_synth):
     bad = _rewrite(src, tmp_path / "v2.parquet", edit_meta=lambda m: m.update(schema_version=2))
     with pytest.raises(SpecFitError, match=r"v2.parquet: schema_version 2 is not supported; expected 1"):
         read_trace(bad)
+    unversioned = _rewrite(src, tmp_path / "none.parquet", edit_meta=lambda m: m.pop("schema_version"))
+    with pytest.raises(SpecFitError, match=r"none.parquet: field 'schema_version' is missing; expected 1"):
+        read_trace(unversioned)
 
 
 def test_missing_column_is_named(tmp_path, small_synth):

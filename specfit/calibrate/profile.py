@@ -166,7 +166,8 @@ class Profile:
             raise SpecFitError(f"{source}: expected a JSON object, got {type(d).__name__}")
         version = d.get("profile_version")
         if version != PROFILE_VERSION:
-            raise SpecFitError(f"{source}: field 'profile_version' is {version!r}, this SpecFit reads version {PROFILE_VERSION}")
+            found = "field 'profile_version' is missing" if version is None else f"field 'profile_version' is {version!r}"
+            raise SpecFitError(f"{source}: {found}, this SpecFit reads version {PROFILE_VERSION}")
         for key in ("shape", "cost"):
             if key not in d:
                 raise SpecFitError(f"{source}: missing field '{key}'")

@@ -249,8 +249,9 @@ def read_trace(path: str | Path, validate: bool = True) -> Trace:
         raise SpecFitError(f"{path}: metadata '{METADATA_KEY.decode()}' is not valid JSON") from None
     version = meta.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise SpecFitError(f"{path}: schema_version {version!r} is not supported; expected {SCHEMA_VERSION} "
-                           f"(re-create the trace with this version of specfit)")
+        found = "field 'schema_version' is missing" if version is None else f"schema_version {version!r} is not supported"
+        raise SpecFitError(f"{path}: {found}; expected {SCHEMA_VERSION} (re-create the trace with this version of "
+                           f"specfit)")
     check_meta(meta, str(path))
     names = set(pf.schema_arrow.names)
     missing = [c for c, _, req, _ in NODE_COLUMNS if req and c not in names]
