@@ -124,9 +124,11 @@ def test_nan_target_weights_are_blamed_on_the_target_not_decoded_into_garbage(mo
     name = next(k for k in tensors if k.endswith("lm_head.weight") or k.endswith("norm.weight"))
     tensors[name] = np.full_like(tensors[name], np.nan)
     save_file(tensors, broken / "model.safetensors")
+    out = tmp_path / "run"
     result = invoke("decode", "--model", broken, "--prompts", model_dir.parent / "prompts.jsonl", "--cache-experts", 2,
-                    "--profile", "pcie4", "--max-new-tokens", 2)
+                    "--profile", "pcie4", "--max-new-tokens", 2, "--out", out)
     one_line_error(result, "target model", "NaN or infinite logits")
+    assert not out.exists()             # the run failed before any output: not even its run.json is left
 
 
 # ----------------------------------------------------------------- traces

@@ -207,6 +207,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     calibrator = _acceptance_calibrator(plan.acceptance_trace) if plan.acceptance_trace else None
     fitted = _fitted_predictor(plan, model) if plan.predictor_trace else None
 
+    fresh_out = plan.out_dir is not None and not Path(plan.out_dir).exists()
     if plan.out_dir is not None:
         from ..calibrate.profile import ModelShape
         from ..runinfo import write_run_info
@@ -269,6 +270,12 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 result = full.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos)
                 recorder.end_sequence(len(result.output_ids))
                 tick()
+    except SpecFitError:
+        if fresh_out and not outputs.records and not outputs.cycles:
+            import shutil
+
+            shutil.rmtree(plan.out_dir, ignore_errors=True)    # bad input before any output: leave nothing
+        raise
     except KeyboardInterrupt:
         outputs.close()
         where = f" in {plan.out_dir}" if plan.out_dir is not None else " (no --out: nothing was written)"
