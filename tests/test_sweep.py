@@ -133,6 +133,9 @@ def test_bad_specs_name_the_file_and_field(tmp_path):
         assert "bad.toml" in str(err.value) and message in str(err.value), (text, str(err.value))
     with pytest.raises(SpecFitError, match="unknown spec format"):
         load_spec(_write(tmp_path / "spec.ini", "x=1"))
+    with pytest.raises(SpecFitError) as err:                 # one line, with where the parser stopped
+        load_spec(_write(tmp_path / "bad.yaml", "traces: [\n"))
+    assert "bad.yaml: not valid YAML at line 2" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_sweep_without_ray_is_one_line_and_exit_2(tmp_path, monkeypatch):

@@ -175,7 +175,10 @@ def load_spec(path: str | Path) -> SweepSpec:
         try:
             raw = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise SpecFitError(f"{path}: not valid YAML ({exc})") from None
+            mark = getattr(exc, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise SpecFitError(f"{path}: not valid YAML{where} ({what})") from None
     else:
         raise SpecFitError(f"{path}: unknown spec format {path.suffix!r}; expected .toml, .yaml or .yml")
     return parse_spec(raw, source=str(path), base=path.parent)
