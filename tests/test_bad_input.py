@@ -191,6 +191,15 @@ def test_empty_gapped_and_out_of_range_routing_logs_say_what_is_wrong(tmp_path):
     assert not (tmp_path / "t.parquet").exists()
 
 
+def test_a_refit_of_a_simulate_run_says_its_cycles_are_not_measured(tmp_path):
+    sim = tmp_path / "sim"
+    assert invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--cache-experts", 8, "--out",
+                  sim).exit_code == 0
+    one_line_error(invoke("calibrate", "--refit", sim, "--profile", "pcie4", "--out", tmp_path / "p.json"),
+                   str(sim / "cycles.parquet"), "no measured times", "specfit decode --out")
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_a_refit_of_a_file_instead_of_a_run_directory_is_one_line(tmp_path):
     one_line_error(invoke("calibrate", "--refit", SAMPLE_OLMOE, "--profile", "pcie4", "--out", tmp_path / "p.json"),
                    "--refit", "run directory")

@@ -92,6 +92,15 @@ def test_other_schema_version_is_one_clear_error(tmp_path, small_synth):
         read_trace(unversioned)
 
 
+def test_simulating_a_trace_that_is_not_position_indexed_names_its_file(tmp_path, small_synth):
+    src = write_trace(small_synth, tmp_path / "t.parquet")
+    bad = _rewrite(src, tmp_path / "live-only.parquet",
+                   edit_meta=lambda m: m["recording"].update(position_indexed=False))
+    r = CliRunner().invoke(app, ["simulate", "--trace", str(bad), "--policies", "ar", "--cache-experts", "4"])
+    assert r.exit_code == 2 and r.output.strip().count("\n") == 0, r.output
+    assert r.output.startswith(f"error: {bad}: counterfactual replay needs a position-indexed trace"), r.output
+
+
 def test_missing_column_is_named(tmp_path, small_synth):
     src = write_trace(small_synth, tmp_path / "t.parquet")
     bad = _rewrite(src, tmp_path / "nov.parquet", edit_table=lambda t: t.drop_columns(["verdict"]))

@@ -313,6 +313,13 @@ def read_run_cycles(run_dir: str | Path) -> pd.DataFrame:
         raise SpecFitError(f"{path}: missing column(s) {missing}; expected {list(RUN_CYCLE_COLUMNS)}")
     if df.empty:
         raise SpecFitError(f"{path}: no cycles recorded")
+    measured = pd.to_numeric(df["measured_time_s"], errors="coerce").to_numpy(dtype=np.float64)
+    if not np.isfinite(measured).all():
+        bad = int((~np.isfinite(measured)).sum())
+        what = ("no measured times: a replay's cycles (`specfit simulate --out`) are charged, not measured; "
+                "expected the cycles of a `specfit decode --out` run") if bad == measured.size else \
+            f"{bad} of {measured.size} cycles have no finite 'measured_time_s'"
+        raise SpecFitError(f"{path}: {what}")
     return df
 
 

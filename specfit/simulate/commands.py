@@ -100,6 +100,11 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     names = unique_names(trace_paths)
     for path, name in zip(trace_paths, names):
         trace = read_trace(path)
+        if not trace.position_indexed:           # named by its file here (prepare knows its label only)
+            raise SpecFitError(f"{path}: counterfactual replay needs a position-indexed trace (a full tree at every "
+                               f"position with every verdict known); this one was recorded as "
+                               f"{trace.meta['recording'].get('kind')!r} without it (record one with "
+                               f"`specfit decode --record FILE --record-full`)")
         with console.status(f"preparing {path} ...") if not quiet else _nothing():
             prepared.append(prepare_trace(name, trace, predictor, acceptance, model_dir=model_dir))
         shape = ModelShape.from_trace_meta(trace.model)
