@@ -11,8 +11,8 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["n_words", "popcount", "lowest_bit", "pack_rows", "pack_mask", "pack_ids", "union_of_rows", "count_union", "count_missing", "count_missing_row", "unpack", "slots_right",
-           "first_bad_routing"]
+__all__ = ["n_words", "popcount", "lowest_bit", "pack_rows", "pack_mask", "pack_ids", "union_of_rows", "count_union",
+           "count_missing", "count_missing_row", "unpack", "slots_right", "first_bad_routing"]
 
 ONE = np.uint64(1)
 ZERO = np.uint64(0)

@@ -439,9 +439,9 @@ def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true
             # (decide_cycle copies the predicted experts of the levels it reaches)
             status, levels, nodes, sel_tokens, sel_s, sel_hits, sel_misses, copied = decide_cycle(
                 cycle_parents[:n], path_probs[base:base + n], level_probs[base:base + n], cycle_experts,
-                predicted_experts, base, sizes, cached, n_experts, params, conf, fstate, istate, recent_p, recent_w, acceptance, new_experts,
-                new_is_share, seen, width, link_params, lconf, lf, usage, bits, score, count, slots, n_used, clock,
-                counters, config, layer_prefetched)
+                predicted_experts, base, sizes, cached, n_experts, params, conf, fstate, istate, recent_p, recent_w,
+                acceptance, new_experts, new_is_share, seen, width, link_params, lconf, lf, usage, bits, score, count,
+                slots, n_used, clock, counters, config, layer_prefetched)
             if status != 0:
                 return -1 - status
             # what the root's true and predicted experts miss against the residency the policy saw

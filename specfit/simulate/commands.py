@@ -87,6 +87,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
 
     from ..calibrate.profile import ModelShape
     from ..traces.format import read_trace
+    from .prepared import check_position_indexed
     from .replay import prepare_trace
     from .scenarios import build_scenario, check_replay_options, unique_names
     from .sweep import check_policies, run_sweep
@@ -100,11 +101,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     names = unique_names(trace_paths)
     for path, name in zip(trace_paths, names):
         trace = read_trace(path)
-        if not trace.position_indexed:           # named by its file here (prepare knows its label only)
-            raise SpecFitError(f"{path}: counterfactual replay needs a position-indexed trace (a full tree at every "
-                               f"position with every verdict known); this one was recorded as "
-                               f"{trace.meta['recording'].get('kind')!r} without it (record one with "
-                               f"`specfit decode --record FILE --record-full`)")
+        check_position_indexed(trace, str(path))     # named by its file (prepare knows its label only)
         with console.status(f"preparing {path} ...") if not quiet else _nothing():
             prepared.append(prepare_trace(name, trace, predictor, acceptance, model_dir=model_dir))
         shape = ModelShape.from_trace_meta(trace.model)

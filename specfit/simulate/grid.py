@@ -208,6 +208,20 @@ def _values(raw: dict, key: str, kind: type, default: list, source: str) -> list
     return out
 
 
+_AXIS_BOUNDS = (("cache_experts", lambda v: v < 0, ">= 0"), ("max_levels", lambda v: v < 1, ">= 1"),
+                ("h2d_scale", lambda v: not v > 0, "> 0"))
+
+
+def check_axis_values(axes: dict, source: str) -> None:
+    """The numeric axes in range (those of ``axes`` that are there); ``source`` ``"plan"``: the
+    values came from ``specfit plan``'s options, which the error names."""
+    for key, bad, expected in _AXIS_BOUNDS:
+        wrong = [v for v in axes.get(key, ()) if bad(v)]
+        if wrong:
+            where = f"--{key.replace('_', '-')}" if source == "plan" else f"{source}: field '{key}'"
+            raise SpecFitError(f"{where}: expected values {expected}, got {wrong[0]:g}")
+
+
 def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec:
     """A :class:`SweepSpec` from the spec's parsed mapping; relative paths are relative to ``base``."""
     from ..traces.synth import WORKLOADS
@@ -229,6 +243,7 @@ def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec
         if not _is_a(kind, value):
             raise SpecFitError(f"{source}: field {key!r} must be a {kind.__name__}, got {value!r}")
         scalars[key] = value
+    check_axis_values(axes, source)
     try:
         parse_overrides(scalars["cost"])
         check_policies(axes["policies"], max(axes["max_levels"]))
@@ -240,13 +255,6 @@ def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec
             for mode in axes["cache_mode"]:
                 for policy in axes["cache_policy"]:
                     check_replay_options(predictor, acceptance, mode, policy, source=source)
-    for key, bad, expected in (("cache_experts", lambda v: v < 0, ">= 0"), ("max_levels", lambda v: v < 1, ">= 1"),
-                               ("h2d_scale", lambda v: not v > 0, "> 0")):
-        wrong = [v for v in axes[key] if bad(v)]
-        if wrong:
-            # `specfit plan` builds its spec from options: name the option it came from
-            where = f"--{key.replace('_', '-')}" if source == "plan" else f"{source}: field '{key}'"
-            raise SpecFitError(f"{where}: expected values {expected}, got {wrong[0]:g}")
     sources = _trace_sources(raw, source, base, WORKLOADS)
     return SweepSpec(path=source, sources=tuple(sources), axes=axes, **scalars)
 

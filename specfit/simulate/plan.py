@@ -251,7 +251,7 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
     from ..traces.format import read_trace
     from .dataset import read_results
     from .distributed import execute, ray_session
-    from .grid import parse_spec
+    from .grid import check_axis_values, parse_spec
     from .scenarios import check_replay_options, scenario_label
 
     if not traces and model_shape is None:
@@ -273,8 +273,7 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
     if not loaded:
         _check_synthesis(name, workloads, tokens)
     cache_sizes(1, cache_steps)
-    if not h2d_scale > 0:
-        raise SpecFitError(f"--h2d-scale: expected values > 0, got {h2d_scale:g}")
+    check_axis_values({"h2d_scale": [h2d_scale]}, "plan")
     resolve_profile(profile)
     with ray_session(address, num_cpus) as ray:
         if not loaded:
@@ -329,11 +328,10 @@ def _check_synthesis(shape: str, workloads: list[str], tokens: int) -> None:
 
 
 def _synthesised_traces(ray, shape: str, workloads: list[str], tokens: int, folder: Path):
-    """Traces of ``shape`` for each workload preset, synthesised in parallel on Ray once and kept
-    in the plan's directory (a rerun reuses them)."""
+    """Traces of ``shape`` for each workload preset (options checked by :func:`_check_synthesis`),
+    synthesised in parallel on Ray once and kept in the plan's directory (a rerun reuses them)."""
     from ..traces.format import read_trace, write_trace
 
-    _check_synthesis(shape, workloads, tokens)
     paths = [folder / f"{shape}-{w}-{tokens}.parquet" for w in workloads]
     remote = ray.remote(_synth_task)
     todo = {remote.remote(shape, w, tokens): p for w, p in zip(workloads, paths) if not p.is_file()}

@@ -18,7 +18,7 @@ from ..errors import SpecFitError
 from ..traces.format import Trace
 from ..tree import DraftTree
 
-__all__ = ["PreparedTrace", "prepare", "prepare_trace"]
+__all__ = ["PreparedTrace", "prepare", "prepare_trace", "check_position_indexed"]
 
 
 @dataclass(eq=False)
@@ -141,14 +141,20 @@ class _CycleTrees:
         return self._prep.tree(self._cycle, levels % len(self))
 
 
+def check_position_indexed(trace: Trace, where: str) -> None:
+    """One error, naming ``where`` (the trace's file or label), for a trace the replay cannot use."""
+    if not trace.position_indexed:
+        raise SpecFitError(f"{where}: counterfactual replay needs a position-indexed trace (a full tree at every "
+                           "position with every verdict known); this one was recorded as "
+                           f"{trace.meta['recording'].get('kind')!r} without it (record one with "
+                           f"`specfit decode --record FILE --record-full`)")
+
+
 def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: np.ndarray | None = None,
             predictor: str = "oracle", info: dict | None = None) -> PreparedTrace:
     """Cut the trace into the replay's flat arrays. ``predicted_experts`` ``[nodes, L, k]`` is what
     the policies decide with; ``path_probs`` ``[nodes]`` replaces the drafter's (e.g. calibrated)."""
-    if not trace.position_indexed:
-        raise SpecFitError(f"{name}: counterfactual replay needs a position-indexed trace (a full tree at every "
-                           "position with every verdict known); this one was recorded as "
-                           f"{trace.meta['recording'].get('kind')!r} without it")
+    check_position_indexed(trace, name)
     # the dtypes the compiled kernels take (those of a trace read from disk: no copies)
     offsets = np.ascontiguousarray(trace.offsets, dtype=np.int64)
     parents = np.ascontiguousarray(trace.parent, dtype=np.int16)
