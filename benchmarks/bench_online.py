@@ -32,16 +32,18 @@ from specfit.runtime.run_dir import read_decode_cycles  # noqa: E402
 
 # (label, OnlineCostModel options, whether the model sees a cycle before the next is priced, whether
 # it is handed the recorded seconds of its own update in each cycle (update_time_s; runs from stop 23 on))
+NO_PACE = {"pace_half_life": None}
 BEFORE = {"half_life": 8.0, "refit_every": 4, "select_every": 4, "speed_half_life": None,
-          "refit_interval_s": 0.0}   # the defaults before stop 22
+          "refit_interval_s": 0.0, **NO_PACE}   # the defaults before stop 22
 MODELS = (
     ("refit only, seen one cycle late (before stop 22)", BEFORE, False, False),
     ("refit only, seen before the next", BEFORE, True, False),
     ("refit every 4 + speed tracker (stop 22's live runs)",
-     {"refit_every": 4, "select_every": 4, "refit_interval_s": 0.0}, True, False),
-    ("refit every 8 + speed tracker (stop 22's default)", {"refit_interval_s": 0.0}, True, False),
-    ("... + its own update priced (stop 23's default)", {"refit_interval_s": 0.0}, True, True),
-    ("... + refits at least 0.1 s apart (the default)", {}, True, True),
+     {"refit_every": 4, "select_every": 4, "refit_interval_s": 0.0, **NO_PACE}, True, False),
+    ("refit every 8 + speed tracker (stop 22's default)", {"refit_interval_s": 0.0, **NO_PACE}, True, False),
+    ("... + its own update priced (stop 23's default)", {"refit_interval_s": 0.0, **NO_PACE}, True, True),
+    ("... + refits at least 0.1 s apart (stop 28's default)", NO_PACE, True, True),
+    ("... + the rest of a cycle at its drafter's pace (the default)", {}, True, True),
 )
 
 
@@ -56,16 +58,23 @@ def replay(cycles, prior, options: dict, seen_first: bool, priced_update: bool =
     def see(row):
         online.observe(row.draft_levels, row.nodes_verified, row.hits, row.misses, row.measured_time_s,
                        priced=(row.predicted_hits, row.predicted_misses),
-                       overhead_s=row.update_time_s if priced_update else 0.0)
+                       overhead_s=row.update_time_s if priced_update else 0.0, drafter_s=drafter_s(row))
 
     for t, row in enumerate(rows):
         if seen_first and t:
             see(rows[t - 1])
-        predicted[t] = online.cost.time_s(row.draft_levels, row.nodes_verified, row.predicted_hits,
-                                          row.predicted_misses)
+        # priced as the decoder prices a cycle's selection: after its drafter passes
+        cost = online.within_cycle(drafter_s(row), row.draft_levels)
+        predicted[t] = cost.time_s(row.draft_levels, row.nodes_verified, row.predicted_hits, row.predicted_misses)
         if not seen_first and t:
             see(rows[t - 1])
     return predicted
+
+
+def drafter_s(row) -> float:
+    """The cycle's drafter seconds (0 where a run recorded none)."""
+    value = float(row.drafter_time_s)
+    return value if np.isfinite(value) else 0.0
 
 
 def errors(measured: np.ndarray, predicted: np.ndarray) -> tuple[float, float]:

@@ -105,22 +105,27 @@ class CostModel:
             raise ValueError(f"CostModel: unknown parameter(s) {sorted(unknown)}; expected some of {sorted(known)}")
         return dataclasses.replace(self, **changes)
 
-    def scaled(self, factor: float, plus_base_s: float = 0.0, plus_draft_level_s: float = 0.0) -> "CostModel":
+    def scaled(self, factor: float, plus_base_s: float = 0.0, plus_draft_level_s: float = 0.0,
+               draft_factor: float | None = None) -> "CostModel":
         """Every time term times ``factor`` (a machine that runs the same work ``factor`` times
-        slower), then ``plus_base_s`` seconds more per cycle and ``plus_draft_level_s`` more per
-        drafted level; the bytes per expert unchanged.
+        slower), the drafted levels' term times ``draft_factor`` instead when it is given, then
+        ``plus_base_s`` seconds more per cycle and ``plus_draft_level_s`` more per drafted level;
+        the bytes per expert unchanged.
 
         The live decoder derives a model this way every cycle (the online speed, a policy's own
-        overhead), so only the three arguments are checked: every term of the result is a product
-        and a sum of finite non-negative numbers, as the constructor would have checked."""
-        for name, value in (("factor", factor), ("plus_base_s", plus_base_s), ("plus_draft_level_s", plus_draft_level_s)):
+        overhead, the rest of a cycle once its drafter passes have run), so only the arguments are
+        checked: every term of the result is a product and a sum of finite non-negative numbers, as
+        the constructor would have checked."""
+        draft_factor = factor if draft_factor is None else draft_factor
+        for name, value in (("factor", factor), ("plus_base_s", plus_base_s), ("plus_draft_level_s", plus_draft_level_s),
+                            ("draft_factor", draft_factor)):
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"CostModel.scaled: expected a finite {name} >= 0, got {value!r}")
         out = object.__new__(CostModel)
         terms = out.__dict__
         terms.update(self.__dict__)
         for name in PARAM_NAMES:
-            terms[name] = float(factor * terms[name])
+            terms[name] = float((draft_factor if name == "draft_level_s" else factor) * terms[name])
         terms["base_s"] += float(plus_base_s)
         terms["draft_level_s"] += float(plus_draft_level_s)
         return out

@@ -211,6 +211,62 @@ def test_speed_tracker_lowers_the_held_out_error_on_a_machine_whose_speed_wander
         OnlineCostModel(COST, speed_half_life=-1.0)
 
 
+def test_the_rest_of_a_cycle_is_priced_at_its_drafter_pace():
+    """A machine whose speed changes from one cycle to the next with no memory (nothing before a
+    cycle says how fast it will run) slows the drafter's passes and the rest of the cycle alike:
+    once the passes have run, :meth:`within_cycle` knows what the cycle's start could not. The
+    drafted levels keep the price they had; every other term moves by one factor, and the model
+    that uses it misses by far less than the one that prices the cycle at its start."""
+    rng = np.random.default_rng(5)
+    online, start_only = OnlineCostModel(COST), OnlineCostModel(COST, pace_half_life=None)
+    errors = {"within": [], "start": []}
+    for k in range(300):
+        speed = float(np.exp(0.25 * rng.standard_normal()))
+        levels, nodes, hits, misses = int(rng.integers(1, 5)), int(rng.integers(2, 12)), 20, int(rng.integers(0, 8))
+        drafter_s = levels * 6e-4 * speed
+        measured = COST.time_s(levels, nodes, hits, misses) * speed
+        within = online.within_cycle(drafter_s, levels)
+        if k == 0:
+            assert within is online.cost                 # no pace yet: the cycle's start model
+        assert start_only.within_cycle(drafter_s, levels) is start_only.cost
+        for name, cost in (("within", within), ("start", start_only.cost)):
+            errors[name].append(abs(cost.time_s(levels, nodes, hits, misses) - measured) / measured)
+        online.observe(levels, nodes, hits, misses, measured, priced=(hits, misses), drafter_s=drafter_s)
+        start_only.observe(levels, nodes, hits, misses, measured, priced=(hits, misses), drafter_s=drafter_s)
+    assert np.mean(errors["within"][50:]) < 0.6 * np.mean(errors["start"][50:])
+    # the residual the slope explains is taken against the tracked speed, which averages the same
+    # past cycles as the pace: the whole deviation carries over (slope 1)
+    assert online.pace_slope > 0.85
+    assert online.state()["pace_slope"] == online.pace_slope
+    within = online.within_cycle(2 * 6e-4 * 1.3, 2)
+    factor = within.base_s / online.cost.base_s
+    assert factor > 1.05 and within.draft_level_s == online.cost.draft_level_s
+    for name in ("per_node_s", "hit_s", "miss_s"):
+        assert getattr(within, name) == pytest.approx(factor * getattr(online.cost, name), rel=1e-12)
+    # a cycle that drafted nothing has no pace to compare: the start's model
+    assert online.within_cycle(0.0, 0) is online.cost and online.within_cycle(1e-3, 0) is online.cost
+    with pytest.raises(ValueError, match="pace_half_life"):
+        OnlineCostModel(COST, pace_half_life=-1.0)
+
+
+def test_a_drafter_pace_that_says_nothing_about_the_rest_earns_no_slope():
+    """When the drafter's speed and the target's move independently, the learned slope falls
+    toward 0 and pricing the rest at the drafter's pace costs (almost) nothing."""
+    rng = np.random.default_rng(6)
+    online, start_only = OnlineCostModel(COST), OnlineCostModel(COST, pace_half_life=None)
+    errors = {"within": [], "start": []}
+    for _ in range(400):
+        levels, nodes, hits, misses = 3, 8, 20, 4
+        drafter_s = levels * 6e-4 * float(np.exp(0.3 * rng.standard_normal()))
+        measured = COST.time_s(levels, nodes, hits, misses) * float(np.exp(0.1 * rng.standard_normal()))
+        for name, model in (("within", online.within_cycle(drafter_s, levels)), ("start", start_only.cost)):
+            errors[name].append(abs(model.time_s(levels, nodes, hits, misses) - measured) / measured)
+        online.observe(levels, nodes, hits, misses, measured, priced=(hits, misses), drafter_s=drafter_s)
+        start_only.observe(levels, nodes, hits, misses, measured, priced=(hits, misses), drafter_s=drafter_s)
+    assert online.pace_slope < 0.15
+    assert np.mean(errors["within"][100:]) < 1.05 * np.mean(errors["start"][100:])
+
+
 def test_the_online_model_prices_its_own_update_in_the_cycle_that_runs_it():
     """A refit takes milliseconds inside the cycle that runs it (a refit with term selection the
     longest), a cycle without one almost nothing. Handed each cycle's update seconds with the cycle,
@@ -365,6 +421,54 @@ def test_a_decoder_corrects_its_prediction_when_the_machine_slows_down():
                                                                          r["predicted_misses"]))
     assert all(np.isnan(r["online_predicted_time_s"]) for r in frozen)
     assert all(r["online_predicted_time_s"] == r["predicted_time_s"] for r in online)
+
+
+def test_a_decoder_prices_the_rest_of_each_cycle_at_its_drafter_pace():
+    """Every other cycle at random, the drafter's passes and the target's pass are slow together
+    (sleeps of 3 and 25 ms): the cycle's start cannot know, its drafter passes do. The decoder
+    prices the selection after them, and its recorded predictions are the online model's, replayed
+    from the recorded cycles alone (as ``benchmarks/bench_online.py`` does); the error falls well
+    below that of the same decoder pricing every cycle at its start."""
+    model, drafter = tiny(8)
+    rng, slow = np.random.default_rng(3), [False]
+    forward, draft_forward = model.forward, drafter.forward
+
+    def target(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        if slow[0]:
+            time.sleep(0.025)
+        slow[0] = bool(rng.random() < 0.5)              # the next cycle's speed
+        return out
+
+    def drafting(*args, **kwargs):
+        if slow[0]:
+            time.sleep(0.003)
+        return draft_forward(*args, **kwargs)
+
+    model.forward, drafter.forward = target, drafting
+    cost = COST.replace(expert_bytes=model.offload.host.expert_bytes)
+    errors = {}
+    for pace in (1.0, None):
+        model.offload.reset()
+        online = OnlineCostModel(cost, pace_half_life=pace)
+        decoder = Decoder(model, Proposer(drafter, 4), make_policy("eagle3:16:4"), cost, online_refit=online)
+        cycles = decoder.generate(PROMPT, 160, ignore_eos=True).cycles
+        rows = [live_row(c, cost, model.offload.host.expert_bytes) for c in cycles]
+        assert len(rows) >= 30 and all(r["draft_levels"] > 0 and r["drafter_time_s"] > 0 for r in rows)
+        replayed = OnlineCostModel(cost, pace_half_life=pace)
+        for k, r in enumerate(rows):
+            if k:
+                p = rows[k - 1]
+                replayed.observe(p["draft_levels"], p["nodes_verified"], p["hits"], p["misses"], p["measured_time_s"],
+                                 priced=(p["predicted_hits"], p["predicted_misses"]), overhead_s=p["update_time_s"],
+                                 drafter_s=p["drafter_time_s"])
+            within = replayed.within_cycle(r["drafter_time_s"], r["draft_levels"])
+            assert r["predicted_time_s"] == pytest.approx(
+                within.time_s(r["draft_levels"], r["nodes_verified"], r["predicted_hits"], r["predicted_misses"]),
+                rel=1e-9)
+        late = rows[len(rows) // 3:]
+        errors[pace] = prediction_errors([r["predicted_time_s"] for r in late], [r["time_s"] for r in late])["mape"]
+    assert errors[1.0] < 0.6 * errors[None]
 
 
 def test_the_cycles_measured_times_add_up_to_the_decode_time():

@@ -352,7 +352,7 @@ def test_a_run_stopped_mid_prompt_keeps_every_complete_cycle(checkpoint, tmp_pat
     assert list(kept["cycle"]) == list(range(len(kept)))
     assert len(read_run_cycles(out)) == len(kept)                # a refit reads them too
     if signal_name == "SIGINT":
-        assert process.returncode == 130
+        assert process.returncode == 130, stderr[-3000:]
         assert f"kept every complete cycle, {len(kept)} of them" in stderr and str(out) in stderr
         assert len(pd.read_parquet(out / "cycles.parquet")) == len(kept) and not journal.exists()
     else:

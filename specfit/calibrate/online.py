@@ -33,6 +33,17 @@ running mean per kind of update (none, refit, refit with selection) learns what 
 :attr:`cost` for the cycle that has just run an update carries that kind's expected time in its
 ``base_s``: the policy decides, and the cycle is predicted, with the update it did pay.
 
+Within a cycle there is one more thing to know before it is priced in full: how fast its own
+drafter passes ran. On a shared CPU a slow phase slows every part of a cycle at once, and the
+drafter's passes run just before the target's. :meth:`within_cycle` is the model for the rest of
+a cycle whose drafter passes have run (the decoder's final selection): every term but the drafted
+levels' times ``exp(b * r)``, where ``r`` is the log of the passes' seconds per level against the
+recent cycles' (a tracker with a half-life of ``pace_half_life`` cycles) and ``b`` the slope of the
+cycles' log residual on ``r``, learned as the run goes (a least-squares slope over about the last
+``PACE_MEMORY`` cycles, shrunk toward ``PACE_PRIOR_SLOPE``, kept in [0, 1]). The drafted levels
+keep the price they had before they ran: each term of the prediction is made before the work it
+prices. A machine whose drafter speed says nothing about the rest learns ``b`` near 0.
+
 Before ``min_cycles`` cycles have been seen the fit is the prior itself (the speed tracker starts
 with the first cycle).
 """
@@ -70,6 +81,9 @@ class OnlineCostModel:
             solve for the values, a tenth of the cost).
         speed_half_life: cycles after which a cycle's speed weighs half in the speed tracker (None
             or 0: no tracker, the fit alone).
+        pace_half_life: cycles after which a cycle's drafter seconds per level weigh half in the
+            pace that :meth:`within_cycle` compares a cycle's drafter passes with (None or 0: the
+            rest of a cycle is priced as at its start).
 
     Attributes: ``cost`` (the current model: the fit times the tracked speed, plus the expected
     time of the update just made), ``fitted`` (the fit alone), ``speed`` (the tracked factor),
@@ -80,10 +94,15 @@ class OnlineCostModel:
 
     UPDATE_KINDS = ("observe", "refit", "select")
     UPDATE_RATE = 0.25          # the weight of a new measurement of an update's seconds, after the first four
+    # the slope of a cycle's log residual on its drafter's log pace deviation: its sums' half-life in
+    # cycles, and the prior it is shrunk toward with the weight of that many squared log deviations
+    # (a deviation of 0.1 on 20 cycles weighs 0.2)
+    PACE_MEMORY = 32.0
+    PACE_PRIOR_SLOPE, PACE_PRIOR_WEIGHT = 0.5, 0.2
 
     def __init__(self, prior: CostModel, window: int = 48, min_cycles: int = 8, refit_every: int = 8,
                  half_life: float = 16.0, select_every: int = 2, speed_half_life: float | None = 1.0,
-                 refit_interval_s: float = 0.1):
+                 refit_interval_s: float = 0.1, pace_half_life: float | None = 1.0):
         if window < 2 or min_cycles < 2 or refit_every < 1:
             raise ValueError(f"OnlineCostModel: expected window >= 2, min_cycles >= 2, refit_every >= 1, got "
                              f"{window}, {min_cycles}, {refit_every}")
@@ -91,6 +110,8 @@ class OnlineCostModel:
             raise ValueError(f"speed_half_life: expected >= 0 cycles or None, got {speed_half_life}")
         if not refit_interval_s >= 0:
             raise ValueError(f"refit_interval_s: expected >= 0 seconds, got {refit_interval_s}")
+        if pace_half_life is not None and not pace_half_life >= 0:
+            raise ValueError(f"pace_half_life: expected >= 0 cycles or None, got {pace_half_life}")
         self.prior = prior
         self.window, self.min_cycles, self.refit_every = int(window), int(min(min_cycles, window)), int(refit_every)
         self.half_life, self.select_every = float(half_life), int(max(select_every, 1))
@@ -109,6 +130,11 @@ class OnlineCostModel:
         # the speed tracker: each new cycle's weight, and the log speed it has reached
         self._speed_rate = 1.0 - 0.5 ** (1.0 / speed_half_life) if speed_half_life else 0.0
         self._log_speed = 0.0
+        # the drafter's pace: its tracked log seconds per level (None before a drafted cycle), and
+        # the decayed sums of the residual-on-deviation slope
+        self._pace_rate = 1.0 - 0.5 ** (1.0 / pace_half_life) if pace_half_life else 0.0
+        self._log_pace: float | None = None
+        self._pace_rr = self._pace_re = 0.0
         self.held: list[str] = []
         # the model's own update, per kind: a running mean of its measured seconds, how many were seen
         self._update_mean = np.zeros(len(self.UPDATE_KINDS))
@@ -121,14 +147,40 @@ class OnlineCostModel:
         """The tracked speed: measured over fitted time of the recent cycles (1: as fitted)."""
         return math.exp(self._log_speed)
 
+    @property
+    def pace_slope(self) -> float:
+        """``b`` of :meth:`within_cycle`: how much of a drafter's deviation from its pace the rest
+        of the cycle is expected to share (in logs)."""
+        slope = ((self._pace_re + self.PACE_PRIOR_WEIGHT * self.PACE_PRIOR_SLOPE)
+                 / (self._pace_rr + self.PACE_PRIOR_WEIGHT))
+        return min(max(slope, 0.0), 1.0)
+
+    def _pace_deviation(self, drafter_s: float, draft_levels: int) -> float | None:
+        """log(seconds per level of this cycle's drafter passes) minus the tracked pace; 0 before
+        there is a pace, None when the cycle drafted nothing to compare (or the tracker is off)."""
+        if not (self._pace_rate > 0 and draft_levels > 0 and drafter_s > 0 and math.isfinite(drafter_s)):
+            return None
+        log_pace = math.log(drafter_s / draft_levels)
+        return 0.0 if self._log_pace is None else log_pace - self._log_pace
+
+    def within_cycle(self, drafter_s: float, draft_levels: int) -> CostModel:
+        """The model for the rest of a cycle whose ``draft_levels`` drafter passes have run in
+        ``drafter_s`` seconds: :attr:`cost` with every term but the drafted levels' times
+        ``exp(pace_slope * deviation)``; :attr:`cost` itself when the cycle drafted nothing."""
+        deviation = self._pace_deviation(drafter_s, draft_levels)
+        if not deviation:
+            return self.cost
+        return self.cost.scaled(math.exp(self.pace_slope * deviation), draft_factor=1.0)
+
     def observe(self, draft_levels: int, n_nodes: int, hits: int, misses: int, time_s: float,
-                priced: tuple[int, int] | None = None, overhead_s: float = 0.0) -> None:
+                priced: tuple[int, int] | None = None, overhead_s: float = 0.0, drafter_s: float = 0.0) -> None:
         """Add one measured cycle (the counts of what it verified, its measured seconds); refit
         when it is time. ``priced``: the (hits, misses) the policy priced the cycle with, before it
         ran (the predicted union's); with it the speed tracker learns from the cycle.
         ``overhead_s``: the seconds of this model's previous update (:meth:`observe` call) that ran
         inside the observed cycle; they are not fitted, and they teach the model what an update of
-        that kind costs."""
+        that kind costs. ``drafter_s``: the seconds of the cycle's drafter passes (what
+        :meth:`within_cycle` was handed); they teach the pace and its slope."""
         overhead_s = float(overhead_s) if overhead_s > 0 and math.isfinite(overhead_s) else 0.0
         if self._last_kind is not None and overhead_s > 0:
             kind = self._last_kind
@@ -140,11 +192,19 @@ class OnlineCostModel:
         work_s = time_s - overhead_s
         if not (work_s > 0 and math.isfinite(work_s)):
             return                                   # nothing to learn from (an empty or broken clock)
-        if priced is not None and self._speed_rate > 0:
+        deviation = self._pace_deviation(drafter_s, draft_levels)
+        if priced is not None:
             # against the fit that predicted the cycle (a refit below only changes the next ones)
             fitted_s = self.fitted.time_s(draft_levels, n_nodes, *priced)
             if fitted_s > 0:
-                self._log_speed += self._speed_rate * (math.log(work_s / fitted_s) - self._log_speed)
+                residual = math.log(work_s / fitted_s) - self._log_speed     # what the cycle's start missed
+                if deviation:
+                    decay = 0.5 ** (1.0 / self.PACE_MEMORY)
+                    self._pace_rr = decay * self._pace_rr + deviation * deviation
+                    self._pace_re = decay * self._pace_re + deviation * residual
+                self._log_speed += self._speed_rate * residual
+        if deviation is not None:
+            self._log_pace = math.log(drafter_s / draft_levels) - (1.0 - self._pace_rate) * deviation
         slot = self.n_seen % self.window
         self._features[slot] = (draft_levels, 1.0, n_nodes, hits, misses)
         self._times[slot] = work_s
@@ -184,6 +244,6 @@ class OnlineCostModel:
         return {"cycles_seen": self.n_seen, "refits": self.n_refits, "window": self.window,
                 "params": {k: v for k, v in self.fitted.to_dict().items() if k != "expert_bytes"},
                 "speed_factor": self._choice["speed_value"] if self.n_refits else 1.0,
-                "tracked_speed": self.speed,
+                "tracked_speed": self.speed, "pace_slope": self.pace_slope,
                 "update_s": {k: float(v) for k, v in zip(self.UPDATE_KINDS, self._update_mean)},
                 "held": self._fitter._held_terms(self._choice) if self.n_refits else {}}

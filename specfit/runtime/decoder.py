@@ -183,7 +183,7 @@ class Decoder:
                 offload = verification.offload
                 priced = None if draft.selection is None else (draft.selection.hits, draft.selection.misses)
                 self._pending = ((draft.draft_levels, int(verification.nodes.size), offload.total_hits,
-                                  offload.total_misses, stats.cycle_time_s), priced, update_s)
+                                  offload.total_misses, stats.cycle_time_s), priced, update_s, draft.drafter_time_s)
                 self._account(stats, before)
                 cycles.append(stats)
                 totals += offload
@@ -264,7 +264,10 @@ class Decoder:
             draft.drafter_time_s += self._now() - start
             context = level.context if self.drafter_context else None
             draft.experts = np.concatenate([draft.experts, self._predict(draft, level.tokens, context)])
-            view = CycleView(tree.tree(), draft.experts, view.cached, self.cost, view.draft_levels + 1)
+            levels = view.draft_levels + 1
+            # once drafter passes have run, the rest of the cycle is priced with the speed they showed
+            cost = self.cost if self.online is None else self.online.within_cycle(draft.drafter_time_s, levels)
+            view = CycleView(tree.tree(), draft.experts, view.cached, cost, levels)
         draft.selection = self._decide(draft, self.policy.select, view)
         draft.cached = view.cached
         draft.nodes, draft.tree, draft.draft_levels = draft.selection.nodes, view.tree, view.draft_levels
@@ -370,8 +373,8 @@ class Decoder:
         if self.online is None or self._pending is None:
             return 0.0
         start = time.perf_counter()
-        counts, priced, overhead_s = self._pending
-        self.online.observe(*counts, priced=priced, overhead_s=overhead_s)
+        counts, priced, overhead_s, drafter_s = self._pending
+        self.online.observe(*counts, priced=priced, overhead_s=overhead_s, drafter_s=drafter_s)
         self.cost = self.online.cost
         self._pending = None
         return time.perf_counter() - start
