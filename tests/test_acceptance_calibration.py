@@ -176,6 +176,38 @@ def test_calibrated_trees_are_valid_and_the_correction_is_monotone(drifting):
                                   cal.path_from_product(grid, np.full(grid.size, DEPTH)))
 
 
+def test_the_compiled_maps_are_the_fitted_models(drifting):
+    """The edge map is the fitted logistic refinement of the isotonic map on the fit's own features
+    (kernels.acceptance computes them per edge); a level calibrated in one call (the live drafter's)
+    equals the maps applied in turn: edges multiplied along the path, then depth-corrected, never
+    above the parent, and NaN draft probabilities stay NaN for the drafter's check to see."""
+    fit, _ = drifting
+    cal = AcceptanceCalibrator().fit(fit)
+    assert cal.edge_coef_ is not None and cal.coef_ is not None
+    rng = np.random.default_rng(4)
+    q = rng.random(400)
+    top = np.maximum(q, rng.random(400))
+    z = cal.edge_coef_[0] + cal._confidence_features(q, top) @ cal.edge_coef_[1:]
+    np.testing.assert_allclose(cal.predict_edge(q, top), np.maximum(1 / (1 + np.exp(-z)), cal.min_prob), rtol=1e-12)
+    # a level of 3 expanded nodes x 4 children under a tree of 4 nodes
+    width, parents = 4, np.repeat(np.array([1, 2, 3]), 4)
+    depth = np.zeros(16, dtype=np.int64)
+    depth[1:4], depth[4:] = 1, 2
+    edge_lp = np.sort(np.log(rng.random((3, width))), axis=1)[:, ::-1].ravel().copy()   # first child: the top
+    new = np.arange(4, 16)
+    edge_product, path = np.ones(16), np.ones(16)
+    edge_product[1:4], path[1:4] = [0.9, 0.5, 0.2], [0.9, 0.4, 0.003]
+    want_edge = edge_product[parents] * cal.predict_edge(np.exp(edge_lp), np.repeat(np.exp(edge_lp[::width]), width))
+    want_path = np.minimum(path[parents], cal.path_from_product(want_edge, depth[new]))
+    cal.calibrate_level(edge_lp, width, new, parents, depth, edge_product, path)
+    np.testing.assert_array_equal(edge_product[new], want_edge)
+    np.testing.assert_array_equal(path[new], want_path)
+    assert (path[new] == path[parents]).any()            # the parent's bound is reached on the third node
+    edge_lp[5] = np.nan
+    cal.calibrate_level(edge_lp, width, new, parents, depth, edge_product, path)
+    assert np.isnan(path[new]).sum() == 1 and np.isnan(path[9])
+
+
 def test_too_few_outcomes_leave_the_product_alone():
     trace = hand_trace()
     cal = AcceptanceCalibrator().fit(trace)

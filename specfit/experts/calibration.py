@@ -43,10 +43,12 @@ from .. import kernels
 
 __all__ = ["AcceptanceCalibrator", "accepted_nodes", "edge_mask", "edge_outcomes", "edge_probs", "cross_calibrate"]
 
-_LOGIT_EPS = 1e-4       # probabilities are clipped to [eps, 1 - eps] before a logit
+_LOGIT_EPS = 1e-4       # probabilities are clipped to [eps, 1 - eps] before a logit (kernels.acceptance.LOGIT_EPS)
+_EMPTY = np.zeros(0)
 
 
 def _logit(p: np.ndarray) -> np.ndarray:
+    """The logit of the fits' features (the maps' own, per element, is compiled with them)."""
     p = np.clip(np.asarray(p, dtype=np.float64), _LOGIT_EPS, 1 - _LOGIT_EPS)
     return np.log(p) - np.log1p(-p)
 
@@ -158,7 +160,8 @@ class AcceptanceCalibrator:
 
     def _confidence_features(self, q: np.ndarray, top: np.ndarray) -> np.ndarray:
         # the top child's probability is its own q: only a runner-up learns from its top sibling's,
-        # so the map increases with q for either
+        # so the map increases with q for either (kernels.acceptance.edge_prob computes the same
+        # features per edge)
         is_top = (q >= top).astype(np.float64)
         return np.stack([_logit(self._isotonic(q)), is_top, (1 - is_top) * _logit(top)], axis=1)
 
@@ -189,22 +192,36 @@ class AcceptanceCalibrator:
         """Acceptance probability of nodes with draft probability ``draft_prob`` given their
         parent's, when the largest draft probability among each node's siblings (itself included)
         is ``top_prob`` (None: each node is its parent's top child)."""
-        q = np.asarray(draft_prob, dtype=np.float64)
-        if self.edge_coef_ is None:
-            return self._isotonic(q)
-        top = q if top_prob is None else np.maximum(np.asarray(top_prob, dtype=np.float64), q)
-        z = self.edge_coef_[0] + self._confidence_features(q, top) @ self.edge_coef_[1:]
-        return np.maximum(1.0 / (1.0 + np.exp(-z)), self.min_prob)
+        q = np.ascontiguousarray(draft_prob, dtype=np.float64).reshape(-1)
+        top = q if top_prob is None else np.ascontiguousarray(top_prob, dtype=np.float64).reshape(-1)
+        return kernels.acceptance.edge_probs(q, top, *self._edge_params())
 
     def path_from_product(self, product: np.ndarray, depth: np.ndarray) -> np.ndarray:
         """Path probabilities from products of edge probabilities at ``depth`` (>= 1), before the
         non-increasing rule along paths (the caller's, who knows the parents)."""
-        product = np.asarray(product, dtype=np.float64)
-        if self.coef_ is None:
-            return product.copy()
-        a, b, c, e = self.coef_
-        d = np.minimum(np.asarray(depth, dtype=np.float64), self.max_depth_)
-        return 1.0 / (1.0 + np.exp(-(a + (b + e * d) * _logit(product) + c * d)))
+        product = np.ascontiguousarray(product, dtype=np.float64).reshape(-1)
+        depth = np.ascontiguousarray(depth, dtype=np.float64).reshape(-1)
+        return kernels.acceptance.path_probs(product, depth, *self._depth_params())
+
+    def _edge_params(self) -> tuple:
+        """The edge map's arrays as the kernels take them (x, y, edge_coef, min_prob)."""
+        coef = _EMPTY if self.edge_coef_ is None else np.ascontiguousarray(self.edge_coef_, dtype=np.float64)
+        return (np.ascontiguousarray(self.x_, dtype=np.float64), np.ascontiguousarray(self.y_, dtype=np.float64),
+                coef, float(self.min_prob))
+
+    def _depth_params(self) -> tuple:
+        """The depth correction as the kernels take it (depth_coef, max_depth)."""
+        coef = _EMPTY if self.coef_ is None else np.ascontiguousarray(self.coef_, dtype=np.float64)
+        return coef, int(self.max_depth_)
+
+    def calibrate_level(self, edge_lp: np.ndarray, width: int, new: np.ndarray, parents: np.ndarray,
+                        depth: np.ndarray, edge_product: np.ndarray, path_prob: np.ndarray) -> None:
+        """One drafted level in place, in one compiled call (the live drafter's): nodes ``new``,
+        ``width`` children per expanded node in ``parents`` (each node's first child its top), get
+        ``edge_product`` (their parent's times :meth:`predict_edge`) and ``path_prob``
+        (:meth:`path_from_product`, never above the parent's)."""
+        kernels.acceptance.calibrate_level(edge_lp, int(width), new, parents, depth, edge_product, path_prob,
+                                           *self._edge_params(), *self._depth_params())
 
     def _products(self, trace) -> np.ndarray:
         """[nodes] products of edge probabilities along every path (root: 1)."""

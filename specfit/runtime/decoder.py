@@ -259,9 +259,10 @@ class Decoder:
                 tree = self.proposer.draft(root_token, levels_cap, self.top_k, self.calibrator)
             if prefetcher is not None:        # copies beside the level about to be drafted
                 view = levers.prefetch_level(self, draft, view, prefetcher)
-            start = self._now()
+            start, calibrating = self._now(), tree.calibration_s
             level = tree.grow()
-            draft.drafter_time_s += self._now() - start
+            # the drafter's passes with their top-k and tree arrays; the acceptance calibration is bookkeeping
+            draft.drafter_time_s += self._now() - start - (tree.calibration_s - calibrating)
             context = level.context if self.drafter_context else None
             draft.experts = np.concatenate([draft.experts, self._predict(draft, level.tokens, context)])
             levels = view.draft_levels + 1

@@ -25,6 +25,7 @@ EAGLE's rerank). A chain is ``k = 1``.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -136,6 +137,7 @@ class TreeDraft:
         self.frontier = np.zeros(0, dtype=np.int64)
         self._hidden: torch.Tensor | None = None                  # [capacity, H] drafter output per expanded node
         self._n_slots = 0
+        self.calibration_s = 0.0     # seconds of the acceptance calibration within grow(): not drafting
 
     def grow(self) -> Level:
         """Draft one more level; return its nodes."""
@@ -215,12 +217,11 @@ class TreeDraft:
         if self._acceptance is None:
             self.path_prob[new] = np.exp(self.cum_logprob[new])
         else:   # as the calibrator does on a trace: edges multiplied, depth-corrected, never above the parent
+            start = time.perf_counter()
             # each expanded node's children are its top-k: the first one's probability is the top
-            q = np.exp(edge_lp)
-            top = np.repeat(q.reshape(top_lp.shape)[:, 0], top_lp.shape[-1])
-            self.edge_product[new] = self.edge_product[parents] * self._acceptance.predict_edge(q, top)
-            self.path_prob[new] = np.minimum(self.path_prob[parents],
-                                             self._acceptance.path_from_product(self.edge_product[new], self.depth[new]))
+            self._acceptance.calibrate_level(edge_lp, top_lp.shape[-1], new, parents, self.depth, self.edge_product,
+                                             self.path_prob)
+            self.calibration_s += time.perf_counter() - start
         if np.isnan(self.path_prob[new]).any():
             raise SpecFitError(f"drafter: NaN probabilities at draft level {self.levels + 1} (its logits hold NaN); "
                                "expected finite logits")
