@@ -233,6 +233,9 @@ class SpecFitPolicy(Policy):
         return bool(go_on)
 
     def select(self, view: CycleView) -> Selection:
+        # the model the selection is priced with: live, the rest of the cycle at its drafter's pace
+        # (the decisions while drafting had the cycle start's)
+        cost = self._priced_cost(view.cost)
         # the whole drafted tree with the levels actually spent: no earlier subtree is missed
         view = self._decision_view(view)
         if self._levels != view.draft_levels or self._best is None:
@@ -244,5 +247,7 @@ class SpecFitPolicy(Policy):
             self._best = (best.nodes, best.expected_tokens, best.time_s, best.hits, best.misses, best.draft_levels, price)
             self._levels = view.draft_levels
         nodes, tokens, time_s, hits, misses, levels, price = self._best
+        if cost is not view.cost:           # the last level's search had the cycle start's model
+            time_s = cost.time_s(levels, nodes.size, hits, misses)
         return Selection(nodes=nodes, expected_tokens=float(tokens), time_s=float(time_s), hits=int(hits),
                          misses=int(misses), draft_levels=int(levels), price_s=price * (nodes.size - 1))

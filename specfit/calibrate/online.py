@@ -36,17 +36,17 @@ running mean per kind of update (none, refit, refit with selection) learns what 
 Within a cycle there is one more thing to know before it is priced in full: how fast its own
 drafter passes ran. On a shared CPU a slow phase slows every part of a cycle at once, and the
 drafter's passes run just before the target's. :meth:`within_cycle` is the model for the rest of
-a cycle whose drafter passes have run (the decoder prices each level's decisions with it once a
-pass has run, the final selection included): every term but the drafted levels' times
+a cycle whose drafter passes have run (the decoder's final selection: the decisions while drafting
+keep the cycle start's model): every term but the drafted levels' times
 ``exp(b * r)``, where ``r`` is the log of the passes' seconds per level against the recent cycles'
 (a tracker with a half-life of ``pace_half_life`` cycles) and ``b`` the slope of the cycles' log
 residual on ``r``, learned as the run goes (a least-squares slope over about the last
 ``PACE_MEMORY`` cycles, shrunk toward ``PACE_PRIOR_SLOPE``, kept in [0, 1]). The drafted levels
 keep the price they had before they ran: each term of the prediction is made before the work it
 prices. A machine whose drafter speed says nothing about the rest learns ``b`` near 0. The pace
-is per level over whole cycles, while a cycle's first pass also runs the tokens committed last
-cycle (1.4x a later level's seconds on the bundled model): the first levels' decisions see the
-rest of the cycle up to ~10 % dearer than the machine's speed says.
+is per level over whole cycles, so it is compared with whole cycles only: a cycle's first pass
+also runs the tokens committed last cycle (1.4x a later level's seconds on the bundled model), and
+the levels drafted so far would look slow against it.
 
 Before ``min_cycles`` cycles have been seen the fit is the prior itself (the speed tracker starts
 with the first cycle).

@@ -265,10 +265,11 @@ class Decoder:
             draft.drafter_time_s += self._now() - start - (tree.calibration_s - calibrating)
             context = level.context if self.drafter_context else None
             draft.experts = np.concatenate([draft.experts, self._predict(draft, level.tokens, context)])
-            levels = view.draft_levels + 1
-            # once drafter passes have run, the rest of the cycle is priced with the speed they showed
-            cost = self.cost if self.online is None else self.online.within_cycle(draft.drafter_time_s, levels)
-            view = CycleView(tree.tree(), draft.experts, view.cached, cost, levels)
+            view = CycleView(tree.tree(), draft.experts, view.cached, self.cost, view.draft_levels + 1)
+        if self.online is not None and draft.drafter_time_s > 0:
+            # the selection prices the rest of the cycle at the speed its drafter passes showed
+            view = CycleView(view.tree, view.experts, view.cached,
+                             self.online.within_cycle(draft.drafter_time_s, view.draft_levels), view.draft_levels)
         draft.selection = self._decide(draft, self.policy.select, view)
         draft.cached = view.cached
         draft.nodes, draft.tree, draft.draft_levels = draft.selection.nodes, view.tree, view.draft_levels
