@@ -43,14 +43,11 @@ from .. import kernels
 
 __all__ = ["AcceptanceCalibrator", "accepted_nodes", "edge_mask", "edge_outcomes", "edge_probs", "cross_calibrate"]
 
-_LOGIT_EPS = 1e-4       # probabilities are clipped to [eps, 1 - eps] before a logit (kernels.acceptance.LOGIT_EPS)
 _EMPTY = np.zeros(0)
 
 
-def _logit(p: np.ndarray) -> np.ndarray:
-    """The logit of the fits' features (the maps' own, per element, is compiled with them)."""
-    p = np.clip(np.asarray(p, dtype=np.float64), _LOGIT_EPS, 1 - _LOGIT_EPS)
-    return np.log(p) - np.log1p(-p)
+def _floats(x) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float64).reshape(-1)
 
 
 def accepted_nodes(trace) -> np.ndarray:
@@ -159,11 +156,9 @@ class AcceptanceCalibrator:
         return self
 
     def _confidence_features(self, q: np.ndarray, top: np.ndarray) -> np.ndarray:
-        # the top child's probability is its own q: only a runner-up learns from its top sibling's,
-        # so the map increases with q for either (kernels.acceptance.edge_prob computes the same
-        # features per edge)
-        is_top = (q >= top).astype(np.float64)
-        return np.stack([_logit(self._isotonic(q)), is_top, (1 - is_top) * _logit(top)], axis=1)
+        """[n, 3] the refinement's features (:func:`specfit.kernels.acceptance.features`, which
+        the edge map computes per edge)."""
+        return kernels.acceptance.confidence_features(_floats(q), _floats(top), _floats(self.x_), _floats(self.y_))
 
     def _fit_depth(self, trace, cycles, on_path: np.ndarray) -> None:
         """The logistic depth correction on every node with a known outcome, or none when too few
@@ -171,7 +166,7 @@ class AcceptanceCalibrator:
         known = _known(trace, cycles)
         if known.sum() < self.min_nodes:
             return
-        x = _logit(self._products(trace)[known])
+        x = kernels.acceptance.logits(_floats(self._products(trace)[known]))
         depth = trace.depth[known].astype(np.float64)
         y = on_path[known]
         if y.all() or not y.any():
@@ -185,33 +180,27 @@ class AcceptanceCalibrator:
                 self.coef_, self.max_depth_ = coef, max_depth
                 return
 
-    def _isotonic(self, q: np.ndarray) -> np.ndarray:
-        return np.interp(np.asarray(q, dtype=np.float64), self.x_, self.y_)
-
     def predict_edge(self, draft_prob: np.ndarray, top_prob: np.ndarray | None = None) -> np.ndarray:
         """Acceptance probability of nodes with draft probability ``draft_prob`` given their
         parent's, when the largest draft probability among each node's siblings (itself included)
         is ``top_prob`` (None: each node is its parent's top child)."""
-        q = np.ascontiguousarray(draft_prob, dtype=np.float64).reshape(-1)
-        top = q if top_prob is None else np.ascontiguousarray(top_prob, dtype=np.float64).reshape(-1)
+        q = _floats(draft_prob)
+        top = q if top_prob is None else _floats(top_prob)
         return kernels.acceptance.edge_probs(q, top, *self._edge_params())
 
     def path_from_product(self, product: np.ndarray, depth: np.ndarray) -> np.ndarray:
         """Path probabilities from products of edge probabilities at ``depth`` (>= 1), before the
         non-increasing rule along paths (the caller's, who knows the parents)."""
-        product = np.ascontiguousarray(product, dtype=np.float64).reshape(-1)
-        depth = np.ascontiguousarray(depth, dtype=np.float64).reshape(-1)
-        return kernels.acceptance.path_probs(product, depth, *self._depth_params())
+        return kernels.acceptance.path_probs(_floats(product), _floats(depth), *self._depth_params())
 
     def _edge_params(self) -> tuple:
         """The edge map's arrays as the kernels take them (x, y, edge_coef, min_prob)."""
-        coef = _EMPTY if self.edge_coef_ is None else np.ascontiguousarray(self.edge_coef_, dtype=np.float64)
-        return (np.ascontiguousarray(self.x_, dtype=np.float64), np.ascontiguousarray(self.y_, dtype=np.float64),
-                coef, float(self.min_prob))
+        coef = _EMPTY if self.edge_coef_ is None else _floats(self.edge_coef_)
+        return _floats(self.x_), _floats(self.y_), coef, float(self.min_prob)
 
     def _depth_params(self) -> tuple:
         """The depth correction as the kernels take it (depth_coef, max_depth)."""
-        coef = _EMPTY if self.coef_ is None else np.ascontiguousarray(self.coef_, dtype=np.float64)
+        coef = _EMPTY if self.coef_ is None else _floats(self.coef_)
         return coef, int(self.max_depth_)
 
     def calibrate_level(self, edge_lp: np.ndarray, width: int, new: np.ndarray, parents: np.ndarray,

@@ -14,7 +14,8 @@ import math
 import numpy as np
 from numba import njit
 
-__all__ = ["LOGIT_EPS", "logit", "edge_prob", "path_prob", "edge_probs", "path_probs", "calibrate_level"]
+__all__ = ["LOGIT_EPS", "logit", "logits", "features", "confidence_features", "edge_prob", "path_prob", "edge_probs",
+           "path_probs", "calibrate_level"]
 
 LOGIT_EPS = 1e-4        # probabilities are clipped to [eps, 1 - eps] before a logit
 
@@ -26,15 +27,40 @@ def logit(p):
 
 
 @njit(cache=True)
+def logits(p):
+    """:func:`logit` of every probability (float [n])."""
+    out = np.empty(p.size)
+    for i in range(p.size):
+        out[i] = logit(p[i])
+    return out
+
+
+@njit(cache=True)
+def features(q, top, x, y):
+    """The confidence refinement's features of an edge: the logit of its isotonic probability,
+    whether it is its parent's top child, and (for a runner-up) the logit of the top sibling's
+    probability; the map increases with ``q`` for either kind of child."""
+    is_top = 1.0 if q >= top else 0.0
+    return logit(np.interp(q, x, y)), is_top, (1.0 - is_top) * logit(top)
+
+
+@njit(cache=True)
+def confidence_features(q, top, x, y):
+    """:func:`features` of every edge (float [n, 3]: what the refinement is fitted on)."""
+    out = np.empty((q.size, 3))
+    for i in range(q.size):
+        out[i, 0], out[i, 1], out[i, 2] = features(q[i], top[i], x, y)
+    return out
+
+
+@njit(cache=True)
 def edge_prob(q, top, x, y, edge_coef, min_prob):
     """Acceptance probability of an edge of draft probability ``q`` whose largest sibling
     probability (itself included) is ``top``."""
-    iso = np.interp(q, x, y)
     if edge_coef.size == 0:
-        return iso
-    top = max(top, q)
-    is_top = 1.0 if q >= top else 0.0
-    z = edge_coef[0] + (logit(iso) * edge_coef[1] + is_top * edge_coef[2] + (1.0 - is_top) * logit(top) * edge_coef[3])
+        return np.interp(q, x, y)
+    f0, f1, f2 = features(q, max(top, q), x, y)
+    z = edge_coef[0] + (f0 * edge_coef[1] + f1 * edge_coef[2] + f2 * edge_coef[3])
     return max(1.0 / (1.0 + math.exp(-z)), min_prob)
 
 
