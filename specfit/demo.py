@@ -19,7 +19,7 @@ from typing import Optional
 
 import typer
 
-from .errors import SpecFitError, fail, stopped
+from .errors import INTERRUPTS, SpecFitError, fail, interrupted, stopped
 from .threads import THREADS_HELP, set_cpu_threads
 
 __all__ = ["DemoPlan", "run_demo", "register", "whatif_scenarios"]
@@ -200,7 +200,9 @@ def demo_command(
                               progress=lambda *a: bar.advance(task))
     except SpecFitError as exc:
         fail(str(exc))
-    except KeyboardInterrupt:
+    except INTERRUPTS as exc:
+        if not interrupted(exc):
+            raise
         stopped(f"interrupted: what finished is kept under {out} (decode runs keep every complete cycle); run "
                 f"specfit demo again for the report")
 

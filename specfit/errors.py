@@ -6,7 +6,7 @@ one line (no traceback) and exits with status 2; a Ctrl-C ends in :func:`stopped
 
 from __future__ import annotations
 
-__all__ = ["SpecFitError", "Interrupted", "fail", "stopped"]
+__all__ = ["SpecFitError", "Interrupted", "INTERRUPTS", "interrupted", "fail", "stopped"]
 
 
 class SpecFitError(ValueError):
@@ -16,6 +16,24 @@ class SpecFitError(ValueError):
 class Interrupted(KeyboardInterrupt):
     """A run stopped by the user (Ctrl-C) after saving what it had: the message says what was kept
     and where; the CLI prints it and exits with status 130."""
+
+
+# what a Ctrl-C can arrive as (see :func:`interrupted`); catch these, then check
+INTERRUPTS = (KeyboardInterrupt, SystemError)
+
+
+def interrupted(exc: BaseException) -> bool:
+    """Whether ``exc`` is a Ctrl-C: a KeyboardInterrupt, or the SystemError that a compiled (numba)
+    function's dispatcher raises when the KeyboardInterrupt is raised during its call ("returned a
+    result with an exception set", the KeyboardInterrupt as its cause). Without this a Ctrl-C that
+    lands in a kernel ends in a traceback, and a decode loses the save of its complete cycles."""
+    while exc is not None:
+        if isinstance(exc, KeyboardInterrupt):
+            return True
+        if not isinstance(exc, SystemError):
+            return False
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def fail(message: str) -> None:

@@ -21,6 +21,7 @@ from specfit.accounting import CYCLE_COLUMNS, KEY_COLUMNS
 from specfit.calibrate.calibrate_job import RUN_CYCLE_COLUMNS
 from specfit.cli import app
 from specfit.costmodel import CostModel
+from specfit.errors import Interrupted, interrupted
 from specfit.experts.cache import ExpertCache
 from specfit.policies import make_policy
 from specfit.runtime.decode_job import DecodePlan, run_decode
@@ -159,7 +160,35 @@ def test_live_trace_records_the_policys_cycles(checkpoint, tmp_path):
     assert trace.meta["recording"]["policy"] == "eagle3:12:4"
 
 
-def test_an_interrupted_run_keeps_every_completed_cycle(checkpoint, tmp_path):
+def _numba_interrupt():
+    """What numba's dispatcher raises when a Ctrl-C lands in a compiled call."""
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as cause:
+        raise SystemError("CPUDispatcher(<function decide_level>) returned a result with an exception set") from cause
+
+
+def _keyboard_interrupt():
+    raise KeyboardInterrupt
+
+
+def test_only_a_ctrl_c_counts_as_an_interrupt():
+    for raiser in (_keyboard_interrupt, _numba_interrupt):
+        with pytest.raises(BaseException) as caught:
+            raiser()
+        assert interrupted(caught.value)
+    assert not interrupted(SystemError("a real internal error"))
+    try:
+        try:
+            raise ValueError("a bug in a kernel")
+        except ValueError as cause:
+            raise SystemError("returned a result with an exception set") from cause
+    except SystemError as exc:
+        assert not interrupted(exc)
+
+
+@pytest.mark.parametrize("interrupt", [_keyboard_interrupt, _numba_interrupt], ids=["python", "in-a-kernel"])
+def test_an_interrupted_run_keeps_every_completed_cycle(checkpoint, tmp_path, interrupt):
     model_dir, drafter_dir, prompts = checkpoint
     out = tmp_path / "run"
     plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["ar", "specfit"],
@@ -170,9 +199,9 @@ def test_an_interrupted_run_keeps_every_completed_cycle(checkpoint, tmp_path):
     def stop_after_two(record):
         seen.append(record)
         if len(seen) == 2:
-            raise KeyboardInterrupt
+            interrupt()
 
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(Interrupted, match="kept every complete cycle"):
         run_decode(plan, on_record=stop_after_two)
     cycles = pd.read_parquet(out / "cycles.parquet")
     assert sorted(set(cycles["sequence"])) == [0, 1] and len(cycles) == 2 * (NEW_TOKENS - 1)

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import SpecFitError, fail, stopped
+from ..errors import INTERRUPTS, SpecFitError, fail, interrupted, stopped
 from ..io import check_output
 from ..threads import THREADS_HELP, set_cpu_threads
 
@@ -67,7 +67,9 @@ def calibrate_command(
         prof.save(path)
     except SpecFitError as exc:
         fail(str(exc))
-    except KeyboardInterrupt:
+    except INTERRUPTS as exc:
+        if not interrupted(exc):
+            raise
         stopped("interrupted: no profile was written (probes are fitted only once they have all run)")
     if as_json:
         typer.echo(json.dumps(prof.to_dict(), indent=2))

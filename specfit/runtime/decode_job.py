@@ -36,7 +36,7 @@ from typing import Callable
 from ..accounting import live_row, summarise
 
 
-from ..errors import Interrupted, SpecFitError
+from ..errors import INTERRUPTS, Interrupted, SpecFitError, interrupted
 from .run_dir import CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE, DecodeOutputs, read_decode_cycles
 
 # the predictors a recorded trace can fit before a live run (--predictor-trace)
@@ -276,7 +276,9 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
 
             shutil.rmtree(plan.out_dir, ignore_errors=True)    # bad input before any output: leave nothing
         raise
-    except KeyboardInterrupt:
+    except INTERRUPTS as exc:
+        if not interrupted(exc):
+            raise
         outputs.close()
         where = f" in {plan.out_dir}" if plan.out_dir is not None else " (no --out: nothing was written)"
         raise Interrupted(f"interrupted: kept every complete cycle, {len(outputs.cycles)} of them "

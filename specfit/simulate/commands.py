@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import SpecFitError, fail, stopped
+from ..errors import INTERRUPTS, SpecFitError, fail, interrupted, stopped
 from ..io import check_output
 from ..policies import DEFAULT_POLICIES, POLICY_HELP
 
@@ -61,7 +61,9 @@ def simulate_command(
             _write_outputs(out, cycles, summary, ctx)
     except SpecFitError as exc:
         fail(str(exc))
-    except KeyboardInterrupt:
+    except INTERRUPTS as exc:
+        if not interrupted(exc):
+            raise
         stopped("interrupted: nothing was written (a simulation writes its files when every replay is done)")
     if as_json:
         records = json.loads(summary.to_json(orient="records"))

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import Interrupted, SpecFitError
+from ..errors import INTERRUPTS, Interrupted, SpecFitError, interrupted
 from .grid import Cell, SweepSpec, TraceSource, policy_cost_rank, run_cell
 
 __all__ = ["require_ray", "ray_session", "run_grid", "SweepRun", "GridInputs", "resolve_inputs", "RAY_MISSING",
@@ -267,7 +267,9 @@ def run_grid(spec: SweepSpec, cells: list[Cell], inputs: GridInputs, out_dir: Pa
             run.replay_s += sum(r["replay_s"] for r in rows)
             if on_progress is not None:
                 on_progress(len(rows), f"{chunk[-1].trace} {chunk[-1].policy}")
-    except KeyboardInterrupt:
+    except INTERRUPTS as exc:
+        if not interrupted(exc):
+            raise
         # no ray.cancel: cancelling a task whose reply is in flight can abort the driver inside
         # Ray (2.60); shutting down (or the driver exiting) ends the sweep's tasks anyway
         raise SweepInterrupted(run.skipped + run.computed, run.total) from None
