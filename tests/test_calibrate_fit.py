@@ -243,3 +243,31 @@ def test_terms_held_together_follow_the_machines_speed_in_the_priors_proportions
     assert "speed factor" in held["hit_s"]["at"] and held["hit_s"]["reason"] == "constant in the data"
     assert cost.per_node_s / cost.hit_s == pytest.approx(prior.per_node_s / prior.hit_s)
     assert fitter.quality_["train"]["median_ape"] < 0.03
+
+
+def probe_like_cycles(rng, stars: bool, noise: float):
+    """Verification passes as ``specfit calibrate`` probes them on a 4-layer, 16-expert, top-4
+    model: random trees whose union grows with the node count (and saturates), at five cache
+    sizes, and (``stars``) the star trees whose union stays that of two nodes."""
+    from specfit.calibrate.cycles import probe_trees
+
+    truth = CostModel(base_s=4e-3, per_node_s=1e-4, hit_s=1.2e-4, miss_s=1.4e-4, draft_level_s=0.0)
+    rows = []
+    for capacity in (0, 4, 8, 12, 16):
+        for kind, n in probe_trees((1, 2, 3, 4, 6, 8, 12, 16, 24, 32), repeats=2):
+            if kind == "star" and not stars:
+                continue
+            routed = 2 if kind == "star" else n
+            union = rng.binomial(64, 1 - (1 - 4 / 16) ** routed)
+            misses = rng.binomial(union, 1 - capacity / 16)
+            rows.append((0, n, union - misses, misses))
+    X = CostModel.features(*np.array(rows).T)
+    return X, X @ truth.params * np.exp(noise * rng.standard_normal(len(rows))), truth
+
+
+def test_star_trees_identify_the_cost_of_a_node_that_random_trees_trade_against_the_hits():
+    for seed in range(5):
+        X, y, truth = probe_like_cycles(np.random.default_rng(seed), stars=True, noise=0.15)
+        fitter = CycleTimeFitter(holdout_fraction=0, prior={"hit_s": 1e-4}).fit(X, y)
+        assert "per_node_s" in fitter.quality_["fitted"], seed
+        assert fitter.cost_model().per_node_s == pytest.approx(truth.per_node_s, rel=0.35), seed

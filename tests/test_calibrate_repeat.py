@@ -64,7 +64,9 @@ def test_calibrate_keeps_every_rounds_timing_and_fits_the_medians(monkeypatch):
     plan = CalibrationPlan(model_dir=tiny_moe_dir(), drafter_dir=tiny_moe_eagle3_dir(), quick=True)
     profile = calibrate(plan)
     cycles = profile.probes["cycles"]
-    assert len(cycles) == len(plan.capacity_fractions) * len(plan.node_counts) * plan.repeats
+    stars = sum(n > 1 for n in plan.node_counts)
+    assert len(cycles) == len(plan.capacity_fractions) * (len(plan.node_counts) * plan.repeats + stars)
+    assert sum(r["tree"] == "star" for r in cycles) == len(plan.capacity_fractions) * stars
     for row in cycles:
         assert len(row["seconds_rounds"]) == plan.rounds
         assert row["seconds"] == pytest.approx(float(np.median(row["seconds_rounds"])))
@@ -78,3 +80,32 @@ def test_calibrate_keeps_every_rounds_timing_and_fits_the_medians(monkeypatch):
     # the fit says which terms it fitted and which it held, and every term is one or the other
     assert set(profile.fit["fitted"]) | set(profile.fit["held"]) | {"draft_level_s"} == \
         {"draft_level_s", "base_s", "per_node_s", "hit_s", "transfer_s"}
+
+
+def test_a_star_trees_union_is_that_of_two_nodes_at_every_size():
+    """The star trees the cycle probes add (identical children) route every child alike, so the
+    experts a pass uses do not grow with the node count, while a random tree's do."""
+    from specfit.calibrate.cycles import random_tree, star_tree
+    from specfit.runtime.loader import load_model
+    from specfit.runtime.model import causal_mask
+    from specfit.runtime.offload import ExpertOffload
+
+    torch.set_num_threads(1)
+    model = load_model(tiny_moe_dir())
+    host = model.offload.host
+    model.setup_kv_cache(64)
+    model.attach_offload(ExpertOffload(host, host.n_experts, device=model.device))
+    context = np.arange(8)
+
+    def union(tree):
+        model(context, np.arange(8), causal_mask(0, 8))
+        out = model(tree.tokens, tree.positions(8), tree.attention_mask(prefix_len=8))
+        return out.offload.total_hits + out.offload.total_misses
+
+    with torch.inference_mode():
+        stars = [union(star_tree(np.random.default_rng(3), n, model.config.vocab_size)) for n in (2, 5, 17, 33)]
+        randoms = [union(random_tree(np.random.default_rng(3), n, model.config.vocab_size)) for n in (2, 33)]
+    assert len(set(stars)) == 1 and stars[0] <= 2 * host.n_layers * model.config.top_k
+    assert randoms[1] > stars[0]
+    tree = star_tree(np.random.default_rng(3), 5, 96)
+    assert list(tree.parents) == [-1, 0, 0, 0, 0] and len(set(tree.tokens[1:])) == 1

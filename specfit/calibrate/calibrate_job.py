@@ -26,7 +26,7 @@ import torch
 
 from ..costmodel import PARAM_NAMES
 from ..errors import SpecFitError
-from .cycles import cycles_features, probe_cycles, probe_draft, probe_drafter_levels
+from .cycles import cycles_features, probe_cycles, probe_draft, probe_drafter_levels, probe_trees
 from .fit import CycleTimeFitter, prediction_errors
 from .probes import MEASURES, fit_h2d, probe_expert_compute, probe_h2d
 from .profile import ModelShape, Profile, machine_info
@@ -64,7 +64,8 @@ class CalibrationPlan:
     @property
     def n_steps(self) -> int:
         h2d = (2 if torch.device(self.device).type == "cuda" else 1) * len(self.size_factors) * len(self.batch_sizes)
-        per_round = h2d + len(self.token_counts) + len(self.capacity_fractions) * len(self.node_counts) * self.repeats
+        trees = len(probe_trees(self.node_counts, self.repeats))
+        per_round = h2d + len(self.token_counts) + len(self.capacity_fractions) * trees
         return per_round * self.rounds + 1
 
     # probe grids; --quick trims them for CI

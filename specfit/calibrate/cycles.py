@@ -1,9 +1,14 @@
 """Measured verification cycles and draft levels: the data the cycle-time predictor is fitted to.
 
-``probe_cycles`` runs real target passes over random draft trees through the offloaded model at
-several expert-cache sizes, so the node count, the hits and the misses all vary, and records for
-each pass what the cost model sees (nodes, hits, misses) and the measured time. ``probe_draft``
-times one draft level of an EAGLE-3-shaped drafter layer over a frontier of ``width`` nodes.
+``probe_cycles`` runs real target passes over draft trees through the offloaded model at several
+expert-cache sizes, so the node count, the hits and the misses all vary, and records for each pass
+what the cost model sees (nodes, hits, misses) and the measured time. In a random tree the union of
+experts grows with the node count (until it covers the layer), so those passes alone cannot tell
+what a node costs from what its experts cost: a fit trades ``per_node_s`` against ``hit_s``, and
+on a noisy machine often lands on ``per_node_s = 0``. So each cache size also gets *star* trees
+(:func:`star_tree`): the root and identical children, whose union is that of two nodes at every
+size, which measure the cost of a node with the experts held fixed. ``probe_draft`` times one draft
+level of an EAGLE-3-shaped drafter layer over a frontier of ``width`` nodes.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from ..runtime.offload import ExpertOffload
 from ..tree import DraftTree
 from .probes import median_time_s
 
-__all__ = ["random_tree", "probe_cycles", "fit_capacities", "PROBE_RESERVE_BYTES", "probe_draft", "probe_drafter_levels",
+__all__ = ["random_tree", "star_tree", "probe_cycles", "fit_capacities", "PROBE_RESERVE_BYTES", "probe_draft", "probe_drafter_levels",
            "cycles_features"]
 
 
@@ -41,6 +46,25 @@ def random_tree(rng: np.random.Generator, n_nodes: int, vocab_size: int, max_dep
     parents = np.where(parents[order] >= 0, rank[np.maximum(parents[order], 0)], -1)
     return DraftTree(parents=parents, path_probs=0.5 ** depth[order].astype(np.float64),
                      tokens=rng.integers(0, vocab_size, n_nodes))
+
+
+def star_tree(rng: np.random.Generator, n_nodes: int, vocab_size: int) -> DraftTree:
+    """The root and ``n_nodes - 1`` children that all carry one token. Each child sees the same
+    context (the prefix, the root, itself) at the same position, so every child routes alike and a
+    pass over the tree uses the experts of two nodes at every size: the time it adds per child is
+    the cost of a node (attention, the dense layers, its rows in the experts' matmuls) with the
+    union held fixed."""
+    root, child = rng.integers(0, vocab_size, 2)
+    parents = np.r_[-1, np.zeros(n_nodes - 1, dtype=np.int64)]
+    return DraftTree(parents=parents, path_probs=np.r_[1.0, np.full(n_nodes - 1, 0.5)],
+                     tokens=np.r_[root, np.full(n_nodes - 1, child)].astype(np.int64))
+
+
+def probe_trees(node_counts, repeats: int) -> list[tuple[str, int]]:
+    """(kind, nodes) of the trees one cache size is probed with: ``repeats`` random trees per node
+    count, and one star tree per node count above 1 (:func:`star_tree`)."""
+    return [("random", int(n)) for n in node_counts for _ in range(repeats)] + \
+        [("star", int(n)) for n in node_counts if n > 1]
 
 
 # device memory a probe leaves free beside its expert cache: the activations of a probe pass
@@ -76,7 +100,7 @@ def probe_cycles(model: MoETransformer, capacities, node_counts=(1, 2, 4, 8, 16,
     most one cache is on the device at a time; cache sizes are clipped to what the device has
     free (:func:`~specfit.runtime.devices.free_device_bytes`, less :data:`PROBE_RESERVE_BYTES`).
 
-    Rows: ``capacity`` (as probed), ``n_nodes``, ``hits``, ``misses``, ``bytes_h2d``, ``seconds``
+    Rows: ``capacity`` (as probed), ``tree`` (``random`` or ``star``, :func:`probe_trees`), ``n_nodes``, ``hits``, ``misses``, ``bytes_h2d``, ``seconds``
     (the pass, between device synchronisations), ``transfer_stall_s`` (how long compute waited
     for expert copies within it), ``copy_busy_s`` (the spans of its copy bursts), ``draft_levels``
     (always 0: drafting is probed apart).
@@ -111,16 +135,17 @@ def _probe_one_cache(model, offload, rng, capacity, node_counts, repeats, contex
     context = rng.integers(0, vocab, context_len)
     model(context, np.arange(context_len), causal_mask(0, context_len))     # prefill, warms the cache
     rows = []
-    plan = [n for n in node_counts for _ in range(repeats)]
-    for n in rng.permutation(plan):
-        tree = random_tree(rng, int(n), vocab)
+    plan = probe_trees(node_counts, repeats)
+    for i in rng.permutation(len(plan)):
+        kind, n = plan[i]
+        tree = (star_tree if kind == "star" else random_tree)(rng, n, vocab)
         mask = tree.attention_mask(prefix_len=context_len)
         start = device_now(device)
         out = model(tree.tokens, tree.positions(context_len), mask)
         seconds = device_now(device) - start
         timing = offload.pass_timing()
         c = out.offload
-        rows.append({"capacity": int(capacity), "n_nodes": int(n), "hits": c.total_hits,
+        rows.append({"capacity": int(capacity), "tree": kind, "n_nodes": int(n), "hits": c.total_hits,
                      "misses": c.total_misses, "bytes_h2d": c.total_bytes_h2d, "draft_levels": 0,
                      "seconds": seconds, "transfer_stall_s": timing.stall_s, "copy_busy_s": timing.copy_busy_s})
         if progress:

@@ -36,7 +36,7 @@ SPREAD_BUSY = 0.15
 # a CPU-bound probe that gets less of a core than this shared it with other processes
 CPU_SHARE_BUSY = 0.8
 # the fields that describe the work of a row; every round must measure the same work
-_WORK_FIELDS = ("capacity", "n_nodes", "hits", "misses", "bytes_h2d", "bytes", "n_experts", "tokens", "pinned", "width",
+_WORK_FIELDS = ("capacity", "tree", "n_nodes", "hits", "misses", "bytes_h2d", "bytes", "n_experts", "tokens", "pinned", "width",
                 "level")
 
 
