@@ -58,7 +58,9 @@ def test_affinity_siblings_get_different_predictions(olmoe):
 
 def test_cross_fitting_never_sees_the_predicted_fold(olmoe):
     folds = cycle_folds(olmoe, 2)
-    assert set(folds[olmoe.sequence == 0]) == {0} and set(folds[olmoe.sequence == 1]) == {1}
+    seqs = np.unique(olmoe.sequence)
+    for i, s in enumerate(seqs):                  # whole sequences, dealt to the folds in turn
+        assert set(folds[olmoe.sequence == s]) == {i % 2}
     # a predictor fitted on all cycles would reproduce the nodes it was fitted on far better than
     # a cross-fitted one reproduces unseen ones (per node: share of the true top-k predicted)
     fitted_on_all = AffinityPredictor(sample=False).fit(olmoe).predict_trace(olmoe)

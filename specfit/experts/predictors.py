@@ -139,7 +139,7 @@ def make_predictor(name: str, **params) -> ExpertPredictor:
 def cross_predict(name: str, trace, n_folds: int = 2, **params) -> np.ndarray:
     """Predictions for every node of ``trace``, each fold of cycles predicted by a predictor
     fitted on the other folds (so a fitted predictor never sees the experts it predicts).
-    Folds are contiguous blocks of sequences (of positions when there is one sequence)."""
+    Folds are whole sequences dealt in turn (:func:`cycle_folds`)."""
     predictor = make_predictor(name, **params)
     if name in ("oracle", "recorded", "router"):    # nothing fitted on the trace: no fold can leak
         return predictor.predict_trace(trace)
@@ -156,10 +156,17 @@ def cross_predict(name: str, trace, n_folds: int = 2, **params) -> np.ndarray:
 
 
 def cycle_folds(trace, n_folds: int) -> np.ndarray:
-    """[cycles] fold index: contiguous blocks of sequences, or of cycles for a single sequence."""
+    """[cycles] fold index: whole sequences dealt to the folds in turn (sequence i to fold i mod
+    ``n_folds``), or contiguous blocks of cycles for fewer sequences than folds.
+
+    A trace is often recorded prompt set by prompt set (the bundled prompts are four ``docs``, then
+    four ``math``), so contiguous blocks of sequences would fit every fold on another workload than
+    the one it is scored on: on ``specfit demo``'s trace that cross-fit put the calibrated acceptance
+    of EAGLE-3's trees at 2.72 tokens per cycle against 4.13 committed; dealt in turn, 4.07 against
+    4.19. A sequence stays whole in one fold, so nothing of a scored sequence is ever fitted on."""
     seqs, seq_index = np.unique(trace.sequence, return_inverse=True)
     if seqs.size >= n_folds:
-        return (seq_index * n_folds) // seqs.size
+        return seq_index % n_folds
     return (np.arange(trace.n_cycles) * n_folds) // trace.n_cycles
 
 
