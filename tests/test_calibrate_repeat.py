@@ -64,9 +64,11 @@ def test_calibrate_keeps_every_rounds_timing_and_fits_the_medians(monkeypatch):
     plan = CalibrationPlan(model_dir=tiny_moe_dir(), drafter_dir=tiny_moe_eagle3_dir(), quick=True)
     profile = calibrate(plan)
     cycles = profile.probes["cycles"]
-    stars = sum(n > 1 for n in plan.node_counts)
+    stars = len({n for n in plan.node_counts if n > 1} | {2 * max(plan.node_counts)})
     assert len(cycles) == len(plan.capacity_fractions) * (len(plan.node_counts) * plan.repeats + stars)
     assert sum(r["tree"] == "star" for r in cycles) == len(plan.capacity_fractions) * stars
+    # the stars' slope per node is the value per_node_s is held at when the passes cannot identify it
+    assert profile.fit["prior"]["per_node_s"] >= 0
     for row in cycles:
         assert len(row["seconds_rounds"]) == plan.rounds
         assert row["seconds"] == pytest.approx(float(np.median(row["seconds_rounds"])))
@@ -109,3 +111,23 @@ def test_a_star_trees_union_is_that_of_two_nodes_at_every_size():
     assert randoms[1] > stars[0]
     tree = star_tree(np.random.default_rng(3), 5, 96)
     assert list(tree.parents) == [-1, 0, 0, 0, 0] and len(set(tree.tokens[1:])) == 1
+
+
+def test_the_star_passes_slope_is_the_cost_of_a_node():
+    """Theil-Sen on the star rows, their experts' cost taken off: the slope survives a disturbed
+    pass and stars that route differently; without stars of two sizes there is nothing to say."""
+    from specfit.calibrate.cycles import star_node_cost
+
+    rng = np.random.default_rng(0)
+    rows = []
+    for capacity in (0, 8, 16):
+        for n in (2, 4, 8, 16, 32):
+            union = int(rng.integers(16, 32))
+            misses = union * (16 - capacity) // 16
+            seconds = 3e-3 + 9e-5 * n + 1e-4 * union + 2e-5 * misses
+            rows.append({"tree": "star", "n_nodes": n, "hits": union - misses, "misses": misses, "seconds": seconds})
+    rows.append({"tree": "random", "n_nodes": 32, "hits": 60, "misses": 0, "seconds": 1.0})   # not a star
+    rows[3]["seconds"] *= 3                                                                    # a disturbed pass
+    assert star_node_cost(rows, hit_s=1e-4, transfer_s=2e-5) == pytest.approx(9e-5, rel=1e-6)
+    assert star_node_cost([r for r in rows if r["n_nodes"] == 8]) is None
+    assert star_node_cost([]) is None

@@ -8,7 +8,8 @@ rounds of the same work and each measurement is their median (:mod:`specfit.cali
 the profile keeps every round's timing, the spread, the CPU share and load average, and warns
 when they say the machine was busy. The fit is physical (:mod:`specfit.calibrate.fit`): a miss
 never costs less than a hit, and a term the passes cannot identify is held at what the direct
-probes measured (a hit: one resident expert; a transfer: one expert's copy). A stand-in model with fewer layers than the
+probes measured (a hit: one resident expert; a transfer: one expert's copy; a node: the slope of
+the star-tree passes, :func:`~specfit.calibrate.cycles.star_node_cost`). A stand-in model with fewer layers than the
 named shape gives per-layer costs, so ``base_s`` and ``per_node_s`` (which grow with the layer
 count) are scaled to the full depth; the scaling is recorded in the profile.
 """
@@ -26,7 +27,7 @@ import torch
 
 from ..costmodel import PARAM_NAMES
 from ..errors import SpecFitError
-from .cycles import cycles_features, probe_cycles, probe_draft, probe_drafter_levels, probe_trees
+from .cycles import cycles_features, probe_cycles, probe_draft, probe_drafter_levels, probe_trees, star_node_cost
 from .fit import CycleTimeFitter, prediction_errors
 from .probes import MEASURES, fit_h2d, probe_expert_compute, probe_h2d
 from .profile import ModelShape, Profile, machine_info
@@ -251,6 +252,9 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> 
 
     X, y = cycles_features(cycle_rows)
     prior = probe_prior(compute_rows, h2d_rows, probed.expert_bytes, pinned=device.type == "cuda")
+    node_s = star_node_cost(cycle_rows, prior.get("hit_s", 0.0), prior.get("transfer_s", 0.0))
+    if node_s is not None:
+        prior["per_node_s"] = node_s
     fitter = CycleTimeFitter(seed=plan.seed, fixed={"draft_level_s": draft_level_s}, prior=prior).fit(
         X, y, source="cycle probes")
     cost = fitter.cost_model(expert_bytes=full.expert_bytes)
@@ -263,7 +267,7 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> 
         **fitter.quality_,
         "method": "physical least squares on measured verification passes (relative error, Huber weights, "
                   "miss_s = hit_s + transfer_s >= hit_s), draft_level_s fixed from the draft probe, terms the "
-                  "passes cannot identify held at the expert-compute and H2D probes' values",
+                  "passes cannot identify held at the expert-compute, H2D and star-tree probes' values",
         "probed_params": dict(zip(PARAM_NAMES, map(float, fitter.params_))),
         "layer_scale": layer_scale,
         "h2d": fit_h2d(h2d_rows, pinned=pinned if device.type == "cuda" else None),

@@ -7,7 +7,9 @@ experts grows with the node count (until it covers the layer), so those passes a
 what a node costs from what its experts cost: a fit trades ``per_node_s`` against ``hit_s``, and
 on a noisy machine often lands on ``per_node_s = 0``. So each cache size also gets *star* trees
 (:func:`star_tree`): the root and identical children, whose union is that of two nodes at every
-size, which measure the cost of a node with the experts held fixed. ``probe_draft`` times one draft
+size (up to twice the largest random tree), which measure the cost of a node with the experts held
+fixed: their slope per node (:func:`star_node_cost`) is also the value the fit holds ``per_node_s``
+at when the passes together cannot identify it. ``probe_draft`` times one draft
 level of an EAGLE-3-shaped drafter layer over a frontier of ``width`` nodes.
 """
 
@@ -27,7 +29,7 @@ from ..runtime.offload import ExpertOffload
 from ..tree import DraftTree
 from .probes import median_time_s
 
-__all__ = ["random_tree", "star_tree", "probe_cycles", "fit_capacities", "PROBE_RESERVE_BYTES", "probe_draft", "probe_drafter_levels",
+__all__ = ["random_tree", "star_tree", "star_node_cost", "probe_cycles", "fit_capacities", "PROBE_RESERVE_BYTES", "probe_draft", "probe_drafter_levels",
            "cycles_features"]
 
 
@@ -62,9 +64,28 @@ def star_tree(rng: np.random.Generator, n_nodes: int, vocab_size: int) -> DraftT
 
 def probe_trees(node_counts, repeats: int) -> list[tuple[str, int]]:
     """(kind, nodes) of the trees one cache size is probed with: ``repeats`` random trees per node
-    count, and one star tree per node count above 1 (:func:`star_tree`)."""
-    return [("random", int(n)) for n in node_counts for _ in range(repeats)] + \
-        [("star", int(n)) for n in node_counts if n > 1]
+    count, and one star tree (:func:`star_tree`) per node count above 1 and at twice the largest:
+    a star adds nodes without experts, so its passes can reach further for the slope per node."""
+    stars = sorted({int(n) for n in node_counts if n > 1} | {2 * int(max(node_counts))})
+    return [("random", int(n)) for n in node_counts for _ in range(repeats)] + [("star", n) for n in stars]
+
+
+def star_node_cost(rows: list[dict], hit_s: float = 0.0, transfer_s: float = 0.0) -> float | None:
+    """The cost of a node as the star-tree passes of :func:`probe_cycles` measure it: the
+    Theil-Sen slope (the median of the pairwise slopes, robust to a disturbed pass) of their
+    seconds on their node count, after taking off what their experts cost at ``hit_s`` per expert
+    and ``transfer_s`` per miss (the direct probes' values: a star's union does not grow with its
+    size, but each star routes its own tokens). None without stars of two sizes or with a
+    non-finite slope; never below 0."""
+    from scipy.stats import theilslopes
+
+    stars = [r for r in rows if r.get("tree") == "star"]
+    n = np.array([r["n_nodes"] for r in stars], dtype=np.float64)
+    if np.unique(n).size < 2:
+        return None
+    t = np.array([r["seconds"] - hit_s * (r["hits"] + r["misses"]) - transfer_s * r["misses"] for r in stars])
+    slope = float(theilslopes(t, n).slope)
+    return max(slope, 0.0) if np.isfinite(slope) else None
 
 
 # device memory a probe leaves free beside its expert cache: the activations of a probe pass
@@ -108,7 +129,7 @@ def probe_cycles(model: MoETransformer, capacities, node_counts=(1, 2, 4, 8, 16,
     rng = np.random.default_rng(seed)
     host = model.offload.host
     device = model.device
-    model.setup_kv_cache(max(model.max_seq_len, context_len + max(node_counts)))
+    model.setup_kv_cache(max(model.max_seq_len, context_len + max(n for _, n in probe_trees(node_counts, repeats))))
     rows = []
     original = model.offload
     original.release()
