@@ -12,8 +12,9 @@ search + bookkeeping is <= 5% of the cycle.
 By default it decodes the bundled tiny model and its EAGLE-3 drafter on the demo prompts, after
 the loop a user runs once per machine and model (``--no-warmup`` skips it):
 
-1. a warm-up ``specfit decode`` with ``ar``, ``chain:2`` and ``eagle3:16:4`` (several draft depths
-   and tree sizes), recording a full trace (``--record-full``);
+1. a warm-up ``specfit decode --interleave`` with ``ar``, ``chain:2`` and ``eagle3:16:4`` (several
+   draft depths and tree sizes, each prompt with every policy in turn), recording a full trace
+   (``--record-full``);
 2. its cycles refit the profile (``specfit calibrate --refit``): the quick calibration's draft
    term comes from a stand-in layer, the refit measures the real drafter and the per-level work;
 3. the full trace calibrates the drafter's acceptance probabilities (``--acceptance``).
@@ -155,7 +156,7 @@ def run_benchmark(args) -> None:
 
         acceptance = work / "full.parquet"
         warm = run_decode(plan(["ar", "chain:2", "eagle3:16:4"], out_dir=work / "warmup", record=acceptance,
-                               record_full=True, max_levels=7,
+                               record_full=True, max_levels=7, interleave=True,
                                prompts_path=args.warmup_prompts or args.prompts))
         start = resolve_profile(warm.profile_path or args.profile)
         refitted, comparison = refit(start, [work / "warmup"])

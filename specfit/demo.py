@@ -120,12 +120,14 @@ def run_demo(plan: DemoPlan, say=print, progress=None) -> dict:
     probed_path = probed.save(out / "warmup" / "probed-profile.json")
     # The probes time the target's passes and a stand-in draft level; a short warm-up decode
     # measures what they cannot (the drafter's real passes, the decoder's bookkeeping), and its
-    # full trace calibrates the drafter's probabilities into acceptance probabilities.
+    # full trace calibrates the drafter's probabilities into acceptance probabilities. Its policies
+    # take the prompts in turn: the refit separates their terms by comparing them, and a slow phase
+    # of the machine during one policy's run alone would be read as that policy's cost.
     prompts = _prompts_file(plan, out)
     warmup = DecodePlan(model_dir=tiny_moe_dir(), drafter_dir=tiny_moe_eagle3_dir(), prompts_path=prompts,
                         cache_experts=plan.cache_experts, policies=list(WARMUP_POLICIES), profile=str(probed_path),
                         max_new_tokens=min(plan.max_new_tokens, 24), device=plan.device, out_dir=out / "warmup",
-                        record=out / "warmup" / "trace.parquet", record_full=True)
+                        record=out / "warmup" / "trace.parquet", record_full=True, interleave=True)
     run_decode(warmup, progress=lambda: step())
     profile, _ = refit(probed, [out / "warmup"], seed=0)
     profile_path = profile.save(out / "profile.json")

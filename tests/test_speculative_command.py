@@ -92,6 +92,31 @@ def test_several_policies_decode_identically_and_write_measured_vs_predicted(che
     assert json.loads(refit.stdout)["comparison"]["n_cycles"] == len(cycles)
 
 
+def test_interleaved_policies_take_the_prompts_in_turn_and_decode_the_same_tokens(checkpoint, tmp_path):
+    """--interleave: each prompt with every policy, the order rotating; the same greedy tokens and
+    cycles per prompt as policy after policy, one summary per policy."""
+    runs = {}
+    for mode in ("sequential", "interleaved"):
+        out = tmp_path / mode
+        args = ["--policies", "ar,eagle3:12:4,specfit", "--profile", "pcie4", "--out", str(out), "--frozen-profile"]
+        result = decode(checkpoint, *args, *(["--interleave"] if mode == "interleaved" else []))
+        assert result.exit_code == 0, result.output
+        assert "greedy outputs identical across policies: yes" in result.stdout
+        runs[mode] = ([json.loads(line) for line in (out / "decode.jsonl").read_text().splitlines()],
+                      pd.read_parquet(out / "cycles.parquet"), json.loads((out / "summary.json").read_text()))
+    records, cycles, summary = runs["interleaved"]
+    names = ["ar", "eagle3:12:4", "specfit"]
+    assert [(r["index"], r["policy"]) for r in records] == [(i, names[(i + k) % 3]) for i in range(3) for k in range(3)]
+    assert [s["policy"] for s in summary] == names
+    before = {(r["policy"], r["index"]): r["output_ids"] for r in runs["sequential"][0]}
+    assert {(r["policy"], r["index"]): r["output_ids"] for r in records} == before
+    # the same trees verified for ar and eagle3 (what they verify does not depend on the cache)
+    for policy in ("ar", "eagle3:12:4"):
+        a = cycles[cycles.policy == policy].sort_values(["sequence", "cycle"])
+        b = runs["sequential"][1][runs["sequential"][1].policy == policy].sort_values(["sequence", "cycle"])
+        assert list(a["cycle"]) == list(b["cycle"]) and list(a["nodes_verified"]) == list(b["nodes_verified"])
+
+
 def test_a_frozen_profile_decides_every_cycle_with_the_profile(checkpoint, tmp_path):
     out = tmp_path / "frozen"
     result = decode(checkpoint, "--policies", "chain:2,specfit", "--profile", "pcie4", "--frozen-profile", "--out",

@@ -69,6 +69,9 @@ def decode(
     online_refit: bool = typer.Option(True, "--online-refit/--frozen-profile", help="Refit the cost model on the "
                                       "run's recent cycles as it goes, the profile as the prior (default), or keep "
                                       "the profile frozen (experiments that need a fixed model)."),
+    interleave: bool = typer.Option(False, "--interleave", help="Decode each prompt with every policy in turn (the "
+                                    "order rotating) instead of policy after policy, with one expert cache for all: "
+                                    "a machine whose speed drifts then slows every policy alike."),
 ) -> None:
     """Decode with the experts in host memory and an expert cache on the device.
 
@@ -90,7 +93,7 @@ def decode(
                       acceptance_trace=acceptance, ignore_eos=ignore_eos, cache_mode=cache_mode,
                       cache_policy=cache_policy, predictor=predictor, predictor_trace=predictor_trace,
                       router_adapt=not router_fixed,
-                      online_refit=online_refit)
+                      online_refit=online_refit, interleave=interleave)
     stderr = Console(stderr=True)
     try:
         set_cpu_threads(threads)

@@ -78,6 +78,9 @@ class DecodePlan:
     router_adapt: bool = True       # the router predictor learns a context weight per layer (False: fixed)
     warmup: bool = True
     online_refit: bool = True       # refit the cost model on the run's cycles as it goes (False: frozen profile)
+    # each prompt decoded by every policy in turn (rotating order), one expert cache for all, so a
+    # machine whose speed drifts slows every policy alike (False: policy after policy)
+    interleave: bool = False
 
     def validate(self):
         """Check the options that need no file; return the parsed policies."""
@@ -223,44 +226,66 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
 
         warm_up()      # numba loads (or, after an install, compiles) the kernels before any timed cycle
     try:
-        for policy in policies:
+        decoders = {}
+
+        def decode_prompt(policy, index, prompt):
+            decoder = decoders[policy.name]
+            if decoder.recorder is not None:
+                decoder.recorder.begin_sequence(index)
+
+            def keep(stats, committed, first=len(outputs.cycles)):
+                row = live_row(stats, profile.cost, expert_bytes)
+                row["committed_tokens"] = committed       # what reached the output (after eos / the length cap)
+                outputs.add_cycle({"policy": policy.name, "sequence": index, "position": stats.position,
+                                   "cycle": len(outputs.cycles) - first, **row})
+
+            result = decoder.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos, on_cycle=keep)
+            if decoder.recorder is not None:
+                decoder.recorder.end_sequence(len(result.output_ids))
+            record = {"index": index, "line": prompt.line, "policy": policy.name, "cache_experts": plan.cache_experts,
+                      "profile": profile.label, **result.to_dict()}
+            if tokenizer is not None:
+                record["text"] = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+            outputs.records.append(record)
+            outputs.flush()
+            if on_record is not None:
+                on_record(record)
+            tick()
+
+        def start(policy):
             if plan.warmup:
                 say(f"warm-up {policy.name}")
                 model.offload.reset()
                 _decoder(plan, model, drafter, policy, profile.cost, calibrator, None, fitted).generate(
                     prompts[0].input_ids, min(WARMUP_TOKENS, plan.max_new_tokens), ignore_eos=True)
-            say(f"decode {policy.name}")
-            # every policy starts from an empty expert cache; prompts then share it, as a server's would
-            model.offload.reset()
-            decoder = _decoder(plan, model, drafter, policy, profile.cost, calibrator,
-                               recorder if recorder is not None and not plan.record_full else None, fitted)
-            for index, prompt in enumerate(prompts):
-                if decoder.recorder is not None:
-                    decoder.recorder.begin_sequence(index)
+            decoders[policy.name] = _decoder(plan, model, drafter, policy, profile.cost, calibrator,
+                                             recorder if recorder is not None and not plan.record_full else None, fitted)
 
-                def keep(stats, committed, policy=policy, index=index, first=len(outputs.cycles)):
-                    row = live_row(stats, profile.cost, expert_bytes)
-                    row["committed_tokens"] = committed       # what reached the output (after eos / the length cap)
-                    outputs.add_cycle({"policy": policy.name, "sequence": index, "position": stats.position,
-                                       "cycle": len(outputs.cycles) - first, **row})
-
-                result = decoder.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos,
-                                          on_cycle=keep)
-                if decoder.recorder is not None:
-                    decoder.recorder.end_sequence(len(result.output_ids))
-                record = {"index": index, "line": prompt.line, "policy": policy.name, "cache_experts": plan.cache_experts,
-                          "profile": profile.label, **result.to_dict()}
-                if tokenizer is not None:
-                    record["text"] = tokenizer.decode(result.output_ids, skip_special_tokens=True)
-                outputs.records.append(record)
-                outputs.flush()
-                if on_record is not None:
-                    on_record(record)
-                tick()
+        def summarise(policy):
             summary = summarise_policy(policy.name, outputs.records, outputs.cycles)
-            if decoder.online is not None:
-                summary["online_model"] = decoder.online.state()
+            if decoders[policy.name].online is not None:
+                summary["online_model"] = decoders[policy.name].online.state()
             outputs.summaries.append(summary)
+
+        if plan.interleave:
+            for policy in policies:
+                start(policy)
+            say(f"decode {', '.join(p.name for p in policies)}, interleaved")
+            model.offload.reset()          # one expert cache for the run, which every policy's prompts share
+            for index, prompt in enumerate(prompts):
+                for k in range(len(policies)):           # the order rotates from prompt to prompt
+                    decode_prompt(policies[(index + k) % len(policies)], index, prompt)
+            for policy in policies:
+                summarise(policy)
+        else:
+            for policy in policies:
+                start(policy)
+                say(f"decode {policy.name}")
+                # every policy starts from an empty expert cache; prompts then share it, as a server's would
+                model.offload.reset()
+                for index, prompt in enumerate(prompts):
+                    decode_prompt(policy, index, prompt)
+                summarise(policy)
         if plan.record_full:
             say(f"recording full trees at every position into {plan.record}")
             full = _full_decoder(plan, model, drafter, profile.cost, recorder)
