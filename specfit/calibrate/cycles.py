@@ -9,8 +9,8 @@ on a noisy machine often lands on ``per_node_s = 0``. So each cache size also ge
 (:func:`star_tree`): the root and identical children, whose union is that of two nodes at every
 size (up to twice the largest random tree), which measure the cost of a node with the experts held
 fixed: their slope per node (:func:`star_node_cost`) is also the value the fit holds ``per_node_s``
-at when the passes together cannot identify it. ``probe_draft`` times one draft
-level of an EAGLE-3-shaped drafter layer over a frontier of ``width`` nodes.
+at when the passes together cannot identify it. ``probe_draft`` times one draft level of an
+EAGLE-3-shaped drafter layer over a frontier of ``width`` nodes.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from ..runtime.offload import ExpertOffload
 from ..tree import DraftTree
 from .probes import median_time_s
 
-__all__ = ["random_tree", "star_tree", "star_node_cost", "probe_cycles", "fit_capacities", "PROBE_RESERVE_BYTES", "probe_draft", "probe_drafter_levels",
-           "cycles_features"]
+__all__ = ["random_tree", "star_tree", "probe_trees", "star_node_cost", "probe_cycles", "fit_capacities",
+           "PROBE_RESERVE_BYTES", "probe_draft", "probe_drafter_levels", "cycles_features"]
 
 
 def random_tree(rng: np.random.Generator, n_nodes: int, vocab_size: int, max_depth: int = 8) -> DraftTree:
@@ -121,8 +121,8 @@ def probe_cycles(model: MoETransformer, capacities, node_counts=(1, 2, 4, 8, 16,
     most one cache is on the device at a time; cache sizes are clipped to what the device has
     free (:func:`~specfit.runtime.devices.free_device_bytes`, less :data:`PROBE_RESERVE_BYTES`).
 
-    Rows: ``capacity`` (as probed), ``tree`` (``random`` or ``star``, :func:`probe_trees`), ``n_nodes``, ``hits``, ``misses``, ``bytes_h2d``, ``seconds``
-    (the pass, between device synchronisations), ``transfer_stall_s`` (how long compute waited
+    Rows: ``capacity`` (as probed), ``tree`` (``random`` or ``star``, :func:`probe_trees`),
+    ``n_nodes``, ``hits``, ``misses``, ``bytes_h2d``, ``seconds`` (the pass, between device synchronisations), ``transfer_stall_s`` (how long compute waited
     for expert copies within it), ``copy_busy_s`` (the spans of its copy bursts), ``draft_levels``
     (always 0: drafting is probed apart).
     """
