@@ -189,6 +189,7 @@ def demo_command(
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from .console import table_console
 
     console = Console(stderr=True)
     plan = DemoPlan(out_dir=out, quick=quick, cache_experts=cache_experts, max_new_tokens=max_new_tokens)
@@ -212,32 +213,33 @@ def demo_command(
                         "time error: each cycle predicted before it ran, by the model refitted online / by the profile)")
     for col in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "time error", "profile's", "union error",
                 "nodes verified", "hit rate"):
-        table.add_column(col, justify="left" if col == "policy" else "right")
+        table.add_column(col, justify="left" if col == "policy" else "right", overflow="fold")
     for s in result["decode"].summaries:
         table.add_row(s["policy"], f"{s['tokens_per_s']:.1f}",
                       f"{s['tokens_per_cycle']:.2f} ({s['predicted_tokens_per_cycle']:.2f})",
                       f"{s['time_per_cycle_s'] * 1e3:.2f} ({s['predicted_time_per_cycle_s'] * 1e3:.2f})",
                       _pct(s["time_mape"]), _pct(s["prior_time_mape"]), _pct(s["union_mape"]),
                       f"{s['nodes_per_cycle']:.1f}", f"{s['hit_rate']:.2f}")
-    Console().print(table)
+    out_console = table_console()
+    out_console.print(table)
     summary = result["summary"]
     table = Table(title="What-if: the same workload at Qwen3-30B-A3B expert scale (presets, not measurements), "
                         "tokens/s and speed-up vs ar")
     caches = sorted(summary["cache_experts"].unique())
-    table.add_column("profile")
+    table.add_column("profile", overflow="fold")
     table.add_column("cache")
     policies = list(dict.fromkeys(summary["policy"]))
     for p in policies:
-        table.add_column(p, justify="right")
+        table.add_column(p, justify="right", overflow="fold")
     for (profile, cache), g in summary.groupby(["profile", "cache_experts"], sort=False):
         row = g.set_index("policy")
         table.add_row(str(profile), str(cache), *[f"{row.loc[p, 'tokens_per_s']:.1f} ({row.loc[p, 'speedup_vs_ar']:.2f}x)"
                                                   for p in policies])
-    Console().print(table)
+    out_console.print(table)
     same = result["outputs_identical"]
-    Console().print(f"greedy outputs identical across policies: {'yes' if same else 'n/a' if same is None else 'NO'}; "
+    out_console.print(f"greedy outputs identical across policies: {'yes' if same else 'n/a' if same is None else 'NO'}; "
                     f"cache sizes simulated: {', '.join(map(str, caches))} experts per layer")
-    Console().print(f"report: {result['report']}")
+    out_console.print(f"report: {result['report']}")
 
 
 def _pct(value: float) -> str:

@@ -78,8 +78,9 @@ def calibrate_command(
 
 
 def _summary(prof, path: Path, console) -> None:
-    from rich.console import Console
     from rich.table import Table
+
+    from ..console import table_console
 
     fit = prof.fit
     table = Table(title=f"Profile {path}")
@@ -102,7 +103,7 @@ def _summary(prof, path: Path, console) -> None:
         table.add_row("fitted from the passes", ", ".join(fit["fitted"]) or "-")
     for name, held_term in (fit.get("held") or {}).items():
         table.add_row(f"held: {name}", f"{held_term['value']:.4g} ({held_term['at']}): {held_term['reason']}")
-    Console().print(table)
+    table_console().print(table)
     for warning in fit.get("warnings") or ():
         console.print(f"[yellow]warning:[/yellow] {warning}")
 
@@ -144,6 +145,6 @@ def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None
             table.add_row(f"{label} refit", "-", "-")
             continue
         table.add_row(f"{label} refit", f"{e['mape']:.1%}", f"{e.get('max_abs_err', e.get('max_abs_err_s')):.3g}")
-    from rich.console import Console
+    from ..console import table_console
 
-    Console().print(table)
+    table_console().print(table)

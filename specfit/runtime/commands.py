@@ -128,12 +128,11 @@ def decode(
 
 
 def _print_summary(run, out: Path | None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=132)   # a pipe or file: keep the columns whole
+    from ..console import table_console
+
+    console = table_console()
     records = run.records
     table = Table(title=f"specfit decode: per prompt ({len(records)} runs)")
     for name in ("policy", "prompt", "prompt tokens", "new tokens", "tokens/s", "MB H2D", "hit rate", "stop"):

@@ -151,12 +151,11 @@ def _write_outputs(out: Path, cycles, summary, ctx=None) -> None:
 
 
 def _print_summary(summary, out: Optional[Path]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=132)   # a pipe or file: keep the columns whole
+    from ..console import table_console
+
+    console = table_console()
     for (trace, profile), group in summary.groupby(["trace", "profile"], sort=False):
         table = Table(title=f"{trace} - {profile} - predictor {group['predictor'].iloc[0]}")
         # prediction quality: the union the policy priced vs the one charged (1/1 with oracle

@@ -63,12 +63,11 @@ def sweep_command(
 
 
 def _print_sweep(results, run, out_dir: Path, top: int) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=132)
+    from ..console import table_console
+
+    console = table_console()
     best = results.sort_values("tokens_per_s", ascending=False, kind="stable").head(top)
     shown = [c for c in _SETTING_COLUMNS if c in ("policy", "cache_experts") or results[c].astype(str).nunique() > 1]
     fixed = {_SETTING_COLUMNS[c]: results[c].iloc[0] for c in _SETTING_COLUMNS if c not in shown}
@@ -148,12 +147,11 @@ def plan_command(
 
 
 def _print_plan(result, top: int) -> None:
-    from rich.console import Console
     from rich.table import Table
 
-    console = Console()
-    if not console.is_terminal:
-        console = Console(width=132)
+    from ..console import table_console
+
+    console = table_console()
     mem = result.memory
     console.print(f"[bold]{mem.model}[/bold] in {mem.budget.device_bytes / 1e9:g} GB: dense weights "
                   f"{mem.dense_bytes / 1e9:.2f} GB, KV cache ({mem.budget.context_tokens} tokens) "

@@ -135,9 +135,9 @@ def inspect_command(
     as_json: bool = typer.Option(False, "--json", help="Print only the summary as JSON."),
 ) -> None:
     """Summarise a trace: cycles, tree sizes, acceptance by depth, expert unions and reuse."""
-    from rich.console import Console
     from rich.table import Table
 
+    from ..console import table_console
     from .format import read_trace
     from .summary import summarise_trace
 
@@ -149,7 +149,7 @@ def inspect_command(
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
         return
-    console = Console()
+    console = table_console()
     head = Table(title=f"{trace_file}", show_header=False)
     head.add_column("field")
     head.add_column("value")
@@ -189,8 +189,9 @@ def _report_written(trace, out: Path, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(stats, indent=2))
         return
-    from rich.console import Console
     from rich.table import Table
+
+    from ..console import table_console
 
     table = Table(title=f"{out}: {trace.n_cycles} positions, {trace.n_nodes / trace.n_cycles:.1f} nodes/tree")
     table.add_column("statistic")
@@ -200,7 +201,7 @@ def _report_written(trace, out: Path, as_json: bool) -> None:
     for key in ("popularity_skew", "consecutive_reuse", "token_affinity", "sibling_reuse", "full_tree_accepted_tokens"):
         target = targets.get(key)
         table.add_row(key, "" if target is None else f"{target:.3f}", f"{stats.get(key, float('nan')):.3f}")
-    Console().print(table)
+    table_console().print(table)
     recording = trace.meta.get("recording", {})
     if recording.get("token_ids") == "synthesised":
         typer.echo(f"the log has no token ids: reference tokens are synthesised; predictors that learn from token ids "
