@@ -6,7 +6,7 @@ __all__ = ["table_console", "PIPE_WIDTH"]
 
 # rich lays a pipe or a file out at 80 columns: a table of ten numeric columns then cuts its numbers
 # short ("(1.37…"); a terminal keeps its own width
-PIPE_WIDTH = 132
+PIPE_WIDTH = 160
 
 
 def table_console():

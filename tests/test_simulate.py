@@ -208,10 +208,12 @@ def test_cli_json_is_only_a_list(tmp_path):
 
 def test_cli_table_and_bad_input(tmp_path):
     runner = CliRunner()
-    r = runner.invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), "--policies", "ar,eagle3", "--cache-experts", "16",
-                            "--profile", "gh200", "--h2d-scale", "2", "--cost", "base_s=0.004"])
+    r = runner.invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), "--policies", "ar,eagle3,specfit+cache+prefetch",
+                            "--cache-experts", "16", "--profile", "gh200", "--h2d-scale", "2", "--cost", "base_s=0.004"])
     assert r.exit_code == 0, r.output
     assert "gh200 x2 H2D (base_s=0.004)" in r.output and "eagle3" in r.output
+    # printed to a pipe, a policy's name and its cells stay whole (rich's 80 columns cut them with "…")
+    assert "specfit+cache+prefetch" in r.output and "…" not in r.output
     for args, message in [
         (["--policies", "ar,warp"], "--policies"),
         (["--cache-experts", "a,b"], "--cache-experts"),

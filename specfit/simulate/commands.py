@@ -162,7 +162,8 @@ def _print_summary(summary, out: Optional[Path]) -> None:
         # experts), and predicted vs committed tokens
         for col in ("cache", "policy", "tokens/s", "tokens/cycle", "MB/token", "hit rate", "nodes", "vs ar", "vs eagle3",
                     "union P/R", "pred. tokens err"):
-            table.add_column(col, justify="right" if col != "policy" else "left")
+            # on a narrow terminal a cell folds onto the next line: never "specfit+cache…" or "(1.37…"
+            table.add_column(col, justify="right" if col != "policy" else "left", overflow="fold")
         for _, row in group.iterrows():
             policy = row["policy"] + (f" (N={int(row['static_n'])})" if row["policy"].startswith("static:auto") else "")
             table.add_row(str(row["cache_experts"]), policy, f"{row['tokens_per_s']:.2f}", f"{row['tokens_per_cycle']:.2f}",
