@@ -67,7 +67,7 @@ class CalibrationPlan:
         h2d = (2 if torch.device(self.device).type == "cuda" else 1) * len(self.size_factors) * len(self.batch_sizes)
         trees = len(probe_trees(self.node_counts, self.repeats))
         per_round = h2d + len(self.token_counts) + len(self.capacity_fractions) * trees
-        return per_round * self.rounds + 1
+        return per_round * (self.warmup_rounds + self.rounds) + 1
 
     # probe grids; --quick trims them for CI
     @property
@@ -99,6 +99,11 @@ class CalibrationPlan:
     def rounds(self) -> int:
         """Repetitions of every probe (the same work each round); a measurement is their median."""
         return 3
+
+    @property
+    def warmup_rounds(self) -> int:
+        """Untimed passes of every probe before the rounds (a process's first pass is cold)."""
+        return 1
 
 
 def _slug(text: str) -> str:
@@ -235,9 +240,9 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> 
                                                        weights_float32=c.routing_weights_float32, progress=step),
         "cycles": lambda: probe_cycles(model, capacities, node_counts=plan.node_counts, repeats=plan.repeats,
                                        seed=plan.seed, progress=step),
-    }, plan.rounds)
+    }, plan.rounds, plan.warmup_rounds)
     h2d_rows, compute_rows, cycle_rows = rows["h2d"], rows["expert_compute"], rows["cycles"]
-    noise = machine_noise(rows, timing, device.type, torch.get_num_threads())
+    noise = {**machine_noise(rows, timing, device.type, torch.get_num_threads()), "warmup_rounds": plan.warmup_rounds}
     drafter = _load_drafter(plan, model)
     if drafter is not None:
         # the real drafter, levels of an EAGLE-2/3 tree with top-4: a level beyond the first

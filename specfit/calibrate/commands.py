@@ -81,6 +81,7 @@ def _summary(prof, path: Path, console) -> None:
     from rich.table import Table
 
     from ..console import table_console
+    from .repeat import rounds_text
 
     fit = prof.fit
     table = Table(title=f"Profile {path}")
@@ -98,7 +99,7 @@ def _summary(prof, path: Path, console) -> None:
     noise = fit.get("probe_noise") or {}
     if noise:
         table.add_row("probe spread over rounds", f"{noise['spread_median']:.1%} median, {noise['spread_p90']:.1%} p90 "
-                      f"({noise['rounds']} rounds)")
+                      f"({rounds_text(noise)})")
     if "fitted" in fit:
         table.add_row("fitted from the passes", ", ".join(fit["fitted"]) or "-")
     for name, held_term in (fit.get("held") or {}).items():

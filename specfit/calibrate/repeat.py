@@ -8,6 +8,12 @@ measurement's samples are seconds apart and a disturbance shorter than that touc
 keeps the median per measurement. The probes are seeded, so every round measures the same work
 (the same copies, the same trees, the same hits and misses), which is checked.
 
+Before the timed rounds every probe runs once untimed (``warmup_rounds``): a process's first pass
+over a shape pays one-off costs (compiled kernels loaded from their cache, allocations, cold
+caches). On the bundled model, quiet, the first of three rounds took 1.25x (cycle passes) to 1.7x
+(expert compute) the median of each measurement, which alone made the spread 43-71 % and warned
+"busy" on every ``--quick`` calibration; without that round the spread was 1-6 %.
+
 What the rounds say about the machine (:func:`machine_noise`):
 
 - ``spread``: per measurement (max - min) / median over the rounds; its median over measurements
@@ -29,7 +35,7 @@ import numpy as np
 
 from ..errors import SpecFitError
 
-__all__ = ["repeat_rounds", "machine_noise", "busy_warnings", "SPREAD_BUSY", "CPU_SHARE_BUSY"]
+__all__ = ["repeat_rounds", "machine_noise", "busy_warnings", "rounds_text", "SPREAD_BUSY", "CPU_SHARE_BUSY"]
 
 # a median spread over the rounds above this says the timings are disturbed
 SPREAD_BUSY = 0.15
@@ -40,8 +46,10 @@ _WORK_FIELDS = ("capacity", "tree", "n_nodes", "hits", "misses", "bytes_h2d", "b
                 "level")
 
 
-def repeat_rounds(probes: dict[str, Callable[[], list[dict]]], rounds: int) -> tuple[dict[str, list[dict]], dict]:
-    """Run each probe ``rounds`` times, interleaved; return (rows per probe, timing summary).
+def repeat_rounds(probes: dict[str, Callable[[], list[dict]]], rounds: int,
+                  warmup_rounds: int = 1) -> tuple[dict[str, list[dict]], dict]:
+    """Run each probe ``warmup_rounds`` times untimed (their rows dropped), then ``rounds`` times,
+    interleaved; return (rows per probe, timing summary).
 
     Each returned row is the first round's row with ``seconds`` replaced by the median over the
     rounds, ``seconds_rounds`` (every round's value) and ``spread`` added; a ``gbps`` field is
@@ -49,6 +57,9 @@ def repeat_rounds(probes: dict[str, Callable[[], list[dict]]], rounds: int) -> t
     """
     if rounds < 1:
         raise SpecFitError(f"calibrate: expected at least 1 round of probes, got {rounds}")
+    for _ in range(warmup_rounds):
+        for probe in probes.values():
+            probe()
     results: dict[str, list[list[dict]]] = {name: [] for name in probes}
     timing = {name: {"wall_s": [], "cpu_s": []} for name in probes}
     for _ in range(rounds):
@@ -127,3 +138,9 @@ def busy_warnings(noise: dict) -> list[str]:
     if load == load and count and load > count:
         warnings.append(f"load average {load:.1f} on {count} CPU cores during calibration")
     return warnings
+
+
+def rounds_text(noise: dict) -> str:
+    """"3 rounds after 1 untimed": the timed and warm-up rounds of a profile's probes."""
+    warm = noise.get("warmup_rounds")
+    return f"{noise['rounds']} rounds" + (f" after {warm} untimed" if warm else "")

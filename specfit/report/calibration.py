@@ -6,6 +6,7 @@ import numpy as np
 import pandas as pd
 
 from ..calibrate.profile import Profile
+from ..calibrate.repeat import rounds_text
 from .html import Page
 from .plots import identity_scatter, new_axes
 
@@ -34,7 +35,7 @@ def calibration_section(page: Page, profile: Profile, name: str) -> None:
         facts = {}
         if noise:
             share = noise.get("cpu_share")
-            facts["probe rounds"] = (f"{noise['rounds']}; spread (max - min) / median {noise['spread_median']:.1%} median, "
+            facts["probe rounds"] = (rounds_text(noise) + f"; spread (max - min) / median {noise['spread_median']:.1%} median, "
                                      f"{noise['spread_p90']:.1%} p90" + (f"; CPU share {share:.0%}" if share is not None else "")
                                      + f"; load average {noise.get('load_average', float('nan')):.1f} on "
                                        f"{noise.get('cpu_count')} cores")
