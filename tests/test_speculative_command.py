@@ -457,3 +457,22 @@ def test_a_bad_predictor_trace_is_one_line(checkpoint, tmp_path, args, message):
     result = decode(checkpoint, "--policy", "specfit", "--profile", "pcie4", *[a.format(**paths) for a in args])
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     assert message in result.output and result.output.strip().count("\n") == 0
+
+
+def test_a_run_on_raw_draft_probabilities_that_mispredict_says_how_to_calibrate():
+    from specfit.runtime.commands import raw_acceptance_notes
+
+    summaries = [{"policy": "ar", "tokens_per_cycle": 1.0, "predicted_tokens_per_cycle": 1.0},
+                 # the bundled drafter's raw probabilities on EAGLE-3's trees (specfit decode, no --acceptance)
+                 {"policy": "eagle3", "tokens_per_cycle": 3.55, "predicted_tokens_per_cycle": 1.54},
+                 {"policy": "specfit", "tokens_per_cycle": 1.36, "predicted_tokens_per_cycle": 1.19},   # -12.5 %
+                 {"policy": "specfit+online", "tokens_per_cycle": 1.9, "predicted_tokens_per_cycle": 3.0},
+                 {"policy": "chain:2", "tokens_per_cycle": 2.0, "predicted_tokens_per_cycle": 2.5}]
+    notes = raw_acceptance_notes(summaries)
+    assert len(notes) == 2
+    assert notes[0].startswith("note: eagle3:") and "1.54 tokens per cycle where 3.55" in notes[0]
+    assert "(-57%)" in notes[0] and "--acceptance TRACE" in notes[0] and "--record-full" in notes[0]
+    assert notes[1].startswith("note: chain:2:") and "(+25%)" in notes[1]
+    # calibrated online, or no decision (ar), or no cycles: nothing to say
+    assert raw_acceptance_notes([{"policy": "specfit", "tokens_per_cycle": float("nan"),
+                                  "predicted_tokens_per_cycle": 2.0}]) == []

@@ -125,6 +125,34 @@ def decode(
         stopped(str(exc))
     if not json_lines:
         _print_summary(result, out)
+        if acceptance is None:
+            for line in raw_acceptance_notes(result.summaries):
+                stderr.print(line)
+
+
+# predicted tokens per cycle this far from the committed ones say the drafter's probabilities are
+# not what the target accepts
+RAW_ACCEPTANCE_OFF = 0.15
+
+
+def raw_acceptance_notes(summaries: list[dict]) -> list[str]:
+    """Notes for a run decided with the drafter's raw probabilities (no ``--acceptance``): one per
+    drafting policy whose predicted tokens per cycle were more than :data:`RAW_ACCEPTANCE_OFF` off
+    the committed ones. SpecFit prices every subtree with those probabilities; the bundled drafter's
+    raw ones predicted 1.54 tokens per EAGLE-3 tree where 3.55 were committed, and SpecFit, taking
+    them at their word, drafted levels that did not pay (0.87x ``ar``)."""
+    notes = []
+    for s in summaries:
+        real, predicted = s.get("tokens_per_cycle", float("nan")), s.get("predicted_tokens_per_cycle", float("nan"))
+        if s["policy"] == "ar" or "+online" in s["policy"] or not real > 1.0 or not predicted == predicted:
+            continue
+        off = (predicted - real) / real
+        if abs(off) > RAW_ACCEPTANCE_OFF:
+            notes.append(f"note: {s['policy']}: the drafter's raw probabilities predicted {predicted:.2f} tokens per "
+                         f"cycle where {real:.2f} were committed ({off:+.0%}); SpecFit decides with them. Record a "
+                         f"trace of this model and drafter (--record TRACE --record-full) and pass it as "
+                         f"--acceptance TRACE (as specfit demo does), or decode with specfit+online")
+    return notes
 
 
 def _print_summary(run, out: Path | None) -> None:
