@@ -238,7 +238,7 @@ def demo_command(
     out_console.print(table)
     same = result["outputs_identical"]
     out_console.print(f"greedy outputs identical across policies: {'yes' if same else 'n/a' if same is None else 'NO'}; "
-                    f"cache sizes simulated: {', '.join(map(str, caches))} experts per layer")
+                      f"cache sizes simulated: {', '.join(map(str, caches))} experts per layer")
     out_console.print(f"report: {result['report']}")
 
 

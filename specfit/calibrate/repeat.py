@@ -11,8 +11,9 @@ keeps the median per measurement. The probes are seeded, so every round measures
 Before the timed rounds every probe runs once untimed (``warmup_rounds``): a process's first pass
 over a shape pays one-off costs (compiled kernels loaded from their cache, allocations, cold
 caches). On the bundled model, quiet, the first of three rounds took 1.25x (cycle passes) to 1.7x
-(expert compute) the median of each measurement, which alone made the spread 43-71 % and warned
-"busy" on every ``--quick`` calibration; without that round the spread was 1-6 %.
+(expert compute) the median of each measurement, and every ``--quick`` calibration warned "busy";
+with the untimed round first, five side-by-side runs put the median spread at 8-39 % against
+30-83 % (``benchmarks/RESULTS.md``): what is left is the jitter of passes of a few milliseconds.
 
 What the rounds say about the machine (:func:`machine_noise`):
 
