@@ -151,7 +151,7 @@ def raw_acceptance_notes(summaries: list[dict]) -> list[str]:
             notes.append(f"note: {s['policy']}: the drafter's raw probabilities predicted {predicted:.2f} tokens per "
                          f"cycle where {real:.2f} were committed ({off:+.0%}); SpecFit decides with them. Record a "
                          f"trace of this model and drafter (--record TRACE --record-full) and pass it as "
-                         f"--acceptance TRACE (as specfit demo does), or decode with specfit+online")
+                         f"--acceptance TRACE, as specfit demo does")
     return notes
 
 
