@@ -69,6 +69,9 @@ def test_a_busy_machine_is_reported():
     assert machine_noise(rows, timing, "cuda", threads=1)["cpu_share"] is None
     noisy = {**noise, "cpu_share": 1.0, "spread_median": 0.4, "load_average": 0.5, "cpu_count": 2}
     assert len(busy_warnings(noisy)) == 1 and "varied by 40%" in busy_warnings(noisy)[0]
+    assert "--quick" not in busy_warnings(noisy)[0]
+    # a quick calibration's few short passes jitter on an idle machine too: the warning says so
+    assert "--quick probes are few and short" in busy_warnings({**noisy, "quick": True})[0]
     quiet = {**noisy, "spread_median": 0.03}
     assert busy_warnings(quiet) == []
     assert "load average 5.0 on 2" in busy_warnings({**quiet, "load_average": 5.0})[0]

@@ -242,7 +242,8 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> 
                                        seed=plan.seed, progress=step),
     }, plan.rounds, plan.warmup_rounds)
     h2d_rows, compute_rows, cycle_rows = rows["h2d"], rows["expert_compute"], rows["cycles"]
-    noise = {**machine_noise(rows, timing, device.type, torch.get_num_threads()), "warmup_rounds": plan.warmup_rounds}
+    noise = {**machine_noise(rows, timing, device.type, torch.get_num_threads()), "warmup_rounds": plan.warmup_rounds,
+             "quick": plan.quick}
     drafter = _load_drafter(plan, model)
     if drafter is not None:
         # the real drafter, levels of an EAGLE-2/3 tree with top-4: a level beyond the first
