@@ -122,9 +122,10 @@ def probe_cycles(model: MoETransformer, capacities, node_counts=(1, 2, 4, 8, 16,
     free (:func:`~specfit.runtime.devices.free_device_bytes`, less :data:`PROBE_RESERVE_BYTES`).
 
     Rows: ``capacity`` (as probed), ``tree`` (``random`` or ``star``, :func:`probe_trees`),
-    ``n_nodes``, ``hits``, ``misses``, ``bytes_h2d``, ``seconds`` (the pass, between device synchronisations), ``transfer_stall_s`` (how long compute waited
-    for expert copies within it), ``copy_busy_s`` (the spans of its copy bursts), ``draft_levels``
-    (always 0: drafting is probed apart).
+    ``n_nodes``, ``hits``, ``misses``, ``bytes_h2d``, ``seconds`` (the pass, between device
+    synchronisations), ``transfer_stall_s`` (how long compute waited for expert copies within it),
+    ``copy_busy_s`` (the spans of its copy bursts), ``draft_levels`` (always 0: drafting is probed
+    apart).
     """
     rng = np.random.default_rng(seed)
     host = model.offload.host

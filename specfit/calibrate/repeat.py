@@ -128,13 +128,13 @@ def busy_warnings(noise: dict) -> list[str]:
     warnings = []
     spread = noise.get("spread_median", float("nan"))
     if spread == spread and spread > SPREAD_BUSY:
+        # a --quick calibration's few short passes jitter on an idle machine too
+        cause, again = (("the machine is busy or its passes jitter (--quick probes are few and short: 8-39 % on an "
+                         "idle 2-core VM)", "when it is quiet and without --quick") if noise.get("quick") else
+                        ("the machine is busy", "when it is quiet"))
         warnings.append(f"the probes' timings varied by {spread:.0%} (median over measurements of (max - min) / "
-                        f"median across {noise['rounds']} rounds): the machine is busy"
-                        + (" or its passes jitter (--quick probes are few and short: 8-39 % on an idle 2-core VM)"
-                           if noise.get("quick") else "")
-                        + "; the profile is uncertain. Calibrate again when it is quiet"
-                        + (" and without --quick" if noise.get("quick") else "")
-                        + ", or rely on the online refit while decoding")
+                        f"median across {noise['rounds']} rounds): {cause}; the profile is uncertain. Calibrate "
+                        f"again {again}, or rely on the online refit while decoding")
     share = noise.get("cpu_share")
     if share is not None and share < CPU_SHARE_BUSY:
         warnings.append(f"the probes got {share:.0%} of a CPU core (CPU time over wall time): other processes "
