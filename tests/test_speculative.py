@@ -145,6 +145,33 @@ def test_drafter_state_after_acceptance_equals_a_fresh_run(checkpoints):
     torch.testing.assert_close(live.logits[-1], fresh.logits[-1], rtol=1e-4, atol=1e-4)
 
 
+def test_the_prompt_runs_through_the_drafter_in_the_prefill_and_the_first_cycle_is_like_the_others(checkpoints):
+    """The prefill runs the prompt's drafter entries but the last; the first cycle's level 1 runs
+    one pass over the pending entries, as every later cycle does over its accepted ones (not a
+    prompt-length pass, which its cost model would not price)."""
+    model, drafter = load(*checkpoints["qwen3_moe"], cache_experts=8)
+    prompt = prompts()[2]
+    calls: list[tuple[str, int]] = []
+    phase = ["prefill"]
+    forward = drafter.forward
+
+    def counted(hidden, input_ids, positions, mask=None):
+        calls.append((phase[0], int(input_ids.numel())))
+        return forward(hidden, input_ids, positions, mask)
+
+    drafter.forward = counted
+    decoder = speculative_decoder(model, drafter, make_policy("chain:2"), COST)
+    model.setup_kv_cache(len(prompt) + NEW_TOKENS + 8)
+    root, _ = decoder.prefill(prompt, NEW_TOKENS)
+    assert calls == [("prefill", len(prompt) - 1)]
+    assert decoder.proposer.session.n_committed == len(prompt) - 1
+    phase[0] = "cycle"
+    draft = decoder.draft(root, max_levels=2)
+    assert draft.draft_levels == 2
+    # level 1: the pending entry alone; level 2: the one frontier node
+    assert calls[1:] == [("cycle", 1), ("cycle", 1)]
+
+
 def test_tree_verification_equals_linear_sequences_and_compaction_keeps_the_path(checkpoints):
     """One pass over a tree (mask + per-node positions) gives every node the logits of its own
     root-to-node path run as a plain sequence; after compaction of an accepted path, decoding

@@ -13,7 +13,9 @@ every drafter:
   tree drafted so far; the decoder hands each :meth:`TreeDraft.tree` to the policy;
 - :class:`Proposer`: a drafter with its session and the accepted entries not yet run through it
   (EAGLE-3 re-runs the accepted tokens with the target's features, lazily, when the next cycle
-  drafts its first level: a cycle that drafts nothing never pays for it).
+  drafts its first level: a cycle that drafts nothing never pays for it). The prompt's entries
+  are run in the prefill, all but the last, which the first cycle runs as any cycle runs its
+  accepted ones.
 
 The tree is expanded as EAGLE-2/3 does: level 1 is the top-``k`` of the root entry's distribution;
 each further level runs the current frontier (the ``k`` nodes of the newest level with the best
@@ -253,9 +255,17 @@ class Proposer:
 
     def start(self, prompt_ids: list[int], features: torch.Tensor, first_token: int, max_entries: int) -> None:
         """A new sequence: the prompt's features (from the prefill) pair with the tokens that
-        followed them, the last with the prefill's token."""
+        followed them, the last with the prefill's token.
+
+        The drafter runs every prompt entry but the last one now, as the prefill's drafter pass:
+        a prompt-length pass in the first cycle would make that cycle unlike every other (its
+        cost model prices one pass over the few entries a cycle accepts). The last entry, the
+        one whose output drafts the first level, stays pending as a cycle's accepted entries do."""
         self.session = DrafterSession(self.drafter, max_entries)
-        self._pending = [(features, list(prompt_ids[1:]) + [int(first_token)])]
+        tokens = list(prompt_ids[1:]) + [int(first_token)]
+        if len(tokens) > 1:
+            self.session.commit(features[:-1], torch.tensor(tokens[:-1]))
+        self._pending = [(features[-1:], tokens[-1:])]
 
     def draft(self, root_token: int, max_levels: int, top_k: int | None = None, acceptance=None) -> TreeDraft:
         """An empty tree under ``root_token``; :meth:`TreeDraft.grow` drafts its levels."""
