@@ -11,10 +11,11 @@ __all__ = ["warm_up"]
 
 def warm_up() -> float:
     """Load (or, the first time after an install or an edit, compile) the kernels a live decoder
-    calls every cycle: a tree's checks, mask and accepted path, the search, SpecFit's per-level
-    decision and what a cycle teaches it, ``evaluate``, the cycle's union accounting, the slot
-    precision, the router predictor's selection, the cache's admits, the KV compaction and the
-    levers' rules (look-ahead keep, prefetch, admit by keep), so that no timed cycle pays for it.
+    calls every cycle: a drafted level's nodes, frontier and mask, a tree's checks, mask and
+    accepted path, the search, SpecFit's per-level decision and what a cycle teaches it,
+    ``evaluate``, the cycle's union accounting, the slot precision, the router predictor's
+    selection, the cache's admits, the KV compaction and the levers' rules (look-ahead keep,
+    prefetch, admit by keep), so that no timed cycle pays for it.
     Returns the seconds it took."""
     import time
 
@@ -68,6 +69,12 @@ def warm_up() -> float:
         router.predict(NodeBatch(tokens=np.arange(1, n + 1), last_known=known, context=torch.ones(n, 4)))
     router.update(np.array([1]), np.zeros((1, 1, 1), dtype=np.int64), 2, context=torch.ones(1, 4))
     kernels.kv.compact(np.zeros((2, 4, 8), dtype=np.uint8), 1, np.array([0, 2]))
+    # the live drafter's level: its nodes and frontier, the frontier's mask
+    rows = np.zeros((4, 3), dtype=np.int64)
+    floats = np.zeros((2, 3))
+    kernels.tree.add_level(np.zeros(1, dtype=np.int64), np.zeros(2), np.arange(2), np.arange(2), 1, 1, *rows[:3],
+                           *floats, True)
+    kernels.tree.frontier_mask(np.array([1]), rows[1], rows[3], 1, 1)
     cache = ExpertCache(1, 2, 1)
     cache.admit(~cached)
     cache.admit_layer(0, np.array([1]))

@@ -307,6 +307,67 @@ def test_dynamic_tree_is_connected_with_non_increasing_path_probs():
     assert set(tree.tokens[1:].tolist()) <= set(DRAFT_IDS.tolist())
 
 
+def test_dynamic_tree_levels_equal_a_plain_reference_of_eagle_expansion():
+    """Each drafted level equals EAGLE-2/3's expansion written out plainly here (log-softmax, the
+    top-k children of every frontier node, the next frontier the top-k new nodes by cumulative
+    log-probability, ties to the earlier node), and each drafter call over a frontier gets the
+    inputs the reference gives it (each row sees the committed entries, its ancestors' and itself)."""
+    drafter = random_drafter(seed=5)
+    session = DrafterSession(drafter, max_entries=64)
+    root = session.commit(features(6), tokens(6))
+    calls = []
+    forward = drafter.forward
+
+    def recorded(hidden, input_ids, positions, mask=None):
+        calls.append(((input_ids, positions, mask), forward(hidden, input_ids, positions, mask)))
+        return calls[-1][1]
+
+    drafter.forward = recorded
+    k = 3
+    drafting = TreeDraft(session, 7, lambda: root, top_k=k, max_levels=4)
+    parents, tok, cum, depth, slot = [-1], [7], [0.0], [0], {}
+    frontier, committed, n_slots = [0], session.n_committed, 0
+    for level in range(4):
+        added = drafting.grow()
+        out = root
+        if level:
+            (input_ids, positions, mask), out = calls[-1]
+            cache_len = committed + n_slots
+            expected = np.zeros((len(frontier), cache_len + len(frontier)), dtype=bool)
+            for i, v in enumerate(frontier):
+                expected[i, :committed] = True
+                expected[i, cache_len + i] = True
+                u = parents[v]
+                while u > 0:
+                    expected[i, slot[u]] = True
+                    u = parents[u]
+                slot[v] = cache_len + i
+            n_slots += len(frontier)
+            assert mask.numpy().tolist() == expected.tolist()
+            assert input_ids.tolist() == [tok[v] for v in frontier]
+            assert positions.tolist() == [committed - 1 + depth[v] for v in frontier]
+        assert len(calls) == level
+        top_lp, top_ids = F.log_softmax(out.logits.float(), dim=-1).topk(k, dim=-1)
+        first = len(tok)
+        for row, parent in enumerate(frontier):
+            for j in range(k):
+                parents.append(parent)
+                tok.append(int(drafter.to_target_ids(top_ids[row, j])))
+                cum.append(cum[parent] + float(top_lp[row, j]))
+                depth.append(depth[parent] + 1)
+        new = list(range(first, len(tok)))
+        frontier = sorted(sorted(new, key=lambda v: (-cum[v], v))[:k])
+        assert added.first == first and added.tokens.tolist() == tok[first:]
+        assert added.parents.tolist() == parents[first:]
+        # a child's context is its parent's drafter output
+        torch.testing.assert_close(added.context, out.hidden[torch.arange(len(new)) // k])
+        assert drafting.frontier.tolist() == frontier
+    tree = drafting.tree()
+    assert tree.parents.tolist() == parents and tree.tokens.tolist() == tok and tree.depth.tolist() == depth
+    np.testing.assert_allclose(drafting.cum_logprob[: len(cum)], cum, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(tree.path_probs, np.exp(cum), rtol=1e-6, atol=1e-9)
+
+
 def test_a_calibrated_live_tree_has_the_path_probabilities_the_calibrator_gives_its_trace():
     """Live and replay apply one calibration: a tree drafted with the calibrator carries the path
     probabilities that calibrator gives the same tree recorded as a trace."""

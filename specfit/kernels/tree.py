@@ -1,13 +1,17 @@
 """Draft trees compiled: validation, depths and probability clipping in one pass (the checks
-:class:`specfit.tree.DraftTree` makes, which words the error when this reports one), and greedy
-acceptance (the accepted path), and the tree attention mask of a verification pass."""
+:class:`specfit.tree.DraftTree` makes, which words the error when this reports one), greedy
+acceptance (the accepted path), the tree attention mask of a verification pass, and the live
+drafter's per-level work (:class:`specfit.runtime.drafting.TreeDraft`): a level's nodes appended
+with their frontier, and the attention mask of a frontier's drafter call."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 from numba import njit
 
-__all__ = ["check_tree", "accepted_path", "greedy_path", "tree_mask"]
+__all__ = ["check_tree", "accepted_path", "greedy_path", "tree_mask", "add_level", "frontier_mask"]
 
 
 @njit(cache=True)
@@ -92,3 +96,54 @@ def tree_mask(parents, nodes, prefix):
                 mask[i, prefix + column[v]] = True
             v = parents[v]
     return True, mask
+
+
+@njit(cache=True)
+def add_level(expanded, edge_lp, draft_ids, target_ids, top_k, first, tokens, parents, depth, cum_logprob, path_prob,
+              raw):
+    """Append one drafted level in place at rows ``first ..``: ``width = draft_ids.size // expanded.size``
+    children per ``expanded`` node, in the drafter's order (each node's top child first), with
+    their drafter log-probabilities ``edge_lp`` given the parent and their draft-vocabulary ids
+    ``draft_ids`` (``target_ids`` maps them to the target's). With ``raw`` a node's path
+    probability is ``exp`` of its cumulative log-probability; otherwise the caller calibrates it.
+
+    Returns ``(ok, frontier)``: ``ok`` False when a log-probability is NaN; ``frontier`` the
+    ``top_k`` new nodes with the best cumulative log-probability (ties: the earlier node), in node
+    order."""
+    m = draft_ids.size
+    width = m // expanded.size
+    ok = True
+    for i in range(m):
+        v, u = first + i, expanded[i // width]
+        lp = edge_lp[i]
+        if math.isnan(lp):
+            ok = False
+        tokens[v] = target_ids[draft_ids[i]]
+        parents[v] = u
+        depth[v] = depth[u] + 1
+        cum_logprob[v] = cum_logprob[u] + lp
+        if raw:
+            path_prob[v] = math.exp(cum_logprob[v])
+    order = np.argsort(-cum_logprob[first:first + m], kind="mergesort")      # stable: ties keep node order
+    frontier = np.sort(order[:min(top_k, m)]) + first
+    return ok, frontier
+
+
+@njit(cache=True)
+def frontier_mask(frontier, parents, slot, committed, cache_len):
+    """bool [f, cache_len + f]: the attention mask of one drafter call over the ``f`` ``frontier``
+    nodes, whose entries go to the slots after ``cache_len``: row i sees the ``committed`` entries,
+    its ancestors' entries (``slot`` of each non-root ancestor) and itself. Records each frontier
+    node's slot in ``slot``."""
+    f = frontier.size
+    mask = np.zeros((f, cache_len + f), dtype=np.bool_)
+    for i in range(f):
+        mask[i, :committed] = True
+        mask[i, cache_len + i] = True
+        u = parents[frontier[i]]
+        while u > 0:
+            mask[i, slot[u]] = True
+            u = parents[u]
+    for i in range(f):
+        slot[frontier[i]] = cache_len + i
+    return mask

@@ -33,8 +33,8 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+from .. import kernels
 from ..errors import SpecFitError
 from ..tree import DraftTree
 
@@ -75,6 +75,15 @@ class DrafterSession:
         if drafter.max_seq_len < max_entries:
             drafter.setup_kv_cache(max_entries)
         self.n_committed = 0
+        self._target_ids: np.ndarray | None = None
+
+    def target_ids(self, draft_vocab_size: int) -> np.ndarray:
+        """int64 [draft_vocab_size]: the target's id of every draft-vocabulary id (the drafter's
+        ``to_target_ids``, as a host table made once)."""
+        if self._target_ids is None or self._target_ids.size != draft_vocab_size:
+            ids = torch.arange(draft_vocab_size, device=self.drafter.device)
+            self._target_ids = np.ascontiguousarray(self.drafter.to_target_ids(ids).cpu().numpy(), dtype=np.int64)
+        return self._target_ids
 
     def commit(self, features: torch.Tensor, next_tokens) -> DraftOutput:
         """Entries for the next ``n`` target positions: ``features`` [n, 3 * H_target], and
@@ -177,16 +186,7 @@ class TreeDraft:
         the committed entries, its ancestors' entries and itself."""
         committed = self.session.n_committed
         cache_len = committed + self._n_slots
-        rows = np.arange(frontier.size)
-        mask = np.zeros((frontier.size, cache_len + frontier.size), dtype=bool)
-        mask[:, :committed] = True
-        mask[rows, cache_len + rows] = True
-        ancestor = self.parents[frontier]
-        while (ancestor > 0).any():                  # one pass per depth, not per node
-            inside = ancestor > 0
-            mask[rows[inside], self.slot[ancestor[inside]]] = True
-            ancestor = np.where(inside, self.parents[np.maximum(ancestor, 0)], 0)
-        self.slot[frontier] = cache_len + rows
+        mask = kernels.tree.frontier_mask(frontier, self.parents, self.slot, committed, cache_len)
         self._n_slots += frontier.size
         device = self.session.drafter.device
         hidden = self.hidden_of(self.parents[frontier])
@@ -203,35 +203,34 @@ class TreeDraft:
     def _add_children(self, expanded: np.ndarray, out: DraftOutput) -> Level:
         """Append the top-k children of each ``expanded`` node; the next frontier is the top_k of
         them by cumulative log-probability (ties: the earlier node)."""
-        # clamp: a float32 log-softmax can round a certain token to a tiny positive value, and
-        # path probabilities must not increase along a path
-        log_probs = F.log_softmax(out.logits.float(), dim=-1).clamp(max=0.0)
-        top_lp, top_ids = log_probs.topk(min(self.top_k, log_probs.shape[-1]), dim=-1)
-        # one host copy of the level's candidates
+        logits = out.logits.float()
+        top_logits, top_ids = logits.topk(min(self.top_k, logits.shape[-1]), dim=-1)
+        # log_softmax at the top k alone; clamp: float32 can round a certain token to a tiny
+        # positive value, and path probabilities must not increase along a path
+        top_lp = (top_logits - torch.logsumexp(logits, dim=-1, keepdim=True)).clamp(max=0.0)
+        width = top_ids.shape[-1]
+        # one host copy of the level's candidates; the tree's arrays are filled in one compiled call
         edge_lp = top_lp.double().cpu().numpy().ravel()
-        tokens = self.session.drafter.to_target_ids(top_ids).cpu().numpy().ravel().astype(np.int64)
-        parents = np.repeat(expanded, top_ids.shape[-1])
-        first, m = self.n_nodes, tokens.size
-        new = np.arange(first, first + m)
-        self.tokens[new], self.parents[new] = tokens, parents
-        self.depth[new] = self.depth[parents] + 1
-        self.cum_logprob[new] = self.cum_logprob[parents] + edge_lp
-        if self._acceptance is None:
-            self.path_prob[new] = np.exp(self.cum_logprob[new])
-        else:   # as the calibrator does on a trace: edges multiplied, depth-corrected, never above the parent
-            start = time.perf_counter()
-            # each expanded node's children are its top-k: the first one's probability is the top
-            self._acceptance.calibrate_level(edge_lp, top_lp.shape[-1], new, parents, self.depth, self.edge_product,
-                                             self.path_prob)
-            self.calibration_s += time.perf_counter() - start
-        if np.isnan(self.path_prob[new]).any():
+        first = self.n_nodes
+        ok, self.frontier = kernels.tree.add_level(
+            expanded, edge_lp, top_ids.cpu().numpy().ravel(), self.session.target_ids(logits.shape[-1]), self.top_k,
+            first, self.tokens, self.parents, self.depth, self.cum_logprob, self.path_prob, self._acceptance is None)
+        if not ok:
             raise SpecFitError(f"drafter: NaN probabilities at draft level {self.levels + 1} (its logits hold NaN); "
                                "expected finite logits")
+        m = edge_lp.size
         self.n_nodes += m
-        order = np.lexsort((new, -self.cum_logprob[new]))
-        self.frontier = np.sort(new[order[: self.top_k]])
-        context = self._hidden[torch.from_numpy(parents).to(self._hidden.device)]
-        return Level(first=first, tokens=tokens, parents=parents, context=context)
+        new, parents = np.arange(first, first + m), self.parents[first:first + m]
+        if self._acceptance is not None:
+            # as the calibrator does on a trace: edges multiplied, depth-corrected, never above the parent
+            start = time.perf_counter()
+            # each expanded node's children are its top-k: the first one's probability is the top
+            self._acceptance.calibrate_level(edge_lp, width, new, parents, self.depth, self.edge_product,
+                                             self.path_prob)
+            self.calibration_s += time.perf_counter() - start
+        # each expanded node's output is its children's context, in the level's order
+        context = out.hidden.repeat_interleave(width, dim=0)
+        return Level(first=first, tokens=self.tokens[first:first + m], parents=parents, context=context)
 
 
 class Proposer:
