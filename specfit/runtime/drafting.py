@@ -146,7 +146,10 @@ class TreeDraft:
         self.tokens[0] = int(root_token)
         self.n_nodes, self.levels = 1, 0
         self.frontier = np.zeros(0, dtype=np.int64)
-        self._hidden: torch.Tensor | None = None                  # [capacity, H] drafter output per expanded node
+        # the newest level's parents' drafter outputs (one row per expanded node, its children
+        # contiguous after _first, _width per node): the hidden input of the next frontier
+        self._parent_hidden: torch.Tensor | None = None
+        self._first, self._width = 1, 1
         self._n_slots = 0
         self.calibration_s = 0.0     # seconds of the acceptance calibration within grow(): not drafting
 
@@ -158,7 +161,6 @@ class TreeDraft:
         else:
             expanded = self.frontier
             out = self.session.drafter(*self._frontier_inputs(expanded))
-        self._keep_hidden(expanded, out.hidden)
         level = self._add_children(expanded, out)
         self.levels += 1
         return level
@@ -176,10 +178,6 @@ class TreeDraft:
         out[1:] = self.cum_logprob[1:n] - self.cum_logprob[self.parents[1:n]]
         return out
 
-    def hidden_of(self, nodes: np.ndarray) -> torch.Tensor:
-        """The drafter's output at expanded ``nodes`` (a child's hidden input)."""
-        return self._hidden[torch.from_numpy(np.asarray(nodes, dtype=np.int64)).to(self._hidden.device)]
-
     # ------------------------------------------------------------------ helpers
     def _frontier_inputs(self, frontier: np.ndarray):
         """(hidden, tokens, positions, mask) of one drafter call over the frontier: each row sees
@@ -189,16 +187,13 @@ class TreeDraft:
         mask = kernels.tree.frontier_mask(frontier, self.parents, self.slot, committed, cache_len)
         self._n_slots += frontier.size
         device = self.session.drafter.device
-        hidden = self.hidden_of(self.parents[frontier])
+        # each frontier node's parent output: the row of its parent among the newest level's expanded nodes
+        rows = torch.from_numpy((frontier - self._first) // self._width)
+        hidden = self._parent_hidden[rows.to(self._parent_hidden.device)]
         # the root entry sits at position committed - 1, so a depth-d node at committed - 1 + d
         positions = torch.from_numpy(committed - 1 + self.depth[frontier]).to(device)
         tokens = torch.from_numpy(self.tokens[frontier]).to(device)
         return hidden, tokens, positions, torch.from_numpy(mask).to(device)
-
-    def _keep_hidden(self, expanded: np.ndarray, hidden: torch.Tensor) -> None:
-        if self._hidden is None:
-            self._hidden = hidden.new_zeros((self.tokens.size, hidden.shape[-1]))
-        self._hidden[torch.from_numpy(expanded).to(hidden.device)] = hidden
 
     def _add_children(self, expanded: np.ndarray, out: DraftOutput) -> Level:
         """Append the top-k children of each ``expanded`` node; the next frontier is the top_k of
@@ -220,6 +215,7 @@ class TreeDraft:
                                "expected finite logits")
         m = edge_lp.size
         self.n_nodes += m
+        self._parent_hidden, self._first, self._width = out.hidden, first, width
         new, parents = np.arange(first, first + m), self.parents[first:first + m]
         if self._acceptance is not None:
             # as the calibrator does on a trace: edges multiplied, depth-corrected, never above the parent
