@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from specfit.errors import SpecFitError
 from specfit.experts.calibration import AcceptanceCalibrator
 from specfit.policies import rerank
-from specfit.runtime.drafting import DrafterSession, TreeDraft
+from specfit.runtime.drafting import DraftOutput, DrafterSession, TreeDraft
 from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter
 from specfit.traces.format import Trace, read_trace
 
@@ -366,6 +366,28 @@ def test_dynamic_tree_levels_equal_a_plain_reference_of_eagle_expansion():
     assert tree.parents.tolist() == parents and tree.tokens.tolist() == tok and tree.depth.tolist() == depth
     np.testing.assert_allclose(drafting.cum_logprob[: len(cum)], cum, rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(tree.path_probs, np.exp(cum), rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("calibrated", [False, True])
+def test_nan_drafter_logits_are_one_clear_error_at_the_level_they_reach(calibrated):
+    """A drafter whose logits hold NaN (a broken checkpoint) stops the tree with one error naming
+    the level, raw or calibrated, instead of NaN path probabilities reaching the search."""
+    session = DrafterSession(random_drafter(), max_entries=64)
+    root = session.commit(features(6), tokens(6))
+    calibrator = AcceptanceCalibrator().fit(read_trace(SAMPLE_OLMOE)) if calibrated else None
+    drafting = TreeDraft(session, 7, lambda: root, top_k=3, max_levels=4, acceptance=calibrator)
+    drafting.grow()
+    forward = session.drafter.forward
+
+    def broken(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        logits = out.logits.clone()
+        logits[0, 5] = float("nan")
+        return DraftOutput(logits=logits, hidden=out.hidden)
+
+    session.drafter.forward = broken
+    with pytest.raises(SpecFitError, match=r"drafter: NaN probabilities at draft level 2 \(its logits hold NaN\)"):
+        drafting.grow()
 
 
 def test_a_calibrated_live_tree_has_the_path_probabilities_the_calibrator_gives_its_trace():
