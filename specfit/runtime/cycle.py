@@ -111,7 +111,7 @@ class DecodeResult:
     prompt_ids: list[int]
     output_ids: list[int]
     stop_reason: str                  # "eos", or "length" when max_new_tokens was reached
-    prefill_time_s: float
+    prefill_time_s: float             # the target's prompt pass and, with a drafter, its pass over the prompt
     decode_time_s: float
     n_cycles: int
     offload: OffloadCounters
