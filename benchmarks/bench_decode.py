@@ -45,7 +45,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -56,6 +55,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from busy import busy_processes  # noqa: E402
 from specfit.assets import demo_prompts_path, tiny_moe_dir, tiny_moe_eagle3_dir  # noqa: E402
 from specfit.errors import SpecFitError  # noqa: E402
 from specfit.runtime.decode_job import DecodePlan, run_decode  # noqa: E402
@@ -106,15 +106,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="keep the measured run's files (cycles.parquet, ...) here")
     args = parser.parse_args(argv)
     set_cpu_threads(args.threads)
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     try:
-        run_benchmark(args)
+        with busy_processes(args.busy):
+            run_benchmark(args)
     except SpecFitError as exc:                 # bad input: one line, as the CLI says it
         raise SystemExit(f"bench_decode: {exc}") from None
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
 
 
 def run_as_arm(argv: list[str], patches: dict) -> bool:

@@ -26,6 +26,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from busy import busy_processes
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -89,9 +91,8 @@ def main(argv: list[str] | None = None) -> None:
         return out
 
     drafter.forward = timed
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.busy)]
     times = {arm: [] for arm in arms}
-    try:
+    with busy_processes(args.busy):
         for trial in range(args.trees):
             order = list(arms) if trial % 2 == 0 else list(arms)[::-1]
             for arm in order:
@@ -102,10 +103,6 @@ def main(argv: list[str] | None = None) -> None:
                     tree.grow()
                     per_level.append(time.perf_counter() - start - (passes_s[0] - before))
                 times[arm].append(per_level)
-    finally:
-        for hog in hogs:
-            hog.kill()
-            hog.wait()
     table = Table(title=f"drafter bookkeeping per level (us, median over {args.trees} trees; grow() minus the "
                         f"drafter's passes), {args.busy} CPU-bound process(es) beside")
     for name in ("arm", *(f"level {i + 1}" for i in range(LEVELS)), "tree (7 levels)"):

@@ -29,6 +29,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from busy import busy_processes  # noqa: E402
 from specfit.assets import demo_prompts_path, tiny_moe_dir, tiny_moe_eagle3_dir  # noqa: E402
 
 
@@ -76,13 +77,8 @@ def main(argv: list[str] | None = None) -> None:
         for job, fn in (("decode", decode), ("calibrate", calibrate)):
             for competing in (False, True):
                 for threads in (cores, 1):
-                    hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if competing else None
-                    try:
+                    with busy_processes(1 if competing else 0):
                         results.setdefault((job, threads, competing), []).append(fn(threads, index))
-                    finally:
-                        if hog is not None:
-                            hog.kill()
-                            hog.wait()
 
     table = Table(title=f"{cores} cores, {args.repeat} interleaved rounds, medians; load average at the end "
                         f"{os.getloadavg()[0]:.1f}")

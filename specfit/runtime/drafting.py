@@ -216,13 +216,13 @@ class TreeDraft:
         m = edge_lp.size
         self.n_nodes += m
         self._parent_hidden, self._first, self._width = out.hidden, first, width
-        new, parents = np.arange(first, first + m), self.parents[first:first + m]
+        parents = self.parents[first:first + m]
         if self._acceptance is not None:
             # as the calibrator does on a trace: edges multiplied, depth-corrected, never above the parent
             start = time.perf_counter()
             # each expanded node's children are its top-k: the first one's probability is the top
-            self._acceptance.calibrate_level(edge_lp, width, new, parents, self.depth, self.edge_product,
-                                             self.path_prob)
+            self._acceptance.calibrate_level(edge_lp, width, np.arange(first, first + m), parents, self.depth,
+                                             self.edge_product, self.path_prob)
             self.calibration_s += time.perf_counter() - start
         # each expanded node's output is its children's context, in the level's order
         context = out.hidden.repeat_interleave(width, dim=0)
