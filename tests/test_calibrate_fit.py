@@ -271,3 +271,61 @@ def test_star_trees_identify_the_cost_of_a_node_that_random_trees_trade_against_
         fitter = CycleTimeFitter(holdout_fraction=0, prior={"hit_s": 1e-4}).fit(X, y)
         assert "per_node_s" in fitter.quality_["fitted"], seed
         assert fitter.cost_model().per_node_s == pytest.approx(truth.per_node_s, rel=0.35), seed
+
+
+def test_the_compiled_choice_score_equals_the_normal_equations_written_in_numpy():
+    # specfit.kernels.identify.score against the forward selection's formulas in plain numpy:
+    # design columns A @ M (a free term its own column, the speed factor the held group's prior
+    # contribution), the candidate's standard error and estimate from the inverse normal matrix
+    from specfit import kernels
+
+    rng = np.random.default_rng(5)
+    checked = singular = 0
+    for trial in range(300):
+        n, p = 40, 5
+        A = rng.random((n, p)) * rng.choice([1.0, 1e-3], p)
+        if trial % 7 == 0:
+            A[:, 2] = 2.0 * A[:, 3]                        # collinear columns
+        if trial % 11 == 0:
+            A[:, 4] = 0.0                                  # an absent term
+        b = A @ rng.random(p) * (1 + 0.05 * rng.standard_normal(n))
+        G, g = A.T @ A, A.T @ b
+        held_at = rng.random(p) * (rng.random(p) < 0.8)
+        held_fixed = np.where(rng.random(p) < 0.2, held_at, 0.0)
+        terms = rng.permutation(p)
+        n_free = int(rng.integers(1, p))
+        free, group = sorted(terms[:n_free]), sorted(terms[n_free:n_free + int(rng.integers(0, p - n_free + 1))])
+        speed = bool(rng.random() < 0.5)
+        c = int(rng.integers(0, len(free)))
+        prior_value, visible, sigma2, shrink, spread = rng.random(), rng.random(), 1e-3 * rng.random(), 1.0, 0.3
+
+        k = len(free) + (1 if speed and group else 0)
+        M = np.zeros((p, k))
+        M[free, np.arange(len(free))] = 1.0
+        v = held_fixed.copy()
+        if group:
+            if speed:
+                M[group, -1] = held_at[group]
+            else:
+                v[group] = held_at[group]
+        Gk, rhs = M.T @ G @ M, M.T @ (g - G @ v)
+        got = kernels.identify.score(G, g, np.array(free, dtype=np.int64), np.array(group, dtype=np.int64), speed,
+                                     held_at, held_fixed, c, prior_value, visible, sigma2, shrink, spread, 3.0, 1e8)
+        try:
+            inv = np.linalg.inv(Gk)
+        except np.linalg.LinAlgError:
+            assert got == (np.inf, 0.0, 0.0)
+            singular += 1
+            continue
+        if not (Gk[c, c] > 0 and inv[c, c] > 0 and 1.0 / (Gk[c, c] * inv[c, c]) > 1e-8):
+            assert got == (np.inf, 0.0, 0.0)
+            singular += 1
+            continue
+        estimate = float(inv[c] @ rhs)
+        se = float(np.sqrt(sigma2 * shrink * inv[c, c]))
+        shift = abs(estimate - prior_value)
+        want = (min(se / (spread * max(prior_value, visible)), 3.0 * se / max(shift, 1e-300)), estimate, shift / se)
+        # the products' summation order differs from numpy's BLAS: agreement to the conditioning
+        assert got == pytest.approx(want, rel=max(1e-12 * np.linalg.cond(Gk), 1e-10), abs=1e-300)
+        checked += 1
+    assert checked > 150 and singular > 10

@@ -37,6 +37,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import nnls
 
+from .. import kernels
 from ..accounting import prediction_errors
 from ..costmodel import PARAM_NAMES, CostModel
 from ..errors import SpecFitError
@@ -288,34 +289,19 @@ class CycleTimeFitter:
         held_fixed = np.where(fixed, held_at, 0.0)
         unit = self._unit
 
+        def ids(indices) -> np.ndarray:
+            return np.array(indices, dtype=np.int64)
+
         def system(f, grp, sp):
-            """Normal equations of a choice, from the p x p ones: design columns A @ M (a free term
-            is its own column; the speed factor is the held group's prior contribution)."""
-            k = len(f) + (1 if sp and grp else 0)
-            M = np.zeros((p, k))
-            M[f, np.arange(len(f))] = 1.0
-            v = held_fixed.copy()
-            if grp:
-                if sp:
-                    M[grp, -1] = held_at[grp]
-                else:
-                    v[grp] = held_at[grp]
-            return M.T @ G @ M, M.T @ (g - G @ v), bb - 2 * v @ g + v @ G @ v
+            """Normal equations of a choice (:func:`specfit.kernels.identify.system`)."""
+            return kernels.identify.system(G, g, bb, ids(f), ids(grp), bool(sp), held_at, held_fixed)
 
         def score(f, grp, sp, c, prior_value, visible):
-            """(score, estimate, distance from the prior in standard errors) of column c."""
-            Gk, rhs, _ = system(f, grp, sp)
-            try:
-                inv = np.linalg.inv(Gk)
-            except np.linalg.LinAlgError:
-                return np.inf, 0.0, 0.0
-            if not (Gk[c, c] > 0 and inv[c, c] > 0 and 1.0 / (Gk[c, c] * inv[c, c]) > 1.0 / COLLINEAR_CONDITION):
-                return np.inf, 0.0, 0.0
-            estimate = float(inv[c] @ rhs)
-            se = float(np.sqrt(sigma2 * shrink * inv[c, c]))
-            prior_sd = self.prior_spread * max(prior_value, visible)
-            shift = abs(estimate - prior_value)
-            return min(se / prior_sd, REFUTED * se / max(shift, 1e-300)), estimate, (shift / se if se > 0 else 0.0)
+            """(score, estimate, distance from the prior in standard errors) of column c
+            (:func:`specfit.kernels.identify.score`)."""
+            return kernels.identify.score(G, g, ids(f), ids(grp), bool(sp), held_at, held_fixed, c, float(prior_value),
+                                          float(visible), sigma2, shrink, self.prior_spread, REFUTED,
+                                          COLLINEAR_CONDITION)
 
         def speed_visible(grp):
             share = float(unit[grp] @ held_at[grp]) if grp else 0.0     # the group's share of a cycle
