@@ -37,7 +37,7 @@ def row_scales(x, c):
     return out
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _select(row, k, out, best):
     """The ``k`` largest entries of ``row`` (ids, descending; ties: the lower id) into ``out``,
     by insertion into a sorted list of the best so far (``best``: scratch of ``k`` values), one
@@ -63,30 +63,50 @@ def _select(row, k, out, best):
             best[t], out[t] = v, x
 
 
-@njit(cache=True)
-def _row(token_logits, context_logits, i, base, w, last, bonus, layer, row):
+@njit(cache=True, inline="always")
+def _mix(token_logits, context_logits, i, base, w, row):
     """A node's logits at one layer (columns ``base ..``) into ``row``: the token's, plus ``w``
-    times the context's (``w`` already scaled to the node's row), plus ``bonus`` standard
-    deviations of the row for each expert of ``last[i, layer]`` (an id below 0: unknown)."""
+    times the context's (``w`` already scaled to the node's row)."""
     n_experts = row.size
-    with_context = context_logits.shape[0] > 0
+    if context_logits.shape[0] > 0:
+        for x in range(n_experts):
+            row[x] = token_logits[i, base + x] + w * context_logits[i, base + x]
+    else:
+        for x in range(n_experts):
+            row[x] = token_logits[i, base + x]
+
+
+@njit(cache=True, inline="always")
+def _spread(row):
+    """The standard deviation of ``row`` (two passes: the mean, then the squares about it)."""
+    n_experts = row.size
+    mean = 0.0
     for x in range(n_experts):
-        row[x] = token_logits[i, base + x]
-        if with_context:
-            row[x] += w * context_logits[i, base + x]
+        mean += row[x]
+    mean /= n_experts
+    var = 0.0
+    for x in range(n_experts):
+        var += (row[x] - mean) ** 2
+    return np.sqrt(var / n_experts)
+
+
+@njit(cache=True, inline="always")
+def _raise(row, last, i, layer, add):
+    """``add`` to the row's entry of each expert of ``last[i, layer]`` (an id below 0: unknown)."""
+    n_experts = row.size
+    for t in range(last.shape[2]):
+        e = last[i, layer, t]
+        if 0 <= e < n_experts:
+            row[e] += add
+
+
+@njit(cache=True, inline="always")
+def _row(token_logits, context_logits, i, base, w, last, bonus, layer, row):
+    """:func:`_mix`, plus ``bonus`` standard deviations of the row for each expert of
+    ``last[i, layer]``."""
+    _mix(token_logits, context_logits, i, base, w, row)
     if bonus != 0.0 and last.shape[0] > 0:
-        mean = 0.0
-        for x in range(n_experts):
-            mean += row[x]
-        mean /= n_experts
-        var = 0.0
-        for x in range(n_experts):
-            var += (row[x] - mean) ** 2
-        add = bonus * np.sqrt(var / n_experts)
-        for t in range(last.shape[2]):
-            e = last[i, layer, t]
-            if 0 <= e < n_experts:
-                row[e] += add
+        _raise(row, last, i, layer, bonus * _spread(row))
 
 
 @njit(cache=True)
@@ -109,23 +129,17 @@ def top_k_experts(token_logits, context_logits, scale, layer_weight, last, layer
     return out
 
 
-@njit(cache=True)
-def _count(token_logits, context_logits, scale, weights, last, bonuses, true, right, row, chosen, best):
-    """Add to ``right[c, l]`` the true experts named by the top-k at context weight
-    ``weights[c, l]`` and bonus ``bonuses[c, l]``."""
-    n, n_layers, k = true.shape
-    n_experts = row.size
-    for c in range(weights.shape[0]):
-        for i in range(n):
-            for layer in range(n_layers):
-                w = weights[c, layer] * scale[i] if context_logits.shape[0] > 0 else 0.0
-                _row(token_logits, context_logits, i, layer * n_experts, w, last, bonuses[c, layer], layer, row)
-                _select(row, k, chosen, best)
-                for s in range(k):
-                    for t in range(k):
-                        if true[i, layer, t] == chosen[s]:
-                            right[c, layer] += 1
-                            break
+@njit(cache=True, inline="always")
+def _named(true, i, layer, chosen):
+    """How many of ``true[i, layer]`` the ids ``chosen`` name."""
+    k = true.shape[2]
+    hits = 0
+    for s in range(chosen.size):
+        for t in range(k):
+            if true[i, layer, t] == chosen[s]:
+                hits += 1
+                break
+    return hits
 
 
 @njit(cache=True)
@@ -135,25 +149,34 @@ def count_right(token_logits, context_logits, scale, layer_weight, last, layer_b
     of the nodes' true experts (``true`` int [n, L, k], -1 for an unknown slot) the top-k names at
     context weight ``weight_candidates[c]`` with each layer's current bonus, and to
     ``right_bonus[c, l]`` the same at bonus ``bonus_candidates[c]`` with each layer's current
-    context weight."""
-    n_layers = layer_weight.size
+    context weight (their rows differ only by the bonus: one mix and one spread for all of them)."""
+    n, n_layers, k = true.shape
     n_experts = token_logits.shape[1] // n_layers
-    k = true.shape[2]
+    with_context = context_logits.shape[0] > 0
+    with_last = last.shape[0] > 0
     row = np.empty(n_experts)
+    mixed = np.empty(n_experts)
     chosen = np.empty(k, dtype=np.int64)
     best = np.empty(k)
-    weights = np.empty((weight_candidates.size, n_layers))
-    bonuses = np.empty((weight_candidates.size, n_layers))
-    for c in range(weight_candidates.size):
-        weights[c] = weight_candidates[c]
-        bonuses[c] = layer_bonus
-    _count(token_logits, context_logits, scale, weights, last, bonuses, true, right_weight, row, chosen, best)
-    weights = np.empty((bonus_candidates.size, n_layers))
-    bonuses = np.empty((bonus_candidates.size, n_layers))
-    for c in range(bonus_candidates.size):
-        weights[c] = layer_weight
-        bonuses[c] = bonus_candidates[c]
-    _count(token_logits, context_logits, scale, weights, last, bonuses, true, right_bonus, row, chosen, best)
+    for i in range(n):
+        for layer in range(n_layers):
+            base = layer * n_experts
+            for c in range(weight_candidates.size):
+                w = weight_candidates[c] * scale[i] if with_context else 0.0
+                _row(token_logits, context_logits, i, base, w, last, layer_bonus[layer], layer, row)
+                _select(row, k, chosen, best)
+                right_weight[c, layer] += _named(true, i, layer, chosen)
+            w = layer_weight[layer] * scale[i] if with_context else 0.0
+            _mix(token_logits, context_logits, i, base, w, mixed)
+            sd = _spread(mixed) if with_last else 0.0
+            for c in range(bonus_candidates.size):
+                for x in range(n_experts):
+                    row[x] = mixed[x]
+                bonus = bonus_candidates[c]
+                if bonus != 0.0 and with_last:
+                    _raise(row, last, i, layer, bonus * sd)
+                _select(row, k, chosen, best)
+                right_bonus[c, layer] += _named(true, i, layer, chosen)
 
 
 @njit(cache=True)
