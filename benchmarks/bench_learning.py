@@ -1,0 +1,182 @@
+"""Benchmark: what a live decode spends learning after its cycles, this checkout against another
+revision, side by side in one process.
+
+Two steps run between a cycle's commit and the next cycle's drafting, every so many cycles:
+
+- the online cost model's refit (:class:`specfit.calibrate.online.OnlineCostModel`): a robust
+  fit of the recent cycles, every other one with the forward selection of the terms the data
+  identify. Fed the ``specfit`` cycles of a ``bench_decode.py --out`` run (or a synthetic set),
+  each revision's ``CycleTimeFitter`` in turn;
+- the router predictor's online count (:func:`specfit.kernels.router.count_host`): for a batch of
+  64 verified nodes, what each candidate context weight and recency bonus would have predicted.
+
+The baseline's ``specfit/calibrate/fit.py`` and ``specfit/kernels/router.py`` are read with
+``git show`` and imported under other names; the arms alternate, one thread. Prints medians in
+microseconds, the median of the paired ratios, and whether both revisions computed the same
+(the fitted models, the counts).
+
+    python benchmarks/bench_learning.py --baseline 162605b [--cycles DIR/cycles.parquet] [--rounds 6] [--busy 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from busy import busy_processes
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def baseline_module(revision: str, path: str, name: str):
+    """``path`` of ``revision``, imported as ``name`` (its relative imports made absolute)."""
+    shown = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{path}"], capture_output=True, text=True)
+    if shown.returncode != 0:
+        raise SystemExit(f"bench_learning: --baseline {revision}: {shown.stderr.strip()}")
+    # "from .." is the specfit package for the modules read here (one folder below it)
+    source = shown.stdout.replace("from ..", "from specfit.").replace("from specfit. import", "from specfit import")
+    depth = path.count("/") - 1                      # specfit/calibrate/fit.py: "from ." is specfit.calibrate
+    package = ".".join(Path(path).parent.parts[:depth + 1])
+    source = source.replace("from .", f"from {package}.")
+    file = Path(tempfile.mkdtemp(prefix="bench_learning.")) / f"{name}.py"
+    file.write_text(source)
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def cycle_rows(path: Path | None) -> list[tuple]:
+    """(draft levels, nodes, hits, misses, seconds, priced hits, priced misses, drafter seconds) per
+    ``specfit`` cycle of a run's ``cycles.parquet``; without one, a synthetic run of 150 cycles."""
+    if path is not None:
+        import pandas as pd
+
+        c = pd.read_parquet(path)
+        c = c[c["policy"] == "specfit"]
+        return list(zip(c.draft_levels, c.nodes_verified, c.hits, c.misses, c.measured_time_s, c.predicted_hits,
+                        c.predicted_misses, c.drafter_time_s))
+    rng = np.random.default_rng(0)
+    rows = []
+    for _ in range(150):
+        levels, nodes = int(rng.integers(0, 7)), int(rng.integers(1, 20))
+        hits, misses = int(rng.integers(4, 40)), int(rng.integers(0, 30))
+        time_s = (1.5e-3 * levels + 3.7e-3 + 7e-5 * nodes + 1e-4 * hits + 1.1e-4 * misses) * (1 + 0.05 * rng.standard_normal())
+        rows.append((levels, nodes, hits, misses, time_s, hits, misses, 1.5e-3 * levels))
+    return rows
+
+
+def time_refits(fitter_class, prior, rows) -> tuple[list, list, object]:
+    """(selecting refits' seconds, reusing refits' seconds, the final fitted model) of one online run."""
+    from specfit.calibrate import online
+
+    kept = online.CycleTimeFitter
+    online.CycleTimeFitter = fitter_class
+    try:
+        model = online.OnlineCostModel(prior)
+    finally:
+        online.CycleTimeFitter = kept
+    refit = model._refit
+    selecting, reusing = [], []
+
+    def timed():
+        start = time.perf_counter()
+        selected = refit()
+        (selecting if selected else reusing).append(time.perf_counter() - start)
+        return selected
+
+    model._refit = timed
+    for r in rows * 2:
+        model.observe(int(r[0]), int(r[1]), int(r[2]), int(r[3]), float(r[4]), priced=(int(r[5]), int(r[6])),
+                      overhead_s=1e-4, drafter_s=float(r[7]))
+    return selecting, reusing, model.fitted
+
+
+def count_inputs(rng):
+    """A batch of 64 verified nodes of the bundled model's shape (hidden 128, 4 layers x 16
+    experts, top-4) and the predictor's candidates."""
+    embed = rng.standard_normal((2048, 128)).astype(np.float32)
+    columns = rng.standard_normal((128, 64)).astype(np.float32)
+    n = 64
+    tokens = rng.integers(0, 2048, n).astype(np.int64)
+    context = rng.standard_normal((n, 128)).astype(np.float32)
+    last = rng.integers(-1, 16, (n, 4, 4)).astype(np.int64)
+    true = rng.integers(0, 16, (n, 4, 4)).astype(np.int64)
+    return (embed, columns, tokens, context, np.full(4, 0.5), last, np.full(4, 0.5),
+            np.array([0.0, 0.25, 0.5, 1.0, 2.0, 4.0]), np.array([0.0, 0.5, 1.0, 1.5, 2.0]), true)
+
+
+def time_count(module, inputs) -> tuple[float, tuple]:
+    right = (np.zeros((6, 4), dtype=np.int64), np.zeros((5, 4), dtype=np.int64))
+    start = time.perf_counter()
+    module.count_host(*inputs, *right)
+    return time.perf_counter() - start, right
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", required=True, help="git revision to compare with")
+    parser.add_argument("--cycles", type=Path, default=None, help="cycles.parquet of a bench_decode.py --out run")
+    parser.add_argument("--rounds", type=int, default=6, help="alternating rounds per arm")
+    parser.add_argument("--busy", type=int, default=0, help="CPU-bound processes beside the benchmark")
+    args = parser.parse_args(argv)
+
+    from specfit.threads import set_cpu_threads
+
+    set_cpu_threads(1)
+    from specfit import kernels
+    from specfit.calibrate.fit import CycleTimeFitter
+    from specfit.costmodel import CostModel
+
+    arms = {"baseline": (baseline_module(args.baseline, "specfit/calibrate/fit.py", "fit_baseline").CycleTimeFitter,
+                         baseline_module(args.baseline, "specfit/kernels/router.py", "router_baseline")),
+            "this": (CycleTimeFitter, kernels.router)}
+    prior = CostModel(base_s=3.7e-3, per_node_s=7e-5, hit_s=1e-4, miss_s=1.1e-4, draft_level_s=1.5e-3)
+    rows = cycle_rows(args.cycles)
+    inputs = count_inputs(np.random.default_rng(0))
+    for fitter, router in arms.values():           # compiled and loaded before anything is timed
+        time_refits(fitter, prior, rows[:40])
+        time_count(router, inputs)
+    selecting = {a: [] for a in arms}
+    reusing = {a: [] for a in arms}
+    counts = {a: [] for a in arms}
+    fitted, counted = {}, {}
+    with busy_processes(args.busy):
+        for r in range(args.rounds):
+            for arm in (list(arms) if r % 2 == 0 else list(arms)[::-1]):
+                fitter, router = arms[arm]
+                sel, reuse, fitted[arm] = time_refits(fitter, prior, rows)
+                selecting[arm].append(np.median(sel))
+                reusing[arm].append(np.median(reuse))
+                for _ in range(20):
+                    seconds, counted[arm] = time_count(router, inputs)
+                    counts[arm].append(seconds)
+
+    table = Table(title=f"learning after the cycles: this checkout against {args.baseline} "
+                        f"({len(rows)} cycles x 2 per online run, {args.rounds} rounds, {args.busy} busy)")
+    for name in ("step", "baseline (us)", "this (us)", "this / baseline (paired)", "same result"):
+        table.add_column(name, justify="left" if name == "step" else "right")
+    same_fit = fitted["baseline"] == fitted["this"]
+    same_count = all((a == b).all() for a, b in zip(counted["baseline"], counted["this"]))
+    for step, values, same in (("online refit, selecting the terms", selecting, same_fit),
+                               ("online refit, reusing the choice", reusing, same_fit),
+                               ("router count, 64 nodes x 11 candidates", counts, same_count)):
+        base, this = np.array(values["baseline"]), np.array(values["this"])
+        table.add_row(step, f"{np.median(base) * 1e6:.0f}", f"{np.median(this) * 1e6:.0f}",
+                      f"{np.median(this / base):.3f}", "yes" if same else "NO")
+    Console(width=140).print(table)
+
+
+if __name__ == "__main__":
+    main()
