@@ -160,3 +160,40 @@ def test_each_layer_learns_how_much_the_previous_tokens_experts_count():
         plain.update(tokens, routed_with_recent(embed, router_weight, tokens, context, weights, last, (0.0,) * L), E,
                      last_known=last, context=context)
     assert plain.layer_bonuses.tolist() == [0.0] * L
+
+
+@pytest.mark.parametrize("with_context", [True, False])
+@pytest.mark.parametrize("with_last", [True, False])
+def test_the_online_count_is_what_the_prediction_would_have_named_at_each_candidate(with_context, with_last):
+    # kernels.router.count_right against kernels.router.top_k_experts run at each candidate: the
+    # weight candidates with each layer's current bonus, the bonus candidates with each layer's
+    # current weight; true slots of -1 (unknown) and last-known ids of -1 name nothing
+    from specfit import kernels
+
+    rng = np.random.default_rng(3)
+    n = 40
+    token_logits = rng.standard_normal((n, L * E))
+    context_logits = rng.standard_normal((n, L * E)) if with_context else np.zeros((0, 0))
+    scale = rng.random(n) + 0.5 if with_context else np.zeros(0)
+    last = rng.integers(-1, E, (n, L, K)) if with_last else np.zeros((0, 0, 0), dtype=np.int64)
+    true = rng.integers(-1, E, (n, L, K))
+    layer_weight, layer_bonus = rng.choice(CONTEXT_WEIGHTS, L), rng.choice(RECENT_BONUSES, L)
+    weights, bonuses = np.array(CONTEXT_WEIGHTS), np.array(RECENT_BONUSES)
+    right_weight = np.zeros((weights.size, L), dtype=np.int64)
+    right_bonus = np.zeros((bonuses.size, L), dtype=np.int64)
+    kernels.router.count_right(token_logits, context_logits, scale, layer_weight, last, layer_bonus, weights, bonuses,
+                               true, right_weight, right_bonus)
+
+    def named(predicted):
+        return np.array([sum(int(e in set(true[i, layer])) for i in range(n) for e in predicted[i, layer])
+                         for layer in range(L)])
+
+    for c, w in enumerate(weights):
+        predicted = kernels.router.top_k_experts(token_logits, context_logits, scale, np.full(L, w), last,
+                                                 layer_bonus, K)
+        assert right_weight[c].tolist() == named(predicted).tolist()
+    for c, b in enumerate(bonuses):
+        predicted = kernels.router.top_k_experts(token_logits, context_logits, scale, layer_weight, last,
+                                                 np.full(L, b), K)
+        assert right_bonus[c].tolist() == named(predicted).tolist()
+    assert right_weight.sum() > 0 and right_bonus.sum() > 0
