@@ -1,9 +1,10 @@
 """The cycle-time fit's forward selection compiled: the normal equations of one choice of fitted
 and held terms, and a candidate's score in them (:class:`specfit.calibrate.fit.CycleTimeFitter`).
 
-The fit's physical terms are few (five), so each is a handful of small products; compiled, a
-score costs ~1 us instead of ~60 us of numpy calls, and the online refit runs one forward
-selection (about fifteen scores) every other refit inside a live decode.
+The fit's physical terms are few (five), so each score is a handful of small products: in numpy,
+tens of calls. The online refit runs one forward selection (about fifteen scores) every other
+refit inside a live decode; compiled, such a refit takes 0.46x its time before
+(``benchmarks/bench_learning.py``).
 
 A choice is ``free`` (the terms fitted on their own, as indices into the physical terms),
 ``group`` (the held terms, at ``held_at``) and ``speed`` (whether the group is scaled by one fitted
