@@ -15,10 +15,7 @@ another name (it must import the same helpers as this checkout's).
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,27 +24,12 @@ from rich.console import Console
 from rich.table import Table
 
 from busy import busy_processes
+from revision import module_at
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 LEVELS, TOP_K = 7, 4
-
-
-def baseline_tree_draft(revision: str):
-    """The ``TreeDraft`` class of ``revision``'s drafting module."""
-    shown = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:specfit/runtime/drafting.py"],
-                           capture_output=True, text=True)
-    if shown.returncode != 0:
-        raise SystemExit(f"bench_draft_level: --baseline {revision}: {shown.stderr.strip()}")
-    source = shown.stdout.replace("from ..", "from specfit.").replace("from specfit. import", "from specfit import")
-    path = Path(tempfile.mkdtemp(prefix="bench_draft_level.")) / "drafting_baseline.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("drafting_baseline", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module          # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module.TreeDraft
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,7 +51,7 @@ def main(argv: list[str] | None = None) -> None:
     from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter
     from specfit.runtime.loader import load_model
 
-    arms = {"baseline": baseline_tree_draft(args.baseline), "this": TreeDraft}
+    arms = {"baseline": module_at(args.baseline, "specfit/runtime/drafting.py", "drafting_baseline", "bench_draft_level").TreeDraft, "this": TreeDraft}
     warm_up()
     config = Eagle3Config.from_file(tiny_moe_eagle3_dir() / "config.json")
     model = load_model(tiny_moe_dir(), cache_experts=4, capture_layers=config.aux_hidden_state_layer_ids)

@@ -21,10 +21,7 @@ microseconds, the median of the paired ratios, and whether both revisions comput
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,28 +30,10 @@ from rich.console import Console
 from rich.table import Table
 
 from busy import busy_processes
+from revision import module_at
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-
-
-def baseline_module(revision: str, path: str, name: str):
-    """``path`` of ``revision``, imported as ``name`` (its relative imports made absolute)."""
-    shown = subprocess.run(["git", "-C", str(REPO), "show", f"{revision}:{path}"], capture_output=True, text=True)
-    if shown.returncode != 0:
-        raise SystemExit(f"bench_learning: --baseline {revision}: {shown.stderr.strip()}")
-    # "from .." is the specfit package for the modules read here (one folder below it)
-    source = shown.stdout.replace("from ..", "from specfit.").replace("from specfit. import", "from specfit import")
-    depth = path.count("/") - 1                      # specfit/calibrate/fit.py: "from ." is specfit.calibrate
-    package = ".".join(Path(path).parent.parts[:depth + 1])
-    source = source.replace("from .", f"from {package}.")
-    file = Path(tempfile.mkdtemp(prefix="bench_learning.")) / f"{name}.py"
-    file.write_text(source)
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def cycle_rows(path: Path | None) -> list[tuple]:
@@ -139,8 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     from specfit.calibrate.fit import CycleTimeFitter
     from specfit.costmodel import CostModel
 
-    arms = {"baseline": (baseline_module(args.baseline, "specfit/calibrate/fit.py", "fit_baseline").CycleTimeFitter,
-                         baseline_module(args.baseline, "specfit/kernels/router.py", "router_baseline")),
+    arms = {"baseline": (module_at(args.baseline, "specfit/calibrate/fit.py", "fit_baseline", "bench_learning").CycleTimeFitter,
+                         module_at(args.baseline, "specfit/kernels/router.py", "router_baseline", "bench_learning")),
             "this": (CycleTimeFitter, kernels.router)}
     prior = CostModel(base_s=3.7e-3, per_node_s=7e-5, hit_s=1e-4, miss_s=1.1e-4, draft_level_s=1.5e-3)
     rows = cycle_rows(args.cycles)
