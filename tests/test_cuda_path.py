@@ -568,3 +568,21 @@ def test_resolve_device_names_an_explicit_cuda_index(monkeypatch):
     assert resolve_device("cuda:0") == torch.device("cuda", 0)
     with pytest.raises(SpecFitError, match=r"2 CUDA device\(s\), cuda:0..cuda:1"):
         resolve_device("cuda:2")
+
+
+def test_experts_drawn_elsewhere_are_copied_in_whole_blocks_within_the_bound():
+    """On a GPU the stand-in's experts are drawn on the device a block at a time and copied into
+    pinned host memory: every expert of every block is written, in bounds, none a copy of another."""
+    from specfit.calibrate.standin import _fill_host
+
+    tensor = torch.full((7, 6, 40), float("nan"))
+    expert_bytes = tensor[0].nbytes
+    _fill_host(tensor, torch.Generator().manual_seed(3), block_bytes=2 * expert_bytes + 1, blocks=True)
+    bound = (3.0 / 40) ** 0.5
+    assert not bool(tensor.isnan().any()) and float(tensor.abs().max()) <= bound
+    assert float(tensor.std()) == pytest.approx(bound / 3 ** 0.5, rel=0.1)
+    flat = tensor.reshape(7, -1)
+    assert all(not torch.equal(flat[i], flat[j]) for i in range(7) for j in range(i))
+    # one generator's draws, in the same order, whether in place or a block at a time
+    same = torch.empty_like(tensor)
+    assert torch.equal(_fill_host(same, torch.Generator().manual_seed(3)), tensor)

@@ -24,11 +24,12 @@ def test_gpu_check_runs_on_the_cpu_with_tiny_shapes(capsys, tmp_path):
     out_path = tmp_path / "gpu_check.json"
     summaries = _gpu_check().main(["--device", "cpu", "--shape", "tiny", "--layers", "2", "--prompts", "1",
                                    "--prompt-tokens", "8", "--new-tokens", "6", "--draft-vocab", "256",
-                                   "--out", str(out_path)])
-    assert [s["policy"] for s in summaries] == ["ar", "eagle3", "specfit"]
+                                   "--out", str(out_path), "--profile-out", str(tmp_path / "profile.json")])
+    assert [s["policy"] for s in summaries] == ["ar", "eagle3", "static:auto", "specfit"]
     for s in summaries:
         assert s["cycles"] > 0 and s["time_per_cycle_s"] > 0 and math.isfinite(s["predicted_time_per_cycle_s"])
         assert s["stall_s_per_cycle"] >= 0 and s["predicted_transfer_s_per_cycle"] >= 0
+        assert s["h2d_gbps"] > 0 and s["h2d_of_probe"] > 0
     assert summaries[1]["nodes_per_cycle"] > summaries[0]["nodes_per_cycle"] == 1.0
     out = capsys.readouterr().out
     assert "H2D" in out and "measured vs predicted" in out and "pageable" in out
@@ -36,7 +37,16 @@ def test_gpu_check_runs_on_the_cpu_with_tiny_shapes(capsys, tmp_path):
     assert record["device"] == "cpu" and record["pinned_bytes"] == 0
     assert record["host_expert_bytes"] == 2 * 16 * record["expert_bytes"]
     assert set(record["profile"]["measures"]) >= {"h2d", "expert_compute", "cycles"}
-    assert [p["policy"] for p in record["policies"]] == ["ar", "eagle3", "specfit"]
+    assert [p["policy"] for p in record["policies"]] == ["ar", "eagle3", "static:auto", "specfit"]
+    # every cycle's row: the bytes the copies moved are the misses' experts, the cycles counted
+    for p in record["policies"]:
+        rows = [c for c in record["cycles"] if c["policy"] == p["policy"]]
+        assert len(rows) == p["cycles"]
+        assert all(c["bytes_h2d"] == c["misses"] * record["expert_bytes"] for c in rows)
+        assert all(c["union_size"] == c["hits"] + c["misses"] for c in rows)
+    assert set(record["seconds"]) == {"build", "calibrate", "ar", "eagle3", "static:auto", "specfit"}
+    saved = json.loads((tmp_path / "profile.json").read_text())
+    assert saved["cost"] == record["profile"]["cost"]
 
 
 def test_gpu_check_rejects_a_device_it_cannot_use(capsys):
