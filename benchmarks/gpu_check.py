@@ -52,6 +52,7 @@ from specfit.runtime.decode_job import summarise_policy  # noqa: E402
 from specfit.runtime.decoder import Decoder  # noqa: E402
 from specfit.runtime.devices import resolve_device  # noqa: E402
 from specfit.runtime.drafting import Proposer  # noqa: E402
+from specfit.runtime.run_dir import DecodeOutputs  # noqa: E402
 
 POLICIES = ("ar", "eagle3", "static:auto", "specfit")
 # the per-cycle columns --out keeps (the schema's per-layer lists are left out)
@@ -116,6 +117,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                         help="calibrate with specfit calibrate's full probe grids (default: --quick's)")
     parser.add_argument("--out", default=None, help="also write what was measured, every cycle too, to this JSON file")
     parser.add_argument("--profile-out", default=None, help="also save the calibrated profile to this JSON file")
+    parser.add_argument("--run-dir", type=Path, default=None,
+                        help="also keep the cycles as `specfit decode --out` does (cycles.parquet, decode.jsonl, "
+                             "summary.json) with profile.json, for benchmarks/bench_online.py")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -177,7 +181,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for index, prompt in enumerate(prompts):
             result = decoder.generate(prompt, args.new_tokens, ignore_eos=True)
             records.append({"policy": policy.name, "index": index, **result.to_dict()})
-            cycles.extend({"policy": policy.name, "sequence": index, "cycle": c,
+            cycles.extend({"policy": policy.name, "sequence": index, "position": s.position, "cycle": c,
                            **live_row(s, profile.cost, model.offload.host.expert_bytes)}
                           for c, s in enumerate(result.cycles))
         copies[policy.name] = meter.gbps
@@ -204,6 +208,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"{s['h2d_gbps']:.1f}", f"{s['h2d_of_probe']:.0%}", f"{s['hit_rate']:.2f}")
     console.print(table)
     console.print("seconds: " + ", ".join(f"{name} {value:.1f}" for name, value in seconds.items()))
+    if args.run_dir is not None:
+        outputs = DecodeOutputs(args.run_dir)
+        outputs.records, outputs.cycles, outputs.summaries = records, cycles, summaries
+        outputs.close()
+        profile.save(args.run_dir / "profile.json")
     if args.out:
         write_json_atomic(args.out, {
             "shape": shape, "layers": config.n_layers, "device": str(device), "machine": profile.machine,

@@ -24,7 +24,8 @@ def test_gpu_check_runs_on_the_cpu_with_tiny_shapes(capsys, tmp_path):
     out_path = tmp_path / "gpu_check.json"
     summaries = _gpu_check().main(["--device", "cpu", "--shape", "tiny", "--layers", "2", "--prompts", "1",
                                    "--prompt-tokens", "8", "--new-tokens", "6", "--draft-vocab", "256",
-                                   "--out", str(out_path), "--profile-out", str(tmp_path / "profile.json")])
+                                   "--out", str(out_path), "--profile-out", str(tmp_path / "profile.json"),
+                                   "--run-dir", str(tmp_path / "run")])
     assert [s["policy"] for s in summaries] == ["ar", "eagle3", "static:auto", "specfit"]
     for s in summaries:
         assert s["cycles"] > 0 and s["time_per_cycle_s"] > 0 and math.isfinite(s["predicted_time_per_cycle_s"])
@@ -47,6 +48,12 @@ def test_gpu_check_runs_on_the_cpu_with_tiny_shapes(capsys, tmp_path):
     assert set(record["seconds"]) == {"build", "calibrate", "ar", "eagle3", "static:auto", "specfit"}
     saved = json.loads((tmp_path / "profile.json").read_text())
     assert saved["cost"] == record["profile"]["cost"]
+    # the run directory reads back as a decode run's, the same cycles in it
+    from specfit.runtime.run_dir import read_decode_cycles
+
+    kept = read_decode_cycles(tmp_path / "run")
+    assert len(kept) == len(record["cycles"]) and list(kept["time_s"]) == [c["time_s"] for c in record["cycles"]]
+    assert json.loads((tmp_path / "run" / "profile.json").read_text())["cost"] == saved["cost"]
 
 
 def test_gpu_check_rejects_a_device_it_cannot_use(capsys):
