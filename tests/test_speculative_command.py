@@ -139,14 +139,30 @@ def test_without_profile_a_quick_calibration_is_saved_in_the_user_cache_and_name
     cache = tmp_path / "user-cache" / "specfit" / "profiles"
     saved = list(cache.glob("*.json"))
     assert len(saved) == 1 and f"profile: {saved[0]}" in result.stdout.replace("\n", "")
+    mtime = saved[0].stat().st_mtime_ns
     assert not (tmp_path / "calibrate").exists()             # nothing written into the current directory
     again = decode(checkpoint, "--policy", "chain:2")      # found this time, not re-measured
-    assert again.exit_code == 0 and "quick calibration" not in again.output
-    # a project's own calibrate/ directory comes first
+    assert again.exit_code == 0 and f"profile: {saved[0]}" in again.stdout.replace("\n", "")
+    assert saved[0].stat().st_mtime_ns == mtime
+    # a project's own calibrate/ directory comes first (there, names carry no dtype)
+    assert saved[0].name.endswith("-float32.json")
+    project_name = saved[0].name.removesuffix("-float32.json") + ".json"
     (tmp_path / "calibrate").mkdir()
-    (tmp_path / "calibrate" / saved[0].name).write_text(saved[0].read_text())
+    (tmp_path / "calibrate" / project_name).write_text(saved[0].read_text())
     mine = decode(checkpoint, "--policy", "chain:2")
-    assert f"profile: calibrate/{saved[0].name}" in mine.stdout.replace("\n", "")
+    assert f"profile: calibrate/{project_name}" in mine.stdout.replace("\n", "")
+    # the same model in another dtype: neither float32 profile is used (their expert bytes differ);
+    # a profile of its own is calibrated and kept beside the first
+    other = decode(checkpoint, "--policy", "chain:2", "--dtype", "bfloat16")
+    assert other.exit_code == 0, other.output
+    mine_bf16 = cache / (project_name.removesuffix(".json") + "-bfloat16.json")
+    assert sorted(cache.glob("*.json")) == sorted([saved[0], mine_bf16])
+    text = "".join(other.output.split())
+    assert f"note:calibrate/{project_name}:madefor" in text and "inbfloat16:notused" in text
+    assert f"profile:{mine_bf16}" in text
+    bf16_mtime = mine_bf16.stat().st_mtime_ns
+    again = decode(checkpoint, "--policy", "chain:2", "--dtype", "bfloat16")     # found this time, not re-measured
+    assert f"profile:{mine_bf16}" in "".join(again.output.split()) and mine_bf16.stat().st_mtime_ns == bf16_mtime
 
 
 def test_full_trace_replays_in_the_simulator_to_the_same_tokens(checkpoint, tmp_path):
@@ -476,3 +492,21 @@ def test_a_run_on_raw_draft_probabilities_that_mispredict_says_how_to_calibrate(
     # calibrated online, or no decision (ar), or no cycles: nothing to say
     assert raw_acceptance_notes([{"policy": "specfit", "tokens_per_cycle": float("nan"),
                                   "predicted_tokens_per_cycle": 2.0}]) == []
+
+
+def test_the_bundled_model_decodes_in_bfloat16_on_the_cpu(tmp_path):
+    """bfloat16 on the CPU: the drafter's hidden states reach the router predictor as float32
+    arrays (numpy has no bfloat16), and greedy decoding stays lossless."""
+    from specfit import assets
+
+    root = Path(assets.__file__).parent
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text((root / "prompts.jsonl").read_text().splitlines()[0] + "\n")
+    result = runner.invoke(app, ["decode", "--model", str(root / "tiny-moe"), "--drafter", str(root / "tiny-moe-eagle3"),
+                                 "--prompts", str(prompts), "--cache-experts", "8", "--policies", "ar,specfit,eagle3",
+                                 "--device", "cpu", "--dtype", "bfloat16", "--max-new-tokens", "16", "--ignore-eos",
+                                 "--profile", "pcie4", "--out", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    assert "greedy outputs identical across policies: yes" in result.stdout
+    cycles = pd.read_parquet(tmp_path / "run" / "cycles.parquet")
+    assert (cycles[cycles.policy == "eagle3"]["draft_levels"] > 0).all()

@@ -116,12 +116,16 @@ def default_profile_path(machine: dict, shape: ModelShape) -> Path:
     return Path("calibrate") / _profile_name(machine, shape)
 
 
-def cached_profile_path(machine: dict, shape: ModelShape) -> Path:
+def cached_profile_path(machine: dict, shape: ModelShape, dtype: str | None = None) -> Path:
     """The same name in the user's cache (``$XDG_CACHE_HOME/specfit/profiles``, by default
     ``~/.cache/specfit/profiles``), where ``specfit decode`` keeps the quick calibrations it makes
-    itself, whatever the current directory."""
+    itself, whatever the current directory; with ``dtype`` (the experts' element type) in the
+    name, so that one model decoded in two dtypes keeps a profile for each."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "specfit" / "profiles" / _profile_name(machine, shape)
+    name = _profile_name(machine, shape)
+    if dtype:
+        name = name.removesuffix(".json") + f"-{_slug(dtype)}.json"
+    return root / "specfit" / "profiles" / name
 
 
 def _profile_name(machine: dict, shape: ModelShape) -> str:

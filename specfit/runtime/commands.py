@@ -125,6 +125,9 @@ def decode(
         stopped(str(exc))
     if not json_lines:
         _print_summary(result, out)
+    for line in result.notes:
+        stderr.print(line)
+    if not json_lines:
         if acceptance is None:
             for line in raw_acceptance_notes(result.summaries):
                 stderr.print(line)

@@ -171,6 +171,7 @@ class DecodeRun:
     policies: list = field(default_factory=list)   # the policy objects, with what they learned
     memory: dict = field(default_factory=dict)   # host expert bytes, pinned bytes, device expert-slot bytes
     drafter_features: str | None = None          # which target layers feed the drafter
+    notes: list[str] = field(default_factory=list)   # what the user should know (e.g. a profile not used)
 
 
 def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None,
@@ -206,7 +207,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     model = load_model(plan.model_dir, device=device, dtype=dtype, cache_experts=plan.cache_experts,
                        cache_mode=plan.cache_mode, eviction=plan.cache_policy, capture_layers=capture)
     drafter = load_drafter(plan.drafter_dir, model) if plan.drafter_dir is not None else None
-    profile, profile_path = _profile(plan, model, say)
+    profile, profile_path, notes = _profile(plan, model, say)
     calibrator = _acceptance_calibrator(plan.acceptance_trace) if plan.acceptance_trace else None
     fitted = _fitted_predictor(plan, model) if plan.predictor_trace else None
 
@@ -318,7 +319,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     memory = {"host_expert_bytes": host.nbytes, "pinned_bytes": host.pinned_bytes,
               "device_expert_bytes": model.offload.device_bytes}
     describe = getattr(getattr(drafter, "config", None), "describe_feature_layers", None)
-    return DecodeRun(memory=memory, drafter_features=describe(model.config.n_layers) if describe else None,
+    return DecodeRun(memory=memory, drafter_features=describe(model.config.n_layers) if describe else None, notes=notes,
                      records=outputs.records, cycles=outputs.cycles, summaries=outputs.summaries,
                      profile_label=profile.label, profile_path=profile_path,
                      outputs_identical=_outputs_identical(outputs.records) if plan.temperature == 0 else None,
@@ -328,9 +329,10 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
 
 # --------------------------------------------------------------------------- pieces
 def _profile(plan: DecodePlan, model, say):
-    """(profile, path): ``--profile`` when given; else this machine's profile for the model from
-    ``calibrate/`` in the current directory or the user's cache; else one calibrated quickly on
-    the loaded model and saved in the cache (and said where)."""
+    """(profile, path, notes): ``--profile`` when given; else this machine's profile for the model
+    from ``calibrate/`` in the current directory or the user's cache; else one calibrated quickly on
+    the loaded model and saved in the cache (and said where). A found profile of another shape
+    (the same model in another dtype) is passed over, and the notes say so."""
     from ..calibrate.presets import resolve_profile
     from ..calibrate.profile import ModelShape, load_profile, machine_info
     from ..calibrate.calibrate_job import CalibrationPlan, cached_profile_path, calibrate, default_profile_path
@@ -338,16 +340,25 @@ def _profile(plan: DecodePlan, model, say):
     shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
     if plan.profile is not None:
         path = Path(plan.profile) if Path(plan.profile).suffix == ".json" else None
-        return resolve_profile(plan.profile, shape, rescale=plan.rescale), path
+        return resolve_profile(plan.profile, shape, rescale=plan.rescale), path, []
     machine = machine_info()
-    for path in (default_profile_path(machine, shape), cached_profile_path(machine, shape)):
+    dtype = str(model.dtype).removeprefix("torch.")
+    notes = []
+    for path in (default_profile_path(machine, shape), cached_profile_path(machine, shape, dtype),
+                 cached_profile_path(machine, shape)):
         if path.is_file():
-            return load_profile(path).for_shape(shape, rescale=plan.rescale, source=str(path)), path
-    say(f"no profile for this machine and model yet: quick calibration, saved to {path}")
+            found = load_profile(path)
+            if found.shape.same_shape(shape):
+                return found.for_shape(shape, source=str(path)), path, notes
+            notes.append(f"note: {path}: made for {found.shape.n_layers} layers x {found.shape.n_experts} experts "
+                         f"of {found.shape.expert_bytes} B, not this model's {shape.n_layers} x {shape.n_experts} of "
+                         f"{shape.expert_bytes} B in {dtype}: not used")
+    path = cached_profile_path(machine, shape, dtype)
+    say(f"no profile for this machine and model in {dtype} yet: quick calibration, saved to {path}")
     profile = calibrate(CalibrationPlan(model_dir=Path(plan.model_dir), drafter_dir=plan.drafter_dir,
                                         device=str(model.device), quick=True, seed=plan.seed), model=model)
     profile.save(path)
-    return profile, path
+    return profile, path, notes
 
 
 def _acceptance_calibrator(trace_path: Path):

@@ -390,7 +390,8 @@ class Decoder:
             draft.last_known_rows = rows = np.empty((self._max_nodes,) + last.shape, dtype=np.int64)
             rows[...] = last
         if context is not None and context.is_cpu:
-            context = context.numpy()         # a view: predictors read host contexts as arrays
+            # predictors read host contexts as float32 arrays (a view where they are float32 already)
+            context = (context if context.dtype == torch.float32 else context.float()).numpy()
         if self.drafter_context:      # kept for the predictor's update (a probe of the drafter's state)
             draft.contexts.append(np.full((n, self.model.config.hidden_size), np.nan, dtype=np.float32)
                                   if context is None else context if isinstance(context, np.ndarray)
