@@ -2,7 +2,7 @@
 # The GPU run (issue 17) as one bounded script, for a machine with one CUDA GPU whose python3 has
 # torch and this project's dependencies (the package need not be installed: it runs from here).
 #
-#   OUT=gpu_out benchmarks/gpu_check.sh          # about 6 minutes on one H200
+#   OUT=gpu_out benchmarks/gpu_check.sh          # 196 s on one H200 (benchmarks/RESULTS.md)
 #
 # 1. smoke: benchmarks/gpu_check.py on the tiny shape, every CUDA path in seconds (and the compiled
 #    kernels into the cache the next steps use);
