@@ -1,11 +1,12 @@
 """What compiling costs the user: the first call of each kernel family with a cold numba cache
 (compiling) and with a warm one (loading from disk), in fresh processes; and the CLI's start-up.
 
-    python benchmarks/bench_compile.py [--runs 5]
+    python benchmarks/bench_compile.py [--runs 5] [--families "warm-up (one process),warm-up (side by side)"]
 
 Each family runs in its own fresh process with ``NUMBA_CACHE_DIR`` pointing at a new, empty
 folder (cold), then again at the same folder (warm): the search (DraftTree, best_subtree,
-greedy_subtree, evaluate, and SpecFit's per-level decision as the live decoder calls it), the expert cache (admit, admit_layer) and the replay (prepare and one
+greedy_subtree, evaluate, and SpecFit's per-level decision as the live decoder calls it), the expert cache (admit, admit_layer), the decoder's warm-up
+(``kernel_warmup.warm_up``) in one process and side by side with a child process, and the replay (prepare and one
 replay per policy, the lever policy ``specfit+cache+prefetch`` last, on the OLMoE sample trace). ``specfit --help`` is timed ``--runs`` times with the
 cache warm (it imports no numba) and so is a small ``specfit simulate`` run (the CLI end to end,
 after one run that warms the checkout's own cache).
@@ -60,6 +61,20 @@ mark("admit_layer")
 ExpertCache(16, 64, 40, mode="global", policy="lfu").admit(np.ones((16, 64), dtype=bool))
 mark("admit global")
 """,
+    # what `specfit decode` / `demo` compile before the first timed cycle (kernel_warmup), in one
+    # process and with the runtime's kernels compiled in a child process beside it
+    "warm-up (one process)": """
+from specfit.kernel_warmup import warm_up
+mark("import")
+warm_up(parallel=False)
+mark("warm_up")
+""",
+    "warm-up (side by side)": """
+from specfit.kernel_warmup import warm_up
+mark("import")
+warm_up()          # the default: side by side when the cache is cold, in-process when it is warm
+mark("warm_up")
+""",
     "replay": f"""
 from specfit.calibrate.presets import SHAPES, preset_profile
 from specfit.experts.cache import ExpertCache
@@ -109,10 +124,15 @@ def timed_command(args: list[str], runs: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--families", default=",".join(FAMILIES), help=f"comma-separated, of: {', '.join(FAMILIES)}")
     args = ap.parse_args()
+    families = [f.strip() for f in args.families.split(",")]
+    unknown = sorted(set(families) - set(FAMILIES))
+    if unknown:
+        ap.error(f"--families: unknown {unknown}; expected some of {list(FAMILIES)}")
     load_before = os.getloadavg()[0]
     print("| family | step | cold cache (compile) s | warm cache (load) s |\n|---|---|---:|---:|")
-    for name in FAMILIES:
+    for name in families:
         with tempfile.TemporaryDirectory() as cache_dir:
             cold = run_family(name, cache_dir)
             warm = run_family(name, cache_dir)

@@ -150,3 +150,26 @@ def test_warm_up_loads_the_live_kernels_and_leaves_no_state():
     # a second call finds everything compiled: it takes a few milliseconds, not a compilation
     warm_up()
     assert warm_up() < 0.5
+
+
+def test_the_cold_cache_is_seen_and_the_side_by_side_compile_loads_the_same_kernels(tmp_path):
+    """An empty numba cache reads as cold (a fresh process with its own cache directory); with the
+    kernels cached, ``warm_up(parallel=True)`` runs its child process and leaves every kernel
+    loaded in this one, with nothing compiled twice here."""
+    import os
+    import subprocess
+    import sys
+
+    from specfit.kernel_warmup import cache_is_cold
+
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "empty")}
+    probe = "from specfit.kernel_warmup import cache_is_cold; print(cache_is_cold())"
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
+    warm_up()
+    assert cache_is_cold() is False
+    signatures = {name: len(k.signatures) for name, k in vars(kernels.search).items() if hasattr(k, "signatures")}
+    warm_up(parallel=True)
+    assert {name: len(k.signatures) for name, k in vars(kernels.search).items()
+            if hasattr(k, "signatures")} == signatures
+    assert warm_up() < 0.5
