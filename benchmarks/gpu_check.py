@@ -43,10 +43,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specfit.calibrate.calibrate_job import CalibrationPlan, calibrate  # noqa: E402
 from specfit.errors import SpecFitError  # noqa: E402
 from specfit.io import write_json_atomic  # noqa: E402
-from specfit.calibrate.standin import random_model, shape_config  # noqa: E402
+from specfit.calibrate.standin import random_drafter, random_model, shape_config  # noqa: E402
 from specfit.policies import make_policy  # noqa: E402
 from specfit.runtime.config import DTYPES  # noqa: E402
-from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from specfit.accounting import live_row  # noqa: E402
 from specfit.runtime.decode_job import summarise_policy  # noqa: E402
 from specfit.runtime.decoder import Decoder  # noqa: E402
@@ -84,19 +83,6 @@ class CopyMeter:
     @property
     def gbps(self) -> float:
         return self.bytes / self.busy_s / 1e9 if self.busy_s > 0 else float("nan")
-
-
-def random_drafter(model, draft_vocab_size: int, seed: int) -> Eagle3Drafter:
-    """An EAGLE-3 head shaped like the published ones for this target (its width, heads and
-    head_dim, a 32k draft vocabulary), random weights, sharing the target's embedding."""
-    c = model.config
-    config = Eagle3Config(hidden_size=c.hidden_size, target_hidden_size=c.hidden_size, vocab_size=c.vocab_size,
-                          draft_vocab_size=min(draft_vocab_size, c.vocab_size), num_attention_heads=c.n_heads,
-                          num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, intermediate_size=3 * c.hidden_size,
-                          aux_hidden_state_layer_ids=tuple(model.capture_layers), dtype=str(model.dtype).removeprefix("torch."))
-    drafter = Eagle3Drafter(config, target_embed=model.embed_tokens.weight)
-    drafter.init_weights(seed)
-    return drafter.to(device=model.device, dtype=model.dtype).eval()
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
@@ -48,6 +49,11 @@ def test_gpu_check_runs_on_the_cpu_with_tiny_shapes(capsys, tmp_path):
     assert set(record["seconds"]) == {"build", "calibrate", "ar", "eagle3", "static:auto", "specfit"}
     saved = json.loads((tmp_path / "profile.json").read_text())
     assert saved["cost"] == record["profile"]["cost"]
+    # a stand-in's draft level is timed on real trees of a random EAGLE-3 head (top-4: the root's
+    # children, then 4 expanded nodes per level), priced as a level beyond the first
+    levels = saved["probes"]["draft"]
+    assert [r["level"] for r in levels] == [1, 2, 3, 4] and [r["width"] for r in levels] == [1, 4, 4, 4]
+    assert saved["cost"]["draft_level_s"] == pytest.approx(float(np.median([r["seconds"] for r in levels[1:]])))
     # the run directory reads back as a decode run's, the same cycles in it
     from specfit.runtime.run_dir import read_decode_cycles
 

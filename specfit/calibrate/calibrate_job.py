@@ -249,12 +249,19 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> 
     noise = {**machine_noise(rows, timing, device.type, torch.get_num_threads()), "warmup_rounds": plan.warmup_rounds,
              "quick": plan.quick}
     drafter = _load_drafter(plan, model)
+    draft_hidden, draft_vocab = _drafter_dims(plan, c)
+    if drafter is None and plan.model_dir is None and draft_hidden == c.hidden_size:
+        # a stand-in: a random EAGLE-3 head of the published shape grows real trees (its levels
+        # with the tree's bookkeeping; a lone layer's kernels leave out most of what a level costs
+        # on a GPU: 0.27-0.41 ms timed that way on an H200, ~2.5 ms per level live)
+        from .standin import random_drafter
+
+        drafter = random_drafter(model, draft_vocab, plan.seed)
     if drafter is not None:
         # the real drafter, levels of an EAGLE-2/3 tree with top-4: a level beyond the first
         draft_rows = probe_drafter_levels(model, drafter, seed=plan.seed)
         draft_level_s = float(np.median([r["seconds"] for r in draft_rows if r["level"] > 1]))
     else:
-        draft_hidden, draft_vocab = _drafter_dims(plan, c)
         draft_rows = probe_draft(draft_hidden, draft_vocab, device, dtype)
         # one draft level for a frontier of 8 nodes (an EAGLE-3 top-k frontier)
         draft_level_s = float(np.interp(8, [r["width"] for r in draft_rows], [r["seconds"] for r in draft_rows]))

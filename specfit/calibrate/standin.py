@@ -18,7 +18,7 @@ from ..runtime.config import ModelConfig
 from ..runtime.model import MoETransformer
 from ..runtime.offload import ExpertOffload, HostExperts
 
-__all__ = ["SHAPE_CONFIGS", "shape_config", "random_model"]
+__all__ = ["SHAPE_CONFIGS", "shape_config", "random_model", "random_drafter"]
 
 # Hugging Face config.json fields of the supported public shapes (plus a tiny one for tests).
 SHAPE_CONFIGS = {
@@ -132,3 +132,19 @@ def _fill_host(tensor: torch.Tensor, gen: torch.Generator, block_bytes: int = 1 
     for part in tensor.split(per_block):
         part.copy_(_fill(torch.empty(part.shape, dtype=part.dtype, device=gen.device), gen))
     return tensor
+
+
+def random_drafter(model: MoETransformer, draft_vocab_size: int = 32000, seed: int = 0):
+    """An EAGLE-3 head shaped like the published ones for this target (its width, heads and
+    head_dim, a 32k draft vocabulary), random weights, sharing the target's embedding: what a
+    stand-in's draft levels are timed with, and the drafter of ``benchmarks/gpu_check.py``."""
+    from ..runtime.eagle3 import Eagle3Config, Eagle3Drafter
+
+    c = model.config
+    config = Eagle3Config(hidden_size=c.hidden_size, target_hidden_size=c.hidden_size, vocab_size=c.vocab_size,
+                          draft_vocab_size=min(draft_vocab_size, c.vocab_size), num_attention_heads=c.n_heads,
+                          num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, intermediate_size=3 * c.hidden_size,
+                          aux_hidden_state_layer_ids=tuple(model.capture_layers), dtype=str(model.dtype).removeprefix("torch."))
+    drafter = Eagle3Drafter(config, target_embed=model.embed_tokens.weight)
+    drafter.init_weights(seed)
+    return drafter.to(device=model.device, dtype=model.dtype).eval()
