@@ -149,9 +149,10 @@ def warm_up(parallel: bool | None = None) -> float:
     prefetch, admit by keep) and the online refit's forward selection, so that no timed cycle pays
     for it.
 
-    ``parallel``: compile the groups in child processes first (None: when the cache is cold and
-    this process may use more than one core). A child that fails only costs its head start: this
-    process then compiles what is missing itself. Returns the seconds it took."""
+    ``parallel``: compile the runtime's kernels in a child process while this one compiles the
+    search and the policy (None: when the cache is cold and this process may use more than one
+    core). A child that fails only costs its head start: this process then compiles what is
+    missing itself. Returns the seconds it took."""
     import time
 
     start = time.perf_counter()

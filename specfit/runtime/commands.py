@@ -125,12 +125,11 @@ def decode(
         stopped(str(exc))
     if not json_lines:
         _print_summary(result, out)
-    for line in result.notes:
+    for line in result.notes:                      # on stderr: with --json too
         stderr.print(line)
-    if not json_lines:
-        if acceptance is None:
-            for line in raw_acceptance_notes(result.summaries):
-                stderr.print(line)
+    if not json_lines and acceptance is None:
+        for line in raw_acceptance_notes(result.summaries):
+            stderr.print(line)
 
 
 # predicted tokens per cycle this far from the committed ones say the drafter's probabilities are
