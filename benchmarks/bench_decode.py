@@ -206,6 +206,9 @@ def run_benchmark(args) -> None:
                               for r in rows))
     console.print("share of the decode time outside the model passes (1 - (drafter + target) / decode time): "
                   + ", ".join(f"{r['policy']} {r['share_outside_models']:.1%}" for r in rows))
+    console.print("tokens/s without what SpecFit's machinery costs each policy (expert predictions, learning, the cost "
+                  "model's update, the selection; every policy pays them here, a bare baseline would not): "
+                  + ", ".join(f"{r['policy']} {bare_tokens_per_s(run.cycles, r['policy']):.1f}" for r in rows))
     model = "the profile (frozen)" if args.frozen_profile else "the online-refitted model"
     console.print(f"cycle-time MAPE (mean |predicted - measured| / measured) of {model}: "
                   + ", ".join(f"{r['policy']} {r['time_mape']:.1%} (median {r['time_median_ape']:.1%})" for r in rows))
@@ -217,6 +220,15 @@ def run_benchmark(args) -> None:
                               for r in rows if r["union_mape"] == r["union_mape"]))
     console.print(f"load average before / after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} on "
                   f"{os.cpu_count()} cores, {args.busy} CPU-bound process(es) beside it")
+
+
+def bare_tokens_per_s(cycles: list[dict], policy: str) -> float:
+    """``policy``'s committed tokens over its measured cycles' seconds less their predictions,
+    learning, cost-model update and selection: an upper bound of the same policy run bare."""
+    rows = [c for c in cycles if c["policy"] == policy]
+    machinery = sum(c["predict_time_s"] + c["learn_time_s"] + c["update_time_s"] + c["search_time_s"] for c in rows)
+    seconds = sum(c["measured_time_s"] for c in rows) - machinery
+    return sum(c["committed_tokens"] for c in rows) / seconds if seconds > 0 else float("nan")
 
 
 def repeated(policies: list[str], repeats: int, decode) -> None:
