@@ -1,6 +1,7 @@
 """Fitting the cycle-time predictor, profiles and presets."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -329,3 +330,16 @@ def test_the_compiled_choice_score_equals_the_normal_equations_written_in_numpy(
         assert got == pytest.approx(want, rel=max(1e-12 * np.linalg.cond(Gk), 1e-10), abs=1e-300)
         checked += 1
     assert checked > 150 and singular > 10
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).resolve().parents[1] / "calibrate").glob("*.json")),
+                         ids=lambda p: p.name)
+def test_every_shipped_profile_loads_and_predicts_what_it_says_it_measured(path):
+    """The profiles under calibrate/ stay readable by the current schema; each one's cost model is
+    physical (a miss never cheaper than a hit) and its held-out error is what its fit recorded."""
+    profile = load_profile(path)
+    cost = profile.cost
+    assert cost.base_s > 0 and 0 <= cost.hit_s <= cost.miss_s and cost.expert_bytes == profile.shape.expert_bytes
+    holdout = profile.fit["holdout"]
+    assert 0 <= holdout["mape"] < 0.15 and holdout["n"] >= 10
+    assert profile.machine["device_name"] and profile.probes["h2d"]
