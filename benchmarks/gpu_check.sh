@@ -2,14 +2,16 @@
 # The GPU run (issue 17) as one bounded script, for a machine with one CUDA GPU whose python3 has
 # torch and this project's dependencies (the package need not be installed: it runs from here).
 #
-#   OUT=gpu_out benchmarks/gpu_check.sh          # 196 s on one H200 (benchmarks/RESULTS.md)
+#   OUT=gpu_out benchmarks/gpu_check.sh          # steps 1-3: 196 s on one H200 (benchmarks/RESULTS.md)
 #
 # 1. smoke: benchmarks/gpu_check.py on the tiny shape, every CUDA path in seconds (and the compiled
 #    kernels into the cache the next steps use);
 # 2. the check: gpu_check.py at Qwen3-30B-A3B layer shapes, 4 layers (see its docstring), calibrated
 #    with the full grids, every cycle and the 4-layer profile kept;
 # 3. `specfit calibrate --shape qwen3-30b-a3b --layers 4` with the full probe grids, timed: the
-#    profile of the whole 48-layer model on this machine (costs scaled to the full depth).
+#    profile of the whole 48-layer model on this machine (costs scaled to the full depth);
+# 4. `specfit decode` of the bundled tiny model and its trained drafter in bfloat16, as a user runs
+#    it (a quick calibration of its own): accepted drafts, lossless greedy output on the GPU.
 # Each step is bounded and runs whatever the one before it did; what they print lands in $OUT.
 set -u -o pipefail
 out=${OUT:-gpu_out}
@@ -39,3 +41,12 @@ t=$(date +%s%N)
 timeout "${CALIBRATE_S:-120}" $py -m specfit calibrate --shape qwen3-30b-a3b --layers 4 --device cuda \
     --out "$out/profile.json" 2>&1 | tee "$out/calibrate.log"
 elapsed "specfit calibrate qwen3-30b-a3b (rc $?)" "$t"
+
+t=$(date +%s%N)
+prompts=$(mktemp)
+head -4 specfit/assets/prompts.jsonl > "$prompts"
+timeout "${DECODE_S:-150}" $py -m specfit decode --model specfit/assets/tiny-moe \
+    --drafter specfit/assets/tiny-moe-eagle3 --prompts "$prompts" --cache-experts 8 \
+    --policies ar,eagle3,specfit --max-new-tokens 32 --device cuda 2>&1 | tee "$out/decode.log"
+elapsed "specfit decode tiny-moe bfloat16 (rc $?)" "$t"
+rm -f "$prompts"
