@@ -61,21 +61,17 @@ CYCLE_FIELDS = ("nodes_verified", "committed_tokens", "time_s", "predicted_time_
 
 
 class CopyMeter:
-    """What the decode's host-to-device copies ran at: every verification pass's copy bursts
-    (their spans on the copy stream, host dispatch gaps inside a burst included, so the rate is a
-    lower bound) and the bytes the pass moved."""
+    """What the decode's host-to-device copies ran at, as an ``on_cycle`` callback: each cycle's
+    verification pass, its copy bursts' spans on the copy stream (host dispatch gaps inside a burst
+    included, so the rate is a lower bound) and the bytes it moved."""
 
     def __init__(self, offload):
-        self.busy_s, self.bytes = 0.0, 0
-        take = offload.pass_timing
+        self.offload = offload
+        self.reset()
 
-        def pass_timing():
-            timing = take()
-            self.busy_s += timing.copy_busy_s
-            self.bytes += int(offload.counters.total_bytes_h2d)
-            return timing
-
-        offload.pass_timing = pass_timing
+    def __call__(self, stats, tokens: int) -> None:
+        self.busy_s += self.offload.last_timing.copy_busy_s        # the pass's timing, read by the decoder
+        self.bytes += int(stats.verification.offload.total_bytes_h2d)
 
     def reset(self) -> None:
         self.busy_s, self.bytes = 0.0, 0
@@ -165,7 +161,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         decoder = Decoder(model, proposer, policy, profile.cost, seed=args.seed)
         meter.reset()
         for index, prompt in enumerate(prompts):
-            result = decoder.generate(prompt, args.new_tokens, ignore_eos=True)
+            result = decoder.generate(prompt, args.new_tokens, ignore_eos=True, on_cycle=meter)
             records.append({"policy": policy.name, "index": index, **result.to_dict()})
             cycles.extend({"policy": policy.name, "sequence": index, "position": s.position, "cycle": c,
                            **live_row(s, profile.cost, model.offload.host.expert_bytes)}

@@ -136,10 +136,6 @@ def _usable_cores() -> int:
     return os.cpu_count() or 1
 
 
-def _compile_part(index: int) -> None:
-    PARTS[index]()
-
-
 def warm_up(parallel: bool | None = None) -> float:
     """Load (or, the first time after an install or an edit, compile) the kernels a live decoder
     calls every cycle: a drafted level's nodes, frontier and mask, a tree's checks, mask and
@@ -173,7 +169,7 @@ def _compile_side_by_side() -> None:
 
     try:
         with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            child = pool.submit(_compile_part, PARTS.index(_runtime))
+            child = pool.submit(_runtime)
             _search()
             _policy()
             child.exception()             # wait; what a failed child left is compiled below
