@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> None:
     from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter
     from specfit.runtime.loader import load_model
 
-    arms = {"baseline": module_at(args.baseline, "specfit/runtime/drafting.py", "drafting_baseline", "bench_draft_level").TreeDraft, "this": TreeDraft}
+    baseline = module_at(args.baseline, "specfit/runtime/drafting.py", "drafting_baseline", "bench_draft_level")
+    arms = {"baseline": baseline.TreeDraft, "this": TreeDraft}
     warm_up()
     config = Eagle3Config.from_file(tiny_moe_eagle3_dir() / "config.json")
     model = load_model(tiny_moe_dir(), cache_experts=4, capture_layers=config.aux_hidden_state_layer_ids)

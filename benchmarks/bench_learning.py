@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> None:
     from specfit.calibrate.fit import CycleTimeFitter
     from specfit.costmodel import CostModel
 
-    arms = {"baseline": (module_at(args.baseline, "specfit/calibrate/fit.py", "fit_baseline", "bench_learning").CycleTimeFitter,
-                         module_at(args.baseline, "specfit/kernels/router.py", "router_baseline", "bench_learning")),
-            "this": (CycleTimeFitter, kernels.router)}
+    fit_baseline = module_at(args.baseline, "specfit/calibrate/fit.py", "fit_baseline", "bench_learning")
+    router_baseline = module_at(args.baseline, "specfit/kernels/router.py", "router_baseline", "bench_learning")
+    arms = {"baseline": (fit_baseline.CycleTimeFitter, router_baseline), "this": (CycleTimeFitter, kernels.router)}
     prior = CostModel(base_s=3.7e-3, per_node_s=7e-5, hit_s=1e-4, miss_s=1.1e-4, draft_level_s=1.5e-3)
     rows = cycle_rows(args.cycles)
     inputs = count_inputs(np.random.default_rng(0))
