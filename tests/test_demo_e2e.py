@@ -10,6 +10,7 @@ import torch
 from typer.testing import CliRunner
 
 from specfit.assets import demo_prompts_path, tiny_moe_dir, tiny_moe_eagle3_dir
+from specfit.calibrate.fit import measured_draft_level_s
 from specfit.cli import app
 
 
@@ -73,3 +74,8 @@ def test_calibrate_decode_refit_loop(tmp_path):
     assert comparison["after"]["mape"] < max(0.25, 1.5 * noise)
     refit = json.loads((tmp_path / "refit.json").read_text())
     assert refit["kind"] == "refit" and refit["fit"]["refit"]["after"]["mape"] == comparison["after"]["mape"]
+    # the draft level is the one the run's timed draft phases measure, not a regression coefficient
+    assert comparison["draft_level"] == "measured from the draft phases"
+    phase = (cycles["draft_time_s"] - cycles["update_time_s"].fillna(0.0)).to_numpy()
+    assert refit["cost"]["draft_level_s"] == pytest.approx(measured_draft_level_s(
+        cycles["draft_levels"].to_numpy(), phase, cycles["measured_time_s"].to_numpy()), rel=1e-9)

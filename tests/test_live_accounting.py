@@ -12,6 +12,7 @@ import pytest
 from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
 from specfit.accounting import live_row, prediction_errors
 from specfit.assets import tiny_moe_dir, tiny_moe_eagle3_dir
+from specfit.calibrate.fit import measured_draft_level_s
 from specfit.calibrate.online import OnlineCostModel
 from specfit.costmodel import CostModel
 from specfit.policies import ArPolicy, make_policy
@@ -154,6 +155,65 @@ def test_online_model_follows_a_change_of_the_transfer_cost():
     assert np.mean(errors[60:70]) > 0.15              # the change
     assert np.mean(errors[110:]) < 0.08               # corrected within about 50 cycles
     assert online.cost.miss_s - online.cost.hit_s == pytest.approx(6 * (COST.miss_s - COST.hit_s), rel=0.2)
+
+
+def test_measured_draft_level_is_the_phases_per_level_after_the_undrafted_floor():
+    """Hand-computed: the undrafted cycles' median phase off, then a through-origin fit against
+    the levels with weights 1 / time^2; untimed (NaN) phases left out; too few drafted cycles: None."""
+    levels = np.array([0, 0, 0, 1, 2, 3, 4, 2])
+    phase = np.array([2e-4, 4e-4, 3e-4, 1.3e-3, 2.4e-3, 3.1e-3, 4.7e-3, np.nan])
+    times = np.array([5e-3, 5e-3, 5e-3, 6e-3, 8e-3, 1e-2, 1.2e-2, 8e-3])
+    w = 1.0 / times[3:7] ** 2
+    d, rest = levels[3:7], phase[3:7] - 3e-4
+    assert measured_draft_level_s(levels, phase, times) == pytest.approx(np.sum(w * d * rest) / np.sum(w * d * d),
+                                                                         rel=1e-12)
+    recency = np.linspace(0.2, 1.0, 8)
+    w = recency[3:7] / times[3:7] ** 2
+    assert measured_draft_level_s(levels, phase, times, recency) == pytest.approx(
+        np.sum(w * d * rest) / np.sum(w * d * d), rel=1e-12)
+    one_undrafted = np.array([0, 1, 2, 3, 4])       # one undrafted cycle: no floor taken off
+    ph = np.array([5e-4, 1e-3, 2e-3, 3e-3, 4e-3])
+    assert measured_draft_level_s(one_undrafted, ph, np.ones(5)) == pytest.approx(1e-3)
+    assert measured_draft_level_s(levels[:6], phase[:6], times[:6]) is None            # 3 drafted cycles
+    assert measured_draft_level_s(levels, np.full(8, np.nan), times) is None
+
+
+def test_online_model_measures_the_draft_level_where_levels_and_nodes_grow_together():
+    """SpecFit's cycles draft more levels where they verify more nodes, so a fit of whole cycles
+    cannot tell a level's cost from a node's. Handed each cycle's draft phase, the refits hold the
+    draft level at what the phases measure, and the model prices deep chains of few nodes (cycles
+    the window never showed) right; without the phases it says the level was fitted."""
+    rng = np.random.default_rng(0)
+    floor = 3e-4                      # what every cycle does before it drafts (in the base)
+
+    def cycle(deep=False):
+        if deep:
+            levels = int(rng.integers(5, 9))
+            nodes = levels + 1
+        elif rng.random() < 0.125:
+            levels, nodes = 0, 1
+        else:
+            levels = int(rng.integers(1, 5))
+            nodes = 1 + 4 * levels + int(rng.integers(0, 2))
+        union = min(8 + 3 * nodes, 60)
+        misses = int(rng.integers(0, union // 2 + 1))
+        return levels, nodes, union - misses, misses
+
+    prior = COST.replace(draft_level_s=2.5 * COST.draft_level_s, per_node_s=0.2 * COST.per_node_s)
+    online, fitted = OnlineCostModel(prior), OnlineCostModel(prior)
+    for _ in range(96):
+        counts = cycle()
+        noise = 1 + 0.05 * rng.standard_normal()
+        measured = COST.time_s(*counts) * noise
+        online.observe(*counts, measured, draft_phase_s=(floor + COST.draft_level_s * counts[0]) * noise)
+        fitted.observe(*counts, measured)
+    assert online.state()["draft_level"] == "measured from the draft phases"
+    assert fitted.state()["draft_level"] == "fitted" and fitted.measured_draft_level_s is None
+    assert online.fitted.draft_level_s == pytest.approx(COST.draft_level_s, rel=0.05)
+    assert online.fitted.draft_level_s == online.measured_draft_level_s
+    deep = [cycle(deep=True) for _ in range(50)]
+    error = np.mean([abs(online.cost.time_s(*c) - COST.time_s(*c)) / COST.time_s(*c) for c in deep])
+    assert error < 0.05
 
 
 def test_speed_tracker_follows_a_machine_that_slows_within_a_few_cycles():
@@ -464,7 +524,7 @@ def test_a_decoder_prices_the_rest_of_each_cycle_at_its_drafter_pace(spec):
                 p = rows[k - 1]
                 replayed.observe(p["draft_levels"], p["nodes_verified"], p["hits"], p["misses"], p["measured_time_s"],
                                  priced=(p["predicted_hits"], p["predicted_misses"]), overhead_s=p["update_time_s"],
-                                 drafter_s=p["drafter_time_s"])
+                                 drafter_s=p["drafter_time_s"], draft_phase_s=p["draft_time_s"])
             within = replayed.within_cycle(r["drafter_time_s"], r["draft_levels"])
             assert r["predicted_time_s"] == pytest.approx(
                 within.time_s(r["draft_levels"], r["nodes_verified"], r["predicted_hits"], r["predicted_misses"]),

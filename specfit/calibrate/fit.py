@@ -30,6 +30,15 @@ than the profile say so even when they cannot tell the base from the node and hi
 profile's proportions, scaled (``quality_["speed_factor"]``). A term constant over the cycles (the
 base always) is only ever moved that way. Parameters measured directly by a probe (the draft level)
 can be ``fixed``. The held-out error is measured on cycles the fit did not see and kept as data.
+
+Decoded cycles measure the draft level directly too: the decoder times each cycle's draft phase
+(from its start to the selection), and :func:`measured_draft_level_s` turns those seconds into the
+seconds per drafted level. Regressed on the whole cycle time instead, the draft level trades
+against the node and expert terms wherever the levels drafted grow with the nodes verified (a
+warm-up whose policies draft 0, 2 and 4 levels for 1, 3 and 17 nodes; SpecFit's own cycles):
+fitted on the same cycles it came out at 0.7 to 2.9 ms per level where the draft phases measured
+0.8 to 1.3 (``benchmarks/RESULTS.md``, stop 37). The refit and the online model hold it at the
+measured value.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from ..costmodel import PARAM_NAMES, CostModel
 from ..errors import SpecFitError
 
 __all__ = ["CycleTimeFitter", "prediction_errors", "PHYSICAL_NAMES", "physical_features", "to_physical",
-           "from_physical", "VISIBLE_SHARE"]
+           "from_physical", "VISIBLE_SHARE", "measured_draft_level_s", "MIN_DRAFT_PHASES"]
 
 # the fitted parameters, in the order of physical_features' columns
 PHYSICAL_NAMES = ("draft_level_s", "base_s", "per_node_s", "hit_s", "transfer_s")
@@ -56,6 +65,33 @@ NOISE_FLOOR = 0.005
 REFUTED = 3.0
 # a normal matrix (columns scaled to unit norm) this badly conditioned has collinear columns
 COLLINEAR_CONDITION = 1e8
+# drafted cycles with a timed draft phase that measure the draft level (fewer: it is fitted)
+MIN_DRAFT_PHASES = 4
+
+
+def measured_draft_level_s(draft_levels, phase_s, times_s, weights=None) -> float | None:
+    """Seconds per drafted level from the cycles' timed draft phases (seconds from a cycle's start
+    to its selection, the cost model's own update left out), or None when fewer than
+    :data:`MIN_DRAFT_PHASES` drafted cycles have one (NaN: not timed).
+
+    A phase holds what every cycle does before it drafts (the root's expert prediction, the first
+    decision): the median phase of the undrafted cycles, when at least two have one, is taken off
+    first (it is in the base term). The rest is fitted through the origin against the levels, each
+    cycle weighted by ``1 / time^2`` (the relative error the cycle-time fit minimises) times
+    ``weights`` (the online model's recency)."""
+    levels = np.asarray(draft_levels, dtype=np.float64)
+    phase = np.asarray(phase_s, dtype=np.float64)
+    times = np.asarray(times_s, dtype=np.float64)
+    w = np.ones_like(times) if weights is None else np.asarray(weights, dtype=np.float64)
+    timed = np.isfinite(phase) & (phase >= 0) & (times > 0)
+    drafted = timed & (levels > 0)
+    if np.count_nonzero(drafted) < MIN_DRAFT_PHASES:
+        return None
+    undrafted = timed & (levels == 0)
+    floor = float(np.median(phase[undrafted])) if np.count_nonzero(undrafted) >= 2 else 0.0
+    w = w[drafted] / times[drafted] ** 2
+    d = levels[drafted]
+    return max(float(np.sum(w * d * (phase[drafted] - floor)) / np.sum(w * d * d)), 0.0)
 
 
 def physical_features(features) -> np.ndarray:
