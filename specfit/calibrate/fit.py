@@ -36,8 +36,8 @@ Decoded cycles measure the draft level directly too: the decoder times each cycl
 seconds per drafted level. Regressed on the whole cycle time instead, the draft level trades
 against the node and expert terms wherever the levels drafted grow with the nodes verified (a
 warm-up whose policies draft 0, 2 and 4 levels for 1, 3 and 17 nodes; SpecFit's own cycles):
-fitted on the same cycles it came out at 0.7 to 2.9 ms per level where the draft phases measured
-0.8 to 1.3 (``benchmarks/RESULTS.md``, stop 37). The refit and the online model hold it at the
+fitted on the same cycles it came out anywhere from 0 to 2.9 ms per level where the draft phases
+measured 0.8 to 1.3 (``benchmarks/RESULTS.md``, stop 37). The refit and the online model hold it at the
 measured value.
 """
 
