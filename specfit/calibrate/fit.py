@@ -22,7 +22,10 @@ best-determined candidate is freed. The prior's uncertainty is ``prior_spread`` 
 value, or times the value at which the term would be ``VISIBLE_SHARE`` of a cycle when that is
 larger (a prior of 0 is not a certainty). A column that moves with the others (draft levels that
 grow with the node count) or a term too small to see in the noise thus stays at the prior instead
-of trading against the other terms, as a plain non-negative least squares does.
+of trading against the other terms, as a plain non-negative least squares does. A freed term that the
+non-negative fit puts at 0 where its prior is positive is held at the prior too: the data would have
+it below any physical value, so it trades with the other terms there (``quality_["held"]`` says
+"fitted at 0").
 
 The held terms share one candidate more, a *speed factor*: cycles that all run 1.6 times slower
 than the profile say so even when they cannot tell the base from the node and hit terms
@@ -297,6 +300,18 @@ class CycleTimeFitter:
                 speed = float(coef[-1])
         theta[choice["group"]] = speed * held_at[choice["group"]]
         choice["speed_value"] = speed
+        # a freed term the fit puts at 0 where its prior is positive: the data would have it below
+        # any physical value, i.e. it trades with the others (a warm-up whose unions grow with its
+        # nodes put the node term at 0 in 7 of 18 refits); held at the prior like a term they
+        # cannot identify, and the rest fitted again
+        bound = [j for j in choice["free"] if j != BASE and theta[j] <= 0 and np.isfinite(self._prior_phys[j])
+                 and held_at[j] > 0]
+        if bound:
+            choice["free"] = [j for j in choice["free"] if j not in bound]
+            choice["group"] = sorted(choice["group"] + bound)
+            choice["held"] = sorted(set(choice["held"]) | set(bound))
+            choice["bound"] = sorted(set(choice.get("bound", ())) | set(bound))
+            return self._fit_choice(A, b, held_at, fixed, choice)
         return theta
 
     def _identify(self, A: np.ndarray, b: np.ndarray, held_at: np.ndarray, fixed: np.ndarray, Z: np.ndarray) -> dict:
@@ -391,6 +406,8 @@ class CycleTimeFitter:
             score, shift = choice["scores"].get(("term", j), (np.inf, 0.0))
             if j in choice["absent"]:
                 reason = "absent from the data (always 0)"
+            elif j in choice.get("bound", ()):
+                reason = "fitted at 0, below any physical value: it trades with the other terms in the data"
             elif np.ptp(choice["Z"][:, j]) == 0:
                 reason = "constant in the data"
             elif not np.isfinite(score):
