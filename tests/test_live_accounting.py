@@ -214,6 +214,14 @@ def test_online_model_measures_the_draft_level_where_levels_and_nodes_grow_toget
     deep = [cycle(deep=True) for _ in range(50)]
     error = np.mean([abs(online.cost.time_s(*c) - COST.time_s(*c)) / COST.time_s(*c) for c in deep])
     assert error < 0.05
+    # a window of undrafted cycles only (a policy that stopped drafting) keeps the last measurement
+    # instead of the prior's level (2.5x)
+    refits = online.n_refits
+    for _ in range(64):
+        counts = (0, 1, 16, 4)
+        online.observe(*counts, COST.time_s(*counts) * (1 + 0.05 * rng.standard_normal()), draft_phase_s=floor)
+    assert online.n_refits > refits + 4 and online.state()["draft_level"] == "measured from the draft phases"
+    assert online.fitted.draft_level_s == online.measured_draft_level_s == pytest.approx(COST.draft_level_s, rel=0.05)
 
 
 def test_speed_tracker_follows_a_machine_that_slows_within_a_few_cycles():
@@ -488,9 +496,12 @@ def test_a_decoder_prices_the_rest_of_each_cycle_at_its_drafter_pace(spec):
     """Every other cycle at random, the drafter's passes and the target's pass are slow together
     (sleeps of 3 and 25 ms): the cycle's start cannot know, its drafter passes do. The decoder
     prices the selection after them, and its recorded predictions are the online model's, replayed
-    from the recorded cycles alone (as ``benchmarks/bench_online.py`` does); the error falls well
-    below that of the same decoder pricing every cycle at its start. SpecFit's selection is its last
-    level's search, made with the cycle start's model and repriced."""
+    from the recorded cycles alone (as ``benchmarks/bench_online.py`` does); the error of what the
+    pace prices, the cycle after its draft phase, falls well below that of the same decoder pricing
+    every cycle at its start, and the whole cycle's error falls too. (The drafted levels keep the
+    price they had at the cycle's start, the draft level measured from the phases: their slow
+    passes here are what the start cannot know.) SpecFit's selection is its last level's search,
+    made with the cycle start's model and repriced."""
     model, drafter = tiny(8)
     rng, slow = np.random.default_rng(3), [False]
     forward, draft_forward = model.forward, drafter.forward
@@ -529,9 +540,16 @@ def test_a_decoder_prices_the_rest_of_each_cycle_at_its_drafter_pace(spec):
             assert r["predicted_time_s"] == pytest.approx(
                 within.time_s(r["draft_levels"], r["nodes_verified"], r["predicted_hits"], r["predicted_misses"]),
                 rel=1e-9)
+            r["predicted_rest_s"] = r["predicted_time_s"] - r["draft_levels"] * within.draft_level_s
         late = rows[len(rows) // 3:]
-        errors[pace] = prediction_errors([r["predicted_time_s"] for r in late], [r["time_s"] for r in late])["mape"]
-    assert errors[1.0] < 0.6 * errors[None]
+        errors[pace] = (prediction_errors([r["predicted_rest_s"] for r in late],
+                                          [r["time_s"] - r["draft_time_s"] for r in late])["mape"],
+                        prediction_errors([r["predicted_time_s"] for r in late], [r["time_s"] for r in late])["mape"])
+    # measured (eagle3 / SpecFit): after the draft phase 0.26-0.34 / 0.30-0.34 of the error without
+    # the pace on a quiet machine (up to 0.69 beside a CPU-heavy install), 0.54-0.62 / 0.39-0.46 over
+    # the whole cycle
+    assert errors[1.0][0] < 0.75 * errors[None][0]
+    assert errors[1.0][1] < errors[None][1]
 
 
 def test_the_cycles_measured_times_add_up_to_the_decode_time():

@@ -249,6 +249,10 @@ class OnlineCostModel:
         # over successive refits of overlapping windows this is the offline fit's iteration
         features, times = self._features[:n], self._times[:n]
         measured = measured_draft_level_s(features[:, 0], self._phases[:n], times, recency)
+        if measured is None:
+            # too few drafted cycles in the window (a policy that stopped drafting): the last
+            # measurement stands rather than a level fitted on what did not draft
+            measured = self.measured_draft_level_s
         fitter = self._fitter if measured is None else CycleTimeFitter(
             holdout_fraction=0.0, prior=self.prior, fixed={"draft_level_s": measured})
         # the terms selected last are kept between selections while the draft level stays measured
