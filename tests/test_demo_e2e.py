@@ -38,6 +38,7 @@ def test_demo_quick_writes_the_report_with_identical_outputs(tmp_path):
         assert section in text
     assert "miss share" in text            # the per-layer cache heat map of the live runs
     assert "Refit on" in text              # the profile was refitted on the warm-up decode
+    assert "decided with at the end of the run" in text and "measured from the draft phases" in text
     cycles = pd.read_parquet(tmp_path / "decode" / "cycles.parquet")
     assert set(cycles["policy"]) == {"ar", "eagle3", "specfit"}
     summary = pd.read_parquet(tmp_path / "simulate" / "summary.parquet")

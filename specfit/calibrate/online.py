@@ -66,7 +66,7 @@ import math
 import numpy as np
 
 from ..costmodel import PARAM_NAMES, CostModel
-from .fit import CycleTimeFitter, from_physical, measured_draft_level_s, to_physical
+from .fit import PHYSICAL_NAMES, CycleTimeFitter, from_physical, measured_draft_level_s, to_physical
 
 __all__ = ["OnlineCostModel"]
 
@@ -278,5 +278,12 @@ class OnlineCostModel:
                 "tracked_speed": self.speed, "pace_slope": self.pace_slope,
                 "update_s": {k: float(v) for k, v in zip(self.UPDATE_KINDS, self._update_mean)},
                 "held": self._fitter._held_terms(self._choice) if self.n_refits else {},
-                "draft_level": ("prior" if not self.n_refits else "fitted" if self.measured_draft_level_s is None
-                                else "measured from the draft phases")}
+                "draft_level": self._draft_level_source()}
+
+    def _draft_level_source(self) -> str:
+        """Where the draft level of :attr:`fitted` comes from, in words."""
+        if self.measured_draft_level_s is not None:
+            return "measured from the draft phases"
+        if self.n_refits and PHYSICAL_NAMES.index("draft_level_s") in self._choice["free"]:
+            return "fitted"
+        return "the profile's"

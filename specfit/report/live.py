@@ -12,7 +12,7 @@ from .plots import bars, identity_scatter, new_axes
 __all__ = ["live_section"]
 
 
-def live_section(page: Page, cycles: pd.DataFrame, name: str) -> None:
+def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | None = None) -> None:
     page.heading(f"Live decoding: {name}")
     cycles = read_cycles(cycles)
     policies = list(dict.fromkeys(cycles["policy"])) if "policy" in cycles else ["run"]
@@ -66,6 +66,36 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str) -> None:
     ax.legend(fontsize=8)
     page.figure(fig, "Committed tokens per cycle.")
     _stopping(page, cycles)
+    online = _online_models(summaries or [])
+    if online is not None:
+        page.table(online, caption="The cost model each policy decided with at the end of the run (refitted online on "
+                   "its own cycles): its terms (ms), the speed tracker, the drafter-pace slope, where the draft level "
+                   "came from, and the terms its cycles could not determine, held at the profile's value (why).")
+
+
+_TERMS = (("base_s", "base (ms)"), ("per_node_s", "per node (ms)"), ("hit_s", "hit (ms)"), ("miss_s", "miss (ms)"),
+          ("draft_level_s", "per draft level (ms)"))
+
+
+def _online_models(summaries: list) -> pd.DataFrame | None:
+    """One row per policy whose summary has the online model's final state (``summary.json``)."""
+    rows = []
+    for summary in summaries:
+        state = summary.get("online_model") if isinstance(summary, dict) else None
+        if not isinstance(state, dict) or not isinstance(state.get("params"), dict):
+            continue
+        params = state["params"]
+        held = state.get("held") or {}
+        rows.append({
+            "policy": summary.get("policy", "?"),
+            **{label: 1e3 * float(params[name]) for name, label in _TERMS if name in params},
+            "draft level": state.get("draft_level", "fitted"),
+            "speed": float(state.get("tracked_speed", float("nan"))),
+            "pace slope": float(state.get("pace_slope", float("nan"))),
+            "cycles (refits)": f"{state.get('cycles_seen', '?')} ({state.get('refits', '?')})",
+            "held at the profile": "; ".join(f"{term}: {h.get('reason', '')}" for term, h in held.items()) or "–",
+        })
+    return pd.DataFrame(rows) if rows else None
 
 
 def _per_policy(cycles: pd.DataFrame) -> pd.DataFrame:
