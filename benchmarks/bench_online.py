@@ -31,32 +31,27 @@ from specfit.calibrate.presets import resolve_profile  # noqa: E402
 from specfit.runtime.run_dir import read_decode_cycles  # noqa: E402
 
 # (label, OnlineCostModel options, whether the model sees a cycle before the next is priced, whether
-# it is handed the recorded seconds of its own update in each cycle (update_time_s; runs from stop 23 on),
-# whether it is handed each cycle's draft phase, so that its refits measure the draft level (stop 37))
+# it is handed the recorded seconds of its own update in each cycle (update_time_s; runs from stop 23 on))
 NO_PACE = {"pace_half_life": None}
 BEFORE = {"half_life": 8.0, "refit_every": 4, "select_every": 4, "speed_half_life": None,
           "refit_interval_s": 0.0, **NO_PACE}   # the defaults before stop 22
 MODELS = (
-    ("refit only, seen one cycle late (before stop 22)", BEFORE, False, False, False),
-    ("refit only, seen before the next", BEFORE, True, False, False),
+    ("refit only, seen one cycle late (before stop 22)", BEFORE, False, False),
+    ("refit only, seen before the next", BEFORE, True, False),
     ("refit every 4 + speed tracker (stop 22's live runs)",
-     {"refit_every": 4, "select_every": 4, "refit_interval_s": 0.0, **NO_PACE}, True, False, False),
-    ("refit every 8 + speed tracker (stop 22's default)", {"refit_interval_s": 0.0, **NO_PACE}, True, False, False),
-    ("... + its own update priced (stop 23's default)", {"refit_interval_s": 0.0, **NO_PACE}, True, True, False),
-    ("... + refits at least 0.1 s apart (stop 28's default)", NO_PACE, True, True, False),
-    ("... + the rest of a cycle at its drafter's pace (stop 30's default)", {}, True, True, False),
-    ("... + the draft level measured from the draft phases (the default)", {}, True, True, True),
-    ("... with a window of 128 cycles, half-life 64 (tried in stop 37)", {"window": 128, "half_life": 64.0}, True, True,
-     True),
+     {"refit_every": 4, "select_every": 4, "refit_interval_s": 0.0, **NO_PACE}, True, False),
+    ("refit every 8 + speed tracker (stop 22's default)", {"refit_interval_s": 0.0, **NO_PACE}, True, False),
+    ("... + its own update priced (stop 23's default)", {"refit_interval_s": 0.0, **NO_PACE}, True, True),
+    ("... + refits at least 0.1 s apart (stop 28's default)", NO_PACE, True, True),
+    ("... + the rest of a cycle at its drafter's pace (the default)", {}, True, True),
+    ("... with a window of 128 cycles, half-life 64 (tried in stop 37)", {"window": 128, "half_life": 64.0}, True, True),
 )
 
 
-def replay(cycles, prior, options: dict, seen_first: bool, priced_update: bool = True,
-           phases: bool = True) -> np.ndarray:
+def replay(cycles, prior, options: dict, seen_first: bool, priced_update: bool = True) -> np.ndarray:
     """Predicted seconds of every cycle (in order), each made before the model saw it. With
     ``priced_update`` the model is handed each cycle's recorded update time (a model whose refit
-    schedule differs from the recorded one's learns the recorded updates' seconds, not its own);
-    with ``phases`` its draft phase (``draft_time_s``), from which the refits measure the draft level."""
+    schedule differs from the recorded one's learns the recorded updates' seconds, not its own)."""
     online = OnlineCostModel(prior, **options)
     rows = list(cycles.itertuples())
     predicted = np.zeros(len(rows))
@@ -64,8 +59,7 @@ def replay(cycles, prior, options: dict, seen_first: bool, priced_update: bool =
     def see(row):
         online.observe(row.draft_levels, row.nodes_verified, row.hits, row.misses, row.measured_time_s,
                        priced=(row.predicted_hits, row.predicted_misses),
-                       overhead_s=row.update_time_s if priced_update else 0.0, drafter_s=drafter_s(row),
-                       draft_phase_s=float(row.draft_time_s) if phases else None)
+                       overhead_s=row.update_time_s if priced_update else 0.0, drafter_s=drafter_s(row))
 
     for t, row in enumerate(rows):
         if seen_first and t:
@@ -112,12 +106,12 @@ def main(argv: list[str] | None = None) -> None:
         groups = [(p, g.sort_values(["sequence", "position"])) for p, g in cycles.groupby("policy", sort=False)]
         recorded = [f"{p} {errors(g.measured_time_s.values, g.predicted_time_s.values)[0]:.1%}" for p, g in groups]
         table.add_row(run.name, "as recorded", ", ".join(recorded))
-        for label, options, seen_first, priced_update, phases in MODELS:
+        for label, options, seen_first, priced_update in MODELS:
             if priced_update and not np.isfinite(cycles["update_time_s"].to_numpy(dtype=float)).any():
                 continue                                         # recorded before update_time_s existed
             cells = []
             for policy, g in groups:
-                mape, lag1 = errors(g.measured_time_s.values, replay(g, prior, options, seen_first, priced_update, phases))
+                mape, lag1 = errors(g.measured_time_s.values, replay(g, prior, options, seen_first, priced_update))
                 cells.append(f"{policy} {mape:.1%} ({lag1:+.2f})")
             table.add_row("", label, ", ".join(cells))
     Console(width=200).print(table)

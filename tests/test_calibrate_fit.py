@@ -219,31 +219,6 @@ def test_draft_levels_that_move_with_the_node_count_are_not_traded_against_it():
     assert fitter.quality_["train"]["median_ape"] < 0.04
 
 
-def test_a_term_fitted_at_its_zero_bound_is_held_at_the_prior_instead():
-    """A warm-up's three policies verify 1, 3 and 17 nodes on unions that grow with them, and the
-    17-node cycles run 1.2 ms faster than the model says (something the model has no term for):
-    least squares puts the node cost below 0 and a non-negative fit at 0, where no node is free.
-    The fit holds it at the probe's value instead, says why, and fits the other terms around it."""
-    rng = np.random.default_rng(0)
-    truth = CostModel(base_s=3e-3, per_node_s=7e-5, hit_s=9e-5, miss_s=1.2e-4, draft_level_s=8e-4)
-    rows, times = [], []
-    for levels, nodes, union, bias in ((0, 1, 16, 0.0), (2, 3, 30, 0.0), (4, 17, 60, -1.2e-3)):
-        for _ in range(60):
-            u = union + int(rng.integers(-4, 5))
-            m = int(rng.integers(0, u // 2))
-            rows.append((levels, nodes, u - m, m))
-            times.append((truth.time_s(levels, nodes, u - m, m) + bias) * (1 + 0.03 * rng.standard_normal()))
-    X, y = CostModel.features(*np.array(rows).T), np.array(times)
-    # the unconstrained least squares of the same cycles (draft level known): a negative node cost
-    A = X[:, 1:] / y[:, None]
-    assert np.linalg.lstsq(A, (y - 8e-4 * X[:, 0]) / y, rcond=None)[0][1] < -1e-5
-    fit = CycleTimeFitter(holdout_fraction=0.0, prior=truth, fixed={"draft_level_s": 8e-4}).fit(X, y)
-    assert fit.cost_model().per_node_s == pytest.approx(truth.per_node_s)
-    assert "per_node_s" not in fit.quality_["fitted"] and "hit_s" in fit.quality_["fitted"]
-    assert fit.quality_["held"]["per_node_s"]["reason"].startswith("fitted at 0")
-    assert fit.cost_model().miss_s >= fit.cost_model().hit_s > 0
-
-
 def test_a_prior_changes_nothing_where_the_data_identify_every_term():
     rng = np.random.default_rng(7)
     X, y = synthetic_cycles(rng, 400, noise=0.03)

@@ -28,7 +28,7 @@ import torch
 from ..costmodel import PARAM_NAMES
 from ..errors import SpecFitError
 from .cycles import cycles_features, probe_cycles, probe_draft, probe_drafter_levels, probe_trees, star_node_cost
-from .fit import CycleTimeFitter, measured_draft_level_s, prediction_errors
+from .fit import CycleTimeFitter, prediction_errors
 from .probes import MEASURES, fit_h2d, probe_expert_compute, probe_h2d
 from .profile import ModelShape, Profile, machine_info
 from .repeat import busy_warnings, machine_noise, repeat_rounds
@@ -370,16 +370,8 @@ def refit(profile: Profile, run_dirs, seed: int = 0, holdout_fraction: float = 0
 
     X = CostModel.features(df["draft_levels"], df["nodes_verified"], df["hits"], df["misses"])
     y = df["measured_time_s"].to_numpy(dtype=np.float64)
-    # the draft level from the cycles' timed draft phases, as the online model measures it (runs
-    # recorded before the phases were kept have it fitted)
-    draft_level_s = None
-    if "draft_time_s" in df and "update_time_s" in df:
-        phase = (pd.to_numeric(df["draft_time_s"], errors="coerce")
-                 - pd.to_numeric(df["update_time_s"], errors="coerce").fillna(0.0)).to_numpy(dtype=np.float64)
-        draft_level_s = measured_draft_level_s(df["draft_levels"].to_numpy(), phase, y)
-    fixed = {} if draft_level_s is None else {"draft_level_s": draft_level_s}
     # the profile is the prior: a term these cycles cannot identify keeps the profile's value
-    fitter = CycleTimeFitter(holdout_fraction=holdout_fraction, seed=seed, prior=profile.cost, fixed=fixed).fit(
+    fitter = CycleTimeFitter(holdout_fraction=holdout_fraction, seed=seed, prior=profile.cost).fit(
         X, y, source="decode cycles")
     n_test = fitter.quality_["n_holdout"]
     test = np.random.default_rng(seed).permutation(len(y))[:n_test]
@@ -387,8 +379,7 @@ def refit(profile: Profile, run_dirs, seed: int = 0, holdout_fraction: float = 0
     after = fitter.quality_["holdout"]
     cost = fitter.cost_model(expert_bytes=profile.cost.expert_bytes)
     comparison = {"n_cycles": int(len(y)), "n_holdout": int(n_test), "before": before, "after": after,
-                  "before_params": profile.cost.to_dict(), "after_params": cost.to_dict(),
-                  "draft_level": "fitted" if draft_level_s is None else "measured from the draft phases"}
+                  "before_params": profile.cost.to_dict(), "after_params": cost.to_dict()}
     refitted = Profile(cost=cost, shape=profile.shape, kind="refit",
                        source=f"refit of {profile.label} on {len(y)} decode cycles", machine=profile.machine,
                        fit={**fitter.quality_, "refit": comparison, "runs": [str(d) for d in run_dirs]},

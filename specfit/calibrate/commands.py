@@ -150,6 +150,6 @@ def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None
 
     table_console().print(table)
     after = comparison["after_params"]
-    typer.echo(f"draft level {after['draft_level_s'] * 1e3:.3g} ms ({comparison['draft_level']}), "
+    typer.echo(f"draft level {after['draft_level_s'] * 1e3:.3g} ms, "
                f"per node {after['per_node_s'] * 1e6:.3g} us, hit {after['hit_s'] * 1e6:.3g} us, "
                f"miss {after['miss_s'] * 1e6:.3g} us, base {after['base_s'] * 1e3:.3g} ms")

@@ -22,10 +22,7 @@ best-determined candidate is freed. The prior's uncertainty is ``prior_spread`` 
 value, or times the value at which the term would be ``VISIBLE_SHARE`` of a cycle when that is
 larger (a prior of 0 is not a certainty). A column that moves with the others (draft levels that
 grow with the node count) or a term too small to see in the noise thus stays at the prior instead
-of trading against the other terms, as a plain non-negative least squares does. A freed term that the
-non-negative fit puts at 0 where its prior is positive is held at the prior too: the data would have
-it below any physical value, so it trades with the other terms there (``quality_["held"]`` says
-"fitted at 0").
+of trading against the other terms, as a plain non-negative least squares does.
 
 The held terms share one candidate more, a *speed factor*: cycles that all run 1.6 times slower
 than the profile say so even when they cannot tell the base from the node and hit terms
@@ -33,15 +30,6 @@ than the profile say so even when they cannot tell the base from the node and hi
 profile's proportions, scaled (``quality_["speed_factor"]``). A term constant over the cycles (the
 base always) is only ever moved that way. Parameters measured directly by a probe (the draft level)
 can be ``fixed``. The held-out error is measured on cycles the fit did not see and kept as data.
-
-Decoded cycles measure the draft level directly too: the decoder times each cycle's draft phase
-(from its start to the selection), and :func:`measured_draft_level_s` turns those seconds into the
-seconds per drafted level. Regressed on the whole cycle time instead, the draft level trades
-against the node and expert terms wherever the levels drafted grow with the nodes verified (a
-warm-up whose policies draft 0, 2 and 4 levels for 1, 3 and 17 nodes; SpecFit's own cycles):
-fitted on the same cycles it came out anywhere from 0 to 2.9 ms per level where the draft phases
-measured 0.8 to 1.3 (``benchmarks/RESULTS.md``, stop 37). The refit and the online model hold it at the
-measured value.
 """
 
 from __future__ import annotations
@@ -55,7 +43,7 @@ from ..costmodel import PARAM_NAMES, CostModel
 from ..errors import SpecFitError
 
 __all__ = ["CycleTimeFitter", "prediction_errors", "PHYSICAL_NAMES", "physical_features", "to_physical",
-           "from_physical", "VISIBLE_SHARE", "measured_draft_level_s", "MIN_DRAFT_PHASES"]
+           "from_physical", "VISIBLE_SHARE"]
 
 # the fitted parameters, in the order of physical_features' columns
 PHYSICAL_NAMES = ("draft_level_s", "base_s", "per_node_s", "hit_s", "transfer_s")
@@ -68,33 +56,6 @@ NOISE_FLOOR = 0.005
 REFUTED = 3.0
 # a normal matrix (columns scaled to unit norm) this badly conditioned has collinear columns
 COLLINEAR_CONDITION = 1e8
-# drafted cycles with a timed draft phase that measure the draft level (fewer: it is fitted)
-MIN_DRAFT_PHASES = 4
-
-
-def measured_draft_level_s(draft_levels, phase_s, times_s, weights=None) -> float | None:
-    """Seconds per drafted level from the cycles' timed draft phases (seconds from a cycle's start
-    to its selection, the cost model's own update left out), or None when fewer than
-    :data:`MIN_DRAFT_PHASES` drafted cycles have one (NaN: not timed).
-
-    A phase holds what every cycle does before it drafts (the root's expert prediction, the first
-    decision): the median phase of the undrafted cycles, when at least two have one, is taken off
-    first (it is in the base term). The rest is fitted through the origin against the levels, each
-    cycle weighted by ``1 / time^2`` (the relative error the cycle-time fit minimises) times
-    ``weights`` (the online model's recency)."""
-    levels = np.asarray(draft_levels, dtype=np.float64)
-    phase = np.asarray(phase_s, dtype=np.float64)
-    times = np.asarray(times_s, dtype=np.float64)
-    w = np.ones_like(times) if weights is None else np.asarray(weights, dtype=np.float64)
-    timed = np.isfinite(phase) & (phase >= 0) & (times > 0)
-    drafted = timed & (levels > 0)
-    if np.count_nonzero(drafted) < MIN_DRAFT_PHASES:
-        return None
-    undrafted = timed & (levels == 0)
-    floor = float(np.median(phase[undrafted])) if np.count_nonzero(undrafted) >= 2 else 0.0
-    w = w[drafted] / times[drafted] ** 2
-    d = levels[drafted]
-    return max(float(np.sum(w * d * (phase[drafted] - floor)) / np.sum(w * d * d)), 0.0)
 
 
 def physical_features(features) -> np.ndarray:
@@ -300,18 +261,6 @@ class CycleTimeFitter:
                 speed = float(coef[-1])
         theta[choice["group"]] = speed * held_at[choice["group"]]
         choice["speed_value"] = speed
-        # a freed term the fit puts at 0 where its prior is positive: the data would have it below
-        # any physical value, i.e. it trades with the others (a warm-up whose unions grow with its
-        # nodes put the node term at 0 in 7 of 18 refits); held at the prior like a term they
-        # cannot identify, and the rest fitted again
-        bound = [j for j in choice["free"] if j != BASE and theta[j] <= 0 and np.isfinite(self._prior_phys[j])
-                 and held_at[j] > 0]
-        if bound:
-            choice["free"] = [j for j in choice["free"] if j not in bound]
-            choice["group"] = sorted(choice["group"] + bound)
-            choice["held"] = sorted(set(choice["held"]) | set(bound))
-            choice["bound"] = sorted(set(choice.get("bound", ())) | set(bound))
-            return self._fit_choice(A, b, held_at, fixed, choice)
         return theta
 
     def _identify(self, A: np.ndarray, b: np.ndarray, held_at: np.ndarray, fixed: np.ndarray, Z: np.ndarray) -> dict:
@@ -406,8 +355,6 @@ class CycleTimeFitter:
             score, shift = choice["scores"].get(("term", j), (np.inf, 0.0))
             if j in choice["absent"]:
                 reason = "absent from the data (always 0)"
-            elif j in choice.get("bound", ()):
-                reason = "fitted at 0, below any physical value: it trades with the other terms in the data"
             elif np.ptp(choice["Z"][:, j]) == 0:
                 reason = "constant in the data"
             elif not np.isfinite(score):

@@ -48,13 +48,6 @@ is per level over whole cycles, so it is compared with whole cycles only: a cycl
 also runs the tokens committed last cycle (1.4x a later level's seconds on the bundled model), and
 the levels drafted so far would look slow against it.
 
-The draft level is not regressed when the cycles come with their draft phases (``draft_phase_s``:
-seconds from a cycle's start to its selection, which the decoder times): each refit measures it
-from the window's phases (:func:`~specfit.calibrate.fit.measured_draft_level_s`, with the same
-recency weights) and fits the other terms with it held there. Regressed on whole cycles, a window
-of SpecFit's cycles (levels drafted and nodes verified growing together) put it anywhere from 0 to
-2.9 ms per level where the phases said 0.8-1.3, and the node and expert terms moved the other way.
-
 Before ``min_cycles`` cycles have been seen the fit is the prior itself (the speed tracker starts
 with the first cycle).
 """
@@ -66,7 +59,7 @@ import math
 import numpy as np
 
 from ..costmodel import PARAM_NAMES, CostModel
-from .fit import PHYSICAL_NAMES, CycleTimeFitter, from_physical, measured_draft_level_s, to_physical
+from .fit import CycleTimeFitter, from_physical, to_physical
 
 __all__ = ["OnlineCostModel"]
 
@@ -131,9 +124,6 @@ class OnlineCostModel:
         self._theta = to_physical(prior.params)
         self._features = np.zeros((self.window, len(PARAM_NAMES)))
         self._times = np.zeros(self.window)
-        self._phases = np.full(self.window, np.nan)     # each cycle's draft phase, its update left out
-        # the draft level the last refit held (measured from the phases), None when it was fitted
-        self.measured_draft_level_s: float | None = None
         self.n_seen = 0
         self.n_refits = 0
         self.refit_interval_s = float(refit_interval_s)
@@ -187,17 +177,14 @@ class OnlineCostModel:
         return self.cost.scaled(math.exp(self.pace_slope * deviation), draft_factor=1.0)
 
     def observe(self, draft_levels: int, n_nodes: int, hits: int, misses: int, time_s: float,
-                priced: tuple[int, int] | None = None, overhead_s: float = 0.0, drafter_s: float = 0.0,
-                draft_phase_s: float | None = None) -> None:
+                priced: tuple[int, int] | None = None, overhead_s: float = 0.0, drafter_s: float = 0.0) -> None:
         """Add one measured cycle (the counts of what it verified, its measured seconds); refit
         when it is time. ``priced``: the (hits, misses) the policy priced the cycle with, before it
         ran (the predicted union's); with it the speed tracker learns from the cycle.
         ``overhead_s``: the seconds of this model's previous update (:meth:`observe` call) that ran
         inside the observed cycle; they are not fitted, and they teach the model what an update of
         that kind costs. ``drafter_s``: the seconds of the cycle's drafter passes (what
-        :meth:`within_cycle` was handed); they teach the pace and its slope. ``draft_phase_s``: the
-        seconds from the cycle's start to its selection (``overhead_s`` included); with them the
-        refits measure the draft level instead of fitting it (None: not timed)."""
+        :meth:`within_cycle` was handed); they teach the pace and its slope."""
         overhead_s = float(overhead_s) if overhead_s > 0 and math.isfinite(overhead_s) else 0.0
         if self._last_kind is not None and overhead_s > 0:
             kind = self._last_kind
@@ -225,8 +212,6 @@ class OnlineCostModel:
         slot = self.n_seen % self.window
         self._features[slot] = (draft_levels, 1.0, n_nodes, hits, misses)
         self._times[slot] = work_s
-        phase = np.nan if draft_phase_s is None else float(draft_phase_s) - overhead_s
-        self._phases[slot] = phase if math.isfinite(phase) and phase >= 0 else np.nan
         self.n_seen += 1
         kind = 0                                     # index into UPDATE_KINDS
         self._since_refit += 1
@@ -247,21 +232,9 @@ class OnlineCostModel:
         recency = 0.5 ** (age / self.half_life)
         # one reweighting round per refit, its Huber weights from the current model's residuals:
         # over successive refits of overlapping windows this is the offline fit's iteration
-        features, times = self._features[:n], self._times[:n]
-        measured = measured_draft_level_s(features[:, 0], self._phases[:n], times, recency)
-        if measured is None:
-            # too few drafted cycles in the window (a policy that stopped drafting): the last
-            # measurement stands rather than a level fitted on what did not draft
-            measured = self.measured_draft_level_s
-        fitter = self._fitter if measured is None else CycleTimeFitter(
-            holdout_fraction=0.0, prior=self.prior, fixed={"draft_level_s": measured})
-        # the terms selected last are kept between selections while the draft level stays measured
-        # (or fitted): a selection made with the other one had another column to choose from
-        same = (measured is None) == (self.measured_draft_level_s is None)
-        reuse = self._choice if same and self.n_refits % self.select_every else None
-        theta, info = fitter.solve(features, times, start=self._theta, robust_iterations=0, sample_weight=recency,
-                                   choice=reuse)
-        self.measured_draft_level_s = measured
+        reuse = self._choice if self.n_refits % self.select_every else None
+        theta, info = self._fitter.solve(self._features[:n], self._times[:n], start=self._theta, robust_iterations=0,
+                                         sample_weight=recency, choice=reuse)
         self._theta = theta
         params = from_physical(theta)
         self.fitted = CostModel(**dict(zip(PARAM_NAMES, map(float, params))), expert_bytes=self.prior.expert_bytes)
@@ -277,13 +250,4 @@ class OnlineCostModel:
                 "speed_factor": self._choice["speed_value"] if self.n_refits else 1.0,
                 "tracked_speed": self.speed, "pace_slope": self.pace_slope,
                 "update_s": {k: float(v) for k, v in zip(self.UPDATE_KINDS, self._update_mean)},
-                "held": self._fitter._held_terms(self._choice) if self.n_refits else {},
-                "draft_level": self._draft_level_source()}
-
-    def _draft_level_source(self) -> str:
-        """Where the draft level of :attr:`fitted` comes from, in words."""
-        if self.measured_draft_level_s is not None:
-            return "measured from the draft phases"
-        if self.n_refits and PHYSICAL_NAMES.index("draft_level_s") in self._choice["free"]:
-            return "fitted"
-        return "the profile's"
+                "held": self._fitter._held_terms(self._choice) if self.n_refits else {}}

@@ -105,7 +105,4 @@ def _refit(page: Page, comparison: dict) -> None:
         e = comparison[label]
         rows.append({"": f"{label} refit", "held-out MAPE": e["mape"], "max APE": e["max_ape"],
                      "max abs. error (s)": e.get("max_abs_err", e.get("max_abs_err_s")), "cycles": e["n"]})
-    draft = comparison.get("draft_level")
-    draft = f"; draft level {draft}" if draft else ""
-    page.table(pd.DataFrame(rows),
-               caption=f"Refit on {comparison['n_cycles']} decode cycles (same held-out cycles){draft}")
+    page.table(pd.DataFrame(rows), caption=f"Refit on {comparison['n_cycles']} decode cycles (same held-out cycles)")

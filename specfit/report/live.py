@@ -69,8 +69,8 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
     online = _online_models(summaries or [])
     if online is not None:
         page.table(online, caption="The cost model each policy decided with at the end of the run (refitted online on "
-                   "its own cycles): its terms (ms), the speed tracker, the drafter-pace slope, where the draft level "
-                   "came from, and the terms its cycles could not determine, held at the profile's value (why).")
+                   "its own cycles): its terms (ms), the speed tracker, the drafter-pace slope, and the terms its cycles "
+                   "could not determine, held at the profile's value (why).")
 
 
 _TERMS = (("base_s", "base (ms)"), ("per_node_s", "per node (ms)"), ("hit_s", "hit (ms)"), ("miss_s", "miss (ms)"),
@@ -89,7 +89,6 @@ def _online_models(summaries: list) -> pd.DataFrame | None:
         rows.append({
             "policy": summary.get("policy", "?"),
             **{label: 1e3 * float(params[name]) for name, label in _TERMS if name in params},
-            "draft level": state.get("draft_level", "fitted"),
             "speed": float(state.get("tracked_speed", float("nan"))),
             "pace slope": float(state.get("pace_slope", float("nan"))),
             "cycles (refits)": f"{state.get('cycles_seen', '?')} ({state.get('refits', '?')})",

@@ -183,8 +183,7 @@ class Decoder:
                 offload = verification.offload
                 priced = None if draft.selection is None else (draft.selection.hits, draft.selection.misses)
                 self._pending = ((draft.draft_levels, int(verification.nodes.size), offload.total_hits,
-                                  offload.total_misses, stats.cycle_time_s), priced, update_s, draft.drafter_time_s,
-                                 stats.draft_time_s)
+                                  offload.total_misses, stats.cycle_time_s), priced, update_s, draft.drafter_time_s)
                 self._account(stats, before)
                 cycles.append(stats)
                 totals += offload
@@ -376,9 +375,8 @@ class Decoder:
         if self.online is None or self._pending is None:
             return 0.0
         start = time.perf_counter()
-        counts, priced, overhead_s, drafter_s, draft_phase_s = self._pending
-        self.online.observe(*counts, priced=priced, overhead_s=overhead_s, drafter_s=drafter_s,
-                            draft_phase_s=draft_phase_s)
+        counts, priced, overhead_s, drafter_s = self._pending
+        self.online.observe(*counts, priced=priced, overhead_s=overhead_s, drafter_s=drafter_s)
         self.cost = self.online.cost
         self._pending = None
         return time.perf_counter() - start
