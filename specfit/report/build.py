@@ -10,7 +10,6 @@ saying what was run.
 from __future__ import annotations
 
 import contextlib
-import json
 from pathlib import Path
 
 import pandas as pd
@@ -20,7 +19,7 @@ from ..calibrate.profile import load_profile
 from ..errors import SpecFitError
 from ..io import write_json_atomic
 from ..runinfo import read_run_info
-from ..runtime.run_dir import CYCLES_FILE, JOURNAL_FILE, SUMMARY_FILE, read_decode_cycles
+from ..runtime.run_dir import CYCLES_FILE, JOURNAL_FILE, read_decode_cycles, read_decode_summaries
 from .calibration import calibration_section
 from .html import Page
 from .live import live_section
@@ -95,17 +94,6 @@ def _sweep_sections(page: Page, path: Path, kinds: list[str]) -> None:
     sweep_section(page, read_results(path), str(path), read_sweep_file(path))
 
 
-def _run_summaries(path: Path) -> list:
-    """A decode run's per-policy summaries (``summary.json``), or none when it has none or it does
-    not read as a list of summaries (the run was interrupted before writing it)."""
-    file = path / SUMMARY_FILE
-    try:
-        summaries = json.loads(file.read_text()) if file.is_file() else []
-    except (OSError, ValueError):
-        return []
-    return summaries if isinstance(summaries, list) else []
-
-
 def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report") -> Path:
     """Render every input into ``out_dir/index.html``; returns its path."""
     if not inputs:
@@ -137,7 +125,7 @@ def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report
             if cycles.empty:
                 raise SpecFitError(f"{path / 'cycles.parquet'}: no decode cycles to report")
             with _damaged_tables(path, "cycles.parquet"):
-                live_section(page, cycles, str(path), _run_summaries(path))
+                live_section(page, cycles, str(path), read_decode_summaries(path))
         if "sweep" in kinds:
             _sweep_sections(page, path, kinds)
     index = Path(out_dir) / "index.html"

@@ -14,7 +14,7 @@ from ..io import atomic_write, remove_stale_temporaries, write_json_atomic, writ
 if TYPE_CHECKING:
     import pandas as pd
 
-__all__ = ["DecodeOutputs", "read_decode_cycles", "OUTPUT_FILE", "CYCLES_FILE", "SUMMARY_FILE", "JOURNAL_FILE"]
+__all__ = ["DecodeOutputs", "read_decode_cycles", "read_decode_summaries", "OUTPUT_FILE", "CYCLES_FILE", "SUMMARY_FILE", "JOURNAL_FILE"]
 
 OUTPUT_FILE = "decode.jsonl"
 CYCLES_FILE = "cycles.parquet"
@@ -93,3 +93,14 @@ def read_decode_cycles(out_dir: str | Path) -> "pd.DataFrame":
         if len(rows) > len(frame):
             frame = pd.DataFrame(rows)
     return frame
+
+
+def read_decode_summaries(out_dir: str | Path) -> list:
+    """The per-policy summaries a ``specfit decode --out`` run wrote (``summary.json``); none when
+    it has none or it does not read as a list (a run killed before writing it)."""
+    path = Path(out_dir) / SUMMARY_FILE
+    try:
+        summaries = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
+    except (OSError, ValueError):
+        return []
+    return summaries if isinstance(summaries, list) else []
