@@ -37,6 +37,10 @@ def test_gpu_check_runs_on_the_cpu_with_tiny_shapes(capsys, tmp_path):
     assert "H2D" in out and "measured vs predicted" in out and "pageable" in out
     record = json.loads(out_path.read_text())
     assert record["device"] == "cpu" and record["pinned_bytes"] == 0
+    first_use = record["drafter_first_use"]
+    assert first_use["lengths"] == list(range(1, 25))
+    assert len(first_use["first_s"]) == len(first_use["again_s"]) == 24
+    assert min(first_use["first_s"] + first_use["again_s"]) > 0
     assert record["host_expert_bytes"] == 2 * 16 * record["expert_bytes"]
     assert set(record["profile"]["measures"]) >= {"h2d", "expert_compute", "cycles"}
     assert [p["policy"] for p in record["policies"]] == ["ar", "eagle3", "static:auto", "specfit"]

@@ -14,6 +14,7 @@ from specfit.accounting import live_row
 from specfit.costmodel import CostModel
 from specfit.policies import make_policy
 from specfit.runtime.decoder import Decoder
+from specfit.runtime.drafting import Proposer
 from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter
 from specfit.runtime.loader import load_model
 from specfit.runtime.model import causal_mask
@@ -170,6 +171,36 @@ def test_the_prompt_runs_through_the_drafter_in_the_prefill_and_the_first_cycle_
     assert draft.draft_levels == 2
     # level 1: the pending entry alone; level 2: the one frontier node
     assert calls[1:] == [("cycle", 1), ("cycle", 1)]
+
+
+def test_the_drafter_warm_up_runs_each_catch_up_length_once_per_drafter_and_changes_no_draft(checkpoints):
+    """A proposer with ``warm_lengths`` runs the drafter over 1 .. n entries in its first prefill
+    (on a GPU a length's first pass is slow; off the clock there), once per drafter; the slots it
+    writes are overwritten before they are read, so every cycle drafts and commits as without it."""
+    model, drafter = load(*checkpoints["qwen3_moe"], cache_experts=8)
+    assert Proposer(drafter, 4).warm_lengths == 0            # the CPU's default: nothing to warm
+    prompt = prompts()[2]
+    policy = make_policy("eagle3:16:4")
+    plain = Decoder(model, Proposer(drafter, 4, warm_lengths=0), policy, COST).generate(prompt, NEW_TOKENS,
+                                                                                          ignore_eos=True)
+    calls: list[int] = []
+    forward = drafter.forward
+
+    def counted(hidden, input_ids, positions, mask=None):
+        calls.append(int(input_ids.numel()))
+        return forward(hidden, input_ids, positions, mask)
+
+    drafter.forward = counted
+    warmed = Decoder(model, Proposer(drafter, 4, warm_lengths=6), policy, COST).generate(prompt, NEW_TOKENS,
+                                                                                          ignore_eos=True)
+    assert calls[:7] == [1, 2, 3, 4, 5, 6, len(prompt) - 1]
+    assert warmed.output_ids == plain.output_ids and warmed.cycle_tokens == plain.cycle_tokens
+    for a, b in zip(warmed.cycles, plain.cycles, strict=True):
+        assert a.verification.nodes.tolist() == b.verification.nodes.tolist()
+        assert a.draft.tree.tokens.tolist() == b.draft.tree.tokens.tolist()
+    calls.clear()
+    Decoder(model, Proposer(drafter, 4, warm_lengths=6), policy, COST).generate(prompt, 4, ignore_eos=True)
+    assert calls[0] == len(prompt) - 1                       # the same drafter is not warmed twice
 
 
 def test_tree_verification_equals_linear_sequences_and_compaction_keeps_the_path(checkpoints):

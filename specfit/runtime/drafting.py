@@ -28,6 +28,7 @@ EAGLE's rerank). A chain is ``k = 1``.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,6 +40,13 @@ from ..errors import SpecFitError
 from ..tree import DraftTree
 
 __all__ = ["DraftOutput", "DrafterSession", "TreeDraft", "Level", "Proposer", "tree_capacity"]
+
+# On a GPU a drafter pass over a number of entries it has not run before is slow (a level after a
+# 10-17 cycle gap took 8.7-11.4 ms where a repeated length took 2.7-4.2, benchmarks/RESULTS.md,
+# "The GPU run"), and the cost model prices every level alike: the first sequence runs the drafter
+# once at each catch-up length up to this many entries, off the clock (0 on the CPU).
+CUDA_WARM_LENGTHS = 32
+_warmed: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -237,10 +245,12 @@ class Proposer:
     head as wide as the target), so the router predictor may read them.
     """
 
-    def __init__(self, drafter, top_k: int = 4):
+    def __init__(self, drafter, top_k: int = 4, warm_lengths: int | None = None):
         if top_k < 1:
             raise ValueError(f"tree_top_k: expected >= 1, got {top_k}")
         self.drafter, self.top_k = drafter, int(top_k)
+        cuda = getattr(getattr(drafter, "device", None), "type", None) == "cuda"
+        self.warm_lengths = (CUDA_WARM_LENGTHS if cuda else 0) if warm_lengths is None else int(warm_lengths)
         self.session: DrafterSession | None = None
         self._pending: list[tuple[torch.Tensor, list[int]]] = []   # (features, next tokens) not yet run
 
@@ -257,6 +267,7 @@ class Proposer:
         cost model prices one pass over the few entries a cycle accepts). The last entry, the
         one whose output drafts the first level, stays pending as a cycle's accepted entries do."""
         self.session = DrafterSession(self.drafter, max_entries)
+        self._warm_up(features[-1:], int(first_token), max_entries)
         tokens = list(prompt_ids[1:]) + [int(first_token)]
         if len(tokens) > 1:
             self.session.commit(features[:-1], torch.tensor(tokens[:-1]))
@@ -270,6 +281,17 @@ class Proposer:
         """The target committed ``tokens``; ``features`` [len(tokens), F] are its features at the
         accepted nodes (each paired with the token that followed it, the last with the bonus)."""
         self._pending.append((features, list(tokens)))
+
+    def _warm_up(self, feature: torch.Tensor, token: int, max_entries: int) -> None:
+        """Run the drafter once over 1, 2, ... ``warm_lengths`` entries (``feature`` and ``token``
+        repeated) from slot 0, once per drafter: the slots it writes are the sequence's own, which
+        its prompt's pass overwrites before anything reads them."""
+        lengths = min(self.warm_lengths, max_entries)
+        if lengths <= _warmed.get(self.drafter, 0):
+            return
+        for n in range(1, lengths + 1):
+            self.drafter(feature.expand(n, -1), torch.full((n,), token), torch.arange(n))
+        _warmed[self.drafter] = lengths
 
     def _sync(self) -> DraftOutput:
         """Run the pending committed entries through the drafter; return the newest entry's output."""
