@@ -71,3 +71,16 @@ def test_gpu_check_rejects_a_device_it_cannot_use(capsys):
         _gpu_check().main(["--device", "tpu"])
     assert exit_info.value.code == 2
     assert "--device 'tpu': expected cpu, cuda or cuda:N" in capsys.readouterr().err
+
+
+def test_bench_first_use_times_every_length_twice_on_the_cpu(capsys):
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_first_use.py"
+    spec = importlib.util.spec_from_file_location("bench_first_use", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    times = bench.main(["--device", "cpu", "--shape", "tiny", "--layers", "2", "--max-n", "3", "--warm", "3"])
+    for model in ("target", "drafter"):
+        for round_ in ("first", "again"):
+            assert len(times[model][round_]) == 3 and min(times[model][round_]) > 0
+    out = capsys.readouterr().out
+    assert "first pass over n entries" in out and "warm-up over 1..3" in out
