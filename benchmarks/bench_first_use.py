@@ -10,7 +10,7 @@ The target is a random-weight stand-in of ``--shape`` with every expert cached o
 tokens after that prefill, in the same KV slots, with a causal mask (the routing, and with it the
 number of experts a pass runs, differs between the rounds). With ``--warm N`` a decoder's first
 generation runs first with the proposer's warm-up over 1..N entries
-(:data:`specfit.runtime.drafting.CUDA_WARM_LENGTHS` on a GPU by default): the drafter's "first"
+(:data:`specfit.runtime.drafting.WARM_LENGTHS` on a GPU by default): the drafter's "first"
 round should then cost what "again" does. Results: ``benchmarks/RESULTS.md``, "The GPU run again".
 
     python benchmarks/bench_first_use.py                          # CUDA: qwen3-30b-a3b, 4 layers

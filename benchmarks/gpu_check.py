@@ -84,7 +84,7 @@ class CopyMeter:
 def catch_up_passes(drafter, lengths: range, device: torch.device) -> dict:
     """The drafter's pass over ``n`` committed entries, timed at each ``n`` the first time this
     process runs it and once more: on a GPU a length's first pass is slower (the decoder's
-    proposer runs each length up to ``CUDA_WARM_LENGTHS`` once, off the clock, for that)."""
+    proposer runs each length up to ``drafting.WARM_LENGTHS`` once, off the clock, for that)."""
     session = DrafterSession(drafter, 2 * sum(lengths) + 1)
     width = 3 * drafter.config.target_hidden_size
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

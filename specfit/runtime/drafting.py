@@ -44,8 +44,9 @@ __all__ = ["DraftOutput", "DrafterSession", "TreeDraft", "Level", "Proposer", "t
 # On a GPU a drafter pass over a number of entries it has not run before is slow (a level after a
 # 10-17 cycle gap took 8.7-11.4 ms where a repeated length took 2.7-4.2, benchmarks/RESULTS.md,
 # "The GPU run"), and the cost model prices every level alike: the first sequence runs the drafter
-# once at each catch-up length up to this many entries, off the clock (0 on the CPU).
-CUDA_WARM_LENGTHS = 32
+# once at each catch-up length up to this many entries per device type, off the clock (none on the
+# CPU, where no such cost was seen).
+WARM_LENGTHS = {"cuda": 32}
 _warmed: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
@@ -249,8 +250,8 @@ class Proposer:
         if top_k < 1:
             raise ValueError(f"tree_top_k: expected >= 1, got {top_k}")
         self.drafter, self.top_k = drafter, int(top_k)
-        cuda = getattr(getattr(drafter, "device", None), "type", None) == "cuda"
-        self.warm_lengths = (CUDA_WARM_LENGTHS if cuda else 0) if warm_lengths is None else int(warm_lengths)
+        device = getattr(getattr(drafter, "device", None), "type", None)
+        self.warm_lengths = WARM_LENGTHS.get(device, 0) if warm_lengths is None else int(warm_lengths)
         self.session: DrafterSession | None = None
         self._pending: list[tuple[torch.Tensor, list[int]]] = []   # (features, next tokens) not yet run
 
