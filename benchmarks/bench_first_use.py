@@ -7,8 +7,8 @@ policies hardly ever do. Prints one row per ``n`` and the medians.
 
 The target is a random-weight stand-in of ``--shape`` with every expert cached on the device
 (filled by a long prefill first, so that no pass copies experts); each pass runs ``n`` random
-tokens after that prefill, in the same KV slots, with a causal mask (the routing, and with it the
-number of experts a pass runs, differs between the rounds). With ``--warm N`` a decoder's first
+tokens after that prefill, in the same KV slots, with a causal mask; both rounds run the same
+tokens (and the drafter the same features), so the same experts run and only the first use differs. With ``--warm N`` a decoder's first
 generation runs first with the proposer's warm-up over 1..N entries
 (:data:`specfit.runtime.drafting.WARM_LENGTHS` on a GPU by default): the drafter's "first"
 round should then cost what "again" does. Results: ``benchmarks/RESULTS.md``, "The GPU run again".
@@ -63,15 +63,16 @@ def first_use(model, drafter, lengths: range, seed: int = 0) -> dict[str, dict[s
     model(prompt, torch.arange(PREFILL), causal_mask(0, PREFILL), logits_rows=[-1])
     session = DrafterSession(drafter, 2 * sum(lengths) + 1)
     width = 3 * drafter.config.target_hidden_size
+    # the same tokens and features in both rounds: the same routing, so the same experts run
+    tokens = {n: torch.randint(0, vocab, (n,), generator=gen) for n in lengths}
+    features = {n: torch.randn(n, width, generator=gen).to(device=device, dtype=drafter.dtype) for n in lengths}
     out: dict[str, dict[str, list[float]]] = {"target": {}, "drafter": {}}
     for round_ in ("first", "again"):
         for n in lengths:
-            tokens = torch.randint(0, vocab, (n,), generator=gen)
             out["target"].setdefault(round_, []).append(timed(
-                lambda: model(tokens, torch.arange(PREFILL, PREFILL + n), causal_mask(PREFILL, n)), sync))
-            features = torch.randn(n, width, device=device, dtype=drafter.dtype)
+                lambda: model(tokens[n], torch.arange(PREFILL, PREFILL + n), causal_mask(PREFILL, n)), sync))
             out["drafter"].setdefault(round_, []).append(timed(
-                lambda: session.commit(features, torch.zeros(n, dtype=torch.long)), sync))
+                lambda: session.commit(features[n], torch.zeros(n, dtype=torch.long)), sync))
     return out
 
 
