@@ -42,38 +42,42 @@ from specfit.runtime.model import causal_mask  # noqa: E402
 PREFILL = 256      # tokens: with top-8 of 128 experts every expert of every layer is routed to
 
 
-def timed(fn, sync) -> float:
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
-
-
-def first_use(model, drafter, lengths: range, seed: int = 0) -> dict[str, dict[str, list[float]]]:
-    """Per model ("target", "drafter") and round ("first", "again"): seconds per pass over each
-    length. The target's passes run after a :data:`PREFILL`-token prefill, in the slots after it."""
-    device = model.device
+def _rounds(run, lengths: range, device: torch.device) -> dict[str, list[float]]:
+    """Seconds of ``run(n)`` for every ``n`` of ``lengths``, a round ("first") and once more ("again")."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def timed(n: int) -> float:
+        sync()
+        start = time.perf_counter()
+        run(n)
+        sync()
+        return time.perf_counter() - start
+
+    return {round_: [timed(n) for n in lengths] for round_ in ("first", "again")}
+
+
+def drafter_first_use(drafter, lengths: range, seed: int = 0) -> dict[str, list[float]]:
+    """The drafter's catch-up pass over ``n`` committed entries, per round ("first", "again"): one
+    session whose cache grows pass by pass; the same features in both rounds."""
     gen = torch.Generator().manual_seed(seed)
-    vocab = model.config.vocab_size
-    n_max = max(lengths)
-    model.setup_kv_cache(PREFILL + n_max)
-    prompt = torch.randint(0, vocab, (PREFILL,), generator=gen)
-    model(prompt, torch.arange(PREFILL), causal_mask(0, PREFILL), logits_rows=[-1])
     session = DrafterSession(drafter, 2 * sum(lengths) + 1)
     width = 3 * drafter.config.target_hidden_size
-    # the same tokens and features in both rounds: the same routing, so the same experts run
+    features = {n: torch.randn(n, width, generator=gen).to(device=drafter.device, dtype=drafter.dtype) for n in lengths}
+    return _rounds(lambda n: session.commit(features[n], torch.zeros(n, dtype=torch.long)), lengths, drafter.device)
+
+
+def target_first_use(model, lengths: range, seed: int = 0) -> dict[str, list[float]]:
+    """The target's pass over ``n`` new tokens per round ("first", "again"), after a
+    :data:`PREFILL`-token prefill, in the slots after it; the same tokens in both rounds (the same
+    routing, so the same experts run)."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    model.setup_kv_cache(PREFILL + max(lengths))
+    prompt = torch.randint(0, vocab, (PREFILL,), generator=gen)
+    model(prompt, torch.arange(PREFILL), causal_mask(0, PREFILL), logits_rows=[-1])
     tokens = {n: torch.randint(0, vocab, (n,), generator=gen) for n in lengths}
-    features = {n: torch.randn(n, width, generator=gen).to(device=device, dtype=drafter.dtype) for n in lengths}
-    out: dict[str, dict[str, list[float]]] = {"target": {}, "drafter": {}}
-    for round_ in ("first", "again"):
-        for n in lengths:
-            out["target"].setdefault(round_, []).append(timed(
-                lambda: model(tokens[n], torch.arange(PREFILL, PREFILL + n), causal_mask(PREFILL, n)), sync))
-            out["drafter"].setdefault(round_, []).append(timed(
-                lambda: session.commit(features[n], torch.zeros(n, dtype=torch.long)), sync))
-    return out
+    return _rounds(lambda n: model(tokens[n], torch.arange(PREFILL, PREFILL + n), causal_mask(PREFILL, n)),
+                   lengths, model.device)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> dict:
                        cost=CostModel(base_s=1e-3, per_node_s=1e-5, hit_s=1e-5, miss_s=1e-4))
         warm.generate([1, 2], 1, ignore_eos=True)
     lengths = range(1, args.max_n + 1)
-    times = first_use(model, drafter, lengths, args.seed)
+    times = {"target": target_first_use(model, lengths, args.seed), "drafter": drafter_first_use(drafter, lengths, args.seed)}
 
     console = Console(width=120)
     table = Table(title=f"first pass over n entries vs again, {shape} ({config.n_layers} layers) on {device}, "

@@ -39,6 +39,9 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_first_use import drafter_first_use  # noqa: E402
 
 from specfit.calibrate.calibrate_job import CalibrationPlan, calibrate  # noqa: E402
 from specfit.errors import SpecFitError  # noqa: E402
@@ -50,7 +53,7 @@ from specfit.accounting import live_row  # noqa: E402
 from specfit.runtime.decode_job import summarise_policy  # noqa: E402
 from specfit.runtime.decoder import Decoder  # noqa: E402
 from specfit.runtime.devices import resolve_device  # noqa: E402
-from specfit.runtime.drafting import DrafterSession, Proposer  # noqa: E402
+from specfit.runtime.drafting import Proposer  # noqa: E402
 from specfit.runtime.run_dir import DecodeOutputs  # noqa: E402
 
 POLICIES = ("ar", "eagle3", "static:auto", "specfit")
@@ -79,25 +82,6 @@ class CopyMeter:
     @property
     def gbps(self) -> float:
         return self.bytes / self.busy_s / 1e9 if self.busy_s > 0 else float("nan")
-
-
-def catch_up_passes(drafter, lengths: range, device: torch.device) -> dict:
-    """The drafter's pass over ``n`` committed entries, timed at each ``n`` the first time this
-    process runs it and once more: on a GPU a length's first pass is slower (the decoder's
-    proposer runs each length up to ``drafting.WARM_LENGTHS`` once, off the clock, for that)."""
-    session = DrafterSession(drafter, 2 * sum(lengths) + 1)
-    width = 3 * drafter.config.target_hidden_size
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    times = {}
-    for round_ in ("first", "again"):
-        for n in lengths:
-            features = torch.randn(n, width, device=device, dtype=drafter.dtype)
-            sync()
-            start = time.perf_counter()
-            session.commit(features, torch.zeros(n, dtype=torch.long))
-            sync()
-            times.setdefault(round_, []).append(time.perf_counter() - start)
-    return {"lengths": list(lengths), "first_s": times["first"], "again_s": times["again"]}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -164,8 +148,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   + (f", peak device memory {peak_bytes / 1e9:.2f} GB" if peak_bytes is not None else ""))
 
     drafter = random_drafter(model, args.draft_vocab, args.seed)
-    first_use = catch_up_passes(drafter, range(1, 25), device)      # before any proposer warms the drafter
-    first, again = (sorted(first_use[k]) for k in ("first_s", "again_s"))
+    # a catch-up pass's first use against a repeated one, before any proposer warms the drafter
+    # (the decoder's proposer runs each length up to drafting.WARM_LENGTHS once, off the clock)
+    rounds = drafter_first_use(drafter, range(1, 25), args.seed)
+    first_use = {"lengths": list(range(1, 25)), "first_s": rounds["first"], "again_s": rounds["again"]}
+    first, again = sorted(rounds["first"]), sorted(rounds["again"])
     console.print(f"drafter pass over 1-24 entries: first time median {first[12] * 1e3:.2f} ms (max "
                   f"{first[-1] * 1e3:.2f}), again {again[12] * 1e3:.2f} ms (max {again[-1] * 1e3:.2f})")
     generator = torch.Generator().manual_seed(args.seed)
