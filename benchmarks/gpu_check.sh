@@ -2,8 +2,9 @@
 # The GPU run (issue 17) as one bounded script, for a machine with one CUDA GPU whose python3 has
 # torch and this project's dependencies (the package need not be installed: it runs from here).
 #
-#   OUT=gpu_out benchmarks/gpu_check.sh     # every step: about 4 min on one H200 (stop 38: kernels 52 s,
-#                                           # check 53 s, check64 49 s, calibrate 39 s, decode 17 s)
+#   OUT=gpu_out benchmarks/gpu_check.sh     # every step: about 5 min on one H200 (stop 38: kernels 52 s,
+#                                           # check 53 s, check64 49 s, calibrate 39 s, decode 17 s,
+#                                           # firstuse 37 + 27 s)
 #   OUT=gpu_out STEPS="kernels check check64" benchmarks/gpu_check.sh     # some of them
 #
 # kernels   numba compiles the live decoder's kernels into the cache the next steps use (the
@@ -16,11 +17,13 @@
 # calibrate `specfit calibrate --shape qwen3-30b-a3b --layers 4` with the full probe grids, timed:
 #           the profile of the whole 48-layer model on this machine (costs scaled to the full depth);
 # decode    `specfit decode` of the bundled tiny model and its trained drafter in bfloat16, as a
-#           user runs it: accepted drafts, lossless greedy output on the GPU.
+#           user runs it: accepted drafts, lossless greedy output on the GPU;
+# firstuse  benchmarks/bench_first_use.py cold and after the proposer's warm-up: a target and a
+#           drafter pass's first use per number of entries (about 65 s).
 # Each step is bounded; what they print lands in $OUT, the elapsed times in $OUT/steps.txt.
 set -u -o pipefail
 out=${OUT:-gpu_out}
-steps=" ${STEPS:-kernels smoke check check64 calibrate decode} "
+steps=" ${STEPS:-kernels smoke check check64 calibrate decode firstuse} "
 mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -73,4 +76,10 @@ if want decode; then
       --policies ar,eagle3,specfit --max-new-tokens 32 --device cuda 2>&1 | tee "$out/decode.log"
   elapsed "specfit decode tiny-moe bfloat16 (rc $?)" "$t"
   rm -f "$prompts"
+fi
+if want firstuse; then
+  t=$(date +%s%N)
+  { timeout "${FIRSTUSE_S:-120}" $py benchmarks/bench_first_use.py --max-n 40
+    timeout "${FIRSTUSE_S:-120}" $py benchmarks/bench_first_use.py --max-n 40 --warm 40; } 2>&1 | tee "$out/firstuse.log"
+  elapsed "bench_first_use cold and warmed (rc $?)" "$t"
 fi
