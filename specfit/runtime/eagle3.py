@@ -116,14 +116,16 @@ class Eagle3Layer(nn.Module):
         """Attention of q [..., heads, T, hd] over keys/values [..., kv_heads, S, hd]; ``allowed`` is
         bool [T, S]. Returns [..., T, H] after o_proj."""
         attn = self.self_attn
-        # GQA: KV head j serves query heads j*g .. j*g+g-1
-        keys = keys.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=-3)
-        values = values.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=-3)
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * attn.scale
+        # GQA: KV head j serves query heads j*g .. j*g+g-1. Their queries go side by side against
+        # that head's keys and values ([..., kv_heads, g*T, hd]): the cache is read in place, not
+        # copied g times per call (a copy of every cached key and value per drafted level)
+        g, T = attn.n_heads // attn.n_kv_heads, q.shape[-2]
+        q = q.unflatten(-3, (attn.n_kv_heads, g)).flatten(-3, -2)
+        scores = torch.matmul(q, keys.transpose(-1, -2)).unflatten(-2, (g, T)) * attn.scale
         scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, values).transpose(-2, -3).flatten(-2)
-        return attn.o_proj(out)
+        out = torch.matmul(probs.flatten(-3, -2), values).unflatten(-2, (g, T)).flatten(-4, -3)
+        return attn.o_proj(out.transpose(-2, -3).flatten(-2))
 
     def finish(self, hidden: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Residuals on the hidden stream only (the normalised one with ``norm_before_residual``),
