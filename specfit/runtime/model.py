@@ -107,13 +107,14 @@ class Attention(nn.Module):
         q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)   # [heads, T, hd]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         keys, values = self.kv_cache.write(cache_len, k, v)
-        groups = self.n_heads // self.n_kv_heads                             # GQA: KV head j serves
-        keys = keys[:, None].expand(-1, groups, -1, -1).reshape(self.n_heads, -1, self.head_dim)  # j*g..j*g+g-1
-        values = values[:, None].expand(-1, groups, -1, -1).reshape(self.n_heads, -1, self.head_dim)
-        scores = torch.matmul(q, keys.transpose(1, 2)) * self.scale + additive_mask
+        # GQA: KV head j serves query heads j*g .. j*g+g-1, which go side by side against its keys
+        # and values ([kv_heads, g*T, hd]): the cache is read in place, not copied g times per pass
+        groups = self.n_heads // self.n_kv_heads
+        q = q.reshape(self.n_kv_heads, groups * T, self.head_dim)
+        scores = torch.matmul(q, keys.transpose(1, 2)).view(self.n_heads, T, -1) * self.scale + additive_mask
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, values).transpose(0, 1).reshape(T, self.n_heads * self.head_dim)
-        return self.o_proj(out)
+        out = torch.matmul(probs.view(self.n_kv_heads, groups * T, -1), values).view(self.n_heads, T, self.head_dim)
+        return self.o_proj(out.transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
 
 
 class MoEBlock(nn.Module):

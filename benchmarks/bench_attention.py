@@ -1,0 +1,184 @@
+"""Benchmark: grouped-query attention reading the KV cache in place (each KV head's ``g`` query
+heads side by side against its keys and values, what the target's ``Attention`` and the EAGLE-3
+drafter's ``Eagle3Layer.attend`` do) against repeating every cached key and value ``g`` times per
+pass (what both did before stop 38), side by side in one process.
+
+- the drafter: one call (a tree level of ``T`` nodes over ``cached`` entries), the whole drafter,
+  with the largest difference of its logits; shapes: the bundled drafter (4 query heads, 2 KV
+  heads) and an EAGLE-3 head of Qwen3-30B-A3B's width (32 query heads, 4 KV heads, head_dim 128;
+  random weights, a 32k vocabulary);
+- the target: one attention layer of Qwen3-30B-A3B's shape (the same heads) over ``T`` new tokens
+  (a verification pass of ``T`` nodes) after ``cached`` slots, with the largest difference of its
+  output.
+
+Each is timed with each attention in alternating rounds, one CPU thread; the table has the median
+per call and the ratio.
+
+    python benchmarks/bench_attention.py [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import timeit
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specfit.assets import tiny_moe_eagle3_dir  # noqa: E402
+from specfit.calibrate.standin import shape_config  # noqa: E402
+from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
+from specfit.runtime.layers import apply_rope  # noqa: E402
+from specfit.runtime.model import Attention  # noqa: E402
+
+
+def repeated_kv_attend(self, q, keys, values, allowed):
+    """The attention before stop 38: every cached key and value repeated for each query head."""
+    attn = self.self_attn
+    keys = keys.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=-3)
+    values = values.repeat_interleave(attn.n_heads // attn.n_kv_heads, dim=-3)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * attn.scale
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return attn.o_proj(torch.matmul(probs, values).transpose(-2, -3).flatten(-2))
+
+
+def repeated_kv_forward(self, x, cos, sin, cache_len, additive_mask):
+    """The target's attention before stop 38 (Qwen3's per-head norms; no clipping): every cached
+    key and value repeated for each query head."""
+    T = x.shape[0]
+    q = self.q_proj(x).view(T, self.n_heads, self.head_dim)
+    k = self.k_proj(x).view(T, self.n_kv_heads, self.head_dim)
+    v = self.v_proj(x).view(T, self.n_kv_heads, self.head_dim)
+    q, k = self.q_norm(q), self.k_norm(k)
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    keys, values = self.kv_cache.write(cache_len, k, v)
+    groups = self.n_heads // self.n_kv_heads
+    keys = keys[:, None].expand(-1, groups, -1, -1).reshape(self.n_heads, -1, self.head_dim)
+    values = values[:, None].expand(-1, groups, -1, -1).reshape(self.n_heads, -1, self.head_dim)
+    scores = torch.matmul(q, keys.transpose(1, 2)) * self.scale + additive_mask
+    probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return self.o_proj(torch.matmul(probs, values).transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
+
+
+def alternate(call, impls, install, rounds: int, number: int) -> tuple[dict[str, float], float]:
+    """Median ms per ``call()`` with each of ``impls`` ({name: implementation}) installed by
+    ``install`` in alternating rounds, and the largest difference between their outputs."""
+    times, outputs = {name: [] for name in impls}, {}
+    order = list(impls.items())
+    for r in range(rounds):
+        for name, impl in order if r % 2 == 0 else order[::-1]:
+            install(impl)
+            outputs[name] = call()
+            times[name].append(timeit.timeit(call, number=number) / number * 1e3)
+    first, second = outputs.values()
+    return {name: float(np.median(t)) for name, t in times.items()}, float((first - second).abs().max())
+
+
+def target_rows(rounds: int, gen: torch.Generator) -> list[dict]:
+    """One Qwen3-30B-A3B attention layer, random weights, over T new tokens after ``cached`` slots."""
+    config = shape_config("qwen3-30b-a3b", 1)
+    attention = Attention(config).eval()
+    rows = []
+    for cached in (512, 2048):
+        attention.kv_cache = attention.make_kv_cache(cached + 64, torch.float32, "cpu")
+        attention.kv_cache.k.normal_(generator=gen)
+        attention.kv_cache.v.normal_(generator=gen)
+        for T in (1, 16):
+            x = torch.randn(T, config.hidden_size, generator=gen)
+            cos, sin = torch.ones(T, config.head_dim), torch.zeros(T, config.head_dim)
+            mask = torch.zeros(T, cached + T)
+
+            def call():
+                with torch.inference_mode():
+                    return attention(x, cos, sin, cached, mask)
+
+            def install(forward):
+                attention.forward = forward.__get__(attention)
+
+            try:
+                ms, diff = alternate(call, {"repeated": repeated_kv_forward, "in place": Attention.forward}, install,
+                                     rounds, 50)
+            finally:
+                del attention.forward                       # the class's own again
+            rows.append({"model": "target: Qwen3-30B-A3B attention layer (32 q / 4 kv)", "cached": cached, "T": T,
+                         "repeated_ms": ms["repeated"], "in_place_ms": ms["in place"], "max_diff": diff})
+    return rows
+
+
+def drafters() -> dict[str, Eagle3Drafter]:
+    bundled = Eagle3Drafter(Eagle3Config.from_file(tiny_moe_eagle3_dir() / "config.json"))
+    bundled.init_weights(0)
+    qwen3 = Eagle3Drafter(Eagle3Config(hidden_size=2048, target_hidden_size=2048, vocab_size=32000,
+                                       draft_vocab_size=32000, num_attention_heads=32, num_key_value_heads=4,
+                                       head_dim=128, intermediate_size=6144, aux_hidden_state_layer_ids=(1, 2, 3)))
+    qwen3.init_weights(0)
+    return {"bundled (4 q / 2 kv heads)": bundled.eval(), "Qwen3-30B-A3B width (32 q / 4 kv)": qwen3.eval()}
+
+
+def fill(drafter: Eagle3Drafter, entries: int, gen: torch.Generator) -> None:
+    """``entries`` committed entries in the drafter's cache, 256 per call."""
+    drafter.setup_kv_cache(entries + 64)
+    width = 3 * drafter.config.target_hidden_size
+    for start in range(0, entries, 256):
+        n = min(256, entries - start)
+        drafter(torch.randn(n, width, generator=gen), torch.randint(0, 1000, (n,), generator=gen),
+                torch.arange(start, start + n))
+
+
+def drafter_rows(rounds: int, gen: torch.Generator) -> list[dict]:
+    rows = []
+    for label, drafter in drafters().items():
+        layer = type(drafter.midlayer)
+        in_place = layer.attend
+        small = drafter.config.hidden_size < 1024
+        for cached in ((150, 512) if small else (512, 2048)):
+            fill(drafter, cached, gen)
+            for T in (1, 8):
+                hidden = torch.randn(T, drafter.config.hidden_size, generator=gen)
+                ids = torch.randint(0, 1000, (T,), generator=gen)
+                positions, mask = torch.full((T,), cached), torch.ones(T, cached + T, dtype=torch.bool)
+
+                def call():
+                    return drafter(hidden, ids, positions, mask).logits
+
+                def install(attend):
+                    layer.attend = attend
+
+                try:
+                    ms, diff = alternate(call, {"repeated": repeated_kv_attend, "in place": in_place}, install,
+                                         rounds, 200 if small else 10)
+                finally:
+                    layer.attend = in_place
+                rows.append({"model": f"drafter: {label}", "cached": cached, "T": T, "repeated_ms": ms["repeated"],
+                             "in_place_ms": ms["in place"], "max_diff": diff})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(0)
+    rows = drafter_rows(args.rounds, gen) + target_rows(args.rounds, gen)
+    table = Table(title="one pass, ms (median of alternating rounds): the KV cache read in place vs repeated per head")
+    for name in ("model", "cached", "T", "repeated", "in place", "ratio", "max |difference|"):
+        table.add_column(name, justify="left" if name == "model" else "right")
+    for r in rows:
+        table.add_row(r["model"], str(r["cached"]), str(r["T"]), f"{r['repeated_ms']:.3f}", f"{r['in_place_ms']:.3f}",
+                      f"{r['in_place_ms'] / r['repeated_ms']:.3f}", f"{r['max_diff']:.1e}")
+    Console(width=140).print(table)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
