@@ -11,10 +11,10 @@ pass (what both did before stop 38), side by side in one process.
   (a verification pass of ``T`` nodes) after ``cached`` slots, with the largest difference of its
   output.
 
-Each is timed with each attention in alternating rounds, one CPU thread; the table has the median
-per call and the ratio.
+Each is timed with each attention in alternating rounds (one CPU thread; on a GPU in bfloat16,
+synchronised around each timed batch of calls); the table has the median per call and the ratio.
 
-    python benchmarks/bench_attention.py [--rounds 5]
+    python benchmarks/bench_attention.py [--rounds 5] [--device cuda]
 """
 
 from __future__ import annotations
@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specfit.assets import tiny_moe_eagle3_dir  # noqa: E402
 from specfit.calibrate.standin import shape_config  # noqa: E402
+from specfit.errors import SpecFitError  # noqa: E402
+from specfit.runtime.devices import resolve_device  # noqa: E402
 from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from specfit.runtime.layers import apply_rope  # noqa: E402
 from specfit.runtime.model import Attention  # noqa: E402
@@ -69,33 +71,42 @@ def repeated_kv_forward(self, x, cos, sin, cache_len, additive_mask):
     return self.o_proj(torch.matmul(probs, values).transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
 
 
-def alternate(call, impls, install, rounds: int, number: int) -> tuple[dict[str, float], float]:
+def alternate(call, impls, install, rounds: int, number: int, device: torch.device) -> tuple[dict[str, float], float]:
     """Median ms per ``call()`` with each of ``impls`` ({name: implementation}) installed by
     ``install`` in alternating rounds, and the largest difference between their outputs."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def batch():
+        for _ in range(number):
+            call()
+        sync()
+
     times, outputs = {name: [] for name in impls}, {}
     order = list(impls.items())
     for r in range(rounds):
         for name, impl in order if r % 2 == 0 else order[::-1]:
             install(impl)
-            outputs[name] = call()
-            times[name].append(timeit.timeit(call, number=number) / number * 1e3)
+            outputs[name] = call().float()
+            sync()
+            times[name].append(timeit.timeit(batch, number=1) / number * 1e3)
     first, second = outputs.values()
     return {name: float(np.median(t)) for name, t in times.items()}, float((first - second).abs().max())
 
 
-def target_rows(rounds: int, gen: torch.Generator) -> list[dict]:
+def target_rows(rounds: int, gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """One Qwen3-30B-A3B attention layer, random weights, over T new tokens after ``cached`` slots."""
     config = shape_config("qwen3-30b-a3b", 1)
-    attention = Attention(config).eval()
+    attention = Attention(config).to(device=device, dtype=dtype).eval()
     rows = []
     for cached in (512, 2048):
-        attention.kv_cache = attention.make_kv_cache(cached + 64, torch.float32, "cpu")
-        attention.kv_cache.k.normal_(generator=gen)
-        attention.kv_cache.v.normal_(generator=gen)
+        attention.kv_cache = attention.make_kv_cache(cached + 64, dtype, device)
+        attention.kv_cache.k.copy_(torch.randn(attention.kv_cache.k.shape, generator=gen))
+        attention.kv_cache.v.copy_(torch.randn(attention.kv_cache.v.shape, generator=gen))
         for T in (1, 16):
-            x = torch.randn(T, config.hidden_size, generator=gen)
-            cos, sin = torch.ones(T, config.head_dim), torch.zeros(T, config.head_dim)
-            mask = torch.zeros(T, cached + T)
+            x = torch.randn(T, config.hidden_size, generator=gen).to(device=device, dtype=dtype)
+            cos = torch.ones(T, config.head_dim, device=device, dtype=dtype)
+            sin = torch.zeros(T, config.head_dim, device=device, dtype=dtype)
+            mask = torch.zeros(T, cached + T, device=device, dtype=dtype)
 
             def call():
                 with torch.inference_mode():
@@ -106,7 +117,7 @@ def target_rows(rounds: int, gen: torch.Generator) -> list[dict]:
 
             try:
                 ms, diff = alternate(call, {"repeated": repeated_kv_forward, "in place": Attention.forward}, install,
-                                     rounds, 50)
+                                     rounds, 50, device)
             finally:
                 del attention.forward                       # the class's own again
             rows.append({"model": "target: Qwen3-30B-A3B attention layer (32 q / 4 kv)", "cached": cached, "T": T,
@@ -114,14 +125,15 @@ def target_rows(rounds: int, gen: torch.Generator) -> list[dict]:
     return rows
 
 
-def drafters() -> dict[str, Eagle3Drafter]:
+def drafters(device: torch.device, dtype: torch.dtype) -> dict[str, Eagle3Drafter]:
     bundled = Eagle3Drafter(Eagle3Config.from_file(tiny_moe_eagle3_dir() / "config.json"))
     bundled.init_weights(0)
     qwen3 = Eagle3Drafter(Eagle3Config(hidden_size=2048, target_hidden_size=2048, vocab_size=32000,
                                        draft_vocab_size=32000, num_attention_heads=32, num_key_value_heads=4,
                                        head_dim=128, intermediate_size=6144, aux_hidden_state_layer_ids=(1, 2, 3)))
     qwen3.init_weights(0)
-    return {"bundled (4 q / 2 kv heads)": bundled.eval(), "Qwen3-30B-A3B width (32 q / 4 kv)": qwen3.eval()}
+    return {"bundled (4 q / 2 kv heads)": bundled.to(device=device, dtype=dtype).eval(),
+            "Qwen3-30B-A3B width (32 q / 4 kv)": qwen3.to(device=device, dtype=dtype).eval()}
 
 
 def fill(drafter: Eagle3Drafter, entries: int, gen: torch.Generator) -> None:
@@ -130,20 +142,20 @@ def fill(drafter: Eagle3Drafter, entries: int, gen: torch.Generator) -> None:
     width = 3 * drafter.config.target_hidden_size
     for start in range(0, entries, 256):
         n = min(256, entries - start)
-        drafter(torch.randn(n, width, generator=gen), torch.randint(0, 1000, (n,), generator=gen),
+        drafter(torch.randn(n, width, generator=gen).to(drafter.device), torch.randint(0, 1000, (n,), generator=gen),
                 torch.arange(start, start + n))
 
 
-def drafter_rows(rounds: int, gen: torch.Generator) -> list[dict]:
+def drafter_rows(rounds: int, gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> list[dict]:
     rows = []
-    for label, drafter in drafters().items():
+    for label, drafter in drafters(device, dtype).items():
         layer = type(drafter.midlayer)
         in_place = layer.attend
         small = drafter.config.hidden_size < 1024
         for cached in ((150, 512) if small else (512, 2048)):
             fill(drafter, cached, gen)
             for T in (1, 8):
-                hidden = torch.randn(T, drafter.config.hidden_size, generator=gen)
+                hidden = torch.randn(T, drafter.config.hidden_size, generator=gen).to(device=device, dtype=dtype)
                 ids = torch.randint(0, 1000, (T,), generator=gen)
                 positions, mask = torch.full((T,), cached), torch.ones(T, cached + T, dtype=torch.bool)
 
@@ -155,7 +167,7 @@ def drafter_rows(rounds: int, gen: torch.Generator) -> list[dict]:
 
                 try:
                     ms, diff = alternate(call, {"repeated": repeated_kv_attend, "in place": in_place}, install,
-                                         rounds, 200 if small else 10)
+                                         rounds, 200 if small or device.type == "cuda" else 10, device)
                 finally:
                     layer.attend = in_place
                 rows.append({"model": f"drafter: {label}", "cached": cached, "T": T, "repeated_ms": ms["repeated"],
@@ -166,11 +178,18 @@ def drafter_rows(rounds: int, gen: torch.Generator) -> list[dict]:
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     args = parser.parse_args(argv)
+    try:
+        device = resolve_device(args.device)
+    except SpecFitError as exc:
+        parser.error(str(exc))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(0)
-    rows = drafter_rows(args.rounds, gen) + target_rows(args.rounds, gen)
-    table = Table(title="one pass, ms (median of alternating rounds): the KV cache read in place vs repeated per head")
+    rows = drafter_rows(args.rounds, gen, device, dtype) + target_rows(args.rounds, gen, device, dtype)
+    table = Table(title=f"one pass on {device} ({str(dtype).removeprefix('torch.')}), ms (median of alternating "
+                        "rounds): the KV cache read in place vs repeated per head")
     for name in ("model", "cached", "T", "repeated", "in place", "ratio", "max |difference|"):
         table.add_column(name, justify="left" if name == "model" else "right")
     for r in rows:

@@ -19,11 +19,13 @@
 # decode    `specfit decode` of the bundled tiny model and its trained drafter in bfloat16, as a
 #           user runs it: accepted drafts, lossless greedy output on the GPU;
 # firstuse  benchmarks/bench_first_use.py cold and after the proposer's warm-up: a target and a
-#           drafter pass's first use per number of entries (about 65 s).
+#           drafter pass's first use per number of entries (about 65 s);
+# attention benchmarks/bench_attention.py --device cuda: GQA attention reading the KV cache in
+#           place vs repeated per query head, target and drafter, in bfloat16 (not yet run on a GPU).
 # Each step is bounded; what they print lands in $OUT, the elapsed times in $OUT/steps.txt.
 set -u -o pipefail
 out=${OUT:-gpu_out}
-steps=" ${STEPS:-kernels smoke check check64 calibrate decode firstuse} "
+steps=" ${STEPS:-kernels smoke check check64 calibrate decode firstuse attention} "
 mkdir -p "$out"
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -82,4 +84,9 @@ if want firstuse; then
   { timeout "${FIRSTUSE_S:-120}" $py benchmarks/bench_first_use.py --max-n 40
     timeout "${FIRSTUSE_S:-120}" $py benchmarks/bench_first_use.py --max-n 40 --warm 40; } 2>&1 | tee "$out/firstuse.log"
   elapsed "bench_first_use cold and warmed (rc $?)" "$t"
+fi
+if want attention; then
+  t=$(date +%s%N)
+  timeout "${ATTENTION_S:-150}" $py benchmarks/bench_attention.py --device cuda 2>&1 | tee "$out/attention.log"
+  elapsed "bench_attention cuda (rc $?)" "$t"
 fi
