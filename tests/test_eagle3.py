@@ -410,3 +410,23 @@ def test_a_calibrated_live_tree_has_the_path_probabilities_the_calibrator_gives_
     np.testing.assert_allclose(tree.path_probs, calibrator.path_probs(trace), rtol=1e-6)
     own = np.exp(drafting.cum_logprob[:n])
     assert not np.allclose(tree.path_probs, own)                              # the calibration did act
+
+
+def test_a_pass_computes_only_the_logits_rows_it_is_asked_for():
+    """``logits_rows=[-1]`` (a pass over committed entries, whose newest alone drafts) gives the
+    last row of the full pass's logits and every row's hidden state; the session asks for it."""
+    drafter = random_drafter()
+    hidden, ids = features(6), tokens(6)
+    full = run(drafter, hidden, ids)
+    drafter.setup_kv_cache(64)
+    last = drafter(hidden, ids, torch.arange(6), logits_rows=[-1])
+    assert last.logits.shape == (1, DRAFT_VOCAB) and last.hidden.shape == full.hidden.shape
+    torch.testing.assert_close(last.logits, full.logits[-1:])
+    torch.testing.assert_close(last.hidden, full.hidden)
+    seen = []
+    forward = drafter.forward
+    drafter.forward = lambda *args, **options: seen.append(options.get("logits_rows")) or forward(*args, **options)
+    session = DrafterSession(drafter, 64)
+    out = session.commit(hidden, ids)
+    assert seen == [[-1]]
+    torch.testing.assert_close(out.logits, full.logits[-1:])

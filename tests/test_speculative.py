@@ -156,9 +156,9 @@ def test_the_prompt_runs_through_the_drafter_in_the_prefill_and_the_first_cycle_
     phase = ["prefill"]
     forward = drafter.forward
 
-    def counted(hidden, input_ids, positions, mask=None):
+    def counted(hidden, input_ids, positions, mask=None, **options):
         calls.append((phase[0], int(input_ids.numel())))
-        return forward(hidden, input_ids, positions, mask)
+        return forward(hidden, input_ids, positions, mask, **options)
 
     drafter.forward = counted
     decoder = speculative_decoder(model, drafter, make_policy("chain:2"), COST)
@@ -186,9 +186,9 @@ def test_the_drafter_warm_up_runs_each_catch_up_length_once_per_drafter_and_chan
     calls: list[int] = []
     forward = drafter.forward
 
-    def counted(hidden, input_ids, positions, mask=None):
+    def counted(hidden, input_ids, positions, mask=None, **options):
         calls.append(int(input_ids.numel()))
-        return forward(hidden, input_ids, positions, mask)
+        return forward(hidden, input_ids, positions, mask, **options)
 
     drafter.forward = counted
     warmed = Decoder(model, Proposer(drafter, 4, warm_lengths=6), policy, COST).generate(prompt, NEW_TOKENS,

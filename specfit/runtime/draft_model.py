@@ -68,13 +68,14 @@ class ModelDrafter:
     def to_target_ids(self, draft_token_ids: torch.Tensor) -> torch.Tensor:
         return draft_token_ids        # one vocabulary
 
-    def __call__(self, hidden, input_ids, positions, attn_mask=None) -> DraftOutput:
+    def __call__(self, hidden, input_ids, positions, attn_mask=None, logits_rows=None) -> DraftOutput:
         """Run ``input_ids`` at the session's ``positions`` (shifted by one, see the module
-        docstring); without a mask, a linear continuation of the committed slots."""
+        docstring); without a mask, a linear continuation of the committed slots; ``logits_rows``
+        as the target model takes it (all rows by default)."""
         positions = torch.as_tensor(positions, dtype=torch.long)
         if attn_mask is None:
             attn_mask = causal_mask(int(positions[0]), positions.numel())
-        out = self.model(input_ids, positions + 1, attn_mask)
+        out = self.model(input_ids, positions + 1, attn_mask, logits_rows=logits_rows)
         # the tree keeps each node's output to feed its children, which a language model does
         # not need: an empty state per entry
         return DraftOutput(logits=out.logits, hidden=out.logits.new_zeros((out.logits.shape[0], 0)))

@@ -47,6 +47,7 @@ __all__ = ["DraftOutput", "DrafterSession", "TreeDraft", "Level", "Proposer", "t
 # once at each catch-up length up to this many entries per device type, off the clock (none on the
 # CPU, where no such cost was seen).
 WARM_LENGTHS = {"cuda": 32}
+_NEWEST = [-1]            # the rows whose logits a pass over committed entries computes
 _warmed: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
 
 
@@ -99,7 +100,9 @@ class DrafterSession:
         ``next_tokens`` [n], the token after each position (the last one is the new root)."""
         n = features.shape[0]
         positions = torch.arange(self.n_committed, self.n_committed + n)
-        out = self.drafter(features, next_tokens, positions)
+        # the newest entry's logits alone: the head over the draft vocabulary is most of a
+        # drafter's work, and a prompt's pass would otherwise run it over every prompt token
+        out = self.drafter(features, next_tokens, positions, logits_rows=_NEWEST)
         self.n_committed += n
         return DraftOutput(logits=out.logits[-1:], hidden=out.hidden[-1:])
 
@@ -290,8 +293,8 @@ class Proposer:
         lengths = min(self.warm_lengths, max_entries)
         if lengths <= _warmed.get(self.drafter, 0):
             return
-        for n in range(1, lengths + 1):
-            self.drafter(feature.expand(n, -1), torch.full((n,), token), torch.arange(n))
+        for n in range(1, lengths + 1):            # as DrafterSession.commit runs them
+            self.drafter(feature.expand(n, -1), torch.full((n,), token), torch.arange(n), logits_rows=_NEWEST)
         _warmed[self.drafter] = lengths
 
     def _sync(self) -> DraftOutput:

@@ -267,7 +267,7 @@ class Eagle3Drafter(nn.Module):
 
     # ------------------------------------------------------------------ forward
     @torch.inference_mode()
-    def forward(self, hidden: torch.Tensor, input_ids, positions, attn_mask=None) -> DraftOutput:
+    def forward(self, hidden: torch.Tensor, input_ids, positions, attn_mask=None, logits_rows=None) -> DraftOutput:
         """Run T entries through the drafter, writing their keys/values to the KV cache.
 
         Args:
@@ -278,6 +278,8 @@ class Eagle3Drafter(nn.Module):
             attn_mask: bool [T, cache_len + T]; its width fixes ``cache_len``, the slots already
                 committed. None means a linear continuation: positions consecutive, starting at
                 ``cache_len = positions[0]``.
+            logits_rows: which rows' logits to compute (``[-1]``: a catch-up pass over committed
+                entries, whose newest alone drafts); all by default. ``hidden`` is every row's.
         """
         input_ids = torch.as_tensor(input_ids, dtype=torch.long, device=self.device).reshape(-1)
         positions = torch.as_tensor(positions, dtype=torch.long, device=self.device).reshape(-1)
@@ -303,7 +305,8 @@ class Eagle3Drafter(nn.Module):
         out = self.midlayer.finish(x, self.midlayer.attend(q, keys, values, attn_mask))
         normed = self.norm(out)
         # EAGLE-3.1's norm_output: the next level reads the normalised state
-        return DraftOutput(logits=self.lm_head(normed), hidden=normed if self.config.norm_output else out)
+        logits = self.lm_head(normed if logits_rows is None else normed[logits_rows])
+        return DraftOutput(logits=logits, hidden=normed if self.config.norm_output else out)
 
     @torch.inference_mode()
     def compact_kv(self, cache_len: int, keep) -> None:
