@@ -20,8 +20,10 @@
 #           user runs it: accepted drafts, lossless greedy output on the GPU;
 # firstuse  benchmarks/bench_first_use.py cold and after the proposer's warm-up: a target and a
 #           drafter pass's first use per number of entries (about 65 s);
-# attention benchmarks/bench_attention.py --device cuda: GQA attention reading the KV cache in
-#           place vs repeated per query head, target and drafter, in bfloat16 (not yet run on a GPU).
+# attention benchmarks/bench_attention.py and bench_drafter_commit.py --device cuda: GQA attention
+#           reading the KV cache in place vs repeated per query head (target and drafter), and a
+#           drafter pass over committed entries with the newest row's logits alone, in bfloat16
+#           (not yet run on a GPU).
 # Each step is bounded; what they print lands in $OUT, the elapsed times in $OUT/steps.txt.
 set -u -o pipefail
 out=${OUT:-gpu_out}
@@ -87,6 +89,7 @@ if want firstuse; then
 fi
 if want attention; then
   t=$(date +%s%N)
-  timeout "${ATTENTION_S:-150}" $py benchmarks/bench_attention.py --device cuda 2>&1 | tee "$out/attention.log"
-  elapsed "bench_attention cuda (rc $?)" "$t"
+  { timeout "${ATTENTION_S:-150}" $py benchmarks/bench_attention.py --device cuda
+    timeout "${ATTENTION_S:-150}" $py benchmarks/bench_drafter_commit.py --device cuda; } 2>&1 | tee "$out/attention.log"
+  elapsed "bench_attention and bench_drafter_commit cuda (rc $?)" "$t"
 fi
