@@ -125,15 +125,37 @@ def target_rows(rounds: int, gen: torch.Generator, device: torch.device, dtype: 
     return rows
 
 
+# an EAGLE-3 head of Qwen3-30B-A3B's width (random weights, a 32k draft vocabulary)
+QWEN3_WIDTH = dict(hidden_size=2048, target_hidden_size=2048, vocab_size=32000, draft_vocab_size=32000,
+                   num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                   aux_hidden_state_layer_ids=(1, 2, 3))
+
+
+def qwen3_width_drafter(device: torch.device, dtype: torch.dtype) -> Eagle3Drafter:
+    drafter = Eagle3Drafter(Eagle3Config(**QWEN3_WIDTH))
+    drafter.init_weights(0)
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
 def drafters(device: torch.device, dtype: torch.dtype) -> dict[str, Eagle3Drafter]:
     bundled = Eagle3Drafter(Eagle3Config.from_file(tiny_moe_eagle3_dir() / "config.json"))
     bundled.init_weights(0)
-    qwen3 = Eagle3Drafter(Eagle3Config(hidden_size=2048, target_hidden_size=2048, vocab_size=32000,
-                                       draft_vocab_size=32000, num_attention_heads=32, num_key_value_heads=4,
-                                       head_dim=128, intermediate_size=6144, aux_hidden_state_layer_ids=(1, 2, 3)))
-    qwen3.init_weights(0)
     return {"bundled (4 q / 2 kv heads)": bundled.to(device=device, dtype=dtype).eval(),
-            "Qwen3-30B-A3B width (32 q / 4 kv)": qwen3.to(device=device, dtype=dtype).eval()}
+            "Qwen3-30B-A3B width (32 q / 4 kv)": qwen3_width_drafter(device, dtype)}
+
+
+def side_by_side_args(description: str, argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, torch.dtype]:
+    """``--rounds`` and ``--device`` (float32 on the CPU, one thread; bfloat16 on a GPU)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    args = parser.parse_args(argv)
+    try:
+        device = resolve_device(args.device)
+    except SpecFitError as exc:
+        parser.error(str(exc))
+    torch.set_num_threads(1)
+    return args, device, torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def fill(drafter: Eagle3Drafter, entries: int, gen: torch.Generator) -> None:
@@ -176,16 +198,7 @@ def drafter_rows(rounds: int, gen: torch.Generator, device: torch.device, dtype:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    args = parser.parse_args(argv)
-    try:
-        device = resolve_device(args.device)
-    except SpecFitError as exc:
-        parser.error(str(exc))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.set_num_threads(1)
+    args, device, dtype = side_by_side_args(__doc__.splitlines()[0], argv)
     gen = torch.Generator().manual_seed(0)
     rows = drafter_rows(args.rounds, gen, device, dtype) + target_rows(args.rounds, gen, device, dtype)
     table = Table(title=f"one pass on {device} ({str(dtype).removeprefix('torch.')}), ms (median of alternating "

@@ -13,42 +13,23 @@ per pass, the ratio, and the largest difference of the newest entry's logits.
 
 from __future__ import annotations
 
-import argparse
 import sys
-import timeit
 from pathlib import Path
 
-import numpy as np
 import torch
 from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from specfit.errors import SpecFitError  # noqa: E402
-from specfit.runtime.devices import resolve_device  # noqa: E402
-from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
+from bench_attention import alternate, qwen3_width_drafter, side_by_side_args  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
-    args = parser.parse_args(argv)
-    try:
-        device = resolve_device(args.device)
-    except SpecFitError as exc:
-        parser.error(str(exc))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    torch.set_num_threads(1)
+    args, device, dtype = side_by_side_args(__doc__.splitlines()[0], argv)
     gen = torch.Generator().manual_seed(0)
-    config = Eagle3Config(hidden_size=2048, target_hidden_size=2048, vocab_size=32000, draft_vocab_size=32000,
-                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, intermediate_size=6144,
-                          aux_hidden_state_layer_ids=(1, 2, 3))
-    drafter = Eagle3Drafter(config)
-    drafter.init_weights(0)
-    drafter = drafter.to(device=device, dtype=dtype).eval()
+    drafter = qwen3_width_drafter(device, dtype)
     cached = 256
     drafter.setup_kv_cache(cached + 1024)
     table = Table(title=f"a drafter pass over n committed entries after {cached} on {device} "
@@ -57,28 +38,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         table.add_column(name, justify="right")
     rows = []
     for n in (1, 4, 64, 512):
-        features = torch.randn(n, 3 * config.target_hidden_size, generator=gen).to(device=device, dtype=dtype)
+        features = torch.randn(n, 3 * drafter.config.target_hidden_size, generator=gen).to(device=device, dtype=dtype)
         ids = torch.randint(0, 1000, (n,), generator=gen)
         positions = torch.arange(cached, cached + n)
-        versions = {"every": None, "newest": [-1]}
-        times, logits = {name: [] for name in versions}, {}
-        number = 3 if n >= 512 and device.type == "cpu" else 20
+        logits_rows = [None]
 
-        def batch(rows_):
-            for _ in range(number):
-                drafter(features, ids, positions, logits_rows=rows_)
-            sync()
+        def call():
+            return drafter(features, ids, positions, logits_rows=logits_rows[0]).logits[-1:]
 
-        for r in range(args.rounds):
-            order = list(versions.items()) if r % 2 == 0 else list(versions.items())[::-1]
-            for name, rows_ in order:
-                logits[name] = drafter(features, ids, positions, logits_rows=rows_).logits[-1:].float()
-                sync()
-                times[name].append(timeit.timeit(lambda: batch(rows_), number=1) / number * 1e3)
-        every, newest = np.median(times["every"]), np.median(times["newest"])
-        diff = float((logits["every"] - logits["newest"]).abs().max())
-        rows.append({"n": n, "every_ms": every, "newest_ms": newest, "max_logit_diff": diff})
-        table.add_row(str(n), f"{every:.2f}", f"{newest:.2f}", f"{newest / every:.3f}", f"{diff:.1e}")
+        ms, diff = alternate(call, {"every": None, "newest": [-1]}, lambda rows_: logits_rows.__setitem__(0, rows_),
+                             args.rounds, 3 if n >= 512 and device.type == "cpu" else 20, device)
+        rows.append({"n": n, "every_ms": ms["every"], "newest_ms": ms["newest"], "max_logit_diff": diff})
+        table.add_row(str(n), f"{ms['every']:.2f}", f"{ms['newest']:.2f}", f"{ms['newest'] / ms['every']:.3f}",
+                      f"{diff:.1e}")
     Console(width=120).print(table)
     return rows
 
