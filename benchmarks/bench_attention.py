@@ -14,7 +14,7 @@ pass (what both did before stop 38), side by side in one process.
 Each is timed with each attention in alternating rounds (one CPU thread; on a GPU in bfloat16,
 synchronised around each timed batch of calls); the table has the median per call and the ratio.
 
-    python benchmarks/bench_attention.py [--rounds 5] [--device cuda]
+    python benchmarks/bench_attention.py [--rounds 5] [--device cuda] [--quick]
 """
 
 from __future__ import annotations
@@ -93,12 +93,15 @@ def alternate(call, impls, install, rounds: int, number: int, device: torch.devi
     return {name: float(np.median(t)) for name, t in times.items()}, float((first - second).abs().max())
 
 
-def target_rows(rounds: int, gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """One Qwen3-30B-A3B attention layer, random weights, over T new tokens after ``cached`` slots."""
-    config = shape_config("qwen3-30b-a3b", 1)
+def target_rows(rounds: int, gen: torch.Generator, device: torch.device, dtype: torch.dtype,
+                quick: bool = False) -> list[dict]:
+    """One Qwen3-30B-A3B attention layer (``quick``: the tiny shape's), random weights, over T new
+    tokens after ``cached`` slots."""
+    config = shape_config("tiny" if quick else "qwen3-30b-a3b", 1)
     attention = Attention(config).to(device=device, dtype=dtype).eval()
+    label = "tiny" if quick else "Qwen3-30B-A3B"
     rows = []
-    for cached in (512, 2048):
+    for cached in ((64,) if quick else (512, 2048)):
         attention.kv_cache = attention.make_kv_cache(cached + 64, dtype, device)
         attention.kv_cache.k.copy_(torch.randn(attention.kv_cache.k.shape, generator=gen))
         attention.kv_cache.v.copy_(torch.randn(attention.kv_cache.v.shape, generator=gen))
@@ -117,10 +120,11 @@ def target_rows(rounds: int, gen: torch.Generator, device: torch.device, dtype: 
 
             try:
                 ms, diff = alternate(call, {"repeated": repeated_kv_forward, "in place": Attention.forward}, install,
-                                     rounds, 50, device)
+                                     rounds, 5 if quick else 50, device)
             finally:
                 del attention.forward                       # the class's own again
-            rows.append({"model": "target: Qwen3-30B-A3B attention layer (32 q / 4 kv)", "cached": cached, "T": T,
+            rows.append({"model": f"target: {label} attention layer ({config.n_heads} q / {config.n_kv_heads} kv)",
+                         "cached": cached, "T": T,
                          "repeated_ms": ms["repeated"], "in_place_ms": ms["in place"], "max_diff": diff})
     return rows
 
@@ -137,11 +141,18 @@ def qwen3_width_drafter(device: torch.device, dtype: torch.dtype) -> Eagle3Draft
     return drafter.to(device=device, dtype=dtype).eval()
 
 
-def drafters(device: torch.device, dtype: torch.dtype) -> dict[str, Eagle3Drafter]:
-    bundled = Eagle3Drafter(Eagle3Config.from_file(tiny_moe_eagle3_dir() / "config.json"))
-    bundled.init_weights(0)
-    return {"bundled (4 q / 2 kv heads)": bundled.to(device=device, dtype=dtype).eval(),
-            "Qwen3-30B-A3B width (32 q / 4 kv)": qwen3_width_drafter(device, dtype)}
+def bundled_drafter(device: torch.device, dtype: torch.dtype) -> Eagle3Drafter:
+    """The bundled drafter's shape (4 query / 2 KV heads), random weights."""
+    drafter = Eagle3Drafter(Eagle3Config.from_file(tiny_moe_eagle3_dir() / "config.json"))
+    drafter.init_weights(0)
+    return drafter.to(device=device, dtype=dtype).eval()
+
+
+def drafters(device: torch.device, dtype: torch.dtype, quick: bool = False) -> dict[str, Eagle3Drafter]:
+    out = {"bundled (4 q / 2 kv heads)": bundled_drafter(device, dtype)}
+    if not quick:
+        out["Qwen3-30B-A3B width (32 q / 4 kv)"] = qwen3_width_drafter(device, dtype)
+    return out
 
 
 def side_by_side_args(description: str, argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, torch.dtype]:
@@ -149,7 +160,10 @@ def side_by_side_args(description: str, argv: list[str] | None) -> tuple[argpars
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    parser.add_argument("--quick", action="store_true", help="small shapes and one round: a smoke run (the tests')")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds = 1
     try:
         device = resolve_device(args.device)
     except SpecFitError as exc:
@@ -168,13 +182,14 @@ def fill(drafter: Eagle3Drafter, entries: int, gen: torch.Generator) -> None:
                 torch.arange(start, start + n))
 
 
-def drafter_rows(rounds: int, gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> list[dict]:
+def drafter_rows(rounds: int, gen: torch.Generator, device: torch.device, dtype: torch.dtype,
+                 quick: bool = False) -> list[dict]:
     rows = []
-    for label, drafter in drafters(device, dtype).items():
+    for label, drafter in drafters(device, dtype, quick).items():
         layer = type(drafter.midlayer)
         in_place = layer.attend
         small = drafter.config.hidden_size < 1024
-        for cached in ((150, 512) if small else (512, 2048)):
+        for cached in ((150,) if quick else (150, 512) if small else (512, 2048)):
             fill(drafter, cached, gen)
             for T in (1, 8):
                 hidden = torch.randn(T, drafter.config.hidden_size, generator=gen).to(device=device, dtype=dtype)
@@ -189,7 +204,7 @@ def drafter_rows(rounds: int, gen: torch.Generator, device: torch.device, dtype:
 
                 try:
                     ms, diff = alternate(call, {"repeated": repeated_kv_attend, "in place": in_place}, install,
-                                         rounds, 200 if small or device.type == "cuda" else 10, device)
+                                         rounds, 5 if quick else 200 if small or device.type == "cuda" else 10, device)
                 finally:
                     layer.attend = in_place
                 rows.append({"model": f"drafter: {label}", "cached": cached, "T": T, "repeated_ms": ms["repeated"],
@@ -200,7 +215,8 @@ def drafter_rows(rounds: int, gen: torch.Generator, device: torch.device, dtype:
 def main(argv: list[str] | None = None) -> list[dict]:
     args, device, dtype = side_by_side_args(__doc__.splitlines()[0], argv)
     gen = torch.Generator().manual_seed(0)
-    rows = drafter_rows(args.rounds, gen, device, dtype) + target_rows(args.rounds, gen, device, dtype)
+    rows = (drafter_rows(args.rounds, gen, device, dtype, args.quick)
+            + target_rows(args.rounds, gen, device, dtype, args.quick))
     table = Table(title=f"one pass on {device} ({str(dtype).removeprefix('torch.')}), ms (median of alternating "
                         "rounds): the KV cache read in place vs repeated per head")
     for name in ("model", "cached", "T", "repeated", "in place", "ratio", "max |difference|"):

@@ -8,7 +8,7 @@ vocabulary; random weights) commits ``n`` entries after ``cached`` ones; each ve
 alternating rounds (one CPU thread; on a GPU in bfloat16, synchronised); the table has the median
 per pass, the ratio, and the largest difference of the newest entry's logits.
 
-    python benchmarks/bench_drafter_commit.py [--rounds 5] [--device cuda]
+    python benchmarks/bench_drafter_commit.py [--rounds 5] [--device cuda] [--quick]
 """
 
 from __future__ import annotations
@@ -23,21 +23,21 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_attention import alternate, qwen3_width_drafter, side_by_side_args  # noqa: E402
+from bench_attention import alternate, bundled_drafter, qwen3_width_drafter, side_by_side_args  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args, device, dtype = side_by_side_args(__doc__.splitlines()[0], argv)
     gen = torch.Generator().manual_seed(0)
-    drafter = qwen3_width_drafter(device, dtype)
-    cached = 256
+    drafter = (bundled_drafter if args.quick else qwen3_width_drafter)(device, dtype)
+    cached = 32 if args.quick else 256
     drafter.setup_kv_cache(cached + 1024)
     table = Table(title=f"a drafter pass over n committed entries after {cached} on {device} "
                         f"({str(dtype).removeprefix('torch.')}), ms (median of alternating rounds)")
     for name in ("n", "every row's logits", "the newest row's", "ratio", "max |logit diff|"):
         table.add_column(name, justify="right")
     rows = []
-    for n in (1, 4, 64, 512):
+    for n in ((1, 4) if args.quick else (1, 4, 64, 512)):
         features = torch.randn(n, 3 * drafter.config.target_hidden_size, generator=gen).to(device=device, dtype=dtype)
         ids = torch.randint(0, 1000, (n,), generator=gen)
         positions = torch.arange(cached, cached + n)
@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             return drafter(features, ids, positions, logits_rows=logits_rows[0]).logits[-1:]
 
         ms, diff = alternate(call, {"every": None, "newest": [-1]}, lambda rows_: logits_rows.__setitem__(0, rows_),
-                             args.rounds, 3 if n >= 512 and device.type == "cpu" else 20, device)
+                             args.rounds, 3 if args.quick or n >= 512 and device.type == "cpu" else 20, device)
         rows.append({"n": n, "every_ms": ms["every"], "newest_ms": ms["newest"], "max_logit_diff": diff})
         table.add_row(str(n), f"{ms['every']:.2f}", f"{ms['newest']:.2f}", f"{ms['newest'] / ms['every']:.3f}",
                       f"{diff:.1e}")

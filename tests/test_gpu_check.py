@@ -1,4 +1,5 @@
-"""benchmarks/gpu_check.py keeps working without a GPU: it runs on the CPU with tiny shapes."""
+"""benchmarks/gpu_check.py and the GPU checks' benchmarks keep working without a GPU: they run on
+the CPU with tiny shapes."""
 
 from __future__ import annotations
 
@@ -13,12 +14,17 @@ import pytest
 from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
 
 
+def _bench(name: str):
+    """A benchmark script of ``benchmarks/`` as a module."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _gpu_check():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
-    spec = importlib.util.spec_from_file_location("gpu_check", path)
-    gpu_check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_check)
-    return gpu_check
+    return _bench("gpu_check")
 
 
 def test_gpu_check_runs_on_the_cpu_with_tiny_shapes(capsys, tmp_path):
@@ -74,13 +80,26 @@ def test_gpu_check_rejects_a_device_it_cannot_use(capsys):
 
 
 def test_bench_first_use_times_every_length_twice_on_the_cpu(capsys):
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_first_use.py"
-    spec = importlib.util.spec_from_file_location("bench_first_use", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    times = bench.main(["--device", "cpu", "--shape", "tiny", "--layers", "2", "--max-n", "3", "--warm", "3"])
+    times = _bench("bench_first_use").main(["--device", "cpu", "--shape", "tiny", "--layers", "2", "--max-n", "3", "--warm", "3"])
     for model in ("target", "drafter"):
         for round_ in ("first", "again"):
             assert len(times[model][round_]) == 3 and min(times[model][round_]) > 0
     out = capsys.readouterr().out
     assert "first pass over n entries" in out and "warm-up over 1..3" in out
+
+
+def test_attention_reading_the_cache_in_place_equals_the_repeated_cache(capsys):
+    """bench_attention.py --quick: the target's and the drafter's attention as they are agree with
+    the repeated-cache versions they replaced (the benchmark's references), on the CPU."""
+    rows = _bench("bench_attention").main(["--quick"])
+    assert {r["model"].split(":")[0] for r in rows} == {"drafter", "target"}
+    for r in rows:
+        assert r["repeated_ms"] > 0 and r["in_place_ms"] > 0
+        assert r["max_diff"] < 1e-4, r
+    assert "read in place vs repeated" in capsys.readouterr().out
+
+
+def test_a_committed_pass_with_the_newest_logits_alone_matches_every_rows(capsys):
+    rows = _bench("bench_drafter_commit").main(["--quick"])
+    assert [r["n"] for r in rows] == [1, 4]
+    assert all(r["max_logit_diff"] < 1e-4 and r["every_ms"] > 0 and r["newest_ms"] > 0 for r in rows)
