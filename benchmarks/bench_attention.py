@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import timeit
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specfit.assets import tiny_moe_eagle3_dir  # noqa: E402
 from specfit.calibrate.standin import shape_config  # noqa: E402
 from specfit.errors import SpecFitError  # noqa: E402
+from specfit.runtime.decoder import device_clock  # noqa: E402
 from specfit.runtime.devices import resolve_device  # noqa: E402
 from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter  # noqa: E402
 from specfit.runtime.layers import apply_rope  # noqa: E402
@@ -74,21 +74,17 @@ def repeated_kv_forward(self, x, cos, sin, cache_len, additive_mask):
 def alternate(call, impls, install, rounds: int, number: int, device: torch.device) -> tuple[dict[str, float], float]:
     """Median ms per ``call()`` with each of ``impls`` ({name: implementation}) installed by
     ``install`` in alternating rounds, and the largest difference between their outputs."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-
-    def batch():
-        for _ in range(number):
-            call()
-        sync()
-
+    now = device_clock(device)             # the decoder's clock: after the device's queued work
     times, outputs = {name: [] for name in impls}, {}
     order = list(impls.items())
     for r in range(rounds):
         for name, impl in order if r % 2 == 0 else order[::-1]:
             install(impl)
             outputs[name] = call().float()
-            sync()
-            times[name].append(timeit.timeit(batch, number=1) / number * 1e3)
+            start = now()
+            for _ in range(number):
+                call()
+            times[name].append((now() - start) / number * 1e3)
     first, second = outputs.values()
     return {name: float(np.median(t)) for name, t in times.items()}, float((first - second).abs().max())
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -35,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specfit.calibrate.standin import random_drafter, random_model, shape_config  # noqa: E402
 from specfit.errors import SpecFitError  # noqa: E402
 from specfit.runtime.config import DTYPES  # noqa: E402
+from specfit.runtime.decoder import Decoder, device_clock  # noqa: E402
 from specfit.runtime.devices import resolve_device  # noqa: E402
-from specfit.runtime.drafting import DrafterSession  # noqa: E402
+from specfit.runtime.drafting import DrafterSession, Proposer  # noqa: E402
 from specfit.runtime.model import causal_mask  # noqa: E402
 
 PREFILL = 256      # tokens: with top-8 of 128 experts every expert of every layer is routed to
@@ -44,14 +44,12 @@ PREFILL = 256      # tokens: with top-8 of 128 experts every expert of every lay
 
 def _rounds(run, lengths: range, device: torch.device) -> dict[str, list[float]]:
     """Seconds of ``run(n)`` for every ``n`` of ``lengths``, a round ("first") and once more ("again")."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    now = device_clock(device)             # the decoder's clock: after the device's queued work
 
     def timed(n: int) -> float:
-        sync()
-        start = time.perf_counter()
+        start = now()
         run(n)
-        sync()
-        return time.perf_counter() - start
+        return now() - start
 
     return {round_: [timed(n) for n in lengths] for round_ in ("first", "again")}
 
@@ -103,8 +101,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.warm:
         from specfit.costmodel import CostModel
         from specfit.policies import make_policy
-        from specfit.runtime.decoder import Decoder
-        from specfit.runtime.drafting import Proposer
 
         # the warm-up a decoder's first generation runs in its prefill
         warm = Decoder(model, Proposer(drafter, 8, warm_lengths=args.warm), make_policy("eagle3"),
