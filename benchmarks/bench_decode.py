@@ -215,6 +215,11 @@ def run_benchmark(args) -> None:
     console.print("cycle-time MAPE of the profile's prediction of the same cycles: "
                   + ", ".join(f"{r['policy']} {r['prior_time_mape']:.1%} (median {r['prior_time_median_ape']:.1%})"
                               for r in rows))
+    if any(r["waited_cycles"] == r["waited_cycles"] for r in rows):
+        console.print("cycles whose thread waited for a CPU over a tenth of the cycle (another process had the core), "
+                      "and the cycle-time MAPE over the others: "
+                      + ", ".join(f"{r['policy']} {r['waited_cycles']:.0%} ({r['waited_share']:.1%} of the time), "
+                                  f"{r['running_time_mape']:.1%}" for r in rows))
     console.print(f"union-size MAPE ({args.predictor} predictor): "
                   + ", ".join(f"{r['policy']} {r['union_mape']:.1%} (per layer {r['union_layer_mape']:.1%})"
                               for r in rows if r["union_mape"] == r["union_mape"]))

@@ -32,7 +32,7 @@ if TYPE_CHECKING:       # pandas is imported where a frame is built: the CLI sta
     import pandas as pd
 
 __all__ = ["Column", "CYCLE_COLUMNS", "KEY_COLUMNS", "prediction_errors", "live_row", "replay_frame", "summarise",
-           "ERROR_QUANTITIES", "read_cycles"]
+           "ERROR_QUANTITIES", "read_cycles", "waiting_note", "WAITED_CYCLE"]
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,9 @@ CYCLE_COLUMNS = tuple(Column(*c) for c in (
                                      "whose expected time the cycle's predicted time holds"),
     ("cpu_time_s", "float", True, "CPU time of the decoding thread over the cycle (wall time minus waiting, "
                                   "e.g. for other processes, on a CPU device with one thread)"),
+    ("waited_s", "float", True, "wall time the decoding thread did not run (measured minus CPU time: it waited "
+                                "for a CPU another process had), on a CPU device with one torch thread; empty "
+                                "elsewhere, where other threads or the device do part of the work"),
     ("hits_per_layer", "list", True, "hits per MoE layer"),
     ("misses_per_layer", "list", True, "misses per MoE layer"),
     ("union_per_layer", "list", True, "experts of the verified nodes' true union, per MoE layer"),
@@ -118,6 +121,8 @@ def prediction_errors(predicted, actual) -> dict:
 
 
 _NAN = float("nan")
+WAITED_CYCLE = 0.1      # a cycle whose thread waited for a CPU more than this share of its time "waited"
+WAITED_NOTE = 0.05      # waited cycles from which a run's summary says so (waiting_note)
 
 # --------------------------------------------------------------------------- rows
 def live_row(stats, cost: CostModel | None, expert_bytes: int) -> dict:
@@ -178,6 +183,7 @@ def live_row(stats, cost: CostModel | None, expert_bytes: int) -> dict:
         "learn_time_s": stats.learn_time_s,
         "update_time_s": stats.update_time_s,
         "cpu_time_s": stats.cpu_time_s,
+        "waited_s": stats.waited_s,
         "hits_per_layer": hits_per_layer,
         "misses_per_layer": misses_per_layer,
         "union_per_layer": union_per_layer,
@@ -273,6 +279,7 @@ def summarise(cycles: "pd.DataFrame") -> dict:
         err = prediction_errors(c.loc[valid, predicted], c.loc[valid, actual])
         for measure in ("mape", "median_ape", "bias"):
             out[f"{label}_{measure}"] = err[measure]
+    out.update(_waiting(c))
     out["union_layer_mape"] = _per_layer_error(c, "predicted_union_per_layer", "union_per_layer")
     out["misses_layer_mape"] = _per_layer_error(c, "predicted_misses_per_layer", "misses_per_layer")
     measured = c["measured_time_s"].notna().any() if "measured_time_s" in c else False
@@ -284,6 +291,44 @@ def summarise(cycles: "pd.DataFrame") -> dict:
         out["overhead_share"] = 1.0 - models / total if total > 0 else nan
         out["transfer_time_per_cycle_s"] = float(c["transfer_time_s"].mean())
     return out
+
+
+def _waiting(c: "pd.DataFrame") -> dict:
+    """How much of a live run the decoding thread waited for a CPU (``waited_s``: recorded on a
+    CPU device with one torch thread), and the time error over the cycles that did not wait: a
+    cycle prediction is made before the cycle runs and cannot know that another process will take
+    the core. ``waited_share``: waited seconds over measured seconds; ``waited_cycles``: the share of
+    cycles that waited more than :data:`WAITED_CYCLE` of their time; ``running_time_mape``: the
+    ``time`` MAPE (the model the policy decided with) over the others. NaN without the column's
+    values (a replay, a GPU, several threads)."""
+    nan = float("nan")
+    out = {"waited_share": nan, "waited_cycles": nan, "running_time_mape": nan}
+    if "waited_s" not in c or "measured_time_s" not in c:
+        return out
+    known = c["waited_s"].notna() & c["measured_time_s"].notna() & (c["measured_time_s"] > 0)
+    if not known.any():
+        return out
+    waited, measured = c.loc[known, "waited_s"], c.loc[known, "measured_time_s"]
+    out["waited_share"] = float(waited.sum() / measured.sum())
+    waiting = waited > WAITED_CYCLE * measured
+    out["waited_cycles"] = float(waiting.mean())
+    running = c.loc[known][~waiting]
+    valid = (running["time_s"] >= 0) & (running["predicted_time_s"] >= 0)
+    if valid.any():
+        out["running_time_mape"] = prediction_errors(running.loc[valid, "predicted_time_s"],
+                                                     running.loc[valid, "time_s"])["mape"]
+    return out
+
+
+def waiting_note(summary: dict) -> str | None:
+    """A sentence for a policy whose decoding thread waited for a CPU in :data:`WAITED_NOTE` of its
+    cycles or more (None otherwise): its time error then mixes the model's error with the machine's."""
+    share = summary.get("waited_cycles", _NAN)
+    if not share >= WAITED_NOTE:
+        return None
+    return (f"{summary['policy']}: the decoding thread waited for a CPU in {share:.0%} of its cycles "
+            f"({summary['waited_share']:.0%} of its time: another process had the core); cycle-time error over the "
+            f"other cycles {summary['running_time_mape']:.0%} (all cycles {summary['time_mape']:.0%})")
 
 
 def _per_layer_error(c: "pd.DataFrame", predicted: str, actual: str) -> float:

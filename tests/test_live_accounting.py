@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
 from specfit.accounting import live_row, prediction_errors
@@ -499,3 +500,55 @@ def test_the_cycles_measured_times_add_up_to_the_decode_time():
         outside = result.decode_time_s - measured
         assert pauses[-1] <= outside + 1e-9 and outside < pauses[-1] + pause_s, (outside, pauses)
         assert all(c.draft_time_s >= pause_s for c in result.cycles[1:])
+
+
+def test_cycles_whose_thread_waited_for_a_cpu_are_marked_and_left_out_of_the_running_error():
+    """A cycle whose decoding thread is not running (here a callback that sleeps 30 ms: the next
+    cycle's time holds it, as it would hold another process's turn on the core) records that wait
+    as ``waited_s`` (wall minus CPU time); the summary counts it among the cycles that waited and
+    reports the time error over the others. With two torch threads the main thread's CPU time no
+    longer covers the work, and nothing is recorded."""
+    import pandas as pd
+
+    from specfit.accounting import summarise, waiting_note
+
+    model, drafter = tiny(4)
+    pause_s, paused = 0.03, 2
+    decoder = Decoder(model, Proposer(drafter, 4), make_policy("specfit"), COST)
+
+    def pause(stats, tokens):
+        if len(seen) == paused:
+            time.sleep(pause_s)
+        seen.append(stats)
+
+    seen = []
+    result = decoder.generate(PROMPT, 24, ignore_eos=True, on_cycle=pause)
+    waited = np.array([c.waited_s for c in result.cycles])
+    assert len(waited) >= 6 and np.isfinite(waited).all() and (waited >= 0).all()
+    # the sleep ran after cycle `paused` was measured: the next cycle holds it
+    assert waited[paused + 1] >= 0.9 * pause_s
+    assert waited[paused + 1] == max(waited)
+    rows = pd.DataFrame([{"policy": "specfit", **live_row(c, COST, model.offload.host.expert_bytes)}
+                         for c in result.cycles])
+    s = {"policy": "specfit", **summarise(rows)}
+    marked = rows["waited_s"] > 0.1 * rows["measured_time_s"]
+    assert marked[paused + 1] and s["waited_cycles"] == pytest.approx(marked.mean())
+    assert s["waited_share"] == pytest.approx(rows["waited_s"].sum() / rows["measured_time_s"].sum())
+    others = rows[~marked]
+    assert s["running_time_mape"] == pytest.approx(
+        prediction_errors(others["predicted_time_s"], others["time_s"])["mape"])
+    # a run says so from 5 % of its cycles on
+    assert waiting_note({**s, "waited_cycles": 0.049}) is None
+    note = waiting_note({**s, "waited_cycles": 0.05})
+    assert "specfit" in note and "waited for a CPU in 5% of its cycles" in note
+
+    torch.set_num_threads(2)
+    try:
+        result = decoder.generate(PROMPT, 8, ignore_eos=True)
+    finally:
+        torch.set_num_threads(1)
+    assert all(np.isnan(c.waited_s) for c in result.cycles)
+    rows = pd.DataFrame([{"policy": "specfit", **live_row(c, COST, model.offload.host.expert_bytes)}
+                         for c in result.cycles])
+    s = {"policy": "specfit", **summarise(rows)}
+    assert np.isnan(s["waited_cycles"]) and np.isnan(s["running_time_mape"]) and waiting_note(s) is None

@@ -20,7 +20,11 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
         cycles = cycles.assign(policy="run")
     page.table(_per_policy(cycles), caption="Per policy: measured vs predicted. tokens/s: committed tokens over the "
                "sum of measured cycle times (as in summary.json and the terminal); MAPE: mean over cycles of "
-               "|predicted - measured| / measured; bias: sum(predicted) / sum(measured) - 1.")
+               "|predicted - measured| / measured; bias: sum(predicted) / sum(measured) - 1. Cycles waited for "
+               "CPU: the share of cycles whose decoding thread spent over a tenth of the cycle not running (its "
+               "wall time minus its CPU time: another process had the core; recorded on a CPU with one torch "
+               "thread), which no prediction made before the cycle can foresee; time MAPE, others: the time "
+               "MAPE over the remaining cycles.")
 
     if cycles["predicted_time_s"].notna().any():
         fig = identity_scatter(cycles["measured_time_s"] * 1e3, cycles["predicted_time_s"] * 1e3, "measured cycle (ms)",
@@ -107,7 +111,11 @@ def _per_policy(cycles: pd.DataFrame) -> pd.DataFrame:
                                               if g["predicted_time_s"].notna().all() else np.nan),
                      "tokens/cycle": s["tokens_per_cycle"], "pred. tokens/cycle": s["predicted_tokens_per_cycle"],
                      "time MAPE": s["time_mape"], "profile's time MAPE": s.get("prior_time_mape", np.nan),
-                     "time bias": s["time_bias"], "bytes MAPE": s["bytes_mape"],
+                     "time bias": s["time_bias"],
+                     # the cycles whose thread waited for a CPU (another process had it) and the
+                     # time error over the others (CPU runs with one thread; empty elsewhere)
+                     "cycles waited for CPU": s["waited_cycles"], "time MAPE, others": s["running_time_mape"],
+                     "bytes MAPE": s["bytes_mape"],
                      "union MAPE": s["union_mape"], "union/layer MAPE": s.get("union_layer_mape", np.nan),
                      "charged = moved bytes": _charged_matches(g), "draft levels": s["draft_levels_per_cycle"],
                      "nodes verified": s["nodes_per_cycle"], "MB H2D/cycle": s["bytes_per_cycle"] / 1e6,

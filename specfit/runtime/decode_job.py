@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Callable
 
 
-from ..accounting import live_row, summarise
+from ..accounting import live_row, summarise, waiting_note
 
 
 from ..errors import INTERRUPTS, Interrupted, SpecFitError, interrupted
@@ -319,6 +319,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     memory = {"host_expert_bytes": host.nbytes, "pinned_bytes": host.pinned_bytes,
               "device_expert_bytes": model.offload.device_bytes}
     describe = getattr(getattr(drafter, "config", None), "describe_feature_layers", None)
+    notes += [f"note: {line}" for line in map(waiting_note, outputs.summaries) if line]
     return DecodeRun(memory=memory, drafter_features=describe(model.config.n_layers) if describe else None, notes=notes,
                      records=outputs.records, cycles=outputs.cycles, summaries=outputs.summaries,
                      profile_label=profile.label, profile_path=profile_path,
