@@ -22,8 +22,9 @@
 #           drafter pass's first use per number of entries (about 65 s);
 # attention benchmarks/bench_attention.py and bench_drafter_commit.py --device cuda: GQA attention
 #           reading the KV cache in place vs repeated per query head (target and drafter), and a
-#           drafter pass over committed entries with the newest row's logits alone, in bfloat16
-#           (not yet run on a GPU).
+#           drafter pass over committed entries with the newest row's logits alone, and a
+#           DeepSeek-V2-Lite MLA layer with kv_b_proj absorbed vs every latent expanded
+#           (bench_mla.py), in bfloat16 (not yet run on a GPU).
 # Each step is bounded; what they print lands in $OUT, the elapsed times in $OUT/steps.txt.
 set -u -o pipefail
 out=${OUT:-gpu_out}
@@ -90,6 +91,7 @@ fi
 if want attention; then
   t=$(date +%s%N)
   { timeout "${ATTENTION_S:-150}" $py benchmarks/bench_attention.py --device cuda
-    timeout "${ATTENTION_S:-150}" $py benchmarks/bench_drafter_commit.py --device cuda; } 2>&1 | tee "$out/attention.log"
-  elapsed "bench_attention and bench_drafter_commit cuda (rc $?)" "$t"
+    timeout "${ATTENTION_S:-150}" $py benchmarks/bench_drafter_commit.py --device cuda
+    timeout "${ATTENTION_S:-150}" $py benchmarks/bench_mla.py --device cuda; } 2>&1 | tee "$out/attention.log"
+  elapsed "bench_attention, bench_drafter_commit and bench_mla cuda (rc $?)" "$t"
 fi

@@ -201,6 +201,44 @@ def test_counters_count_the_union_of_routed_experts_per_moe_layer(model_dirs):
     assert again.offload.bytes_h2d.tolist() == [n * bytes_per_expert for n in fresh]
 
 
+def test_mla_absorbed_attention_equals_the_expanded_form_and_is_chosen_for_few_queries(model_dirs, monkeypatch):
+    """A tree pass over a cached prompt: the absorbed form (kv_b_proj folded into the queries and
+    the output) gives the expanded form's logits, and which one a pass takes follows the arithmetic
+    (few queries over many latents absorb; a prompt expands)."""
+    from specfit.runtime.mla import MLAttention
+    from specfit.runtime.model import causal_mask
+
+    model = _ours(model_dirs("deepseek_v2-lite"), cache_experts=N_EXPERTS)
+    attention = model.layers[0].self_attn
+    assert isinstance(attention, MLAttention)
+    ids = _tokens(24, seed=4)
+    tree_parents = [-1, 0, 0, 1, 1, 2]                      # a root, two children, three grandchildren
+    depth = [0, 1, 1, 2, 2, 2]
+    mask = torch.zeros(6, 6, dtype=torch.bool)
+    for v, p in enumerate(tree_parents):
+        mask[v, v] = True
+        while p >= 0:
+            mask[v, p] = True
+            p = tree_parents[p]
+    full = torch.cat((torch.ones(6, 18, dtype=torch.bool), mask), dim=1)
+    logits = {}
+    for absorbs in (True, False):
+        model.setup_kv_cache(64)
+        # the tree's pass in the form under test; the prompt's (T == S) expanded in both
+        monkeypatch.setattr(MLAttention, "_absorbs", lambda self, T, S, a=absorbs: a if T == 6 else False)
+        model(ids[:18], torch.arange(18), causal_mask(0, 18))
+        logits[absorbs] = model(ids[18:], torch.tensor([18 + d for d in depth]), full).logits
+        monkeypatch.undo()
+    torch.testing.assert_close(logits[True], logits[False], rtol=0, atol=1e-5)
+    # DeepSeek-V2-Lite's shapes: kv_lora_rank 512, 128 + 64 query dims, 128 value dims
+    from types import SimpleNamespace
+
+    lite = SimpleNamespace(mla=SimpleNamespace(kv_lora_rank=512, qk_nope_head_dim=128, v_head_dim=128,
+                                               qk_rope_head_dim=64, qk_head_dim=192))
+    assert MLAttention._absorbs(lite, 1, 10) and MLAttention._absorbs(lite, 64, 2048)
+    assert not MLAttention._absorbs(lite, 2048, 2048) and not MLAttention._absorbs(lite, 300, 4096)
+
+
 # ----------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("change,message", [
     ({"topk_method": "noaux_tc"}, "'topk_method' must be 'greedy' or 'group_limited_greedy'"),

@@ -103,3 +103,12 @@ def test_a_committed_pass_with_the_newest_logits_alone_matches_every_rows(capsys
     rows = _bench("bench_drafter_commit").main(["--quick"])
     assert [r["n"] for r in rows] == [1, 4]
     assert all(r["max_logit_diff"] < 1e-4 and r["every_ms"] > 0 and r["newest_ms"] > 0 for r in rows)
+
+
+def test_mla_with_kv_b_proj_absorbed_matches_every_latent_expanded(capsys):
+    """bench_mla.py --quick: the absorbed MLA layer agrees with the expanded one (the benchmark
+    times both forms of the same layer) and a decode step over cached latents picks it."""
+    rows = _bench("bench_mla").main(["--quick"])
+    assert [(r["cached"], r["T"], r["picks"]) for r in rows] == [(64, 1, "absorbed")]
+    assert all(r["max_diff"] < 1e-4 and r["expanded_ms"] > 0 and r["absorbed_ms"] > 0 for r in rows)
+    assert "kv_b_proj absorbed" in capsys.readouterr().out

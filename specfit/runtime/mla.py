@@ -8,9 +8,12 @@ Per token, keys and values come from one ``kv_lora_rank``-wide latent and one
     k_nope, v    = split(kv_b_proj(latent))                                  per head
     key          = cat(k_nope, rope(k_pe));  query = cat(q_nope, rope(q_pe))
 
-The cache holds ``latent`` and the rotated ``k_pe`` (what ``transformers`` caches), and every pass
-expands all cached latents through ``kv_b_proj``, so keys and values are computed as in
-``transformers``. RoPE here is the interleaved form (pairs ``(x[2i], x[2i+1])`` rotated as complex
+The cache holds ``latent`` and the rotated ``k_pe`` (what ``transformers`` caches). A pass over few
+queries (decoding, verification) absorbs ``kv_b_proj`` into the queries and the output, as
+DeepSeek-V2 describes for inference: ``q_nope . (W_uk latent) = (q_nope W_uk) . latent`` and the
+attention-weighted latents go through ``W_uv`` once per query, so no cached latent is expanded; a
+pass over about as many queries as cached latents (a prompt) expands every latent through
+``kv_b_proj`` into keys and values, as ``transformers`` does. The two agree up to rounding. RoPE here is the interleaved form (pairs ``(x[2i], x[2i+1])`` rotated as complex
 numbers) in float32, on the rotary part only; the softmax scale is ``qk_head_dim^-0.5``, times
 ``yarn_mscale(factor, mscale_all_dim)^2`` under YaRN scaling. The two inner norms use
 ``transformers``' default epsilon (1e-6), not ``rms_norm_eps``.
@@ -91,14 +94,50 @@ class MLAttention(nn.Module):
         latents, k_pes = self.kv_cache.write(cache_len, latent[None], k_pe[None])  # [1, S, r], [1, S, rope]
 
         S = latents.shape[1]
-        kv = self.kv_b_proj(latents[0]).view(S, self.n_heads, mla.qk_nope_head_dim + mla.v_head_dim).transpose(0, 1)
+        if self._absorbs(T, S):
+            out = self._absorbed(q_nope, q_pe, latents[0], k_pes[0], additive_mask)
+        else:
+            out = self._expanded(q_nope, q_pe, latents[0], k_pes[0], additive_mask)
+        out = out.transpose(0, 1).reshape(T, self.n_heads * mla.v_head_dim)
+        return self.o_proj(out)
+
+    def _absorbs(self, T: int, S: int) -> bool:
+        """Whether the absorbed form does less arithmetic for ``T`` queries over ``S`` cached
+        latents. Per head, the expanded form costs ``S r (nope + v)`` (every latent through
+        ``kv_b_proj``) plus ``T S (qk + v)``, the absorbed one ``T r (nope + v)`` plus
+        ``T S (2 r + rope)``: verification and decode passes absorb (up to ~170 queries at
+        DeepSeek-V2-Lite's shapes), a prompt's pass over about as many tokens as it caches expands."""
+        m = self.mla
+        r, per_head = m.kv_lora_rank, m.qk_nope_head_dim + m.v_head_dim
+        expanded = S * r * per_head + T * S * (m.qk_head_dim + m.v_head_dim)
+        absorbed = T * r * per_head + T * S * (2 * r + m.qk_rope_head_dim)
+        return absorbed < expanded
+
+    def _expanded(self, q_nope, q_pe, latents, k_pes, additive_mask) -> torch.Tensor:
+        """Attention with every cached latent expanded to its keys and values (``transformers``'
+        form): [heads, T, v]."""
+        mla, S = self.mla, latents.shape[0]
+        kv = self.kv_b_proj(latents).view(S, self.n_heads, mla.qk_nope_head_dim + mla.v_head_dim).transpose(0, 1)
         k_nope, values = kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=-1)
         keys = torch.cat((k_nope, k_pes.expand(self.n_heads, S, -1)), dim=-1)
         query = torch.cat((q_nope, q_pe), dim=-1)
         scores = torch.matmul(query, keys.transpose(1, 2)) * self.scale + additive_mask
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-        out = torch.matmul(probs, values).transpose(0, 1).reshape(T, self.n_heads * mla.v_head_dim)
-        return self.o_proj(out)
+        return torch.matmul(probs, values)
+
+    def _absorbed(self, q_nope, q_pe, latents, k_pes, additive_mask) -> torch.Tensor:
+        """The same attention with ``kv_b_proj`` absorbed into the query and the output (as
+        DeepSeek-V2's paper describes for inference): a head's key part is ``W_uk latent``, so
+        ``q_nope . k_nope = (q_nope W_uk) . latent``, and its value ``W_uv latent``, so the
+        attention-weighted sum of latents goes through ``W_uv`` once per query instead of every
+        latent once per pass. Equal to :meth:`_expanded` up to rounding: [heads, T, v]."""
+        mla = self.mla
+        weight = self.kv_b_proj.weight.view(self.n_heads, mla.qk_nope_head_dim + mla.v_head_dim, mla.kv_lora_rank)
+        w_uk, w_uv = weight.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)     # [heads, nope | v, r]
+        q_latent = torch.matmul(q_nope, w_uk)                                           # [heads, T, r]
+        scores = (torch.matmul(q_latent, latents.t()) + torch.matmul(q_pe, k_pes.t())) * self.scale + additive_mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
+        return torch.matmul(torch.matmul(probs, latents), w_uv.transpose(1, 2))       # [heads, T, v]
 
 
 def _rotate_pairs(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
