@@ -13,8 +13,10 @@ queries (decoding, verification) absorbs ``kv_b_proj`` into the queries and the 
 DeepSeek-V2 describes for inference: ``q_nope . (W_uk latent) = (q_nope W_uk) . latent`` and the
 attention-weighted latents go through ``W_uv`` once per query, so no cached latent is expanded; a
 pass over about as many queries as cached latents (a prompt) expands every latent through
-``kv_b_proj`` into keys and values, as ``transformers`` does. The two agree up to rounding. RoPE here is the interleaved form (pairs ``(x[2i], x[2i+1])`` rotated as complex
-numbers) in float32, on the rotary part only; the softmax scale is ``qk_head_dim^-0.5``, times
+``kv_b_proj`` into keys and values, as ``transformers`` does. The two agree up to rounding.
+
+RoPE here is the interleaved form (pairs ``(x[2i], x[2i+1])`` rotated as complex numbers) in
+float32, on the rotary part only; the softmax scale is ``qk_head_dim^-0.5``, times
 ``yarn_mscale(factor, mscale_all_dim)^2`` under YaRN scaling. The two inner norms use
 ``transformers``' default epsilon (1e-6), not ``rms_norm_eps``.
 
