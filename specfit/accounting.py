@@ -84,9 +84,10 @@ CYCLE_COLUMNS = tuple(Column(*c) for c in (
                                      "whose expected time the cycle's predicted time holds"),
     ("cpu_time_s", "float", True, "CPU time of the decoding thread over the cycle (wall time minus waiting, "
                                   "e.g. for other processes, on a CPU device with one thread)"),
-    ("waited_s", "float", True, "wall time the decoding thread did not run (measured minus CPU time: it waited "
-                                "for a CPU another process had), on a CPU device with one torch thread; empty "
-                                "elsewhere, where other threads or the device do part of the work"),
+    ("waited_s", "float", True, "wall time the decoding thread did not run (measured minus CPU time, less its "
+                                "wait for prefetch copies: it waited for a CPU another process had), on a CPU "
+                                "device with one torch thread; empty elsewhere, where other threads or the device "
+                                "do part of the work"),
     ("hits_per_layer", "list", True, "hits per MoE layer"),
     ("misses_per_layer", "list", True, "misses per MoE layer"),
     ("union_per_layer", "list", True, "experts of the verified nodes' true union, per MoE layer"),

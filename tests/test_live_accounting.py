@@ -542,6 +542,24 @@ def test_cycles_whose_thread_waited_for_a_cpu_are_marked_and_left_out_of_the_run
     note = waiting_note({**s, "waited_cycles": 0.05})
     assert "specfit" in note and "waited for a CPU in 5% of its cycles" in note
 
+    # waiting on the offload's prefetch worker is the decoder's own work, not another process's
+    from specfit.runtime import levers
+
+    finish = levers.finish_prefetch
+
+    def slow_prefetch_wait(decoder, draft):
+        finish(decoder, draft)
+        time.sleep(pause_s)
+        draft.prefetch_wait_s += pause_s
+
+    levers.finish_prefetch = slow_prefetch_wait
+    try:
+        result = decoder.generate(PROMPT, 8, ignore_eos=True)
+    finally:
+        levers.finish_prefetch = finish
+    assert all(c.draft.prefetch_wait_s >= pause_s for c in result.cycles)
+    assert all(c.waited_s < 0.5 * pause_s for c in result.cycles)
+
     torch.set_num_threads(2)
     try:
         result = decoder.generate(PROMPT, 8, ignore_eos=True)

@@ -85,8 +85,9 @@ class CycleStats:
     learn_time_s: float = 0.0      # after the commit: the policy and the predictor learn
     update_time_s: float = 0.0     # at the start (in draft_time_s): the online cost model's update
     cpu_time_s: float = float("nan")   # CPU time of the decoding thread over the cycle
-    # wall time the decoding thread did not run (measured minus its CPU time), where that thread does
-    # all of the cycle's work (a CPU device with one torch thread); NaN elsewhere
+    # wall time the decoding thread did not run (measured minus its CPU time and its wait for the
+    # prefetch copies), where that thread does the cycle's work (a CPU device with one torch
+    # thread); NaN elsewhere
     waited_s: float = float("nan")
     online: bool = False           # the policy decided with the online-refitted cost model
     # int [L]: misses the expert cache's bookkeeping gives the true experts from the residency before

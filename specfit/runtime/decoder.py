@@ -158,8 +158,9 @@ class Decoder:
         stop_reason = "eos" if self._is_eos(root, ignore_eos) else "length"
         decode_bytes_h2d = 0
         expert_bytes = self.model.offload.host.expert_bytes
-        # on a CPU with one torch thread the decoding thread does all of a cycle's work, so the wall
-        # time it did not run is time it waited for a CPU (another process had it)
+        # on a CPU with one torch thread the decoding thread does a cycle's work, so the wall time it
+        # did not run is time it waited for a CPU (another process had it), but for its wait on the
+        # prefetch copies (a worker thread of the offload's)
         sole_thread = self.model.device.type == "cpu" and torch.get_num_threads() == 1
         start = cycle_start = now()
         cpu_start = time.thread_time()
@@ -184,7 +185,7 @@ class Decoder:
                 stats.learn_time_s = learned - verified
                 stats.cpu_time_s = cpu_learned - cpu_start
                 if sole_thread:
-                    stats.waited_s = max(stats.cycle_time_s - stats.cpu_time_s, 0.0)
+                    stats.waited_s = max(stats.cycle_time_s - stats.cpu_time_s - draft.prefetch_wait_s, 0.0)
                 offload = verification.offload
                 priced = None if draft.selection is None else (draft.selection.hits, draft.selection.misses)
                 self._pending = ((draft.draft_levels, int(verification.nodes.size), offload.total_hits,
