@@ -7,7 +7,8 @@ One MLA layer of DeepSeek-V2-Lite's shape (16 heads, kv_lora_rank 512, 128 + 64 
 value dims; random weights) over ``T`` new queries (a decode step, a verification pass of ``T``
 nodes) after ``cached`` latents, each form in alternating rounds (one CPU thread; on a GPU in
 bfloat16, synchronised around each timed batch of calls); the table has the median per call, the
-ratio, the largest difference of the layer's outputs and the form the layer picks by itself.
+ratio, the largest difference of the layer's outputs and the form the layer picks by itself (the
+expanded one in bfloat16, whose rounding matches ``transformers``').
 
     python benchmarks/bench_mla.py [--rounds 5] [--device cuda] [--quick]
 """

@@ -128,6 +128,25 @@ def test_bfloat16_matches_transformers_with_deepseeks_router_in_float32(model_di
     assert router_dtype == (torch.float32 if case.startswith("deepseek") else torch.bfloat16)
 
 
+def test_bfloat16_mla_decode_steps_keep_the_expanded_form_and_match_transformers(model_dirs):
+    """In float32 decode steps over a cached prompt absorb kv_b_proj (test above); in bfloat16 the
+    absorbed form's rounding would differ from ``transformers``' by about one bfloat16 step (enough
+    to flip a near tie, as on these tokens), so bfloat16 keeps the expanded form: the same logits."""
+    from specfit.runtime.model import causal_mask
+
+    model_dir = model_dirs("deepseek_v2-lite")
+    reference = load_reference(model_dir, torch.bfloat16)
+    model = _ours(model_dir, dtype="bfloat16")
+    assert not model.layers[0].self_attn._absorbs(1, 13)          # float32 weights would absorb
+    ids = _tokens(20, seed=1)
+    model(ids[:12], torch.arange(12), causal_mask(0, 12))
+    for t in range(12, 20):
+        ours = model(ids[t:t + 1], torch.tensor([t]), causal_mask(t, 1)).logits[-1].float()
+        with torch.no_grad():
+            expected = reference(ids[None, :t + 1]).logits[0, -1].float()
+        torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+
+
 def _reference_topk(logits: torch.Tensor, config: ModelConfig) -> list[set]:
     """Each token's experts, written from the routing rule: softmax, DeepSeek's group limit
     (a group scores its best expert, the topk_group best groups stay), top-k."""
@@ -234,9 +253,12 @@ def test_mla_absorbed_attention_equals_the_expanded_form_and_is_chosen_for_few_q
     from types import SimpleNamespace
 
     lite = SimpleNamespace(mla=SimpleNamespace(kv_lora_rank=512, qk_nope_head_dim=128, v_head_dim=128,
-                                               qk_rope_head_dim=64, qk_head_dim=192))
+                                               qk_rope_head_dim=64, qk_head_dim=192),
+                           kv_b_proj=SimpleNamespace(weight=torch.zeros(1)))
     assert MLAttention._absorbs(lite, 1, 10) and MLAttention._absorbs(lite, 64, 2048)
     assert not MLAttention._absorbs(lite, 2048, 2048) and not MLAttention._absorbs(lite, 300, 4096)
+    lite.kv_b_proj.weight = torch.zeros(1, dtype=torch.bfloat16)          # 16-bit weights: expanded
+    assert not MLAttention._absorbs(lite, 1, 10)
 
 
 # ----------------------------------------------------------------------------- errors

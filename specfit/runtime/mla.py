@@ -13,7 +13,9 @@ queries (decoding, verification) absorbs ``kv_b_proj`` into the queries and the 
 DeepSeek-V2 describes for inference: ``q_nope . (W_uk latent) = (q_nope W_uk) . latent`` and the
 attention-weighted latents go through ``W_uv`` once per query, so no cached latent is expanded; a
 pass over about as many queries as cached latents (a prompt) expands every latent through
-``kv_b_proj`` into keys and values, as ``transformers`` does. The two agree up to rounding.
+``kv_b_proj`` into keys and values, as ``transformers`` does. The two agree up to rounding; the
+absorbed form runs in float32 only, since in a 16-bit dtype its rounding differs from
+``transformers``' by about one step of the dtype.
 
 RoPE here is the interleaved form (pairs ``(x[2i], x[2i+1])`` rotated as complex numbers) in
 float32, on the rotary part only; the softmax scale is ``qk_head_dim^-0.5``, times
@@ -108,7 +110,13 @@ class MLAttention(nn.Module):
         latents. Per head, the expanded form costs ``S r (nope + v)`` (every latent through
         ``kv_b_proj``) plus ``T S (qk + v)``, the absorbed one ``T r (nope + v)`` plus
         ``T S (2 r + rope)``: verification and decode passes absorb (up to ~170 queries at
-        DeepSeek-V2-Lite's shapes), a prompt's pass over about as many tokens as it caches expands."""
+        DeepSeek-V2-Lite's shapes), a prompt's pass over about as many tokens as it caches expands.
+        Float32 weights only: there the two forms agree to ~1e-6, while in a 16-bit dtype the
+        absorbed form rounds other intermediates than ``transformers``' expanded one (about one
+        bfloat16 step on the logits, enough to flip a near tie); on a GPU, where 16-bit runs, the
+        product it saves is also the cheap part of a pass."""
+        if self.kv_b_proj.weight.dtype != torch.float32:
+            return False
         m = self.mla
         r, per_head = m.kv_lora_rank, m.qk_nope_head_dim + m.v_head_dim
         expanded = S * r * per_head + T * S * (m.qk_head_dim + m.v_head_dim)
