@@ -24,7 +24,8 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
                "CPU: the share of cycles whose decoding thread spent over a tenth of the cycle not running (its "
                "wall time minus its CPU time: another process had the core; recorded on a CPU with one torch "
                "thread), which no prediction made before the cycle can foresee; time MAPE, others: the time "
-               "MAPE over the remaining cycles.")
+               "MAPE over the remaining cycles (with most cycles waiting, not the model's alone either: the "
+               "online model follows the machine's speed, waits included).")
 
     if cycles["predicted_time_s"].notna().any():
         fig = identity_scatter(cycles["measured_time_s"] * 1e3, cycles["predicted_time_s"] * 1e3, "measured cycle (ms)",
