@@ -15,7 +15,7 @@ attention-weighted latents go through ``W_uv`` once per query, so no cached late
 pass over about as many queries as cached latents (a prompt) expands every latent through
 ``kv_b_proj`` into keys and values, as ``transformers`` does. The two agree up to rounding; the
 absorbed form runs in float32 only, since in a 16-bit dtype its rounding differs from
-``transformers``' by about one step of the dtype.
+``transformers``' by a few steps of the dtype.
 
 RoPE here is the interleaved form (pairs ``(x[2i], x[2i+1])`` rotated as complex numbers) in
 float32, on the rotary part only; the softmax scale is ``qk_head_dim^-0.5``, times
@@ -112,8 +112,8 @@ class MLAttention(nn.Module):
         ``T S (2 r + rope)``: verification and decode passes absorb (up to ~170 queries at
         DeepSeek-V2-Lite's shapes), a prompt's pass over about as many tokens as it caches expands.
         Float32 weights only: there the two forms agree to ~1e-6, while in a 16-bit dtype the
-        absorbed form rounds other intermediates than ``transformers``' expanded one (about one
-        bfloat16 step on the logits, enough to flip a near tie); on a GPU, where 16-bit runs, the
+        absorbed form rounds other intermediates than ``transformers``' expanded one (a few
+        bfloat16 steps on the logits, enough to flip a near tie); on a GPU, where 16-bit runs, the
         product it saves is also the cheap part of a pass."""
         if self.kv_b_proj.weight.dtype != torch.float32:
             return False
