@@ -276,8 +276,7 @@ def summarise(cycles: "pd.DataFrame") -> dict:
     for label, predicted, actual in ERROR_QUANTITIES:
         if predicted not in c or actual not in c:
             continue
-        valid = (c[actual] >= 0) & (c[predicted] >= 0)      # -1: not known for the cycle
-        err = prediction_errors(c.loc[valid, predicted], c.loc[valid, actual])
+        err = _known_errors(c, predicted, actual)
         for measure in ("mape", "median_ape", "bias"):
             out[f"{label}_{measure}"] = err[measure]
     out.update(_waiting(c))
@@ -313,12 +312,14 @@ def _waiting(c: "pd.DataFrame") -> dict:
     out["waited_share"] = float(waited.sum() / measured.sum())
     waiting = waited > WAITED_CYCLE * measured
     out["waited_cycles"] = float(waiting.mean())
-    running = c.loc[known][~waiting]
-    valid = (running["time_s"] >= 0) & (running["predicted_time_s"] >= 0)
-    if valid.any():
-        out["running_time_mape"] = prediction_errors(running.loc[valid, "predicted_time_s"],
-                                                     running.loc[valid, "time_s"])["mape"]
+    out["running_time_mape"] = _known_errors(c.loc[known][~waiting], "predicted_time_s", "time_s")["mape"]
     return out
+
+
+def _known_errors(c: "pd.DataFrame", predicted: str, actual: str) -> dict:
+    """:func:`prediction_errors` over the cycles where both columns are known (-1: not known)."""
+    valid = (c[actual] >= 0) & (c[predicted] >= 0)
+    return prediction_errors(c.loc[valid, predicted], c.loc[valid, actual])
 
 
 def waiting_note(summary: dict) -> str | None:
