@@ -188,6 +188,30 @@ def test_speed_tracker_follows_a_machine_that_slows_within_a_few_cycles():
     assert untracked.cost is COST and off.cost is COST
 
 
+def test_a_refit_does_not_count_the_tracked_slowness_twice():
+    """A machine twice as slow as its profile from the first cycle: the tracker learns the factor
+    in a few cycles, then the first refit fits the same slow cycles. The prediction for the next
+    cycles stays on the measured time across the refit (before the tracker was re-based to the new
+    fit, it jumped to about twice the measured time at every refit that moved the fit)."""
+    rng = np.random.default_rng(5)
+    online = OnlineCostModel(COST, window=32, min_cycles=8, refit_every=4, refit_interval_s=0.0)
+    errors = []
+    for t in range(40):
+        levels, nodes = int(rng.integers(1, 4)), int(rng.integers(2, 9))
+        union = int(rng.integers(10, 40))
+        misses = int(rng.integers(0, union + 1))
+        cycle = (levels, nodes, union - misses, misses)
+        measured = 2.0 * COST.time_s(*cycle)
+        errors.append(abs(online.cost.time_s(*cycle) - measured) / measured)
+        refits = online.n_refits
+        online.observe(*cycle, measured, priced=cycle[2:])
+        if online.n_refits > refits:
+            assert online.fitted.time_s(*cycle) == pytest.approx(measured, rel=0.02)   # the fit took the factor
+            assert online.speed == pytest.approx(1.0, abs=0.02)                       # so the tracker gives it back
+    assert online.n_refits >= 5
+    assert max(errors[6:]) < 0.02
+
+
 def test_speed_tracker_lowers_the_held_out_error_on_a_machine_whose_speed_wanders():
     """A shared machine's speed moves in phases (log speed an AR(1) process, correlation 0.8 from
     one cycle to the next, as measured in bench_decode.py): each cycle predicted before it is

@@ -21,7 +21,9 @@ with a half-life of ``speed_half_life`` cycles, and :attr:`OnlineCostModel.cost`
 model with every term scaled by that speed. A common factor leaves every decision between subtrees
 as it was (throughput is a ratio of tokens to seconds); it makes the predicted seconds right. The
 same factor absorbs a predictor's steady over- or under-estimate of the union, since the residual
-is taken against the counts the policy priced.
+is taken against the counts the policy priced. The speed is relative to the fit it multiplies, so
+a refit moves it by the refit's own change for the cycle just seen: a refit that learns the same
+slowness the tracker had learned does not count it twice.
 
 The model's own update is part of the cycle it runs in, and not a steady part: a refit every
 ``refit_every`` cycles (and at least ``refit_interval_s`` seconds apart) takes 0.5-1.5 ms, a refit
@@ -218,12 +220,30 @@ class OnlineCostModel:
         self._since_refit_s += time_s
         if self.n_seen >= self.min_cycles and (self.n_refits == 0 or self._since_refit >= self.refit_every
                                                and self._since_refit_s >= self.refit_interval_s):
+            before = self.fitted
             kind = 2 if self._refit() else 1
             self._since_refit, self._since_refit_s = 0, 0.0
+            if priced is not None:
+                self._rebase_speed(before, draft_levels, n_nodes, *priced)
         self._last_kind = kind
         self.update_s = float(self._update_mean[kind])
         tracked = bool(self._log_speed) or self.update_s > 0
         self.cost = self.fitted.scaled(self.speed, plus_base_s=self.update_s) if tracked else self.fitted
+
+    def _rebase_speed(self, before: CostModel, draft_levels: int, n_nodes: int, hits: int, misses: int) -> None:
+        """Keep the tracked speed relative to the fit it multiplies. The tracker has learned how
+        much slower the machine runs than ``before`` predicts; a refit that moves the fit toward the
+        same measured cycles has absorbed part of that, and the product would count it twice (on
+        a machine twice as slow as its profile, the first refit doubled the fit while the tracker
+        still said twice as slow: the next cycle was predicted at four times the profile). The log
+        speed moves by the refit's own change for the cycle just observed (as it was priced), so
+        the prediction for that cycle stays where the tracker had put it."""
+        if not self._speed_rate:
+            return
+        old_s = before.time_s(draft_levels, n_nodes, hits, misses)
+        new_s = self.fitted.time_s(draft_levels, n_nodes, hits, misses)
+        if old_s > 0 and new_s > 0:
+            self._log_speed += math.log(old_s / new_s)
 
     def _refit(self) -> bool:
         """Refit on the window; True when this refit selected the terms again."""
