@@ -6,7 +6,9 @@ misses), the counts it verified and its measured time. Replaying them in order t
 gives the error a model would have had on the same cycles (the decisions are the recorded ones;
 only the prediction is replayed). With the model the run used, the replay reproduces the recorded
 ``predicted_time_s``. Prints one row per run directory and model: MAPE per policy, and the lag-1
-correlation of log(measured / predicted) (what a causal model has left to learn).
+correlation of log(measured / predicted) (what a causal model has left to learn). Every model row
+runs this checkout's :class:`OnlineCostModel` with the options it names (from stop 40 each refit
+re-bases the speed tracker to the new fit); "as recorded" is what the run's own model predicted.
 
     python benchmarks/bench_decode.py --out runs/quiet          # writes cycles.parquet and profile.json
     python benchmarks/bench_online.py runs/quiet [runs/busy ...] [--profile PROFILE]

@@ -127,7 +127,7 @@ def test_nan_target_weights_are_blamed_on_the_target_not_decoded_into_garbage(mo
     out = tmp_path / "run"
     result = invoke("decode", "--model", broken, "--prompts", model_dir.parent / "prompts.jsonl", "--cache-experts", 2,
                     "--profile", "pcie4", "--max-new-tokens", 2, "--out", out)
-    one_line_error(result, "target model", "NaN or infinite logits")
+    one_line_error(result, f"target model {broken}:", "NaN or infinite logits")
     assert not out.exists()             # the run failed before any output: not even its run.json is left
 
 

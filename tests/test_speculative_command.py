@@ -250,6 +250,60 @@ def test_an_interrupted_run_keeps_every_completed_cycle(checkpoint, tmp_path, in
     assert not [p for p in out.iterdir() if p.name.startswith(".")]      # no temporary file left
 
 
+def _stop_recording_after(monkeypatch, n_cycles):
+    """Ctrl-C right after the recorder has taken its ``n_cycles``-th cycle (mid-sequence)."""
+    from specfit.runtime.record import TraceRecorder
+
+    add = TraceRecorder.add_cycle
+
+    def add_then_stop(self, stats):
+        add(self, stats)
+        if len(self) == n_cycles:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(TraceRecorder, "add_cycle", add_then_stop)
+
+
+def test_an_interrupted_live_recording_keeps_its_cycles_in_the_trace(checkpoint, tmp_path, monkeypatch):
+    model_dir, drafter_dir, prompts = checkpoint
+    out, trace_path = tmp_path / "run", tmp_path / "live.parquet"
+    plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["eagle3:12:4"],
+                      drafter_dir=drafter_dir, profile="pcie5", max_new_tokens=NEW_TOKENS, device="cpu", out_dir=out,
+                      ignore_eos=True, record=trace_path)
+    _stop_recording_after(monkeypatch, 5)
+    with pytest.raises(Interrupted, match=f"its 5 recorded cycle\\(s\\) in {trace_path}"):
+        run_decode(plan)
+    trace = read_trace(trace_path)                      # validated
+    cycles = pd.read_parquet(out / "cycles.parquet")
+    assert trace.n_cycles == 5 and len(cycles) >= 4      # the fifth cycle's row may not have been kept yet
+    np.testing.assert_allclose(trace.measured["measured_time_s"][: len(cycles)], cycles["measured_time_s"][:5])
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]     # no temporary file left
+
+
+def test_an_interrupted_full_recording_ends_its_open_sequence_where_it_stopped(checkpoint, tmp_path, monkeypatch):
+    """A full trace cuts each tree to the reference tokens after its position: a sequence stopped
+    after three cycles has four output tokens, and its trees reach no further."""
+    model_dir, drafter_dir, prompts = checkpoint
+    runs = {}
+    for name, stop in (("whole", None), ("stopped", NEW_TOKENS - 1 + 3)):
+        path = tmp_path / f"{name}.parquet"
+        plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["ar"],
+                          drafter_dir=drafter_dir, profile="pcie4", max_new_tokens=NEW_TOKENS, device="cpu",
+                          ignore_eos=True, record=path, record_full=True, max_levels=3)
+        if stop is None:
+            run_decode(plan)
+        else:
+            _stop_recording_after(monkeypatch, stop)
+            with pytest.raises(Interrupted, match="recorded cycle"):
+                run_decode(plan)
+        trace = read_trace(path)                        # validated: position-indexed, every node verified
+        runs[name] = prepare(name, trace, trace.predicted_experts)
+    whole, stopped = runs["whole"], runs["stopped"]
+    assert stopped.reference[0].tolist() == whole.reference[0].tolist()
+    assert stopped.reference[1].tolist() == whole.reference[1][:3].tolist()
+    assert len(stopped.reference) == 2
+
+
 # --------------------------------------------------------------------------- bad input
 def _corrupt(drafter_dir, tmp_path, change):
     bad = tmp_path / "bad_drafter"
@@ -260,6 +314,25 @@ def _corrupt(drafter_dir, tmp_path, change):
     save_file(tensors, str(bad / "model.safetensors"))
     (bad / "config.json").write_text(json.dumps(config))
     return bad
+
+
+def test_a_drafter_that_fails_mid_run_is_named_and_the_cycles_before_it_are_kept(checkpoint, tmp_path):
+    """NaN drafter weights surface at specfit's first draft, after ar has decoded every prompt: one
+    line naming the drafter's directory and what was kept, and the run directory readable."""
+    model_dir, drafter_dir, prompts = checkpoint
+    bad = _corrupt(drafter_dir, tmp_path, lambda t, c: t.update({"fc.weight": torch.full_like(t["fc.weight"], float("nan"))}))
+    out = tmp_path / "run"
+    result = runner.invoke(app, ["decode", "--model", str(model_dir), "--drafter", str(bad), "--prompts", str(prompts),
+                                 "--cache-experts", "3", "--device", "cpu", "--max-new-tokens", str(NEW_TOKENS),
+                                 "--ignore-eos", "--profile", "pcie4", "--policies", "ar,specfit", "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    line = " ".join(result.output.split())
+    kept = len(PROMPTS) * (NEW_TOKENS - 1)
+    assert f"drafter {bad}: NaN probabilities" in line and "Traceback" not in result.output
+    assert f"(kept the {kept} complete cycle(s) before it in {out})" in line
+    cycles = pd.read_parquet(out / "cycles.parquet")
+    assert len(cycles) == kept and set(cycles["policy"]) == {"ar"}
+    assert not (out / "cycles.jsonl").exists() and len((out / "decode.jsonl").read_text().splitlines()) == len(PROMPTS)
 
 
 @pytest.mark.parametrize("change, message", [

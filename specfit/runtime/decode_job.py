@@ -296,25 +296,26 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 result = full.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos)
                 recorder.end_sequence(len(result.output_ids))
                 tick()
-    except SpecFitError:
-        if fresh_out and not outputs.records and not outputs.cycles:
-            import shutil
+    except SpecFitError as exc:
+        if not outputs.records and not outputs.cycles and not (recorder is not None and len(recorder)):
+            if fresh_out:
+                import shutil
 
-            shutil.rmtree(plan.out_dir, ignore_errors=True)    # bad input before any output: leave nothing
-        raise
+                shutil.rmtree(plan.out_dir, ignore_errors=True)    # bad input before any output: leave nothing
+            raise
+        where = _keep_partial(plan, outputs, recorder)          # a failure mid-run: what ran stays readable
+        if not where:
+            raise
+        raise SpecFitError(f"{exc} (kept the {len(outputs.cycles)} complete cycle(s) before it{where})") from None
     except INTERRUPTS as exc:
         if not interrupted(exc):
             raise
-        outputs.close()
-        where = f" in {plan.out_dir}" if plan.out_dir is not None else " (no --out: nothing was written)"
+        where = _keep_partial(plan, outputs, recorder)
         raise Interrupted(f"interrupted: kept every complete cycle, {len(outputs.cycles)} of them "
-                          f"({len(outputs.records)} (policy, prompt) run(s) finished){where}") from None
+                          f"({len(outputs.records)} (policy, prompt) run(s) finished)"
+                          f"{where or ' (no --out or --record: nothing was written)'}") from None
     outputs.close()
-    trace_path = None
-    if recorder is not None:
-        from ..traces.format import write_trace
-
-        trace_path = write_trace(recorder.trace(), plan.record)
+    trace_path = _write_recording(recorder, plan.record) if recorder is not None else None
     host = model.offload.host
     memory = {"host_expert_bytes": host.nbytes, "pinned_bytes": host.pinned_bytes,
               "device_expert_bytes": model.offload.device_bytes}
@@ -329,6 +330,26 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
 
 
 # --------------------------------------------------------------------------- pieces
+def _keep_partial(plan: DecodePlan, outputs: DecodeOutputs, recorder) -> str:
+    """A run stopped before its end (Ctrl-C, or bad input met mid-run): write what it completed,
+    the run directory's files and the recorded cycles as a trace; returns where they are (" in
+    OUT and its N recorded cycle(s) in TRACE"), empty when nothing was asked to be written."""
+    outputs.close()
+    where = f" in {plan.out_dir}" if plan.out_dir is not None else ""
+    if recorder is not None and len(recorder):
+        recorder.end_open_sequence()
+        _write_recording(recorder, plan.record)
+        where += f"{' and' if where else ''} its {len(recorder)} recorded cycle(s) in {plan.record}"
+    return where
+
+
+def _write_recording(recorder, path) -> Path:
+    """Write the recorded cycles as a trace (atomically: an interrupted write leaves no file)."""
+    from ..traces.format import write_trace
+
+    return write_trace(recorder.trace(), path)
+
+
 def _profile(plan: DecodePlan, model, say):
     """(profile, path, notes): ``--profile`` when given; else this machine's profile for the model
     from ``calibrate/`` in the current directory or the user's cache; else one calibrated quickly on

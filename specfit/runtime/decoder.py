@@ -223,8 +223,10 @@ class Decoder:
         out = self.model(prompt_ids, np.arange(n), causal_mask(0, n), logits_rows=[n - 1])
         if not bool(torch.isfinite(out.logits[-1]).all()):
             # NaN logits argmax to token 0: the output would be garbage (or an instant EOS), silently
-            raise SpecFitError("target model: the prompt's pass gave NaN or infinite logits; expected finite weights "
-                               "(a tensor of the checkpoint holds NaN or inf, or the dtype overflows)")
+            source = getattr(self.model, "source", None)
+            raise SpecFitError(f"target model{f' {source}' if source else ''}: the prompt's pass gave NaN or infinite "
+                               "logits; expected finite weights (a tensor of the checkpoint holds NaN or inf, or the "
+                               "dtype overflows)")
         self.cache_len = n
         self._last_known = out.expert_ids[-1]
         if self.predictor is not None:       # the prompt's routing is the first thing a predictor can learn

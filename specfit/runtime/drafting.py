@@ -223,8 +223,10 @@ class TreeDraft:
             expanded, edge_lp, top_ids.cpu().numpy().ravel(), self.session.target_ids(logits.shape[-1]), self.top_k,
             first, self.tokens, self.parents, self.depth, self.cum_logprob, self.path_prob, self._acceptance is None)
         if not ok:
-            raise SpecFitError(f"drafter: NaN probabilities at draft level {self.levels + 1} (its logits hold NaN); "
-                               "expected finite logits")
+            source = getattr(self.session.drafter, "source", None)
+            raise SpecFitError(f"drafter{f' {source}' if source else ''}: NaN probabilities at draft level "
+                               f"{self.levels + 1} (its logits hold NaN); expected finite logits (a tensor of the "
+                               "checkpoint holds NaN or inf, or the dtype overflows)")
         m = edge_lp.size
         self.n_nodes += m
         self._parent_hidden, self._first, self._width = out.hidden, first, width

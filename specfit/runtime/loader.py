@@ -145,6 +145,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     model.requires_grad_(False).eval()
     model.init_rope()
     model.attach_offload(ExpertOffload(host, cache_experts, device=device, mode=cache_mode, policy=eviction))
+    model.source = str(model_dir)          # what an error found while decoding names
     return model
 
 
@@ -215,6 +216,7 @@ def load_drafter(drafter_dir: str | Path, model: MoETransformer):
                                                 target_lm_head=model.lm_head.weight if shared else None,
                                                 device=model.device, dtype=model.dtype)
     check_drafter(model, drafter, source=str(drafter_dir))
+    drafter.source = str(drafter_dir)
     return drafter
 
 

@@ -75,6 +75,16 @@ class TraceRecorder:
         """The sequence's output is complete: ``n_output_tokens`` tokens, the first from the prefill."""
         self._lengths[self.sequence] = int(n_output_tokens)
 
+    def end_open_sequence(self) -> None:
+        """A run stopped within a sequence: its recorded cycles are complete, so it ends at the
+        output they committed (a full trace's cycle commits one token, so the output after the
+        cycle at position ``p`` has ``p + 2`` tokens; a live trace's cycles need no length)."""
+        if self.sequence in self._lengths:
+            return
+        positions = [c.position for c in self.cycles if c.sequence == self.sequence]
+        if positions and self.full:
+            self._lengths[self.sequence] = max(positions) + 2
+
     def add_cycle(self, stats: CycleStats) -> None:
         draft, verification = stats.draft, stats.verification
         tree, predicted_experts, position = draft.tree, draft.experts, stats.position
