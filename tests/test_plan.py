@@ -117,7 +117,7 @@ def test_plan_errors_are_one_line_before_ray_starts_or_anything_is_written(tmp_p
         (trace + ["--device-memory-gb", "8", "--profile", str(bad_profile)], str(bad_profile)),
         (shape + ["--device-memory-gb", "24", "--tokens", "0"], "--tokens: expected >= 1"),
         (shape + ["--device-memory-gb", "24", "--workload", "poetry"], "--workload"),
-        (shape + ["--device-memory-gb", "24", "--h2d-scale", "-1"], "--h2d-scale: expected values > 0, got -1"),
+        (shape + ["--device-memory-gb", "24", "--h2d-scale", "-1"], "--h2d-scale: expected values finite and > 0, got -1"),
     ]:
         out = tmp_path / "plan"
         r = runner.invoke(app, ["plan", *args, "--out", str(out), "--num-cpus", "1"])

@@ -362,6 +362,8 @@ def test_bad_drafter_checkpoint_is_one_clear_error(checkpoint, tmp_path, change,
     (["--policy", "oracle"], "--policy oracle: knows the target's verdicts in advance"),
     (["--temperature", "-1"], "--temperature: expected a non-negative number"),
     (["--tree-top-k", "0"], "--tree-top-k: expected at least 1"),
+    (["--policy", "specfit", "--tree-top-k", "5000"], "--tree-top-k: expected at most the drafter's vocabulary"),
+    (["--seed", "-1"], "--seed: expected a non-negative integer, got -1"),
     (["--profile", "nowhere.json"], "nowhere.json: no such profile file"),
 ])
 def test_bad_options_are_one_clear_error(checkpoint, args, message):

@@ -124,7 +124,7 @@ def test_bad_specs_name_the_file_and_field(tmp_path):
         ('policies = ["ar"]', "no traces"),
         ('routing = [{log = "olmoe.parquet", drafters = ["poetry"]}]', "field 'drafters'"),
         ('traces = ["olmoe.parquet"', "not valid TOML"),
-        ('traces = ["olmoe.parquet"]\nh2d_scale = [1, 0]', "field 'h2d_scale': expected values > 0, got 0"),
+        ('traces = ["olmoe.parquet"]\nh2d_scale = [1, 0]', "field 'h2d_scale': expected values finite and > 0, got 0"),
         ('traces = ["olmoe.parquet"]\ncache_experts = [8, -4]', "field 'cache_experts': expected values >= 0, got -4"),
     ]
     for text, message in cases:

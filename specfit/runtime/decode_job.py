@@ -111,6 +111,7 @@ class DecodePlan:
             (self.max_new_tokens < 1, f"--max-new-tokens: expected at least 1, got {self.max_new_tokens}"),
             (self.cache_experts < 0, f"--cache-experts: expected a non-negative number of experts, got {self.cache_experts}"),
             (self.tree_top_k < 1, f"--tree-top-k: expected at least 1, got {self.tree_top_k}"),
+            (self.seed < 0, f"--seed: expected a non-negative integer, got {self.seed}"),
             (self.max_levels < 0, f"--max-levels: expected at least 0, got {self.max_levels}"),
             (not math.isfinite(self.temperature) or self.temperature < 0,
              f"--temperature: expected a non-negative number, got {self.temperature}"),
@@ -207,6 +208,9 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     model = load_model(plan.model_dir, device=device, dtype=dtype, cache_experts=plan.cache_experts,
                        cache_mode=plan.cache_mode, eviction=plan.cache_policy, capture_layers=capture)
     drafter = load_drafter(plan.drafter_dir, model) if plan.drafter_dir is not None else None
+    if drafter is not None and plan.tree_top_k > drafter.config.draft_vocab_size:
+        raise SpecFitError(f"--tree-top-k: expected at most the drafter's vocabulary, {drafter.config.draft_vocab_size} "
+                           f"tokens ({plan.drafter_dir}), got {plan.tree_top_k}")
     profile, profile_path, notes = _profile(plan, model, say)
     calibrator = _acceptance_calibrator(plan.acceptance_trace) if plan.acceptance_trace else None
     fitted = _fitted_predictor(plan, model) if plan.predictor_trace else None

@@ -54,7 +54,8 @@ def simulate_command(
 
     try:
         check_output(out, "--out", kind="dir")
-        cycles, summary = _simulate(traces, _split(profiles), _split([policies]), _parse_sizes(cache_experts), predictor,
+        cycles, summary = _simulate(traces, _distinct("--profile", _split(profiles)), _split([policies]),
+                                    _distinct("--cache-experts", _parse_sizes(cache_experts)), predictor,
                                     acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json,
                                     price_uncertainty, model)
         if out is not None:
@@ -70,6 +71,14 @@ def simulate_command(
         typer.echo(json.dumps(records, indent=2))
         return
     _print_summary(summary, out)
+
+
+def _distinct(option: str, values: list) -> list:
+    """``values`` when none is repeated (a repeated one would be replayed twice and its rows collide)."""
+    repeated = sorted({str(v) for v in values if values.count(v) > 1})
+    if repeated:
+        raise SpecFitError(f"{option}: lists {', '.join(repeated)} twice; expected distinct values")
+    return values
 
 
 def _parse_sizes(text: str) -> list[int]:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -209,7 +210,7 @@ def _values(raw: dict, key: str, kind: type, default: list, source: str) -> list
 
 
 _AXIS_BOUNDS = (("cache_experts", lambda v: v < 0, ">= 0"), ("max_levels", lambda v: v < 1, ">= 1"),
-                ("h2d_scale", lambda v: not v > 0, "> 0"))
+                ("h2d_scale", lambda v: not (math.isfinite(v) and v > 0), "finite and > 0"))
 
 
 def check_axis_values(axes: dict, source: str) -> None:

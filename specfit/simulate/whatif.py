@@ -6,6 +6,8 @@ The cost models themselves come from hardware profiles and presets
 
 from __future__ import annotations
 
+import math
+
 from ..costmodel import CostModel
 from ..errors import SpecFitError
 
@@ -39,6 +41,6 @@ def apply_overrides(cost: CostModel, overrides: dict[str, float]) -> CostModel:
 def scale_h2d(cost: CostModel, factor: float) -> CostModel:
     """The cost model with ``factor`` times the host-to-device bandwidth: the transfer part of a
     miss (:attr:`CostModel.transfer_s`) divided by ``factor``."""
-    if not factor > 0:
-        raise SpecFitError(f"--h2d-scale: expected a positive factor, got {factor}")
+    if not (math.isfinite(factor) and factor > 0):
+        raise SpecFitError(f"--h2d-scale: expected a finite positive factor, got {factor}")
     return cost.replace(miss_s=cost.hit_s + cost.transfer_s / factor)
