@@ -70,13 +70,16 @@ def _commands(model_dir: Path, tmp: Path, out_dir: str, out_file: str) -> dict[s
         "calibrate --refit --out": ["calibrate", "--refit", tmp, "--profile", "pcie4", "--out", out_file],
         "traces synth --out": ["traces", "synth", "--shape", "olmoe-1b-7b", "--tokens", 16, "--out", out_file],
         "traces import-routing --out": ["traces", "import-routing", tmp / "log.npz", "--out", out_file],
+        "sweep --out": ["sweep", tmp / "grid.toml", "--num-cpus", 1, "--out", out_dir],
+        "plan --out": ["plan", "--device-memory-gb", 24, "--model-shape", "olmoe-1b-7b", "--tokens", 8, "--num-cpus", 1,
+                       "--out", out_dir],
     }
 
 
 OUTPUT_OPTIONS = {   # command -> what its output option expects
     "decode --out": "dir", "decode --record": "file", "simulate --out": "dir", "report --out": "dir",
     "demo --out": "dir", "calibrate --out": "file", "calibrate --refit --out": "file", "traces synth --out": "file",
-    "traces import-routing --out": "file"}
+    "traces import-routing --out": "file", "sweep --out": "dir", "plan --out": "dir"}
 # a file where a directory is expected, a directory where a file is, a parent nothing can be created in
 CASES = [(command, case) for command, kind in OUTPUT_OPTIONS.items()
          for case in ("the wrong kind", "under /proc", "under a file")]
@@ -89,6 +92,7 @@ def test_every_output_path_is_checked_before_any_work(model_dir, tmp_path, comma
     a_dir = tmp_path / "a-dir"
     a_dir.mkdir()
     np.savez(tmp_path / "log.npz", expert_ids=np.tile(np.arange(8), (6, 16, 1)), sequence_id=np.zeros(6, np.int32))
+    (tmp_path / "grid.toml").write_text(f'traces = ["{SAMPLE_OLMOE}"]\npolicies = ["ar"]\ncache_experts = [0]\n')
     wrong_kind = a_file if OUTPUT_OPTIONS[command] == "dir" else a_dir
     target = {"the wrong kind": wrong_kind, "under /proc": Path("/proc/specfit-test/x"), "under a file": a_file / "x"}[case]
     before = files_under(tmp_path)
@@ -249,6 +253,7 @@ def test_a_refit_onto_a_profile_of_another_shape_is_refused(model_dir, tmp_path)
     (["simulate", "--trace", SAMPLE_OLMOE, "--profile", "pcie4", "--profile", "gh200,pcie4"],
      "--profile: lists pcie4 twice"),
     (["simulate", "--trace", SAMPLE_OLMOE, "--h2d-scale", "inf"], "--h2d-scale: expected a finite positive factor"),
+    (["sweep", "."], ".: is a directory; expected a .toml or .yaml file"),
     (["plan", "--device-memory-gb", "24", "--model-shape", "olmoe-1b-7b", "--h2d-scale", "inf"],
      "--h2d-scale: expected values finite and > 0, got inf"),
     (["decode", "--model", "m", "--prompts", "p.jsonl", "--cache-experts", "2", "--policies", ""],

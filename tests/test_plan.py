@@ -27,6 +27,9 @@ from specfit.simulate.plan import (
 )
 from specfit.traces.format import read_trace
 
+TINY_PROFILE = SAMPLE_OLMOE.parent.parent / "calibrate" / "vm-x86-64-tiny-moe.json"   # a tiny-moe profile
+TINY_CONFIG = SAMPLE_OLMOE.parent.parent / "specfit" / "assets" / "tiny-moe" / "config.json"
+
 GB = 1e9
 
 
@@ -118,6 +121,10 @@ def test_plan_errors_are_one_line_before_ray_starts_or_anything_is_written(tmp_p
         (shape + ["--device-memory-gb", "24", "--tokens", "0"], "--tokens: expected >= 1"),
         (shape + ["--device-memory-gb", "24", "--workload", "poetry"], "--workload"),
         (shape + ["--device-memory-gb", "24", "--h2d-scale", "-1"], "--h2d-scale: expected values finite and > 0, got -1"),
+        # a profile of another shape is refused before any trace is synthesised
+        (shape + ["--device-memory-gb", "24", "--profile", str(TINY_PROFILE)], "not for olmoe-1b-7b"),
+        (["--model-shape", str(TINY_CONFIG), "--device-memory-gb", "24"],
+         f"--model-shape {TINY_CONFIG}: traces can be synthesised only for the shapes"),
     ]:
         out = tmp_path / "plan"
         r = runner.invoke(app, ["plan", *args, "--out", str(out), "--num-cpus", "1"])

@@ -159,7 +159,8 @@ def load_spec(path: str | Path) -> SweepSpec:
     """Read a ``.toml`` or ``.yaml``/``.yml`` sweep spec."""
     path = Path(path)
     if not path.is_file():
-        raise SpecFitError(f"{path}: no such sweep spec; expected a .toml or .yaml file")
+        what = "is a directory" if path.is_dir() else "no such sweep spec"
+        raise SpecFitError(f"{path}: {what}; expected a .toml or .yaml file")
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".toml":
         import tomllib

@@ -247,7 +247,7 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
              num_cpus: int | None = None, show_progress: bool = True, ctx=None) -> PlanResult:
     """Build the candidate grid for ``budget``, run it as a sweep into ``out_dir`` and rank it."""
     from ..calibrate.presets import resolve_profile
-    from ..io import write_json_atomic
+    from ..io import check_output, write_json_atomic
     from ..traces.format import read_trace
     from .dataset import read_results
     from .distributed import execute, ray_session
@@ -271,10 +271,16 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
     for trace, path in zip(loaded, traces):
         _check_trace_matches(trace, config, budget.dtype_bytes, path)
     if not loaded:
-        _check_synthesis(name, workloads, tokens)
+        _check_synthesis(name, workloads, tokens, given=model_shape)
     cache_sizes(1, cache_steps)
     check_axis_values({"h2d_scale": [h2d_scale]}, "plan")
-    resolve_profile(profile)
+    # the profile against every trace's shape (those to synthesise: their preset's), before any is made
+    from ..calibrate.profile import ModelShape
+    from ..traces.synth import MODEL_SHAPES
+
+    for meta in [t.model for t in loaded] or [MODEL_SHAPES[name]]:
+        resolve_profile(profile, ModelShape.from_trace_meta(meta), rescale=rescale)
+    check_output(out_dir, "--out", kind="dir")
     with ray_session(address, num_cpus) as ray:
         if not loaded:
             traces, loaded = _synthesised_traces(ray, name, workloads, tokens, out_dir / "traces")
@@ -314,12 +320,14 @@ def _synth_task(shape: str, workload: str, tokens: int):
     return synthesize(shape, workload, tokens, seed=0, sequence_tokens=max(2, -(-tokens // 2)))
 
 
-def _check_synthesis(shape: str, workloads: list[str], tokens: int) -> None:
-    """The options :func:`_synthesised_traces` takes, checked before any Ray task runs."""
+def _check_synthesis(shape: str, workloads: list[str], tokens: int, given: str | None = None) -> None:
+    """The options :func:`_synthesised_traces` takes, checked before any Ray task runs (``given``:
+    the --model-shape as the user wrote it, e.g. a config.json)."""
     from ..traces.synth import MODEL_SHAPES, WORKLOADS
 
     if shape not in MODEL_SHAPES:
-        raise SpecFitError(f"--model-shape {shape!r}: traces can be synthesised for {sorted(MODEL_SHAPES)}; give --trace")
+        raise SpecFitError(f"--model-shape {given or shape}: traces can be synthesised only for the shapes "
+                           f"{sorted(MODEL_SHAPES)}; for another model give --trace (a trace of its routing)")
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad or not workloads:
         raise SpecFitError(f"--workload: expected presets of {sorted(WORKLOADS)}, got {workloads}")

@@ -39,6 +39,7 @@ def sweep_command(
                                  "columns of `simulate --json` plus the cell's parameters) on stdout."),
 ) -> None:
     """Run a grid of replays as Ray tasks into one resumable Parquet dataset."""
+    from ..io import check_output
     from .dataset import read_results
     from .distributed import execute, require_ray
     from .grid import load_spec
@@ -49,7 +50,7 @@ def sweep_command(
                 raise SpecFitError(f"{option}: expected a positive number, got {value}")
         require_ray()
         parsed = load_spec(spec)
-        out_dir = out or Path("runs") / spec.stem
+        out_dir = check_output(out or Path("runs") / spec.stem, "--out", kind="dir")
         run = execute(parsed, out_dir, address, num_cpus, chunk_cells, show_progress=not as_json, ctx=ctx)
         results = read_results(out_dir)
     except SpecFitError as exc:
