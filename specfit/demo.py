@@ -44,6 +44,7 @@ class DemoPlan:
         """Every option checked before any probe runs or any file is written."""
         from .assets import tiny_moe_dir
         from .io import check_output
+        from .runinfo import check_run_kind
         from .runtime.config import ModelConfig
 
         n_experts = ModelConfig.from_dir(tiny_moe_dir()).n_experts
@@ -55,6 +56,7 @@ class DemoPlan:
         if self.n_prompts is not None and self.n_prompts < 1:
             raise SpecFitError(f"n_prompts: expected at least 1, got {self.n_prompts}")
         check_output(self.out_dir, "--out", kind="dir")
+        check_run_kind(self.out_dir, "demo")
 
     def __post_init__(self):
         if self.quick:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .io import write_json_atomic
 
-__all__ = ["run_info", "write_run_info", "read_run_info", "RUN_INFO_FILE"]
+__all__ = ["run_info", "write_run_info", "read_run_info", "check_run_kind", "RUN_INFO_FILE"]
 
 RUN_INFO_FILE = "run.json"
 
@@ -74,3 +74,22 @@ def read_run_info(out_dir: str | Path) -> dict | None:
         return json.loads(path.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
+
+
+def check_run_kind(out_dir: str | Path | None, kind: str, option: str = "--out") -> None:
+    """Refuse to write a ``kind`` run (decode, simulate, sweep, demo) into a directory that holds
+    another command's run: their files would mix (a decode's cycles beside a simulation's summary),
+    and a report would read them as one run. A new or empty directory, one without a ``run.json``
+    and a run of the same kind (rewritten, or a sweep resumed) are fine."""
+    if out_dir is None or not Path(out_dir).is_dir():
+        return
+    path = Path(out_dir) / RUN_INFO_FILE
+    try:
+        held = json.loads(path.read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return                      # no readable run.json: nothing says what the directory holds
+    if isinstance(held, str) and held.split()[0] != kind:
+        from .errors import SpecFitError
+
+        raise SpecFitError(f"{option} {out_dir}: holds a `specfit {held.split()[0]}` run ({path}); expected a new "
+                           f"directory or a {kind} run to replace")

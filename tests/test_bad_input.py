@@ -101,6 +101,25 @@ def test_every_output_path_is_checked_before_any_work(model_dir, tmp_path, comma
     assert files_under(tmp_path) == before and a_file.read_text() == "keep me\n"
 
 
+def test_an_output_directory_of_another_commands_run_is_refused_not_mixed(model_dir, tmp_path):
+    """A decode into a simulation's directory would leave the simulation's summary beside the
+    decode's cycles, and a report would read both as one run."""
+    sim = tmp_path / "sim"
+    simulate = ["simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--cache-experts", 0, "--out", sim]
+    assert invoke(*simulate).exit_code == 0
+    assert invoke(*simulate).exit_code == 0                    # the same kind of run is rewritten
+    before = {p.name: p.stat().st_mtime_ns for p in sim.iterdir()}
+    one_line_error(invoke("decode", "--model", model_dir, "--prompts", model_dir.parent / "prompts.jsonl",
+                          "--cache-experts", 2, "--profile", "pcie4", "--max-new-tokens", 2, "--out", sim),
+                   f"--out {sim}: holds a `specfit simulate` run")
+    assert {p.name: p.stat().st_mtime_ns for p in sim.iterdir()} == before
+    decoded = tmp_path / "decoded"
+    decoded.mkdir()
+    (decoded / "run.json").write_text(json.dumps({"kind": "decode (specfit demo)"}))
+    one_line_error(invoke(*simulate[:-1], decoded), f"--out {decoded}: holds a `specfit decode` run")
+    assert [p.name for p in decoded.iterdir()] == ["run.json"]
+
+
 # ----------------------------------------------------------------- damaged weights
 @pytest.mark.parametrize("damage", ["truncated", "random bytes", "empty"])
 def test_damaged_target_weights_are_one_line(model_dir, tmp_path, damage):

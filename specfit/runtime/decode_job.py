@@ -149,8 +149,10 @@ class DecodePlan:
         if not Path(self.model_dir).is_dir():
             raise SpecFitError(f"--model {self.model_dir}: not a directory")
         from ..io import check_output
+        from ..runinfo import check_run_kind
 
         check_output(self.out_dir, "--out", kind="dir")
+        check_run_kind(self.out_dir, "decode")
         check_output(self.record, "--record", kind="file")
         if self.drafter_dir is not None and not Path(self.drafter_dir).is_dir():
             raise SpecFitError(f"--drafter {self.drafter_dir}: not a directory")

@@ -10,6 +10,7 @@ import typer
 
 from ..errors import INTERRUPTS, SpecFitError, fail, interrupted, stopped
 from ..io import check_output
+from ..runinfo import check_run_kind
 from ..policies import DEFAULT_POLICIES, POLICY_HELP
 
 
@@ -54,6 +55,7 @@ def simulate_command(
 
     try:
         check_output(out, "--out", kind="dir")
+        check_run_kind(out, "simulate")
         cycles, summary = _simulate(traces, _distinct("--profile", _split(profiles)), _split([policies]),
                                     _distinct("--cache-experts", _parse_sizes(cache_experts)), predictor,
                                     acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json,

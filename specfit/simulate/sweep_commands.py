@@ -40,6 +40,7 @@ def sweep_command(
 ) -> None:
     """Run a grid of replays as Ray tasks into one resumable Parquet dataset."""
     from ..io import check_output
+    from ..runinfo import check_run_kind
     from .dataset import read_results
     from .distributed import execute, require_ray
     from .grid import load_spec
@@ -51,6 +52,7 @@ def sweep_command(
         require_ray()
         parsed = load_spec(spec)
         out_dir = check_output(out or Path("runs") / spec.stem, "--out", kind="dir")
+        check_run_kind(out_dir, "sweep")
         run = execute(parsed, out_dir, address, num_cpus, chunk_cells, show_progress=not as_json, ctx=ctx)
         results = read_results(out_dir)
     except SpecFitError as exc:

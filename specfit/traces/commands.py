@@ -46,6 +46,7 @@ def synth_command(
 
     try:
         check_output(out, "--out", kind="file")
+        _check_seed(seed)
         if workload not in WORKLOADS and top1_prob is None:
             raise SpecFitError(f"--workload: {workload!r} is not a preset ({', '.join(WORKLOADS)}); give --top1-prob "
                                "(and optionally --depth-decay) to describe its drafter")
@@ -98,6 +99,9 @@ def import_routing_command(
             raise SpecFitError("import-routing: pass --shape or --model, not both")
         if sequences is not None and sequences < 1:
             raise SpecFitError(f"--sequences: expected >= 1, got {sequences}")
+        if max_tokens is not None and max_tokens < 1:
+            raise SpecFitError(f"--max-tokens: expected >= 1 position, got {max_tokens}")
+        _check_seed(seed)
         if not 0.0 <= sibling_reuse <= 1.0:
             raise SpecFitError(f"--sibling-reuse: expected a fraction in [0, 1], got {sibling_reuse:g}")
         log = read_routing_log(log_file)
@@ -172,6 +176,12 @@ def inspect_command(
     for row in summary["calibration"]:
         calib.add_row(row["bin"], str(row["nodes"]), f"{row['draft_prob']:.3f}", f"{row['accept_rate']:.3f}")
     console.print(calib)
+
+
+def _check_seed(seed: int) -> None:
+    # numpy's generators take non-negative seeds only; refuse before any work, naming the option
+    if seed < 0:
+        raise SpecFitError(f"--seed: expected a non-negative integer, got {seed}")
 
 
 def _with_status(work, what: str, quiet: bool):

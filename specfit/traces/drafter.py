@@ -22,7 +22,12 @@ import numpy as np
 
 from .routing import TokenSampler
 
-__all__ = ["DrafterParams", "DraftedTree", "draft_tree"]
+__all__ = ["DrafterParams", "DraftedTree", "draft_tree", "MAX_TREE_NODES"]
+
+# a trace numbers a tree's nodes (columns 'node', 'parent') in int16
+MAX_TREE_NODES = int(np.iinfo(np.int16).max) + 1
+# non-top-1 tokens that share a node's remaining draft probability (Dirichlet(0.5) shares)
+_ALTERNATIVES = 16
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,15 @@ class DrafterParams:
             if not ok:
                 what = f"drafter field {name!r}" + (f" ({option})" if option else "")
                 raise ValueError(f"{what}: expected {expected}, got {getattr(self, name)}")
+        if self.tree_nodes > MAX_TREE_NODES:
+            raise ValueError(f"drafter fields 'width' (--tree-width) and 'depth' (--tree-depth): width {self.width} "
+                             f"and depth {self.depth} make trees of {self.tree_nodes} nodes (1 + width + (depth - 1) * "
+                             f"width^2); expected at most {MAX_TREE_NODES} (a trace numbers nodes in int16)")
+
+    @property
+    def tree_nodes(self) -> int:
+        """Nodes of every drafted tree, the root included."""
+        return 1 if self.depth == 0 else 1 + self.width + (self.depth - 1) * self.width ** 2
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -72,8 +86,10 @@ def _draft_probs(params: DrafterParams, depth: int, n: int, rng: np.random.Gener
     w = params.width
     mean = params.top1_prob * params.depth_decay ** (depth - 1)
     top1 = rng.beta(mean * params.confidence_spread, (1 - mean) * params.confidence_spread, size=n)
-    # the rest of the mass spread over many alternatives; the drafter lists the largest ones
-    shares = np.sort(rng.dirichlet(np.full(16, 0.5), size=n), axis=1)[:, ::-1][:, : w - 1]
+    # the rest of the mass spread over many alternatives (16, or as many as the drafter lists);
+    # the drafter lists the largest ones
+    alternatives = max(_ALTERNATIVES, w - 1)
+    shares = np.sort(rng.dirichlet(np.full(alternatives, 0.5), size=n), axis=1)[:, ::-1][:, : w - 1]
     probs = np.concatenate([top1[:, None], (1 - top1)[:, None] * shares], axis=1)
     return np.clip(np.sort(probs, axis=1)[:, ::-1], 1e-6, 1.0)
 

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 from ..errors import SpecFitError
 from ..io import atomic_write
 from ..tree import DraftTree
-from .validate import check_meta, validate_trace
+from .validate import check_meta, json_kind, validate_trace
 
 __all__ = ["SCHEMA_VERSION", "METADATA_KEY", "Trace", "read_trace", "write_trace", "validate_trace"]
 
@@ -239,7 +239,7 @@ def read_trace(path: str | Path, validate: bool = True) -> Trace:
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as exc:
-        raise SpecFitError(f"{path}: not a Parquet trace file ({exc})") from None
+        raise SpecFitError(f"{path}: not a Parquet trace file ({_one_line(exc)})") from None
     raw = (pf.schema_arrow.metadata or {}).get(METADATA_KEY)
     if raw is None:
         raise SpecFitError(f"{path}: missing the '{METADATA_KEY.decode()}' metadata; expected a SpecFit trace file")
@@ -247,6 +247,9 @@ def read_trace(path: str | Path, validate: bool = True) -> Trace:
         meta = json.loads(raw)
     except json.JSONDecodeError:
         raise SpecFitError(f"{path}: metadata '{METADATA_KEY.decode()}' is not valid JSON") from None
+    if not isinstance(meta, dict):
+        raise SpecFitError(f"{path}: metadata '{METADATA_KEY.decode()}' must be a JSON object, got "
+                           f"{json_kind(meta)}")
     version = meta.get("schema_version")
     if version != SCHEMA_VERSION:
         found = "field 'schema_version' is missing" if version is None else f"schema_version {version!r} is not supported"
@@ -258,11 +261,20 @@ def read_trace(path: str | Path, validate: bool = True) -> Trace:
     if missing:
         raise SpecFitError(f"{path}: missing column(s) {missing}; a schema-{SCHEMA_VERSION} trace needs "
                            f"{[c for c, _, req, _ in NODE_COLUMNS if req]}")
-    table = pf.read()
+    try:
+        table = pf.read()
+    except (pa.ArrowException, OSError) as exc:
+        # a readable footer says nothing about the pages: truncated or overwritten data fails here
+        raise SpecFitError(f"cannot read {path}: damaged Parquet data ({_one_line(exc)})") from None
     trace = _from_table(table, meta, str(path))
     if validate:
         validate_trace(trace, source=str(path))
     return trace
+
+
+def _one_line(exc: Exception) -> str:
+    # Arrow's messages can span lines (a thrift error, then its context); the CLI prints one line
+    return " ".join(str(exc).split())
 
 
 def _int_column(table: pa.Table, name: str, source: str, fill: int | None = None) -> np.ndarray:

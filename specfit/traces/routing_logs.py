@@ -68,7 +68,8 @@ def read_routing_log(path: str | Path) -> RoutingLog:
     """Read a routing log in any layout of the module docstring."""
     path = Path(path)
     if not path.is_file():
-        raise SpecFitError(f"{path}: no such routing log")
+        raise SpecFitError(f"{path}: " + ("a directory, expected a routing log file (.npz, .jsonl or .parquet)"
+                                          if path.is_dir() else "no such routing log"))
     if path.suffix == ".npz":
         return _read_npz(path)
     if path.suffix in (".jsonl", ".json"):
@@ -81,7 +82,7 @@ def read_routing_log(path: str | Path) -> RoutingLog:
         try:
             frame = pd.read_parquet(path)
         except Exception as exc:  # pyarrow raises several error types for non-Parquet input
-            raise SpecFitError(f"{path}: not a readable Parquet file ({exc})") from None
+            raise SpecFitError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())})") from None
         return _from_records(frame, path, "parquet")
     raise SpecFitError(f"{path}: unknown routing-log format; expected a .npz, .jsonl or .parquet file")
 
@@ -107,17 +108,16 @@ def _flat_npz(data: dict, path: Path) -> RoutingLog:
         if name in data and data[name].shape != (T,):
             raise SpecFitError(f"{path}: array {name!r} must have one entry per row of expert_ids ({T}), "
                                f"got shape {list(data[name].shape)}")
-    seq = data["sequence_id"]
+    seq = _integers(data["sequence_id"], path, "array 'sequence_id'", "sequence ids")
     tokens = data.get("token_id")
     weights = _weights(data.get("router_weights"), experts, path, "array 'router_weights'")
     order = np.arange(T)
     if "generated_token_index" in data:
-        index = data["generated_token_index"].astype(np.int64)
+        index = _integers(data["generated_token_index"], path, "array 'generated_token_index'", "token indices")
         order = np.lexsort((index, _first_seen_rank(seq)))
         _check_consecutive(seq[order], index[order], path)
     tokens = None if tokens is None else _token_ids(tokens[order], path)
-    return RoutingLog(experts[order], tokens, seq[order].astype(np.int64), str(path),
-                      None if weights is None else weights[order], "npz")
+    return RoutingLog(experts[order], tokens, seq[order], str(path), None if weights is None else weights[order], "npz")
 
 
 def _per_sequence_npz(data: dict, path: Path) -> RoutingLog:
@@ -160,6 +160,11 @@ def _from_records(df: pd.DataFrame, path: Path, layout: str) -> RoutingLog:
                            f"{list(JSONL_FIELDS)} or one per token with experts [layers][top_k]")
     if df.empty:
         raise SpecFitError(f"{path}: the log has no records")
+    # JSON nulls and NaN arrive as float (or object) columns: refuse them before anything groups by them
+    df["sequence_id"] = _integers(df["sequence_id"].to_numpy(), path, "field 'sequence_id'", "sequence ids")
+    df["token_index"] = _integers(df["token_index"].to_numpy(), path, "field 'token_index'", "token indices")
+    if "layer" in df.columns:
+        df["layer"] = _integers(df["layer"].to_numpy(), path, "field 'layer'", "layer numbers")
     df["sequence_rank"] = _first_seen_rank(df["sequence_id"].to_numpy())
     if "layer" in df.columns:
         df, experts, weights = _layer_records(df, path)
@@ -170,10 +175,10 @@ def _from_records(df: pd.DataFrame, path: Path, layout: str) -> RoutingLog:
         weights = _weights(_nested(df["router_weights"], path, "router_weights", 2), experts, path,
                            "field 'router_weights'") if "router_weights" in df.columns else None
         layout += "-per-token"
-    seq, index = df["sequence_id"].to_numpy(), df["token_index"].to_numpy().astype(np.int64)
+    seq, index = df["sequence_id"].to_numpy(), df["token_index"].to_numpy()
     _check_consecutive(seq, index, path)
     tokens = _token_ids(df["token_id"].to_numpy(), path) if "token_id" in df.columns else None
-    return RoutingLog(experts, tokens, seq.astype(np.int64), str(path), weights, layout)
+    return RoutingLog(experts, tokens, seq, str(path), weights, layout)
 
 
 def _layer_records(df: pd.DataFrame, path: Path):
@@ -185,7 +190,9 @@ def _layer_records(df: pd.DataFrame, path: Path):
     counts = df.groupby(["sequence_id", "token_index"]).size()
     if (counts != layers.size).any():
         bad = counts[counts != layers.size].index[0]
-        raise SpecFitError(f"{path}: token {bad} has {int(counts[bad])} layer records; expected {layers.size}")
+        sequence, token = (int(v) for v in bad)
+        raise SpecFitError(f"{path}: sequence {sequence}, token {token} has {int(counts[bad])} layer records; "
+                           f"expected {layers.size}")
     flat = _nested(df["experts"], path, "experts", 1)
     experts = _expert_ids(flat.reshape(-1, layers.size, flat.shape[-1]), path, "field 'experts'")
     weights = None
@@ -241,6 +248,38 @@ def _weights(values, experts: np.ndarray, path: Path, what: str) -> np.ndarray |
     if not np.all(np.isfinite(values)) or values.min() < 0:
         raise SpecFitError(f"{path}: {what} must be finite, non-negative router weights")
     return values
+
+
+def _integers(values: np.ndarray, path: Path, what: str, ids: str) -> np.ndarray:
+    """``values`` as int64: integers, or whole floats (a JSON reader's 3.0); one error naming the
+    first string, null, NaN, bool or fraction and its row."""
+    values = np.asarray(values)
+    if np.issubdtype(values.dtype, np.integer):
+        return values.astype(np.int64)
+    flat = values.reshape(-1)
+    if np.issubdtype(values.dtype, np.floating):
+        whole = np.isfinite(flat) & (flat == np.round(flat)) & (np.abs(flat) < 2.0 ** 63)
+    elif values.dtype == object:   # mixed JSON values
+        whole = np.array([_whole_number(v) for v in flat], dtype=bool)
+    else:                          # strings, bools, ...
+        whole = np.zeros(flat.size, dtype=bool)
+    if whole.all():
+        return np.array([int(v) for v in flat], dtype=np.int64).reshape(values.shape) if values.dtype == object \
+            else values.astype(np.int64)
+    row = int(np.flatnonzero(~whole)[0])
+    value = flat[row].item() if isinstance(flat[row], np.generic) else flat[row]
+    shown = "null (NaN)" if value is None or (isinstance(value, float) and np.isnan(value)) else repr(value)
+    raise SpecFitError(f"{path}: {what} must hold integer {ids}, got {shown} in row {row}")
+
+
+def _whole_number(value) -> bool:
+    """Whether one JSON value is a whole number that fits int64 (3 and 3.0 are; true, 3.5 and "3" not)."""
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if isinstance(value, (int, np.integer)):
+        return -2 ** 63 <= int(value) < 2 ** 63
+    return isinstance(value, (float, np.floating)) and bool(np.isfinite(value)) and float(value).is_integer() \
+        and abs(value) < 2.0 ** 63
 
 
 def _token_ids(values: np.ndarray, path: Path) -> np.ndarray:

@@ -1,0 +1,201 @@
+"""Bad input to the trace commands (``traces synth | import-routing | validate | inspect`` and the
+readers behind ``--trace``): one line naming the file, field or option and what was expected
+(exit code 2), having written nothing."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from typer.testing import CliRunner
+
+from specfit.cli import app
+from specfit.traces.format import METADATA_KEY, write_trace
+from trace_helpers import hand_trace
+
+runner = CliRunner()
+
+
+@pytest.fixture(autouse=True)
+def in_tmp_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+
+
+def one_line_error(result, *needles: str) -> str:
+    """Exit code 2 and a single 'error: ...' line that names what was wrong; returns the line."""
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+def invoke(*args) -> object:
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def trace_readers(path) -> dict[str, list]:
+    return {"traces validate": ["traces", "validate", path], "traces inspect": ["traces", "inspect", path],
+            "simulate --trace": ["simulate", "--trace", path, "--policies", "ar", "--cache-experts", 2]}
+
+
+def routing_log(path, tokens: int = 6):
+    """A flat npz routing log of one sequence: 16 layers x top-8 of 64 experts (olmoe's shape)."""
+    np.savez(path, expert_ids=np.tile(np.arange(8), (tokens, 16, 1)), sequence_id=np.zeros(tokens, np.int32))
+    return path
+
+
+def token_records(**overrides) -> list[dict]:
+    """Per-token JSONL records of one sequence (2 layers x top-2); ``overrides[i]`` replaces fields of record i."""
+    records = [{"sequence_id": 0, "token_index": i, "experts": [[0, 1], [2, 3]]} for i in range(4)]
+    for i, fields in overrides.items():
+        records[int(i)].update(fields)
+    return records
+
+
+def write_jsonl(path, records: list[dict]):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+# ----------------------------------------------------------------- trace files
+def test_a_trace_with_damaged_data_under_a_valid_footer_is_one_line(tmp_path):
+    good = write_trace(hand_trace(), tmp_path / "good.parquet")
+    data = bytearray(good.read_bytes())
+    footer = int.from_bytes(data[-8:-4], "little")
+    pages_end = len(data) - 8 - footer
+    data[4:pages_end] = b"\xff" * (pages_end - 4)       # every page overwritten, footer intact
+    bad = tmp_path / "damaged.parquet"
+    bad.write_bytes(bytes(data))
+    assert pq.ParquetFile(bad).metadata.num_rows == 8   # the footer still reads
+    for argv in trace_readers(bad).values():
+        one_line_error(invoke(*argv), str(bad), "damaged Parquet data")
+
+
+@pytest.mark.parametrize("meta, kind", [([1, 2], "an array"), ("text", "a string"), (3, "the number 3")])
+def test_trace_metadata_that_is_json_but_no_object_is_one_line(tmp_path, meta, kind):
+    table = pq.read_table(write_trace(hand_trace(), tmp_path / "good.parquet"))
+    bad = tmp_path / "meta.parquet"
+    pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), bad)
+    for argv in trace_readers(bad).values():
+        one_line_error(invoke(*argv), str(bad), METADATA_KEY.decode(), f"must be a JSON object, got {kind}")
+
+
+def test_trace_recording_metadata_that_is_no_object_is_one_line(tmp_path):
+    trace = hand_trace()
+    table = pq.read_table(write_trace(trace, tmp_path / "good.parquet"))
+    meta = dict(trace.meta, schema_version=1, recording=["synthetic"])
+    bad = tmp_path / "recording.parquet"
+    pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), bad)
+    for argv in trace_readers(bad).values():
+        one_line_error(invoke(*argv), str(bad), "'recording' must be a JSON object, got an array")
+
+
+# ----------------------------------------------------------------- drafter trees
+def test_trees_wider_than_sixteen_alternatives_are_drafted(tmp_path):
+    out = tmp_path / "wide.parquet"
+    result = invoke("traces", "synth", "--shape", "olmoe-1b-7b", "--tokens", 3, "--tree-width", 20, "--tree-depth", 2,
+                    "--out", out, "--json")
+    assert result.exit_code == 0, result.output
+    nodes = pq.read_table(out, columns=["cycle", "depth"]).to_pandas()
+    assert (nodes.groupby("cycle").size() == 1 + 20 + 20 * 20).all()
+    assert invoke("traces", "validate", out).exit_code == 0
+    routed = invoke("traces", "import-routing", routing_log(tmp_path / "log.npz"), "--tree-width", 20,
+                    "--tree-depth", 2, "--out", tmp_path / "imported.parquet", "--json")
+    assert routed.exit_code == 0, routed.output
+
+
+@pytest.mark.parametrize("width, depth", [(16, 200), (300, 7), (182, 2)])
+def test_trees_with_more_nodes_than_int16_ids_are_refused_before_any_work(tmp_path, width, depth):
+    log = routing_log(tmp_path / "log.npz")
+    for command in (["traces", "synth", "--shape", "olmoe-1b-7b", "--tokens", 4],
+                    ["traces", "import-routing", log]):
+        line = one_line_error(invoke(*command, "--tree-width", width, "--tree-depth", depth, "--out",
+                                     tmp_path / "t.parquet"), "--tree-width", "--tree-depth", "at most 32768")
+        assert str(1 + width + (depth - 1) * width ** 2) in line
+    assert not (tmp_path / "t.parquet").exists()
+
+
+def test_the_largest_tree_that_int16_ids_number_is_accepted():
+    from specfit.traces.drafter import MAX_TREE_NODES, DrafterParams
+
+    assert DrafterParams(width=1, depth=MAX_TREE_NODES - 1).tree_nodes == MAX_TREE_NODES
+    with pytest.raises(ValueError, match="--tree-depth"):
+        DrafterParams(width=1, depth=MAX_TREE_NODES)
+
+
+# ----------------------------------------------------------------- options
+@pytest.mark.parametrize("command", ["synth", "import-routing"])
+def test_a_negative_seed_is_refused_naming_the_option(tmp_path, command):
+    argv = ["traces", "synth", "--shape", "olmoe-1b-7b", "--tokens", 4] if command == "synth" else \
+        ["traces", "import-routing", routing_log(tmp_path / "log.npz")]
+    one_line_error(invoke(*argv, "--seed", -1, "--out", tmp_path / "t.parquet"),
+                   "--seed: expected a non-negative integer, got -1")
+    assert not (tmp_path / "t.parquet").exists()
+
+
+@pytest.mark.parametrize("max_tokens", [0, -1])
+def test_import_max_tokens_below_one_is_refused_naming_the_option(tmp_path, max_tokens):
+    one_line_error(invoke("traces", "import-routing", routing_log(tmp_path / "log.npz"), "--max-tokens", max_tokens,
+                          "--out", tmp_path / "t.parquet"), f"--max-tokens: expected >= 1 position, got {max_tokens}")
+    assert invoke("traces", "import-routing", tmp_path / "log.npz", "--max-tokens", 1, "--json",
+                  "--out", tmp_path / "t.parquet").exit_code == 0
+
+
+# ----------------------------------------------------------------- routing logs
+def test_a_directory_given_as_routing_log_is_named_a_directory(tmp_path):
+    (tmp_path / "logs").mkdir()
+    one_line_error(invoke("traces", "import-routing", tmp_path / "logs", "--out", tmp_path / "t.parquet"),
+                   str(tmp_path / "logs"), "a directory, expected a routing log file")
+
+
+@pytest.mark.parametrize("sequence_id, shown", [(np.array(["a", "a", "b", "b"]), "'a' in row 0"),
+                                                (np.array([0, 0, 1.5, 1.5]), "1.5 in row 2"),
+                                                (np.array([0, 0, np.nan, 1]), "null (NaN) in row 2")])
+def test_npz_sequence_ids_that_are_not_integers_are_one_line(tmp_path, sequence_id, shown):
+    log = tmp_path / "log.npz"
+    np.savez(log, expert_ids=np.tile(np.arange(8), (4, 16, 1)), sequence_id=sequence_id)
+    one_line_error(invoke("traces", "import-routing", log, "--out", tmp_path / "t.parquet"), str(log),
+                   "array 'sequence_id' must hold integer sequence ids", shown)
+
+
+def test_npz_token_indices_that_are_not_integers_are_one_line(tmp_path):
+    log = tmp_path / "log.npz"
+    np.savez(log, expert_ids=np.tile(np.arange(8), (4, 16, 1)), sequence_id=np.zeros(4, np.int32),
+             generated_token_index=np.array([0, 1, np.nan, 3]))
+    one_line_error(invoke("traces", "import-routing", log, "--out", tmp_path / "t.parquet"), str(log),
+                   "array 'generated_token_index' must hold integer token indices", "null (NaN) in row 2")
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("token_index", float("nan"), "field 'token_index' must hold integer token indices, got null (NaN) in row 2"),
+    ("token_index", 2.5, "field 'token_index' must hold integer token indices, got 2.5 in row 2"),
+    ("sequence_id", None, "field 'sequence_id' must hold integer sequence ids, got null (NaN) in row 2"),
+    ("sequence_id", "x", "field 'sequence_id' must hold integer sequence ids, got 'x' in row 2"),
+])
+def test_jsonl_ids_that_are_null_nan_or_not_integers_are_named(tmp_path, field, value, expected):
+    log = write_jsonl(tmp_path / "log.jsonl", token_records(**{"2": {field: value}}))
+    result = invoke("traces", "import-routing", log, "--out", tmp_path / "t.parquet")
+    one_line_error(result, str(log), expected)
+    assert "RuntimeWarning" not in result.output and "skips" not in result.output
+
+
+def test_a_missing_layer_record_names_sequence_and_token_as_plain_numbers(tmp_path):
+    records = [{"sequence_id": 0, "token_index": t, "layer": layer, "experts": [0, 1]}
+               for t in range(6) for layer in range(2) if (t, layer) != (5, 1)]
+    log = write_jsonl(tmp_path / "log.jsonl", records)
+    line = one_line_error(invoke("traces", "import-routing", log, "--out", tmp_path / "t.parquet"), str(log),
+                          "sequence 0, token 5 has 1 layer records; expected 2")
+    assert "np." not in line
+
+
+def test_whole_float_ids_are_still_read(tmp_path):
+    log = write_jsonl(tmp_path / "log.jsonl", token_records(**{"0": {"token_index": 0.0}}))
+    from specfit.traces.routing_logs import read_routing_log
+
+    read = read_routing_log(log)
+    assert read.sequence.dtype == np.int64 and read.sequence.tolist() == [0, 0, 0, 0]
