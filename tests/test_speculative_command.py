@@ -271,7 +271,7 @@ def test_an_interrupted_live_recording_keeps_its_cycles_in_the_trace(checkpoint,
                       drafter_dir=drafter_dir, profile="pcie5", max_new_tokens=NEW_TOKENS, device="cpu", out_dir=out,
                       ignore_eos=True, record=trace_path)
     _stop_recording_after(monkeypatch, 5)
-    with pytest.raises(Interrupted, match=f"its 5 recorded cycle\\(s\\) in {trace_path}"):
+    with pytest.raises(Interrupted, match=f"and the 5 recorded cycle\\(s\\) as a trace in {trace_path}"):
         run_decode(plan)
     trace = read_trace(trace_path)                      # validated
     cycles = pd.read_parquet(out / "cycles.parquet")
@@ -329,7 +329,7 @@ def test_a_drafter_that_fails_mid_run_is_named_and_the_cycles_before_it_are_kept
     line = " ".join(result.output.split())
     kept = len(PROMPTS) * (NEW_TOKENS - 1)
     assert f"drafter {bad}: NaN probabilities" in line and "Traceback" not in result.output
-    assert f"(kept the {kept} complete cycle(s) before it in {out})" in line
+    assert f"(before it: kept every complete cycle, {kept} of them, in {out})" in line
     cycles = pd.read_parquet(out / "cycles.parquet")
     assert len(cycles) == kept and set(cycles["policy"]) == {"ar"}
     assert not (out / "cycles.jsonl").exists() and len((out / "decode.jsonl").read_text().splitlines()) == len(PROMPTS)

@@ -309,17 +309,17 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
 
                 shutil.rmtree(plan.out_dir, ignore_errors=True)    # bad input before any output: leave nothing
             raise
-        where = _keep_partial(plan, outputs, recorder)          # a failure mid-run: what ran stays readable
-        if not where:
+        kept = _keep_partial(plan, outputs, recorder)           # a failure mid-run: what ran stays readable
+        if not kept:
             raise
-        raise SpecFitError(f"{exc} (kept the {len(outputs.cycles)} complete cycle(s) before it{where})") from None
+        raise SpecFitError(f"{exc} (before it: kept {kept})") from None
     except INTERRUPTS as exc:
         if not interrupted(exc):
             raise
-        where = _keep_partial(plan, outputs, recorder)
-        raise Interrupted(f"interrupted: kept every complete cycle, {len(outputs.cycles)} of them "
-                          f"({len(outputs.records)} (policy, prompt) run(s) finished)"
-                          f"{where or ' (no --out or --record: nothing was written)'}") from None
+        kept = _keep_partial(plan, outputs, recorder)
+        raise Interrupted(f"interrupted after {len(outputs.cycles)} complete cycle(s) ({len(outputs.records)} (policy, "
+                          f"prompt) run(s) finished): " + (f"kept {kept}" if kept else
+                                                           "nothing was written (no --out or --record)")) from None
     outputs.close()
     trace_path = _write_recording(recorder, plan.record) if recorder is not None else None
     host = model.offload.host
@@ -338,15 +338,17 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
 # --------------------------------------------------------------------------- pieces
 def _keep_partial(plan: DecodePlan, outputs: DecodeOutputs, recorder) -> str:
     """A run stopped before its end (Ctrl-C, or bad input met mid-run): write what it completed,
-    the run directory's files and the recorded cycles as a trace; returns where they are (" in
-    OUT and its N recorded cycle(s) in TRACE"), empty when nothing was asked to be written."""
+    the run directory's files and the recorded cycles as a trace; returns what was kept where
+    ("every complete cycle, N of them, in OUT and ..."), empty when nothing was asked to be written."""
     outputs.close()
-    where = f" in {plan.out_dir}" if plan.out_dir is not None else ""
+    kept = []
+    if plan.out_dir is not None:
+        kept.append(f"every complete cycle, {len(outputs.cycles)} of them, in {plan.out_dir}")
     if recorder is not None and len(recorder):
         recorder.end_open_sequence()
         _write_recording(recorder, plan.record)
-        where += f"{' and' if where else ''} its {len(recorder)} recorded cycle(s) in {plan.record}"
-    return where
+        kept.append(f"the {len(recorder)} recorded cycle(s) as a trace in {plan.record}")
+    return " and ".join(kept)
 
 
 def _write_recording(recorder, path) -> Path:
