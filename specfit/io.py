@@ -13,7 +13,23 @@ from typing import Callable
 from .errors import SpecFitError
 
 __all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "write_jsonl_atomic", "check_output",
-           "remove_stale_temporaries", "read_json_object"]
+           "remove_stale_temporaries", "read_json_object", "json_text"]
+
+
+def json_text(value) -> str:
+    """How a parsed JSON value reads in an error that expected another kind: its kind, and the
+    value itself when it is short."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return f"{str(value).lower()} (a boolean)"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return repr(value) if len(value) <= 40 else "a string"
+    return repr(value)
 
 
 def read_json_object(path: str | Path, expected: str = "a JSON file") -> dict:
@@ -27,7 +43,7 @@ def read_json_object(path: str | Path, expected: str = "a JSON file") -> dict:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SpecFitError(f"{path}: not a readable JSON file ({exc})") from None
     if not isinstance(raw, dict):
-        raise SpecFitError(f"{path}: expected a JSON object at the top level")
+        raise SpecFitError(f"{path}: expected a JSON object at the top level, got {json_text(raw)}")
     return raw
 
 

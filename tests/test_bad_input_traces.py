@@ -76,7 +76,7 @@ def test_a_trace_with_damaged_data_under_a_valid_footer_is_one_line(tmp_path):
         one_line_error(invoke(*argv), str(bad), "damaged Parquet data")
 
 
-@pytest.mark.parametrize("meta, kind", [([1, 2], "an array"), ("text", "a string"), (3, "the number 3")])
+@pytest.mark.parametrize("meta, kind", [([1, 2], "a list"), ("text", "'text'"), (3, "3")])
 def test_trace_metadata_that_is_json_but_no_object_is_one_line(tmp_path, meta, kind):
     table = pq.read_table(write_trace(hand_trace(), tmp_path / "good.parquet"))
     bad = tmp_path / "meta.parquet"
@@ -92,7 +92,7 @@ def test_trace_recording_metadata_that_is_no_object_is_one_line(tmp_path):
     bad = tmp_path / "recording.parquet"
     pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), bad)
     for argv in trace_readers(bad).values():
-        one_line_error(invoke(*argv), str(bad), "'recording' must be a JSON object, got an array")
+        one_line_error(invoke(*argv), str(bad), "'recording' must be a JSON object, got a list")
 
 
 # ----------------------------------------------------------------- drafter trees

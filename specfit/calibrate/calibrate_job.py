@@ -33,8 +33,8 @@ from .probes import MEASURES, fit_h2d, probe_expert_compute, probe_h2d
 from .profile import ModelShape, Profile, machine_info
 from .repeat import busy_warnings, machine_noise, repeat_rounds
 
-__all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "default_profile_path", "cached_profile_path",
-           "RUN_CYCLE_COLUMNS", "probe_prior"]
+__all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "run_shape", "check_seed", "check_dtype",
+           "default_profile_path", "cached_profile_path", "RUN_CYCLE_COLUMNS", "probe_prior"]
 
 # what `specfit decode --out` writes per cycle (cycles.parquet) and a refit reads
 RUN_CYCLE_COLUMNS = ("draft_levels", "nodes_verified", "hits", "misses", "measured_time_s")
@@ -52,7 +52,10 @@ class CalibrationPlan:
     seed: int = 0
 
     def validate(self) -> None:
-        """Fail early, before any probe runs, on a bad model directory or shape."""
+        """Fail early, before any probe runs, on a bad seed, dtype, model directory or shape."""
+        check_seed(self.seed)
+        if self.dtype is not None:
+            check_dtype(self.dtype)
         if self.model_dir is not None:
             from ..runtime.config import ModelConfig
 
@@ -106,6 +109,21 @@ class CalibrationPlan:
         return 1
 
 
+def check_seed(seed) -> None:
+    """The probes' and the fit's random generators take a non-negative integer seed."""
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise SpecFitError(f"--seed: expected a non-negative integer, got {seed!r}")
+
+
+def check_dtype(name: str) -> torch.dtype:
+    """The torch dtype ``--dtype`` names."""
+    from ..runtime.config import DTYPES
+
+    if name not in DTYPES:
+        raise SpecFitError(f"--dtype: expected one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
 def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
 
@@ -134,8 +152,6 @@ def _profile_name(machine: dict, shape: ModelShape) -> str:
 
 def _load_target(plan: CalibrationPlan, status=None):
     """(model, probed shape, full shape, dtype) for a model directory or a named stand-in."""
-    from ..runtime.config import DTYPES
-
     device = torch.device(plan.device)
     if plan.model_dir is not None:
         from ..runtime.loader import load_model
@@ -153,10 +169,7 @@ def _load_target(plan: CalibrationPlan, status=None):
     if plan.shape is None:
         raise SpecFitError("calibrate: pass --model DIR or --shape NAME (one of " + ", ".join(SHAPE_CONFIGS) + ")")
     # the public shapes ship in bf16: a stand-in holds its experts the same way (and half the memory)
-    dtype_name = plan.dtype or "bfloat16"
-    if dtype_name not in DTYPES:
-        raise SpecFitError(f"--dtype: expected one of {', '.join(DTYPES)}, got {dtype_name!r}")
-    dtype = DTYPES[dtype_name]
+    dtype = check_dtype(plan.dtype or "bfloat16")
     full = shape_config(plan.shape)
     config = shape_config(plan.shape, plan.layers)
     check_standin_memory(plan, config, dtype, device)
@@ -335,14 +348,43 @@ def read_run_cycles(run_dir: str | Path) -> pd.DataFrame:
         raise SpecFitError(f"{path}: missing column(s) {missing}; expected {list(RUN_CYCLE_COLUMNS)}")
     if df.empty:
         raise SpecFitError(f"{path}: no cycles recorded")
-    measured = pd.to_numeric(df["measured_time_s"], errors="coerce").to_numpy(dtype=np.float64)
+    values = {name: pd.to_numeric(df[name], errors="coerce").to_numpy(dtype=np.float64) for name in RUN_CYCLE_COLUMNS}
+    measured = values["measured_time_s"]
     if not np.isfinite(measured).all():
         bad = int((~np.isfinite(measured)).sum())
         what = ("no measured times: a replay's cycles (`specfit simulate --out`) are charged, not measured; "
                 "expected the cycles of a `specfit decode --out` run") if bad == measured.size else \
             f"{bad} of {measured.size} cycles have no finite 'measured_time_s'"
         raise SpecFitError(f"{path}: {what}")
-    return df
+    if (measured <= 0).any():
+        bad = measured[measured <= 0]
+        raise SpecFitError(f"{path}: {bad.size} of {measured.size} cycles have 'measured_time_s' <= 0 (the first: "
+                           f"{bad[0]:g}); expected positive seconds")
+    for name in RUN_CYCLE_COLUMNS[:-1]:
+        counts = values[name]
+        wrong = ~(np.isfinite(counts) & (counts >= 0) & (counts == np.round(counts)))
+        if wrong.any():
+            first = int(np.argmax(wrong))
+            value = df[name].iloc[first]
+            shown = repr(value) if isinstance(value, str) or value is None else f"{counts[first]:g}"
+            raise SpecFitError(f"{path}: column '{name}' holds {shown} (cycle {first}); expected non-negative whole "
+                               f"counts")
+    return df.assign(**values)
+
+
+def run_shape(run_dir: str | Path) -> ModelShape | None:
+    """The model a ``specfit decode --out`` run decoded, as its ``run.json`` records it; None for
+    a run that recorded none (no run.json, or one without a shape: older runs, the demo's warm-up).
+    A run.json that is there but cannot be read is an error: ignoring it would refit a preset
+    for the wrong model, or a profile of another model, without a word."""
+    from ..io import read_json_object
+    from ..runinfo import RUN_INFO_FILE
+
+    path = Path(run_dir) / RUN_INFO_FILE
+    if not path.exists():
+        return None
+    recorded = read_json_object(path, "the run.json of a `specfit decode --out` run").get("shape")
+    return None if recorded is None else ModelShape.from_dict(recorded, source=str(path))
 
 
 def refit(profile: Profile, run_dirs, seed: int = 0, holdout_fraction: float = 0.3) -> tuple[Profile, dict]:
@@ -351,16 +393,14 @@ def refit(profile: Profile, run_dirs, seed: int = 0, holdout_fraction: float = 0
     Returns the refitted profile and a comparison on the *same* held-out cycles: the error of the
     original profile's predictions and of a fit on the other cycles.
     """
-    from ..runinfo import read_run_info
-
+    check_seed(seed)
     for d in run_dirs:
-        recorded = (read_run_info(d) or {}).get("shape")
-        if recorded is not None:
-            run_shape = ModelShape.from_dict(recorded, source=f"{Path(d) / 'run.json'}")
-            if not run_shape.same_shape(profile.shape):
-                raise SpecFitError(f"--refit {d}: its cycles were measured on {run_shape.name} ({run_shape.n_layers} "
-                                   f"layers, {run_shape.n_experts} experts, top-{run_shape.top_k}, "
-                                   f"{run_shape.expert_bytes} B/expert), the profile is for {profile.shape.name} "
+        shape = run_shape(d)
+        if shape is not None:
+            if not shape.same_shape(profile.shape):
+                raise SpecFitError(f"--refit {d}: its cycles were measured on {shape.name} ({shape.n_layers} "
+                                   f"layers, {shape.n_experts} experts, top-{shape.top_k}, "
+                                   f"{shape.expert_bytes} B/expert), the profile is for {profile.shape.name} "
                                    f"({profile.shape.n_layers} layers, {profile.shape.n_experts} experts, "
                                    f"top-{profile.shape.top_k}, {profile.shape.expert_bytes} B/expert); refit the "
                                    f"profile of that model (or pass --rescale to map this one onto it first)")

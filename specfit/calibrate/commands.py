@@ -45,6 +45,7 @@ def calibrate_command(
     console = Console(stderr=True)
     try:
         set_cpu_threads(threads)
+        calibrate_job.check_seed(seed)
         check_output(out, "--out", kind="file")
         if refit_runs:
             _refit(refit_runs, profile, out, rescale, seed, as_json, console)
@@ -113,10 +114,7 @@ def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None
     from rich.table import Table
 
     from .presets import resolve_profile
-    from .calibrate_job import refit
-
-    from ..runinfo import read_run_info
-    from .profile import ModelShape
+    from .calibrate_job import refit, run_shape
 
     if profile_spec is None:
         fail("--refit: pass --profile (the profile the runs were decoded with)")
@@ -128,9 +126,7 @@ def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None
                  f"{'got a file' if Path(d).exists() else 'no such directory'}")
     # the model the runs decoded (run.json): a preset is built for it, a profile of another shape
     # is refused unless --rescale maps it onto it
-    recorded = next(((read_run_info(d) or {}).get("shape") for d in run_dirs if (read_run_info(d) or {}).get("shape")),
-                    None)
-    shape = ModelShape.from_dict(recorded, source=f"{run_dirs[0]}/run.json") if recorded else None
+    shape = next((s for s in map(run_shape, run_dirs) if s is not None), None)
     prof = resolve_profile(profile_spec, shape, rescale=rescale)
     new, comparison = refit(prof, run_dirs, seed=seed)
     new.save(path)

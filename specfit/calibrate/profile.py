@@ -18,12 +18,27 @@ from pathlib import Path
 
 from ..costmodel import CostModel
 from ..errors import SpecFitError
-from ..io import write_json_atomic
+from ..io import json_text, write_json_atomic
 
 __all__ = ["ModelShape", "Profile", "PROFILE_VERSION", "machine_info", "load_profile"]
 
 PROFILE_VERSION = 1
 KINDS = ("measured", "refit", "preset")
+
+
+def _integer(value, what: str) -> int:
+    """``value`` as an int: a JSON integer, or a number with no fractional part (``16.0``); a
+    fraction, a boolean or a string is refused rather than truncated (``16.5`` is not 16 experts)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    raise SpecFitError(f"{what}: expected an integer, got {json_text(value)}")
+
+
+def _check_kind(kind, source: str) -> None:
+    if kind not in KINDS:
+        raise SpecFitError(f"{source}: field 'kind' must be one of {KINDS}, got {json_text(kind)}")
 
 
 @dataclass(frozen=True)
@@ -56,12 +71,11 @@ class ModelShape:
         missing = [f.name for f in fields(cls) if f.name not in d and f.name not in ("hidden_size", "shared_expert_bytes")]
         if missing:
             raise SpecFitError(f"{source}: field 'shape' lacks {missing}")
-        try:
-            shape = cls(name=str(d["name"]), n_layers=int(d["n_layers"]), n_experts=int(d["n_experts"]),
-                        top_k=int(d["top_k"]), expert_bytes=int(d["expert_bytes"]),
-                        hidden_size=int(d.get("hidden_size", 0)), shared_expert_bytes=int(d.get("shared_expert_bytes", 0)))
-        except (TypeError, ValueError):
-            raise SpecFitError(f"{source}: field 'shape' must hold integers for the layer/expert counts and bytes") from None
+        if not isinstance(d["name"], str):
+            raise SpecFitError(f"{source}: field 'shape.name': expected a string, got {json_text(d['name'])}")
+        counts = {f.name: _integer(d.get(f.name, 0), f"{source}: field 'shape.{f.name}'")
+                  for f in fields(cls) if f.name != "name"}
+        shape = cls(name=d["name"], **counts)
         if not (shape.n_layers >= 1 and shape.n_experts >= 1 and 1 <= shape.top_k <= shape.n_experts
                 and shape.expert_bytes >= 1 and shape.hidden_size >= 0 and shape.shared_expert_bytes >= 0):
             raise SpecFitError(f"{source}: field 'shape' must have n_layers >= 1, n_experts >= 1, 1 <= top_k <= "
@@ -119,8 +133,7 @@ class Profile:
     created: str = field(default_factory=lambda: datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise SpecFitError(f"profile: field 'kind' must be one of {KINDS}, got {self.kind!r}")
+        _check_kind(self.kind, "profile")
 
     @property
     def label(self) -> str:
@@ -163,7 +176,7 @@ class Profile:
     @classmethod
     def from_dict(cls, d: dict, source: str = "profile") -> "Profile":
         if not isinstance(d, dict):
-            raise SpecFitError(f"{source}: expected a JSON object, got {type(d).__name__}")
+            raise SpecFitError(f"{source}: expected a JSON object, got {json_text(d)}")
         version = d.get("profile_version")
         if version != PROFILE_VERSION:
             found = "field 'profile_version' is missing" if version is None else f"field 'profile_version' is {version!r}"
@@ -179,12 +192,49 @@ class Profile:
         if cost.expert_bytes and cost.expert_bytes != shape.expert_bytes:
             raise SpecFitError(f"{source}: field 'cost.expert_bytes' is {cost.expert_bytes}, but 'shape.expert_bytes' is "
                                f"{shape.expert_bytes}; expected the same expert size in both")
-        return cls(cost=cost, shape=shape, kind=d.get("kind", "measured"),
-                   source=str(d.get("source", "")), machine=dict(d.get("machine", {})), fit=dict(d.get("fit", {})),
-                   probes=dict(d.get("probes", {})), created=str(d.get("created", "")))
+        kind = d.get("kind", "measured")
+        _check_kind(kind, source)
+        texts = {key: _field(d, key, str, "a string", source, default="") for key in ("source", "created")}
+        sections = {key: _field(d, key, dict, "a JSON object", source, default={})
+                    for key in ("machine", "fit", "probes")}
+        _check_fit(sections["fit"], source)
+        _check_probes(sections["probes"], source)
+        return cls(cost=cost, shape=shape, kind=kind, **texts, **sections)
 
     def save(self, path: str | Path) -> Path:
         return write_json_atomic(path, self.to_dict())
+
+
+def _field(d: dict, key: str, kind: type, expected: str, source: str, default):
+    value = d.get(key, default)
+    if not isinstance(value, kind):
+        raise SpecFitError(f"{source}: field '{key}': expected {expected}, got {json_text(value)}")
+    return value
+
+
+# the entries of 'fit' and 'probes' that the summaries and the report read, and what each holds
+FIT_OBJECTS = ("holdout", "h2d", "h2d_pageable", "probe_noise", "held", "refit")
+FIT_NULLABLE = ("h2d_pageable",)                                     # null: no pageable copies measured (CPU)
+FIT_LISTS = ("fitted", "warnings")
+PROBE_TABLES = ("h2d", "expert_compute", "cycles", "draft")          # one object per measurement
+
+
+def _check_fit(fit: dict, source: str) -> None:
+    for key, value in fit.items():
+        if key in FIT_OBJECTS and not isinstance(value, dict) and not (value is None and key in FIT_NULLABLE):
+            raise SpecFitError(f"{source}: field 'fit.{key}': expected a JSON object, got {json_text(value)}")
+        if key in FIT_LISTS and not isinstance(value, list):
+            raise SpecFitError(f"{source}: field 'fit.{key}': expected a list, got {json_text(value)}")
+
+
+def _check_probes(probes: dict, source: str) -> None:
+    for key in PROBE_TABLES:
+        rows = probes.get(key, [])
+        bad = rows if not isinstance(rows, list) else next((r for r in rows if not isinstance(r, dict)), None)
+        if bad is not None:
+            got = json_text(rows) if bad is rows else f"a list holding {json_text(bad)}"
+            raise SpecFitError(f"{source}: field 'probes.{key}': expected a list of objects (one per measurement), "
+                               f"got {got}")
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -194,6 +244,9 @@ def load_profile(path: str | Path) -> Profile:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise SpecFitError(f"{path}: no such profile file") from None
+    except UnicodeDecodeError as exc:
+        raise SpecFitError(f"{path}: not UTF-8 JSON (byte {exc.start}: {exc.reason}); expected a profile JSON "
+                           f"written by `specfit calibrate`") from None
     except OSError as exc:
         raise SpecFitError(f"{path}: cannot read the profile ({exc.strerror})") from None
     try:

@@ -27,9 +27,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import SpecFitError
-from ..io import atomic_write
+from ..io import atomic_write, json_text
 from ..tree import DraftTree
-from .validate import check_meta, json_kind, validate_trace
+from .validate import check_meta, validate_trace
 
 __all__ = ["SCHEMA_VERSION", "METADATA_KEY", "Trace", "read_trace", "write_trace", "validate_trace"]
 
@@ -249,7 +249,7 @@ def read_trace(path: str | Path, validate: bool = True) -> Trace:
         raise SpecFitError(f"{path}: metadata '{METADATA_KEY.decode()}' is not valid JSON") from None
     if not isinstance(meta, dict):
         raise SpecFitError(f"{path}: metadata '{METADATA_KEY.decode()}' must be a JSON object, got "
-                           f"{json_kind(meta)}")
+                           f"{json_text(meta)}")
     version = meta.get("schema_version")
     if version != SCHEMA_VERSION:
         found = "field 'schema_version' is missing" if version is None else f"schema_version {version!r} is not supported"

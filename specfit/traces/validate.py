@@ -8,26 +8,12 @@ import numpy as np
 
 from .. import kernels
 from ..errors import SpecFitError
+from ..io import json_text
 
-__all__ = ["validate_trace", "check_meta", "json_kind", "REQUIRED_META", "REQUIRED_MODEL"]
+__all__ = ["validate_trace", "check_meta", "REQUIRED_META", "REQUIRED_MODEL"]
 
 REQUIRED_META = ("model", "drafter", "workload", "recording", "provenance")
 REQUIRED_MODEL = ("name", "n_layers", "n_experts", "top_k", "expert_bytes")
-
-
-def json_kind(value) -> str:
-    """What a parsed JSON value is, in JSON's words (for messages that expected another kind)."""
-    if isinstance(value, dict):
-        return "an object"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "null"
-    return f"the number {value!r}"
 
 
 def check_meta(meta: dict, source: str) -> None:
@@ -37,7 +23,7 @@ def check_meta(meta: dict, source: str) -> None:
     # readers look keys up in these (recording.position_indexed, provenance.real, ...)
     for key in ("recording", "provenance"):
         if not isinstance(meta[key], dict):
-            raise SpecFitError(f"{source}: metadata field {key!r} must be a JSON object, got {json_kind(meta[key])}")
+            raise SpecFitError(f"{source}: metadata field {key!r} must be a JSON object, got {json_text(meta[key])}")
     model = meta["model"]
     if not isinstance(model, dict) or any(k not in model for k in REQUIRED_MODEL):
         raise SpecFitError(f"{source}: metadata field 'model' must hold {list(REQUIRED_MODEL)}")
