@@ -69,11 +69,14 @@ def write_run_info(out_dir: str | Path, kind: str, ctx=None, **extra) -> Path:
 
 
 def read_run_info(out_dir: str | Path) -> dict | None:
+    """The directory's ``run.json``; None when there is none or it cannot be read as a JSON object
+    (what was run is then unknown, which a report says; it is not an error there)."""
     path = Path(out_dir) / RUN_INFO_FILE
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        info = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):             # missing, unreadable, not UTF-8, not JSON
         return None
+    return info if isinstance(info, dict) else None
 
 
 def check_run_kind(out_dir: str | Path | None, kind: str, option: str = "--out") -> None:
@@ -83,13 +86,9 @@ def check_run_kind(out_dir: str | Path | None, kind: str, option: str = "--out")
     and a run of the same kind (rewritten, or a sweep resumed) are fine."""
     if out_dir is None or not Path(out_dir).is_dir():
         return
-    path = Path(out_dir) / RUN_INFO_FILE
-    try:
-        held = json.loads(path.read_text()).get("kind")
-    except (OSError, ValueError, AttributeError):
-        return                      # no readable run.json: nothing says what the directory holds
-    if isinstance(held, str) and held.split()[0] != kind:
+    held = (read_run_info(out_dir) or {}).get("kind")      # no readable run.json: nothing says what it holds
+    if isinstance(held, str) and held.split() and held.split()[0] != kind:
         from .errors import SpecFitError
 
-        raise SpecFitError(f"{option} {out_dir}: holds a `specfit {held.split()[0]}` run ({path}); expected a new "
-                           f"directory or a {kind} run to replace")
+        raise SpecFitError(f"{option} {out_dir}: holds a `specfit {held.split()[0]}` run ({RUN_INFO_FILE}); "
+                           f"expected a new directory or a {kind} run to replace")

@@ -237,7 +237,8 @@ def _resolve_dtype(dtype, config: ModelConfig) -> torch.dtype:
         return dtype
     name = dtype or config.checkpoint_dtype or "float32"
     if name not in DTYPES:
-        raise SpecFitError(f"dtype: expected one of {', '.join(DTYPES)}, got {name!r}")
+        where = "--dtype" if dtype else "config.json: field 'torch_dtype'"
+        raise SpecFitError(f"{where}: expected one of {', '.join(DTYPES)}, got {name!r}")
     return DTYPES[name]
 
 
