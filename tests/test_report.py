@@ -195,3 +195,46 @@ def test_report_renders_in_headless_chromium(sim_dir, profile_path, tmp_path):
     subprocess.run([browser, *flags, f"--screenshot={shot}", "--window-size=1200,2000", index.as_uri()],
                    capture_output=True, timeout=120, check=True)
     assert shot.stat().st_size > 20_000     # a rendered page, not a blank one
+
+
+def test_damaged_profile_fields_and_journals_are_one_line(profile_path, tmp_path):
+    """Fields the calibration section reads, present with the wrong content (a hand-edited profile),
+    a run journal that is not UTF-8, and a run.json whose versions are not an object: one error
+    line each (or, for run.json, nothing shown from it), never a traceback."""
+    raw = json.loads(profile_path.read_text())
+    cases = {}
+    for name, change, needle in [
+        ("mape_text", lambda d: d["fit"]["holdout"].update(mape="low"), "a field holds values of the wrong type"),
+        ("h2d_no_pinned", lambda d: [row.pop("pinned") for row in d["probes"]["h2d"]], "missing field 'pinned'"),
+        ("draft_no_seconds", lambda d: d["probes"]["draft"][0].pop("seconds"), "missing field 'seconds'"),
+    ]:
+        damaged = json.loads(json.dumps(raw))
+        change(damaged)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(damaged))
+        cases[path] = needle
+    journal = tmp_path / "journal"
+    journal.mkdir()
+    (journal / "cycles.jsonl").write_bytes(b"\xff\xfe not text\n")
+    cases[journal] = "cycles.jsonl"
+    for run, needle in cases.items():
+        out = tmp_path / f"report-{run.name}"
+        result = CliRunner().invoke(app, ["report", str(run), "--out", str(out)])
+        lines = [line for line in result.output.splitlines() if line.strip()]
+        assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.output
+        assert str(run) in lines[0] and needle in lines[0], lines[0]
+        assert not out.exists()
+
+
+def test_a_dollar_in_a_run_name_is_text_and_every_heading_has_its_own_anchor(sim_dir, profile_path, tmp_path):
+    """matplotlib reads $...$ as math: a run directory named with dollars (an unbalanced one
+    fails to parse) is shown as written. Two inputs give two sections of each kind, each with
+    its own anchor, so the navigation links land on their own section."""
+    dollars = tmp_path / r"cost $5 to $9 \frac{"
+    shutil.copytree(sim_dir, dollars)
+    (dollars / "run.json").write_text(json.dumps({"kind": "simulate", "versions": ["not", "an", "object"]}))
+    text = build_report([dollars, sim_dir, profile_path], tmp_path / "rep").read_text()
+    assert "cost $5 to $9" in text
+    anchors = re.findall(r'<h[23] id="([^"]+)"', text)
+    assert len(anchors) == len(set(anchors)) >= 6
+    assert set(re.findall(r'<a href="#([^"]+)"', text)) <= set(anchors)

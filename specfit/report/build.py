@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 from pathlib import Path
 
+import matplotlib
 import pandas as pd
 
 from .. import __version__
@@ -59,17 +60,21 @@ def classify(path: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def _damaged_tables(path: Path, files: str):
-    """A run directory's tables that lack a column the report reads, or hold a value of another
-    type, are one error naming the files and the column, not a traceback."""
+def _damaged(path: Path, files: str, unit: str = "column"):
+    """Tables or JSON that lack a ``unit`` (column, field) the report reads, or hold a value of
+    another type, are one error naming the files and what was wrong, not a traceback. (The report
+    reads what this version writes; a hand-edited or damaged file ends here.)"""
     try:
         yield
+    except SpecFitError:
+        raise                                           # already says what was wrong
     except KeyError as exc:
-        raise SpecFitError(f"{path}: {files}: missing column {exc}; expected the columns the specfit version "
+        raise SpecFitError(f"{path}: {files}: missing {unit} {exc}; expected the {unit}s the specfit version "
                            f"that reads it writes") from None
-    except (ValueError, TypeError) as exc:
-        detail = str(exc) if len(str(exc)) <= 120 else str(exc)[:117] + "..."
-        raise SpecFitError(f"{path}: {files}: a column holds values of the wrong type or range ({detail})") from None
+    except (ValueError, TypeError, AttributeError, IndexError) as exc:
+        detail = " ".join(str(exc).split())
+        detail = detail if len(detail) <= 120 else detail[:117] + "..."
+        raise SpecFitError(f"{path}: {files}: a {unit} holds values of the wrong type or range ({detail})") from None
 
 
 def _read_parquet(path: Path) -> pd.DataFrame:
@@ -87,11 +92,13 @@ def _sweep_sections(page: Page, path: Path, kinds: list[str]) -> None:
 
     if "plan" in kinds:
         try:
-            plan = json.loads((path / "plan.json").read_text())
-        except json.JSONDecodeError as exc:
+            plan = json.loads((path / "plan.json").read_text(encoding="utf-8"))
+        except ValueError as exc:                     # not UTF-8, not JSON
             raise SpecFitError(f"{path / 'plan.json'}: not valid JSON ({exc})") from None
-        plan_section(page, plan, str(path))
-    sweep_section(page, read_results(path), str(path), read_sweep_file(path))
+        with _damaged(path, "plan.json", "field"):
+            plan_section(page, plan, str(path))
+    with _damaged(path, "sweep.json / results", "field"):
+        sweep_section(page, read_results(path), str(path), read_sweep_file(path))
 
 
 def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report") -> Path:
@@ -110,25 +117,36 @@ def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report
                      "command": (info or {}).get("command", "–"), "started": (info or {}).get("started", "–")})
     page.table(pd.DataFrame(runs))
     versions = next((read_run_info(p) or {} for p, _ in plan if p.is_dir() and read_run_info(p)), {}).get("versions", {})
+    versions = versions if isinstance(versions, dict) else {}      # a damaged run.json says nothing
     page.facts({"specfit": __version__, **{k: v for k, v in versions.items() if k != "specfit"}})
-    for path, kinds in plan:
-        if "calibration" in kinds:
-            profile_path = path if path.is_file() else path / "profile.json"
-            calibration_section(page, load_profile(profile_path), str(profile_path))
-        if "simulation" in kinds:
-            summary = _read_parquet(path / "summary.parquet")
-            cycles = _read_parquet(path / "cycles.parquet") if (path / "cycles.parquet").is_file() else None
-            with _damaged_tables(path, "summary.parquet / cycles.parquet"):
-                simulation_section(page, summary, cycles, str(path))
-        if "live" in kinds:
-            cycles = read_decode_cycles(path)
-            if cycles.empty:
-                raise SpecFitError(f"{path / 'cycles.parquet'}: no decode cycles to report")
-            with _damaged_tables(path, "cycles.parquet"):
-                live_section(page, cycles, str(path), read_decode_summaries(path))
-        if "sweep" in kinds:
-            _sweep_sections(page, path, kinds)
+    # a trace or run named with a '$' is text, not matplotlib's math
+    with matplotlib.rc_context({"text.parse_math": False}):
+        for path, kinds in plan:
+            _sections(page, path, kinds)
     index = Path(out_dir) / "index.html"
     page.save(index)
     write_json_atomic(Path(out_dir) / "inputs.json", [str(p) for p in inputs])
     return index
+
+
+def _sections(page: Page, path: Path, kinds: list[str]) -> None:
+    """The sections of one input, each from the files that hold it."""
+    if "calibration" in kinds:
+        profile_path = path if path.is_file() else path / "profile.json"
+        profile = load_profile(profile_path)
+        with _damaged(profile_path, "fit / probes", "field"):
+            calibration_section(page, profile, str(profile_path))
+    if "simulation" in kinds:
+        summary = _read_parquet(path / "summary.parquet")
+        cycles = _read_parquet(path / "cycles.parquet") if (path / "cycles.parquet").is_file() else None
+        with _damaged(path, "summary.parquet / cycles.parquet"):
+            simulation_section(page, summary, cycles, str(path))
+    if "live" in kinds:
+        with _damaged(path, "cycles.parquet / cycles.jsonl"):
+            cycles = read_decode_cycles(path)
+        if cycles.empty:
+            raise SpecFitError(f"{path / 'cycles.parquet'}: no decode cycles to report")
+        with _damaged(path, "cycles.parquet / summary.json"):
+            live_section(page, cycles, str(path), read_decode_summaries(path))
+    if "sweep" in kinds:
+        _sweep_sections(page, path, kinds)

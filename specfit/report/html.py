@@ -50,7 +50,7 @@ class Page:
     toc: list[tuple[str, str]] = field(default_factory=list)
 
     def heading(self, text: str, level: int = 2) -> "Page":
-        anchor = f"s{len(self.toc)}"
+        anchor = f"s{sum(part.startswith('<h') for part in self.parts)}"     # one id per heading of any level
         if level == 2:
             self.toc.append((anchor, text))
         self.parts.append(f'<h{level} id="{anchor}">{html.escape(text)}</h{level}>')
