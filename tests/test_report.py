@@ -238,3 +238,15 @@ def test_a_dollar_in_a_run_name_is_text_and_every_heading_has_its_own_anchor(sim
     anchors = re.findall(r'<h[23] id="([^"]+)"', text)
     assert len(anchors) == len(set(anchors)) >= 6
     assert set(re.findall(r'<a href="#([^"]+)"', text)) <= set(anchors)
+
+
+def test_a_replays_cycles_without_their_summary_are_not_reported_as_a_live_run(sim_dir, tmp_path):
+    """A simulation's cycle table has the decode's columns, its measured times empty: without
+    summary.parquet and run.json it was rendered as 'Live decoding' of replayed cycles."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(sim_dir / "cycles.parquet", bare / "cycles.parquet")
+    out = tmp_path / "rep"
+    result = CliRunner().invoke(app, ["report", str(bare), "--out", str(out)])
+    assert result.exit_code == 2 and "holds replayed cycles (no measured times)" in result.output, result.output
+    assert not out.exists()

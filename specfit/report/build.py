@@ -13,6 +13,7 @@ import contextlib
 from pathlib import Path
 
 import matplotlib
+import numpy as np
 import pandas as pd
 
 from .. import __version__
@@ -51,12 +52,33 @@ def classify(path: Path) -> list[str]:
         raise SpecFitError(f"{path}: a `specfit simulate` output without its summary.parquet (the run was interrupted "
                            "while writing); run the simulation again")
     elif (path / CYCLES_FILE).is_file() or (path / JOURNAL_FILE).is_file():
+        if not _measured(path / CYCLES_FILE):
+            raise SpecFitError(f"{path}: cycles.parquet holds replayed cycles (no measured times) but no "
+                               "summary.parquet; expected a `specfit decode --out` run, or a `specfit simulate --out` "
+                               "run with both files (run the simulation again)")
         kinds.append("live")
     if not kinds:
         raise SpecFitError(f"{path}: found no profile.json, summary.parquet, cycles.parquet or sweep.json; expected "
                            "what `specfit calibrate`, `specfit simulate --out`, `specfit decode --out` or `specfit sweep` "
                            "write")
     return kinds
+
+
+def _measured(cycles: Path) -> bool:
+    """Whether a cycle table holds measured cycles (a decode's) rather than replayed ones; True
+    when there is no table or it cannot be read (the live section then says what is wrong)."""
+    if not cycles.is_file():
+        return True
+    import pyarrow.parquet as pq
+
+    try:
+        if "measured_time_s" not in pq.read_schema(cycles).names:
+            return False
+        measured = pq.read_table(cycles, columns=["measured_time_s"]).column(0).to_numpy(zero_copy_only=False)
+    except Exception:  # pyarrow raises several types for damaged files; reading it later says which
+        return True
+    # a replay writes the column too (CYCLE_COLUMNS), with no value in it
+    return measured.size == 0 or bool(np.isfinite(np.asarray(measured, dtype=float)).any())
 
 
 @contextlib.contextmanager
