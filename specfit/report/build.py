@@ -73,7 +73,7 @@ def _measured(cycles: Path) -> bool:
 
     try:
         if "measured_time_s" not in pq.read_schema(cycles).names:
-            return False
+            return True                  # an older decode's table (cycle_time_s), or one the live section refuses
         measured = pq.read_table(cycles, columns=["measured_time_s"]).column(0).to_numpy(zero_copy_only=False)
     except Exception:  # pyarrow raises several types for damaged files; reading it later says which
         return True
