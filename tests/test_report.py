@@ -154,6 +154,10 @@ def test_damaged_run_tables_are_one_line_and_write_no_report(sim_dir, tmp_path):
     shutil.copytree(sim_dir, damaged)
     summary.drop(columns="tokens_per_s").to_parquet(damaged / "summary.parquet")
     cases[damaged] = "missing column 'tokens_per_s'"
+    no_rows = tmp_path / "no_rows"
+    shutil.copytree(sim_dir, no_rows)
+    summary.iloc[:0].to_parquet(no_rows / "summary.parquet")
+    cases[no_rows] = "summary.parquet has no rows"
     live = {"policy": ["ar"] * 3, "cycle": [0, 1, 2], "draft_levels": [0] * 3, "nodes_verified": [1] * 3,
             "hits": [1] * 3, "misses": [1] * 3, "bytes_h2d": [10] * 3, "measured_time_s": ["0.01", "0.02", "0.01"],
             "predicted_time_s": [0.01] * 3, "predicted_tokens": [1.0] * 3, "committed_tokens": [1] * 3}
@@ -226,11 +230,13 @@ def test_damaged_profile_fields_and_journals_are_one_line(profile_path, tmp_path
         assert not out.exists()
 
 
+@pytest.mark.filterwarnings("error:Glyph")
 def test_a_dollar_in_a_run_name_is_text_and_every_heading_has_its_own_anchor(sim_dir, profile_path, tmp_path):
     """matplotlib reads $...$ as math: a run directory named with dollars (an unbalanced one
-    fails to parse) is shown as written. Two inputs give two sections of each kind, each with
-    its own anchor, so the navigation links land on their own section."""
-    dollars = tmp_path / r"cost $5 to $9 \frac{"
+    fails to parse) is shown as written, and one in a script the font lacks warns of nothing.
+    Two inputs give two sections of each kind, each with its own anchor, so the navigation links
+    land on their own section."""
+    dollars = tmp_path / r"cost $5 to $9 \frac{ 缓存"
     shutil.copytree(sim_dir, dollars)
     (dollars / "run.json").write_text(json.dumps({"kind": "simulate", "versions": ["not", "an", "object"]}))
     text = build_report([dollars, sim_dir, profile_path], tmp_path / "rep").read_text()

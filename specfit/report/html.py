@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import io
+import warnings
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -38,7 +39,11 @@ def svg_of(fig) -> str:
     """A matplotlib :class:`~matplotlib.figure.Figure` (made without pyplot, so nothing needs a
     display or closing) as inline SVG markup."""
     buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight")
+    with warnings.catch_warnings():
+        # a label in a script the bundled font lacks (CJK, say) draws boxes: the page's tables
+        # have the text, and a warning per glyph would drown the command's output
+        warnings.filterwarnings("ignore", message="Glyph .* missing from font", category=UserWarning)
+        fig.savefig(buf, format="svg", bbox_inches="tight")
     text = buf.getvalue()
     return text[text.index("<svg"):]  # drop the XML prolog and doctype
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ..errors import SpecFitError
 from .html import Page
 from .plots import grouped_bars, new_axes
 
@@ -19,6 +20,9 @@ def _policy_rank(policy: str) -> tuple[int, str]:
 
 
 def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame | None, name: str) -> None:
+    if summary.empty:
+        raise SpecFitError(f"{name}: summary.parquet has no rows; expected one per trace, profile, cache size and "
+                           "policy that `specfit simulate --out` replayed")
     page.heading(f"Simulation: {name}")
     page.paragraph("Every policy replays the same position-indexed traces with the same expert cache and cost "
                    "model; a policy decides with the predicted experts and each cycle is charged with the true "
