@@ -231,16 +231,20 @@ def test_damaged_profile_fields_and_journals_are_one_line(profile_path, tmp_path
 
 
 @pytest.mark.filterwarnings("error:Glyph")
-def test_a_dollar_in_a_run_name_is_text_and_every_heading_has_its_own_anchor(sim_dir, profile_path, tmp_path):
-    """matplotlib reads $...$ as math: a run directory named with dollars (an unbalanced one
+def test_a_dollar_in_a_trace_name_is_text_and_every_heading_has_its_own_anchor(sim_dir, profile_path, tmp_path):
+    """matplotlib reads $...$ as math: a trace named with dollars (an unbalanced one
     fails to parse) is shown as written, and one in a script the font lacks warns of nothing.
     Two inputs give two sections of each kind, each with its own anchor, so the navigation links
     land on their own section."""
-    dollars = tmp_path / r"cost $5 to $9 \frac{ 缓存"
+    dollars = tmp_path / "dollars"
     shutil.copytree(sim_dir, dollars)
+    for table in ("summary.parquet", "cycles.parquet"):           # the trace's name titles the figures
+        frame = pd.read_parquet(dollars / table)
+        frame["trace"] = r"cost $5 \frac{$ 缓存"      # as math: an unbalanced brace, a parse error
+        frame.to_parquet(dollars / table)
     (dollars / "run.json").write_text(json.dumps({"kind": "simulate", "versions": ["not", "an", "object"]}))
     text = build_report([dollars, sim_dir, profile_path], tmp_path / "rep").read_text()
-    assert "cost $5 to $9" in text
+    assert r"cost $5 \frac{$" in text
     anchors = re.findall(r'<h[23] id="([^"]+)"', text)
     assert len(anchors) == len(set(anchors)) >= 6
     assert set(re.findall(r'<a href="#([^"]+)"', text)) <= set(anchors)
