@@ -31,7 +31,7 @@ def simulate_command(
     cache_experts: str = typer.Option("0,16,32", "--cache-experts", help="Comma-separated cache sizes (experts per "
                                       "layer, or in total with --cache-mode global)."),
     predictor: str = typer.Option("oracle", "--predictor", help="Expert predictor the policies decide with: oracle, "
-                                  "affinity, parent, recorded (fitted ones are cross-fitted on other sequences), "
+                                  "affinity, learned, parent, recorded (fitted ones are cross-fitted on other sequences), "
                                   "router (the target's routers; needs --model)."),
     model: Optional[Path] = typer.Option(None, "--model", help="The traced model's directory, for --predictor router."),
     acceptance: str = typer.Option("calibrated", "--acceptance", help="Path probabilities the policies use: "
