@@ -12,14 +12,11 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from typer.testing import CliRunner
+from cli_helpers import invoke, one_line_error
 
 from runtime_fixtures import make_tiny_model
 from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
 from trace_helpers import SAMPLE_OLMOE
-from specfit.cli import app
-
-runner = CliRunner()
 
 
 @pytest.fixture(autouse=True)
@@ -37,20 +34,6 @@ def model_dir(tmp_path_factory):
 
 def files_under(path: Path) -> set[str]:
     return {str(p.relative_to(path)) for p in path.rglob("*")}
-
-
-def one_line_error(result, *needles: str) -> None:
-    """Exit code 2 and a single 'error: ...' line that names what was wrong."""
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    assert "Traceback" not in result.output
-
-
-def invoke(*args) -> object:
-    return runner.invoke(app, [str(a) for a in args])
 
 
 # ----------------------------------------------------------------- output paths

@@ -9,34 +9,18 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from typer.testing import CliRunner
+from cli_helpers import invoke, one_line_error
 
 from trace_helpers import ROOT, SAMPLE_OLMOE
 from specfit.assets import tiny_moe_dir
 from specfit.calibrate.profile import load_profile
-from specfit.cli import app
 
-runner = CliRunner()
 VALID_PROFILE = ROOT / "calibrate" / "vm-x86-64-tiny-moe.json"
 
 
 @pytest.fixture(autouse=True)
 def in_tmp_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-
-
-def invoke(*args) -> object:
-    return runner.invoke(app, [str(a) for a in args])
-
-
-def one_line_error(result, *needles: str) -> None:
-    """Exit code 2 and a single 'error: ...' line that names what was wrong."""
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    assert "Traceback" not in result.output
 
 
 def damaged_profile(path: Path, **changes) -> Path:

@@ -9,33 +9,15 @@ import json
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
-from typer.testing import CliRunner
+from cli_helpers import invoke, one_line_error
 
-from specfit.cli import app
 from specfit.traces.format import METADATA_KEY, write_trace
 from trace_helpers import hand_trace
-
-runner = CliRunner()
 
 
 @pytest.fixture(autouse=True)
 def in_tmp_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-
-
-def one_line_error(result, *needles: str) -> str:
-    """Exit code 2 and a single 'error: ...' line that names what was wrong; returns the line."""
-    assert result.exit_code == 2, result.output
-    lines = [line for line in result.output.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    assert "Traceback" not in result.output
-    return lines[0]
-
-
-def invoke(*args) -> object:
-    return runner.invoke(app, [str(a) for a in args])
 
 
 def trace_readers(path) -> dict[str, list]:

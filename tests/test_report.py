@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from cli_helpers import invoke, one_line_error
 from typer.testing import CliRunner
 
 from specfit import CostModel
@@ -170,12 +171,7 @@ def test_damaged_run_tables_are_one_line_and_write_no_report(sim_dir, tmp_path):
     pd.DataFrame({k: v[:0] for k, v in live.items()}).to_parquet(empty / "cycles.parquet")
     cases[empty] = "no decode cycles to report"
     for run, needle in cases.items():
-        out = tmp_path / f"report-{run.name}"
-        result = CliRunner().invoke(app, ["report", str(run), "--out", str(out)])
-        lines = [line for line in result.output.splitlines() if line.strip()]
-        assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.output
-        assert str(run) in lines[0] and needle in lines[0], lines[0]
-        assert not out.exists()
+        _refused(run, needle, tmp_path)
 
 
 def _chromium() -> str | None:
@@ -222,12 +218,7 @@ def test_damaged_profile_fields_and_journals_are_one_line(profile_path, tmp_path
     (journal / "cycles.jsonl").write_bytes(b"\xff\xfe not text\n")
     cases[journal] = "cycles.jsonl"
     for run, needle in cases.items():
-        out = tmp_path / f"report-{run.name}"
-        result = CliRunner().invoke(app, ["report", str(run), "--out", str(out)])
-        lines = [line for line in result.output.splitlines() if line.strip()]
-        assert result.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), result.output
-        assert str(run) in lines[0] and needle in lines[0], lines[0]
-        assert not out.exists()
+        _refused(run, needle, tmp_path)
 
 
 @pytest.mark.filterwarnings("error:Glyph")
@@ -256,7 +247,11 @@ def test_a_replays_cycles_without_their_summary_are_not_reported_as_a_live_run(s
     bare = tmp_path / "bare"
     bare.mkdir()
     shutil.copy(sim_dir / "cycles.parquet", bare / "cycles.parquet")
-    out = tmp_path / "rep"
-    result = CliRunner().invoke(app, ["report", str(bare), "--out", str(out)])
-    assert result.exit_code == 2 and "holds replayed cycles (no measured times)" in result.output, result.output
+    _refused(bare, "holds replayed cycles (no measured times)", tmp_path)
+
+
+def _refused(run: Path, needle: str, tmp_path: Path) -> None:
+    """``specfit report RUN`` ends in one error line naming the run and ``needle``, writing nothing."""
+    out = tmp_path / f"report-{run.name}"
+    one_line_error(invoke("report", run, "--out", out), str(run), needle)
     assert not out.exists()
