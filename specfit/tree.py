@@ -208,15 +208,15 @@ def _raise_invalid(parents: np.ndarray, probs: np.ndarray) -> None:
         raise ValueError(f"path_probs: expected finite values, found NaN/inf at node {int(np.flatnonzero(~np.isfinite(probs))[0])}")
     if np.any((probs < 0) | (probs > 1)):
         v = int(np.flatnonzero((probs < 0) | (probs > 1))[0])
-        raise ValueError(f"path_probs: expected values in [0, 1], node {v} has {probs[v]!r}")
+        raise ValueError(f"path_probs: expected values in [0, 1], node {v} has {float(probs[v])!r}")
     if probs[0] != 1.0:
-        raise ValueError(f"path_probs: the root's path probability must be 1, got {probs[0]!r}")
+        raise ValueError(f"path_probs: the root's path probability must be 1, got {float(probs[0])!r}")
     rising = np.flatnonzero(probs[1:] > probs[parents[1:]] + _PROB_SLACK) + 1
     if rising.size:
         v = int(rising[0])
         raise ValueError(
-            f"path_probs: expected non-increasing along paths, node {v} has {probs[v]!r} > "
-            f"its parent {parents[v]}'s {probs[parents[v]]!r}"
+            f"path_probs: expected non-increasing along paths, node {v} has {float(probs[v])!r} > "
+            f"its parent {parents[v]}'s {float(probs[parents[v]])!r}"
         )
     raise AssertionError("kernels.tree.check_tree rejected a tree that every check accepts")
 
