@@ -96,6 +96,17 @@ def _prompts_file(plan: DemoPlan, out: Path) -> Path:
     return write_jsonl_atomic(out / "prompts.jsonl", chosen)
 
 
+def _clear_previous(out: Path) -> None:
+    """A rerun into a demo's directory: the last run's report and what it was built from go first,
+    so a run stopped part-way never leaves a report of the last run beside this one's decodes (the
+    decode and calibration steps replace their own files)."""
+    import shutil
+
+    for name in ("index.html", "inputs.json", "trace.parquet", "profile.json"):
+        (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / "simulate", ignore_errors=True)
+
+
 def run_demo(plan: DemoPlan, say=print, progress=None) -> dict:
     """Run every step; returns what the final table shows and the report's path."""
     from .assets import tiny_moe_dir, tiny_moe_eagle3_dir
@@ -110,6 +121,7 @@ def run_demo(plan: DemoPlan, say=print, progress=None) -> dict:
     plan.validate()
     out = Path(plan.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    _clear_previous(out)
     write_run_info(out, "demo", quick=plan.quick)
     step = progress or (lambda *a: None)
     timings = {}

@@ -4,16 +4,20 @@ instead of after minutes of decoding."""
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import os
+import signal
 import tempfile
+import threading
 from pathlib import Path
 from typing import Callable
 
-from .errors import SpecFitError
+from .errors import Interrupted, SpecFitError
 
 __all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "write_jsonl_atomic", "check_output",
-           "remove_stale_temporaries", "read_json_object", "json_text"]
+           "remove_stale_temporaries", "read_json_object", "json_text", "deferred_interrupt"]
 
 
 def json_text(value) -> str:
@@ -86,9 +90,12 @@ def remove_stale_temporaries(directory: str | Path) -> None:
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     """Call ``write(tmp_path)`` on a temporary file next to ``path``, then move it into place
     with ``os.replace``: readers never see a half-written file, and an interrupted run leaves the
-    previous file (or none) rather than a truncated one."""
+    previous file (or none) rather than a truncated one. A temporary file a killed write of the same
+    file left behind (a SIGKILL gives it no chance to clean up) is removed first."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):   # a killed write of this file
+        stale.unlink(missing_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
@@ -117,3 +124,22 @@ def write_json_atomic(path: str | Path, obj, indent: int = 2) -> Path:
 
 def write_jsonl_atomic(path: str | Path, records) -> Path:
     return write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+
+
+@contextlib.contextmanager
+def deferred_interrupt(done: str = "interrupted: the files being written were completed first"):
+    """Hold a Ctrl-C that arrives inside the block until the block is done, then raise it as
+    :class:`~specfit.errors.Interrupted` with ``done`` (what the completed block left): a command
+    that writes several files as one result writes all of them or, stopped before, none (a SIGKILL
+    still cannot be held). Only the main thread receives signals; elsewhere a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise Interrupted(done)

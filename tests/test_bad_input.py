@@ -309,6 +309,59 @@ def test_a_simulate_output_killed_while_writing_is_reported_not_crashed_on(tmp_p
     assert invoke("report", out, "--out", tmp_path / "report").exit_code == 0
 
 
+def test_a_ctrl_c_while_files_are_written_waits_for_the_last_of_them(tmp_path):
+    """``deferred_interrupt``: the block runs to its end, then the Ctrl-C is raised as an
+    ``Interrupted`` that says the files were completed; outside a block a Ctrl-C is immediate."""
+    import signal
+    import time
+
+    from specfit.errors import Interrupted
+    from specfit.io import deferred_interrupt, write_text_atomic
+
+    with pytest.raises(Interrupted, match="completed first"):
+        with deferred_interrupt("interrupted while writing: completed first"):
+            write_text_atomic(tmp_path / "a.txt", "a")
+            os.kill(os.getpid(), signal.SIGINT)              # arrives between the two files
+            write_text_atomic(tmp_path / "b.txt", "b")
+    assert (tmp_path / "a.txt").read_text() == "a" and (tmp_path / "b.txt").read_text() == "b"
+    with pytest.raises(KeyboardInterrupt):                    # the handler is restored
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)
+
+
+def test_a_killed_write_leaves_no_temporary_file_once_the_file_is_written_again(tmp_path):
+    from specfit.io import write_text_atomic
+
+    (tmp_path / ".t.parquet.k1l2m3.tmp").write_bytes(b"half")      # what a SIGKILL mid-write leaves
+    (tmp_path / ".other.parquet.k1l2m3.tmp").write_bytes(b"half")  # another file's: not this write's to remove
+    write_text_atomic(tmp_path / "t.parquet", "whole")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.parquet.k1l2m3.tmp", "t.parquet"]
+
+
+def test_a_ctrl_c_in_traces_synth_says_nothing_was_written(tmp_path, monkeypatch):
+    import specfit.traces.synth as synth
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(synth, "synthesize", stop)
+    result = invoke("traces", "synth", "--shape", "olmoe-1b-7b", "--tokens", 8, "--out", tmp_path / "t.parquet")
+    assert result.exit_code == 130 and "interrupted: no trace was written" in result.output, result.output
+    assert not (tmp_path / "t.parquet").exists() and "Traceback" not in result.output
+
+
+def test_a_demo_rerun_first_removes_the_last_runs_report(tmp_path):
+    from specfit.demo import _clear_previous
+
+    for name in ("index.html", "inputs.json", "trace.parquet", "profile.json", "simulate/summary.parquet",
+                 "decode/cycles.parquet", "run.json"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("last run")
+    _clear_previous(tmp_path)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == ["decode", "decode/cycles.parquet",
+                                                                              "run.json"]
+
+
 # ----------------------------------------------------------------- memory
 def test_a_stand_in_that_would_not_fit_in_host_memory_is_refused_before_allocating(monkeypatch, tmp_path):
     """``calibrate --shape qwen3-30b-a3b --layers 4`` on a machine with too little memory free: one

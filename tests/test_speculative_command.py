@@ -25,6 +25,7 @@ from specfit.errors import Interrupted, interrupted
 from specfit.experts.cache import ExpertCache
 from specfit.policies import make_policy
 from specfit.runtime.decode_job import DecodePlan, run_decode
+from specfit.runtime.run_dir import read_decode_cycles
 from specfit.simulate.replay import prepare, replay
 from specfit.traces.format import read_trace
 
@@ -248,6 +249,27 @@ def test_an_interrupted_run_keeps_every_completed_cycle(checkpoint, tmp_path, in
     assert sorted(set(cycles["sequence"])) == [0, 1] and len(cycles) == 2 * (NEW_TOKENS - 1)
     assert len((out / "decode.jsonl").read_text().splitlines()) == 2
     assert not [p for p in out.iterdir() if p.name.startswith(".")]      # no temporary file left
+
+
+def test_a_rerun_stopped_early_keeps_none_of_the_last_runs_files(checkpoint, tmp_path):
+    """A decode into the directory of a finished one, stopped after its first prompt: what is
+    there is this run's (one prompt of ar, no summary yet), not the last run's cycles or summary."""
+    model_dir, drafter_dir, prompts = checkpoint
+    out = tmp_path / "run"
+    plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["ar", "specfit"],
+                      drafter_dir=drafter_dir, profile="pcie4", max_new_tokens=NEW_TOKENS, device="cpu", out_dir=out,
+                      ignore_eos=True)
+    run_decode(plan)
+    assert (out / "summary.json").is_file()
+
+    def stop(record):
+        raise KeyboardInterrupt
+
+    with pytest.raises(Interrupted, match="kept every complete cycle"):
+        run_decode(plan, on_record=stop)
+    cycles = read_decode_cycles(out)
+    assert set(cycles["policy"]) == {"ar"} and set(cycles["sequence"]) == {0} and len(cycles) == NEW_TOKENS - 1
+    assert len((out / "decode.jsonl").read_text().splitlines()) == 1 and not (out / "summary.json").exists()
 
 
 def _stop_recording_after(monkeypatch, n_cycles):

@@ -40,10 +40,10 @@ def calibrate_command(
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from . import calibrate_job
-
     console = Console(stderr=True)
     try:
+        from . import calibrate_job       # sklearn, scipy and torch: a Ctrl-C here is an interrupt too
+
         set_cpu_threads(threads)
         calibrate_job.check_seed(seed)
         check_output(out, "--out", kind="file")

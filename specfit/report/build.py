@@ -19,7 +19,7 @@ import pandas as pd
 from .. import __version__
 from ..calibrate.profile import load_profile
 from ..errors import SpecFitError
-from ..io import write_json_atomic
+from ..io import deferred_interrupt, write_json_atomic
 from ..runinfo import read_run_info
 from ..runtime.run_dir import CYCLES_FILE, JOURNAL_FILE, read_decode_cycles, read_decode_summaries
 from .calibration import calibration_section
@@ -146,8 +146,9 @@ def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report
         for path, kinds in plan:
             _sections(page, path, kinds)
     index = Path(out_dir) / "index.html"
-    page.save(index)
-    write_json_atomic(Path(out_dir) / "inputs.json", [str(p) for p in inputs])
+    with deferred_interrupt(f"interrupted while writing: the report in {out_dir} was completed first"):
+        page.save(index)
+        write_json_atomic(Path(out_dir) / "inputs.json", [str(p) for p in inputs])
     return index
 
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import SpecFitError, fail
+from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, interrupted, stopped
 from ..io import check_output
 
 
@@ -29,4 +29,10 @@ def report_command(
         index = build_report(inputs, target, title=title)
     except SpecFitError as exc:
         fail(str(exc))
+    except Interrupted as exc:
+        stopped(str(exc))
+    except INTERRUPTS as exc:
+        if not interrupted(exc):
+            raise
+        stopped(f"interrupted: no report was written ({target} holds what it held before)")
     typer.echo(f"report written to {index}")

@@ -228,11 +228,11 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     outputs = DecodeOutputs(plan.out_dir)
     recorder = _recorder(plan, model, drafter, profile) if plan.record is not None else None
     expert_bytes = model.offload.host.expert_bytes
-    if plan.warmup:
-        from ..kernel_warmup import warm_up
-
-        warm_up()      # numba loads (or, after an install, compiles) the kernels before any timed cycle
     try:
+        if plan.warmup:
+            from ..kernel_warmup import warm_up
+
+            warm_up()      # numba loads (or, after an install, compiles) the kernels before any timed cycle
         decoders = {}
 
         def decode_prompt(policy, index, prompt):

@@ -24,7 +24,8 @@ JOURNAL_FILE = "cycles.jsonl"
 
 class DecodeOutputs:
     """The files under ``--out``: ``decode.jsonl``, ``cycles.parquet`` and ``summary.json``
-    rewritten whole after each prompt (atomic: never half-written), and every cycle appended to the
+    (a previous run's removed when this one starts) rewritten whole after each prompt (atomic:
+    never half-written), and every cycle appended to the
     ``cycles.jsonl`` journal as it completes, so that even a killed run keeps each complete cycle
     (:func:`read_decode_cycles` reads both). ``cycles`` are rows of
     :data:`specfit.accounting.CYCLE_COLUMNS` with their keys."""
@@ -38,7 +39,10 @@ class DecodeOutputs:
         if out_dir is not None:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(out_dir)
-            (Path(out_dir) / JOURNAL_FILE).unlink(missing_ok=True)
+            # a rerun into the directory replaces the last run's files now: kept until the first
+            # cycle, they would be read as this run's (the last run's summary beside new cycles)
+            for name in (JOURNAL_FILE, CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE):
+                (Path(out_dir) / name).unlink(missing_ok=True)
 
     def add_cycle(self, row: dict) -> None:
         self.cycles.append(row)

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import INTERRUPTS, SpecFitError, fail, interrupted, stopped
+from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, interrupted, stopped
 from ..io import check_output
 from ..runinfo import check_run_kind
 from ..policies import DEFAULT_POLICIES, POLICY_HELP
@@ -64,6 +64,8 @@ def simulate_command(
             _write_outputs(out, cycles, summary, ctx)
     except SpecFitError as exc:
         fail(str(exc))
+    except Interrupted as exc:
+        stopped(str(exc))
     except INTERRUPTS as exc:
         if not interrupted(exc):
             raise
@@ -144,21 +146,23 @@ class _nothing:
 
 
 def _write_outputs(out: Path, cycles, summary, ctx=None) -> None:
-    from ..io import atomic_write
+    """The run's files as one result: a Ctrl-C while they are written waits for the last of them
+    (so "nothing was written" stays true of a stopped run); a kill leaves no summary.parquet, which
+    a report refuses, never new cycles beside an old summary."""
+    from ..io import atomic_write, deferred_interrupt, remove_stale_temporaries
     from ..runinfo import write_run_info
 
-    from ..io import remove_stale_temporaries
-
-    out.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(out)
-    # a rerun into the same directory: the old summary goes first, so a killed write never leaves
-    # new cycles beside an old summary; the summary is written last and marks a complete output
-    for name in ("summary.parquet", "summary.csv"):
-        (out / name).unlink(missing_ok=True)
-    write_run_info(out, "simulate", ctx)
-    for name, frame in (("cycles", cycles), ("summary", summary)):
-        atomic_write(out / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp, index=False))
-        atomic_write(out / f"{name}.csv", lambda tmp, f=frame: f.to_csv(tmp, index=False))
+    with deferred_interrupt(f"interrupted while writing: the simulation's files in {out} were completed first"):
+        out.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out)
+        # a rerun into the same directory: the old summary goes first; the summary is written last
+        # and marks a complete output
+        for name in ("summary.parquet", "summary.csv"):
+            (out / name).unlink(missing_ok=True)
+        write_run_info(out, "simulate", ctx)
+        for name, frame in (("cycles", cycles), ("summary", summary)):
+            atomic_write(out / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp, index=False))
+            atomic_write(out / f"{name}.csv", lambda tmp, f=frame: f.to_csv(tmp, index=False))
 
 
 def _print_summary(summary, out: Optional[Path]) -> None:

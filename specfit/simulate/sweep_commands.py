@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import Interrupted, SpecFitError, fail, stopped
+from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, interrupted, stopped
 
 # the settings a table may show for a cell (column: header); those the grid varies are shown
 _SETTING_COLUMNS = {"trace": "trace", "profile": "profile", "cache_mode": "cache mode", "cache_policy": "eviction",
@@ -59,10 +59,22 @@ def sweep_command(
         fail(str(exc))
     except Interrupted as exc:
         stopped(str(exc))
+    except INTERRUPTS as exc:                 # starting or stopping Ray, reading the results
+        _stopped_outside_the_grid(exc, out or Path("runs") / spec.stem)
     if as_json:
         typer.echo(json.dumps(json.loads(results.to_json(orient="records")), indent=2))
         return
     _print_sweep(results, run, out_dir, top)
+
+
+def _stopped_outside_the_grid(exc: BaseException, out_dir: Path | None) -> None:
+    """A Ctrl-C outside the grid's run (which says itself how many cells it kept): every cell
+    finished before it is in the dataset, written whole."""
+    if not interrupted(exc):
+        raise exc
+    where = f" in {out_dir}" if out_dir is not None else ""
+    stopped(f"interrupted: the dataset{where} keeps every cell finished before it; the same command resumes "
+            "from there")
 
 
 def _print_sweep(results, run, out_dir: Path, top: int) -> None:
@@ -143,6 +155,8 @@ def plan_command(
         fail(str(exc))
     except Interrupted as exc:
         stopped(str(exc))
+    except INTERRUPTS as exc:                 # starting Ray, synthesising traces, ranking
+        _stopped_outside_the_grid(exc, out)
     if as_json:
         typer.echo(json.dumps(result.to_dict(top), indent=2))
         return

@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 import typer
 
-from ..errors import SpecFitError, fail
+from ..errors import INTERRUPTS, SpecFitError, fail, interrupted, stopped
 from ..io import check_output
 
 
@@ -62,6 +62,8 @@ def synth_command(
         write_trace(trace, out)
     except SpecFitError as exc:
         fail(str(exc))
+    except INTERRUPTS as exc:
+        _stopped_unwritten(exc, out)
     _report_written(trace, out, as_json)
 
 
@@ -116,6 +118,8 @@ def import_routing_command(
         write_trace(trace, out)
     except SpecFitError as exc:
         fail(str(exc))
+    except INTERRUPTS as exc:
+        _stopped_unwritten(exc, out)
     _report_written(trace, out, as_json)
 
 
@@ -176,6 +180,13 @@ def inspect_command(
     for row in summary["calibration"]:
         calib.add_row(row["bin"], str(row["nodes"]), f"{row['draft_prob']:.3f}", f"{row['accept_rate']:.3f}")
     console.print(calib)
+
+
+def _stopped_unwritten(exc: BaseException, out: Path) -> None:
+    """A Ctrl-C before the trace was written (it is written atomically, whole or not at all)."""
+    if not interrupted(exc):
+        raise exc
+    stopped(f"interrupted: no trace was written ({out} is as it was)")
 
 
 def _check_seed(seed: int) -> None:
