@@ -80,23 +80,43 @@ def check_output(path: str | Path | None, option: str, kind: str = "file") -> Pa
 
 def remove_stale_temporaries(directory: str | Path) -> None:
     """Delete temporary files an interrupted :func:`atomic_write` left in ``directory`` (a SIGKILL
-    gives it no chance to clean up)."""
+    gives it no chance to clean up); one that a running process is writing stays."""
     directory = Path(directory)
     if directory.is_dir():
         for tmp in directory.glob(".*.tmp"):
-            tmp.unlink(missing_ok=True)
+            if _abandoned(tmp):
+                tmp.unlink(missing_ok=True)
+
+
+def _abandoned(tmp: Path) -> bool:
+    """Whether the process that wrote temporary file ``tmp`` (``.NAME.PID-XXXX.tmp``, as
+    :func:`atomic_write` names them) is gone: another process writing the same file at the same time
+    (two runs calibrating into one profile cache) keeps its own. A name without a process id is an
+    older version's, and abandoned."""
+    writer = tmp.name[: -len(".tmp")].rsplit(".", 1)[-1].split("-", 1)[0]
+    if not writer.isdigit():
+        return True
+    try:
+        os.kill(int(writer), 0)
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError):
+        return False                  # PermissionError: alive, another user's
+    return False
 
 
 def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     """Call ``write(tmp_path)`` on a temporary file next to ``path``, then move it into place
     with ``os.replace``: readers never see a half-written file, and an interrupted run leaves the
     previous file (or none) rather than a truncated one. A temporary file a killed write of the same
-    file left behind (a SIGKILL gives it no chance to clean up) is removed first."""
+    file left behind (a SIGKILL gives it no chance to clean up) is removed first; the temporary
+    file's name holds the writing process's id, so a concurrent writer's is left alone."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):   # a killed write of this file
-        stale.unlink(missing_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        if _abandoned(stale):
+            stale.unlink(missing_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.{os.getpid()}-", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)

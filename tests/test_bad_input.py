@@ -388,3 +388,31 @@ def test_stand_in_memory_is_the_experts_in_bf16_plus_the_dense_weights():
     assert held["experts"] == 4 * 128 * 3 * 2048 * 768 * 2          # 4.8 GB: what the probe needs
     embed = 151936 * 2048 * 2
     assert 2 * embed < held["dense"] < 2 * embed + 4 * 2048 * 2048 * 16
+
+
+def test_a_concurrent_writers_temporary_file_is_left_alone(tmp_path):
+    """Two processes writing one file (two runs calibrating into one profile cache): neither removes
+    the other's temporary file, while a dead writer's is removed."""
+    import subprocess
+    import sys
+
+    from specfit.io import remove_stale_temporaries, write_text_atomic
+
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        live_tmp = tmp_path / f".p.json.{alive.pid}-a1b2.tmp"
+        dead_tmp = tmp_path / f".p.json.{dead.pid}-c3d4.tmp"
+        for tmp in (live_tmp, dead_tmp):
+            tmp.write_bytes(b"half")
+        write_text_atomic(tmp_path / "p.json", "{}")
+        assert live_tmp.exists() and not dead_tmp.exists()
+        dead_tmp.write_bytes(b"half")
+        remove_stale_temporaries(tmp_path)
+        assert live_tmp.exists() and not dead_tmp.exists()
+    finally:
+        alive.kill()
+        alive.wait()
+    remove_stale_temporaries(tmp_path)                     # its writer gone: now it is stale
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
