@@ -151,9 +151,10 @@ def deferred_interrupt(done: str = "interrupted: the files being written were co
     """Hold a Ctrl-C that arrives inside the block until the block is done, then raise it as
     :class:`~specfit.errors.Interrupted` with ``done`` (what the completed block left): a command
     that writes several files as one result writes all of them or, stopped before, none (a SIGKILL
-    still cannot be held). Only the main thread receives signals; elsewhere a no-op."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
+    still cannot be held). Only the main thread receives signals; elsewhere a no-op, as in a
+    process that ignores SIGINT."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        yield                         # a process that ignores Ctrl-C (started in the background) goes on ignoring it
         return
     caught = []
     previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))

@@ -318,15 +318,27 @@ def test_a_ctrl_c_while_files_are_written_waits_for_the_last_of_them(tmp_path):
     from specfit.errors import Interrupted
     from specfit.io import deferred_interrupt, write_text_atomic
 
-    with pytest.raises(Interrupted, match="completed first"):
-        with deferred_interrupt("interrupted while writing: completed first"):
-            write_text_atomic(tmp_path / "a.txt", "a")
-            os.kill(os.getpid(), signal.SIGINT)              # arrives between the two files
-            write_text_atomic(tmp_path / "b.txt", "b")
-    assert (tmp_path / "a.txt").read_text() == "a" and (tmp_path / "b.txt").read_text() == "b"
-    with pytest.raises(KeyboardInterrupt):                    # the handler is restored
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(1.0)
+    # Python's own Ctrl-C handler, whatever this process inherited (a shell starts a background job
+    # with SIGINT ignored)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(Interrupted, match="completed first"):
+            with deferred_interrupt("interrupted while writing: completed first"):
+                write_text_atomic(tmp_path / "a.txt", "a")
+                os.kill(os.getpid(), signal.SIGINT)              # arrives between the two files
+                write_text_atomic(tmp_path / "b.txt", "b")
+        assert (tmp_path / "a.txt").read_text() == "a" and (tmp_path / "b.txt").read_text() == "b"
+        with pytest.raises(KeyboardInterrupt):                    # the handler is restored
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1.0)
+        # a process that ignores Ctrl-C goes on ignoring it inside the block
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        with deferred_interrupt("never said"):
+            os.kill(os.getpid(), signal.SIGINT)
+            write_text_atomic(tmp_path / "c.txt", "c")
+        assert (tmp_path / "c.txt").read_text() == "c"
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 def test_a_killed_write_leaves_no_temporary_file_once_the_file_is_written_again(tmp_path):
