@@ -19,7 +19,7 @@ from typing import Optional
 
 import typer
 
-from .errors import INTERRUPTS, SpecFitError, fail, interrupted, stopped
+from .errors import INTERRUPTS, SpecFitError, fail, stopped_by
 from .threads import THREADS_HELP, set_cpu_threads
 
 __all__ = ["DemoPlan", "run_demo", "register", "whatif_scenarios"]
@@ -43,8 +43,7 @@ class DemoPlan:
     def validate(self) -> None:
         """Every option checked before any probe runs or any file is written."""
         from .assets import tiny_moe_dir
-        from .io import check_output
-        from .runinfo import check_run_kind
+        from .runinfo import check_run_dir
         from .runtime.config import ModelConfig
 
         n_experts = ModelConfig.from_dir(tiny_moe_dir()).n_experts
@@ -55,8 +54,7 @@ class DemoPlan:
             raise SpecFitError(f"--max-new-tokens: expected at least 1, got {self.max_new_tokens}")
         if self.n_prompts is not None and self.n_prompts < 1:
             raise SpecFitError(f"n_prompts: expected at least 1, got {self.n_prompts}")
-        check_output(self.out_dir, "--out", kind="dir")
-        check_run_kind(self.out_dir, "demo")
+        check_run_dir(self.out_dir, "demo")
 
     def __post_init__(self):
         if self.quick:
@@ -218,10 +216,8 @@ def demo_command(
     except SpecFitError as exc:
         fail(str(exc))
     except INTERRUPTS as exc:
-        if not interrupted(exc):
-            raise
-        stopped(f"interrupted: what finished is kept under {out} (decode runs keep every complete cycle); run "
-                f"specfit demo again for the report")
+        stopped_by(exc, f"interrupted: what finished is kept under {out} (decode runs keep every complete cycle); run "
+                        f"specfit demo again for the report")
 
     table = Table(title="Live decoding of the bundled tiny MoE on this machine (measured, predicted in brackets; "
                         "time error: each cycle predicted before it ran, by the model refitted online / by the profile)")

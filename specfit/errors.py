@@ -6,7 +6,8 @@ one line (no traceback) and exits with status 2; a Ctrl-C ends in :func:`stopped
 
 from __future__ import annotations
 
-__all__ = ["SpecFitError", "Interrupted", "INTERRUPTS", "interrupted", "fail", "stopped"]
+__all__ = ["SpecFitError", "Interrupted", "INTERRUPTS", "interrupted", "fail", "stopped", "stopped_by", "one_line",
+           "check_seed"]
 
 
 class SpecFitError(ValueError):
@@ -50,3 +51,24 @@ def stopped(message: str) -> None:
 
     typer.secho(message, err=True)
     raise typer.Exit(130) from None
+
+
+def stopped_by(exc: BaseException, message: str) -> None:
+    """In ``except INTERRUPTS as exc``: a Ctrl-C ends in :func:`stopped` with ``message`` (what
+    the run kept); any other exception goes on."""
+    if not interrupted(exc):
+        raise exc
+    stopped(message)
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception's message on one line (Arrow's and others' can span several; the CLI prints one)."""
+    return " ".join(str(exc).split())
+
+
+def check_seed(seed) -> None:
+    """numpy's and torch's generators take a non-negative integer seed: refuse another before any work."""
+    import numbers
+
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
+        raise SpecFitError(f"--seed: expected a non-negative integer, got {seed!r}")

@@ -78,18 +78,18 @@ def check_output(path: str | Path | None, option: str, kind: str = "file") -> Pa
     return path
 
 
-def remove_stale_temporaries(directory: str | Path) -> None:
+def remove_stale_temporaries(directory: str | Path) -> int:
     """Delete temporary files an interrupted :func:`atomic_write` left in ``directory`` (a SIGKILL
-    gives it no chance to clean up); one that a running process is writing stays."""
-    directory = Path(directory)
-    if directory.is_dir():
-        for tmp in directory.glob(".*.tmp"):
-            if _abandoned(tmp):
-                tmp.unlink(missing_ok=True)
+    gives it no chance to clean up); one that a running process is writing stays. Returns how many
+    were removed."""
+    stale = [tmp for tmp in Path(directory).glob(".*.tmp") if _abandoned(tmp)] if Path(directory).is_dir() else []
+    for tmp in stale:
+        tmp.unlink(missing_ok=True)
+    return len(stale)
 
 
 def _abandoned(tmp: Path) -> bool:
-    """Whether the process that wrote temporary file ``tmp`` (``.NAME.PID-XXXX.tmp``, as
+    """Whether the process that wrote temporary file ``tmp`` (``.NAME.PID-RANDOM.tmp``, as
     :func:`atomic_write` names them) is gone: another process writing the same file at the same time
     (two runs calibrating into one profile cache) keeps its own. A name without a process id is an
     older version's, and abandoned."""

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .io import write_json_atomic
 
-__all__ = ["run_info", "write_run_info", "read_run_info", "check_run_kind", "RUN_INFO_FILE"]
+__all__ = ["run_info", "write_run_info", "read_run_info", "check_run_dir", "RUN_INFO_FILE"]
 
 RUN_INFO_FILE = "run.json"
 
@@ -79,16 +79,21 @@ def read_run_info(out_dir: str | Path) -> dict | None:
     return info if isinstance(info, dict) else None
 
 
-def check_run_kind(out_dir: str | Path | None, kind: str, option: str = "--out") -> None:
-    """Refuse to write a ``kind`` run (decode, simulate, sweep, demo) into a directory that holds
-    another command's run: their files would mix (a decode's cycles beside a simulation's summary),
-    and a report would read them as one run. A new or empty directory, one without a ``run.json``
-    and a run of the same kind (rewritten, or a sweep resumed) are fine."""
-    if out_dir is None or not Path(out_dir).is_dir():
-        return
-    held = (read_run_info(out_dir) or {}).get("kind")      # no readable run.json: nothing says what it holds
+def check_run_dir(out_dir: str | Path | None, kind: str, option: str = "--out") -> Path | None:
+    """``out_dir`` checked as a directory to write a ``kind`` run (decode, simulate, sweep, demo)
+    into (:func:`~specfit.io.check_output`), and refused when it holds another command's run: their
+    files would mix (a decode's cycles beside a simulation's summary), and a report would read them
+    as one run. A new or empty directory, one without a ``run.json`` and a run of the same kind
+    (rewritten, or a sweep resumed) are fine."""
+    from .io import check_output
+
+    path = check_output(out_dir, option, kind="dir")
+    if path is None or not path.is_dir():
+        return path
+    held = (read_run_info(path) or {}).get("kind")      # no readable run.json: nothing says what it holds
     if isinstance(held, str) and held.split() and held.split()[0] != kind:
         from .errors import SpecFitError
 
         raise SpecFitError(f"{option} {out_dir}: holds a `specfit {held.split()[0]}` run ({RUN_INFO_FILE}); "
                            f"expected a new directory or a {kind} run to replace")
+    return path

@@ -26,14 +26,14 @@ import pandas as pd
 import torch
 
 from ..costmodel import PARAM_NAMES
-from ..errors import SpecFitError
+from ..errors import SpecFitError, check_seed
 from .cycles import cycles_features, probe_cycles, probe_draft, probe_drafter_levels, probe_trees, star_node_cost
 from .fit import CycleTimeFitter, prediction_errors
 from .probes import MEASURES, fit_h2d, probe_expert_compute, probe_h2d
 from .profile import ModelShape, Profile, machine_info
 from .repeat import busy_warnings, machine_noise, repeat_rounds
 
-__all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "run_shape", "check_seed", "check_dtype",
+__all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "run_shape", "check_dtype",
            "default_profile_path", "cached_profile_path", "RUN_CYCLE_COLUMNS", "probe_prior"]
 
 # what `specfit decode --out` writes per cycle (cycles.parquet) and a refit reads
@@ -107,12 +107,6 @@ class CalibrationPlan:
     def warmup_rounds(self) -> int:
         """Untimed passes of every probe before the rounds (a process's first pass is cold)."""
         return 1
-
-
-def check_seed(seed) -> None:
-    """The probes' and the fit's random generators take a non-negative integer seed."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise SpecFitError(f"--seed: expected a non-negative integer, got {seed!r}")
 
 
 def check_dtype(name: str) -> torch.dtype:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import INTERRUPTS, SpecFitError, fail, interrupted, stopped
+from ..errors import INTERRUPTS, SpecFitError, check_seed, fail, stopped_by
 from ..io import check_output
 from ..threads import THREADS_HELP, set_cpu_threads
 
@@ -45,7 +45,7 @@ def calibrate_command(
         from . import calibrate_job       # sklearn, scipy and torch: a Ctrl-C here is an interrupt too
 
         set_cpu_threads(threads)
-        calibrate_job.check_seed(seed)
+        check_seed(seed)
         check_output(out, "--out", kind="file")
         if refit_runs:
             _refit(refit_runs, profile, out, rescale, seed, as_json, console)
@@ -69,9 +69,7 @@ def calibrate_command(
     except SpecFitError as exc:
         fail(str(exc))
     except INTERRUPTS as exc:
-        if not interrupted(exc):
-            raise
-        stopped("interrupted: no profile was written (probes are fitted only once they have all run)")
+        stopped_by(exc, "interrupted: no profile was written (probes are fitted only once they have all run)")
     if as_json:
         typer.echo(json.dumps(prof.to_dict(), indent=2))
         return

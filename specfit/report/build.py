@@ -18,7 +18,7 @@ import pandas as pd
 
 from .. import __version__
 from ..calibrate.profile import load_profile
-from ..errors import SpecFitError
+from ..errors import SpecFitError, one_line
 from ..io import deferred_interrupt, write_json_atomic
 from ..runinfo import read_run_info
 from ..runtime.run_dir import CYCLES_FILE, JOURNAL_FILE, read_decode_cycles, read_decode_summaries
@@ -94,7 +94,7 @@ def _damaged(path: Path, files: str, unit: str = "column"):
         raise SpecFitError(f"{path}: {files}: missing {unit} {exc}; expected the {unit}s the specfit version "
                            f"that reads it writes") from None
     except (ValueError, TypeError, AttributeError, IndexError) as exc:
-        detail = " ".join(str(exc).split())
+        detail = one_line(exc)
         detail = detail if len(detail) <= 120 else detail[:117] + "..."
         raise SpecFitError(f"{path}: {files}: a {unit} holds values of the wrong type or range ({detail})") from None
 

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, interrupted, stopped
+from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, stopped, stopped_by
 from ..io import check_output
 
 
@@ -32,7 +32,5 @@ def report_command(
     except Interrupted as exc:
         stopped(str(exc))
     except INTERRUPTS as exc:
-        if not interrupted(exc):
-            raise
-        stopped(f"interrupted: no report was written ({target} holds what it held before)")
+        stopped_by(exc, f"interrupted: no report was written ({target} holds what it held before)")
     typer.echo(f"report written to {index}")

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, interrupted, stopped
+from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, stopped, stopped_by
 from ..policies import POLICY_HELP
 from ..threads import THREADS_HELP, set_cpu_threads
 from .run_dir import CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE
@@ -124,9 +124,7 @@ def decode(
     except Interrupted as exc:
         stopped(str(exc))
     except INTERRUPTS as exc:                     # while loading the model, before any cycle ran
-        if not interrupted(exc):
-            raise
-        stopped("interrupted before the first cycle: no cycle was decoded, so none was kept")
+        stopped_by(exc, "interrupted before the first cycle: no cycle was decoded, so none was kept")
     if not json_lines:
         _print_summary(result, out)
     for line in result.notes:                      # on stderr: with --json too

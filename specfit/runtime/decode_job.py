@@ -36,7 +36,7 @@ from typing import Callable
 from ..accounting import live_row, summarise, waiting_note
 
 
-from ..errors import INTERRUPTS, Interrupted, SpecFitError, interrupted
+from ..errors import INTERRUPTS, Interrupted, SpecFitError, check_seed, interrupted
 from .run_dir import CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE, DecodeOutputs, read_decode_cycles
 
 # the predictors a recorded trace can fit before a live run (--predictor-trace)
@@ -111,7 +111,6 @@ class DecodePlan:
             (self.max_new_tokens < 1, f"--max-new-tokens: expected at least 1, got {self.max_new_tokens}"),
             (self.cache_experts < 0, f"--cache-experts: expected a non-negative number of experts, got {self.cache_experts}"),
             (self.tree_top_k < 1, f"--tree-top-k: expected at least 1, got {self.tree_top_k}"),
-            (self.seed < 0, f"--seed: expected a non-negative integer, got {self.seed}"),
             (self.max_levels < 0, f"--max-levels: expected at least 0, got {self.max_levels}"),
             (not math.isfinite(self.temperature) or self.temperature < 0,
              f"--temperature: expected a non-negative number, got {self.temperature}"),
@@ -124,6 +123,7 @@ class DecodePlan:
         for failed, message in checks:
             if failed:
                 raise SpecFitError(message)
+        check_seed(self.seed)
         from .devices import resolve_device
 
         resolve_device(self.device)
@@ -149,10 +149,9 @@ class DecodePlan:
         if not Path(self.model_dir).is_dir():
             raise SpecFitError(f"--model {self.model_dir}: not a directory")
         from ..io import check_output
-        from ..runinfo import check_run_kind
+        from ..runinfo import check_run_dir
 
-        check_output(self.out_dir, "--out", kind="dir")
-        check_run_kind(self.out_dir, "decode")
+        check_run_dir(self.out_dir, "decode")
         check_output(self.record, "--record", kind="file")
         if self.drafter_dir is not None and not Path(self.drafter_dir).is_dir():
             raise SpecFitError(f"--drafter {self.drafter_dir}: not a directory")

@@ -8,9 +8,8 @@ from typing import Optional
 
 import typer
 
-from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, interrupted, stopped
-from ..io import check_output
-from ..runinfo import check_run_kind
+from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, stopped, stopped_by
+from ..runinfo import check_run_dir
 from ..policies import DEFAULT_POLICIES, POLICY_HELP
 
 
@@ -54,8 +53,7 @@ def simulate_command(
     """Replay traces through every policy with the same cache and cost model, and compare."""
 
     try:
-        check_output(out, "--out", kind="dir")
-        check_run_kind(out, "simulate")
+        check_run_dir(out, "simulate")
         cycles, summary = _simulate(traces, _distinct("--profile", _split(profiles)), _split([policies]),
                                     _distinct("--cache-experts", _parse_sizes(cache_experts)), predictor,
                                     acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json,
@@ -67,9 +65,7 @@ def simulate_command(
     except Interrupted as exc:
         stopped(str(exc))
     except INTERRUPTS as exc:
-        if not interrupted(exc):
-            raise
-        stopped("interrupted: nothing was written (a simulation writes its files when every replay is done)")
+        stopped_by(exc, "interrupted: nothing was written (a simulation writes its files when every replay is done)")
     if as_json:
         records = json.loads(summary.to_json(orient="records"))
         typer.echo(json.dumps(records, indent=2))

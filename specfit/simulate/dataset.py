@@ -61,13 +61,11 @@ def part_files(out_dir: Path) -> list[Path]:
 
 
 def remove_stale_temporaries(out_dir: Path) -> int:
-    """Remove temporary files a killed sweep left behind (only while holding the lock)."""
-    n = 0
-    for folder in (Path(out_dir), Path(out_dir) / RESULTS_DIR):
-        for tmp in folder.glob(".*.tmp"):
-            tmp.unlink(missing_ok=True)
-            n += 1
-    return n
+    """Remove temporary files a killed sweep left behind, in the dataset and its results (only
+    while holding the lock); returns how many."""
+    from ..io import remove_stale_temporaries as remove_in
+
+    return remove_in(out_dir) + remove_in(Path(out_dir) / RESULTS_DIR)
 
 
 def done_cell_ids(out_dir: Path) -> set[str]:

@@ -247,8 +247,8 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
              num_cpus: int | None = None, show_progress: bool = True, ctx=None) -> PlanResult:
     """Build the candidate grid for ``budget``, run it as a sweep into ``out_dir`` and rank it."""
     from ..calibrate.presets import resolve_profile
-    from ..io import check_output, write_json_atomic
-    from ..runinfo import check_run_kind
+    from ..io import write_json_atomic
+    from ..runinfo import check_run_dir
     from ..traces.format import read_trace
     from .dataset import read_results
     from .distributed import execute, ray_session
@@ -281,8 +281,7 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
 
     for meta in [t.model for t in loaded] or [MODEL_SHAPES[name]]:
         resolve_profile(profile, ModelShape.from_trace_meta(meta), rescale=rescale)
-    check_output(out_dir, "--out", kind="dir")
-    check_run_kind(out_dir, "sweep")
+    check_run_dir(out_dir, "sweep")
     with ray_session(address, num_cpus) as ray:
         if not loaded:
             traces, loaded = _synthesised_traces(ray, name, workloads, tokens, out_dir / "traces")

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, interrupted, stopped
+from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, stopped, stopped_by
 
 # the settings a table may show for a cell (column: header); those the grid varies are shown
 _SETTING_COLUMNS = {"trace": "trace", "profile": "profile", "cache_mode": "cache mode", "cache_policy": "eviction",
@@ -39,8 +39,7 @@ def sweep_command(
                                  "columns of `simulate --json` plus the cell's parameters) on stdout."),
 ) -> None:
     """Run a grid of replays as Ray tasks into one resumable Parquet dataset."""
-    from ..io import check_output
-    from ..runinfo import check_run_kind
+    from ..runinfo import check_run_dir
     from .dataset import read_results
     from .distributed import execute, require_ray
     from .grid import load_spec
@@ -51,8 +50,7 @@ def sweep_command(
                 raise SpecFitError(f"{option}: expected a positive number, got {value}")
         require_ray()
         parsed = load_spec(spec)
-        out_dir = check_output(out or Path("runs") / spec.stem, "--out", kind="dir")
-        check_run_kind(out_dir, "sweep")
+        out_dir = check_run_dir(out or Path("runs") / spec.stem, "sweep")
         run = execute(parsed, out_dir, address, num_cpus, chunk_cells, show_progress=not as_json, ctx=ctx)
         results = read_results(out_dir)
     except SpecFitError as exc:
@@ -70,11 +68,9 @@ def sweep_command(
 def _stopped_outside_the_grid(exc: BaseException, out_dir: Path | None) -> None:
     """A Ctrl-C outside the grid's run (which says itself how many cells it kept): every cell
     finished before it is in the dataset, written whole."""
-    if not interrupted(exc):
-        raise exc
     where = f" in {out_dir}" if out_dir is not None else ""
-    stopped(f"interrupted: the dataset{where} keeps every cell finished before it; the same command resumes "
-            "from there")
+    stopped_by(exc, f"interrupted: the dataset{where} keeps every cell finished before it; the same command resumes "
+                    "from there")
 
 
 def _print_sweep(results, run, out_dir: Path, top: int) -> None:

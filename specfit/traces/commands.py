@@ -9,7 +9,7 @@ from typing import Optional
 import numpy as np
 import typer
 
-from ..errors import INTERRUPTS, SpecFitError, fail, interrupted, stopped
+from ..errors import INTERRUPTS, SpecFitError, check_seed, fail, stopped_by
 from ..io import check_output
 
 
@@ -46,7 +46,7 @@ def synth_command(
 
     try:
         check_output(out, "--out", kind="file")
-        _check_seed(seed)
+        check_seed(seed)
         if workload not in WORKLOADS and top1_prob is None:
             raise SpecFitError(f"--workload: {workload!r} is not a preset ({', '.join(WORKLOADS)}); give --top1-prob "
                                "(and optionally --depth-decay) to describe its drafter")
@@ -103,7 +103,7 @@ def import_routing_command(
             raise SpecFitError(f"--sequences: expected >= 1, got {sequences}")
         if max_tokens is not None and max_tokens < 1:
             raise SpecFitError(f"--max-tokens: expected >= 1 position, got {max_tokens}")
-        _check_seed(seed)
+        check_seed(seed)
         if not 0.0 <= sibling_reuse <= 1.0:
             raise SpecFitError(f"--sibling-reuse: expected a fraction in [0, 1], got {sibling_reuse:g}")
         log = read_routing_log(log_file)
@@ -184,15 +184,7 @@ def inspect_command(
 
 def _stopped_unwritten(exc: BaseException, out: Path) -> None:
     """A Ctrl-C before the trace was written (it is written atomically, whole or not at all)."""
-    if not interrupted(exc):
-        raise exc
-    stopped(f"interrupted: no trace was written ({out} is as it was)")
-
-
-def _check_seed(seed: int) -> None:
-    # numpy's generators take non-negative seeds only; refuse before any work, naming the option
-    if seed < 0:
-        raise SpecFitError(f"--seed: expected a non-negative integer, got {seed}")
+    stopped_by(exc, f"interrupted: no trace was written ({out} is as it was)")
 
 
 def _with_status(work, what: str, quiet: bool):

@@ -26,7 +26,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from ..errors import SpecFitError
+from ..errors import SpecFitError, one_line
 from ..io import atomic_write, json_text
 from ..tree import DraftTree
 from .validate import check_meta, validate_trace
@@ -239,7 +239,7 @@ def read_trace(path: str | Path, validate: bool = True) -> Trace:
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as exc:
-        raise SpecFitError(f"{path}: not a Parquet trace file ({_one_line(exc)})") from None
+        raise SpecFitError(f"{path}: not a Parquet trace file ({one_line(exc)})") from None
     raw = (pf.schema_arrow.metadata or {}).get(METADATA_KEY)
     if raw is None:
         raise SpecFitError(f"{path}: missing the '{METADATA_KEY.decode()}' metadata; expected a SpecFit trace file")
@@ -265,16 +265,11 @@ def read_trace(path: str | Path, validate: bool = True) -> Trace:
         table = pf.read()
     except (pa.ArrowException, OSError) as exc:
         # a readable footer says nothing about the pages: truncated or overwritten data fails here
-        raise SpecFitError(f"cannot read {path}: damaged Parquet data ({_one_line(exc)})") from None
+        raise SpecFitError(f"cannot read {path}: damaged Parquet data ({one_line(exc)})") from None
     trace = _from_table(table, meta, str(path))
     if validate:
         validate_trace(trace, source=str(path))
     return trace
-
-
-def _one_line(exc: Exception) -> str:
-    # Arrow's messages can span lines (a thrift error, then its context); the CLI prints one line
-    return " ".join(str(exc).split())
 
 
 def _int_column(table: pa.Table, name: str, source: str, fill: int | None = None) -> np.ndarray:

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..errors import SpecFitError
+from ..errors import SpecFitError, one_line
 
 __all__ = ["RoutingLog", "read_routing_log", "dump_jsonl", "JSONL_FIELDS"]
 
@@ -82,7 +82,7 @@ def read_routing_log(path: str | Path) -> RoutingLog:
         try:
             frame = pd.read_parquet(path)
         except Exception as exc:  # pyarrow raises several error types for non-Parquet input
-            raise SpecFitError(f"{path}: not a readable Parquet file ({' '.join(str(exc).split())})") from None
+            raise SpecFitError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
         return _from_records(frame, path, "parquet")
     raise SpecFitError(f"{path}: unknown routing-log format; expected a .npz, .jsonl or .parquet file")
 
