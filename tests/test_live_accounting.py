@@ -448,6 +448,19 @@ def test_a_decoder_corrects_its_prediction_when_the_machine_slows_down():
     assert all(r["online_predicted_time_s"] == r["predicted_time_s"] for r in online)
 
 
+def skip_if_the_machine_was_oversubscribed(cycles, slept_s: float, most: float = 0.1) -> None:
+    """Skip a test that judges cycle-time predictions when other processes kept its decoding thread
+    off a CPU for more than ``most`` of the decode (``waited_s``, less the ``slept_s`` the test's
+    own sleeps account for): with more runnable processes than cores that noise is larger than any
+    difference the test judges (beside two CPU-bound processes on 2 cores the MAPE of either model
+    rose from 0.2-0.6 to 0.5-1.0)."""
+    total = sum(c.cycle_time_s for c in cycles)
+    waited = sum(c.waited_s for c in cycles) - slept_s
+    if waited > most * total:
+        pytest.skip(f"other processes kept the decoding thread off a CPU for {waited / total:.0%} of the decode "
+                    f"(over {most:.0%}): too loaded a machine to judge cycle-time predictions")
+
+
 @pytest.mark.parametrize("spec", ["eagle3:16:4", "specfit"])
 def test_a_decoder_prices_the_rest_of_each_cycle_at_its_drafter_pace(spec):
     """Every other cycle at random, the drafter's passes and the target's pass are slow together
@@ -460,16 +473,20 @@ def test_a_decoder_prices_the_rest_of_each_cycle_at_its_drafter_pace(spec):
     rng, slow = np.random.default_rng(3), [False]
     forward, draft_forward = model.forward, drafter.forward
 
+    slept = [0.0]                                       # the slowness the test made (s)
+
     def target(*args, **kwargs):
         out = forward(*args, **kwargs)
         if slow[0]:
             time.sleep(0.025)
+            slept[0] += 0.025
         slow[0] = bool(rng.random() < 0.5)              # the next cycle's speed
         return out
 
     def drafting(*args, **kwargs):
         if slow[0]:
             time.sleep(0.003)
+            slept[0] += 0.003
         return draft_forward(*args, **kwargs)
 
     model.forward, drafter.forward = target, drafting
@@ -479,7 +496,9 @@ def test_a_decoder_prices_the_rest_of_each_cycle_at_its_drafter_pace(spec):
         model.offload.reset()
         online = OnlineCostModel(cost, pace_half_life=pace)
         decoder = Decoder(model, Proposer(drafter, 4), make_policy(spec), cost, online_refit=online)
+        slept[0] = 0.0
         cycles = decoder.generate(PROMPT, 160, ignore_eos=True).cycles
+        skip_if_the_machine_was_oversubscribed(cycles, slept[0])
         rows = [live_row(c, cost, model.offload.host.expert_bytes) for c in cycles]
         drafted = [r for r in rows if r["draft_levels"] > 0 and r["drafter_time_s"] > 0]
         assert len(drafted) >= 30 and (spec == "specfit" or len(drafted) == len(rows))
@@ -527,7 +546,7 @@ def test_the_cycles_measured_times_add_up_to_the_decode_time():
 
 
 def test_cycles_whose_thread_waited_for_a_cpu_are_marked_and_left_out_of_the_running_error():
-    """A cycle whose decoding thread is not running (here a callback that sleeps 30 ms: the next
+    """A cycle whose decoding thread is not running (here a callback that sleeps 200 ms: the next
     cycle's time holds it, as it would hold another process's turn on the core) records that wait
     as ``waited_s`` (wall minus CPU time); the summary counts it among the cycles that waited and
     reports the time error over the others. With two torch threads the main thread's CPU time no
@@ -537,7 +556,7 @@ def test_cycles_whose_thread_waited_for_a_cpu_are_marked_and_left_out_of_the_run
     from specfit.accounting import summarise, waiting_note
 
     model, drafter = tiny(4)
-    pause_s, paused = 0.03, 2
+    pause_s, paused = 0.2, 2      # long beside the waits of a machine with more processes than cores
     decoder = Decoder(model, Proposer(drafter, 4), make_policy("specfit"), COST)
 
     def pause(stats, tokens):
@@ -559,8 +578,9 @@ def test_cycles_whose_thread_waited_for_a_cpu_are_marked_and_left_out_of_the_run
     assert marked[paused + 1] and s["waited_cycles"] == pytest.approx(marked.mean())
     assert s["waited_share"] == pytest.approx(rows["waited_s"].sum() / rows["measured_time_s"].sum())
     others = rows[~marked]
+    # (NaN both when every cycle waited: a machine busy enough that no cycle ran whole)
     assert s["running_time_mape"] == pytest.approx(
-        prediction_errors(others["predicted_time_s"], others["time_s"])["mape"])
+        prediction_errors(others["predicted_time_s"], others["time_s"])["mape"], nan_ok=True)
     # a run says so from 5 % of its cycles on
     assert waiting_note({**s, "waited_cycles": 0.049}) is None
     note = waiting_note({**s, "waited_cycles": 0.05})
