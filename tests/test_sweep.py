@@ -304,14 +304,16 @@ def _sweep_process(spec: Path, out: Path, address: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, start_new_session=True, preexec_fn=default_sigint)
 
 
-def _wait_for_parts(proc: subprocess.Popen, out: Path, more_than: int, timeout_s: float = 120) -> int:
+def _wait_for_parts(proc: subprocess.Popen, out: Path, more_than: int, timeout_s: float = 300) -> int:
+    # a guard against a hung sweep only: beside two CPU-bound processes on 2 cores, its first part
+    # took over 120 s (the process, its Ray workers and their kernels start on a third of a core)
     end = time.monotonic() + timeout_s
     while time.monotonic() < end:
         n = len(part_files(out)) if (out / "results").exists() else 0
         if n > more_than or proc.poll() is not None:
             return n
         time.sleep(0.02)
-    raise AssertionError("the sweep wrote no part file in time")
+    raise AssertionError(f"the sweep wrote no part file in {timeout_s:.0f} s")
 
 
 def _no_temporaries(out: Path) -> bool:
