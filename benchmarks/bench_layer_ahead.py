@@ -1,0 +1,173 @@
+"""The layer-ahead prefetch's ceiling on real-routing traces (issue 12's unbuilt lever, measured
+before building it).
+
+    python benchmarks/bench_layer_ahead.py [--traces olmoe-sample,olmoe-general,olmoe-coding,qwen3-chat]
+        [--profiles pcie4,pcie5,gh200] [--caches 0,0.25,0.5] [--sequences 16] [--out runs/bench_layer_ahead.json]
+
+For every trace x profile x cache it replays `ar`, `chain:1` (with `static:auto` the best fixed
+settings of `bench_policy.py`, where static:auto chose N = 2, the same tree as chain:1), `specfit`
+with true experts and `specfit` with the learned predictor (both without the cache levers, so the
+cache is the plain per-layer LRU the recharge rebuilds), then recharges each replay's recorded
+unions with :func:`specfit.experts.layer_ahead.layer_ahead`: the transfer time that copies of the
+next layer's experts, made in the idle link time while a layer computes, could hide. Two
+prefetchers: the true misses (the ceiling of any next-layer predictor, e.g. the next layer's
+router applied to this layer's hidden state, which live passes have and routing logs do not), and
+a transition table ``P(e' at l + 1 | e at l)`` that a routing trace can replay, fitted on the other
+half of the sequences (cross-fitted). Decisions are the replay's: a policy that priced the overlap
+might choose other trees. The bench checks that the recount equals each replay's hits, misses and
+charged time before it reports anything.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+from bench_policy import load_traces, run  # noqa: E402
+from specfit.calibrate.presets import resolve_profile  # noqa: E402
+from specfit.calibrate.profile import ModelShape  # noqa: E402
+from specfit.experts.layer_ahead import TransitionRanker, layer_ahead  # noqa: E402
+from specfit.io import write_text_atomic  # noqa: E402
+from specfit.policies import make_policy  # noqa: E402
+from specfit.simulate.replay import prepare_trace  # noqa: E402
+
+# label: (prepared trace's predictor, policy spec)
+POLICIES = {"ar": ("oracle", "ar"), "chain:1": ("oracle", "chain:1"), "specfit": ("oracle", "specfit"),
+            "specfit learned": ("learned", "specfit")}
+FIXED = ("ar", "chain:1")
+
+
+def fold_rankers(prep) -> tuple[list[TransitionRanker], np.ndarray]:
+    """Two transition tables, each fitted on the roots (committed positions) of every other
+    sequence, and the fold of each sequence: a cycle of sequence s is ranked by the table of
+    fold 1 - s % 2."""
+    trace = prep.trace
+    starts = np.append(prep.first_cycles, trace.n_cycles)
+    fold = np.zeros(trace.n_cycles, dtype=np.int64)
+    for s in range(starts.size - 1):
+        fold[starts[s]:starts[s + 1]] = s % 2
+    roots = trace.true_experts[trace.offsets[:-1]]
+    rankers = [TransitionRanker(roots[fold == f], trace.n_experts) for f in (0, 1)]
+    return rankers, np.arange(starts.size - 1) % 2
+
+
+def recharge(prep, log, capacity: int, cost, rankers, seq_fold) -> dict:
+    trace, c = prep.trace, log.columns
+    args = (log.unions, c["nodes_verified"], c["draft_levels"], trace.n_layers, trace.n_experts, capacity, cost)
+    perfect = layer_ahead(*args)
+    other = 1 - seq_fold[c["sequence"]]
+    transition = layer_ahead(*args, rank=lambda t, union: rankers[other[t]].rank(t, union))
+    # the recount is the replay's own cache and cost model, or nothing below means anything
+    if not (np.array_equal(perfect.hits, c["hits"]) and np.array_equal(perfect.misses, c["misses"])
+            and np.allclose(perfect.time_s, c["charged_time_s"], rtol=1e-9)):
+        raise SystemExit(f"{prep.name}: the recount differs from the replay's hits, misses or time")
+    tokens = float(c["committed_tokens"].sum())
+    return {"tokens_per_s": tokens / perfect.time_s.sum(),
+            "perfect": tokens / perfect.time_with_overlap_s.sum(),
+            "transition": tokens / transition.time_with_overlap_s.sum(),
+            "transfer_share": float((cost.miss_s - cost.hit_s) * perfect.misses.sum() / perfect.time_s.sum()),
+            "transition_precision": transition.precision,
+            "transition_of_ceiling": float(transition.hidden_s.sum() / perfect.hidden_s.sum())
+            if perfect.hidden_s.sum() else float("nan")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--traces", default="olmoe-sample,olmoe-general,olmoe-coding,qwen3-chat")
+    parser.add_argument("--profiles", default="pcie4,pcie5,gh200")
+    parser.add_argument("--caches", default="0,0.25,0.5", help="shares of a layer's experts")
+    parser.add_argument("--sequences", type=int, default=16)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    start = time.perf_counter()
+    rows = []
+    for name, trace in load_traces(args.traces.split(","), args.sequences, "chat"):
+        preps = {key: prepare_trace(name, trace, key) for key in {p for p, _ in POLICIES.values()}}
+        rankers, seq_fold = fold_rankers(preps["oracle"])
+        shape = ModelShape.from_trace_meta(trace.model)
+        for profile in args.profiles.split(","):
+            cost = resolve_profile(profile, shape).cost
+            for share in (float(x) for x in args.caches.split(",")):
+                capacity = int(round(share * trace.n_experts))
+                row = {"trace": name, "profile": profile, "cache": capacity}
+                for label, (key, spec) in POLICIES.items():
+                    log = run(preps[key], make_policy(spec), capacity, cost, record_unions=True)
+                    row[label] = recharge(preps[key], log, capacity, cost, rankers, seq_fold)
+                rows.append(row)
+                print(_line(row), flush=True)
+    _summary(rows)
+    print(f"# {time.perf_counter() - start:.0f} s")
+    if args.out:
+        write_text_atomic(Path(args.out), json.dumps(rows, indent=1))
+
+
+def _best(row: dict, which: str) -> float:
+    return max(row[k][which] for k in FIXED)
+
+
+def _line(row: dict) -> str:
+    s, learned = row["specfit"], row["specfit learned"]
+    cells = [row["trace"], row["profile"], str(row["cache"]),
+             f"{row['ar']['tokens_per_s']:.2f}", f"{row['ar']['transfer_share']:.0%}",
+             f"{row['ar']['perfect'] / row['ar']['tokens_per_s']:.3f}",
+             f"{row['ar']['transition'] / row['ar']['tokens_per_s']:.3f}",
+             f"{s['tokens_per_s']:.2f}", f"{s['perfect'] / s['tokens_per_s']:.3f}",
+             f"{s['transition'] / s['tokens_per_s']:.3f}",
+             f"{s['tokens_per_s'] / _best(row, 'tokens_per_s'):.3f}", f"{s['perfect'] / _best(row, 'perfect'):.3f}",
+             f"{s['transition'] / _best(row, 'transition'):.3f}",
+             f"{learned['tokens_per_s'] / s['tokens_per_s']:.3f}", f"{learned['perfect'] / s['perfect']:.3f}",
+             f"{learned['transition'] / s['transition']:.3f}",
+             f"{s['transition_precision']:.2f}", f"{s['transition_of_ceiling']:.2f}"]
+    return "| " + " | ".join(cells) + " |"
+
+
+HEADER = ("| trace | profile | cache | ar tok/s | ar transfer share | ar +LA ceiling | ar +LA transition "
+          "| specfit tok/s | specfit +LA ceiling | specfit +LA transition | specfit / best fixed | same, both +LA "
+          "ceiling | same, both +LA transition | learned / true | same, +LA ceiling | same, +LA transition "
+          "| transition precision | transition / ceiling |")
+
+
+def _summary(rows: list[dict]) -> None:
+    print()
+    print(HEADER)
+    print("|---" * HEADER.count(" | ") + "|---|")
+    for row in rows:
+        print(_line(row))
+    print()
+    stats = {
+        "ar +LA ceiling": [r["ar"]["perfect"] / r["ar"]["tokens_per_s"] for r in rows],
+        "ar +LA transition": [r["ar"]["transition"] / r["ar"]["tokens_per_s"] for r in rows],
+        "specfit +LA ceiling": [r["specfit"]["perfect"] / r["specfit"]["tokens_per_s"] for r in rows],
+        "specfit +LA transition": [r["specfit"]["transition"] / r["specfit"]["tokens_per_s"] for r in rows],
+        "specfit / best fixed": [r["specfit"]["tokens_per_s"] / _best(r, "tokens_per_s") for r in rows],
+        "specfit / best fixed, both +LA ceiling": [r["specfit"]["perfect"] / _best(r, "perfect") for r in rows],
+        "specfit / best fixed, both +LA transition": [r["specfit"]["transition"] / _best(r, "transition")
+                                                       for r in rows],
+        "learned / true": [r["specfit learned"]["tokens_per_s"] / r["specfit"]["tokens_per_s"] for r in rows],
+        "learned / true, both +LA ceiling": [r["specfit learned"]["perfect"] / r["specfit"]["perfect"] for r in rows],
+        "learned / true, both +LA transition": [r["specfit learned"]["transition"] / r["specfit"]["transition"]
+                                                for r in rows],
+    }
+    print(f"| over {len(rows)} settings | median | min | max |")
+    print("|---|---:|---:|---:|")
+    for label, values in stats.items():
+        print(f"| {label} | {np.median(values):.3f} | {min(values):.3f} | {max(values):.3f} |")
+    for profile in sorted({r["profile"] for r in rows}):
+        sub = [r for r in rows if r["profile"] == profile]
+        print(f"# {profile}: ar +LA ceiling median "
+              f"{np.median([r['ar']['perfect'] / r['ar']['tokens_per_s'] for r in sub]):.3f}, specfit +LA ceiling "
+              f"{np.median([r['specfit']['perfect'] / r['specfit']['tokens_per_s'] for r in sub]):.3f}, "
+              f"transition {np.median([r['specfit']['transition'] / r['specfit']['tokens_per_s'] for r in sub]):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The layer-ahead prefetch's ceiling: how much of a cycle's transfer time copies of the next
+layer's experts, made while a layer computes, could hide.
+
+Like :mod:`specfit.experts.belady`, this recharges a replay's recorded cycle unions offline; it
+changes no decision. The cost model's terms are split by layer (no preset or fit gives another
+split): a verification pass runs its layers in order, and at layer ``l`` the link first copies
+the layer's misses (``misses_l * transfer_s``, ``transfer_s = miss_s - hit_s``), then the layer
+computes for
+
+    compute_l = (base_s + per_node_s * nodes) / L + union_l * hit_s
+
+with the link idle. A prefetcher that knows (or predicts) layer ``l + 1``'s experts once layer
+``l`` is routed can use that idle window: it copies its candidates for ``l + 1`` in rank order,
+those not resident, one ``transfer_s`` each, and stops when the window closes. Each copy of an
+expert that layer ``l + 1`` misses hides the part of its transfer inside the window; a copy of an
+expert it does not need hides nothing (and costs nothing: it ran in idle link time). With the
+true misses as the candidates the hidden time is ``min(misses_{l+1} * transfer_s, compute_l)``,
+the ceiling of any next-layer predictor. Layer 0 has no window in the pass (the drafting before it
+is the draft-time prefetch's, :mod:`specfit.experts.prefetch`).
+
+The cache is the replay's own per-layer cache (:class:`~specfit.experts.cache.ExpertCache`,
+rebuilt here and admitting each cycle's union as the replay did); prefetched experts go to a
+staging buffer for one layer and evict nothing, so residency, hits and misses are those of the
+replay and only time is recharged. A policy that knew of the overlap might choose other subtrees;
+this keeps its choices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from ..costmodel import CostModel
+from .belady import request_matrix
+from .cache import ExpertCache
+
+__all__ = ["LayerAhead", "layer_ahead", "TransitionRanker"]
+
+# rank(cycle, previous) -> int64 [L - 1, E]: per layer l >= 1 the candidates for it, best first,
+# given ``previous`` (bool [L, E], each layer's union of the cycle); -1 pads a row
+Ranker = Callable[[int, np.ndarray], np.ndarray]
+
+
+@dataclass
+class LayerAhead:
+    """Per-cycle arrays of a recharge (int64 or float64 [cycles])."""
+
+    hits: np.ndarray
+    misses: np.ndarray
+    time_s: np.ndarray          # the cost model's cycle time (no overlap)
+    hidden_s: np.ndarray        # transfer time the windows hid
+    copies: np.ndarray          # copies started in the windows
+    useful: np.ndarray          # of them, copies of an expert the next layer missed
+
+    @property
+    def time_with_overlap_s(self) -> np.ndarray:
+        return self.time_s - self.hidden_s
+
+    @property
+    def precision(self) -> float:
+        """Share of the copies made that the next layer needed."""
+        copies = int(self.copies.sum())
+        return float(self.useful.sum()) / copies if copies else float("nan")
+
+
+def _hidden(window: np.ndarray, useful: np.ndarray, transfer_s: float) -> float:
+    """Transfer time hidden by copies ``j = 0, 1, ..`` (``useful[l, j]``: copy j at layer l is of
+    a missed expert), copy j taking ``[j t, (j + 1) t)`` of a window of ``window[l]`` seconds."""
+    j = np.arange(useful.shape[1])
+    inside = np.clip(window[:, None] - j[None, :] * transfer_s, 0.0, transfer_s)
+    return float((inside * useful).sum())
+
+
+def layer_ahead(unions: list[np.ndarray], nodes: np.ndarray, draft_levels: np.ndarray, n_layers: int,
+                n_experts: int, capacity: int, cost: CostModel, rank: Ranker | None = None) -> LayerAhead:
+    """Recharge a replay's cycles (``unions``: flat item ids ``layer * E + expert`` per cycle;
+    ``nodes`` and ``draft_levels`` per cycle) with the layer-ahead windows, on a per-layer LRU
+    cache of ``capacity`` experts per layer. ``rank``: the prefetcher's candidates (see
+    :data:`Ranker`); ``None``: the true misses, the ceiling."""
+    transfer_s = cost.miss_s - cost.hit_s
+    if transfer_s < 0:
+        raise ValueError(f"cost model: miss_s ({cost.miss_s}) below hit_s ({cost.hit_s})")
+    req = request_matrix(unions, n_layers * n_experts).reshape(len(unions), n_layers, n_experts)
+    T = req.shape[0]
+    cache = ExpertCache(n_layers, n_experts, capacity)
+    out = LayerAhead(*(np.zeros(T, dtype=np.int64) for _ in range(2)), np.zeros(T), np.zeros(T),
+                     *(np.zeros(T, dtype=np.int64) for _ in range(2)))
+    fixed_s = cost.base_s / n_layers
+    for t in range(T):
+        resident = cache.resident()
+        result = cache.admit(req[t])
+        out.hits[t], out.misses[t] = result.total_hits, result.total_misses
+        if n_layers < 2 or transfer_s == 0:
+            continue
+        union = req[t]
+        missed = union & ~resident                     # [L, E]: what the pass copies, per layer
+        window = fixed_s + cost.per_node_s * nodes[t] / n_layers + union.sum(axis=1)[:-1] * cost.hit_s
+        slots = int(np.ceil(window.max() / transfer_s))
+        if rank is None:
+            # the true misses of each next layer, as many as the window starts
+            useful = np.arange(slots)[None, :] < missed[1:].sum(axis=1)[:, None]
+            copies = np.minimum(missed[1:].sum(axis=1), np.ceil(window / transfer_s))
+        else:
+            ranked = np.asarray(rank(t, union))
+            ok = ranked >= 0
+            ids = np.where(ok, ranked, 0)
+            # candidates already resident need no copy: drop them, keeping the order
+            ok &= ~np.take_along_axis(resident[1:], ids, axis=1)
+            order = np.argsort(~ok, axis=1, kind="stable")[:, :slots]
+            ids, ok = np.take_along_axis(ids, order, axis=1), np.take_along_axis(ok, order, axis=1)
+            hit = ok & np.take_along_axis(missed[1:], ids, axis=1)
+            useful = np.zeros((n_layers - 1, slots), dtype=bool)
+            useful[:, :hit.shape[1]] = hit
+            started = np.minimum(ok.sum(axis=1), np.ceil(window / transfer_s))
+            copies = started
+            useful &= np.arange(slots)[None, :] < started[:, None]
+        out.hidden_s[t] = _hidden(window, useful, transfer_s)
+        out.copies[t], out.useful[t] = int(copies.sum()), int(useful.sum())
+    out.time_s[:] = cost.predict_counts(draft_levels, nodes, out.hits, out.misses)
+    return out
+
+
+class TransitionRanker:
+    """A next-layer predictor a routing trace can replay: ``P(e' at l + 1 | e at l)`` counted over
+    the positions given (one token's experts per position), and layer ``l + 1``'s candidates
+    ranked by ``sum over e in union_l of P(e' | e)`` (ties: the lower id; experts never seen
+    after the union's are not candidates)."""
+
+    def __init__(self, experts: np.ndarray, n_experts: int):
+        experts = np.asarray(experts, dtype=np.int64)          # [positions, L, k], -1: unknown
+        n, n_layers, _ = experts.shape
+        onehot = np.zeros((n, n_layers, n_experts + 1))
+        np.put_along_axis(onehot, np.where(experts >= 0, experts, n_experts), 1.0, axis=2)
+        onehot = onehot[:, :, :n_experts]
+        # counts[l, e, e']: positions with e at layer l and e' at layer l + 1
+        counts = np.einsum("nle,nlf->lef", onehot[:, :-1], onehot[:, 1:])
+        seen = onehot[:, :-1].sum(axis=0)                      # [L - 1, E]
+        self.conditional = counts / np.maximum(seen, 1.0)[:, :, None]
+        self.n_experts = n_experts
+
+    def scores(self, union: np.ndarray) -> np.ndarray:
+        """float [L - 1, E]: each next layer's scores given ``union`` (bool [L, E])."""
+        return np.einsum("le,lef->lf", np.asarray(union[:-1], dtype=np.float64), self.conditional)
+
+    def rank(self, cycle: int, union: np.ndarray) -> np.ndarray:
+        scores = self.scores(union)
+        order = np.argsort(-scores, axis=1, kind="stable")
+        return np.where(np.take_along_axis(scores, order, axis=1) > 0, order, -1)

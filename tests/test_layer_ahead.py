@@ -1,0 +1,142 @@
+"""The layer-ahead prefetch's ceiling: hand-computed windows, an event-by-event reference, the
+ceiling property, the transition ranker's counts, and the recharge against the replay's own."""
+
+import numpy as np
+import pytest
+
+from specfit import CostModel, ExpertCache
+from specfit.calibrate.presets import SHAPES, preset_profile
+from specfit.experts.layer_ahead import TransitionRanker, layer_ahead
+from specfit.policies import Observation, make_policy
+from specfit.simulate.replay import prepare, replay
+from specfit.traces.format import read_trace
+
+from test_belady import random_unions
+from trace_helpers import SAMPLE_OLMOE
+
+# two layers: a window of 0.1 s + 0.01 s per expert of the union; a copy takes 0.05 s
+COST = CostModel(base_s=0.2, per_node_s=0.0, hit_s=0.01, miss_s=0.06, draft_level_s=0.0)
+
+
+def _fixed(order):
+    """A ranker that offers the same candidates (layer 1 of 2) every cycle."""
+    return lambda cycle, union: np.array([order], dtype=np.int64)
+
+
+def test_hand_computed_windows_with_no_cache():
+    # layer 0 needs {0, 1}, layer 1 needs {1, 2, 3}: layer 0 computes 0.1 + 2 x 0.01 = 0.12 s
+    unions = [np.array([0, 1, 4 + 1, 4 + 2, 4 + 3])]
+    perfect = layer_ahead(unions, np.array([2]), np.array([0]), 2, 4, 0, COST)
+    assert perfect.misses[0] == 5 and perfect.hits[0] == 0
+    assert perfect.time_s[0] == pytest.approx(0.2 + 5 * 0.06)
+    # three misses (0.15 s of copies) in a 0.12 s window
+    assert perfect.hidden_s[0] == pytest.approx(0.12)
+    assert perfect.copies[0] == 3 and perfect.useful[0] == 3
+    # ranked 3, 0, 2, 1: the copy of 3 is whole in the window (0.05), 0 is wasted (0.05-0.10),
+    # 2 has 0.02 s of its copy inside the window, 1 is not started
+    ranked = layer_ahead(unions, np.array([2]), np.array([0]), 2, 4, 0, COST, rank=_fixed([3, 0, 2, 1]))
+    assert ranked.hidden_s[0] == pytest.approx(0.05 + 0.02)
+    assert ranked.copies[0] == 3 and ranked.useful[0] == 2
+    assert ranked.precision == pytest.approx(2 / 3)
+    np.testing.assert_allclose(ranked.time_with_overlap_s, ranked.time_s - ranked.hidden_s)
+
+
+def test_resident_candidates_need_no_copy():
+    # the first cycle leaves {0, 1} resident at layer 0 and {1, 2} at layer 1 (two slots a layer)
+    unions = [np.array([0, 1, 4 + 1, 4 + 2]), np.array([0, 1, 4 + 1, 4 + 2, 4 + 3])]
+    nodes, levels = np.array([1, 1]), np.array([0, 0])
+    ranked = layer_ahead(unions, nodes, levels, 2, 4, 2, COST, rank=_fixed([1, 3, 0, 2]))
+    assert list(ranked.misses) == [4, 1] and list(ranked.hits) == [0, 4]
+    # cycle 2: 1 and 2 are resident and skipped; 3 is copied first (useful), then 0 (not)
+    assert ranked.hidden_s[1] == pytest.approx(0.05)
+    assert ranked.copies[1] == 2 and ranked.useful[1] == 1
+    perfect = layer_ahead(unions, nodes, levels, 2, 4, 2, COST)
+    assert perfect.hidden_s[1] == pytest.approx(0.05)
+
+
+def _events(unions, nodes, n_layers, n_experts, capacity, cost, rank):
+    """Reference: each layer's window walked copy by copy."""
+    transfer = cost.miss_s - cost.hit_s
+    cache = ExpertCache(n_layers, n_experts, capacity)
+    hidden = []
+    for t, items in enumerate(unions):
+        need = np.zeros((n_layers, n_experts), dtype=bool)
+        need.flat[items] = True
+        resident = cache.resident()
+        cache.admit(need)
+        total = 0.0
+        for layer in range(n_layers - 1):
+            window = cost.base_s / n_layers + cost.per_node_s * nodes[t] / n_layers + need[layer].sum() * cost.hit_s
+            if rank is None:
+                candidates = [e for e in range(n_experts) if need[layer + 1, e] and not resident[layer + 1, e]]
+            else:
+                candidates = [e for e in rank(t, need)[layer] if e >= 0 and not resident[layer + 1, e]]
+            clock = 0.0
+            for e in candidates:
+                if clock >= window:
+                    break
+                if need[layer + 1, e]:
+                    total += min(transfer, window - clock)
+                clock += transfer
+        hidden.append(total)
+    return np.array(hidden)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_windows_equal_the_event_walk_and_no_ranker_beats_the_true_misses(seed):
+    rng = np.random.default_rng(seed)
+    n_layers, n_experts, capacity = 3, 6, int(rng.integers(0, 4))
+    unions = random_unions(rng, 12, n_layers, n_experts, 4)
+    nodes = rng.integers(1, 6, len(unions))
+    cost = CostModel(base_s=0.03, per_node_s=0.004, hit_s=0.002, miss_s=0.002 + float(rng.uniform(0.003, 0.03)),
+                     draft_level_s=0.0)
+    orders = rng.permuted(np.tile(np.arange(n_experts), (len(unions), n_layers - 1, 1)), axis=2)
+    orders[rng.random(orders.shape) < 0.2] = -1            # some rows offer fewer candidates
+
+    def rank(cycle, union):
+        return orders[cycle]
+
+    perfect = layer_ahead(unions, nodes, np.zeros(len(unions)), n_layers, n_experts, capacity, cost)
+    ranked = layer_ahead(unions, nodes, np.zeros(len(unions)), n_layers, n_experts, capacity, cost, rank=rank)
+    np.testing.assert_allclose(perfect.hidden_s, _events(unions, nodes, n_layers, n_experts, capacity, cost, None))
+    np.testing.assert_allclose(ranked.hidden_s, _events(unions, nodes, n_layers, n_experts, capacity, cost, rank))
+    assert (ranked.hidden_s <= perfect.hidden_s + 1e-12).all()
+    assert (perfect.hidden_s <= cost.miss_s * perfect.misses).all()
+    np.testing.assert_array_equal(perfect.misses, ranked.misses)
+
+
+def test_transition_ranker_counts_and_order():
+    # three positions of a 2-layer, 4-expert model, one expert a layer: 0 -> 2, 0 -> 3, 1 -> 3
+    experts = np.array([[[0], [2]], [[0], [3]], [[1], [3]]])
+    ranker = TransitionRanker(experts, 4)
+    np.testing.assert_allclose(ranker.conditional[0, 0], [0, 0, 0.5, 0.5])
+    np.testing.assert_allclose(ranker.conditional[0, 1], [0, 0, 0, 1.0])
+    union = np.zeros((2, 4), dtype=bool)
+    union[0, [0, 1]] = True
+    # 3: 0.5 + 1, 2: 0.5, then nothing: 0 and 1 never followed
+    np.testing.assert_array_equal(ranker.rank(0, union), [[3, 2, -1, -1]])
+    union[0] = [False, False, True, False]                  # an expert never seen at layer 0
+    np.testing.assert_array_equal(ranker.rank(0, union), [[-1, -1, -1, -1]])
+
+
+def test_the_recharge_keeps_the_replays_cache_and_time():
+    """On the shipped OLMoE trace, `ar`'s and `chain:2`'s recorded unions recounted on the same
+    per-layer LRU cache give the replay's hits, misses and charged time; the true misses hide at
+    least what the transition ranker does."""
+    trace = read_trace(SAMPLE_OLMOE)
+    prep = prepare("oracle", trace, trace.true_experts)
+    cost = preset_profile("gh200", SHAPES.get(trace.model["name"])).cost
+    roots = trace.true_experts[trace.offsets[:-1]]
+    ranker = TransitionRanker(roots, trace.n_experts)
+    for spec in ("ar", "chain:2"):
+        policy = make_policy(spec)
+        policy.observe(Observation(predicted_slots=0, predicted_slots_right=0, resident_share=0.25))
+        log = replay(prep, policy, ExpertCache(trace.n_layers, trace.n_experts, 16), cost, record_unions=True)
+        c = log.columns
+        args = (log.unions, c["nodes_verified"], c["draft_levels"], trace.n_layers, trace.n_experts, 16, cost)
+        perfect, ranked = layer_ahead(*args), layer_ahead(*args, rank=ranker.rank)
+        np.testing.assert_array_equal(perfect.hits, c["hits"])
+        np.testing.assert_array_equal(perfect.misses, c["misses"])
+        np.testing.assert_allclose(perfect.time_s, c["charged_time_s"], rtol=1e-12)
+        assert (ranked.hidden_s <= perfect.hidden_s + 1e-12).all()
+        assert perfect.hidden_s.sum() > ranked.hidden_s.sum() > 0
