@@ -12,8 +12,10 @@ computes for
 with the link idle. A prefetcher that knows (or predicts) layer ``l + 1``'s experts once layer
 ``l`` is routed can use that idle window: it copies its candidates for ``l + 1`` in rank order,
 those not resident, one ``transfer_s`` each, and stops when the window closes. Each copy of an
-expert that layer ``l + 1`` misses hides the part of its transfer inside the window; a copy of an
-expert it does not need hides nothing (and costs nothing: it ran in idle link time). With the
+expert that layer ``l + 1`` misses hides the part of its transfer inside the window (the rest
+runs on in layer ``l + 1``'s time, as its miss would have); a copy of an expert it does not need
+hides nothing, costs nothing while inside the window, and if it is still under way when the window
+closes its overrun delays layer ``l + 1``'s own copies (a copy is not cancelled). With the
 true misses as the candidates the hidden time is ``min(misses_{l+1} * transfer_s, compute_l)``,
 the ceiling of any next-layer predictor. Layer 0 has no window in the pass (the drafting before it
 is the draft-time prefetch's, :mod:`specfit.experts.prefetch`).
@@ -50,7 +52,7 @@ class LayerAhead:
     hits: np.ndarray
     misses: np.ndarray
     time_s: np.ndarray          # the cost model's cycle time (no overlap)
-    hidden_s: np.ndarray        # transfer time the windows hid
+    hidden_s: np.ndarray        # transfer time the windows hid, less wasted copies' overruns
     copies: np.ndarray          # copies started in the windows
     useful: np.ndarray          # of them, copies of an expert the next layer missed
 
@@ -65,12 +67,16 @@ class LayerAhead:
         return float(self.useful.sum()) / copies if copies else float("nan")
 
 
-def _hidden(window: np.ndarray, useful: np.ndarray, transfer_s: float) -> float:
-    """Transfer time hidden by copies ``j = 0, 1, ..`` (``useful[l, j]``: copy j at layer l is of
-    a missed expert), copy j taking ``[j t, (j + 1) t)`` of a window of ``window[l]`` seconds."""
+def _hidden(window: np.ndarray, useful: np.ndarray, started: np.ndarray, transfer_s: float) -> float:
+    """Transfer time hidden by the ``started[l]`` copies ``j = 0, 1, ..`` of each layer
+    (``useful[l, j]``: copy j is of a missed expert), copy j taking ``[j t, (j + 1) t)`` of a window
+    of ``window[l]`` seconds, less the overrun of a wasted copy still under way at its close."""
     j = np.arange(useful.shape[1])
     inside = np.clip(window[:, None] - j[None, :] * transfer_s, 0.0, transfer_s)
-    return float((inside * useful).sum())
+    overrun = np.maximum(started * transfer_s - window, 0.0)
+    last = np.maximum(started - 1, 0).astype(np.int64)
+    wasted_last = (started > 0) & ~np.take_along_axis(useful, last[:, None], axis=1)[:, 0]
+    return float((inside * useful).sum() - (overrun * wasted_last).sum())
 
 
 def layer_ahead(unions: list[np.ndarray], nodes: np.ndarray, draft_levels: np.ndarray, n_layers: int,
@@ -101,7 +107,7 @@ def layer_ahead(unions: list[np.ndarray], nodes: np.ndarray, draft_levels: np.nd
         if rank is None:
             # the true misses of each next layer, as many as the window starts
             useful = np.arange(slots)[None, :] < missed[1:].sum(axis=1)[:, None]
-            copies = np.minimum(missed[1:].sum(axis=1), np.ceil(window / transfer_s))
+            started = np.minimum(missed[1:].sum(axis=1), np.ceil(window / transfer_s))
         else:
             ranked = np.asarray(rank(t, union))
             ok = ranked >= 0
@@ -114,10 +120,9 @@ def layer_ahead(unions: list[np.ndarray], nodes: np.ndarray, draft_levels: np.nd
             useful = np.zeros((n_layers - 1, slots), dtype=bool)
             useful[:, :hit.shape[1]] = hit
             started = np.minimum(ok.sum(axis=1), np.ceil(window / transfer_s))
-            copies = started
             useful &= np.arange(slots)[None, :] < started[:, None]
-        out.hidden_s[t] = _hidden(window, useful, transfer_s)
-        out.copies[t], out.useful[t] = int(copies.sum()), int(useful.sum())
+        out.hidden_s[t] = _hidden(window, useful, started, transfer_s)
+        out.copies[t], out.useful[t] = int(started.sum()), int(useful.sum())
     out.time_s[:] = cost.predict_counts(draft_levels, nodes, out.hits, out.misses)
     return out
 
