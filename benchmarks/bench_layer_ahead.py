@@ -13,7 +13,8 @@ next layer's experts, made in the idle link time while a layer computes, could h
 prefetchers: the true misses (the ceiling of any next-layer predictor, e.g. the next layer's
 router applied to this layer's hidden state, which live passes have and routing logs do not), and
 a transition table ``P(e' at l + 1 | e at l)`` that a routing trace can replay, fitted on the other
-half of the sequences (cross-fitted). Decisions are the replay's: a policy that priced the overlap
+half of the sequences (cross-fitted); its wasted copies cost time when they run past a window, and
+it starts such a copy only when its noisy-or probability says it pays. Decisions are the replay's: a policy that priced the overlap
 might choose other trees. The bench checks that the recount equals each replay's hits, misses and
 charged time before it reports anything.
 """

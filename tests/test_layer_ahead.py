@@ -18,9 +18,10 @@ from trace_helpers import SAMPLE_OLMOE
 COST = CostModel(base_s=0.2, per_node_s=0.0, hit_s=0.01, miss_s=0.06, draft_level_s=0.0)
 
 
-def _fixed(order):
-    """A ranker that offers the same candidates (layer 1 of 2) every cycle."""
-    return lambda cycle, union: np.array([order], dtype=np.int64)
+def _fixed(order, p=1.0):
+    """A ranker that offers the same candidates (layer 1 of 2) every cycle, each needed with
+    probability ``p``."""
+    return lambda cycle, union: (np.array([order], dtype=np.int64), np.full((1, len(order)), p))
 
 
 def test_hand_computed_windows_with_no_cache():
@@ -42,6 +43,10 @@ def test_hand_computed_windows_with_no_cache():
     wasted = layer_ahead(unions, np.array([2]), np.array([0]), 2, 4, 0, COST, rank=_fixed([3, 2, 0, 1]))
     assert wasted.hidden_s[0] == pytest.approx(0.05 + 0.05 - 0.03)
     np.testing.assert_allclose(ranked.time_with_overlap_s, ranked.time_s - ranked.hidden_s)
+    # at even odds the copy that would run 0.03 s past the window for 0.02 s inside is not started
+    for order, hidden, copies in (([3, 0, 2, 1], 0.05, 2), ([3, 2, 0, 1], 0.10, 2)):
+        even = layer_ahead(unions, np.array([2]), np.array([0]), 2, 4, 0, COST, rank=_fixed(order, 0.5))
+        assert even.hidden_s[0] == pytest.approx(hidden) and even.copies[0] == copies
 
 
 def test_resident_candidates_need_no_copy():
@@ -71,13 +76,16 @@ def _events(unions, nodes, n_layers, n_experts, capacity, cost, rank):
         for layer in range(n_layers - 1):
             window = cost.base_s / n_layers + cost.per_node_s * nodes[t] / n_layers + need[layer].sum() * cost.hit_s
             if rank is None:
-                candidates = [e for e in range(n_experts) if need[layer + 1, e] and not resident[layer + 1, e]]
+                candidates = [(e, 1.0) for e in range(n_experts) if need[layer + 1, e] and not resident[layer + 1, e]]
             else:
-                candidates = [e for e in rank(t, need)[layer] if e >= 0 and not resident[layer + 1, e]]
+                ids, p = rank(t, need)
+                candidates = [(e, q) for e, q in zip(ids[layer], p[layer]) if e >= 0 and not resident[layer + 1, e]]
             clock = 0.0
-            for e in candidates:
+            for e, q in candidates:
                 if clock >= window:
                     break
+                if clock + transfer > window and q * (window - clock) < (1 - q) * (clock + transfer - window):
+                    break                                 # the last copy does not pay
                 if need[layer + 1, e]:
                     total += min(transfer, window - clock)
                 elif clock + transfer > window:           # a wasted copy runs past the window
@@ -98,8 +106,10 @@ def test_windows_equal_the_event_walk_and_no_ranker_beats_the_true_misses(seed):
     orders = rng.permuted(np.tile(np.arange(n_experts), (len(unions), n_layers - 1, 1)), axis=2)
     orders[rng.random(orders.shape) < 0.2] = -1            # some rows offer fewer candidates
 
+    chances = rng.random(orders.shape)
+
     def rank(cycle, union):
-        return orders[cycle]
+        return orders[cycle], chances[cycle]
 
     perfect = layer_ahead(unions, nodes, np.zeros(len(unions)), n_layers, n_experts, capacity, cost)
     ranked = layer_ahead(unions, nodes, np.zeros(len(unions)), n_layers, n_experts, capacity, cost, rank=rank)
@@ -119,9 +129,12 @@ def test_transition_ranker_counts_and_order():
     union = np.zeros((2, 4), dtype=bool)
     union[0, [0, 1]] = True
     # 3: 0.5 + 1, 2: 0.5, then nothing: 0 and 1 never followed
-    np.testing.assert_array_equal(ranker.rank(0, union), [[3, 2, -1, -1]])
+    ids, chance = ranker.rank(0, union)
+    np.testing.assert_array_equal(ids, [[3, 2, -1, -1]])
+    # noisy-or: 3 follows 1 always; 2 follows 0 half the time
+    np.testing.assert_allclose(chance[0, :2], [1.0, 0.5], atol=1e-9)
     union[0] = [False, False, True, False]                  # an expert never seen at layer 0
-    np.testing.assert_array_equal(ranker.rank(0, union), [[-1, -1, -1, -1]])
+    np.testing.assert_array_equal(ranker.rank(0, union)[0], [[-1, -1, -1, -1]])
 
 
 def test_the_recharge_keeps_the_replays_cache_and_time():

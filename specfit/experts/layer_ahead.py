@@ -15,7 +15,9 @@ those not resident, one ``transfer_s`` each, and stops when the window closes. E
 expert that layer ``l + 1`` misses hides the part of its transfer inside the window (the rest
 runs on in layer ``l + 1``'s time, as its miss would have); a copy of an expert it does not need
 hides nothing, costs nothing while inside the window, and if it is still under way when the window
-closes its overrun delays layer ``l + 1``'s own copies (a copy is not cancelled). With the
+closes its overrun delays layer ``l + 1``'s own copies (a copy is not cancelled). So the copy that
+would run past the window is started only when it pays in expectation: ``p * inside >= (1 - p) *
+overrun``, ``p`` the prefetcher's probability that the expert is needed. With the
 true misses as the candidates the hidden time is ``min(misses_{l+1} * transfer_s, compute_l)``,
 the ceiling of any next-layer predictor. Layer 0 has no window in the pass (the drafting before it
 is the draft-time prefetch's, :mod:`specfit.experts.prefetch`).
@@ -40,9 +42,10 @@ from .cache import ExpertCache
 
 __all__ = ["LayerAhead", "layer_ahead", "TransitionRanker"]
 
-# rank(cycle, previous) -> int64 [L - 1, E]: per layer l >= 1 the candidates for it, best first,
-# given ``previous`` (bool [L, E], each layer's union of the cycle); -1 pads a row
-Ranker = Callable[[int, np.ndarray], np.ndarray]
+# rank(cycle, union) -> (ids int64 [L - 1, E], p float [L - 1, E]): per layer l >= 1 the candidates
+# for it, best first, given ``union`` (bool [L, E], each layer's union of the cycle; a prefetcher
+# reads only layer l - 1's row for layer l), and the probability that each is needed; -1 pads a row
+Ranker = Callable[[int, np.ndarray], tuple[np.ndarray, np.ndarray]]
 
 
 @dataclass
@@ -109,17 +112,23 @@ def layer_ahead(unions: list[np.ndarray], nodes: np.ndarray, draft_levels: np.nd
             useful = np.arange(slots)[None, :] < missed[1:].sum(axis=1)[:, None]
             started = np.minimum(missed[1:].sum(axis=1), np.ceil(window / transfer_s))
         else:
-            ranked = np.asarray(rank(t, union))
+            ranked, p = (np.asarray(x) for x in rank(t, union))
             ok = ranked >= 0
             ids = np.where(ok, ranked, 0)
             # candidates already resident need no copy: drop them, keeping the order
             ok &= ~np.take_along_axis(resident[1:], ids, axis=1)
             order = np.argsort(~ok, axis=1, kind="stable")[:, :slots]
-            ids, ok = np.take_along_axis(ids, order, axis=1), np.take_along_axis(ok, order, axis=1)
+            ids, ok, p = (np.take_along_axis(x, order, axis=1) for x in (ids, ok, p))
             hit = ok & np.take_along_axis(missed[1:], ids, axis=1)
             useful = np.zeros((n_layers - 1, slots), dtype=bool)
             useful[:, :hit.shape[1]] = hit
             started = np.minimum(ok.sum(axis=1), np.ceil(window / transfer_s))
+            # the copy that would run past the window: started only when it pays in expectation
+            last = np.maximum(started - 1, 0).astype(np.int64)
+            inside = window - last * transfer_s
+            overrun = (last + 1) * transfer_s - window
+            chance = np.take_along_axis(p, np.minimum(last, p.shape[1] - 1)[:, None], axis=1)[:, 0]
+            started -= (started > 0) & (overrun > 0) & (chance * inside < (1.0 - chance) * overrun)
             useful &= np.arange(slots)[None, :] < started[:, None]
         out.hidden_s[t] = _hidden(window, useful, started, transfer_s)
         out.copies[t], out.useful[t] = int(started.sum()), int(useful.sum())
@@ -131,7 +140,8 @@ class TransitionRanker:
     """A next-layer predictor a routing trace can replay: ``P(e' at l + 1 | e at l)`` counted over
     the positions given (one token's experts per position), and layer ``l + 1``'s candidates
     ranked by ``sum over e in union_l of P(e' | e)`` (ties: the lower id; experts never seen
-    after the union's are not candidates)."""
+    after the union's are not candidates). The probability that a candidate is needed is the
+    noisy-or of its conditionals, ``1 - prod over e of (1 - P(e' | e))``."""
 
     def __init__(self, experts: np.ndarray, n_experts: int):
         experts = np.asarray(experts, dtype=np.int64)          # [positions, L, k], -1: unknown
@@ -149,7 +159,10 @@ class TransitionRanker:
         """float [L - 1, E]: each next layer's scores given ``union`` (bool [L, E])."""
         return np.einsum("le,lef->lf", np.asarray(union[:-1], dtype=np.float64), self.conditional)
 
-    def rank(self, cycle: int, union: np.ndarray) -> np.ndarray:
+    def rank(self, cycle: int, union: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         scores = self.scores(union)
         order = np.argsort(-scores, axis=1, kind="stable")
-        return np.where(np.take_along_axis(scores, order, axis=1) > 0, order, -1)
+        miss_all = np.exp(np.einsum("le,lef->lf", np.asarray(union[:-1], dtype=np.float64),
+                                    np.log1p(-np.minimum(self.conditional, 1.0 - 1e-12))))
+        chance = np.take_along_axis(1.0 - miss_all, order, axis=1)
+        return np.where(np.take_along_axis(scores, order, axis=1) > 0, order, -1), chance
