@@ -14,8 +14,9 @@ prefetchers: the true misses (the ceiling of any next-layer predictor, e.g. the 
 router applied to this layer's hidden state, which live passes have and routing logs do not), and
 a transition table ``P(e' at l + 1 | e at l)`` that a routing trace can replay, fitted on the other
 half of the sequences (cross-fitted); its wasted copies cost time when they run past a window, and
-it starts such a copy only when its noisy-or probability says it pays. Decisions are the replay's: a policy that priced the overlap
-might choose other trees. The bench checks that the recount equals each replay's hits, misses and
+it starts such a copy only when its probability (the mean of the candidate's conditionals over the
+layer's union, for any of the cycle's verified tokens) says it pays. Decisions are the replay's: a
+policy that priced the overlap might choose other trees. The bench checks that the recount equals each replay's hits, misses and
 charged time before it reports anything.
 """
 
@@ -66,7 +67,8 @@ def recharge(prep, log, capacity: int, cost, rankers, seq_fold) -> dict:
     args = (log.unions, c["nodes_verified"], c["draft_levels"], trace.n_layers, trace.n_experts, capacity, cost)
     perfect = layer_ahead(*args)
     other = 1 - seq_fold[c["sequence"]]
-    transition = layer_ahead(*args, rank=lambda t, union: rankers[other[t]].rank(t, union))
+    verified = c["nodes_verified"]
+    transition = layer_ahead(*args, rank=lambda t, union: rankers[other[t]].rank(t, union, verified[t]))
     # the recount is the replay's own cache and cost model, or nothing below means anything
     if not (np.array_equal(perfect.hits, c["hits"]) and np.array_equal(perfect.misses, c["misses"])
             and np.allclose(perfect.time_s, c["charged_time_s"], rtol=1e-9)):

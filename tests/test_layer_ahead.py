@@ -131,8 +131,9 @@ def test_transition_ranker_counts_and_order():
     # 3: 0.5 + 1, 2: 0.5, then nothing: 0 and 1 never followed
     ids, chance = ranker.rank(0, union)
     np.testing.assert_array_equal(ids, [[3, 2, -1, -1]])
-    # noisy-or: 3 follows 1 always; 2 follows 0 half the time
-    np.testing.assert_allclose(chance[0, :2], [1.0, 0.5], atol=1e-9)
+    # one token: the mean of the conditionals over the union's two experts; two: either of them
+    np.testing.assert_allclose(chance[0, :2], [0.75, 0.25])
+    np.testing.assert_allclose(ranker.rank(0, union, nodes=2)[1][0, :2], [1 - 0.25 ** 2, 1 - 0.75 ** 2])
     union[0] = [False, False, True, False]                  # an expert never seen at layer 0
     np.testing.assert_array_equal(ranker.rank(0, union)[0], [[-1, -1, -1, -1]])
 

@@ -140,8 +140,12 @@ class TransitionRanker:
     """A next-layer predictor a routing trace can replay: ``P(e' at l + 1 | e at l)`` counted over
     the positions given (one token's experts per position), and layer ``l + 1``'s candidates
     ranked by ``sum over e in union_l of P(e' | e)`` (ties: the lower id; experts never seen
-    after the union's are not candidates). The probability that a candidate is needed is the
-    noisy-or of its conditionals, ``1 - prod over e of (1 - P(e' | e))``."""
+    after the union's are not candidates). The probability that a candidate is needed by one token
+    is the mean of its conditionals over the union (a token's ``k`` experts: a mixture of them),
+    and by any of ``nodes`` tokens ``1 - (1 - mean) ** nodes``. (The noisy-or of the conditionals
+    treats a token's experts as independent witnesses and put the top candidate at 0.99-1.0
+    where it was needed 43-88 % of the time on the shipped and shared traces; the mean was
+    within 0.1 of the rate in every bin of 0.2 with more than 100 cases, a little under it.)"""
 
     def __init__(self, experts: np.ndarray, n_experts: int):
         experts = np.asarray(experts, dtype=np.int64)          # [positions, L, k], -1: unknown
@@ -159,10 +163,10 @@ class TransitionRanker:
         """float [L - 1, E]: each next layer's scores given ``union`` (bool [L, E])."""
         return np.einsum("le,lef->lf", np.asarray(union[:-1], dtype=np.float64), self.conditional)
 
-    def rank(self, cycle: int, union: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def rank(self, cycle: int, union: np.ndarray, nodes: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """:data:`Ranker` for a cycle that verified ``nodes`` tokens."""
         scores = self.scores(union)
         order = np.argsort(-scores, axis=1, kind="stable")
-        miss_all = np.exp(np.einsum("le,lef->lf", np.asarray(union[:-1], dtype=np.float64),
-                                    np.log1p(-np.minimum(self.conditional, 1.0 - 1e-12))))
-        chance = np.take_along_axis(1.0 - miss_all, order, axis=1)
+        mean = np.minimum(scores / np.maximum(np.asarray(union[:-1]).sum(axis=1), 1)[:, None], 1.0)
+        chance = 1.0 - (1.0 - np.take_along_axis(mean, order, axis=1)) ** max(int(nodes), 1)
         return np.where(np.take_along_axis(scores, order, axis=1) > 0, order, -1), chance
