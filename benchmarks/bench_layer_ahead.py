@@ -35,7 +35,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 from bench_policy import load_traces, run  # noqa: E402
-from specfit.calibrate.presets import resolve_profile  # noqa: E402
+from specfit.calibrate.presets import QWEN3_30B_A3B, resolve_profile  # noqa: E402
 from specfit.calibrate.profile import ModelShape  # noqa: E402
 from specfit.experts.layer_ahead import TransitionRanker, layer_ahead  # noqa: E402
 from specfit.io import write_text_atomic  # noqa: E402
@@ -89,6 +89,10 @@ def main() -> None:
     parser.add_argument("--profiles", default="pcie4,pcie5,gh200")
     parser.add_argument("--caches", default="0,0.25,0.5", help="shares of a layer's experts")
     parser.add_argument("--sequences", type=int, default=16)
+    parser.add_argument("--dense-per-layer", action="store_true",
+                        help="the presets' dense time per layer (5 ms over Qwen3-30B-A3B's 48 layers) times the "
+                             "trace's layers, instead of 5 ms whatever the depth: a layer's window, the overlap's "
+                             "budget, is then the same on every model")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     start = time.perf_counter()
@@ -99,6 +103,8 @@ def main() -> None:
         shape = ModelShape.from_trace_meta(trace.model)
         for profile in args.profiles.split(","):
             cost = resolve_profile(profile, shape).cost
+            if args.dense_per_layer:
+                cost = cost.replace(base_s=cost.base_s * trace.n_layers / QWEN3_30B_A3B.n_layers)
             for share in (float(x) for x in args.caches.split(",")):
                 capacity = int(round(share * trace.n_experts))
                 row = {"trace": name, "profile": profile, "cache": capacity}
