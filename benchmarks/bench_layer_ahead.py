@@ -29,11 +29,13 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_policy import load_traces, run  # noqa: E402
 from specfit.calibrate.presets import QWEN3_30B_A3B, resolve_profile  # noqa: E402
 from specfit.calibrate.profile import ModelShape  # noqa: E402
@@ -83,7 +85,7 @@ def recharge(prep, log, capacity: int, cost, rankers, seq_fold) -> dict:
             if perfect.hidden_s.sum() else float("nan")}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", default="olmoe-sample,olmoe-general,olmoe-coding,qwen3-chat")
     parser.add_argument("--profiles", default="pcie4,pcie5,gh200")
@@ -94,7 +96,7 @@ def main() -> None:
                              "trace's layers, instead of 5 ms whatever the depth: a layer's window, the overlap's "
                              "budget, is then the same on every model")
     parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     start = time.perf_counter()
     rows = []
     for name, trace in load_traces(args.traces.split(","), args.sequences, "chat"):
@@ -117,6 +119,7 @@ def main() -> None:
     print(f"# {time.perf_counter() - start:.0f} s")
     if args.out:
         write_text_atomic(Path(args.out), json.dumps(rows, indent=1))
+    return rows
 
 
 def _best(row: dict, which: str) -> float:

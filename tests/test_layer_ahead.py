@@ -1,6 +1,9 @@
 """The layer-ahead prefetch's ceiling: hand-computed windows, an event-by-event reference, the
 ceiling property, the transition ranker's counts, and the recharge against the replay's own."""
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -159,3 +162,19 @@ def test_the_recharge_keeps_the_replays_cache_and_time():
         np.testing.assert_allclose(perfect.time_s, c["charged_time_s"], rtol=1e-12)
         assert (ranked.hidden_s <= perfect.hidden_s + 1e-12).all()
         assert perfect.hidden_s.sum() > ranked.hidden_s.sum() > 0
+
+
+def test_the_benchmark_reports_both_prefetchers_for_every_policy(capsys):
+    """benchmarks/bench_layer_ahead.py on the shipped OLMoE trace, one setting: a row with every
+    policy, the transition prefetcher never above the ceiling, and the summary table."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_layer_ahead.py"
+    spec = importlib.util.spec_from_file_location("bench_layer_ahead", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.main(["--traces", "olmoe-sample", "--profiles", "gh200", "--caches", "0.25"])
+    assert [(r["trace"], r["profile"], r["cache"]) for r in rows] == [("olmoe-sample", "gh200", 16)]
+    for label in ("ar", "chain:1", "specfit", "specfit learned"):
+        r = rows[0][label]
+        assert r["tokens_per_s"] > 0 and 0 < r["transfer_share"] < 1
+        assert r["perfect"] >= r["transition"] and r["perfect"] > r["tokens_per_s"]
+    assert "| specfit / best fixed, both +LA ceiling |" in capsys.readouterr().out
