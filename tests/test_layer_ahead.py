@@ -52,6 +52,13 @@ def test_hand_computed_windows_with_no_cache():
         assert even.hidden_s[0] == pytest.approx(hidden) and even.copies[0] == copies
 
 
+def test_no_window_hides_nothing():
+    free = CostModel(base_s=0.0, per_node_s=0.0, hit_s=0.0, miss_s=0.05, draft_level_s=0.0)
+    for rank in (None, _fixed([3, 0, 2, 1])):
+        out = layer_ahead([np.array([0, 4 + 3])], np.array([1]), np.array([0]), 2, 4, 0, free, rank=rank)
+        assert out.hidden_s[0] == 0 and out.copies[0] == 0 and out.time_s[0] == pytest.approx(0.1)
+
+
 def test_resident_candidates_need_no_copy():
     # the first cycle leaves {0, 1} resident at layer 0 and {1, 2} at layer 1 (two slots a layer)
     unions = [np.array([0, 1, 4 + 1, 4 + 2]), np.array([0, 1, 4 + 1, 4 + 2, 4 + 3])]

@@ -107,6 +107,8 @@ def layer_ahead(unions: list[np.ndarray], nodes: np.ndarray, draft_levels: np.nd
         missed = union & ~resident                     # [L, E]: what the pass copies, per layer
         window = fixed_s + cost.per_node_s * nodes[t] / n_layers + union.sum(axis=1)[:-1] * cost.hit_s
         slots = int(np.ceil(window.max() / transfer_s))
+        if slots == 0:                                 # no compute time to overlap
+            continue
         if rank is None:
             # the true misses of each next layer, as many as the window starts
             useful = np.arange(slots)[None, :] < missed[1:].sum(axis=1)[:, None]
