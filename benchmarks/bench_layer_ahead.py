@@ -18,6 +18,11 @@ it starts such a copy only when its probability (the mean of the candidate's con
 layer's union, for any of the cycle's verified tokens) says it pays. Decisions are the replay's: a
 policy that priced the overlap might choose other trees. The bench checks that the recount equals each replay's hits, misses and
 charged time before it reports anything.
+
+    python benchmarks/bench_layer_ahead.py --pregate
+
+measures, on the bundled model, what the logs cannot: a live predictor's precision (the next
+layer's router on this layer's state after its attention) beside the transition table's.
 """
 
 from __future__ import annotations
@@ -85,6 +90,72 @@ def recharge(prep, log, capacity: int, cost, rankers, seq_fold) -> dict:
             if perfect.hidden_s.sum() else float("nan")}
 
 
+def pregate_on_bundled_model(max_new_tokens: int = 96) -> list[dict]:
+    """What a live pass has and a routing log has not, on the bundled model: each layer's routing
+    predicted from the layer before, by the next layer's router on this layer's state after its
+    attention (a pre-gate: known when this layer's experts start) and by the transition table
+    (fitted on the other half of the prompts). Slot precision per predicted layer: the share of
+    the true top-k the predicted top-k names. The tokens are the demo prompts and ``ar``'s greedy
+    continuations; one pass over each whole sequence routes every position as decoding did."""
+    import torch
+
+    from specfit.assets import demo_prompts_path, tiny_moe_dir
+    from specfit.runtime.decode_job import DecodePlan, run_decode
+    from specfit.runtime.loader import load_model, load_tokenizer
+    from specfit.runtime.model import causal_mask
+    from specfit.runtime.prompts import read_prompts
+    from specfit.runtime.routers import route
+
+    run = run_decode(DecodePlan(model_dir=tiny_moe_dir(), prompts_path=demo_prompts_path(), policies=["ar"],
+                                profile="pcie4", cache_experts=4, max_new_tokens=max_new_tokens, ignore_eos=True,
+                                device="cpu"))
+    prompts = {r["index"]: r for r in run.records}
+    texts = read_prompts(demo_prompts_path(), load_tokenizer(tiny_moe_dir()))
+    model = load_model(tiny_moe_dir())
+    config = model.config
+    states: dict[int, torch.Tensor] = {}
+    hooks = [layer.post_attention_layernorm.register_forward_pre_hook(
+        lambda module, inputs, i=i: states.__setitem__(i, inputs[0].detach())) for i, layer in enumerate(model.layers)]
+    true, pregate, owner = [], [], []
+    try:
+        with torch.no_grad():
+            for index, prompt in enumerate(texts):
+                ids = list(prompt.input_ids) + prompts[index]["output_ids"]
+                model.setup_kv_cache(len(ids))
+                out = model(ids, np.arange(len(ids)), causal_mask(0, len(ids)), logits_rows=[len(ids) - 1])
+                moe = [i for i, layer in enumerate(model.layers) if layer.moe is not None]
+                guess = [route(model.layers[b].post_attention_layernorm(states[a]), model.layers[b].moe.gate.weight,
+                               config)[1].numpy() for a, b in zip(moe[:-1], moe[1:])]
+                true.append(out.expert_ids)
+                pregate.append(np.stack(guess, axis=1))
+                owner.append(np.full(len(ids), index % 2))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    true, pregate, owner = np.concatenate(true), np.concatenate(pregate), np.concatenate(owner)
+    k = true.shape[2]
+    named = (pregate[:, :, :, None] == true[:, 1:, None, :]).any(axis=3).sum(axis=2) / k    # [T, L - 1]
+    table = np.zeros_like(named)
+    for fold in (0, 1):
+        ranker = TransitionRanker(true[owner != fold], config.n_experts)
+        rows = np.flatnonzero(owner == fold)
+        for t in rows:
+            union = np.zeros((true.shape[1], config.n_experts), dtype=bool)
+            np.put_along_axis(union, true[t], True, axis=1)
+            ids = ranker.rank(0, union)[0][:, :k]
+            table[t] = (ids[:, :, None] == true[t, 1:, None, :]).any(axis=2).sum(axis=1) / k
+    rows = [{"layer": layer + 1, "pregate": float(named[:, layer].mean()), "transition": float(table[:, layer].mean())}
+            for layer in range(named.shape[1])]
+    print(f"\nbundled model, {true.shape[0]} positions ({len(texts)} prompts + {max_new_tokens} greedy tokens), "
+          f"top-{k} of {config.n_experts}: slot precision of layer l's experts predicted at layer l - 1\n")
+    print("| layer | pre-gate (next router, this layer's state) | transition table (cross-fitted) |")
+    print("|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['layer']} | {r['pregate']:.3f} | {r['transition']:.3f} |")
+    print(f"| all | {named.mean():.3f} | {table.mean():.3f} |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--traces", default="olmoe-sample,olmoe-general,olmoe-coding,qwen3-chat")
@@ -96,7 +167,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                              "trace's layers, instead of 5 ms whatever the depth: a layer's window, the overlap's "
                              "budget, is then the same on every model")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--pregate", action="store_true",
+                        help="only: on the bundled model, a pre-gate's and the transition table's precision")
     args = parser.parse_args(argv)
+    if args.pregate:
+        return pregate_on_bundled_model()
     start = time.perf_counter()
     rows = []
     for name, trace in load_traces(args.traces.split(","), args.sequences, "chat"):

@@ -185,3 +185,17 @@ def test_the_benchmark_reports_both_prefetchers_for_every_policy(capsys):
         assert r["tokens_per_s"] > 0 and 0 < r["transfer_share"] < 1
         assert r["perfect"] >= r["transition"] and r["perfect"] > r["tokens_per_s"]
     assert "| specfit / best fixed, both +LA ceiling |" in capsys.readouterr().out
+
+
+def test_the_benchmarks_pregate_table_on_the_bundled_model(capsys):
+    """bench_layer_ahead.py --pregate's measurement, a short run: a row per predicted layer, both
+    predictors' slot precision above chance (top-4 of 16)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_layer_ahead.py"
+    spec = importlib.util.spec_from_file_location("bench_layer_ahead", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = bench.pregate_on_bundled_model(max_new_tokens=8)
+    assert [r["layer"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert 4 / 16 < r["pregate"] <= 1 and 4 / 16 < r["transition"] <= 1
+    assert "pre-gate" in capsys.readouterr().out
