@@ -17,10 +17,10 @@ runs on in layer ``l + 1``'s time, as its miss would have); a copy of an expert 
 hides nothing, costs nothing while inside the window, and if it is still under way when the window
 closes its overrun delays layer ``l + 1``'s own copies (a copy is not cancelled). So the copy that
 would run past the window is started only when it pays in expectation: ``p * inside >= (1 - p) *
-overrun``, ``p`` the prefetcher's probability that the expert is needed. With the
-true misses as the candidates the hidden time is ``min(misses_{l+1} * transfer_s, compute_l)``,
-the ceiling of any next-layer predictor. Layer 0 has no window in the pass (the drafting before it
-is the draft-time prefetch's, :mod:`specfit.experts.prefetch`).
+overrun``, ``p`` the prefetcher's probability that the expert is needed. With the true misses as
+the candidates the hidden time is ``min(misses_{l+1} * transfer_s, compute_l)``, the ceiling of any
+next-layer predictor. Layer 0 has no window in the pass (the drafting before it is the draft-time
+prefetch's, :mod:`specfit.experts.prefetch`).
 
 The cache is the replay's own per-layer cache (:class:`~specfit.experts.cache.ExpertCache`,
 rebuilt here and admitting each cycle's union as the replay did); prefetched experts go to a
