@@ -96,7 +96,8 @@ def pregate_on_bundled_model(max_new_tokens: int = 96) -> list[dict]:
     attention (a pre-gate: known when this layer's experts start) and by the transition table
     (fitted on the other half of the prompts). Slot precision per predicted layer: the share of
     the true top-k the predicted top-k names. The tokens are the demo prompts and ``ar``'s greedy
-    continuations; one pass over each whole sequence routes every position as decoding did."""
+    continuations; one causal pass over each whole sequence routes every position (as decoding did,
+    up to rounding)."""
     import torch
 
     from specfit.assets import demo_prompts_path, tiny_moe_dir
