@@ -3,28 +3,18 @@ the CPU with tiny shapes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
+from bench_helpers import bench_module
 from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
 
 
-def _bench(name: str):
-    """A benchmark script of ``benchmarks/`` as a module."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _gpu_check():
-    return _bench("gpu_check")
+    return bench_module("gpu_check")
 
 
 def test_gpu_check_runs_on_the_cpu_with_tiny_shapes(capsys, tmp_path):
@@ -80,7 +70,7 @@ def test_gpu_check_rejects_a_device_it_cannot_use(capsys):
 
 
 def test_bench_first_use_times_every_length_twice_on_the_cpu(capsys):
-    times = _bench("bench_first_use").main(["--device", "cpu", "--shape", "tiny", "--layers", "2", "--max-n", "3", "--warm", "3"])
+    times = bench_module("bench_first_use").main(["--device", "cpu", "--shape", "tiny", "--layers", "2", "--max-n", "3", "--warm", "3"])
     for model in ("target", "drafter"):
         for round_ in ("first", "again"):
             assert len(times[model][round_]) == 3 and min(times[model][round_]) > 0
@@ -91,7 +81,7 @@ def test_bench_first_use_times_every_length_twice_on_the_cpu(capsys):
 def test_attention_reading_the_cache_in_place_equals_the_repeated_cache(capsys):
     """bench_attention.py --quick: the target's and the drafter's attention as they are agree with
     the repeated-cache versions they replaced (the benchmark's references), on the CPU."""
-    rows = _bench("bench_attention").main(["--quick"])
+    rows = bench_module("bench_attention").main(["--quick"])
     assert {r["model"].split(":")[0] for r in rows} == {"drafter", "target"}
     for r in rows:
         assert r["repeated_ms"] > 0 and r["in_place_ms"] > 0
@@ -100,7 +90,7 @@ def test_attention_reading_the_cache_in_place_equals_the_repeated_cache(capsys):
 
 
 def test_a_committed_pass_with_the_newest_logits_alone_matches_every_rows(capsys):
-    rows = _bench("bench_drafter_commit").main(["--quick"])
+    rows = bench_module("bench_drafter_commit").main(["--quick"])
     assert [r["n"] for r in rows] == [1, 4]
     assert all(r["max_logit_diff"] < 1e-4 and r["every_ms"] > 0 and r["newest_ms"] > 0 for r in rows)
 
@@ -108,7 +98,7 @@ def test_a_committed_pass_with_the_newest_logits_alone_matches_every_rows(capsys
 def test_mla_with_kv_b_proj_absorbed_matches_every_latent_expanded(capsys):
     """bench_mla.py --quick: the absorbed MLA layer agrees with the expanded one (the benchmark
     times both forms of the same layer) and a decode step over cached latents picks it."""
-    rows = _bench("bench_mla").main(["--quick"])
+    rows = bench_module("bench_mla").main(["--quick"])
     assert [(r["cached"], r["T"], r["picks"]) for r in rows] == [(64, 1, "absorbed")]
     assert all(r["max_diff"] < 1e-4 and r["expanded_ms"] > 0 and r["absorbed_ms"] > 0 for r in rows)
     assert "kv_b_proj absorbed" in capsys.readouterr().out
@@ -125,7 +115,7 @@ def test_the_demo_whatif_benchmark_replays_a_recorded_trace_with_and_without_its
     run_decode(DecodePlan(model_dir=tiny_moe_dir(), drafter_dir=tiny_moe_eagle3_dir(), prompts_path=demo_prompts_path(),
                           policies=["ar"], profile="pcie4", max_new_tokens=12, cache_experts=4, device="cpu",
                           record=trace, record_full=True, max_levels=3))
-    rows = _bench("bench_demo_whatif").main([str(trace), "--profiles", "pcie4,gh200", "--caches", "0,4"])
+    rows = bench_module("bench_demo_whatif").main([str(trace), "--profiles", "pcie4,gh200", "--caches", "0,4"])
     settings = {(r["profile"], r["cache_experts"]) for r in rows}
     assert settings == {(p, c) for p in ("pcie4-qwen3", "gh200-qwen3") for c in (0, 4)}
     for setting in settings:

@@ -1,9 +1,6 @@
 """The layer-ahead prefetch's ceiling: hand-computed windows, an event-by-event reference, the
 ceiling property, the transition ranker's counts, and the recharge against the replay's own."""
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -14,6 +11,7 @@ from specfit.policies import Observation, make_policy
 from specfit.simulate.replay import prepare, replay
 from specfit.traces.format import read_trace
 
+from bench_helpers import bench_module
 from test_belady import random_unions
 from trace_helpers import SAMPLE_OLMOE
 
@@ -174,10 +172,7 @@ def test_the_recharge_keeps_the_replays_cache_and_time():
 def test_the_benchmark_reports_both_prefetchers_for_every_policy(capsys):
     """benchmarks/bench_layer_ahead.py on the shipped OLMoE trace, one setting: a row with every
     policy, the transition prefetcher never above the ceiling, and the summary table."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_layer_ahead.py"
-    spec = importlib.util.spec_from_file_location("bench_layer_ahead", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("bench_layer_ahead")
     rows = bench.main(["--traces", "olmoe-sample", "--profiles", "gh200", "--caches", "0.25"])
     assert [(r["trace"], r["profile"], r["cache"]) for r in rows] == [("olmoe-sample", "gh200", 16)]
     for label in ("ar", "chain:1", "specfit", "specfit learned"):
@@ -190,10 +185,7 @@ def test_the_benchmark_reports_both_prefetchers_for_every_policy(capsys):
 def test_the_benchmarks_pregate_table_on_the_bundled_model(capsys):
     """bench_layer_ahead.py --pregate's measurement, a short run: a row per predicted layer, both
     predictors' slot precision above chance (top-4 of 16)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_layer_ahead.py"
-    spec = importlib.util.spec_from_file_location("bench_layer_ahead", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = bench_module("bench_layer_ahead")
     rows = bench.pregate_on_bundled_model(max_new_tokens=8)
     assert [r["layer"] for r in rows] == [1, 2, 3]
     for r in rows:

@@ -70,14 +70,20 @@ class LayerAhead:
         return float(self.useful.sum()) / copies if copies else float("nan")
 
 
+def _last_copy(window: np.ndarray, started: np.ndarray, transfer_s: float):
+    """Per layer, the last of ``started`` copies (copy j takes ``[j t, (j + 1) t)``): its index,
+    and its seconds inside the window and past it (0 for a copy that ends inside)."""
+    last = np.maximum(started - 1, 0).astype(np.int64)
+    return last, window - last * transfer_s, np.maximum(started * transfer_s - window, 0.0)
+
+
 def _hidden(window: np.ndarray, useful: np.ndarray, started: np.ndarray, transfer_s: float) -> float:
-    """Transfer time hidden by the ``started[l]`` copies ``j = 0, 1, ..`` of each layer
-    (``useful[l, j]``: copy j is of a missed expert), copy j taking ``[j t, (j + 1) t)`` of a window
-    of ``window[l]`` seconds, less the overrun of a wasted copy still under way at its close."""
+    """Transfer time hidden by the ``started[l]`` copies of each layer (``useful[l, j]``: copy j is
+    of a missed expert) in windows of ``window[l]`` seconds, less the overrun of a wasted copy
+    still under way at a window's close."""
     j = np.arange(useful.shape[1])
     inside = np.clip(window[:, None] - j[None, :] * transfer_s, 0.0, transfer_s)
-    overrun = np.maximum(started * transfer_s - window, 0.0)
-    last = np.maximum(started - 1, 0).astype(np.int64)
+    last, _, overrun = _last_copy(window, started, transfer_s)
     wasted_last = (started > 0) & ~np.take_along_axis(useful, last[:, None], axis=1)[:, 0]
     return float((inside * useful).sum() - (overrun * wasted_last).sum())
 
@@ -126,10 +132,8 @@ def layer_ahead(unions: list[np.ndarray], nodes: np.ndarray, draft_levels: np.nd
             useful[:, :hit.shape[1]] = hit
             started = np.minimum(ok.sum(axis=1), np.ceil(window / transfer_s))
             # the copy that would run past the window: started only when it pays in expectation
-            last = np.maximum(started - 1, 0).astype(np.int64)
-            inside = window - last * transfer_s
-            overrun = (last + 1) * transfer_s - window
-            chance = np.take_along_axis(p, np.minimum(last, p.shape[1] - 1)[:, None], axis=1)[:, 0]
+            last, inside, overrun = _last_copy(window, started, transfer_s)
+            chance = np.take_along_axis(p, last[:, None], axis=1)[:, 0]
             started -= (started > 0) & (overrun > 0) & (chance * inside < (1.0 - chance) * overrun)
             useful &= np.arange(slots)[None, :] < started[:, None]
         out.hidden_s[t] = _hidden(window, useful, started, transfer_s)
