@@ -5,13 +5,16 @@ core's caches with weights and torch's own code. This decodes the bundled model 
 and, right after every target pass, times one call of each kind (the order rotating per cycle, so
 that no kind is always first); then the same calls in a warm loop. Prints medians in microseconds:
 why the decoder's bookkeeping is counted in calls, and why torch's calls cost the most there. The
-last rows are two of the decoder's own steps the old way and the way it takes them now.
+last rows are two of the decoder's own steps the old way and the way it takes them now, and the
+router predictor's step for one level of 16 nodes (the bundled model's sizes) as this checkout
+takes it and, with ``--baseline REV``, as that revision did.
 
-    python benchmarks/bench_cold_calls.py
+    python benchmarks/bench_cold_calls.py [--baseline REV]
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 import tempfile
 import time
@@ -20,9 +23,39 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def main() -> None:
+def router_calls(baseline: str | None) -> dict:
+    """One level's router prediction (16 nodes with their drafter contexts and the last routing,
+    the bundled model's 2048 x 128 embedding and 4 x 16 routers), by this checkout's kernel and by
+    ``baseline``'s."""
+    from bench_learning import host_weights
+    from revision import module_at
+
+    from specfit import kernels
+
+    rng = np.random.default_rng(0)
+    embed = rng.standard_normal((2048, 128)).astype(np.float32)
+    rows = rng.standard_normal((64, 128)).astype(np.float32)
+    step = (rng.integers(0, 2048, 16), rng.standard_normal((16, 128)).astype(np.float32), np.full(4, 0.5),
+            rng.integers(0, 16, (16, 4, 4)), np.ones(4), 4)
+    modules = {"this checkout": kernels.router}
+    if baseline:
+        modules = {baseline: module_at(baseline, "specfit/kernels/router.py", "router_baseline", "bench_cold_calls"),
+                   **modules}
+    calls = {}
+    for label, module in modules.items():
+        weights = host_weights(module, embed, rows)
+        calls[f"router prediction, 16 nodes ({label})"] = (
+            lambda module=module, weights=weights: module.predict_host(*weights, *step))
+    return calls
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--baseline", default=None, help="git revision whose router kernel to time beside this one")
+    args = parser.parse_args(argv)
     from numba import njit
 
     from specfit.threads import set_cpu_threads
@@ -70,6 +103,7 @@ def main() -> None:
         "verdicts: numpy argmax of the same": lambda: logits.numpy().argmax(axis=-1),
         "KV compaction by numpy indexing": compact_by_indexing,
         "KV compaction, compiled (kernels.kv)": lambda: kernels.kv.compact(kv_bytes, 100, keep),
+        **router_calls(args.baseline),
     }
     for call in calls.values():
         call()                                    # compiled and loaded before anything is timed

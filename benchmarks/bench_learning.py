@@ -86,20 +86,31 @@ def count_inputs(rng):
     """A batch of 64 verified nodes of the bundled model's shape (hidden 128, 4 layers x 16
     experts, top-4) and the predictor's candidates."""
     embed = rng.standard_normal((2048, 128)).astype(np.float32)
-    columns = rng.standard_normal((128, 64)).astype(np.float32)
+    rows = rng.standard_normal((64, 128)).astype(np.float32)
     n = 64
     tokens = rng.integers(0, 2048, n).astype(np.int64)
     context = rng.standard_normal((n, 128)).astype(np.float32)
     last = rng.integers(-1, 16, (n, 4, 4)).astype(np.int64)
     true = rng.integers(0, 16, (n, 4, 4)).astype(np.int64)
-    return (embed, columns, tokens, context, np.full(4, 0.5), last, np.full(4, 0.5),
+    return (embed, rows, tokens, context, np.full(4, 0.5), last, np.full(4, 0.5),
             np.array([0.0, 0.25, 0.5, 1.0, 2.0, 4.0]), np.array([0.0, 0.5, 1.0, 1.5, 2.0]), true)
 
 
-def time_count(module, inputs) -> tuple[float, tuple]:
+def host_weights(module, embed: np.ndarray, rows: np.ndarray) -> tuple:
+    """The leading arguments of ``module``'s ``predict_host`` / ``count_host`` (a
+    ``specfit.kernels.router`` of any revision) for these weights: before stop 44 the embedding
+    and the routers as columns ``[H, L * E]``; since, the routers as rows and the token table."""
+    if not hasattr(module, "token_table"):
+        return embed, np.ascontiguousarray(rows.T)
+    return (embed, rows, *module.token_table(embed, rows))
+
+
+def time_count(module, weights: tuple, inputs) -> tuple[float, tuple]:
+    """Seconds of one ``count_host`` of ``module`` (``weights``: its :func:`host_weights`), and
+    the counts."""
     right = (np.zeros((6, 4), dtype=np.int64), np.zeros((5, 4), dtype=np.int64))
     start = time.perf_counter()
-    module.count_host(*inputs, *right)
+    module.count_host(*weights, *inputs[2:], *right)
     return time.perf_counter() - start, right
 
 
@@ -124,9 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     prior = CostModel(base_s=3.7e-3, per_node_s=7e-5, hit_s=1e-4, miss_s=1.1e-4, draft_level_s=1.5e-3)
     rows = cycle_rows(args.cycles)
     inputs = count_inputs(np.random.default_rng(0))
-    for fitter, router in arms.values():           # compiled and loaded before anything is timed
+    weights = {arm: host_weights(router, *inputs[:2]) for arm, (_, router) in arms.items()}
+    for arm, (fitter, router) in arms.items():           # compiled and loaded before anything is timed
         time_refits(fitter, prior, rows[:40])
-        time_count(router, inputs)
+        time_count(router, weights[arm], inputs)
     selecting = {a: [] for a in arms}
     reusing = {a: [] for a in arms}
     counts = {a: [] for a in arms}
@@ -139,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
                 selecting[arm].append(np.median(sel))
                 reusing[arm].append(np.median(reuse))
                 for _ in range(20):
-                    seconds, counted[arm] = time_count(router, inputs)
+                    seconds, counted[arm] = time_count(router, weights[arm], inputs)
                     counts[arm].append(seconds)
 
     table = Table(title=f"learning after the cycles: this checkout against {args.baseline} "

@@ -197,3 +197,46 @@ def test_the_online_count_is_what_the_prediction_would_have_named_at_each_candid
                                                  np.full(L, b), K)
         assert right_bonus[c].tolist() == named(predicted).tolist()
     assert right_weight.sum() > 0 and right_bonus.sum() > 0
+
+
+def test_the_token_table_gives_the_predictions_of_the_products_it_replaces():
+    """Every token's logits computed once (the host path's table) against the same products per
+    call (no table): equal logits, scales and picks; and the compiled product against numpy's."""
+    from specfit.kernels.router import host_logits, predict_host, project, token_table
+
+    rng = np.random.default_rng(11)
+    for trial in range(8):
+        vocab, hidden, m = int(rng.integers(5, 40)), int(rng.integers(1, 70)), int(rng.integers(1, 11)) * L
+        embed = rng.standard_normal((vocab, hidden)).astype(np.float32)
+        rows = rng.standard_normal((m, hidden)).astype(np.float32)
+        n = int(rng.integers(1, 20))
+        tokens = rng.integers(0, vocab, n)
+        context = rng.standard_normal((n, hidden)).astype(np.float32) if trial % 2 else np.zeros((0, 0), np.float32)
+        out = np.empty((n, m), dtype=np.float32)
+        project(embed[tokens], rows, out)
+        np.testing.assert_allclose(out, embed[tokens].astype(np.float64) @ rows.T.astype(np.float64), rtol=1e-4,
+                                   atol=1e-4 * np.sqrt(hidden))
+        table, norms = token_table(embed, rows)
+        none = (np.zeros((0, 0), np.float32), np.zeros(0))
+        for a, b in zip(host_logits(embed, rows, table, norms, tokens, context),
+                        host_logits(embed, rows, *none, tokens, context)):
+            assert np.array_equal(a, b)
+        np.testing.assert_allclose(norms, np.linalg.norm(embed.astype(np.float64), axis=1))
+        weight, bonus = rng.random(L) * 2, rng.random(L)
+        last = rng.integers(-1, m // L, (n, L, 3))
+        args = (context, weight, last, bonus, min(K, m // L))
+        assert np.array_equal(predict_host(embed, rows, table, norms, tokens, *args),
+                              predict_host(embed, rows, *none, tokens, *args))
+
+
+def test_a_vocabulary_too_large_for_the_table_predicts_the_same(monkeypatch):
+    import specfit.experts.router as router
+
+    embed, router_weight = routers(5)
+    tokens, context = nodes(np.random.default_rng(6), 30)
+    batch = NodeBatch(tokens=tokens, last_known=None, context=context)
+    with_table = RouterPredictor(embed=embed, router_weight=router_weight, top_k=K, adapt=False)
+    monkeypatch.setattr(router, "TOKEN_TABLE_BYTES", 0)
+    without = RouterPredictor(embed=embed, router_weight=router_weight, top_k=K, adapt=False)
+    assert with_table._host_weights[2].shape == (V, L * E) and without._host_weights[2].shape[0] == 0
+    assert np.array_equal(with_table.predict(batch), without.predict(batch))

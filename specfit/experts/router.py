@@ -43,12 +43,15 @@ import torch
 from .. import kernels
 from .predictor_base import ExpertPredictor, NodeBatch
 
-__all__ = ["RouterPredictor", "CONTEXT_WEIGHTS", "RECENT_BONUSES"]
+__all__ = ["RouterPredictor", "CONTEXT_WEIGHTS", "RECENT_BONUSES", "TOKEN_TABLE_BYTES"]
 
 # the per-layer context weights and recent-routing bonuses the online choice compares (with the
 # configured ones)
 CONTEXT_WEIGHTS = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0)
 RECENT_BONUSES = (0.0, 0.5, 1.0, 1.5, 2.0)
+# with the weights on the host, every token's router logits are computed once when they take at
+# most this many bytes (the bundled model's: 512 KiB), and each prediction reads its tokens' rows
+TOKEN_TABLE_BYTES = 64 << 20
 
 _NO_ROWS = np.zeros((0, 0), dtype=np.float32)      # no context: no context logits
 _NO_SCALE = np.zeros(0)
@@ -96,10 +99,16 @@ class RouterPredictor(ExpertPredictor):
         # every layer's router as the columns of one matrix [H, L * E]: one GEMM per call
         n_layers, n_experts, hidden = router_weight.shape
         self._columns = router_weight.reshape(n_layers * n_experts, hidden).t().contiguous()
-        # on the host the same weights as float32 numpy arrays (views where they are float32 already)
+        # on the host the same weights as float32 numpy arrays (views where they are float32 already),
+        # the routers one row per expert, and every token's logits where they fit TOKEN_TABLE_BYTES
         self._host_weights = None
         if embed.device.type == "cpu":
-            self._host_weights = (embed.detach().float().numpy(), self._columns.detach().float().numpy())
+            host_embed = embed.detach().float().numpy()
+            rows = router_weight.reshape(n_layers * n_experts, hidden).detach().float().contiguous().numpy()
+            table, norms = _NO_ROWS, _NO_SCALE
+            if host_embed.shape[0] * rows.shape[0] * 4 <= TOKEN_TABLE_BYTES:
+                table, norms = kernels.router.token_table(host_embed, rows)
+            self._host_weights = (host_embed, rows, table, norms)
         self._layers_experts = (n_layers, n_experts)
         # the online choice: candidates (the configured values among them), right slots per
         # (candidate, layer) so far, nodes seen, and the weight and bonus each layer uses now

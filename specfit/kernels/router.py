@@ -12,6 +12,8 @@ the lower id, as the order of a stable sort would have them.
 
 With the weights on the host, :func:`predict_host` and :func:`count_host` take the embedding
 table and the routers' columns and do the whole step in one call (gather, GEMM, scale, top-k).
+Where every token's router logits fit in memory (:func:`token_table`, computed once) the token's
+part is a row read instead of a product: only the context's product is left per call.
 """
 
 from __future__ import annotations
@@ -19,21 +21,25 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["row_scales", "top_k_experts", "count_right", "host_logits", "predict_host", "count_host"]
+__all__ = ["row_scales", "top_k_experts", "count_right", "project", "token_table", "host_logits", "predict_host",
+           "count_host"]
+
+
+@njit(cache=True)
+def _norm(x, i):
+    """``|x[i]|`` in float64."""
+    s = 0.0
+    for j in range(x.shape[1]):
+        s += np.float64(x[i, j]) * np.float64(x[i, j])
+    return np.sqrt(s)
 
 
 @njit(cache=True)
 def row_scales(x, c):
     """float64 [n]: ``|x[i]| / max(|c[i]|, 1e-12)`` (the context's rescaling to the embedding)."""
-    n = x.shape[0]
-    out = np.empty(n)
-    for i in range(n):
-        xs = 0.0
-        cs = 0.0
-        for j in range(x.shape[1]):
-            xs += np.float64(x[i, j]) * np.float64(x[i, j])
-            cs += np.float64(c[i, j]) * np.float64(c[i, j])
-        out[i] = np.sqrt(xs) / max(np.sqrt(cs), 1e-12)
+    out = np.empty(x.shape[0])
+    for i in range(x.shape[0]):
+        out[i] = _norm(x, i) / max(_norm(c, i), 1e-12)
     return out
 
 
@@ -42,25 +48,20 @@ def _select(row, k, out, best):
     """The ``k`` largest entries of ``row`` (ids, descending; ties: the lower id) into ``out``,
     by insertion into a sorted list of the best so far (``best``: scratch of ``k`` values), one
     pass over the row: a row of E experts costs about E comparisons, not k E."""
-    e = row.size
-    for s in range(k):
-        out[s] = s
-        best[s] = row[s]
-    for s in range(1, k):                    # sort the first k (ties: the lower id first)
-        v, x = best[s], out[s]
-        t = s
+    m = 0
+    for x in range(row.size):
+        v = row[x]
+        if m < k:
+            t = m
+            m += 1
+        elif v > best[k - 1]:                # strictly: an equal value keeps the lower id
+            t = k - 1
+        else:
+            continue
         while t > 0 and best[t - 1] < v:
             best[t], out[t] = best[t - 1], out[t - 1]
             t -= 1
         best[t], out[t] = v, x
-    for x in range(k, e):
-        v = row[x]
-        if v > best[k - 1]:                  # strictly: an equal value keeps the lower id
-            t = k - 1
-            while t > 0 and best[t - 1] < v:
-                best[t], out[t] = best[t - 1], out[t - 1]
-                t -= 1
-            best[t], out[t] = v, x
 
 
 @njit(cache=True, inline="always")
@@ -179,31 +180,91 @@ def count_right(token_logits, context_logits, scale, layer_weight, last, layer_b
                 right_bonus[c, layer] += _named(true, i, layer, chosen)
 
 
+@njit(cache=True, fastmath=True)
+def project(x, rows, out):
+    """``out[i, c] = x[i] . rows[c]`` (float32 ``x`` [n, H], ``rows`` [m, H]: the routers'
+    columns as rows, so each product reads two contiguous vectors), four outputs per pass over
+    ``x[i]``. At the router predictor's sizes (16 x 128 by 128 x 64) a BLAS call costs more in
+    its setup than in its arithmetic; the same loop fills :func:`token_table`, so a row of the
+    table equals the product for its token computed here."""
+    n, m = x.shape[0], rows.shape[0]
+    h = x.shape[1]
+    for i in range(n):
+        c = 0
+        while c + 4 <= m:
+            s0 = np.float32(0.0)
+            s1 = np.float32(0.0)
+            s2 = np.float32(0.0)
+            s3 = np.float32(0.0)
+            for j in range(h):
+                v = x[i, j]
+                s0 += v * rows[c, j]
+                s1 += v * rows[c + 1, j]
+                s2 += v * rows[c + 2, j]
+                s3 += v * rows[c + 3, j]
+            out[i, c], out[i, c + 1], out[i, c + 2], out[i, c + 3] = s0, s1, s2, s3
+            c += 4
+        while c < m:
+            s0 = np.float32(0.0)
+            for j in range(h):
+                s0 += x[i, j] * rows[c, j]
+            out[i, c] = s0
+            c += 1
+
+
 @njit(cache=True)
-def host_logits(embed, columns, tokens, context):
+def token_table(embed, rows):
+    """(float32 [V, m] every token's router logits, float64 [V] every embedding's norm): what
+    :func:`host_logits` would compute for each token, computed once."""
+    table = np.empty((embed.shape[0], rows.shape[0]), dtype=np.float32)
+    project(embed, rows, table)
+    norms = np.empty(embed.shape[0])
+    for v in range(embed.shape[0]):
+        norms[v] = _norm(embed, v)
+    return table, norms
+
+
+@njit(cache=True)
+def host_logits(embed, rows, table, norms, tokens, context):
     """(token logits, context logits, row scales) from host weights: ``embed`` float32 [V, H],
-    ``columns`` float32 [H, L * E] (every layer's router, norm folded in), the nodes' ``tokens``
-    and their drafter ``context`` float32 [n, H] (no rows: none)."""
-    x = np.empty((tokens.size, embed.shape[1]), dtype=embed.dtype)
-    for i in range(tokens.size):
-        x[i] = embed[tokens[i]]
-    token_logits = np.dot(x, columns)
+    ``rows`` float32 [L * E, H] (every layer's router, norm folded in, one row per expert), the
+    nodes' ``tokens`` and their drafter ``context`` float32 [n, H] (no rows: none). With a
+    :func:`token_table` (``table``, ``norms``; no rows: none) a token's logits and norm are read
+    from it."""
+    n, m = tokens.size, rows.shape[0]
+    token_logits = np.empty((n, m), dtype=np.float32)
+    x_norm = np.empty(n)
+    if table.shape[0] > 0:
+        for i in range(n):
+            token_logits[i] = table[tokens[i]]
+            x_norm[i] = norms[tokens[i]]
+    else:
+        x = np.empty((n, embed.shape[1]), dtype=embed.dtype)
+        for i in range(n):
+            x[i] = embed[tokens[i]]
+            x_norm[i] = _norm(x, i)
+        project(x, rows, token_logits)
     if context.shape[0] == 0:
-        return token_logits, np.empty((0, 0), dtype=columns.dtype), np.empty(0)
-    return token_logits, np.dot(context, columns), row_scales(x, context)
+        return token_logits, np.empty((0, 0), dtype=np.float32), np.empty(0)
+    context_logits = np.empty((n, m), dtype=np.float32)
+    project(context, rows, context_logits)
+    scale = np.empty(n)
+    for i in range(n):
+        scale[i] = x_norm[i] / max(_norm(context, i), 1e-12)
+    return token_logits, context_logits, scale
 
 
 @njit(cache=True)
-def predict_host(embed, columns, tokens, context, layer_weight, last, layer_bonus, k):
+def predict_host(embed, rows, table, norms, tokens, context, layer_weight, last, layer_bonus, k):
     """:func:`top_k_experts` of :func:`host_logits`: the router predictor's whole step."""
-    token_logits, context_logits, scale = host_logits(embed, columns, tokens, context)
+    token_logits, context_logits, scale = host_logits(embed, rows, table, norms, tokens, context)
     return top_k_experts(token_logits, context_logits, scale, layer_weight, last, layer_bonus, k)
 
 
 @njit(cache=True)
-def count_host(embed, columns, tokens, context, layer_weight, last, layer_bonus, weight_candidates, bonus_candidates,
-               true, right_weight, right_bonus):
+def count_host(embed, rows, table, norms, tokens, context, layer_weight, last, layer_bonus, weight_candidates,
+               bonus_candidates, true, right_weight, right_bonus):
     """:func:`count_right` of :func:`host_logits`."""
-    token_logits, context_logits, scale = host_logits(embed, columns, tokens, context)
+    token_logits, context_logits, scale = host_logits(embed, rows, table, norms, tokens, context)
     count_right(token_logits, context_logits, scale, layer_weight, last, layer_bonus, weight_candidates,
                 bonus_candidates, true, right_weight, right_bonus)
