@@ -12,7 +12,10 @@ and minimum over settings of every variant's ratio to the best fixed setting.
 Traces: the shipped OLMoE sample (real routing), the shared 25.6k-token OLMoE routing log
 (``/work/shared/data/...npz``, skipped when absent) imported per domain (``general``, ``coding``;
 the first ``--sequences`` sequences of each, the default ``chat`` drafter preset; imports are cached
-under ``benchmarks/.cache/``) and the shipped Qwen3-shaped synthetic trace. Presets are published
+under ``benchmarks/.cache/``), the shipped Qwen3-shaped synthetic trace, and any position-indexed
+trace given by its ``.parquet`` path (e.g. ``specfit demo``'s ``trace.parquet``, whose every node's
+routing is the bundled model's own; ``--profiles pcie4-qwen3,...`` replays it at Qwen3-30B-A3B
+expert scale, as the demo's what-if does). Presets are published
 link bandwidths, not measurements. Policies decide with the variant's predicted experts and are
 charged with the true ones; fitted predictors and the acceptance calibration are cross-fitted (a
 fold never sees its own cycles).
@@ -72,8 +75,14 @@ def load_traces(names: list[str], sequences: int, workload: str) -> list[tuple[s
                 print(f"# {name}: {SHARED_LOG} absent, skipped")
                 continue
             out.append((name, _imported(name.split("-")[1], sequences, workload)))
+        elif name.endswith(".parquet"):
+            path = Path(name)
+            if not path.is_file():
+                raise SystemExit(f"--traces: {path}: no such trace file")
+            out.append((path.stem, read_trace(path)))
         else:
-            raise SystemExit(f"--traces: unknown trace {name!r}")
+            raise SystemExit(f"--traces: unknown trace {name!r}; expected olmoe-sample, olmoe-general, "
+                             f"olmoe-coding, qwen3-chat or a trace's .parquet path")
     return out
 
 
@@ -102,6 +111,16 @@ def _imported(domain: str, sequences: int, workload: str):
 def _first_seen(seq: np.ndarray) -> np.ndarray:
     _, first, inverse = np.unique(seq, return_index=True, return_inverse=True)
     return np.argsort(np.argsort(first))[inverse]
+
+
+def profile_cost(profile: str, trace, shape) -> object:
+    """The cost model of ``--profiles``' entry: a preset or profile file at the trace's shape, or
+    ``PRESET-qwen3`` (the demo's what-if: a small model's trace at Qwen3-30B-A3B expert scale)."""
+    if profile.endswith("-qwen3"):
+        from specfit.demo import whatif_scenarios
+
+        return whatif_scenarios(trace, [profile.removesuffix("-qwen3")])[0].cost
+    return resolve_profile(profile, shape).cost
 
 
 # --------------------------------------------------------------------------- variants
@@ -227,11 +246,12 @@ def best_of(prep: PreparedTrace, spec: str, capacity: int, cost, max_nodes: int)
 
 
 def run_setting(preps: dict[str, PreparedTrace], chosen: list[Variant], capacity: int, cost,
-                decision_s: float) -> dict:
+                decision_s: float, static_max_nodes: int = 8) -> dict:
     base = preps["oracle"]
     row: dict = {}
-    # static:auto never chose N > 2 in the baseline; candidates up to 8 keep the bench's time
-    max_nodes = min(8, max(int(t[-1].n_nodes) for t in base.level_trees))
+    # static:auto never chose N > 2 on the real-routing traces; candidates up to 8 keep the bench's
+    # time there (a trace of long accepted chains, like the demo's, needs more: --static-max-nodes)
+    max_nodes = min(static_max_nodes, max(int(t[-1].n_nodes) for t in base.level_trees))
     for spec in BASELINES + FIXED_LEVERS:
         row[spec], n = best_of(base, spec, capacity, cost, max_nodes)
         if n is not None:
@@ -276,11 +296,23 @@ def offline_reliability(trace) -> dict:
     return {"raw": reliability(q, accepted), "isotonic": reliability(edge_cal, accepted)}
 
 
-def predictor_quality(preps: dict[str, PreparedTrace], trace) -> dict:
-    """Slot precision of every predictor, and the precision / recall of the predicted union of
-    each tree's root and first level (the same nodes for every predictor)."""
-    from specfit.experts.predictors import union_quality
+def on_path_nodes(prep: PreparedTrace) -> np.ndarray:
+    """bool [nodes]: the nodes of each full tree's accepted path, roots included (in an imported
+    log the tokens whose routing was recorded; the importer synthesises the rest)."""
+    cycles = np.repeat(np.arange(prep.n_cycles), np.diff(prep.path_offsets))
+    on = np.zeros(prep.trace.n_nodes, dtype=bool)
+    on[prep.offsets[cycles] + prep.paths] = True
+    return on
 
+
+def predictor_quality(preps: dict[str, PreparedTrace], trace) -> dict:
+    """Slot precision of every predictor (over all nodes, and apart on the accepted paths' nodes
+    and the others), and the precision / recall of the predicted union of each tree's root and
+    first level (the same nodes for every predictor)."""
+    from specfit.experts.predictors import slots_right, union_quality
+
+    on = on_path_nodes(preps["oracle"]) & trace.true_known
+    off = ~on & trace.true_known
     out = {}
     for key, prep in preps.items():
         predictor = key.partition("/")[0]
@@ -291,7 +323,11 @@ def predictor_quality(preps: dict[str, PreparedTrace], trace) -> dict:
             lo = int(prep.offsets[c])
             first = lo + int(prep.level_sizes[prep.level_offsets[c] + min(1, prep.depth(c))])
             totals += union_quality(prep.predicted_experts[lo:first], prep.true_experts[lo:first], trace.n_experts)
-        out[predictor] = {"slot_precision": prep.info["slot_precision"],
+        slots = trace.n_layers * trace.top_k
+        on_off = [slots_right(prep.predicted_experts[m], prep.true_experts[m]) / max(int(m.sum()) * slots, 1)
+                  for m in (on, off)]
+        out[predictor] = {"slot_precision": prep.info["slot_precision"], "on_path_precision": on_off[0],
+                          "off_path_precision": on_off[1],
                           "union_precision": totals[2] / totals[0], "union_recall": totals[2] / totals[1]}
     return out
 
@@ -360,6 +396,8 @@ def main() -> None:
     ap.add_argument("--variants", default="all", help="comma-separated variant labels, or all")
     ap.add_argument("--decision-ms", type=float, default=0.45,
                     help="SpecFit's own time per decision for the 'decisions' rows (measured live: RESULTS.md)")
+    ap.add_argument("--static-max-nodes", type=int, default=8,
+                    help="the largest tree static:auto tries (its best over the sizes up to this)")
     ap.add_argument("--out", default=None, help="write every row as JSON here")
     args = ap.parse_args()
 
@@ -378,20 +416,22 @@ def main() -> None:
               f"{trace.n_layers} layers x {trace.n_experts} experts, top-{trace.top_k}")
         preps = prepare_all(name, trace, {"oracle"} | {v.prep for v in chosen})
         quality = predictor_quality(preps, trace)
-        print("\n| predictor | slot precision | union precision (root + level 1) | union recall |")
-        print("|---|---:|---:|---:|")
+        print("\n| predictor | slot precision | on the accepted paths | off them | union precision (root + level 1) "
+              "| union recall |")
+        print("|---|---:|---:|---:|---:|---:|")
         for pred, q in quality.items():
-            print(f"| {pred} | {q['slot_precision']:.3f} | {q['union_precision']:.3f} | {q['union_recall']:.3f} |")
+            print(f"| {pred} | {q['slot_precision']:.3f} | {q['on_path_precision']:.3f} | {q['off_path_precision']:.3f} "
+                  f"| {q['union_precision']:.3f} | {q['union_recall']:.3f} |")
         rel = offline_reliability(trace)
         print(f"\nAcceptance, edges of accepted parents: raw Brier {rel['raw']['brier']:.4f} ECE {rel['raw']['ece']:.4f}; "
               f"calibrated (cross-fitted) Brier {rel['isotonic']['brier']:.4f} ECE {rel['isotonic']['ece']:.4f}")
         for profile in args.profiles.split(","):
-            cost = resolve_profile(profile, shape).cost
+            cost = profile_cost(profile, trace, shape)
             rows = []
             for share in (float(s) for s in args.caches.split(",")):
                 capacity = int(round(share * trace.n_experts))
                 row = {"trace": name, "profile": profile, "cache": capacity,
-                       **run_setting(preps, chosen, capacity, cost, args.decision_ms / 1e3)}
+                       **run_setting(preps, chosen, capacity, cost, args.decision_ms / 1e3, args.static_max_nodes)}
                 rows.append(row)
             print_setting_table(name, profile, rows, labels)
             online = [r["online reliability"] for r in rows if "online reliability" in r]
