@@ -96,7 +96,7 @@ class RouterPredictor(ExpertPredictor):
         if embed is None or router_weight is None or top_k < 1:
             raise ValueError("RouterPredictor: pass the target model, or its embedding, router weights and top_k")
         self.embed, self.top_k = embed, int(top_k)
-        # every layer's router as the columns of one matrix [H, L * E]: one GEMM per call
+        # every layer's router as the columns of one matrix [H, L * E]: one GEMM per call on a device
         n_layers, n_experts, hidden = router_weight.shape
         self._columns = router_weight.reshape(n_layers * n_experts, hidden).t().contiguous()
         # on the host the same weights as float32 numpy arrays (views where they are float32 already),
