@@ -114,13 +114,13 @@ def _first_seen(seq: np.ndarray) -> np.ndarray:
 
 
 def profile_cost(profile: str, trace, shape) -> object:
-    """The cost model of ``--profiles``' entry: a preset or profile file at the trace's shape, or
-    ``PRESET-qwen3`` (the demo's what-if: a small model's trace at Qwen3-30B-A3B expert scale)."""
-    if profile.endswith("-qwen3"):
-        from specfit.demo import whatif_scenarios
+    """The cost model of ``--profiles``' entry: one of the demo's what-if scenarios by its name
+    (``PRESET-qwen3``: a small model's trace at Qwen3-30B-A3B expert scale), or a preset or
+    profile file at the trace's shape."""
+    from specfit.demo import whatif_scenarios
 
-        return whatif_scenarios(trace, [profile.removesuffix("-qwen3")])[0].cost
-    return resolve_profile(profile, shape).cost
+    scenarios = {s.label: s.cost for s in whatif_scenarios(trace)}
+    return scenarios[profile] if profile in scenarios else resolve_profile(profile, shape).cost
 
 
 # --------------------------------------------------------------------------- variants
@@ -313,6 +313,7 @@ def predictor_quality(preps: dict[str, PreparedTrace], trace) -> dict:
 
     on = on_path_nodes(preps["oracle"]) & trace.true_known
     off = ~on & trace.true_known
+    slots = trace.n_layers * trace.top_k
     out = {}
     for key, prep in preps.items():
         predictor = key.partition("/")[0]
@@ -323,7 +324,6 @@ def predictor_quality(preps: dict[str, PreparedTrace], trace) -> dict:
             lo = int(prep.offsets[c])
             first = lo + int(prep.level_sizes[prep.level_offsets[c] + min(1, prep.depth(c))])
             totals += union_quality(prep.predicted_experts[lo:first], prep.true_experts[lo:first], trace.n_experts)
-        slots = trace.n_layers * trace.top_k
         on_off = [slots_right(prep.predicted_experts[m], prep.true_experts[m]) / max(int(m.sum()) * slots, 1)
                   for m in (on, off)]
         out[predictor] = {"slot_precision": prep.info["slot_precision"], "on_path_precision": on_off[0],

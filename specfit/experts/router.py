@@ -96,15 +96,17 @@ class RouterPredictor(ExpertPredictor):
         if embed is None or router_weight is None or top_k < 1:
             raise ValueError("RouterPredictor: pass the target model, or its embedding, router weights and top_k")
         self.embed, self.top_k = embed, int(top_k)
-        # every layer's router as the columns of one matrix [H, L * E]: one GEMM per call on a device
+        # every layer's router, one row per expert [L * E, H]; on a device as the columns of one
+        # matrix [H, L * E]: one GEMM per call
         n_layers, n_experts, hidden = router_weight.shape
-        self._columns = router_weight.reshape(n_layers * n_experts, hidden).t().contiguous()
+        expert_rows = router_weight.reshape(n_layers * n_experts, hidden)
+        self._columns = expert_rows.t().contiguous()
         # on the host the same weights as float32 numpy arrays (views where they are float32 already),
         # the routers one row per expert, and every token's logits where they fit TOKEN_TABLE_BYTES
         self._host_weights = None
         if embed.device.type == "cpu":
             host_embed = embed.detach().float().numpy()
-            rows = router_weight.reshape(n_layers * n_experts, hidden).detach().float().contiguous().numpy()
+            rows = expert_rows.detach().float().contiguous().numpy()
             table, norms = _NO_ROWS, _NO_SCALE
             if host_embed.shape[0] * rows.shape[0] * 4 <= TOKEN_TABLE_BYTES:
                 table, norms = kernels.router.token_table(host_embed, rows)
