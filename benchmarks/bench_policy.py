@@ -1,7 +1,8 @@
 """Where SpecFit's gap to the oracle goes: an ablation of its levers on real-routing traces.
 
     python benchmarks/bench_policy.py [--sequences 16] [--traces olmoe-sample,olmoe-general,olmoe-coding,qwen3-chat]
-        [--profiles pcie4,pcie5,gh200] [--caches 0,0.25,0.5] [--variants all] [--out runs/bench_policy.json]
+        [--profiles pcie4,pcie5,gh200] [--caches 0,0.25,0.5] [--variants all] [--noisy 0.6,0.8,0.9]
+        [--out runs/bench_policy.json]
 
 For every trace x profile x cache size (a share of a layer's experts, LRU per layer) it replays, on
 the same trace, cache and cost model: the fixed settings (``ar``, ``chain:1..4``, ``static:auto``),
@@ -18,7 +19,9 @@ routing is the bundled model's own; ``--profiles pcie4-qwen3,...`` replays it at
 expert scale, as the demo's what-if does). Presets are published
 link bandwidths, not measurements. Policies decide with the variant's predicted experts and are
 charged with the true ones; fitted predictors and the acceptance calibration are cross-fitted (a
-fold never sees its own cycles).
+fold never sees its own cycles). ``--noisy P,...`` adds SpecFit with the true experts made wrong in
+a share ``1 - P`` of the slots (``--predictor noisy:P``): the slot precision a predictor needs for
+SpecFit to keep what it gains with true experts.
 """
 
 from __future__ import annotations
@@ -144,6 +147,7 @@ class Variant:
 
 
 ALL = "specfit+cache+prefetch"
+REALISTIC = ("affinity", "learned", "parent")      # the predictors a live decoder could run
 
 
 def _paper(decision_s: float = 0.0):
@@ -333,7 +337,7 @@ def predictor_quality(preps: dict[str, PreparedTrace], trace) -> dict:
 
 
 # --------------------------------------------------------------------------- tables
-def print_setting_table(trace: str, profile: str, rows: list[dict], labels: list[str]) -> None:
+def print_setting_table(trace: str, profile: str, rows: list[dict], labels: list[str], preds=REALISTIC) -> None:
     print(f"\n#### {trace} - {profile}\n")
     head = ["cache", "ar", "chain:1", "static:auto", "eagle3", "oracle", "best fixed", "best fixed+levers", "specfit",
             "specfit / best", "specfit / best+levers", "specfit / oracle", "Belady: specfit / best"]
@@ -354,14 +358,14 @@ def print_setting_table(trace: str, profile: str, rows: list[dict], labels: list
         cells = [f"{r[label] / r['best fixed']:.3f}" + (f" ({r[label + ' nodes']:.2f})" if label + " nodes" in r else "")
                  for r in rows]
         print(f"| {label} | " + " | ".join(cells) + " |")
-    for pred in ("affinity", "learned", "parent"):
+    for pred in preds:
         if f"best fixed+levers {pred}" in rows[0]:
             cells = [f"{r[f'best fixed+levers {pred}'] / r['best fixed']:.3f} ({r[f'best fixed+levers {pred} name']})"
                      for r in rows]
             print(f"| best fixed+levers, {pred} experts | " + " | ".join(cells) + " |")
 
 
-def print_overall(all_rows: list[dict], labels: list[str]) -> None:
+def print_overall(all_rows: list[dict], labels: list[str], preds=REALISTIC) -> None:
     print("\n### Over all settings (trace x profile x cache)\n")
     print("| variant | / best fixed: median | min | max | below 0.98 | / best fixed+levers: median | min |")
     print("|---|---:|---:|---:|---:|---:|---:|")
@@ -375,7 +379,7 @@ def print_overall(all_rows: list[dict], labels: list[str]) -> None:
         print(f"\n{name}: " + ", ".join(f"{n} in {names.count(n)}" for n in sorted(set(names))))
     sf = np.array([r["specfit"] / r["oracle"] for r in all_rows])
     print(f"specfit / oracle: median {np.median(sf):.3f}, range {sf.min():.3f}-{sf.max():.3f}")
-    for pred in ("affinity", "learned", "parent"):
+    for pred in preds:
         label = f"specfit {pred}"
         if label in all_rows[0]:
             own = np.array([r[label] / r["specfit"] for r in all_rows])
@@ -398,11 +402,16 @@ def main() -> None:
                     help="SpecFit's own time per decision for the 'decisions' rows (measured live: RESULTS.md)")
     ap.add_argument("--static-max-nodes", type=int, default=8,
                     help="the largest tree static:auto tries (its best over the sizes up to this)")
+    ap.add_argument("--noisy", default="", help="slot precisions P for 'specfit noisy:P' rows (every lever, the "
+                    "true experts with each slot wrong with probability 1-P), e.g. 0.6,0.8,0.9,0.95")
     ap.add_argument("--out", default=None, help="write every row as JSON here")
     args = ap.parse_args()
 
     table = variants()
-    chosen = list(table.values()) if args.variants == "all" else [table[v.strip()] for v in args.variants.split(",")]
+    chosen = list(table.values()) if args.variants == "all" else [table[v.strip()] for v in args.variants.split(",") if v.strip()]
+    noisy = [f"noisy:{float(p):g}" for p in args.noisy.split(",") if p.strip()]
+    chosen += [Variant(f"specfit {key}", prep=key, spec=ALL) for key in noisy]
+    preds = list(REALISTIC) + noisy
     for must in ("specfit", "specfit belady"):
         if not any(v.label == must for v in chosen):
             chosen.insert(0, table[must])
@@ -433,7 +442,7 @@ def main() -> None:
                 row = {"trace": name, "profile": profile, "cache": capacity,
                        **run_setting(preps, chosen, capacity, cost, args.decision_ms / 1e3, args.static_max_nodes)}
                 rows.append(row)
-            print_setting_table(name, profile, rows, labels)
+            print_setting_table(name, profile, rows, labels, preds)
             online = [r["online reliability"] for r in rows if "online reliability" in r]
             if online:
                 print("\nOnline acceptance (+online, prequential, edges revealed in the run): " + "; ".join(
@@ -442,7 +451,7 @@ def main() -> None:
             all_rows.extend(rows)
             if args.out:            # after every profile: an interrupted run keeps what it measured
                 _write(args.out, all_rows)
-    print_overall(all_rows, labels)
+    print_overall(all_rows, labels, preds)
     print(f"\n({time.perf_counter() - start:.0f} s)")
     if args.out:
         _write(args.out, all_rows)

@@ -126,3 +126,55 @@ def test_affinity_learned_online_equals_fitted_on_the_same_routings(olmoe):
         np.testing.assert_array_equal(getattr(online, name), getattr(fitted, name), err_msg=name)
     np.testing.assert_allclose(online.popularity_, fitted.popularity_)
     np.testing.assert_array_equal(online.predict_trace(olmoe, [3, 4]), fitted.predict_trace(olmoe, [3, 4]))
+
+
+@pytest.mark.parametrize("precision", [0.0, 0.3, 0.8, 1.0])
+def test_noisy_oracle_is_wrong_in_the_share_of_slots_it_is_told(olmoe, precision):
+    """Each slot keeps its true expert with probability ``precision``; a wrong one names an expert
+    the node does not route to at that layer, never twice in a node's layer."""
+    from specfit.experts.predictors import slots_right
+
+    pred = cross_predict(f"noisy:{precision}", olmoe)
+    true = olmoe.true_experts
+    n_slots = pred.size
+    right = slots_right(pred, true)
+    # binomial: 5 standard deviations around the expected count
+    sd = np.sqrt(n_slots * precision * (1 - precision))
+    assert abs(right - precision * n_slots) <= 5 * sd + 1e-9
+    ordered = np.sort(pred, axis=2)
+    assert not (ordered[:, :, 1:] == ordered[:, :, :-1]).any()          # distinct picks per layer
+    assert ((pred >= 0) & (pred < olmoe.n_experts)).all()
+    changed = pred != true
+    in_true = (pred[:, :, :, None] == true[:, :, None, :]).any(axis=3)
+    assert not in_true[changed].any()                # a replaced slot is an expert the node does not use
+    np.testing.assert_array_equal(cross_predict(f"noisy:{precision}", olmoe), pred)    # the same draw again
+
+
+def test_noisy_oracle_where_a_node_routes_to_every_expert_keeps_them():
+    from specfit.experts.predictors import NoisyOraclePredictor, NodeBatch
+
+    true = np.array([[[0, 1], [1, 0]], [[1, 0], [0, 1]]], dtype=np.int16)      # 2 nodes, 2 layers, top-2 of 2
+    noisy = NoisyOraclePredictor(precision=0.0)
+    noisy.n_experts_ = 2
+    batch = NodeBatch(tokens=np.zeros(2, dtype=np.int64), last_known=np.full((2, 2, 2), -1), true_experts=true)
+    np.testing.assert_array_equal(noisy.predict(batch), true)       # no expert is left to be wrong with
+    with pytest.raises(SpecFitError, match="fit it on a trace first"):
+        NoisyOraclePredictor(0.5).predict(batch)
+    with pytest.raises(SpecFitError, match="true experts"):
+        noisy.predict(NodeBatch(tokens=np.zeros(2, dtype=np.int64), last_known=np.full((2, 2, 2), -1)))
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("noisy:1.5", "slot precision P in \\[0, 1\\], got 'noisy:1.5'"),
+    ("noisy:x", "slot precision P in \\[0, 1\\], got 'noisy:x'"),
+    ("noisy:nan", "slot precision P in \\[0, 1\\], got 'noisy:nan'"),
+    ("parent:0.5", "parent takes no argument, got 'parent:0.5'"),
+    ("crystal:0.5", "unknown predictor 'crystal:0.5'"),
+])
+def test_predictor_specs_are_checked_with_one_clear_error(spec, message):
+    from specfit.simulate.scenarios import check_replay_options
+
+    with pytest.raises(SpecFitError, match=message):
+        make_predictor(spec)
+    with pytest.raises(SpecFitError, match="sweep.yaml: field 'predictor': "):
+        check_replay_options(spec, "calibrated", "per_layer", "lru", source="sweep.yaml")

@@ -347,3 +347,19 @@ def test_specfit_compiled_replay_equals_its_policy_driven_level_by_level(build):
     # the rules acted: drafting happened and the observed price was learned
     assert logs[0].columns["draft_levels"].max() > 0
     assert states[0][2][kernels.decide.N_OBSERVED] > 0 or states[0][0][kernels.decide.PRICE] != kernels.decide.OBSERVED
+
+
+def test_a_noisy_oracle_at_full_precision_replays_as_the_true_experts_and_a_worse_one_differs():
+    """``--predictor noisy:P``: at P = 1 SpecFit decides exactly as with the true experts; at P = 0.5
+    its predicted unions are wrong, the replay still commits the reference output."""
+    trace = read_trace(SAMPLE_QWEN3)
+    scenarios = [Scenario("pcie4", preset_profile("pcie4", SHAPES["qwen3-30b-a3b"]).cost)]
+    runs = {p: run_sweep([prepare_trace("qwen3", trace, predictor=p)], ["specfit+cache+prefetch"], [32], scenarios)[0]
+            for p in ("oracle", "noisy:1", "noisy:0.5")}
+    for column in ("nodes_verified", "committed_tokens", "hits", "misses", "charged_time_s"):
+        np.testing.assert_array_equal(runs["noisy:1"][column], runs["oracle"][column], err_msg=column)
+    assert not runs["noisy:0.5"]["nodes_verified"].equals(runs["oracle"]["nodes_verified"])
+    half = prepare_trace("qwen3", trace, predictor="noisy:0.5")
+    log = replay(half, make_policy("specfit+cache+prefetch"), ExpertCache(48, 128, 32), scenarios[0].cost)
+    for got, want in zip(log.committed, half.reference):
+        np.testing.assert_array_equal(got, want)

@@ -16,6 +16,8 @@ position-indexed trace the root of the previous position (:func:`last_known_expe
 last token the previous cycle committed before its bonus.
 
 - ``oracle``: the true experts (isolates search quality from prediction quality);
+- ``noisy:P``: the true experts with each slot wrong with probability ``1 - P`` (replay only): how
+  good a predictor must be for a policy to keep what it gains with true experts;
 - ``recorded``: the predictions stored in the trace by the live recorder;
 - ``parent``: every node gets the most recent known routing (temporal locality); siblings get
   identical predictions, which makes extra nodes look free;
@@ -36,8 +38,8 @@ from ..errors import SpecFitError
 from .affinity import AffinityPredictor, popularity
 from .predictor_base import ExpertPredictor, NodeBatch, last_known_experts, selected_rows as _selected_rows, trace_batch
 
-__all__ = ["NodeBatch", "ExpertPredictor", "OraclePredictor", "RecordedPredictor", "ParentPredictor",
-           "AffinityPredictor", "make_predictor", "predictor_from_dict", "PREDICTORS", "LIVE_PREDICTORS", "last_known_experts", "trace_batch",
+__all__ = ["NodeBatch", "ExpertPredictor", "OraclePredictor", "NoisyOraclePredictor", "RecordedPredictor",
+           "ParentPredictor", "AffinityPredictor", "make_predictor", "parse_predictor", "predictor_from_dict", "PREDICTORS", "LIVE_PREDICTORS", "last_known_experts", "trace_batch",
            "cross_predict", "union_quality", "slots_right"]
 
 
@@ -56,6 +58,59 @@ class OraclePredictor(ExpertPredictor):
         out = super().predict_trace(trace, cycles)
         # the whole trace's own array: the replay recognises it and skips a second union
         return trace.true_experts if cycles is None else out
+
+
+class NoisyOraclePredictor(ExpertPredictor):
+    """The true experts with each (layer, slot) wrong with probability ``1 - precision``: a wrong
+    slot names an expert the node does not route to at that layer, drawn uniformly and distinct
+    from the node's other picks there. A what-if for replay (``--predictor noisy:0.8``): the slot
+    precision a real predictor would need. Its errors are spread uniformly; a real predictor's
+    lean towards popular experts, so it overlaps its own picks more than this one does.
+
+    ``predict`` is pure: the same batch with the same ``seed`` gets the same picks."""
+
+    name = "noisy"
+    needs_truth = True
+    _CHUNK = 4096            # nodes per draw: keeps the [nodes, layers, experts] keys small
+
+    def __init__(self, precision: float = 0.8, seed: int = 0):
+        if not 0.0 <= float(precision) <= 1.0:
+            raise SpecFitError(f"--predictor noisy: expected a slot precision in [0, 1], got {precision!r}")
+        self.precision, self.seed = float(precision), int(seed)
+
+    def get_params(self) -> dict:
+        return {"precision": self.precision, "seed": self.seed}
+
+    def fit(self, trace, cycles=None) -> "NoisyOraclePredictor":
+        self.n_experts_ = int(trace.n_experts)      # what a wrong slot is drawn from
+        return self
+
+    def predict_trace(self, trace, cycles=None) -> np.ndarray:
+        return self.fit(trace).predict(trace_batch(trace, cycles))
+
+    def predict(self, batch: NodeBatch) -> np.ndarray:
+        true = batch.true_experts
+        if true is None or (np.asarray(true) < 0).any():
+            raise SpecFitError("--predictor noisy: the trace does not know every node's true experts")
+        if getattr(self, "n_experts_", None) is None:
+            raise SpecFitError("--predictor noisy: fit it on a trace first (it draws wrong experts among the trace's)")
+        true = np.asarray(true)
+        n, n_layers, k = true.shape
+        n_experts = self.n_experts_
+        rng = np.random.default_rng(self.seed)
+        out = true.copy()
+        spare = min(k, n_experts - k)     # experts outside a node's k at a layer: at most that many can be wrong
+        if spare <= 0 or self.precision >= 1.0:
+            return out
+        for lo in range(0, n, self._CHUNK):
+            part = true[lo:lo + self._CHUNK]
+            keys = rng.random((part.shape[0], n_layers, n_experts))
+            np.put_along_axis(keys, part.astype(np.int64), 2.0, axis=2)        # never draw a true expert
+            others = np.argsort(keys, axis=2)[:, :, :spare]
+            wrong = rng.random(part.shape) >= self.precision
+            wrong[:, :, spare:] = False
+            out[lo:lo + self._CHUNK, :, :spare] = np.where(wrong[:, :, :spare], others, part[:, :, :spare])
+        return out
 
 
 class RecordedPredictor(ExpertPredictor):
@@ -112,7 +167,7 @@ def _router(**params) -> ExpertPredictor:
     return RouterPredictor(**params)
 
 
-PREDICTORS = {"oracle": OraclePredictor, "recorded": RecordedPredictor, "parent": ParentPredictor,
+PREDICTORS = {"oracle": OraclePredictor, "noisy": NoisyOraclePredictor, "recorded": RecordedPredictor, "parent": ParentPredictor,
               "affinity": AffinityPredictor, "learned": _learned, "router": _router}
 # what the live decoder can run: the others read what only a recorded trace knows
 LIVE_PREDICTORS = ("router", "affinity", "parent", "learned")
@@ -130,10 +185,29 @@ def predictor_from_dict(d: dict) -> ExpertPredictor:
     return PREDICTORS[name].from_dict(d)
 
 
-def make_predictor(name: str, **params) -> ExpertPredictor:
+def parse_predictor(spec: str, where: str = "--predictor") -> tuple[str, dict]:
+    """``(name, params)`` of a predictor spec: a name of :data:`PREDICTORS`, or ``noisy:P`` with a
+    slot precision P in [0, 1]. ``where`` names the option or field in the error."""
+    name, colon, arg = str(spec).partition(":")
     if name not in PREDICTORS:
-        raise SpecFitError(f"--predictor: unknown predictor {name!r}; expected one of {sorted(PREDICTORS)}")
-    return PREDICTORS[name](**params)
+        raise SpecFitError(f"{where}: unknown predictor {spec!r}; expected one of {sorted(PREDICTORS)} (noisy as noisy:P)")
+    if not colon:
+        return name, {}
+    if name != "noisy":
+        raise SpecFitError(f"{where}: {name} takes no argument, got {spec!r}")
+    try:
+        precision = float(arg)
+    except ValueError:
+        precision = float("nan")
+    if not 0.0 <= precision <= 1.0:
+        raise SpecFitError(f"{where}: expected noisy:P with a slot precision P in [0, 1], got {spec!r}")
+    return name, {"precision": precision}
+
+
+def make_predictor(spec: str, **params) -> ExpertPredictor:
+    """The predictor of ``spec`` (:func:`parse_predictor`); ``params`` override the spec's."""
+    name, spec_params = parse_predictor(spec)
+    return PREDICTORS[name](**{**spec_params, **params})
 
 
 def cross_predict(name: str, trace, n_folds: int = 2, **params) -> np.ndarray:
@@ -141,7 +215,7 @@ def cross_predict(name: str, trace, n_folds: int = 2, **params) -> np.ndarray:
     fitted on the other folds (so a fitted predictor never sees the experts it predicts).
     Folds are whole sequences dealt in turn (:func:`cycle_folds`)."""
     predictor = make_predictor(name, **params)
-    if name in ("oracle", "recorded", "router"):    # nothing fitted on the trace: no fold can leak
+    if predictor.needs_truth or predictor.name == "router":    # nothing fitted on the trace: no fold can leak
         return predictor.predict_trace(trace)
     fold = cycle_folds(trace, n_folds)
     out = np.empty_like(trace.true_experts)

@@ -31,7 +31,8 @@ def simulate_command(
                                       "layer, or in total with --cache-mode global)."),
     predictor: str = typer.Option("oracle", "--predictor", help="Expert predictor the policies decide with: oracle, "
                                   "affinity, learned, parent, recorded (fitted ones are cross-fitted on other sequences), "
-                                  "router (the target's routers; needs --model)."),
+                                  "router (the target's routers; needs --model), noisy:P (the true experts with "
+                                  "each slot wrong with probability 1-P: the precision a predictor would need)."),
     model: Optional[Path] = typer.Option(None, "--model", help="The traced model's directory, for --predictor router."),
     acceptance: str = typer.Option("calibrated", "--acceptance", help="Path probabilities the policies use: "
                                    "calibrated (the acceptance calibrator, "

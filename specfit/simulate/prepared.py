@@ -264,10 +264,9 @@ def prepare_trace(name: str, trace: Trace, predictor: str = "oracle", acceptance
     probabilities from the acceptance calibrator (both fitted on the other sequences only).
     ``predictor="router"`` reads the target's routers from ``model_dir`` (the trace's model)."""
     from ..experts.calibration import cross_calibrate
-    from ..experts.predictors import PREDICTORS, cross_predict
+    from ..experts.predictors import cross_predict, parse_predictor
 
-    if predictor not in PREDICTORS:
-        raise SpecFitError(f"--predictor: expected one of {sorted(PREDICTORS)}, got {predictor!r}")
+    parse_predictor(predictor)
     if acceptance not in ("calibrated", "raw"):
         raise SpecFitError(f"--acceptance: expected calibrated or raw, got {acceptance!r}")
     unfittable = trace.meta.get("recording", {}).get("unfittable_predictors", [])

@@ -20,11 +20,10 @@ def check_replay_options(predictor: str, acceptance: str, cache_mode: str, cache
     """One clear error for an unknown predictor, acceptance, cache mode or eviction policy;
     ``source`` (e.g. a spec file) prefixes the message instead of the option's name."""
     from ..experts.cache import EVICTION_POLICIES
-    from ..experts.predictors import PREDICTORS
+    from ..experts.predictors import parse_predictor
 
     where = (lambda key, option: f"{source}: field {key!r}") if source else (lambda key, option: option)
-    if predictor not in PREDICTORS:
-        raise SpecFitError(f"{where('predictor', '--predictor')}: expected one of {sorted(PREDICTORS)}, got {predictor!r}")
+    parse_predictor(predictor, where("predictor", "--predictor"))
     if acceptance not in ("calibrated", "raw"):
         raise SpecFitError(f"{where('acceptance', '--acceptance')}: expected calibrated or raw, got {acceptance!r}")
     if cache_mode not in ("per_layer", "global"):
