@@ -183,6 +183,9 @@ def variants() -> dict[str, Variant]:
         Variant("paper affinity", prep="affinity", build=_paper),
         Variant("specfit affinity", prep="affinity", spec=ALL),
         Variant("specfit learned", prep="learned", spec=ALL),
+        Variant("+expected-stop learned", prep="learned", spec="specfit",
+                note="no cache lever, the learned predictor: what prediction costs the selection alone "
+                     "(against +expected-stop)"),
         Variant("specfit parent", prep="parent", spec=ALL),
         Variant("specfit learned no-price", prep="learned",
                 build=lambda d: _levers(SpecFitPolicy(8, price_uncertainty="none")),
@@ -390,6 +393,23 @@ def print_overall(all_rows: list[dict], labels: list[str], preds=REALISTIC) -> N
                   + ", ".join(f"{n} in {names.count(n)}" for n in sorted(set(names))) + ")")
 
 
+def print_attribution(all_rows: list[dict]) -> None:
+    """Where the learned predictor's loss goes: the selection alone (no cache lever) and the cache
+    levers' gain over it, with true and with learned experts, in the settings with a cache."""
+    need = ("+expected-stop", "+expected-stop learned", "specfit", "specfit learned")
+    if not all(k in all_rows[0] for k in need):
+        return
+    med = lambda a, b, rows: float(np.median([r[a] / r[b] for r in rows]))     # noqa: E731
+    cached = [r for r in all_rows if r["cache"] > 0]
+    print(f"\nThe learned predictor's loss: selection alone (+expected-stop learned / +expected-stop) median "
+          f"{med('+expected-stop learned', '+expected-stop', all_rows):.3f}; every lever (specfit learned / "
+          f"specfit) {med('specfit learned', 'specfit', all_rows):.3f}")
+    if cached:
+        print(f"With a cache ({len(cached)} settings): the cache levers gain {med('specfit', '+expected-stop', cached):.3f}x "
+              f"with true experts and {med('specfit learned', '+expected-stop learned', cached):.3f}x with learned ones "
+              f"(medians)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", default="olmoe-sample,olmoe-general,olmoe-coding,qwen3-chat")
@@ -452,6 +472,7 @@ def main() -> None:
             if args.out:            # after every profile: an interrupted run keeps what it measured
                 _write(args.out, all_rows)
     print_overall(all_rows, labels, preds)
+    print_attribution(all_rows)
     print(f"\n({time.perf_counter() - start:.0f} s)")
     if args.out:
         _write(args.out, all_rows)

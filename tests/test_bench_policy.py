@@ -88,3 +88,26 @@ def test_a_trace_is_read_from_its_path_and_a_missing_one_is_named(bench, tmp_pat
         bench.load_traces([str(missing)], 16, "chat")
     with pytest.raises(SystemExit, match="unknown trace 'olmoe'"):
         bench.load_traces(["olmoe"], 16, "chat")
+
+
+def test_the_noisy_rows_and_the_learned_predictors_attribution(bench, monkeypatch, capsys, tmp_path):
+    """``--noisy 1`` adds a SpecFit row whose experts are the true ones: it equals ``specfit``
+    in every setting; the attribution line divides the rows it names."""
+    out = tmp_path / "rows.json"
+    monkeypatch.setattr("sys.argv", ["bench_policy.py", "--traces", str(SAMPLE), "--profiles", "pcie4",
+                                     "--caches", "0,0.25", "--variants", "+expected-stop,+expected-stop learned,"
+                                     "specfit learned", "--noisy", "1", "--out", str(out)])
+    bench.main()
+    import json
+
+    rows = json.loads(out.read_text())
+    assert len(rows) == 2
+    for r in rows:
+        assert r["specfit noisy:1"] == r["specfit"]
+        assert r["specfit noisy:1 nodes"] == r["specfit nodes"]
+    text = capsys.readouterr().out
+    assert "specfit noisy:1 / specfit (true experts): median 1.000, min 1.000" in text
+    sel = np.median([r["+expected-stop learned"] / r["+expected-stop"] for r in rows])
+    gain = rows[1]["specfit learned"] / rows[1]["+expected-stop learned"]
+    assert f"selection alone (+expected-stop learned / +expected-stop) median {sel:.3f}" in text
+    assert "with learned ones (medians)" in text and f"and {gain:.3f}x with learned" in text
