@@ -186,6 +186,9 @@ def variants() -> dict[str, Variant]:
         Variant("+expected-stop learned", prep="learned", spec="specfit",
                 note="no cache lever, the learned predictor: what prediction costs the selection alone "
                      "(against +expected-stop)"),
+        Variant("+cache learned", prep="learned", spec="specfit+cache", note="the look-ahead eviction alone, learned"),
+        Variant("+prefetch", spec="specfit+prefetch", note="copies in the drafted levels' link time alone"),
+        Variant("+prefetch learned", prep="learned", spec="specfit+prefetch", note="the same, learned"),
         Variant("specfit parent", prep="parent", spec=ALL),
         Variant("specfit learned no-price", prep="learned",
                 build=lambda d: _levers(SpecFitPolicy(8, price_uncertainty="none")),
@@ -404,10 +407,15 @@ def print_attribution(all_rows: list[dict]) -> None:
     print(f"\nThe learned predictor's loss: selection alone (+expected-stop learned / +expected-stop) median "
           f"{med('+expected-stop learned', '+expected-stop', all_rows):.3f}; every lever (specfit learned / "
           f"specfit) {med('specfit learned', 'specfit', all_rows):.3f}")
-    if cached:
-        print(f"With a cache ({len(cached)} settings): the cache levers gain {med('specfit', '+expected-stop', cached):.3f}x "
-              f"with true experts and {med('specfit learned', '+expected-stop learned', cached):.3f}x with learned ones "
-              f"(medians)")
+    if not cached:
+        return
+    print(f"With a cache ({len(cached)} settings): the cache levers gain {med('specfit', '+expected-stop', cached):.3f}x "
+          f"with true experts and {med('specfit learned', '+expected-stop learned', cached):.3f}x with learned ones "
+          f"(medians)")
+    for lever, label in (("the look-ahead eviction", "+cache"), ("prefetch", "+prefetch")):
+        if label in cached[0] and f"{label} learned" in cached[0]:
+            print(f"  {lever} ({label} / +expected-stop): {med(label, '+expected-stop', cached):.3f}x with true experts, "
+                  f"{med(f'{label} learned', '+expected-stop learned', cached):.3f}x with learned ones")
 
 
 def main() -> None:
