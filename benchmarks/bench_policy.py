@@ -436,7 +436,12 @@ def main() -> None:
     args = ap.parse_args()
 
     table = variants()
-    chosen = list(table.values()) if args.variants == "all" else [table[v.strip()] for v in args.variants.split(",") if v.strip()]
+    asked = [v.strip() for v in args.variants.split(",") if v.strip()] if args.variants != "all" else list(table)
+    unknown = [v for v in asked if v not in table]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {', '.join(map(repr, unknown))}; expected labels among "
+                         f"{', '.join(table)} (or all)")
+    chosen = [table[v] for v in asked]
     noisy = [f"noisy:{float(p):g}" for p in args.noisy.split(",") if p.strip()]
     chosen += [Variant(f"specfit {key}", prep=key, spec=ALL) for key in noisy]
     preds = list(REALISTIC) + noisy

@@ -111,6 +111,7 @@ def test_the_noisy_rows_and_the_learned_predictors_attribution(bench, monkeypatc
     gain = rows[1]["specfit learned"] / rows[1]["+expected-stop learned"]
     assert f"selection alone (+expected-stop learned / +expected-stop) median {sel:.3f}" in text
     assert "with learned ones (medians)" in text and f"and {gain:.3f}x with learned" in text
-    pre = [rows[1]["+prefetch"] / rows[1]["+expected-stop"], rows[1]["+prefetch learned"] / rows[1]["+expected-stop learned"]]
+    last = rows[1]
+    pre = [last["+prefetch"] / last["+expected-stop"], last["+prefetch learned"] / last["+expected-stop learned"]]
     assert f"prefetch (+prefetch / +expected-stop): {pre[0]:.3f}x with true experts, {pre[1]:.3f}x with learned" in text
     assert "look-ahead eviction" not in text           # its rows were not chosen

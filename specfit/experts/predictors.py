@@ -39,8 +39,9 @@ from .affinity import AffinityPredictor, popularity
 from .predictor_base import ExpertPredictor, NodeBatch, last_known_experts, selected_rows as _selected_rows, trace_batch
 
 __all__ = ["NodeBatch", "ExpertPredictor", "OraclePredictor", "NoisyOraclePredictor", "RecordedPredictor",
-           "ParentPredictor", "AffinityPredictor", "make_predictor", "parse_predictor", "predictor_from_dict", "PREDICTORS", "LIVE_PREDICTORS", "last_known_experts", "trace_batch",
-           "cross_predict", "union_quality", "slots_right"]
+           "ParentPredictor", "AffinityPredictor", "make_predictor", "parse_predictor", "predictor_from_dict",
+           "PREDICTORS", "LIVE_PREDICTORS", "last_known_experts", "trace_batch", "cross_predict", "union_quality",
+           "slots_right"]
 
 
 class OraclePredictor(ExpertPredictor):
@@ -65,7 +66,9 @@ class NoisyOraclePredictor(ExpertPredictor):
     slot names an expert the node does not route to at that layer, drawn uniformly and distinct
     from the node's other picks there. A what-if for replay (``--predictor noisy:0.8``): the slot
     precision a real predictor would need. Its errors are spread uniformly; a real predictor's
-    lean towards popular experts, so it overlaps its own picks more than this one does.
+    lean towards popular experts, so it overlaps its own picks more than this one does. Where a
+    layer has fewer than ``k`` experts besides a node's ``k``, only that many of its slots can be
+    wrong.
 
     ``predict`` is pure: the same batch with the same ``seed`` gets the same picks."""
 
@@ -167,8 +170,8 @@ def _router(**params) -> ExpertPredictor:
     return RouterPredictor(**params)
 
 
-PREDICTORS = {"oracle": OraclePredictor, "noisy": NoisyOraclePredictor, "recorded": RecordedPredictor, "parent": ParentPredictor,
-              "affinity": AffinityPredictor, "learned": _learned, "router": _router}
+PREDICTORS = {"oracle": OraclePredictor, "noisy": NoisyOraclePredictor, "recorded": RecordedPredictor,
+              "parent": ParentPredictor, "affinity": AffinityPredictor, "learned": _learned, "router": _router}
 # what the live decoder can run: the others read what only a recorded trace knows
 LIVE_PREDICTORS = ("router", "affinity", "parent", "learned")
 
@@ -190,7 +193,8 @@ def parse_predictor(spec: str, where: str = "--predictor") -> tuple[str, dict]:
     slot precision P in [0, 1]. ``where`` names the option or field in the error."""
     name, colon, arg = str(spec).partition(":")
     if name not in PREDICTORS:
-        raise SpecFitError(f"{where}: unknown predictor {spec!r}; expected one of {sorted(PREDICTORS)} (noisy as noisy:P)")
+        raise SpecFitError(f"{where}: unknown predictor {spec!r}; expected one of {sorted(PREDICTORS)} "
+                           "(noisy as noisy:P)")
     if not colon:
         return name, {}
     if name != "noisy":
