@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .errors import SpecFitError
 
-__all__ = ["set_cpu_threads", "DEFAULT_CPU_THREADS", "THREADS_HELP"]
+__all__ = ["set_cpu_threads", "one_blas_thread", "DEFAULT_CPU_THREADS", "THREADS_HELP"]
 
 # torch's default (one intra-op thread per core) collapses when another process shares the cores:
 # its threads spin-wait on each other (benchmarks/RESULTS.md, "Threads"); one thread does not
@@ -30,3 +30,22 @@ def set_cpu_threads(threads: int | None, option: str = "--threads") -> int:
     torch.set_num_threads(threads)
     threadpool_limits(limits=threads, user_api="blas")
     return threads
+
+
+_CONTROLLER = None
+
+
+def one_blas_thread():
+    """A context in which numpy's and scipy's BLAS run on one thread. A fit whose result must not
+    depend on the machine runs in it: a multi-threaded BLAS sums its products in another order
+    for another thread count, and an iterative solver then stops at another point (the learned
+    predictor's logistic weights differed in the third digit between one and two threads, and a
+    replay deciding with them by 1.2 %). The controller that finds the pools is built once: a
+    fresh one takes ~6 ms, a limit with it ~0.1 ms."""
+    global _CONTROLLER
+    if _CONTROLLER is None:
+        import scipy.linalg.cython_blas  # noqa: F401  (loads scipy's BLAS, so that its pool is found too)
+        from threadpoolctl import ThreadpoolController
+
+        _CONTROLLER = ThreadpoolController()
+    return _CONTROLLER.limit(limits=1, user_api="blas")

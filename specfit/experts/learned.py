@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..threads import one_blas_thread
 from .predictor_base import ExpertPredictor, NodeBatch, selected_rows, trace_batch
 from .affinity import AffinityPredictor
 
@@ -125,7 +126,8 @@ class LearnedPredictor(ExpertPredictor):
             return
         used = x.std(axis=0) > 0                      # a constant feature (no probe in a replay) keeps weight 0
         model = LogisticRegression(C=1.0 / self.l2, max_iter=200)
-        model.fit(x[:, used], y)
+        with one_blas_thread():             # the same weights on any machine
+            model.fit(x[:, used], y)
         coef = np.zeros(len(FEATURES))
         coef[used] = model.coef_[0]
         self.coef_, self.intercept_ = coef, float(model.intercept_[0])
@@ -205,5 +207,6 @@ def _ridge_probe(context: np.ndarray, true: np.ndarray, n_experts: int, ridge: f
     layer = np.broadcast_to(np.arange(L)[None, :, None], true.shape)
     y[np.broadcast_to(np.arange(n)[:, None, None], true.shape), layer, true] = 1.0
     y = y.reshape(n, -1) - y.reshape(n, -1).mean(axis=0)
-    gram = context.T @ context + ridge * np.eye(context.shape[1], dtype=np.float32)
-    return np.linalg.solve(gram, context.T @ y).astype(np.float32)
+    with one_blas_thread():
+        gram = context.T @ context + ridge * np.eye(context.shape[1], dtype=np.float32)
+        return np.linalg.solve(gram, context.T @ y).astype(np.float32)
