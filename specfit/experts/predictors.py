@@ -77,9 +77,7 @@ class NoisyOraclePredictor(ExpertPredictor):
     _CHUNK = 4096            # nodes per draw: keeps the [nodes, layers, experts] keys small
 
     def __init__(self, precision: float = 0.8, seed: int = 0):
-        if not 0.0 <= float(precision) <= 1.0:
-            raise SpecFitError(f"--predictor noisy: expected a slot precision in [0, 1], got {precision!r}")
-        self.precision, self.seed = float(precision), int(seed)
+        self.precision, self.seed = _slot_precision(precision, "--predictor noisy"), int(seed)
 
     def get_params(self) -> dict:
         return {"precision": self.precision, "seed": self.seed}
@@ -199,13 +197,19 @@ def parse_predictor(spec: str, where: str = "--predictor") -> tuple[str, dict]:
         return name, {}
     if name != "noisy":
         raise SpecFitError(f"{where}: {name} takes no argument, got {spec!r}")
+    return name, {"precision": _slot_precision(arg, where, spec)}
+
+
+def _slot_precision(value, where: str, spec=None) -> float:
+    """``value`` as a slot precision in [0, 1], or one error naming ``where`` (and the spec it came in)."""
     try:
-        precision = float(arg)
-    except ValueError:
+        precision = float(value)
+    except (TypeError, ValueError):
         precision = float("nan")
     if not 0.0 <= precision <= 1.0:
-        raise SpecFitError(f"{where}: expected noisy:P with a slot precision P in [0, 1], got {spec!r}")
-    return name, {"precision": precision}
+        got = spec if spec is not None else value
+        raise SpecFitError(f"{where}: expected noisy:P with a slot precision P in [0, 1], got {got!r}")
+    return precision
 
 
 def make_predictor(spec: str, **params) -> ExpertPredictor:
