@@ -146,13 +146,15 @@ def run_demo(plan: DemoPlan, say=print, progress=None) -> dict:
     timings["calibrate_s"] = time.perf_counter() - started
 
     started = time.perf_counter()
-    say(f"2/4 decoding the bundled prompts with {', '.join(DECODE_POLICIES)} ({plan.cache_experts} cached experts "
-        f"per layer of {profile.shape.n_experts})")
+    say(f"2/4 decoding the bundled prompts with {', '.join(DECODE_POLICIES)} in turn, prompt by prompt, each policy "
+        f"with its own cache of {plan.cache_experts} experts per layer of {profile.shape.n_experts}")
     trace_path = out / "trace.parquet"
     decode = DecodePlan(model_dir=tiny_moe_dir(), drafter_dir=tiny_moe_eagle3_dir(), prompts_path=prompts,
                         cache_experts=plan.cache_experts, policies=list(DECODE_POLICIES), profile=str(profile_path),
                         max_new_tokens=plan.max_new_tokens, device=plan.device, out_dir=out / "decode",
-                        record=trace_path, record_full=True, acceptance_trace=out / "warmup" / "trace.parquet")
+                        record=trace_path, record_full=True, acceptance_trace=out / "warmup" / "trace.parquet",
+                        # a slow phase of the machine then slows every policy alike, not the one running
+                        interleave=True, cache_per_policy=True)
     decoded = run_decode(decode, progress=lambda: step())
     write_run_info(out / "decode", "decode (specfit demo)")
     if decoded.outputs_identical is False:

@@ -139,3 +139,50 @@ def test_reset_empties_the_device_cache(model_dir):
     assert again[0].offload.total_hits == 0
     assert all(torch.equal(a.logits, b.logits) for a, b in zip(passes, again))
     _check_slots(model.offload)
+
+
+@pytest.mark.parametrize("mode,capacity", [("per_layer", 2), ("global", 6)])
+def test_a_saved_cache_comes_back_with_its_experts_in_their_slots(model_dir, mode, capacity):
+    """Two runs take turns on one model, each with its own cache (CacheTurns): every pass of each
+    hits, misses and computes exactly as in a run of its own, though the other run's passes
+    evicted its experts and overwrote the slots in between."""
+    from specfit.runtime.offload import CacheTurns
+
+    def passes(model, seed, n=8):
+        # growing prefixes of one sequence, each pass from position 0: its output depends on its
+        # tokens and the expert weights alone, not on what the KV cache holds
+        ids = torch.randint(0, VOCAB, (6 + n,), generator=torch.Generator().manual_seed(seed))
+        for j in range(n):
+            out = model(ids[:6 + j], torch.arange(6 + j), logits_rows=[-1])
+            yield out.logits, out.offload.hits.copy(), out.offload.misses.copy()
+
+    seeds = (0, 1)
+    expected = {seed: list(passes(_model(model_dir, capacity, cache_mode=mode), seed)) for seed in seeds}
+    model = _model(model_dir, capacity, cache_mode=mode)
+    turns = CacheTurns(model.offload)
+    runs = {seed: passes(model, seed) for seed in seeds}
+    got = {seed: [] for seed in seeds}
+    for _ in range(8):
+        for seed in seeds:
+            turns.take(seed)
+            got[seed].append(next(runs[seed]))
+            _check_slots(model.offload)
+    for seed in seeds:
+        for (logits, hits, misses), (e_logits, e_hits, e_misses) in zip(got[seed], expected[seed], strict=True):
+            assert np.array_equal(hits, e_hits) and np.array_equal(misses, e_misses)
+            assert torch.equal(logits, e_logits)
+    # without the turns the runs share one cache, and some pass hits or misses otherwise
+    shared = _model(model_dir, capacity, cache_mode=mode)
+    runs = {seed: passes(shared, seed) for seed in seeds}
+    together = {seed: [] for seed in seeds}
+    for _ in range(8):
+        for seed in seeds:
+            together[seed].append(next(runs[seed]))
+    assert any(not np.array_equal(a[1], b[1]) for seed in seeds for a, b in zip(together[seed], expected[seed]))
+    # a state restores the same cache however often
+    state = model.offload.save_state()
+    for _ in range(2):
+        next(passes(model, 3))
+        model.offload.restore_state(state)
+        _check_slots(model.offload)
+        assert np.array_equal(model.offload.cache.resident(), state.cache.resident())

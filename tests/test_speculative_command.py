@@ -118,6 +118,40 @@ def test_interleaved_policies_take_the_prompts_in_turn_and_decode_the_same_token
         assert list(a["cycle"]) == list(b["cycle"]) and list(a["nodes_verified"]) == list(b["nodes_verified"])
 
 
+def test_interleaved_policies_with_their_own_caches_hit_and_miss_as_policy_after_policy(checkpoint, tmp_path):
+    """--interleave --cache-per-policy: the prompts in turn, yet each policy's cache is its own,
+    so what ar and eagle3 verify (which does not depend on timing) hits and misses cycle by cycle
+    as in the sequential run; with one shared cache it does not."""
+    runs = {}
+    for mode, extra in (("sequential", []), ("own", ["--interleave", "--cache-per-policy"]),
+                        ("shared", ["--interleave"])):
+        out = tmp_path / mode
+        args = ["--policies", "ar,eagle3:12:4,specfit", "--profile", "pcie4", "--out", str(out), "--frozen-profile"]
+        result = decode(checkpoint, *args, *extra)
+        assert result.exit_code == 0, result.output
+        assert "greedy outputs identical across policies: yes" in result.stdout
+        runs[mode] = ({(r["policy"], r["index"]): r["output_ids"]
+                       for r in map(json.loads, (out / "decode.jsonl").read_text().splitlines())},
+                      pd.read_parquet(out / "cycles.parquet"))
+    assert runs["own"][0] == runs["sequential"][0]
+    columns = ["sequence", "cycle", "nodes_verified", "hits", "misses", "bytes_h2d"]
+
+    def per_cycle(mode, policy):
+        cycles = runs[mode][1]
+        return cycles[cycles.policy == policy].sort_values(["sequence", "cycle"])[columns].to_numpy()
+
+    for policy in ("ar", "eagle3:12:4"):
+        assert np.array_equal(per_cycle("own", policy), per_cycle("sequential", policy)), policy
+    assert any(not np.array_equal(per_cycle("shared", p), per_cycle("sequential", p)) for p in ("ar", "eagle3:12:4"))
+
+
+def test_cache_per_policy_needs_interleave(checkpoint):
+    result = decode(checkpoint, "--policies", "ar", "--profile", "pcie4", "--cache-per-policy")
+    assert result.exit_code != 0
+    assert "--cache-per-policy: only with --interleave" in result.output
+    assert "Traceback" not in result.output
+
+
 def test_a_frozen_profile_decides_every_cycle_with_the_profile(checkpoint, tmp_path):
     out = tmp_path / "frozen"
     result = decode(checkpoint, "--policies", "chain:2,specfit", "--profile", "pcie4", "--frozen-profile", "--out",

@@ -72,6 +72,9 @@ def decode(
     interleave: bool = typer.Option(False, "--interleave", help="Decode each prompt with every policy in turn (the "
                                     "order rotating) instead of policy after policy, with one expert cache for all: "
                                     "a machine whose speed drifts then slows every policy alike."),
+    cache_per_policy: bool = typer.Option(False, "--cache-per-policy", help="With --interleave: each policy keeps its "
+                                          "own expert cache across the prompts, as policy after policy would (the "
+                                          "caches take turns on the device between prompts, off the clock)."),
 ) -> None:
     """Decode with the experts in host memory and an expert cache on the device.
 
@@ -93,7 +96,8 @@ def decode(
                       acceptance_trace=acceptance, ignore_eos=ignore_eos, cache_mode=cache_mode,
                       cache_policy=cache_policy, predictor=predictor, predictor_trace=predictor_trace,
                       router_adapt=not router_fixed,
-                      online_refit=online_refit, interleave=interleave)
+                      online_refit=online_refit, interleave=interleave,
+                      cache_per_policy=cache_per_policy)
     stderr = Console(stderr=True)
     try:
         set_cpu_threads(threads)

@@ -32,10 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-
 from ..accounting import live_row, summarise, waiting_note
-
-
 from ..errors import INTERRUPTS, Interrupted, SpecFitError, check_seed, interrupted
 from .run_dir import CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE, DecodeOutputs, read_decode_cycles
 
@@ -81,6 +78,9 @@ class DecodePlan:
     # each prompt decoded by every policy in turn (rotating order), one expert cache for all, so a
     # machine whose speed drifts slows every policy alike (False: policy after policy)
     interleave: bool = False
+    # with interleave: each policy keeps its own expert cache across the prompts, as policy after
+    # policy would (the caches take turns on the device between prompts, off the clock)
+    cache_per_policy: bool = False
 
     def validate(self):
         """Check the options that need no file; return the parsed policies."""
@@ -119,6 +119,9 @@ class DecodePlan:
              "--record: traces describe greedy decoding (the target's argmax verdicts); use --temperature 0"),
             (self.record is not None and not self.record_full and len(policies) != 1,
              "--record: records the cycles of one policy; pass a single --policy (or --record-full)"),
+            (self.cache_per_policy and not self.interleave,
+             "--cache-per-policy: only with --interleave (policy after policy, each policy already starts from its "
+             "own empty cache)"),
         ]
         for failed, message in checks:
             if failed:
@@ -276,11 +279,22 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
         if plan.interleave:
             for policy in policies:
                 start(policy)
-            say(f"decode {', '.join(p.name for p in policies)}, interleaved")
-            model.offload.reset()          # one expert cache for the run, which every policy's prompts share
+            say(f"decode {', '.join(p.name for p in policies)}, interleaved"
+                + (", each with its own expert cache" if plan.cache_per_policy else ""))
+            # one expert cache for the run, which every policy's prompts share; with cache_per_policy
+            # each policy's own, taking turns on the device
+            model.offload.reset()
+            caches = None
+            if plan.cache_per_policy:
+                from .offload import CacheTurns
+
+                caches = CacheTurns(model.offload)
             for index, prompt in enumerate(prompts):
                 for k in range(len(policies)):           # the order rotates from prompt to prompt
-                    decode_prompt(policies[(index + k) % len(policies)], index, prompt)
+                    policy = policies[(index + k) % len(policies)]
+                    if caches is not None:
+                        caches.take(policy.name)
+                    decode_prompt(policy, index, prompt)
             for policy in policies:
                 summarise(policy)
         else:

@@ -17,6 +17,7 @@ are exercised without a GPU.
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from .copier import StreamCopier, TransferTiming, make_copier
 from .devices import resolve_device
 from .pinned import CudaHostRegistrar, PinnedHostMemory, page_round
 
-__all__ = ["HostExperts", "ExpertOffload", "OffloadCounters"]
+__all__ = ["HostExperts", "ExpertOffload", "OffloadCounters", "OffloadState", "CacheTurns"]
 
 
 class HostExperts:
@@ -122,6 +123,16 @@ class OffloadCounters(LayerCounts):
         return int(self.bytes_h2d.sum())
 
 
+@dataclass(frozen=True)
+class OffloadState:
+    """An :class:`ExpertOffload`'s cache at one moment (:meth:`ExpertOffload.save_state`): the
+    cache's bookkeeping, the slot of each resident expert and the free slots."""
+
+    cache: ExpertCache
+    slot_of: np.ndarray
+    free_slots: list
+
+
 class ExpertOffload:
     """The device expert cache of a model whose experts live in :class:`HostExperts`.
 
@@ -208,6 +219,34 @@ class ExpertOffload:
         self.cache.reset()
         self.slot_of[:] = -1
         self._free_slots = list(range(self._n_slots - 1, -1, -1))   # a stack: pop() hands out slot 0 first
+
+    def save_state(self) -> "OffloadState":
+        """The cache as it stands (which experts are resident, in which slots, and the eviction
+        policy's own state), for :meth:`restore_state`: several decoders can take turns on one
+        model, each with its own cache, as if each had run alone. Waits for prefetch copies in flight."""
+        self.wait_prefetch()
+        return OffloadState(cache=copy.deepcopy(self.cache), slot_of=self.slot_of.copy(),
+                            free_slots=list(self._free_slots))
+
+    def restore_state(self, state: "OffloadState") -> None:
+        """Make the cache what :meth:`save_state` saved, and copy every resident expert back into
+        its slot from host memory (another decoder's experts may hold the slots now). Off any
+        decode's clock: the copies are synchronous. The same state may be restored again."""
+        if self.released:
+            raise RuntimeError("ExpertOffload: device memory was released; call allocate() first")
+        if state.slot_of.shape != self.slot_of.shape:
+            raise ValueError(f"restore_state: a state of {state.slot_of.shape} (layers, experts) for a cache of "
+                             f"{self.slot_of.shape}")
+        self.wait_prefetch()
+        self.cache = copy.deepcopy(state.cache)
+        self.slot_of[...] = state.slot_of
+        self._free_slots = list(state.free_slots)
+        for layer, expert in np.argwhere(self.slot_of >= 0).tolist():
+            slot = int(self.slot_of[layer, expert])
+            for dst, src in self._pairs(layer, expert, self.slot_gate_up[slot], self.slot_down[slot]):
+                dst.copy_(src)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ passes
     def begin_pass(self) -> None:
@@ -353,3 +392,26 @@ class ExpertOffload:
         c.streamed[layer] += admit.streamed
         np.add.at(c.evictions, admit.evicted[:, 0], 1)   # global mode charges the layer that lost the expert
         c.bytes_h2d[layer] += admit.misses * self.host.expert_bytes
+
+
+class CacheTurns:
+    """Decoders taking turns on one model, each with its own expert cache: :meth:`take` saves the
+    cache of whoever had the model and brings back the new owner's, as it left it (an empty cache
+    the first time), so each owner's hits and misses are those of a run of its own."""
+
+    def __init__(self, offload: ExpertOffload):
+        self.offload = offload
+        self.owner = None
+        self._saved: dict = {}
+
+    def take(self, owner) -> None:
+        if owner == self.owner:
+            return
+        if self.owner is not None:
+            self._saved[self.owner] = self.offload.save_state()
+        state = self._saved.pop(owner, None)
+        if state is None:
+            self.offload.reset()
+        else:
+            self.offload.restore_state(state)
+        self.owner = owner
