@@ -228,25 +228,29 @@ class ExpertOffload:
         return OffloadState(cache=copy.deepcopy(self.cache), slot_of=self.slot_of.copy(),
                             free_slots=list(self._free_slots))
 
-    def restore_state(self, state: "OffloadState") -> None:
-        """Make the cache what :meth:`save_state` saved, and copy every resident expert back into
-        its slot from host memory (another decoder's experts may hold the slots now). Off any
-        decode's clock: the copies are synchronous. The same state may be restored again."""
+    def restore_state(self, state: "OffloadState") -> int:
+        """Make the cache what :meth:`save_state` saved, and copy each of its resident experts
+        back into its slot from host memory where another decoder's expert holds that slot now.
+        Off any decode's clock: the copies are synchronous. The same state may be restored again.
+        Returns how many experts were copied."""
         if self.released:
             raise RuntimeError("ExpertOffload: device memory was released; call allocate() first")
         if state.slot_of.shape != self.slot_of.shape:
             raise ValueError(f"restore_state: a state of {state.slot_of.shape} (layers, experts) for a cache of "
                              f"{self.slot_of.shape}")
         self.wait_prefetch()
+        # a slot that holds the same expert now as in the state holds its weights already
+        stale = (state.slot_of >= 0) & (self.slot_of != state.slot_of)
         self.cache = copy.deepcopy(state.cache)
         self.slot_of[...] = state.slot_of
         self._free_slots = list(state.free_slots)
-        for layer, expert in np.argwhere(self.slot_of >= 0).tolist():
+        for layer, expert in np.argwhere(stale).tolist():
             slot = int(self.slot_of[layer, expert])
             for dst, src in self._pairs(layer, expert, self.slot_gate_up[slot], self.slot_down[slot]):
                 dst.copy_(src)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+        return int(stale.sum())
 
     # ------------------------------------------------------------------ passes
     def begin_pass(self) -> None:
@@ -402,6 +406,7 @@ class CacheTurns:
     def __init__(self, offload: ExpertOffload):
         self.offload = offload
         self.owner = None
+        self.copied = 0                 # experts copied back into their slots, over all turns
         self._saved: dict = {}
 
     def take(self, owner) -> None:
@@ -413,5 +418,5 @@ class CacheTurns:
         if state is None:
             self.offload.reset()
         else:
-            self.offload.restore_state(state)
+            self.copied += self.offload.restore_state(state)
         self.owner = owner
