@@ -9,8 +9,10 @@ the previous cycle's accounting: the cycles are measured back to back), and the 
 decode time outside the model passes (the same, wherever a cycle's boundary falls). The goal for
 search + bookkeeping is <= 5% of the cycle.
 
-By default it decodes the bundled tiny model and its EAGLE-3 drafter on the demo prompts, after
-the loop a user runs once per machine and model (``--no-warmup`` skips it):
+By default it decodes the bundled tiny model and its EAGLE-3 drafter on the demo prompts, each
+prompt with every policy in turn, each policy with its own expert cache (``specfit decode
+--interleave --cache-per-policy``), after the loop a user runs once per machine and model
+(``--no-warmup`` skips it):
 
 1. a warm-up ``specfit decode --interleave`` with ``ar``, ``chain:2`` and ``eagle3:16:4`` (several
    draft depths and tree sizes, each prompt with every policy in turn), recording a full trace
@@ -164,8 +166,10 @@ def run_benchmark(args) -> None:
         repeated(policies, args.repeats, lambda specs: run_decode(plan(specs, acceptance_trace=acceptance,
                                                                         profile=profile or args.profile)))
         return
+    # the prompts in turn, each policy with its own expert cache: a slow phase of the machine slows
+    # every policy alike, not the one whose turn it is
     run = run_decode(plan(policies, acceptance_trace=acceptance, profile=profile or args.profile,
-                          out_dir=args.out))
+                          out_dir=args.out, interleave=len(policies) > 1, cache_per_policy=len(policies) > 1))
     if args.out is not None and profile is not None:
         import shutil
 
