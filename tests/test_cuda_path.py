@@ -586,3 +586,38 @@ def test_experts_drawn_elsewhere_are_copied_in_whole_blocks_within_the_bound():
     # one generator's draws, in the same order, whether in place or a block at a time
     same = torch.empty_like(tensor)
     assert torch.equal(_fill_host(same, torch.Generator().manual_seed(3)), tensor)
+
+
+def test_caches_taking_turns_hand_each_run_its_experts_on_the_copy_stream_path(fake_cuda):
+    """Two runs alternating on one offload through CacheTurns, with the stream copier: every
+    expert each layer hands out holds its host weights (``_consume`` checks), and each run hits
+    pass by pass as it did alone."""
+    from specfit.runtime.offload import CacheTurns
+
+    L, E, C = 2, 8, 3
+    rng = np.random.default_rng(3)
+    runs = {r: [[rng.choice(E, size=int(rng.integers(1, 5)), replace=False) for _ in range(L)] for _ in range(6)]
+            for r in "ab"}
+
+    def one_pass(offload, layers):
+        offload.begin_pass()
+        for layer, ids in enumerate(layers):
+            _consume(offload, layer, ids)
+        hits = offload.counters.hits.copy()
+        offload.pass_timing()
+        return hits
+
+    expected = {}
+    for r in "ab":
+        alone = ExpertOffload(_host(L, E), capacity=C, cuda_api=fake_cuda)
+        expected[r] = [one_pass(alone, layers) for layers in runs[r]]
+    offload = ExpertOffload(_host(L, E), capacity=C, cuda_api=fake_cuda)
+    turns = CacheTurns(offload)
+    got = {r: [] for r in "ab"}
+    for i in range(6):
+        for r in "ab":
+            turns.take(r)
+            got[r].append(one_pass(offload, runs[r][i]))
+    assert turns.copied > 0
+    for r in "ab":
+        assert all(np.array_equal(g, e) for g, e in zip(got[r], expected[r], strict=True))
