@@ -109,7 +109,6 @@ class NoisyOraclePredictor(ExpertPredictor):
             np.put_along_axis(keys, part.astype(np.int64), 2.0, axis=2)        # never draw a true expert
             others = np.argsort(keys, axis=2)[:, :, :spare]
             wrong = rng.random(part.shape) >= self.precision
-            wrong[:, :, spare:] = False
             out[lo:lo + self._CHUNK, :, :spare] = np.where(wrong[:, :, :spare], others, part[:, :, :spare])
         return out
 
