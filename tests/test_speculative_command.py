@@ -285,6 +285,89 @@ def test_an_interrupted_run_keeps_every_completed_cycle(checkpoint, tmp_path, in
     assert not [p for p in out.iterdir() if p.name.startswith(".")]      # no temporary file left
 
 
+def _watch_cycles(monkeypatch, stop_in_second_prompt_at=None):
+    """The cycles every prompt's decode completes, in order (``[[stats, ...] per prompt]``); with
+    ``stop_in_second_prompt_at`` a Ctrl-C before that cycle of the second prompt completes."""
+    from specfit.runtime.decoder import Decoder
+
+    generate, learn = Decoder.generate, Decoder._learn
+    prompts_begun = []
+
+    def counting_generate(self, *args, **kwargs):
+        prompts_begun.append([])
+        return generate(self, *args, **kwargs)
+
+    def learn_then_maybe_stop(self, stats):
+        if len(prompts_begun) == 2 and len(prompts_begun[-1]) == stop_in_second_prompt_at:
+            raise KeyboardInterrupt
+        learn(self, stats)
+        prompts_begun[-1].append(stats)
+
+    monkeypatch.setattr(Decoder, "generate", counting_generate)
+    monkeypatch.setattr(Decoder, "_learn", learn_then_maybe_stop)
+    return prompts_begun
+
+
+def _assert_rows_of(rows: pd.DataFrame, prompts_begun: list):
+    """Each row is its cycle's, in order, numbered within its prompt."""
+    completed = [stats for prompt in prompts_begun for stats in prompt]
+    assert len(rows) == len(completed)
+    assert rows["sequence"].tolist() == [i for i, prompt in enumerate(prompts_begun) for _ in prompt]
+    assert rows["cycle"].tolist() == [c for prompt in prompts_begun for c in range(len(prompt))]
+    assert rows["position"].tolist() == [stats.position for stats in completed]
+    assert rows["nodes_verified"].tolist() == [int(stats.verification.nodes.size) for stats in completed]
+    np.testing.assert_allclose(rows["measured_time_s"], [stats.cycle_time_s for stats in completed])
+
+
+def test_a_ctrl_c_inside_a_prompt_keeps_the_rows_of_its_complete_cycles(checkpoint, tmp_path, monkeypatch):
+    """With an --out directory each cycle's row is journaled as it completes: a run stopped in the
+    middle of a prompt (here before the second prompt's third cycle completes) writes a row for
+    each cycle that completed, and each row is its cycle's."""
+    model_dir, drafter_dir, prompts = checkpoint
+    out = tmp_path / "run"
+    plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["specfit"],
+                      drafter_dir=drafter_dir, profile="pcie4", max_new_tokens=NEW_TOKENS, device="cpu",
+                      out_dir=out, ignore_eos=True, warmup=False)
+    prompts_begun = _watch_cycles(monkeypatch, stop_in_second_prompt_at=2)
+    with pytest.raises(Interrupted, match="kept every complete cycle") as stopped:
+        run_decode(plan)
+    first = len(prompts_begun[0])
+    assert first >= 2 and len(prompts_begun[1]) == 2
+    assert f"every complete cycle, {first + 2} of them" in str(stopped.value)
+    _assert_rows_of(pd.read_parquet(out / "cycles.parquet"), prompts_begun)
+
+
+def test_a_run_without_files_makes_its_rows_after_each_prompt(checkpoint, monkeypatch):
+    """Without --out the rows are made once a prompt's decode returns, outside its cycles: none
+    while a prompt is decoded, and then the same rows, each its cycle's, numbered within its prompt."""
+    import specfit.runtime.decode_job as decode_job
+    from specfit.runtime.decoder import Decoder
+
+    model_dir, drafter_dir, prompts = checkpoint
+    plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["specfit"],
+                      drafter_dir=drafter_dir, profile="pcie4", max_new_tokens=NEW_TOKENS, device="cpu",
+                      ignore_eos=True, warmup=False)
+    prompts_begun = _watch_cycles(monkeypatch)
+    watched_generate, add_cycle = Decoder.generate, decode_job.DecodeOutputs.add_cycle
+    rows, rows_when_a_decode_ends = [], []
+
+    def generate_then_count(self, *args, **kwargs):
+        result = watched_generate(self, *args, **kwargs)
+        rows_when_a_decode_ends.append(len(rows))
+        return result
+
+    def counting_add_cycle(self, row):
+        rows.append(row)
+        add_cycle(self, row)
+
+    monkeypatch.setattr(Decoder, "generate", generate_then_count)
+    monkeypatch.setattr(decode_job.DecodeOutputs, "add_cycle", counting_add_cycle)
+    run = run_decode(plan)
+    assert len(prompts_begun) >= 2 and run.cycles == rows
+    assert rows_when_a_decode_ends == [sum(map(len, prompts_begun[:i])) for i in range(len(prompts_begun))]
+    _assert_rows_of(pd.DataFrame(run.cycles), prompts_begun)
+
+
 def test_a_rerun_stopped_early_keeps_none_of_the_last_runs_files(checkpoint, tmp_path):
     """A decode into the directory of a finished one, stopped after its first prompt: what is
     there is this run's (one prompt of ar, no summary yet), not the last run's cycles or summary."""

@@ -27,6 +27,7 @@ kernel loading and library heuristics would otherwise land in its first cycles).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -230,6 +231,21 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     outputs = DecodeOutputs(plan.out_dir)
     recorder = _recorder(plan, model, drafter, profile) if plan.record is not None else None
     expert_bytes = model.offload.host.expert_bytes
+    # the cycles of the prompt being decoded, not yet rows. A run with an --out directory makes
+    # each cycle's row at once and appends it to the journal, so that a killed process leaves
+    # every complete cycle on disk. A run without files makes them after the prompt's decode
+    # returns (or the run stops): reporting, not in the cycles it reports
+    pending: list = []
+    row_per_cycle = plan.out_dir is not None
+
+    def keep_pending():
+        for policy_name, index, stats, committed, cycle in pending:
+            row = live_row(stats, profile.cost, expert_bytes)
+            row["committed_tokens"] = committed       # what reached the output (after eos / the length cap)
+            outputs.add_cycle({"policy": policy_name, "sequence": index, "position": stats.position,
+                               "cycle": cycle, **row})
+        pending.clear()
+
     try:
         if plan.warmup:
             from ..kernel_warmup import warm_up
@@ -241,14 +257,15 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             decoder = decoders[policy.name]
             if decoder.recorder is not None:
                 decoder.recorder.begin_sequence(index)
+            cycle_index = itertools.count()
 
-            def keep(stats, committed, first=len(outputs.cycles)):
-                row = live_row(stats, profile.cost, expert_bytes)
-                row["committed_tokens"] = committed       # what reached the output (after eos / the length cap)
-                outputs.add_cycle({"policy": policy.name, "sequence": index, "position": stats.position,
-                                   "cycle": len(outputs.cycles) - first, **row})
+            def keep(stats, committed):
+                pending.append((policy.name, index, stats, committed, next(cycle_index)))
+                if row_per_cycle:
+                    keep_pending()
 
             result = decoder.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos, on_cycle=keep)
+            keep_pending()
             if decoder.recorder is not None:
                 decoder.recorder.end_sequence(len(result.output_ids))
             record = {"index": index, "line": prompt.line, "policy": policy.name, "cache_experts": plan.cache_experts,
@@ -316,6 +333,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 recorder.end_sequence(len(result.output_ids))
                 tick()
     except SpecFitError as exc:
+        keep_pending()
         if not outputs.records and not outputs.cycles and not (recorder is not None and len(recorder)):
             if fresh_out:
                 import shutil
@@ -329,6 +347,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     except INTERRUPTS as exc:
         if not interrupted(exc):
             raise
+        keep_pending()
         kept = _keep_partial(plan, outputs, recorder)
         raise Interrupted(f"interrupted after {len(outputs.cycles)} complete cycle(s) ({len(outputs.records)} (policy, "
                           f"prompt) run(s) finished): " + (f"kept {kept}" if kept else

@@ -208,7 +208,7 @@ class Decoder:
                 if on_cycle is not None:
                     on_cycle(stats, len(tokens))
                 # the next cycle starts where this one's measured part ended: its accounting above
-                # (the row, the recorder, the callback) is in the next cycle's time
+                # (the union counts, the recorder, the callback) is in the next cycle's time
                 cycle_start, cpu_start = learned, cpu_learned
         decode_time_s = now() - start
         return DecodeResult(prompt_ids=prompt_ids, output_ids=output, stop_reason=stop_reason,
