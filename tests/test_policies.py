@@ -249,29 +249,103 @@ def test_the_oracle_takes_the_cache_levers_but_not_the_prefetch():
     assert make_policy("oracle+usage").prefetcher is None
 
 
-@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("seed", range(120))
 def test_the_look_ahead_bound_never_changes_the_decision(seed):
-    """The bound that skips the expected level's search (x <= R d) answers as the search would."""
+    """The bound that skips the expected level's search (sum of (p_v - R c_v) over the virtual
+    nodes that pay <= R d) answers as the search would, with and without a price per draft node,
+    on trees whose levels needed few or many new experts."""
     from specfit.next_level import expected_level
     from specfit.search import best_subtree, should_continue
 
     rng = np.random.default_rng(seed)
     experts = rng.integers(0, E, (len(PARENTS), L, 2))
+    if seed % 3 == 0:                   # children that route like their parents: cheap virtual nodes
+        experts[1:] = experts[PARENTS[1:]]
     cost = CostModel(base_s=1.0, per_node_s=float(rng.uniform(0, 0.3)), hit_s=0.01, miss_s=float(rng.uniform(0.05, 1)),
-                     draft_level_s=float(rng.uniform(0, 3)))
+                     draft_level_s=float(rng.uniform(0, 3) if seed % 2 else rng.uniform(0, 0.2)))
+    price = 0.0 if seed % 4 == 1 else float(rng.uniform(0, 0.3))
     v = view(experts, cost).truncated(2)
     policy = SpecFitPolicy(max_levels=8)
     policy.stats.update(v.tree, v.experts, 1)
     policy.stats.update(v.tree, v.experts, 2)
-    current = best_subtree(v.tree, v.experts, v.cached, cost, 2)
+    current = best_subtree(v.tree, v.experts, v.cached, cost, 2, draft_node_s=price)
     tree, ex, cached = expected_level(v.tree, v.experts, v.cached, policy.stats, 2)
-    searched = should_continue(current, best_subtree(tree, ex, cached, cost, 3, start=current.nodes))
+    grown = best_subtree(tree, ex, cached, cost, 3, start=current.nodes, draft_node_s=price)
+    searched = should_continue(current, grown)
     conf, fstate, istate, _, _, *stats = policy.state
     bounded = kernels.decide.next_level_may_pay(
         np.array(v.tree.parents), np.array(v.tree.path_probs), v.experts.astype(np.int64),
-        kernels.bitsets.pack_mask(v.cached), E, cost.params, 2, conf, 0.0, *stats, current.nodes,
+        kernels.bitsets.pack_mask(v.cached), E, cost.params, 2, conf, price, *stats, current.nodes,
         current.expected_tokens, current.time_s)
     assert bounded == searched
+
+
+def _random_drafted_tree(rng, n_levels, n_layers, n_experts, top_k):
+    """A tree drafted level by level (up to 3 children per frontier node, the level's 4 most
+    probable nodes expanded next), path probabilities that fall along every path, each child
+    routing like its parent but for a few slots, and a random residency."""
+    parents, probs, frontier = [-1], [1.0], [0]
+    for _ in range(n_levels):
+        level = []
+        for u in frontier:
+            width = int(rng.integers(1, 4))
+            shares = rng.dirichlet(np.ones(width)) * rng.uniform(0.6, 1.0)
+            for q in shares:
+                parents.append(u)
+                probs.append(probs[u] * float(q))
+                level.append(len(parents) - 1)
+        frontier = sorted(level, key=lambda v: -probs[v])[:4]
+    n = len(parents)
+    experts = np.empty((n, n_layers, top_k), dtype=np.int64)
+    experts[0] = [rng.choice(n_experts, top_k, replace=False) for _ in range(n_layers)]
+    change = rng.uniform(0.0, 0.5)
+    for v in range(1, n):
+        experts[v] = experts[parents[v]]
+        for layer in range(n_layers):
+            for slot in np.flatnonzero(rng.random(top_k) < change):
+                free = np.setdiff1d(np.arange(n_experts), experts[v, layer])
+                experts[v, layer, slot] = rng.choice(free)
+    tree = DraftTree(np.array(parents), np.array(probs), tokens=np.arange(n))
+    return tree, experts, rng.random((n_layers, n_experts)) < rng.uniform(0.0, 0.6)
+
+
+def test_the_look_ahead_bound_answers_as_the_search_on_random_trees():
+    """Random drafted trees and cost models over the regimes where the next level pays and where
+    it does not: the look-ahead with its bound (:func:`next_level_may_pay`) answers as the search
+    over the expected level does, every time. The instances hold both answers, and the bound
+    skips searches that the bound without the virtual nodes' own costs would have run."""
+    from specfit.next_level import expected_level
+    from specfit.search import best_subtree, should_continue
+
+    rng = np.random.default_rng(20261205)
+    answers, pruned_beyond_plain_bound = [], 0
+    for _ in range(300):
+        n_levels, n_layers, n_experts, top_k = int(rng.integers(1, 4)), 3, 16, 2
+        tree, experts, cached = _random_drafted_tree(rng, n_levels, n_layers, n_experts, top_k)
+        cost = CostModel(base_s=1.0, per_node_s=float(rng.uniform(0, 0.1)), hit_s=0.01,
+                         miss_s=float(rng.uniform(0.01, 0.4)), draft_level_s=float(rng.uniform(0, 0.4)))
+        price = 0.0 if rng.random() < 0.3 else float(rng.uniform(0, 0.05))
+        policy = SpecFitPolicy(max_levels=8)
+        for d in range(1, n_levels + 1):
+            policy.stats.update(tree, experts, d)
+        current = best_subtree(tree, experts, cached, cost, n_levels, draft_node_s=price)
+        grown_tree, grown_experts, grown_cached = expected_level(tree, experts, cached, policy.stats, n_levels)
+        grown = best_subtree(grown_tree, grown_experts, grown_cached, cost, n_levels + 1, start=current.nodes,
+                             draft_node_s=price)
+        searched = should_continue(current, grown)
+        conf, fstate, istate, _, _, *stats = policy.state
+        bounded = kernels.decide.next_level_may_pay(
+            np.array(tree.parents), np.array(tree.path_probs), experts, kernels.bitsets.pack_mask(cached),
+            n_experts, cost.params, n_levels, conf, price, *stats, current.nodes, current.expected_tokens,
+            current.time_s)
+        assert bounded == searched
+        answers.append(searched)
+        priced = current.time_s + price * (current.nodes.size - 1)
+        virtual = np.asarray(grown_tree.path_probs)[tree.n_nodes:]
+        pruned_beyond_plain_bound += (virtual.sum() * priced > current.expected_tokens * cost.draft_level_s
+                                      and not searched)
+    assert 30 <= sum(answers) <= 270          # both answers are common
+    assert pruned_beyond_plain_bound >= 30
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -109,12 +109,21 @@ def next_level_may_pay(parents, probs, experts, cached_bits, n_experts, params, 
                                                           new_is_share, seen, width[0], d, n_experts, 0)
         check_tree(g_parents, g_probs, _SLACK)
         n_grown = n_experts + (g_parents.size - parents.size) * top_k
-        # a bound that saves the search: with the virtual level, A(S) <= A_r + x (x: all virtual
-        # probability) and T(S) >= T_r + d, so A(S) / T(S) <= R whenever x <= R d
-        extra = 0.0
+        # a bound that saves the search. A subtree S of the grown tree is its drafted part S_r,
+        # whose ratio is at most the current best's R = A / T, and virtual nodes V: A(S) =
+        # A(S_r) + sum p_v, and T(S) = T(S_r) + d + sum c_v, where d is the level's draft time and
+        # c_v at least a node's time and price plus its fresh experts' misses (a virtual child
+        # keeps its parent's other experts, which S holds already). So A(S) / T(S) <= R whenever
+        # sum over V of (p_v - R c_v) <= R d, for every V when it holds for the v with p_v > R c_v
+        node_s = params[2] + price
+        gain = 0.0           # in units of the current best's priced time: sum of (p_v T - A c_v) > 0
         for v in range(parents.size, g_parents.size):
-            extra += g_probs[v]
-        if (cur_tokens + extra) * cur_priced <= cur_tokens * (cur_priced + params[0]):
+            fresh = 0
+            for layer in range(g_experts.shape[1]):
+                for slot in range(top_k):
+                    fresh += g_experts[v, layer, slot] >= n_experts
+            gain += max(g_probs[v] * cur_priced - cur_tokens * (node_s + fresh * params[4]), 0.0)
+        if gain <= cur_tokens * params[0]:
             return False
     else:
         g_parents, g_probs, g_experts = optimistic_children(parents, probs, newest, experts)
