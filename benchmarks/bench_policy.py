@@ -91,11 +91,22 @@ def load_traces(names: list[str], sequences: int, workload: str) -> list[tuple[s
 
 def _imported(domain: str, sequences: int, workload: str):
     """The shared log's first ``sequences`` sequences of ``domain``, imported (cached on disk)."""
-    from specfit.traces.importers import import_routing, model_for_log, read_routing_log
+    from specfit.traces.importers import import_routing, model_for_log
 
     path = CACHE_DIR / f"olmoe-{domain}-{sequences}-{workload}.parquet"
     if path.is_file():
         return read_trace(path)
+    sub = domain_log(domain, sequences)
+    trace = import_routing(sub, model_for_log(sub, None), workload=workload, seed=0)
+    CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    write_trace(trace, path)
+    return trace
+
+
+def domain_log(domain: str, sequences: int):
+    """The shared log's first ``sequences`` sequences of ``domain`` (a :class:`RoutingLog`)."""
+    from specfit.traces.importers import read_routing_log
+
     log = read_routing_log(SHARED_LOG)
     raw = np.load(SHARED_LOG, allow_pickle=False)
     # read_routing_log orders rows by sequence (first seen) then token index; the domain column
@@ -104,11 +115,7 @@ def _imported(domain: str, sequences: int, workload: str):
     rows = np.flatnonzero(raw["domain_id"][order] == {"general": 0, "coding": 1}[domain])
     seqs = log.sequence[rows]
     first = seqs[np.sort(np.unique(seqs, return_index=True)[1])][:sequences]
-    sub = log.select(rows[np.isin(seqs, first)])
-    trace = import_routing(sub, model_for_log(sub, None), workload=workload, seed=0)
-    CACHE_DIR.mkdir(parents=True, exist_ok=True)
-    write_trace(trace, path)
-    return trace
+    return log.select(rows[np.isin(seqs, first)])
 
 
 def _first_seen(seq: np.ndarray) -> np.ndarray:

@@ -33,7 +33,7 @@ from .stats import consecutive_reuse, popularity, same_token_reuse
 from .summary import trace_statistics
 from .synth import MODEL_SHAPES, WORKLOADS, build_trees
 
-__all__ = ["RoutingLog", "read_routing_log", "import_routing", "model_for_log", "model_from_config", "dump_jsonl",
+__all__ = ["RoutingLog", "read_routing_log", "import_routing", "import_routing_and_model", "model_for_log", "model_from_config", "dump_jsonl",
            "JSONL_FIELDS", "TOKEN_PREDICTORS"]
 
 # predictors that learn a token -> experts table: meaningless on synthesised token ids
@@ -47,6 +47,14 @@ def import_routing(log: RoutingLog, model: dict, workload: str = "imported", dra
     ``model`` gives the shape metadata (``name``, ``n_experts``, ``expert_bytes``, ``vocab_size``;
     ``n_layers`` and ``top_k`` must match the log). ``max_tokens`` keeps the first positions only.
     """
+    return import_routing_and_model(log, model, workload, drafter, sibling_reuse, seed, max_tokens)[0]
+
+
+def import_routing_and_model(log: RoutingLog, model: dict, workload: str = "imported",
+                             drafter: DrafterParams | None = None, sibling_reuse: float = 0.3, seed: int = 0,
+                             max_tokens: int | None = None) -> tuple[Trace, RoutingModel]:
+    """:func:`import_routing`, and the routing model calibrated to the log that drew the off-path
+    nodes' experts (what a predictor of those nodes could know at best, short of the draws)."""
     T, L, k = log.experts.shape
     if model["n_layers"] != L or model["top_k"] != k:
         raise SpecFitError(f"{log.source}: the log has {L} layers x top-{k}, the model shape "
@@ -118,7 +126,7 @@ def import_routing(log: RoutingLog, model: dict, workload: str = "imported", dra
     if log.weights is not None:
         trace.true_expert_weights = _reference_weights(trace, ref_weights)
     trace.meta["statistics"] = trace_statistics(trace)
-    return trace
+    return trace, router
 
 
 def _synthesised_tokens(log: RoutingLog, sampler: TokenSampler, rng: np.random.Generator) -> np.ndarray:

@@ -165,6 +165,30 @@ class RoutingModel:
         scores[node, layer, self.preferences(tokens)[node, layer, slot]] = _TOKEN_SCORE - slot.astype(np.float32)
         return _top_k(scores, k)
 
+    def likely_experts(self, tokens: np.ndarray) -> np.ndarray:
+        """[n, layers, top_k] the experts each token is most likely routed to when its anchor set
+        is unknown: its preferred experts in order, as many as its expected token slots, each by the
+        chance that the slot is its own (1 for the first ``floor(token_prob_ * top_k)``), then the
+        layer's most popular others. What a predictor that knew this model, but none of its
+        draws, would name."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        L, E, k = self.n_layers, self.n_experts, self.top_k
+        popular = np.exp(self.popularity_power_[:, None] * self._log_pop.astype(np.float64))
+        # a free expert's score stays below any preference slot's chance (> 0); the certain slots
+        # (chance 1) keep the preference order
+        base = 1e-9 * popular / popular.sum(axis=1, keepdims=True)
+        slot = np.arange(k)[None, :]
+        slot_chance = np.clip(self.token_prob_[:, None] * k - slot, 0.0, 1.0) * (1.0 + (k - slot) * 1e-6)
+        out = np.empty((tokens.size, L, k), dtype=np.int64)
+        for lo in range(0, tokens.size, 8192):
+            chunk = tokens[lo:lo + 8192]
+            prefs = self.preferences(chunk)
+            scores = np.repeat(base[None], chunk.size, axis=0)
+            node, layer, slot = np.indices(prefs.shape)
+            scores[node, layer, prefs] = np.maximum(scores[node, layer, prefs], slot_chance[layer, slot])
+            out[lo:lo + 8192] = _top_k(scores, k)
+        return out
+
     def next_token(self, previous: np.ndarray | None, tokens: np.ndarray, rng: np.random.Generator,
                    noise: np.ndarray | None = None) -> np.ndarray:
         """Experts of ``tokens`` that follow tokens routed to ``previous`` (temporal reuse)."""
