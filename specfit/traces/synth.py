@@ -29,7 +29,7 @@ from .format import Trace
 from .routing import RoutingModel, TokenSampler, zipf_popularity
 from .summary import trace_statistics
 
-__all__ = ["MODEL_SHAPES", "WORKLOADS", "RoutingParams", "synthesize", "build_trees", "with_drafter_overrides"]
+__all__ = ["MODEL_SHAPES", "WORKLOADS", "RoutingParams", "synthesize", "synthesize_and_model", "build_trees", "with_drafter_overrides"]
 
 # the calibration presets' shapes, plus the vocabulary size that synthetic token ids need
 _VOCAB_SIZES = {"qwen3-30b-a3b": 151936, "olmoe-1b-7b": 50304, "mixtral-8x7b": 32000}
@@ -130,6 +130,13 @@ def synthesize(shape: str, workload: str, n_tokens: int, seed: int = 0, sequence
     ``drafter`` defaults to the workload's parameters (:data:`WORKLOADS`); other workload names
     are allowed when ``drafter`` is given.
     """
+    return synthesize_and_model(shape, workload, n_tokens, seed, sequence_tokens, routing, drafter)[0]
+
+
+def synthesize_and_model(shape: str, workload: str, n_tokens: int, seed: int = 0, sequence_tokens: int = 128,
+                         routing: RoutingParams = RoutingParams(),
+                         drafter: DrafterParams | None = None) -> tuple[Trace, RoutingModel]:
+    """:func:`synthesize`, and the routing model that drew every node's experts."""
     if shape not in MODEL_SHAPES:
         raise SpecFitError(f"--shape: unknown model shape {shape!r}; expected one of {sorted(MODEL_SHAPES)}")
     if drafter is None:
@@ -170,7 +177,7 @@ def synthesize(shape: str, workload: str, n_tokens: int, seed: int = 0, sequence
     }
     trace = Trace(meta=meta, **arrays)
     trace.meta["statistics"] = trace_statistics(trace)
-    return trace
+    return trace, router
 
 
 def with_drafter_overrides(workload: str, **overrides) -> DrafterParams:
