@@ -33,8 +33,8 @@ from .stats import consecutive_reuse, popularity, same_token_reuse
 from .summary import trace_statistics
 from .synth import MODEL_SHAPES, WORKLOADS, build_trees
 
-__all__ = ["RoutingLog", "read_routing_log", "import_routing", "import_routing_and_model", "model_for_log", "model_from_config", "dump_jsonl",
-           "JSONL_FIELDS", "TOKEN_PREDICTORS"]
+__all__ = ["RoutingLog", "read_routing_log", "import_routing", "import_routing_and_model", "model_for_log",
+           "model_from_config", "dump_jsonl", "JSONL_FIELDS", "TOKEN_PREDICTORS"]
 
 # predictors that learn a token -> experts table: meaningless on synthesised token ids
 TOKEN_PREDICTORS = ("affinity",)

@@ -177,8 +177,8 @@ class RoutingModel:
         # a free expert's score stays below any preference slot's chance (> 0); the certain slots
         # (chance 1) keep the preference order
         base = 1e-9 * popular / popular.sum(axis=1, keepdims=True)
-        slot = np.arange(k)[None, :]
-        slot_chance = np.clip(self.token_prob_[:, None] * k - slot, 0.0, 1.0) * (1.0 + (k - slot) * 1e-6)
+        rank = np.arange(k)[None, :]
+        slot_chance = np.clip(self.token_prob_[:, None] * k - rank, 0.0, 1.0) * (1.0 + (k - rank) * 1e-6)
         out = np.empty((tokens.size, L, k), dtype=np.int64)
         for lo in range(0, tokens.size, 8192):
             chunk = tokens[lo:lo + 8192]

@@ -29,7 +29,8 @@ from .format import Trace
 from .routing import RoutingModel, TokenSampler, zipf_popularity
 from .summary import trace_statistics
 
-__all__ = ["MODEL_SHAPES", "WORKLOADS", "RoutingParams", "synthesize", "synthesize_and_model", "build_trees", "with_drafter_overrides"]
+__all__ = ["MODEL_SHAPES", "WORKLOADS", "RoutingParams", "synthesize", "synthesize_and_model", "build_trees",
+           "with_drafter_overrides"]
 
 # the calibration presets' shapes, plus the vocabulary size that synthetic token ids need
 _VOCAB_SIZES = {"qwen3-30b-a3b": 151936, "olmoe-1b-7b": 50304, "mixtral-8x7b": 32000}
