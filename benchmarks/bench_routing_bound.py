@@ -46,12 +46,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_policy as bp  # noqa: E402
 from specfit.calibrate.profile import ModelShape  # noqa: E402
 from specfit.experts.calibration import cross_calibrate  # noqa: E402
-from specfit.experts.predictors import slots_right  # noqa: E402
 from specfit.traces.format import read_trace  # noqa: E402
 from specfit.traces.importers import import_routing_and_model, model_for_log, read_routing_log  # noqa: E402
 from specfit.traces.synth import synthesize_and_model, with_drafter_overrides  # noqa: E402
 
-ROWS = (("learned", "learned"), ("model", "model"), ("model off-path", "model off-path"))
+PREDICTORS = ("learned", "model", "model off-path")
 
 
 def with_model(name: str, sequences: int):
@@ -91,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--caches", default="0,0.25,0.5", help="cache sizes as shares of a layer's experts")
     args = ap.parse_args(argv)
     start = time.perf_counter()
-    overall = {label: [] for label, _ in ROWS}
+    overall = {key: [] for key in PREDICTORS}
     for name in args.traces.split(","):
         built = with_model(name, args.sequences)
         if built is None:
@@ -104,38 +103,32 @@ def main(argv: list[str] | None = None) -> None:
         model = router.likely_experts(trace.token).astype(trace.true_experts.dtype)
         experts = {"learned": learned, "model": model, "model off-path": np.where(on[:, None, None], learned, model)}
         probs = cross_calibrate(trace)
-        slots = trace.n_layers * trace.top_k
+        for key in ("model", "model off-path"):
+            preps[key] = bp.prepare(name, trace, experts[key], probs, predictor=key)
+        quality = bp.predictor_quality({key: preps[key] for key in ("oracle", *experts)}, trace)
         drawn = "every node drawn" if trace.meta["recording"]["kind"] == "synthetic" else \
             "real routing on the accepted paths, the other nodes drawn"
         print(f"\n### {name}: {trace.n_cycles} positions, {trace.n_nodes} nodes, {int(on.sum())} on the accepted paths "
               f"({drawn})\n")
         print("| predictor | slot precision | on the accepted paths | off them |")
         print("|---|---:|---:|---:|")
-        for label, key in ROWS:
-            ex = experts[key]
-            right = slots_right(ex, trace.true_experts)
-            print(f"| {label} | {right / (trace.n_nodes * slots):.3f} "
-                  f"| {slots_right(ex[on], trace.true_experts[on]) / (on.sum() * slots):.3f} "
-                  f"| {slots_right(ex[~on], trace.true_experts[~on]) / ((~on).sum() * slots):.3f} |")
-            if key != "learned":
-                preps[key] = bp.prepare(name, trace, ex, probs, predictor=key,
-                                        info={"predicted_slots": int(trace.n_nodes * slots),
-                                              "predicted_slots_right": int(right),
-                                              "slot_precision": right / (trace.n_nodes * slots)})
+        for key in PREDICTORS:
+            q = quality[key]
+            print(f"| {key} | {q['slot_precision']:.3f} | {q['on_path_precision']:.3f} | {q['off_path_precision']:.3f} |")
         shape = ModelShape.from_trace_meta(trace.model)
-        mine = {label: [] for label, _ in ROWS}
-        print("\n| profile | cache | specfit (true experts) | " + " | ".join(label for label, _ in ROWS)
-              + " | " + " | ".join(f"{label} / true" for label, _ in ROWS) + " |")
-        print("|---|---:|---:|" + "---:|" * (2 * len(ROWS)))
+        mine = {key: [] for key in PREDICTORS}
+        print("\n| profile | cache | specfit (true experts) | " + " | ".join(PREDICTORS)
+              + " | " + " | ".join(f"{key} / true" for key in PREDICTORS) + " |")
+        print("|---|---:|---:|" + "---:|" * (2 * len(PREDICTORS)))
         for profile in args.profiles.split(","):
             cost = bp.profile_cost(profile, trace, shape)
             for share in (float(s) for s in args.caches.split(",")):
                 capacity = int(round(share * trace.n_experts))
                 true = bp.rate(bp.run(preps["oracle"], bp.make_policy(bp.ALL), capacity, cost))
-                rates = [bp.rate(bp.run(preps[key], bp.make_policy(bp.ALL), capacity, cost)) for _, key in ROWS]
-                for (label, _), r in zip(ROWS, rates):
-                    overall[label].append(r / true)
-                    mine[label].append(r / true)
+                rates = [bp.rate(bp.run(preps[key], bp.make_policy(bp.ALL), capacity, cost)) for key in PREDICTORS]
+                for key, r in zip(PREDICTORS, rates):
+                    overall[key].append(r / true)
+                    mine[key].append(r / true)
                 print(f"| {profile} | {capacity} | {true:.2f} | " + " | ".join(f"{r:.2f}" for r in rates) + " | "
                       + " | ".join(f"{r / true:.3f}" for r in rates) + " |")
         print(f"\n{name}, / true experts: " + "; ".join(f"{label} median {np.median(v):.3f}" for label, v in mine.items()))

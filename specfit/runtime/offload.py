@@ -246,7 +246,7 @@ class ExpertOffload:
         self._free_slots = list(state.free_slots)
         for layer, expert in np.argwhere(stale).tolist():
             slot = int(self.slot_of[layer, expert])
-            for dst, src in self._pairs(layer, expert, self.slot_gate_up[slot], self.slot_down[slot]):
+            for dst, src in self._slot_pairs(layer, expert, slot):
                 dst.copy_(src)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -290,7 +290,7 @@ class ExpertOffload:
             # slots just freed may still be read by compute already enqueued (an earlier layer or
             # pass): the copies into them wait for it
             copier.record_compute("compute")
-            copier.issue([(("slot", slot), self._pairs(layer, expert, self.slot_gate_up[slot], self.slot_down[slot]))
+            copier.issue([(("slot", slot), self._slot_pairs(layer, expert, slot))
                           for expert, slot in zip(admitted, slots)], after="compute")
         streamed = admit.streamed_ids.tolist()
         n_buffers = self._n_staging
@@ -325,7 +325,7 @@ class ExpertOffload:
         result = self.cache.prefetch(mask, keep)
         admitted = np.argwhere(result.admitted_mask).tolist()
         slots = self._reassign(np.argwhere(result.evicted_mask).tolist(), admitted)
-        jobs = [(("slot", slot), self._pairs(layer, expert, self.slot_gate_up[slot], self.slot_down[slot]))
+        jobs = [(("slot", slot), self._slot_pairs(layer, expert, slot))
                 for (layer, expert), slot in zip(admitted, slots)]
         if not jobs:
             return 0
@@ -388,6 +388,10 @@ class ExpertOffload:
 
     def _pairs(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor):
         return ((gate_up, self.host.gate_up[layer][expert]), (down, self.host.down[layer][expert]))
+
+    def _slot_pairs(self, layer: int, expert: int, slot: int):
+        """The (device, host) tensor pairs that load ``expert`` of ``layer`` into cache slot ``slot``."""
+        return self._pairs(layer, expert, self.slot_gate_up[slot], self.slot_down[slot])
 
     def _count(self, layer: int, admit) -> None:
         c = self.counters
