@@ -206,6 +206,15 @@ def test_a_refit_of_a_simulate_run_says_its_cycles_are_not_measured(tmp_path):
     assert not (tmp_path / "p.json").exists()
 
 
+def test_a_refit_of_a_run_whose_journal_is_not_text_is_one_line(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "cycles.jsonl").write_bytes(b'{"cycle": 0}\n\xff\xfe\n')
+    one_line_error(invoke("calibrate", "--refit", run, "--profile", "pcie4", "--out", tmp_path / "p.json"),
+                   str(run / "cycles.jsonl"), "not a readable journal of cycles")
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_a_refit_of_a_file_instead_of_a_run_directory_is_one_line(tmp_path):
     one_line_error(invoke("calibrate", "--refit", SAMPLE_OLMOE, "--profile", "pcie4", "--out", tmp_path / "p.json"),
                    "--refit", "run directory")

@@ -67,6 +67,15 @@ def test_trace_metadata_that_is_json_but_no_object_is_one_line(tmp_path, meta, k
         one_line_error(invoke(*argv), str(bad), METADATA_KEY.decode(), f"must be a JSON object, got {kind}")
 
 
+@pytest.mark.parametrize("raw", [b"\xff\xfe not UTF-8", b"{not json"])
+def test_trace_metadata_that_is_not_json_text_is_one_line(tmp_path, raw):
+    table = pq.read_table(write_trace(hand_trace(), tmp_path / "good.parquet"))
+    bad = tmp_path / "meta.parquet"
+    pq.write_table(table.replace_schema_metadata({METADATA_KEY: raw}), bad)
+    for argv in trace_readers(bad).values():
+        one_line_error(invoke(*argv), str(bad), METADATA_KEY.decode(), "is not valid JSON")
+
+
 def test_trace_recording_metadata_that_is_no_object_is_one_line(tmp_path):
     trace = hand_trace()
     table = pq.read_table(write_trace(trace, tmp_path / "good.parquet"))

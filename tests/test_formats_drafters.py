@@ -346,6 +346,11 @@ def test_default_feature_layers_are_described_as_the_default():
     ({k: v for k, v in speculators_config().items() if k != "transformer_layer_config"}, "transformer_layer_config"),
     ({**specforge_config(), "fc_norm": "yes"}, "'fc_norm' must be true or false"),
     ({**specforge_config(), "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "not supported for drafters"),
+    # a count of 0 is refused before it divides anything; JSON's Infinity and fractions are no counts
+    ({**specforge_config(), "num_key_value_heads": 0}, "'num_key_value_heads' must be at least 1, got 0"),
+    ({**specforge_config(), "intermediate_size": float("inf")}, "'intermediate_size' must be an integer, got inf"),
+    ({**specforge_config(), "hidden_size": 64.5}, "'hidden_size' must be an integer, got 64.5"),
+    ({**specforge_config(), "vocab_size": "4096"}, "'vocab_size' must be an integer, got '4096'"),
 ])
 def test_bad_drafter_config_is_one_error(raw, message):
     with pytest.raises(SpecFitError, match=message):

@@ -173,6 +173,7 @@ def test_decode_command_prints_a_summary_table(cli_model, tmp_path):
 @pytest.mark.parametrize("lines,args,message", [
     (["{bad json"], [], "prompts.jsonl:1: not valid JSON"),
     ([{"input_ids": [1]}, {"prompt": ""}], [], 'prompts.jsonl:2: "prompt" must be a non-empty string'),
+    ([{"prompt": "a\ud800b"}], [], 'prompts.jsonl:1: "prompt" must be valid Unicode text, got an unpaired surrogate'),
     ([{"input_ids": []}], [], 'prompts.jsonl:1: "input_ids" must be a non-empty list'),
     ([{"input_ids": [1, 500]}], [], "token id 500 outside the vocabulary"),
     ([{"text": "hi"}], [], 'exactly one of "prompt"'),

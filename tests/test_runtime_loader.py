@@ -74,8 +74,15 @@ def test_generation_config_eos_ids_take_precedence(tmp_path):
     ({"num_experts_per_tok": "eight"}, "'num_experts_per_tok' must be an integer, got 'eight'"),
     ({"hidden_size": "2048"}, "'hidden_size' must be an integer, got '2048'"),
     ({"num_hidden_layers": 4.5}, "'num_hidden_layers' must be an integer, got 4.5"),
-    ({"num_hidden_layers": True}, "'num_hidden_layers' must be an integer, got True"),
+    ({"num_hidden_layers": True}, "'num_hidden_layers' must be an integer, got true \\(a boolean\\)"),
+    ({"num_hidden_layers": float("inf")}, "'num_hidden_layers' must be an integer, got inf"),
     ({"rms_norm_eps": "1e-6"}, "'rms_norm_eps' must be a number, got '1e-6'"),
+    ({"norm_topk_prob": "false"}, "'norm_topk_prob' must be true or false, got 'false'"),
+    # checked for >= 1 before it divides the heads
+    ({"num_key_value_heads": 0}, "'num_key_value_heads' must be at least 1, got 0"),
+    ({"architectures": 5}, "'architectures' must be a list of class names, got 5"),
+    ({"architectures": [{"name": "Qwen3MoeForCausalLM"}]}, "'architectures' must be a list of class names, got a list"),
+    ({"architectures": None, "model_type": ["qwen3_moe"]}, "'model_type' must be a string, got a list"),
 ])
 def test_bad_config_is_one_error_naming_file_and_key(tmp_path, change, message):
     raw = {k: v for k, v in {**HUB_QWEN3, **change}.items() if v is not None}
@@ -84,6 +91,16 @@ def test_bad_config_is_one_error_naming_file_and_key(tmp_path, change, message):
     with pytest.raises(SpecFitError, match=message) as info:
         ModelConfig.from_file(path)
     assert str(path) in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("eos", [float("inf"), 2.5, "151645", [151645, None], -1])
+def test_a_generation_config_eos_that_is_no_token_id_is_one_error(tmp_path, eos):
+    (tmp_path / "config.json").write_text(json.dumps(HUB_QWEN3))
+    path = tmp_path / "generation_config.json"
+    path.write_text(json.dumps({"eos_token_id": eos}))
+    with pytest.raises(SpecFitError, match="key 'eos_token_id' must be a token id or a list of token ids") as info:
+        ModelConfig.from_dir(tmp_path)
+    assert str(path) in str(info.value)
 
 
 def test_missing_or_unreadable_config(tmp_path):
@@ -151,6 +168,20 @@ def test_sharded_index_with_a_missing_shard(qwen_dir):
     (qwen_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"lm_head.weight": "gone.safetensors"}}))
     with pytest.raises(SpecFitError, match="shard gone.safetensors is listed but missing"):
         Checkpoint(qwen_dir)
+
+
+@pytest.mark.parametrize("content, message", [
+    (json.dumps({"weight_map": ["model.safetensors"]}), "key 'weight_map' must be an object of tensor name -> shard"),
+    (json.dumps({"weight_map": {"lm_head.weight": 5}}), "key 'weight_map' must be an object of tensor name -> shard"),
+    (json.dumps({"metadata": {}}), "key 'weight_map' must be an object .*, got null"),
+    (b"\xff\xfe{}", "not a readable JSON file"),
+])
+def test_a_damaged_shard_index_is_one_error(qwen_dir, content, message):
+    path = qwen_dir / "model.safetensors.index.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(SpecFitError, match=message) as info:
+        Checkpoint(qwen_dir)
+    assert str(path) in str(info.value)
 
 
 def test_tied_embeddings_load_without_lm_head(tmp_path):

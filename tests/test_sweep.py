@@ -123,6 +123,7 @@ def test_bad_specs_name_the_file_and_field(tmp_path):
         ('traces = ["nosuch.parquet"]', "no such trace file 'nosuch.parquet'"),
         ('policies = ["ar"]', "no traces"),
         ('routing = [{log = "olmoe.parquet", drafters = ["poetry"]}]', "field 'drafters'"),
+        ('routing = [{log = "olmoe.parquet", drafters = [{name = "chat"}]}]', "field 'drafters'"),
         ('traces = ["olmoe.parquet"', "not valid TOML"),
         ('traces = ["olmoe.parquet"]\nh2d_scale = [1, 0]', "field 'h2d_scale': expected values finite and > 0, got 0"),
         ('traces = ["olmoe.parquet"]\ncache_experts = [8, -4]', "field 'cache_experts': expected values >= 0, got -4"),
@@ -136,6 +137,11 @@ def test_bad_specs_name_the_file_and_field(tmp_path):
     with pytest.raises(SpecFitError) as err:                 # one line, with where the parser stopped
         load_spec(_write(tmp_path / "bad.yaml", "traces: [\n"))
     assert "bad.yaml: not valid YAML at line 2" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(SpecFitError, match="unknown field\\(s\\) \\['1'\\]"):   # a key YAML reads as a number
+        load_spec(_write(tmp_path / "keys.yaml", 'traces: ["olmoe.parquet"]\n1: a\n'))
+    (tmp_path / "latin1.toml").write_bytes('traces = ["olmoe.parquet"] # caf\xe9'.encode("latin-1"))
+    with pytest.raises(SpecFitError, match="latin1.toml: not a readable sweep spec"):
+        load_spec(tmp_path / "latin1.toml")
 
 
 def test_sweep_without_ray_is_one_line_and_exit_2(tmp_path, monkeypatch):

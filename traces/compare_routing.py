@@ -63,4 +63,6 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "../shared/data/olmoe-1b-7b-routing-general-coding.npz")
+    if len(sys.argv) != 2:
+        sys.exit("usage: python traces/compare_routing.py ROUTING_LOG (.npz, .jsonl or .parquet)")
+    main(sys.argv[1])

@@ -115,8 +115,8 @@ def _sweep_sections(page: Page, path: Path, kinds: list[str]) -> None:
     if "plan" in kinds:
         try:
             plan = json.loads((path / "plan.json").read_text(encoding="utf-8"))
-        except ValueError as exc:                     # not UTF-8, not JSON
-            raise SpecFitError(f"{path / 'plan.json'}: not valid JSON ({exc})") from None
+        except (OSError, ValueError) as exc:          # unreadable, not UTF-8, not JSON
+            raise SpecFitError(f"{path / 'plan.json'}: not a readable JSON file ({exc})") from None
         with _damaged(path, "plan.json", "field"):
             plan_section(page, plan, str(path))
     with _damaged(path, "sweep.json / results", "field"):

@@ -20,13 +20,14 @@ scaling variants are read by :mod:`specfit.runtime.rope`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..errors import SpecFitError
-from ..io import read_json_object
+from ..io import json_text, read_json_object
 from .rope import RopeSpec, parse_rope
 
 __all__ = ["ModelConfig", "MLAShape", "SUPPORTED_ARCHITECTURES", "DTYPES", "default_capture_layers"]
@@ -197,16 +198,7 @@ class ModelConfig:
             for key in keys:
                 value = raw.get(key)
                 if value is not None:
-                    # JSON numbers only: a string, a bool or a fractional count is a damaged config,
-                    # not something to convert (int("128") and int(4.5) would both pass silently)
-                    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-                    if kind in (int, float) and not (numeric and (kind is float or float(value).is_integer())):
-                        raise SpecFitError(f"{source}: key {key!r} must be {'an integer' if kind is int else 'a number'}, "
-                                           f"got {value!r}")
-                    try:
-                        return kind(value)
-                    except (TypeError, ValueError, OverflowError):
-                        raise SpecFitError(f"{source}: key {key!r} must be {kind.__name__}, got {value!r}") from None
+                    return config_value(value, key, source, kind)
             if default is _REQUIRED:
                 spelled = " or ".join(repr(k) for k in keys)
                 raise SpecFitError(f"{source}: missing key {spelled} ({architecture})")
@@ -216,8 +208,6 @@ class ModelConfig:
         n_layers = get("num_hidden_layers")
         n_heads = get("num_attention_heads")
         n_kv_heads = get("num_key_value_heads", default=n_heads)
-        if n_heads % n_kv_heads:
-            raise SpecFitError(f"{source}: num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv_heads})")
         if raw.get("hidden_act", "silu") != "silu":
             raise SpecFitError(f"{source}: key 'hidden_act' must be 'silu', got {raw['hidden_act']!r}")
         n_experts = get(*family.expert_count_keys)
@@ -227,6 +217,8 @@ class ModelConfig:
                             (family.expert_count_keys[0], n_experts), ("num_experts_per_tok", top_k)):
             if value < 1:
                 raise SpecFitError(f"{source}: key {name!r} must be at least 1, got {value}")
+        if n_heads % n_kv_heads:
+            raise SpecFitError(f"{source}: num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv_heads})")
         if top_k > n_experts:
             raise SpecFitError(f"{source}: key 'num_experts_per_tok' is {top_k}, more than the {n_experts} experts "
                                f"per layer ({' / '.join(family.expert_count_keys)})")
@@ -282,10 +274,31 @@ class ModelConfig:
 
 
 # ----------------------------------------------------------------- helpers
+def config_value(value, key: str, source: str, kind=int):
+    """``value`` of ``key`` as ``kind`` (int, float or bool), as JSON wrote it: a string, a bool
+    where a number is meant, a fractional or infinite count is a damaged config, not something to
+    convert (``int("128")``, ``int(4.5)`` and ``bool("false")`` would all pass silently)."""
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = numeric and math.isfinite(value) and float(value).is_integer()
+    else:
+        ok = numeric
+    if not ok:
+        expected = {int: "an integer", float: "a number", bool: "true or false"}[kind]
+        raise SpecFitError(f"{source}: key {key!r} must be {expected}, got {json_text(value)}")
+    return kind(value)
+
+
 def _architecture(raw: dict, source: str) -> str:
     names = raw.get("architectures") or []
     if isinstance(names, str):
         names = [names]
+    if not (isinstance(names, list) and all(isinstance(n, str) for n in names)):
+        raise SpecFitError(f"{source}: key 'architectures' must be a list of class names, got {json_text(names)}")
+    if not isinstance(raw.get("model_type", ""), str):
+        raise SpecFitError(f"{source}: key 'model_type' must be a string, got {json_text(raw['model_type'])}")
     for name in names:
         if name in _FAMILIES:
             return name
@@ -313,10 +326,13 @@ def _moe_layers(raw: dict, source: str, family: _Family, n_layers: int, n_expert
         layers = tuple(i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0)
     elif family.dense_layers == "first_k":
         first_k = raw.get("first_k_dense_replace", 0) or 0
-        if int(raw.get("moe_layer_freq", 1) or 1) != 1:
+        if not (isinstance(first_k, int) and not isinstance(first_k, bool) and first_k >= 0):
+            raise SpecFitError(f"{source}: key 'first_k_dense_replace' must be a non-negative integer, "
+                               f"got {json_text(first_k)}")
+        if raw.get("moe_layer_freq", 1) not in (None, 1):
             # the original DeepSeek code also skips layers by moe_layer_freq; transformers ignores it
-            raise SpecFitError(f"{source}: key 'moe_layer_freq' must be 1, got {raw['moe_layer_freq']}")
-        layers = tuple(range(int(first_k), n_layers))
+            raise SpecFitError(f"{source}: key 'moe_layer_freq' must be 1, got {json_text(raw['moe_layer_freq'])}")
+        layers = tuple(range(first_k, n_layers))
     else:
         for key, neutral in (("mlp_only_layers", []), ("decoder_sparse_step", 1), ("first_k_dense_replace", 0)):
             if raw.get(key) not in (None, neutral):
@@ -393,8 +409,8 @@ def _eos_ids(value, source) -> tuple[int, ...]:
     if value is None:
         return ()
     values = value if isinstance(value, (list, tuple)) else [value]
-    try:
-        return tuple(int(v) for v in values)
-    except (TypeError, ValueError):
-        raise SpecFitError(f"{source}: key 'eos_token_id' must be an integer or a list of integers, got {value!r}") from None
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise SpecFitError(f"{source}: key 'eos_token_id' must be a token id or a list of token ids (integers >= 0), "
+                           f"got {value!r}")
+    return tuple(values)
 

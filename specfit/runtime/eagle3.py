@@ -38,7 +38,6 @@ overwrites the slots of their draft entries, as EAGLE-3 does.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -47,6 +46,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import SpecFitError
+from ..io import atomic_write, write_json_atomic
 from .drafting import DraftOutput
 from .eagle3_checkpoint import (LAYER_PREFIXES, DrafterVocabularyWarning, check_embedding, checked_state_dict,
                                 checked_vocabulary, read_safetensors)
@@ -378,5 +378,6 @@ class Eagle3Drafter(nn.Module):
         tensors["d2t"] = self.d2t.detach().cpu().contiguous()
         tensors["t2d"] = self.t2d.detach().cpu().contiguous()
         config = self.config.to_dict() | {"torch_dtype": str(self.dtype).removeprefix("torch.")}
-        (drafter_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        save_file(tensors, str(drafter_dir / "model.safetensors"), metadata={"format": "pt"})
+        # the weights first: a directory whose config.json is there holds the weights it describes
+        atomic_write(drafter_dir / "model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
+        write_json_atomic(drafter_dir / "config.json", config)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SpecFitError
-from .config import default_capture_layers
+from .config import config_value, default_capture_layers
 from .rope import RopeSpec, parse_rope
 
 __all__ = ["Eagle3Config", "EAGLE3_ARCHITECTURE", "SPECULATORS_ARCHITECTURE", "DRAFTER_DTYPES"]
@@ -164,7 +164,7 @@ class Eagle3Config:
 def is_speculators(raw: dict) -> bool:
     """vLLM speculators' layout: ``Eagle3Speculator`` or a ``speculators_model_type``."""
     architectures = raw.get("architectures") or []
-    return SPECULATORS_ARCHITECTURE in architectures or raw.get("speculators_model_type") is not None
+    return SPECULATORS_ARCHITECTURE in architectures if isinstance(architectures, (list, str)) else False or raw.get("speculators_model_type") is not None
 
 
 # ----------------------------------------------------------------- parsing
@@ -196,10 +196,10 @@ def _from_llama_layout(raw: dict, top: dict, source: str, checkpoint_format: str
         value = raw.get(key, default)
         if value is None:
             raise SpecFitError(f"{source}: missing key {key!r} (EAGLE-3 drafter config)")
-        try:
-            return kind(value)
-        except (TypeError, ValueError):
-            raise SpecFitError(f"{source}: key {key!r} must be {kind.__name__}, got {value!r}") from None
+        value = config_value(value, key, source, kind)
+        if kind is int and value < 1:
+            raise SpecFitError(f"{source}: key {key!r} must be at least 1, got {value}")
+        return value
 
     n_layers = get("num_hidden_layers", default=1)
     if n_layers != 1:

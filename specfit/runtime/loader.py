@@ -23,14 +23,13 @@ told apart by their ``config.json``, checked against the target before their wei
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from ..errors import SpecFitError
-from ..io import read_json_object
+from ..io import json_text, read_json_object
 from .config import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
 from .draft_model import ModelDrafter
 from .eagle3 import EAGLE3_ARCHITECTURE, SPECULATORS_ARCHITECTURE, Eagle3Config, Eagle3Drafter
@@ -53,10 +52,10 @@ class Checkpoint:
         single = self.model_dir / "model.safetensors"
         index = self.model_dir / "model.safetensors.index.json"
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (OSError, json.JSONDecodeError, KeyError, TypeError) as exc:
-                raise SpecFitError(f"{index}: expected a JSON object with a 'weight_map' ({exc})") from None
+            weight_map = read_json_object(index, "the shard index of a sharded checkpoint").get("weight_map")
+            if not (isinstance(weight_map, dict) and all(isinstance(f, str) and f for f in weight_map.values())):
+                raise SpecFitError(f"{index}: key 'weight_map' must be an object of tensor name -> shard file name, "
+                                   f"got {json_text(weight_map)}")
             self.files = {name: self.model_dir / file for name, file in weight_map.items()}
             for path in set(self.files.values()):
                 if not path.is_file():
@@ -169,6 +168,10 @@ def is_eagle3(drafter_dir: str | Path) -> bool:
     path = Path(drafter_dir) / "config.json"
     raw = read_json_object(path, "an EAGLE-3 head or a draft model's config.json")
     architectures = raw.get("architectures") or []
+    if isinstance(architectures, str):
+        architectures = [architectures]
+    if not (isinstance(architectures, list) and all(isinstance(a, str) for a in architectures)):
+        raise SpecFitError(f"{path}: key 'architectures' must be a list of class names, got {json_text(architectures)}")
     if EAGLE3_ARCHITECTURE in architectures or SPECULATORS_ARCHITECTURE in architectures:
         return True
     if isinstance(raw, dict) and raw.get("speculators_model_type") is not None:

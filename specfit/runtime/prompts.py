@@ -27,7 +27,7 @@ def read_prompts(path: str | Path, tokenizer=None, vocab_size: int | None = None
     """Parse and tokenise every prompt of ``path``; token ids are checked against ``vocab_size``."""
     path = Path(path)
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecFitError(f"{path}: cannot read the prompts file ({exc})") from None
     prompts = []
@@ -53,6 +53,11 @@ def read_prompts(path: str | Path, tokenizer=None, vocab_size: int | None = None
 def _from_text(text, tokenizer, where: str, number: int) -> Prompt:
     if not isinstance(text, str) or not text:
         raise SpecFitError(f'{where}: "prompt" must be a non-empty string')
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:      # a lone surrogate ("\\ud800"): valid JSON, not text
+        raise SpecFitError(f'{where}: "prompt" must be valid Unicode text, got an unpaired surrogate at character '
+                           f'{exc.start}') from None
     if tokenizer is None:
         raise SpecFitError(f'{where}: "prompt" needs a tokenizer, but the model directory has no tokenizer.json; '
                            f'give "input_ids" instead')

@@ -89,7 +89,11 @@ def read_decode_cycles(out_dir: str | Path) -> "pd.DataFrame":
         raise SpecFitError(f"{parquet}: not a readable Parquet file ({exc})") from None
     if journal.is_file():
         rows = []
-        for line in journal.read_text(encoding="utf-8").splitlines():
+        try:
+            lines = journal.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise SpecFitError(f"{journal}: not a readable journal of cycles ({exc})") from None
+        for line in lines:
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:

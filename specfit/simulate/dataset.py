@@ -103,11 +103,11 @@ def write_sweep_file(out_dir: Path, spec: dict, cells: list[dict]) -> Path:
 def read_sweep_file(out_dir: Path) -> dict:
     path = Path(out_dir) / SWEEP_FILE
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SpecFitError(f"{out_dir}: no {SWEEP_FILE}; expected the output directory of `specfit sweep`") from None
-    except json.JSONDecodeError as exc:
-        raise SpecFitError(f"{path}: not valid JSON ({exc})") from None
+    except (OSError, ValueError) as exc:          # unreadable, not UTF-8, not JSON
+        raise SpecFitError(f"{path}: not a readable JSON file ({exc})") from None
     if not isinstance(data, dict) or not isinstance(data.get("cells"), list):
         raise SpecFitError(f"{path}: expected an object with a 'cells' list")
     return data

@@ -161,7 +161,10 @@ def load_spec(path: str | Path) -> SweepSpec:
     if not path.is_file():
         what = "is a directory" if path.is_dir() else "no such sweep spec"
         raise SpecFitError(f"{path}: {what}; expected a .toml or .yaml file")
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecFitError(f"{path}: not a readable sweep spec ({exc})") from None
     if path.suffix == ".toml":
         import tomllib
 
@@ -234,7 +237,7 @@ def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec
     if not isinstance(raw, dict):
         raise SpecFitError(f"{source}: expected a mapping of spec fields at the top level")
     known = {"traces", "routing", *_AXES, *_SCALARS}
-    unknown = sorted(set(raw) - known)
+    unknown = sorted(map(str, set(raw) - known))
     if unknown:
         raise SpecFitError(f"{source}: unknown field(s) {unknown}; expected some of {sorted(known)}")
     base = Path(base) if base is not None else Path(".")
@@ -289,7 +292,7 @@ def _trace_sources(raw: dict, source: str, base: Path, workloads: dict) -> list[
             if key in entry and not _is_a(kind, entry[key]):
                 raise SpecFitError(f"{where}: field {key!r} must be a {kind.__name__}, got {entry[key]!r}")
         drafters = entry.get("drafters", ["chat"])
-        if not drafters or any(d not in workloads for d in drafters):
+        if not drafters or any(not isinstance(d, str) or d not in workloads for d in drafters):
             raise SpecFitError(f"{where}: field 'drafters' must list presets of {sorted(workloads)}, got {drafters!r}")
         resolved = base / entry["log"]
         if not resolved.is_file():

@@ -245,7 +245,7 @@ def read_trace(path: str | Path, validate: bool = True) -> Trace:
         raise SpecFitError(f"{path}: missing the '{METADATA_KEY.decode()}' metadata; expected a SpecFit trace file")
     try:
         meta = json.loads(raw)
-    except json.JSONDecodeError:
+    except ValueError:                             # not UTF-8, not JSON
         raise SpecFitError(f"{path}: metadata '{METADATA_KEY.decode()}' is not valid JSON") from None
     if not isinstance(meta, dict):
         raise SpecFitError(f"{path}: metadata '{METADATA_KEY.decode()}' must be a JSON object, got "

@@ -24,7 +24,6 @@ Token ids may be missing: :attr:`RoutingLog.tokens` is then None and the importe
 
 from __future__ import annotations
 
-import json
 import re
 import zipfile
 from dataclasses import dataclass
@@ -34,6 +33,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import SpecFitError, one_line
+from ..io import write_jsonl_atomic
 
 __all__ = ["RoutingLog", "read_routing_log", "dump_jsonl", "JSONL_FIELDS"]
 
@@ -311,7 +311,8 @@ def dump_jsonl(log: RoutingLog, path: str | Path) -> None:
     for s in np.unique(log.sequence):
         rows = np.flatnonzero(log.sequence == s)
         position[rows] = np.arange(rows.size)
-    with open(path, "w") as f:
+
+    def records():
         for i in range(log.sequence.size):
             for layer in range(log.experts.shape[1]):
                 record = {"sequence_id": int(log.sequence[i]), "token_index": int(position[i]), "layer": layer,
@@ -320,4 +321,6 @@ def dump_jsonl(log: RoutingLog, path: str | Path) -> None:
                     record["token_id"] = int(log.tokens[i])
                 if log.weights is not None:
                     record["router_weights"] = [float(w) for w in log.weights[i, layer]]
-                f.write(json.dumps(record) + "\n")
+                yield record
+
+    write_jsonl_atomic(path, records())
