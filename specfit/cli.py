@@ -20,10 +20,13 @@ app.add_typer(traces_app, name="traces")
 
 
 @app.callback(invoke_without_command=True)
-def _main(version: bool = typer.Option(False, "--version", help="Print the version and exit.")) -> None:
+def _main(ctx: typer.Context, version: bool = typer.Option(False, "--version", help="Print the version and exit.")) -> None:
     if version:
         typer.echo(__version__)
         raise typer.Exit(0)
+    from .errors import stop_on_sigterm
+
+    ctx.call_on_close(stop_on_sigterm())       # a kill stops a command as a Ctrl-C does
 
 
 # Each feature package owns its commands in ``specfit/<package>/commands.py`` with a

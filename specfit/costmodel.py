@@ -170,6 +170,18 @@ class CostModel:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    def check_cycle_time(self, source: str) -> "CostModel":
+        """This model, refused (naming ``source``) when a cycle could take 0 s under it: no base,
+        node or expert time, where a throughput would be tokens per 0 s and the search has nothing
+        to divide by. A user's profile or ``--cost`` goes through this; the library's own models
+        (a test's free model) need not."""
+        if not self.base_s + self.per_node_s + min(self.hit_s, self.miss_s) > 0:
+            from .errors import SpecFitError
+
+            raise SpecFitError(f"{source}: predicts cycles of 0 s (base_s, per_node_s and hit_s or miss_s are all 0); "
+                               f"expected base_s, per_node_s or both expert costs > 0")
+        return self
+
     @classmethod
     def from_dict(cls, d: dict, source: str = "cost model") -> "CostModel":
         if not isinstance(d, dict):

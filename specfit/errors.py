@@ -1,13 +1,14 @@
 """Bad user input: the one exception type, and the CLI's way of reporting it.
 
 Every command catches :class:`SpecFitError` and calls :func:`fail`, which prints the message as
-one line (no traceback) and exits with status 2; a Ctrl-C ends in :func:`stopped` (status 130).
+one line (no traceback) and exits with status 2; a Ctrl-C ends in :func:`stopped` (status 130). A
+``kill`` (SIGTERM) stops a command the same way (:func:`stop_on_sigterm`), with status 143.
 """
 
 from __future__ import annotations
 
 __all__ = ["SpecFitError", "Interrupted", "INTERRUPTS", "interrupted", "fail", "stopped", "stopped_by", "one_line",
-           "check_seed"]
+           "check_seed", "stop_on_sigterm", "sigterm_stops", "note_stop_signal"]
 
 
 class SpecFitError(ValueError):
@@ -37,6 +38,46 @@ def interrupted(exc: BaseException) -> bool:
     return False
 
 
+_stop_status = [130]       # 128 + the signal that stopped the command: SIGINT's, or SIGTERM's once one arrived
+
+
+def note_stop_signal(signum: int) -> None:
+    """Record the signal a stop came from, for :func:`stopped`'s exit status."""
+    _stop_status[0] = 128 + int(signum)
+
+
+def _on_sigterm(signum, frame):
+    note_stop_signal(signum)
+    raise KeyboardInterrupt
+
+
+def stop_on_sigterm():
+    """Make a SIGTERM (``kill``, a job scheduler's stop) stop the command as a Ctrl-C does: what it
+    completed is saved and said, then it exits with status 143. Only in the main thread and only
+    where SIGTERM still has its default action (a host that installed its own keeps it). Returns a
+    function that restores the previous handler."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return lambda: None
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    _stop_status[0] = 130
+
+    def restore() -> None:
+        if signal.getsignal(signal.SIGTERM) is _on_sigterm:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    return restore
+
+
+def sigterm_stops() -> bool:
+    """Whether a SIGTERM now stops the command as a Ctrl-C does (:func:`stop_on_sigterm`)."""
+    import signal
+
+    return signal.getsignal(signal.SIGTERM) is _on_sigterm
+
+
 def fail(message: str) -> None:
     """Print one clear error line and exit with status 2 (bad input, never a traceback)."""
     import typer
@@ -46,11 +87,12 @@ def fail(message: str) -> None:
 
 
 def stopped(message: str) -> None:
-    """Say what a run stopped by Ctrl-C kept (or that it kept nothing) and exit with status 130."""
+    """Say what a run stopped by Ctrl-C kept (or that it kept nothing) and exit with status 130
+    (143 when a SIGTERM stopped it)."""
     import typer
 
     typer.secho(message, err=True)
-    raise typer.Exit(130) from None
+    raise typer.Exit(_stop_status[0]) from None
 
 
 def stopped_by(exc: BaseException, message: str) -> None:

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from .errors import Interrupted, SpecFitError
+from .errors import Interrupted, SpecFitError, note_stop_signal, sigterm_stops
 
 __all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "write_jsonl_atomic", "check_output",
            "remove_stale_temporaries", "read_json_object", "json_text", "deferred_interrupt"]
@@ -157,10 +157,14 @@ def deferred_interrupt(done: str = "interrupted: the files being written were co
         yield                         # a process that ignores Ctrl-C (started in the background) goes on ignoring it
         return
     caught = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: caught.append(signum))
+    # SIGTERM too where the command handles it as a Ctrl-C (errors.stop_on_sigterm)
+    held = [signal.SIGINT] + ([signal.SIGTERM] if sigterm_stops() else [])
+    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     if caught:
+        note_stop_signal(caught[-1])
         raise Interrupted(done)

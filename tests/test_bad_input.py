@@ -293,6 +293,15 @@ def test_decode_threads_zero_is_refused(model_dir):
     one_line_error(result, "--threads")
 
 
+def test_a_simulated_cache_larger_than_the_trace_says_every_expert_is_cached(tmp_path):
+    result = invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--cache-experts", "64,100", "--json")
+    assert result.exit_code == 0, result.output
+    assert f"note: --cache-experts 100 is more than {SAMPLE_OLMOE}'s 64 experts per layer: replayed with every expert " \
+           f"cached" in " ".join(result.stderr.split())
+    rows = pd.DataFrame(json.loads(result.stdout)).set_index("cache_experts")
+    assert (rows.loc[100, ["tokens_per_s", "hit_rate"]] == rows.loc[64, ["tokens_per_s", "hit_rate"]]).all()
+
+
 def test_simulate_without_a_baseline_prints_no_nan(tmp_path):
     result = invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "specfit", "--cache-experts", 8)
     assert result.exit_code == 0, result.output

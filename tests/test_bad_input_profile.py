@@ -65,6 +65,22 @@ def test_a_malformed_profile_section_is_one_line_in_every_command(tmp_path, chan
     assert not (tmp_path / "report").exists() and not (tmp_path / "refit.json").exists()
 
 
+def test_a_profile_or_cost_that_predicts_cycles_of_no_time_is_one_line(tmp_path):
+    """A cost model under which a cycle takes 0 s (tokens per 0 s) is refused where it comes in,
+    not met as a traceback of the search mid-replay."""
+    cost = json.loads(VALID_PROFILE.read_text())["cost"]
+    bad = damaged_profile(tmp_path / "zero.json", cost={**cost, "base_s": 0.0, "per_node_s": 0.0, "hit_s": 0.0})
+    for argv in profile_commands(bad, tmp_path).values():
+        one_line_error(invoke(*argv), str(bad), "field 'cost': predicts cycles of 0 s")
+    zero = "base_s=0,per_node_s=0,hit_s=0,miss_s=0,draft_level_s=0"
+    one_line_error(invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar,specfit", "--cache-experts", 8,
+                          "--cost", zero, "--out", tmp_path / "sim"), "--cost: predicts cycles of 0 s")
+    assert not (tmp_path / "sim").exists()
+    # expert costs alone are a model: every cycle reads the root's experts, cached or copied
+    assert invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--cache-experts", 8,
+                  "--cost", "base_s=0,per_node_s=0,hit_s=1e-5").exit_code == 0
+
+
 def test_a_profile_that_is_not_utf8_is_one_line_in_every_command(tmp_path):
     bad = tmp_path / "latin1.json"
     bad.write_bytes(b"\xff" + VALID_PROFILE.read_bytes())

@@ -1,5 +1,6 @@
 """HTML reports: built from real simulate / calibrate outputs, escaped, and rendered in Chromium."""
 
+import html
 import json
 import re
 import shutil
@@ -114,8 +115,8 @@ def test_live_report_shows_the_profile_and_online_errors_over_time_and_unions_pe
 
 def test_live_report_shows_the_online_model_each_policy_ended_with(tmp_path):
     """From the run's summary.json: the refitted terms, the tracked speed, and each term held at the
-    profile with its reason (escaped like every string); a run without one (or with a damaged one)
-    has no such table and still renders."""
+    profile with its reason (escaped like every string); a run without one has no such table and
+    still renders, and one whose summary.json was damaged says so on the page and to the caller."""
     rows = [{"policy": "specfit", "cycle": i, "draft_levels": 2, "nodes_verified": 5, "hits": 6, "misses": 2,
              "measured_time_s": 0.01, "predicted_time_s": 0.01, "predicted_tokens": 2.0, "committed_tokens": 2}
             for i in range(10)]
@@ -135,8 +136,15 @@ def test_live_report_shows_the_online_model_each_policy_ended_with(tmp_path):
     assert row["speed"] == "1.25" and row["cycles (refits)"] == "10 (2)"
     assert row["held at the profile"] == "transfer_s: not determined &lt;by&gt; the data"
     assert "<by>" not in text
-    (run / "summary.json").write_text("[{")
+    (run / "summary.json").unlink()
     assert "decided with at the end" not in build_report([run], tmp_path / "rep2").read_text()
+    for damage, needle in (("[{", "not a readable JSON file"), ('{"policy": "ar"}', "expected a list of per-policy")):
+        (run / "summary.json").write_text(damage)
+        said = []
+        text = build_report([run], tmp_path / "rep3", say=said.append).read_text()
+        assert "decided with at the end" not in text and "measured" in text       # the cycles' sections are there
+        assert len(said) == 1 and str(run / "summary.json") in said[0] and needle in said[0]
+        assert html.escape(said[0]) in text
 
 
 def test_report_command_errors_are_one_line(tmp_path):

@@ -601,10 +601,11 @@ def test_router_predictor_in_replay_routes_like_the_live_one(checkpoint, tmp_pat
         prepare_trace("full", trace, predictor="router")
 
 
-@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGKILL"])
+@pytest.mark.parametrize("signal_name", ["SIGINT", "SIGTERM", "SIGKILL"])
 def test_a_run_stopped_mid_prompt_keeps_every_complete_cycle(checkpoint, tmp_path, signal_name):
-    """A real process, stopped while a prompt is being decoded: Ctrl-C saves every complete cycle
-    into cycles.parquet and says so; a SIGKILL leaves them in the journal, which the readers use."""
+    """A real process, stopped while a prompt is being decoded: Ctrl-C (or a kill's SIGTERM) saves
+    every complete cycle into cycles.parquet and the recording, and says so; a SIGKILL leaves them
+    in the journal, which the readers use."""
     import os
     import signal
     import subprocess
@@ -621,7 +622,8 @@ def test_a_run_stopped_mid_prompt_keeps_every_complete_cycle(checkpoint, tmp_pat
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     process = subprocess.Popen([sys.executable, "-m", "specfit", "decode", "--model", str(model_dir), "--drafter",
                                 str(drafter_dir), "--prompts", str(prompts), "--cache-experts", "3", "--policy", "specfit",
-                                "--profile", "pcie4", "--max-new-tokens", "200", "--ignore-eos", "--out", str(out)],
+                                "--profile", "pcie4", "--max-new-tokens", "200", "--ignore-eos", "--out", str(out),
+                                "--record", str(tmp_path / "rec.parquet")],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                                preexec_fn=default_sigint)
     journal = out / JOURNAL_FILE
@@ -635,10 +637,11 @@ def test_a_run_stopped_mid_prompt_keeps_every_complete_cycle(checkpoint, tmp_pat
     assert len(kept) >= 5 and kept["sequence"].eq(0).all()      # cycles of the prompt that never finished
     assert list(kept["cycle"]) == list(range(len(kept)))
     assert len(read_run_cycles(out)) == len(kept)                # a refit reads them too
-    if signal_name == "SIGINT":
-        assert process.returncode == 130, stderr[-3000:]
+    if signal_name != "SIGKILL":
+        assert process.returncode == {"SIGINT": 130, "SIGTERM": 143}[signal_name], stderr[-3000:]
         assert f"kept every complete cycle, {len(kept)} of them" in stderr and str(out) in stderr
         assert len(pd.read_parquet(out / "cycles.parquet")) == len(kept) and not journal.exists()
+        assert read_trace(tmp_path / "rec.parquet").n_cycles >= len(kept) > 0
     else:
         assert process.returncode == -signal.SIGKILL and journal.exists()
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]

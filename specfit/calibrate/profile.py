@@ -188,6 +188,7 @@ class Profile:
             cost = CostModel.from_dict(d["cost"], source=f"{source}: field 'cost'")
         except ValueError as exc:
             raise SpecFitError(str(exc)) from None
+        cost.check_cycle_time(f"{source}: field 'cost'")
         shape = ModelShape.from_dict(d["shape"], source)
         if cost.expert_bytes and cost.expert_bytes != shape.expert_bytes:
             raise SpecFitError(f"{source}: field 'cost.expert_bytes' is {cost.expert_bytes}, but 'shape.expert_bytes' is "

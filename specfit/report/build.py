@@ -123,8 +123,9 @@ def _sweep_sections(page: Page, path: Path, kinds: list[str]) -> None:
         sweep_section(page, read_results(path), str(path), read_sweep_file(path))
 
 
-def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report") -> Path:
-    """Render every input into ``out_dir/index.html``; returns its path."""
+def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report", say=None) -> Path:
+    """Render every input into ``out_dir/index.html``; returns its path. ``say`` (a function of a
+    line) hears what the page left out and why, as the page says it."""
     if not inputs:
         raise SpecFitError("report: expected at least one input (a run directory or a profile JSON)")
     page = Page(title)
@@ -145,6 +146,8 @@ def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report
     with matplotlib.rc_context({"text.parse_math": False}):
         for path, kinds in plan:
             _sections(page, path, kinds)
+    for text in page.notes if say is not None else ():
+        say(f"note: {text}")
     index = Path(out_dir) / "index.html"
     with deferred_interrupt(f"interrupted while writing: the report in {out_dir} was completed first"):
         page.save(index)
@@ -169,7 +172,12 @@ def _sections(page: Page, path: Path, kinds: list[str]) -> None:
             cycles = read_decode_cycles(path)
         if cycles.empty:
             raise SpecFitError(f"{path / 'cycles.parquet'}: no decode cycles to report")
+        try:
+            summaries = read_decode_summaries(path)
+        except SpecFitError as exc:               # the cycles are still worth the page
+            summaries = []
+            page.note(f"{exc}: the table of the model each policy decided with is left out")
         with _damaged(path, "cycles.parquet / summary.json"):
-            live_section(page, cycles, str(path), read_decode_summaries(path))
+            live_section(page, cycles, str(path), summaries)
     if "sweep" in kinds:
         _sweep_sections(page, path, kinds)

@@ -26,7 +26,7 @@ def report_command(
     target = out or Path("reports") / (inputs[0].stem if inputs else "report")
     try:
         check_output(target, "--out", kind="dir")
-        index = build_report(inputs, target, title=title)
+        index = build_report(inputs, target, title=title, say=lambda line: typer.secho(line, err=True))
     except SpecFitError as exc:
         fail(str(exc))
     except Interrupted as exc:

@@ -53,6 +53,12 @@ class Page:
     title: str
     parts: list[str] = field(default_factory=list)
     toc: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)      # what the page left out and why, for the command to say
+
+    def note(self, text: str) -> "Page":
+        """Say on the page, and to whoever renders it (:attr:`notes`), what was left out and why."""
+        self.notes.append(text)
+        return self.paragraph(f"note: {text}", css="note")
 
     def heading(self, text: str, level: int = 2) -> "Page":
         anchor = f"s{sum(part.startswith('<h') for part in self.parts)}"     # one id per heading of any level

@@ -92,9 +92,14 @@ class DecodePlan:
         policies = []
         for spec in self.policies:
             try:
-                policies.append(make_policy(spec, max_levels=self.max_levels))
+                make_policy(spec, max_levels=max(self.max_levels, 1))
             except ValueError as exc:
                 raise SpecFitError(f"--policy: {exc}") from None
+            try:                        # a policy that drafts needs a level: the option is what is wrong
+                policies.append(make_policy(spec, max_levels=self.max_levels))
+            except ValueError:
+                raise SpecFitError(f"--max-levels: expected >= 1 draft levels for --policy {spec}, "
+                                   f"got {self.max_levels}") from None
         for p in policies:
             if p.needs_truth:
                 raise SpecFitError(f"--policy {p.name}: knows the target's verdicts in advance, which only a recorded "
@@ -199,6 +204,11 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     dtype = plan.dtype or ("bfloat16" if device.type == "cuda" else "float32")
 
     config = ModelConfig.from_dir(plan.model_dir)
+    slots = config.n_experts * (config.n_moe_layers if plan.cache_mode == "global" else 1)
+    if plan.cache_experts > slots:
+        where = "in all, as --cache-mode global counts them" if plan.cache_mode == "global" else "per MoE layer"
+        raise SpecFitError(f"--cache-experts: expected 0..{slots} ({plan.model_dir} has {slots} experts {where}), "
+                           f"got {plan.cache_experts}")
     tokenizer = load_tokenizer(plan.model_dir)
     prompts = read_prompts(plan.prompts_path, tokenizer, config.vocab_size)
     for prompt in prompts:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import SpecFitError
-from ..io import atomic_write, remove_stale_temporaries, write_json_atomic, write_jsonl_atomic
+from ..io import atomic_write, json_text, remove_stale_temporaries, write_json_atomic, write_jsonl_atomic
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -105,10 +105,15 @@ def read_decode_cycles(out_dir: str | Path) -> "pd.DataFrame":
 
 def read_decode_summaries(out_dir: str | Path) -> list:
     """The per-policy summaries a ``specfit decode --out`` run wrote (``summary.json``); none when
-    it has none or it does not read as a list (a run killed before writing it)."""
+    it has none (a run stopped before writing it). The file is written whole or not at all, so one
+    that does not read as a list of objects was damaged afterwards: that is an error naming it."""
     path = Path(out_dir) / SUMMARY_FILE
-    try:
-        summaries = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else []
-    except (OSError, ValueError):
+    if not path.is_file():
         return []
-    return summaries if isinstance(summaries, list) else []
+    try:
+        summaries = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:               # unreadable, not UTF-8, not JSON
+        raise SpecFitError(f"{path}: not a readable JSON file ({exc}); expected the run's per-policy summaries") from None
+    if not (isinstance(summaries, list) and all(isinstance(s, dict) for s in summaries)):
+        raise SpecFitError(f"{path}: expected a list of per-policy summary objects, got {json_text(summaries)}")
+    return summaries

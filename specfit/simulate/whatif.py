@@ -33,9 +33,10 @@ def parse_overrides(text: str | None) -> dict[str, float]:
 
 def apply_overrides(cost: CostModel, overrides: dict[str, float]) -> CostModel:
     try:
-        return cost.replace(**overrides)
+        cost = cost.replace(**overrides)
     except ValueError as exc:
         raise SpecFitError(f"--cost: {exc}") from None
+    return cost.check_cycle_time("--cost") if overrides else cost
 
 
 def scale_h2d(cost: CostModel, factor: float) -> CostModel:
