@@ -41,7 +41,7 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_policy import load_traces, run  # noqa: E402
+from bench_policy import load_traces, run, some_measured  # noqa: E402
 from specfit.calibrate.presets import QWEN3_30B_A3B, resolve_profile  # noqa: E402
 from specfit.calibrate.profile import ModelShape  # noqa: E402
 from specfit.experts.layer_ahead import TransitionRanker, layer_ahead  # noqa: E402
@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     row[label] = recharge(preps[key], log, capacity, cost, rankers, fold)
                 rows.append(row)
                 print(_line(row), flush=True)
-    _summary(rows)
+    _summary(some_measured(rows))
     print(f"# {time.perf_counter() - start:.0f} s")
     if args.out:
         write_text_atomic(Path(args.out), json.dumps(rows, indent=1))

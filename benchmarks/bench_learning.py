@@ -134,6 +134,9 @@ def main(argv: list[str] | None = None) -> None:
     arms = {"baseline": (fit_baseline.CycleTimeFitter, router_baseline), "this": (CycleTimeFitter, kernels.router)}
     prior = CostModel(base_s=3.7e-3, per_node_s=7e-5, hit_s=1e-4, miss_s=1.1e-4, draft_level_s=1.5e-3)
     rows = cycle_rows(args.cycles)
+    if len(rows) < 40:      # the warm-up below takes 40; a selecting and a reusing refit need 24 or more
+        raise SystemExit(f"--cycles {args.cycles}: {len(rows)} specfit cycles; expected at least 40 (bench_decode.py's "
+                         f"default run has about 150)")
     inputs = count_inputs(np.random.default_rng(0))
     weights = {arm: host_weights(router, *inputs[:2]) for arm, (_, router) in arms.items()}
     for arm, (fitter, router) in arms.items():           # compiled and loaded before anything is timed

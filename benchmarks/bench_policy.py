@@ -89,6 +89,14 @@ def load_traces(names: list[str], sequences: int, workload: str) -> list[tuple[s
     return out
 
 
+def some_measured(rows: list) -> list:
+    """``rows``, or a one-line exit when there are none: every trace of --traces was skipped."""
+    if not rows:
+        raise SystemExit(f"nothing measured: every trace of --traces was skipped ({SHARED_LOG} is absent; the "
+                         f"lines above name them)")
+    return rows
+
+
 def _imported(domain: str, sequences: int, workload: str):
     """The shared log's first ``sequences`` sequences of ``domain``, imported (cached on disk)."""
     from specfit.traces.importers import import_routing, model_for_log
@@ -491,7 +499,7 @@ def main() -> None:
             all_rows.extend(rows)
             if args.out:            # after every profile: an interrupted run keeps what it measured
                 _write(args.out, all_rows)
-    print_overall(all_rows, labels, preds)
+    print_overall(some_measured(all_rows), labels, preds)
     print_attribution(all_rows)
     print(f"\n({time.perf_counter() - start:.0f} s)")
     if args.out:

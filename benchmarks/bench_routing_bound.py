@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"| {profile} | {capacity} | {true:.2f} | " + " | ".join(f"{r:.2f}" for r in rates) + " | "
                       + " | ".join(f"{r / true:.3f}" for r in rates) + " |")
         print(f"\n{name}, / true experts: " + "; ".join(f"{label} median {np.median(v):.3f}" for label, v in mine.items()))
+    bp.some_measured(overall["learned"])
     print(f"\nOver the {len(overall['learned'])} settings, / true experts: " + "; ".join(
         f"{label} median {np.median(v):.3f} ({min(v):.3f}-{max(v):.3f})" for label, v in overall.items()))
     print(f"({time.perf_counter() - start:.0f} s)")

@@ -11,7 +11,7 @@ step and of each cell, and the summary; the goal is the sweep in under a minute.
 
     taskset -c 1 python benchmarks/bench_sweep_real.py [--routing PATH] [--trace PATH] [--predictor oracle]
 
-Skips with a message (exit 0) when the routing file is absent.
+Skips with a message (exit 0) when the routing file is absent (an explicit ``--routing`` must exist).
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--profile", default="pcie4")
     args = ap.parse_args()
     routing = find_routing(args.routing)
+    if routing is None and args.routing:
+        raise SystemExit(f"--routing {args.routing}: no such file")
     if routing is None:
         print(f"skipped: {ROUTING} not found (pass --routing PATH); this benchmark needs the real routing")
         return
