@@ -94,7 +94,6 @@ CYCLE_COLUMNS = tuple(Column(*c) for c in (
     ("predicted_union_per_layer", "list", True, "experts of the predicted union of the verified nodes, per layer"),
     ("predicted_misses_per_layer", "list", True, "predicted union experts the search saw missing, per layer"),
 ))
-COLUMN_NAMES = tuple(c.name for c in CYCLE_COLUMNS)
 # (label, predicted column, actual column) of the errors the summary reports
 ERROR_QUANTITIES = (("time", "predicted_time_s", "time_s"), ("prior_time", "prior_predicted_time_s", "time_s"),
                     ("online_time", "online_predicted_time_s", "time_s"),

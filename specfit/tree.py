@@ -105,16 +105,6 @@ class DraftTree:
         counts = np.bincount(self.parents[1:], minlength=self.n_nodes)
         return np.split(order, np.cumsum(counts)[:-1])
 
-    def ancestors_mask(self) -> np.ndarray:
-        """[n, n] bool; ``m[v, u]`` is True when u is v or an ancestor of v."""
-        n = self.n_nodes
-        m = np.zeros((n, n), dtype=bool)
-        m[0, 0] = True
-        for v in range(1, n):
-            m[v] = m[self.parents[v]]
-            m[v, v] = True
-        return m
-
     def is_ancestor_closed(self, nodes) -> bool:
         """True when ``nodes`` contains the root and every ancestor of each node it contains."""
         sel = np.zeros(self.n_nodes, dtype=bool)

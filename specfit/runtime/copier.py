@@ -97,11 +97,6 @@ class StreamCopier:
         self._bursts: list[tuple[int, int]] = []
         self._waits: list[tuple[int, int]] = []
 
-    @property
-    def n_events(self) -> int:
-        """Events made so far (markers and timers): bounded, whatever the number of passes."""
-        return len(self._markers) + len(self._timers)
-
     def compute_stream(self):
         return self.api.current_stream(self.device)
 

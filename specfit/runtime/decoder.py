@@ -104,7 +104,6 @@ class Decoder:
         if policy.max_levels > 0 and cost is None:
             raise ValueError(f"policy {policy.name!r} decides with a cost model: pass cost")
         self.model, self.proposer, self.policy, self.cost = model, proposer, policy, cost
-        self.prior_cost = cost                # the profile's model; self.cost is the one deciding
         self.online: OnlineCostModel | None = None
         if online_refit and cost is not None:
             self.online = online_refit if isinstance(online_refit, OnlineCostModel) else OnlineCostModel(cost)

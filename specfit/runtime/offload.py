@@ -93,11 +93,6 @@ class HostExperts:
         down = PinnedHostMemory.tensor_bytes((n_experts, hidden_size, intermediate_size), dtype)
         return n_layers * (page_round(gate_up) + page_round(down))
 
-    def release_pinning(self) -> None:
-        """Unlock the host pages now (the experts stay readable, pageable)."""
-        self._memory.release()
-        self.pinned = False
-
 
 @dataclass
 class OffloadCounters(LayerCounts):

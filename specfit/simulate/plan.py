@@ -147,10 +147,6 @@ class MemoryModel:
             return E
         return int(min(E - 1, (self.budget.device_bytes - self.device_bytes(0, tree)) // self.slot_bytes))
 
-    @property
-    def max_cache_experts(self) -> int:
-        return self.max_cache_experts_for(0)
-
     def to_dict(self) -> dict:
         return {"model": self.model, "device_bytes": self.budget.device_bytes, "context_tokens": self.budget.context_tokens,
                 "reserve_bytes": self.budget.reserve_bytes, "dtype": self.budget.dtype, "dense_bytes": self.dense_bytes,

@@ -23,9 +23,6 @@ from .replay import CycleLog, PreparedTrace, replay
 
 __all__ = ["Scenario", "run_sweep", "DEFAULT_POLICIES", "check_policies"]
 
-SUMMARY_KEYS = ("trace", "profile", "cache_experts", "policy")
-
-
 @dataclass(frozen=True)
 class Scenario:
     """One cost model to replay under (a preset or profile, possibly with what-if changes)."""
