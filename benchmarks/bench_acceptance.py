@@ -71,7 +71,7 @@ def top_nodes(trace, probs: np.ndarray, n: int) -> np.ndarray:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+", type=Path, help="full-tree trace files (.parquet)")
     parser.add_argument("--max-depth", type=int, default=8, help="deepest depth printed")
     args = parser.parse_args(argv)

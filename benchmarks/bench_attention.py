@@ -153,7 +153,7 @@ def drafters(device: torch.device, dtype: torch.dtype, quick: bool = False) -> d
 
 def side_by_side_args(description: str, argv: list[str] | None) -> tuple[argparse.Namespace, torch.device, torch.dtype]:
     """``--rounds`` and ``--device`` (float32 on the CPU, one thread; bfloat16 on a GPU)."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     parser.add_argument("--quick", action="store_true", help="small shapes and one round: a smoke run (the tests')")
@@ -209,7 +209,7 @@ def drafter_rows(rounds: int, gen: torch.Generator, device: torch.device, dtype:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args, device, dtype = side_by_side_args(__doc__.splitlines()[0], argv)
+    args, device, dtype = side_by_side_args(__doc__, argv)
     gen = torch.Generator().manual_seed(0)
     rows = (drafter_rows(args.rounds, gen, device, dtype, args.quick)
             + target_rows(args.rounds, gen, device, dtype, args.quick))

@@ -53,7 +53,7 @@ def router_calls(baseline: str | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", default=None, help="git revision whose router kernel to time beside this one")
     args = parser.parse_args(argv)
     from numba import njit

@@ -45,7 +45,7 @@ def pass_time_s(fn, routing) -> float:
 
 
 def main(argv=None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=60)
     parser.add_argument("--passes", type=int, default=30)
     parser.add_argument("--cache-experts", type=int, default=32)

@@ -85,7 +85,7 @@ def cycle_breakdown(cycles: list[dict], policy: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=tiny_moe_dir())
     parser.add_argument("--drafter", type=Path, default=tiny_moe_eagle3_dir())
     parser.add_argument("--prompts", type=Path, default=demo_prompts_path())

@@ -32,7 +32,7 @@ POLICIES = ["ar", "static:auto", "eagle3", "specfit"]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", type=Path, help="a specfit demo run's trace.parquet")
     parser.add_argument("--profiles", default="gh200", help="of pcie4, pcie5, gh200")
     parser.add_argument("--caches", default="0", help="experts cached per layer")

@@ -33,7 +33,7 @@ LEVELS, TOP_K = 7, 4
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", required=True, help="git revision whose TreeDraft to compare with")
     parser.add_argument("--trees", type=int, default=300, help="trees drafted by each revision")
     parser.add_argument("--busy", type=int, default=0, help="CPU-bound processes beside the benchmark")

@@ -27,7 +27,7 @@ from bench_attention import alternate, bundled_drafter, qwen3_width_drafter, sid
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args, device, dtype = side_by_side_args(__doc__.splitlines()[0], argv)
+    args, device, dtype = side_by_side_args(__doc__, argv)
     gen = torch.Generator().manual_seed(0)
     drafter = (bundled_drafter if args.quick else qwen3_width_drafter)(device, dtype)
     cached = 32 if args.quick else 256

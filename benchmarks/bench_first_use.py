@@ -79,7 +79,7 @@ def target_first_use(model, lengths: range, seed: int = 0) -> dict[str, list[flo
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--shape", default=None, help="qwen3-30b-a3b (CUDA default), tiny (CPU default), ...")
     parser.add_argument("--layers", type=int, default=4)

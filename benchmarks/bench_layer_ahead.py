@@ -156,7 +156,7 @@ def pregate_on_bundled_model(max_new_tokens: int = 96) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--traces", default="olmoe-sample,olmoe-general,olmoe-coding,qwen3-chat")
     parser.add_argument("--profiles", default="pcie4,pcie5,gh200")
     parser.add_argument("--caches", default="0,0.25,0.5", help="shares of a layer's experts")

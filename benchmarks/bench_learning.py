@@ -115,7 +115,7 @@ def time_count(module, weights: tuple, inputs) -> tuple[float, tuple]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", required=True, help="git revision to compare with")
     parser.add_argument("--cycles", type=Path, default=None, help="cycles.parquet of a bench_decode.py --out run")
     parser.add_argument("--rounds", type=int, default=6, help="alternating rounds per arm")

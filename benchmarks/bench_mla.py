@@ -67,7 +67,7 @@ def mla_rows(rounds: int, gen: torch.Generator, device: torch.device, dtype: tor
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    args, device, dtype = side_by_side_args(__doc__.splitlines()[0], argv)
+    args, device, dtype = side_by_side_args(__doc__, argv)
     rows = mla_rows(args.rounds, torch.Generator().manual_seed(0), device, dtype, args.quick)
     table = Table(title=f"one DeepSeek-V2-Lite MLA layer on {device} ({str(dtype).removeprefix('torch.')}), ms "
                         "(median of alternating rounds): every cached latent expanded vs kv_b_proj absorbed")

@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if bench_decode.run_as_arm(argv, {"old": undo_noise_fixes}):     # a child: undo the fixes if asked, run bench_decode
         return
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=4, help="new/old pairs, alternating")
     parser.add_argument("--busy", type=int, default=0, help="CPU-bound processes beside every run")
     parser.add_argument("--policies", default="ar,eagle3,specfit")

@@ -88,7 +88,7 @@ def errors(measured: np.ndarray, predicted: np.ndarray) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, help="run directories (cycles.parquet, profile.json)")
     parser.add_argument("--profile", default=None, help="the prior (default: RUN/profile.json)")
     args = parser.parse_args(argv)

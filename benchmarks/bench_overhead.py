@@ -61,7 +61,7 @@ def from_json(stdout: str) -> dict[str, tuple[float, float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", required=True, help="git revision to compare with (a worktree is made)")
     parser.add_argument("--pairs", type=int, default=3)
     parser.add_argument("--busy", type=int, default=0, help="CPU-bound processes beside every run")

@@ -434,7 +434,7 @@ def print_attribution(all_rows: list[dict]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", default="olmoe-sample,olmoe-general,olmoe-coding,qwen3-chat")
     ap.add_argument("--sequences", type=int, default=16, help="sequences per domain of the shared log")
     ap.add_argument("--workload", default="chat", help="drafter preset for the imported trees")

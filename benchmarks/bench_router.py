@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if bench_decode.run_as_arm(argv, {"none": without_bonus}):     # a child: undo the bonus if asked, run bench_decode
         return
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--policies", default="eagle3,specfit")
     args = parser.parse_args(argv)

@@ -83,7 +83,7 @@ def with_model(name: str, sequences: int):
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", default="olmoe-sample,olmoe-general,olmoe-coding,qwen3-chat")
     ap.add_argument("--sequences", type=int, default=16, help="sequences per domain of the shared log")
     ap.add_argument("--profiles", default="pcie4,pcie5,gh200")

@@ -99,7 +99,7 @@ GOAL_MS = {(64, "pcie4"): (0.35, 0.5), (64, "pcie5"): (0.35, 0.5), (64, "gh200")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trees", type=int, default=200, help="random trees per size")
     ap.add_argument("--sizes", default="16,32,64,128,256")
     ap.add_argument("--seed", type=int, default=0)

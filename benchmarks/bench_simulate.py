@@ -51,7 +51,7 @@ GOALS = {"eagle3": (20_000, 10_000), "specfit": (5_000, 2_500)}
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=str(ROOT / "traces" / "qwen3-30b-a3b-chat.parquet"))
     ap.add_argument("--repeat", type=int, default=3, help="timed replays per policy; the best is reported")
     ap.add_argument("--cache-experts", type=int, default=32)

@@ -198,7 +198,7 @@ def interrupt_check(spec_path: Path, out: Path, n_cells: int, num_cpus: int) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-cpus", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=3, help="serial / warm-Ray pairs, interleaved")
     parser.add_argument("--skip-interrupt", action="store_true")

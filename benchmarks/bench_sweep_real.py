@@ -41,7 +41,7 @@ def find_routing(given: str | None) -> Path | None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--routing", default=None, help=f"the routing file (default: {ROUTING} in ../shared/data)")
     ap.add_argument("--trace", default=str(Path(tempfile.gettempdir()) / "specfit-bench" / "olmoe-routing.parquet"),
                     help="where the imported trace is kept (imported when missing)")

@@ -85,7 +85,7 @@ class CopyMeter:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
     parser.add_argument("--shape", default=None, help="qwen3-30b-a3b (CUDA default), olmoe-1b-7b, mixtral-8x7b, tiny (CPU default)")
     parser.add_argument("--layers", type=int, default=4)
