@@ -177,7 +177,9 @@ def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels
         cost: the cycle-time model.
         draft_levels: draft levels already spent this cycle (charged to every candidate).
         start: optional ancestor-closed node set to start Dinkelbach from (e.g. the previous
-            level's answer); it changes the number of iterations, never the answer.
+            level's answer); it changes the number of iterations, not the answer, but for sets
+            whose ratios lie within a few ``TIE_REL`` of each other (float rounding decides such
+            ties, and ties within a tolerance are not transitive).
         draft_node_s: a price in seconds added per draft node (not the root), e.g. the expected
             cost of the experts a node needs that its prediction missed (see
             :func:`uncertainty_price_s`). The search ranks by ``time_s + price_s``; the selection's

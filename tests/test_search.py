@@ -162,6 +162,19 @@ def test_best_subtree_answer_does_not_depend_on_the_start_set(case, data):
     assert_selection_matches_formula(warm, case)
 
 
+def test_ties_are_trimmed_against_the_optimum_not_the_set_before():
+    """Leaves that each tie the set before them must not drift out of a tie with the optimum (ties
+    are not transitive): three free draft nodes worth 0.6e-12, 0.6e-12 and 1e-13 tokens. The best
+    ratio is all four nodes; {0, 1} is within 1e-12 of it and smallest; {0} is 1.3e-12 below."""
+    tree = DraftTree(parents=np.array([-1, 0, 0, 0]), path_probs=np.array([1.0, 0.6e-12, 0.6e-12, 1e-13]))
+    experts, cached = np.zeros((4, 1, 1), dtype=np.int64), np.ones((1, 1), dtype=bool)
+    cost = CostModel(base_s=1.0, per_node_s=0.0, hit_s=0.0, miss_s=0.0)
+    best = 1.0 + 0.6e-12 + 0.6e-12 + 1e-13
+    got = best_subtree(tree, experts, cached, cost)
+    assert got.nodes.size == 2 and best - got.expected_tokens < TIE_REL * best      # a tie, the smallest
+    assert best - 1.0 > TIE_REL * best                                            # the root alone is none
+
+
 def test_best_subtree_rejects_a_start_set_that_is_not_closed():
     tree, experts, cached, cost = _valid()
     with pytest.raises(ValueError, match="start"):

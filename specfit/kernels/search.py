@@ -142,13 +142,15 @@ def trim_ties(parents, probs, bits, cached_bits, params, draft_node_s, best, tok
     the inner problem keeps a node whose gain is a hair above zero, while ratios within
     ``TIE_REL`` are ties, which go to the smaller set. A leaf's marginal time is its per-node cost,
     its price and the experts no other selected node needs (``once & ~twice`` over the selection's
-    expert sets); leaves are dropped one at a time, each against the set it leaves."""
+    expert sets); leaves are dropped one at a time, each set checked against ``best`` itself (ties
+    are not transitive: sets that each tie the one before can drift away from the optimum)."""
     n_layers, words = cached_bits.shape
     keep = best.copy()
     n = keep.size
     once = np.empty((n_layers, words), dtype=np.uint64)
     twice = np.empty((n_layers, words), dtype=np.uint64)
     priced = time_s + draft_node_s * (n - 1)
+    best_tokens, best_priced, best_n = tokens, priced, n
     while n > 1:
         once[:] = 0
         twice[:] = 0
@@ -174,7 +176,7 @@ def trim_ties(parents, probs, bits, cached_bits, params, draft_node_s, best, tok
                     alone = bits[v, layer, w] & once[layer, w] & ~twice[layer, w]
                     marginal += params[3] * popcount(alone & cached_bits[layer, w])
                     marginal += params[4] * popcount(alone & ~cached_bits[layer, w])
-            if better(tokens - probs[v], priced - marginal, n - 1, tokens, priced, n):
+            if better(tokens - probs[v], priced - marginal, n - 1, best_tokens, best_priced, best_n):
                 dropped = i
                 tokens, priced = tokens - probs[v], priced - marginal
                 break
