@@ -357,6 +357,17 @@ def test_bad_drafter_config_is_one_error(raw, message):
         Eagle3Config.from_dict(raw, source="drafter/config.json")
 
 
+def test_a_speculators_config_is_known_by_its_model_type_or_its_architecture():
+    from specfit.runtime.eagle3_config import SPECULATORS_ARCHITECTURE, is_speculators
+
+    assert is_speculators({"speculators_model_type": "eagle3"})
+    assert is_speculators({"architectures": ["LlamaForCausalLM"], "speculators_model_type": "eagle3"})
+    assert is_speculators({"architectures": [SPECULATORS_ARCHITECTURE]})
+    assert is_speculators({"architectures": SPECULATORS_ARCHITECTURE})
+    assert not is_speculators({"architectures": ["LlamaForCausalLMEagle3"]})
+    assert not is_speculators({"architectures": 5})
+
+
 def test_feature_layers_beyond_the_target_are_refused(tmp_path, target_dir):
     from specfit.runtime.config import ModelConfig
 

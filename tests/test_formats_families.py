@@ -268,7 +268,7 @@ def test_mla_absorbed_attention_equals_the_expanded_form_and_is_chosen_for_few_q
     ({"scoring_func": "sigmoid"}, "'scoring_func' must be 'softmax'"),
     ({"moe_layer_freq": 2}, "'moe_layer_freq' must be 1"),
     ({"moe_layer_freq": "1"}, "'moe_layer_freq' must be 1, got '1'"),
-    ({"first_k_dense_replace": "1"}, "'first_k_dense_replace' must be a non-negative integer, got '1'"),
+    ({"first_k_dense_replace": "1"}, "'first_k_dense_replace' must be an integer, got '1'"),
     ({"first_k_dense_replace": -1}, "'first_k_dense_replace' must be a non-negative integer, got -1"),
     ({"num_key_value_heads": 2}, "num_key_value_heads == num_attention_heads"),
     ({"topk_method": "group_limited_greedy", "n_group": 3, "topk_group": 2}, "'n_group' \\(3\\)"),

@@ -325,10 +325,9 @@ def _moe_layers(raw: dict, source: str, family: _Family, n_layers: int, n_expert
             raise SpecFitError(f"{source}: key 'decoder_sparse_step' must be a positive integer, got {step!r}")
         layers = tuple(i for i in range(n_layers) if i not in mlp_only and (i + 1) % step == 0)
     elif family.dense_layers == "first_k":
-        first_k = raw.get("first_k_dense_replace", 0) or 0
-        if not (isinstance(first_k, int) and not isinstance(first_k, bool) and first_k >= 0):
-            raise SpecFitError(f"{source}: key 'first_k_dense_replace' must be a non-negative integer, "
-                               f"got {json_text(first_k)}")
+        first_k = config_value(raw.get("first_k_dense_replace", 0) or 0, "first_k_dense_replace", source)
+        if first_k < 0:
+            raise SpecFitError(f"{source}: key 'first_k_dense_replace' must be a non-negative integer, got {first_k}")
         if raw.get("moe_layer_freq", 1) not in (None, 1):
             # the original DeepSeek code also skips layers by moe_layer_freq; transformers ignores it
             raise SpecFitError(f"{source}: key 'moe_layer_freq' must be 1, got {json_text(raw['moe_layer_freq'])}")

@@ -164,7 +164,8 @@ class Eagle3Config:
 def is_speculators(raw: dict) -> bool:
     """vLLM speculators' layout: ``Eagle3Speculator`` or a ``speculators_model_type``."""
     architectures = raw.get("architectures") or []
-    return SPECULATORS_ARCHITECTURE in architectures if isinstance(architectures, (list, str)) else False or raw.get("speculators_model_type") is not None
+    named = isinstance(architectures, list) and SPECULATORS_ARCHITECTURE in architectures
+    return named or architectures == SPECULATORS_ARCHITECTURE or raw.get("speculators_model_type") is not None
 
 
 # ----------------------------------------------------------------- parsing

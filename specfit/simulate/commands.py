@@ -118,7 +118,8 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
         if max(cache_sizes) > slots:
             # a what-if where every expert fits (the default sizes go past a small model's experts)
             console.print(f"note: --cache-experts {max(cache_sizes)} is more than {path}'s {slots} experts "
-                          f"{'in all' if cache_mode == 'global' else 'per layer'}: replayed with every expert cached")
+                          f"{'in all' if cache_mode == 'global' else 'per layer'}: replayed with every expert cached",
+                          markup=False, highlight=False)
         with console.status(f"preparing {path} ...") if not quiet else _nothing():
             prepared.append(prepare_trace(name, trace, predictor, acceptance, model_dir=model_dir))
         shape = ModelShape.from_trace_meta(trace.model)
