@@ -51,6 +51,8 @@ def _commands(model_dir: Path, tmp: Path, out_dir: str, out_file: str) -> dict[s
         "demo --out": ["demo", "--quick", "--out", out_dir],
         "calibrate --out": ["calibrate", "--shape", "tiny", "--layers", 1, "--quick", "--out", out_file],
         "calibrate --refit --out": ["calibrate", "--refit", tmp, "--profile", "pcie4", "--out", out_file],
+        "calibrate --report": ["calibrate", "--shape", "tiny", "--layers", 1, "--quick", "--out", tmp / "p.json",
+                               "--report", out_dir],
         "traces synth --out": ["traces", "synth", "--shape", "olmoe-1b-7b", "--tokens", 16, "--out", out_file],
         "traces import-routing --out": ["traces", "import-routing", tmp / "log.npz", "--out", out_file],
         "sweep --out": ["sweep", tmp / "grid.toml", "--num-cpus", 1, "--out", out_dir],
@@ -61,7 +63,8 @@ def _commands(model_dir: Path, tmp: Path, out_dir: str, out_file: str) -> dict[s
 
 OUTPUT_OPTIONS = {   # command -> what its output option expects
     "decode --out": "dir", "decode --record": "file", "simulate --out": "dir", "report --out": "dir",
-    "demo --out": "dir", "calibrate --out": "file", "calibrate --refit --out": "file", "traces synth --out": "file",
+    "demo --out": "dir", "calibrate --out": "file", "calibrate --refit --out": "file", "calibrate --report": "dir",
+    "traces synth --out": "file",
     "traces import-routing --out": "file", "sweep --out": "dir", "plan --out": "dir"}
 # a file where a directory is expected, a directory where a file is, a parent nothing can be created in
 CASES = [(command, case) for command, kind in OUTPUT_OPTIONS.items()
@@ -243,7 +246,12 @@ def test_a_refit_onto_a_profile_of_another_shape_is_refused(model_dir, tmp_path)
                     "--cache-experts", 2, "--profile", "pcie4", "--max-new-tokens", 16, "--ignore-eos", "--out", run)
     assert result.exit_code == 0, result.output
     other = tmp_path / "other.json"
-    assert invoke("calibrate", "--shape", "tiny", "--layers", 1, "--quick", "--out", other).exit_code == 0
+    result = invoke("calibrate", "--shape", "tiny", "--layers", 1, "--quick", "--out", other, "--report", tmp_path / "rep")
+    assert result.exit_code == 0, result.output
+    # --report: the page `specfit report PROFILE` renders, written beside the profile's run
+    page = (tmp_path / "rep" / "index.html").read_text()
+    assert f"Calibration: {other}" in page and "held-out" in page
+    assert json.loads((tmp_path / "rep" / "inputs.json").read_text()) == [str(other)]
     refitted = tmp_path / "refit.json"
     one_line_error(invoke("calibrate", "--refit", run, "--profile", other, "--out", refitted), "--rescale")
     assert not refitted.exists()

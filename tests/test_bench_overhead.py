@@ -25,5 +25,7 @@ def test_the_json_and_the_run_directory_give_the_same_shares(tmp_path, monkeypat
         assert 0.0 < share < 1.0 and tokens_per_s > 0
         assert share == pytest.approx(from_files[policy][0], rel=1e-9)
         # the summary's tokens/s (over the cycles' measured time) and the records' (over the decode's
-        # wall time, which also holds the time between the cycles' measured parts) agree to ~1 %
-        assert tokens_per_s == pytest.approx(from_files[policy][1], rel=0.03)
+        # wall time, which also holds the time between the cycles' measured parts) agree to ~1 % on
+        # a quiet machine; the bound leaves room for a busy one (a rate of another quantity, the
+        # prefill's or a whole prompt's, would be off by far more)
+        assert tokens_per_s == pytest.approx(from_files[policy][1], rel=0.1)

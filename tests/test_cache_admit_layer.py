@@ -7,7 +7,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core_helpers import RefLRUCache
 from specfit import ExpertCache
 
 STATE = ("_bits", "_score", "_count", "_slots", "_n_used", "_clock")
@@ -56,24 +55,6 @@ def test_admit_layer_equals_admit_of_a_one_row_union(mode, capacity, policy):
             assert array.dtype == np.int64
         _assert_same_state(by_rows, by_layer, step)
     assert by_layer.bytes_h2d == by_rows.bytes_h2d
-
-
-@pytest.mark.parametrize("mode,capacity", [("per_layer", 2), ("per_layer", 5), ("global", 6), ("global", 13)])
-def test_admit_layer_follows_the_lru_reference(mode, capacity):
-    """The independent OrderedDict reference of the cache's rules, one layer at a time."""
-    L, E = 4, 8
-    rng = np.random.default_rng(capacity)
-    cache = ExpertCache(L, E, capacity, mode=mode)
-    ref = RefLRUCache(L, E, capacity, mode=mode)
-    for step, (layer, ids) in enumerate(_random_calls(rng, L, E, 200)):
-        union = np.zeros((L, E), dtype=bool)
-        union[layer, ids] = True
-        expected = ref.admit(union)
-        got = cache.admit_layer(layer, ids)
-        assert (got.hits, got.misses, got.streamed, got.evictions) == (
-            expected["hits"][layer], expected["misses"][layer], expected["streamed"][layer],
-            expected["evictions"].sum()), f"step {step}"
-        assert np.array_equal(cache.resident(), ref.resident()), f"step {step}"
 
 
 class RowGuard(np.ndarray):
@@ -126,11 +107,3 @@ def test_per_layer_admit_layer_touches_only_its_layer():
             for name, array in plain.items():
                 setattr(cache, name, array)
             _assert_same_state(reference, cache, step)
-
-
-def test_admit_layer_rejects_bad_layers_and_ids():
-    cache = ExpertCache(2, 4, 1)
-    with pytest.raises(ValueError, match="layer"):
-        cache.admit_layer(2, np.array([0]))
-    with pytest.raises(ValueError, match="expert_ids"):
-        cache.admit_layer(0, np.array([4]))
