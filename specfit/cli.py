@@ -15,7 +15,8 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-traces_app = typer.Typer(help="Record, synthesise, import, validate and inspect traces.", no_args_is_help=True)
+traces_app = typer.Typer(help="Synthesise, import, validate and inspect traces (`specfit decode --record` records "
+                         "them).", no_args_is_help=True)
 app.add_typer(traces_app, name="traces")
 
 

@@ -256,7 +256,9 @@ def test_a_refit_onto_a_profile_of_another_shape_is_refused(model_dir, tmp_path)
     one_line_error(invoke("calibrate", "--refit", run, "--profile", other, "--out", refitted), "--rescale")
     assert not refitted.exists()
     # a preset is built for the run's model, and --rescale maps the other profile onto it
-    assert invoke("calibrate", "--refit", run, "--profile", "pcie4", "--out", refitted).exit_code == 0
+    assert invoke("calibrate", "--refit", run, "--profile", "pcie4", "--out", refitted,
+                  "--report", tmp_path / "rep2").exit_code == 0
+    assert f"Calibration: {refitted}" in (tmp_path / "rep2" / "index.html").read_text()
     assert json.loads(refitted.read_text())["shape"]["n_experts"] == json.loads((run / "run.json").read_text())["shape"]["n_experts"]
     assert invoke("calibrate", "--refit", run, "--profile", other, "--rescale", "--out", refitted).exit_code == 0
 

@@ -35,6 +35,9 @@ def calibrate_command(
     rescale: bool = typer.Option(False, "--rescale", help="Allow a profile made for another model shape (transfer costs scaled by expert bytes)."),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = typer.Option(False, "--json", help="Print only the profile JSON on stdout."),
+    report: Optional[Path] = typer.Option(None, "--report", help="Also render the profile's HTML calibration report "
+                                          "(probes, fit, held-out errors) into this directory, as `specfit report "
+                                          "PROFILE.json` does."),
 ) -> None:
     """Measure this machine and fit the cycle-time predictor into a hardware profile."""
     from rich.console import Console
@@ -47,8 +50,10 @@ def calibrate_command(
         set_cpu_threads(threads)
         check_seed(seed)
         check_output(out, "--out", kind="file")
+        check_output(report, "--report", kind="dir")
         if refit_runs:
-            _refit(refit_runs, profile, out, rescale, seed, as_json, console)
+            path = _refit(refit_runs, profile, out, rescale, seed, as_json, console)
+            _report(path, report, as_json, console)
             return
         from ..runtime.devices import resolve_device
 
@@ -66,6 +71,7 @@ def calibrate_command(
                                            status=lambda message: bar.update(task, description=message))
         path = out or calibrate_job.default_profile_path(prof.machine, prof.shape)
         prof.save(path)
+        _report(path, report, as_json, console)
     except SpecFitError as exc:
         fail(str(exc))
     except INTERRUPTS as exc:
@@ -74,6 +80,18 @@ def calibrate_command(
         typer.echo(json.dumps(prof.to_dict(), indent=2))
         return
     _summary(prof, path, console)
+
+
+def _report(profile_path: Path, report_dir: Path | None, quiet: bool, console) -> None:
+    """The profile's calibration report (``--report``), rendered from the file just written."""
+    if report_dir is None:
+        return
+    from ..report.build import build_report
+
+    index = build_report([profile_path], report_dir, title=f"SpecFit calibration: {Path(profile_path).name}",
+                         say=console.print)
+    if not quiet:
+        console.print(f"calibration report written to {index}", markup=False, highlight=False)
 
 
 def _summary(prof, path: Path, console) -> None:
@@ -108,7 +126,7 @@ def _summary(prof, path: Path, console) -> None:
         console.print(f"[yellow]warning:[/yellow] {warning}")
 
 
-def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None:
+def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> Path:
     from rich.table import Table
 
     from .presets import resolve_profile
@@ -130,7 +148,7 @@ def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None
     new.save(path)
     if as_json:
         typer.echo(json.dumps({"profile": new.to_dict(), "comparison": comparison}, indent=2))
-        return
+        return path
     table = Table(title=f"Refit on {comparison['n_cycles']} measured cycles ({comparison['n_holdout']} held out) -> {path}")
     for col in ("", "held-out MAPE", "max abs. error (s)"):
         table.add_column(col, justify="right")
@@ -147,3 +165,4 @@ def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> None
     typer.echo(f"draft level {after['draft_level_s'] * 1e3:.3g} ms, "
                f"per node {after['per_node_s'] * 1e6:.3g} us, hit {after['hit_s'] * 1e6:.3g} us, "
                f"miss {after['miss_s'] * 1e6:.3g} us, base {after['base_s'] * 1e3:.3g} ms")
+    return path
