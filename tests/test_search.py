@@ -261,21 +261,19 @@ def test_best_subtree_with_zero_layers_or_zero_top_k():
         assert (sel.hits, sel.misses) == (0, 0)
 
 
-def test_best_subtree_when_the_root_costs_nothing_does_not_crash():
-    # valid (non-negative) costs where verifying the root alone takes zero time: its throughput is
-    # infinite; the search must either return the root alone or reject the cost model clearly
+def test_best_subtree_when_the_root_costs_nothing_rejects_the_cost_model():
+    # valid (non-negative) costs under which verifying the root alone takes zero time (nothing to
+    # divide by): one ValueError naming the cost model, from the search with or without a start set
     tree = DraftTree(parents=np.array([-1, 0]), path_probs=np.array([1.0, 0.5]))
     experts = np.zeros((2, 1, 1), dtype=np.int64)
     cached = np.ones((1, 2), dtype=bool)
     for cost in (CostModel(base_s=0.0, per_node_s=0.0, hit_s=0.0, miss_s=0.0),
                  CostModel(base_s=0.0, per_node_s=0.0, hit_s=0.0, miss_s=1.0)):
-        try:
-            sel = best_subtree(tree, experts, cached, cost)
-        except ValueError as exc:
-            assert "cost" in str(exc)
-        else:
-            assert sel.nodes.tolist() == [0]
-            assert sel.time_s == 0.0 and sel.throughput == math.inf
+        for start in (None, [0, 1]):
+            with pytest.raises(ValueError, match="cost: verifying the root alone is predicted to take 0 s"):
+                best_subtree(tree, experts, cached, cost, start=start)
+        with pytest.raises(ValueError, match="cost: verifying the root alone"):
+            greedy_subtree(tree, experts, cached, cost)
 
 
 # --------------------------------------------------------------------------- greedy baseline

@@ -21,7 +21,7 @@ from specfit.accounting import CYCLE_COLUMNS, KEY_COLUMNS
 from specfit.calibrate.calibrate_job import RUN_CYCLE_COLUMNS
 from specfit.cli import app
 from specfit.costmodel import CostModel
-from specfit.errors import Interrupted, interrupted
+from specfit.errors import Interrupted, SpecFitError, interrupted
 from specfit.experts.cache import ExpertCache
 from specfit.policies import make_policy
 from specfit.runtime.decode_job import DecodePlan, run_decode
@@ -597,7 +597,7 @@ def test_router_predictor_in_replay_routes_like_the_live_one(checkpoint, tmp_pat
     np.testing.assert_array_equal(prep.predicted_experts, live)
     assert not np.array_equal(live, RouterPredictor(model, recent_bonus=0.0).predict(
         NodeBatch(trace.token, np.full(trace.true_experts.shape, -1))))
-    with pytest.raises(Exception, match="--model"):
+    with pytest.raises(SpecFitError, match="--model"):
         prepare_trace("full", trace, predictor="router")
 
 
@@ -673,7 +673,7 @@ def test_a_predictor_fitted_on_a_recorded_trace_decodes_losslessly(checkpoint, t
 
     batch = NodeBatch(trace.token[:4], np.full((4,) + trace.true_experts.shape[1:], -1))
     assert _fitted_predictor(plan, model).predict(batch).shape == (4,) + trace.true_experts.shape[1:]
-    with pytest.raises(Exception, match="not fitted"):
+    with pytest.raises(SpecFitError, match="not fitted"):
         make_predictor("affinity").predict(batch)
 
 
