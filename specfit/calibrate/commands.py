@@ -71,11 +71,11 @@ def calibrate_command(
                                            status=lambda message: bar.update(task, description=message))
         path = out or calibrate_job.default_profile_path(prof.machine, prof.shape)
         prof.save(path)
-        _report(path, report, as_json, console)
     except SpecFitError as exc:
         fail(str(exc))
     except INTERRUPTS as exc:
         stopped_by(exc, "interrupted: no profile was written (probes are fitted only once they have all run)")
+    _report(path, report, as_json, console)
     if as_json:
         typer.echo(json.dumps(prof.to_dict(), indent=2))
         return
@@ -83,13 +83,19 @@ def calibrate_command(
 
 
 def _report(profile_path: Path, report_dir: Path | None, quiet: bool, console) -> None:
-    """The profile's calibration report (``--report``), rendered from the file just written."""
+    """The profile's calibration report (``--report``), rendered from the file just written; the
+    profile stays written whatever becomes of the report."""
     if report_dir is None:
         return
     from ..report.build import build_report
 
-    index = build_report([profile_path], report_dir, title=f"SpecFit calibration: {Path(profile_path).name}",
-                         say=console.print)
+    try:
+        index = build_report([profile_path], report_dir, title=f"SpecFit calibration: {Path(profile_path).name}",
+                             say=lambda line: console.print(line, markup=False, highlight=False))
+    except SpecFitError as exc:
+        fail(f"{exc} (the profile was written to {profile_path})")
+    except INTERRUPTS as exc:
+        stopped_by(exc, f"interrupted: the profile was written to {profile_path}; no report was written to {report_dir}")
     if not quiet:
         console.print(f"calibration report written to {index}", markup=False, highlight=False)
 
