@@ -75,6 +75,24 @@ def test_expert_slots_and_staging_are_the_offloads():
         assert capacity * memory.slot_bytes + memory.staging_bytes(capacity) == offload.device_bytes
 
 
+def test_a_model_with_dense_layers_caches_and_traces_over_its_moe_layers_only():
+    from types import SimpleNamespace
+
+    from specfit.calibrate.profile import ModelShape
+    from specfit.simulate.plan import _check_trace_matches
+
+    config = shape_config("deepseek-v2-lite")        # 27 layers, the first dense: 26 hold experts
+    assert (config.n_layers, config.n_moe_layers) == (27, 26)
+    memory = MemoryModel("deepseek-v2-lite", config, MemoryBudget(80 * GB))
+    assert memory.slot_bytes == 26 * memory.expert_bytes
+    shape = ModelShape.from_config(config, torch.bfloat16, "deepseek-v2-lite")     # what a synthesised trace holds
+    trace = SimpleNamespace(model={"n_layers": shape.n_layers, "n_experts": shape.n_experts, "top_k": shape.top_k,
+                                   "expert_bytes": shape.expert_bytes})
+    _check_trace_matches(trace, config, 2, "trace.parquet")
+    with pytest.raises(SpecFitError, match="differs from --model-shape"):
+        _check_trace_matches(SimpleNamespace(model={**trace.model, "n_layers": 27}), config, 2, "trace.parquet")
+
+
 def test_largest_cache_that_fits_by_brute_force():
     config = shape_config("olmoe-1b-7b")
     dense, E = 2 * _meta_model_params(config), config.n_experts

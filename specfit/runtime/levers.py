@@ -68,7 +68,7 @@ def observe_union(decoder, verification) -> None:
     if advisor is None:
         return
     config = decoder.model.config
-    union = np.zeros((config.n_layers, config.n_experts), dtype=bool)
+    union = np.zeros((config.n_moe_layers, config.n_experts), dtype=bool)
     layer = np.broadcast_to(np.arange(union.shape[0])[None, :, None], verification.expert_ids.shape)
     union[layer.ravel(), verification.expert_ids.astype(np.int64).ravel()] = True
     advisor.observe(union)

@@ -119,8 +119,8 @@ class MemoryModel:
 
     @property
     def slot_bytes(self) -> int:
-        """One more cached expert in every layer."""
-        return self.config.n_layers * self.expert_bytes
+        """One more cached expert in every MoE layer."""
+        return self.config.n_moe_layers * self.expert_bytes
 
     def kv_bytes(self, tree: int) -> int:
         return kv_bytes_per_token(self.config, self.budget.dtype_bytes) * (self.budget.context_tokens + tree)
@@ -219,7 +219,7 @@ def _model_config(model_shape: str | None, trace_model: dict | None):
 
 def _check_trace_matches(trace, config, dtype_bytes: int, path) -> None:
     m = trace.model
-    expected = (config.n_layers, config.n_experts, config.top_k, config.expert_params * dtype_bytes)
+    expected = (config.n_moe_layers, config.n_experts, config.top_k, config.expert_params * dtype_bytes)
     got = (m["n_layers"], m["n_experts"], m["top_k"], m["expert_bytes"])
     if expected != got:
         raise SpecFitError(f"{path}: the trace's model (layers, experts, top-k, expert bytes) {got} differs from "
