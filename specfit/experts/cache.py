@@ -104,6 +104,12 @@ class ExpertCache(LayerCounts):
         expert_bytes: bytes of one expert, for the byte counters.
     """
 
+    @staticmethod
+    def slot_limit(n_layers: int, n_experts: int, mode: str = "per_layer") -> int:
+        """The most experts a cache can hold: a layer's experts (``per_layer``, the capacity counts
+        slots per layer) or every layer's (``global``); a larger capacity is clamped to it."""
+        return n_experts if mode == "per_layer" else n_layers * n_experts
+
     def __init__(self, n_layers: int, n_experts: int, capacity: int, mode: str = "per_layer",
                  policy: str = "lru", expert_bytes: int = 0):
         if n_layers <= 0 or n_experts <= 0:
@@ -112,7 +118,7 @@ class ExpertCache(LayerCounts):
             raise ValueError(f"ExpertCache.mode: expected 'per_layer' or 'global', got {mode!r}")
         if policy not in EVICTION_POLICIES:
             raise ValueError(f"ExpertCache.policy: expected one of {EVICTION_POLICIES}, got {policy!r}")
-        limit = n_experts if mode == "per_layer" else n_layers * n_experts
+        limit = self.slot_limit(n_layers, n_experts, mode)
         if not 0 <= int(capacity):
             raise ValueError(f"ExpertCache.capacity: expected a non-negative number of experts, got {capacity}")
         self.n_layers, self.n_experts = int(n_layers), int(n_experts)
@@ -179,8 +185,7 @@ class ExpertCache(LayerCounts):
     @property
     def capacity_share(self) -> float:
         """The share of the experts that can be resident at once (per layer or overall)."""
-        limit = self.n_experts if self.mode == "per_layer" else self.n_layers * self.n_experts
-        return self.capacity / limit
+        return self.capacity / self.slot_limit(self.n_layers, self.n_experts, self.mode)
 
     @property
     def bytes_h2d(self) -> int:

@@ -92,14 +92,16 @@ class DecodePlan:
         policies = []
         for spec in self.policies:
             try:
-                make_policy(spec, max_levels=max(self.max_levels, 1))
-            except ValueError as exc:
-                raise SpecFitError(f"--policy: {exc}") from None
-            try:                        # a policy that drafts needs a level: the option is what is wrong
                 policies.append(make_policy(spec, max_levels=self.max_levels))
-            except ValueError:
-                raise SpecFitError(f"--max-levels: expected >= 1 draft levels for --policy {spec}, "
-                                   f"got {self.max_levels}") from None
+            except ValueError as exc:
+                message = f"--policy: {exc}"
+                if self.max_levels < 1:
+                    try:                # a spec that builds with a level: --max-levels is what is wrong
+                        make_policy(spec, max_levels=1)
+                        message = f"--max-levels: expected >= 1 draft levels for --policy {spec}, got {self.max_levels}"
+                    except ValueError:
+                        pass
+                raise SpecFitError(message) from None
         for p in policies:
             if p.needs_truth:
                 raise SpecFitError(f"--policy {p.name}: knows the target's verdicts in advance, which only a recorded "
@@ -204,7 +206,9 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     dtype = plan.dtype or ("bfloat16" if device.type == "cuda" else "float32")
 
     config = ModelConfig.from_dir(plan.model_dir)
-    slots = config.n_experts * (config.n_moe_layers if plan.cache_mode == "global" else 1)
+    from ..experts.cache import ExpertCache
+
+    slots = ExpertCache.slot_limit(config.n_moe_layers, config.n_experts, plan.cache_mode)
     if plan.cache_experts > slots:
         where = "in all, as --cache-mode global counts them" if plan.cache_mode == "global" else "per MoE layer"
         raise SpecFitError(f"--cache-experts: expected 0..{slots} ({plan.model_dir} has {slots} experts {where}), "

@@ -98,6 +98,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..calibrate.profile import ModelShape
+    from ..experts.cache import ExpertCache
     from ..traces.format import read_trace
     from .prepared import check_position_indexed
     from .replay import prepare_trace
@@ -114,7 +115,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     for path, name in zip(trace_paths, names):
         trace = read_trace(path)
         check_position_indexed(trace, str(path))     # named by its file (prepare knows its label only)
-        slots = trace.n_experts * (trace.n_layers if cache_mode == "global" else 1)
+        slots = ExpertCache.slot_limit(trace.n_layers, trace.n_experts, cache_mode)
         if max(cache_sizes) > slots:
             # a what-if where every expert fits (the default sizes go past a small model's experts)
             console.print(f"note: --cache-experts {max(cache_sizes)} is more than {path}'s {slots} experts "
