@@ -217,6 +217,7 @@ def test_cli_table_and_bad_input(tmp_path):
     for args, message in [
         (["--policies", "ar,warp"], "--policies"),
         (["--cache-experts", "a,b"], "--cache-experts"),
+        (["--cache-experts", "0,,4"], "--cache-experts: an empty entry"),
         (["--profile", "nosuch"], "--profile"),
         (["--predictor", "psychic"], "--predictor"),
         (["--cost", "base_s=x"], "--cost: base_s must be a number"),

@@ -83,8 +83,11 @@ def _distinct(option: str, values: list) -> list:
 
 
 def _parse_sizes(text: str) -> list[int]:
+    fields = [v.strip() for v in text.split(",")]
+    if len(fields) > 1 and not all(fields):
+        raise SpecFitError(f"--cache-experts: an empty entry in {text!r}; expected comma-separated non-negative integers")
     try:
-        sizes = [int(v) for v in _split([text])]
+        sizes = [int(v) for v in fields if v]
     except ValueError:
         raise SpecFitError(f"--cache-experts: expected comma-separated non-negative integers, got {text!r}") from None
     if not sizes or min(sizes) < 0:
