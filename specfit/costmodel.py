@@ -92,6 +92,12 @@ class CostModel:
                 raise ValueError(f"CostModel.{f.name}: expected a finite non-negative number, got {value!r}")
             setattr(self, f.name, int(value) if f.name == "expert_bytes" else float(value))
 
+    def bytes_per_miss(self, traced_expert_bytes: int) -> int:
+        """The bytes one miss moves under this model: its own expert size, which its miss time
+        was priced for (a replay at another model's scale, e.g. the demo's Qwen3-30B-A3B what-ifs
+        of the tiny model's trace), or the traced model's when it carries none."""
+        return self.expert_bytes or int(traced_expert_bytes)
+
     # ---------------------------------------------------------------- parameters
     @property
     def params(self) -> np.ndarray:

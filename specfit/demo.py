@@ -181,7 +181,7 @@ def run_demo(plan: DemoPlan, say=print, progress=None) -> dict:
     timings["simulate_s"] = time.perf_counter() - started
 
     say("4/4 writing the report")
-    index = build_report([out / "decode", sim_dir, profile_path], out, title="SpecFit demo: the bundled tiny MoE")
+    index = build_report([out], out, title="SpecFit demo: the bundled tiny MoE")
     return {"report": index, "decode": decoded, "summary": summary, "profile": profile, "timings": timings,
             "outputs_identical": decoded.outputs_identical}
 

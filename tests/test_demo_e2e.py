@@ -46,6 +46,17 @@ def test_demo_quick_writes_the_report_with_identical_outputs(tmp_path):
     assert (summary.loc[summary["policy"] == "oracle", "tokens"] == summary.loc[summary["policy"] == "ar", "tokens"].iloc[0]).all()
     # printed to a pipe (as in a CI log), every what-if cell keeps its whole speed-up: none cut to "(1.37…"
     assert len(re.findall(r"\(\d+\.\d\dx\)", output)) == len(summary)
+    # the what-ifs charge Qwen3-30B-A3B-sized misses, and count their bytes at that size too
+    from specfit.calibrate.presets import QWEN3_30B_A3B
+    sim_cycles = pd.read_parquet(tmp_path / "simulate" / "cycles.parquet")
+    moved = (sim_cycles["misses"] + sim_cycles["prefetched"]) * QWEN3_30B_A3B.expert_bytes
+    assert (sim_cycles["bytes_h2d"] == moved).all() and moved.sum() > 0
+    # `specfit report` on the demo's directory renders the page the demo wrote
+    run("report", tmp_path, "--out", tmp_path / "again")
+    again = (tmp_path / "again" / "index.html").read_text()
+    for section in ("Live decoding", "Simulation", "Calibration", "Early stopping"):
+        assert section in again
+    assert again.count("<table") == text.count("<table")
 
 
 def test_calibrate_decode_refit_loop(tmp_path):

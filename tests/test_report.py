@@ -263,3 +263,13 @@ def _refused(run: Path, needle: str, tmp_path: Path) -> None:
     out = tmp_path / f"report-{run.name}"
     one_line_error(invoke("report", run, "--out", out), str(run), needle)
     assert not out.exists()
+
+
+def test_a_demo_directory_without_its_parts_is_refused(tmp_path):
+    # a demo stopped before its first step: its run.json and nothing the report reads
+    from specfit.runinfo import write_run_info
+
+    demo = tmp_path / "demo"
+    demo.mkdir()
+    write_run_info(demo, "demo")
+    _refused(demo, "a `specfit demo` directory without its decode/", tmp_path)

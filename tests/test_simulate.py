@@ -46,6 +46,22 @@ def test_hand_trace_ar():
     assert log.committed[0].tolist() == [11, 12, 13]
 
 
+def test_a_replay_counts_bytes_at_the_expert_size_its_cost_model_charges():
+    # the demo replays the tiny model's trace with Qwen3-sized misses: each miss moves the cost
+    # model's expert, not the traced one; a cost model without a size falls back to the trace's
+    trace = hand_trace()
+    prep = prepare("hand", trace, trace.true_experts)
+    for cost_bytes, expected in ((50_000, 50_000), (0, trace.expert_bytes)):
+        cache = ExpertCache(1, 4, capacity=1, expert_bytes=trace.expert_bytes)
+        log = replay(prep, make_policy("ar"), cache, HAND_COST.replace(expert_bytes=cost_bytes))
+        assert log.columns["misses"].tolist() == [1, 1, 1]
+        assert log.columns["bytes_h2d"].tolist() == [expected] * 3
+    scenario = Scenario("big experts", HAND_COST.replace(expert_bytes=50_000))
+    cycles, summary = run_sweep([prep], ["ar"], [1], [scenario])
+    assert cycles["bytes_h2d"].tolist() == [50_000] * 3
+    assert summary["bytes_per_token"].tolist() == [50_000]
+
+
 def test_hand_trace_chain1():
     # position 0: root + A, both accepted (11), bonus 12 -> 2 tokens; e0 and e1 miss;
     #   time 0.2 (1 level) + 1 + 0.2 (2 nodes) + 2 * 0.5 = 2.4; the one slot keeps e0 (lowest id)

@@ -64,6 +64,21 @@ def classify(path: Path) -> list[str]:
     return kinds
 
 
+def demo_parts(path: Path) -> list[Path]:
+    """The inputs a ``specfit demo`` directory's report is built from (its decode, its simulation,
+    its profile), in the demo's order; any other path as it is."""
+    info = read_run_info(path) if path.is_dir() else None
+    kind = (info or {}).get("kind")
+    if not (isinstance(kind, str) and kind.split()[:1] == ["demo"]):
+        return [path]
+    parts = [path / "decode", path / "simulate", path / "profile.json"]
+    found = [p for p in parts if p.exists()]
+    if not found:
+        raise SpecFitError(f"{path}: a `specfit demo` directory without its decode/, simulate/ or profile.json (the "
+                           "run was interrupted before its first step ended); run the demo again")
+    return found
+
+
 def _measured(cycles: Path) -> bool:
     """Whether a cycle table holds measured cycles (a decode's) rather than replayed ones; True
     when there is no table or it cannot be read (the live section then says what is wrong)."""
@@ -132,7 +147,7 @@ def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report
     page.heading("What was run")
     runs = []
     plan = []
-    for path in map(Path, inputs):
+    for path in [part for given in map(Path, inputs) for part in demo_parts(given)]:
         kinds = classify(path)
         plan.append((path, kinds))
         info = read_run_info(path) if path.is_dir() else None

@@ -159,8 +159,9 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
     cols["charged_time_s"] = cost.predict_counts(cols["draft_levels"], cols["nodes_verified"], cols["hits"],
                                                  cols["misses"])
     cols["prefetched"] = prefetched[:rows]
-    # the traced model's experts: the misses and the prefetched copies (whose link time was idle)
-    cols["bytes_h2d"] = (cols["misses"] + cols["prefetched"]) * trace.expert_bytes
+    # the misses and the prefetched copies (whose link time was idle), each an expert of the size
+    # the cost model charges a miss for
+    cols["bytes_h2d"] = (cols["misses"] + cols["prefetched"]) * cost.bytes_per_miss(trace.expert_bytes)
     committed = np.split(tokens_out[:int(per_sequence.sum())], np.cumsum(per_sequence)[:-1])
     return CycleLog(columns=cols, committed=committed, unions=unions)
 

@@ -97,7 +97,7 @@ def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: l
                     else:
                         log = _run(prep, policy, capacity, scenario.cost, cache_mode, cache_policy)
                     keys = {"trace": prep.name, "profile": scenario.label, "cache_experts": capacity, "policy": spec}
-                    frame = replay_frame(log.columns, prep.trace.expert_bytes)
+                    frame = replay_frame(log.columns, scenario.cost.bytes_per_miss(prep.trace.expert_bytes))
                     frame.insert(2, "cycle", np.arange(len(frame)))
                     for name, value in reversed(keys.items()):
                         frame.insert(0, name, value)
