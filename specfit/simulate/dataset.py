@@ -5,6 +5,7 @@ Layout of a sweep directory:
     sweep.json              the spec and every cell of the grid (ids and parameters), in grid order
     run.json                the command that ran it (see :mod:`specfit.runinfo`)
     results/part-*.parquet  one row per finished cell: the replay summary plus the cell's parameters
+                            (the speed-ups vs ``ar`` / ``eagle3``: :func:`read_results` computes them)
     .lock                   held while a sweep writes here (a second one is refused)
 
 Every file appears whole or not at all (:func:`specfit.io.atomic_write`): a part is written to a
@@ -31,6 +32,7 @@ __all__ = ["SWEEP_FILE", "RESULTS_DIR", "is_sweep_dir", "locked", "remove_stale_
 
 SWEEP_FILE = "sweep.json"
 RESULTS_DIR = "results"
+_SPEEDUPS = ("speedup_vs_ar", "speedup_vs_eagle3")
 # what identifies a baseline row's group: every cell parameter but the policy
 _GROUP_COLUMNS = ("trace", "source", "drafter", "profile", "profile_source", "h2d_scale", "cost_overrides", "rescale",
                   "cache_experts", "cache_mode", "cache_policy", "predictor", "acceptance", "max_levels",
@@ -88,9 +90,9 @@ def write_part(out_dir: Path, rows: list[dict]) -> Path:
     frame = pd.DataFrame(rows)
     if "static_n" in frame:
         frame["static_n"] = pd.array([None if pd.isna(v) else int(v) for v in frame["static_n"]], dtype="Int64")
-    for col in ("speedup_vs_ar", "speedup_vs_eagle3"):
-        if col in frame:
-            frame[col] = pd.to_numeric(frame[col], errors="coerce").astype(float)
+    # a speed-up needs its baseline's cell, which another chunk may hold: the dataset computes it
+    # when it is read (read_results), and a part stores no column of empty speed-ups
+    frame = frame.drop(columns=[c for c in _SPEEDUPS if c in frame])
     name = hashlib.sha256(",".join(frame["cell_id"]).encode()).hexdigest()[:16]
     path = Path(out_dir) / RESULTS_DIR / f"part-{name}.parquet"
     return atomic_write(path, lambda tmp: frame.to_parquet(tmp, index=False))
