@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import json
+import math
 import os
 import signal
 import tempfile
@@ -16,7 +17,7 @@ from typing import Callable
 
 from .errors import Interrupted, SpecFitError, note_stop_signal, sigterm_stops
 
-__all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "write_jsonl_atomic", "check_output",
+__all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "strict_json", "write_jsonl_atomic", "check_output",
            "remove_stale_temporaries", "read_json_object", "json_text", "deferred_interrupt"]
 
 
@@ -138,12 +139,25 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
     return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
 
 
+def strict_json(obj):
+    """``obj`` with every NaN or infinite float as None: JSON has no such numbers, and Python's
+    ``NaN`` / ``Infinity`` extension is refused by other readers (JavaScript's ``JSON.parse``, jq).
+    A reader of specfit's files takes null as "no value" where a number is expected."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
 def write_json_atomic(path: str | Path, obj, indent: int = 2) -> Path:
-    return write_text_atomic(path, json.dumps(obj, indent=indent, sort_keys=False) + "\n")
+    return write_text_atomic(path, json.dumps(strict_json(obj), indent=indent, sort_keys=False, allow_nan=False) + "\n")
 
 
 def write_jsonl_atomic(path: str | Path, records) -> Path:
-    return write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in records))
+    return write_text_atomic(path, "".join(json.dumps(strict_json(r), allow_nan=False) + "\n" for r in records))
 
 
 @contextlib.contextmanager

@@ -77,6 +77,13 @@ def test_decode_counters_add_up(model_dirs):
     assert result.offload.total_hits + result.offload.total_misses > 0
     record = result.to_dict()
     assert record["hit_rate"] == pytest.approx(record["hits"] / (record["hits"] + record["misses"]))
+    # the decode_ fields are the cycles' alone: the prompt's pass is in the totals only
+    hits, misses = (sum(getattr(c.offload, f"total_{n}") for c in result.cycles) for n in ("hits", "misses"))
+    assert (record["decode_hits"], record["decode_misses"]) == (hits, misses)
+    assert record["decode_hit_rate"] == pytest.approx(hits / (hits + misses))
+    assert record["hits"] == hits + result.prefill_offload.total_hits
+    assert record["misses"] == misses + result.prefill_offload.total_misses
+    assert record["bytes_h2d"] == result.offload.total_bytes_h2d == record["misses"] * model.offload.host.expert_bytes
     assert record["tokens_per_s"] > 0
 
 

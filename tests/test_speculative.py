@@ -281,6 +281,13 @@ def test_levers_keep_greedy_output_and_prefetched_experts_are_the_right_weights(
             row = live_row(stats, cost, model.offload.host.expert_bytes)
             assert row["bytes_h2d"] == (row["misses"] + row["prefetched"]) * model.offload.host.expert_bytes
             assert stats.draft.prefetch_wait_s <= stats.verify_time_s + 1e-9
+        # a prompt's record counts every copy: its prompt pass, its cycles' passes, its prefetches
+        expert_bytes = model.offload.host.expert_bytes
+        for r in results:
+            record = r.to_dict()
+            copied = sum(c.offload.total_misses + c.draft.prefetched for c in r.cycles) * expert_bytes
+            assert record["decode_bytes_h2d"] == copied
+            assert record["bytes_h2d"] == copied + r.prefill_offload.total_misses * expert_bytes
 
 
 def test_the_decoder_reports_what_each_cycle_revealed(checkpoints):

@@ -25,7 +25,7 @@ from specfit.errors import Interrupted, SpecFitError, interrupted
 from specfit.experts.cache import ExpertCache
 from specfit.policies import make_policy
 from specfit.runtime.decode_job import DecodePlan, run_decode
-from specfit.runtime.run_dir import read_decode_cycles
+from specfit.runtime.run_dir import read_decode_cycles, read_decode_summaries
 from specfit.simulate.replay import prepare, replay
 from specfit.traces.format import read_trace
 
@@ -76,8 +76,11 @@ def test_several_policies_decode_identically_and_write_measured_vs_predicted(che
     eagle = cycles[cycles.policy == "eagle3:12:4"]
     assert eagle["committed_tokens"].mean() > 1.5 and (eagle["draft_levels"] == 4).mean() > 0.5
     assert np.all(cycles["predicted_time_s"] > 0)
-    summary = json.loads((out / "summary.json").read_text())
+    # strict JSON (no NaN / Infinity, which JavaScript's and jq's parsers refuse): no value is null
+    summary = json.loads((out / "summary.json").read_text(), parse_constant=lambda c: pytest.fail(f"{c} in summary.json"))
     assert [s["policy"] for s in summary] == ["ar", "eagle3:12:4", "specfit"]
+    assert summary[0]["prediction_precision"] is None            # ar predicts no experts
+    assert np.isnan(read_decode_summaries(out)[0]["prediction_precision"])
     assert summary[1]["tokens_per_cycle"] == pytest.approx(eagle["committed_tokens"].mean())
 
     # each policy decided with the model refitted on its own cycles; the profile's prediction is kept

@@ -170,12 +170,13 @@ def _print_summary(run, out: Path | None) -> None:
 
     console = table_console()
     records = run.records
-    table = Table(title=f"specfit decode: per prompt ({len(records)} runs)")
+    table = Table(title=f"specfit decode: per prompt ({len(records)} runs); tokens/s, MB H2D and hit rate over the "
+                        f"decode cycles (the prompt's pass is in decode.jsonl's bytes_h2d, hits and misses)")
     for name in ("policy", "prompt", "prompt tokens", "new tokens", "tokens/s", "MB H2D", "hit rate", "stop"):
         table.add_column(name, justify="left" if name in ("policy", "prompt", "stop") else "right")
     for r in records[:_MAX_TABLE_ROWS]:
         table.add_row(r["policy"], str(r["index"]), str(r["prompt_tokens"]), str(r["n_new_tokens"]),
-                      f"{r['tokens_per_s']:.1f}", f"{r['bytes_h2d'] / 1e6:.2f}", f"{r['hit_rate']:.3f}", r["stop_reason"])
+                      f"{r['tokens_per_s']:.1f}", f"{r['decode_bytes_h2d'] / 1e6:.2f}", f"{r['decode_hit_rate']:.3f}", r["stop_reason"])
     if len(records) > _MAX_TABLE_ROWS:
         table.add_row("...", "", "", "", "", "", "", "")
     console.print(table)

@@ -109,8 +109,9 @@ class CycleStats:
 
 @dataclass
 class DecodeResult:
-    """One prompt's generation. Counters cover every target pass, prefill included;
-    ``decode_bytes_h2d`` only the passes after the prefill."""
+    """One prompt's generation. ``offload`` counts every target pass, the prompt's included;
+    ``prefill_offload`` the prompt's pass alone; ``decode_bytes_h2d`` the decode cycles' copies
+    (their passes' and the prefetched experts')."""
 
     prompt_ids: list[int]
     output_ids: list[int]
@@ -120,6 +121,7 @@ class DecodeResult:
     n_cycles: int
     offload: OffloadCounters
     decode_bytes_h2d: int
+    prefill_offload: OffloadCounters
     cycle_tokens: list[int] = field(default_factory=list)   # tokens each decode cycle added to the output
     cycles: list[CycleStats] = field(default_factory=list)
 
@@ -129,7 +131,17 @@ class DecodeResult:
         committed = sum(self.cycle_tokens)
         return committed / self.decode_time_s if self.decode_time_s > 0 else 0.0
 
+    @property
+    def decode_offload(self) -> OffloadCounters:
+        """The decode cycles' passes: every pass less the prompt's."""
+        names = ("hits", "misses", "streamed", "evictions", "bytes_h2d")
+        return OffloadCounters(*(getattr(self.offload, n) - getattr(self.prefill_offload, n) for n in names))
+
     def to_dict(self) -> dict:
+        """The run's ``decode.jsonl`` record. ``bytes_h2d``, ``hits``, ``misses`` and ``hit_rate``
+        cover the prompt's pass and the decode cycles (``bytes_h2d`` with the prefetched
+        experts); the ``decode_`` fields and ``tokens_per_s`` the decode cycles alone."""
+        decode = self.decode_offload
         return {
             "prompt_tokens": len(self.prompt_ids),
             "output_ids": list(self.output_ids),
@@ -140,9 +152,12 @@ class DecodeResult:
             "decode_tokens": sum(self.cycle_tokens),
             "tokens_per_s": self.tokens_per_s,
             "n_cycles": self.n_cycles,
-            "bytes_h2d": self.offload.total_bytes_h2d,
+            "bytes_h2d": self.prefill_offload.total_bytes_h2d + self.decode_bytes_h2d,
             "decode_bytes_h2d": self.decode_bytes_h2d,
             "hits": self.offload.total_hits,
             "misses": self.offload.total_misses,
             "hit_rate": self.offload.hit_rate,
+            "decode_hits": decode.total_hits,
+            "decode_misses": decode.total_misses,
+            "decode_hit_rate": decode.hit_rate,
         }

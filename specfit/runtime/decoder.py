@@ -212,8 +212,8 @@ class Decoder:
         decode_time_s = now() - start
         return DecodeResult(prompt_ids=prompt_ids, output_ids=output, stop_reason=stop_reason,
                             prefill_time_s=prefill_time_s, decode_time_s=decode_time_s, n_cycles=len(cycle_tokens),
-                            offload=totals, decode_bytes_h2d=decode_bytes_h2d, cycle_tokens=cycle_tokens,
-                            cycles=cycles)
+                            offload=totals, decode_bytes_h2d=decode_bytes_h2d, prefill_offload=prefill.offload,
+                            cycle_tokens=cycle_tokens, cycles=cycles)
 
     def prefill(self, prompt_ids: list[int], max_new_tokens: int = 0):
         """Run the prompt; return the first generated token and the pass's output. The prompt's
