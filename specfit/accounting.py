@@ -58,7 +58,7 @@ CYCLE_COLUMNS = tuple(Column(*c) for c in (
     ("prior_predicted_time_s", "float", False, "the profile's (the prior's) time for the same selection"),
     ("online_predicted_time_s", "float", True, "the online-refitted model's time for the selection (empty when frozen)"),
     ("charged_time_s", "float", False, "the cost model's time for what happened (the true union's hits and misses)"),
-    ("measured_time_s", "float", True, "wall-clock time of the cycle (draft + verify)"),
+    ("measured_time_s", "float", True, "wall-clock time of the cycle: draft + verify + learn"),
     ("union_size", "int", False, "experts of the verified nodes' true union, summed over layers"),
     ("predicted_union_size", "int", False, "experts of the predicted union of the verified nodes"),
     ("union_overlap", "int", False, "experts in both unions"),
@@ -104,8 +104,10 @@ ERROR_QUANTITIES = (("time", "predicted_time_s", "time_s"), ("prior_time", "prio
 
 def prediction_errors(predicted, actual) -> dict:
     """``n``, ``mape``, ``median_ape``, ``max_ape``, ``bias`` and ``max_abs_err`` of predictions
-    against what happened, over the cycles where both are finite and the actual value is positive
-    (a cycle that moved no bytes has no relative error)."""
+    against what happened, over the cycles where both are finite. The relative errors (``n``,
+    ``mape``, ``median_ape``, ``max_ape``) skip the cycles whose actual value is 0 (a cycle that
+    moved no bytes has no relative error); ``bias`` is sum(predicted) / sum(actual) - 1 and
+    ``max_abs_err`` the largest absolute error over every such cycle."""
     p = np.asarray(predicted, dtype=np.float64)
     a = np.asarray(actual, dtype=np.float64)
     ok = np.isfinite(p) & np.isfinite(a)

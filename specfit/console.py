@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["table_console", "PIPE_WIDTH"]
+__all__ = ["table_console", "PIPE_WIDTH", "speedup_text"]
 
 # rich lays a pipe or a file out at 80 columns: a table of ten numeric columns then cuts its numbers
 # short ("(1.37…"); a terminal keeps its own width
@@ -16,3 +16,15 @@ def table_console():
 
     console = Console()
     return console if console.is_terminal else Console(width=PIPE_WIDTH)
+
+
+def speedup_text(value, missing: str = "-") -> str:
+    """A speed-up as a table shows it: ``1.37x``, with a third decimal where two would round a
+    loss or a gain to ``1.00x`` (``0.999x``), and ``missing`` where there is none (NaN, None:
+    its baseline was not among the policies)."""
+    import math
+
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return missing
+    text = f"{value:.2f}x"
+    return f"{value:.3f}x" if text == "1.00x" and value != 1.0 else text

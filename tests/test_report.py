@@ -1,5 +1,6 @@
 """HTML reports: built from real simulate / calibrate outputs, escaped, and rendered in Chromium."""
 
+import copy
 import html
 import json
 import re
@@ -273,3 +274,27 @@ def test_a_demo_directory_without_its_parts_is_refused(tmp_path):
     demo.mkdir()
     write_run_info(demo, "demo")
     _refused(demo, "a `specfit demo` directory without its decode/", tmp_path)
+
+
+def test_static_auto_labels_name_the_tree_size_of_every_cache_size():
+    # the bars of each cache size are grouped under one label: it names each size's own N
+    from specfit.report.simulation import _label
+
+    assert _label([pd.Series({"static_n": 16}), pd.Series({"static_n": 6})]) == "static:auto (N=16/6)"
+    assert _label([pd.Series({"static_n": 6}), pd.Series({"static_n": 6})]) == "static:auto (N=6)"
+    assert _label([pd.Series({"static_n": float("nan")})]) == "static:auto"
+
+
+def test_a_refitted_profile_says_its_held_out_error_is_over_decode_cycles(profile_path, tmp_path):
+    from specfit.calibrate.profile import load_profile
+
+    profile = load_profile(profile_path)
+    profile.fit = {**profile.fit, "holdout": {"n": 7, "mape": 0.05, "max_ape": 0.2}}
+    refitted = copy.deepcopy(profile)
+    held = refitted.fit["holdout"]
+    refitted.fit["refit"] = {"n_cycles": 30, "n_holdout": 7, "before": held, "after": held,
+                             "before_params": profile.cost.to_dict(), "after_params": profile.cost.to_dict()}
+    for prof, unit in ((profile, "over 7 passes"), (refitted, "over 7 decode cycles")):
+        path = prof.save(tmp_path / f"{unit.split()[-1]}.json")
+        index = build_report([path], tmp_path / f"report-{unit.split()[-1]}")
+        assert unit in index.read_text()

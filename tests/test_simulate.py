@@ -380,3 +380,10 @@ def test_a_noisy_oracle_at_full_precision_replays_as_the_true_experts_and_a_wors
     log = replay(half, make_policy("specfit+cache+prefetch"), ExpertCache(48, 128, 32), scenarios[0].cost)
     for got, want in zip(log.committed, half.reference):
         np.testing.assert_array_equal(got, want)
+
+
+def test_a_speedup_that_rounds_to_one_keeps_its_sign():
+    from specfit.console import speedup_text
+
+    assert [speedup_text(v) for v in (1.374, 0.9989, 1.0041, 1.0, 0.995)] == ["1.37x", "0.999x", "1.004x", "1.00x", "0.99x"]
+    assert speedup_text(float("nan")) == "-" and speedup_text(None, "–") == "–"

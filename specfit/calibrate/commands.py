@@ -104,6 +104,7 @@ def _summary(prof, path: Path, console) -> None:
     from rich.table import Table
 
     from ..console import table_console
+    from .profile import held_out_unit
     from .repeat import rounds_text
 
     fit = prof.fit
@@ -116,7 +117,7 @@ def _summary(prof, path: Path, console) -> None:
     table.add_row("H2D bandwidth (GB/s)", f"{h2d.get('gbps', float('nan')):.3g}")
     table.add_row("H2D overhead per copy (s)", f"{h2d.get('overhead_s', float('nan')):.3g}")
     held = fit.get("holdout") or {}
-    table.add_row("held-out cycle MAPE", f"{held.get('mape', float('nan')):.1%} over {held.get('n', 0)} passes")
+    table.add_row("held-out cycle MAPE", f"{held.get('mape', float('nan')):.1%} over {held.get('n', 0)} {held_out_unit(fit)}")
     table.add_row("held-out max error (s)", f"{held.get('max_abs_err', held.get('max_abs_err_s', float('nan'))):.3g}")
     table.add_row("probe time (s)", f"{fit.get('seconds', 0):.1f}")
     noise = fit.get("probe_noise") or {}

@@ -20,7 +20,7 @@ from ..costmodel import CostModel
 from ..errors import SpecFitError
 from ..io import json_text, write_json_atomic
 
-__all__ = ["ModelShape", "Profile", "PROFILE_VERSION", "machine_info", "load_profile"]
+__all__ = ["ModelShape", "Profile", "PROFILE_VERSION", "machine_info", "load_profile", "held_out_unit"]
 
 PROFILE_VERSION = 1
 KINDS = ("measured", "refit", "preset")
@@ -214,6 +214,12 @@ def _field(d: dict, key: str, kind: type, expected: str, source: str, default):
 
 
 # the entries of 'fit' and 'probes' that the summaries and the report read, and what each holds
+def held_out_unit(fit: dict) -> str:
+    """What a profile's held-out error is over: the probes' passes, or the decode cycles a
+    ``calibrate --refit`` (and the demo's warm-up) fitted it on."""
+    return "decode cycles" if fit.get("refit") else "passes"
+
+
 FIT_OBJECTS = ("holdout", "h2d", "h2d_pageable", "probe_noise", "held", "refit")
 FIT_NULLABLE = ("h2d_pageable",)                                     # null: no pageable copies measured (CPU)
 FIT_LISTS = ("fitted", "warnings")

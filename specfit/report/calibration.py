@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from ..calibrate.profile import Profile
+from ..calibrate.profile import Profile, held_out_unit
 from ..calibrate.repeat import rounds_text
 from .html import Page
 from .plots import identity_scatter, new_axes
@@ -25,7 +25,7 @@ def calibration_section(page: Page, profile: Profile, name: str) -> None:
         "model shape": f"{profile.shape.name}: {profile.shape.n_layers} layers, {profile.shape.n_experts} experts, "
                        f"top-{profile.shape.top_k}, {profile.shape.expert_bytes:,} B per expert",
         "held-out cycle-time error": f"MAPE {held.get('mape', float('nan')):.1%}, max {held.get('max_ape', float('nan')):.1%} "
-                                     f"over {held.get('n', 0)} passes" if held else "not measured",
+                                     f"over {held.get('n', 0)} {held_out_unit(fit)}" if held else "not measured",
         "created": profile.created,
     })
     if profile.kind == "preset":

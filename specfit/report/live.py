@@ -30,7 +30,7 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
     if cycles["predicted_time_s"].notna().any():
         fig = identity_scatter(cycles["measured_time_s"] * 1e3, cycles["predicted_time_s"] * 1e3, "measured cycle (ms)",
                                "predicted cycle (ms)", groups=cycles["policy"])
-        page.figure(fig, "Predicted vs measured cycle time (draft + verify), with the identity line.")
+        page.figure(fig, "Predicted vs measured cycle time (draft + verify + learn), with the identity line.")
 
     fig, ax = new_axes(7.5, 3.4)
     for policy in policies:
@@ -115,7 +115,7 @@ def _per_policy(cycles: pd.DataFrame) -> pd.DataFrame:
                      "time bias": s["time_bias"],
                      # the cycles whose thread waited for a CPU (another process had it) and the
                      # time error over the others (CPU runs with one thread; empty elsewhere)
-                     "cycles waited for CPU": s["waited_cycles"], "time MAPE, others": s["running_time_mape"],
+                     "share of cycles that waited for CPU": s["waited_cycles"], "time MAPE, others": s["running_time_mape"],
                      "bytes MAPE": s["bytes_mape"],
                      "union MAPE": s["union_mape"], "union/layer MAPE": s.get("union_layer_mape", np.nan),
                      "charged = moved bytes": _charged_matches(g), "draft levels": s["draft_levels_per_cycle"],
@@ -222,7 +222,8 @@ def _stopping(page: Page, cycles: pd.DataFrame) -> None:
         "mean draft levels (specfit / eagle3)": f"{s['draft_levels'].mean():.2f} / {e['draft_levels'].mean():.2f}",
         "draft time saved per cycle (measured)": (f"{(e['draft_time_s'].mean() - s['draft_time_s'].mean()) * 1e3:.3g} ms"
                                                   if "draft_time_s" in s else "–"),
-        "measured time of one draft level": f"{per_level * 1e3:.3g} ms" if np.isfinite(per_level) else "–",
+        f"measured time of one draft level ({eagle}'s: drafter pass, expert predictions, decision)":
+            f"{per_level * 1e3:.3g} ms" if np.isfinite(per_level) else "–",
         "tokens per cycle (specfit / eagle3)": f"{s['committed_tokens'].mean():.2f} / {e['committed_tokens'].mean():.2f}",
         "tokens per second (specfit / eagle3)": f"{s['committed_tokens'].sum() / s['time_s'].sum():.3g} / "
                                                 f"{e['committed_tokens'].sum() / e['time_s'].sum():.3g}",

@@ -34,7 +34,7 @@ def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame |
         caches = sorted(group["cache_experts"].unique())
         policies = sorted(group["policy"].unique(), key=_policy_rank)
         table = group.set_index(["cache_experts", "policy"])
-        labels = [_label(table.loc[(caches[-1], p)]) if p == "static:auto" else p for p in policies]
+        labels = [_label([table.loc[(c, p)] for c in caches]) if p == "static:auto" else p for p in policies]
         series = {f"{c} cached": [table.loc[(c, p), "tokens_per_s"] for p in policies] for c in caches}
         notes = {f"{c} cached": [f"{table.loc[(c, p), 'speedup_vs_ar']:.2f}x" for p in policies] for c in caches}
         page.figure(grouped_bars(labels, series, "tokens / s", notes, title=f"{trace} on {profile}"),
@@ -62,9 +62,13 @@ def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame |
                            "The actual time is the cost model on the true union (the simulator's measurement).")
 
 
-def _label(row) -> str:
-    n = row.get("static_n")
-    return f"static:auto (N={int(n)})" if pd.notna(n) else "static:auto"
+def _label(rows) -> str:
+    """``static:auto`` with the tree size it picked at each cache size, in the bars' order
+    (``N=16/6``), or once where every size picked the same."""
+    sizes = [str(int(n)) for n in (row.get("static_n") for row in rows) if pd.notna(n)]
+    if not sizes:
+        return "static:auto"
+    return f"static:auto (N={sizes[0] if len(set(sizes)) == 1 else '/'.join(sizes)})"
 
 
 def _throughput_vs_cache(group: pd.DataFrame):

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from ..console import speedup_text
 from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, stopped, stopped_by
 from ..runinfo import check_run_dir
 from ..policies import DEFAULT_POLICIES, POLICY_HELP
@@ -190,14 +191,9 @@ def _print_summary(summary, out: Optional[Path]) -> None:
             policy = row["policy"] + (f" (N={int(row['static_n'])})" if row["policy"].startswith("static:auto") else "")
             table.add_row(str(row["cache_experts"]), policy, f"{row['tokens_per_s']:.2f}", f"{row['tokens_per_cycle']:.2f}",
                           f"{row['bytes_per_token'] / 1e6:.1f}", f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}",
-                          _ratio(row["speedup_vs_ar"]), _ratio(row["speedup_vs_eagle3"]),
+                          speedup_text(row["speedup_vs_ar"]), speedup_text(row["speedup_vs_eagle3"]),
                           f"{row['union_precision']:.2f}/{row['union_recall']:.2f}",
                           f"{row['tokens_bias']:+.1%}")
         console.print(table)
     if out is not None:
         console.print(f"per-cycle rows and the summary written to {out}/ (cycles|summary).(parquet|csv)")
-
-
-def _ratio(value: float) -> str:
-    """A speed-up, or "-" where its baseline was not among the policies."""
-    return "-" if value != value else f"{value:.2f}x"

@@ -9,6 +9,7 @@ from typing import Optional
 
 import typer
 
+from ..console import speedup_text
 from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, stopped, stopped_by
 
 # the settings a table may show for a cell (column: header); those the grid varies are shown
@@ -90,17 +91,11 @@ def _print_sweep(results, run, out_dir: Path, top: int) -> None:
         table.add_column(col, justify="right")
     for _, row in best.iterrows():
         table.add_row(*(str(row[c]) for c in shown), f"{row['link_gbps']:.0f}", f"{row['tokens_per_s']:.2f}",
-                      _ratio(row["speedup_vs_ar"]), f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}")
+                      speedup_text(row["speedup_vs_ar"], "–"), f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}")
     console.print(table)
     rate = f", {run.computed / run.wall_s:.1f} cells/s on {run.workers} workers" if run.computed and run.wall_s else ""
     console.print(f"{run.computed} cells replayed now, {run.skipped} already in the dataset{rate}; "
                   f"rows in {out_dir}/results/ (Parquet), render with `specfit report {out_dir}`")
-
-
-def _ratio(value) -> str:
-    import math
-
-    return "–" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.2f}x"
 
 
 def plan_command(
@@ -176,7 +171,7 @@ def _print_plan(result, top: int) -> None:
         table.add_column(col, justify="left" if col in ("", "policy") else "right")
     for i, row in enumerate(result.ranked.head(top + 1).itertuples()):
         table.add_row("best" if i == 0 else f"#{i + 1}", row.policy, str(row.cache_experts), f"{row.tokens_per_s:.2f}",
-                      _ratio(row.speedup_vs_ar), str(row.tree_tokens), f"{row.device_bytes / 1e9:.2f}",
+                      speedup_text(row.speedup_vs_ar, "–"), str(row.tree_tokens), f"{row.device_bytes / 1e9:.2f}",
                       f"{row.expert_cache_bytes / 1e9:.2f}")
     console.print(table)
     best = result.best
