@@ -5,10 +5,28 @@ from __future__ import annotations
 import sys
 
 import typer
+from typer.core import TyperGroup
 
 from . import __version__
 
+
+class _Commands(TyperGroup):
+    """The command group: an operating-system error that no command expected (a full disk, a file
+    that vanished or turned into a directory mid-run) ends as one line naming the file, status 2,
+    not a traceback. Files are written atomically, so what was complete before it stays whole."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except OSError as exc:
+            from .errors import fail
+            from .io import os_error_text
+
+            fail(os_error_text(exc))
+
+
 app = typer.Typer(
+    cls=_Commands,
     name="specfit",
     help="Throughput-optimal speculative decoding for MoE models with experts offloaded to host memory.",
     no_args_is_help=True,

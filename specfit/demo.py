@@ -107,6 +107,15 @@ def _clear_previous(out: Path) -> None:
 
 def run_demo(plan: DemoPlan, say=print, progress=None) -> dict:
     """Run every step; returns what the final table shows and the report's path."""
+    from .io import run_dir_lock
+
+    plan.validate()
+    out = Path(plan.out_dir)
+    with run_dir_lock(out, "demo"):          # a second demo into it at once would mix the two runs' files
+        return _run_demo(plan, out, say, progress)
+
+
+def _run_demo(plan: DemoPlan, out: Path, say, progress) -> dict:
     from .assets import tiny_moe_dir, tiny_moe_eagle3_dir
     from .calibrate.calibrate_job import CalibrationPlan, calibrate, refit
     from .report.build import build_report
@@ -116,9 +125,6 @@ def run_demo(plan: DemoPlan, say=print, progress=None) -> dict:
     from .simulate.sweep import run_sweep
     from .traces.format import read_trace
 
-    plan.validate()
-    out = Path(plan.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     _clear_previous(out)
     write_run_info(out, "demo", quick=plan.quick)
     step = progress or (lambda *a: None)

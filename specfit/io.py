@@ -18,6 +18,7 @@ from typing import Callable
 from .errors import Interrupted, SpecFitError, note_stop_signal, sigterm_stops
 
 __all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "strict_json", "write_jsonl_atomic", "check_output",
+           "not_readable_as", "os_error_text", "run_dir_lock", "LOCK_FILE",
            "remove_stale_temporaries", "read_json_object", "json_text", "deferred_interrupt"]
 
 
@@ -52,21 +53,58 @@ def read_json_object(path: str | Path, expected: str = "a JSON file") -> dict:
     return raw
 
 
+def not_readable_as(path: Path, expected: str, missing: str) -> str:
+    """Why ``path`` cannot be read as ``expected`` (e.g. "a trace file (.parquet)"), for an error
+    naming it: a directory, something that is not a regular file (a FIFO, a device), a symbolic
+    link to nothing, or (``missing``) nothing at all."""
+    if path.is_dir():
+        return f"a directory, expected {expected}"
+    if path.exists():
+        return f"not a regular file (a FIFO, device or socket), expected {expected}"
+    if os.path.lexists(path):
+        return f"a symbolic link to nothing (its target is missing, or a loop), expected {expected}"
+    return missing
+
+
+def os_error_text(exc: OSError) -> str:
+    """An operating-system error as one line: the file(s) it names and the system's reason."""
+    files = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)
+    reason = exc.strerror or str(exc)
+    return f"{files}: {reason}" if files else reason
+
+
 def check_output(path: str | Path | None, option: str, kind: str = "file") -> Path | None:
     """Fail with one line, before any work, when ``path`` cannot be written as a ``kind`` ("file"
-    or "dir"): a directory where a file is meant, a file where a directory is meant, or a parent
-    that is missing-and-uncreatable, not a directory, or not writable. Nothing is created: the
-    nearest existing ancestor is probed with a temporary file that is removed at once."""
+    or "dir"): a directory where a file is meant, a file where a directory is meant, something
+    that is not a regular file (a device, a FIFO: a write would replace it), a symbolic link to
+    nothing on the way, a name the file system refuses (too long), or a parent that is
+    missing-and-uncreatable, not a directory, or not writable. Nothing is created: the nearest
+    existing ancestor is probed with a temporary file that is removed at once."""
     if path is None:
         return None
     path = Path(path)
+    try:
+        return _check_output(path, option, kind)
+    except OSError as exc:                  # a name too long, a path the system cannot look up
+        raise SpecFitError(f"{option} {path}: {exc.strerror or exc}") from None
+
+
+def _check_output(path: Path, option: str, kind: str) -> Path:
     if path.exists():
         if kind == "file" and path.is_dir():
             raise SpecFitError(f"{option} {path}: is a directory; expected a file to write")
         if kind == "dir" and not path.is_dir():
             raise SpecFitError(f"{option} {path}: is a file; expected a directory to write into")
+        if kind == "file" and not path.is_file():
+            raise SpecFitError(f"{option} {path}: not a regular file (a device, FIFO or socket); expected a file to "
+                               "write (a write would replace it)")
     ancestor = path if kind == "dir" and path.is_dir() else path.parent
+    if os.path.lexists(path) and not path.exists():
+        ancestor = path
     while not ancestor.exists() and ancestor != ancestor.parent:
+        if os.path.lexists(ancestor):
+            raise SpecFitError(f"{option} {path}: {ancestor} is a symbolic link to nothing (its target is missing, or "
+                               "a loop); expected a directory or a new path")
         ancestor = ancestor.parent
     if not ancestor.is_dir():
         raise SpecFitError(f"{option} {path}: {ancestor} is a file, so nothing can be created under it")
@@ -77,6 +115,35 @@ def check_output(path: str | Path | None, option: str, kind: str = "file") -> Pa
     os.close(fd)
     os.unlink(probe)
     return path
+
+
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def run_dir_lock(out_dir: str | Path | None, command: str):
+    """Hold ``out_dir``'s lock (:data:`LOCK_FILE`, created with the directory) while a ``command``
+    writes into it: a second run writing the same directory at once would delete and mix the
+    first one's files (or compute a sweep's cells twice), so it is refused in one line. The lock is
+    the operating system's (``flock``): a killed run's is gone with its process. No ``out_dir``:
+    nothing to hold."""
+    if out_dir is None:
+        yield
+        return
+    import fcntl
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with open(out_dir / LOCK_FILE, "w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SpecFitError(f"{out_dir}: another specfit run is writing this directory (`specfit {command}` needs "
+                               "it alone); wait for it or use another --out") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def remove_stale_temporaries(directory: str | Path) -> int:
@@ -113,6 +180,12 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     file left behind (a SIGKILL gives it no chance to clean up) is removed first; the temporary
     file's name holds the writing process's id, so a concurrent writer's is left alone."""
     path = Path(path)
+    if path.is_symlink() and path.exists():
+        path = Path(os.path.realpath(path))      # a link to a file: write the file it names, keep the link
+    if os.path.lexists(path) and not path.is_file():
+        what = "a directory" if path.is_dir() else "not a regular file (a device, FIFO or socket)" if path.exists() \
+            else "a symbolic link to nothing (its target is missing, or a loop)"
+        raise SpecFitError(f"{path}: {what}; expected a file to write (it is left as it is)")
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):   # a killed write of this file
         if _abandoned(stale):

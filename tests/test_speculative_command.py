@@ -203,6 +203,25 @@ def test_without_profile_a_quick_calibration_is_saved_in_the_user_cache_and_name
     assert f"profile:{mine_bf16}" in "".join(again.output.split()) and mine_bf16.stat().st_mtime_ns == bf16_mtime
 
 
+def test_a_profile_cache_that_cannot_be_written_or_read_does_not_stop_a_decode(checkpoint, tmp_path, monkeypatch):
+    # the cache's place is a file: the quick calibration decides this run, and the note says why it
+    # was not kept; a damaged cached profile is calibrated again and replaced
+    (tmp_path / "not-a-dir").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "not-a-dir"))
+    result = decode(checkpoint, "--policy", "chain:2")
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "could not be saved to the cache" in text and "profile:" not in text
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert decode(checkpoint, "--policy", "chain:2").exit_code == 0
+    (saved,) = (tmp_path / "cache" / "specfit" / "profiles").glob("*.json")
+    saved.write_text(saved.read_text()[:100])
+    result = decode(checkpoint, "--policy", "chain:2")
+    assert result.exit_code == 0, result.output
+    assert "(calibrating again)" in " ".join(result.output.split())
+    assert json.loads(saved.read_text())["shape"]                  # replaced by a whole profile
+
+
 def test_full_trace_replays_in_the_simulator_to_the_same_tokens(checkpoint, tmp_path):
     trace_path = tmp_path / "full.parquet"
     result = decode(checkpoint, "--policy", "ar", "--record", str(trace_path), "--record-full", "--max-levels", "3",

@@ -120,7 +120,7 @@ def test_bad_specs_name_the_file_and_field(tmp_path):
         ('traces = ["olmoe.parquet"]\ncache_experts = [8, 8]', "lists a value twice"),
         ('traces = ["olmoe.parquet"]\npredictor = "psychic"', "field 'predictor'"),
         ('traces = ["olmoe.parquet"]\ncost = "base_s=x"', "field 'cost'"),
-        ('traces = ["nosuch.parquet"]', "no such trace file 'nosuch.parquet'"),
+        ('traces = ["nosuch.parquet"]', "'nosuch.parquet' (relative to"),
         ('policies = ["ar"]', "no traces"),
         ('routing = [{log = "olmoe.parquet", drafters = ["poetry"]}]', "field 'drafters'"),
         ('routing = [{log = "olmoe.parquet", drafters = [{name = "chat"}]}]', "field 'drafters'"),

@@ -19,7 +19,7 @@ import pandas as pd
 from .. import __version__
 from ..calibrate.profile import load_profile
 from ..errors import SpecFitError, one_line
-from ..io import deferred_interrupt, write_json_atomic
+from ..io import deferred_interrupt, not_readable_as, write_json_atomic
 from ..runinfo import read_run_info
 from ..runtime.run_dir import CYCLES_FILE, JOURNAL_FILE, read_decode_cycles, read_decode_summaries
 from .calibration import calibration_section
@@ -37,7 +37,8 @@ def classify(path: Path) -> list[str]:
             return ["calibration"]
         raise SpecFitError(f"{path}: expected a profile JSON or an output directory of decode / simulate")
     if not path.is_dir():
-        raise SpecFitError(f"{path}: no such file or directory")
+        raise SpecFitError(f"{path}: " + not_readable_as(path, "a profile JSON or a run directory",
+                                                         "no such file or directory"))
     kinds = []
     info = read_run_info(path) or {}
     if (path / "sweep.json").is_file():

@@ -35,6 +35,7 @@ from typing import Callable
 
 from ..accounting import live_row, summarise, waiting_note
 from ..errors import INTERRUPTS, Interrupted, SpecFitError, check_seed, interrupted
+from ..io import run_dir_lock
 from .run_dir import CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE, DecodeOutputs, read_decode_cycles
 
 # the predictors a recorded trace can fit before a live run (--predictor-trace)
@@ -162,7 +163,7 @@ class DecodePlan:
         from ..io import check_output
         from ..runinfo import check_run_dir
 
-        check_run_dir(self.out_dir, "decode")
+        check_run_dir(self.out_dir, "decode", files=(OUTPUT_FILE, CYCLES_FILE, SUMMARY_FILE, JOURNAL_FILE))
         check_output(self.record, "--record", kind="file")
         if self.drafter_dir is not None and not Path(self.drafter_dir).is_dir():
             raise SpecFitError(f"--drafter {self.drafter_dir}: not a directory")
@@ -235,150 +236,152 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     fitted = _fitted_predictor(plan, model) if plan.predictor_trace else None
 
     fresh_out = plan.out_dir is not None and not Path(plan.out_dir).exists()
-    if plan.out_dir is not None:
-        from ..calibrate.profile import ModelShape
-        from ..runinfo import write_run_info
+    # a second run writing the same directory at once would delete and mix this one's files
+    with run_dir_lock(plan.out_dir, "decode"):
+        if plan.out_dir is not None:
+            from ..calibrate.profile import ModelShape
+            from ..runinfo import write_run_info
 
-        # the shape the cycles were measured on: a refit must not move them onto another one
-        shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
-        write_run_info(plan.out_dir, "decode", ctx, shape=shape.to_dict(), profile=profile.label)
-    outputs = DecodeOutputs(plan.out_dir)
-    recorder = _recorder(plan, model, drafter, profile) if plan.record is not None else None
-    expert_bytes = model.offload.host.expert_bytes
-    # the cycles of the prompt being decoded, not yet rows. A run with an --out directory makes
-    # each cycle's row at once and appends it to the journal, so that a killed process leaves
-    # every complete cycle on disk. A run without files makes them after the prompt's decode
-    # returns (or the run stops): reporting, not in the cycles it reports
-    pending: list = []
-    row_per_cycle = plan.out_dir is not None
+            # the shape the cycles were measured on: a refit must not move them onto another one
+            shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
+            write_run_info(plan.out_dir, "decode", ctx, shape=shape.to_dict(), profile=profile.label)
+        outputs = DecodeOutputs(plan.out_dir)
+        recorder = _recorder(plan, model, drafter, profile) if plan.record is not None else None
+        expert_bytes = model.offload.host.expert_bytes
+        # the cycles of the prompt being decoded, not yet rows. A run with an --out directory makes
+        # each cycle's row at once and appends it to the journal, so that a killed process leaves
+        # every complete cycle on disk. A run without files makes them after the prompt's decode
+        # returns (or the run stops): reporting, not in the cycles it reports
+        pending: list = []
+        row_per_cycle = plan.out_dir is not None
 
-    def keep_pending():
-        for policy_name, index, stats, committed, cycle in pending:
-            row = live_row(stats, profile.cost, expert_bytes)
-            row["committed_tokens"] = committed       # what reached the output (after eos / the length cap)
-            outputs.add_cycle({"policy": policy_name, "sequence": index, "position": stats.position,
-                               "cycle": cycle, **row})
-        pending.clear()
+        def keep_pending():
+            for policy_name, index, stats, committed, cycle in pending:
+                row = live_row(stats, profile.cost, expert_bytes)
+                row["committed_tokens"] = committed       # what reached the output (after eos / the length cap)
+                outputs.add_cycle({"policy": policy_name, "sequence": index, "position": stats.position,
+                                   "cycle": cycle, **row})
+            pending.clear()
 
-    try:
-        if plan.warmup:
-            from ..kernel_warmup import warm_up
-
-            warm_up()      # numba loads (or, after an install, compiles) the kernels before any timed cycle
-        decoders = {}
-
-        def decode_prompt(policy, index, prompt):
-            decoder = decoders[policy.name]
-            if decoder.recorder is not None:
-                decoder.recorder.begin_sequence(index)
-            cycle_index = itertools.count()
-
-            def keep(stats, committed):
-                pending.append((policy.name, index, stats, committed, next(cycle_index)))
-                if row_per_cycle:
-                    keep_pending()
-
-            result = decoder.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos, on_cycle=keep)
-            keep_pending()
-            if decoder.recorder is not None:
-                decoder.recorder.end_sequence(len(result.output_ids))
-            record = {"index": index, "line": prompt.line, "policy": policy.name, "cache_experts": plan.cache_experts,
-                      "profile": profile.label, **result.to_dict()}
-            if tokenizer is not None:
-                record["text"] = tokenizer.decode(result.output_ids, skip_special_tokens=True)
-            outputs.records.append(record)
-            outputs.flush()
-            if on_record is not None:
-                on_record(record)
-            tick()
-
-        def start(policy):
+        try:
             if plan.warmup:
-                say(f"warm-up {policy.name}")
+                from ..kernel_warmup import warm_up
+
+                warm_up()      # numba loads (or, after an install, compiles) the kernels before any timed cycle
+            decoders = {}
+
+            def decode_prompt(policy, index, prompt):
+                decoder = decoders[policy.name]
+                if decoder.recorder is not None:
+                    decoder.recorder.begin_sequence(index)
+                cycle_index = itertools.count()
+
+                def keep(stats, committed):
+                    pending.append((policy.name, index, stats, committed, next(cycle_index)))
+                    if row_per_cycle:
+                        keep_pending()
+
+                result = decoder.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos, on_cycle=keep)
+                keep_pending()
+                if decoder.recorder is not None:
+                    decoder.recorder.end_sequence(len(result.output_ids))
+                record = {"index": index, "line": prompt.line, "policy": policy.name, "cache_experts": plan.cache_experts,
+                          "profile": profile.label, **result.to_dict()}
+                if tokenizer is not None:
+                    record["text"] = tokenizer.decode(result.output_ids, skip_special_tokens=True)
+                outputs.records.append(record)
+                outputs.flush()
+                if on_record is not None:
+                    on_record(record)
+                tick()
+
+            def start(policy):
+                if plan.warmup:
+                    say(f"warm-up {policy.name}")
+                    model.offload.reset()
+                    _decoder(plan, model, drafter, policy, profile.cost, calibrator, None, fitted).generate(
+                        prompts[0].input_ids, min(WARMUP_TOKENS, plan.max_new_tokens), ignore_eos=True)
+                decoders[policy.name] = _decoder(plan, model, drafter, policy, profile.cost, calibrator,
+                                                 recorder if recorder is not None and not plan.record_full else None, fitted)
+
+            def summarise(policy):
+                summary = summarise_policy(policy.name, outputs.records, outputs.cycles)
+                if decoders[policy.name].online is not None:
+                    summary["online_model"] = decoders[policy.name].online.state()
+                outputs.summaries.append(summary)
+
+            if plan.interleave:
+                for policy in policies:
+                    start(policy)
+                say(f"decode {', '.join(p.name for p in policies)}, interleaved"
+                    + (", each with its own expert cache" if plan.cache_per_policy else ""))
+                # one expert cache for the run, which every policy's prompts share; with cache_per_policy
+                # each policy's own, taking turns on the device
                 model.offload.reset()
-                _decoder(plan, model, drafter, policy, profile.cost, calibrator, None, fitted).generate(
-                    prompts[0].input_ids, min(WARMUP_TOKENS, plan.max_new_tokens), ignore_eos=True)
-            decoders[policy.name] = _decoder(plan, model, drafter, policy, profile.cost, calibrator,
-                                             recorder if recorder is not None and not plan.record_full else None, fitted)
+                caches = None
+                if plan.cache_per_policy:
+                    from .offload import CacheTurns
 
-        def summarise(policy):
-            summary = summarise_policy(policy.name, outputs.records, outputs.cycles)
-            if decoders[policy.name].online is not None:
-                summary["online_model"] = decoders[policy.name].online.state()
-            outputs.summaries.append(summary)
-
-        if plan.interleave:
-            for policy in policies:
-                start(policy)
-            say(f"decode {', '.join(p.name for p in policies)}, interleaved"
-                + (", each with its own expert cache" if plan.cache_per_policy else ""))
-            # one expert cache for the run, which every policy's prompts share; with cache_per_policy
-            # each policy's own, taking turns on the device
-            model.offload.reset()
-            caches = None
-            if plan.cache_per_policy:
-                from .offload import CacheTurns
-
-                caches = CacheTurns(model.offload)
-            for index, prompt in enumerate(prompts):
-                for k in range(len(policies)):           # the order rotates from prompt to prompt
-                    policy = policies[(index + k) % len(policies)]
-                    if caches is not None:
-                        caches.take(policy.name)
-                    decode_prompt(policy, index, prompt)
-            for policy in policies:
-                summarise(policy)
-        else:
-            for policy in policies:
-                start(policy)
-                say(f"decode {policy.name}")
-                # every policy starts from an empty expert cache; prompts then share it, as a server's would
+                    caches = CacheTurns(model.offload)
+                for index, prompt in enumerate(prompts):
+                    for k in range(len(policies)):           # the order rotates from prompt to prompt
+                        policy = policies[(index + k) % len(policies)]
+                        if caches is not None:
+                            caches.take(policy.name)
+                        decode_prompt(policy, index, prompt)
+                for policy in policies:
+                    summarise(policy)
+            else:
+                for policy in policies:
+                    start(policy)
+                    say(f"decode {policy.name}")
+                    # every policy starts from an empty expert cache; prompts then share it, as a server's would
+                    model.offload.reset()
+                    for index, prompt in enumerate(prompts):
+                        decode_prompt(policy, index, prompt)
+                    summarise(policy)
+            if plan.record_full:
+                say(f"recording full trees at every position into {plan.record}")
+                full = _full_decoder(plan, model, drafter, profile.cost, recorder)
                 model.offload.reset()
                 for index, prompt in enumerate(prompts):
-                    decode_prompt(policy, index, prompt)
-                summarise(policy)
-        if plan.record_full:
-            say(f"recording full trees at every position into {plan.record}")
-            full = _full_decoder(plan, model, drafter, profile.cost, recorder)
-            model.offload.reset()
-            for index, prompt in enumerate(prompts):
-                recorder.begin_sequence(index)
-                result = full.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos)
-                recorder.end_sequence(len(result.output_ids))
-                tick()
-    except SpecFitError as exc:
-        keep_pending()
-        if not outputs.records and not outputs.cycles and not (recorder is not None and len(recorder)):
-            if fresh_out:
-                import shutil
+                    recorder.begin_sequence(index)
+                    result = full.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos)
+                    recorder.end_sequence(len(result.output_ids))
+                    tick()
+        except SpecFitError as exc:
+            keep_pending()
+            if not outputs.records and not outputs.cycles and not (recorder is not None and len(recorder)):
+                if fresh_out:
+                    import shutil
 
-                shutil.rmtree(plan.out_dir, ignore_errors=True)    # bad input before any output: leave nothing
-            raise
-        kept = _keep_partial(plan, outputs, recorder)           # a failure mid-run: what ran stays readable
-        if not kept:
-            raise
-        raise SpecFitError(f"{exc} (before it: kept {kept})") from None
-    except INTERRUPTS as exc:
-        if not interrupted(exc):
-            raise
-        keep_pending()
-        kept = _keep_partial(plan, outputs, recorder)
-        raise Interrupted(f"interrupted after {len(outputs.cycles)} complete cycle(s) ({len(outputs.records)} (policy, "
-                          f"prompt) run(s) finished): " + (f"kept {kept}" if kept else
-                                                           "nothing was written (no --out or --record)")) from None
-    outputs.close()
-    trace_path = _write_recording(recorder, plan.record) if recorder is not None else None
-    host = model.offload.host
-    memory = {"host_expert_bytes": host.nbytes, "pinned_bytes": host.pinned_bytes,
-              "device_expert_bytes": model.offload.device_bytes}
-    describe = getattr(getattr(drafter, "config", None), "describe_feature_layers", None)
-    notes += [f"note: {line}" for line in map(waiting_note, outputs.summaries) if line]
-    return DecodeRun(memory=memory, drafter_features=describe(model.config.n_layers) if describe else None, notes=notes,
-                     records=outputs.records, cycles=outputs.cycles, summaries=outputs.summaries,
-                     profile_label=profile.label, profile_path=profile_path,
-                     outputs_identical=_outputs_identical(outputs.records) if plan.temperature == 0 else None,
-                     trace_path=trace_path, trace_cycles=len(recorder) if recorder is not None else 0,
-                     policies=policies)
+                    shutil.rmtree(plan.out_dir, ignore_errors=True)    # bad input before any output: leave nothing
+                raise
+            kept = _keep_partial(plan, outputs, recorder)           # a failure mid-run: what ran stays readable
+            if not kept:
+                raise
+            raise SpecFitError(f"{exc} (before it: kept {kept})") from None
+        except INTERRUPTS as exc:
+            if not interrupted(exc):
+                raise
+            keep_pending()
+            kept = _keep_partial(plan, outputs, recorder)
+            raise Interrupted(f"interrupted after {len(outputs.cycles)} complete cycle(s) ({len(outputs.records)} (policy, "
+                              f"prompt) run(s) finished): " + (f"kept {kept}" if kept else
+                                                               "nothing was written (no --out or --record)")) from None
+        outputs.close()
+        trace_path = _write_recording(recorder, plan.record) if recorder is not None else None
+        host = model.offload.host
+        memory = {"host_expert_bytes": host.nbytes, "pinned_bytes": host.pinned_bytes,
+                  "device_expert_bytes": model.offload.device_bytes}
+        describe = getattr(getattr(drafter, "config", None), "describe_feature_layers", None)
+        notes += [f"note: {line}" for line in map(waiting_note, outputs.summaries) if line]
+        return DecodeRun(memory=memory, drafter_features=describe(model.config.n_layers) if describe else None, notes=notes,
+                         records=outputs.records, cycles=outputs.cycles, summaries=outputs.summaries,
+                         profile_label=profile.label, profile_path=profile_path,
+                         outputs_identical=_outputs_identical(outputs.records) if plan.temperature == 0 else None,
+                         trace_path=trace_path, trace_cycles=len(recorder) if recorder is not None else 0,
+                         policies=policies)
 
 
 # --------------------------------------------------------------------------- pieces
@@ -423,7 +426,11 @@ def _profile(plan: DecodePlan, model, say):
     for path in (default_profile_path(machine, shape), cached_profile_path(machine, shape, dtype),
                  cached_profile_path(machine, shape)):
         if path.is_file():
-            found = load_profile(path)
+            try:
+                found = load_profile(path)
+            except SpecFitError as exc:           # damaged: calibrated again below, and replaced
+                notes.append(f"note: {exc}: not used (calibrating again)")
+                continue
             if found.shape.same_shape(shape):
                 return found.for_shape(shape, source=str(path)), path, notes
             notes.append(f"note: {path}: made for {found.shape.n_layers} layers x {found.shape.n_experts} experts "
@@ -433,7 +440,15 @@ def _profile(plan: DecodePlan, model, say):
     say(f"no profile for this machine and model in {dtype} yet: quick calibration, saved to {path}")
     profile = calibrate(CalibrationPlan(model_dir=Path(plan.model_dir), drafter_dir=plan.drafter_dir,
                                         device=str(model.device), quick=True, seed=plan.seed), model=model)
-    profile.save(path)
+    try:
+        profile.save(path)
+    except (OSError, SpecFitError) as exc:        # a cache that cannot be written: this run uses it anyway
+        from ..io import os_error_text
+
+        reason = os_error_text(exc) if isinstance(exc, OSError) else str(exc)
+        notes.append(f"note: the calibrated profile could not be saved to the cache ({reason}); this run decides "
+                     "with it, and the next run without --profile calibrates again")
+        return profile, None, notes
     return profile, path, notes
 
 

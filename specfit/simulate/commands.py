@@ -14,6 +14,10 @@ from ..runinfo import check_run_dir
 from ..policies import DEFAULT_POLICIES, POLICY_HELP
 
 
+# what `simulate --out` writes (and run.json)
+SIMULATE_FILES = ("cycles.parquet", "cycles.csv", "summary.parquet", "summary.csv")
+
+
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
     app.command("simulate")(simulate_command)
 
@@ -55,7 +59,7 @@ def simulate_command(
     """Replay traces through every policy with the same cache and cost model, and compare."""
 
     try:
-        check_run_dir(out, "simulate")
+        check_run_dir(out, "simulate", files=SIMULATE_FILES)
         cycles, summary = _simulate(traces, _distinct("--profile", _split(profiles)), _split([policies]),
                                     _distinct("--cache-experts", _parse_sizes(cache_experts)), predictor,
                                     acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json,
@@ -157,11 +161,11 @@ def _write_outputs(out: Path, cycles, summary, ctx=None) -> None:
     """The run's files as one result: a Ctrl-C while they are written waits for the last of them
     (so "nothing was written" stays true of a stopped run); a kill leaves no summary.parquet, which
     a report refuses, never new cycles beside an old summary."""
-    from ..io import atomic_write, deferred_interrupt, remove_stale_temporaries
+    from ..io import atomic_write, deferred_interrupt, remove_stale_temporaries, run_dir_lock
     from ..runinfo import write_run_info
 
-    with deferred_interrupt(f"interrupted while writing: the simulation's files in {out} were completed first"):
-        out.mkdir(parents=True, exist_ok=True)
+    with run_dir_lock(out, "simulate"), \
+            deferred_interrupt(f"interrupted while writing: the simulation's files in {out} were completed first"):
         remove_stale_temporaries(out)
         # a rerun into the same directory: the old summary goes first; the summary is written last
         # and marks a complete output

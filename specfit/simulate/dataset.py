@@ -16,16 +16,14 @@ in ``results/`` are skipped on restart; the part file is the commit point of its
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-from contextlib import contextmanager
 from pathlib import Path
 
 import pandas as pd
 
 from ..errors import SpecFitError
-from ..io import atomic_write, write_json_atomic
+from ..io import atomic_write, run_dir_lock, write_json_atomic
 
 __all__ = ["SWEEP_FILE", "RESULTS_DIR", "is_sweep_dir", "locked", "remove_stale_temporaries", "done_cell_ids",
            "write_part", "write_sweep_file", "read_sweep_file", "read_results", "fill_speedups", "part_files"]
@@ -43,19 +41,9 @@ def is_sweep_dir(path: Path) -> bool:
     return (Path(path) / SWEEP_FILE).is_file()
 
 
-@contextmanager
 def locked(out_dir: Path):
     """Hold the sweep directory's lock: two sweeps writing the same dataset would compute cells twice."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / ".lock", "w") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise SpecFitError(f"{out_dir}: another sweep is writing this directory; wait for it or use another --out") from None
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    return run_dir_lock(out_dir, "sweep")
 
 
 def part_files(out_dir: Path) -> list[Path]:

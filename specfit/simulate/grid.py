@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import SpecFitError
+from ..io import not_readable_as
 
 __all__ = ["TraceSource", "Cell", "SweepSpec", "load_spec", "parse_spec", "expand", "run_cell", "CELL_COLUMNS",
            "file_digest", "policy_cost_rank"]
@@ -159,8 +160,8 @@ def load_spec(path: str | Path) -> SweepSpec:
     """Read a ``.toml`` or ``.yaml``/``.yml`` sweep spec."""
     path = Path(path)
     if not path.is_file():
-        what = "is a directory" if path.is_dir() else "no such sweep spec"
-        raise SpecFitError(f"{path}: {what}; expected a .toml or .yaml file")
+        raise SpecFitError(f"{path}: " + not_readable_as(path, "a .toml or .yaml sweep spec",
+                                                         "no such sweep spec; expected a .toml or .yaml file"))
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -280,7 +281,8 @@ def _trace_sources(raw: dict, source: str, base: Path, workloads: dict) -> list[
     for path, name in zip(traces, unique_names([Path(t) for t in traces])):
         resolved = base / path
         if not resolved.is_file():
-            raise SpecFitError(f"{source}: field 'traces': no such trace file {path!r} (relative to {base})")
+            raise SpecFitError(f"{source}: field 'traces': {path!r} (relative to {base}): "
+                               + not_readable_as(resolved, "a trace file", "no such trace file"))
         out.append(TraceSource(name=name, path=path, resolved=resolved, digest=file_digest(resolved)))
     for i, entry in enumerate(routing):
         where = f"{source}: routing[{i}]"
@@ -296,7 +298,8 @@ def _trace_sources(raw: dict, source: str, base: Path, workloads: dict) -> list[
             raise SpecFitError(f"{where}: field 'drafters' must list presets of {sorted(workloads)}, got {drafters!r}")
         resolved = base / entry["log"]
         if not resolved.is_file():
-            raise SpecFitError(f"{where}: field 'log': no such routing log {entry['log']!r} (relative to {base})")
+            raise SpecFitError(f"{where}: field 'log': {entry['log']!r} (relative to {base}): "
+                               + not_readable_as(resolved, "a routing log", "no such routing log"))
         options = {k: entry[k] for k in ("shape", "max_tokens", "sequences", "seed", "sibling_reuse") if k in entry}
         stem = log_names[i]
         for drafter in drafters:

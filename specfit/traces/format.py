@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import SpecFitError, one_line
-from ..io import atomic_write, json_text
+from ..io import atomic_write, json_text, not_readable_as
 from ..tree import DraftTree
 from .validate import check_meta, validate_trace
 
@@ -234,8 +234,7 @@ def read_trace(path: str | Path, validate: bool = True) -> Trace:
     """Read a trace file; raises :class:`SpecFitError` for anything that is not a valid trace."""
     path = Path(path)
     if not path.is_file():
-        raise SpecFitError(f"{path}: " + ("a directory, expected a trace file (.parquet)" if path.is_dir()
-                                          else "no such trace file"))
+        raise SpecFitError(f"{path}: " + not_readable_as(path, "a trace file (.parquet)", "no such trace file"))
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as exc:

@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import SpecFitError, one_line
-from ..io import write_jsonl_atomic
+from ..io import not_readable_as, write_jsonl_atomic
 
 __all__ = ["RoutingLog", "read_routing_log", "dump_jsonl", "JSONL_FIELDS"]
 
@@ -68,8 +68,8 @@ def read_routing_log(path: str | Path) -> RoutingLog:
     """Read a routing log in any layout of the module docstring."""
     path = Path(path)
     if not path.is_file():
-        raise SpecFitError(f"{path}: " + ("a directory, expected a routing log file (.npz, .jsonl or .parquet)"
-                                          if path.is_dir() else "no such routing log"))
+        raise SpecFitError(f"{path}: " + not_readable_as(path, "a routing log file (.npz, .jsonl or .parquet)",
+                                                         "no such routing log"))
     if path.suffix == ".npz":
         return _read_npz(path)
     if path.suffix in (".jsonl", ".json"):
