@@ -346,6 +346,15 @@ def test_sigint_then_sigkill_then_resume_loses_and_repeats_no_cell(ray_local, tm
     assert b"run the same command again to resume" in stderr
     after_sigint = done_cell_ids(out)
     assert 0 < len(after_sigint) < 32 and _no_temporaries(out)
+    # 1b. a kill's SIGTERM stops it the same way, status 143 (Ray's driver handler would exit 15 at once)
+    proc = _sweep_process(spec, out, address)
+    _wait_for_parts(proc, out, more_than=len(part_files(out)))
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr.decode()
+    assert b"run the same command again to resume" in stderr and b"SIGTERM received" not in stderr
+    after_sigint = done_cell_ids(out)
+    assert len(after_sigint) < 32 and _no_temporaries(out)
     # 2. kill -9 while it writes
     proc = _sweep_process(spec, out, address)
     n = _wait_for_parts(proc, out, more_than=len(part_files(out)))

@@ -63,6 +63,45 @@ def ray_session(address: str | None = None, num_cpus: int | None = None):
     import logging
 
     options = dict(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        with _sigterm_kept():
+            _init(ray, address, num_cpus, options)
+    except KeyboardInterrupt:                 # stopped while Ray started: what started goes too
+        ray.shutdown()
+        raise
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@contextmanager
+def _sigterm_kept():
+    """Keep the command's SIGTERM handler through ``ray.init``, which installs the driver's own (it
+    exits at once, status 15, with the core worker's stack dump): a ``kill`` of a sweep stops it as
+    a Ctrl-C does, keeping every finished cell and saying so (status 143). A SIGTERM that arrives
+    while Ray starts, under Ray's handler, becomes the same stop."""
+    import signal
+    import threading
+
+    from ..errors import note_stop_signal, sigterm_stops
+
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    ours = sigterm_stops()
+    try:
+        yield
+    except SystemExit as exc:
+        if not (ours and exc.code == signal.SIGTERM):
+            raise
+        note_stop_signal(signal.SIGTERM)
+        raise KeyboardInterrupt from None
+    finally:
+        if main and before is not None:        # also over a handler installed outside Python's view
+            signal.signal(signal.SIGTERM, before)
+
+
+def _init(ray, address, num_cpus, options) -> None:
     if address:
         _check_reachable(address)
         try:
@@ -71,10 +110,6 @@ def ray_session(address: str | None = None, num_cpus: int | None = None):
             raise SpecFitError(f"--address {address!r}: could not join the Ray cluster ({exc})") from None
     else:
         ray.init(num_cpus=num_cpus or os.cpu_count(), **options)
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
 
 
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
