@@ -34,7 +34,8 @@ POLICIES = ["ar", "static:auto", "eagle3", "specfit"]
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", type=Path, help="a specfit demo run's trace.parquet")
-    parser.add_argument("--profiles", default="gh200", help="of pcie4, pcie5, gh200")
+    parser.add_argument("--profiles", default="gh200", help="of pcie4, pcie5, gh200 (or as the demo names them, "
+                        "pcie4-qwen3, ...)")
     parser.add_argument("--caches", default="0", help="experts cached per layer")
     args = parser.parse_args(argv)
     try:
@@ -43,8 +44,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         parser.error(str(exc))
     if trace.predicted_experts is None:
         parser.error(f"{args.trace}: no recorded predictions (record it with specfit demo or decode --record-full)")
-    scenarios = whatif_scenarios(trace, presets=tuple(args.profiles.split(",")))
-    caches = [int(c) for c in args.caches.split(",")]
+    presets = tuple(p.strip().removesuffix("-qwen3") for p in args.profiles.split(","))
+    unknown = [p for p in presets if p not in ("pcie4", "pcie5", "gh200")]
+    if unknown:
+        parser.error(f"--profiles: expected of pcie4, pcie5, gh200, got {', '.join(unknown)}")
+    scenarios = whatif_scenarios(trace, presets=presets)
+    try:
+        caches = [int(c) for c in args.caches.split(",")]
+    except ValueError:
+        parser.error(f"--caches: expected comma-separated integers, got {args.caches!r}")
     rows = []
     for label, predictor, price in (("recorded", "recorded", True), ("recorded, no price", "recorded", False),
                                     ("true experts", "oracle", True)):

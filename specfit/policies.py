@@ -51,7 +51,7 @@ from .tree import DraftTree
 
 __all__ = [
     "CycleView", "Observation", "Policy", "ArPolicy", "ChainPolicy", "RerankPolicy", "SpecFitPolicy", "OraclePolicy",
-    "TunedPolicy", "PolicySpec", "POLICIES", "rerank", "POLICY_HELP", "DEFAULT_POLICIES", "make_policy", "choose",
+    "TunedPolicy", "PolicySpec", "POLICIES", "rerank", "POLICY_HELP", "LIVE_POLICY_HELP", "DEFAULT_POLICIES", "make_policy", "choose",
     "STATIC_AUTO_SIZES", "LEVERS", "apply_levers",
 ]
 
@@ -165,12 +165,14 @@ STATIC_AUTO_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 @dataclass(frozen=True)
 class PolicySpec:
     """One entry of the policy grammar: ``name`` with up to ``n_args`` integer parameters (or the
-    literal forms in ``grammar``), built by ``build(args, max_levels)``."""
+    literal forms in ``grammar``), built by ``build(args, max_levels)``. ``live``: the forms a live
+    decode runs ("" for a replay-only policy; None: all of ``grammar``)."""
 
     grammar: str
     help: str
     build: Callable[[list[int], int], Policy]
     n_args: tuple[int, ...] = (0,)
+    live: str | None = None
 
 
 def _rerank(name: str):
@@ -186,13 +188,13 @@ POLICIES: dict[str, PolicySpec] = {
     "eagle3": PolicySpec("eagle3[:N[:D]]", "EAGLE-3's tree: N nodes (60) of D levels (7)", _rerank("eagle3"),
                          n_args=(0, 1, 2)),
     "eagle3-nocache": PolicySpec("eagle3-nocache", "eagle3 with no expert cache (simulator)",
-                                 lambda a, m: RerankPolicy(60, 7, name="eagle3-nocache", cache_capacity=0)),
+                                 lambda a, m: RerankPolicy(60, 7, name="eagle3-nocache", cache_capacity=0), live=""),
     "static": PolicySpec("static:N|static:auto", "the best N nodes of the tree; auto: the best N on the trace "
                          "(simulator)", lambda a, m: RerankPolicy(a[0], max(1, min(a[0] - 1, m)), name=f"static:{a[0]}"),
-                         n_args=(1,)),
+                         n_args=(1,), live="static:N"),
     "specfit": PolicySpec("specfit[:D]", "exact max-throughput subtree, level stopping (D levels at most)",
                           lambda a, m: SpecFitPolicy(a[0] if a else m), n_args=(0, 1)),
-    "oracle": PolicySpec("oracle", "knows the verdicts (simulator, an upper bound)", lambda a, m: OraclePolicy(64)),
+    "oracle": PolicySpec("oracle", "knows the verdicts (simulator, an upper bound)", lambda a, m: OraclePolicy(64), live=""),
 }
 # what `specfit simulate` compares by default
 DEFAULT_POLICIES = ("ar", "chain:4", "eagle3", "eagle3-nocache", "static:auto", "specfit", "oracle")
@@ -228,7 +230,11 @@ LEVERS: dict[str, tuple[str, str, Callable]] = {
 }
 
 
-POLICY_HELP = ", ".join(spec.grammar for spec in POLICIES.values()) + " (levers: +" + "/+".join(LEVERS) + ")"
+_LEVERS_HELP = " (levers: +" + "/+".join(LEVERS) + ")"
+POLICY_HELP = ", ".join(spec.grammar for spec in POLICIES.values()) + _LEVERS_HELP
+# what `specfit decode` runs: the others need a recorded trace
+LIVE_POLICY_HELP = ", ".join(spec.grammar if spec.live is None else spec.live for spec in POLICIES.values()
+                             if spec.live != "") + _LEVERS_HELP
 
 
 def apply_levers(policy: Policy, levers: list[str], spec: str = "") -> Policy:

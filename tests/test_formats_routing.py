@@ -102,6 +102,13 @@ def test_model_config_gives_the_shape_of_moe_layers(per_sequence_npz, tmp_path):
     both = runner.invoke(app, ["traces", "import-routing", str(path), "--out", str(out), "--model", str(tmp_path),
                                "--shape", "olmoe-1b-7b"])
     assert both.exit_code == 2 and "pass --shape or --model, not both" in both.output
+    # experts offloaded in float32 (a CPU decode) are twice bf16's bytes
+    fp32 = runner.invoke(app, ["traces", "import-routing", str(path), "--out", str(out), "--model", str(tmp_path),
+                               "--dtype", "float32", "--tree-width", "2", "--tree-depth", "2", "--json"])
+    assert fp32.exit_code == 0, fp32.output
+    assert read_trace(out).model["expert_bytes"] == 2 * model["expert_bytes"]
+    bad = runner.invoke(app, ["traces", "import-routing", str(path), "--out", str(out), "--dtype", "float32"])
+    assert bad.exit_code == 2 and "--dtype" in bad.output and "without --model" in bad.output
 
 
 def _valid(tokens, layers, k):

@@ -177,6 +177,7 @@ def test_without_profile_a_quick_calibration_is_saved_in_the_user_cache_and_name
     cache = tmp_path / "user-cache" / "specfit" / "profiles"
     saved = list(cache.glob("*.json"))
     assert len(saved) == 1 and f"profile: {saved[0]}" in result.stdout.replace("\n", "")
+    assert f"onewascalibratednow(quick)andsavedto{saved[0]}" in "".join(result.output.split())
     mtime = saved[0].stat().st_mtime_ns
     assert not (tmp_path / "calibrate").exists()             # nothing written into the current directory
     again = decode(checkpoint, "--policy", "chain:2")      # found this time, not re-measured
@@ -521,6 +522,7 @@ def test_bad_drafter_checkpoint_is_one_clear_error(checkpoint, tmp_path, change,
     (["--record-full"], "--record-full: pass --record TRACE"),
     (["--policies", "ar,ar"], "names a policy twice"),
     (["--policy", "oracle"], "--policy oracle: knows the target's verdicts in advance"),
+    (["--policies", "ar,static:auto"], "--policies static:auto: only a replay can run it"),
     (["--temperature", "-1"], "--temperature: expected a non-negative number"),
     (["--tree-top-k", "0"], "--tree-top-k: expected at least 1"),
     (["--policy", "specfit", "--tree-top-k", "5000"], "--tree-top-k: expected at most the drafter's vocabulary"),

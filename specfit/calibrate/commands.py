@@ -26,7 +26,8 @@ def calibrate_command(
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's; "
                                         "bfloat16 for --shape, as the public shapes ship)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Profile JSON to write (default: calibrate/<host>-<device>-<model>.json)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Profile JSON to write (default: calibrate/<host>-<device>-<model>.json; with --refit, the --profile's "
+                                        "name with -refit, e.g. calibrate/h200-refit.json)."),
     quick: bool = typer.Option(False, "--quick", help="Smaller probe grids (CI, smoke tests)."),
     threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP + "."),
     refit_runs: Optional[list[Path]] = typer.Option(None, "--refit", help="Refit --profile from the cycles of these "

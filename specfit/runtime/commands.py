@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, stopped, stopped_by
-from ..policies import POLICY_HELP
+from ..policies import LIVE_POLICY_HELP
 from ..threads import THREADS_HELP, set_cpu_threads
 from .run_dir import CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE
 
@@ -41,7 +41,7 @@ def decode(
                                                    "decoding; it goes on learning from the run."),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="EAGLE-3 drafter directory (published format); "
                                            "every policy but ar needs one."),
-    policy: str = typer.Option("ar", "--policy", help=f"Decoding policy: {POLICY_HELP} (live: all but the simulator's)."),
+    policy: str = typer.Option("ar", "--policy", help=f"Decoding policy: {LIVE_POLICY_HELP}."),
     policies: Optional[str] = typer.Option(None, "--policies", help="Several policies, comma-separated, each decoding "
                                            "every prompt (replaces --policy), e.g. ar,eagle3,specfit."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Hardware profile the policies predict with: a preset "

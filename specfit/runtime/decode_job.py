@@ -103,12 +103,13 @@ class DecodePlan:
                     except ValueError:
                         pass
                 raise SpecFitError(message) from None
+        option = "--policies" if len(policies) > 1 else "--policy"
         for p in policies:
             if p.needs_truth:
-                raise SpecFitError(f"--policy {p.name}: knows the target's verdicts in advance, which only a recorded "
+                raise SpecFitError(f"{option} {p.name}: knows the target's verdicts in advance, which only a recorded "
                                    f"trace can offer; use it with `specfit simulate`")
             if p.simulator_only:
-                raise SpecFitError(f"--policy {p.name}: only a replay can run it (it imposes its own cache or is tuned "
+                raise SpecFitError(f"{option} {p.name}: only a replay can run it (it imposes its own cache or is tuned "
                                    f"on a trace); use it with `specfit simulate`")
         drafting = [p.name for p in policies if p.max_levels > 0]
         if (drafting or self.record_full) and self.drafter_dir is None:
@@ -449,6 +450,8 @@ def _profile(plan: DecodePlan, model, say):
         notes.append(f"note: the calibrated profile could not be saved to the cache ({reason}); this run decides "
                      "with it, and the next run without --profile calibrates again")
         return profile, None, notes
+    notes.append(f"note: no profile of this machine and model in {dtype} was found: one was calibrated now (quick) "
+                 f"and saved to {path}, where the next run finds it")
     return profile, path, notes
 
 

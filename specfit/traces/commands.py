@@ -75,6 +75,9 @@ def import_routing_command(
     shape: Optional[str] = typer.Option(None, "--shape", help="Model shape (default: inferred from layers x top-k)."),
     model: Optional[Path] = typer.Option(None, "--model", help="The model's config.json (or its directory): the "
                                          "shape from its MoE layers, routed experts and top-k."),
+    dtype: str = typer.Option("bfloat16", "--dtype", help="With --model: the dtype its experts are offloaded in, "
+                              "which sizes an expert's bytes (bfloat16, as on a GPU; float32 as `specfit decode` "
+                              "runs on a CPU)."),
     workload: str = typer.Option("chat", "--workload", help="Drafter preset for the synthesised trees: chat, math or code."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Import only the first positions."),
     sequences: Optional[int] = typer.Option(None, "--sequences", help="Import only the first sequences."),
@@ -111,7 +114,10 @@ def import_routing_command(
             keep = np.unique(log.sequence, return_index=True)[1]
             first = log.sequence[np.sort(keep)][:sequences]
             log = log.select(np.flatnonzero(np.isin(log.sequence, first)))
-        meta = model_from_config(model) if model is not None else model_for_log(log, shape)
+        if dtype not in ("bfloat16", "float32") or (dtype != "bfloat16" and model is None):
+            raise SpecFitError(f"--dtype: expected bfloat16 or float32 with --model, got {dtype!r}"
+                               + ("" if model is not None else " without --model"))
+        meta = model_from_config(model, dtype) if model is not None else model_for_log(log, shape)
         trace = _with_status(lambda: import_routing(log, meta, workload=workload,
                                                     drafter=drafter, sibling_reuse=sibling_reuse, seed=seed, max_tokens=max_tokens),
                              "importing", as_json)

@@ -175,9 +175,10 @@ def model_for_log(log: RoutingLog, shape: str | None) -> dict:
                        f"--model (the model's config.json)")
 
 
-def model_from_config(config_path: str | Path) -> dict:
+def model_from_config(config_path: str | Path, dtype: str = "bfloat16") -> dict:
     """The model metadata of a Hugging Face ``config.json`` (or a model directory): its MoE
-    layers, routed experts, top-k, bytes of one bf16 routed expert and vocabulary."""
+    layers, routed experts, top-k, bytes of one routed expert in ``dtype`` (the dtype its experts
+    are offloaded in: bfloat16 on a GPU, float32 for `specfit decode` on a CPU) and vocabulary."""
     import torch
 
     from ..runtime.config import ModelConfig
@@ -185,5 +186,5 @@ def model_from_config(config_path: str | Path) -> dict:
     path = Path(config_path)
     config = ModelConfig.from_dir(path) if path.is_dir() else ModelConfig.from_file(path)
     return {"name": (path if path.is_dir() else path.parent).name, "n_layers": config.n_moe_layers,
-            "n_experts": config.n_experts, "top_k": config.top_k, "expert_bytes": config.expert_bytes(torch.bfloat16),
+            "n_experts": config.n_experts, "top_k": config.top_k, "expert_bytes": config.expert_bytes(getattr(torch, dtype)),
             "vocab_size": config.vocab_size}
