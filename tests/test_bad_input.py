@@ -46,7 +46,7 @@ def _commands(model_dir: Path, tmp: Path, out_dir: str, out_file: str) -> dict[s
         "decode --record": decode + ["--record", out_file],
         "simulate --out": ["simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--cache-experts", 8,
                            "--out", out_dir],
-        "report --out": ["report", SAMPLE_OLMOE.parent.parent / "calibrate" / "vm-x86-64-tiny-moe.json", "--out",
+        "report --out": ["report", SAMPLE_OLMOE.parent.parent / "calibrate" / "examples" / "vm-x86-64-tiny-moe.json", "--out",
                          out_dir],
         "demo --out": ["demo", "--quick", "--out", out_dir],
         "calibrate --out": ["calibrate", "--shape", "tiny", "--layers", 1, "--quick", "--out", out_file],

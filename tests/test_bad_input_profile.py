@@ -15,7 +15,7 @@ from trace_helpers import ROOT, SAMPLE_OLMOE
 from specfit.assets import tiny_moe_dir
 from specfit.calibrate.profile import load_profile
 
-VALID_PROFILE = ROOT / "calibrate" / "vm-x86-64-tiny-moe.json"
+VALID_PROFILE = ROOT / "calibrate" / "examples" / "vm-x86-64-tiny-moe.json"
 
 
 @pytest.fixture(autouse=True)

@@ -27,7 +27,7 @@ from specfit.simulate.plan import (
 )
 from specfit.traces.format import read_trace
 
-TINY_PROFILE = SAMPLE_OLMOE.parent.parent / "calibrate" / "vm-x86-64-tiny-moe.json"   # a tiny-moe profile
+TINY_PROFILE = SAMPLE_OLMOE.parent.parent / "calibrate" / "examples" / "vm-x86-64-tiny-moe.json"   # a tiny-moe profile
 TINY_CONFIG = SAMPLE_OLMOE.parent.parent / "specfit" / "assets" / "tiny-moe" / "config.json"
 
 GB = 1e9
