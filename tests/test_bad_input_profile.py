@@ -180,3 +180,14 @@ def test_a_refit_of_a_run_without_run_json_still_works(tmp_path):
 def test_bad_calibrate_options_are_refused_before_any_work(tmp_path, argv, needle):
     one_line_error(invoke("calibrate", "--quick", *argv, "--out", tmp_path / "p.json"), needle)
     assert not (tmp_path / "p.json").exists()
+
+
+def test_an_error_without_a_value_is_written_as_null_and_read_back_as_nan(tmp_path):
+    # strict JSON has no NaN: a held-out error over no cycle is null in the file, NaN in the profile
+    profile = load_profile(VALID_PROFILE)
+    profile.fit["holdout"] = {**profile.fit["holdout"], "mape": float("nan")}
+    path = profile.save(tmp_path / "p.json")
+    raw = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in a profile"))
+    assert raw["fit"]["holdout"]["mape"] is None
+    assert np.isnan(load_profile(path).fit["holdout"]["mape"])
+    assert invoke("report", path, "--out", tmp_path / "r").exit_code == 0

@@ -199,6 +199,7 @@ class Profile:
         sections = {key: _field(d, key, dict, "a JSON object", source, default={})
                     for key in ("machine", "fit", "probes")}
         _check_fit(sections["fit"], source)
+        _errors_as_numbers(sections["fit"])
         _check_probes(sections["probes"], source)
         return cls(cost=cost, shape=shape, kind=kind, **texts, **sections)
 
@@ -213,13 +214,23 @@ def _field(d: dict, key: str, kind: type, expected: str, source: str, default):
     return value
 
 
-# the entries of 'fit' and 'probes' that the summaries and the report read, and what each holds
 def held_out_unit(fit: dict) -> str:
     """What a profile's held-out error is over: the probes' passes, or the decode cycles a
     ``calibrate --refit`` (and the demo's warm-up) fitted it on."""
     return "decode cycles" if fit.get("refit") else "passes"
 
 
+def _errors_as_numbers(fit: dict) -> None:
+    """The prediction errors of ``fit`` (its held-out ones, a refit's before and after) with NaN
+    where the file has null: strict JSON has no NaN, so an error without a value (no cycle to
+    measure it on) is written as null (:func:`specfit.io.strict_json`)."""
+    refit = fit.get("refit") if isinstance(fit.get("refit"), dict) else {}
+    for errors in (fit.get("holdout"), refit.get("before"), refit.get("after")):
+        if isinstance(errors, dict):
+            errors.update({k: float("nan") for k, v in errors.items() if v is None})
+
+
+# the entries of 'fit' and 'probes' that the summaries and the report read, and what each holds
 FIT_OBJECTS = ("holdout", "h2d", "h2d_pageable", "probe_noise", "held", "refit")
 FIT_NULLABLE = ("h2d_pageable",)                                     # null: no pageable copies measured (CPU)
 FIT_LISTS = ("fitted", "warnings")
