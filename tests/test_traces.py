@@ -261,3 +261,15 @@ def test_cli_bad_input_is_one_line_and_exit_code_2(tmp_path):
     assert r.output.strip().count("\n") == 0 and "no such trace file" in r.output
     r = runner.invoke(app, ["traces", "synth", "--shape", "bert", "--tokens", "4", "--out", str(tmp_path / "x.parquet")])
     assert r.exit_code == 2 and "Traceback" not in r.output and "unknown model shape" in r.output
+
+
+def test_synth_help_gives_each_workloads_drafter_defaults():
+    from typer.testing import CliRunner
+
+    from specfit.cli import app
+    from specfit.traces.synth import WORKLOADS
+
+    text = " ".join(CliRunner().invoke(app, ["traces", "synth", "--help"], terminal_width=200).output.split())
+    for name, params in WORKLOADS.items():
+        assert f"{name} {params.top1_prob:g}" in text and f"{name} {params.depth_decay:g}" in text
+    assert {p.calibration_exponent for p in WORKLOADS.values()} == {1.15} and "default 1.15" in text
