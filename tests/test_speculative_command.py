@@ -305,7 +305,7 @@ def test_an_interrupted_run_keeps_every_completed_cycle(checkpoint, tmp_path, in
     cycles = pd.read_parquet(out / "cycles.parquet")
     assert sorted(set(cycles["sequence"])) == [0, 1] and len(cycles) == 2 * (NEW_TOKENS - 1)
     assert len((out / "decode.jsonl").read_text().splitlines()) == 2
-    assert not [p for p in out.iterdir() if p.name.startswith(".")]      # no temporary file left
+    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".lock"]   # no temporary file left
 
 
 def _watch_cycles(monkeypatch, stop_in_second_prompt_at=None):
@@ -358,6 +358,37 @@ def test_a_ctrl_c_inside_a_prompt_keeps_the_rows_of_its_complete_cycles(checkpoi
     assert first >= 2 and len(prompts_begun[1]) == 2
     assert f"every complete cycle, {first + 2} of them" in str(stopped.value)
     _assert_rows_of(pd.read_parquet(out / "cycles.parquet"), prompts_begun)
+
+
+@pytest.mark.parametrize("with_files", [True, False], ids=["journal", "no-files"])
+def test_a_stop_just_after_a_cycle_became_a_row_keeps_it_once(checkpoint, tmp_path, monkeypatch, with_files):
+    """A Ctrl-C (or SIGTERM) that lands after a cycle's row was added, before its pending entry was
+    dropped, kept that cycle twice (a real-process SIGTERM test saw cycle 7 twice): each complete
+    cycle is one row, in order."""
+    import specfit.runtime.decode_job as decode_job
+
+    model_dir, drafter_dir, prompts = checkpoint
+    plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["ar"],
+                      profile="pcie4", max_new_tokens=NEW_TOKENS, device="cpu",
+                      out_dir=tmp_path / "run" if with_files else None, ignore_eos=True, warmup=False)
+    prompts_begun = _watch_cycles(monkeypatch)
+    add_cycle, added = decode_job.DecodeOutputs.add_cycle, []
+
+    def add_then_stop(self, row):
+        add_cycle(self, row)
+        added.append(row)
+        if len(added) == NEW_TOKENS + 1:        # in the second prompt (ar: NEW_TOKENS - 1 cycles each)
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(decode_job.DecodeOutputs, "add_cycle", add_then_stop)
+    rows = []
+    monkeypatch.setattr(decode_job, "_keep_partial", lambda plan, outputs, recorder: rows.extend(outputs.cycles) or "")
+    with pytest.raises(Interrupted):
+        run_decode(plan)
+    keys = [(r["sequence"], r["cycle"]) for r in rows]
+    assert len(keys) == len(set(keys)) >= NEW_TOKENS + 1
+    _assert_rows_of(pd.DataFrame(rows), [p[:sum(1 for r in rows if r["sequence"] == i)]
+                                         for i, p in enumerate(prompts_begun)])
 
 
 def test_a_run_without_files_makes_its_rows_after_each_prompt(checkpoint, monkeypatch):

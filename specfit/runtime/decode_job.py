@@ -256,7 +256,14 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
         pending: list = []
         row_per_cycle = plan.out_dir is not None
 
-        def keep_pending():
+        def keep_pending(stopped: bool = False):
+            if stopped and pending and outputs.cycles:
+                # a stop that landed after a pending cycle became a row, before the list was cleared:
+                # rows are added in order, so those rows are pending's first entries, up to the last row
+                last = outputs.cycles[-1]
+                done = (last["policy"], last["sequence"], last["cycle"])
+                moved = next((i + 1 for i, (p, s, _, _, c) in enumerate(pending) if (p, s, c) == done), 0)
+                del pending[:moved]
             for policy_name, index, stats, committed, cycle in pending:
                 row = live_row(stats, profile.cost, expert_bytes)
                 row["committed_tokens"] = committed       # what reached the output (after eos / the length cap)
@@ -351,7 +358,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                     recorder.end_sequence(len(result.output_ids))
                     tick()
         except SpecFitError as exc:
-            keep_pending()
+            keep_pending(stopped=True)
             if not outputs.records and not outputs.cycles and not (recorder is not None and len(recorder)):
                 if fresh_out:
                     import shutil
@@ -365,7 +372,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
         except INTERRUPTS as exc:
             if not interrupted(exc):
                 raise
-            keep_pending()
+            keep_pending(stopped=True)
             kept = _keep_partial(plan, outputs, recorder)
             raise Interrupted(f"interrupted after {len(outputs.cycles)} complete cycle(s) ({len(outputs.records)} (policy, "
                               f"prompt) run(s) finished): " + (f"kept {kept}" if kept else
