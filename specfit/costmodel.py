@@ -69,11 +69,12 @@ def _union_bits(experts, nodes, n_experts: int) -> np.ndarray:
     return union
 
 
-@dataclass
+@dataclass(frozen=True)
 class CostModel:
     """Scalar cycle-time model, all times in seconds.
 
-    ``expert_bytes`` is not a time: it converts misses into bytes moved host-to-device.
+    ``expert_bytes`` is not a time: it converts misses into bytes moved host-to-device. Frozen:
+    the terms are checked once, here; :meth:`replace` and :meth:`scaled` make changed copies.
     """
 
     base_s: float
@@ -90,7 +91,7 @@ class CostModel:
                 raise ValueError(f"CostModel.{f.name}: expected a number, got {value!r}")
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"CostModel.{f.name}: expected a finite non-negative number, got {value!r}")
-            setattr(self, f.name, int(value) if f.name == "expert_bytes" else float(value))
+            object.__setattr__(self, f.name, int(value) if f.name == "expert_bytes" else float(value))
 
     def bytes_per_miss(self, traced_expert_bytes: int) -> int:
         """The bytes one miss moves under this model: its own expert size, which its miss time

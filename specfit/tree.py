@@ -105,17 +105,30 @@ class DraftTree:
         counts = np.bincount(self.parents[1:], minlength=self.n_nodes)
         return np.split(order, np.cumsum(counts)[:-1])
 
+    def _node_ids(self, nodes, distinct: bool = False) -> np.ndarray:
+        """``nodes`` as int64 ids, each in ``[0, n_nodes)`` (a negative id would wrap around to
+        the tree's last nodes), and with ``distinct`` none twice; one clear error otherwise."""
+        ids = np.asarray(nodes)
+        if ids.size and not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"nodes: expected integer node ids, got {ids.dtype}")
+        ids = ids.astype(np.int64, copy=False).reshape(-1)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.n_nodes):
+            raise ValueError(f"nodes: expected ids in [0, {self.n_nodes}), got [{ids.min()}, {ids.max()}]")
+        if distinct and np.unique(ids).size != ids.size:
+            raise ValueError("nodes: expected a set of node ids, got one twice")
+        return ids
+
     def is_ancestor_closed(self, nodes) -> bool:
         """True when ``nodes`` contains the root and every ancestor of each node it contains."""
         sel = np.zeros(self.n_nodes, dtype=bool)
-        sel[np.asarray(nodes, dtype=np.int64)] = True
+        sel[self._node_ids(nodes)] = True
         return bool(sel[0] and np.all(sel[self.parents[1:]] | ~sel[1:]))
 
     def closure(self, nodes) -> np.ndarray:
         """Sorted node ids of the smallest ancestor-closed set containing ``nodes`` and the root."""
         sel = np.zeros(self.n_nodes, dtype=bool)
         sel[0] = True
-        sel[np.asarray(nodes, dtype=np.int64)] = True
+        sel[self._node_ids(nodes)] = True
         for v in range(self.n_nodes - 1, 0, -1):
             if sel[v]:
                 sel[self.parents[v]] = True
@@ -123,7 +136,7 @@ class DraftTree:
 
     def expected_tokens(self, nodes) -> float:
         """A(S) = 1 + sum of path probabilities of the selected draft nodes (the 1 is the bonus)."""
-        nodes = np.asarray(nodes, dtype=np.int64)
+        nodes = self._node_ids(nodes, distinct=True)
         return 1.0 + float(self.path_probs[nodes[nodes != 0]].sum())
 
     def subtree(self, nodes) -> "DraftTree":
@@ -159,7 +172,7 @@ class DraftTree:
 
     def positions(self, prefix_len: int, nodes=None) -> np.ndarray:
         """Absolute positions of ``nodes`` (default: all) when the root sits at ``prefix_len``."""
-        d = self.depth if nodes is None else self.depth[np.asarray(nodes, dtype=np.int64)]
+        d = self.depth if nodes is None else self.depth[self._node_ids(nodes)]
         return prefix_len + d
 
     def accepted_path(self, verdicts, nodes=None) -> np.ndarray:

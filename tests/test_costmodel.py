@@ -162,3 +162,14 @@ def test_from_dict_rejects_a_non_object():
 def test_zero_costs_are_valid():
     model = CostModel(base_s=0.0, per_node_s=0.0, hit_s=0.0, miss_s=0.0, draft_level_s=0.0)
     assert model.predict(TREE, [0, 1, 2, 3], EXPERTS, CACHED, 3) == 0.0
+
+
+def test_a_cost_model_is_frozen_so_its_checked_terms_stay_checked():
+    import dataclasses
+
+    cost = CostModel(base_s=1e-3, per_node_s=1e-4, hit_s=1e-5, miss_s=1e-3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cost.miss_s = float("nan")
+    with pytest.raises(ValueError, match="miss_s"):
+        cost.replace(miss_s=float("nan"))
+    assert cost.miss_s == 1e-3

@@ -664,3 +664,30 @@ def test_negative_or_nan_costs_are_rejected_naming_the_field(field, value):
     params[field] = value
     with pytest.raises(ValueError, match=field):
         CostModel(**params)
+
+
+def test_a_read_only_view_of_a_changing_residency_is_searched_as_it_is_now():
+    # only a residency the cache registered (ExpertCache.resident(read_only=True)) is packed once;
+    # a caller's read-only view of an array it then changes is read afresh at every search
+    from specfit import ExpertCache
+
+    tree = DraftTree(parents=[-1, 0, 0], path_probs=[1.0, 0.6, 0.3])
+    experts = np.array([[[0, 1]], [[2, 3]], [[4, 5]]])
+    cost = CostModel(base_s=1e-3, per_node_s=1e-4, hit_s=1e-5, miss_s=1e-3)
+    base = np.zeros((1, 8), dtype=bool)
+    view = base.view()
+    view.flags.writeable = False
+    assert best_subtree(tree, experts, view, cost).hits == 0
+    base[:] = True
+    assert best_subtree(tree, experts, view, cost).hits == best_subtree(tree, experts, base.copy(), cost).hits > 0
+    cache = ExpertCache(1, 8, capacity=8)
+    cache.admit(np.array([[True] * 6 + [False] * 2]))
+    resident = cache.resident(read_only=True)
+    assert not resident.flags.writeable
+    assert best_subtree(tree, experts, resident, cost).hits == best_subtree(tree, experts, base.copy(), cost).hits
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_max_weight_closure_refuses_weights_that_are_not_finite(bad):
+    with pytest.raises(ValueError, match="weights: expected finite numbers, got .* at index 1"):
+        max_weight_closure(np.array([1.0, bad]), [])

@@ -387,3 +387,32 @@ def test_a_speedup_that_rounds_to_one_keeps_its_sign():
 
     assert [speedup_text(v) for v in (1.374, 0.9989, 1.0041, 1.0, 0.995)] == ["1.37x", "0.999x", "1.004x", "1.00x", "0.99x"]
     assert speedup_text(float("nan")) == "-" and speedup_text(None, "–") == "–"
+
+
+def test_a_trace_changed_in_memory_is_validated_before_the_compiled_replay():
+    # the replay indexes by depth without bounds checks: one wrong depth crashed the process
+    trace = read_trace(SAMPLE_OLMOE)
+    depth = trace.depth.copy()
+    depth[1] = 7
+    trace.depth = depth
+    with pytest.raises(SpecFitError, match="'depth' must equal the parent's depth"):
+        prepare("changed", trace, trace.true_experts)
+    unread = read_trace(SAMPLE_OLMOE, validate=False)
+    unread.offsets = unread.offsets[::-1].copy()
+    with pytest.raises(SpecFitError, match="cycle offsets"):
+        prepare("unread", unread, unread.true_experts)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"policies": []}, "policies: expected at least one"),
+    ({"cache_sizes": []}, "cache_sizes: expected at least one"),
+    ({"policies": ["ar", "ar"]}, "policies: ar twice"),
+    ({"scenarios": [Scenario("same", HAND_COST), Scenario("same", HAND_COST)]}, "scenarios: same twice"),
+    ({"scenarios": [Scenario("a dict", {"base_s": 1.0})]}, "expected a CostModel, got dict"),
+])
+def test_run_sweep_refuses_a_grid_without_cells_or_with_colliding_rows_before_any_replay(change, message):
+    trace = hand_trace()
+    grid = {"prepared": [prepare("hand", trace, trace.true_experts)], "policies": ["ar"], "cache_sizes": [1],
+            "scenarios": [Scenario("hand", HAND_COST)], **change}
+    with pytest.raises(ValueError, match=message):
+        run_sweep(**grid)

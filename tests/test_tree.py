@@ -280,3 +280,20 @@ def test_bad_tokens_are_rejected_naming_tokens():
         DraftTree(parents=np.array([-1, 0]), path_probs=np.array([1.0, 0.5]), tokens=np.array([1, 2, 3]))
     with pytest.raises(ValueError, match="tokens"):
         DraftTree(parents=np.array([-1, 0]), path_probs=np.array([1.0, 0.5]), tokens=np.array([1.0, 2.0]))
+
+
+@pytest.mark.parametrize("call", ["closure", "expected_tokens", "is_ancestor_closed", "positions"])
+@pytest.mark.parametrize("nodes", [[0, -1], [0, 9], [0, 1.5]])
+def test_node_ids_out_of_the_tree_are_refused_by_every_helper(call, nodes):
+    # a negative id wrapped around to the last node, a float was truncated, 9 was a bare IndexError
+    tree = DraftTree(parents=[-1, 0, 0, 1], path_probs=[1.0, 0.6, 0.5, 0.25])
+    args = (5, nodes) if call == "positions" else (nodes,)
+    with pytest.raises(ValueError, match="nodes: expected"):
+        getattr(tree, call)(*args)
+
+
+def test_expected_tokens_counts_a_set():
+    tree = DraftTree(parents=[-1, 0, 0, 1], path_probs=[1.0, 0.6, 0.5, 0.25])
+    assert tree.expected_tokens([0, 1, 3]) == pytest.approx(1.85)
+    with pytest.raises(ValueError, match="one twice"):
+        tree.expected_tokens([0, 1, 1])

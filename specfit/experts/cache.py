@@ -119,8 +119,9 @@ class ExpertCache(LayerCounts):
         if policy not in EVICTION_POLICIES:
             raise ValueError(f"ExpertCache.policy: expected one of {EVICTION_POLICIES}, got {policy!r}")
         limit = self.slot_limit(n_layers, n_experts, mode)
-        if not 0 <= int(capacity):
-            raise ValueError(f"ExpertCache.capacity: expected a non-negative number of experts, got {capacity}")
+        for name, value in (("capacity", capacity), ("expert_bytes", expert_bytes)):
+            if isinstance(value, (bool, str)) or not isinstance(value, (int, np.integer)) or value < 0:
+                raise ValueError(f"ExpertCache.{name}: expected a non-negative integer, got {value!r}")
         self.n_layers, self.n_experts = int(n_layers), int(n_experts)
         self.capacity = min(int(capacity), limit)
         self.mode, self.policy, self.expert_bytes = mode, policy, int(expert_bytes)
@@ -155,7 +156,9 @@ class ExpertCache(LayerCounts):
         decides on: the search then packs it once however often it searches)."""
         out = kernels.bitsets.unpack(self._bits, self.n_experts)
         if read_only:
-            out.flags.writeable = False
+            from ..search import remember_packed
+
+            remember_packed(out)
         return out
 
     def warm(self, resident: np.ndarray) -> None:

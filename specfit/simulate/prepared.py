@@ -153,7 +153,14 @@ def check_position_indexed(trace: Trace, where: str) -> None:
 def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: np.ndarray | None = None,
             predictor: str = "oracle", info: dict | None = None) -> PreparedTrace:
     """Cut the trace into the replay's flat arrays. ``predicted_experts`` ``[nodes, L, k]`` is what
-    the policies decide with; ``path_probs`` ``[nodes]`` replaces the drafter's (e.g. calibrated)."""
+    the policies decide with; ``path_probs`` ``[nodes]`` replaces the drafter's (e.g. calibrated).
+
+    The trace is validated again here (a few ms): the compiled replay indexes by its depths,
+    parents and offsets without bounds checks, so a trace changed in memory after it was read (or
+    read with ``validate=False``) must not reach it unchecked."""
+    from ..traces.validate import validate_trace
+
+    validate_trace(trace, name)
     check_position_indexed(trace, name)
     # the dtypes the compiled kernels take (those of a trace read from disk: no copies)
     offsets = np.ascontiguousarray(trace.offsets, dtype=np.int64)

@@ -104,8 +104,10 @@ def _compiled_rule(policy: Policy) -> tuple[int, int, int] | None:
 
 def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostModel,
            record_unions: bool = False, compiled: bool = True) -> CycleLog:
-    """Replay every sequence of ``prep`` through ``policy`` with ``cache`` (mutated: it carries
-    state across cycles) and ``cost`` (the policy's cost model). ``record_unions`` keeps each
+    """Replay every sequence of ``prep`` through ``policy`` with ``cache`` and ``cost`` (the
+    policy's cost model). Both ``cache`` and ``policy`` are mutated: they carry state across
+    cycles (residency; what the policy and its levers learn), so a second replay wants fresh ones
+    (:func:`specfit.policies.make_policy`). ``record_unions`` keeps each
     cycle's true union (e.g. for :func:`specfit.experts.belady.belady_counts`). ``compiled=False``
     runs the Python loop through the policy and lever objects even where the kernels could run
     the whole replay (the reference the kernels are tested against; slower, same results)."""

@@ -56,6 +56,22 @@ def _run(prep: PreparedTrace, policy: Policy, capacity: int, cost: CostModel, ca
     return replay(prep, policy, cache, cost)
 
 
+def _check_grid(prepared, policies, cache_sizes, scenarios) -> None:
+    """One clear error, before any replay, for a grid that has no cell or whose rows would collide."""
+    for name, values in (("prepared", prepared), ("policies", policies), ("cache_sizes", cache_sizes),
+                         ("scenarios", scenarios)):
+        if len(values) == 0:
+            raise ValueError(f"{name}: expected at least one, got none")
+    for name, keys in (("policies", list(policies)), ("cache_sizes", [int(c) for c in cache_sizes]),
+                       ("scenarios", [s.label for s in scenarios])):
+        repeated = sorted({str(k) for k in keys if keys.count(k) > 1})
+        if repeated:
+            raise ValueError(f"{name}: {', '.join(repeated)} twice; expected distinct ones (their rows would collide)")
+    for s in scenarios:
+        if not isinstance(s.cost, CostModel):
+            raise ValueError(f"scenarios: {s.label!r}: expected a CostModel, got {type(s.cost).__name__}")
+
+
 def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: list[int], scenarios: list[Scenario],
               cache_mode: str = "per_layer", cache_policy: str = "lru", max_levels: int = 8,
               progress: Callable[[str], None] | None = None,
@@ -66,6 +82,7 @@ def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: l
     prices, per draft node, the experts its predictor gets wrong (the predictor's slot precision
     on the trace)."""
     check_policies(policies, max_levels)
+    _check_grid(prepared, policies, cache_sizes, scenarios)
 
     def build(spec: str) -> Policy:
         policy = make_policy(spec, max_levels=max_levels)
