@@ -18,6 +18,8 @@ class _Commands(TyperGroup):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
+        except (BrokenPipeError, ConnectionError, TimeoutError):
+            raise               # a reader that went away (`| head`: click ends quietly), a network's
         except OSError as exc:
             from .errors import fail
             from .io import os_error_text

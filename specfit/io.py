@@ -10,6 +10,7 @@ import json
 import math
 import os
 import signal
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Callable
 from .errors import Interrupted, SpecFitError, note_stop_signal, sigterm_stops
 
 __all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "strict_json", "write_jsonl_atomic", "check_output",
-           "not_readable_as", "os_error_text", "run_dir_lock", "LOCK_FILE",
+           "not_readable_as", "os_error_text", "run_dir_lock", "LOCK_FILE", "strict_dumps",
            "remove_stale_temporaries", "read_json_object", "json_text", "deferred_interrupt"]
 
 
@@ -134,16 +135,30 @@ def run_dir_lock(out_dir: str | Path | None, command: str):
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with open(out_dir / LOCK_FILE, "w") as handle:
+    lock = out_dir / LOCK_FILE
+    try:                                # never through a link, never blocking on a FIFO, never truncating
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
+    except OSError as exc:
+        raise SpecFitError(f"{lock}: cannot open the directory's lock ({exc.strerror or exc}); expected a regular "
+                           "file or none") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise SpecFitError(f"{lock}: not a regular file; expected the directory's lock file or none")
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            held = True
         except BlockingIOError:
             raise SpecFitError(f"{out_dir}: another specfit run is writing this directory (`specfit {command}` needs "
                                "it alone); wait for it or use another --out") from None
+        except OSError:                 # a file system without locks (some network mounts): run unlocked
+            held = False
         try:
             yield
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            if held:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def remove_stale_temporaries(directory: str | Path) -> int:
@@ -196,6 +211,12 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report is for others to read
         os.replace(tmp, path)
+    except OSError as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if exc.filename is not None:
+            raise
+        # a writer's own error (pyarrow's, a full disk's) may name no file: name the one written
+        raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -215,7 +236,8 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
 def strict_json(obj):
     """``obj`` with every NaN or infinite float as None: JSON has no such numbers, and Python's
     ``NaN`` / ``Infinity`` extension is refused by other readers (JavaScript's ``JSON.parse``, jq).
-    A reader of specfit's files takes null as "no value" where a number is expected."""
+    A reader of specfit's files takes null as "no value" where a number is expected. (Use
+    :func:`strict_dumps`, which walks ``obj`` only when it holds such a number.)"""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
@@ -225,12 +247,20 @@ def strict_json(obj):
     return obj
 
 
+def strict_dumps(obj, **options) -> str:
+    """``json.dumps`` of ``obj`` as strict JSON (NaN and infinities as null, :func:`strict_json`)."""
+    try:
+        return json.dumps(obj, allow_nan=False, **options)
+    except ValueError:                  # a NaN or an infinity somewhere: the slower walk
+        return json.dumps(strict_json(obj), allow_nan=False, **options)
+
+
 def write_json_atomic(path: str | Path, obj, indent: int = 2) -> Path:
-    return write_text_atomic(path, json.dumps(strict_json(obj), indent=indent, sort_keys=False, allow_nan=False) + "\n")
+    return write_text_atomic(path, strict_dumps(obj, indent=indent) + "\n")
 
 
 def write_jsonl_atomic(path: str | Path, records) -> Path:
-    return write_text_atomic(path, "".join(json.dumps(strict_json(r), allow_nan=False) + "\n" for r in records))
+    return write_text_atomic(path, "".join(strict_dumps(r) + "\n" for r in records))
 
 
 @contextlib.contextmanager

@@ -84,15 +84,15 @@ def check_run_dir(out_dir: str | Path | None, kind: str, option: str = "--out", 
     into (:func:`~specfit.io.check_output`), and refused when it holds another command's run: their
     files would mix (a decode's cycles beside a simulation's summary), and a report would read them
     as one run. A new or empty directory, one without a ``run.json`` and a run of the same kind
-    (rewritten, or a sweep resumed) are fine. ``files``: the names the run writes there, each
-    refused when something other than a regular file holds it (a directory of that name), before
-    the run's work rather than when it writes."""
+    (rewritten, or a sweep resumed) are fine. ``files``: the names the run writes there (and
+    ``run.json``), each refused when something other than a regular file holds it (a directory of
+    that name), before the run's work rather than when it writes."""
     from .io import check_output
 
     path = check_output(out_dir, option, kind="dir")
     if path is None or not path.is_dir():
         return path
-    for name in files:
+    for name in (RUN_INFO_FILE, *files):
         check_output(path / name, option, kind="file")
     held = (read_run_info(path) or {}).get("kind")      # no readable run.json: nothing says what it holds
     if isinstance(held, str) and held.split() and held.split()[0] != kind:

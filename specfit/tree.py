@@ -141,7 +141,7 @@ class DraftTree:
 
     def subtree(self, nodes) -> "DraftTree":
         """The tree restricted to an ancestor-closed node set, renumbered in order."""
-        nodes = np.unique(np.asarray(nodes, dtype=np.int64))
+        nodes = np.unique(self._node_ids(nodes))
         if not self.is_ancestor_closed(nodes):
             raise ValueError("nodes: expected an ancestor-closed set containing the root")
         remap = np.full(self.n_nodes, -1, dtype=np.int64)
@@ -164,7 +164,7 @@ class DraftTree:
         """[m, prefix_len + m] bool tree mask over ``nodes`` (default: all): row i may attend to
         the ``prefix_len`` committed tokens before the tree, and to column ``prefix_len + j`` when
         node ``nodes[j]`` is node i or one of its ancestors."""
-        nodes = np.arange(self.n_nodes) if nodes is None else np.asarray(nodes, dtype=np.int64).reshape(-1)
+        nodes = np.arange(self.n_nodes) if nodes is None else self._node_ids(nodes)
         ok, mask = kernels.tree.tree_mask(self.parents, nodes, int(prefix_len))
         if not ok:
             raise ValueError(f"nodes: expected ids in [0, {self.n_nodes}), got [{nodes.min()}, {nodes.max()}]")
@@ -187,7 +187,7 @@ class DraftTree:
             raise ValueError(f"verdicts: expected an integer array of shape ({n},), got {verdicts.dtype} {verdicts.shape}")
         inside = np.zeros(0 if nodes is None else n, dtype=bool)
         if nodes is not None:
-            inside[np.asarray(nodes, dtype=np.int64)] = True
+            inside[self._node_ids(nodes)] = True
         ok, out = np.empty(n, dtype=bool), np.empty(n, dtype=np.int64)
         size = kernels.tree.accepted_path(self.parents, self.depth, self.tokens, verdicts.astype(np.int64), 0, n,
                                           inside, ok, out)
@@ -226,7 +226,10 @@ def _raise_invalid(parents: np.ndarray, probs: np.ndarray) -> None:
 
 def check_nodes(tree: DraftTree, nodes, name: str = "nodes") -> np.ndarray:
     """Validate a node selection: sorted unique ids in range, containing the root, ancestor-closed."""
-    nodes = np.unique(np.asarray(nodes, dtype=np.int64))
+    given = np.asarray(nodes)
+    if given.size and not np.issubdtype(given.dtype, np.integer):
+        raise ValueError(f"{name}: expected integer node ids, got {given.dtype}")
+    nodes = np.unique(given.astype(np.int64, copy=False))
     if nodes.size == 0 or nodes[0] != 0:
         raise ValueError(f"{name}: expected a selection containing the root (node 0)")
     if nodes[-1] >= tree.n_nodes:

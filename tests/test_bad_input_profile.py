@@ -186,8 +186,11 @@ def test_an_error_without_a_value_is_written_as_null_and_read_back_as_nan(tmp_pa
     # strict JSON has no NaN: a held-out error over no cycle is null in the file, NaN in the profile
     profile = load_profile(VALID_PROFILE)
     profile.fit["holdout"] = {**profile.fit["holdout"], "mape": float("nan")}
+    profile.fit["probe_noise"] = {**profile.fit["probe_noise"], "spread_median": float("nan"), "cpu_share": None}
     path = profile.save(tmp_path / "p.json")
     raw = json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in a profile"))
-    assert raw["fit"]["holdout"]["mape"] is None
-    assert np.isnan(load_profile(path).fit["holdout"]["mape"])
+    assert raw["fit"]["holdout"]["mape"] is None and raw["fit"]["probe_noise"]["spread_median"] is None
+    again = load_profile(path)
+    assert np.isnan(again.fit["holdout"]["mape"]) and np.isnan(again.fit["probe_noise"]["spread_median"])
+    assert again.fit["probe_noise"]["cpu_share"] is None and again.fit["h2d_pageable"] is None  # "not measured"
     assert invoke("report", path, "--out", tmp_path / "r").exit_code == 0

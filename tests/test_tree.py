@@ -282,7 +282,8 @@ def test_bad_tokens_are_rejected_naming_tokens():
         DraftTree(parents=np.array([-1, 0]), path_probs=np.array([1.0, 0.5]), tokens=np.array([1.0, 2.0]))
 
 
-@pytest.mark.parametrize("call", ["closure", "expected_tokens", "is_ancestor_closed", "positions"])
+@pytest.mark.parametrize("call", ["closure", "expected_tokens", "is_ancestor_closed", "positions", "subtree",
+                                  "attention_mask"])
 @pytest.mark.parametrize("nodes", [[0, -1], [0, 9], [0, 1.5]])
 def test_node_ids_out_of_the_tree_are_refused_by_every_helper(call, nodes):
     # a negative id wrapped around to the last node, a float was truncated, 9 was a bare IndexError
@@ -290,6 +291,14 @@ def test_node_ids_out_of_the_tree_are_refused_by_every_helper(call, nodes):
     args = (5, nodes) if call == "positions" else (nodes,)
     with pytest.raises(ValueError, match="nodes: expected"):
         getattr(tree, call)(*args)
+
+
+def test_a_selection_of_float_ids_is_refused_not_truncated():
+    from specfit.tree import check_nodes
+
+    tree = DraftTree(parents=[-1, 0, 0, 1], path_probs=[1.0, 0.6, 0.5, 0.25])
+    with pytest.raises(ValueError, match="selection: expected integer node ids"):
+        check_nodes(tree, [0.0, 1.7], "selection")
 
 
 def test_expected_tokens_counts_a_set():

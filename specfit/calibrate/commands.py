@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from ..errors import INTERRUPTS, SpecFitError, check_seed, fail, stopped_by
-from ..io import check_output
+from ..io import check_output, strict_dumps
 from ..threads import THREADS_HELP, set_cpu_threads
 
 
@@ -26,8 +25,9 @@ def calibrate_command(
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N."),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: the checkpoint's; "
                                         "bfloat16 for --shape, as the public shapes ship)."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Profile JSON to write (default: calibrate/<host>-<device>-<model>.json; with --refit, the --profile's "
-                                        "name with -refit, e.g. calibrate/h200-refit.json)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Profile JSON to write (default: "
+                                       "calibrate/<host>-<device>-<model>.json; with --refit, the --profile's name "
+                                       "with -refit, e.g. calibrate/h200-refit.json)."),
     quick: bool = typer.Option(False, "--quick", help="Smaller probe grids (CI, smoke tests)."),
     threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP + "."),
     refit_runs: Optional[list[Path]] = typer.Option(None, "--refit", help="Refit --profile from the cycles of these "
@@ -78,7 +78,7 @@ def calibrate_command(
         stopped_by(exc, "interrupted: no profile was written (probes are fitted only once they have all run)")
     _report(path, report, as_json, console)
     if as_json:
-        typer.echo(json.dumps(prof.to_dict(), indent=2))
+        typer.echo(strict_dumps(prof.to_dict(), indent=2))
         return
     _summary(prof, path, console)
 
@@ -155,7 +155,7 @@ def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> Path
     new, comparison = refit(prof, run_dirs, seed=seed)
     new.save(path)
     if as_json:
-        typer.echo(json.dumps({"profile": new.to_dict(), "comparison": comparison}, indent=2))
+        typer.echo(strict_dumps({"profile": new.to_dict(), "comparison": comparison}, indent=2))
         return path
     table = Table(title=f"Refit on {comparison['n_cycles']} measured cycles ({comparison['n_holdout']} held out) -> {path}")
     for col in ("", "held-out MAPE", "max abs. error (s)"):

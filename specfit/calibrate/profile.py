@@ -199,7 +199,7 @@ class Profile:
         sections = {key: _field(d, key, dict, "a JSON object", source, default={})
                     for key in ("machine", "fit", "probes")}
         _check_fit(sections["fit"], source)
-        _errors_as_numbers(sections["fit"])
+        sections["fit"] = _nulls_as_nan(sections["fit"])
         _check_probes(sections["probes"], source)
         return cls(cost=cost, shape=shape, kind=kind, **texts, **sections)
 
@@ -220,14 +220,21 @@ def held_out_unit(fit: dict) -> str:
     return "decode cycles" if fit.get("refit") else "passes"
 
 
-def _errors_as_numbers(fit: dict) -> None:
-    """The prediction errors of ``fit`` (its held-out ones, a refit's before and after) with NaN
-    where the file has null: strict JSON has no NaN, so an error without a value (no cycle to
-    measure it on) is written as null (:func:`specfit.io.strict_json`)."""
-    refit = fit.get("refit") if isinstance(fit.get("refit"), dict) else {}
-    for errors in (fit.get("holdout"), refit.get("before"), refit.get("after")):
-        if isinstance(errors, dict):
-            errors.update({k: float("nan") for k, v in errors.items() if v is None})
+# entries of 'fit' whose null means "not measured" (no pageable copies on a CPU; a CPU share only
+# with one torch thread on a CPU), not a number without a value
+FIT_NULL_MEANS_NONE = ("h2d_pageable", "cpu_share")
+
+
+def _nulls_as_nan(value):
+    """``fit``'s numbers with NaN where the file has null: strict JSON has no NaN, so a figure
+    without a value (an error over no cycle, a spread of one round) is written as null
+    (:func:`specfit.io.strict_json`); the entries of :data:`FIT_NULL_MEANS_NONE` keep theirs."""
+    if isinstance(value, dict):
+        return {k: v if k in FIT_NULL_MEANS_NONE and v is None else float("nan") if v is None else _nulls_as_nan(v)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [_nulls_as_nan(v) for v in value]
+    return value
 
 
 # the entries of 'fit' and 'probes' that the summaries and the report read, and what each holds

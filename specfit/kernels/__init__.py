@@ -72,9 +72,11 @@ def drop_stale_caches(sources: list[Path], stamp: Path, caches: list[tuple[Path,
         for folder, pattern in caches:
             for path in folder.glob(pattern):
                 path.unlink(missing_ok=True)
+        from ..errors import SpecFitError
         from ..io import write_text_atomic
 
         write_text_atomic(stamp, want)
-    except OSError:   # a read-only install: numba then caches in the user's cache directory
-        pass
+    except (OSError, SpecFitError):   # a read-only install (numba then caches in the user's cache
+        pass                          # directory), or a stamp that is no regular file
+
     return True

@@ -3,13 +3,13 @@ speculatively with any policy, and compare every cycle's measurement with its pr
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
 import typer
 
 from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, stopped, stopped_by
+from ..io import strict_dumps
 from ..policies import LIVE_POLICY_HELP
 from ..threads import THREADS_HELP, set_cpu_threads
 from .run_dir import CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE
@@ -107,7 +107,7 @@ def decode(
 
     def emit(record_: dict) -> None:
         if json_lines:
-            print(json.dumps(record_), flush=True)
+            print(strict_dumps(record_), flush=True)
 
     # loading and calibration messages live in the transient progress line: on error, stderr
     # holds the one error line only

@@ -437,7 +437,7 @@ def _profile(plan: DecodePlan, model, say):
             try:
                 found = load_profile(path)
             except SpecFitError as exc:           # damaged: calibrated again below, and replaced
-                notes.append(f"note: {exc}: not used (calibrating again)")
+                notes.append(f"note: {exc}: not used")
                 continue
             if found.shape.same_shape(shape):
                 return found.for_shape(shape, source=str(path)), path, notes

@@ -116,8 +116,10 @@ def read_decode_summaries(out_dir: str | Path) -> list:
         raise SpecFitError(f"{path}: not a readable JSON file ({exc}); expected the run's per-policy summaries") from None
     if not (isinstance(summaries, list) and all(isinstance(s, dict) for s in summaries)):
         raise SpecFitError(f"{path}: expected a list of per-policy summary objects, got {json_text(summaries)}")
-    # a figure without a value (a precision of no predictions) is written as null, read as NaN
-    def numbers(obj):
-        return {k: float("nan") if v is None else numbers(v) if isinstance(v, dict) else v for k, v in obj.items()}
+    return [_nulls_as_nan(s) for s in summaries]
 
-    return [numbers(s) for s in summaries]
+
+def _nulls_as_nan(summary: dict) -> dict:
+    """A summary's figures without a value (a precision of no predictions), written as null in
+    strict JSON, as NaN again."""
+    return {k: float("nan") if v is None else _nulls_as_nan(v) if isinstance(v, dict) else v for k, v in summary.items()}

@@ -97,8 +97,8 @@ def _sigterm_kept():
         note_stop_signal(signal.SIGTERM)
         raise KeyboardInterrupt from None
     finally:
-        if main and before is not None:        # also over a handler installed outside Python's view
-            signal.signal(signal.SIGTERM, before)
+        if main and ours:          # the command's handler, also over one installed outside Python's view;
+            signal.signal(signal.SIGTERM, before)   # a library caller keeps Ray's (it shuts Ray down)
 
 
 def _init(ray, address, num_cpus, options) -> None:

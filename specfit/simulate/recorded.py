@@ -27,6 +27,7 @@ def recharge(trace: Trace, cache: ExpertCache, cost: CostModel | None = None) ->
     (with ``cost``) ``charged_time_s``, with ``cache`` (mutated) carrying state across cycles and
     sequences as the live run's did."""
     recording = trace.meta.get("recording", {})
+    moved = trace.expert_bytes if cost is None else cost.bytes_per_miss(trace.expert_bytes)   # one miss's bytes
     prefill = dict(zip(recording.get("prefill_sequences", []), recording.get("prefill_experts", [])))
     if trace.position_indexed:
         raise SpecFitError("recharge: the trace is position-indexed (a --record-full recording, one token per "
@@ -52,7 +53,7 @@ def recharge(trace: Trace, cache: ExpertCache, cost: CostModel | None = None) ->
         union[np.broadcast_to(np.arange(L)[None, :, None], true.shape).ravel(), true.ravel()] = True
         result = cache.admit(union)
         rows.append({"sequence": sequence, "position": int(trace.position[c]), "hits": result.total_hits,
-                     "misses": result.total_misses, "bytes_h2d": result.total_misses * trace.expert_bytes,
+                     "misses": result.total_misses, "bytes_h2d": result.total_misses * moved,
                      "nodes_verified": int(verified.sum())})
     frame = pd.DataFrame(rows)
     if cost is not None and len(frame):

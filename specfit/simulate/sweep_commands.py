@@ -11,6 +11,7 @@ import typer
 
 from ..console import speedup_text
 from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, stopped, stopped_by
+from ..io import strict_dumps
 
 # the settings a table may show for a cell (column: header); those the grid varies are shown
 _SETTING_COLUMNS = {"trace": "trace", "profile": "profile", "cache_mode": "cache mode", "cache_policy": "eviction",
@@ -149,7 +150,7 @@ def plan_command(
     except INTERRUPTS as exc:                 # starting Ray, synthesising traces, ranking
         _stopped_outside_the_grid(exc, out)
     if as_json:
-        typer.echo(json.dumps(result.to_dict(top), indent=2))
+        typer.echo(strict_dumps(result.to_dict(top), indent=2))
         return
     _print_plan(result, top)
 

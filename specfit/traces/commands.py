@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -10,7 +9,7 @@ import numpy as np
 import typer
 
 from ..errors import INTERRUPTS, SpecFitError, check_seed, fail, stopped_by
-from ..io import check_output
+from ..io import check_output, strict_dumps
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
@@ -112,14 +111,14 @@ def import_routing_command(
         check_seed(seed)
         if not 0.0 <= sibling_reuse <= 1.0:
             raise SpecFitError(f"--sibling-reuse: expected a fraction in [0, 1], got {sibling_reuse:g}")
+        if dtype not in ("bfloat16", "float32") or (dtype != "bfloat16" and model is None):
+            raise SpecFitError(f"--dtype: expected bfloat16 or float32 with --model, got {dtype!r}"
+                               + ("" if model is not None else " without --model"))
         log = read_routing_log(log_file)
         if sequences is not None:
             keep = np.unique(log.sequence, return_index=True)[1]
             first = log.sequence[np.sort(keep)][:sequences]
             log = log.select(np.flatnonzero(np.isin(log.sequence, first)))
-        if dtype not in ("bfloat16", "float32") or (dtype != "bfloat16" and model is None):
-            raise SpecFitError(f"--dtype: expected bfloat16 or float32 with --model, got {dtype!r}"
-                               + ("" if model is not None else " without --model"))
         meta = model_from_config(model, dtype) if model is not None else model_for_log(log, shape)
         trace = _with_status(lambda: import_routing(log, meta, workload=workload,
                                                     drafter=drafter, sibling_reuse=sibling_reuse, seed=seed, max_tokens=max_tokens),
@@ -164,7 +163,7 @@ def inspect_command(
     except SpecFitError as exc:
         fail(str(exc))
     if as_json:
-        typer.echo(json.dumps(summary, indent=2))
+        typer.echo(strict_dumps(summary, indent=2))
         return
     console = table_console()
     head = Table(title=f"{trace_file}", show_header=False)
@@ -209,7 +208,7 @@ def _with_status(work, what: str, quiet: bool):
 def _report_written(trace, out: Path, as_json: bool) -> None:
     stats = trace.meta.get("statistics", {})
     if as_json:
-        typer.echo(json.dumps(stats, indent=2))
+        typer.echo(strict_dumps(stats, indent=2))
         return
     from rich.table import Table
 
