@@ -105,14 +105,18 @@ class DraftTree:
         counts = np.bincount(self.parents[1:], minlength=self.n_nodes)
         return np.split(order, np.cumsum(counts)[:-1])
 
-    def _node_ids(self, nodes, distinct: bool = False) -> np.ndarray:
+    def _node_ids(self, nodes, distinct: bool = False, check_range: bool = True) -> np.ndarray:
         """``nodes`` as int64 ids, each in ``[0, n_nodes)`` (a negative id would wrap around to
-        the tree's last nodes), and with ``distinct`` none twice; one clear error otherwise."""
-        ids = np.asarray(nodes)
-        if ids.size and not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"nodes: expected integer node ids, got {ids.dtype}")
-        ids = ids.astype(np.int64, copy=False).reshape(-1)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.n_nodes):
+        the tree's last nodes), and with ``distinct`` none twice; one clear error otherwise.
+        ``check_range=False`` for a caller whose kernel checks the range itself."""
+        if type(nodes) is np.ndarray and nodes.dtype == np.int64 and nodes.ndim == 1:
+            ids = nodes                          # the decoder's selections: no conversion
+        else:
+            ids = np.asarray(nodes)
+            if ids.size and ids.dtype.kind not in "iu":
+                raise ValueError(f"nodes: expected integer node ids, got {ids.dtype}")
+            ids = ids.astype(np.int64, copy=False).reshape(-1)
+        if check_range and ids.size and (ids.min() < 0 or ids.max() >= self.n_nodes):
             raise ValueError(f"nodes: expected ids in [0, {self.n_nodes}), got [{ids.min()}, {ids.max()}]")
         if distinct and np.unique(ids).size != ids.size:
             raise ValueError("nodes: expected a set of node ids, got one twice")
@@ -164,7 +168,7 @@ class DraftTree:
         """[m, prefix_len + m] bool tree mask over ``nodes`` (default: all): row i may attend to
         the ``prefix_len`` committed tokens before the tree, and to column ``prefix_len + j`` when
         node ``nodes[j]`` is node i or one of its ancestors."""
-        nodes = np.arange(self.n_nodes) if nodes is None else self._node_ids(nodes)
+        nodes = np.arange(self.n_nodes) if nodes is None else self._node_ids(nodes, check_range=False)
         ok, mask = kernels.tree.tree_mask(self.parents, nodes, int(prefix_len))
         if not ok:
             raise ValueError(f"nodes: expected ids in [0, {self.n_nodes}), got [{nodes.min()}, {nodes.max()}]")

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import kernels
+from ..search import remember_packed
 
 __all__ = ["ExpertCache", "AdmitResult", "LayerAdmit", "LayerCounts", "EVICTION_POLICIES"]
 
@@ -156,8 +157,6 @@ class ExpertCache(LayerCounts):
         decides on: the search then packs it once however often it searches)."""
         out = kernels.bitsets.unpack(self._bits, self.n_experts)
         if read_only:
-            from ..search import remember_packed
-
             remember_packed(out)
         return out
 

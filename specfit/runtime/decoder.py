@@ -293,7 +293,8 @@ class Decoder:
         start = self._now()
         self.model.offload.keep = keep
         try:
-            out = self.model(tree.tokens[nodes], tree.positions(self.cache_len, nodes), torch.from_numpy(mask))
+            # the mask's kernel checked the ids: the positions need no second check on the hot path
+            out = self.model(tree.tokens[nodes], self.cache_len + tree.depth[nodes], torch.from_numpy(mask))
         finally:
             self.model.offload.keep = None
         verdicts = greedy_verdicts(out.logits)
