@@ -298,3 +298,24 @@ def test_a_refitted_profile_says_its_held_out_error_is_over_decode_cycles(profil
         path = prof.save(tmp_path / f"{unit.split()[-1]}.json")
         index = build_report([path], tmp_path / f"report-{unit.split()[-1]}")
         assert unit in index.read_text()
+
+
+def test_a_long_table_caption_is_a_heading_and_small_print():
+    from specfit.report.html import Page
+
+    page = Page("t").table(pd.DataFrame({"a": [1]}), caption="Per policy: <x>. tokens/s: what & how")
+    text = "".join(page.parts)
+    assert "<h3>Per policy: &lt;x&gt;</h3>" in text and '<p class="meta">tokens/s: what &amp; how</p>' in text
+    assert "<h3>Short</h3>" in "".join(Page("t").table(pd.DataFrame({"a": [1]}), caption="Short").parts)
+
+
+def test_the_per_layer_figures_tick_whole_layers():
+    from specfit.report.live import _layer_heat_map, _union_per_layer
+
+    layers = 4
+    cycles = pd.DataFrame({"policy": ["ar", "ar", "specfit"], "misses_per_layer": [[1] * layers] * 3,
+                           "hits_per_layer": [[2] * layers] * 3, "union_per_layer": [[3] * layers] * 3,
+                           "predicted_union_per_layer": [[3] * layers] * 3})
+    for fig in (_layer_heat_map(cycles), _union_per_layer(cycles, ["ar", "specfit"])):
+        ticks = [t for t in fig.axes[0].get_xticks() if -0.5 <= t <= layers - 0.5]
+        assert ticks and all(float(t).is_integer() for t in ticks), ticks

@@ -83,8 +83,13 @@ class Page:
         return self
 
     def table(self, df: pd.DataFrame, caption: str = "", float_format: str = "{:.4g}", index: bool = False) -> "Page":
+        """``df`` as a table under ``caption``: its first sentence the table's heading, the rest
+        (what the columns mean) in the page's small print."""
         if caption:
-            self.parts.append(f"<h3>{html.escape(caption)}</h3>")
+            title, _, rest = caption.partition(". ")
+            self.parts.append(f"<h3>{html.escape(title if rest else caption)}</h3>")
+            if rest:
+                self.parts.append(f'<p class="meta">{html.escape(rest)}</p>')
         formatters = {c: float_format.format for c in df.columns if pd.api.types.is_float_dtype(df[c])}
         table = df.to_html(index=index, escape=True, border=0, formatters=formatters, na_rep="–")
         self.parts.append(f'<div class="wide">{table}</div>')

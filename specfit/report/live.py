@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+from matplotlib.ticker import MaxNLocator
 
 from ..accounting import read_cycles, summarise
 from .html import Page
@@ -181,6 +182,7 @@ def _union_per_layer(cycles: pd.DataFrame, policies):
         ax.bar(pos + width, predicted, width=width * 0.95, color=bar[0].get_facecolor(), alpha=0.5, hatch="//",
                label=f"{policy} predicted")
     ax.set(xlabel="layer", ylabel="experts in the union per cycle")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize=7, ncol=2)
     return fig
 
@@ -202,6 +204,7 @@ def _layer_heat_map(cycles: pd.DataFrame):
     im = ax.imshow(np.array(rows), aspect="auto", cmap="magma", vmin=0, vmax=1)
     ax.set_yticks(range(len(policies)), policies)
     ax.set(xlabel="layer")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(False)
     fig.colorbar(im, ax=ax, label="miss share")
     return fig
