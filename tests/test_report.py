@@ -319,3 +319,13 @@ def test_the_per_layer_figures_tick_whole_layers():
     for fig in (_layer_heat_map(cycles), _union_per_layer(cycles, ["ar", "specfit"])):
         ticks = [t for t in fig.axes[0].get_xticks() if -0.5 <= t <= layers - 0.5]
         assert ticks and all(float(t).is_integer() for t in ticks), ticks
+
+
+def test_text_columns_align_left_and_numbers_right():
+    from specfit.report.html import Page
+
+    page = Page("t").table(pd.DataFrame({"n": [1.5], "policy": ["ar"], "k": [2]})).table(pd.DataFrame({"x": [1]}))
+    text = "".join(page.parts)
+    assert "#t0 td:nth-child(2), #t0 th:nth-child(2) { text-align: left; }" in text      # policy, column 2
+    assert "nth-child(1)" not in text and "nth-child(3)" not in text and 'id="t1"' in text
+    assert text.count("<style>") == 1                      # the all-number table needs no rule

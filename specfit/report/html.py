@@ -35,6 +35,9 @@ nav a { margin-right: 14px; }
 """
 
 
+_TABLE_START = '<div class="wide">'
+
+
 def svg_of(fig) -> str:
     """A matplotlib :class:`~matplotlib.figure.Figure` (made without pyplot, so nothing needs a
     display or closing) as inline SVG markup."""
@@ -91,8 +94,14 @@ class Page:
             if rest:
                 self.parts.append(f'<p class="meta">{html.escape(rest)}</p>')
         formatters = {c: float_format.format for c in df.columns if pd.api.types.is_float_dtype(df[c])}
-        table = df.to_html(index=index, escape=True, border=0, formatters=formatters, na_rep="–")
-        self.parts.append(f'<div class="wide">{table}</div>')
+        table_id = f"t{sum(part.startswith(_TABLE_START) for part in self.parts)}"
+        table = df.to_html(index=index, escape=True, border=0, formatters=formatters, na_rep="–", table_id=table_id)
+        # numbers align right (the sheet's default), text columns left
+        first = 2 if index else 1
+        text = [first + i for i, c in enumerate(df.columns) if not pd.api.types.is_numeric_dtype(df[c])]
+        style = ", ".join(f"#{table_id} td:nth-child({k}), #{table_id} th:nth-child({k})" for k in text)
+        self.parts.append(_TABLE_START + (f"<style>{style} {{ text-align: left; }}</style>" if style else "")
+                          + f"{table}</div>")
         return self
 
     def figure(self, fig, caption: str = "") -> "Page":
