@@ -110,8 +110,8 @@ def test_live_report_shows_the_profile_and_online_errors_over_time_and_unions_pe
     header = re.findall(r"<th>([^<]*)</th>", text[text.index("Per policy"):])[:len(cells)]
     row = dict(zip(header, cells))
     # the online model missed 2 cycles by half, the profile 20: MAPE 2.5 % against 25 %
-    assert row["time MAPE"] == "0.025" and row["profile's time MAPE"] == "0.25"
-    assert row["union/layer MAPE"] == "0.25" and row["charged = moved bytes"] == "yes"
+    assert row["time MAPE"] == "2.5%" and row["profile's time MAPE"] == "25.0%"
+    assert row["union/layer MAPE"] == "25.0%" and row["charged = moved bytes"] == "yes"
 
 
 def test_live_report_shows_the_online_model_each_policy_ended_with(tmp_path):
@@ -329,3 +329,13 @@ def test_text_columns_align_left_and_numbers_right():
     assert "#t0 td:nth-child(2), #t0 th:nth-child(2) { text-align: left; }" in text      # policy, column 2
     assert "nth-child(1)" not in text and "nth-child(3)" not in text and 'id="t1"' in text
     assert text.count("<style>") == 1                      # the all-number table needs no rule
+
+
+def test_share_columns_show_as_percentages_as_the_terminal_shows_them():
+    from specfit.report.html import Page
+
+    frame = pd.DataFrame({"policy": ["ar"], "time MAPE": [0.03059], "time bias": [-0.0015], "union MAPE": [np.nan],
+                          "tokens/s": [294.87]})
+    cells = "".join(Page("t").table(frame, percent=("time MAPE", "time bias", "union MAPE")).parts)
+    assert "<td>3.1%</td>" in cells and "<td>-0.1%</td>" in cells and "<td>–</td>" in cells
+    assert "<td>294.9</td>" in cells                       # other numbers as before

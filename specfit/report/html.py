@@ -85,15 +85,18 @@ class Page:
         self.parts.append(f'<table class="facts">{rows}</table>')
         return self
 
-    def table(self, df: pd.DataFrame, caption: str = "", float_format: str = "{:.4g}", index: bool = False) -> "Page":
+    def table(self, df: pd.DataFrame, caption: str = "", float_format: str = "{:.4g}", index: bool = False,
+              percent: tuple[str, ...] = ()) -> "Page":
         """``df`` as a table under ``caption``: its first sentence the table's heading, the rest
-        (what the columns mean) in the page's small print."""
+        (what the columns mean) in the page's small print. ``percent``: columns of shares, shown
+        as percentages (``3.1%``, as the terminal shows them)."""
         if caption:
             title, _, rest = caption.partition(". ")
             self.parts.append(f"<h3>{html.escape(title if rest else caption)}</h3>")
             if rest:
                 self.parts.append(f'<p class="meta">{html.escape(rest)}</p>')
         formatters = {c: float_format.format for c in df.columns if pd.api.types.is_float_dtype(df[c])}
+        formatters.update({c: "{:+.1%}".format if "bias" in c else "{:.1%}".format for c in percent if c in df})
         table_id = f"t{sum(part.startswith(_TABLE_START) for part in self.parts)}"
         table = df.to_html(index=index, escape=True, border=0, formatters=formatters, na_rep="–", table_id=table_id)
         # numbers align right (the sheet's default), text columns left

@@ -19,14 +19,14 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
     policies = list(dict.fromkeys(cycles["policy"])) if "policy" in cycles else ["run"]
     if "policy" not in cycles:
         cycles = cycles.assign(policy="run")
-    page.table(_per_policy(cycles), caption="Per policy: measured vs predicted. tokens/s: committed tokens over the "
-               "sum of measured cycle times (as in summary.json and the terminal); MAPE: mean over cycles of "
-               "|predicted - measured| / measured; bias: sum(predicted) / sum(measured) - 1. Cycles waited for "
-               "CPU: the share of cycles whose decoding thread spent over a tenth of the cycle not running (its "
-               "wall time minus its CPU time: another process had the core; recorded on a CPU with one torch "
-               "thread), which no prediction made before the cycle can foresee; time MAPE, others: the time "
-               "MAPE over the remaining cycles (with most cycles waiting, not the model's alone either: the "
-               "online model follows the machine's speed, waits included).")
+    page.table(_per_policy(cycles), percent=_SHARES, caption=(
+        "Per policy: measured vs predicted. tokens/s: committed tokens over the sum of measured cycle times "
+        "(as in summary.json and the terminal); MAPE: mean over cycles of |predicted - measured| / measured; "
+        "bias: sum(predicted) / sum(measured) - 1. Cycles waited for CPU: the share of cycles whose decoding "
+        "thread spent over a tenth of the cycle not running (its wall time minus its CPU time: another process "
+        "had the core; recorded on a CPU with one torch thread), which no prediction made before the cycle can "
+        "foresee; time MAPE, others: the time MAPE over the remaining cycles (with most cycles waiting, not the "
+        "model's alone either: the online model follows the machine's speed, waits included)."))
 
     if cycles["predicted_time_s"].notna().any():
         fig = identity_scatter(cycles["measured_time_s"] * 1e3, cycles["predicted_time_s"] * 1e3, "measured cycle (ms)",
@@ -101,6 +101,11 @@ def _online_models(summaries: list) -> pd.DataFrame | None:
             "held at the profile": "; ".join(f"{term}: {h.get('reason', '')}" for term, h in held.items()) or "–",
         })
     return pd.DataFrame(rows) if rows else None
+
+
+# the per-policy table's columns of shares (errors, biases, the share of cycles that waited)
+_SHARES = ("time MAPE", "profile's time MAPE", "time bias", "share of cycles that waited for CPU", "time MAPE, others",
+           "bytes MAPE", "union MAPE", "union/layer MAPE")
 
 
 def _per_policy(cycles: pd.DataFrame) -> pd.DataFrame:
