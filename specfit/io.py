@@ -20,6 +20,7 @@ from .errors import Interrupted, SpecFitError, note_stop_signal, sigterm_stops
 
 __all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "strict_json", "write_jsonl_atomic", "check_output",
            "not_readable_as", "os_error_text", "run_dir_lock", "LOCK_FILE", "strict_dumps",
+           "nulls_as_nan",
            "remove_stale_temporaries", "read_json_object", "json_text", "deferred_interrupt"]
 
 
@@ -54,17 +55,23 @@ def read_json_object(path: str | Path, expected: str = "a JSON file") -> dict:
     return raw
 
 
+def _not_a_file(path: Path) -> str | None:
+    """What stands at ``path`` instead of a regular file: a directory, something else (a FIFO, a
+    device), a symbolic link to nothing; None for a regular file or nothing at all."""
+    if path.is_dir():
+        return "a directory"
+    if path.exists():
+        return None if path.is_file() else "not a regular file (a FIFO, device or socket)"
+    if os.path.lexists(path):
+        return "a symbolic link to nothing (its target is missing, or a loop)"
+    return None
+
+
 def not_readable_as(path: Path, expected: str, missing: str) -> str:
     """Why ``path`` cannot be read as ``expected`` (e.g. "a trace file (.parquet)"), for an error
-    naming it: a directory, something that is not a regular file (a FIFO, a device), a symbolic
-    link to nothing, or (``missing``) nothing at all."""
-    if path.is_dir():
-        return f"a directory, expected {expected}"
-    if path.exists():
-        return f"not a regular file (a FIFO, device or socket), expected {expected}"
-    if os.path.lexists(path):
-        return f"a symbolic link to nothing (its target is missing, or a loop), expected {expected}"
-    return missing
+    naming it: :func:`_not_a_file`'s reason, or (``missing``) nothing at all."""
+    what = _not_a_file(path)
+    return missing if what is None else f"{what}, expected {expected}"
 
 
 def os_error_text(exc: OSError) -> str:
@@ -197,9 +204,8 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
     path = Path(path)
     if path.is_symlink() and path.exists():
         path = Path(os.path.realpath(path))      # a link to a file: write the file it names, keep the link
-    if os.path.lexists(path) and not path.is_file():
-        what = "a directory" if path.is_dir() else "not a regular file (a device, FIFO or socket)" if path.exists() \
-            else "a symbolic link to nothing (its target is missing, or a loop)"
+    what = _not_a_file(path)
+    if what is not None:
         raise SpecFitError(f"{path}: {what}; expected a file to write (it is left as it is)")
     path.parent.mkdir(parents=True, exist_ok=True)
     for stale in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):   # a killed write of this file
@@ -245,6 +251,17 @@ def strict_json(obj):
     if isinstance(obj, (list, tuple)):
         return [strict_json(v) for v in obj]
     return obj
+
+
+def nulls_as_nan(value, keep: tuple[str, ...] = ()):
+    """What :func:`strict_json` wrote, read back: every null as NaN (a figure without a value),
+    through dicts and lists, but under the keys in ``keep``, where null means "not measured"."""
+    if isinstance(value, dict):
+        return {k: v if v is None and k in keep else float("nan") if v is None else nulls_as_nan(v, keep)
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [nulls_as_nan(v, keep) for v in value]
+    return value
 
 
 def strict_dumps(obj, **options) -> str:

@@ -105,7 +105,7 @@ class DraftTree:
         counts = np.bincount(self.parents[1:], minlength=self.n_nodes)
         return np.split(order, np.cumsum(counts)[:-1])
 
-    def _node_ids(self, nodes, distinct: bool = False, check_range: bool = True) -> np.ndarray:
+    def _node_ids(self, nodes, distinct: bool = False, check_range: bool = True, name: str = "nodes") -> np.ndarray:
         """``nodes`` as int64 ids, each in ``[0, n_nodes)`` (a negative id would wrap around to
         the tree's last nodes), and with ``distinct`` none twice; one clear error otherwise.
         ``check_range=False`` for a caller whose kernel checks the range itself."""
@@ -114,12 +114,12 @@ class DraftTree:
         else:
             ids = np.asarray(nodes)
             if ids.size and ids.dtype.kind not in "iu":
-                raise ValueError(f"nodes: expected integer node ids, got {ids.dtype}")
+                raise ValueError(f"{name}: expected integer node ids, got {ids.dtype}")
             ids = ids.astype(np.int64, copy=False).reshape(-1)
         if check_range and ids.size and (ids.min() < 0 or ids.max() >= self.n_nodes):
-            raise ValueError(f"nodes: expected ids in [0, {self.n_nodes}), got [{ids.min()}, {ids.max()}]")
+            raise ValueError(f"{name}: expected ids in [0, {self.n_nodes}), got [{ids.min()}, {ids.max()}]")
         if distinct and np.unique(ids).size != ids.size:
-            raise ValueError("nodes: expected a set of node ids, got one twice")
+            raise ValueError(f"{name}: expected a set of node ids, got one twice")
         return ids
 
     def is_ancestor_closed(self, nodes) -> bool:
@@ -230,10 +230,7 @@ def _raise_invalid(parents: np.ndarray, probs: np.ndarray) -> None:
 
 def check_nodes(tree: DraftTree, nodes, name: str = "nodes") -> np.ndarray:
     """Validate a node selection: sorted unique ids in range, containing the root, ancestor-closed."""
-    given = np.asarray(nodes)
-    if given.size and not np.issubdtype(given.dtype, np.integer):
-        raise ValueError(f"{name}: expected integer node ids, got {given.dtype}")
-    nodes = np.unique(given.astype(np.int64, copy=False))
+    nodes = np.unique(tree._node_ids(nodes, check_range=False, name=name))
     if nodes.size == 0 or nodes[0] != 0:
         raise ValueError(f"{name}: expected a selection containing the root (node 0)")
     if nodes[-1] >= tree.n_nodes:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from ..costmodel import CostModel
 from ..errors import SpecFitError
-from ..io import json_text, write_json_atomic
+from ..io import json_text, nulls_as_nan, write_json_atomic
 
 __all__ = ["ModelShape", "Profile", "PROFILE_VERSION", "machine_info", "load_profile", "held_out_unit"]
 
@@ -199,7 +199,7 @@ class Profile:
         sections = {key: _field(d, key, dict, "a JSON object", source, default={})
                     for key in ("machine", "fit", "probes")}
         _check_fit(sections["fit"], source)
-        sections["fit"] = _nulls_as_nan(sections["fit"])
+        sections["fit"] = nulls_as_nan(sections["fit"], keep=FIT_NULL_MEANS_NONE)   # strict JSON's nulls
         _check_probes(sections["probes"], source)
         return cls(cost=cost, shape=shape, kind=kind, **texts, **sections)
 
@@ -223,18 +223,6 @@ def held_out_unit(fit: dict) -> str:
 # entries of 'fit' whose null means "not measured" (no pageable copies on a CPU; a CPU share only
 # with one torch thread on a CPU), not a number without a value
 FIT_NULL_MEANS_NONE = ("h2d_pageable", "cpu_share")
-
-
-def _nulls_as_nan(value):
-    """``fit``'s numbers with NaN where the file has null: strict JSON has no NaN, so a figure
-    without a value (an error over no cycle, a spread of one round) is written as null
-    (:func:`specfit.io.strict_json`); the entries of :data:`FIT_NULL_MEANS_NONE` keep theirs."""
-    if isinstance(value, dict):
-        return {k: v if k in FIT_NULL_MEANS_NONE and v is None else float("nan") if v is None else _nulls_as_nan(v)
-                for k, v in value.items()}
-    if isinstance(value, list):
-        return [_nulls_as_nan(v) for v in value]
-    return value
 
 
 # the entries of 'fit' and 'probes' that the summaries and the report read, and what each holds

@@ -134,8 +134,7 @@ class DecodeResult:
     @property
     def decode_offload(self) -> OffloadCounters:
         """The decode cycles' passes: every pass less the prompt's."""
-        names = ("hits", "misses", "streamed", "evictions", "bytes_h2d")
-        return OffloadCounters(*(getattr(self.offload, n) - getattr(self.prefill_offload, n) for n in names))
+        return self.offload - self.prefill_offload
 
     def to_dict(self) -> dict:
         """The run's ``decode.jsonl`` record. ``bytes_h2d``, ``hits``, ``misses`` and ``hit_rate``

@@ -104,14 +104,19 @@ class OffloadCounters(LayerCounts):
     evictions: np.ndarray
     bytes_h2d: np.ndarray
 
+    FIELDS = ("hits", "misses", "streamed", "evictions", "bytes_h2d")
+
     @classmethod
     def zeros(cls, n_layers: int) -> "OffloadCounters":
-        return cls(*(np.zeros(n_layers, dtype=np.int64) for _ in range(5)))
+        return cls(*(np.zeros(n_layers, dtype=np.int64) for _ in cls.FIELDS))
 
     def __iadd__(self, other: "OffloadCounters") -> "OffloadCounters":
-        for name in ("hits", "misses", "streamed", "evictions", "bytes_h2d"):
+        for name in self.FIELDS:
             getattr(self, name)[:] += getattr(other, name)
         return self
+
+    def __sub__(self, other: "OffloadCounters") -> "OffloadCounters":
+        return OffloadCounters(*(getattr(self, name) - getattr(other, name) for name in self.FIELDS))
 
     @property
     def total_bytes_h2d(self) -> int:

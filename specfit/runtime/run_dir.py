@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import SpecFitError
-from ..io import atomic_write, json_text, remove_stale_temporaries, write_json_atomic, write_jsonl_atomic
+from ..io import atomic_write, json_text, nulls_as_nan, remove_stale_temporaries, write_json_atomic, write_jsonl_atomic
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -116,10 +116,4 @@ def read_decode_summaries(out_dir: str | Path) -> list:
         raise SpecFitError(f"{path}: not a readable JSON file ({exc}); expected the run's per-policy summaries") from None
     if not (isinstance(summaries, list) and all(isinstance(s, dict) for s in summaries)):
         raise SpecFitError(f"{path}: expected a list of per-policy summary objects, got {json_text(summaries)}")
-    return [_nulls_as_nan(s) for s in summaries]
-
-
-def _nulls_as_nan(summary: dict) -> dict:
-    """A summary's figures without a value (a precision of no predictions), written as null in
-    strict JSON, as NaN again."""
-    return {k: float("nan") if v is None else _nulls_as_nan(v) if isinstance(v, dict) else v for k, v in summary.items()}
+    return [nulls_as_nan(s) for s in summaries]     # a precision of no predictions: null in the file
