@@ -782,3 +782,22 @@ def test_the_bundled_model_decodes_in_bfloat16_on_the_cpu(tmp_path):
     assert "greedy outputs identical across policies: yes" in result.stdout
     cycles = pd.read_parquet(tmp_path / "run" / "cycles.parquet")
     assert (cycles[cycles.policy == "eagle3"]["draft_levels"] > 0).all()
+
+
+def test_the_journal_is_strict_json_and_reads_back_as_the_rows_were(tmp_path):
+    """A killed run's cycles are read from its journal: the journal holds strict JSON (a figure
+    without a value as null, which jq and JavaScript read), read back as NaN in a float column."""
+    from specfit.runtime.run_dir import JOURNAL_FILE, DecodeOutputs, read_decode_cycles
+
+    outputs = DecodeOutputs(tmp_path / "run")
+    rows = [{"policy": "specfit", "sequence": 0, "position": 3 + i, "cycle": i, "time_s": 0.01 * (i + 1),
+             "online_predicted_time_s": float("nan") if i == 0 else 0.02, "layer_misses": [1, 2]} for i in range(2)]
+    for row in rows:
+        outputs.add_cycle(row)
+    lines = (tmp_path / "run" / JOURNAL_FILE).read_text().splitlines()
+    parsed = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the journal")) for line in lines]
+    assert parsed[0]["online_predicted_time_s"] is None and parsed[1]["online_predicted_time_s"] == 0.02
+    kept = read_decode_cycles(tmp_path / "run")            # as after a SIGKILL: no cycles.parquet yet
+    assert kept["online_predicted_time_s"].dtype == np.float64
+    assert np.isnan(kept["online_predicted_time_s"][0]) and kept["online_predicted_time_s"][1] == 0.02
+    assert list(kept["cycle"]) == [0, 1] and list(kept["layer_misses"][1]) == [1, 2]

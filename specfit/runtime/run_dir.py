@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import SpecFitError
-from ..io import atomic_write, json_text, nulls_as_nan, remove_stale_temporaries, write_json_atomic, write_jsonl_atomic
+from ..io import (atomic_write, json_text, nulls_as_nan, remove_stale_temporaries, strict_dumps, write_json_atomic,
+                  write_jsonl_atomic)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -50,7 +51,7 @@ class DecodeOutputs:
             return
         if self._journal is None:
             self._journal = open(Path(self.out_dir) / JOURNAL_FILE, "a", encoding="utf-8")
-        self._journal.write(json.dumps(row) + "\n")
+        self._journal.write(strict_dumps(row) + "\n")      # strict JSON: a NaN figure as null
         self._journal.flush()
 
     def flush(self) -> None:
@@ -95,7 +96,7 @@ def read_decode_cycles(out_dir: str | Path) -> "pd.DataFrame":
             raise SpecFitError(f"{journal}: not a readable journal of cycles ({exc})") from None
         for line in lines:
             try:
-                rows.append(json.loads(line))
+                rows.append(nulls_as_nan(json.loads(line)))     # a figure without a value: null in the file
             except json.JSONDecodeError:
                 break          # the line being written when the run was killed
         if len(rows) > len(frame):
