@@ -417,7 +417,7 @@ def report(recipe: Recipe, work_dir: Path, assets_dir: Path, timings_min: dict[s
     tmp.write_text(json.dumps(measurements, indent=2) + "\n")
     os.replace(tmp, assets_dir / "measurements.json")
     tmp = assets_dir / ".README.md.tmp"
-    tmp.write_text(quality.model_card(measurements, assets_dir))
+    tmp.write_text(quality.model_card(measurements))
     os.replace(tmp, assets_dir / "README.md")
     log(f"assets installed in {assets_dir}")
 

@@ -75,7 +75,7 @@ CYCLE_COLUMNS = tuple(Column(*c) for c in (
     ("draft_time_s", "float", True, "from the cycle's start to the selection"),
     ("verify_time_s", "float", True, "from the selection to the committed tokens"),
     ("target_time_s", "float", True, "the target's verification pass"),
-    ("transfer_time_s", "float", True, "host-to-device copies within it"),
+    ("transfer_time_s", "float", True, "how long the target pass waited for host-to-device copies (the exposed stall)"),
     ("drafter_time_s", "float", True, "the drafter's forward passes"),
     ("search_time_s", "float", True, "the policy's decisions"),
     ("predict_time_s", "float", True, "expert predictions for the drafted nodes"),

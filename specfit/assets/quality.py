@@ -217,7 +217,7 @@ def measure(target_dir, drafter_dir, seed: int, n_train_math: int, n_eval_math: 
     return results
 
 
-def model_card(m: dict, assets_dir: Path) -> str:
+def model_card(m: dict) -> str:
     """The assets' README (model card) from :func:`measure`'s results."""
     r = m["recipe"]
     w = m["workloads"]

@@ -53,7 +53,7 @@ def calibrate_command(
         check_output(out, "--out", kind="file")
         check_output(report, "--report", kind="dir")
         if refit_runs:
-            path = _refit(refit_runs, profile, out, rescale, seed, as_json, console)
+            path = _refit(refit_runs, profile, out, rescale, seed, as_json)
             _report(path, report, as_json, console)
             return
         from ..runtime.devices import resolve_device
@@ -134,7 +134,7 @@ def _summary(prof, path: Path, console) -> None:
         console.print(f"[yellow]warning:[/yellow] {warning}")
 
 
-def _refit(run_dirs, profile_spec, out, rescale, seed, as_json, console) -> Path:
+def _refit(run_dirs, profile_spec, out, rescale, seed, as_json) -> Path:
     from rich.table import Table
 
     from .presets import resolve_profile

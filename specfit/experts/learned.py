@@ -60,7 +60,6 @@ class LearnedPredictor(ExpertPredictor):
         self.coef_ = _PRIOR_COEF.copy()
         self.intercept_ = 0.0
         self.probe_: np.ndarray | None = None       # [H, L * E] drafter context -> expert scores
-        self._fitted = False
         self._updates = 0
         self._buffer: list[tuple] = []              # live: (tokens, last_known, experts, context) of verified nodes
 
@@ -131,7 +130,6 @@ class LearnedPredictor(ExpertPredictor):
         coef = np.zeros(len(FEATURES))
         coef[used] = model.coef_[0]
         self.coef_, self.intercept_ = coef, float(model.intercept_[0])
-        self._fitted = True
 
     def update(self, tokens: np.ndarray, experts: np.ndarray, n_experts: int, last_known: np.ndarray | None = None,
                context=None) -> None:
@@ -183,7 +181,6 @@ class LearnedPredictor(ExpertPredictor):
         p.coef_, p.intercept_ = np.asarray(d["coef_"], dtype=np.float64), float(d["intercept_"])
         p.table_ = AffinityPredictor.from_dict(d["table_"])
         p.probe_ = None if d.get("probe_") is None else np.asarray(d["probe_"], dtype=np.float32)
-        p._fitted = True
         return p
 
 

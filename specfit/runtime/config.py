@@ -138,11 +138,6 @@ class ModelConfig:
 
     # ------------------------------------------------------------- derived sizes
     @property
-    def kv_groups(self) -> int:
-        """Query heads per KV head (GQA)."""
-        return self.n_heads // self.n_kv_heads
-
-    @property
     def n_moe_layers(self) -> int:
         """Layers with routed experts: the layer axis of expert ids, caches, counters and traces."""
         return len(self.moe_layers)
@@ -223,10 +218,10 @@ class ModelConfig:
             raise SpecFitError(f"{source}: key 'num_experts_per_tok' is {top_k}, more than the {n_experts} experts "
                                f"per layer ({' / '.join(family.expert_count_keys)})")
         max_positions = get("max_position_embeddings")
-        mla = _mla_shape(raw, source, get, n_heads, n_kv_heads) if family.model_type == "deepseek_v2" else None
+        mla = _mla_shape(source, get, n_heads, n_kv_heads) if family.model_type == "deepseek_v2" else None
         head_dim = mla.qk_rope_head_dim if mla else get("head_dim", default=hidden_size // n_heads)
         moe_layers = _moe_layers(raw, source, family, n_layers, n_experts)
-        shared = _shared_expert_width(raw, source, family, get)
+        shared = _shared_expert_width(family, get)
         routing = _routing(raw, source, family, get, n_experts)
 
         sliding_window = get("sliding_window", default=None)
@@ -343,7 +338,7 @@ def _moe_layers(raw: dict, source: str, family: _Family, n_layers: int, n_expert
     return layers
 
 
-def _shared_expert_width(raw: dict, source: str, family: _Family, get) -> int:
+def _shared_expert_width(family: _Family, get) -> int:
     if family.shared_expert == "gated":
         return get("shared_expert_intermediate_size", default=0)
     if family.shared_expert == "plain":
@@ -385,7 +380,7 @@ def _attention_bias(raw: dict, source: str, family: _Family) -> bool:
     return False
 
 
-def _mla_shape(raw: dict, source: str, get, n_heads: int, n_kv_heads: int) -> MLAShape:
+def _mla_shape(source: str, get, n_heads: int, n_kv_heads: int) -> MLAShape:
     if n_kv_heads != n_heads:
         raise SpecFitError(f"{source}: DeepSeek-V2 attention needs num_key_value_heads == num_attention_heads "
                            f"({n_kv_heads} != {n_heads})")

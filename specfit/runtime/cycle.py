@@ -56,7 +56,7 @@ class Verification:
     hidden: torch.Tensor | None
     offload: OffloadCounters
     verify_time_s: float          # the target pass
-    transfer_time_s: float        # host-to-device expert copies within it
+    transfer_time_s: float        # how long it waited for host-to-device copies (the exposed stall)
 
 
 @dataclass

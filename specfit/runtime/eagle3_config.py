@@ -79,10 +79,6 @@ class Eagle3Config:
         if self.rope is None:
             object.__setattr__(self, "rope", RopeSpec(theta=self.rope_theta))
 
-    @property
-    def kv_groups(self) -> int:
-        return self.num_attention_heads // self.num_key_value_heads
-
     def check_target(self, vocab_size: int, hidden_size: int, source: str = "target") -> None:
         """One clear error if this drafter was not built for a target of this shape (checked
         before any weight is read)."""

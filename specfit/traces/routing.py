@@ -172,7 +172,7 @@ class RoutingModel:
         layer's most popular others. What a predictor that knew this model, but none of its
         draws, would name."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        L, E, k = self.n_layers, self.n_experts, self.top_k
+        L, k = self.n_layers, self.top_k
         popular = np.exp(self.popularity_power_[:, None] * self._log_pop.astype(np.float64))
         # a free expert's score stays below any preference slot's chance (> 0); the certain slots
         # (chance 1) keep the preference order

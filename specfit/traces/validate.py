@@ -123,7 +123,7 @@ def validate_trace(trace, source: str = "trace") -> dict:
     counts = {"cycles": C, "nodes": n, "verdicts_known": int(trace.verdict_known.sum()),
               "true_experts_known": int(trace.true_known.sum())}
     if trace.position_indexed:
-        _validate_position_indexed(trace, source, root)
+        _validate_position_indexed(trace, source)
     return counts
 
 
@@ -134,7 +134,7 @@ def _depth_sorted_per_cycle(depth: np.ndarray, off: np.ndarray) -> bool:
     return bool(np.all((d >= 0) | boundary))
 
 
-def _validate_position_indexed(trace, source: str, root: np.ndarray) -> None:
+def _validate_position_indexed(trace, source: str) -> None:
     """A full trace: every node verified (verdict and true experts known), one cycle per position
     of each sequence, and consecutive roots spelling the reference output."""
     if not trace.verdict_known.all():
