@@ -193,7 +193,7 @@ def test_decode_command_prints_a_summary_table(cli_model, tmp_path):
     ([{"input_ids": [1]}], ["--policy", "specfit", "--max-levels", "0"],
      "--max-levels: expected >= 1 draft levels for --policy specfit, got 0"),
     ([{"input_ids": [1]}], ["--max-new-tokens", "1000"], "exceed the model's max_position_embeddings"),
-    ([{"input_ids": [1]}], ["--dtype", "int4"], "--dtype: expected float32 or bfloat16"),
+    ([{"input_ids": [1]}], ["--dtype", "int4"], "--dtype: expected one of float32, bfloat16, float16"),
 ])
 def test_decode_command_bad_input_is_one_line(cli_model, tmp_path, lines, args, message):
     prompts = _write_prompts(tmp_path / "prompts.jsonl", lines)

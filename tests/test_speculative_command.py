@@ -801,3 +801,25 @@ def test_the_journal_is_strict_json_and_reads_back_as_the_rows_were(tmp_path):
     assert kept["online_predicted_time_s"].dtype == np.float64
     assert np.isnan(kept["online_predicted_time_s"][0]) and kept["online_predicted_time_s"][1] == 0.02
     assert list(kept["cycle"]) == [0, 1] and list(kept["layer_misses"][1]) == [1, 2]
+
+
+def test_float16_decodes_as_ar_does_and_uses_a_profile_calibrated_in_float16(checkpoint, tmp_path, monkeypatch):
+    """`specfit calibrate --dtype float16` writes a float16 profile: decode runs in float16 too (its
+    greedy output the target's own in that dtype) and finds that profile, not a float32 one."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
+    ar = decode(checkpoint, "--policies", "ar,specfit", "--dtype", "float16", "--json")
+    assert ar.exit_code == 0, ar.output
+    rows = [json.loads(line) for line in ar.stdout.splitlines()]
+    by_prompt = {}
+    for row in rows:
+        by_prompt.setdefault(row["index"], {})[row["policy"]] = row["output_ids"]
+    assert len(by_prompt) == len(PROMPTS) and all(p["ar"] == p["specfit"] for p in by_prompt.values())
+    saved = list((tmp_path / "user-cache" / "specfit" / "profiles").glob("*.json"))
+    assert len(saved) == 1 and saved[0].name.endswith("-float16.json")
+    from specfit.calibrate.profile import ModelShape
+    from specfit.runtime.config import ModelConfig
+
+    half = ModelShape.from_config(ModelConfig.from_dir(checkpoint[0]), torch.float16, "x").expert_bytes
+    assert json.loads(saved[0].read_text())["shape"]["expert_bytes"] == half      # experts in 2 bytes a weight
+    wrong = decode(checkpoint, "--policy", "ar", "--dtype", "float64")
+    assert wrong.exit_code == 2 and "--dtype: expected one of float32, bfloat16, float16, got 'float64'" in wrong.output

@@ -57,7 +57,7 @@ def decode(
     acceptance: Optional[Path] = typer.Option(None, "--acceptance", help="Trace to fit an acceptance calibrator on "
                                               "(draft probability -> acceptance probability); default: the drafter's."),
     device: str = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: cuda when available)."),
-    dtype: str = typer.Option(None, "--dtype", help="float32 or bfloat16 (default: bfloat16 on cuda, float32 on cpu)."),
+    dtype: str = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu)."),
     out: Path = typer.Option(None, "--out", help=f"Directory for {OUTPUT_FILE} (per prompt), {CYCLES_FILE} (per cycle) "
                              f"and {SUMMARY_FILE} (per policy)."),
     record: Optional[Path] = typer.Option(None, "--record", help="Write the decoded cycles as a trace (Parquet)."),

@@ -140,8 +140,10 @@ class DecodePlan:
         from .devices import resolve_device
 
         resolve_device(self.device)
-        if self.dtype not in (None, "float32", "bfloat16"):
-            raise SpecFitError(f"--dtype: expected float32 or bfloat16, got {self.dtype!r}")
+        if self.dtype is not None:
+            from ..calibrate.calibrate_job import check_dtype
+
+            check_dtype(self.dtype)        # the dtypes a profile can be calibrated in
         from ..experts.cache import EVICTION_POLICIES
         from ..experts.predictors import LIVE_PREDICTORS
 
