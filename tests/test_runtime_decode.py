@@ -187,6 +187,7 @@ def test_decode_command_prints_a_summary_table(cli_model, tmp_path):
     ([{"text": "hi"}], [], 'exactly one of "prompt"'),
     ([{"input_ids": [1]}], ["--policy", "specfit"], "needs a drafter"),
     ([{"input_ids": [1]}], ["--policy", "nonsense"], "--policy: policy 'nonsense'"),
+    ([{"input_ids": [1]}], ["--policy", "ar,chain:2"], "--policy: expected one policy, got 'ar,chain:2'; several are passed as --policies ar,chain:2"),
     ([{"input_ids": [1]}], ["--cache-experts", "-1"], "--cache-experts: expected a non-negative"),
     ([{"input_ids": [1]}], ["--cache-experts", "1000"], "--cache-experts: expected 0..8 ("),
     ([{"input_ids": [1]}], ["--cache-experts", "1000", "--cache-mode", "global"], "experts in all, as --cache-mode global counts them), got 1000"),

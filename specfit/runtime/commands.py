@@ -88,6 +88,8 @@ def decode(
 
     if policies is not None and not [p for p in policies.split(",") if p.strip()]:
         fail("--policies: expected at least one policy, comma-separated (e.g. ar,eagle3,specfit)")
+    if policies is None and "," in policy:
+        fail(f"--policy: expected one policy, got {policy!r}; several are passed as --policies {policy}")
     names = [p.strip() for p in (policies.split(",") if policies else [policy]) if p.strip()]
     plan = DecodePlan(model_dir=model, prompts_path=prompts, cache_experts=cache_experts, policies=names,
                       drafter_dir=drafter, profile=profile, rescale=rescale, max_new_tokens=max_new_tokens,
