@@ -32,7 +32,7 @@ if TYPE_CHECKING:       # pandas is imported where a frame is built: the CLI sta
     import pandas as pd
 
 __all__ = ["Column", "CYCLE_COLUMNS", "KEY_COLUMNS", "prediction_errors", "live_row", "replay_frame", "summarise",
-           "ERROR_QUANTITIES", "read_cycles", "waiting_note", "WAITED_CYCLE"]
+           "ERROR_QUANTITIES", "read_cycles", "waiting_note", "WAITED_CYCLE", "with_speedups"]
 
 
 @dataclass(frozen=True)
@@ -235,6 +235,26 @@ def read_cycles(frame: "pd.DataFrame") -> "pd.DataFrame":
 
 
 # --------------------------------------------------------------------------- summaries
+def with_speedups(frame: "pd.DataFrame", keys, bases=("ar", "eagle3")) -> "pd.DataFrame":
+    """``frame`` (rows of ``policy`` and ``tokens_per_s``) with ``speedup_vs_<base>``: each row's
+    tokens per second over the ``base`` policy's row with the same ``keys`` (NaN where the setting
+    has no such row; the first where it has several). The one speed-up of ``simulate``, ``sweep``
+    and ``plan``."""
+    if "tokens_per_s" not in frame:
+        return frame
+    import pandas as pd
+
+    frame = frame.copy()
+    group = pd.MultiIndex.from_frame(frame[list(keys)].astype(str))
+    tokens_per_s = frame["tokens_per_s"].to_numpy(dtype=np.float64)
+    for base in bases:
+        is_base = (frame["policy"] == base).to_numpy()
+        ref = pd.Series(tokens_per_s[is_base], index=group[is_base])
+        ref = ref[~ref.index.duplicated()]
+        frame[f"speedup_vs_{base}"] = tokens_per_s / ref.reindex(group).to_numpy()
+    return frame
+
+
 def summarise(cycles: "pd.DataFrame") -> dict:
     """Totals and prediction quality of one policy's cycles (rows of :data:`CYCLE_COLUMNS`); with
     no cycles (an output that ended at the prefill's token) the counts are 0 and the rates NaN."""

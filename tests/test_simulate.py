@@ -416,3 +416,17 @@ def test_run_sweep_refuses_a_grid_without_cells_or_with_colliding_rows_before_an
             "scenarios": [Scenario("hand", HAND_COST)], **change}
     with pytest.raises(ValueError, match=message):
         run_sweep(**grid)
+
+
+def test_speedups_divide_by_the_baseline_row_of_the_same_setting():
+    """The one speed-up of simulate, sweep and plan: over the baseline's row with the same keys,
+    NaN where the setting has none."""
+    from specfit.accounting import with_speedups
+
+    frame = pd.DataFrame({"policy": ["ar", "specfit", "eagle3", "specfit", "specfit"],
+                          "trace": ["a", "a", "a", "b", "a"], "cache_experts": [0, 0, 0, 0, 4],
+                          "tokens_per_s": [100.0, 150.0, 120.0, 90.0, 180.0]})
+    got = with_speedups(frame, ["trace", "cache_experts"])
+    np.testing.assert_allclose(got["speedup_vs_ar"], [1.0, 1.5, 1.2, np.nan, np.nan])
+    np.testing.assert_allclose(got["speedup_vs_eagle3"], [100 / 120, 150 / 120, 1.0, np.nan, np.nan])
+    assert "speedup_vs_ar" not in frame                     # the caller's frame is left as it was

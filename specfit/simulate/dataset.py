@@ -130,15 +130,7 @@ def read_results(out_dir: Path, current_only: bool = True) -> pd.DataFrame:
 
 def fill_speedups(frame: pd.DataFrame) -> pd.DataFrame:
     """``speedup_vs_ar`` and ``speedup_vs_eagle3`` from the ``ar`` / ``eagle3`` row of each
-    setting (every cell parameter but the policy equal), as ``simulate`` computes them."""
-    if frame.empty or "tokens_per_s" not in frame:
-        return frame
-    frame = frame.copy()
-    keys = [c for c in _GROUP_COLUMNS if c in frame.columns]
-    group = pd.MultiIndex.from_frame(frame[keys].astype(str))
-    for base in ("ar", "eagle3"):
-        is_base = (frame["policy"] == base).to_numpy()
-        ref = pd.Series(frame["tokens_per_s"].to_numpy()[is_base], index=group[is_base])
-        ref = ref[~ref.index.duplicated()]
-        frame[f"speedup_vs_{base}"] = frame["tokens_per_s"].to_numpy() / ref.reindex(group).to_numpy()
-    return frame
+    setting (every cell parameter but the policy equal)."""
+    from ..accounting import with_speedups
+
+    return with_speedups(frame, [c for c in _GROUP_COLUMNS if c in frame.columns])

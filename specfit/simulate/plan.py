@@ -167,8 +167,9 @@ def rank_settings(results: pd.DataFrame, memory: MemoryModel, max_nodes_by_level
     device memory, fastest first (less memory, then candidate order, on a tie)."""
     g = results.groupby(["policy", "cache_experts"], sort=False)[["tokens", "time_s"]].sum().reset_index()
     g["tokens_per_s"] = g["tokens"] / g["time_s"]
-    ar = g[g["policy"] == "ar"].set_index("cache_experts")["tokens_per_s"]
-    g["speedup_vs_ar"] = g["tokens_per_s"] / g["cache_experts"].map(ar)
+    from ..accounting import with_speedups
+
+    g = with_speedups(g, ["cache_experts"], bases=("ar",))
     g["tree_tokens"] = [tree_tokens(p, max_nodes_by_levels) for p in g["policy"]]
     g["expert_cache_bytes"] = g["cache_experts"] * memory.slot_bytes
     g["kv_bytes"] = [memory.kv_bytes(t) for t in g["tree_tokens"]]

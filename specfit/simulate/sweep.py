@@ -14,7 +14,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 
-from ..accounting import replay_frame, summarise
+from ..accounting import replay_frame, summarise, with_speedups
 from ..costmodel import CostModel
 from ..errors import SpecFitError
 from ..experts.cache import ExpertCache
@@ -127,8 +127,4 @@ def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: l
     if "static_n" not in summary:
         summary["static_n"] = np.nan
     summary["static_n"] = summary["static_n"].astype("Int64")
-    for base in ("ar", "eagle3"):
-        ref = summary[summary["policy"] == base].set_index(["trace", "profile", "cache_experts"])["tokens_per_s"]
-        idx = pd.MultiIndex.from_frame(summary[["trace", "profile", "cache_experts"]])
-        summary[f"speedup_vs_{base}"] = summary["tokens_per_s"].to_numpy() / ref.reindex(idx).to_numpy()
-    return pd.concat(cycle_frames, ignore_index=True), summary
+    return pd.concat(cycle_frames, ignore_index=True), with_speedups(summary, ["trace", "profile", "cache_experts"])
