@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import SpecFitError
+from ..experts.cache import ExpertCache
 from ..runtime.decoder import device_now
 from ..runtime.devices import free_device_bytes
 from ..runtime.model import MoETransformer, causal_mask
@@ -98,7 +99,7 @@ def fit_capacities(capacities, n_layers: int, n_experts: int, expert_bytes: int,
     """The per-layer cache sizes to probe: each of ``capacities`` clipped to the largest whose
     slots and staging buffers fit in ``budget_bytes`` (None: no limit), ascending, distinct."""
     def device_bytes(capacity):
-        return (capacity * n_layers + (2 if capacity < n_experts else 0)) * expert_bytes
+        return (capacity * n_layers + ExpertCache.staging_buffers(capacity, n_experts)) * expert_bytes
 
     wanted = sorted({min(int(c), n_experts) for c in capacities})
     if budget_bytes is None:

@@ -111,6 +111,13 @@ class ExpertCache(LayerCounts):
         slots per layer) or every layer's (``global``); a larger capacity is clamped to it."""
         return n_experts if mode == "per_layer" else n_layers * n_experts
 
+    @staticmethod
+    def staging_buffers(capacity: int, n_experts: int) -> int:
+        """Expert-sized device buffers held beside the cache's slots: a layer's union always fits
+        once ``capacity`` >= ``n_experts`` (per layer, or globally since only the current layer's
+        union is protected from eviction); below that its overflow streams through two."""
+        return 2 if capacity < n_experts else 0
+
     def __init__(self, n_layers: int, n_experts: int, capacity: int, mode: str = "per_layer",
                  policy: str = "lru", expert_bytes: int = 0):
         if n_layers <= 0 or n_experts <= 0:

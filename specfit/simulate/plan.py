@@ -126,7 +126,9 @@ class MemoryModel:
         return kv_bytes_per_token(self.config, self.budget.dtype_bytes) * (self.budget.context_tokens + tree)
 
     def staging_bytes(self, cache_experts: int) -> int:
-        return 2 * self.expert_bytes if cache_experts < self.config.n_experts else 0
+        from ..experts.cache import ExpertCache
+
+        return ExpertCache.staging_buffers(cache_experts, self.config.n_experts) * self.expert_bytes
 
     def device_bytes(self, cache_experts: int, tree: int) -> float:
         return (self.dense_bytes + self.kv_bytes(tree) + cache_experts * self.slot_bytes
