@@ -13,12 +13,13 @@ from functools import cached_property
 import numpy as np
 
 from . import kernels
+from .kernels.tolerances import PROB_SLACK
 
-__all__ = ["DraftTree", "check_nodes"]
+__all__ = ["DraftTree", "check_nodes", "bad_path_probs"]
 
 # Path probabilities come out of products of float32/float64 softmax values; a child may exceed its
 # parent by rounding alone.
-_PROB_SLACK = 1e-9
+_PROB_SLACK = PROB_SLACK
 
 
 @dataclass(frozen=True, eq=False)
@@ -211,21 +212,37 @@ def _raise_invalid(parents: np.ndarray, probs: np.ndarray) -> None:
             f"parents: every node v > 0 needs a parent in [0, v) (topological order, no cycles); "
             f"node {v} has parent {parents[v]}"
         )
-    if not np.all(np.isfinite(probs)):
-        raise ValueError(f"path_probs: expected finite values, found NaN/inf at node {int(np.flatnonzero(~np.isfinite(probs))[0])}")
-    if np.any((probs < 0) | (probs > 1)):
-        v = int(np.flatnonzero((probs < 0) | (probs > 1))[0])
+    root = idx == 0
+    bad = bad_path_probs(probs, np.where(root, 0, parents), root)
+    if bad is None:
+        raise AssertionError("kernels.tree.check_tree rejected a tree that every check accepts")
+    v = int(np.flatnonzero(bad[0])[0])
+    if bad[1] == "range" and not np.isfinite(probs[v]):
+        raise ValueError(f"path_probs: expected finite values, found NaN/inf at node {v}")
+    if bad[1] == "range":
         raise ValueError(f"path_probs: expected values in [0, 1], node {v} has {float(probs[v])!r}")
-    if probs[0] != 1.0:
+    if bad[1] == "root":
         raise ValueError(f"path_probs: the root's path probability must be 1, got {float(probs[0])!r}")
-    rising = np.flatnonzero(probs[1:] > probs[parents[1:]] + _PROB_SLACK) + 1
-    if rising.size:
-        v = int(rising[0])
-        raise ValueError(
-            f"path_probs: expected non-increasing along paths, node {v} has {float(probs[v])!r} > "
-            f"its parent {parents[v]}'s {float(probs[parents[v]])!r}"
-        )
-    raise AssertionError("kernels.tree.check_tree rejected a tree that every check accepts")
+    raise ValueError(f"path_probs: expected non-increasing along paths, node {v} has {float(probs[v])!r} > "
+                     f"its parent {parents[v]}'s {float(probs[parents[v]])!r}")
+
+
+def bad_path_probs(probs: np.ndarray, parent_row: np.ndarray, root: np.ndarray) -> tuple[np.ndarray, str] | None:
+    """The first check that path probabilities fail, for one tree or a forest of them: the mask of
+    the nodes that fail it and which it is (``"range"``: not a finite value in [0, 1]; ``"root"``: a
+    root's is not 1; ``"rising"``: above its parent's by more than the rounding slack); None when
+    they pass every check. ``parent_row``: each node's parent's index into ``probs`` (any index at
+    a root), ``root``: the roots' mask. What a :class:`DraftTree`, a prepared trace and a trace's
+    validation check, each naming the node its own way."""
+    in_range = np.isfinite(probs) & (probs >= 0) & (probs <= 1)
+    if not in_range.all():
+        return ~in_range, "range"
+    if np.any(probs[root] != 1.0):
+        return root & (probs != 1.0), "root"
+    rising = ~root & (probs > probs[parent_row] + _PROB_SLACK)
+    if rising.any():
+        return rising, "rising"
+    return None
 
 
 def check_nodes(tree: DraftTree, nodes, name: str = "nodes") -> np.ndarray:

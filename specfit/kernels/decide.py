@@ -30,6 +30,7 @@ from numba import njit
 
 from .levels import expected_children, level_nodes, optimistic_children, stats_update
 from .search import OK, best_subtree, better
+from .tolerances import PROB_SLACK
 from .tree import check_tree
 
 __all__ = ["node_price", "precision_price", "first_level_may_pay", "next_level_may_pay", "decide_level", "select_level", "observe_cycle"]
@@ -42,7 +43,7 @@ N_OBSERVED, SLOTS, SLOTS_RIGHT, DECLINED, N_RECENT, RECENT_NEXT = range(6)
 N_CONF, N_FSTATE, N_ISTATE = 5, 5, 6
 PRICE_MEMORY = 0.99      # observed prices forget at this rate per cycle that verified draft nodes
 RECHECK = 16             # the level-0 test drafts anyway after this many declined cycles
-_SLACK = 1e-9            # a grown tree is clipped as a DraftTree clips (its slack only words errors)
+_SLACK = PROB_SLACK      # a grown tree is clipped as a DraftTree clips (its slack only words errors)
 
 
 @njit(cache=True)

@@ -7,3 +7,6 @@ TIE_REL = 1e-12
 # p - lam * cost (~1e-16 for the magnitudes involved), far below any gain that changes a ratio by
 # TIE_REL, even summed over a few hundred nodes.
 GAIN_EPS = 1e-14
+# A path probability may exceed its parent's by this much (float rounding of products of the same
+# edge probabilities); a tree clips it to the parent's value.
+PROB_SLACK = 1e-9

@@ -16,7 +16,7 @@ import numpy as np
 from .. import kernels
 from ..errors import SpecFitError
 from ..traces.format import Trace
-from ..tree import DraftTree
+from ..tree import DraftTree, bad_path_probs
 
 __all__ = ["PreparedTrace", "prepare", "prepare_trace", "check_position_indexed"]
 
@@ -213,20 +213,15 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
 
 def _check_path_probs(name, probs, root, parent_row, cycle_of, offsets) -> None:
     """The checks a DraftTree makes, on every cycle at once, naming the first bad node."""
-    def fail(bad: np.ndarray, what: str) -> None:
-        i = int(np.flatnonzero(bad)[0])
-        c = int(cycle_of[i])
-        raise ValueError(f"{name}: path_probs {what} (cycle {c}, node {i - int(offsets[c])}, got {probs[i]!r})")
-
     if probs.shape != root.shape:
         raise ValueError(f"{name}: path_probs: expected one value per node ({root.size}), got shape {probs.shape}")
-    if not np.all(np.isfinite(probs) & (probs >= 0) & (probs <= 1)):
-        fail(~(np.isfinite(probs) & (probs >= 0) & (probs <= 1)), "must be probabilities in [0, 1]")
-    if np.any(probs[root] != 1.0):
-        fail(root & (probs != 1.0), "must be 1 at the root")
-    rising = ~root & (probs > probs[parent_row] + 1e-9)
-    if rising.any():
-        fail(rising, "must not increase along a path")
+    bad = bad_path_probs(probs, parent_row, root)
+    if bad is not None:
+        what = {"range": "must be probabilities in [0, 1]", "root": "must be 1 at the root",
+                "rising": "must not increase along a path"}[bad[1]]
+        i = int(np.flatnonzero(bad[0])[0])
+        c = int(cycle_of[i])
+        raise ValueError(f"{name}: path_probs {what} (cycle {c}, node {i - int(offsets[c])}, got {probs[i]!r})")
 
 
 def _packed(name: str, what: str, experts: np.ndarray, n_experts: int) -> np.ndarray:

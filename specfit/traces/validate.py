@@ -9,6 +9,7 @@ import numpy as np
 from .. import kernels
 from ..errors import SpecFitError
 from ..io import json_text
+from ..tree import bad_path_probs
 
 __all__ = ["validate_trace", "check_meta", "REQUIRED_META", "REQUIRED_MODEL"]
 
@@ -83,13 +84,10 @@ def validate_trace(trace, source: str = "trace") -> dict:
     bad = ~np.isfinite(logprob) | (logprob > 1e-6)     # float32 rounding may leave a certain token at +1e-7
     if bad.any():
         fail("draft_logprob", bad, "must be a finite log-probability (<= 0)")
-    prob = trace.path_prob
-    if not np.all(np.isfinite(prob)) or np.any((prob < 0) | (prob > 1)):
-        fail("path_prob", ~np.isfinite(prob) | (prob < 0) | (prob > 1), "must be a probability in [0, 1]")
-    if np.any(prob[root] != 1.0):
-        fail("path_prob", root & (prob != 1.0), "must be 1 at the root")
-    if np.any(prob > prob[gparent] + 1e-9):
-        fail("path_prob", prob > prob[gparent] + 1e-9, "must not exceed the parent's path_prob")
+    bad = bad_path_probs(trace.path_prob, gparent, root)
+    if bad is not None:
+        fail("path_prob", bad[0], {"range": "must be a probability in [0, 1]", "root": "must be 1 at the root",
+                                   "rising": "must not exceed the parent's path_prob"}[bad[1]])
     if np.any(trace.token < 0):
         fail("token", trace.token < 0, "must be a non-negative token id")
     # siblings must carry distinct tokens: greedy acceptance then accepts at most one child. A
