@@ -86,6 +86,25 @@ def test_trace_recording_metadata_that_is_no_object_is_one_line(tmp_path):
         one_line_error(invoke(*argv), str(bad), "'recording' must be a JSON object, got a list")
 
 
+
+@pytest.mark.parametrize("prefill", [
+    {"prefill_sequences": [0], "prefill_experts": []},                     # lists of different lengths
+    {"prefill_sequences": [0], "prefill_experts": [[[0], [1]]]},            # two layers' lists for a 1-layer trace
+    {"prefill_sequences": [0], "prefill_experts": [[[7]]]},                 # an expert id out of range
+    {"prefill_sequences": [0], "prefill_experts": "nothing"},
+])
+def test_a_recorded_prompt_pass_that_is_malformed_is_one_line(tmp_path, prefill):
+    """A live recording's prompt passes warm the replay's cache: a malformed entry is refused
+    where the trace is read, naming the fields."""
+    trace = hand_trace()
+    table = pq.read_table(write_trace(trace, tmp_path / "good.parquet"))
+    meta = dict(trace.meta, schema_version=1, recording={**trace.meta["recording"], **prefill})
+    bad = tmp_path / "prefill.parquet"
+    pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), bad)
+    for argv in trace_readers(bad).values():
+        one_line_error(invoke(*argv), str(bad), "recording.prefill_sequences / prefill_experts")
+
+
 # ----------------------------------------------------------------- drafter trees
 def test_trees_wider_than_sixteen_alternatives_are_drafted(tmp_path):
     out = tmp_path / "wide.parquet"

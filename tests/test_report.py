@@ -339,3 +339,20 @@ def test_share_columns_show_as_percentages_as_the_terminal_shows_them():
     cells = "".join(Page("t").table(frame, percent=("time MAPE", "time bias", "union MAPE")).parts)
     assert "<td>3.1%</td>" in cells and "<td>-0.1%</td>" in cells and "<td>–</td>" in cells
     assert "<td>294.9</td>" in cells                       # other numbers as before
+
+
+def test_a_scatter_of_many_cycles_stays_small_in_the_page():
+    """One vector marker per cycle made a 64k-cycle run's page 10 MB: above RASTER_ABOVE points
+    the markers are an image inside the SVG (axes and text stay vector); below, markers."""
+    from specfit.report.html import svg_of
+    from specfit.report.plots import RASTER_ABOVE, identity_scatter
+
+    rng = np.random.default_rng(0)
+    sizes = {}
+    for n in (RASTER_ABOVE, 30 * RASTER_ABOVE):
+        measured = rng.uniform(1e-3, 2e-3, n)
+        svg = svg_of(identity_scatter(measured, measured * rng.uniform(0.9, 1.1, n), "measured", "predicted",
+                                      groups=np.where(np.arange(n) % 2, "ar", "specfit")))
+        sizes[n] = (len(svg), "<image" in svg)
+    assert sizes[RASTER_ABOVE][1] is False and sizes[30 * RASTER_ABOVE][1] is True
+    assert sizes[30 * RASTER_ABOVE][0] < sizes[RASTER_ABOVE][0] < 1_000_000

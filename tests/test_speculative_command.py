@@ -823,3 +823,31 @@ def test_float16_decodes_as_ar_does_and_uses_a_profile_calibrated_in_float16(che
     assert json.loads(saved[0].read_text())["shape"]["expert_bytes"] == half      # experts in 2 bytes a weight
     wrong = decode(checkpoint, "--policy", "ar", "--dtype", "float64")
     assert wrong.exit_code == 2 and "--dtype: expected one of float32, bfloat16, float16, got 'float64'" in wrong.output
+
+
+@pytest.mark.parametrize("mode, capacity", [("per_layer", 3), ("global", 10)])
+def test_a_replay_of_a_full_recording_counts_the_live_runs_hits_and_misses_cycle_for_cycle(checkpoint, tmp_path, mode,
+                                                                                           capacity):
+    """A fixed policy decides the same in a replay as live, and the replay's cache starts each
+    sequence as the live one did: holding the experts of its prompt's pass (recorded in the trace),
+    so every cycle's hits and misses are the live run's, compiled and Python replay alike."""
+    trace_path, out = tmp_path / "full.parquet", tmp_path / "run"
+    policies = ("ar", "eagle3:12:3")
+    result = decode(checkpoint, "--policies", ",".join(policies), "--cache-mode", mode, "--cache-experts",
+                    str(capacity), "--max-levels", "3", "--profile", "pcie4", "--frozen-profile", "--record",
+                    str(trace_path), "--record-full", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    live = pd.read_parquet(out / "cycles.parquet")
+    trace = read_trace(trace_path)
+    prep = prepare("full", trace, trace.true_experts)
+    assert prep.has_prefill.all()
+    for spec in policies:
+        ran = live[live["policy"] == spec].reset_index(drop=True)
+        for compiled in (True, False):
+            cache = ExpertCache(trace.n_layers, trace.n_experts, capacity, mode=mode, expert_bytes=trace.expert_bytes)
+            log = replay(prep, make_policy(spec, max_levels=3), cache, CostModel(2e-3, 5e-5, 2e-5, 2e-4, 3e-4),
+                         compiled=compiled)
+            for column in ("position", "nodes_drafted", "nodes_verified", "committed_tokens", "hits", "misses"):
+                np.testing.assert_array_equal(log.columns[column], ran[column].to_numpy(),
+                                              err_msg=f"{spec} {column} compiled={compiled}")
+        assert ran["hits"].sum() > 0 and ran["misses"].sum() > 0

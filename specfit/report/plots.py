@@ -15,21 +15,27 @@ def new_axes(width: float = 6.4, height: float = 3.6):
     return fig, ax
 
 
+# above this many points a scatter is drawn as an image inside the SVG: one vector marker per
+# cycle made a 64k-cycle run's page 10 MB
+RASTER_ABOVE = 2000
+
+
 def identity_scatter(measured, predicted, xlabel: str, ylabel: str, color=None, color_label: str = "",
                      groups=None):
     """Predicted vs measured with the identity line and the MAPE in the title; ``color`` shades
     points by a number (with a colour bar), ``groups`` labels them by category (with a legend)."""
     measured, predicted = np.asarray(measured, dtype=float), np.asarray(predicted, dtype=float)
+    raster = measured.size > RASTER_ABOVE
     fig, ax = new_axes(5.2, 4.4)
     if groups is not None:
         groups = np.asarray(groups)
         for name in dict.fromkeys(groups.tolist()):
             sel = groups == name
-            ax.scatter(measured[sel], predicted[sel], s=14, alpha=0.75, label=str(name))
+            ax.scatter(measured[sel], predicted[sel], s=14, alpha=0.75, label=str(name), rasterized=raster)
         ax.legend(fontsize=8)
     else:
         sc = ax.scatter(measured, predicted, s=14, alpha=0.75, c=None if color is None else np.asarray(color),
-                        cmap="viridis")
+                        cmap="viridis", rasterized=raster)
         if color is not None:
             fig.colorbar(sc, ax=ax, label=color_label)
     hi = float(np.nanmax(np.concatenate([measured, predicted]))) * 1.05 if measured.size else 1.0

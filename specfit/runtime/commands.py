@@ -68,7 +68,8 @@ def decode(
     threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP + "."),
     online_refit: bool = typer.Option(True, "--online-refit/--frozen-profile", help="Refit the cost model on the "
                                       "run's recent cycles as it goes, the profile as the prior (default), or keep "
-                                      "the profile frozen (experiments that need a fixed model)."),
+                                      "the profile frozen (experiments that need a fixed model; specfit still prices its own decisions at their "
+                                      "measured time)."),
     interleave: bool = typer.Option(False, "--interleave", help="Decode each prompt with every policy in turn (the "
                                     "order rotating) instead of policy after policy, with one expert cache for all: "
                                     "a machine whose speed drifts then slows every policy alike."),

@@ -48,6 +48,8 @@ class PreparedTrace:
     path_offsets: np.ndarray        # int64 [cycles + 1]: cycle c's accepted path is paths[po[c]:po[c + 1]]
     paths: np.ndarray               # int64: accepted paths of the full trees, root first, local node ids
     first_cycles: np.ndarray        # first cycle (position 0) of each sequence
+    prefill_bits: np.ndarray        # uint64 [sequences, L, words]: the experts each sequence's prompt pass made resident
+    has_prefill: np.ndarray         # bool [sequences]: the trace records that pass (live recordings)
     info: dict = field(default_factory=dict)   # e.g. the predictor's and calibrator's quality
     _trees: dict = field(default_factory=dict, repr=False)
 
@@ -158,7 +160,7 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
     The trace is validated again here (a few ms): the compiled replay indexes by its depths,
     parents and offsets without bounds checks, so a trace changed in memory after it was read (or
     read with ``validate=False``) must not reach it unchecked."""
-    from ..traces.validate import validate_trace
+    from ..traces.validate import prompt_passes, validate_trace
 
     validate_trace(trace, name)
     check_position_indexed(trace, name)
@@ -198,6 +200,13 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
     path_offsets, paths = kernels.replay.accepted_paths(offsets, parents, depths, tokens, verdicts)
     seq = trace.sequence
     first = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
+    # the cache a live run's first cycle saw held its prompt pass's experts: admitted before it
+    passes = prompt_passes(trace, name)
+    has_prefill = np.array([int(seq[c]) in passes for c in first], dtype=bool)
+    prefill_bits = np.zeros((first.size, trace.n_layers, kernels.bitsets.n_words(trace.n_experts)), dtype=np.uint64)
+    for s, c in enumerate(first):
+        if has_prefill[s]:
+            prefill_bits[s] = kernels.bitsets.pack_mask(passes[int(seq[c])])
     info = dict(info or {})
     slots, right = _slots_right(predicted_experts, true_experts, ~root)
     info.setdefault("predicted_slots", slots)
@@ -208,7 +217,8 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
                          level_probs=level,
                          level_offsets=level_offsets, level_sizes=level_sizes, predicted_experts=predicted_experts,
                          true_bits=true_bits, predicted_bits=predicted_bits,
-                         path_offsets=path_offsets, paths=paths, first_cycles=first, info=info)
+                         path_offsets=path_offsets, paths=paths, first_cycles=first, prefill_bits=prefill_bits,
+                         has_prefill=has_prefill, info=info)
 
 
 def _check_path_probs(name, probs, root, parent_row, cycle_of, offsets) -> None:

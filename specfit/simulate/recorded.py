@@ -18,6 +18,7 @@ from ..costmodel import CostModel
 from ..errors import SpecFitError
 from ..experts.cache import ExpertCache
 from ..traces.format import Trace
+from ..traces.validate import prompt_passes
 
 __all__ = ["recharge"]
 
@@ -26,9 +27,8 @@ def recharge(trace: Trace, cache: ExpertCache, cost: CostModel | None = None) ->
     """Per cycle of ``trace``: ``sequence``, ``position``, ``hits``, ``misses``, ``bytes_h2d`` and
     (with ``cost``) ``charged_time_s``, with ``cache`` (mutated) carrying state across cycles and
     sequences as the live run's did."""
-    recording = trace.meta.get("recording", {})
     moved = trace.expert_bytes if cost is None else cost.bytes_per_miss(trace.expert_bytes)   # one miss's bytes
-    prefill = dict(zip(recording.get("prefill_sequences", []), recording.get("prefill_experts", [])))
+    prefill = prompt_passes(trace, "recharge")
     if trace.position_indexed:
         raise SpecFitError("recharge: the trace is position-indexed (a --record-full recording, one token per "
                            "cycle); replay it with specfit simulate instead")
@@ -41,10 +41,7 @@ def recharge(trace: Trace, cache: ExpertCache, cost: CostModel | None = None) ->
             if sequence not in prefill:
                 raise SpecFitError(f"recharge: the trace does not record sequence {sequence}'s prompt pass "
                                    "(recorded by an older SpecFit); its cache state cannot be rebuilt")
-            union = np.zeros((L, E), dtype=bool)
-            for layer, experts in enumerate(prefill[sequence]):
-                union[layer, experts] = True
-            cache.admit(union)
+            cache.admit(prefill[sequence])
             previous = sequence
         r = trace.rows(c)
         verified = trace.verified[r]

@@ -134,14 +134,16 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
         rows = kernels.replay.replay_compiled(
             *rule, prep.predicted_is_true, prep.offsets, prep.parents, prep.depths, prep.tokens, prep.verdicts,
             prep.predicted_experts, prep.true_bits, prep.predicted_bits, prep.path_probs, prep.level_probs,
-            prep.level_offsets, prep.level_sizes, prep.path_offsets, prep.paths, bounds, cost.params,
+            prep.level_offsets, prep.level_sizes, prep.path_offsets, prep.paths, bounds, prep.prefill_bits,
+            prep.has_prefill, cost.params,
             *cache.kernel_state(), *lever_args, int_cols, float_cols, tokens_out, per_sequence)
     elif compiled_specfit:
         # the policy's state arrays are updated in place, as its own calls would update them
         rows = kernels.replay.replay_specfit(
             prep.predicted_is_true, prep.offsets, prep.parents, prep.depths, prep.tokens, prep.verdicts,
             prep.true_bits, prep.predicted_experts, prep.predicted_bits, prep.path_probs, prep.level_probs,
-            prep.level_offsets, prep.level_sizes, prep.path_offsets, prep.paths, bounds, trace.n_experts,
+            prep.level_offsets, prep.level_sizes, prep.path_offsets, prep.paths, bounds, prep.prefill_bits,
+            prep.has_prefill, trace.n_experts,
             policy._priced_cost(cost).params, *policy.state, *cache.kernel_state(), *lever_args, int_cols, float_cols,
             tokens_out, per_sequence)
         if rows < 0:
@@ -157,6 +159,9 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
     cols = {name: int_cols[i, :rows] for i, name in enumerate(kernels.replay.INT_COLUMNS)}
     cols.update({name: float_cols[i, :rows] for i, name in enumerate(kernels.replay.FLOAT_COLUMNS)})
     cols = {name: cols[name] for name in CYCLE_COLUMNS}
+    # the nodes of the levels drafted: the trace's tree at the cycle's position, cut there
+    cycle = bounds[cols["sequence"]] + cols["position"]
+    cols["nodes_drafted"] = prep.level_sizes[prep.level_offsets[cycle] + cols["draft_levels"]]
     # the charged time: the same cost formula, on the true union against the cache state
     cols["charged_time_s"] = cost.predict_counts(cols["draft_levels"], cols["nodes_verified"], cols["hits"],
                                                  cols["misses"])
@@ -234,6 +239,9 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
 
     for s in range(bounds.size - 1):
         c, first_token = int(bounds[s]), n_out
+        if prep.has_prefill[s]:         # the prompt's pass, before the first cycle, as live
+            kernels.cache.admit_cycle(prep.prefill_bits[s], *state, kernels.cache.NO_KEEP, admitted, evicted, cand_score,
+                                      cand_slot)
         while c < bounds[s + 1]:
             lo, hi = int(offsets[c]), int(offsets[c + 1])
             # int64 once per cycle: the search takes int64 ids, and a policy may search several times

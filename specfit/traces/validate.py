@@ -11,7 +11,7 @@ from ..errors import SpecFitError
 from ..io import json_text
 from ..tree import bad_path_probs
 
-__all__ = ["validate_trace", "check_meta", "REQUIRED_META", "REQUIRED_MODEL"]
+__all__ = ["validate_trace", "check_meta", "prompt_passes", "REQUIRED_META", "REQUIRED_MODEL"]
 
 REQUIRED_META = ("model", "drafter", "workload", "recording", "provenance")
 REQUIRED_MODEL = ("name", "n_layers", "n_experts", "top_k", "expert_bytes")
@@ -122,7 +122,39 @@ def validate_trace(trace, source: str = "trace") -> dict:
               "true_experts_known": int(trace.true_known.sum())}
     if trace.position_indexed:
         _validate_position_indexed(trace, source)
+    prompt_passes(trace, source)
     return counts
+
+
+def prompt_passes(trace, source: str) -> dict[int, np.ndarray]:
+    """Each recorded sequence's prompt pass, the experts it made resident before the sequence's
+    first cycle (a live recording's ``recording.prefill_sequences`` / ``prefill_experts``): sequence
+    id -> bool ``[layers, experts]``. Empty for a trace that records none (synthetic, imported, or
+    recorded by an older SpecFit). Checked: one list of expert ids in range per layer."""
+    recording = trace.meta["recording"]
+    sequences, experts = recording.get("prefill_sequences"), recording.get("prefill_experts")
+    if sequences is None and experts is None:
+        return {}
+    where = f"{source}: metadata recording.prefill_sequences / prefill_experts"
+    if not (isinstance(sequences, list) and isinstance(experts, list) and len(sequences) == len(experts)
+            and all(isinstance(s, int) and not isinstance(s, bool) for s in sequences)):
+        raise SpecFitError(f"{where}: expected two lists of the same length, sequence ids and their experts per layer")
+    L, E = trace.n_layers, trace.n_experts
+    passes = {}
+    for sequence, layers in zip(sequences, experts):
+        if layers is None:            # a sequence whose prompt pass was not recorded
+            continue
+        ok = isinstance(layers, list) and len(layers) == L and all(
+            isinstance(ids, list) and all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < E for e in ids)
+            for ids in layers)
+        if not ok:
+            raise SpecFitError(f"{where}: sequence {sequence}'s entry must hold {L} lists (one per layer) of expert ids "
+                               f"in [0, {E})")
+        union = np.zeros((L, E), dtype=bool)
+        for layer, ids in enumerate(layers):
+            union[layer, ids] = True
+        passes[sequence] = union
+    return passes
 
 
 def _depth_sorted_per_cycle(depth: np.ndarray, off: np.ndarray) -> bool:
