@@ -115,9 +115,21 @@ def _damaged(path: Path, files: str, unit: str = "column"):
         raise SpecFitError(f"{path}: {files}: a {unit} holds values of the wrong type or range ({detail})") from None
 
 
-def _read_parquet(path: Path) -> pd.DataFrame:
+def _read_parquet(path: Path, columns: list[str] | None = None) -> pd.DataFrame:
+    """The file's table (only ``columns`` where given); one line naming the file if it is damaged
+    or lacks a column asked for."""
+    if columns is not None:
+        import pyarrow.parquet as pq
+
+        try:
+            missing = [c for c in columns if c not in pq.read_schema(path).names]
+        except Exception as exc:  # pyarrow raises several types for damaged files
+            raise SpecFitError(f"{path}: not a readable Parquet file ({exc})") from None
+        if missing:
+            raise SpecFitError(f"{path}: missing column(s) {missing}; expected the columns the specfit version "
+                               "that reads it writes")
     try:
-        return pd.read_parquet(path)
+        return pd.read_parquet(path, columns=columns)
     except Exception as exc:  # pyarrow raises several types for damaged files
         raise SpecFitError(f"{path}: not a readable Parquet file ({exc})") from None
 
@@ -180,7 +192,9 @@ def _sections(page: Page, path: Path, kinds: list[str]) -> None:
             calibration_section(page, profile, str(profile_path))
     if "simulation" in kinds:
         summary = _read_parquet(path / "summary.parquet")
-        cycles = _read_parquet(path / "cycles.parquet") if (path / "cycles.parquet").is_file() else None
+        # the page draws one histogram of the cycles: two columns of a file that may hold millions of rows
+        cycles = _read_parquet(path / "cycles.parquet", columns=["policy", "nodes_verified"]) \
+            if (path / "cycles.parquet").is_file() else None
         with _damaged(path, "summary.parquet / cycles.parquet"):
             simulation_section(page, summary, cycles, str(path))
     if "live" in kinds:

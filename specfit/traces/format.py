@@ -266,6 +266,8 @@ def read_trace(path: str | Path, validate: bool = True) -> Trace:
         # a readable footer says nothing about the pages: truncated or overwritten data fails here
         raise SpecFitError(f"cannot read {path}: damaged Parquet data ({one_line(exc)})") from None
     trace = _from_table(table, meta, str(path))
+    del table
+    pa.default_memory_pool().release_unused()    # the pool would keep every buffer the table was read into
     if validate:
         validate_trace(trace, source=str(path))
     return trace
@@ -288,8 +290,10 @@ def _expert_array(table: pa.Table, name: str, L: int, k: int, source: str) -> np
         raise SpecFitError(f"{source}: column '{name}' must be a fixed-size list of {L * k} integers "
                            f"(layers x top_k = {L} x {k}), got {col.type}")
     # a null set's slots may be null in the child array after a Parquet round trip
-    values = col.values.fill_null(0).to_numpy(zero_copy_only=False)[col.offset * L * k:(col.offset + len(col)) * L * k]
-    experts = values.astype(np.int16).reshape(len(col), L, k)
+    values = col.values.slice(col.offset * L * k, len(col) * L * k)
+    if values.null_count:
+        values = values.fill_null(0)
+    experts = values.to_numpy(zero_copy_only=False).astype(np.int16).reshape(len(col), L, k)
     if col.null_count:
         experts[~col.is_valid().to_numpy(zero_copy_only=False)] = UNKNOWN
     return experts
