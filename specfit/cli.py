@@ -11,17 +11,21 @@ from . import __version__
 
 
 class _Commands(TyperGroup):
-    """The command group: an operating-system error that no command expected (a full disk, a file
-    that vanished or turned into a directory mid-run) ends as one line naming the file, status 2,
-    not a traceback. Files are written atomically, so what was complete before it stays whole."""
+    """The command group: bad input (:class:`~specfit.errors.SpecFitError`, from any command) and an
+    operating-system error that no command expected (a full disk, a file that vanished or turned
+    into a directory mid-run) end as one line naming the file, status 2, not a traceback. Files are
+    written atomically, so what was complete before it stays whole."""
 
     def invoke(self, ctx):
+        from .errors import SpecFitError, fail
+
         try:
             return super().invoke(ctx)
+        except SpecFitError as exc:         # bad input, from any command: its one line, status 2
+            fail(str(exc))
         except (BrokenPipeError, ConnectionError, TimeoutError):
             raise               # a reader that went away (`| head`: click ends quietly), a network's
         except OSError as exc:
-            from .errors import fail
             from .io import os_error_text
 
             fail(os_error_text(exc))

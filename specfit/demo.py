@@ -19,7 +19,7 @@ from typing import Optional
 
 import typer
 
-from .errors import INTERRUPTS, SpecFitError, fail, stopped_by
+from .errors import INTERRUPTS, SpecFitError, stopped_by
 from .threads import THREADS_HELP, set_cpu_threads
 
 __all__ = ["DemoPlan", "run_demo", "register", "whatif_scenarios"]
@@ -221,8 +221,6 @@ def demo_command(
             task = bar.add_task("demo", total=None)
             result = run_demo(plan, say=lambda m: (console.print(m), bar.update(task, description=m)),
                               progress=lambda *a: bar.advance(task))
-    except SpecFitError as exc:
-        fail(str(exc))
     except INTERRUPTS as exc:
         stopped_by(exc, f"interrupted: what finished is kept under {out} (decode runs keep every complete cycle); run "
                         f"specfit demo again for the report")

@@ -72,8 +72,6 @@ def calibrate_command(
                                            status=lambda message: bar.update(task, description=message))
         path = out or calibrate_job.default_profile_path(prof.machine, prof.shape)
         prof.save(path)
-    except SpecFitError as exc:
-        fail(str(exc))
     except INTERRUPTS as exc:
         stopped_by(exc, "interrupted: no profile was written (probes are fitted only once they have all run)")
     _report(path, report, as_json, console)

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, stopped, stopped_by
+from ..errors import INTERRUPTS, Interrupted, stopped, stopped_by
 from ..io import check_output
 
 
@@ -27,8 +27,6 @@ def report_command(
     try:
         check_output(target, "--out", kind="dir")
         index = build_report(inputs, target, title=title, say=lambda line: typer.secho(line, err=True))
-    except SpecFitError as exc:
-        fail(str(exc))
     except Interrupted as exc:
         stopped(str(exc))
     except INTERRUPTS as exc:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, stopped, stopped_by
+from ..errors import INTERRUPTS, Interrupted, fail, stopped, stopped_by
 from ..io import strict_dumps
 from ..policies import LIVE_POLICY_HELP
 from ..threads import THREADS_HELP, set_cpu_threads
@@ -102,11 +102,8 @@ def decode(
                       online_refit=online_refit, interleave=interleave,
                       cache_per_policy=cache_per_policy)
     stderr = Console(stderr=True)
-    try:
-        set_cpu_threads(threads)
-        plan.validate()
-    except SpecFitError as exc:
-        fail(str(exc))
+    set_cpu_threads(threads)
+    plan.validate()
 
     def emit(record_: dict) -> None:
         if json_lines:
@@ -126,8 +123,6 @@ def decode(
                 bar.advance(task)
 
             result = run_decode(plan, on_record=emit, status=status, progress=tick, ctx=ctx)
-    except SpecFitError as exc:
-        fail(str(exc))
     except Interrupted as exc:
         stopped(str(exc))
     except INTERRUPTS as exc:                     # while loading the model, before any cycle ran

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from ..console import speedup_text
-from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, stopped, stopped_by
+from ..errors import INTERRUPTS, Interrupted, SpecFitError, stopped, stopped_by
 from ..runinfo import check_run_dir
 from ..policies import DEFAULT_POLICIES, POLICY_HELP
 
@@ -66,8 +66,6 @@ def simulate_command(
                                     price_uncertainty, model)
         if out is not None:
             _write_outputs(out, cycles, summary, ctx)
-    except SpecFitError as exc:
-        fail(str(exc))
     except Interrupted as exc:
         stopped(str(exc))
     except INTERRUPTS as exc:

@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from ..console import speedup_text
-from ..errors import INTERRUPTS, Interrupted, SpecFitError, fail, stopped, stopped_by
+from ..errors import INTERRUPTS, Interrupted, SpecFitError, stopped, stopped_by
 from ..io import strict_dumps
 
 # the settings a table may show for a cell (column: header); those the grid varies are shown
@@ -55,8 +55,6 @@ def sweep_command(
         out_dir = check_run_dir(out or Path("runs") / spec.stem, "sweep")
         run = execute(parsed, out_dir, address, num_cpus, chunk_cells, show_progress=not as_json, ctx=ctx)
         results = read_results(out_dir)
-    except SpecFitError as exc:
-        fail(str(exc))
     except Interrupted as exc:
         stopped(str(exc))
     except INTERRUPTS as exc:                 # starting or stopping Ray, reading the results
@@ -143,8 +141,6 @@ def plan_command(
                           profile=profile, h2d_scale=h2d_scale, rescale=rescale, policies=policies,
                           cache_steps=cache_steps, predictor=predictor, out_dir=out, address=address,
                           num_cpus=num_cpus, show_progress=not as_json, ctx=ctx)
-    except SpecFitError as exc:
-        fail(str(exc))
     except Interrupted as exc:
         stopped(str(exc))
     except INTERRUPTS as exc:                 # starting Ray, synthesising traces, ranking

@@ -8,7 +8,7 @@ from typing import Optional
 import numpy as np
 import typer
 
-from ..errors import INTERRUPTS, SpecFitError, check_seed, fail, stopped_by
+from ..errors import INTERRUPTS, SpecFitError, check_seed, stopped_by
 from ..io import check_output, strict_dumps
 
 
@@ -62,8 +62,6 @@ def synth_command(
         except ValueError as exc:
             raise SpecFitError(str(exc)) from None
         write_trace(trace, out)
-    except SpecFitError as exc:
-        fail(str(exc))
     except INTERRUPTS as exc:
         _stopped_unwritten(exc, out)
     _report_written(trace, out, as_json)
@@ -124,8 +122,6 @@ def import_routing_command(
                                                     drafter=drafter, sibling_reuse=sibling_reuse, seed=seed, max_tokens=max_tokens),
                              "importing", as_json)
         write_trace(trace, out)
-    except SpecFitError as exc:
-        fail(str(exc))
     except INTERRUPTS as exc:
         _stopped_unwritten(exc, out)
     _report_written(trace, out, as_json)
@@ -135,11 +131,8 @@ def validate_command(trace_file: Path = typer.Argument(..., help="Trace file (.p
     """Check a trace file against the schema and every invariant the simulator relies on."""
     from .format import read_trace, validate_trace
 
-    try:
-        trace = read_trace(trace_file, validate=False)
-        counts = validate_trace(trace, source=str(trace_file))
-    except SpecFitError as exc:
-        fail(str(exc))
+    trace = read_trace(trace_file, validate=False)
+    counts = validate_trace(trace, source=str(trace_file))
     kind = "position-indexed" if trace.position_indexed else "recorded"
     typer.echo(f"{trace_file}: valid schema-{trace.meta.get('schema_version')} {kind} trace, {counts['cycles']} cycles, "
                f"{counts['nodes']} nodes ({trace.model['name']}: {trace.n_layers} layers x {trace.n_experts} experts, "
@@ -157,11 +150,8 @@ def inspect_command(
     from .format import read_trace
     from .summary import summarise_trace
 
-    try:
-        trace = read_trace(trace_file)
-        summary = summarise_trace(trace)
-    except SpecFitError as exc:
-        fail(str(exc))
+    trace = read_trace(trace_file)
+    summary = summarise_trace(trace)
     if as_json:
         typer.echo(strict_dumps(summary, indent=2))
         return
