@@ -16,9 +16,9 @@ import threading
 from pathlib import Path
 from typing import Callable
 
-from .errors import Interrupted, SpecFitError, note_stop_signal, sigterm_stops
+from .errors import Interrupted, SpecFitError, note_stop_signal, one_line, sigterm_stops
 
-__all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "strict_json", "write_jsonl_atomic", "check_output",
+__all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "read_parquet", "strict_json", "write_jsonl_atomic", "check_output",
            "not_readable_as", "os_error_text", "run_dir_lock", "LOCK_FILE", "strict_dumps",
            "nulls_as_nan",
            "remove_stale_temporaries", "read_json_object", "json_text", "deferred_interrupt"]
@@ -270,6 +270,27 @@ def strict_dumps(obj, **options) -> str:
         return json.dumps(obj, allow_nan=False, **options)
     except ValueError:                  # a NaN or an infinity somewhere: the slower walk
         return json.dumps(strict_json(obj), allow_nan=False, **options)
+
+
+def read_parquet(path: str | Path, columns: list[str] | None = None, what: str = "Parquet file", hint: str = ""):
+    """The pandas frame of a Parquet file (only ``columns`` where given). A damaged file, or one
+    that lacks a column asked for, is one line naming it as ``what`` (e.g. "sweep part file"),
+    then ``hint`` (what to do about it)."""
+    import pandas as pd
+    import pyarrow.parquet as pq
+
+    hint = f"; {hint}" if hint else ""
+    try:
+        if columns is not None:
+            missing = [c for c in columns if c not in pq.read_schema(path).names]
+            if missing:
+                raise SpecFitError(f"{path}: missing column(s) {missing}; expected the columns the specfit version "
+                                   f"that reads it writes{hint}")
+        return pd.read_parquet(path, columns=columns)
+    except SpecFitError:
+        raise
+    except Exception as exc:  # pyarrow raises several types for damaged or non-Parquet files
+        raise SpecFitError(f"{path}: not a readable {what} ({one_line(exc)}){hint}") from None
 
 
 def write_json_atomic(path: str | Path, obj, indent: int = 2) -> Path:

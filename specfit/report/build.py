@@ -19,7 +19,7 @@ import pandas as pd
 from .. import __version__
 from ..calibrate.profile import load_profile
 from ..errors import SpecFitError, one_line
-from ..io import deferred_interrupt, not_readable_as, write_json_atomic
+from ..io import deferred_interrupt, not_readable_as, read_parquet, write_json_atomic
 from ..runinfo import read_run_info
 from ..runtime.run_dir import CYCLES_FILE, JOURNAL_FILE, read_decode_cycles, read_decode_summaries
 from .calibration import calibration_section
@@ -115,25 +115,6 @@ def _damaged(path: Path, files: str, unit: str = "column"):
         raise SpecFitError(f"{path}: {files}: a {unit} holds values of the wrong type or range ({detail})") from None
 
 
-def _read_parquet(path: Path, columns: list[str] | None = None) -> pd.DataFrame:
-    """The file's table (only ``columns`` where given); one line naming the file if it is damaged
-    or lacks a column asked for."""
-    if columns is not None:
-        import pyarrow.parquet as pq
-
-        try:
-            missing = [c for c in columns if c not in pq.read_schema(path).names]
-        except Exception as exc:  # pyarrow raises several types for damaged files
-            raise SpecFitError(f"{path}: not a readable Parquet file ({exc})") from None
-        if missing:
-            raise SpecFitError(f"{path}: missing column(s) {missing}; expected the columns the specfit version "
-                               "that reads it writes")
-    try:
-        return pd.read_parquet(path, columns=columns)
-    except Exception as exc:  # pyarrow raises several types for damaged files
-        raise SpecFitError(f"{path}: not a readable Parquet file ({exc})") from None
-
-
 def _sweep_sections(page: Page, path: Path, kinds: list[str]) -> None:
     import json
 
@@ -191,9 +172,9 @@ def _sections(page: Page, path: Path, kinds: list[str]) -> None:
         with _damaged(profile_path, "fit / probes", "field"):
             calibration_section(page, profile, str(profile_path))
     if "simulation" in kinds:
-        summary = _read_parquet(path / "summary.parquet")
+        summary = read_parquet(path / "summary.parquet")
         # the page draws one histogram of the cycles: two columns of a file that may hold millions of rows
-        cycles = _read_parquet(path / "cycles.parquet", columns=["policy", "nodes_verified"]) \
+        cycles = read_parquet(path / "cycles.parquet", columns=["policy", "nodes_verified"]) \
             if (path / "cycles.parquet").is_file() else None
         with _damaged(path, "summary.parquet / cycles.parquet"):
             simulation_section(page, summary, cycles, str(path))

@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..errors import SpecFitError
-from ..io import (atomic_write, json_text, nulls_as_nan, remove_stale_temporaries, strict_dumps, write_json_atomic,
-                  write_jsonl_atomic)
+from ..io import (atomic_write, json_text, nulls_as_nan, read_parquet, remove_stale_temporaries, strict_dumps,
+                  write_json_atomic, write_jsonl_atomic)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -86,10 +86,7 @@ def read_decode_cycles(out_dir: str | Path) -> "pd.DataFrame":
 
     out_dir = Path(out_dir)
     parquet, journal = out_dir / CYCLES_FILE, out_dir / JOURNAL_FILE
-    try:
-        frame = pd.read_parquet(parquet) if parquet.is_file() else pd.DataFrame()
-    except Exception as exc:  # pyarrow raises several types for damaged files
-        raise SpecFitError(f"{parquet}: not a readable Parquet file ({exc})") from None
+    frame = read_parquet(parquet) if parquet.is_file() else pd.DataFrame()
     if journal.is_file():
         rows = []
         try:

@@ -23,7 +23,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..errors import SpecFitError
-from ..io import atomic_write, run_dir_lock, write_json_atomic
+from ..io import atomic_write, read_parquet, run_dir_lock, write_json_atomic
 
 __all__ = ["SWEEP_FILE", "RESULTS_DIR", "is_sweep_dir", "locked", "remove_stale_temporaries", "done_cell_ids",
            "write_part", "write_sweep_file", "read_sweep_file", "read_results", "fill_speedups", "part_files"]
@@ -60,15 +60,9 @@ def remove_stale_temporaries(out_dir: Path) -> int:
 
 def done_cell_ids(out_dir: Path) -> set[str]:
     """The ids of the cells whose rows are in the dataset."""
-    import pyarrow.parquet as pq
-
     done: set[str] = set()
     for part in part_files(out_dir):
-        try:
-            ids = pq.read_table(part, columns=["cell_id"]).column("cell_id").to_pylist()
-        except Exception as exc:  # pyarrow raises several types for a damaged file
-            raise SpecFitError(f"{part}: not a readable sweep part file ({exc}); remove it to recompute its cells") from None
-        done.update(ids)
+        done.update(read_parquet(part, ["cell_id"], "sweep part file", "remove it to recompute its cells")["cell_id"])
     return done
 
 
@@ -111,10 +105,7 @@ def read_results(out_dir: Path, current_only: bool = True) -> pd.DataFrame:
     parts = part_files(out_dir)
     frames = []
     for part in parts:
-        try:
-            frames.append(pd.read_parquet(part))
-        except Exception as exc:  # pyarrow raises several types for a damaged file
-            raise SpecFitError(f"{part}: not a readable sweep part file ({exc})") from None
+        frames.append(read_parquet(part, what="sweep part file"))
     if not frames:
         return pd.DataFrame(columns=["cell_id"])
     frame = pd.concat(frames, ignore_index=True)

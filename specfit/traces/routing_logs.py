@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..errors import SpecFitError, one_line
-from ..io import not_readable_as, write_jsonl_atomic
+from ..errors import SpecFitError
+from ..io import not_readable_as, read_parquet, write_jsonl_atomic
 
 __all__ = ["RoutingLog", "read_routing_log", "dump_jsonl", "JSONL_FIELDS"]
 
@@ -79,11 +79,7 @@ def read_routing_log(path: str | Path) -> RoutingLog:
             raise SpecFitError(f"{path}: not valid JSON lines ({exc})") from None
         return _from_records(frame, path, "jsonl")
     if path.suffix == ".parquet":
-        try:
-            frame = pd.read_parquet(path)
-        except Exception as exc:  # pyarrow raises several error types for non-Parquet input
-            raise SpecFitError(f"{path}: not a readable Parquet file ({one_line(exc)})") from None
-        return _from_records(frame, path, "parquet")
+        return _from_records(read_parquet(path), path, "parquet")
     raise SpecFitError(f"{path}: unknown routing-log format; expected a .npz, .jsonl or .parquet file")
 
 
