@@ -43,7 +43,7 @@ from ..search import ROOT_TIME_MESSAGE
 from ..specfit_policy import SpecFitPolicy
 from .prepared import PreparedTrace, prepare, prepare_trace
 
-__all__ = ["PreparedTrace", "prepare", "prepare_trace", "replay", "CycleLog", "CYCLE_COLUMNS"]
+__all__ = ["PreparedTrace", "prepare", "prepare_trace", "replay", "CycleLog"]
 
 
 @dataclass
@@ -64,11 +64,6 @@ class _LevelView(CycleView):
             verdicts=None if self.verdicts is None else self.verdicts[:n],
             true_experts=None if self.true_experts is None else self.true_experts[:n],
             prep=prep, cycle=c)
-
-
-CYCLE_COLUMNS = ("sequence", "position", "nodes_verified", "draft_levels", "deepest_selected", "union_size",
-                 "hits", "misses", "predicted_union_size", "predicted_misses", "union_overlap",
-                 "predicted_time_s", "predicted_tokens", "committed_tokens")
 
 
 @dataclass
@@ -158,7 +153,6 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
             unions = [np.flatnonzero(kernels.bitsets.unpack(union_log[r], trace.n_experts)) for r in range(rows)]
     cols = {name: int_cols[i, :rows] for i, name in enumerate(kernels.replay.INT_COLUMNS)}
     cols.update({name: float_cols[i, :rows] for i, name in enumerate(kernels.replay.FLOAT_COLUMNS)})
-    cols = {name: cols[name] for name in CYCLE_COLUMNS}
     # the nodes of the levels drafted: the trace's tree at the cycle's position, cut there
     cycle = bounds[cols["sequence"]] + cols["position"]
     cols["nodes_drafted"] = prep.level_sizes[prep.level_offsets[cycle] + cols["draft_levels"]]
