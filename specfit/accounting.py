@@ -177,7 +177,7 @@ def live_row(stats, cost: CostModel | None, expert_bytes: int) -> dict:
         "prediction_precision": stats.predicted_slots_right / stats.predicted_slots if stats.predicted_slots else nan,
         "draft_time_s": stats.draft_time_s,
         "verify_time_s": stats.verify_time_s,
-        "target_time_s": verification.verify_time_s,
+        "target_time_s": verification.target_time_s,
         "transfer_time_s": verification.transfer_time_s,
         "drafter_time_s": draft.drafter_time_s,
         "search_time_s": draft.search_time_s,

@@ -55,7 +55,7 @@ class Verification:
     expert_ids: np.ndarray
     hidden: torch.Tensor | None
     offload: OffloadCounters
-    verify_time_s: float          # the target pass
+    target_time_s: float          # the target pass
     transfer_time_s: float        # how long it waited for host-to-device copies (the exposed stall)
 
 

@@ -298,9 +298,9 @@ class Decoder:
         finally:
             self.model.offload.keep = None
         verdicts = greedy_verdicts(out.logits)
-        verify_time_s = self._now() - start
+        target_time_s = self._now() - start
         return Verification(nodes=nodes, verdicts=verdicts, logits=out.logits, expert_ids=out.expert_ids,
-                            hidden=out.hidden, offload=out.offload, verify_time_s=verify_time_s,
+                            hidden=out.hidden, offload=out.offload, target_time_s=target_time_s,
                             transfer_time_s=self.model.offload.pass_transfer_time_s())
 
     def commit(self, draft: Draft, verification: Verification) -> Commit:
