@@ -22,17 +22,12 @@ from dataclasses import asdict, dataclass, fields
 import numpy as np
 
 from . import kernels
+from .kernels.formula import cycle_time_s
 from .tree import DraftTree, check_nodes
 
 __all__ = ["CostModel", "check_experts", "expert_union", "cycle_time_s", "PARAM_NAMES"]
 
 PARAM_NAMES = ("draft_level_s", "base_s", "per_node_s", "hit_s", "miss_s")
-
-
-def cycle_time_s(draft_level_s, base_s, per_node_s, hit_s, miss_s, draft_levels, n_nodes, hits, misses):
-    """The cycle-time formula, on scalars or numpy arrays alike (and compiled as it is by
-    :mod:`specfit.kernels`, so every driver sums the same terms in the same order)."""
-    return draft_level_s * draft_levels + base_s + per_node_s * n_nodes + hit_s * hits + miss_s * misses
 
 
 def check_experts(tree: DraftTree | None, experts, cached) -> tuple[np.ndarray, np.ndarray]:

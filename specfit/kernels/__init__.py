@@ -16,8 +16,8 @@ numba's import time. Compiled code is cached on disk next to the sources (numba'
 
 Numba keys a cached kernel on its own source file only, while a kernel that calls one from another
 file (the replay calls the cache and the search) has that code compiled in. So before the first
-kernel module is imported, a digest of every kernel source (and of ``costmodel.py``, whose formula
-they compile) is compared with the one stored beside the cache; when it differs, this package's
+kernel module is imported, a digest of every kernel source (the cost formula's, :mod:`.formula`,
+among them) is compared with the one stored beside the cache; when it differs, this package's
 cached kernels are dropped and recompiled. With ``NUMBA_CACHE_DIR`` set the caches live elsewhere
 and this check is skipped.
 """
@@ -52,8 +52,7 @@ def _drop_stale_caches() -> None:
     if os.environ.get("NUMBA_CACHE_DIR"):
         return
     here = Path(__file__).resolve().parent
-    drop_stale_caches(sorted(here.glob("*.py")) + [here.parent / "costmodel.py"], here / "__pycache__" / "kernels.sha256",
-                      [(here / "__pycache__", "*.nb[ic]"), (here.parent / "__pycache__", "costmodel.*.nb[ic]")])
+    drop_stale_caches(sorted(here.glob("*.py")), here / "__pycache__" / "kernels.sha256", [(here / "__pycache__", "*.nb[ic]")])
 
 
 def drop_stale_caches(sources: list[Path], stamp: Path, caches: list[tuple[Path, str]]) -> bool:

@@ -1,5 +1,5 @@
 """The cost formula on a node set, compiled: the union of the nodes' experts against the resident
-sets, the cycle time (:func:`specfit.costmodel.cycle_time_s`, compiled as it is) and the expected
+sets, the cycle time (:func:`.formula.cycle_time_s`, compiled as it is) and the expected
 tokens, summed in numpy's order so that the numbers equal :class:`specfit.tree.DraftTree`'s."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ..costmodel import cycle_time_s
 from .bitsets import ONE, ZERO, count_union, popcount, union_of_rows
+from .formula import cycle_time_s
 
 __all__ = ["OK", "BAD_EXPERT", "cycle_time", "pairwise_sum", "expected_tokens", "experts_in_range", "union_of_ids",
            "canonical_closed", "evaluate_nodes", "evaluate_ids", "evaluate_bits", "union_accounting",
