@@ -224,20 +224,20 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
 def _check_path_probs(name, probs, root, parent_row, cycle_of, offsets) -> None:
     """The checks a DraftTree makes, on every cycle at once, naming the first bad node."""
     if probs.shape != root.shape:
-        raise ValueError(f"{name}: path_probs: expected one value per node ({root.size}), got shape {probs.shape}")
+        raise SpecFitError(f"{name}: path_probs: expected one value per node ({root.size}), got shape {probs.shape}")
     bad = bad_path_probs(probs, parent_row, root)
     if bad is not None:
         what = {"range": "must be probabilities in [0, 1]", "root": "must be 1 at the root",
                 "rising": "must not increase along a path"}[bad[1]]
         i = int(np.flatnonzero(bad[0])[0])
         c = int(cycle_of[i])
-        raise ValueError(f"{name}: path_probs {what} (cycle {c}, node {i - int(offsets[c])}, got {probs[i]!r})")
+        raise SpecFitError(f"{name}: path_probs {what} (cycle {c}, node {i - int(offsets[c])}, got {probs[i]!r})")
 
 
 def _packed(name: str, what: str, experts: np.ndarray, n_experts: int) -> np.ndarray:
     bits, ok = kernels.bitsets.pack_rows(experts, n_experts)
     if not ok:
-        raise ValueError(f"{name}: {what}: expected ids in [0, {n_experts}), got [{experts.min()}, {experts.max()}]")
+        raise SpecFitError(f"{name}: {what}: expected ids in [0, {n_experts}), got [{experts.min()}, {experts.max()}]")
     return bits
 
 
@@ -245,10 +245,10 @@ def _checked_experts(name: str, experts, trace: Trace) -> np.ndarray:
     experts = np.asarray(experts)
     want = (trace.n_nodes, trace.n_layers, trace.top_k)
     if experts.shape != want or not np.issubdtype(experts.dtype, np.integer):
-        raise ValueError(f"{name}: predicted experts: expected integers of shape {list(want)}, got "
+        raise SpecFitError(f"{name}: predicted experts: expected integers of shape {list(want)}, got "
                          f"{experts.dtype} {list(experts.shape)}")
     if experts.size and (experts.min() < 0 or experts.max() >= trace.n_experts):
-        raise ValueError(f"{name}: predicted experts: expected ids in [0, {trace.n_experts}), got "
+        raise SpecFitError(f"{name}: predicted experts: expected ids in [0, {trace.n_experts}), got "
                          f"[{experts.min()}, {experts.max()}]")
     return np.ascontiguousarray(experts, dtype=np.int16)
 
