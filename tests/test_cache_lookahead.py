@@ -187,3 +187,60 @@ def test_keep_is_the_probability_that_some_near_node_needs_the_expert():
     assert keep[0, 2] == pytest.approx(1 - (1 - w[2]) * (1 - w[3]))   # nodes 2 and 3 share expert 2
     assert keep[0, 3] == pytest.approx(w[4]) and keep[0, 4] == pytest.approx(w[5])
     assert keep[0, 0] == 0 and keep[0, 1] == 0                       # the selected nodes' own
+
+
+# ------------------------------------------------------------------ prefetch into drafted levels' link time
+def _fan(probs: list[float], n_experts: int = 16) -> tuple[DraftTree, np.ndarray]:
+    """A root with one child per path probability, node v routed (1 layer, top-1) to expert v."""
+    n = len(probs) + 1
+    tree = DraftTree(parents=np.r_[-1, np.zeros(n - 1, dtype=np.int64)], path_probs=np.r_[1.0, probs],
+                     tokens=np.arange(n))
+    return tree, np.arange(n, dtype=np.int64).reshape(n, 1, 1)
+
+
+def test_a_drafted_level_carries_its_link_time_in_experts_and_the_fraction_over_to_the_next():
+    """efficiency x draft_level_s / transfer_s experts a level, transfer = miss - hit: 1.0 s of
+    drafting over 0.4 s a transfer carries 2.5 experts, so 2, then 3 (2.5 + the 0.5 left), the most
+    needed first; a new cycle starts without the fraction."""
+    from specfit import CostModel
+    from specfit.experts.prefetch import DraftPrefetch
+
+    cost = CostModel(base_s=0.0, per_node_s=0.0, hit_s=0.2, miss_s=0.6, draft_level_s=1.0)
+    tree, experts = _fan([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    cached = np.zeros((1, 16), dtype=bool)
+    prefetch = DraftPrefetch(efficiency=1.0)
+    first, _ = prefetch.plan(tree, experts, cached, cost)
+    assert np.flatnonzero(first[0]).tolist() == [0, 1]                # the root's (need 1), then 0.9's
+    cached |= first
+    second, _ = prefetch.plan(tree, experts, cached, cost)
+    assert np.flatnonzero(second[0]).tolist() == [2, 3, 4]            # 0.5 carried: 3 this level
+    prefetch.begin_cycle()
+    third, _ = prefetch.plan(tree, experts, np.zeros((1, 16), dtype=bool), cost)
+    assert int(third.sum()) == 2
+    half = DraftPrefetch(efficiency=0.5).plan(tree, experts, np.zeros((1, 16), dtype=bool), cost)[0]
+    assert int(half.sum()) == 1                                       # 1.25 experts
+
+
+def test_prefetch_takes_experts_needed_with_at_least_min_need_and_none_below():
+    from specfit import CostModel
+    from specfit.experts.prefetch import DraftPrefetch
+
+    cost = CostModel(base_s=0.0, per_node_s=0.0, hit_s=0.0, miss_s=0.1, draft_level_s=10.0)   # room for 100
+    tree, experts = _fan([0.3, 0.29, 0.5])
+    mask, priority = DraftPrefetch(efficiency=1.0, min_need=0.3).plan(tree, experts, np.zeros((1, 16), dtype=bool), cost)
+    assert np.flatnonzero(mask[0]).tolist() == [0, 1, 3]              # needs 1, 0.3 and 0.5; not 0.29
+    np.testing.assert_allclose(priority[0, :4], [1.0, 0.3, 0.29, 0.5])
+
+
+def test_a_learned_prefetch_efficiency_is_the_share_of_copy_time_no_pass_waited_for():
+    from specfit.experts.prefetch import DraftPrefetch
+
+    learned = DraftPrefetch(efficiency=None, prior_efficiency=0.5)
+    assert learned.efficiency_ == 0.5
+    learned.observe(1.0, 0.25)
+    assert learned.efficiency_ == pytest.approx(0.75)
+    learned.observe(1.0, 0.0)                                          # over both cycles: 1 - 0.25 / 2
+    assert learned.efficiency_ == pytest.approx(0.875)
+    fixed = DraftPrefetch(efficiency=0.4)
+    fixed.observe(1.0, 1.0)
+    assert fixed.efficiency_ == 0.4

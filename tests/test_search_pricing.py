@@ -73,3 +73,47 @@ def test_uncertainty_price():
     with pytest.raises(ValueError, match="draft_node_s"):
         best_subtree(DraftTree(np.array([-1]), np.array([1.0])), np.zeros((1, 1, 1), int), np.zeros((1, 2), bool),
                      cost, draft_node_s=-1)
+
+
+def test_the_observed_price_is_the_extra_misses_per_verified_draft_node_times_a_transfer():
+    """Once MIN_OBSERVED cycles were seen, a draft node's price is what verified draft nodes cost
+    in misses the prediction did not foresee, each a transfer (miss - hit, a hit is paid anyway);
+    before, the precision bound; nothing without predictions or with pricing off."""
+    from specfit import kernels
+
+    d = kernels.decide
+    conf = np.zeros(d.N_CONF, dtype=np.int64)
+    conf[d.PRICE], conf[d.MIN_OBSERVED] = d.OBSERVED, 3
+    fstate = np.zeros(d.N_FSTATE)
+    fstate[d.EXTRA_MISSES], fstate[d.DRAFT_NODES], fstate[d.RESIDENT_SHARE] = 2.0, 4.0, 0.25
+    istate = np.zeros(d.N_ISTATE, dtype=np.int64)
+    istate[d.N_OBSERVED], istate[d.SLOTS], istate[d.SLOTS_RIGHT] = 3, 10, 7
+    hit_s, miss_s = 1e-4, 3e-4
+    assert d.node_price(conf, fstate, istate, 4, 2, hit_s, miss_s) == pytest.approx(2.0 / 4.0 * 2e-4)
+    istate[d.N_OBSERVED] = 2                      # too few cycles seen: 30 % of 4 x 2 slots wrong, 3/4 not resident
+    assert d.node_price(conf, fstate, istate, 4, 2, hit_s, miss_s) == pytest.approx(0.3 * 8 * 0.75 * 2e-4)
+    istate[d.SLOTS] = 0
+    assert d.node_price(conf, fstate, istate, 4, 2, hit_s, miss_s) == 0.0
+    conf[d.PRICE] = d.NO_PRICE
+    istate[d.N_OBSERVED] = 3
+    assert d.node_price(conf, fstate, istate, 4, 2, hit_s, miss_s) == 0.0
+
+
+def test_the_first_level_test_weighs_the_draft_level_over_the_recent_first_levels_width():
+    """k first-level nodes of path probability at most p pay only if p T0 > c + d / k: with p = 0.5,
+    k = 4, T0 = 1.5 ms, d = 1 ms, c = 0: 0.75 ms > 0.25 ms, drafted; with p = 0.1 declined, and
+    after RECHECK declined cycles drafted anyway."""
+    from specfit import CostModel, kernels
+
+    d = kernels.decide
+    params = CostModel(base_s=1e-3, per_node_s=0.0, hit_s=0.0, miss_s=0.0, draft_level_s=1e-3).params
+    fstate = np.zeros(d.N_FSTATE)
+    istate = np.zeros(d.N_ISTATE, dtype=np.int64)
+    istate[d.N_RECENT] = 1
+    assert d.first_level_may_pay(1.5e-3, params, fstate, istate, np.array([0.5]), np.array([4]))
+    assert istate[d.DECLINED] == 0
+    answers = [d.first_level_may_pay(1.5e-3, params, fstate, istate, np.array([0.1]), np.array([4]))
+               for _ in range(d.RECHECK + 1)]
+    assert answers == [False] * d.RECHECK + [True] and istate[d.DECLINED] == 0
+    fstate[d.NODE_PRICE] = 2e-3                   # a node's price above the root's time: never
+    assert not d.first_level_may_pay(1.5e-3, params, fstate, istate, np.array([1.0]), np.array([4]))
