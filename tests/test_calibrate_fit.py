@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from specfit import CostModel
-from specfit.calibrate.fit import CycleTimeFitter, prediction_errors
+from specfit.calibrate.fit import CycleTimeFitter, from_physical, prediction_errors, to_physical
 from specfit.calibrate.presets import PRESETS, QWEN3_30B_A3B, preset_profile, resolve_profile
 from specfit.calibrate.profile import ModelShape, Profile, load_profile
 from specfit.errors import SpecFitError
@@ -53,6 +53,27 @@ def test_fixed_parameters_are_kept_and_the_rest_fitted():
     assert fitter.cost_model().base_s == pytest.approx(3e-3, rel=1e-6)
 
 
+def test_a_fixed_miss_caps_the_fitted_hit_so_the_transfer_is_never_negative():
+    # hits really cost 3e-4 but the miss is fixed at 1e-4: the fitted hit may not exceed the miss
+    # (a miss costs a hit plus a non-negative transfer), so it stops at 1e-4 and the transfer is 0
+    rng = np.random.default_rng(3)
+    X, _ = synthetic_cycles(rng, 300, noise=0.0)
+    y = X @ TRUE.replace(hit_s=3e-4, miss_s=3e-4).params
+    fitter = CycleTimeFitter(fixed={"miss_s": 1e-4}).fit(X, y)
+    cost = fitter.cost_model()
+    assert cost.hit_s == pytest.approx(1e-4)
+    assert fitter.physical_[4] == pytest.approx(0.0, abs=1e-12)
+    assert cost.miss_s == 1e-4
+
+
+def test_to_physical_maps_a_miss_cheaper_than_its_hit_to_hit_equal_miss_and_no_transfer():
+    # (draft level, base, node, hit 3e-4, miss 2e-4): the hit is clamped to the miss, transfer 0
+    assert to_physical([0.0, 1e-3, 0.0, 3e-4, 2e-4]).tolist() == [0.0, 1e-3, 0.0, 2e-4, 0.0]
+    # a physical model: transfer = miss - hit, and from_physical undoes it
+    assert to_physical(TRUE.params) == pytest.approx([8e-4, 3e-3, 4e-5, 1.5e-5, 4e-4 - 1.5e-5])
+    assert from_physical(to_physical(TRUE.params)) == pytest.approx(TRUE.params)
+
+
 def test_parameters_without_variation_are_reported_unidentified():
     rng = np.random.default_rng(4)
     X, y = synthetic_cycles(rng, 50, noise=0.0)
@@ -80,6 +101,25 @@ def test_prediction_errors():
     assert err["mape"] == pytest.approx(0.2 / 3)
     assert err["max_ape"] == pytest.approx(0.1)
     assert err["max_abs_err"] == pytest.approx(0.1)
+
+
+def test_prediction_bias_counts_the_cycles_whose_actual_value_is_zero():
+    # the last cycle moved no bytes but was predicted to move some: no relative error (n = 3),
+    # but it raises the bias, sum(p) / sum(a) - 1 = 4.5 / 4 - 1, and is the largest absolute error
+    err = prediction_errors([1.1, 0.9, 2.0, 0.5], [1.0, 1.0, 2.0, 0.0])
+    assert err["n"] == 3
+    assert err["bias"] == pytest.approx(4.5 / 4.0 - 1.0)
+    assert err["max_abs_err"] == pytest.approx(0.5)
+    assert err["mape"] == pytest.approx(0.2 / 3)
+
+
+def test_median_ape_is_the_median_of_the_relative_errors_not_their_mean():
+    # relative errors 0, 0, 3: the median 0, the mean 1
+    err = prediction_errors([1.0, 1.0, 4.0], [1.0, 1.0, 1.0])
+    assert err["median_ape"] == 0.0
+    assert err["mape"] == pytest.approx(1.0)
+    # relative errors 0.1, 0.1, 0: the median 0.1, the mean 0.2 / 3
+    assert prediction_errors([1.1, 0.9, 2.0], [1.0, 1.0, 2.0])["median_ape"] == pytest.approx(0.1)
 
 
 def test_profile_round_trip(tmp_path):

@@ -121,6 +121,22 @@ def test_min_cut_source_side_is_what_the_source_reaches():
     assert seen.tolist() == [True, True, False]
 
 
+def test_kv_compaction_refuses_a_keep_one_slot_past_the_cache_and_moves_nothing():
+    # 2 rows of 8 slots of 4 bytes; the new tokens sit at slots cache_len + keep[i] = 4 + keep[i]:
+    # keep[-1] = 4 would read slot 8, one past the last. The rows are the front of a larger
+    # buffer, so a kernel that did read past them would read the buffer, not unowned memory.
+    buffer = np.arange(3 * 8 * 4, dtype=np.uint8).reshape(3, 8, 4)
+    rows = buffer[:2]
+    before = rows.copy()
+    assert kernels.kv.compact(rows, 4, np.array([0, 4])) == kernels.kv.OUT_OF_RANGE
+    assert np.array_equal(rows, before)
+    # keep[-1] = 3 reads slot 7, the last: moved (slot 4 stays, slot 7 goes to slot 5)
+    assert kernels.kv.compact(rows, 4, np.array([0, 3])) == kernels.kv.OK
+    expected = before.copy()
+    expected[:, 5] = before[:, 7]
+    assert np.array_equal(rows, expected)
+
+
 def _fake_package(tmp_path):
     src = tmp_path / "pkg"
     cache = src / "__pycache__"

@@ -545,6 +545,28 @@ def test_the_cycles_measured_times_add_up_to_the_decode_time():
         assert all(c.draft_time_s >= pause_s for c in result.cycles[1:])
 
 
+def test_the_summarys_rates_are_totals_over_totals():
+    """A run's summary divides its totals: 6 hits of 10 experts used (hit rate 0.6), 5 tokens in 2
+    cycles of 1 s each (2.5 per second and per cycle), 40 bytes for 5 tokens (8 per token)."""
+    import pandas as pd
+
+    from specfit.accounting import read_cycles, summarise
+
+    c = read_cycles(pd.DataFrame({"committed_tokens": [2, 3], "time_s": [1.0, 1.0], "hits": [3, 3],
+                                  "misses": [1, 3], "union_size": [4, 6], "bytes_h2d": [10, 30],
+                                  "nodes_verified": [2, 3], "draft_levels": [2, 2], "deepest_selected": [1, 2]}))
+    s = summarise(c)
+    assert s["tokens"] == 5 and s["cycles"] == 2 and s["bytes_h2d"] == 40
+    assert s["hit_rate"] == pytest.approx(0.6)
+    assert s["tokens_per_s"] == pytest.approx(2.5)
+    assert s["tokens_per_cycle"] == pytest.approx(2.5)
+    assert s["bytes_per_token"] == pytest.approx(8.0)
+    assert s["bytes_per_cycle"] == pytest.approx(20.0)
+    assert s["nodes_per_cycle"] == pytest.approx(2.5)
+    # the first cycle drafted 2 levels for a deepest selected node at 1: one level wasted in 2 cycles
+    assert s["wasted_draft_levels"] == pytest.approx(0.5)
+
+
 def test_cycles_whose_thread_waited_for_a_cpu_are_marked_and_left_out_of_the_running_error():
     """A cycle whose decoding thread is not running (here a callback that sleeps 200 ms: the next
     cycle's time holds it, as it would hold another process's turn on the core) records that wait

@@ -200,7 +200,8 @@ def test_kv_compaction_moves_the_kept_entries_of_every_layer(model_dirs, dtype):
 
 
 @pytest.mark.parametrize("keep, message", [([0, 3, 2], "ascending"), ([1, 1], "ascending"), ([-1, 2], "within"),
-                                            ([0, 40], "within")])
+                                            ([0, 40], "within"),
+                                            ([0, 28], "within")])     # slot 4 + 28 = 32: one past the last
 def test_kv_compaction_rejects_keep_it_cannot_move_and_moves_nothing(model_dirs, keep, message):
     model = _ours(model_dirs("qwen3_moe"), max_seq_len=32)
     cache = model.layers[0].self_attn.kv_cache

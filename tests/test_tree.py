@@ -142,6 +142,17 @@ def test_accepted_path_is_the_longest_matching_path(verdict_map, nodes, path):
     assert got.tolist() == path
 
 
+@pytest.mark.parametrize("nodes", [None, [0, 1, 2]])
+def test_among_equally_deep_accepted_ends_the_first_in_order_is_taken(nodes):
+    # two children of the root with the same token 7, both accepted by the root's verdict 7:
+    # the paths [0, 1] and [0, 2] are equally deep, and the first node in order wins
+    tree = DraftTree(parents=[-1, 0, 0], path_probs=[1.0, 0.5, 0.5], tokens=[0, 7, 7])
+    verdicts = np.array([7, 1, 2])
+    assert tree.accepted_path(verdicts, nodes).tolist() == [0, 1]
+    path, bonus = greedy_accept(tree, np.arange(3), verdicts)
+    assert path.tolist() == [0, 1] and bonus == 1
+
+
 def test_accepted_path_needs_tokens():
     with pytest.raises(ValueError, match="tokens"):
         hand_tree(tokens=False).accepted_path(np.zeros(7, dtype=np.int64))
