@@ -356,3 +356,10 @@ def test_a_scatter_of_many_cycles_stays_small_in_the_page():
         sizes[n] = (len(svg), "<image" in svg)
     assert sizes[RASTER_ABOVE][1] is False and sizes[30 * RASTER_ABOVE][1] is True
     assert sizes[30 * RASTER_ABOVE][0] < sizes[RASTER_ABOVE][0] < 1_000_000
+
+
+def test_the_same_inputs_give_the_same_report_byte_for_byte(sim_dir, profile_path, tmp_path):
+    """No date in the figures and no random element ids: a report can be diffed and versioned."""
+    first = build_report([sim_dir, profile_path], tmp_path / "one").read_bytes()
+    second = build_report([sim_dir, profile_path], tmp_path / "two").read_bytes()
+    assert first == second and b"<svg" in first

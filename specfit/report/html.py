@@ -12,6 +12,7 @@ import io
 import warnings
 from dataclasses import dataclass, field
 
+import matplotlib
 import pandas as pd
 
 from ..io import write_text_atomic
@@ -46,7 +47,9 @@ def svg_of(fig) -> str:
         # a label in a script the bundled font lacks (CJK, say) draws boxes: the page's tables
         # have the text, and a warning per glyph would drown the command's output
         warnings.filterwarnings("ignore", message="Glyph .* missing from font", category=UserWarning)
-        fig.savefig(buf, format="svg", bbox_inches="tight")
+        # the same figure gives the same bytes: no date, element ids from a fixed salt (not random)
+        with matplotlib.rc_context({"svg.hashsalt": "specfit"}):
+            fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
     text = buf.getvalue()
     return text[text.index("<svg"):]  # drop the XML prolog and doctype
 

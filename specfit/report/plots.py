@@ -34,8 +34,8 @@ def identity_scatter(measured, predicted, xlabel: str, ylabel: str, color=None, 
             ax.scatter(measured[sel], predicted[sel], s=14, alpha=0.75, label=str(name), rasterized=raster)
         ax.legend(fontsize=8)
     else:
-        sc = ax.scatter(measured, predicted, s=14, alpha=0.75, c=None if color is None else np.asarray(color),
-                        cmap="viridis", rasterized=raster)
+        shade = {} if color is None else {"c": np.asarray(color), "cmap": "viridis"}
+        sc = ax.scatter(measured, predicted, s=14, alpha=0.75, rasterized=raster, **shade)
         if color is not None:
             fig.colorbar(sc, ax=ax, label=color_label)
     hi = float(np.nanmax(np.concatenate([measured, predicted]))) * 1.05 if measured.size else 1.0
