@@ -430,3 +430,32 @@ def test_speedups_divide_by_the_baseline_row_of_the_same_setting():
     np.testing.assert_allclose(got["speedup_vs_ar"], [1.0, 1.5, 1.2, np.nan, np.nan])
     np.testing.assert_allclose(got["speedup_vs_eagle3"], [100 / 120, 150 / 120, 1.0, np.nan, np.nan])
     assert "speedup_vs_ar" not in frame                     # the caller's frame is left as it was
+
+
+def test_a_prepared_trace_is_read_only_as_a_ray_worker_receives_it_so_its_kernels_compile_once(sample):
+    """A sweep's workers get the prepared arrays read-only (zero-copy from Ray's object store), and
+    numba compiles a kernel once per argument types: a prepared trace that is writable in the
+    driver made every worker compile the replay again (minutes each). Its arrays are read-only
+    (the oracle's experts still shared), and a read-only copy adds no kernel signature."""
+    import dataclasses
+
+    arrays = {f.name: getattr(sample, f.name) for f in dataclasses.fields(sample)
+              if isinstance(getattr(sample, f.name), np.ndarray)}
+    assert arrays and not any(a.flags.writeable for a in arrays.values())
+    assert sample.predicted_is_true
+    cost = preset_profile("pcie5", SHAPES["qwen3-30b-a3b"]).cost
+    for spec in ("chain:4", "specfit"):
+        replay(sample, make_policy(spec), ExpertCache(48, 128, 16), cost)
+    signatures = (len(kernels.replay.replay_compiled.signatures), len(kernels.replay.replay_specfit.signatures))
+
+    def shipped(a):                       # what a worker holds: a copy in read-only memory
+        copy = a.copy()
+        copy.flags.writeable = False
+        return copy
+
+    worker = dataclasses.replace(sample, **{k: shipped(a) for k, a in arrays.items() if k != "predicted_experts"},
+                                 predicted_experts=None, _trees={})
+    worker.predicted_experts = worker.true_experts
+    for spec in ("chain:4", "specfit"):
+        replay(worker, make_policy(spec), ExpertCache(48, 128, 16), cost)
+    assert (len(kernels.replay.replay_compiled.signatures), len(kernels.replay.replay_specfit.signatures)) == signatures

@@ -212,13 +212,24 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
     info.setdefault("predicted_slots", slots)
     info.setdefault("predicted_slots_right", right)
     info.setdefault("slot_precision", right / slots if slots else 1.0)
-    return PreparedTrace(name=name, trace=trace, predictor=predictor, offsets=offsets, parents=parents, depths=depths,
-                         tokens=tokens, verdicts=verdicts, true_experts=true_experts, raw_probs=raw, path_probs=full,
-                         level_probs=level,
-                         level_offsets=level_offsets, level_sizes=level_sizes, predicted_experts=predicted_experts,
-                         true_bits=true_bits, predicted_bits=predicted_bits,
-                         path_offsets=path_offsets, paths=paths, first_cycles=first, prefill_bits=prefill_bits,
-                         has_prefill=has_prefill, info=info)
+    # read-only, as a Ray worker receives them (zero-copy from the object store): numba compiles a
+    # kernel once per argument types, read-only ones included, so a sweep's workers find the kernels
+    # simulate compiled in the cache instead of each compiling its own (minutes per worker)
+    frozen: dict[int, np.ndarray] = {}
+
+    def read_only(a: np.ndarray) -> np.ndarray:
+        if id(a) not in frozen:                  # arrays shared (the oracle's experts) stay shared
+            frozen[id(a)] = v = a.view()
+            v.flags.writeable = False
+        return frozen[id(a)]
+
+    arrays = dict(offsets=offsets, parents=parents, depths=depths, tokens=tokens, verdicts=verdicts,
+                  true_experts=true_experts, raw_probs=raw, path_probs=full, level_probs=level,
+                  level_offsets=level_offsets, level_sizes=level_sizes, predicted_experts=predicted_experts,
+                  true_bits=true_bits, predicted_bits=predicted_bits, path_offsets=path_offsets, paths=paths,
+                  first_cycles=first, prefill_bits=prefill_bits, has_prefill=has_prefill)
+    return PreparedTrace(name=name, trace=trace, predictor=predictor, info=info,
+                         **{key: read_only(np.asarray(a)) for key, a in arrays.items()})
 
 
 def _check_path_probs(name, probs, root, parent_row, cycle_of, offsets) -> None:
