@@ -64,3 +64,15 @@ def test_calibrate_a_deepseek_checkpoint_profiles_routed_experts_of_moe_layers(t
     assert profile.cost.expert_bytes == config.expert_bytes(torch.float32)
     again = load_profile(out).shape                                  # the JSON round trip keeps it
     assert again == profile.shape
+
+
+def test_the_preset_shapes_are_the_shapes_of_the_public_configs_in_bf16():
+    """The presets' shapes are typed in (the CLI starts without torch); the stand-in's configs are
+    the public ones: both must describe the same model."""
+    import torch
+
+    from specfit.calibrate.presets import SHAPES
+    from specfit.calibrate.standin import shape_config
+
+    for name, shape in SHAPES.items():
+        assert ModelShape.from_config(shape_config(name), torch.bfloat16, name) == shape, name
