@@ -83,9 +83,19 @@ def test_atomic_write_refuses_a_directory_and_writes_nothing(tmp_path):
     assert (tmp_path / "d").is_dir() and not list((tmp_path / "d").iterdir())
 
 
-def test_a_second_run_into_a_directory_being_written_is_refused(tmp_path):
+def test_a_second_run_into_a_directory_being_written_is_refused(tmp_path, monkeypatch):
     from specfit.assets import demo_prompts_path, tiny_moe_dir
     from specfit.io import run_dir_lock
+    from specfit.runtime import loader
+
+    real_load_model = loader.load_model
+
+    def not_while_locked(*args, **kwargs):     # decode is refused before it loads (or calibrates) anything
+        assert not locked, "decode loaded the model while another run held its directory"
+        return real_load_model(*args, **kwargs)
+
+    monkeypatch.setattr(loader, "load_model", not_while_locked)
+    locked = True
 
     out = tmp_path / "run"
     decode = ["decode", "--model", tiny_moe_dir(), "--prompts", demo_prompts_path(), "--cache-experts", "4",
@@ -94,6 +104,7 @@ def test_a_second_run_into_a_directory_being_written_is_refused(tmp_path):
         one_line_error(invoke(*SIMULATE, out), str(out), "another specfit run is writing this directory")
         one_line_error(invoke(*decode), str(out), "another specfit run is writing this directory")
         assert [p.name for p in out.iterdir()] == [".lock"]
+    locked = False
     assert invoke(*decode).exit_code == 0       # once it is done
 
 

@@ -198,49 +198,21 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     one-line messages (loading, calibrating), ``progress`` a tick per decoded prompt; ``ctx`` the
     command's context, for the command line ``run.json`` records."""
 
-    from .config import ModelConfig
-    from .devices import resolve_device
-    from .loader import drafter_capture_layers, load_drafter, load_model, load_tokenizer
-    from .prompts import read_prompts
-
     say = status or (lambda message: None)
     tick = progress or (lambda: None)
     policies = plan.validate()
-    device = resolve_device(plan.device)
-    dtype = plan.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-
-    config = ModelConfig.from_dir(plan.model_dir)
-    from ..experts.cache import ExpertCache
-
-    slots = ExpertCache.slot_limit(config.n_moe_layers, config.n_experts, plan.cache_mode)
-    if plan.cache_experts > slots:
-        where = "in all, as --cache-mode global counts them" if plan.cache_mode == "global" else "per MoE layer"
-        raise SpecFitError(f"--cache-experts: expected 0..{slots} ({plan.model_dir} has {slots} experts {where}), "
-                           f"got {plan.cache_experts}")
-    tokenizer = load_tokenizer(plan.model_dir)
-    prompts = read_prompts(plan.prompts_path, tokenizer, config.vocab_size)
-    for prompt in prompts:
-        if len(prompt.input_ids) + plan.max_new_tokens > config.max_position_embeddings:
-            raise SpecFitError(f"{plan.prompts_path}:{prompt.line}: {len(prompt.input_ids)} prompt tokens + "
-                               f"--max-new-tokens {plan.max_new_tokens} exceed the model's max_position_embeddings "
-                               f"({config.max_position_embeddings})")
-    # the drafter's config is checked against the target's before any weight is read
-    capture = drafter_capture_layers(plan.drafter_dir, config) if plan.drafter_dir is not None else None
-
-    say(f"loading {plan.model_dir}")
-    model = load_model(plan.model_dir, device=device, dtype=dtype, cache_experts=plan.cache_experts,
-                       cache_mode=plan.cache_mode, eviction=plan.cache_policy, capture_layers=capture)
-    drafter = load_drafter(plan.drafter_dir, model) if plan.drafter_dir is not None else None
-    if drafter is not None and plan.tree_top_k > drafter.config.draft_vocab_size:
-        raise SpecFitError(f"--tree-top-k: expected at most the drafter's vocabulary, {drafter.config.draft_vocab_size} "
-                           f"tokens ({plan.drafter_dir}), got {plan.tree_top_k}")
-    profile, profile_path, notes = _profile(plan, model, say)
-    calibrator = _acceptance_calibrator(plan.acceptance_trace) if plan.acceptance_trace else None
-    fitted = _fitted_predictor(plan, model) if plan.predictor_trace else None
-
     fresh_out = plan.out_dir is not None and not Path(plan.out_dir).exists()
-    # a second run writing the same directory at once would delete and mix this one's files
+    # a second run writing the same directory at once would delete and mix this one's files: it is
+    # refused before either loads anything
     with run_dir_lock(plan.out_dir, "decode"):
+        try:
+            tokenizer, prompts, model, drafter, profile, profile_path, notes, calibrator, fitted = _load(plan, say)
+        except BaseException:
+            if fresh_out:           # bad input (or a stop) before any output: leave nothing
+                import shutil
+
+                shutil.rmtree(plan.out_dir, ignore_errors=True)
+            raise
         if plan.out_dir is not None:
             from ..calibrate.profile import ModelShape
             from ..runinfo import write_run_info
@@ -250,28 +222,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             write_run_info(plan.out_dir, "decode", ctx, shape=shape.to_dict(), profile=profile.label)
         outputs = DecodeOutputs(plan.out_dir)
         recorder = _recorder(plan, model, drafter, profile) if plan.record is not None else None
-        expert_bytes = model.offload.host.expert_bytes
-        # the cycles of the prompt being decoded, not yet rows. A run with an --out directory makes
-        # each cycle's row at once and appends it to the journal, so that a killed process leaves
-        # every complete cycle on disk. A run without files makes them after the prompt's decode
-        # returns (or the run stops): reporting, not in the cycles it reports
-        pending: list = []
-        row_per_cycle = plan.out_dir is not None
-
-        def keep_pending(stopped: bool = False):
-            if stopped and pending and outputs.cycles:
-                # a stop that landed after a pending cycle became a row, before the list was cleared:
-                # rows are added in order, so those rows are pending's first entries, up to the last row
-                last = outputs.cycles[-1]
-                done = (last["policy"], last["sequence"], last["cycle"])
-                moved = next((i + 1 for i, (p, s, _, _, c) in enumerate(pending) if (p, s, c) == done), 0)
-                del pending[:moved]
-            for policy_name, index, stats, committed, cycle in pending:
-                row = live_row(stats, profile.cost, expert_bytes)
-                row["committed_tokens"] = committed       # what reached the output (after eos / the length cap)
-                outputs.add_cycle({"policy": policy_name, "sequence": index, "position": stats.position,
-                                   "cycle": cycle, **row})
-            pending.clear()
+        rows = _CycleRows(outputs, profile.cost, model.offload.host.expert_bytes, per_cycle=plan.out_dir is not None)
 
         try:
             if plan.warmup:
@@ -287,12 +238,10 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 cycle_index = itertools.count()
 
                 def keep(stats, committed):
-                    pending.append((policy.name, index, stats, committed, next(cycle_index)))
-                    if row_per_cycle:
-                        keep_pending()
+                    rows.add(policy.name, index, stats, committed, next(cycle_index))
 
                 result = decoder.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos, on_cycle=keep)
-                keep_pending()
+                rows.flush()
                 if decoder.recorder is not None:
                     decoder.recorder.end_sequence(len(result.output_ids))
                 record = {"index": index, "line": prompt.line, "policy": policy.name, "cache_experts": plan.cache_experts,
@@ -360,7 +309,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                     recorder.end_sequence(len(result.output_ids))
                     tick()
         except SpecFitError as exc:
-            keep_pending(stopped=True)
+            rows.flush(stopped=True)
             if not outputs.records and not outputs.cycles and not (recorder is not None and len(recorder)):
                 if fresh_out:
                     import shutil
@@ -374,7 +323,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
         except INTERRUPTS as exc:
             if not interrupted(exc):
                 raise
-            keep_pending(stopped=True)
+            rows.flush(stopped=True)
             kept = _keep_partial(plan, outputs, recorder)
             raise Interrupted(f"interrupted after {len(outputs.cycles)} complete cycle(s) ({len(outputs.records)} (policy, "
                               f"prompt) run(s) finished): " + (f"kept {kept}" if kept else
@@ -392,6 +341,80 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                          outputs_identical=_outputs_identical(outputs.records) if plan.temperature == 0 else None,
                          trace_path=trace_path, trace_cycles=len(recorder) if recorder is not None else 0,
                          policies=policies)
+
+
+class _CycleRows:
+    """The cycles of the prompt being decoded on their way to rows of ``outputs``. With an
+    ``--out`` directory (``per_cycle``) each cycle's row is made at once and appended to the
+    journal, so that a killed process leaves every complete cycle on disk; without files the rows
+    are made when the prompt's decode returns (or the run stops): reporting, not in the cycles it
+    reports."""
+
+    def __init__(self, outputs: DecodeOutputs, cost, expert_bytes: int, per_cycle: bool):
+        self.outputs, self.cost, self.expert_bytes, self.per_cycle = outputs, cost, expert_bytes, per_cycle
+        self.pending: list = []        # (policy, sequence, stats, committed tokens, cycle), not yet rows
+
+    def add(self, policy: str, sequence: int, stats, committed: int, cycle: int) -> None:
+        self.pending.append((policy, sequence, stats, committed, cycle))
+        if self.per_cycle:
+            self.flush()
+
+    def flush(self, stopped: bool = False) -> None:
+        """Every pending cycle into a row; ``stopped``: the run is stopping, possibly right after a
+        pending cycle became a row and before it left the list (it is not made twice)."""
+        pending, cycles = self.pending, self.outputs.cycles
+        if stopped and pending and cycles:
+            # rows are added in order, so the rows already made are pending's first entries, up to the last row
+            last = cycles[-1]
+            done = (last["policy"], last["sequence"], last["cycle"])
+            moved = next((i + 1 for i, (p, s, _, _, c) in enumerate(pending) if (p, s, c) == done), 0)
+            del pending[:moved]
+        for policy, sequence, stats, committed, cycle in pending:
+            row = live_row(stats, self.cost, self.expert_bytes)
+            row["committed_tokens"] = committed       # what reached the output (after eos / the length cap)
+            self.outputs.add_cycle({"policy": policy, "sequence": sequence, "position": stats.position,
+                                    "cycle": cycle, **row})
+        pending.clear()
+
+
+def _load(plan: DecodePlan, say):
+    """What a decode runs on, each input checked before the weights are read: ``(tokenizer,
+    prompts, model, drafter, profile, profile_path, notes, calibrator, fitted predictor)``."""
+    from ..experts.cache import ExpertCache
+    from .config import ModelConfig
+    from .devices import resolve_device
+    from .loader import drafter_capture_layers, load_drafter, load_model, load_tokenizer
+    from .prompts import read_prompts
+
+    device = resolve_device(plan.device)
+    dtype = plan.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    config = ModelConfig.from_dir(plan.model_dir)
+    slots = ExpertCache.slot_limit(config.n_moe_layers, config.n_experts, plan.cache_mode)
+    if plan.cache_experts > slots:
+        where = "in all, as --cache-mode global counts them" if plan.cache_mode == "global" else "per MoE layer"
+        raise SpecFitError(f"--cache-experts: expected 0..{slots} ({plan.model_dir} has {slots} experts {where}), "
+                           f"got {plan.cache_experts}")
+    tokenizer = load_tokenizer(plan.model_dir)
+    prompts = read_prompts(plan.prompts_path, tokenizer, config.vocab_size)
+    for prompt in prompts:
+        if len(prompt.input_ids) + plan.max_new_tokens > config.max_position_embeddings:
+            raise SpecFitError(f"{plan.prompts_path}:{prompt.line}: {len(prompt.input_ids)} prompt tokens + "
+                               f"--max-new-tokens {plan.max_new_tokens} exceed the model's max_position_embeddings "
+                               f"({config.max_position_embeddings})")
+    # the drafter's config is checked against the target's before any weight is read
+    capture = drafter_capture_layers(plan.drafter_dir, config) if plan.drafter_dir is not None else None
+
+    say(f"loading {plan.model_dir}")
+    model = load_model(plan.model_dir, device=device, dtype=dtype, cache_experts=plan.cache_experts,
+                       cache_mode=plan.cache_mode, eviction=plan.cache_policy, capture_layers=capture)
+    drafter = load_drafter(plan.drafter_dir, model) if plan.drafter_dir is not None else None
+    if drafter is not None and plan.tree_top_k > drafter.config.draft_vocab_size:
+        raise SpecFitError(f"--tree-top-k: expected at most the drafter's vocabulary, {drafter.config.draft_vocab_size} "
+                           f"tokens ({plan.drafter_dir}), got {plan.tree_top_k}")
+    profile, profile_path, notes = _profile(plan, model, say)
+    calibrator = _acceptance_calibrator(plan.acceptance_trace) if plan.acceptance_trace else None
+    fitted = _fitted_predictor(plan, model) if plan.predictor_trace else None
+    return tokenizer, prompts, model, drafter, profile, profile_path, notes, calibrator, fitted
 
 
 # --------------------------------------------------------------------------- pieces
