@@ -38,6 +38,7 @@ returns :class:`Selection` objects.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -151,26 +152,28 @@ def evaluate(tree: DraftTree, nodes, experts, cached, cost: CostModel, draft_lev
 
 
 _NO_START = np.zeros(0, dtype=np.int64)
-_LAST_PACKED: list = [None, None]     # the last read-only residency packed, and its words
+# per thread (two decoders in two threads must not trade residencies): the last read-only
+# residency registered, and its words once packed
+_LAST_PACKED = threading.local()
 
 
 def remember_packed(cached: np.ndarray) -> np.ndarray:
     """Make ``cached`` (a residency copy a driver hands a cycle's decisions) read-only and pack it
     once, at its first search: a policy searches several times per cycle on it. Only an array
-    registered here is trusted not to change; any other is packed at every call (a read-only
-    view of a writable array can change under it)."""
+    registered here (in this thread) is trusted not to change; any other is packed at every call
+    (a read-only view of a writable array can change under it)."""
     cached.flags.writeable = False
-    _LAST_PACKED[0], _LAST_PACKED[1] = cached, None
+    _LAST_PACKED.cached, _LAST_PACKED.words = cached, None
     return cached
 
 
 def packed(cached: np.ndarray) -> np.ndarray:
     """``cached`` as the kernels' words (once per residency :func:`remember_packed` registered)."""
-    if cached is not _LAST_PACKED[0] or cached.flags.writeable:
+    if cached is not getattr(_LAST_PACKED, "cached", None) or cached.flags.writeable:
         return kernels.bitsets.pack_mask(cached)
-    if _LAST_PACKED[1] is None:
-        _LAST_PACKED[1] = kernels.bitsets.pack_mask(cached)
-    return _LAST_PACKED[1]
+    if _LAST_PACKED.words is None:
+        _LAST_PACKED.words = kernels.bitsets.pack_mask(cached)
+    return _LAST_PACKED.words
 
 
 def best_subtree(tree: DraftTree, experts, cached, cost: CostModel, draft_levels: int = 0,

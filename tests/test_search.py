@@ -23,7 +23,7 @@ from core_helpers import (
     root_time_positive,
     search_case_st,
 )
-from specfit import CostModel, DraftTree, Selection, best_subtree, greedy_subtree, should_continue
+from specfit import CostModel, DraftTree, Selection, best_subtree, greedy_subtree, kernels, should_continue
 from specfit.search import max_weight_closure
 
 
@@ -691,3 +691,27 @@ def test_a_read_only_view_of_a_changing_residency_is_searched_as_it_is_now():
 def test_max_weight_closure_refuses_weights_that_are_not_finite(bad):
     with pytest.raises(ValueError, match="weights: expected finite numbers, got .* at index 1"):
         max_weight_closure(np.array([1.0, bad]), [])
+
+
+def test_a_registered_residency_is_packed_once_per_thread_and_never_traded_between_threads():
+    """Two decoders in two threads each register their cycle's residency: each thread's searches
+    get the words of its own (packed once), whatever the other registered meanwhile."""
+    import threading
+
+    from specfit.search import packed, remember_packed
+
+    rng = np.random.default_rng(0)
+    mine = remember_packed(rng.random((4, 70)) < 0.5)
+    words = packed(mine)
+    seen = {}
+
+    def other():
+        theirs = remember_packed(rng.random((4, 70)) < 0.5)
+        seen["theirs"] = (packed(theirs), kernels.bitsets.pack_mask(theirs))
+
+    thread = threading.Thread(target=other)
+    thread.start()
+    thread.join()
+    np.testing.assert_array_equal(seen["theirs"][0], seen["theirs"][1])
+    assert packed(mine) is words                     # still this thread's, packed once
+    np.testing.assert_array_equal(words, kernels.bitsets.pack_mask(mine))
