@@ -1,8 +1,9 @@
 """Bad user input: the one exception type, and the CLI's way of reporting it.
 
-Every command catches :class:`SpecFitError` and calls :func:`fail`, which prints the message as
-one line (no traceback) and exits with status 2; a Ctrl-C ends in :func:`stopped` (status 130). A
-``kill`` (SIGTERM) stops a command the same way (:func:`stop_on_sigterm`), with status 143.
+The command group (``specfit.cli``) catches :class:`SpecFitError` from every command and calls
+:func:`fail`, which prints the message as one line (no traceback) and exits with status 2; a Ctrl-C
+ends in :func:`stopped` (status 130) with what the command kept. A ``kill`` (SIGTERM) stops a
+command the same way (:func:`stop_on_sigterm`), with status 143.
 """
 
 from __future__ import annotations

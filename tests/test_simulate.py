@@ -459,3 +459,41 @@ def test_a_prepared_trace_is_read_only_as_a_ray_worker_receives_it_so_its_kernel
     for spec in ("chain:4", "specfit"):
         replay(worker, make_policy(spec), ExpertCache(48, 128, 16), cost)
     assert (len(kernels.replay.replay_compiled.signatures), len(kernels.replay.replay_specfit.signatures)) == signatures
+
+
+def test_every_replay_path_starts_each_sequence_with_its_recorded_prompt_pass():
+    """A live recording's prompt passes are admitted before each sequence's first cycle by the
+    compiled replays (fixed policies and specfit) and the Python loop alike: the same columns, and
+    first cycles that hit what the prompt pass made resident."""
+    import copy
+
+    from specfit.policies import Observation
+
+    trace = read_trace(SAMPLE_OLMOE)
+    rng = np.random.default_rng(0)
+    sequences = sorted({int(s) for s in trace.sequence})
+    trace.meta = copy.deepcopy(trace.meta)
+    trace.meta["recording"]["prefill_sequences"] = sequences
+    trace.meta["recording"]["prefill_experts"] = [
+        [sorted(rng.choice(trace.n_experts, 12, replace=False).tolist()) for _ in range(trace.n_layers)]
+        for _ in sequences]
+    warm = prepare("parent", trace, np.roll(trace.true_experts, 1, axis=0))
+    cold_trace = copy.copy(trace)
+    cold_trace.meta = copy.deepcopy(trace.meta)
+    del cold_trace.meta["recording"]["prefill_sequences"], cold_trace.meta["recording"]["prefill_experts"]
+    cold = prepare("parent", cold_trace, np.roll(trace.true_experts, 1, axis=0))
+    assert warm.has_prefill.all() and not cold.has_prefill.any()
+    cost = preset_profile("pcie4", SHAPES[trace.model["name"]]).cost
+    for spec in ("ar", "chain:2+cache+prefetch", "specfit", "specfit+cache+prefetch"):
+        logs = {}
+        for prep, compiled in ((warm, True), (warm, False), (cold, True)):
+            policy = make_policy(spec)
+            policy.observe(Observation(predicted_slots=100, predicted_slots_right=60, resident_share=0.25))
+            logs[prep is warm, compiled] = replay(prep, policy, ExpertCache(trace.n_layers, trace.n_experts, 16), cost,
+                                                  compiled=compiled)
+        for column, values in logs[True, True].columns.items():
+            np.testing.assert_array_equal(values, logs[True, False].columns[column], err_msg=f"{spec} {column}")
+        def first_hits(log):
+            return log.columns["hits"][np.r_[True, np.diff(log.columns["sequence"]) != 0]].sum()
+
+        assert first_hits(logs[True, True]) > first_hits(logs[False, True]), spec

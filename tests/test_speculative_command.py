@@ -851,3 +851,51 @@ def test_a_replay_of_a_full_recording_counts_the_live_runs_hits_and_misses_cycle
                 np.testing.assert_array_equal(log.columns[column], ran[column].to_numpy(),
                                               err_msg=f"{spec} {column} compiled={compiled}")
         assert ran["hits"].sum() > 0 and ran["misses"].sum() > 0
+
+
+@pytest.mark.parametrize("stop", ["bad input", "Ctrl-C"])
+def test_a_decode_stopped_while_loading_leaves_no_folder_it_made(checkpoint, tmp_path, monkeypatch, stop):
+    """The --out lock is taken before loading (creating --out and any missing parents): bad input
+    or a Ctrl-C before the first cycle removes every folder the run made, and nothing of a folder
+    that was there."""
+    from specfit.runtime import loader
+
+    def fails(*args, **kwargs):
+        if stop == "Ctrl-C":
+            raise KeyboardInterrupt
+        raise SpecFitError("model.safetensors: a tensor is missing")
+
+    monkeypatch.setattr(loader, "load_model", fails)
+    result = decode(checkpoint, "--policy", "ar", "--profile", "pcie4", "--out", str(tmp_path / "a" / "b" / "run"))
+    assert result.exit_code == (130 if stop == "Ctrl-C" else 2), result.output
+    assert not (tmp_path / "a").exists()
+    there = tmp_path / "there"
+    there.mkdir()
+    (there / "notes.txt").write_text("mine")
+    result = decode(checkpoint, "--policy", "ar", "--profile", "pcie4", "--out", str(there / "run"))
+    assert result.exit_code in (2, 130) and [p.name for p in there.iterdir()] == ["notes.txt"]
+
+
+def test_a_decode_that_crashes_mid_run_still_writes_its_complete_cycles(checkpoint, tmp_path, monkeypatch):
+    """An error that is neither bad input nor a stop (out of device memory, a torch error) goes on
+    as it is, but the cycles completed before it are in cycles.parquet, as after a stop."""
+    from specfit.runtime.decoder import Decoder
+
+    model_dir, drafter_dir, prompts = checkpoint
+    out = tmp_path / "run"
+    plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["ar"], profile="pcie4",
+                      max_new_tokens=NEW_TOKENS, device="cpu", out_dir=out, ignore_eos=True, warmup=False)
+    generate, calls = Decoder.generate, []
+
+    def second_prompt_crashes(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Decoder, "generate", second_prompt_crashes)
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        run_decode(plan)
+    kept = pd.read_parquet(out / "cycles.parquet")
+    assert len(kept) == NEW_TOKENS - 1 and (kept["sequence"] == 0).all()     # the first prompt's cycles
+    assert not (out / "cycles.jsonl").exists()

@@ -27,6 +27,7 @@ kernel loading and library heuristics would otherwise land in its first cycles).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -201,28 +202,37 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     say = status or (lambda message: None)
     tick = progress or (lambda: None)
     policies = plan.validate()
-    fresh_out = plan.out_dir is not None and not Path(plan.out_dir).exists()
+    created = _first_missing(plan.out_dir)
+
+    def leave_nothing():
+        """Bad input or a stop before any cycle: the folders this run made go (an --out that
+        existed keeps what it held)."""
+        if created is not None:
+            import shutil
+
+            shutil.rmtree(created, ignore_errors=True)
+
     # a second run writing the same directory at once would delete and mix this one's files: it is
     # refused before either loads anything
     with run_dir_lock(plan.out_dir, "decode"):
         try:
             tokenizer, prompts, model, drafter, profile, profile_path, notes, calibrator, fitted = _load(plan, say)
+            if plan.out_dir is not None:
+                from ..calibrate.profile import ModelShape
+                from ..runinfo import write_run_info
+
+                # the shape the cycles were measured on: a refit must not move them onto another one
+                shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
+                write_run_info(plan.out_dir, "decode", ctx, shape=shape.to_dict(), profile=profile.label)
+            outputs = DecodeOutputs(plan.out_dir)
+            recorder = _recorder(plan, model, drafter, profile) if plan.record is not None else None
         except BaseException:
-            if fresh_out:           # bad input (or a stop) before any output: leave nothing
-                import shutil
-
-                shutil.rmtree(plan.out_dir, ignore_errors=True)
+            leave_nothing()
             raise
-        if plan.out_dir is not None:
-            from ..calibrate.profile import ModelShape
-            from ..runinfo import write_run_info
-
-            # the shape the cycles were measured on: a refit must not move them onto another one
-            shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
-            write_run_info(plan.out_dir, "decode", ctx, shape=shape.to_dict(), profile=profile.label)
-        outputs = DecodeOutputs(plan.out_dir)
-        recorder = _recorder(plan, model, drafter, profile) if plan.record is not None else None
         rows = _CycleRows(outputs, profile.cost, model.offload.host.expert_bytes, per_cycle=plan.out_dir is not None)
+
+        def nothing_done() -> bool:
+            return not outputs.records and not outputs.cycles and not (recorder is not None and len(recorder))
 
         try:
             if plan.warmup:
@@ -310,11 +320,8 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                     tick()
         except SpecFitError as exc:
             rows.flush(stopped=True)
-            if not outputs.records and not outputs.cycles and not (recorder is not None and len(recorder)):
-                if fresh_out:
-                    import shutil
-
-                    shutil.rmtree(plan.out_dir, ignore_errors=True)    # bad input before any output: leave nothing
+            if nothing_done():
+                leave_nothing()
                 raise
             kept = _keep_partial(plan, outputs, recorder)           # a failure mid-run: what ran stays readable
             if not kept:
@@ -324,10 +331,20 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             if not interrupted(exc):
                 raise
             rows.flush(stopped=True)
+            if nothing_done():
+                leave_nothing()
+                raise Interrupted("interrupted before the first cycle: no cycle was decoded, so none was kept") from None
             kept = _keep_partial(plan, outputs, recorder)
             raise Interrupted(f"interrupted after {len(outputs.cycles)} complete cycle(s) ({len(outputs.records)} (policy, "
                               f"prompt) run(s) finished): " + (f"kept {kept}" if kept else
                                                                "nothing was written (no --out or --record)")) from None
+        except Exception:
+            # anything else (out of device memory, a torch error): the complete cycles still reach
+            # cycles.parquet before the error goes on, as far as the disk lets them
+            with contextlib.suppress(Exception):
+                rows.flush(stopped=True)
+                outputs.close()
+            raise
         outputs.close()
         trace_path = _write_recording(recorder, plan.record) if recorder is not None else None
         host = model.offload.host
@@ -375,6 +392,18 @@ class _CycleRows:
             self.outputs.add_cycle({"policy": policy, "sequence": sequence, "position": stats.position,
                                     "cycle": cycle, **row})
         pending.clear()
+
+
+def _first_missing(path: Path | None) -> Path | None:
+    """The highest folder of ``path`` that does not exist yet (what a run creating it makes), or None."""
+    if path is None:
+        return None
+    path = Path(path).absolute()
+    if path.exists():
+        return None
+    while not path.parent.exists():
+        path = path.parent
+    return path
 
 
 def _load(plan: DecodePlan, say):

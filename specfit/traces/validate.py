@@ -131,7 +131,7 @@ def prompt_passes(trace, source: str) -> dict[int, np.ndarray]:
     first cycle (a live recording's ``recording.prefill_sequences`` / ``prefill_experts``): sequence
     id -> bool ``[layers, experts]``. Empty for a trace that records none (synthetic, imported, or
     recorded by an older SpecFit). Checked: one list of expert ids in range per layer."""
-    recording = trace.meta["recording"]
+    recording = trace.meta.get("recording") or {}
     sequences, experts = recording.get("prefill_sequences"), recording.get("prefill_experts")
     if sequences is None and experts is None:
         return {}
