@@ -9,7 +9,7 @@ command the same way (:func:`stop_on_sigterm`), with status 143.
 from __future__ import annotations
 
 __all__ = ["SpecFitError", "Interrupted", "INTERRUPTS", "interrupted", "fail", "stopped", "stopped_by", "one_line",
-           "check_seed", "stop_on_sigterm", "sigterm_stops", "note_stop_signal"]
+           "check_seed", "comma_list", "stop_on_sigterm", "sigterm_stops", "note_stop_signal"]
 
 
 class SpecFitError(ValueError):
@@ -107,6 +107,18 @@ def stopped_by(exc: BaseException, message: str) -> None:
 def one_line(exc: BaseException) -> str:
     """An exception's message on one line (Arrow's and others' can span several; the CLI prints one)."""
     return " ".join(str(exc).split())
+
+
+def comma_list(text: str, option: str, what: str = "entry", example: str = "") -> list[str]:
+    """The entries of a comma-separated option, stripped. One rule for every option: none at all,
+    or an empty entry (``ar,,specfit``, a trailing comma), is one line naming the option."""
+    entries = [entry.strip() for entry in str(text).split(",")]
+    example = f" (e.g. {example})" if example else ""
+    if not any(entries):
+        raise SpecFitError(f"{option}: expected at least one {what}, comma-separated{example}")
+    if not all(entries):
+        raise SpecFitError(f"{option}: an empty entry in {text!r}; expected {what}s separated by single commas{example}")
+    return entries
 
 
 def check_seed(seed) -> None:

@@ -456,3 +456,18 @@ def test_a_concurrent_writers_temporary_file_is_left_alone(tmp_path):
         alive.wait()
     remove_stale_temporaries(tmp_path)                     # its writer gone: now it is stale
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar,,specfit"], "--policies"),
+    (["simulate", "--trace", SAMPLE_OLMOE, "--profile", "pcie4,"], "--profile"),
+    (["simulate", "--trace", SAMPLE_OLMOE, "--cache-experts", "0,8,"], "--cache-experts"),
+    (["decode", "--model", "m", "--prompts", "p.jsonl", "--cache-experts", "2", "--policies", "ar,,specfit"],
+     "--policies"),
+    (["plan", "--device-memory-gb", "24", "--model-shape", "olmoe-1b-7b", "--policies", "ar,,chain:2"], "--policies"),
+    (["plan", "--device-memory-gb", "24", "--model-shape", "olmoe-1b-7b", "--workload", "chat,"], "--workload"),
+])
+def test_every_comma_separated_option_refuses_an_empty_entry_alike(argv, option):
+    """One rule for comma-separated options (some skipped an empty entry, one refused it): refused,
+    naming the option and the text, before any work."""
+    one_line_error(invoke(*argv), f"{option}: an empty entry in")

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import INTERRUPTS, Interrupted, fail, stopped, stopped_by
+from ..errors import INTERRUPTS, Interrupted, comma_list, fail, stopped, stopped_by
 from ..io import strict_dumps
 from ..policies import LIVE_POLICY_HELP
 from ..threads import THREADS_HELP, set_cpu_threads
@@ -87,11 +87,9 @@ def decode(
 
     from .decode_job import DecodePlan, run_decode
 
-    if policies is not None and not [p for p in policies.split(",") if p.strip()]:
-        fail("--policies: expected at least one policy, comma-separated (e.g. ar,eagle3,specfit)")
     if policies is None and "," in policy:
         fail(f"--policy: expected one policy, got {policy!r}; several are passed as --policies {policy}")
-    names = [p.strip() for p in (policies.split(",") if policies else [policy]) if p.strip()]
+    names = [policy] if policies is None else comma_list(policies, "--policies", "policy", "ar,eagle3,specfit")
     plan = DecodePlan(model_dir=model, prompts_path=prompts, cache_experts=cache_experts, policies=names,
                       drafter_dir=drafter, profile=profile, rescale=rescale, max_new_tokens=max_new_tokens,
                       device=device, dtype=dtype, out_dir=out, record=record, record_full=record_full,

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from ..console import speedup_text
-from ..errors import INTERRUPTS, Interrupted, SpecFitError, stopped, stopped_by
+from ..errors import INTERRUPTS, Interrupted, SpecFitError, comma_list, stopped, stopped_by
 from ..runinfo import check_run_dir
 from ..policies import DEFAULT_POLICIES, POLICY_HELP
 
@@ -22,8 +22,9 @@ def register(app: typer.Typer, traces_app: typer.Typer) -> None:
     app.command("simulate")(simulate_command)
 
 
-def _split(values: list[str] | None) -> list[str]:
-    return [v.strip() for item in (values or []) for v in item.split(",") if v.strip()]
+def _split(values: list[str] | None, option: str, what: str) -> list[str]:
+    """The entries of a repeatable comma-separated option (:func:`~specfit.errors.comma_list`)."""
+    return [entry for item in (values or []) for entry in comma_list(item, option, what)]
 
 
 def simulate_command(
@@ -60,7 +61,8 @@ def simulate_command(
 
     try:
         check_run_dir(out, "simulate", files=SIMULATE_FILES)
-        cycles, summary = _simulate(traces, _distinct("--profile", _split(profiles)), _split([policies]),
+        cycles, summary = _simulate(traces, _distinct("--profile", _split(profiles, "--profile", "profile")),
+                                    _split([policies], "--policies", "policy"),
                                     _distinct("--cache-experts", _parse_sizes(cache_experts)), predictor,
                                     acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json,
                                     price_uncertainty, model)
@@ -86,11 +88,9 @@ def _distinct(option: str, values: list) -> list:
 
 
 def _parse_sizes(text: str) -> list[int]:
-    fields = [v.strip() for v in text.split(",")]
-    if len(fields) > 1 and not all(fields):
-        raise SpecFitError(f"--cache-experts: an empty entry in {text!r}; expected comma-separated non-negative integers")
+    fields = comma_list(text, "--cache-experts", "non-negative integer")
     try:
-        sizes = [int(v) for v in fields if v]
+        sizes = [int(v) for v in fields]
     except ValueError:
         raise SpecFitError(f"--cache-experts: expected comma-separated non-negative integers, got {text!r}") from None
     if not sizes or min(sizes) < 0:

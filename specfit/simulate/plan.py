@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from ..errors import SpecFitError
+from ..errors import SpecFitError, comma_list
 
 __all__ = ["MemoryBudget", "MemoryModel", "dense_weight_params", "kv_bytes_per_token", "tree_tokens",
            "DEFAULT_CANDIDATES", "cache_sizes", "rank_settings", "PlanResult", "run_plan", "PLAN_FILE"]
@@ -260,7 +260,7 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
     name, config = _model_config(model_shape, loaded[0].model if loaded else None)
     memory = MemoryModel(name, config, budget)
     out_dir = Path(out_dir) if out_dir is not None else Path("runs") / f"plan-{name}-{budget.device_bytes / 1e9:g}gb"
-    candidates = [p.strip() for p in policies.split(",") if p.strip()] if policies else list(DEFAULT_CANDIDATES)
+    candidates = comma_list(policies, "--policies", "policy") if policies else list(DEFAULT_CANDIDATES)
     if "ar" not in candidates:
         candidates.insert(0, "ar")      # every setting is compared with AR at its cache size
     _check_candidates(candidates)

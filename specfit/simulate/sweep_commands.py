@@ -10,7 +10,7 @@ from typing import Optional
 import typer
 
 from ..console import speedup_text
-from ..errors import INTERRUPTS, Interrupted, SpecFitError, stopped, stopped_by
+from ..errors import INTERRUPTS, Interrupted, SpecFitError, comma_list, stopped, stopped_by
 from ..io import strict_dumps
 
 # the settings a table may show for a cell (column: header); those the grid varies are shown
@@ -137,7 +137,7 @@ def plan_command(
         budget = MemoryBudget(device_bytes=device_memory_gb * 1e9, context_tokens=context_tokens,
                               reserve_bytes=reserve_gb * 1e9, dtype=dtype)
         result = run_plan(budget, model_shape=model_shape, traces=list(traces),
-                          workloads=[w.strip() for w in workloads.split(",") if w.strip()], tokens=tokens,
+                          workloads=comma_list(workloads, "--workload", "workload"), tokens=tokens,
                           profile=profile, h2d_scale=h2d_scale, rescale=rescale, policies=policies,
                           cache_steps=cache_steps, predictor=predictor, out_dir=out, address=address,
                           num_cpus=num_cpus, show_progress=not as_json, ctx=ctx)
