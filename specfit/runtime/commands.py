@@ -51,7 +51,9 @@ def decode(
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens to generate per prompt at most."),
     temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; above 0: sampling, lossless tree "
                                       "speculative sampling for the drafting policies."),
-    seed: int = typer.Option(0, "--seed", help="Sampling seed."),
+    seed: int = typer.Option(0, "--seed", help="Sampling seed: each policy's random stream starts from it and runs on "
+                             "from prompt to prompt (the same command samples the same; a prompt's sample depends "
+                             "on the prompts before it)."),
     tree_top_k: int = typer.Option(4, "--tree-top-k", help="EAGLE tree expansion: children per node and nodes expanded per level."),
     max_levels: int = typer.Option(8, "--max-levels", help="Draft levels at most for specfit and static:N (and --record-full)."),
     acceptance: Optional[Path] = typer.Option(None, "--acceptance", help="Trace to fit an acceptance calibrator on "
