@@ -117,7 +117,8 @@ def comma_list(text: str, option: str, what: str = "entry", example: str = "") -
     if not any(entries):
         raise SpecFitError(f"{option}: expected at least one {what}, comma-separated{example}")
     if not all(entries):
-        raise SpecFitError(f"{option}: an empty entry in {text!r}; expected {what}s separated by single commas{example}")
+        plural = what[:-1] + "ies" if what.endswith("y") else what + "s"
+        raise SpecFitError(f"{option}: an empty entry in {text!r}; expected {plural} separated by single commas{example}")
     return entries
 
 

@@ -471,3 +471,14 @@ def test_every_comma_separated_option_refuses_an_empty_entry_alike(argv, option)
     """One rule for comma-separated options (some skipped an empty entry, one refused it): refused,
     naming the option and the text, before any work."""
     one_line_error(invoke(*argv), f"{option}: an empty entry in")
+
+
+def test_comma_lists_are_stripped_and_their_errors_worded():
+    from specfit.errors import SpecFitError, comma_list
+
+    assert comma_list(" ar , specfit ", "--policies", "policy") == ["ar", "specfit"]
+    with pytest.raises(SpecFitError, match=r"^--policies: an empty entry in 'ar,'; expected policies separated by single "
+                                           r"commas \(e\.g\. ar,specfit\)$"):
+        comma_list("ar,", "--policies", "policy", "ar,specfit")
+    with pytest.raises(SpecFitError, match=r"^--cache-experts: expected at least one non-negative integer, comma-separated$"):
+        comma_list(" , ", "--cache-experts", "non-negative integer")
