@@ -13,13 +13,9 @@ from functools import cached_property
 import numpy as np
 
 from . import kernels
-from .kernels.tolerances import PROB_SLACK
+from .kernels.tolerances import PROB_SLACK   # a child may exceed its parent by float rounding alone
 
 __all__ = ["DraftTree", "check_nodes", "bad_path_probs"]
-
-# Path probabilities come out of products of float32/float64 softmax values; a child may exceed its
-# parent by rounding alone.
-_PROB_SLACK = PROB_SLACK
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,7 +49,7 @@ class DraftTree:
         # one compiled pass checks, clips rounding slack and computes depths (trees are built per
         # drafted level, on the decoder's and the replay's critical path); on a failure the
         # checks below name the field and the node
-        ok, depth = kernels.tree.check_tree(parents, probs, _PROB_SLACK)
+        ok, depth = kernels.tree.check_tree(parents, probs, PROB_SLACK)
         if not ok:
             _raise_invalid(parents, np.asarray(self.path_probs, dtype=np.float64))
         tokens = self.tokens
@@ -239,7 +235,7 @@ def bad_path_probs(probs: np.ndarray, parent_row: np.ndarray, root: np.ndarray) 
         return ~in_range, "range"
     if np.any(probs[root] != 1.0):
         return root & (probs != 1.0), "root"
-    rising = ~root & (probs > probs[parent_row] + _PROB_SLACK)
+    rising = ~root & (probs > probs[parent_row] + PROB_SLACK)
     if rising.any():
         return rising, "rising"
     return None

@@ -43,7 +43,6 @@ N_OBSERVED, SLOTS, SLOTS_RIGHT, DECLINED, N_RECENT, RECENT_NEXT = range(6)
 N_CONF, N_FSTATE, N_ISTATE = 5, 5, 6
 PRICE_MEMORY = 0.99      # observed prices forget at this rate per cycle that verified draft nodes
 RECHECK = 16             # the level-0 test drafts anyway after this many declined cycles
-_SLACK = PROB_SLACK      # a grown tree is clipped as a DraftTree clips (its slack only words errors)
 
 
 @njit(cache=True)
@@ -108,7 +107,7 @@ def next_level_may_pay(parents, probs, experts, cached_bits, n_experts, params, 
         top_k = experts.shape[2]
         g_parents, g_probs, g_experts = expected_children(parents, probs, newest, experts, acceptance, new_experts,
                                                           new_is_share, seen, width[0], d, n_experts, 0)
-        check_tree(g_parents, g_probs, _SLACK)
+        check_tree(g_parents, g_probs, PROB_SLACK)   # clipped as a DraftTree clips
         n_grown = n_experts + (g_parents.size - parents.size) * top_k
         # a bound that saves the search. A subtree S of the grown tree is its drafted part S_r,
         # whose ratio is at most the current best's R = A / T, and virtual nodes V: A(S) =
@@ -130,7 +129,7 @@ def next_level_may_pay(parents, probs, experts, cached_bits, n_experts, params, 
         g_parents, g_probs, g_experts = optimistic_children(parents, probs, newest, experts)
         if g_parents.size == 0:
             return False
-        check_tree(g_parents, g_probs, _SLACK)
+        check_tree(g_parents, g_probs, PROB_SLACK)   # clipped as a DraftTree clips
         n_grown = n_experts
     grown_bits = np.zeros((cached_bits.shape[0], (n_grown + 63) // 64), dtype=np.uint64)
     grown_bits[:, :cached_bits.shape[1]] = cached_bits

@@ -231,8 +231,14 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             raise
         rows = _CycleRows(outputs, profile.cost, model.offload.host.expert_bytes, per_cycle=plan.out_dir is not None)
 
-        def nothing_done() -> bool:
-            return not outputs.records and not outputs.cycles and not (recorder is not None and len(recorder))
+        def stopped_with_nothing() -> bool:
+            """The run stops: its pending cycles become rows; with none at all (nor records, nor
+            recorded cycles) the folders it made go, and True."""
+            rows.flush(stopped=True)
+            if outputs.records or outputs.cycles or (recorder is not None and len(recorder)):
+                return False
+            leave_nothing()
+            return True
 
         try:
             if plan.warmup:
@@ -319,9 +325,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                     recorder.end_sequence(len(result.output_ids))
                     tick()
         except SpecFitError as exc:
-            rows.flush(stopped=True)
-            if nothing_done():
-                leave_nothing()
+            if stopped_with_nothing():
                 raise
             kept = _keep_partial(plan, outputs, recorder)           # a failure mid-run: what ran stays readable
             if not kept:
@@ -330,9 +334,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
         except INTERRUPTS as exc:
             if not interrupted(exc):
                 raise
-            rows.flush(stopped=True)
-            if nothing_done():
-                leave_nothing()
+            if stopped_with_nothing():
                 raise Interrupted("interrupted before the first cycle: no cycle was decoded, so none was kept") from None
             kept = _keep_partial(plan, outputs, recorder)
             raise Interrupted(f"interrupted after {len(outputs.cycles)} complete cycle(s) ({len(outputs.records)} (policy, "
