@@ -81,9 +81,7 @@ def decode(
 ) -> None:
     """Decode with the experts in host memory and an expert cache on the device.
 
-    Reports, per prompt and policy, tokens/s, bytes copied host-to-device and the cache's hit
-    rate, and per policy the measured cycle time, tokens per cycle and bytes next to the
-    profile's predictions."""
+    Reports, per prompt and policy, tokens/s, bytes copied host-to-device and the cache's hit rate, and per policy the measured cycle time, tokens per cycle and bytes next to the profile's predictions."""  # one line: typer keeps a paragraph's line breaks
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

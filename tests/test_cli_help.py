@@ -1,0 +1,36 @@
+"""Every command's ``--help`` reads as the terminal wraps it."""
+
+from __future__ import annotations
+
+import inspect
+
+import typer
+from typer.testing import CliRunner
+
+from specfit.cli import app
+
+
+def _commands(command, path: tuple[str, ...] = ()):
+    yield path, command
+    if hasattr(command, "commands"):     # a group (typer's own click)
+        for name, sub in command.commands.items():
+            yield from _commands(sub, (*path, name))
+
+
+def test_every_commands_help_paragraphs_are_wrapped_by_the_terminal_not_the_source():
+    # typer joins the lines of a help text's first paragraph but keeps the line breaks of the
+    # others: a later paragraph broken in the source prints as ragged lines at any width
+    commands = list(_commands(typer.main.get_command(app)))
+    assert len(commands) > 10
+    for path, command in commands:
+        _, *later = inspect.cleandoc(command.help or "").partition("\f")[0].split("\n\n")
+        for paragraph in later:
+            assert "\n" not in paragraph.strip(), (path, paragraph)
+        result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
+        assert result.exit_code == 0, (path, result.output)
+
+
+def test_decode_help_prints_its_second_paragraph_as_one_line_at_a_wide_terminal():
+    result = CliRunner().invoke(app, ["decode", "--help"], env={"COLUMNS": "250"})
+    line = next(line for line in result.output.splitlines() if "Reports, per prompt" in line)
+    assert "profile's predictions." in line
