@@ -2,9 +2,10 @@
 live decoder calls every cycle once on a tiny input, through the Python modules that own them
 (:mod:`specfit.kernels` holds the kernels and their on-disk cache).
 
-The first time after an install or an edit numba compiles them: about 77 s on this project's
-2-core VM, in two independent groups (the search with SpecFit's per-level decision, which calls
-it: ~47 s; the runtime's kernels: ~30 s). When the on-disk cache is cold and the process may use
+The first time after an install or an edit numba compiles them, which takes over a minute on a
+small machine, in two independent groups of comparable cost (the search with SpecFit's per-level
+decision, which calls it; the runtime's kernels: ``benchmarks/RESULTS.md``, "The decoder's first
+compile, side by side"). When the on-disk cache is cold and the process may use
 more than one core, :func:`warm_up` compiles the second group in a child process, which writes the
 cache, while this one compiles the first, and then loads the rest from the cache."""
 

@@ -39,9 +39,10 @@ def one_blas_thread():
     """A context in which numpy's and scipy's BLAS run on one thread. A fit whose result must not
     depend on the machine runs in it: a multi-threaded BLAS sums its products in another order
     for another thread count, and an iterative solver then stops at another point (the learned
-    predictor's logistic weights differed in the third digit between one and two threads, and a
-    replay deciding with them by 1.2 %). The controller that finds the pools is built once: a
-    fresh one takes ~6 ms, a limit with it ~0.1 ms."""
+    predictor's logistic weights differed between one and two threads, and so did a replay deciding
+    with them). The controller that finds the pools is built once: building one costs far more than
+    a limit set with it (``benchmarks/RESULTS.md``, "Stop 45: how precise an expert predictor must
+    be")."""
     global _CONTROLLER
     if _CONTROLLER is None:
         import scipy.linalg.cython_blas  # noqa: F401  (loads scipy's BLAS, so that its pool is found too)

@@ -260,7 +260,8 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> 
     if drafter is None and plan.model_dir is None and draft_hidden == c.hidden_size:
         # a stand-in: a random EAGLE-3 head of the published shape grows real trees (its levels
         # with the tree's bookkeeping; a lone layer's kernels leave out most of what a level costs
-        # on a GPU: 0.27-0.41 ms timed that way on an H200, ~2.5 ms per level live)
+        # on a GPU: timed that way, a fraction of a live level on an H200, benchmarks/RESULTS.md,
+        # "A stand-in's draft level, timed on real trees")
         from .standin import random_drafter
 
         drafter = random_drafter(model, draft_vocab, plan.seed)

@@ -109,7 +109,7 @@ def _physical_values(values: dict | CostModel | None, source: str) -> np.ndarray
 
 def _median(x: np.ndarray) -> float:
     """``np.median`` of a 1-D float array, from one sort: the online refit takes two per refit of
-    a few dozen cycles, where ``np.median``'s ~20 Python-level calls cost more than the sort."""
+    a few dozen cycles, where ``np.median``'s many Python-level calls cost more than the sort."""
     s = np.sort(x)
     m = s.size // 2
     return float(s[m]) if s.size % 2 else 0.5 * (float(s[m - 1]) + float(s[m]))

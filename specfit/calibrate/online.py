@@ -13,27 +13,29 @@ the window. A window of one policy's cycles usually pins ``base_s`` and the term
 the rest keep the profile's values.
 
 On top of the fit, a *speed tracker* follows what a refit every few cycles cannot: a machine whose
-speed moves from one cycle to the next. A shared CPU runs the same cycle 0.7-1.4x its median time,
-in phases that last several cycles (the log of measured / predicted time of one cycle correlates
-0.5-0.9 with the next's in ``bench_decode.py`` runs, ``benchmarks/bench_online.py``). Each observed cycle that comes with the
-counts its policy priced moves the log speed toward that cycle's log(measured / fitted prediction)
-with a half-life of ``speed_half_life`` cycles, and :attr:`OnlineCostModel.cost` is the fitted
-model with every term scaled by that speed. A common factor leaves every decision between subtrees
-as it was (throughput is a ratio of tokens to seconds); it makes the predicted seconds right. The
-same factor absorbs a predictor's steady over- or under-estimate of the union, since the residual
-is taken against the counts the policy priced. The speed is relative to the fit it multiplies, so
-a refit moves it by the refit's own change for the cycle just seen: a refit that learns the same
-slowness the tracker had learned does not count it twice.
+speed moves from one cycle to the next. A shared CPU runs the same cycle well above or below its
+median time, in phases that last several cycles (the log of measured / predicted time of one cycle
+correlates strongly with the next's in ``bench_decode.py`` runs, ``benchmarks/bench_online.py``:
+``benchmarks/RESULTS.md``, "A speed tracker on top of the online refit"). Each observed cycle that
+comes with the counts its policy priced moves the log speed toward that cycle's log(measured /
+fitted prediction) with a half-life of ``speed_half_life`` cycles, and :attr:`OnlineCostModel.cost`
+is the fitted model with every term scaled by that speed. A common factor leaves every decision
+between subtrees as it was (throughput is a ratio of tokens to seconds); it makes the predicted
+seconds right. The same factor absorbs a predictor's steady over- or under-estimate of the union,
+since the residual is taken against the counts the policy priced. The speed is relative to the fit
+it multiplies, so a refit moves it by the refit's own change for the cycle just seen: a refit that
+learns the same slowness the tracker had learned does not count it twice.
 
 The model's own update is part of the cycle it runs in, and not a steady part: a refit every
-``refit_every`` cycles (and at least ``refit_interval_s`` seconds apart) takes 0.5-1.5 ms, a refit
-that also selects the terms up to 3 ms, in cycles of 5-50 ms on the bundled model, against ~0.05 ms
-for a cycle without one (``bench_decode.py`` runs showed refit cycles 10-20 % slower than
-predicted). So the caller hands each cycle's measured update
-time back with the cycle (``overhead_s``): the fit and the tracker learn the cycle without it, a
-running mean per kind of update (none, refit, refit with selection) learns what each costs, and
-:attr:`cost` for the cycle that has just run an update carries that kind's expected time in its
-``base_s``: the policy decides, and the cycle is predicted, with the update it did pay.
+``refit_every`` cycles (and at least ``refit_interval_s`` seconds apart) takes a visible part of a
+cycle on the bundled model (a refit that also selects the terms more), where a cycle without one
+pays next to nothing (``bench_decode.py`` runs showed refit cycles clearly slower than predicted:
+``benchmarks/RESULTS.md``, "Deterministic noise out of the cycle times"). So the caller hands each
+cycle's measured update time back with the cycle (``overhead_s``): the fit and the tracker learn
+the cycle without it, a running mean per kind of update (none, refit, refit with selection) learns
+what each costs, and :attr:`cost` for the cycle that has just run an update carries that kind's
+expected time in its ``base_s``: the policy decides, and the cycle is predicted, with the update it
+did pay.
 
 Within a cycle there is one more thing to know before it is priced in full: how fast its own
 drafter passes ran. On a shared CPU a slow phase slows every part of a cycle at once, and the
@@ -47,7 +49,8 @@ residual on ``r``, learned as the run goes (a least-squares slope over about the
 keep the price they had before they ran: each term of the prediction is made before the work it
 prices. A machine whose drafter speed says nothing about the rest learns ``b`` near 0. The pace
 is per level over whole cycles, so it is compared with whole cycles only: a cycle's first pass
-also runs the tokens committed last cycle (1.4x a later level's seconds on the bundled model), and
+also runs the tokens committed last cycle (longer than a later level on the bundled model:
+``benchmarks/RESULTS.md``, "Stop 31: the rest of a cycle priced at its drafter's pace"), and
 the levels drafted so far would look slow against it.
 
 Before ``min_cycles`` cycles have been seen the fit is the prior itself (the speed tracker starts
@@ -76,15 +79,16 @@ class OnlineCostModel:
         min_cycles: cycles seen before the first refit.
         refit_every: cycles between refits.
         refit_interval_s: measured seconds between refits at least (after the first): a refit
-            costs 0.5-3 ms, so short cycles refit less often than every ``refit_every`` cycles and
-            the refits stay near 1 % of the run's time (autoregressive cycles of ~8 ms on the
-            bundled model refitted every 8 spent 2.2 % of it; the refit's error on recorded runs
-            is the same at 0 to 0.2 s, ``benchmarks/RESULTS.md``).
+            costs milliseconds, so short cycles refit less often than every ``refit_every`` cycles
+            and the refits stay a small share of the run's time (short autoregressive cycles on the
+            bundled model refitted every 8 spent a few per cent of it; the refit's error on recorded
+            runs is the same with or without the interval, ``benchmarks/RESULTS.md``, "Stop 28:
+            where SpecFit's live time outside the model passes goes").
         half_life: a cycle this many cycles old weighs half as much as the newest, so the model
             follows a machine that changes instead of averaging over the whole window.
         select_every: refits between two selections of the terms to fit (which terms the window
             identifies changes slowly; the refits in between keep the last selection and only
-            solve for the values, a tenth of the cost).
+            solve for the values, a fraction of the cost).
         speed_half_life: cycles after which a cycle's speed weighs half in the speed tracker (None
             or 0: no tracker, the fit alone).
         pace_half_life: cycles after which a cycle's drafter seconds per level weigh half in the

@@ -10,10 +10,11 @@ keeps the median per measurement. The probes are seeded, so every round measures
 
 Before the timed rounds every probe runs once untimed (``warmup_rounds``): a process's first pass
 over a shape pays one-off costs (compiled kernels loaded from their cache, allocations, cold
-caches). On the bundled model, quiet, the first of three rounds took 1.25x (cycle passes) to 1.7x
-(expert compute) the median of each measurement, and every ``--quick`` calibration warned "busy";
-with the untimed round first, five side-by-side runs put the median spread at 8-39 % against
-30-83 % (``benchmarks/RESULTS.md``): what is left is the jitter of passes of a few milliseconds.
+caches). On the bundled model, quiet, the first of three rounds took markedly longer than the
+median of each measurement, and every ``--quick`` calibration warned "busy"; with the untimed round
+first, side-by-side runs put the median spread well below what it was (``benchmarks/RESULTS.md``,
+"Stop 33: a cold first round read as a busy machine"): what is left is the jitter of passes of a
+few milliseconds.
 
 What the rounds say about the machine (:func:`machine_noise`):
 
@@ -129,8 +130,8 @@ def busy_warnings(noise: dict) -> list[str]:
     spread = noise.get("spread_median", float("nan"))
     if spread == spread and spread > SPREAD_BUSY:
         # a --quick calibration's few short passes jitter on an idle machine too
-        cause, again = (("the machine is busy or its passes jitter (--quick probes are few and short: 8-39 % on an "
-                         "idle 2-core VM)", "when it is quiet and without --quick") if noise.get("quick") else
+        cause, again = (("the machine is busy or its passes jitter (--quick probes are few and short: they vary "
+                         "on an idle machine too)", "when it is quiet and without --quick") if noise.get("quick") else
                         ("the machine is busy", "when it is quiet"))
         warnings.append(f"the probes' timings varied by {spread:.0%} (median over measurements of (max - min) / "
                         f"median across {noise['rounds']} rounds): {cause}; the profile is uncertain. Calibrate "

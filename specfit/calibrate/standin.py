@@ -89,8 +89,9 @@ def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
 
     Weights are uniform with the variance of ``1 / fan_in`` (timing does not depend on their
     distribution). On the CPU they are filled in place, so building needs no temporary copy of a
-    layer's experts; on an accelerator they are drawn there (the CPU's generator is serial: about
-    7 s per Qwen3-30B-A3B layer) and the experts copied to host memory a block at a time.
+    layer's experts; on an accelerator they are drawn there (the CPU's generator is serial: seconds
+    per Qwen3-30B-A3B layer, ``benchmarks/RESULTS.md``, "The GPU run (issue 17): one NVIDIA H200")
+    and the experts copied to host memory a block at a time.
     ``progress`` hears of each expert layer."""
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.device("meta"):

@@ -12,22 +12,24 @@ be over-confident), so :class:`AcceptanceCalibrator` learns, on a trace's verifi
    always does). The product of such conditional probabilities along a path is the chain rule
    for the path's acceptance. Fitted on every edge whose parent was verified instead, the map
    also learns from children of rejected parents (whose verdict continues a context the target
-   never keeps) and over-predicts: on the shipped OLMoE and Qwen3 traces by 14 % and 8 % of the
-   accepted tokens (``benchmarks/bench_acceptance.py``);
+   never keeps) and over-predicts the accepted tokens on the shipped OLMoE and Qwen3 traces
+   (``benchmarks/bench_acceptance.py``; ``benchmarks/RESULTS.md``, "Stop 24: acceptance calibrated
+   where it is used");
 2. **the drafter's confidence at the parent**: a logistic refinement of the edge map on the
    largest draft probability among the node's siblings ``q1`` (itself included) and whether the
    node is that top child: ``logit P = w . [1, logit iso(q), top, (1 - top) logit q1]``.
    A runner-up whose parent's top child has ``q1 = 0.999`` is almost never the verdict, one of a
    parent with ``q1 = 0.4`` often is; the isotonic map of ``q`` alone gives both the same
    probability. On the bundled drafter's trees it lowers the Brier score of the path
-   probabilities by 10 %;
+   probabilities (the same section);
 3. **a depth correction** of the product: ``P = sigmoid(a + (b + e d) logit(prod) + c d)``, a
    logistic fit of "the node is on the accepted path" on the product and the node's depth ``d``,
    with ``b + e d > 0`` at every depth it fitted (monotone in the product). The product treats a
    path's edges as independent given their own ``q``; a drafter that drifts from the target's
    features with depth (EAGLE-3 drafts level ``d`` from its own level ``d - 1``) is wrong more
    often deep down at the same ``q``: on the bundled drafter's trees the product alone predicts
-   1.6x the accepted nodes at depth 7.
+   far more accepted nodes at the deepest levels than were accepted (``benchmarks/RESULTS.md``,
+   "Stop 23: the acceptance calibration per depth").
 
 Path probabilities are then kept non-increasing along every path (each node at most its
 parent's), as a :class:`~specfit.tree.DraftTree` requires.

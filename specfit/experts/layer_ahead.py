@@ -149,9 +149,10 @@ class TransitionRanker:
     after the union's are not candidates). The probability that a candidate is needed by one token
     is the mean of its conditionals over the union (a token's ``k`` experts: a mixture of them),
     and by any of ``nodes`` tokens ``1 - (1 - mean) ** nodes``. (The noisy-or of the conditionals
-    treats a token's experts as independent witnesses and put the top candidate at 0.99-1.0
-    where it was needed 43-88 % of the time on the shipped and shared traces; the mean, in bins of
-    0.2 with more than 100 cases, was 0.04 above to 0.17 below the observed rate.)"""
+    treats a token's experts as independent witnesses and put the top candidate near certainty
+    where it was needed far less often on the shipped and shared traces; the mean stays near the
+    observed rate, erring low: ``benchmarks/RESULTS.md``, "Stop 43: the layer-ahead prefetch's
+    ceiling".)"""
 
     def __init__(self, experts: np.ndarray, n_experts: int):
         experts = np.asarray(experts, dtype=np.int64)          # [positions, L, k], -1: unknown

@@ -243,8 +243,9 @@ def cycle_folds(trace, n_folds: int) -> np.ndarray:
     A trace is often recorded prompt set by prompt set (the bundled prompts are four ``docs``, then
     four ``math``), so contiguous blocks of sequences would fit every fold on another workload than
     the one it is scored on: on ``specfit demo``'s trace that cross-fit put the calibrated acceptance
-    of EAGLE-3's trees at 2.72 tokens per cycle against 4.13 committed; dealt in turn, 4.07 against
-    4.19. A sequence stays whole in one fold, so nothing of a scored sequence is ever fitted on."""
+    of EAGLE-3's trees far below the tokens committed; dealt in turn, close to them
+    (``benchmarks/RESULTS.md``, "Stop 32: cross-fitting folds that hold every workload"). A sequence
+    stays whole in one fold, so nothing of a scored sequence is ever fitted on."""
     seqs, seq_index = np.unique(trace.sequence, return_inverse=True)
     if seqs.size >= n_folds:
         return seq_index % n_folds

@@ -3,8 +3,9 @@ and held terms, and a candidate's score in them (:class:`specfit.calibrate.fit.C
 
 The fit's physical terms are few (five), so each score is a handful of small products: in numpy,
 tens of calls. The online refit runs one forward selection (about fifteen scores) every other
-refit inside a live decode; compiled, such a refit takes 0.46x its time before
-(``benchmarks/bench_learning.py``).
+refit inside a live decode; compiled, such a refit takes about half its time in numpy
+(``benchmarks/RESULTS.md``, "Stop 35: the learning after the cycles compiled further";
+``benchmarks/bench_learning.py``).
 
 A choice is ``free`` (the terms fitted on their own, as indices into the physical terms),
 ``group`` (the held terms, at ``held_at``) and ``speed`` (whether the group is scaled by one fitted

@@ -185,8 +185,8 @@ def count_right(token_logits, context_logits, scale, layer_weight, last, layer_b
 def project(x, rows, out):
     """``out[i, c] = x[i] . rows[c]`` (float32 ``x`` [n, H], ``rows`` [m, H]: the routers'
     columns as rows, so each product reads two contiguous vectors), four outputs per pass over
-    ``x[i]``. At the router predictor's sizes (16 x 128 by 128 x 64) numba's ``np.dot`` took
-    18-27 us and this loop 13 us (stop 44 in ``benchmarks/RESULTS.md``); the same loop fills
+    ``x[i]``. At the router predictor's sizes (16 x 128 by 128 x 64) this loop is faster than
+    numba's ``np.dot`` (``benchmarks/RESULTS.md``, "The router predictor's step"); the same loop fills
     :func:`token_table`, so a row of the table equals the product for its token computed here."""
     n, m = x.shape[0], rows.shape[0]
     h = x.shape[1]

@@ -16,7 +16,8 @@ def new_axes(width: float = 6.4, height: float = 3.6):
 
 
 # above this many points a scatter is drawn as an image inside the SVG: one vector marker per
-# cycle made a 64k-cycle run's page 10 MB
+# cycle made a long run's page an order of magnitude larger (benchmarks/RESULTS.md, "Stop 50: four
+# more audits")
 RASTER_ABOVE = 2000
 
 

@@ -143,8 +143,9 @@ def raw_acceptance_notes(summaries: list[dict]) -> list[str]:
     """Notes for a run decided with the drafter's raw probabilities (no ``--acceptance``): one per
     drafting policy whose predicted tokens per cycle were more than :data:`RAW_ACCEPTANCE_OFF` off
     the committed ones. SpecFit prices every subtree with those probabilities; the bundled drafter's
-    raw ones predicted 1.54 tokens per EAGLE-3 tree where 3.55 were committed, and SpecFit, taking
-    them at their word, drafted levels that did not pay (0.87x ``ar``)."""
+    raw ones predicted well under half the tokens an EAGLE-3 tree committed, and SpecFit, taking
+    them at their word, drafted levels that did not pay (slower than ``ar``: ``benchmarks/RESULTS.md``,
+    "Stop 33: `specfit decode` without an acceptance calibration")."""
     notes = []
     for s in summaries:
         real, predicted = s.get("tokens_per_cycle", float("nan")), s.get("predicted_tokens_per_cycle", float("nan"))

@@ -84,7 +84,8 @@ class Decoder:
             configure it; False: the profile, frozen).
         pause_gc: no automatic cyclic garbage collection while a generation's cycles run (one
             young-generation collection when they end, inside the decode time). Python's collector
-            otherwise stops a cycle at random for 0.2-2 ms (a full collection: ~160 ms), which is
+            otherwise stops a cycle at random for up to milliseconds (a full collection: far
+            longer; ``benchmarks/RESULTS.md``, "Deterministic noise out of the cycle times"), which is
             noise in every cycle time the cost model learns from and is checked against; the cycles
             themselves leave no reference cycles behind (a test pins it), so nothing accumulates.
             The collector is the process's: an application whose other threads make cyclic
@@ -394,7 +395,7 @@ class Decoder:
         n = len(tokens)
         if draft.last_known is None:          # once per cycle: the routing every node's prediction sees
             draft.last_known = last = self._last_known
-            # as rows the kernels read in place (two C calls; np.broadcast_to's view costs ~10 Python calls)
+            # as rows the kernels read in place (two C calls; np.broadcast_to's view costs many Python calls)
             draft.last_known_rows = rows = np.empty((self._max_nodes,) + last.shape, dtype=np.int64)
             rows[...] = last
         if context is not None and context.is_cpu:
@@ -427,7 +428,8 @@ class Decoder:
 def greedy_verdicts(logits: torch.Tensor) -> np.ndarray:
     """int64 [T]: the target's greedy token at each row of ``logits`` [T, V] (the first of tied
     maxima, as ``torch.argmax``), on the host. Host logits numpy reads in place: its argmax over a
-    [20, 2048] block takes ~6 us where torch's dispatch takes ~100."""
+    verification pass's logits takes a few microseconds, an order of magnitude less than torch's
+    dispatch (``benchmarks/RESULTS.md``, "Stop 26: what removing calls from the live cycle buys")."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         return logits.numpy().argmax(axis=-1)
     return logits.argmax(dim=-1).cpu().numpy()

@@ -42,10 +42,11 @@ from ..tree import DraftTree
 __all__ = ["DraftOutput", "DrafterSession", "TreeDraft", "Level", "Proposer", "tree_capacity"]
 
 # On a GPU a drafter pass over a number of entries it has not run before is slow (a level after a
-# 10-17 cycle gap took 8.7-11.4 ms where a repeated length took 2.7-4.2, benchmarks/RESULTS.md,
-# "The GPU run"), and the cost model prices every level alike: the first sequence runs the drafter
-# once at each catch-up length up to this many entries per device type, off the clock (none on the
-# CPU, where no such cost was seen).
+# gap of undrafted cycles took several times what a repeated length took: benchmarks/RESULTS.md,
+# "The GPU run again, and a drafter pass's first use", which times each length), and the
+# cost model prices every level alike: the first sequence runs the drafter once at each catch-up
+# length up to this many entries per device type, off the clock (none on the CPU, where no such
+# cost was seen).
 WARM_LENGTHS = {"cuda": 32}
 _NEWEST = [-1]            # the rows whose logits a pass over committed entries computes
 _warmed: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()

@@ -111,7 +111,8 @@ class MLAttention(nn.Module):
         ``kv_b_proj``) plus ``T S (qk + v)``, the absorbed one ``T r (nope + v)`` plus
         ``T S (2 r + rope)``: verification and decode passes absorb (up to ~170 queries at
         DeepSeek-V2-Lite's shapes), a prompt's pass over about as many tokens as it caches expands.
-        Float32 weights only: there the two forms agree to ~1e-6, while in a 16-bit dtype the
+        Float32 weights only: there the two forms agree to float32 rounding (``benchmarks/RESULTS.md``,
+        "MLA decode and verification passes absorb"), while in a 16-bit dtype the
         absorbed form rounds other intermediates than ``transformers``' expanded one (a few
         bfloat16 steps on the logits, enough to flip a near tie); on a GPU, where 16-bit runs, the
         product it saves is also the cheap part of a pass."""

@@ -391,7 +391,8 @@ class MoETransformer(nn.Module):
         slots ``cache_len .. cache_len + len(keep) - 1``; later slots become free."""
         if self._kv_host is not None and not (isinstance(keep, torch.Tensor) and keep.device.type != "cpu"):
             # on the host: one compiled call checks and moves every layer's entries in place
-            # (numpy's or torch's indexing costs 5-10x more at these sizes)
+            # (numpy's or torch's indexing costs several times more at these sizes: benchmarks/RESULTS.md,
+            # "Stop 26: what removing calls from the live cycle buys")
             status = kernels.kv.compact(self._kv_host, int(cache_len), self._host_or_device(keep, np.int64))
             if status != kernels.kv.OK:
                 raise ValueError("keep: expected ascending indices of the new tokens" if status == kernels.kv.NOT_ASCENDING

@@ -28,8 +28,9 @@ class DecodeOutputs:
     appended to the ``cycles.jsonl`` journal as it completes, so that even a killed run keeps each
     complete cycle; ``decode.jsonl`` and ``summary.json`` rewritten whole after each prompt (atomic:
     never half-written); ``cycles.parquet`` written once, when the run ends or stops, which then
-    removes the journal (rewriting it after each prompt cost time quadratic in the prompts: 0.5 s a
-    prompt at 64k cycles). :func:`read_decode_cycles` reads both. ``cycles`` are rows of
+    removes the journal (rewriting it after each prompt cost time quadratic in the prompts, a
+    visible pause per prompt on a long run: ``benchmarks/RESULTS.md``, "Stop 50: four more
+    audits"). :func:`read_decode_cycles` reads both. ``cycles`` are rows of
     :data:`specfit.accounting.CYCLE_COLUMNS` with their keys."""
 
     def __init__(self, out_dir: Path | None):

@@ -261,8 +261,8 @@ def read_trace(path: str | Path, validate: bool = True) -> Trace:
         raise SpecFitError(f"{path}: missing column(s) {missing}; a schema-{SCHEMA_VERSION} trace needs "
                            f"{[c for c, _, req, _ in NODE_COLUMNS if req]}")
     try:
-        # batch by batch, one thread: pf.read() peaked at 17x the table (1.4 GB for a 2,000-token
-        # Qwen3-shaped trace), this at 6x, no slower
+        # batch by batch, one thread: pf.read() peaked at far more memory than this, and was no faster
+        # (benchmarks/RESULTS.md, "Stop 50: four more audits")
         table = pa.Table.from_batches(list(pf.iter_batches(batch_size=1 << 16, use_threads=False)),
                                       schema=pf.schema_arrow)
     except (pa.ArrowException, OSError) as exc:

@@ -20,9 +20,9 @@ sample, because chance overlaps add to the probabilities:
 - consecutive reuse: fraction of a token's experts the previous token used (about 0.45 in OLMoE);
 - token affinity: overlap between two occurrences of the same token id (about 0.7 in real OLMoE
   decode routing). Both claim the same ``top_k`` slots; consecutive reuse is served first, so
-  with OLMoE's targets the model reaches about 0.6 here (see traces/README.md);
+  with OLMoE's targets the model lands below the affinity target here (see traces/README.md);
 - sibling reuse: overlap between two off-path siblings. Token affinity and reuse share the same
-  ``top_k`` slots, so with OLMoE-like affinity siblings cannot be very similar (about 0.35).
+  ``top_k`` slots, so with OLMoE-like affinity siblings cannot be very similar.
 """
 
 from __future__ import annotations

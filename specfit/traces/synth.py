@@ -37,8 +37,9 @@ _VOCAB_SIZES = {"qwen3-30b-a3b": 151936, "olmoe-1b-7b": 50304, "mixtral-8x7b": 3
 MODEL_SHAPES = {name: {**{k: v for k, v in shape.to_dict().items() if k != "hidden_size"},
                        "vocab_size": _VOCAB_SIZES[name]} for name, shape in SHAPES.items()}
 
-# drafter confidence per workload: full trees of width 3-4 commit 2.4-2.7 (chat), 2.9-3.0 (math) and
-# 3.3-3.4 (code) tokens per cycle, around the 2-3 reported for EAGLE-3 on Qwen3-30B-A3B
+# drafter confidence per workload: full trees of width 3-4 commit more tokens per cycle from chat to
+# math to code, around the 2-3 reported for EAGLE-3 on Qwen3-30B-A3B (traces/README.md, "Synthetic
+# traces", has what they commit)
 WORKLOADS = {
     "chat": DrafterParams(top1_prob=0.55, depth_decay=0.94),
     "math": DrafterParams(top1_prob=0.63, depth_decay=0.95),
