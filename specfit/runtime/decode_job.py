@@ -200,7 +200,6 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     command's context, for the command line ``run.json`` records."""
 
     say = status or (lambda message: None)
-    tick = progress or (lambda: None)
     policies = plan.validate()
     created = _first_missing(plan.out_dir)
 
@@ -216,7 +215,8 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
     # refused before either loads anything
     with run_dir_lock(plan.out_dir, "decode"):
         try:
-            tokenizer, prompts, model, drafter, profile, profile_path, notes, calibrator, fitted = _load(plan, say)
+            inputs = _load(plan, say)
+            model, profile = inputs.model, inputs.profile
             if plan.out_dir is not None:
                 from ..calibrate.profile import ModelShape
                 from ..runinfo import write_run_info
@@ -225,7 +225,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
                 write_run_info(plan.out_dir, "decode", ctx, shape=shape.to_dict(), profile=profile.label)
             outputs = DecodeOutputs(plan.out_dir)
-            recorder = _recorder(plan, model, drafter, profile) if plan.record is not None else None
+            recorder = _recorder(plan, model, inputs.drafter, profile) if plan.record is not None else None
         except BaseException:
             leave_nothing()
             raise
@@ -245,85 +245,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 from ..kernel_warmup import warm_up
 
                 warm_up()      # numba loads (or, after an install, compiles) the kernels before any timed cycle
-            decoders = {}
-
-            def decode_prompt(policy, index, prompt):
-                decoder = decoders[policy.name]
-                if decoder.recorder is not None:
-                    decoder.recorder.begin_sequence(index)
-                cycle_index = itertools.count()
-
-                def keep(stats, committed):
-                    rows.add(policy.name, index, stats, committed, next(cycle_index))
-
-                result = decoder.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos, on_cycle=keep)
-                rows.flush()
-                if decoder.recorder is not None:
-                    decoder.recorder.end_sequence(len(result.output_ids))
-                record = {"index": index, "line": prompt.line, "policy": policy.name, "cache_experts": plan.cache_experts,
-                          "profile": profile.label, **result.to_dict()}
-                if tokenizer is not None:
-                    record["text"] = tokenizer.decode(result.output_ids, skip_special_tokens=True)
-                outputs.records.append(record)
-                outputs.flush()
-                if on_record is not None:
-                    on_record(record)
-                tick()
-
-            def start(policy):
-                if plan.warmup:
-                    say(f"warm-up {policy.name}")
-                    model.offload.reset()
-                    _decoder(plan, model, drafter, policy, profile.cost, calibrator, None, fitted).generate(
-                        prompts[0].input_ids, min(WARMUP_TOKENS, plan.max_new_tokens), ignore_eos=True)
-                decoders[policy.name] = _decoder(plan, model, drafter, policy, profile.cost, calibrator,
-                                                 recorder if recorder is not None and not plan.record_full else None, fitted)
-
-            def summarise(policy):
-                summary = summarise_policy(policy.name, outputs.records, outputs.cycles)
-                if decoders[policy.name].online is not None:
-                    summary["online_model"] = decoders[policy.name].online.state()
-                outputs.summaries.append(summary)
-
-            if plan.interleave:
-                for policy in policies:
-                    start(policy)
-                say(f"decode {', '.join(p.name for p in policies)}, interleaved"
-                    + (", each with its own expert cache" if plan.cache_per_policy else ""))
-                # one expert cache for the run, which every policy's prompts share; with cache_per_policy
-                # each policy's own, taking turns on the device
-                model.offload.reset()
-                caches = None
-                if plan.cache_per_policy:
-                    from .offload import CacheTurns
-
-                    caches = CacheTurns(model.offload)
-                for index, prompt in enumerate(prompts):
-                    for k in range(len(policies)):           # the order rotates from prompt to prompt
-                        policy = policies[(index + k) % len(policies)]
-                        if caches is not None:
-                            caches.take(policy.name)
-                        decode_prompt(policy, index, prompt)
-                for policy in policies:
-                    summarise(policy)
-            else:
-                for policy in policies:
-                    start(policy)
-                    say(f"decode {policy.name}")
-                    # every policy starts from an empty expert cache; prompts then share it, as a server's would
-                    model.offload.reset()
-                    for index, prompt in enumerate(prompts):
-                        decode_prompt(policy, index, prompt)
-                    summarise(policy)
-            if plan.record_full:
-                say(f"recording full trees at every position into {plan.record}")
-                full = _full_decoder(plan, model, drafter, profile.cost, recorder)
-                model.offload.reset()
-                for index, prompt in enumerate(prompts):
-                    recorder.begin_sequence(index)
-                    result = full.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos)
-                    recorder.end_sequence(len(result.output_ids))
-                    tick()
+            _Runs(plan, inputs, outputs, rows, recorder, on_record, progress, say).run(policies)
         except SpecFitError as exc:
             if stopped_with_nothing():
                 raise
@@ -352,14 +274,132 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
         host = model.offload.host
         memory = {"host_expert_bytes": host.nbytes, "pinned_bytes": host.pinned_bytes,
                   "device_expert_bytes": model.offload.device_bytes}
-        describe = getattr(getattr(drafter, "config", None), "describe_feature_layers", None)
-        notes += [f"note: {line}" for line in map(waiting_note, outputs.summaries) if line]
+        describe = getattr(getattr(inputs.drafter, "config", None), "describe_feature_layers", None)
+        notes = inputs.notes + [f"note: {line}" for line in map(waiting_note, outputs.summaries) if line]
         return DecodeRun(memory=memory, drafter_features=describe(model.config.n_layers) if describe else None, notes=notes,
                          records=outputs.records, cycles=outputs.cycles, summaries=outputs.summaries,
-                         profile_label=profile.label, profile_path=profile_path,
+                         profile_label=profile.label, profile_path=inputs.profile_path,
                          outputs_identical=_outputs_identical(outputs.records) if plan.temperature == 0 else None,
                          trace_path=trace_path, trace_cycles=len(recorder) if recorder is not None else 0,
                          policies=policies)
+
+
+@dataclass
+class _Inputs:
+    """What a decode runs on (:func:`_load`)."""
+
+    tokenizer: object
+    prompts: list
+    model: object
+    drafter: object
+    profile: object
+    profile_path: Path | None
+    notes: list[str]
+    calibrator: object          # the acceptance calibrator (--acceptance-trace), or None
+    fitted: object              # the expert predictor fitted on --predictor-trace, or None
+
+
+class _Runs:
+    """The run's decoding: every policy over every prompt into ``outputs`` (and ``recorder``), in
+    turn or interleaved as the plan says, then the full-tree recording pass if asked for."""
+
+    def __init__(self, plan: DecodePlan, inputs: _Inputs, outputs: DecodeOutputs, rows: "_CycleRows", recorder,
+                 on_record, progress, say):
+        self.plan, self.inputs, self.outputs, self.rows, self.recorder = plan, inputs, outputs, rows, recorder
+        self.on_record, self.tick, self.say = on_record, progress or (lambda: None), say
+        self.decoders: dict = {}
+
+    def run(self, policies: list) -> None:
+        (self._interleaved if self.plan.interleave else self._in_turn)(policies)
+        if self.plan.record_full:
+            self._record_full()
+
+    def _in_turn(self, policies: list) -> None:
+        model = self.inputs.model
+        for policy in policies:
+            self._start(policy)
+            self.say(f"decode {policy.name}")
+            # every policy starts from an empty expert cache; prompts then share it, as a server's would
+            model.offload.reset()
+            for index, prompt in enumerate(self.inputs.prompts):
+                self._decode_prompt(policy, index, prompt)
+            self._summarise(policy)
+
+    def _interleaved(self, policies: list) -> None:
+        model = self.inputs.model
+        for policy in policies:
+            self._start(policy)
+        self.say(f"decode {', '.join(p.name for p in policies)}, interleaved"
+                 + (", each with its own expert cache" if self.plan.cache_per_policy else ""))
+        # one expert cache for the run, which every policy's prompts share; with cache_per_policy
+        # each policy's own, taking turns on the device
+        model.offload.reset()
+        caches = None
+        if self.plan.cache_per_policy:
+            from .offload import CacheTurns
+
+            caches = CacheTurns(model.offload)
+        for index, prompt in enumerate(self.inputs.prompts):
+            for k in range(len(policies)):           # the order rotates from prompt to prompt
+                policy = policies[(index + k) % len(policies)]
+                if caches is not None:
+                    caches.take(policy.name)
+                self._decode_prompt(policy, index, prompt)
+        for policy in policies:
+            self._summarise(policy)
+
+    def _start(self, policy) -> None:
+        """The policy's decoder, after a few untimed tokens of the first prompt (``plan.warmup``)."""
+        plan, i = self.plan, self.inputs
+        if plan.warmup:
+            self.say(f"warm-up {policy.name}")
+            i.model.offload.reset()
+            _decoder(plan, i.model, i.drafter, policy, i.profile.cost, i.calibrator, None, i.fitted).generate(
+                i.prompts[0].input_ids, min(WARMUP_TOKENS, plan.max_new_tokens), ignore_eos=True)
+        recorder = self.recorder if not plan.record_full else None
+        self.decoders[policy.name] = _decoder(plan, i.model, i.drafter, policy, i.profile.cost, i.calibrator, recorder,
+                                              i.fitted)
+
+    def _decode_prompt(self, policy, index: int, prompt) -> None:
+        plan, rows = self.plan, self.rows
+        decoder = self.decoders[policy.name]
+        if decoder.recorder is not None:
+            decoder.recorder.begin_sequence(index)
+        cycle_index = itertools.count()
+
+        def keep(stats, committed):
+            rows.add(policy.name, index, stats, committed, next(cycle_index))
+
+        result = decoder.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos, on_cycle=keep)
+        rows.flush()
+        if decoder.recorder is not None:
+            decoder.recorder.end_sequence(len(result.output_ids))
+        record = {"index": index, "line": prompt.line, "policy": policy.name, "cache_experts": plan.cache_experts,
+                  "profile": self.inputs.profile.label, **result.to_dict()}
+        if self.inputs.tokenizer is not None:
+            record["text"] = self.inputs.tokenizer.decode(result.output_ids, skip_special_tokens=True)
+        self.outputs.records.append(record)
+        self.outputs.flush()
+        if self.on_record is not None:
+            self.on_record(record)
+        self.tick()
+
+    def _summarise(self, policy) -> None:
+        summary = summarise_policy(policy.name, self.outputs.records, self.outputs.cycles)
+        if self.decoders[policy.name].online is not None:
+            summary["online_model"] = self.decoders[policy.name].online.state()
+        self.outputs.summaries.append(summary)
+
+    def _record_full(self) -> None:
+        plan, i, recorder = self.plan, self.inputs, self.recorder
+        self.say(f"recording full trees at every position into {plan.record}")
+        full = _full_decoder(plan, i.model, i.drafter, i.profile.cost, recorder)
+        i.model.offload.reset()
+        for index, prompt in enumerate(i.prompts):
+            recorder.begin_sequence(index)
+            result = full.generate(prompt.input_ids, plan.max_new_tokens, ignore_eos=plan.ignore_eos)
+            recorder.end_sequence(len(result.output_ids))
+            self.tick()
 
 
 class _CycleRows:
@@ -408,9 +448,8 @@ def _first_missing(path: Path | None) -> Path | None:
     return path
 
 
-def _load(plan: DecodePlan, say):
-    """What a decode runs on, each input checked before the weights are read: ``(tokenizer,
-    prompts, model, drafter, profile, profile_path, notes, calibrator, fitted predictor)``."""
+def _load(plan: DecodePlan, say) -> _Inputs:
+    """What a decode runs on, each input checked before the weights are read."""
     from ..experts.cache import ExpertCache
     from .config import ModelConfig
     from .devices import resolve_device
@@ -445,7 +484,7 @@ def _load(plan: DecodePlan, say):
     profile, profile_path, notes = _profile(plan, model, say)
     calibrator = _acceptance_calibrator(plan.acceptance_trace) if plan.acceptance_trace else None
     fitted = _fitted_predictor(plan, model) if plan.predictor_trace else None
-    return tokenizer, prompts, model, drafter, profile, profile_path, notes, calibrator, fitted
+    return _Inputs(tokenizer, prompts, model, drafter, profile, profile_path, notes, calibrator, fitted)
 
 
 # --------------------------------------------------------------------------- pieces
