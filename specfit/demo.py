@@ -183,13 +183,26 @@ def _run_demo(plan: DemoPlan, out: Path, say, progress) -> dict:
     sim_dir.mkdir(parents=True, exist_ok=True)
     for name, frame in (("cycles", cycles), ("summary", summary)):
         atomic_write(sim_dir / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp, index=False))
-    write_run_info(sim_dir, "simulate (specfit demo)")
+    notes = _whatif_notes(plan, trace)
+    write_run_info(sim_dir, "simulate (specfit demo)", notes=notes)
     timings["simulate_s"] = time.perf_counter() - started
 
     say("4/4 writing the report")
     index = build_report([out], out, title="SpecFit demo: the bundled tiny MoE")
     return {"report": index, "decode": decoded, "summary": summary, "profile": profile, "timings": timings,
-            "outputs_identical": decoded.outputs_identical}
+            "outputs_identical": decoded.outputs_identical, "whatif_notes": notes}
+
+
+def _whatif_notes(plan: DemoPlan, trace) -> list[str]:
+    """What a reader of the what-if should know: a ``--quick`` trace is too short to rank policies
+    on (each prompt's acceptance calibration is fitted on the other prompts' few cycles, and a
+    policy's rules see a handful of first levels)."""
+    if not plan.quick:
+        return []
+    n_sequences = len(set(trace.sequence.tolist()))
+    return [f"--quick: the what-if replays {trace.n_cycles} cycles of {n_sequences} prompts, each with the acceptance "
+            f"calibration fitted on the other prompts' cycles: too few for its ranking of policies to be a result (a "
+            f"smoke test); run the demo without --quick to compare them"]
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
@@ -254,6 +267,8 @@ def demo_command(
         table.add_row(str(profile), str(cache), *[f"{row.loc[p, 'tokens_per_s']:.1f} ({row.loc[p, 'speedup_vs_ar']:.2f}x)"
                                                   for p in policies])
     out_console.print(table)
+    for line in result["whatif_notes"]:
+        out_console.print(f"note: {line}")
     same = result["outputs_identical"]
     out_console.print(f"greedy outputs identical across policies: {'yes' if same else 'n/a' if same is None else 'NO'}; "
                       f"cache sizes simulated: {', '.join(map(str, caches))} experts per layer")

@@ -33,6 +33,10 @@ def test_demo_quick_writes_the_report_with_identical_outputs(tmp_path):
     assert "greedy outputs identical across policies: yes" in output
     index = tmp_path / "index.html"
     text = index.read_text()
+    # a --quick what-if is a smoke test, and both the terminal and the page say so
+    flat = " ".join(output.split())
+    assert "note: --quick: the what-if replays" in flat and "too few for its ranking of policies" in flat
+    assert "note: --quick: the what-if replays" in text
     for section in ("Live decoding", "Simulation", "Calibration", "Early stopping"):
         assert section in text
     assert "miss share" in text            # the per-layer cache heat map of the live runs

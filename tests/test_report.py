@@ -363,3 +363,28 @@ def test_the_same_inputs_give_the_same_report_byte_for_byte(sim_dir, profile_pat
     first = build_report([sim_dir, profile_path], tmp_path / "one").read_bytes()
     second = build_report([sim_dir, profile_path], tmp_path / "two").read_bytes()
     assert first == second and b"<svg" in first
+
+
+def test_a_runs_notes_reach_the_page_escaped_and_a_damaged_notes_field_is_ignored(sim_dir, tmp_path):
+    import json
+    import shutil
+
+    run = tmp_path / "sim"
+    shutil.copytree(sim_dir, run)
+    info = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**info, "notes": [f"replayed too few cycles {EVIL}", 7]}))
+    text = build_report([run], tmp_path / "rep").read_text()
+    assert "note: replayed too few cycles &lt;script&gt;" in text and "<script>" not in text
+    (run / "run.json").write_text(json.dumps({**info, "notes": "not a list"}))
+    assert "note: " not in build_report([run], tmp_path / "rep2").read_text()
+
+
+def test_only_a_quick_demos_what_if_carries_the_smoke_test_note():
+    from types import SimpleNamespace
+
+    from specfit.demo import DemoPlan, _whatif_notes
+
+    trace = SimpleNamespace(n_cycles=30, sequence=np.array([0] * 15 + [1] * 15))
+    assert _whatif_notes(DemoPlan(quick=False), trace) == []
+    (note,) = _whatif_notes(DemoPlan(quick=True), trace)
+    assert "replays 30 cycles of 2 prompts" in note

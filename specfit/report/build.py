@@ -164,6 +164,12 @@ def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report
     return index
 
 
+def _run_notes(path: Path) -> list[str]:
+    """The notes a run wrote into its ``run.json`` for its readers (the strings of a list ``notes``)."""
+    notes = (read_run_info(path) or {}).get("notes")
+    return [note for note in notes if isinstance(note, str)] if isinstance(notes, list) else []
+
+
 def _sections(page: Page, path: Path, kinds: list[str]) -> None:
     """The sections of one input, each from the files that hold it."""
     if "calibration" in kinds:
@@ -177,7 +183,7 @@ def _sections(page: Page, path: Path, kinds: list[str]) -> None:
         cycles = read_parquet(path / "cycles.parquet", columns=["policy", "nodes_verified"]) \
             if (path / "cycles.parquet").is_file() else None
         with _damaged(path, "summary.parquet / cycles.parquet"):
-            simulation_section(page, summary, cycles, str(path))
+            simulation_section(page, summary, cycles, str(path), _run_notes(path))
     if "live" in kinds:
         with _damaged(path, "cycles.parquet / cycles.jsonl"):
             cycles = read_decode_cycles(path)

@@ -19,7 +19,8 @@ def _policy_rank(policy: str) -> tuple[int, str]:
     return (_POLICY_ORDER.index(head) if head in _POLICY_ORDER else len(_POLICY_ORDER), str(policy))
 
 
-def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame | None, name: str) -> None:
+def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame | None, name: str,
+                       notes: list[str] = ()) -> None:
     if summary.empty:
         raise SpecFitError(f"{name}: summary.parquet has no rows; expected one per trace, profile, cache size and "
                            "policy that `specfit simulate --out` replayed")
@@ -28,6 +29,8 @@ def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame |
                    "model; a policy decides with the predicted experts and each cycle is charged with the true "
                    "ones. Greedy decoding is lossless, so all policies commit the same tokens and only the "
                    "number of cycles and their cost differ.")
+    for note in notes:                       # what the run said its readers should know
+        page.note(note)
     groups = summary.groupby(["trace", "profile"], sort=False)
     for (trace, profile), group in groups:
         page.heading(f"{trace} on {profile}", level=3)
