@@ -123,6 +123,7 @@ def _valid(tokens, layers, k):
     ({"problem0": np.zeros((3, L, K), np.int8), "answer1": np.zeros((3, L, K), np.int8)}, "one shared prefix"),
     ({"problem0": _valid(3, L, K), "problem0_weights": np.ones((3, L, K)),
       "problem1": _valid(3, L, K)}, "recorded for some sequences only"),
+    ({"problem1": _valid(3, L, K), "problem01": _valid(2, L, K)}, "'problem01' and 'problem1' are both sequence 1"),
 ])
 def test_bad_per_sequence_npz_is_one_error(tmp_path, arrays, message):
     path = tmp_path / "bad.npz"
@@ -179,6 +180,38 @@ def test_a_trace_without_weights_has_no_weight_column(tmp_path):
     assert back.true_expert_weights is None and not back.meta["recording"]["router_weights"]
 
 
+def test_a_flat_npz_of_interleaved_sequences_reads_each_sequence_in_file_order(tmp_path):
+    # a batched decode writes its sequences' tokens in turn; without a token index each
+    # sequence's rows keep the file's order, sequences in the order first seen
+    a, b = _routing(5, 1), _routing(3, 2)
+    rows = [("a", 0), ("b", 0), ("a", 1), ("a", 2), ("b", 1), ("a", 3), ("b", 2), ("a", 4)]
+    experts = np.stack([{"a": a, "b": b}[s][i] for s, i in rows])
+    seq = np.array([{"a": 9, "b": 4}[s] for s, _ in rows])
+    tokens = np.array([{"a": 100, "b": 200}[s] + i for s, i in rows])
+    path = tmp_path / "interleaved.npz"
+    np.savez(path, expert_ids=experts, sequence_id=seq, token_id=tokens)
+    log = read_routing_log(path)
+    np.testing.assert_array_equal(log.sequence, [9] * 5 + [4] * 3)
+    np.testing.assert_array_equal(log.experts, np.concatenate([a, b]))
+    np.testing.assert_array_equal(log.tokens, np.r_[100 + np.arange(5), 200 + np.arange(3)])
+
+
+def test_import_routing_writes_a_parquet_trace_and_never_over_its_own_log(tmp_path):
+    path, arrays = _flat_log(tmp_path)
+    log = tmp_path / "log.parquet"
+    _records(arrays, "token").to_parquet(log)
+    before = log.read_bytes()
+    runner = CliRunner()
+    same = runner.invoke(app, ["traces", "import-routing", str(log), "--out", str(log)])
+    assert same.exit_code == 2 and "is the routing log being imported" in same.output
+    assert log.read_bytes() == before
+    txt = runner.invoke(app, ["traces", "import-routing", str(path), "--out", str(tmp_path / "t.txt")])
+    assert txt.exit_code == 2 and "expected a .parquet file name" in txt.output and not (tmp_path / "t.txt").exists()
+    synth = runner.invoke(app, ["traces", "synth", "--shape", "olmoe-1b-7b", "--tokens", "4", "--out",
+                                str(tmp_path / "s.pq")])
+    assert synth.exit_code == 2 and "expected a .parquet file name" in synth.output
+
+
 def test_flat_npz_with_a_gap_in_generated_token_index_is_an_error(tmp_path):
     experts = _routing(4, 0)
     path = tmp_path / "gap.npz"
@@ -229,7 +262,14 @@ def test_record_logs_read_like_the_npz_layout(tmp_path, suffix, per):
     (lambda f: f[f.index != 3], "has 15 layer records; expected 16"),
     (lambda f: f.assign(generated_token_index=f["generated_token_index"] * 2), "skips from token index 0 to 2"),
     (lambda f: f.assign(experts=[e[:-1] if i == 5 else e for i, e in enumerate(f["experts"])]), "same length"),
-    (lambda f: f.assign(token_id=-1), "token ids must be non-negative"),
+    (lambda f: f.assign(token_id=-1), "field 'token_id' must hold non-negative token ids, got -1 in row 0"),
+    (lambda f: f.assign(token_id=[None if i == 16 else t for i, t in enumerate(f["token_id"])]),
+     "field 'token_id' must hold integer token ids, got null \\(NaN\\) in row 1"),
+    # token 0 of the first sequence: its layer-5 record says layer 3 (16 records, one layer twice)
+    (lambda f: f.assign(layer=[3 if i == 5 else v for i, v in enumerate(f["layer"])]),
+     "sequence 7, token 0 lists layer\\(s\\) \\[3\\] twice and none for layer\\(s\\) \\[5\\]"),
+    (lambda f: f.assign(router_weights=[[None, *w[1:]] if i == 18 else w for i, w in enumerate(f["router_weights"])]),
+     "router weights, got nan for token row 1, layer 2, rank 0"),
     (lambda f: f.assign(layer=f["layer"] + 1), "field 'layer' must cover 0..L-1"),
 ])
 def test_bad_record_log_is_one_error(tmp_path, edit, message):

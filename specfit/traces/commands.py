@@ -47,7 +47,7 @@ def synth_command(
     from .synth import RoutingParams, WORKLOADS, synthesize, with_drafter_overrides
 
     try:
-        check_output(out, "--out", kind="file")
+        _check_trace_out(out)
         check_seed(seed)
         if workload not in WORKLOADS and top1_prob is None:
             raise SpecFitError(f"--workload: {workload!r} is not a preset ({', '.join(WORKLOADS)}); give --top1-prob "
@@ -93,7 +93,7 @@ def import_routing_command(
     from .synth import WORKLOADS, with_drafter_overrides
 
     try:
-        check_output(out, "--out", kind="file")
+        _check_trace_out(out, log_file)
         if workload not in WORKLOADS:
             raise SpecFitError(f"--workload: expected one of {sorted(WORKLOADS)}, got {workload!r}")
         try:
@@ -178,6 +178,17 @@ def inspect_command(
     for row in summary["calibration"]:
         calib.add_row(row["bin"], str(row["nodes"]), f"{row['draft_prob']:.3f}", f"{row['accept_rate']:.3f}")
     console.print(calib)
+
+
+def _check_trace_out(out: Path, source: Path | None = None) -> None:
+    """``--out`` as a trace file to write: a ``.parquet`` name (what the trace is), writable, and not
+    the routing log it is made from (which the write would replace)."""
+    if out.suffix != ".parquet":
+        raise SpecFitError(f"--out {out}: expected a .parquet file name (a trace is written as Parquet)")
+    check_output(out, "--out", kind="file")
+    if source is not None and out.exists() and source.exists() and out.samefile(source):
+        raise SpecFitError(f"--out {out}: is the routing log being imported; expected another file (writing the trace "
+                           "would replace the log)")
 
 
 def _stopped_unwritten(exc: BaseException, out: Path) -> None:

@@ -5,8 +5,9 @@ MoE layer (router rank order), optionally the router's weights for them and the 
 layout is read into one :class:`RoutingLog` (rows grouped by sequence, in decode order):
 
 - ``.npz``, one array per field: ``expert_ids [tokens, layers, top_k]``, ``sequence_id
-  [tokens]``, optionally ``token_id``, ``generated_token_index`` (orders the rows of a sequence)
-  and ``router_weights [tokens, layers, top_k]``;
+  [tokens]``, optionally ``token_id``, ``generated_token_index`` (orders the rows of a sequence; without it a
+  sequence's rows are in decode order, and may interleave with other sequences' as a batched
+  decode writes them) and ``router_weights [tokens, layers, top_k]``;
 - ``.npz``, one array per sequence (what routing recorders built on vLLM write): integer arrays
   ``[tokens, layers, top_k]`` under keys that share a prefix and end in the sequence number
   (``problem0``, ``problem1``, ...; any integer dtype, int8 included), sequences in numeric
@@ -107,12 +108,15 @@ def _flat_npz(data: dict, path: Path) -> RoutingLog:
     seq = _integers(data["sequence_id"], path, "array 'sequence_id'", "sequence ids")
     tokens = data.get("token_id")
     weights = _weights(data.get("router_weights"), experts, path, "array 'router_weights'")
-    order = np.arange(T)
     if "generated_token_index" in data:
         index = _integers(data["generated_token_index"], path, "array 'generated_token_index'", "token indices")
         order = np.lexsort((index, _first_seen_rank(seq)))
         _check_consecutive(seq[order], index[order], path)
-    tokens = None if tokens is None else _token_ids(tokens[order], path)
+    else:
+        # rows of several sequences may interleave (a batched decode writes them so): each
+        # sequence's rows together, in the file's order, sequences in first-seen order
+        order = np.argsort(_first_seen_rank(seq), kind="stable")
+    tokens = None if tokens is None else _token_ids(tokens[order], path, "array 'token_id'")
     return RoutingLog(experts[order], tokens, seq[order], str(path), None if weights is None else weights[order], "npz")
 
 
@@ -128,6 +132,10 @@ def _per_sequence_npz(data: dict, path: Path) -> RoutingLog:
                            f"under keys like problem0, problem1, ... (one shared prefix); found {found}")
     (prefix, entries), = keyed.items()
     entries.sort()
+    for (number, name), (other, other_name) in zip(entries, entries[1:]):
+        if number == other:
+            raise SpecFitError(f"{path}: arrays {name!r} and {other_name!r} are both sequence {number}; expected one "
+                               "array per sequence number")
     experts, weights, sequence = [], [], []
     for number, name in entries:
         block = _expert_ids(data[name], path, f"array {name!r}")
@@ -173,7 +181,7 @@ def _from_records(df: pd.DataFrame, path: Path, layout: str) -> RoutingLog:
         layout += "-per-token"
     seq, index = df["sequence_id"].to_numpy(), df["token_index"].to_numpy()
     _check_consecutive(seq, index, path)
-    tokens = _token_ids(df["token_id"].to_numpy(), path) if "token_id" in df.columns else None
+    tokens = _token_ids(df["token_id"].to_numpy(), path, "field 'token_id'") if "token_id" in df.columns else None
     return RoutingLog(experts, tokens, seq, str(path), weights, layout)
 
 
@@ -189,6 +197,17 @@ def _layer_records(df: pd.DataFrame, path: Path):
         sequence, token = (int(v) for v in bad)
         raise SpecFitError(f"{path}: sequence {sequence}, token {token} has {int(counts[bad])} layer records; "
                            f"expected {layers.size}")
+    # L records a token but not one per layer (a layer twice, another missing) would shift layers
+    per_token = df["layer"].to_numpy().reshape(-1, layers.size)
+    wrong = np.flatnonzero((per_token != np.arange(layers.size)).any(axis=1))
+    if wrong.size:
+        row = int(wrong[0])
+        sequence, token = (int(df[c].iloc[row * layers.size]) for c in ("sequence_id", "token_index"))
+        listed = per_token[row]
+        twice = sorted({int(v) for v in listed[1:][listed[1:] == listed[:-1]]})
+        missing = sorted(set(range(layers.size)) - {int(v) for v in listed})
+        raise SpecFitError(f"{path}: sequence {sequence}, token {token} lists layer(s) {twice} twice and none for "
+                           f"layer(s) {missing}; expected one record per layer 0..{layers.size - 1}")
     flat = _nested(df["experts"], path, "experts", 1)
     experts = _expert_ids(flat.reshape(-1, layers.size, flat.shape[-1]), path, "field 'experts'")
     weights = None
@@ -237,12 +256,20 @@ def _weights(values, experts: np.ndarray, path: Path, what: str) -> np.ndarray |
     if values is None:
         return None
     values = np.asarray(values)
+    if values.dtype == object and values.shape == experts.shape:      # JSON: numbers, and NaN or null among them
+        numbers = np.array([isinstance(v, (int, float, np.number)) and not isinstance(v, (bool, np.bool_))
+                            or v is None for v in values.reshape(-1)])
+        if numbers.all():
+            values = np.array([np.nan if v is None else float(v) for v in values.reshape(-1)]).reshape(values.shape)
     if values.shape != experts.shape or not np.issubdtype(values.dtype, np.number):
         raise SpecFitError(f"{path}: {what} must be numbers shaped like the expert ids {list(experts.shape)}, got "
                            f"{values.dtype} {list(values.shape)}")
     values = values.astype(np.float32)
-    if not np.all(np.isfinite(values)) or values.min() < 0:
-        raise SpecFitError(f"{path}: {what} must be finite, non-negative router weights")
+    bad = ~np.isfinite(values) | (values < 0)
+    if bad.any():
+        token, layer, slot = (int(v) for v in np.argwhere(bad)[0])
+        raise SpecFitError(f"{path}: {what} must be finite, non-negative router weights, got "
+                           f"{values[token, layer, slot]} for token row {token}, layer {layer}, rank {slot}")
     return values
 
 
@@ -278,10 +305,13 @@ def _whole_number(value) -> bool:
         and abs(value) < 2.0 ** 63
 
 
-def _token_ids(values: np.ndarray, path: Path) -> np.ndarray:
-    if not np.issubdtype(values.dtype, np.integer) or (values.size and values.min() < 0):
-        raise SpecFitError(f"{path}: token ids must be non-negative integers, got {values.dtype}")
-    return values.astype(np.int64)
+def _token_ids(values: np.ndarray, path: Path, what: str) -> np.ndarray:
+    values = _integers(values, path, what, "token ids")
+    negative = np.flatnonzero(values < 0)
+    if negative.size:
+        row = int(negative[0])
+        raise SpecFitError(f"{path}: {what} must hold non-negative token ids, got {int(values[row])} in row {row}")
+    return values
 
 
 def _check_consecutive(seq: np.ndarray, index: np.ndarray, path: Path) -> None:
