@@ -44,8 +44,13 @@ def _command_line(ctx) -> str:
         if argv and Path(argv[0]).name == "specfit":
             argv[0] = "specfit"   # the entry point, not the path of the virtual environment it lives in
         return shlex.join(argv)
-    words = ctx.command_path.split()
-    words[0] = "specfit"
+    # the command's name and its groups', under the program's name however it was started
+    # (``python -m specfit`` names the root "python -m specfit", not a runnable word)
+    names, c = [], ctx
+    while c.parent is not None:
+        names.append(c.info_name)
+        c = c.parent
+    words = ["specfit", *reversed(names)]
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
         if value is None or value is False or value == () or value == []:

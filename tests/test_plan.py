@@ -132,6 +132,7 @@ def test_plan_errors_are_one_line_before_ray_starts_or_anything_is_written(tmp_p
         (trace + ["--device-memory-gb", "8", "--policies", "ar,static:auto"], "simulator baselines"),
         (trace + ["--device-memory-gb", "8", "--model-shape", "qwen3-30b-a3b"], "differs from --model-shape"),
         (trace + ["--device-memory-gb", "8", "--dtype", "float8"], "--dtype"),
+        (trace + ["--device-memory-gb", "inf"], "--device-memory-gb: expected a positive, finite size, got inf"),
         (trace + ["--device-memory-gb", "8", "--context-tokens", "0"], "--context-tokens: expected >= 1, got 0"),
         (trace + ["--device-memory-gb", "8", "--reserve-gb", "-1"], "--reserve-gb: expected >= 0, got -1"),
         (trace + ["--device-memory-gb", "8", "--cache-steps", "0"], "--cache-steps: expected >= 1, got 0"),
@@ -167,7 +168,7 @@ def _tree_tokens(policy: str, trace) -> int:
     return max(int((trace.depth[trace.offsets[c]:trace.offsets[c + 1]] <= args[0]).sum()) for c in range(trace.n_cycles))
 
 
-def test_plan_recommends_the_best_cell_of_its_exhaustive_grid(ray_local, tmp_path):
+def test_plan_recommends_the_best_cell_of_its_exhaustive_grid(ray_local, tmp_path, monkeypatch):
     budget_gb, reserve_gb = 4.0, 1.0
     r = CliRunner().invoke(app, ["plan", "--trace", str(SAMPLE_OLMOE), "--device-memory-gb", str(budget_gb),
                                  "--profile", "pcie5", "--out", str(tmp_path / "plan"), "--json"])
@@ -216,6 +217,27 @@ def test_plan_recommends_the_best_cell_of_its_exhaustive_grid(ray_local, tmp_pat
     page = (tmp_path / "report" / "index.html").read_text()
     assert f"Recommended: {best['policy']} with {best['cache_experts']} cached experts per layer" in page
     assert "the line is the best reachable within each memory size" in page and "Sweep: " in page
+    # a rerun for another budget that stopped before ranking: the plan.json beside its sweep is an
+    # earlier plan's, which the report leaves out (and a rerun removes when it starts)
+    sweep_file = tmp_path / "plan" / "sweep.json"
+    sweep = json.loads(sweep_file.read_text())
+    sweep["spec"]["plan"]["device_bytes"] = 2 * budget_gb * GB
+    sweep_file.write_text(json.dumps(sweep))
+    r = CliRunner().invoke(app, ["report", str(tmp_path / "plan"), "--out", str(tmp_path / "report2")])
+    assert r.exit_code == 0, r.output
+    page = (tmp_path / "report2" / "index.html").read_text()
+    assert "Recommended: " not in page and "written by an earlier plan (device_bytes" in page and "Sweep: " in page
+    r = CliRunner().invoke(app, ["plan", "--trace", str(SAMPLE_OLMOE), "--device-memory-gb", "0.5",
+                                 "--profile", "pcie5", "--out", str(tmp_path / "plan")])
+    assert r.exit_code == 2 and (tmp_path / "plan" / "plan.json").is_file()     # refused before it starts: kept
+    import specfit.simulate.distributed as distributed
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(distributed, "execute", stopped)
+    r = CliRunner().invoke(app, ["plan", "--trace", str(SAMPLE_OLMOE), "--device-memory-gb", "8",
+                                 "--profile", "pcie5", "--out", str(tmp_path / "plan")])
+    assert r.exit_code == 130 and not (tmp_path / "plan" / "plan.json").exists(), r.output
 
 
 def test_plan_for_a_model_shape_synthesises_each_workload_once(ray_local, tmp_path):
@@ -237,3 +259,15 @@ def test_plan_for_a_model_shape_synthesises_each_workload_once(ray_local, tmp_pa
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["best"] == plan["best"]
     assert [t.stat().st_mtime_ns for t in traces] == stamps
+
+
+def test_a_plan_stopped_while_it_synthesises_its_traces_says_nothing_was_kept(ray_local, tmp_path, monkeypatch):
+    import specfit.simulate.plan as plan_module
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(plan_module, "_synthesised_traces", stopped)
+    r = CliRunner().invoke(app, ["plan", "--model-shape", "olmoe-1b-7b", "--workload", "chat", "--tokens", "24",
+                                 "--device-memory-gb", "24", "--out", str(tmp_path / "plan")])
+    assert r.exit_code == 130, r.output
+    assert "interrupted before the sweep's first cell: nothing was kept" in r.output and "resumes" not in r.output

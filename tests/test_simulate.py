@@ -497,3 +497,16 @@ def test_every_replay_path_starts_each_sequence_with_its_recorded_prompt_pass():
             return log.columns["hits"][np.r_[True, np.diff(log.columns["sequence"]) != 0]].sum()
 
         assert first_hits(logs[True, True]) > first_hits(logs[False, True]), spec
+
+
+def test_the_recorded_command_runs_as_typed_when_started_as_python_dash_m(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "sim"
+    subprocess.run([sys.executable, "-m", "specfit", "simulate", "--trace", str(SAMPLE_OLMOE), "--policies", "ar",
+                    "--cache-experts", "0", "--out", str(out), "--json"], check=True, capture_output=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = json.loads((out / "run.json").read_text())["command"]
+    assert command.startswith("specfit simulate --trace "), command

@@ -121,15 +121,37 @@ def _sweep_sections(page: Page, path: Path, kinds: list[str]) -> None:
     from ..simulate.dataset import read_results, read_sweep_file
     from .sweep import plan_section, sweep_section
 
+    sweep = read_sweep_file(path)
     if "plan" in kinds:
         try:
             plan = json.loads((path / "plan.json").read_text(encoding="utf-8"))
         except (OSError, ValueError) as exc:          # unreadable, not UTF-8, not JSON
             raise SpecFitError(f"{path / 'plan.json'}: not a readable JSON file ({exc})") from None
         with _damaged(path, "plan.json", "field"):
-            plan_section(page, plan, str(path))
+            earlier = _earlier_plan(plan, sweep)
+            if earlier:
+                page.note(f"{path / 'plan.json'}: {earlier}: its recommendation is left out (the plan that ran the "
+                          "sweep stopped before ranking; the same command finishes it)")
+            else:
+                plan_section(page, plan, str(path))
     with _damaged(path, "sweep.json / results", "field"):
-        sweep_section(page, read_results(path), str(path), read_sweep_file(path))
+        sweep_section(page, read_results(path), str(path), sweep)
+
+
+def _earlier_plan(plan: dict, sweep: dict) -> str:
+    """How a ``plan.json`` differs from the plan its directory's sweep was run for (a rerun with
+    another budget that stopped before writing its own), or "" when it is that plan's."""
+    spec = sweep.get("spec")
+    ran = spec.get("plan") if isinstance(spec, dict) else None
+    if not isinstance(ran, dict):
+        return ""
+    mem = plan["memory"]
+    for key in ("model", "device_bytes", "context_tokens", "reserve_bytes", "dtype"):
+        if key in ran and ran[key] != mem[key]:
+            return f"written by an earlier plan ({key} {mem[key]!r}) than the sweep's ({key} {ran[key]!r})"
+    if "cache_sizes" in ran and ran["cache_sizes"] != plan["cache_sizes"]:
+        return f"written by an earlier plan (cache sizes {plan['cache_sizes']}) than the sweep's ({ran['cache_sizes']})"
+    return ""
 
 
 def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report", say=None) -> Path:

@@ -21,6 +21,8 @@ the one using less memory on a tie.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,8 +48,8 @@ class MemoryBudget:
     dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
-        if not self.device_bytes > 0:
-            raise SpecFitError(f"--device-memory-gb: expected a positive size, got {self.device_bytes / 1e9:g}")
+        if not 0 < self.device_bytes < math.inf:
+            raise SpecFitError(f"--device-memory-gb: expected a positive, finite size, got {self.device_bytes / 1e9:g}")
         if self.context_tokens < 1:
             raise SpecFitError(f"--context-tokens: expected >= 1, got {self.context_tokens}")
         if not self.reserve_bytes >= 0:
@@ -281,6 +283,9 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
     for meta in [t.model for t in loaded] or [MODEL_SHAPES[name]]:
         resolve_profile(profile, ModelShape.from_trace_meta(meta), rescale=rescale)
     check_run_dir(out_dir, "sweep")
+    # the last plan's recommendation goes now: a rerun stopped before its own never leaves it
+    # beside a sweep run for another budget
+    (out_dir / PLAN_FILE).unlink(missing_ok=True)
     with ray_session(address, num_cpus) as ray:
         if not loaded:
             traces, loaded = _synthesised_traces(ray, name, workloads, tokens, out_dir / "traces")

@@ -68,6 +68,11 @@ def sweep_command(
 def _stopped_outside_the_grid(exc: BaseException, out_dir: Path | None) -> None:
     """A Ctrl-C outside the grid's run (which says itself how many cells it kept): every cell
     finished before it is in the dataset, written whole."""
+    from .dataset import SWEEP_FILE
+
+    if out_dir is not None and not (Path(out_dir) / SWEEP_FILE).is_file():
+        # stopped while Ray started or a plan synthesised its traces: no grid was recorded yet
+        stopped_by(exc, "interrupted before the sweep's first cell: nothing was kept; the same command starts again")
     where = f" in {out_dir}" if out_dir is not None else ""
     stopped_by(exc, f"interrupted: the dataset{where} keeps every cell finished before it; the same command resumes "
                     "from there")
