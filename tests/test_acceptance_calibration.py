@@ -255,3 +255,34 @@ def test_a_trace_recorded_workload_by_workload_is_calibrated_on_every_workload()
         rows = half & deep
         assert crossed[rows].sum() / truth[rows].sum() == pytest.approx(
             fitted_on_all[rows].sum() / truth[rows].sum(), rel=0.05)
+
+
+def test_calibrated_path_probabilities_never_exceed_the_parents():
+    from specfit.experts.calibration import AcceptanceCalibrator
+
+    # a depth correction that raises deeper nodes (c > 0): the product alone would put C above A
+    cal = AcceptanceCalibrator.from_dict({"x_": [0.0, 1.0], "y_": [0.0, 1.0], "coef_": [0.0, 1.0, 3.0, 0.0],
+                                          "max_depth_": 2})
+    trace = hand_trace()
+    probs = cal.path_probs(trace)
+    root = trace.parent < 0
+    assert np.all(probs[~root] <= probs[trace.parent_rows[~root]])
+    assert probs[3] == probs[1]     # C is held at its parent A's probability
+
+
+def test_depth_correction_with_an_interaction_must_be_monotone_at_the_deepest_depth(monkeypatch):
+    import specfit.experts.calibration as calibration
+
+    class Fitted:            # logistic fits with known weights: b = 1, e = -0.5 (b + e d = 0 at d = 2)
+        def __init__(self, **kwargs):
+            pass
+
+        def fit(self, x, y):
+            self.coef_ = np.array([[1.0, 0.0, -0.5]]) if x.shape[1] == 3 else np.array([[1.0, 0.0]])
+            self.intercept_ = np.array([0.0])
+            return self
+
+    monkeypatch.setattr(calibration, "LogisticRegression", Fitted)
+    cal = calibration.AcceptanceCalibrator(confidence=False, min_nodes=1).fit(hand_trace())   # depths 1 and 2
+    assert cal.max_depth_ == 2
+    np.testing.assert_array_equal(cal.coef_, [0.0, 1.0, 0.0, 0.0])     # the fit without the interaction

@@ -112,3 +112,10 @@ def test_calibrated_path_probabilities_never_rise_along_a_path():
     assert out.path_probs[0] == 1.0
     again = OnlineAcceptance.from_dict(model.to_dict())
     np.testing.assert_allclose(again.path_probs(TREE), model.path_probs(TREE))
+
+
+def test_reliability_puts_a_probability_of_one_in_the_last_bin():
+    from specfit.experts.acceptance_online import reliability
+
+    # bins [0.9, 1.0]: predicted 1.95 in total, observed 1 -> ECE 0.95 / 2
+    assert reliability([1.0, 0.95], [0, 1])["ece"] == pytest.approx(0.475)

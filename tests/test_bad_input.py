@@ -18,6 +18,8 @@ from runtime_fixtures import make_tiny_model
 from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
 from trace_helpers import SAMPLE_OLMOE
 
+from specfit.errors import SpecFitError
+
 
 @pytest.fixture(autouse=True)
 def in_tmp_dir(tmp_path, monkeypatch):
@@ -482,3 +484,14 @@ def test_comma_lists_are_stripped_and_their_errors_worded():
         comma_list("ar,", "--policies", "policy", "ar,specfit")
     with pytest.raises(SpecFitError, match=r"^--cache-experts: expected at least one non-negative integer, comma-separated$"):
         comma_list(" , ", "--cache-experts", "non-negative integer")
+
+
+def test_prompt_token_id_equal_to_the_vocabulary_size_is_refused(tmp_path):
+    from specfit.runtime.prompts import read_prompts
+
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"input_ids": [1, 99]}) + "\n")
+    assert read_prompts(path, vocab_size=100)[0].input_ids == [1, 99]
+    path.write_text(json.dumps({"input_ids": [1, 100]}) + "\n")
+    with pytest.raises(SpecFitError, match="token id 100 outside the vocabulary"):
+        read_prompts(path, vocab_size=100)

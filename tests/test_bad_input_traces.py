@@ -4,6 +4,8 @@ readers behind ``--trace``): one line naming the file, field or option and what 
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -11,7 +13,8 @@ import pyarrow.parquet as pq
 import pytest
 from cli_helpers import invoke, one_line_error
 
-from specfit.traces.format import METADATA_KEY, write_trace
+from specfit.errors import SpecFitError
+from specfit.traces.format import METADATA_KEY, validate_trace, write_trace
 from trace_helpers import hand_trace
 
 
@@ -209,3 +212,72 @@ def test_whole_float_ids_are_still_read(tmp_path):
 
     read = read_routing_log(log)
     assert read.sequence.dtype == np.int64 and read.sequence.tolist() == [0, 0, 0, 0]
+
+
+def test_validation_names_parent_for_a_node_that_is_its_own_parent():
+    t = hand_trace()
+    parent = t.parent.copy()
+    parent[3] = 3                       # cycle 0, node 3 points at itself
+    with pytest.raises(SpecFitError, match="column 'parent' must point to an earlier node"):
+        validate_trace(dataclasses.replace(t, parent=parent))
+
+
+def test_validation_refuses_router_weights_where_the_experts_are_unknown():
+    t = hand_trace()
+    meta = copy.deepcopy(t.meta)
+    meta["recording"]["position_indexed"] = False      # a live trace: unknown experts are allowed
+    true = t.true_experts.copy()
+    true[7] = -1
+    weights = np.ones(true.shape, dtype=np.float32)     # ... but not a weight for them
+    with pytest.raises(SpecFitError, match="true_expert_weights' is set where 'true_experts' is unknown"):
+        validate_trace(dataclasses.replace(t, meta=meta, true_experts=true, true_expert_weights=weights))
+
+
+def test_validation_requires_each_sequence_to_start_at_position_0():
+    t = hand_trace()
+    with pytest.raises(SpecFitError, match="must list positions 0, 1, 2"):
+        validate_trace(dataclasses.replace(t, sequence=np.array([0, 0, 1], dtype=np.int32),
+                                           position=np.array([0, 1, 1], dtype=np.int32)))
+
+
+def test_validation_refuses_an_accepted_token_past_the_reference():
+    t = hand_trace()
+    verdict = t.verdict.copy()
+    verdict[6] = 50                     # the last position accepts its draft 50; no reference token follows
+    with pytest.raises(SpecFitError, match="cycle 2 accepts 1 draft tokens but only 0 reference tokens"):
+        validate_trace(dataclasses.replace(t, verdict=verdict))
+
+
+def test_validation_refuses_a_prefill_expert_id_equal_to_n_experts():
+    t = hand_trace()
+    meta = copy.deepcopy(t.meta)
+    meta["recording"].update(prefill_sequences=[0], prefill_experts=[[[4]]])   # 4 experts: ids 0..3
+    with pytest.raises(SpecFitError, match="prefill_experts"):
+        validate_trace(dataclasses.replace(t, meta=meta))
+
+
+def test_a_gap_in_the_cycle_numbers_is_refused(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from specfit.traces.format import read_trace, write_trace
+
+    table = pq.read_table(write_trace(hand_trace(), tmp_path / "good.parquet"))
+    cycle = table.column("cycle").to_numpy()
+    table = table.set_column(table.column_names.index("cycle"), "cycle",
+                             pa.array(np.where(cycle >= 1, cycle + 1, cycle).astype(np.int32)))   # 0, 2, 3
+    pq.write_table(table, tmp_path / "gap.parquet")
+    with pytest.raises(SpecFitError, match="column 'cycle' must number cycles 0, 1, 2"):
+        read_trace(tmp_path / "gap.parquet")
+
+
+def test_validation_finds_a_repeated_expert_in_a_model_of_more_than_128_experts():
+    t = hand_trace()
+    meta = copy.deepcopy(t.meta)
+    meta["model"].update(n_experts=200, top_k=2)
+    first = t.true_experts[..., 0].astype(np.int64)
+    true = np.stack([first + 150, first + 160], axis=-1).astype(np.int16)     # [8, 1, 2], ids above 128
+    validate_trace(dataclasses.replace(t, meta=meta, true_experts=true))         # distinct: valid
+    true[5, 0, 1] = true[5, 0, 0]
+    with pytest.raises(SpecFitError, match=r"repeats an expert within one layer's top-k \(cycle 1, node 1\)"):
+        validate_trace(dataclasses.replace(t, meta=meta, true_experts=true))

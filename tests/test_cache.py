@@ -430,3 +430,18 @@ def test_admit_rejects_a_bad_union_naming_it(union):
 def test_warm_rejects_a_bad_shape():
     with pytest.raises(ValueError, match="resident"):
         ExpertCache(2, 4, 2).warm(np.zeros((4, 2), dtype=bool))
+
+
+def test_staging_buffers_only_below_a_full_layer():
+    from specfit.experts.cache import ExpertCache
+
+    assert ExpertCache.staging_buffers(7, 8) == 2
+    assert ExpertCache.staging_buffers(8, 8) == 0
+
+
+def test_negative_keep_priorities_are_refused():
+    from specfit.experts.cache import ExpertCache
+
+    cache = ExpertCache(1, 4, 2)
+    with pytest.raises(ValueError, match="keep: expected finite non-negative"):
+        cache.admit(np.array([[True, False, False, False]]), keep=-np.ones((1, 4)))

@@ -244,3 +244,14 @@ def test_a_learned_prefetch_efficiency_is_the_share_of_copy_time_no_pass_waited_
     fixed = DraftPrefetch(efficiency=0.4)
     fixed.observe(1.0, 1.0)
     assert fixed.efficiency_ == 0.4
+
+
+def test_usage_is_an_exponential_average_of_the_unions():
+    from specfit.experts.lookahead import DraftLookahead
+
+    la = DraftLookahead(usage_memory=0.9)
+    union = np.array([[True, False]])
+    la.observe(union)
+    np.testing.assert_allclose(la.usage_, [[0.1, 0.0]])
+    la.observe(union)
+    np.testing.assert_allclose(la.usage_, [[0.19, 0.0]])

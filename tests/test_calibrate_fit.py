@@ -389,3 +389,14 @@ def test_every_shipped_profile_loads_and_predicts_what_it_says_it_measured(path)
     holdout = profile.fit["holdout"]
     assert 0 <= holdout["mape"] < 0.15 and holdout["n"] >= 10
     assert profile.machine["device_name"] and profile.probes["h2d"]
+
+
+def test_identify_system_leaves_the_residual_of_the_held_terms():
+    from specfit import kernels
+
+    rng = np.random.default_rng(0)
+    A, b = rng.normal(size=(20, 3)), rng.normal(size=20)
+    held = np.array([0.5, 0.0, -1.0])                  # terms 0 and 2 fixed at these values, term 1 free
+    _, _, left = kernels.identify.system(A.T @ A, A.T @ b, float(b @ b), np.array([1], dtype=np.int64),
+                                         np.zeros(0, dtype=np.int64), False, np.zeros(3), held)
+    assert left == pytest.approx(float(np.sum((b - A @ held) ** 2)), rel=1e-12)

@@ -621,3 +621,31 @@ def test_caches_taking_turns_hand_each_run_its_experts_on_the_copy_stream_path(f
     assert turns.copied > 0
     for r in "ab":
         assert all(np.array_equal(g, e) for g, e in zip(got[r], expected[r], strict=True))
+
+
+def test_a_copy_into_an_evicted_slot_waits_for_the_compute_that_read_it(monkeypatch):
+    import torch
+    from test_cuda_path import FakeCuda, _consume, _host
+
+    from specfit.runtime.offload import ExpertOffload
+
+    cuda = FakeCuda()
+    copy = torch.Tensor.copy_
+
+    def logged_copy(self, src, non_blocking=False):
+        cuda.on_copy(non_blocking)
+        return copy(self, src, non_blocking)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", logged_copy)
+    offload = ExpertOffload(_host(1, 4), capacity=1, cuda_api=cuda)
+    offload.begin_pass()
+    _consume(offload, 0, [0], cuda, compute_ms=3.0)          # expert 0 into the layer's one slot, read for 3 ms
+    offload.pass_timing()
+    offload.begin_pass()
+    start = len(cuda.log)
+    _consume(offload, 0, [1], cuda, compute_ms=3.0)          # expert 1 evicts it and takes its slot
+    log = cuda.log[start:]
+    waits = [i for i, e in enumerate(log) if e[0] == "wait" and e[1] == "copy0" and e[3] == "compute"]
+    copies = [i for i, e in enumerate(log) if e[0] == "copy"]
+    assert copies and waits and waits[0] < copies[0]         # the copy stream waits for that compute first
+    assert cuda.streams[0].clock_ms >= 3.0 + 2 * cuda.copy_ms   # so expert 1's two tensors land after it

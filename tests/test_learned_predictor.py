@@ -102,3 +102,22 @@ def test_the_fit_is_the_same_for_any_number_of_blas_threads():
             fits.append(LearnedPredictor().fit(trace))
     np.testing.assert_array_equal(fits[0].coef_, fits[1].coef_)
     assert fits[0].intercept_ == fits[1].intercept_
+
+
+def test_learned_memory_drops_the_oldest_updates():
+    from specfit.experts.learned import LearnedPredictor
+
+    p = LearnedPredictor(memory_nodes=4, refit_every=1000)
+    for t in range(3):
+        p.update(np.array([10 * t, 10 * t + 1]), np.zeros((2, 1, 1), dtype=np.int64), n_experts=4)
+    kept = np.concatenate([b[0] for b in p._buffer])
+    np.testing.assert_array_equal(kept, [10, 11, 20, 21])
+
+
+def test_learned_context_probe_scores_deviations_from_the_mean_rate():
+    from specfit.experts.learned import _ridge_probe
+
+    # a context that says nothing (constant) about experts every node routes to: the probe scores
+    # nothing (popularity is its own feature)
+    probe = _ridge_probe(np.ones((50, 3), dtype=np.float32), np.zeros((50, 1, 1), dtype=np.int64), 4, 1.0)
+    np.testing.assert_allclose(probe, 0.0, atol=1e-6)

@@ -636,3 +636,11 @@ def test_cycles_whose_thread_waited_for_a_cpu_are_marked_and_left_out_of_the_run
                          for c in result.cycles])
     s = {"policy": "specfit", **summarise(rows)}
     assert np.isnan(s["waited_cycles"]) and np.isnan(s["running_time_mape"]) and waiting_note(s) is None
+
+
+def test_a_cycles_time_includes_its_learning():
+    from specfit.runtime.cycle import CycleStats
+
+    stats = CycleStats(position=0, draft=None, verification=None, committed_tokens=1, draft_time_s=0.25,
+                       verify_time_s=0.5, learn_time_s=0.125)
+    assert stats.cycle_time_s == 0.875

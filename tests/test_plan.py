@@ -271,3 +271,12 @@ def test_a_plan_stopped_while_it_synthesises_its_traces_says_nothing_was_kept(ra
                                  "--device-memory-gb", "24", "--out", str(tmp_path / "plan")])
     assert r.exit_code == 130, r.output
     assert "interrupted before the sweep's first cell: nothing was kept" in r.output and "resumes" not in r.output
+
+
+def test_plan_counts_the_root_in_a_chain_tree():
+    from specfit.simulate.plan import tree_tokens
+
+    by_levels = np.array([1, 3, 7, 12, 20, 30])          # largest trees within 0..5 levels
+    assert tree_tokens("ar", by_levels) == 1
+    assert tree_tokens("chain:4", by_levels) == 5        # the root and 4 drafted tokens
+    assert tree_tokens("chain:9", by_levels) == 6        # at most as deep as the traces

@@ -12,6 +12,7 @@ from specfit.experts.calibration import AcceptanceCalibrator, cross_calibrate, e
 from specfit.experts.predictors import (AffinityPredictor, ExpertPredictor, ParentPredictor, cross_predict,
                                         cycle_folds, last_known_experts, make_predictor, predictor_from_dict,
                                         union_quality)
+from specfit.experts.predictor_base import NodeBatch
 from specfit.traces.format import read_trace
 from specfit.traces.stats import set_overlap
 
@@ -178,3 +179,49 @@ def test_predictor_specs_are_checked_with_one_clear_error(spec, message):
         make_predictor(spec)
     with pytest.raises(SpecFitError, match="sweep.yaml: field 'predictor': "):
         check_replay_options(spec, "calibrated", "per_layer", "lru", source="sweep.yaml")
+
+
+def _batch(tokens, last):
+    return NodeBatch(tokens=np.asarray(tokens, dtype=np.int64),
+                     last_known=np.asarray(last, dtype=np.int64).reshape(len(tokens), 1, 1))
+
+
+def test_parent_predictor_falls_back_on_the_most_popular_expert():
+    trace = hand_trace()            # true experts 0 1 2 3 1 3 3 0: expert 3 is the layer's most popular
+    p = ParentPredictor().fit(trace)
+    got = p.predict(_batch([11, 12], [-1, 2]))
+    assert got[0, 0, 0] == 3        # nothing known: the most popular expert
+    assert got[1, 0, 0] == 2        # known: the last routing
+
+
+def test_cycle_folds_are_contiguous_blocks_for_fewer_sequences_than_folds():
+    trace = hand_trace()            # one sequence, three cycles
+    np.testing.assert_array_equal(cycle_folds(trace, 2), [0, 0, 1])
+    np.testing.assert_array_equal(cycle_folds(trace, 3), [0, 1, 2])
+
+
+def _table(prior_strength=1.0, reuse_weight=0.5):
+    p = AffinityPredictor(prior_strength=prior_strength, reuse_weight=reuse_weight, sample=False)
+    # token 9 seen four times with expert 3 (expert 3 most popular), token 5 once with expert 2
+    p.update(np.array([9, 9, 9, 9, 5]), np.array([3, 3, 3, 3, 2]).reshape(5, 1, 1), n_experts=4)
+    return p
+
+
+def test_affinity_uses_a_last_known_routing_that_starts_with_expert_0():
+    p = _table(reuse_weight=1.0)    # an unseen token: its score is the last known routing alone
+    assert p.predict(_batch([7], [0]))[0, 0, 0] == 0
+
+
+def test_affinity_unseen_token_is_not_mistaken_for_its_sorted_neighbour():
+    # prior_strength 0: a seen token's own routing is all; an unseen one (2 sorts before 5 and 9)
+    # keeps the blend of the last known routing and popularity
+    p = _table(prior_strength=0.0)
+    assert p._occurrences(np.array([2, 5, 9, 10])).tolist() == [0, 1, 4, 0]
+    assert p.predict(_batch([2], [1]))[0, 0, 0] == 1
+
+
+def test_affinity_blend_weights_the_table_by_w_and_the_rest_by_1_minus_w():
+    # token 5 seen once: w = 1/2. expert 2 scores 1/2 * 1 + 1/2 * (1/2 pop2); the last known expert 3
+    # scores 1/2 * (1/2 + 1/2 pop3): the token's own expert wins although expert 3 is more popular
+    p = _table()
+    assert p.predict(_batch([5], [3]))[0, 0, 0] == 2

@@ -388,3 +388,26 @@ def test_only_a_quick_demos_what_if_carries_the_smoke_test_note():
     assert _whatif_notes(DemoPlan(quick=False), trace) == []
     (note,) = _whatif_notes(DemoPlan(quick=True), trace)
     assert "replays 30 cycles of 2 prompts" in note
+
+
+def test_sweep_heat_map_squares_show_the_best_cell_of_the_other_axes():
+    import pandas as pd
+
+    from specfit.report.sweep import heat_map_grid
+
+    results = pd.DataFrame({"trace": "t", "policy": "specfit", "cache_experts": [8, 8, 16, 16],
+                            "link_gbps": 10.0, "predictor": ["a", "b", "a", "b"],
+                            "tokens_per_s": [1.0, 3.0, 2.0, 5.0]})
+    fig, varying = heat_map_grid(results, "t")
+    assert varying == ["predictor"]
+    assert sorted(t.get_text() for t in fig.axes[0].texts) == ["3", "5"]
+
+
+def test_live_report_says_how_many_cycles_were_charged_the_bytes_they_moved():
+    import pandas as pd
+
+    from specfit.report.live import _charged_matches
+
+    cycles = pd.DataFrame({"charged_bytes_h2d": [100, 200, -1], "bytes_h2d": [100, 150, 7]})
+    assert _charged_matches(cycles) == "1 of 2 cycles"           # -1: not known, left out
+    assert _charged_matches(cycles.iloc[[0, 2]]) == "yes"

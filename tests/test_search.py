@@ -715,3 +715,23 @@ def test_a_registered_residency_is_packed_once_per_thread_and_never_traded_betwe
     np.testing.assert_array_equal(seen["theirs"][0], seen["theirs"][1])
     assert packed(mine) is words                     # still this thread's, packed once
     np.testing.assert_array_equal(words, kernels.bitsets.pack_mask(mine))
+
+
+def test_a_remembered_residency_made_writable_again_is_packed_afresh():
+    from specfit import kernels
+    from specfit.search import packed, remember_packed
+
+    cached = np.zeros((2, 70), dtype=bool)
+    remember_packed(cached)
+    packed(cached)                               # packed once, remembered
+    cached.flags.writeable = True                # a writable array can change under the cache
+    cached[1, 65] = True
+    np.testing.assert_array_equal(packed(cached), kernels.bitsets.pack_mask(cached))
+
+
+def test_closure_requirement_naming_one_past_the_last_weight_is_refused():
+    from specfit.search import max_weight_closure
+
+    # index 2 of two weights would name the kernel's source vertex
+    with pytest.raises(ValueError, match="requires: expected pairs of indices into 2 weights"):
+        max_weight_closure(np.array([1.0, -1.0]), [(0, 2)])

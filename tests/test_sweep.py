@@ -375,3 +375,32 @@ def test_sigint_then_sigkill_then_resume_loses_and_repeats_no_cell(ray_local, tm
     reference = read_results(tmp_path / "reference").set_index("cell_id")
     cols = [c for c in SIMULATE_COLUMNS]
     pd.testing.assert_frame_equal(results.set_index("cell_id")[cols], reference.loc[results["cell_id"], cols])
+
+
+def test_sweep_tells_each_policy_the_share_of_a_layer_its_cache_holds(monkeypatch):
+    from specfit.costmodel import CostModel
+    from specfit.policies import make_policy
+    from specfit.simulate import sweep
+    from specfit.simulate.prepared import prepare
+
+    from trace_helpers import hand_trace
+
+    shares = []
+
+    def recording_policy(spec, **kwargs):
+        policy = make_policy(spec, **kwargs)
+        observe = policy.observe
+
+        def spy(observation):
+            if observation.resident_share is not None:
+                shares.append(observation.resident_share)
+            return observe(observation)
+
+        policy.observe = spy
+        return policy
+
+    monkeypatch.setattr(sweep, "make_policy", recording_policy)
+    trace = hand_trace()                                   # 4 experts per layer
+    cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.01, miss_s=0.5, draft_level_s=0.2, expert_bytes=1000)
+    sweep.run_sweep([prepare("hand", trace, trace.true_experts)], ["specfit"], [1, 2], [sweep.Scenario("hand", cost)])
+    assert sorted(shares) == [0.25, 0.5]                   # what the uncertainty price weighs misses by

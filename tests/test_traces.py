@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -273,3 +275,27 @@ def test_synth_help_gives_each_workloads_drafter_defaults():
     for name, params in WORKLOADS.items():
         assert f"{name} {params.top1_prob:g}" in text and f"{name} {params.depth_decay:g}" in text
     assert {p.calibration_exponent for p in WORKLOADS.values()} == {1.15} and "default 1.15" in text
+
+
+def test_a_trace_of_more_than_256_experts_round_trips(tmp_path):
+    from specfit.traces.format import read_trace, write_trace
+
+    t = hand_trace()
+    meta = copy.deepcopy(t.meta)
+    meta["model"]["n_experts"] = 300
+    true = (t.true_experts + 296).astype(np.int16)          # ids 296..299 need 9 bits
+    back = read_trace(write_trace(dataclasses.replace(t, meta=meta, true_experts=true), tmp_path / "t.parquet"))
+    np.testing.assert_array_equal(back.true_experts, true)
+
+
+def test_synthetic_nodes_on_the_reference_path_route_like_the_reference_tokens():
+    from specfit.experts.calibration import accepted_nodes
+    from specfit.traces.drafter import DrafterParams
+    from specfit.traces.synth import synthesize
+
+    trace = synthesize("olmoe-1b-7b", "chat", 48, seed=3, sequence_tokens=24, drafter=DrafterParams(width=3, depth=4))
+    on = np.flatnonzero(accepted_nodes(trace) & (trace.parent >= 0))
+    assert on.size > 20
+    cycle, depth = trace.cycle_of_node[on], trace.depth[on].astype(np.int64)
+    # a position-indexed trace: the node d levels down the accepted path is the root d positions on
+    np.testing.assert_array_equal(trace.true_experts[on], trace.true_experts[trace.offsets[cycle + depth]])

@@ -317,3 +317,10 @@ def test_expected_tokens_counts_a_set():
     assert tree.expected_tokens([0, 1, 3]) == pytest.approx(1.85)
     with pytest.raises(ValueError, match="one twice"):
         tree.expected_tokens([0, 1, 1])
+
+
+@pytest.mark.parametrize("call", ["closure", "expected_tokens", "is_ancestor_closed", "subtree"])
+def test_node_id_equal_to_the_tree_size_is_refused(call):
+    tree = DraftTree(parents=[-1, 0, 0, 1], path_probs=[1.0, 0.6, 0.5, 0.25])
+    with pytest.raises(ValueError, match="nodes: expected ids in"):
+        getattr(tree, call)([0, 4])
