@@ -411,3 +411,22 @@ def test_live_report_says_how_many_cycles_were_charged_the_bytes_they_moved():
     cycles = pd.DataFrame({"charged_bytes_h2d": [100, 200, -1], "bytes_h2d": [100, 150, 7]})
     assert _charged_matches(cycles) == "1 of 2 cycles"           # -1: not known, left out
     assert _charged_matches(cycles.iloc[[0, 2]]) == "yes"
+
+
+def test_a_large_sweep_heat_map_shows_colours_without_a_number_per_square_and_thinned_ticks():
+    import pandas as pd
+
+    from specfit.report.sweep import LABELLED_SQUARES, MAX_TICKS, heat_map_grid
+
+    def grid(caches, links):
+        c, g = np.meshgrid(np.arange(caches), np.arange(links), indexing="ij")
+        return pd.DataFrame({"trace": "t", "policy": "ar", "cache_experts": c.ravel(), "link_gbps": 10.0 + g.ravel(),
+                             "tokens_per_s": 1.0 + c.ravel() + g.ravel()})
+
+    small, _ = heat_map_grid(grid(4, 3), "t")
+    assert len(small.axes[0].texts) == 12 and len(small.axes[0].get_yticks()) == 4
+    large, _ = heat_map_grid(grid(64, 20), "t")
+    assert 64 * 20 > LABELLED_SQUARES and not large.axes[0].texts
+    ticks = large.axes[0].get_yticks()
+    assert len(ticks) <= MAX_TICKS + 1 and ticks[0] == 0 and ticks[-1] == 63
+    assert [t.get_text() for t in large.axes[0].get_yticklabels()][-1] == "63"

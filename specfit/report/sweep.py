@@ -3,6 +3,7 @@
 A sweep is shown as heat maps of tokens/s over (expert-cache size x host-link bandwidth), one
 panel per policy and one figure per trace, on one colour scale so the panels compare; where other
 axes of the grid vary too (predictor, eviction policy, ...), each square shows the best of them.
+A panel small enough to read prints each square's tokens/s in it.
 A plan adds its frontier: the best tokens/s reachable with a given device memory.
 """
 
@@ -19,6 +20,12 @@ from .plots import new_axes
 from .simulation import _policy_rank
 
 __all__ = ["sweep_section", "plan_section", "heat_map_grid", "frontier"]
+
+# a panel with more squares than this shows colours only (a number in each would be unreadable,
+# and a grid of tens of thousands of cells made the page megabytes of glyphs); its ticks are thinned
+# to about MAX_TICKS per axis
+LABELLED_SQUARES = 150
+MAX_TICKS = 16
 
 # axes of a grid besides trace, policy, cache size and link speed
 _OTHER_AXES = ("drafter", "profile_source", "cost_overrides", "cache_mode", "cache_policy", "predictor", "acceptance",
@@ -51,13 +58,15 @@ def heat_map_grid(results: pd.DataFrame, trace: str) -> tuple[Figure, list[str]]
         for (c, link), value in best[policy].items():
             grid[caches.index(c), links.index(link)] = value
         image = ax.imshow(grid, aspect="auto", origin="lower", cmap="viridis", vmin=vmin, vmax=vmax)
-        for i in range(len(caches)):
-            for j in range(len(links)):
-                if np.isfinite(grid[i, j]):
-                    ax.text(j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=7,
-                            color="white" if grid[i, j] < (vmin + vmax) / 2 else "black")
-        ax.set_xticks(range(len(links)), [f"{v:.0f}" for v in links], fontsize=7)
-        ax.set_yticks(range(len(caches)), [str(c) for c in caches], fontsize=7)
+        if grid.size <= LABELLED_SQUARES:
+            for i in range(len(caches)):
+                for j in range(len(links)):
+                    if np.isfinite(grid[i, j]):
+                        ax.text(j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=7,
+                                color="white" if grid[i, j] < (vmin + vmax) / 2 else "black")
+        x, y = _ticks(len(links)), _ticks(len(caches))
+        ax.set_xticks(x, [f"{links[j]:.0f}" for j in x], fontsize=7)
+        ax.set_yticks(y, [str(caches[i]) for i in y], fontsize=7)
         ax.set_title(str(policy), fontsize=9)
         ax.set_xlabel("link GB/s", fontsize=8)
         ax.set_ylabel("cached experts", fontsize=8)
@@ -65,6 +74,12 @@ def heat_map_grid(results: pd.DataFrame, trace: str) -> tuple[Figure, list[str]]
         ax.set_visible(False)
     fig.colorbar(image, ax=axes.ravel().tolist(), label="tokens / s")
     return fig, varying
+
+
+def _ticks(n: int) -> list[int]:
+    """Every square's index up to :data:`MAX_TICKS` of them, else every k-th (the last included)."""
+    step = math.ceil(n / MAX_TICKS)
+    return sorted({*range(0, n, step), n - 1})
 
 
 def frontier(settings: pd.DataFrame, budget_bytes: float, best: dict):
