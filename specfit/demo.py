@@ -169,7 +169,7 @@ def _run_demo(plan: DemoPlan, out: Path, say, progress) -> dict:
 
     started = time.perf_counter()
     say("3/4 replaying the recorded trace under PCIe Gen4 / Gen5 / GH200 presets at Qwen3-30B-A3B scale")
-    trace = read_trace(trace_path)
+    trace = read_trace(trace_path, weights=False)
     # the live decoder's own expert predictions, as the policies saw them, when it recorded them
     predictor = "recorded" if trace.predicted_experts is not None else "oracle"
     # acceptance probabilities calibrated on the other prompts' cycles (never on the cycle itself)

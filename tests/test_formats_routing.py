@@ -180,6 +180,17 @@ def test_a_trace_without_weights_has_no_weight_column(tmp_path):
     assert back.true_expert_weights is None and not back.meta["recording"]["router_weights"]
 
 
+def test_replays_read_a_trace_without_its_router_weights_and_replay_it_the_same(tmp_path):
+    path, _ = _flat_log(tmp_path)
+    log = read_routing_log(path)
+    written = write_trace(import_routing(log, model_for_log(log, None), drafter=SMALL_DRAFTER), tmp_path / "w.parquet")
+    full, lean = read_trace(written), read_trace(written, weights=False)
+    assert full.true_expert_weights is not None and lean.true_expert_weights is None
+    for name in ("offsets", "parent", "depth", "token", "verdict", "true_experts", "path_prob", "draft_logprob"):
+        np.testing.assert_array_equal(getattr(lean, name), getattr(full, name))
+    assert lean.meta == full.meta
+
+
 def test_a_flat_npz_of_interleaved_sequences_reads_each_sequence_in_file_order(tmp_path):
     # a batched decode writes its sequences' tokens in turn; without a token index each
     # sequence's rows keep the file's order, sequences in the order first seen

@@ -561,7 +561,7 @@ def _acceptance_calibrator(trace_path: Path):
     from ..experts.calibration import AcceptanceCalibrator
     from ..traces.format import read_trace
 
-    trace = read_trace(trace_path)
+    trace = read_trace(trace_path, weights=False)
     calibrator = AcceptanceCalibrator().fit(trace)
     if calibrator.n_edges_ == 0:
         raise SpecFitError(f"--acceptance {trace_path}: the trace has no draft node whose parent's verdict is known")
@@ -574,7 +574,7 @@ def _fitted_predictor(plan, model):
     from ..traces.format import read_trace
 
     path = plan.predictor_trace
-    trace = read_trace(path)
+    trace = read_trace(path, weights=False)
     config = model.config
     have = (config.n_moe_layers, config.n_experts, config.top_k)
     if (trace.n_layers, trace.n_experts, trace.top_k) != have:

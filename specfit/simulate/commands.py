@@ -119,7 +119,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     prepared, scenarios = [], {}
     names = unique_names(trace_paths)
     for path, name in zip(trace_paths, names):
-        trace = read_trace(path)
+        trace = read_trace(path, weights=False)
         check_position_indexed(trace, str(path))     # named by its file (prepare knows its label only)
         slots = ExpertCache.slot_limit(trace.n_layers, trace.n_experts, cache_mode)
         if max(cache_sizes) > slots:

@@ -152,7 +152,7 @@ def resolve_inputs(spec: SweepSpec, cells: list[Cell]) -> GridInputs:
             data[src.name] = (log, model)
             shapes[src.name] = ModelShape.from_trace_meta(model)
         else:
-            trace = read_trace(src.resolved)
+            trace = read_trace(src.resolved, weights=False)
             data[src.name] = trace
             shapes[src.name] = ModelShape.from_trace_meta(trace.model)
     base = Path(spec.path).parent

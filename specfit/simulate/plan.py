@@ -258,7 +258,7 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
 
     if not traces and model_shape is None:
         raise SpecFitError("plan: expected --trace (your workloads' traces) or --model-shape (traces are synthesised)")
-    loaded = [read_trace(p) for p in traces]
+    loaded = [read_trace(p, weights=False) for p in traces]
     name, config = _model_config(model_shape, loaded[0].model if loaded else None)
     memory = MemoryModel(name, config, budget)
     out_dir = Path(out_dir) if out_dir is not None else Path("runs") / f"plan-{name}-{budget.device_bytes / 1e9:g}gb"
@@ -350,4 +350,4 @@ def _synthesised_traces(ray, shape: str, workloads: list[str], tokens: int, fold
     todo = {remote.remote(shape, w, tokens): p for w, p in zip(workloads, paths) if not p.is_file()}
     for ref, path in todo.items():
         write_trace(ray.get(ref), path)
-    return paths, [read_trace(p) for p in paths]
+    return paths, [read_trace(p, weights=False) for p in paths]

@@ -230,8 +230,10 @@ def write_trace(trace: Trace, path: str | Path) -> Path:
 
 
 # --------------------------------------------------------------------------- reading
-def read_trace(path: str | Path, validate: bool = True) -> Trace:
-    """Read a trace file; raises :class:`SpecFitError` for anything that is not a valid trace."""
+def read_trace(path: str | Path, validate: bool = True, weights: bool = True) -> Trace:
+    """Read a trace file; raises :class:`SpecFitError` for anything that is not a valid trace.
+    ``weights=False`` leaves out ``true_expert_weights`` (an imported log's router weights: no
+    replay reads them, and their array, NaN off the reference path, is the trace's largest)."""
     path = Path(path)
     if not path.is_file():
         raise SpecFitError(f"{path}: " + not_readable_as(path, "a trace file (.parquet)", "no such trace file"))
@@ -263,8 +265,11 @@ def read_trace(path: str | Path, validate: bool = True) -> Trace:
     try:
         # batch by batch, one thread: pf.read() peaked at far more memory than this, and was no faster
         # (benchmarks/RESULTS.md, "Stop 50: four more audits")
-        table = pa.Table.from_batches(list(pf.iter_batches(batch_size=1 << 16, use_threads=False)),
-                                      schema=pf.schema_arrow)
+        columns = None if weights else [c for c in pf.schema_arrow.names if c != "true_expert_weights"]
+        schema = pf.schema_arrow if weights else pa.schema([f for f in pf.schema_arrow if f.name in columns],
+                                                           metadata=pf.schema_arrow.metadata)
+        table = pa.Table.from_batches(list(pf.iter_batches(batch_size=1 << 16, columns=columns, use_threads=False)),
+                                      schema=schema)
     except (pa.ArrowException, OSError) as exc:
         # a readable footer says nothing about the pages: truncated or overwritten data fails here
         raise SpecFitError(f"cannot read {path}: damaged Parquet data ({one_line(exc)})") from None
