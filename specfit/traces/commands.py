@@ -183,9 +183,9 @@ def inspect_command(
 def _check_trace_out(out: Path, source: Path | None = None) -> None:
     """``--out`` as a trace file to write: a ``.parquet`` name (what the trace is), writable, and not
     the routing log it is made from (which the write would replace)."""
+    check_output(out, "--out", kind="file")
     if out.suffix != ".parquet":
         raise SpecFitError(f"--out {out}: expected a .parquet file name (a trace is written as Parquet)")
-    check_output(out, "--out", kind="file")
     if source is not None and out.exists() and source.exists() and out.samefile(source):
         raise SpecFitError(f"--out {out}: is the routing log being imported; expected another file (writing the trace "
                            "would replace the log)")
