@@ -623,20 +623,8 @@ def test_caches_taking_turns_hand_each_run_its_experts_on_the_copy_stream_path(f
         assert all(np.array_equal(g, e) for g, e in zip(got[r], expected[r], strict=True))
 
 
-def test_a_copy_into_an_evicted_slot_waits_for_the_compute_that_read_it(monkeypatch):
-    import torch
-    from test_cuda_path import FakeCuda, _consume, _host
-
-    from specfit.runtime.offload import ExpertOffload
-
-    cuda = FakeCuda()
-    copy = torch.Tensor.copy_
-
-    def logged_copy(self, src, non_blocking=False):
-        cuda.on_copy(non_blocking)
-        return copy(self, src, non_blocking)
-
-    monkeypatch.setattr(torch.Tensor, "copy_", logged_copy)
+def test_a_copy_into_an_evicted_slot_waits_for_the_compute_that_read_it(fake_cuda):
+    cuda = fake_cuda
     offload = ExpertOffload(_host(1, 4), capacity=1, cuda_api=cuda)
     offload.begin_pass()
     _consume(offload, 0, [0], cuda, compute_ms=3.0)          # expert 0 into the layer's one slot, read for 3 ms
