@@ -67,3 +67,9 @@ def test_fractional_new_experts_average_out():
     new = (grown_experts[5:] >= 8).sum(axis=2)                          # [children, layers]
     assert set(np.unique(new).tolist()) <= {2, 3}
     assert new.mean() == pytest.approx(2.5, abs=0.15)
+
+
+def test_level_stats_rejects_a_memory_of_zero_or_one():
+    for memory in (0.0, 1.0):
+        with pytest.raises(ValueError, match="memory"):
+            LevelStats(memory=memory)

@@ -1,0 +1,58 @@
+"""The online cost model (:class:`specfit.calibrate.online.OnlineCostModel`): when it first refits, its age weights, its pace slope, the update cost of a first cycle."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from specfit.calibrate.online import OnlineCostModel
+from specfit.costmodel import CostModel
+
+COST = CostModel(base_s=4e-3, per_node_s=1e-4, hit_s=2e-4, miss_s=3e-4, draft_level_s=8e-4)
+
+
+def test_online_model_min_cycles_above_the_window_refits_once_the_window_is_full():
+    online = OnlineCostModel(COST, window=4, min_cycles=8, refit_every=100)
+    assert online.min_cycles == 4
+    for _ in range(4):
+        online.observe(0, 1, 12, 4, 2 * COST.time_s(0, 1, 12, 4))
+    assert online.n_refits == 1
+
+
+def test_online_model_overhead_of_the_first_cycle_teaches_no_update_cost():
+    online = OnlineCostModel(COST, window=64, min_cycles=64)
+    online.observe(0, 1, 12, 4, COST.time_s(0, 1, 12, 4) + 5e-3, overhead_s=5e-3)
+    assert all(v == 0.0 for v in online.state()["update_s"].values())
+
+
+def test_online_model_weighs_the_newest_cycle_one_and_the_oldest_least(monkeypatch):
+    online = OnlineCostModel(COST, window=8, min_cycles=8, refit_every=8, refit_interval_s=0.0, half_life=2.0)
+    seen = []
+    solve = online._fitter.solve
+
+    def spy(features, times, **kw):
+        seen.append((online.n_seen, np.array(kw["sample_weight"])))
+        return solve(features, times, **kw)
+
+    monkeypatch.setattr(online._fitter, "solve", spy)
+    for _ in range(20):
+        online.observe(0, 1, 12, 4, COST.time_s(0, 1, 12, 4))
+    assert [n for n, _ in seen] == [8, 16]
+    for n_seen, w in seen:
+        newest = (n_seen - 1) % 8
+        assert w[newest] == pytest.approx(1.0)
+        assert w.argmin() == n_seen % 8                  # the oldest cycle in the window
+        assert w.min() == pytest.approx(0.5 ** (7 / 2.0))
+
+
+def test_online_model_pace_slope_is_at_most_one():
+    online = OnlineCostModel(COST, window=256, min_cycles=256, speed_half_life=None, pace_half_life=1.0)
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        drafter_s = 4 * 8e-4 * math.exp(rng.normal(0, 0.3))
+        deviation = online._pace_deviation(drafter_s, 4) or 0.0
+        fitted = online.fitted.time_s(4, 20, 12, 4)
+        online.observe(4, 20, 12, 4, fitted * math.exp(3.0 * deviation), priced=(12, 4), drafter_s=drafter_s)
+    assert online.pace_slope == 1.0

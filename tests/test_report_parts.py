@@ -1,0 +1,101 @@
+"""The report's pieces on their own: escaping in the page, the live section's heat map, rates and early stopping, the calibration figure, grouped bars."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from specfit.accounting import read_cycles
+from specfit.report.calibration import _h2d
+from specfit.report.html import Page
+from specfit.report.live import _layer_heat_map, _per_policy, _stopping
+from specfit.report.plots import grouped_bars
+
+EVIL = '<script>alert("x")</script>&'
+
+
+class _Figures(Page):
+    """A page that keeps its figures as figures, to look into them."""
+
+    def figure(self, fig, caption: str = ""):
+        self.parts.append(fig)
+        return self
+
+
+def test_page_heading_text_is_escaped_in_the_heading_and_the_navigation():
+    page = Page(title="t").heading(EVIL)
+    text = page.render()
+    assert "<script>" not in text
+    assert text.count("&lt;script&gt;alert(") == 2          # the heading and its nav link
+
+
+def test_page_facts_escape_labels_and_values():
+    text = Page(title="t").facts({EVIL: EVIL}).render()
+    assert "<script>" not in text
+    assert text.count("&lt;script&gt;alert(") == 2
+
+
+def test_page_table_cells_are_escaped():
+    text = Page(title="t").table(pd.DataFrame({"name": [EVIL], EVIL: [1.0]})).render()
+    assert "<script>" not in text
+    assert text.count("&lt;script&gt;alert(") == 2
+
+
+def test_page_bias_columns_are_signed_percentages_and_other_shares_unsigned():
+    df = pd.DataFrame({"time bias": [0.031, -0.02], "time MAPE": [0.031, 0.02]})
+    text = Page(title="t").table(df, percent=("time bias", "time MAPE")).render()
+    assert "+3.1%" in text and "-2.0%" in text
+    assert ">3.1%<" in text and ">2.0%<" in text and "+2.0%" not in text
+
+
+def _rows(policy, levels, n=4, predicted=True):
+    return [{"policy": policy, "cycle": i, "draft_levels": int(lv), "nodes_verified": 1 + int(lv), "hits": 10,
+             "misses": 5, "bytes_h2d": 5000, "cycle_time_s": 0.01, "predicted_time_s": 0.0105 if predicted else np.nan,
+             "draft_time_s": 0.002 * int(lv), "predicted_tokens": 1.5, "committed_tokens": 2}
+            for i, lv in zip(range(n), levels)]
+
+
+def test_live_heat_map_shows_the_share_of_each_layers_union_that_missed():
+    cycles = pd.DataFrame({"policy": ["a", "a", "b"],
+                           "misses_per_layer": [np.array([1, 0, 3]), np.array([1, 2, 0]), np.array([0, 4, 4])],
+                           "hits_per_layer": [np.array([3, 2, 1]), np.array([3, 0, 0]), np.array([4, 0, 4])]})
+    fig = _layer_heat_map(cycles)
+    shares = np.asarray(fig.axes[0].images[0].get_array())
+    np.testing.assert_allclose(shares, [[2 / 8, 2 / 4, 3 / 4], [0.0, 1.0, 0.5]])
+
+
+def test_live_per_policy_predicted_rate_is_missing_when_some_cycles_were_not_predicted():
+    rows = _rows("ar", [0] * 4)
+    rows[1]["predicted_time_s"] = np.nan
+    table = _per_policy(read_cycles(pd.DataFrame(rows + _rows("b", [0] * 4))))
+    assert np.isnan(table.loc[0, "tokens/s (predicted)"])
+    assert table.loc[1, "tokens/s (predicted)"] == 1.5 / 0.0105
+
+
+def test_live_early_stopping_counts_only_cycles_with_fewer_levels_than_eagle3():
+    cycles = read_cycles(pd.DataFrame(_rows("specfit", [4, 4, 2, 2]) + _rows("eagle3", [4, 4, 4, 4])))
+    page = Page(title="t")
+    _stopping(page, cycles)
+    text = page.render()
+    assert "cycles where specfit drafted fewer levels than eagle3 (4)</th><td>50% of 4</td>" in text
+
+
+def test_calibration_h2d_figure_draws_each_memory_kind_with_its_own_fit():
+    rows = [{"bytes": b, "pinned": p, "seconds": (1e-5 + b / 20e9) if p else (3e-5 + b / 5e9)}
+            for p in (True, False) for b in (1e6, 2e6, 4e6)]
+    fit = {"h2d": {"gbps": 20.0, "overhead_s": 1e-5}, "h2d_pageable": {"gbps": 5.0, "overhead_s": 3e-5}}
+    page = _Figures(title="t")
+    _h2d(page, pd.DataFrame(rows), fit)
+    _, labels = page.parts[0].axes[0].get_legend_handles_labels()
+    assert "fit: 20 GB/s + 10 µs" in labels
+    assert "fit: 5 GB/s + 30 µs" in labels
+    assert "pinned" in labels and "pageable" in labels
+
+
+def test_grouped_bars_center_each_labels_series_on_its_tick():
+    fig = grouped_bars(["a", "b", "c"], {"x": [1, 2, 3], "y": [3, 2, 1]}, "v")
+    ax = fig.axes[0]
+    centres = np.array([p.get_x() + p.get_width() / 2 for p in ax.patches]).reshape(2, 3)   # [series, label]
+    np.testing.assert_allclose(centres.mean(axis=0), ax.get_xticks(), atol=1e-9)
+    np.testing.assert_allclose(centres[0], np.arange(3) - 0.2, atol=1e-9)
+    np.testing.assert_allclose(centres[1], np.arange(3) + 0.2, atol=1e-9)

@@ -1,0 +1,57 @@
+"""The importer's routing model (:class:`specfit.traces.routing.RoutingModel`): how it fills a node's top-k slots."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from specfit.traces.routing import RoutingModel, TokenSampler, zipf_popularity
+
+L, E, K, VOCAB = 3, 16, 4, 50
+
+
+def _model(token_prob: float, consecutive=0.0, sibling=0.0) -> RoutingModel:
+    rng = np.random.default_rng(7)
+    m = RoutingModel(zipf_popularity(L, E, 1.0, rng), consecutive, token_prob, sibling, K, VOCAB, seed=3)
+    m.token_prob_ = np.full(L, token_prob)
+    m.popularity_power_ = np.full(L, 1.5)
+    return m
+
+
+def test_routing_model_accepts_top_k_equal_to_the_number_of_experts():
+    pop = zipf_popularity(2, 4, 1.0, np.random.default_rng(0))
+    m = RoutingModel(pop, 0.3, 0.3, 0.3, 4, 10)
+    routed = m.route(np.arange(10), None, np.zeros(2), np.random.default_rng(1))
+    assert np.array_equal(np.sort(routed, axis=2), np.broadcast_to(np.arange(4), routed.shape))
+
+
+def test_routing_model_routes_a_tokens_own_slots_in_preference_order():
+    m = _model(1.0)
+    tokens = np.arange(VOCAB)
+    routed = m.route(tokens, None, np.zeros(L), np.random.default_rng(11))
+    assert np.array_equal(routed, m.preferences(tokens))         # unsorted: most preferred first
+
+
+def test_routing_model_anchor_slots_take_only_the_slots_the_token_leaves():
+    """Half the slots the token's own, anchor probability 1: the anchor gets the other two slots
+    only. With the anchor set the token's own four preferences, an anchor slot that lands on one of
+    the token's first two preferences is lost to the popularity draw, so some draws hold experts
+    outside the preference list."""
+    m = _model(0.5)
+    tokens = np.arange(VOCAB)
+    prefs = m.preferences(tokens)
+    anchor = prefs[:, :, ::-1].copy()
+    rng = np.random.default_rng(5)
+    outside = 0
+    for _ in range(10):
+        routed = m.route(tokens, anchor, np.ones(L), rng)
+        outside += sum(int((~np.isin(routed[i, layer], prefs[i, layer])).sum())
+                       for i in range(VOCAB) for layer in range(L))
+    assert outside > 0.2 * 10 * VOCAB * L
+
+
+def test_routing_model_calibration_keeps_sibling_and_token_slots_within_top_k():
+    rng = np.random.default_rng(0)
+    m = RoutingModel(zipf_popularity(L, E, 1.0, rng), 0.2, 0.7, 0.9, K, 200, seed=1)
+    m.calibrate(TokenSampler(200, 1.0, rng), rng, pilot_tokens=256, rounds=6)
+    assert np.all(m.sibling_prob_ <= 1 - m.token_prob_ + 1e-12)
+    assert np.all(m.token_prob_ <= 1 - m.consecutive_prob_ + 1e-12)
