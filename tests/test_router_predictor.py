@@ -240,3 +240,53 @@ def test_a_vocabulary_too_large_for_the_table_predicts_the_same(monkeypatch):
     without = RouterPredictor(embed=embed, router_weight=router_weight, top_k=K, adapt=False)
     assert with_table._host_weights[2].shape == (V, L * E) and without._host_weights[2].shape[0] == 0
     assert np.array_equal(with_table.predict(batch), without.predict(batch))
+
+
+def test_router_predictor_counts_a_batch_as_soon_as_it_holds_batch_nodes():
+    embed, router_weight = routers()
+    predictor = RouterPredictor(embed=embed, router_weight=router_weight, top_k=K, min_nodes=1000,
+                                batch_nodes=32, max_nodes=4000)
+    tokens, context = nodes(np.random.default_rng(0), 32)
+    predictor.update(tokens, routed(embed, router_weight, tokens, context, (1.0,) * L), E, context=context)
+    assert predictor._nodes_seen == 32 and predictor._batch == []
+
+
+def test_router_predictor_switches_weights_at_exactly_min_nodes():
+    embed, router_weight = routers()
+    truth = (0.0, 4.0, 1.0)
+    predictor = RouterPredictor(context_weight=0.5, embed=embed, router_weight=router_weight, top_k=K, min_nodes=128,
+                                batch_nodes=128, max_nodes=4000)
+    tokens, context = nodes(np.random.default_rng(1), 128)
+    predictor.update(tokens, routed(embed, router_weight, tokens, context, truth), E, context=context)
+    assert predictor._nodes_seen == 128
+    assert predictor.layer_weights.tolist() == list(truth)
+
+
+def test_router_predictor_stops_learning_once_it_has_seen_max_nodes():
+    embed, router_weight = routers()
+    predictor = RouterPredictor(embed=embed, router_weight=router_weight, top_k=K, min_nodes=32, batch_nodes=32,
+                                max_nodes=64)
+    rng = np.random.default_rng(2)
+    for _ in range(2):
+        tokens, context = nodes(rng, 32)
+        predictor.update(tokens, routed(embed, router_weight, tokens, context, (1.0,) * L), E, context=context)
+    assert predictor._nodes_seen == 64
+    assert not predictor.learning
+    # and a further batch is not even kept
+    tokens, context = nodes(rng, 32)
+    predictor.update(tokens, routed(embed, router_weight, tokens, context, (1.0,) * L), E, context=context)
+    assert predictor._nodes_seen == 64 and predictor._batch == []
+
+
+def test_router_predictor_keeps_the_configured_weight_and_bonus_when_every_candidate_ties():
+    embed, router_weight = routers()
+    predictor = RouterPredictor(context_weight=0.5, recent_bonus=1.0, embed=embed, router_weight=router_weight,
+                                top_k=K, min_nodes=64, batch_nodes=64, max_nodes=4000)
+    tokens = np.random.default_rng(3).integers(0, V, 64)
+    # a context parallel to the embedding: every candidate weight routes the same experts, and
+    # without a known recent routing every bonus does too, so all candidates tie
+    context = embed[torch.from_numpy(tokens)].clone()
+    predictor.update(tokens, routed(embed, router_weight, tokens, context, (1.0,) * L), E, context=context)
+    assert predictor._nodes_seen == 64
+    assert predictor.layer_weights.tolist() == [0.5] * L
+    assert predictor.layer_bonuses.tolist() == [1.0] * L
