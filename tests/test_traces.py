@@ -299,3 +299,12 @@ def test_synthetic_nodes_on_the_reference_path_route_like_the_reference_tokens()
     cycle, depth = trace.cycle_of_node[on], trace.depth[on].astype(np.int64)
     # a position-indexed trace: the node d levels down the accepted path is the root d positions on
     np.testing.assert_array_equal(trace.true_experts[on], trace.true_experts[trace.offsets[cycle + depth]])
+
+
+def test_pair_overlap_in_chunks_equals_the_overlap_of_all_pairs_at_once():
+    from specfit.traces.stats import pair_overlap
+
+    rng = np.random.default_rng(4)
+    experts = np.stack([rng.permutation(16)[:4] for _ in range(300)]).reshape(100, 3, 4)
+    i, j = rng.integers(0, 100, 250), rng.integers(0, 100, 250)
+    np.testing.assert_array_equal(pair_overlap(experts, i, j, chunk=64), set_overlap(experts[i], experts[j]))

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..experts.cache import ExpertCache
 
-__all__ = ["popularity", "top_quarter_share", "set_overlap", "consecutive_reuse", "same_token_reuse",
+__all__ = ["popularity", "top_quarter_share", "set_overlap", "pair_overlap", "consecutive_reuse", "same_token_reuse",
            "lru_hit_rates", "acceptance_by_depth", "accepted_lengths", "edge_calibration"]
 
 
@@ -36,7 +36,9 @@ def set_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a[:, :, :, None] == b[:, :, None, :]).any(axis=3).sum(axis=2) / k
 
 
-def _chunked_overlap(experts: np.ndarray, i: np.ndarray, j: np.ndarray, chunk: int = 4096) -> np.ndarray:
+def pair_overlap(experts: np.ndarray, i: np.ndarray, j: np.ndarray, chunk: int = 4096) -> np.ndarray:
+    """[pairs, layers] :func:`set_overlap` of rows ``i`` and ``j`` of ``experts``, a chunk of pairs at a
+    time (at once, its comparison would take k x k bytes per pair and layer)."""
     out = np.empty((i.size, experts.shape[1]))
     for s in range(0, i.size, chunk):
         out[s:s + chunk] = set_overlap(experts[i[s:s + chunk]], experts[j[s:s + chunk]])
@@ -52,7 +54,7 @@ def consecutive_reuse(experts: np.ndarray, sequence: np.ndarray | None = None) -
         i = i[sequence[1:] == sequence[:-1]]
     if i.size == 0:
         return np.full(experts.shape[1], np.nan)
-    return _chunked_overlap(experts, i - 1, i).mean(axis=0)
+    return pair_overlap(experts, i - 1, i).mean(axis=0)
 
 
 def same_token_reuse(experts: np.ndarray, tokens: np.ndarray) -> np.ndarray:
@@ -65,7 +67,7 @@ def same_token_reuse(experts: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     keep = np.abs(j - i) > 1
     if not keep.any():
         return np.full(experts.shape[1], np.nan)
-    return _chunked_overlap(experts, i[keep], j[keep]).mean(axis=0)
+    return pair_overlap(experts, i[keep], j[keep]).mean(axis=0)
 
 
 def lru_hit_rates(experts: np.ndarray, n_experts: int, capacities, policy: str = "lru") -> dict[int, float]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from .stats import acceptance_by_depth, accepted_lengths, consecutive_reuse, edge_calibration, popularity, \
-    same_token_reuse, set_overlap, top_quarter_share
+    pair_overlap, same_token_reuse, top_quarter_share
 
 __all__ = ["trace_statistics", "summarise_trace"]
 
@@ -22,7 +22,7 @@ def trace_statistics(trace) -> dict:
     rows = np.flatnonzero(off)
     i = np.flatnonzero(parent_row[rows[:-1]] == parent_row[rows[1:]])
     a, b = rows[i], rows[i + 1]
-    sib = float(set_overlap(trace.true_experts[a], trace.true_experts[b]).mean()) if a.size else float("nan")
+    sib = float(pair_overlap(trace.true_experts, a, b).mean()) if a.size else float("nan")
     lengths = accepted_lengths(trace)
     return {
         "popularity_skew": float(top_quarter_share(popularity(ref, trace.n_experts)).mean()),
