@@ -209,7 +209,9 @@ def to_table(trace: Trace) -> pa.Table:
     if trace.true_expert_weights is not None:
         weights = trace.true_expert_weights
         known = ~np.isnan(weights[:, 0, 0])
-        values = pa.array(np.nan_to_num(weights).reshape(-1).astype(np.float32), type=pa.float32())
+        # the unknown rows are null in the column (their NaN values are not written): no copy of
+        # the array, which is the trace's largest, to fill them
+        values = pa.array(np.ascontiguousarray(weights, dtype=np.float32).reshape(-1), type=pa.float32())
         cols["true_expert_weights"] = pa.FixedSizeListArray.from_arrays(values, weights.shape[1] * weights.shape[2],
                                                                         mask=pa.array(~known))
     for name, values in trace.measured.items():
