@@ -22,7 +22,6 @@ the one using less memory on a tie.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from pathlib import Path
 
