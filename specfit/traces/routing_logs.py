@@ -109,7 +109,7 @@ def _flat_npz(data: dict, path: Path) -> RoutingLog:
     tokens = data.get("token_id")
     weights = _weights(data.get("router_weights"), experts, path, "array 'router_weights'")
     if "generated_token_index" in data:
-        index = _integers(data["generated_token_index"], path, "array 'generated_token_index'", "token indices")
+        index = _token_indices(data["generated_token_index"], path, "array 'generated_token_index'")
         order = np.lexsort((index, _first_seen_rank(seq)))
         _check_consecutive(seq[order], index[order], path)
     else:
@@ -166,7 +166,7 @@ def _from_records(df: pd.DataFrame, path: Path, layout: str) -> RoutingLog:
         raise SpecFitError(f"{path}: the log has no records")
     # JSON nulls and NaN arrive as float (or object) columns: refuse them before anything groups by them
     df["sequence_id"] = _integers(df["sequence_id"].to_numpy(), path, "field 'sequence_id'", "sequence ids")
-    df["token_index"] = _integers(df["token_index"].to_numpy(), path, "field 'token_index'", "token indices")
+    df["token_index"] = _token_indices(df["token_index"].to_numpy(), path, "field 'token_index'")
     if "layer" in df.columns:
         df["layer"] = _integers(df["layer"].to_numpy(), path, "field 'layer'", "layer numbers")
     df["sequence_rank"] = _first_seen_rank(df["sequence_id"].to_numpy())
@@ -312,6 +312,16 @@ def _token_ids(values: np.ndarray, path: Path, what: str) -> np.ndarray:
         row = int(negative[0])
         raise SpecFitError(f"{path}: {what} must hold non-negative token ids, got {int(values[row])} in row {row}")
     return values
+
+
+def _token_indices(values: np.ndarray, path: Path, what: str) -> np.ndarray:
+    """A sequence's decode positions: integers, none negative (a sequence may start at any index)."""
+    index = _integers(values, path, what, "token indices")
+    negative = np.flatnonzero(index < 0)
+    if negative.size:
+        row = int(negative[0])
+        raise SpecFitError(f"{path}: {what} must hold token indices >= 0, got {int(index[row])} in row {row}")
+    return index
 
 
 def _check_consecutive(seq: np.ndarray, index: np.ndarray, path: Path) -> None:
