@@ -176,6 +176,8 @@ def test_a_refit_of_a_run_without_run_json_still_works(tmp_path):
     (["--model", tiny_moe_dir(), "--seed", -1], "--seed: expected a non-negative integer, got -1"),
     (["--shape", "tiny", "--layers", 1, "--seed", -1], "--seed: expected a non-negative integer, got -1"),
     (["--refit", ".", "--profile", "pcie4", "--seed", -1], "--seed: expected a non-negative integer, got -1"),
+    (["--profile", "pcie5"], "--profile pcie5: a profile to refit goes with --refit RUN_DIR"),
+    (["--shape", "tiny", "--profile", "pcie5"], "--profile pcie5: a profile to refit goes with --refit RUN_DIR"),
 ])
 def test_bad_calibrate_options_are_refused_before_any_work(tmp_path, argv, needle):
     one_line_error(invoke("calibrate", "--quick", *argv, "--out", tmp_path / "p.json"), needle)

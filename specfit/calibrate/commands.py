@@ -56,6 +56,9 @@ def calibrate_command(
             path = _refit(refit_runs, profile, out, rescale, seed, as_json)
             _report(path, report, as_json, console)
             return
+        if profile is not None:
+            raise SpecFitError(f"--profile {profile}: a profile to refit goes with --refit RUN_DIR (the decode runs "
+                               "to refit it on); a new calibration takes --model DIR or --shape NAME")
         from ..runtime.devices import resolve_device
 
         device = str(resolve_device(device))
