@@ -227,13 +227,13 @@ def test_a_negative_token_index_is_an_error_in_every_layout(tmp_path):
     experts = _routing(4, 0)
     path = tmp_path / "negative.npz"
     np.savez(path, expert_ids=experts, sequence_id=np.zeros(4, np.int32), generated_token_index=np.arange(-2, 2))
-    with pytest.raises(SpecFitError, match="'generated_token_index' must hold token indices >= 0, got -2 in row 0"):
+    with pytest.raises(SpecFitError, match="'generated_token_index' must hold non-negative token indices, got -2 in row 0"):
         read_routing_log(path)
     _, arrays = _flat_log(tmp_path)
     records = tmp_path / "negative.jsonl"
     frame = _records(arrays, "token")
     frame.assign(generated_token_index=frame["generated_token_index"] - 3).to_json(records, orient="records", lines=True)
-    with pytest.raises(SpecFitError, match="field 'token_index' must hold token indices >= 0, got -3 in row 0"):
+    with pytest.raises(SpecFitError, match="field 'token_index' must hold non-negative token indices, got -3 in row 0"):
         read_routing_log(records)
 
 

@@ -109,14 +109,14 @@ def _flat_npz(data: dict, path: Path) -> RoutingLog:
     tokens = data.get("token_id")
     weights = _weights(data.get("router_weights"), experts, path, "array 'router_weights'")
     if "generated_token_index" in data:
-        index = _token_indices(data["generated_token_index"], path, "array 'generated_token_index'")
+        index = _non_negative(data["generated_token_index"], path, "array 'generated_token_index'", "token indices")
         order = np.lexsort((index, _first_seen_rank(seq)))
         _check_consecutive(seq[order], index[order], path)
     else:
         # rows of several sequences may interleave (a batched decode writes them so): each
         # sequence's rows together, in the file's order, sequences in first-seen order
         order = np.argsort(_first_seen_rank(seq), kind="stable")
-    tokens = None if tokens is None else _token_ids(tokens[order], path, "array 'token_id'")
+    tokens = None if tokens is None else _non_negative(tokens[order], path, "array 'token_id'", "token ids")
     return RoutingLog(experts[order], tokens, seq[order], str(path), None if weights is None else weights[order], "npz")
 
 
@@ -166,7 +166,7 @@ def _from_records(df: pd.DataFrame, path: Path, layout: str) -> RoutingLog:
         raise SpecFitError(f"{path}: the log has no records")
     # JSON nulls and NaN arrive as float (or object) columns: refuse them before anything groups by them
     df["sequence_id"] = _integers(df["sequence_id"].to_numpy(), path, "field 'sequence_id'", "sequence ids")
-    df["token_index"] = _token_indices(df["token_index"].to_numpy(), path, "field 'token_index'")
+    df["token_index"] = _non_negative(df["token_index"].to_numpy(), path, "field 'token_index'", "token indices")
     if "layer" in df.columns:
         df["layer"] = _integers(df["layer"].to_numpy(), path, "field 'layer'", "layer numbers")
     df["sequence_rank"] = _first_seen_rank(df["sequence_id"].to_numpy())
@@ -181,7 +181,7 @@ def _from_records(df: pd.DataFrame, path: Path, layout: str) -> RoutingLog:
         layout += "-per-token"
     seq, index = df["sequence_id"].to_numpy(), df["token_index"].to_numpy()
     _check_consecutive(seq, index, path)
-    tokens = _token_ids(df["token_id"].to_numpy(), path, "field 'token_id'") if "token_id" in df.columns else None
+    tokens = _non_negative(df["token_id"].to_numpy(), path, "field 'token_id'", "token ids") if "token_id" in df.columns else None
     return RoutingLog(experts, tokens, seq, str(path), weights, layout)
 
 
@@ -305,23 +305,15 @@ def _whole_number(value) -> bool:
         and abs(value) < 2.0 ** 63
 
 
-def _token_ids(values: np.ndarray, path: Path, what: str) -> np.ndarray:
-    values = _integers(values, path, what, "token ids")
+def _non_negative(values: np.ndarray, path: Path, what: str, ids: str) -> np.ndarray:
+    """Token ids or a sequence's decode positions (which may start at any index): integers, none
+    negative; one error naming the first negative one and its row."""
+    values = _integers(values, path, what, ids)
     negative = np.flatnonzero(values < 0)
     if negative.size:
         row = int(negative[0])
-        raise SpecFitError(f"{path}: {what} must hold non-negative token ids, got {int(values[row])} in row {row}")
+        raise SpecFitError(f"{path}: {what} must hold non-negative {ids}, got {int(values[row])} in row {row}")
     return values
-
-
-def _token_indices(values: np.ndarray, path: Path, what: str) -> np.ndarray:
-    """A sequence's decode positions: integers, none negative (a sequence may start at any index)."""
-    index = _integers(values, path, what, "token indices")
-    negative = np.flatnonzero(index < 0)
-    if negative.size:
-        row = int(negative[0])
-        raise SpecFitError(f"{path}: {what} must hold token indices >= 0, got {int(index[row])} in row {row}")
-    return index
 
 
 def _check_consecutive(seq: np.ndarray, index: np.ndarray, path: Path) -> None:
