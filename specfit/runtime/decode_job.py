@@ -351,14 +351,15 @@ class _Runs:
     def _start(self, policy) -> None:
         """The policy's decoder, after a few untimed tokens of the first prompt (``plan.warmup``)."""
         plan, i = self.plan, self.inputs
+
+        def decoder(recorder):
+            return _decoder(plan, i.model, i.drafter, policy, i.profile.cost, i.calibrator, recorder, i.fitted)
+
         if plan.warmup:
             self.say(f"warm-up {policy.name}")
             i.model.offload.reset()
-            _decoder(plan, i.model, i.drafter, policy, i.profile.cost, i.calibrator, None, i.fitted).generate(
-                i.prompts[0].input_ids, min(WARMUP_TOKENS, plan.max_new_tokens), ignore_eos=True)
-        recorder = self.recorder if not plan.record_full else None
-        self.decoders[policy.name] = _decoder(plan, i.model, i.drafter, policy, i.profile.cost, i.calibrator, recorder,
-                                              i.fitted)
+            decoder(None).generate(i.prompts[0].input_ids, min(WARMUP_TOKENS, plan.max_new_tokens), ignore_eos=True)
+        self.decoders[policy.name] = decoder(self.recorder if not plan.record_full else None)
 
     def _decode_prompt(self, policy, index: int, prompt) -> None:
         plan, rows = self.plan, self.rows

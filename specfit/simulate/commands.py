@@ -93,7 +93,7 @@ def _parse_sizes(text: str) -> list[int]:
         sizes = [int(v) for v in fields]
     except ValueError:
         raise SpecFitError(f"--cache-experts: expected comma-separated non-negative integers, got {text!r}") from None
-    if not sizes or min(sizes) < 0:
+    if min(sizes) < 0:                       # comma_list refused an empty list
         raise SpecFitError(f"--cache-experts: expected comma-separated non-negative integers, got {text!r}")
     return sizes
 
