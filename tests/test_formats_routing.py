@@ -80,8 +80,10 @@ def test_cli_imports_a_per_sequence_log_and_says_what_cannot_be_fitted(per_seque
                                  "--tree-depth", "2"])
     assert result.exit_code == 0, result.output
     assert "no token ids" in result.stdout and "(affinity) cannot be fitted" in result.stdout
+    assert "3 sequences of the log, numbered 0-2 in the trace" in result.stdout
     trace = read_trace(out)
     assert trace.meta["recording"]["layout"] == "npz-per-sequence"
+    assert trace.meta["recording"]["source_sequence_ids"] == [0, 2, 10]
 
 
 def test_model_config_gives_the_shape_of_moe_layers(per_sequence_npz, tmp_path):

@@ -52,3 +52,23 @@ def test_importers_routing_model_covers_the_logs_largest_token_id():
     likely = router.likely_experts(log.tokens)
     assert likely.shape == log.experts.shape
     assert router.preferences(np.array([log.tokens.max()])).shape == (1, 16, 8)
+
+
+def test_the_trace_keeps_the_logs_id_of_each_sequence_and_counts_the_one_token_ones_left_out():
+    rng = np.random.default_rng(3)
+    lengths = {42: 5, 7: 1, 3: 4, 900: 6}          # first-seen order; sequence 7 has no second token
+    experts = np.stack([rng.permutation(64)[:8] for _ in range(16 * sum(lengths.values()))]).reshape(-1, 16, 8)
+    ids = np.concatenate([np.full(n, s) for s, n in lengths.items()])
+    log = RoutingLog(experts, rng.integers(0, 1000, ids.size), ids, "mem")
+    trace = import_routing(log, model_for_log(log, None), drafter=SMALL_DRAFTER)
+    recording = trace.meta["recording"]
+    assert recording["source_sequence_ids"] == [42, 3, 900]
+    assert recording["one_token_sequences_skipped"] == 1
+    # trace sequence s is the log's source_sequence_ids[s]: its cycles are that sequence's positions
+    for s, source in enumerate(recording["source_sequence_ids"]):
+        assert int((trace.sequence == s).sum()) == lengths[source] - 1
+        first_root = trace.offsets[:-1][trace.sequence == s][0]
+        np.testing.assert_array_equal(trace.true_experts[first_root], experts[np.flatnonzero(ids == source)[0]])
+    # --max-tokens stops at a sequence boundary's budget: only the sequences imported are named
+    assert import_routing(log, model_for_log(log, None), drafter=SMALL_DRAFTER,
+                          max_tokens=4).meta["recording"]["source_sequence_ids"] == [42]

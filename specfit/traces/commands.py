@@ -230,3 +230,9 @@ def _report_written(trace, out: Path, as_json: bool) -> None:
                    f"({', '.join(recording.get('unfittable_predictors', []))}) cannot be fitted on this trace")
     if recording.get("router_weights"):
         typer.echo("router weights of the reference path kept (column true_expert_weights)")
+    ids = recording.get("source_sequence_ids")
+    if ids is not None:
+        skipped = recording.get("one_token_sequences_skipped", 0)
+        typer.echo(f"{len(ids)} sequences of the log, numbered 0-{len(ids) - 1} in the trace (the log's ids are "
+                   f"kept under recording.source_sequence_ids)"
+                   + (f"; {skipped} of one token left out (no cycle to make)" if skipped else ""))

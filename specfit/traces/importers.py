@@ -80,14 +80,16 @@ def import_routing_and_model(log: RoutingLog, model: dict, workload: str = "impo
                           np.where(np.isfinite(affinity), affinity, np.nan_to_num(reuse, nan=0.0)),
                           sibling_reuse, k, vocab, seed=seed)
     router.calibrate(token_sampler, rng)
-    ref_tokens, ref_experts, ref_weights = [], [], []
+    ref_tokens, ref_experts, ref_weights, kept, too_short = [], [], [], [], 0
     budget = np.inf if max_tokens is None else int(max_tokens)
     for s in pd.unique(log.sequence):
         rows = np.flatnonzero(log.sequence == s)
+        too_short += rows.size < 2
         if rows.size < 2 or budget <= 0:
             continue
         rows = rows[: int(min(rows.size, budget + 1))]
         budget -= rows.size - 1
+        kept.append(int(s))
         ref_tokens.append(tokens[rows])
         ref_experts.append(log.experts[rows])
         if log.weights is not None:
@@ -107,7 +109,10 @@ def import_routing_and_model(log: RoutingLog, model: dict, workload: str = "impo
     recording = {"kind": "imported", "position_indexed": True, "full_verification": True,
                  "tool": f"specfit {__version__} traces import-routing", "source": Path(log.source).name,
                  "layout": log.layout, "seed": seed, "token_ids": "real" if known_tokens else "synthesised",
-                 "router_weights": log.weights is not None}
+                 "router_weights": log.weights is not None,
+                 # the trace numbers its sequences 0, 1, ...: the log's id of each, and the log's
+                 # sequences of one token (no cycle to make) left out
+                 "source_sequence_ids": kept, "one_token_sequences_skipped": int(too_short)}
     if not known_tokens:
         recording["unfittable_predictors"] = list(TOKEN_PREDICTORS)
     meta = {
