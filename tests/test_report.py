@@ -430,3 +430,23 @@ def test_a_large_sweep_heat_map_shows_colours_without_a_number_per_square_and_th
     ticks = large.axes[0].get_yticks()
     assert len(ticks) <= MAX_TICKS + 1 and ticks[0] == 0 and ticks[-1] == 63
     assert [t.get_text() for t in large.axes[0].get_yticklabels()][-1] == "63"
+
+
+def test_a_report_into_a_directory_holding_another_inputs_report_says_it_replaced_it(sim_dir, profile_path, tmp_path,
+                                                                                    monkeypatch):
+    """The default --out is reports/<first input's name>: runs/a and other/a share it."""
+    monkeypatch.chdir(tmp_path)
+    first, second = tmp_path / "runs" / "sim", tmp_path / "other" / "sim"
+    shutil.copytree(sim_dir, first)
+    shutil.copytree(sim_dir, second)
+    result = invoke("report", first)
+    assert result.exit_code == 0 and "note:" not in result.output, result.output
+    again = invoke("report", Path("runs") / "sim")             # the same input, spelled relative: no note
+    assert again.exit_code == 0 and "note:" not in again.output, again.output
+    other = invoke("report", second)
+    assert other.exit_code == 0, other.output
+    assert f"note: {Path('reports') / 'sim'} held the report of runs/sim; it is replaced" in other.output
+    assert json.loads((tmp_path / "reports" / "sim" / "inputs.json").read_text()) == [str(second)]
+    # an unreadable inputs.json is no earlier report to name
+    (tmp_path / "reports" / "sim" / "inputs.json").write_text("{broken")
+    assert "note:" not in invoke("report", first).output

@@ -26,9 +26,29 @@ def report_command(
     target = out or Path("reports") / (inputs[0].stem if inputs else "report")
     try:
         check_output(target, "--out", kind="dir")
+        earlier = _earlier_inputs(target)
         index = build_report(inputs, target, title=title, say=lambda line: typer.secho(line, err=True))
     except Interrupted as exc:
         stopped(str(exc))
     except INTERRUPTS as exc:
         stopped_by(exc, f"interrupted: no report was written ({target} holds what it held before)")
+    if earlier and not _same_inputs(earlier, inputs):
+        # the default --out is named after the first input: runs/a and other/a share reports/a
+        typer.secho(f"note: {target} held the report of {', '.join(earlier)}; it is replaced (--out names another "
+                    "directory)", err=True)
     typer.echo(f"report written to {index}")
+
+
+def _earlier_inputs(target: Path) -> list[str] | None:
+    """The inputs of the report already in ``target`` (its ``inputs.json``), or None."""
+    import json
+
+    try:
+        earlier = json.loads((target / "inputs.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return earlier if isinstance(earlier, list) and all(isinstance(p, str) for p in earlier) else None
+
+
+def _same_inputs(earlier: list[str], inputs: list[Path]) -> bool:
+    return earlier == [str(p) for p in inputs] or [Path(p).resolve() for p in earlier] == [p.resolve() for p in inputs]
