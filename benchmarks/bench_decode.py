@@ -21,8 +21,11 @@ prompt with every policy in turn, each policy with its own expert cache (``specf
    term comes from a stand-in layer, the refit measures the real drafter and the per-level work;
 3. the full trace calibrates the drafter's acceptance probabilities (``--acceptance``).
 
-``--warmup-prompts`` runs the warm-up on other prompts than the measured run's, so that the
-acceptance calibration and the refit are held out from the prompts they are judged on.
+``--warmup-prompts FILE`` runs the warm-up on other prompts than the measured run's, so that the
+acceptance calibration and the refit are held out from the prompts they are judged on;
+``--warmup-prompts held-out`` takes 4 prompts per workload of the bundled model's held-out text
+that are not among the demo prompts (:func:`held_out_prompts`): a user calibrating on their
+workload and then serving new prompts of it.
 
 Without ``--profile`` the starting profile is a quick calibration of this machine. Everything is
 written to a temporary directory, nothing to the checkout.
@@ -91,7 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=Path, default=demo_prompts_path())
     parser.add_argument("--warmup-prompts", type=Path, default=None,
                         help="prompts of the warm-up (refit and acceptance calibration; default: --prompts), "
-                             "e.g. other prompts than the measured run's, for a held-out calibration")
+                             "e.g. other prompts than the measured run's, for a held-out calibration; 'held-out': "
+                             "4 per workload of the bundled model's held-out text, none of them a demo prompt")
     parser.add_argument("--policies", default="ar,eagle3,specfit")
     parser.add_argument("--cache-experts", type=int, default=4)
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -115,6 +119,30 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"bench_decode: {exc}") from None
 
 
+HELD_OUT = "held-out"
+
+
+def held_out_prompts(path: Path, measured: Path, per_workload: int = 4, chars: int = 150) -> Path:
+    """Writes ``per_workload`` prompts of each workload of the bundled model's held-out text
+    (:mod:`specfit.assets.corpus`, which the model was not trained on) that share no opening with a
+    prompt of ``measured``, shaped like the demo prompts: a docs text's first ``chars`` characters
+    (texts of at least ``chars + 50``), a math problem's question up to its "Answer:"."""
+    import random
+
+    from specfit.assets.corpus import HELD_OUT_EVERY, docs_texts, math_problems
+
+    seen = {json.loads(line)["prompt"][:40] for line in measured.read_text().splitlines() if line.strip()}
+    texts = docs_texts()
+    docs = [t[:chars] for t in texts[::HELD_OUT_EVERY] if len(t) >= chars + 50 and t[:40] not in seen]
+    # a stream of its own: neither the training problems' (seed 1234) nor the evaluation's
+    questions = [q.split("\nAnswer:")[0] + "\nAnswer:" for q in math_problems(random.Random(1234 + 2_000_003), 64)]
+    math = list(dict.fromkeys(q for q in questions if q[:40] not in seen))
+    records = [{"prompt": p, "workload": "docs"} for p in docs[:per_workload]]
+    records += [{"prompt": p, "workload": "math"} for p in math[:per_workload]]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
 def run_as_arm(argv: list[str], patches: dict) -> bool:
     """The child side of an A/B benchmark that runs this one in fresh processes (``bench_noise.py``,
     ``bench_router.py``): ``--run-arm ARM -- ARGS`` applies ``patches[ARM]`` (when there is one)
@@ -132,6 +160,7 @@ def run_benchmark(args) -> None:
     load_before = os.getloadavg()
 
     # paths resolved before the chdir below
+    held_out = args.warmup_prompts == Path(HELD_OUT)
     for name in ("out", "model", "drafter", "prompts", "warmup_prompts"):
         if getattr(args, name) is not None:
             setattr(args, name, getattr(args, name).resolve())
@@ -139,6 +168,9 @@ def run_benchmark(args) -> None:
         args.profile = str(Path(args.profile).resolve())
     work = Path(tempfile.mkdtemp(prefix="bench_decode."))
     os.chdir(work)     # a quick calibration lands in ./calibrate/ here, not in the checkout
+    if held_out:
+        args.warmup_prompts = held_out_prompts(work / "warmup-prompts.jsonl", args.prompts)
+        print(f"warm-up on {sum(1 for _ in args.warmup_prompts.open())} held-out prompts, none of them measured")
 
     def plan(policies: list[str], **changes) -> DecodePlan:
         settings = dict(model_dir=args.model, prompts_path=args.prompts, cache_experts=args.cache_experts,

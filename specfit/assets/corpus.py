@@ -73,25 +73,26 @@ def docs_texts() -> list[str]:
 
 
 def _module_docstrings(module_name: str) -> list[str]:
+    # importing some modules, and reading some attributes (typing.io, typing.re), warns of deprecations
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
             module = importlib.import_module(module_name)
         except ImportError:   # optional modules (e.g. sqlite3) may be missing from a build
             return []
-    docs = [inspect.getdoc(module)]
-    for name in sorted(vars(module)):
-        obj = getattr(module, name)
-        if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
-            continue
-        if inspect.isclass(obj):
-            docs.append(inspect.getdoc(obj))
-            for method_name in sorted(vars(obj)):
-                method = vars(obj)[method_name]
-                if not method_name.startswith("_") and inspect.isfunction(method):
-                    docs.append(inspect.getdoc(method))
-        elif inspect.isfunction(obj):
-            docs.append(inspect.getdoc(obj))
+        docs = [inspect.getdoc(module)]
+        for name in sorted(vars(module)):
+            obj = getattr(module, name)
+            if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            if inspect.isclass(obj):
+                docs.append(inspect.getdoc(obj))
+                for method_name in sorted(vars(obj)):
+                    method = vars(obj)[method_name]
+                    if not method_name.startswith("_") and inspect.isfunction(method):
+                        docs.append(inspect.getdoc(method))
+            elif inspect.isfunction(obj):
+                docs.append(inspect.getdoc(obj))
     return [doc.strip() for doc in docs if doc]
 
 
