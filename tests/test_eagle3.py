@@ -430,3 +430,77 @@ def test_a_pass_computes_only_the_logits_rows_it_is_asked_for():
     out = session.commit(hidden, ids)
     assert seen == [[-1]]
     torch.testing.assert_close(out.logits, full.logits[-1:])
+
+
+BASE = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 40, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 56, "vocab_size": 64, "draft_vocab_size": 24,
+        "rope_theta": 500.0, "max_position_embeddings": 4096, "num_hidden_layers": 1}
+SCALED = {
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 16.0,
+             "beta_slow": 2.0},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+               "original_max_position_embeddings": 1024},
+}
+
+
+# kills EC04 (eagle3_config.py:291) and EC05 (eagle3_config.py:293): SpecFit's own export of a drafter
+# with scaled RoPE must keep every parameter of it
+@pytest.mark.parametrize("variant", list(SCALED))
+def test_save_load_round_trip_keeps_a_scaled_rope(tmp_path, variant):
+    config = Eagle3Config.from_dict({**BASE, "rope_scaling": SCALED[variant]})
+    drafter = Eagle3Drafter(config, target_embed=None)
+    drafter.init_weights(0)
+    drafter.set_draft_vocabulary(torch.arange(0, 48, 2))    # a reduced vocabulary with a real mapping
+    drafter.save_pretrained(tmp_path)
+    loaded = Eagle3Drafter.from_pretrained(tmp_path)
+    assert loaded.config.rope == config.rope
+    assert torch.equal(loaded.inv_freq, drafter.inv_freq) and loaded.rope_scale == drafter.rope_scale
+
+
+# ----------------------------------------------------------------- bad draft vocabularies
+def _last_to(target_id):
+    def change(t, c):
+        d2t = t["d2t"].clone()
+        d2t[-1] = target_id - (DRAFT_VOCAB - 1)
+        t.update(d2t=d2t)
+        t.pop("t2d")
+    return change
+
+
+def _duplicate(t, c):
+    d2t = t["d2t"].clone()
+    d2t[1] = int(DRAFT_IDS[0]) - 1          # draft token 1 -> the target id of draft token 0
+    t.update(d2t=d2t)
+    t.pop("t2d")                            # optional: d2t alone must be checked
+
+
+def _bool_offsets(t, c):
+    t.update(d2t=torch.ones(DRAFT_VOCAB, dtype=torch.bool))    # read as offsets 1: ids 1..24, in range
+    t.pop("t2d")
+
+
+# kills K03 (eagle3_checkpoint.py:113, id == vocab_size let through: an IndexError instead of the
+# one clear error), K04 (:118, duplicate target ids accepted), K08 (:109, a bool d2t accepted),
+# K10 (:90, a mis-shaped embed_tokens reaching load_state_dict)
+@pytest.mark.parametrize("change, message", [
+    (_last_to(VOCAB), "maps draft token 23 to target id 64, outside the target vocabulary"),
+    (_duplicate, "several draft tokens to the same target id"),
+    (_bool_offsets, "expected integer offsets"),
+    (lambda t, c: t.update({"embed_tokens.weight": torch.zeros(VOCAB, TARGET_H + 1)}),
+     "tensor 'embed_tokens.weight' has shape [64, 41], expected [64, 40]"),
+])
+def test_bad_draft_vocabulary_or_embedding_is_one_clear_error(tmp_path, change, message):
+    write_and_corrupt(tmp_path, change)
+    with pytest.raises(SpecFitError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        Eagle3Drafter.from_pretrained(tmp_path)
+
+
+# kills DR07 (drafting.py:215): a tree top-k wider than the draft vocabulary takes every draft token
+def test_tree_top_k_wider_than_the_draft_vocabulary_drafts_every_draft_token():
+    drafter = random_drafter()
+    session = DrafterSession(drafter, max_entries=128)
+    root = session.commit(features(6), tokens(6))
+    drafting = TreeDraft(session, 7, lambda: root, top_k=DRAFT_VOCAB + 6, max_levels=2)
+    level = drafting.grow()
+    assert level.size == DRAFT_VOCAB and sorted(level.tokens.tolist()) == DRAFT_IDS.sort().values.tolist()
+    assert drafting.grow().size == DRAFT_VOCAB * DRAFT_VOCAB

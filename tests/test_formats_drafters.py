@@ -442,3 +442,62 @@ def test_specfit_decode_runs_the_drafter_format_lossless(tmp_path, monkeypatch, 
         prompt = [[3, 1, 4, 1, 5], [9, 2]][record["index"]]
         want = reference.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0, len(prompt):]
         assert record["output_ids"] == want.tolist(), record["policy"]
+
+
+ROPES = {
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 512},
+}
+
+
+def _drafter_config(rope: dict) -> Eagle3Config:
+    return Eagle3Config.from_dict({
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 96, "vocab_size": 96, "draft_vocab_size": 40,
+        "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048, "num_hidden_layers": 1,
+        "rope_scaling": rope})
+
+
+# kills E07 (eagle3.py:263, the YaRN attention factor left off the drafter's cos/sin)
+@pytest.mark.parametrize("variant", list(ROPES))
+def test_drafter_rope_equals_transformers_llama_rotary_for_scaled_variants(variant):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = _drafter_config(ROPES[variant])
+    drafter = Eagle3Drafter(config)
+    reference = LlamaRotaryEmbedding(LlamaConfig(hidden_size=64, num_attention_heads=4, head_dim=32,
+                                                 max_position_embeddings=2048,
+                                                 rope_parameters={"rope_theta": 10000.0, **ROPES[variant]}))
+    positions = torch.arange(0, 1500, 37)
+    want_cos, want_sin = reference(torch.zeros(1), positions[None])
+    cos, sin = drafter.rope(positions)
+    torch.testing.assert_close(cos, want_cos[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin, want_sin[0], rtol=0, atol=1e-6)
+
+
+# kills E10 (eagle3.py:249): a drafter cast to bfloat16 keeps float32 RoPE frequencies, so its
+# angles at long positions are those of the float32 drafter
+def test_a_drafter_cast_to_bfloat16_keeps_float32_rope_frequencies():
+    config = _drafter_config(ROPES["llama3"])
+    drafter = Eagle3Drafter(config)
+    want = drafter.inv_freq.clone()
+    angles = drafter.rope_angles(torch.tensor([1900]))
+    drafter.to(dtype=torch.bfloat16)
+    assert drafter.inv_freq.dtype == torch.float32 and torch.equal(drafter.inv_freq, want)
+    assert torch.equal(drafter.rope_angles(torch.tensor([1900])), angles)
+
+
+# kills LD07 (loader.py:231): a target that captures other layers than the drafter reads is refused
+def test_a_target_capturing_other_layers_than_the_drafter_reads_is_refused(tmp_path):
+    from speculative_fixtures import make_drafter
+    from specfit.runtime.loader import load_drafter, load_model
+
+    model_dir = make_tiny_model("qwen3_moe", tmp_path / "target")
+    drafter_dir = make_drafter(model_dir, tmp_path / "drafter")        # reads the default layers (1, 1, 0)
+    assert Eagle3Config.from_file(drafter_dir / "config.json").aux_hidden_state_layer_ids == (1, 1, 0)
+    model = load_model(model_dir, cache_experts=8, capture_layers=(0, 1, 2))
+    with pytest.raises(SpecFitError, match="load the target with the drafter's feature layers"):
+        load_drafter(drafter_dir, model)
+    load_drafter(drafter_dir, load_model(model_dir, cache_experts=8))   # the default capture: accepted

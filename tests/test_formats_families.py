@@ -20,6 +20,7 @@ from specfit.cli import app
 from specfit.errors import SpecFitError
 from specfit.runtime.config import ModelConfig
 from specfit.runtime.loader import load_model
+from specfit.runtime.routers import route
 
 pytest.importorskip("transformers")
 
@@ -332,3 +333,40 @@ def test_specfit_decode_runs_a_model_with_dense_layers(tmp_path, monkeypatch):
                                 profile="pcie4", max_new_tokens=NEW_TOKENS, device="cpu", ignore_eos=True))
     want = load_reference(model_dir).generate(torch.tensor([PROMPTS[0]]), max_new_tokens=NEW_TOKENS, do_sample=False)
     assert [r["output_ids"] for r in run.records] == [want[0, len(PROMPTS[0]):].tolist()] * 2
+
+
+def _deepseek_router(**overrides):
+    """transformers' DeepSeek-V2 router with random weights and the same config as ours."""
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    kwargs = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                  n_routed_experts=8, moe_intermediate_size=16, n_shared_experts=0, intermediate_size=80,
+                  first_k_dense_replace=0, kv_lora_rank=32, q_lora_rank=None, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                  v_head_dim=16, max_position_embeddings=256, routed_scaling_factor=1.0)
+    kwargs.update(overrides)
+    reference_config = DeepseekV2Config(**kwargs)
+    router = DeepseekV2TopkRouter(reference_config)
+    with torch.no_grad():
+        router.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(0))
+    raw = reference_config.to_dict() | {"architectures": ["DeepseekV2ForCausalLM"]}
+    return router, ModelConfig.from_dict(raw)
+
+
+# kills RT07 (routers.py:56, topk_group + 1 groups kept): the family fixture's grouped case has
+# top_k (2) <= topk_group (2), where the group limit can never change the top-k
+@pytest.mark.parametrize("n_group,topk_group,top_k", [(2, 1, 3), (4, 2, 3)])
+def test_group_limited_routing_keeps_only_the_best_groups_like_transformers(n_group, topk_group, top_k):
+    router, config = _deepseek_router(topk_method="group_limited_greedy", n_group=n_group, topk_group=topk_group,
+                                      num_experts_per_tok=top_k, routed_scaling_factor=2.5)
+    assert config.router == "group_limited_topk" and (config.n_group, config.topk_group) == (n_group, topk_group)
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    _, want_weights, want_ids = router(x)
+    weights, ids = route(x, router.weight, config)
+    # transformers' top-k is unsorted: compare each token's (expert, weight) pairs by expert id
+    order, want_order = ids.argsort(dim=-1), want_ids.argsort(dim=-1)
+    assert torch.equal(ids.gather(1, order), want_ids.gather(1, want_order))
+    assert torch.equal(weights.gather(1, order), want_weights.gather(1, want_order))
+    # and the limit matters here: routing over every group picks other experts for some tokens
+    _, free_ids = torch.topk(torch.softmax(x @ router.weight.T, -1), top_k, dim=-1)
+    assert not torch.equal(free_ids.sort(-1).values, ids.sort(-1).values)

@@ -210,3 +210,99 @@ def test_load_uses_the_requested_dtype(qwen_dir):
     assert model.offload.host.dtype == torch.bfloat16 and model.offload.slot_gate_up.dtype == torch.bfloat16
     with pytest.raises(SpecFitError, match="dtype"):
         load_model(qwen_dir, dtype="int8")
+
+
+# modelled on Qwen1.5-MoE-A2.7B's hub config.json (4.x era: no 'qkv_bias' key, the biases are
+# always there; a window value that use_sliding_window: false leaves off)
+HUB_QWEN2_MOE = {
+    "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "hidden_size": 2048,
+    "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 60,
+    "num_experts_per_tok": 4, "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+    "intermediate_size": 5632, "decoder_sparse_step": 1, "norm_topk_prob": False, "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0, "max_position_embeddings": 8192, "max_window_layers": 21, "sliding_window": 32768,
+    "use_sliding_window": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "vocab_size": 151936,
+    "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151643,
+}
+
+
+# kills C09 (config.py:376, a missing 'qkv_bias' read as false: the checkpoint's q/k/v biases
+# would be silently dropped)
+def test_qwen2_moe_hub_config_without_qkv_bias_has_the_attention_biases():
+    from transformers import Qwen2MoeConfig
+
+    assert Qwen2MoeConfig(**HUB_QWEN2_MOE).qkv_bias is True          # transformers' default
+    assert ModelConfig.from_dict(HUB_QWEN2_MOE).attention_bias is True
+    assert ModelConfig.from_dict({**HUB_QWEN2_MOE, "qkv_bias": False}).attention_bias is False
+
+
+# kills C07 (config.py:228, the window applied / refused without use_sliding_window)
+@pytest.mark.parametrize("raw", [HUB_QWEN2_MOE, {**HUB_QWEN3, "sliding_window": 4096}], ids=["qwen2_moe", "qwen3_moe"])
+def test_a_qwen_window_without_use_sliding_window_is_ignored(raw):
+    assert ModelConfig.from_dict(raw).sliding_window is None
+
+
+# a config without 'num_key_value_heads' gets what transformers' config class gives it: the class
+# default for Qwen3-MoE (4), Qwen2-MoE (16) and Mixtral (8), one KV head per query head for OLMoE
+# and DeepSeek-V2 (found by mutation round s52: SpecFit gave every family one per query head)
+@pytest.mark.parametrize("family", ["Qwen3Moe", "Qwen2Moe", "Mixtral", "Olmoe", "DeepseekV2"])
+def test_missing_num_key_value_heads_is_what_transformers_config_class_gives(family):
+    import transformers
+
+    config_class = getattr(transformers, f"{family}Config")
+    raw = config_class(num_attention_heads=16, hidden_size=2048, num_experts_per_tok=2).to_dict() | {
+        "architectures": [f"{family}ForCausalLM"]}
+    raw.pop("num_key_value_heads")
+    assert ModelConfig.from_dict(raw).n_kv_heads == config_class(**raw).num_key_value_heads
+
+
+# kills C10 (config.py:217) and C11 (config.py:215): shape checks of the config
+@pytest.mark.parametrize("change,message", [
+    ({"num_experts_per_tok": 129}, "'num_experts_per_tok' is 129, more than the 128 experts"),
+    ({"num_key_value_heads": 5}, "must be a multiple of num_key_value_heads \\(5\\)"),
+])
+def test_inconsistent_head_or_expert_counts_are_one_error(change, message):
+    with pytest.raises(SpecFitError, match=message):
+        ModelConfig.from_dict({**HUB_QWEN3, **change}, source="config.json")
+
+
+# kills LD09 (loader.py:253, tie_word_embeddings read as "always use the embedding"): a checkpoint
+# that says tied but stores its own, different lm_head.weight runs that head, as transformers does
+def test_a_tied_config_with_a_stored_lm_head_uses_the_stored_head_like_transformers(tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from runtime_fixtures import load_reference, make_tiny_model
+    from specfit.runtime.loader import load_model
+
+    model_dir = make_tiny_model("qwen3_moe", tmp_path, tie_word_embeddings=True)
+    tensors = load_file(str(model_dir / "model.safetensors"))
+    tensors["lm_head.weight"] = torch.randn(tensors["model.embed_tokens.weight"].shape,
+                                            generator=torch.Generator().manual_seed(0))
+    save_file(tensors, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    reference = load_reference(model_dir)
+    model = load_model(model_dir, cache_experts=3)
+    model.setup_kv_cache(16)
+    ids = torch.arange(8) * 7 % 96
+    with torch.no_grad():
+        want = reference(ids[None]).logits[0]
+    torch.testing.assert_close(model(ids, torch.arange(8)).logits, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
+
+
+# kills B06 (loader.py:299, load_router without the post-attention norm folded into the routers):
+# the replay's router predictor reads the checkpoint as the live one reads the loaded model
+def test_load_router_predicts_like_the_live_router_predictor_of_the_loaded_model(tmp_path):
+    import numpy as np
+
+    from runtime_fixtures import make_tiny_model
+    from specfit.experts.predictor_base import NodeBatch
+    from specfit.experts.router import RouterPredictor
+    from specfit.runtime.loader import load_model, load_router
+
+    model_dir = make_tiny_model("qwen3_moe", tmp_path)      # norms drawn in [0.8, 1.2], not ones
+    live = RouterPredictor(load_model(model_dir, cache_experts=8), adapt=False)
+    replay = load_router(model_dir)
+    tokens = np.arange(96)
+    batch = NodeBatch(tokens=tokens, last_known=np.full((96, 2, 2), -1, dtype=np.int64))
+    assert replay.layers_experts == live.layers_experts == (2, 8)
+    assert np.array_equal(replay.predict(batch), live.predict(batch))

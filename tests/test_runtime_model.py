@@ -239,3 +239,120 @@ def test_bad_forward_arguments_are_rejected(model_dirs):
         model(torch.arange(17) % VOCAB, torch.arange(17))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model.setup_kv_cache(10_000)
+
+
+@pytest.fixture(scope="module")
+def qwen3_dir(tmp_path_factory):
+    return make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
+
+
+# kills M11 (model.py:408, the torch path's ascending check loosened to allow repeats):
+# the existing rejection test runs float32 only, which the compiled host kernel handles
+@pytest.mark.parametrize("keep", [[1, 1], [0, 3, 2]])
+def test_bfloat16_kv_compaction_rejects_keep_that_is_not_ascending(qwen3_dir, keep):
+    model = load_model(qwen3_dir, dtype=torch.bfloat16, cache_experts=3)
+    model.setup_kv_cache(32)
+    assert model._kv_host is None          # bfloat16: the torch path, not the host kernel
+    cache = model.layers[0].self_attn.kv_cache
+    cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(1)))
+    before = cache.k.clone()
+    with pytest.raises(ValueError, match="ascending"):
+        model.compact_kv(4, np.array(keep))
+    assert torch.equal(cache.k, before)
+
+
+# kills RT05 (routers.py:47, the routing weights cast to the activation dtype for the wrong
+# families): in bfloat16, each family's routing weights equal its transformers router's, dtype included
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral"])
+def test_bfloat16_routing_weights_equal_the_transformers_router_with_its_dtype(family):
+    from transformers import AutoModelForCausalLM
+
+    from runtime_fixtures import tiny_config
+    from specfit.runtime.config import ModelConfig
+    from specfit.runtime.routers import route
+
+    reference_config = tiny_config(family)
+    torch.manual_seed(0)
+    reference = AutoModelForCausalLM.from_config(reference_config, dtype=torch.bfloat16)
+    gate = reference.model.layers[0].mlp.gate
+    with torch.no_grad():
+        gate.weight.normal_(0.0, 0.5)
+    config = ModelConfig.from_dict(reference_config.to_dict() | {"architectures": [type(reference).__name__]})
+    x = torch.randn(32, reference_config.hidden_size, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    with torch.no_grad():
+        _, want_weights, want_ids = gate(x)
+    weights, ids = route(x, gate.weight, config)
+    assert torch.equal(ids, want_ids)
+    assert weights.dtype == want_weights.dtype and torch.equal(weights, want_weights)
+
+
+# kills B03 (model.py:383, a sliding window measured from the tree nodes' slots instead of their
+# positions): a tree whose deep node has an ancestor drafted late in its level, so slot != position
+def test_tree_masked_logits_equal_linear_sequences_under_a_sliding_window(tmp_path):
+    from specfit.tree import DraftTree
+
+    model_dir = make_tiny_model("mixtral", tmp_path, sliding_window=2)
+    prompt = torch.randint(0, 96, (6,), generator=torch.Generator().manual_seed(3))
+    #   0 -> 1, 2, 3;  3 -> 4 -> 5   (node 3: position n + 1, slot n + 3)
+    tree = DraftTree(parents=np.array([-1, 0, 0, 0, 3, 4]), path_probs=np.linspace(1.0, 0.5, 6),
+                     tokens=np.array([5, 17, 42, 9, 63, 2]))
+    model = load_model(model_dir, cache_experts=8)
+    model.setup_kv_cache(32)
+    n = prompt.numel()
+    model(prompt, torch.arange(n))
+    mask = np.concatenate([np.ones((tree.n_nodes, n), dtype=bool), tree.attention_mask()], axis=1)
+    tree_logits = model(tree.tokens, tree.positions(n), torch.from_numpy(mask)).logits
+    linear = load_model(model_dir, cache_experts=8)
+    linear.setup_kv_cache(32)
+    for node, path in enumerate([[0], [0, 1], [0, 2], [0, 3], [0, 3, 4], [0, 3, 4, 5]]):
+        sequence = torch.cat([prompt, torch.as_tensor(tree.tokens[path])])
+        expected = linear(sequence, torch.arange(sequence.numel()), logits_rows=[-1]).logits[0]
+        assert (tree_logits[node] - expected).abs().max().item() <= 1e-5, f"node {node}"
+
+
+# kills B02 (model.py:149, routed experts summed in another order): with top-k 4 (more than two
+# terms per token, where float addition order matters) float32 logits equal transformers' bit for
+# bit, as the MoE block's comment promises
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_float32_logits_equal_transformers_bit_for_bit_with_four_experts_per_token(tmp_path, family):
+    from runtime_fixtures import load_reference
+
+    model_dir = make_tiny_model(family, tmp_path, num_experts_per_tok=4)
+    ids = torch.randint(0, 96, (12,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = load_reference(model_dir)(ids[None]).logits[0]
+    model = load_model(model_dir, cache_experts=8)
+    model.setup_kv_cache(32)
+    assert torch.equal(model(ids, torch.arange(12)).logits, want)
+
+
+# kills G05 (model.py:115, attention softmax in the compute dtype instead of float32: in float16 it
+# rounds differently now and then) and G04 / RT05 in the whole forward: test_argmax_matches_transformers_bfloat16
+# pins the argmax only, while the 16-bit logits are in fact bit-identical to transformers' eager path
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral"])
+def test_16_bit_logits_equal_transformers_bit_for_bit(tmp_path, family, dtype):
+    from runtime_fixtures import load_reference
+
+    model_dir = make_tiny_model(family, tmp_path)
+    ids = torch.randint(0, 96, (48,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = load_reference(model_dir, dtype)(ids[None]).logits[0]
+    model = load_model(model_dir, dtype=dtype, cache_experts=3)
+    model.setup_kv_cache(64)
+    assert torch.equal(model(ids, torch.arange(48)).logits, want)
+
+
+# the torch path of compact_kv (bfloat16 on the CPU; every GPU dtype; MLA models) checks the range of
+# `keep` as the float32 host kernel does: keep = [-1, 2] copied committed slot cache_len - 1 over a
+# new token's slot, and an index past the cache was a raw IndexError (found by mutation round s52)
+@pytest.mark.parametrize("keep", [[-1, 2], [0, 40], [0, 28]])
+def test_bfloat16_kv_compaction_rejects_keep_outside_the_new_tokens_and_moves_nothing(qwen3_dir, keep):
+    model = load_model(qwen3_dir, dtype=torch.bfloat16, cache_experts=3)
+    model.setup_kv_cache(32)
+    cache = model.layers[0].self_attn.kv_cache
+    cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(1)))
+    before = cache.k.clone()
+    with pytest.raises(ValueError, match="within"):
+        model.compact_kv(4, np.array(keep))
+    assert torch.equal(cache.k, before)

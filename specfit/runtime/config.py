@@ -45,15 +45,18 @@ class _Family:
     expert_count_keys: tuple = ("num_local_experts", "num_experts")
     dense_layers: str | None = None  # "sparse_step" (Qwen), "first_k" (DeepSeek) or None (all MoE)
     shared_expert: str | None = None  # "gated" (Qwen2-MoE) or "plain" (DeepSeek) or None
+    # without 'num_key_value_heads' in the config: transformers' class default (None: one KV head
+    # per query head)
+    kv_heads_default: int | None = None
 
 
 _FAMILIES = {
     "Qwen3MoeForCausalLM": _Family("qwen3_moe", "per_head", ("moe_intermediate_size",), False, False,
-                                   dense_layers="sparse_step"),
+                                   dense_layers="sparse_step", kv_heads_default=4),
     "OlmoeForCausalLM": _Family("olmoe", "full", ("intermediate_size",), False, False),
-    "MixtralForCausalLM": _Family("mixtral", None, ("intermediate_size",), True, True),
+    "MixtralForCausalLM": _Family("mixtral", None, ("intermediate_size",), True, True, kv_heads_default=8),
     "Qwen2MoeForCausalLM": _Family("qwen2_moe", None, ("moe_intermediate_size",), False, False,
-                                   dense_layers="sparse_step", shared_expert="gated"),
+                                   dense_layers="sparse_step", shared_expert="gated", kv_heads_default=16),
     "DeepseekV2ForCausalLM": _Family("deepseek_v2", None, ("moe_intermediate_size",), False, True,
                                      expert_count_keys=("n_routed_experts", "num_local_experts", "num_experts"),
                                      dense_layers="first_k", shared_expert="plain"),
@@ -202,7 +205,7 @@ class ModelConfig:
         hidden_size = get("hidden_size")
         n_layers = get("num_hidden_layers")
         n_heads = get("num_attention_heads")
-        n_kv_heads = get("num_key_value_heads", default=n_heads)
+        n_kv_heads = get("num_key_value_heads", default=family.kv_heads_default or n_heads)
         if raw.get("hidden_act", "silu") != "silu":
             raise SpecFitError(f"{source}: key 'hidden_act' must be 'silu', got {raw['hidden_act']!r}")
         n_experts = get(*family.expert_count_keys)
