@@ -15,8 +15,8 @@ from specfit.costmodel import CostModel
 from specfit.policies import make_policy
 from specfit.runtime.decoder import Decoder
 from specfit.runtime.drafting import Proposer
-from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter
-from specfit.runtime.loader import load_model
+from specfit.runtime.config import ModelConfig
+from specfit.runtime.loader import drafter_capture_layers, load_drafter, load_model
 from specfit.runtime.model import causal_mask
 from specfit.experts.predictors import NodeBatch
 from specfit.experts.router import RouterPredictor
@@ -51,11 +51,10 @@ def checkpoints(tmp_path_factory):
 
 
 def load(model_dir, drafter_dir, cache_experts: int):
-    config = Eagle3Config.from_file(drafter_dir / "config.json")
-    model = load_model(model_dir, cache_experts=cache_experts, capture_layers=config.aux_hidden_state_layer_ids)
-    shared = config.hidden_size == model.config.hidden_size
-    drafter = Eagle3Drafter.from_pretrained(drafter_dir, target_embed=model.embed_tokens.weight if shared else None)
-    return model, drafter
+    """The target and its drafter as ``specfit decode`` loads them."""
+    model = load_model(model_dir, cache_experts=cache_experts,
+                       capture_layers=drafter_capture_layers(drafter_dir, ModelConfig.from_dir(model_dir)))
+    return model, load_drafter(drafter_dir, model)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
