@@ -89,7 +89,7 @@ def test_cli_imports_a_per_sequence_log_and_says_what_cannot_be_fitted(per_seque
 def test_model_config_gives_the_shape_of_moe_layers(per_sequence_npz, tmp_path):
     path, _ = per_sequence_npz
     config = {"architectures": ["Qwen2MoeForCausalLM"], "hidden_size": 64, "num_hidden_layers": 17,
-              "num_attention_heads": 4, "num_experts": E, "num_experts_per_tok": K, "moe_intermediate_size": 32,
+              "num_attention_heads": 4, "num_key_value_heads": 4, "num_experts": E, "num_experts_per_tok": K, "moe_intermediate_size": 32,
               "shared_expert_intermediate_size": 48, "intermediate_size": 80, "mlp_only_layers": [3],
               "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 256, "vocab_size": 500}
     (tmp_path / "config.json").write_text(json.dumps(config))

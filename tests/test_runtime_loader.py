@@ -253,6 +253,10 @@ def test_missing_num_key_value_heads_is_what_transformers_config_class_gives(fam
         "architectures": [f"{family}ForCausalLM"]}
     raw.pop("num_key_value_heads")
     assert ModelConfig.from_dict(raw).n_kv_heads == config_class(**raw).num_key_value_heads
+    if family == "Qwen2Moe":        # a default that does not divide the heads: the key is asked for
+        with pytest.raises(SpecFitError, match=r"num_key_value_heads \(16, the default of Qwen2MoeForCausalLM's "
+                                               r"transformers config class where the key is missing: add the key\)"):
+            ModelConfig.from_dict({**raw, "num_attention_heads": 4})
 
 
 # kills C10 (config.py:217) and C11 (config.py:215): shape checks of the config

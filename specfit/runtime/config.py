@@ -216,7 +216,10 @@ class ModelConfig:
             if value < 1:
                 raise SpecFitError(f"{source}: key {name!r} must be at least 1, got {value}")
         if n_heads % n_kv_heads:
-            raise SpecFitError(f"{source}: num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads ({n_kv_heads})")
+            given = "" if raw.get("num_key_value_heads") is not None else (
+                f", the default of {architecture}'s transformers config class where the key is missing: add the key")
+            raise SpecFitError(f"{source}: num_attention_heads ({n_heads}) must be a multiple of num_key_value_heads "
+                               f"({n_kv_heads}{given})")
         if top_k > n_experts:
             raise SpecFitError(f"{source}: key 'num_experts_per_tok' is {top_k}, more than the {n_experts} experts "
                                f"per layer ({' / '.join(family.expert_count_keys)})")
