@@ -8,7 +8,7 @@ import pytest
 
 from specfit import CostModel
 from specfit.calibrate.fit import CycleTimeFitter, from_physical, prediction_errors, to_physical
-from specfit.calibrate.presets import PRESETS, QWEN3_30B_A3B, preset_profile, resolve_profile
+from specfit.calibrate.presets import OLMOE_1B_7B, PRESETS, QWEN3_30B_A3B, preset_profile, resolve_profile
 from specfit.calibrate.profile import ModelShape, Profile, load_profile
 from specfit.errors import SpecFitError
 
@@ -175,12 +175,19 @@ def test_missing_profile_file_is_one_clear_error(tmp_path):
         resolve_profile(tmp_path / "absent.json")
 
 
+# the published link bandwidths (GB/s) the presets module quotes, written out here: a test that
+# read them from PRESETS would pass whatever they were changed to
+PUBLISHED_GBPS = {"pcie4": 25.0, "pcie5": 50.0, "gh200": 340.0}
+
+
 def test_presets_follow_published_bandwidths():
-    for name, (gbps, _) in PRESETS.items():
-        prof = preset_profile(name)
-        assert prof.kind == "preset"
-        transfer_s = prof.cost.miss_s - prof.cost.hit_s
-        assert transfer_s == pytest.approx(QWEN3_30B_A3B.expert_bytes / (gbps * 1e9))
+    assert set(PRESETS) == set(PUBLISHED_GBPS)
+    for name, gbps in PUBLISHED_GBPS.items():
+        for shape in (QWEN3_30B_A3B, OLMOE_1B_7B):
+            prof = preset_profile(name, shape)
+            assert prof.kind == "preset"
+            assert prof.cost.transfer_s == pytest.approx(shape.expert_bytes / (gbps * 1e9))
+            assert prof.cost.miss_s == pytest.approx(prof.cost.hit_s + prof.cost.transfer_s)
     assert json.loads(json.dumps(preset_profile("pcie4").to_dict()))["kind"] == "preset"
     with pytest.raises(SpecFitError, match="preset"):
         resolve_profile("pcie9")

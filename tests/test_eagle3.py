@@ -443,7 +443,7 @@ SCALED = {
 }
 
 
-# kills EC04 (eagle3_config.py:291) and EC05 (eagle3_config.py:293): SpecFit's own export of a drafter
+# eagle3_config.py: SpecFit's own export of a drafter
 # with scaled RoPE must keep every parameter of it
 @pytest.mark.parametrize("variant", list(SCALED))
 def test_save_load_round_trip_keeps_a_scaled_rope(tmp_path, variant):
@@ -479,7 +479,7 @@ def _bool_offsets(t, c):
     t.pop("t2d")
 
 
-# kills K03 (eagle3_checkpoint.py:113, id == vocab_size let through: an IndexError instead of the
+# against a regression in eagle3_checkpoint.py (id == vocab_size let through: an IndexError instead of the
 # one clear error), K04 (:118, duplicate target ids accepted), K08 (:109, a bool d2t accepted),
 # K10 (:90, a mis-shaped embed_tokens reaching load_state_dict)
 @pytest.mark.parametrize("change, message", [
@@ -495,7 +495,7 @@ def test_bad_draft_vocabulary_or_embedding_is_one_clear_error(tmp_path, change, 
         Eagle3Drafter.from_pretrained(tmp_path)
 
 
-# kills DR07 (drafting.py:215): a tree top-k wider than the draft vocabulary takes every draft token
+# drafting.py: a tree top-k wider than the draft vocabulary takes every draft token
 def test_tree_top_k_wider_than_the_draft_vocabulary_drafts_every_draft_token():
     drafter = random_drafter()
     session = DrafterSession(drafter, max_entries=128)

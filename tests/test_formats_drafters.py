@@ -459,7 +459,7 @@ def _drafter_config(rope: dict) -> Eagle3Config:
         "rope_scaling": rope})
 
 
-# kills E07 (eagle3.py:263, the YaRN attention factor left off the drafter's cos/sin)
+# against a regression in eagle3.py (the YaRN attention factor left off the drafter's cos/sin)
 @pytest.mark.parametrize("variant", list(ROPES))
 def test_drafter_rope_equals_transformers_llama_rotary_for_scaled_variants(variant):
     from transformers import LlamaConfig
@@ -477,7 +477,7 @@ def test_drafter_rope_equals_transformers_llama_rotary_for_scaled_variants(varia
     torch.testing.assert_close(sin, want_sin[0], rtol=0, atol=1e-6)
 
 
-# kills E10 (eagle3.py:249): a drafter cast to bfloat16 keeps float32 RoPE frequencies, so its
+# eagle3.py: a drafter cast to bfloat16 keeps float32 RoPE frequencies, so its
 # angles at long positions are those of the float32 drafter
 def test_a_drafter_cast_to_bfloat16_keeps_float32_rope_frequencies():
     config = _drafter_config(ROPES["llama3"])
@@ -489,7 +489,7 @@ def test_a_drafter_cast_to_bfloat16_keeps_float32_rope_frequencies():
     assert torch.equal(drafter.rope_angles(torch.tensor([1900])), angles)
 
 
-# kills LD07 (loader.py:231): a target that captures other layers than the drafter reads is refused
+# loader.py: a target that captures other layers than the drafter reads is refused
 def test_a_target_capturing_other_layers_than_the_drafter_reads_is_refused(tmp_path):
     from speculative_fixtures import make_drafter
     from specfit.runtime.loader import load_drafter, load_model

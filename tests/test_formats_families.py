@@ -353,7 +353,7 @@ def _deepseek_router(**overrides):
     return router, ModelConfig.from_dict(raw)
 
 
-# kills RT07 (routers.py:56, topk_group + 1 groups kept): the family fixture's grouped case has
+# against a regression in routers.py (topk_group + 1 groups kept): the family fixture's grouped case has
 # top_k (2) <= topk_group (2), where the group limit can never change the top-k
 @pytest.mark.parametrize("n_group,topk_group,top_k", [(2, 1, 3), (4, 2, 3)])
 def test_group_limited_routing_keeps_only_the_best_groups_like_transformers(n_group, topk_group, top_k):

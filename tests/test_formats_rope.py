@@ -90,7 +90,7 @@ def test_bad_rope_is_one_error(raw, message):
         parse_rope(raw, "config.json", 4096)
 
 
-# kills R09 (rope.py:228, reset when the pass reaches exactly max_position_embeddings)
+# against a regression in rope.py (reset when the pass reaches exactly max_position_embeddings)
 def test_dynamic_ntk_keeps_grown_frequencies_for_a_pass_ending_exactly_at_the_original_length():
     """transformers resets dynamic NTK frequencies only for a pass strictly inside the original
     length (seq_len < max_position_embeddings): a pass whose last position is max_pos - 1 keeps the
@@ -104,7 +104,7 @@ def test_dynamic_ntk_keeps_grown_frequencies_for_a_pass_ending_exactly_at_the_or
         assert torch.equal(ours.inv_freq, reference.inv_freq)
 
 
-# kills R10 (rope.py:105, DeepSeek-V3-style yarn without 'factor')
+# against a regression in rope.py (DeepSeek-V3-style yarn without 'factor')
 def test_yarn_without_factor_uses_the_ratio_of_the_lengths_like_transformers():
     parameters = {"rope_type": "yarn", "original_max_position_embeddings": 32}
     spec = parse_rope({"rope_parameters": {"rope_theta": 5000.0, **parameters}}, "config.json", MAX_POS)
@@ -115,14 +115,14 @@ def test_yarn_without_factor_uses_the_ratio_of_the_lengths_like_transformers():
     assert ours.attention_scaling == pytest.approx(reference.attention_scaling, rel=1e-12)
 
 
-# kills R13 (rope.py:108, the factor >= 1 check of linear / dynamic removed)
+# against a regression in rope.py (the factor >= 1 check of linear / dynamic removed)
 @pytest.mark.parametrize("kind", ["linear", "dynamic"])
 def test_linear_or_dynamic_factor_below_one_is_one_error(kind):
     with pytest.raises(SpecFitError, match="factor' must be >= 1"):
         parse_rope({"rope_theta": 1e4, "rope_scaling": {"type": kind, "factor": 0.5}}, "config.json", 4096)
 
 
-# kills B05 (rope.py:75): a theta inside the RoPE block wins over a top-level one, as
+# rope.py: a theta inside the RoPE block wins over a top-level one, as
 # transformers' standardize_rope_params does (setdefault)
 def test_theta_inside_the_rope_block_wins_over_the_top_level_one_like_transformers():
     from transformers import Qwen3MoeConfig
@@ -132,7 +132,7 @@ def test_theta_inside_the_rope_block_wins_over_the_top_level_one_like_transforme
     assert parse_rope(raw, "config.json", 4096).theta == 5e5
 
 
-# kills G06 (rope.py:220, the attention factor applied after the cast to the compute dtype)
+# against a regression in rope.py (the attention factor applied after the cast to the compute dtype)
 @pytest.mark.parametrize("variant", ["yarn", "yarn-mscale"])
 def test_bfloat16_cos_sin_carry_the_attention_factor_rounded_once_like_transformers(variant):
     parameters = {"yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32},

@@ -73,3 +73,17 @@ def test_level_stats_rejects_a_memory_of_zero_or_one():
     for memory in (0.0, 1.0):
         with pytest.raises(ValueError, match="memory"):
             LevelStats(memory=memory)
+
+
+# the virtual level 3 takes level 3's acceptance, not level 2's: rows unlike the prior every unseen
+# level holds (the test above sets level 3 to that prior, where the two rows cannot be told apart)
+def test_the_virtual_level_uses_the_acceptance_of_its_own_depth():
+    stats = LevelStats(memory=0.5)
+    stats.acceptance_[2, :2] = [0.9, 0.05]
+    stats.seen_[2] = 1
+    stats.acceptance_[3, :2] = [0.6, 0.3]
+    stats.seen_[3] = 1
+    stats.width_ = 2.0
+    tree, _, _ = expected_level(TREE, experts_by_hand(), np.zeros((1, 12), dtype=bool), stats, depth=2)
+    assert tree.parents[7:].tolist() == [3, 3, 4, 4]
+    assert tree.path_probs[7:].tolist() == pytest.approx([0.3 * 0.6, 0.3 * 0.3, 0.12 * 0.6, 0.12 * 0.3])

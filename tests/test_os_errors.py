@@ -4,7 +4,6 @@ any work where it can be seen then, and nothing that was there is replaced or le
 
 from __future__ import annotations
 
-import errno
 import os
 import stat
 

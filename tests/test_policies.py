@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from specfit import CostModel, DraftTree, kernels
-from specfit.policies import ChainPolicy, CycleView, RerankPolicy, SpecFitPolicy, choose, make_policy
+from specfit.policies import (ChainPolicy, CycleView, Observation, RerankPolicy, SpecFitPolicy, choose, make_policy,
+                              rerank)
+from specfit.policy_base import edge_outcomes
 
 L, E = 2, 12
 
@@ -144,7 +146,7 @@ def test_oracle_without_truth_is_an_error():
         choose(make_policy("oracle"), view(same_experts(), FREE_DRAFT))
 
 
-@pytest.mark.parametrize("spec", ["", "foo", "chain", "chain:x", "static", "eagle3:1:2:3", "ar:3"])
+@pytest.mark.parametrize("spec", ["", "foo", "chain", "chain:x", "static", "eagle3:60:7:3", "ar:3"])
 def test_bad_policy_spec_is_one_clear_error(spec):
     with pytest.raises(ValueError, match="policy"):
         make_policy(spec)
@@ -362,3 +364,103 @@ def test_a_common_speed_factor_changes_no_decision(seed):
         scaled = choose(SpecFitPolicy(), view(experts, cost.scaled(factor), cached))
         assert scaled.nodes.tolist() == base.nodes.tolist() and scaled.draft_levels == base.draft_levels
         assert scaled.time_s == pytest.approx(factor * base.time_s, rel=1e-12)
+
+
+# rerank ties go to the earlier node (the drafter's order)
+def test_rerank_breaks_a_tie_of_siblings_towards_the_earlier_node():
+    tree = DraftTree(np.array([-1, 0, 0, 0]), np.array([1.0, 0.4, 0.4, 0.2]))
+    assert rerank(tree, 2).tolist() == [0, 1]
+    assert rerank(tree, 3).tolist() == [0, 1, 2]
+
+
+# the oracle may verify the root alone (when no draft token is worth its level)
+def test_oracle_verifies_the_root_alone_when_a_level_costs_more_than_it_commits():
+    verdicts = np.array([11, 13, 0, 99, 0, 0])   # nodes 1 and 3 accepted
+    experts = same_experts()
+    dear = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.0, miss_s=0.5, draft_level_s=100.0)
+    sel = choose(make_policy("oracle"), view(experts, dear, verdicts=verdicts, true_experts=experts))
+    assert sel.nodes.tolist() == [0]
+    assert sel.draft_levels == 0 and sel.expected_tokens == 1.0
+
+
+# on an exact tie of throughput the oracle keeps the shortest prefix (as the search keeps the smallest set)
+def test_oracle_keeps_the_shortest_prefix_on_an_exact_tie():
+    verdicts = np.array([11, 13, 0, 15, 0, 0])   # the whole chain 0-1-3-5 is accepted
+    experts = same_experts()
+    # every prefix j: (j + 1) tokens in (j + 1) s: the same throughput
+    tie = CostModel(base_s=1.0, per_node_s=0.0, hit_s=0.0, miss_s=0.0, draft_level_s=1.0)
+    sel = choose(make_policy("oracle"), view(experts, tie, verdicts=verdicts, true_experts=experts))
+    assert sel.nodes.tolist() == [0]
+
+
+# static:auto tries every size of its grid that fits, the tree's own size included
+def test_static_auto_candidates_include_a_size_equal_to_the_largest_tree():
+    auto = make_policy("static:auto")
+    assert [p.name for p in auto.candidates(8)] == ["static:2", "static:3", "static:4", "static:6", "static:8"]
+    assert auto.candidates(64)[-1].name == "static:64"
+    assert [p.name for p in auto.candidates(1)] == ["static:2"]
+
+
+# eagle3's defaults are N=60 nodes of D=7 levels
+@pytest.mark.parametrize("spec, nodes, depth", [("eagle3", 60, 7), ("eagle3:16", 16, 7), ("eagle3:16:3", 16, 3)])
+def test_eagle3_defaults(spec, nodes, depth):
+    policy = make_policy(spec)
+    assert (policy.total_nodes, policy.max_levels) == (nodes, depth)
+
+
+# specfit:D caps the levels drafted at D whatever max_levels the driver passes
+def test_specfit_d_caps_the_levels_it_drafts():
+    policy = make_policy("specfit:1", max_levels=8)
+    assert policy.max_levels == 1
+    sel = choose(policy, view(same_experts(), FREE_DRAFT))
+    assert sel.draft_levels == 1 and sel.nodes.tolist() == [0, 1, 2]
+
+
+# SpecFit never drafts past max_levels (here below the tree's depth of 3)
+def test_specfit_stops_at_max_levels_even_when_the_next_level_would_pay():
+    sel = choose(SpecFitPolicy(max_levels=2), view(same_experts(), FREE_DRAFT))
+    assert sel.draft_levels == 2
+    assert sel.nodes.tolist() == [0, 1, 2, 3, 4]
+
+
+# edge outcomes are those of children of accepted-path nodes only (chain rule)
+def test_edge_outcomes_leave_out_children_of_a_rejected_node():
+    tree = DraftTree(PARENTS, PROBS, tokens=TOKENS)
+    verified = np.arange(6)
+    # at 0 the target says 11 (node 1 accepted, 2 rejected); at 1 it says 99 (3 and 4 rejected);
+    # at 3 it says 15, but 3 was rejected, so its child 5 says nothing
+    verdicts = np.array([11, 99, 0, 15, 0, 0])
+    nodes, accepted = edge_outcomes(Observation(tree=tree, verified=verified, verdicts=verdicts))
+    assert nodes.tolist() == [1, 2, 3, 4]
+    assert accepted.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+# asking keep_drafting twice at the same level gives the same answer (compares with the level before)
+def test_keep_drafting_asked_twice_at_a_level_answers_the_same():
+    policy = SpecFitPolicy(max_levels=8, lookahead="none", first_level_test=False)
+    v = view(same_experts(), FREE_DRAFT)
+    policy.begin_cycle()
+    assert policy.keep_drafting(v.truncated(0))
+    first = policy.keep_drafting(v.truncated(1))
+    again = policy.keep_drafting(v.truncated(1))
+    assert first is True and again is True
+
+
+# the price of a selection is charged per draft node (the root is not priced)
+def test_selection_price_is_per_draft_node():
+    policy = SpecFitPolicy(max_levels=8, price_uncertainty="precision")
+    policy.observe(Observation(predicted_slots=100, predicted_slots_right=50))   # precision 0.5
+    sel = choose(policy, view(same_experts(), FREE_DRAFT))
+    assert policy.draft_node_s > 0
+    assert sel.price_s == pytest.approx(policy.draft_node_s * (sel.nodes.size - 1))
+
+
+# select() prices the chosen subtree with the cost model of the view it is given
+def test_select_reprices_the_subtree_under_a_changed_cost_model():
+    policy = SpecFitPolicy(max_levels=8)
+    v = view(same_experts(), FREE_DRAFT)
+    sel = choose(policy, v)
+    slower = FREE_DRAFT.replace(base_s=2.0)
+    again = policy.select(CycleView(v.tree, v.experts, v.cached, slower, v.draft_levels))
+    assert again.nodes.tolist() == sel.nodes.tolist()
+    assert again.time_s == pytest.approx(sel.time_s + 1.0)

@@ -7,9 +7,11 @@ import pandas as pd
 
 from specfit.accounting import read_cycles
 from specfit.report.calibration import _h2d
+from specfit.report.build import classify
 from specfit.report.html import Page
 from specfit.report.live import _layer_heat_map, _per_policy, _stopping
 from specfit.report.plots import grouped_bars
+from specfit.report.simulation import simulation_section
 
 EVIL = '<script>alert("x")</script>&'
 
@@ -99,3 +101,19 @@ def test_grouped_bars_center_each_labels_series_on_its_tick():
     np.testing.assert_allclose(centres.mean(axis=0), ax.get_xticks(), atol=1e-9)
     np.testing.assert_allclose(centres[0], np.arange(3) - 0.2, atol=1e-9)
     np.testing.assert_allclose(centres[1], np.arange(3) + 0.2, atol=1e-9)
+
+
+# a decode table with some cycles unmeasured is still a decode (any measured cycle says so)
+def test_a_cycle_table_with_one_measured_cycle_is_a_live_run(tmp_path):
+    pd.DataFrame({"measured_time_s": [0.1, np.nan, 0.2]}).to_parquet(tmp_path / "cycles.parquet")
+    assert classify(tmp_path) == ["live"]
+
+
+# two cache sizes are enough for the throughput-vs-cache figure
+def test_two_cache_sizes_draw_the_throughput_vs_cache_figure():
+    rows = [{"trace": "t", "profile": "pcie4", "cache_experts": c, "policy": p, "tokens_per_s": tps,
+             "speedup_vs_ar": tps / base, "bytes_per_token": 1e6}
+            for c, base in ((0, 10.0), (16, 20.0)) for p, tps in (("ar", base), ("specfit", 2 * base))]
+    page = Page("t")
+    simulation_section(page, pd.DataFrame(rows), None, "run")
+    assert "Throughput vs expert-cache size" in page.render()

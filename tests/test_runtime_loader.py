@@ -225,7 +225,7 @@ HUB_QWEN2_MOE = {
 }
 
 
-# kills C09 (config.py:376, a missing 'qkv_bias' read as false: the checkpoint's q/k/v biases
+# against a regression in config.py (a missing 'qkv_bias' read as false: the checkpoint's q/k/v biases
 # would be silently dropped)
 def test_qwen2_moe_hub_config_without_qkv_bias_has_the_attention_biases():
     from transformers import Qwen2MoeConfig
@@ -235,7 +235,7 @@ def test_qwen2_moe_hub_config_without_qkv_bias_has_the_attention_biases():
     assert ModelConfig.from_dict({**HUB_QWEN2_MOE, "qkv_bias": False}).attention_bias is False
 
 
-# kills C07 (config.py:228, the window applied / refused without use_sliding_window)
+# against a regression in config.py (the window applied / refused without use_sliding_window)
 @pytest.mark.parametrize("raw", [HUB_QWEN2_MOE, {**HUB_QWEN3, "sliding_window": 4096}], ids=["qwen2_moe", "qwen3_moe"])
 def test_a_qwen_window_without_use_sliding_window_is_ignored(raw):
     assert ModelConfig.from_dict(raw).sliding_window is None
@@ -259,7 +259,7 @@ def test_missing_num_key_value_heads_is_what_transformers_config_class_gives(fam
             ModelConfig.from_dict({**raw, "num_attention_heads": 4})
 
 
-# kills C10 (config.py:217) and C11 (config.py:215): shape checks of the config
+# config.py: shape checks of the config
 @pytest.mark.parametrize("change,message", [
     ({"num_experts_per_tok": 129}, "'num_experts_per_tok' is 129, more than the 128 experts"),
     ({"num_key_value_heads": 5}, "must be a multiple of num_key_value_heads \\(5\\)"),
@@ -269,7 +269,7 @@ def test_inconsistent_head_or_expert_counts_are_one_error(change, message):
         ModelConfig.from_dict({**HUB_QWEN3, **change}, source="config.json")
 
 
-# kills LD09 (loader.py:253, tie_word_embeddings read as "always use the embedding"): a checkpoint
+# against a regression in loader.py (tie_word_embeddings read as "always use the embedding"): a checkpoint
 # that says tied but stores its own, different lm_head.weight runs that head, as transformers does
 def test_a_tied_config_with_a_stored_lm_head_uses_the_stored_head_like_transformers(tmp_path):
     import torch
@@ -293,7 +293,7 @@ def test_a_tied_config_with_a_stored_lm_head_uses_the_stored_head_like_transform
     assert torch.equal(model.lm_head.weight, tensors["lm_head.weight"])
 
 
-# kills B06 (loader.py:299, load_router without the post-attention norm folded into the routers):
+# against a regression in loader.py (load_router without the post-attention norm folded into the routers):
 # the replay's router predictor reads the checkpoint as the live one reads the loaded model
 def test_load_router_predicts_like_the_live_router_predictor_of_the_loaded_model(tmp_path):
     import numpy as np

@@ -246,7 +246,7 @@ def qwen3_dir(tmp_path_factory):
     return make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
 
 
-# kills M11 (model.py:408, the torch path's ascending check loosened to allow repeats):
+# against a regression in model.py (the torch path's ascending check loosened to allow repeats):
 # the existing rejection test runs float32 only, which the compiled host kernel handles
 @pytest.mark.parametrize("keep", [[1, 1], [0, 3, 2]])
 def test_bfloat16_kv_compaction_rejects_keep_that_is_not_ascending(qwen3_dir, keep):
@@ -261,7 +261,7 @@ def test_bfloat16_kv_compaction_rejects_keep_that_is_not_ascending(qwen3_dir, ke
     assert torch.equal(cache.k, before)
 
 
-# kills RT05 (routers.py:47, the routing weights cast to the activation dtype for the wrong
+# against a regression in routers.py (the routing weights cast to the activation dtype for the wrong
 # families): in bfloat16, each family's routing weights equal its transformers router's, dtype included
 @pytest.mark.parametrize("family", ["qwen3_moe", "olmoe", "mixtral"])
 def test_bfloat16_routing_weights_equal_the_transformers_router_with_its_dtype(family):
@@ -286,7 +286,7 @@ def test_bfloat16_routing_weights_equal_the_transformers_router_with_its_dtype(f
     assert weights.dtype == want_weights.dtype and torch.equal(weights, want_weights)
 
 
-# kills B03 (model.py:383, a sliding window measured from the tree nodes' slots instead of their
+# against a regression in model.py (a sliding window measured from the tree nodes' slots instead of their
 # positions): a tree whose deep node has an ancestor drafted late in its level, so slot != position
 def test_tree_masked_logits_equal_linear_sequences_under_a_sliding_window(tmp_path):
     from specfit.tree import DraftTree
@@ -310,7 +310,7 @@ def test_tree_masked_logits_equal_linear_sequences_under_a_sliding_window(tmp_pa
         assert (tree_logits[node] - expected).abs().max().item() <= 1e-5, f"node {node}"
 
 
-# kills B02 (model.py:149, routed experts summed in another order): with top-k 4 (more than two
+# against a regression in model.py (routed experts summed in another order): with top-k 4 (more than two
 # terms per token, where float addition order matters) float32 logits equal transformers' bit for
 # bit, as the MoE block's comment promises
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
@@ -326,7 +326,7 @@ def test_float32_logits_equal_transformers_bit_for_bit_with_four_experts_per_tok
     assert torch.equal(model(ids, torch.arange(12)).logits, want)
 
 
-# kills G05 (model.py:115, attention softmax in the compute dtype instead of float32: in float16 it
+# against a regression in model.py (attention softmax in the compute dtype instead of float32: in float16 it
 # rounds differently now and then) and G04 / RT05 in the whole forward: test_argmax_matches_transformers_bfloat16
 # pins the argmax only, while the 16-bit logits are in fact bit-identical to transformers' eager path
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])

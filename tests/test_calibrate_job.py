@@ -1,0 +1,70 @@
+"""`specfit calibrate`'s job: the hit prior, the draft level's timing, a stand-in of fewer layers
+scaled up to its shape, and a refit's cycles checked (measured time, whole counts)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
+from specfit.assets import tiny_moe_dir, tiny_moe_eagle3_dir
+from specfit.calibrate import calibrate_job
+from specfit.calibrate.calibrate_job import CalibrationPlan, calibrate, probe_prior, read_run_cycles
+from specfit.calibrate.standin import shape_config
+from specfit.errors import SpecFitError
+
+
+# a hit's prior is the compute probe's smallest batch (one token), not its largest
+def test_the_hit_prior_is_the_smallest_batchs_time():
+    rows = [{"tokens": 8, "seconds": 4e-3}, {"tokens": 1, "seconds": 1e-3}, {"tokens": 4, "seconds": 2e-3}]
+    assert probe_prior(rows, [], 1000, pinned=False) == {"hit_s": 1e-3}
+
+
+def _run(tmp_path, measured, **changes):
+    n = len(measured)
+    frame = pd.DataFrame({"draft_levels": np.ones(n, dtype=int), "nodes_verified": np.full(n, 3),
+                          "hits": np.full(n, 5), "misses": np.full(n, 2), "measured_time_s": measured})
+    for column, (row, value) in changes.items():
+        frame[column] = frame[column].astype(float)
+        frame.loc[row, column] = value
+    run = tmp_path / "run"
+    run.mkdir()
+    frame.to_parquet(run / "cycles.parquet")
+    return run
+
+
+# a cycle measured at 0 s is refused as a negative one is
+def test_a_cycle_measured_at_zero_seconds_is_refused(tmp_path):
+    with pytest.raises(SpecFitError, match="<= 0"):
+        read_run_cycles(_run(tmp_path, [0.01, 0.0, 0.02]))
+
+
+# counts must be whole numbers
+def test_a_fractional_count_is_refused(tmp_path):
+    with pytest.raises(SpecFitError, match="column 'hits' holds 2.5"):
+        read_run_cycles(_run(tmp_path, [0.01, 0.02, 0.02], hits=(1, 2.5)))
+
+
+# a stand-in of zero layers is refused
+@pytest.mark.parametrize("layers", [0, -1, 5])
+def test_a_standin_layer_count_out_of_range_is_refused(layers):
+    with pytest.raises(SpecFitError, match="--layers"):
+        shape_config("tiny", layers)
+
+
+# the draft level is timed from levels beyond the first (the first has no tree to grow)
+def test_the_draft_level_is_the_median_of_the_levels_beyond_the_first(monkeypatch):
+    rows = [{"level": 1, "seconds": 10.0}, {"level": 2, "seconds": 1.0}, {"level": 3, "seconds": 2.0}]
+    monkeypatch.setattr(calibrate_job, "probe_drafter_levels", lambda model, drafter, seed=0: rows)
+    plan = CalibrationPlan(model_dir=tiny_moe_dir(), drafter_dir=tiny_moe_eagle3_dir(), quick=True)
+    assert calibrate(plan).cost.draft_level_s == pytest.approx(1.5)
+
+
+# a stand-in with fewer layers than its shape scales its per-layer terms up to the full count
+def test_a_standin_of_half_the_layers_doubles_its_per_layer_terms():
+    profile = calibrate(CalibrationPlan(shape="tiny", layers=2, quick=True))
+    assert profile.fit["layer_scale"] == pytest.approx(2.0)
+    probed = profile.fit["probed_params"]
+    assert profile.cost.base_s == pytest.approx(probed["base_s"] * 2)
+    assert profile.cost.per_node_s == pytest.approx(probed["per_node_s"] * 2)

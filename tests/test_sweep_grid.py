@@ -1,0 +1,194 @@
+"""A sweep's spec, cells and dataset without Ray: profile files beside the spec and in the cell
+ids, routing entries' sequences and drafter presets, duplicate sources, the dataset's grid order
+and current cells, the slowest chunks first."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from specfit.calibrate.presets import preset_profile
+from specfit.errors import SpecFitError
+from specfit.simulate.dataset import fill_speedups, read_results, write_part, write_sweep_file
+from specfit.simulate.distributed import _chunks, _import_task, _routing_log, resolve_inputs, run_grid
+from specfit.simulate.grid import expand, parse_spec
+from specfit.traces.importers import import_routing, model_for_log
+from specfit.traces.routing_logs import RoutingLog
+from specfit.traces.synth import WORKLOADS
+
+from trace_helpers import SAMPLE_OLMOE
+
+BASE = SAMPLE_OLMOE.parent
+TRACE = SAMPLE_OLMOE.name
+
+
+def spec_of(**fields):
+    return parse_spec({"traces": [TRACE], **fields}, source="spec.toml", base=BASE)
+
+
+# a value listed twice would make two cells with one id
+def test_an_axis_listing_a_value_twice_is_refused():
+    with pytest.raises(SpecFitError, match="twice"):
+        spec_of(cache_experts=[0, 16, 0])
+
+
+# a negative cache size is refused naming the field
+def test_a_negative_cache_size_is_refused():
+    with pytest.raises(SpecFitError, match="cache_experts"):
+        spec_of(cache_experts=[-1])
+
+
+# a changed profile JSON changes the cells that replay with it (and only those)
+def test_a_profile_jsons_digest_is_part_of_its_cells_identity():
+    spec = spec_of(profiles=["pcie4", "mine.json"], cache_experts=[0], policies=["ar"])
+    a = {(c.profile_source): c.cell_id for c in expand(spec, {"mine.json": "aaaa"})}
+    b = {(c.profile_source): c.cell_id for c in expand(spec, {"mine.json": "bbbb"})}
+    assert a["pcie4"] == b["pcie4"] and a["mine.json"] != b["mine.json"]
+
+
+# each link speed gets its own cost model
+def test_each_h2d_scale_replays_under_its_own_cost_model():
+    spec = spec_of(h2d_scale=[1, 2], cache_experts=[0], policies=["ar"])
+    cells = expand(spec)
+    inputs = resolve_inputs(spec, cells)
+    miss = {c.h2d_scale: inputs.scenarios[c.scenario_key].cost.miss_s for c in cells}
+    hit = inputs.scenarios[cells[0].scenario_key].cost.hit_s
+    assert miss[2.0] - hit == pytest.approx((miss[1.0] - hit) / 2)
+
+
+# a routing entry without drafters is imported with the chat preset
+def test_a_routing_entry_without_drafters_uses_the_chat_preset():
+    spec = parse_spec({"routing": [{"log": TRACE}]}, source="spec.toml", base=BASE)
+    assert [s.name for s in spec.sources] == [f"{SAMPLE_OLMOE.stem}:chat"]
+    assert spec.sources[0].drafter == "chat"
+
+
+# the same source twice is refused (its cells would share ids)
+def test_the_same_routing_source_twice_is_refused():
+    with pytest.raises(SpecFitError, match="same name"):
+        parse_spec({"routing": [{"log": TRACE, "drafters": ["chat"]}, {"log": TRACE, "drafters": ["chat"]}]},
+                   source="spec.toml", base=BASE)
+
+
+# chunking covers every pending cell exactly once, whatever the chunk size
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 100])
+def test_chunks_hold_every_cell_once(size):
+    spec = spec_of(cache_experts=[0, 16, 32], predictor=["oracle", "affinity"], policies=["ar", "specfit", "static:auto"])
+    cells = expand(spec)
+    chunks = _chunks(cells, size)
+    ids = [c.cell_id for ch in chunks for c in ch]
+    assert sorted(ids) == sorted(c.cell_id for c in cells)
+    assert all(len({c.prepared_key for c in ch}) == 1 and len(ch) <= size for ch in chunks)
+
+
+# a sweep whose cells are all done reports them skipped (no task runs)
+def test_a_finished_sweep_counts_every_cell_as_skipped(tmp_path):
+    spec = spec_of(cache_experts=[0, 16], policies=["ar"])
+    cells = expand(spec)
+
+    class NoRay:
+        def cluster_resources(self):
+            return {"CPU": 2}
+
+    run = run_grid(spec, cells, None, tmp_path, {c.cell_id for c in cells}, ray=NoRay())
+    assert (run.total, run.skipped, run.computed, run.chunks) == (2, 2, 0, 0)
+
+
+def _log(n_sequences=3, per=5):
+    rng = np.random.default_rng(0)
+    n = n_sequences * per
+    experts = np.stack([rng.permutation(16)[:2] for _ in range(n * 2)]).reshape(n, 2, 2)
+    return RoutingLog(experts=experts, tokens=rng.integers(0, 100, n), sequence=np.repeat(np.arange(n_sequences), per),
+                      source="test")
+
+
+# `sequences = N` keeps the first N sequences of a routing log
+def test_a_routing_entrys_sequences_keep_that_many_sequences():
+    from specfit.simulate.grid import TraceSource
+    log = _log()
+    src = TraceSource(name="x:chat", path="x", resolved=Path("x"), drafter="chat", import_options={"sequences": 2})
+    assert np.unique(_routing_log(log, src).sequence).tolist() == [0, 1]
+
+
+def _real_log(tokens_per_sequence=12):
+    """The sample trace's real routing (its reference tokens' experts), each sequence cut short."""
+    from specfit.traces.format import read_trace
+    trace = read_trace(SAMPLE_OLMOE)
+    roots = trace.offsets[:-1]
+    keep = np.concatenate([np.flatnonzero(trace.sequence == s)[:tokens_per_sequence]
+                           for s in np.unique(trace.sequence)[:2]])
+    return RoutingLog(experts=trace.true_experts[roots[keep]].astype(np.int64),
+                      tokens=trace.token[roots[keep]].astype(np.int64),
+                      sequence=trace.sequence[keep].astype(np.int64), source="sample")
+
+
+# a sweep imports a routing log as `specfit traces import-routing` does by default
+def test_the_sweeps_import_uses_the_import_commands_defaults():
+    log = _real_log()
+    model = model_for_log(log, None)
+    ours = _import_task(log, model, "chat", {})
+    ref = import_routing(log, model, workload="chat", drafter=WORKLOADS["chat"])
+    for field in ("token", "parent", "path_prob", "true_experts", "verdict"):
+        assert np.array_equal(getattr(ours, field), getattr(ref, field)), field
+
+
+def _row(cell_id, policy, cache, tps):
+    return {"cell_id": cell_id, "trace": "t", "policy": policy, "cache_experts": cache, "tokens_per_s": tps}
+
+
+# read_results refuses a cell in two parts, keeps grid order and the current grid's cells
+def test_read_results_keeps_grid_order_and_the_current_cells_and_refuses_duplicates(tmp_path):
+    (tmp_path / "results").mkdir()
+    write_sweep_file(tmp_path, {}, [{"cell_id": "c1"}, {"cell_id": "c2"}, {"cell_id": "c3"}])
+    write_part(tmp_path, [_row("c3", "eagle3", 0, 3.0)])
+    write_part(tmp_path, [_row("c1", "ar", 0, 1.0), _row("c2", "eagle3", 16, 2.0)])
+    write_part(tmp_path, [_row("old", "ar", 16, 9.0)])          # a cell of an earlier spec
+    assert read_results(tmp_path)["cell_id"].tolist() == ["c1", "c2", "c3"]
+    assert set(read_results(tmp_path, current_only=False)["cell_id"]) == {"c1", "c2", "c3", "old"}
+    write_part(tmp_path, [_row("c2", "eagle3", 16, 2.0), _row("c9", "ar", 0, 1.0)])
+    with pytest.raises(SpecFitError, match="two part files"):
+        read_results(tmp_path)
+
+
+# a speed-up divides by the baseline of the same cache size
+def test_speedups_compare_with_the_baseline_at_the_same_cache_size():
+    frame = pd.DataFrame([_row("a", "ar", 0, 1.0), _row("b", "ar", 16, 2.0), _row("c", "eagle3", 0, 3.0),
+                          _row("d", "eagle3", 16, 8.0)])
+    out = fill_speedups(frame).set_index("cell_id")
+    assert out.loc["c", "speedup_vs_ar"] == pytest.approx(3.0)
+    assert out.loc["d", "speedup_vs_ar"] == pytest.approx(4.0)
+
+
+# a profile JSON in `profiles` is relative to the spec file, not to the working directory
+def test_a_profile_json_is_found_beside_the_spec(tmp_path, monkeypatch):
+    from specfit.calibrate.presets import OLMOE_1B_7B
+    preset_profile("pcie5", OLMOE_1B_7B).save(tmp_path / "mine.json")
+    spec = parse_spec({"traces": [TRACE], "profiles": ["mine.json"], "cache_experts": [0], "policies": ["ar"],
+                       "rescale": True}, source=str(tmp_path / "spec.toml"), base=BASE)
+    monkeypatch.chdir(BASE)
+    cells = expand(spec)
+    inputs = resolve_inputs(spec, cells)
+    assert inputs.scenarios[cells[0].scenario_key].cost.miss_s == pytest.approx(
+        preset_profile("pcie5", OLMOE_1B_7B).cost.miss_s)
+
+
+# rows come back in grid order whatever order the part files list in
+def test_read_results_returns_rows_in_grid_order_not_part_file_order(tmp_path):
+    from specfit.simulate.dataset import part_files
+    (tmp_path / "results").mkdir()
+    for i in range(4):
+        write_part(tmp_path, [_row(f"c{i}", "ar", i, 1.0)])
+    in_files = [pd.read_parquet(p)["cell_id"].iloc[0] for p in part_files(tmp_path)]
+    grid = in_files[::-1]                                      # a grid order the files do not follow
+    write_sweep_file(tmp_path, {}, [{"cell_id": c} for c in grid])
+    assert read_results(tmp_path)["cell_id"].tolist() == grid
+
+
+# the slowest policies are scheduled first (the sweep does not end waiting on one long chunk)
+def test_chunks_put_the_slowest_policies_first():
+    spec = spec_of(cache_experts=[0], policies=["ar", "specfit", "static:auto", "eagle3"])
+    chunks = _chunks(expand(spec), 1)
+    assert [ch[0].policy for ch in chunks][:2] == ["static:auto", "specfit"]
