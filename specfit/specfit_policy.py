@@ -170,7 +170,8 @@ class SpecFitPolicy(Policy):
             self.overhead_level_s = per_decision if self.overhead_level_s == 0 else \
                 0.9 * self.overhead_level_s + 0.1 * per_decision
         o = observation
-        if o.misses is not None and o.verified is not None and o.root_misses is not None:
+        if o.verified is not None and None not in (o.misses, o.root_misses, o.predicted_misses,
+                                                    o.root_predicted_misses):
             d.observe_cycle(self._fstate, self._istate, int(o.verified.size), int(o.misses), int(o.root_misses),
                             int(o.predicted_misses), int(o.root_predicted_misses))
         if self.acceptance is not None and observation.tree is not None:

@@ -464,3 +464,19 @@ def test_select_reprices_the_subtree_under_a_changed_cost_model():
     again = policy.select(CycleView(v.tree, v.experts, v.cached, slower, v.draft_levels))
     assert again.nodes.tolist() == sel.nodes.tolist()
     assert again.time_s == pytest.approx(sel.time_s + 1.0)
+
+
+# Observation's miss counts are each optional: a driver that knows the true misses but not the
+# predicted ones teaches the observed price nothing (it compares the two), and does not fail
+def test_misses_without_their_predictions_teach_the_observed_price_nothing():
+    tree = DraftTree(PARENTS, PROBS, tokens=TOKENS)
+    both = SpecFitPolicy(max_levels=8, price_uncertainty="observed")
+    half = SpecFitPolicy(max_levels=8, price_uncertainty="observed")
+    none = SpecFitPolicy(max_levels=8, price_uncertainty="observed")
+    verified = np.arange(4)
+    both.observe(Observation(tree=tree, verified=verified, misses=9, root_misses=2, predicted_misses=3,
+                             root_predicted_misses=2))
+    half.observe(Observation(tree=tree, verified=verified, misses=9, root_misses=2))
+    none.observe(Observation(tree=tree, verified=verified))
+    assert np.array_equal(half._fstate, none._fstate) and np.array_equal(half._istate, none._istate)
+    assert not (np.array_equal(both._fstate, none._fstate) and np.array_equal(both._istate, none._istate))
