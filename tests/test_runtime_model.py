@@ -199,11 +199,16 @@ def test_kv_compaction_moves_the_kept_entries_of_every_layer(model_dirs, dtype):
             assert torch.equal(cache.v[:, committed + i], v[:, committed + kept])
 
 
+# float32 on the CPU: the compiled host kernel; bfloat16: the torch path (every GPU dtype, MLA models
+# too), which checked only the order until mutation round s52 (keep = [-1, 2] copied committed slot
+# cache_len - 1 over a new token's slot; an index past the cache was a raw IndexError)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["host-kernel", "torch-path"])
 @pytest.mark.parametrize("keep, message", [([0, 3, 2], "ascending"), ([1, 1], "ascending"), ([-1, 2], "within"),
                                             ([0, 40], "within"),
                                             ([0, 28], "within")])     # slot 4 + 28 = 32: one past the last
-def test_kv_compaction_rejects_keep_it_cannot_move_and_moves_nothing(model_dirs, keep, message):
-    model = _ours(model_dirs("qwen3_moe"), max_seq_len=32)
+def test_kv_compaction_rejects_keep_it_cannot_move_and_moves_nothing(model_dirs, keep, message, dtype):
+    model = _ours(model_dirs("qwen3_moe"), dtype=dtype, max_seq_len=32)
+    assert (model._kv_host is None) == (dtype != torch.float32)
     cache = model.layers[0].self_attn.kv_cache
     cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(1)))
     before = cache.k.clone()
@@ -239,26 +244,6 @@ def test_bad_forward_arguments_are_rejected(model_dirs):
         model(torch.arange(17) % VOCAB, torch.arange(17))
     with pytest.raises(ValueError, match="max_position_embeddings"):
         model.setup_kv_cache(10_000)
-
-
-@pytest.fixture(scope="module")
-def qwen3_dir(tmp_path_factory):
-    return make_tiny_model("qwen3_moe", tmp_path_factory.mktemp("qwen3_moe"))
-
-
-# against a regression in model.py (the torch path's ascending check loosened to allow repeats):
-# the existing rejection test runs float32 only, which the compiled host kernel handles
-@pytest.mark.parametrize("keep", [[1, 1], [0, 3, 2]])
-def test_bfloat16_kv_compaction_rejects_keep_that_is_not_ascending(qwen3_dir, keep):
-    model = load_model(qwen3_dir, dtype=torch.bfloat16, cache_experts=3)
-    model.setup_kv_cache(32)
-    assert model._kv_host is None          # bfloat16: the torch path, not the host kernel
-    cache = model.layers[0].self_attn.kv_cache
-    cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(1)))
-    before = cache.k.clone()
-    with pytest.raises(ValueError, match="ascending"):
-        model.compact_kv(4, np.array(keep))
-    assert torch.equal(cache.k, before)
 
 
 # against a regression in routers.py (the routing weights cast to the activation dtype for the wrong
@@ -341,18 +326,3 @@ def test_16_bit_logits_equal_transformers_bit_for_bit(tmp_path, family, dtype):
     model = load_model(model_dir, dtype=dtype, cache_experts=3)
     model.setup_kv_cache(64)
     assert torch.equal(model(ids, torch.arange(48)).logits, want)
-
-
-# the torch path of compact_kv (bfloat16 on the CPU; every GPU dtype; MLA models) checks the range of
-# `keep` as the float32 host kernel does: keep = [-1, 2] copied committed slot cache_len - 1 over a
-# new token's slot, and an index past the cache was a raw IndexError (found by mutation round s52)
-@pytest.mark.parametrize("keep", [[-1, 2], [0, 40], [0, 28]])
-def test_bfloat16_kv_compaction_rejects_keep_outside_the_new_tokens_and_moves_nothing(qwen3_dir, keep):
-    model = load_model(qwen3_dir, dtype=torch.bfloat16, cache_experts=3)
-    model.setup_kv_cache(32)
-    cache = model.layers[0].self_attn.kv_cache
-    cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(1)))
-    before = cache.k.clone()
-    with pytest.raises(ValueError, match="within"):
-        model.compact_kv(4, np.array(keep))
-    assert torch.equal(cache.k, before)
