@@ -395,25 +395,24 @@ class MoETransformer(nn.Module):
             # "Stop 26: what removing calls from the live cycle buys")
             status = kernels.kv.compact(self._kv_host, int(cache_len), self._host_or_device(keep, np.int64))
             if status != kernels.kv.OK:
-                self._bad_keep(cache_len, ascending=status != kernels.kv.NOT_ASCENDING)
+                self._refuse_keep(cache_len, outside=status == kernels.kv.OUT_OF_RANGE)
             return
         self._compact_kv_tensors(cache_len, keep)
 
-    def _bad_keep(self, cache_len: int, ascending: bool):
-        """The one error of a ``keep`` that is not ascending, or reaches outside the cache (both paths
-        check it before they move anything)."""
-        raise ValueError("keep: expected ascending indices of the new tokens" if not ascending
-                         else f"keep: expected indices of the new tokens within the cache's {self.max_seq_len} "
-                              f"slots after cache_len {cache_len}")
+    def _refuse_keep(self, cache_len: int, outside: bool):
+        """The one error of a ``keep`` that is not ascending or (``outside``) reaches outside the
+        cache: both paths check it before they move anything."""
+        raise ValueError(f"keep: expected indices of the new tokens within the cache's {self.max_seq_len} slots "
+                         f"after cache_len {cache_len}" if outside else "keep: expected ascending indices of the new tokens")
 
     @torch.inference_mode()
     def _compact_kv_tensors(self, cache_len: int, keep) -> None:
         keep = self._host_or_device(keep, np.int64)
         if isinstance(keep, np.ndarray):
             if keep.size > 1 and not (keep[1:] > keep[:-1]).all():
-                self._bad_keep(cache_len, ascending=False)
+                self._refuse_keep(cache_len, outside=False)
             if keep.size and (keep[0] < 0 or cache_len < 0 or cache_len + keep[-1] >= self.max_seq_len):
-                self._bad_keep(cache_len, ascending=True)
+                self._refuse_keep(cache_len, outside=True)
             # ascending from 0: once an entry is not in its own slot, none after it is; the ones
             # before it stay where they are
             first = int(np.count_nonzero(keep == np.arange(keep.size)))
@@ -426,7 +425,7 @@ class MoETransformer(nn.Module):
                 ascending, inside = torch.stack([(keep[1:] > keep[:-1]).all(), (keep[0] >= 0) & (
                     keep[-1] + cache_len < self.max_seq_len)]).tolist()
                 if not ascending or not inside or cache_len < 0:
-                    self._bad_keep(cache_len, ascending=ascending)
+                    self._refuse_keep(cache_len, outside=ascending)
             start, slots = cache_len, keep + cache_len
         if self._kv_storage is not None:
             storage = self._kv_storage
