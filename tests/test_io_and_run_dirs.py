@@ -1,0 +1,82 @@
+"""Atomic writes, the run directory's lock, strict JSON, output checks and run.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+import pytest
+
+from specfit.errors import SpecFitError
+from specfit.io import atomic_write, check_output, run_dir_lock, strict_dumps, write_text_atomic
+
+
+def test_atomic_write_leaves_only_the_file_after_success(tmp_path):
+    """A successful write moves its temporary file into place: nothing else is left beside it."""
+    write_text_atomic(tmp_path / "a.json", "{}")
+    write_text_atomic(tmp_path / "a.json", "[1]")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json"]
+    assert (tmp_path / "a.json").read_text() == "[1]"
+
+
+def test_atomic_write_interrupted_by_ctrl_c_leaves_the_previous_file_and_no_temporary(tmp_path):
+    target = tmp_path / "a.txt"
+    target.write_text("old")
+
+    def interrupted(tmp):
+        with open(tmp, "w") as f:
+            f.write("half")
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(target, interrupted)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.txt"] and target.read_text() == "old"
+
+
+def test_atomic_write_gives_the_file_the_umasks_mode_not_mkstemps_0600(tmp_path):
+    old = os.umask(0o022)
+    try:
+        write_text_atomic(tmp_path / "r.json", "{}")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "r.json").stat().st_mode) == 0o644
+
+
+def test_strict_dumps_writes_every_non_finite_number_as_null():
+    assert json.loads(strict_dumps({"a": float("inf"), "b": [float("-inf"), float("nan"), 1.5]})) == \
+        {"a": None, "b": [None, None, 1.5]}
+
+
+def test_a_file_where_an_output_directory_is_meant_is_refused(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(SpecFitError, match="is a file; expected a directory"):
+        check_output(tmp_path / "f", "--out", kind="dir")
+
+
+def test_the_run_directory_lock_is_exclusive_against_another_open_of_it(tmp_path):
+    """Two holders at once (here two opens in one process, as two processes would) are refused."""
+    with run_dir_lock(tmp_path / "run", "decode"):
+        with pytest.raises(SpecFitError, match="another specfit run is writing this directory"):
+            with run_dir_lock(tmp_path / "run", "simulate"):
+                pass
+    with run_dir_lock(tmp_path / "run", "decode"):      # released: taken again
+        pass
+
+
+def test_read_run_info_is_none_for_a_run_json_that_is_not_an_object(tmp_path):
+    from specfit.runinfo import read_run_info
+
+    (tmp_path / "run.json").write_text("[1, 2]")
+    assert read_run_info(tmp_path) is None
+
+
+def test_a_run_directory_of_the_same_command_with_a_described_kind_is_accepted(tmp_path):
+    """The demo writes run.json kinds like "decode (specfit demo)": a decode into it is the same
+    command and is accepted; a simulate is refused."""
+    from specfit.runinfo import check_run_dir, write_run_info
+
+    write_run_info(tmp_path, "decode (specfit demo)")
+    assert check_run_dir(tmp_path, "decode") == tmp_path
+    with pytest.raises(SpecFitError, match="holds a `specfit decode` run"):
+        check_run_dir(tmp_path, "simulate")
