@@ -644,3 +644,40 @@ def test_a_cycles_time_includes_its_learning():
     stats = CycleStats(position=0, draft=None, verification=None, committed_tokens=1, draft_time_s=0.25,
                        verify_time_s=0.5, learn_time_s=0.125)
     assert stats.cycle_time_s == 0.875
+
+
+# the decoder's lever side (runtime/levers.py), on hand-built cycles
+def test_miss_report_counts_the_roots_misses_on_its_true_experts():
+    """The policy learns its predictor's misses by comparing the root's true experts with the ones it
+    predicted, both against the residency it decided on."""
+    from types import SimpleNamespace
+
+    from specfit.runtime.levers import miss_report
+
+    cached = np.zeros((2, 8), dtype=bool)
+    cached[0, [0, 1]] = True
+    cached[1, 2] = True
+    predicted = np.array([[[0, 1], [2, 3]], [[4, 5], [6, 7]]])    # root: only expert 3 of layer 1 missing
+    true = np.array([[[4, 1], [6, 2]], [[0, 1], [2, 3]]])          # root: 4 (layer 0) and 6 (layer 1) missing
+    draft = SimpleNamespace(selection=SimpleNamespace(misses=7), cached=cached, experts=predicted)
+    verification = SimpleNamespace(expert_ids=true, offload=SimpleNamespace(total_misses=9))
+    assert miss_report(draft, verification) == {"misses": 9, "predicted_misses": 7, "root_misses": 2,
+                                                "root_predicted_misses": 1}
+
+
+def test_finish_prefetch_reports_the_copy_time_then_the_wait():
+    """The prefetcher learns how much of its copies' time the drafter hid: (copy, wait) in that order."""
+    from types import SimpleNamespace
+
+    from specfit.runtime.levers import finish_prefetch
+
+    heard = []
+    prefetcher = SimpleNamespace(observe=lambda copy_s, wait_s: heard.append((copy_s, wait_s)))
+    decoder = SimpleNamespace(model=SimpleNamespace(offload=SimpleNamespace(wait_prefetch=lambda: (0.3, 0.1))),
+                              policy=SimpleNamespace(prefetcher=prefetcher))
+    draft = SimpleNamespace(prefetched=2, prefetch_copy_s=0.0, prefetch_wait_s=0.0)
+    finish_prefetch(decoder, draft)
+    assert (draft.prefetch_copy_s, draft.prefetch_wait_s) == (0.3, 0.1) and heard == [(0.3, 0.1)]
+    idle = SimpleNamespace(prefetched=0, prefetch_copy_s=0.0, prefetch_wait_s=0.0)
+    finish_prefetch(decoder, idle)                          # nothing prefetched: nothing waited for or learnt
+    assert heard == [(0.3, 0.1)] and idle.prefetch_copy_s == 0.0
