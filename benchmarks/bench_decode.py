@@ -170,7 +170,7 @@ def run_benchmark(args) -> None:
     os.chdir(work)     # a quick calibration lands in ./calibrate/ here, not in the checkout
     if held_out:
         args.warmup_prompts = held_out_prompts(work / "warmup-prompts.jsonl", args.prompts)
-        print(f"warm-up on {sum(1 for _ in args.warmup_prompts.open())} held-out prompts, none of them measured")
+        print(f"warm-up on {len(args.warmup_prompts.read_text().splitlines())} held-out prompts, none of them measured")
 
     def plan(policies: list[str], **changes) -> DecodePlan:
         settings = dict(model_dir=args.model, prompts_path=args.prompts, cache_experts=args.cache_experts,

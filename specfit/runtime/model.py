@@ -409,10 +409,9 @@ class MoETransformer(nn.Module):
     def _compact_kv_tensors(self, cache_len: int, keep) -> None:
         keep = self._host_or_device(keep, np.int64)
         if isinstance(keep, np.ndarray):
-            if keep.size > 1 and not (keep[1:] > keep[:-1]).all():
-                self._refuse_keep(cache_len, outside=False)
-            if keep.size and (keep[0] < 0 or cache_len < 0 or cache_len + keep[-1] >= self.max_seq_len):
-                self._refuse_keep(cache_len, outside=True)
+            status = kernels.kv.check(int(cache_len), keep, self.max_seq_len)
+            if status != kernels.kv.OK:
+                self._refuse_keep(cache_len, outside=status == kernels.kv.OUT_OF_RANGE)
             # ascending from 0: once an entry is not in its own slot, none after it is; the ones
             # before it stay where they are
             first = int(np.count_nonzero(keep == np.arange(keep.size)))
