@@ -71,3 +71,18 @@ def test_the_kv_cache_holds_the_committed_tokens_and_one_tree_not_the_whole_posi
     Decoder(model, Proposer(drafter, 4), policy, COST, online_refit=False).generate(PROMPT, 8, ignore_eos=True)
     assert model.max_seq_len == len(PROMPT) + 8 + tree_capacity(4, policy.max_levels) - 1
     assert model.max_seq_len < model.config.max_position_embeddings
+
+
+def test_a_level_that_fills_the_kv_cache_exactly_may_be_drafted():
+    """The first level adds top_k nodes, each later one top_k * top_k: a level is drafted when the
+    committed tokens, the tree so far and that level fit the KV slots, the last slot included."""
+    from types import SimpleNamespace
+
+    def room(cache_len, n_nodes, levels, slots=64, top_k=3):
+        decoder = SimpleNamespace(top_k=top_k, cache_len=cache_len, model=SimpleNamespace(max_seq_len=slots))
+        view = SimpleNamespace(draft_levels=levels, tree=SimpleNamespace(n_nodes=n_nodes))
+        return Decoder._room_for_level(decoder, view)
+
+    assert room(60, 1, 0) and not room(61, 1, 0)           # 60 + 1 + 3 = 64 slots: exactly full
+    assert room(51, 4, 1) and not room(52, 4, 1)           # 51 + 4 + 9 = 64
+    assert room(42, 13, 2) and not room(43, 13, 2)

@@ -681,3 +681,30 @@ def test_finish_prefetch_reports_the_copy_time_then_the_wait():
     idle = SimpleNamespace(prefetched=0, prefetch_copy_s=0.0, prefetch_wait_s=0.0)
     finish_prefetch(decoder, idle)                          # nothing prefetched: nothing waited for or learnt
     assert heard == [(0.3, 0.1)] and idle.prefetch_copy_s == 0.0
+
+
+def test_the_view_after_a_prefetch_sees_the_prefetched_experts_resident():
+    """The level drafted after a prefetch is decided on the residency the prefetch made: the experts
+    just copied are priced as hits, not as the misses they were before it."""
+    from types import SimpleNamespace
+
+    from specfit.experts.cache import ExpertCache
+    from specfit.policy_base import CycleView
+    from specfit.runtime.levers import prefetch_level
+
+    cache = ExpertCache(n_layers=2, n_experts=8, capacity=2)
+    cache.warm(np.array([[1, 0, 0, 0, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0, 0, 0]], dtype=bool))
+    wanted = np.zeros((2, 8), dtype=bool)
+    wanted[0, 5] = wanted[1, 6] = True
+    offload = SimpleNamespace(cache=cache, prefetch=lambda mask, keep=None: int(cache.prefetch(mask, keep).admitted_mask.sum()))
+    prefetcher = SimpleNamespace(plan=lambda tree, experts, cached, cost, keep=None: (wanted, None))
+    decoder = SimpleNamespace(model=SimpleNamespace(offload=offload, config=SimpleNamespace(n_experts=8)),
+                              policy=SimpleNamespace(cache_advisor=None), cost=None)
+    before = cache.resident(read_only=True)
+    view = CycleView(tree=None, experts=np.zeros((1, 2, 1), dtype=np.int64), cached=before, cost=None, draft_levels=1)
+    draft = SimpleNamespace(prefetched=0, search_time_s=0.0)
+    after = prefetch_level(decoder, draft, view, prefetcher)
+    assert draft.prefetched == 2
+    assert not before[0, 5] and not before[1, 6]
+    assert after.cached[0, 5] and after.cached[1, 6] and after.cached[0, 0] and after.cached[1, 2]
+    assert after.draft_levels == 1 and after.experts is view.experts

@@ -899,3 +899,46 @@ def test_a_decode_that_crashes_mid_run_still_writes_its_complete_cycles(checkpoi
     kept = pd.read_parquet(out / "cycles.parquet")
     assert len(kept) == NEW_TOKENS - 1 and (kept["sequence"] == 0).all()     # the first prompt's cycles
     assert not (out / "cycles.jsonl").exists()
+
+
+def test_a_cycle_cut_short_by_eos_reports_the_tokens_that_reached_the_output(checkpoint, tmp_path):
+    """A cycle whose accepted path holds EOS before its end commits only the tokens up to EOS: its row
+    in cycles.parquet counts those, so each sequence's rows add up to its output after the prefill's
+    token (tokens per cycle and tokens/s are computed from them)."""
+    import shutil
+
+    model_dir, drafter_dir, prompts = checkpoint
+
+    def run(model, out, *args):
+        result = runner.invoke(app, ["decode", "--model", str(model), "--drafter", str(drafter_dir), "--prompts",
+                                     str(prompts), "--cache-experts", "3", "--device", "cpu", "--max-new-tokens",
+                                     str(NEW_TOKENS), "--policies", "chain:4", "--profile", "pcie4", "--out", str(out),
+                                     *args])
+        assert result.exit_code == 0, result.output
+        records = [json.loads(line) for line in (out / "decode.jsonl").read_text().splitlines()]
+        return records, read_decode_cycles(out)
+
+    records, cycles = run(model_dir, tmp_path / "all", "--ignore-eos")
+    # a token committed inside a multi-token cycle, not at its end, seen nowhere earlier in its sequence
+    cut = None
+    for row in cycles.sort_values(["sequence", "cycle"]).itertuples():
+        output = records[row.sequence]["output_ids"]
+        for j in range(row.committed_tokens - 1):
+            at = row.position + 1 + j
+            if output[at] not in output[:at]:
+                cut = (row.sequence, at, output[at])
+                break
+        if cut is not None:
+            break
+    assert cut is not None, "no multi-token cycle to cut: the drafter accepts nothing"
+    sequence, at, eos = cut
+
+    eos_model = tmp_path / "eos_model"
+    shutil.copytree(model_dir, eos_model)
+    (eos_model / "generation_config.json").write_text(json.dumps({"eos_token_id": int(eos)}))
+    records, cycles = run(eos_model, tmp_path / "eos")
+    assert records[sequence]["stop_reason"] == "eos" and records[sequence]["output_ids"][-1] == eos
+    assert len(records[sequence]["output_ids"]) == at + 1
+    for record in records:
+        rows = cycles[cycles["sequence"] == record["index"]]
+        assert rows["committed_tokens"].sum() == len(record["output_ids"]) - 1, record["index"]
