@@ -407,3 +407,59 @@ def test_identify_system_leaves_the_residual_of_the_held_terms():
     _, _, left = kernels.identify.system(A.T @ A, A.T @ b, float(b @ b), np.array([1], dtype=np.int64),
                                          np.zeros(0, dtype=np.int64), False, np.zeros(3), held)
     assert left == pytest.approx(float(np.sum((b - A @ held) ** 2)), rel=1e-12)
+
+
+def test_a_prior_of_hit_and_miss_is_read_as_a_hit_and_a_transfer_of_their_difference():
+    """A prior's miss costs its hit plus the transfer: hit 1.5e-5 and miss 4e-4 are a transfer of
+    3.85e-4, not a hit of the miss's size with no transfer."""
+    X, y = synthetic_cycles(np.random.default_rng(5), 40, noise=0.0)
+    prior = {"hit_s": 1.5e-5, "miss_s": 4e-4}
+    quality = CycleTimeFitter(prior=prior).fit(X, y).quality_
+    assert quality["prior"] == pytest.approx({"hit_s": 1.5e-5, "transfer_s": 4e-4 - 1.5e-5})
+
+
+def test_a_fixed_hit_and_miss_are_kept_as_given():
+    """Fixing both the hit and the miss fixes the transfer at their difference: the fitted model's
+    miss is the miss given, not the hit plus the whole miss."""
+    X, y = synthetic_cycles(np.random.default_rng(3), 200, noise=0.0)
+    fitter = CycleTimeFitter(fixed={"hit_s": 1.5e-5, "miss_s": 4e-4}).fit(X, y)
+    cost = fitter.cost_model()
+    assert cost.hit_s == pytest.approx(1.5e-5) and cost.miss_s == pytest.approx(4e-4)
+    assert fitter.physical_[4] == pytest.approx(4e-4 - 1.5e-5)
+    assert cost.base_s == pytest.approx(TRUE.base_s, rel=1e-6)
+
+
+def test_the_held_out_error_is_that_of_a_fit_that_never_saw_the_held_out_cycles():
+    """The held-out cycles (the first quarter of the seeded permutation) are left out of the fit that
+    is scored on them, and are priced by its cost model (a miss at the hit plus the transfer): the
+    error equals that of a fit on the other cycles alone."""
+    X, y = synthetic_cycles(np.random.default_rng(7), 200, noise=0.01)
+    fitter = CycleTimeFitter(seed=2).fit(X, y)
+    order = np.random.default_rng(2).permutation(200)
+    test, train = order[:50], order[50:]
+    assert fitter.quality_["n_holdout"] == 50 and fitter.quality_["n_train"] == 150
+    alone = CycleTimeFitter(holdout_fraction=0.0).fit(X[train], y[train])
+    assert alone.cost_model().hit_s > 0.5 * TRUE.hit_s                # the hit is fitted, not held at 0
+    expected = prediction_errors(X[test] @ alone.params_, y[test])
+    assert fitter.quality_["holdout"] == pytest.approx(expected)
+    assert fitter.quality_["holdout"]["mape"] < 0.03                   # 1% noise
+
+
+def test_the_robust_weights_median_is_numpys_median_for_even_and_odd_counts():
+    """The Huber scale's one-sort median is the median: the mean of the two middle values for an
+    even count (the online refit reweights a few dozen cycles, often an even number)."""
+    from specfit.calibrate.fit import _median
+
+    assert _median(np.array([10.0, 1.0, 3.0, 2.0])) == 2.5
+    assert _median(np.array([5.0, 1.0, 3.0])) == 3.0
+    rng = np.random.default_rng(0)
+    for n in (2, 7, 40):
+        x = rng.standard_normal(n)
+        assert _median(x) == pytest.approx(float(np.median(x)))
+
+
+@pytest.mark.parametrize("fraction", [1.0, -0.1])
+def test_a_holdout_of_every_cycle_or_of_a_negative_share_is_refused(fraction):
+    """A held-out share of 1 leaves nothing to fit."""
+    with pytest.raises(SpecFitError, match=r"holdout_fraction: expected a value in \[0, 1\)"):
+        CycleTimeFitter(holdout_fraction=fraction)

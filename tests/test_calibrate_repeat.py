@@ -152,3 +152,102 @@ def test_the_star_passes_slope_is_the_cost_of_a_node():
     assert star_node_cost(rows, hit_s=1e-4, transfer_s=2e-5) == pytest.approx(9e-5, rel=1e-6)
     assert star_node_cost([r for r in rows if r["n_nodes"] == 8]) is None
     assert star_node_cost([]) is None
+
+
+def test_star_passes_that_get_faster_with_more_nodes_give_a_node_cost_of_zero_not_a_negative_one():
+    """A node never costs negative time: stars whose passes shrink with their size (a machine that
+    sped up) put the node cost at 0."""
+    from specfit.calibrate.cycles import star_node_cost
+
+    rows = [{"tree": "star", "n_nodes": n, "hits": 4, "misses": 0, "seconds": 1e-2 - 1e-4 * n} for n in (2, 4, 8, 16)]
+    assert star_node_cost(rows) == 0.0
+
+
+def test_probed_cache_sizes_are_clipped_to_the_experts_and_to_the_device_budget():
+    """Cache sizes beyond the expert count are the expert count; with a budget, each size is cut to
+    the largest whose slots (one per layer) and two staging buffers fit in it, a fit exactly at the
+    budget included."""
+    from specfit.calibrate.cycles import fit_capacities
+
+    # 4 layers, 8 experts of 1 byte: capacity c < 8 holds 4c + 2 bytes (slots + 2 staging buffers), c = 8 holds 32
+    assert fit_capacities([2, 6, 100], n_layers=4, n_experts=8, expert_bytes=1, budget_bytes=None) == [2, 6, 8]
+    assert fit_capacities([2, 6, 8], n_layers=4, n_experts=8, expert_bytes=1, budget_bytes=22) == [2, 5]   # 4*5+2 = 22
+    assert fit_capacities([2, 6, 8], n_layers=4, n_experts=8, expert_bytes=1, budget_bytes=21) == [2, 4]
+    assert fit_capacities([1, 8], n_layers=4, n_experts=8, expert_bytes=1, budget_bytes=32) == [1, 8]
+    with pytest.raises(SpecFitError, match="staging buffers"):
+        fit_capacities([2], n_layers=4, n_experts=8, expert_bytes=1, budget_bytes=1)
+
+
+def test_cycle_rows_become_features_with_hits_and_misses_in_their_own_columns():
+    """The probes' rows priced by a cost model whose miss costs more than a hit: a row of 5 hits and
+    2 misses is 5 hits and 2 misses, not the other way round."""
+    from specfit.calibrate.cycles import cycles_features
+    from specfit.costmodel import CostModel
+
+    rows = [{"draft_levels": 0, "n_nodes": 3, "hits": 5, "misses": 2, "seconds": 0.25},
+            {"draft_levels": 1, "n_nodes": 1, "hits": 0, "misses": 7, "seconds": 0.5}]
+    X, y = cycles_features(rows)
+    np.testing.assert_array_equal(X, [[0, 1, 3, 5, 2], [1, 1, 1, 0, 7]])
+    np.testing.assert_array_equal(y, [0.25, 0.5])
+    cost = CostModel(base_s=1e-3, per_node_s=1e-4, hit_s=1e-5, miss_s=1e-3, draft_level_s=0.0)
+    # 1e-3 + 3 * 1e-4 + 5 * 1e-5 + 2 * 1e-3 = 3.35e-3
+    assert X[0] @ cost.params == pytest.approx(3.35e-3)
+
+
+def test_the_drafter_level_probe_leaves_its_warm_up_tree_out_of_the_timings(monkeypatch):
+    """The first tree only warms up: its slow levels must not enter the medians. A scripted clock
+    makes every level of the warm-up tree take 100 s and every later level 1 s (level l: l s more)."""
+    from specfit.calibrate import cycles
+    from specfit.runtime.loader import drafter_capture_layers, load_drafter, load_model
+
+    torch.set_num_threads(1)
+    capture = drafter_capture_layers(tiny_moe_eagle3_dir(), load_model(tiny_moe_dir()).config)
+    model = load_model(tiny_moe_dir(), cache_experts=16, capture_layers=capture)
+    drafter = load_drafter(tiny_moe_eagle3_dir(), model)
+    levels, repeats = 3, 1
+    spans = iter([100.0] * levels + [float(level) for level in range(1, levels + 1)] * repeats)
+    clock = {"now": 0.0, "calls": 0}
+
+    def fake_now(device):
+        clock["calls"] += 1
+        if clock["calls"] % 2 == 0:                      # the end of a level: its scripted span
+            clock["now"] += next(spans)
+        return clock["now"]
+
+    monkeypatch.setattr(cycles, "device_now", fake_now)
+    rows = cycles.probe_drafter_levels(model, drafter, top_k=2, levels=levels, repeats=repeats)
+    assert [r["level"] for r in rows] == [1, 2, 3]
+    assert [r["seconds"] for r in rows] == [1.0, 2.0, 3.0]
+    assert all(np.isfinite(r["width"]) and r["width"] >= 1 for r in rows)
+
+
+def test_zero_rounds_of_probes_is_one_clear_error():
+    with pytest.raises(SpecFitError, match="at least 1 round"):
+        repeat_rounds({"p": lambda: [{"tokens": 1, "seconds": 1.0}]}, rounds=0, warmup_rounds=0)
+
+
+def test_a_copy_probes_bandwidth_is_recomputed_in_decimal_gigabytes_per_second_from_the_median():
+    """2e9 bytes copied in a median of 0.5 s is 4 GB/s (1 GB = 1e9 bytes, as the presets' published
+    PCIe figures are), whatever the first round's own figure said."""
+    seconds = iter([0.4, 0.5, 2.0])
+    rows, _ = repeat_rounds({"h2d": lambda: [{"bytes": 2_000_000_000, "seconds": next(seconds), "gbps": 5.0}]},
+                            rounds=3, warmup_rounds=0)
+    assert rows["h2d"][0]["seconds"] == 0.5
+    assert rows["h2d"][0]["gbps"] == pytest.approx(4.0)
+
+
+def test_a_random_probe_tree_is_never_deeper_than_its_max_depth():
+    """Each node's parent is no deeper than max_depth - 1, so no node is deeper than max_depth; a
+    large tree reaches that depth."""
+    from specfit.calibrate.cycles import random_tree
+
+    for seed in range(5):
+        tree = random_tree(np.random.default_rng(seed), 200, 50, max_depth=3)
+        assert int(tree.depth.max()) == 3
+        assert np.all(np.diff(tree.depth) >= 0)                   # level order
+
+
+def test_a_machine_loaded_below_its_core_count_gets_no_load_warning():
+    quiet = {"rounds": 3, "spread_median": 0.01, "cpu_share": None, "cpu_count": 4}
+    assert busy_warnings({**quiet, "load_average": 3.5}) == []
+    assert busy_warnings({**quiet, "load_average": 4.5}) == ["load average 4.5 on 4 CPU cores during calibration"]

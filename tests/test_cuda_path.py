@@ -637,3 +637,15 @@ def test_a_copy_into_an_evicted_slot_waits_for_the_compute_that_read_it(fake_cud
     copies = [i for i, e in enumerate(log) if e[0] == "copy"]
     assert copies and waits and waits[0] < copies[0]         # the copy stream waits for that compute first
     assert cuda.streams[0].clock_ms >= 3.0 + 2 * cuda.copy_ms   # so expert 1's two tensors land after it
+
+
+@pytest.mark.parametrize("layers,experts,hidden,inter", [(3, 5, 37, 11), (2, 1, 37, 29), (1, 3, 64, 33)])
+def test_planned_pinned_bytes_round_each_matrix_to_pages_as_pinning_does(layers, experts, hidden, inter):
+    """The plan rounds each layer's gate_up and down up to whole pages on their own (each is one
+    registration), so it equals what pinning the experts locks for any shape."""
+    registrar = RecordingRegistrar()
+    host = HostExperts(layers, experts, hidden, inter, torch.float32, registrar=registrar)
+    assert HostExperts.planned_pinned_bytes(layers, experts, hidden, inter, torch.float32) == host.pinned_bytes
+    if PAGE_BYTES == 4096 and (layers, experts, hidden, inter) == (2, 1, 37, 29):
+        # gate_up: 2*29*37*4 = 8584 B -> 3 pages; down: 37*29*4 = 4292 B -> 2 pages; per layer 5 pages
+        assert host.pinned_bytes == 2 * 5 * 4096

@@ -345,3 +345,50 @@ def test_the_simulator_refuses_a_predictor_the_imported_trace_cannot_fit(per_seq
     with pytest.raises(SpecFitError, match="--predictor affinity: the trace cannot fit it"):
         prepare_trace("imported", trace, predictor="affinity")
     assert prepare_trace("imported", trace, predictor="parent").n_cycles == trace.n_cycles
+
+
+def test_an_expert_listed_twice_for_one_token_and_layer_is_refused_wherever_it_sits_in_the_top_k(tmp_path):
+    """A router's top-k names each expert once: expert 3 at ranks 0 and 2 (not side by side) of
+    token 1, layer 0 is as wrong as at ranks 0 and 1."""
+    experts = np.array([[[0, 1, 2], [4, 5, 6]],
+                        [[3, 1, 3], [4, 5, 6]]])
+    path = tmp_path / "log.npz"
+    np.savez(path, expert_ids=experts, sequence_id=np.array([0, 0]))
+    with pytest.raises(SpecFitError, match="lists expert 3 twice for token 1 at layer 0"):
+        read_routing_log(path)
+    experts[1, 0] = [3, 1, 2]                             # distinct: read as given
+    np.savez(path, expert_ids=experts, sequence_id=np.array([0, 0]))
+    np.testing.assert_array_equal(read_routing_log(path).experts, experts)
+
+
+def test_three_interleaved_sequences_are_grouped_in_the_order_first_seen(tmp_path):
+    """Sequences first seen in the order 7, 2, 5 (neither ascending nor a swap of two) come out as
+    7, 2, 5, each in the file's order of its rows, with or without a token index."""
+    rows = [(7, 0), (2, 0), (5, 0), (2, 1), (7, 1), (5, 1), (5, 2)]
+    experts = np.stack([[[s % 4, 4 + i]] for s, i in rows])                    # [tokens, 1 layer, top-2]
+    seq = np.array([s for s, _ in rows])
+    tokens = np.array([10 * s + i for s, i in rows])
+    path = tmp_path / "three.npz"
+    np.savez(path, expert_ids=experts, sequence_id=seq, token_id=tokens)
+    log = read_routing_log(path)
+    np.testing.assert_array_equal(log.sequence, [7, 7, 2, 2, 5, 5, 5])
+    np.testing.assert_array_equal(log.tokens, [70, 71, 20, 21, 50, 51, 52])
+    np.savez(path, expert_ids=experts, sequence_id=seq, token_id=tokens,
+             generated_token_index=np.array([i for _, i in rows]))
+    log = read_routing_log(path)
+    np.testing.assert_array_equal(log.sequence, [7, 7, 2, 2, 5, 5, 5])
+    np.testing.assert_array_equal(log.tokens, [70, 71, 20, 21, 50, 51, 52])
+
+
+def test_a_negative_router_weight_is_refused_with_its_place(tmp_path):
+    """Router weights are softmax outputs: a negative one is a corrupt log, named by its row,
+    layer and rank, not a weight kept in the trace."""
+    experts = np.array([[[0, 1]], [[2, 3]]])
+    weights = np.array([[[0.75, 0.25]], [[0.5, -0.25]]], dtype=np.float32)
+    path = tmp_path / "log.npz"
+    np.savez(path, expert_ids=experts, sequence_id=np.array([0, 0]), router_weights=weights)
+    with pytest.raises(SpecFitError, match="non-negative router weights, got -0.25 for token row 1, layer 0, rank 1"):
+        read_routing_log(path)
+    weights[1, 0, 1] = 0.0
+    np.savez(path, expert_ids=experts, sequence_id=np.array([0, 0]), router_weights=weights)
+    np.testing.assert_array_equal(read_routing_log(path).weights, weights)

@@ -80,3 +80,32 @@ def test_a_run_directory_of_the_same_command_with_a_described_kind_is_accepted(t
     assert check_run_dir(tmp_path, "decode") == tmp_path
     with pytest.raises(SpecFitError, match="holds a `specfit decode` run"):
         check_run_dir(tmp_path, "simulate")
+
+
+def test_a_summary_file_listing_something_other_than_objects_is_one_clear_error(tmp_path):
+    from specfit.runtime.run_dir import SUMMARY_FILE, read_decode_summaries
+
+    (tmp_path / SUMMARY_FILE).write_text('[{"policy": "ar", "precision": null}, 3]')
+    with pytest.raises(SpecFitError, match="expected a list of per-policy summary objects"):
+        read_decode_summaries(tmp_path)
+    (tmp_path / SUMMARY_FILE).write_text('[{"policy": "ar", "precision": null}]')
+    got = read_decode_summaries(tmp_path)
+    assert got[0]["policy"] == "ar" and got[0]["precision"] != got[0]["precision"]     # null read as NaN
+
+
+def test_a_rerun_into_a_run_directory_removes_the_last_runs_outputs_before_its_first_cycle(tmp_path):
+    """The last run's cycles, journal, records and summary are gone as soon as a new run starts in
+    the directory: read before the new run's first cycle they would pass for its own."""
+    from specfit.runtime.run_dir import (CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE, DecodeOutputs,
+                                         read_decode_cycles, read_decode_summaries)
+
+    first = DecodeOutputs(tmp_path)
+    first.add_cycle({"policy": "ar", "cycle": 0})
+    first.summaries.append({"policy": "ar"})
+    first.close()
+    assert (tmp_path / CYCLES_FILE).is_file() and (tmp_path / SUMMARY_FILE).is_file()
+    (tmp_path / JOURNAL_FILE).write_text('{"policy": "ar", "cycle": 0}\n')
+    DecodeOutputs(tmp_path)
+    for name in (CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE):
+        assert not (tmp_path / name).exists(), name
+    assert read_decode_cycles(tmp_path).empty and read_decode_summaries(tmp_path) == []

@@ -708,3 +708,76 @@ def test_the_view_after_a_prefetch_sees_the_prefetched_experts_resident():
     assert not before[0, 5] and not before[1, 6]
     assert after.cached[0, 5] and after.cached[1, 6] and after.cached[0, 0] and after.cached[1, 2]
     assert after.draft_levels == 1 and after.experts is view.experts
+
+
+def test_observe_union_hands_the_advisor_every_expert_the_pass_used_per_layer():
+    """The cache advisor learns the pass's true union: each (layer, expert) that any verified node
+    routed to, the first node's first expert included, and nothing else."""
+    from types import SimpleNamespace
+
+    from specfit.runtime.levers import observe_union
+
+    seen = []
+    advisor = SimpleNamespace(observe=lambda union: seen.append(union.copy()))
+    decoder = SimpleNamespace(policy=SimpleNamespace(cache_advisor=advisor),
+                              model=SimpleNamespace(config=SimpleNamespace(n_moe_layers=2, n_experts=8)))
+    true = np.array([[[0, 1], [2, 3]],          # node 0: layer 0 -> {0, 1}, layer 1 -> {2, 3}
+                     [[4, 1], [6, 2]]])         # node 1: layer 0 -> {4, 1}, layer 1 -> {6, 2}
+    observe_union(decoder, SimpleNamespace(expert_ids=true))
+    expected = np.zeros((2, 8), dtype=bool)
+    expected[0, [0, 1, 4]] = True
+    expected[1, [2, 3, 6]] = True
+    assert len(seen) == 1
+    np.testing.assert_array_equal(seen[0], expected)
+
+
+def _recorded_cycle(position, n_nodes=3, draft_s=0.125, verify_s=0.25, total_s=0.5):
+    """A hand-built decode cycle: a chain of ``n_nodes`` (depths 0..n-1), every node verified."""
+    from types import SimpleNamespace
+
+    from specfit.tree import DraftTree
+
+    L, k = 2, 2
+    tree = DraftTree(parents=np.arange(-1, n_nodes - 1), path_probs=0.5 ** np.arange(n_nodes),
+                     tokens=np.arange(10, 10 + n_nodes))
+    draft = SimpleNamespace(tree=tree, experts=np.zeros((0, L, k), dtype=np.int64), edge_logprob=np.zeros(0))
+    true = np.arange(n_nodes * L * k).reshape(n_nodes, L, k) % 8
+    verification = SimpleNamespace(expert_ids=true, nodes=np.arange(n_nodes), verdicts=np.ones(n_nodes, dtype=np.int64))
+    return SimpleNamespace(draft=draft, verification=verification, position=position, cycle_time_s=total_s,
+                           draft_time_s=draft_s, verify_time_s=verify_s,
+                           offload=SimpleNamespace(total_bytes_h2d=4096))
+
+
+def _recorder(full):
+    from specfit.runtime.record import TraceRecorder
+
+    meta = {"name": "m", "n_layers": 2, "n_experts": 8, "top_k": 2, "expert_bytes": 16, "vocab_size": 64}
+    return TraceRecorder(meta, {"name": "d", "tree_top_k": 1, "max_levels": 3}, "test", full=full)
+
+
+def test_a_recorded_cycle_keeps_its_draft_and_verify_times_apart():
+    recorder = _recorder(full=False)
+    recorder.begin_sequence(0)
+    recorder.add_cycle(_recorded_cycle(0, draft_s=0.125, verify_s=0.25, total_s=0.5))
+    recorder.end_sequence(4)
+    measured = recorder.trace().measured
+    assert measured["measured_draft_s"].tolist() == [0.125]
+    assert measured["measured_verify_s"].tolist() == [0.25]
+    assert measured["measured_time_s"].tolist() == [0.5]
+    assert measured["measured_bytes_h2d"].tolist() == [4096.0]
+
+
+def test_a_full_trace_keeps_the_cycles_and_tree_depths_the_reference_output_covers():
+    """A full trace's cycle at position p predicts the token after p + 1: with an output of n tokens
+    (the first from the prefill) the cycles at positions 0..n-2 are kept, and the tree of the cycle
+    at p keeps the depths 0..n-2-(p+1) (the reference tokens left after it)."""
+    n_output = 4
+    recorder = _recorder(full=True)
+    recorder.begin_sequence(0)
+    for position in range(n_output):                     # a cycle past the output too (position 3)
+        recorder.add_cycle(_recorded_cycle(position, n_nodes=3))
+    recorder.end_sequence(n_output)
+    trace = recorder.trace()
+    assert trace.position.tolist() == [0, 1, 2]
+    # nodes per cycle: position 0 -> depths 0..2 (3 nodes), 1 -> depths 0..1, 2 -> depth 0
+    assert np.diff(trace.offsets).tolist() == [3, 2, 1]

@@ -188,3 +188,27 @@ def test_a_saved_cache_comes_back_with_its_experts_in_their_slots(model_dir, mod
         assert model.offload.restore_state(state) <= int(state.cache.resident().sum())
         _check_slots(model.offload)
         assert np.array_equal(model.offload.cache.resident(), state.cache.resident())
+
+
+def test_a_global_cache_charges_an_eviction_to_the_layer_that_lost_the_expert():
+    """In global mode one pool serves every layer: a layer-1 miss that evicts a layer-0 expert is an
+    eviction of layer 0 (whose expert must come back), not of layer 1."""
+    host = HostExperts(n_layers=2, n_experts=4, hidden_size=4, intermediate_size=3, dtype=torch.float32)
+    offload = ExpertOffload(host, capacity=2, mode="global")
+    offload.begin_pass()
+    assert [e for e, _, _ in offload.layer_experts(0, np.array([0, 1]))] == [0, 1]     # both admitted: pool full
+    assert [e for e, _, _ in offload.layer_experts(1, np.array([2]))] == [2]           # evicts a layer-0 expert
+    c = offload.counters
+    assert c.misses.tolist() == [2, 1]
+    assert c.evictions.tolist() == [1, 0]
+    assert offload.cache.resident()[0].sum() == 1 and offload.cache.resident()[1].tolist() == [False, False, True, False]
+
+
+def test_the_planned_device_bytes_are_what_the_slots_and_staging_buffers_hold():
+    """What a plan says the offload will hold is what it allocates: the slots and, below one slot per
+    expert, the two staging buffers."""
+    host = HostExperts(n_layers=3, n_experts=6, hidden_size=4, intermediate_size=3, dtype=torch.float32)
+    for capacity, buffers in ((0, 2), (2, 2), (6, 0)):
+        offload = ExpertOffload(host, capacity=capacity)
+        assert offload.planned_device_bytes == offload.device_bytes == (3 * capacity + buffers) * host.expert_bytes
+    assert host.expert_bytes == (2 * 3 * 4 + 4 * 3) * 4                 # gate, up and down of one expert, float32

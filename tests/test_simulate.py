@@ -510,3 +510,17 @@ def test_the_recorded_command_runs_as_typed_when_started_as_python_dash_m(tmp_pa
                    env={**os.environ, "OMP_NUM_THREADS": "1"})
     command = json.loads((out / "run.json").read_text())["command"]
     assert command.startswith("specfit simulate --trace "), command
+
+
+def test_the_recorded_command_names_the_options_given_and_leaves_out_those_at_their_default(tmp_path):
+    """run.json's command line holds what the user changed (a value different from the option's
+    default) and not every option at its default value."""
+    out = tmp_path / "sim"
+    result = CliRunner().invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), "--policies", "ar",
+                                      "--cache-experts", "0", "--predictor", "oracle", "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    words = json.loads((out / "run.json").read_text())["command"].split()
+    assert words[:2] == ["specfit", "simulate"]
+    assert words[words.index("--policies") + 1] == "ar"            # given, not the default
+    assert words[words.index("--cache-experts") + 1] == "0"        # given, not the default
+    assert "--predictor" not in words                               # given, but equal to its default (oracle)

@@ -942,3 +942,14 @@ def test_a_cycle_cut_short_by_eos_reports_the_tokens_that_reached_the_output(che
     for record in records:
         rows = cycles[cycles["sequence"] == record["index"]]
         assert rows["committed_tokens"].sum() == len(record["output_ids"]) - 1, record["index"]
+
+
+def test_a_single_policy_run_makes_no_claim_about_outputs_across_policies(checkpoint):
+    """'Identical across policies' compares several policies' greedy outputs: one policy has
+    nothing to compare with, so the line is left out rather than answered 'yes'."""
+    result = decode(checkpoint, "--policy", "ar", "--profile", "pcie4")
+    assert result.exit_code == 0, result.output
+    assert "identical across policies" not in result.stdout
+    both = decode(checkpoint, "--policies", "ar,eagle3:12:4", "--profile", "pcie4")
+    assert both.exit_code == 0, both.output
+    assert "greedy outputs identical across policies: yes" in both.stdout
