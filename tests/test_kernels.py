@@ -189,3 +189,41 @@ def test_the_cold_cache_is_seen_and_the_side_by_side_compile_loads_the_same_kern
     assert {name: len(k.signatures) for name, k in vars(kernels.search).items()
             if hasattr(k, "signatures")} == signatures
     assert warm_up() < 0.5
+
+
+def test_pairwise_sum_of_eight_values_uses_numpys_eight_accumulators():
+    # numpy sums 8 values as ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7)): here
+    # (1e16 + 1) + (-1e16 + 1) rounds to 0, while a left-to-right loop gives 1
+    a = np.array([1e16, 1.0, -1e16, 1.0, 0.0, 0.0, 0.0, 0.0])
+    assert float(np.sum(a)) == 0.0
+    assert kernels.evaluate.pairwise_sum(a, 8) == 0.0
+    # seven values are summed left to right (1e16 + 1 + -1e16 + 1 = 1) in numpy and here alike
+    assert kernels.evaluate.pairwise_sum(a, 7) == float(np.sum(a[:7])) == 1.0
+
+
+@pytest.mark.parametrize("n", [8, 9, 15, 16, 129, 136, 140, 200, 260, 1000, 4099])
+def test_pairwise_sum_of_values_of_many_magnitudes_equals_numpys_bit_for_bit(n):
+    # a wide range of magnitudes makes every difference in the order of additions show: the
+    # split of a block above 128 values at a multiple of 8, the 8-accumulator leaf
+    for seed in range(20):
+        rng = np.random.default_rng(seed)
+        a = rng.uniform(0, 1, n) * 10.0 ** rng.integers(-8, 9, n)
+        assert kernels.evaluate.pairwise_sum(a, n) == float(np.sum(a)), (n, seed)
+
+
+def test_union_accounting_reads_the_predicted_rows_of_the_verified_nodes():
+    # one layer, 8 experts, top-1; expert 0 resident. Predicted per drafted node: 0 -> e0,
+    # 1 -> e0, 2 -> e2; verified nodes [0, 2] whose true experts are e0 and e3 (in that order).
+    # true union {0, 3}; predicted union {0, 2} (rows 0 and 2, not 0 and 1); overlap {0};
+    # predicted misses {2}; true misses {3}
+    ev = kernels.evaluate
+    predicted = np.array([0, 0, 2]).reshape(3, 1, 1)
+    true = np.array([0, 3]).reshape(2, 1, 1)
+    cached = np.array([[1]], dtype=np.uint64)
+    out = ev.union_accounting(predicted, np.array([0, 2]), true, cached)
+    assert out.shape == (5, 1)
+    assert out[ev.TRUE_UNION, 0] == 2
+    assert out[ev.PREDICTED_UNION, 0] == 2
+    assert out[ev.OVERLAP, 0] == 1
+    assert out[ev.PREDICTED_MISSES, 0] == 1
+    assert out[ev.TRUE_MISSES, 0] == 1

@@ -23,7 +23,7 @@ from specfit.experts.calibration import cross_calibrate
 from specfit.experts.predictors import cross_predict
 from specfit.policies import CycleView, Observation, choose, make_policy
 from specfit.simulate.replay import prepare, replay
-from specfit.traces.format import read_trace
+from specfit.traces.format import Trace, read_trace
 from specfit.tree import DraftTree
 
 from trace_helpers import SAMPLE_OLMOE, SAMPLE_QWEN3, hand_trace
@@ -263,3 +263,163 @@ def test_replay_equals_the_reference_on_the_hand_trace(spec):
     trace = hand_trace()
     cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.01, miss_s=0.5, draft_level_s=0.2, expert_bytes=1000)
     check_replay(trace, trace.true_experts, trace.path_prob, spec, 1, "per_layer", "lru", cost)
+
+
+def tie_trace(n_children: int, accepted_child: int) -> Trace:
+    """Reference output 11 12 13 over positions 0, 1, 2. Position 0: root 10 (e0) with
+    ``n_children`` children of path probability 0.5 each (child i: token 20 + i, expert 1 + i % 3),
+    of which child ``accepted_child`` (1-based) carries token 11 and is accepted, its verdict 12;
+    positions 1 and 2: the root alone (11, then 12)."""
+    n = n_children + 1
+    tokens = [10] + [20 + i for i in range(1, n)]
+    tokens[accepted_child] = 11
+    verdicts = [11] + [0] * n_children
+    verdicts[accepted_child] = 12
+    parent = [-1] + [0] * n_children + [-1, -1]
+    path_prob = [1.0] + [0.5] * n_children + [1.0, 1.0]
+    experts = [0] + [1 + i % 3 for i in range(n_children)] + [1, 2]
+    h = hand_trace()
+    return Trace(meta=h.meta, offsets=np.array([0, n, n + 1, n + 2]), sequence=np.zeros(3, dtype=np.int32),
+                 position=np.arange(3, dtype=np.int32), parent=np.array(parent, dtype=np.int16),
+                 depth=np.array([0] + [1] * n_children + [0, 0], dtype=np.int16),
+                 token=np.array(tokens + [11, 12], dtype=np.int32),
+                 draft_logprob=np.log(np.array(path_prob)).astype(np.float32), path_prob=np.array(path_prob),
+                 verdict=np.array(verdicts + [12, 13], dtype=np.int32),
+                 true_experts=np.array(experts, dtype=np.int16).reshape(n + 2, 1, 1))
+
+
+COST = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.01, miss_s=0.5, draft_level_s=0.2, expert_bytes=1000)
+
+
+def _replay(trace, spec, cost=COST, compiled=True):
+    prep = prepare("ties", trace, trace.true_experts)
+    return replay(prep, make_policy(spec), ExpertCache(1, 4, capacity=1, expert_bytes=1000), cost, compiled=compiled)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_chain_follows_the_earlier_of_two_equally_probable_children(compiled):
+    # children 1 and 2 both at 0.5: chain:1 verifies root + child 1; child 1 is the accepted one
+    # (11), so the cycle commits 11 and the bonus 12, then position 2 commits 13
+    log = _replay(tie_trace(2, accepted_child=1), "chain:1", compiled=compiled)
+    c = log.columns
+    assert c["position"].tolist() == [0, 2]
+    assert c["committed_tokens"].tolist() == [2, 1]
+    assert log.committed[0].tolist() == [11, 12, 13]
+    # the accepted child second: the chain still takes child 1 (rejected) and commits the bonus only
+    log = _replay(tie_trace(2, accepted_child=2), "chain:1", compiled=compiled)
+    assert log.columns["position"].tolist() == [0, 1, 2]
+    assert log.columns["committed_tokens"].tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_rerank_keeps_the_earliest_of_many_equally_probable_nodes(compiled):
+    # 40 children at 0.5 (more than a sort's small-array cutoff): static:3 keeps the root and the
+    # two earliest children, 1 and 2; child 1 is the accepted one, so position 0 commits 2 tokens
+    log = _replay(tie_trace(40, accepted_child=1), "static:3", compiled=compiled)
+    c = log.columns
+    assert c["position"].tolist() == [0, 2]
+    assert c["nodes_verified"].tolist()[0] == 3
+    assert c["committed_tokens"].tolist() == [2, 1]
+    # child 1 (e1) and child 2 (e2) with the root (e0): three distinct experts in the union
+    assert c["union_size"].tolist()[0] == 3
+    log = _replay(tie_trace(40, accepted_child=3), "static:3", compiled=compiled)
+    assert log.columns["committed_tokens"].tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_oracle_breaks_an_exact_throughput_tie_toward_the_shorter_prefix(compiled):
+    # only the draft levels and the base cost (1 s each, exact in floats): a prefix of j + 1 nodes
+    # commits j + 1 tokens in j + 1 seconds, so every prefix of the accepted path root-A-C ties at
+    # one token per second; the oracle keeps the shortest, the root alone, at every position
+    cost = CostModel(base_s=1.0, per_node_s=0.0, hit_s=0.0, miss_s=0.0, draft_level_s=1.0, expert_bytes=1000)
+    trace = hand_trace()
+    log = _replay(trace, "oracle", cost=cost, compiled=compiled)
+    c = log.columns
+    assert c["position"].tolist() == [0, 1, 2]
+    assert c["committed_tokens"].tolist() == [1, 1, 1]
+    assert c["nodes_verified"].tolist() == [1, 1, 1]
+    assert log.committed[0].tolist() == [11, 12, 13]
+
+
+def rising_chain_trace() -> Trace:
+    """Reference output 11 12 13. Position 0: a chain root 10 -> 11 -> 99 -> 98 -> 97 whose given
+    path probabilities 1, .5, .5 + 5e-10, .5 + 1e-9, .4 rise by float slack (within PROB_SLACK):
+    the full tree clips node 3 to its parent's given value, .5 + 5e-10, and a tree cut at fewer
+    levels clips it once more, to .5. Only 11 is accepted (the target says 12 after it).
+    Positions 1 and 2: the root alone (11, then 12)."""
+    h = hand_trace()
+    path_prob = np.array([1.0, 0.5, 0.5 + 5e-10, 0.5 + 1e-9, 0.4, 1.0, 1.0])
+    parent = np.array([-1, 0, 1, 2, 3, -1, -1], dtype=np.int16)
+    edge = np.where(parent >= 0, path_prob / path_prob[np.maximum(parent, 0)], 1.0)
+    return Trace(meta=h.meta, offsets=np.array([0, 5, 6, 7]), sequence=np.zeros(3, dtype=np.int32),
+                 position=np.arange(3, dtype=np.int32), parent=parent,
+                 depth=np.array([0, 1, 2, 3, 4, 0, 0], dtype=np.int16),
+                 token=np.array([10, 11, 99, 98, 97, 11, 12], dtype=np.int32),
+                 draft_logprob=np.log(edge).astype(np.float32), path_prob=path_prob,
+                 verdict=np.array([11, 12, 0, 0, 0, 12, 13], dtype=np.int32),
+                 true_experts=np.array([0, 1, 2, 3, 0, 1, 2], dtype=np.int16).reshape(7, 1, 1))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_a_tree_cut_at_fewer_levels_is_priced_with_its_own_clipped_probabilities(compiled):
+    # chain:3 drafts 3 of the 4 levels: the cut tree's probabilities are .5, .5, .5 (clipped
+    # twice), so the chain's expected tokens are 1 + 3 x .5 = 2.5 exactly, not 2.5 + 5e-10
+    log = _replay(rising_chain_trace(), "chain:3", compiled=compiled)
+    c = log.columns
+    assert c["position"].tolist() == [0, 2]
+    assert c["draft_levels"].tolist() == [3, 0]
+    assert c["nodes_verified"].tolist() == [4, 1]
+    assert c["predicted_tokens"].tolist() == [2.5, 1.0]
+    assert log.committed[0].tolist() == [11, 12, 13]
+    # drafting all four levels (chain:4) uses the full tree's clip: .5, .5, .5 + 5e-10, .4
+    c = _replay(rising_chain_trace(), "chain:4", compiled=compiled).columns
+    assert c["draft_levels"].tolist() == [4, 0]
+    assert c["predicted_tokens"].tolist()[0] == 1.0 + float(np.sum([0.5, 0.5, 0.5 + 5e-10, 0.4]))
+
+
+def slack_rising_chain_trace() -> Trace:
+    """Reference output 11 12 13. Position 0: a chain root 10 -> 11 -> 99 -> 98 -> 97 whose given
+    path probabilities 1, .5, .5 + 1e-10, .5 + 2e-10, .5 + 3e-10 rise by float slack at every
+    step (each within PROB_SLACK of its parent): clipped once to each parent's given value they
+    are 1, .5, .5, .5 + 1e-10, .5 + 2e-10, so the deepest node outranks its ancestors. Only 11 is
+    accepted. Positions 1 and 2: the root alone (11, then 12)."""
+    h = hand_trace()
+    path_prob = np.array([1.0, 0.5, 0.5 + 1e-10, 0.5 + 2e-10, 0.5 + 3e-10, 1.0, 1.0])
+    parent = np.array([-1, 0, 1, 2, 3, -1, -1], dtype=np.int16)
+    edge = np.where(parent >= 0, path_prob / path_prob[np.maximum(parent, 0)], 1.0)
+    return Trace(meta=h.meta, offsets=np.array([0, 5, 6, 7]), sequence=np.zeros(3, dtype=np.int32),
+                 position=np.arange(3, dtype=np.int32), parent=parent,
+                 depth=np.array([0, 1, 2, 3, 4, 0, 0], dtype=np.int16),
+                 token=np.array([10, 11, 99, 98, 97, 11, 12], dtype=np.int32),
+                 draft_logprob=np.log(edge).astype(np.float32), path_prob=path_prob,
+                 verdict=np.array([11, 12, 0, 0, 0, 12, 13], dtype=np.int32),
+                 true_experts=np.array([0, 1, 2, 3, 0, 1, 2], dtype=np.int16).reshape(7, 1, 1))
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_rerank_closes_its_selection_when_a_deep_node_outranks_its_ancestors(compiled):
+    # eagle3:2:4 keeps the root and the most probable other node, the deepest (.5 + 2e-10 after
+    # the clip): verified with all its ancestors, the whole chain of 5 nodes; 11 is accepted, so
+    # position 0 commits 11 and the bonus 12
+    log = _replay(slack_rising_chain_trace(), "eagle3:2:4", compiled=compiled)
+    c = log.columns
+    assert c["position"].tolist() == [0, 2]
+    assert c["draft_levels"].tolist() == [4, 0]
+    assert c["nodes_verified"].tolist() == [5, 1]
+    assert c["deepest_selected"].tolist() == [4, 0]
+    assert c["committed_tokens"].tolist() == [2, 1]
+    assert log.committed[0].tolist() == [11, 12, 13]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_specfit_prices_the_full_tree_it_drafted_with_the_full_trees_probabilities(compiled):
+    # nodes and experts cost nothing and a draft level almost nothing: SpecFit drafts all four
+    # levels of the rising chain and verifies every node; the full tree's probabilities (clipped
+    # once) are .5, .5, .5 + 5e-10, .4, so its expected tokens are 1 + .5 + .5 + (.5 + 5e-10) + .4
+    # summed in that order, not the cut trees' .5 for node 3
+    cost = CostModel(base_s=1.0, per_node_s=0.0, hit_s=0.0, miss_s=0.0, draft_level_s=1e-6, expert_bytes=1000)
+    c = _replay(rising_chain_trace(), "specfit", cost=cost, compiled=compiled).columns
+    assert c["position"].tolist() == [0, 2]
+    assert c["draft_levels"].tolist() == [4, 0]
+    assert c["nodes_verified"].tolist() == [5, 1]
+    assert c["predicted_tokens"].tolist()[0] == 1.0 + (((0.5 + 0.5) + (0.5 + 5e-10)) + 0.4)

@@ -735,3 +735,149 @@ def test_closure_requirement_naming_one_past_the_last_weight_is_refused():
     # index 2 of two weights would name the kernel's source vertex
     with pytest.raises(ValueError, match="requires: expected pairs of indices into 2 weights"):
         max_weight_closure(np.array([1.0, -1.0]), [(0, 2)])
+
+
+def test_max_weight_closure_a_rounding_gain_at_large_weights_is_a_tie():
+    # a project worth fl(a + b) that needs two costs a and b: zero gain in reals, but the flow's
+    # residual (c - a) - b is 1.5e-11, a rounding of numbers near 2e5, far below GAIN_EPS times
+    # the weights' magnitude: a tie, so the minimal closure (nothing) is the answer
+    a, b = 104097.35239361947, 101652.7635528529
+    c = a + b
+    assert (c - a) - b > 1e-12           # the float residual the cut has to treat as saturated
+    got = max_weight_closure(np.array([c, -a, -b]), [(0, 1), (0, 2)])
+    assert got.tolist() == [False, False, False]
+    # scaled down to where rounding is below GAIN_EPS itself, the same answer
+    got = max_weight_closure(np.array([c, -a, -b]) * 1e-6, [(0, 1), (0, 2)])
+    assert got.tolist() == [False, False, False]
+    # a real gain at that scale (one unit) is taken
+    got = max_weight_closure(np.array([c + 1.0, -a, -b]), [(0, 1), (0, 2)])
+    assert got.tolist() == [True, True, True]
+
+
+def test_greedy_grows_along_a_chain_to_every_node_that_pays():
+    # a chain 0 -> 1 -> 2 sharing the root's resident expert (hits and misses free): each node
+    # costs 0.1 s; {0}: 1/1.1, {0,1}: 1.9/1.2, {0,1,2}: 2.7/1.3, so greedy adds 1, then its child 2
+    tree = DraftTree(parents=np.array([-1, 0, 1]), path_probs=np.array([1.0, 0.9, 0.8]))
+    experts = np.zeros((3, 1, 1), dtype=np.int64)
+    cached = np.array([[True, False]])
+    cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.0, miss_s=0.0)
+    greedy = greedy_subtree(tree, experts, cached, cost)
+    assert greedy.nodes.tolist() == [0, 1, 2]
+    assert greedy.expected_tokens == 2.7 and greedy.time_s == 1.3
+    # the same on a deeper chain reached through a branch: 0 -> 1 -> 3 -> 4 and a poor sibling 2
+    tree = DraftTree(parents=np.array([-1, 0, 0, 1, 3]), path_probs=np.array([1.0, 0.9, 0.01, 0.8, 0.7]))
+    greedy = greedy_subtree(tree, np.zeros((5, 1, 1), dtype=np.int64), cached, cost)
+    assert greedy.nodes.tolist() == [0, 1, 3, 4]
+
+
+def test_a_node_sharing_the_roots_resident_expert_pays_for_its_node_cost_alone():
+    # the root's expert is resident (a hit, 0.5 s) and node 1 needs the same one: adding it costs
+    # only the per-node 0.1 s. {0}: 1 / 1.6 = 0.625; {0,1}: 1.2 / 1.7 = 0.706: node 1 pays
+    tree = DraftTree(parents=np.array([-1, 0]), path_probs=np.array([1.0, 0.2]))
+    experts = np.zeros((2, 1, 1), dtype=np.int64)
+    cached = np.array([[True, False]])
+    cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.5, miss_s=1.0)
+    sel = best_subtree(tree, experts, cached, cost)
+    assert sel.nodes.tolist() == [0, 1]
+    assert (sel.hits, sel.misses) == (1, 0)
+    assert abs(sel.time_s - 1.7) < 1e-12 and abs(sel.expected_tokens - 1.2) < 1e-12
+
+
+def test_an_expert_id_equal_to_the_number_of_experts_is_refused():
+    # ids run 0 .. E - 1; E itself is one past the last (a bit no residency word holds)
+    import pytest
+
+    from specfit.search import evaluate
+
+    tree = DraftTree(parents=np.array([-1, 0]), path_probs=np.array([1.0, 0.01]))
+    cached = np.zeros((1, 4), dtype=bool)
+    cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.0, miss_s=0.5)
+    for experts in (np.array([[[4]], [[0]]]), np.array([[[0]], [[4]]])):
+        with pytest.raises(ValueError, match="experts"):
+            evaluate(tree, [0, 1], experts, cached, cost)
+        with pytest.raises(ValueError, match="experts"):
+            best_subtree(tree, experts, cached, cost)    # node 1 cannot pay: the root-alone path
+
+
+def test_a_selection_naming_the_tree_size_or_a_node_twice_is_checked_before_the_formula():
+    # ids 0 .. n - 1: n is refused naming the argument; a repeated id is deduplicated, so the node
+    # is counted once (tokens 1 + 0.6; time 1 + 2 x 0.1 + hit 0.01 + miss 0.5 = 1.71)
+    import pytest
+
+    from specfit.search import evaluate
+
+    tree = DraftTree(parents=np.array([-1, 0, 0, 1]), path_probs=np.array([1.0, 0.6, 0.5, 0.25]))
+    experts = np.array([0, 1, 2, 3]).reshape(4, 1, 1)
+    cached = np.array([[True, False, False, False]])
+    cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.01, miss_s=0.5)
+    for nodes in ([0, 4], np.array([0, 4]), np.array([0, 1, 4]), np.array([0, 1, 3, 4])):
+        with pytest.raises(ValueError, match="node 4 is out of range"):
+            evaluate(tree, nodes, experts, cached, cost)
+        with pytest.raises(ValueError, match="start: node 4 is out of range"):
+            best_subtree(tree, experts, cached, cost, start=nodes)
+    for nodes in ([0, 1, 1], np.array([0, 1, 1])):
+        sel = evaluate(tree, nodes, experts, cached, cost)
+        assert sel.nodes.tolist() == [0, 1]
+        assert sel.expected_tokens == 1.6 and (sel.hits, sel.misses) == (1, 1)
+        assert abs(sel.time_s - 1.71) < 1e-12
+
+
+def test_ties_are_trimmed_when_the_leaves_share_a_resident_expert_with_the_root():
+    """As test_ties_are_trimmed_against_the_optimum_not_the_set_before, with every node needing the
+    root's resident expert at a hit cost of 0.5 s: a leaf's removal saves no expert time (the
+    root still reads it), so the trim weighs each leaf's tokens against nothing but its node time
+    (zero) and ends at the same smallest tie, {0, 1} (time 1.5 s for every set)."""
+    tree = DraftTree(parents=np.array([-1, 0, 0, 0]), path_probs=np.array([1.0, 0.6e-12, 0.6e-12, 1e-13]))
+    experts, cached = np.zeros((4, 1, 1), dtype=np.int64), np.ones((1, 1), dtype=bool)
+    cost = CostModel(base_s=1.0, per_node_s=0.0, hit_s=0.5, miss_s=0.0)
+    best = 1.0 + 0.6e-12 + 0.6e-12 + 1e-13
+    got = best_subtree(tree, experts, cached, cost)
+    assert got.nodes.tolist() == [0, 1]
+    assert got.time_s == 1.5 and (got.hits, got.misses) == (1, 0)
+    assert best - got.expected_tokens < 1e-12 * best
+
+
+def test_the_tie_trim_never_drops_a_node_whose_child_stays():
+    # chain 0 -> 1 -> 2; node 1 needs a new expert (0.5 s), node 2 the root's resident one.
+    # {0}: 1 / 1; {0,1}: 1.5 / 1.5; {0,1,2}: 2 / 1.5 = 1.33, the optimum. Without node 1, {0, 2}
+    # would read 1.5 / 1, but it is not ancestor-closed: node 1 is no leaf while 2 is selected
+    tree = DraftTree(parents=np.array([-1, 0, 1]), path_probs=np.array([1.0, 0.5, 0.5]))
+    experts = np.array([0, 1, 0]).reshape(3, 1, 1)
+    cached = np.array([[True, False]])
+    cost = CostModel(base_s=1.0, per_node_s=0.0, hit_s=0.0, miss_s=0.5)
+    sel = best_subtree(tree, experts, cached, cost)
+    assert sel.nodes.tolist() == [0, 1, 2]
+    assert sel.expected_tokens == 2.0 and sel.time_s == 1.5 and (sel.hits, sel.misses) == (1, 1)
+
+
+def test_ties_are_trimmed_when_each_leaf_reads_its_own_resident_expert():
+    """As test_ties_are_trimmed_against_the_optimum_not_the_set_before, with each node reading its
+    own expert, all resident: hits are free and a miss would cost 0.5 s, so removing a leaf saves
+    its hit (nothing), not a miss, and the trim ends at the same smallest tie, {0, 1}."""
+    tree = DraftTree(parents=np.array([-1, 0, 0, 0]), path_probs=np.array([1.0, 0.6e-12, 0.6e-12, 1e-13]))
+    experts, cached = np.arange(4).reshape(4, 1, 1), np.ones((1, 4), dtype=bool)
+    cost = CostModel(base_s=1.0, per_node_s=0.0, hit_s=0.0, miss_s=0.5)
+    best = 1.0 + 0.6e-12 + 0.6e-12 + 1e-13
+    got = best_subtree(tree, experts, cached, cost)
+    assert got.nodes.tolist() == [0, 1]
+    assert got.time_s == 1.0 and (got.hits, got.misses) == (2, 0)
+    assert best - got.expected_tokens < 1e-12 * best
+
+
+def test_max_weight_closure_a_project_worth_the_float_sum_of_many_costs_is_a_tie():
+    """A project worth the float sum of its k costs (k = 50 .. 300, each 1e4 .. 1e5) gains nothing
+    but rounding: far less than GAIN_EPS times the largest weight, so by the documented rule it
+    counts as none and the minimal closure, nothing, is the answer, whatever residual the
+    augmenting paths leave after hundreds of float subtractions."""
+    import math
+
+    from specfit.kernels.tolerances import GAIN_EPS
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        k = int(rng.integers(50, 300))
+        costs = rng.uniform(1e4, 1e5, k)
+        weights = np.r_[float(np.sum(costs)), -costs]
+        assert abs(math.fsum(weights)) < GAIN_EPS * np.abs(weights).max()
+        got = max_weight_closure(weights, [(0, i) for i in range(1, k + 1)])
+        assert not got.any(), k

@@ -17,18 +17,23 @@ def closed_sets(tree):
             yield np.array(nodes)
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_priced_search_equals_brute_force(seed):
-    rng = np.random.default_rng(seed)
-    n, L, E, k = int(rng.integers(2, 9)), 2, 6, 2
+def small_instance(rng, min_nodes: int, least_acceptance: float):
+    """A random tree of min_nodes..8 nodes over 2 layers of 6 experts (top-2), its residency and a cost."""
+    n, L, E, k = int(rng.integers(min_nodes, 9)), 2, 6, 2
     parents = np.array([-1] + [int(rng.integers(0, v)) for v in range(1, n)])
     probs = np.ones(n)
     for v in range(1, n):
-        probs[v] = probs[parents[v]] * rng.uniform(0.3, 1.0)
-    tree = DraftTree(parents, probs)
+        probs[v] = probs[parents[v]] * rng.uniform(least_acceptance, 1.0)
     experts = np.stack([np.stack([rng.choice(E, k, replace=False) for _ in range(L)]) for _ in range(n)])
     cached = rng.random((L, E)) < 0.4
     cost = CostModel(base_s=1e-3, per_node_s=5e-5, hit_s=1e-5, miss_s=2e-4, draft_level_s=1e-4)
+    return DraftTree(parents, probs), experts, cached, cost
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_priced_search_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    tree, experts, cached, cost = small_instance(rng, min_nodes=2, least_acceptance=0.3)
     price = float(rng.choice([0.0, 1e-4, 1e-3]))
     sel = best_subtree(tree, experts, cached, cost, draft_levels=2, draft_node_s=price)
     # the search maximises tokens per priced second: the predicted time plus the price
@@ -117,3 +122,43 @@ def test_the_first_level_test_weighs_the_draft_level_over_the_recent_first_level
     assert answers == [False] * d.RECHECK + [True] and istate[d.DECLINED] == 0
     fstate[d.NODE_PRICE] = 2e-3                   # a node's price above the root's time: never
     assert not d.first_level_may_pay(1.5e-3, params, fstate, istate, np.array([1.0]), np.array([4]))
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_priced_search_from_a_start_set_equals_brute_force(seed):
+    """With a per-node price, Dinkelbach started from any closed set (e.g. the previous level's
+    answer) still reaches the set of the best priced ratio: the start set's ratio, the first lam,
+    must include the start's own price."""
+    rng = np.random.default_rng(1000 + seed)
+    tree, experts, cached, cost = small_instance(rng, min_nodes=3, least_acceptance=0.5)
+    n = tree.n_nodes
+    sets = list(closed_sets(tree))
+
+    def priced_ratio(s, price):
+        e = evaluate(tree, s, experts, cached, cost, 2, draft_node_s=price)
+        return e.expected_tokens / e.priced_time_s
+
+    for price in (1e-4, 5e-4, 2e-3):
+        best = max(priced_ratio(s, price) for s in sets)
+        for start in (sets[-1], np.arange(n)):
+            sel = best_subtree(tree, experts, cached, cost, draft_levels=2, start=start, draft_node_s=price)
+            assert tree.is_ancestor_closed(sel.nodes)
+            assert sel.expected_tokens / sel.priced_time_s == pytest.approx(best, rel=1e-12), (price, start)
+
+
+def test_a_start_set_is_judged_by_its_priced_ratio():
+    # root: 1 token in 4 s (its expert resident, hits free); node 1 (p .4) needs a new expert
+    # (1 s) and carries a price of 1 s. Unpriced, {0, 1} looks better: 1.4 / 5 = .28 > .25;
+    # priced, it is worse: 1.4 / 6 = .233 < .25. The search must answer the root alone, with or
+    # without {0, 1} as its start set
+    tree = DraftTree(parents=np.array([-1, 0]), path_probs=np.array([1.0, 0.4]))
+    experts = np.array([0, 1]).reshape(2, 1, 1)
+    cached = np.array([[True, False]])
+    cost = CostModel(base_s=4.0, per_node_s=0.0, hit_s=0.0, miss_s=1.0)
+    for start in (None, [0, 1]):
+        sel = best_subtree(tree, experts, cached, cost, start=start, draft_node_s=1.0)
+        assert sel.nodes.tolist() == [0], start
+        assert sel.expected_tokens == 1.0 and sel.time_s == 4.0 and sel.price_s == 0.0
+    # without the price, {0, 1} is the optimum from either start
+    for start in (None, [0, 1]):
+        assert best_subtree(tree, experts, cached, cost, start=start).nodes.tolist() == [0, 1]

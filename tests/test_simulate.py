@@ -19,7 +19,7 @@ from specfit.policies import Observation, SpecFitPolicy, make_policy
 from specfit.simulate.replay import prepare, prepare_trace, replay
 from specfit.simulate.sweep import Scenario, run_sweep
 from specfit.simulate.whatif import parse_overrides, scale_h2d
-from specfit.traces.format import read_trace
+from specfit.traces.format import Trace, read_trace
 
 from trace_helpers import SAMPLE_OLMOE, SAMPLE_QWEN3, hand_trace
 
@@ -524,3 +524,139 @@ def test_the_recorded_command_names_the_options_given_and_leaves_out_those_at_th
     assert words[words.index("--policies") + 1] == "ar"            # given, not the default
     assert words[words.index("--cache-experts") + 1] == "0"        # given, not the default
     assert "--predictor" not in words                               # given, but equal to its default (oracle)
+
+
+
+
+def two_sequence_trace() -> Trace:
+    """The hand trace as sequence 0 (trees of 4, 2 and 2 nodes at positions 0, 1, 2) and a
+    sequence 1 of one position: root 30 (e2) -> 35 (e1, p .6), rejected (the target says 31)."""
+    h = hand_trace()
+    edge = np.r_[np.exp(h.draft_logprob.astype(float)), [1.0, 0.6]]
+    return Trace(meta=h.meta, offsets=np.r_[h.offsets, 10], sequence=np.array([0, 0, 0, 1], dtype=np.int32),
+                 position=np.array([0, 1, 2, 0], dtype=np.int32),
+                 parent=np.r_[h.parent, [-1, 0]].astype(np.int16), depth=np.r_[h.depth, [0, 1]].astype(np.int16),
+                 token=np.r_[h.token, [30, 35]].astype(np.int32), draft_logprob=np.log(edge).astype(np.float32),
+                 path_prob=np.r_[h.path_prob, [1.0, 0.6]], verdict=np.r_[h.verdict, [31, 7]].astype(np.int32),
+                 true_experts=np.r_[h.true_experts.ravel(), [2, 1]].astype(np.int16).reshape(10, 1, 1))
+
+
+def test_nodes_drafted_is_read_from_each_sequences_own_trees():
+    # chain:1 drafts one level everywhere: sequence 0 at position 0 has root + A + B within one
+    # level (3 nodes), at position 2 root + 50 (2); sequence 1's only tree has root + 35 (2), not
+    # the 3 of sequence 0's position-0 tree
+    trace = two_sequence_trace()
+    prep = prepare("two", trace, trace.true_experts)
+    for compiled in (True, False):
+        log = replay(prep, make_policy("chain:1"), ExpertCache(1, 4, capacity=1, expert_bytes=1000), HAND_COST,
+                     compiled=compiled)
+        c = log.columns
+        assert c["sequence"].tolist() == [0, 0, 1] and c["position"].tolist() == [0, 2, 0]
+        assert c["draft_levels"].tolist() == [1, 1, 1]
+        assert c["nodes_drafted"].tolist() == [3, 2, 2]
+        assert [x.tolist() for x in log.committed] == [[11, 12, 13], [31]]
+
+
+def test_nodes_drafted_counts_the_levels_drafted_not_the_deepest_node_selected():
+    # eagle3:2:2 drafts two levels and keeps the two most probable nodes: at position 0 the whole
+    # 4-node tree is drafted while only root + A (depth 1) are verified; at position 2 the tree has
+    # one level: root + 50, both verified
+    trace = hand_trace()
+    prep = prepare("hand", trace, trace.true_experts)
+    for compiled in (True, False):
+        c = replay(prep, make_policy("eagle3:2:2"), ExpertCache(1, 4, capacity=1, expert_bytes=1000), HAND_COST,
+                   compiled=compiled).columns
+        assert c["position"].tolist() == [0, 2]
+        assert c["draft_levels"].tolist() == [2, 1]
+        assert c["deepest_selected"].tolist() == [1, 1]
+        assert c["nodes_verified"].tolist() == [2, 2]
+        assert c["nodes_drafted"].tolist() == [4, 2]
+
+
+def test_a_cache_reused_across_replays_keeps_counting_its_prefetched_copies():
+    # chain:1+prefetch on the hand trace copies one expert ahead in each of its two cycles (see
+    # test_hand_trace_chain1_prefetch_copies_the_roots_expert_while_drafting); the cache's
+    # per-layer counter adds up over the replays it serves, compiled or through the Python loop
+    trace = hand_trace()
+    prep = prepare("hand", trace, trace.true_experts)
+    cost = HAND_COST.replace(draft_level_s=1.0)
+    for compiled in (True, False):
+        cache = ExpertCache(1, 4, capacity=1, expert_bytes=1000)
+        totals = []
+        for _ in range(2):
+            log = replay(prep, make_policy("chain:1+prefetch"), cache, cost, compiled=compiled)
+            assert log.columns["prefetched"].tolist() == [1, 1]
+            totals.append(int(cache.prefetched.sum()))
+        assert totals == [2, 4], compiled
+
+
+def test_the_oracle_with_a_cache_lever_replays_as_its_lever_objects_run_it():
+    """The oracle drafts, in hindsight, only the levels it verifies; with the look-ahead cache
+    advisor its keep is taken on those levels, as the Python loop runs it: ``replay`` (which
+    chooses the path) and ``compiled=False`` give the same columns, unions and cache state."""
+    from specfit.calibrate.presets import SHAPES, preset_profile
+    from specfit.policies import Observation
+    from specfit.traces.format import read_trace
+
+    from trace_helpers import SAMPLE_OLMOE
+
+    trace = read_trace(SAMPLE_OLMOE)
+    prep = prepare("parent", trace, np.roll(trace.true_experts, 1, axis=0))
+    cost = preset_profile("gh200", SHAPES.get(trace.model["name"])).cost
+    runs = []
+    for compiled in (True, False):
+        policy = make_policy("oracle+cache")
+        policy.observe(Observation(predicted_slots=100, predicted_slots_right=60, resident_share=0.25))
+        cache = ExpertCache(trace.n_layers, trace.n_experts, 16)
+        runs.append((replay(prep, policy, cache, cost, record_unions=True, compiled=compiled), cache))
+    (a, cache_a), (b, cache_b) = runs
+    assert len(a) == len(b) > 0
+    for name, column in a.columns.items():
+        np.testing.assert_array_equal(column, b.columns[name], err_msg=name)
+    for x, y in zip(a.unions, b.unions, strict=True):
+        np.testing.assert_array_equal(x, y)
+    for x, y in zip(cache_a.kernel_state(), cache_b.kernel_state()):
+        np.testing.assert_array_equal(x, y)
+
+
+def test_the_oracles_prediction_is_the_truth_in_its_union_columns_whatever_the_predictor():
+    # the predictor says e0 for every node; the oracle decides with the true experts, so its
+    # predicted union is the true one: at position 0 it verifies root-A-C (true experts e0, e1,
+    # e3, HAND_COST: 3 / 3.2 beats 2 / 2.4 and 1 / 1.6), a union of 3 that its prediction
+    # overlaps in all 3, with 3 predicted misses in the one-slot cache that starts empty
+    trace = hand_trace()
+    prep = prepare("e0", trace, np.zeros_like(trace.true_experts))
+    for compiled in (True, False):
+        c = replay(prep, make_policy("oracle"), ExpertCache(1, 4, capacity=1, expert_bytes=1000), HAND_COST,
+                   compiled=compiled).columns
+        assert c["nodes_verified"].tolist() == [3]
+        assert c["union_size"].tolist() == [3]
+        assert c["predicted_union_size"].tolist() == [3]
+        assert c["union_overlap"].tolist() == [3], compiled
+        assert c["predicted_misses"].tolist() == [3] and c["misses"].tolist() == [3]
+
+
+def test_the_python_loop_reports_each_cycles_own_verdicts_to_the_policy():
+    # a policy the kernels do not run (a subclass) is driven by the Python loop, which reports
+    # what each cycle revealed: chain:1 on the hand trace verifies root + A at position 0 (the
+    # target says 11 after the root, 12 after A) and root + 50 at position 2 (13, then 7)
+    from specfit.policies import ChainPolicy
+
+    class Recording(ChainPolicy):
+        def __init__(self):
+            super().__init__(1)
+            self.seen = []
+
+        def observe(self, obs):
+            self.seen.append(obs)
+            return super().observe(obs)
+
+    trace = hand_trace()
+    prep = prepare("hand", trace, trace.true_experts)
+    policy = Recording()
+    log = replay(prep, policy, ExpertCache(1, 4, capacity=1, expert_bytes=1000), HAND_COST)
+    assert log.columns["position"].tolist() == [0, 2]
+    assert [o.verified.tolist() for o in policy.seen] == [[0, 1], [0, 1]]
+    assert [np.asarray(o.verdicts).tolist() for o in policy.seen] == [[11, 12], [13, 7]]
+    assert [o.draft_levels for o in policy.seen] == [1, 1]
+    assert [o.misses for o in policy.seen] == [2, 1]
