@@ -87,8 +87,9 @@ class ChainPolicy(Policy):
 
 class RerankPolicy(Policy):
     """EAGLE-2/3 rerank: after a fixed number of levels keep the ``total_nodes`` nodes (root
-    included) with the highest path probability; a child never outscores its parent, so the kept
-    set is connected (ties keep the earlier node, which a parent always is)."""
+    included) with the highest path probability (ties keep the earlier node), closed under
+    ancestors: a tree clips each child to its parent's probability as given, so over several
+    levels of float slack a deep node can outscore an ancestor, which is then kept as well."""
 
     def __init__(self, total_nodes: int, depth: int, name: str, cache_capacity: int | None = None):
         if total_nodes < 2 or depth < 1:

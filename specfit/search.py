@@ -233,7 +233,8 @@ def max_weight_closure(weights: np.ndarray, requires: list[tuple[int, int]]) -> 
     """The minimal maximum-weight closed set: bool mask over ``weights``; ``(u, v)`` in
     ``requires`` means u can only be chosen together with v. Solved as one s-t minimum cut
     (Dinic's algorithm on float capacities). The weights must be finite; a gain smaller than
-    ``GAIN_EPS`` times the largest weight's magnitude counts as none (a tie: the smaller set)."""
+    ``GAIN_EPS`` plus ``FLOW_REL`` times the sum of the weights' magnitudes (what the flow's float
+    subtractions round off) counts as none (a tie: the smaller set)."""
     weights = np.ascontiguousarray(weights, dtype=np.float64)
     if weights.ndim == 1 and not np.isfinite(weights).all():
         bad = int(np.flatnonzero(~np.isfinite(weights))[0])

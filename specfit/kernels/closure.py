@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from .tolerances import FLOW_REL
+
 __all__ = ["min_cut_source_side", "closure_of_weights"]
 
 
@@ -109,7 +111,8 @@ def min_cut_source_side(n_vertices, source, sink, edge_from, edge_to, edge_cap, 
 @njit(cache=True)
 def closure_of_weights(weights, req_from, req_to, gain_eps):
     """The minimal maximum-weight closed set of ``weights`` (bool mask), where ``req_from[i]``
-    can only be chosen together with ``req_to[i]``."""
+    can only be chosen together with ``req_to[i]``; a gain below ``gain_eps`` plus ``FLOW_REL``
+    times the weights' total magnitude counts as none."""
     m = weights.size
     n_pos = 0
     scale = 0.0
@@ -136,5 +139,5 @@ def closure_of_weights(weights, req_from, req_to, gain_eps):
     for i in range(req_from.size):
         edge_from[j], edge_to[j], edge_cap[j] = req_from[i], req_to[i], np.inf
         j += 1
-    seen = min_cut_source_side(m + 2, source, sink, edge_from, edge_to, edge_cap, scale * 1e-15 + gain_eps)
+    seen = min_cut_source_side(m + 2, source, sink, edge_from, edge_to, edge_cap, scale * FLOW_REL + gain_eps)
     return seen[:m].copy()

@@ -7,6 +7,10 @@ TIE_REL = 1e-12
 # p - lam * cost (~1e-16 for the magnitudes involved), far below any gain that changes a ratio by
 # TIE_REL, even summed over a few hundred nodes.
 GAIN_EPS = 1e-14
+# The minimum cut counts a residual capacity below this share of the weights' total magnitude (plus
+# GAIN_EPS) as saturated: what the flow's subtractions round off, e.g. a project worth the float
+# sum of hundreds of its costs keeps a residual of ~1e-11 at weights of 1e5 (a tie, not a gain).
+FLOW_REL = 1e-15
 # A path probability may exceed its parent's by this much (float rounding of products of the same
 # edge probabilities); a tree clips it to the parent's value.
 PROB_SLACK = 1e-9
