@@ -9,12 +9,13 @@ import dataclasses
 import json
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from cli_helpers import invoke, one_line_error
 
 from specfit.errors import SpecFitError
-from specfit.traces.format import METADATA_KEY, validate_trace, write_trace
+from specfit.traces.format import METADATA_KEY, read_trace, validate_trace, write_trace
 from trace_helpers import hand_trace
 
 
@@ -281,3 +282,13 @@ def test_validation_finds_a_repeated_expert_in_a_model_of_more_than_128_experts(
     true[5, 0, 1] = true[5, 0, 0]
     with pytest.raises(SpecFitError, match=r"repeats an expert within one layer's top-k \(cycle 1, node 1\)"):
         validate_trace(dataclasses.replace(t, meta=meta, true_experts=true))
+
+
+def test_node_ids_that_do_not_number_each_cycle_from_the_root_are_refused(tmp_path):
+    table = pq.read_table(write_trace(hand_trace(), tmp_path / "good.parquet"))
+    node = table.column("node").to_numpy().copy()
+    node[1], node[2] = node[2], node[1]                 # cycle 0 numbered 0, 2, 1, 3
+    table = table.set_column(table.column_names.index("node"), "node", pa.array(node.astype(np.int16)))
+    pq.write_table(table, tmp_path / "swapped.parquet")
+    with pytest.raises(SpecFitError, match="column 'node' must number each cycle's rows"):
+        read_trace(tmp_path / "swapped.parquet")

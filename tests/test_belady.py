@@ -100,3 +100,16 @@ def test_never_more_misses_than_an_online_cache(policy, mode):
         online += cache.admit(mask.reshape(L, E)).total_misses
     _, misses = belady_counts(unions, L, E, C, mode=mode)
     assert int(misses.sum()) <= online
+
+
+@pytest.mark.parametrize("mode", ["per_layer", "global"])
+def test_a_warm_start_one_expert_over_the_capacity_is_refused(mode):
+    resident = np.array([[True, True, True, False]])          # 3 resident, capacity 2
+    with pytest.raises(ValueError, match="capacity"):
+        belady_counts([np.array([0])], 1, 4, 2, mode=mode, resident=resident)
+
+
+def test_a_warm_start_at_the_capacity_is_accepted():
+    resident = np.array([[True, True, False, False]])
+    hits, misses = belady_counts([np.array([0, 2])], 1, 4, 2, resident=resident)
+    assert hits.tolist() == [1] and misses.tolist() == [1]

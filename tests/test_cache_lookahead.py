@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from core_helpers import RefLRUCache
-from specfit import DraftTree, ExpertCache
+from specfit import CostModel, DraftTree, ExpertCache
 from specfit.experts.lookahead import DraftLookahead, next_token_weights
+from specfit.experts.prefetch import DraftPrefetch
 
 
 class RefKeepCache(RefLRUCache):
@@ -255,3 +256,56 @@ def test_usage_is_an_exponential_average_of_the_unions():
     np.testing.assert_allclose(la.usage_, [[0.1, 0.0]])
     la.observe(union)
     np.testing.assert_allclose(la.usage_, [[0.19, 0.0]])
+
+
+def test_a_new_cycle_drops_the_fraction_carried_from_the_last_level():
+    # 1.0 s of drafting over 0.4 s a transfer carries 2.5 experts: the first level takes 2 and
+    # carries 0.5; a new cycle must start from 0, so its first level takes 2 again, not 3
+    cost = CostModel(base_s=0.0, per_node_s=0.0, hit_s=0.2, miss_s=0.6, draft_level_s=1.0)
+    tree, experts = _fan([0.9, 0.8, 0.7, 0.6, 0.5, 0.4])
+    prefetch = DraftPrefetch(efficiency=1.0)
+    first, _ = prefetch.plan(tree, experts, np.zeros((1, 16), dtype=bool), cost)
+    assert int(first.sum()) == 2
+    prefetch.begin_cycle()
+    again, _ = prefetch.plan(tree, experts, np.zeros((1, 16), dtype=bool), cost)
+    assert int(again.sum()) == 2
+
+
+def test_the_priority_is_the_larger_of_this_cycles_need_and_keep():
+    cost = CostModel(base_s=0.0, per_node_s=0.0, hit_s=0.0, miss_s=0.1, draft_level_s=10.0)
+    tree, experts = _fan([0.3, 0.5])                  # needs: expert 0: 1, 1: 0.3, 2: 0.5, others 0
+    keep = np.zeros((1, 16))
+    keep[0, :4] = [0.2, 0.9, 0.1, 0.7]
+    _, priority = DraftPrefetch(efficiency=1.0, min_need=0.3).plan(tree, experts, np.zeros((1, 16), dtype=bool),
+                                                                   cost, keep=keep)
+    np.testing.assert_allclose(priority[0, :5], [1.0, 0.9, 0.5, 0.7, 0.0])
+
+
+@pytest.mark.parametrize("field", ["efficiency", "prior_efficiency"])
+@pytest.mark.parametrize("value", [1.5, -0.1])
+def test_an_efficiency_outside_zero_to_one_is_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        DraftPrefetch(**{field: value})
+
+
+def test_the_need_of_an_expert_is_the_largest_path_probability_among_the_nodes_routed_to_it():
+    from specfit.experts.prefetch import need_priority
+
+    # root (1.0) -> a (0.6), root -> b (0.3); a and b both route to expert 2 (b last), the root to 0
+    tree = DraftTree(parents=np.array([-1, 0, 0]), path_probs=np.array([1.0, 0.6, 0.3]), tokens=np.arange(3))
+    experts = np.array([[[0]], [[2]], [[2]]], dtype=np.int64)
+    need = need_priority(tree, experts, 4)
+    np.testing.assert_allclose(need, [[1.0, 0.0, 0.6, 0.0]])
+
+
+def test_a_slot_repeated_within_a_layer_adds_a_nodes_value_once():
+    from specfit import kernels
+
+    experts = np.array([[[2, 2], [1, 3]], [[2, 0], [3, 3]]], dtype=np.int64)    # 2 nodes, 2 layers, top-2
+    acc = kernels.lookahead.add_per_expert(experts, np.array([0, 1]), np.array([0.5, 0.25]), 4)
+    want = np.zeros((2, 4))
+    want[0, 2] = 0.5 + 0.25
+    want[0, 0] = 0.25
+    want[1, 1] = 0.5
+    want[1, 3] = 0.5 + 0.25
+    np.testing.assert_allclose(acc.reshape(2, 4), want)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from specfit.calibrate.standin import SHAPE_CONFIGS, shape_config
+from specfit.runtime.copier import HostCopier, StreamCopier, TransferTiming
 from specfit.runtime.offload import HostExperts
 from specfit.runtime.pinned import PAGE_BYTES
 
@@ -649,3 +650,35 @@ def test_planned_pinned_bytes_round_each_matrix_to_pages_as_pinning_does(layers,
     if PAGE_BYTES == 4096 and (layers, experts, hidden, inter) == (2, 1, 37, 29):
         # gate_up: 2*29*37*4 = 8584 B -> 3 pages; down: 37*29*4 = 4292 B -> 2 pages; per layer 5 pages
         assert host.pinned_bytes == 2 * 5 * 4096
+
+
+def test_host_copier_timing_covers_one_pass_and_starts_again_from_zero():
+    copier = HostCopier()
+    src, dst = torch.arange(1000, dtype=torch.float32), torch.zeros(1000)
+    copier.issue([(("slot", 0), [(dst, src)])])
+    copier.issue([(("slot", 1), [(dst, src)])])
+    first = copier.take_timing()
+    assert first.n_bursts == 2 and first.n_waits == 0
+    assert first.stall_s == first.copy_busy_s >= 0.0
+    assert torch.equal(dst, src)
+    assert copier.take_timing() == TransferTiming.zero()      # the next pass copied nothing
+    copier.issue([(("slot", 0), [(dst, src)])])
+    assert copier.take_timing().n_bursts == 1
+
+
+def test_stream_copier_waits_for_the_last_burst_and_the_last_wait_to_end_before_reading_timers():
+    cuda = FakeCuda(copy_ms=1.0)
+    copier = StreamCopier(torch.device("cpu"), api=cuda)
+    src, dst = torch.ones(4), torch.zeros(4)
+    copier.issue([(("slot", 0), [(dst, src)])])
+    copier.wait(("slot", 0))
+    copier.issue([(("slot", 1), [(dst, src)])])
+    copier.wait(("slot", 1))
+    timing_events = [e for e in cuda.events if e.timing]
+    # timers in the order they were taken: burst 1 (begin, end), wait 1 (before, after), burst 2, wait 2
+    burst2_end, wait2_after = timing_events[5], timing_events[7]
+    start = len(cuda.log)
+    timing = copier.take_timing()
+    synced = [entry[1] for entry in cuda.log[start:] if entry[0] == "event_synchronize"]
+    assert sorted(synced) == sorted([burst2_end.id, wait2_after.id])
+    assert timing.n_bursts == 2 and timing.n_waits == 2

@@ -227,3 +227,31 @@ def test_union_accounting_reads_the_predicted_rows_of_the_verified_nodes():
     assert out[ev.OVERLAP, 0] == 1
     assert out[ev.PREDICTED_MISSES, 0] == 1
     assert out[ev.TRUE_MISSES, 0] == 1
+
+
+def test_count_missing_tells_expert_64_from_expert_0():
+    # one layer routed to experts 0 and 64 (either order), nothing resident: both are missing
+    cached = np.zeros((1, 2), dtype=np.uint64)
+    for ids in ([0, 64], [64, 0], [1, 65], [64, 64]):
+        experts = np.array([[ids]], dtype=np.int64)
+        want = len(set(ids))
+        assert kernels.bitsets.count_missing(experts, 0, cached) == want, ids
+    # expert 0 resident, 64 not: one missing
+    cached[0, 0] = np.uint64(1)
+    assert kernels.bitsets.count_missing(np.array([[[0, 64]]]), 0, cached) == 1
+
+
+def test_slots_right_looks_at_every_true_slot_when_fewer_are_predicted():
+    true = np.array([[[3, 5, 9, 11]]], dtype=np.int64)          # [1 node, 1 layer, top-4]
+    assert kernels.bitsets.slots_right(np.array([[[11]]], dtype=np.int64), true) == 1
+    assert kernels.bitsets.slots_right(np.array([[[9, 4]]], dtype=np.int64), true) == 1
+    assert kernels.bitsets.slots_right(np.array([[[5, 11]]], dtype=np.int64), true) == 2
+
+
+def test_first_bad_routing_does_not_take_ids_64_apart_for_a_repeat():
+    # up to 128 experts a layer's ids are two words; e and e + 64 share a bit index, not a word
+    for ids in ([0, 64], [33, 97], [63, 127], [5, 69, 100, 36]):
+        experts = np.array([[ids], [ids]], dtype=np.int16)              # 2 rows, 1 layer
+        assert kernels.bitsets.first_bad_routing(experts, 128) == (-1, -1), ids
+    repeated = np.array([[[0, 64]], [[64, 64]]], dtype=np.int16)
+    assert kernels.bitsets.first_bad_routing(repeated, 128) == (-1, 1)

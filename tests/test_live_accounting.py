@@ -382,7 +382,6 @@ def test_the_collector_is_paused_while_the_cycles_run_and_restored_after():
 
 def test_the_model_that_prices_a_cycle_has_seen_every_cycle_before_it():
     """The decoder hands the online model the previous cycle before it decides the next one."""
-
     class Recording(OnlineCostModel):
         def observe(self, *args, **kwargs):
             super().observe(*args, **kwargs)
@@ -749,8 +748,6 @@ def _recorded_cycle(position, n_nodes=3, draft_s=0.125, verify_s=0.25, total_s=0
 
 
 def _recorder(full):
-    from specfit.runtime.record import TraceRecorder
-
     meta = {"name": "m", "n_layers": 2, "n_experts": 8, "top_k": 2, "expert_bytes": 16, "vocab_size": 64}
     return TraceRecorder(meta, {"name": "d", "tree_top_k": 1, "max_levels": 3}, "test", full=full)
 

@@ -24,6 +24,7 @@ from specfit.simulate.plan import (
     MemoryBudget,
     MemoryModel,
     rank_settings,
+    tree_tokens,
 )
 from specfit.traces.format import read_trace
 
@@ -280,3 +281,32 @@ def test_plan_counts_the_root_in_a_chain_tree():
     assert tree_tokens("ar", by_levels) == 1
     assert tree_tokens("chain:4", by_levels) == 5        # the root and 4 drafted tokens
     assert tree_tokens("chain:9", by_levels) == 6        # at most as deep as the traces
+
+
+def test_a_specfit_level_cap_takes_the_largest_tree_within_that_many_levels():
+    by_levels = np.array([1, 3, 7, 12, 20, 30])          # largest trees within 0..5 levels
+    assert tree_tokens("specfit:2", by_levels) == 7
+    assert tree_tokens("specfit:4", by_levels) == 20
+    assert tree_tokens("specfit:9", by_levels) == 30     # capped at the traces' depth
+    assert tree_tokens("specfit", by_levels) == 30       # no cap: the deepest
+
+
+def test_a_budget_that_exactly_holds_every_expert_caches_every_expert():
+    config = shape_config("olmoe-1b-7b")
+    E = config.n_experts
+    probe = MemoryModel("olmoe", config, MemoryBudget(80e9, context_tokens=4096, reserve_bytes=0.5e9))
+    exact = probe.device_bytes(E, 58)
+    memory = MemoryModel("olmoe", config, MemoryBudget(exact, context_tokens=4096, reserve_bytes=0.5e9))
+    assert memory.max_cache_experts_for(58) == E
+    # a byte less and the full cache no longer fits (the staging buffers return below E)
+    less = MemoryModel("olmoe", config, MemoryBudget(exact - 1, context_tokens=4096, reserve_bytes=0.5e9))
+    assert less.max_cache_experts_for(58) < E
+
+
+def test_the_largest_tree_within_d_levels_counts_every_node_at_depth_d():
+    from trace_helpers import hand_trace
+
+    from specfit.simulate.plan import _max_nodes_by_levels
+
+    # hand_trace: cycle 0 has depths 0, 1, 1, 2; cycles 1 and 2 have depths 0, 1
+    assert _max_nodes_by_levels([hand_trace()]).tolist() == [1, 3, 4]

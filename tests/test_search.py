@@ -785,7 +785,6 @@ def test_a_node_sharing_the_roots_resident_expert_pays_for_its_node_cost_alone()
 
 def test_an_expert_id_equal_to_the_number_of_experts_is_refused():
     # ids run 0 .. E - 1; E itself is one past the last (a bit no residency word holds)
-    import pytest
 
     from specfit.search import evaluate
 
@@ -802,7 +801,6 @@ def test_an_expert_id_equal_to_the_number_of_experts_is_refused():
 def test_a_selection_naming_the_tree_size_or_a_node_twice_is_checked_before_the_formula():
     # ids 0 .. n - 1: n is refused naming the argument; a repeated id is deduplicated, so the node
     # is counted once (tokens 1 + 0.6; time 1 + 2 x 0.1 + hit 0.01 + miss 0.5 = 1.71)
-    import pytest
 
     from specfit.search import evaluate
 
@@ -869,8 +867,6 @@ def test_max_weight_closure_a_project_worth_the_float_sum_of_many_costs_is_a_tie
     but rounding: far less than GAIN_EPS times the largest weight, so by the documented rule it
     counts as none and the minimal closure, nothing, is the answer, whatever residual the
     augmenting paths leave after hundreds of float subtractions."""
-    import math
-
     from specfit.kernels.tolerances import GAIN_EPS
 
     rng = np.random.default_rng(0)

@@ -594,11 +594,7 @@ def test_the_oracle_with_a_cache_lever_replays_as_its_lever_objects_run_it():
     """The oracle drafts, in hindsight, only the levels it verifies; with the look-ahead cache
     advisor its keep is taken on those levels, as the Python loop runs it: ``replay`` (which
     chooses the path) and ``compiled=False`` give the same columns, unions and cache state."""
-    from specfit.calibrate.presets import SHAPES, preset_profile
-    from specfit.policies import Observation
-    from specfit.traces.format import read_trace
 
-    from trace_helpers import SAMPLE_OLMOE
 
     trace = read_trace(SAMPLE_OLMOE)
     prep = prepare("parent", trace, np.roll(trace.true_experts, 1, axis=0))

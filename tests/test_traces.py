@@ -20,7 +20,7 @@ from specfit.traces.drafter import DrafterParams
 from specfit.traces.format import METADATA_KEY, read_trace, validate_trace, write_trace
 from specfit.traces.importers import dump_jsonl, import_routing, model_for_log, read_routing_log
 from specfit.traces.stats import consecutive_reuse, lru_hit_rates, set_overlap
-from specfit.traces.synth import synthesize
+from specfit.traces.synth import RoutingParams, synthesize
 
 from trace_helpers import SAMPLE_QWEN3, hand_trace
 
@@ -308,3 +308,88 @@ def test_pair_overlap_in_chunks_equals_the_overlap_of_all_pairs_at_once():
     experts = np.stack([rng.permutation(16)[:4] for _ in range(300)]).reshape(100, 3, 4)
     i, j = rng.integers(0, 100, 250), rng.integers(0, 100, 250)
     np.testing.assert_array_equal(pair_overlap(experts, i, j, chunk=64), set_overlap(experts[i], experts[j]))
+
+
+def test_a_zipf_exponent_of_zero_is_uniform_and_allowed_but_a_negative_one_is_refused():
+    params = RoutingParams(popularity_zipf=0.0, token_zipf=0.0)
+    assert params.popularity_zipf == 0.0 and params.token_zipf == 0.0
+    for name in ("popularity_zipf", "token_zipf"):
+        with pytest.raises(SpecFitError, match="Zipf exponent"):
+            RoutingParams(**{name: -0.1})
+
+
+def test_positions_beyond_the_last_full_sequence_form_a_shorter_last_sequence():
+    trace = synthesize("olmoe-1b-7b", "chat", 7, seed=1, sequence_tokens=3, drafter=SMALL_DRAFTER)
+    assert trace.n_cycles == 7                                   # every position has its cycle
+    assert trace.sequence.tolist() == [0, 0, 0, 1, 1, 1, 2]      # 3 + 3 + 1
+    assert trace.position.tolist() == [0, 1, 2, 0, 1, 2, 0]
+
+
+class _MarkerRouting:
+    """A routing model whose next-token experts are all 7 and whose sibling experts are the true next
+    token's plus 1000, so each node's experts say which rule of build_trees routed it, from what."""
+
+    def next_token(self, previous, tokens, rng):
+        return np.full((len(tokens),) + previous.shape[1:], 7, dtype=np.int64)
+
+    def sibling(self, true_next, tokens, rng):
+        return np.asarray(true_next, dtype=np.int64) + 1000
+
+
+def test_a_node_carrying_its_parents_true_next_token_routes_like_it_and_other_off_path_nodes_as_siblings():
+    from specfit.traces.routing import TokenSampler
+    from specfit.traces.synth import build_trees
+
+    rng = np.random.default_rng(0)
+    tokens = TokenSampler(6, 1.0, rng)                  # a tiny vocabulary: drafts often hit the verdict
+    ref_tok = [tokens.sample(13, rng)]
+    ref_exp = [np.repeat(100 + np.arange(13), 2).reshape(13, 2, 1)]   # position t's reference experts: 100 + t
+    arrays = build_trees(ref_tok, ref_exp, _MarkerRouting(), DrafterParams(width=3, depth=4), tokens, rng)
+    parent, depth, token, verdict = arrays["parent"], arrays["depth"], arrays["token"], arrays["verdict"]
+    experts = arrays["true_experts"][:, 0, 0].astype(np.int64)
+    offsets = arrays["offsets"]
+    seen = {"on_path": 0, "next_of_off_path_parent": 0, "sibling_at_on_path_parent": 0, "sibling": 0}
+    for c in range(offsets.size - 1):
+        lo, pos = int(offsets[c]), int(arrays["position"][c])
+        assert experts[lo] == 100 + pos                                   # the root: the reference's
+        for v in range(lo + 1, int(offsets[c + 1])):
+            p = lo + int(parent[v])
+            p_on_path = 100 <= experts[p] < 1000
+            true_next = 100 + pos + depth[v] if p_on_path else 7          # the true next token's experts at p
+            if token[v] == verdict[p]:                                    # v carries the true next token
+                assert experts[v] == true_next, (c, v)
+                seen["on_path" if p_on_path else "next_of_off_path_parent"] += 1
+            else:                                                         # a sibling of the true next token
+                assert experts[v] == true_next + 1000, (c, v)
+                seen["sibling_at_on_path_parent" if p_on_path else "sibling"] += 1
+    assert min(seen.values()) > 0, seen                                   # every rule was exercised
+
+
+@pytest.mark.parametrize("n_tokens, sequence_tokens", [(4, 1), (4, 0), (0, 4)])
+def test_synthesis_refuses_sequences_under_two_tokens_or_no_positions(n_tokens, sequence_tokens):
+    with pytest.raises(SpecFitError, match="--tokens"):
+        synthesize("olmoe-1b-7b", "chat", n_tokens, sequence_tokens=sequence_tokens, drafter=SMALL_DRAFTER)
+
+
+def test_expert_ids_above_127_of_a_model_with_up_to_256_experts_round_trip(tmp_path):
+
+
+    t = hand_trace()
+    meta = copy.deepcopy(t.meta)
+    meta["model"].update(n_experts=256, top_k=2)
+    first = t.true_experts[..., 0].astype(np.int64)
+    true = np.stack([first + 200, first + 252], axis=-1).astype(np.int16)    # ids 200..255
+    t = dataclasses.replace(t, meta=meta, true_experts=true)
+    back = read_trace(write_trace(t, tmp_path / "wide.parquet"))
+    np.testing.assert_array_equal(back.true_experts, true)
+
+
+def test_unknown_router_weight_rows_read_back_as_nan(tmp_path):
+
+
+    t = hand_trace()
+    weights = np.full(t.true_experts.shape, 0.5, dtype=np.float32)
+    weights[[2, 7]] = np.nan                            # two nodes whose router weights were not logged
+    back = read_trace(write_trace(dataclasses.replace(t, true_expert_weights=weights), tmp_path / "w.parquet"))
+    assert np.isnan(back.true_expert_weights[[2, 7]]).all()
+    np.testing.assert_array_equal(np.delete(back.true_expert_weights, [2, 7], axis=0), np.full((6, 1, 1), 0.5))

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from core_helpers import ancestors_or_self, core_settings, depths, is_closed, parents_st, probs_st
 from specfit import DraftTree
+from specfit.kernels.tolerances import PROB_SLACK
 from specfit.runtime.acceptance import greedy_accept
 
 #         0
@@ -324,3 +325,12 @@ def test_node_id_equal_to_the_tree_size_is_refused(call):
     tree = DraftTree(parents=[-1, 0, 0, 1], path_probs=[1.0, 0.6, 0.5, 0.25])
     with pytest.raises(ValueError, match="nodes: expected ids in"):
         getattr(tree, call)([0, 4])
+
+
+def test_rises_within_the_rounding_slack_along_a_chain_are_accepted_against_each_parents_given_value():
+    # each node rises above its parent by less than the slack (as given), though node 3 is more
+    # than the slack above node 2's clipped value
+    given = np.array([1.0, 0.5, 0.5 + 0.9 * PROB_SLACK, 0.5 + 1.5 * PROB_SLACK])
+    tree = DraftTree(parents=np.array([-1, 0, 1, 2]), path_probs=given)
+    # clipped in place to each parent's value as given (kernels.tree.check_tree's contract)
+    assert tree.path_probs.tolist() == [1.0, 0.5, 0.5, given[2]]

@@ -11,7 +11,7 @@ import numpy as np
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["n_words", "popcount", "lowest_bit", "pack_rows", "pack_mask", "pack_ids", "union_of_rows", "count_union",
+__all__ = ["n_words", "popcount", "lowest_bit", "pack_rows", "pack_mask", "union_of_rows", "count_union",
            "count_missing", "count_missing_row", "unpack", "slots_right", "first_bad_routing"]
 
 ONE = np.uint64(1)
@@ -69,20 +69,6 @@ def pack_rows(experts, n_experts):
                     return bits, False
                 bits[v, layer, e >> 6] |= ONE << np.uint64(e & 63)
     return bits, True
-
-
-@njit(cache=True)
-def pack_ids(ids, words, out):
-    """Set the bits of ``ids`` (one layer's expert ids) in ``out[words]``, cleared first; False
-    when an id is negative or beyond the words."""
-    for w in range(words):
-        out[w] = ZERO
-    for i in range(ids.size):
-        e = np.int64(ids[i])
-        if e < 0 or e >= 64 * words:
-            return False
-        out[e >> 6] |= ONE << np.uint64(e & 63)
-    return True
 
 
 @njit(cache=True)
