@@ -341,14 +341,12 @@ def test_oracle_breaks_an_exact_throughput_tie_toward_the_shorter_prefix(compile
     assert log.committed[0].tolist() == [11, 12, 13]
 
 
-def rising_chain_trace() -> Trace:
-    """Reference output 11 12 13. Position 0: a chain root 10 -> 11 -> 99 -> 98 -> 97 whose given
-    path probabilities 1, .5, .5 + 5e-10, .5 + 1e-9, .4 rise by float slack (within PROB_SLACK):
-    the full tree clips node 3 to its parent's given value, .5 + 5e-10, and a tree cut at fewer
-    levels clips it once more, to .5. Only 11 is accepted (the target says 12 after it).
-    Positions 1 and 2: the root alone (11, then 12)."""
+def chain_trace(path_prob) -> Trace:
+    """Reference output 11 12 13. Position 0: a chain root 10 -> 11 -> 99 -> 98 -> 97 with the given
+    path probabilities, of which only 11 is accepted (the target says 12 after it). Positions 1 and
+    2: the root alone (11, then 12)."""
     h = hand_trace()
-    path_prob = np.array([1.0, 0.5, 0.5 + 5e-10, 0.5 + 1e-9, 0.4, 1.0, 1.0])
+    path_prob = np.r_[path_prob, 1.0, 1.0]
     parent = np.array([-1, 0, 1, 2, 3, -1, -1], dtype=np.int16)
     edge = np.where(parent >= 0, path_prob / path_prob[np.maximum(parent, 0)], 1.0)
     return Trace(meta=h.meta, offsets=np.array([0, 5, 6, 7]), sequence=np.zeros(3, dtype=np.int32),
@@ -358,6 +356,13 @@ def rising_chain_trace() -> Trace:
                  draft_logprob=np.log(edge).astype(np.float32), path_prob=path_prob,
                  verdict=np.array([11, 12, 0, 0, 0, 12, 13], dtype=np.int32),
                  true_experts=np.array([0, 1, 2, 3, 0, 1, 2], dtype=np.int16).reshape(7, 1, 1))
+
+
+def rising_chain_trace() -> Trace:
+    """The chain's path probabilities 1, .5, .5 + 5e-10, .5 + 1e-9, .4 rise by float slack (within
+    PROB_SLACK): the full tree clips node 3 to its parent's given value, .5 + 5e-10, and a tree cut
+    at fewer levels clips it once more, to .5."""
+    return chain_trace([1.0, 0.5, 0.5 + 5e-10, 0.5 + 1e-9, 0.4])
 
 
 @pytest.mark.parametrize("compiled", [True, False])
@@ -378,22 +383,10 @@ def test_a_tree_cut_at_fewer_levels_is_priced_with_its_own_clipped_probabilities
 
 
 def slack_rising_chain_trace() -> Trace:
-    """Reference output 11 12 13. Position 0: a chain root 10 -> 11 -> 99 -> 98 -> 97 whose given
-    path probabilities 1, .5, .5 + 1e-10, .5 + 2e-10, .5 + 3e-10 rise by float slack at every
-    step (each within PROB_SLACK of its parent): clipped once to each parent's given value they
-    are 1, .5, .5, .5 + 1e-10, .5 + 2e-10, so the deepest node outranks its ancestors. Only 11 is
-    accepted. Positions 1 and 2: the root alone (11, then 12)."""
-    h = hand_trace()
-    path_prob = np.array([1.0, 0.5, 0.5 + 1e-10, 0.5 + 2e-10, 0.5 + 3e-10, 1.0, 1.0])
-    parent = np.array([-1, 0, 1, 2, 3, -1, -1], dtype=np.int16)
-    edge = np.where(parent >= 0, path_prob / path_prob[np.maximum(parent, 0)], 1.0)
-    return Trace(meta=h.meta, offsets=np.array([0, 5, 6, 7]), sequence=np.zeros(3, dtype=np.int32),
-                 position=np.arange(3, dtype=np.int32), parent=parent,
-                 depth=np.array([0, 1, 2, 3, 4, 0, 0], dtype=np.int16),
-                 token=np.array([10, 11, 99, 98, 97, 11, 12], dtype=np.int32),
-                 draft_logprob=np.log(edge).astype(np.float32), path_prob=path_prob,
-                 verdict=np.array([11, 12, 0, 0, 0, 12, 13], dtype=np.int32),
-                 true_experts=np.array([0, 1, 2, 3, 0, 1, 2], dtype=np.int16).reshape(7, 1, 1))
+    """The chain's path probabilities 1, .5, .5 + 1e-10, .5 + 2e-10, .5 + 3e-10 rise by float slack
+    at every step (each within PROB_SLACK of its parent): clipped once to each parent's given value
+    they are 1, .5, .5, .5 + 1e-10, .5 + 2e-10, so the deepest node outranks its ancestors."""
+    return chain_trace([1.0, 0.5, 0.5 + 1e-10, 0.5 + 2e-10, 0.5 + 3e-10])
 
 
 @pytest.mark.parametrize("compiled", [True, False])
