@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+from pathlib import Path
 
 import pytest
 
@@ -109,3 +110,27 @@ def test_a_rerun_into_a_run_directory_removes_the_last_runs_outputs_before_its_f
     for name in (CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE):
         assert not (tmp_path / name).exists(), name
     assert read_decode_cycles(tmp_path).empty and read_decode_summaries(tmp_path) == []
+
+
+def test_a_ctrl_c_as_the_temporary_file_is_created_leaves_no_temporary(tmp_path, monkeypatch):
+    """Python raises a Ctrl-C as soon as a system call returns: one that lands as mkstemp's open
+    returns comes before the name of the file it made is known. It is held until the name is, so
+    the write ends in KeyboardInterrupt with neither the file nor a temporary left."""
+    import signal
+    import tempfile
+
+    real = tempfile.mkstemp
+
+    def open_then_ctrl_c(*args, **kwargs):
+        made = real(*args, **kwargs)
+        signal.raise_signal(signal.SIGINT)
+        return made
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        monkeypatch.setattr(tempfile, "mkstemp", open_then_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            atomic_write(tmp_path / "out.json", lambda tmp: Path(tmp).write_text("{}"))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert list(tmp_path.iterdir()) == []
