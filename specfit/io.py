@@ -246,14 +246,24 @@ def _stop_signals_held():
         yield
         return
     caught = []
+    try:
+        with _signals_caught(held, caught):
+            yield
+    finally:
+        for s in caught:
+            signal.raise_signal(s)
+
+
+@contextlib.contextmanager
+def _signals_caught(held, caught: list):
+    """Inside the block the signals ``held`` are appended to ``caught`` instead of being handled;
+    their handlers are back after it."""
     previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
     try:
         yield
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-        for s in caught:
-            signal.raise_signal(s)
 
 
 def _umask() -> int:
@@ -341,12 +351,8 @@ def deferred_interrupt(done: str = "interrupted: the files being written were co
     caught = []
     # SIGTERM too where the command handles it as a Ctrl-C (errors.stop_on_sigterm)
     held = [signal.SIGINT] + ([signal.SIGTERM] if sigterm_stops() else [])
-    previous = {s: signal.signal(s, lambda signum, frame: caught.append(signum)) for s in held}
-    try:
+    with _signals_caught(held, caught):
         yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
     if caught:
         note_stop_signal(caught[-1])
         raise Interrupted(done)
