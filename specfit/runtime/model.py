@@ -424,7 +424,7 @@ class MoETransformer(nn.Module):
                 ascending, inside = torch.stack([(keep[1:] > keep[:-1]).all(), (keep[0] >= 0) & (
                     keep[-1] + cache_len < self.max_seq_len)]).tolist()
                 if not ascending or not inside or cache_len < 0:
-                    self._refuse_keep(cache_len, outside=ascending)
+                    self._refuse_keep(cache_len, outside=ascending)    # ascending: the range is what failed
             start, slots = cache_len, keep + cache_len
         if self._kv_storage is not None:
             storage = self._kv_storage
