@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -210,6 +212,19 @@ def test_load_uses_the_requested_dtype(qwen_dir):
     assert model.offload.host.dtype == torch.bfloat16 and model.offload.slot_gate_up.dtype == torch.bfloat16
     with pytest.raises(SpecFitError, match="dtype"):
         load_model(qwen_dir, dtype="int8")
+
+
+def test_loading_a_model_leaves_torch_dynamo_unimported():
+    """The meta-device build skips the embedding's random init, whose meta kernel imports
+    ``torch._dynamo`` (a second of every ``specfit decode``'s start-up)."""
+    from specfit.assets import tiny_moe_dir
+
+    code = ("import sys; from specfit.runtime.loader import load_model; "
+            f"m = load_model({str(tiny_moe_dir())!r}); "
+            "assert m.embed_tokens.weight.abs().sum() > 0; print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
 
 
 # modelled on Qwen1.5-MoE-A2.7B's hub config.json (4.x era: no 'qkv_bias' key, the biases are
