@@ -136,6 +136,29 @@ def test_save_load_round_trip(tmp_path, layer_prefix, own_embedding):
     torch.testing.assert_close(run(loaded, hidden, ids).logits, run(drafter, hidden, ids).logits, rtol=0, atol=0)
 
 
+def test_a_loaded_drafter_owns_its_weights_in_the_asked_dtype_with_float32_rope(tmp_path):
+    """Built on the meta device and given the checkpoint's tensors: they are copies (a write into
+    the file afterwards changes nothing), cast to ``dtype``, and the RoPE frequencies float32."""
+    drafter = random_drafter(target_embed=target_embedding())
+    drafter.save_pretrained(tmp_path)
+    loaded = Eagle3Drafter.from_pretrained(tmp_path, target_embed=target_embedding())
+    half = Eagle3Drafter.from_pretrained(tmp_path, target_embed=target_embedding(), dtype=torch.bfloat16)
+    before = {name: t.clone() for name, t in loaded.state_dict().items()}
+    path = tmp_path / "model.safetensors"
+    header = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    with open(path, "r+b") as f:                      # in place: a memory map of the file would see it
+        f.seek(header)
+        f.write(bytes(path.stat().st_size - header))
+    for name, t in loaded.state_dict().items():
+        assert torch.equal(t, before[name]), name
+        assert not t.is_meta
+    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    assert half.inv_freq.dtype == torch.float32 and torch.equal(half.inv_freq, drafter.inv_freq)
+    assert not any(p.requires_grad for p in half.parameters()) and not half.training
+    hidden, ids = features(7), tokens(7)
+    torch.testing.assert_close(run(loaded, hidden, ids).logits, run(drafter, hidden, ids).logits, rtol=0, atol=0)
+
+
 def test_checkpoint_without_lm_head_uses_the_targets_draft_rows(tmp_path):
     drafter = random_drafter(target_embed=target_embedding())
     drafter.save_pretrained(tmp_path)

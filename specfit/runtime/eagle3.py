@@ -51,7 +51,7 @@ from .drafting import DraftOutput
 from .eagle3_checkpoint import (LAYER_PREFIXES, DrafterVocabularyWarning, check_embedding, checked_state_dict,
                                 checked_vocabulary, read_safetensors)
 from .eagle3_config import EAGLE3_ARCHITECTURE, SPECULATORS_ARCHITECTURE, Eagle3Config
-from .layers import KVCache, RMSNorm, apply_rope
+from .layers import KVCache, RMSNorm, apply_rope, embedding
 from .rope import inv_freq_and_scale
 
 __all__ = ["Eagle3Config", "Eagle3Drafter", "EAGLE3_ARCHITECTURE", "SPECULATORS_ARCHITECTURE", "DrafterVocabularyWarning"]
@@ -153,7 +153,7 @@ class Eagle3Drafter(nn.Module):
             self.embed_tokens = None
             self.shared_embed = target_embed.detach()
         else:
-            self.embed_tokens = nn.Embedding(config.vocab_size, H)
+            self.embed_tokens = embedding(config.vocab_size, H)
             self.shared_embed = None
         TH = config.target_hidden_size
         # EAGLE-3.1: one norm per target feature; speculators' norm_before_fc: one over all three
@@ -167,8 +167,7 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
         self.set_draft_vocabulary(torch.arange(config.draft_vocab_size))
-        inv_freq, self.rope_scale = inv_freq_and_scale(config.rope, config.head_dim, config.max_position_embeddings)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_scale = self._set_inv_freq()
         self.max_seq_len = 0
 
     @property
@@ -247,10 +246,16 @@ class Eagle3Drafter(nn.Module):
         # at long positions), on whatever device the cast moved them to
         super()._apply(fn, recurse)
         if "inv_freq" in self._buffers and self.inv_freq.dtype != torch.float32:
-            c = self.config
-            inv_freq, _ = inv_freq_and_scale(c.rope, c.head_dim, c.max_position_embeddings)
-            self.register_buffer("inv_freq", inv_freq.to(self.inv_freq.device), persistent=False)
+            self._set_inv_freq(self.inv_freq.device)
         return self
+
+    def _set_inv_freq(self, device: torch.device | str | None = None) -> float:
+        """(Re)compute the float32 RoPE frequencies as a buffer on ``device`` (the default
+        device if None); returns the attention scale the RoPE variant asks for."""
+        c = self.config
+        inv_freq, scale = inv_freq_and_scale(c.rope, c.head_dim, c.max_position_embeddings)
+        self.register_buffer("inv_freq", inv_freq if device is None else inv_freq.to(device), persistent=False)
+        return scale
 
     def rope_angles(self, positions: torch.Tensor) -> torch.Tensor:
         """float32 [T, head_dim / 2] rotary angles ``position * inv_freq``, whatever the dtype."""
@@ -344,12 +349,12 @@ class Eagle3Drafter(nn.Module):
         if "embed_tokens.weight" in state:
             if target_embed is not None:
                 check_embedding(config, target_embed, "target_embed")
-            embedding = None
+            shared_embed = None
         elif target_embed is None:
             raise SpecFitError(f"{weights_path}: no tensor 'embed_tokens.weight'; pass the target's input embedding "
                                f"(target_embed, [{config.vocab_size}, {config.hidden_size}])")
         else:
-            embedding = target_embed
+            shared_embed = target_embed
         if "lm_head.weight" not in state:
             if target_lm_head is None:
                 raise SpecFitError(f"{weights_path}: no tensor 'lm_head.weight'; pass the target's lm_head "
@@ -357,14 +362,20 @@ class Eagle3Drafter(nn.Module):
             check_embedding(config, target_lm_head, "target_lm_head")
             state["lm_head.weight"] = target_lm_head[draft_ids]
 
-        drafter = cls(config, target_embed=embedding)
-        if embedding is not None:
+        # built on the meta device and given the checkpoint's tensors: no random weights first
+        # (seconds and twice the memory for a Llama-8B-sized head)
+        with torch.device("meta"):
+            drafter = cls(config, target_embed=shared_embed)
+        if shared_embed is not None:
             state.pop("embed_tokens.weight", None)
         state["d2t"] = draft_ids - torch.arange(config.draft_vocab_size)
         state["t2d"] = torch.zeros(config.vocab_size, dtype=torch.bool).index_fill_(0, draft_ids, True)
-        drafter.load_state_dict(state, strict=True)
-        drafter.requires_grad_(False).eval()
-        return drafter.to(device=device, dtype=dtype)
+        # copy=True: a tensor read from a safetensors file can share the file's memory map
+        state = {name: t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype, copy=True)
+                 for name, t in state.items()}
+        drafter.load_state_dict(state, strict=True, assign=True)
+        drafter._set_inv_freq(device)
+        return drafter.requires_grad_(False).eval()
 
     def save_pretrained(self, drafter_dir: str | Path, layer_prefix: str = "midlayer.") -> None:
         """Write ``config.json`` and ``model.safetensors`` in the published EAGLE-3 format."""

@@ -6,7 +6,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["RMSNorm", "KVCache", "apply_rope"]
+__all__ = ["RMSNorm", "KVCache", "apply_rope", "embedding"]
+
+
+def embedding(n: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(n, dim)``, left uninitialised when built on the meta device.
+
+    Its random init there goes through ``torch._refs.normal_``, whose first call imports
+    ``torch._dynamo``: a second of start-up for a weight the checkpoint replaces anyway."""
+    if torch.empty(0).is_meta:
+        return nn.Embedding(n, dim, _weight=torch.empty(n, dim))
+    return nn.Embedding(n, dim)
 
 
 class RMSNorm(nn.Module):

@@ -32,7 +32,7 @@ from .. import kernels
 from .config import ModelConfig, default_capture_layers
 from .dense import DenseMLP, SharedExpert
 from .devices import to_host, upload
-from .layers import KVCache, RMSNorm, apply_rope
+from .layers import KVCache, RMSNorm, apply_rope, embedding
 from .mla import MLAttention
 from .offload import ExpertOffload, OffloadCounters
 from .rope import Rotary
@@ -211,16 +211,6 @@ class DecoderLayer(nn.Module):
         return x + out, expert_ids
 
 
-def _embedding(n: int, dim: int) -> nn.Embedding:
-    """``nn.Embedding(n, dim)``, left uninitialised when built on the meta device.
-
-    Its random init there goes through ``torch._refs.normal_``, whose first call imports
-    ``torch._dynamo``: a second of start-up for a weight the checkpoint replaces anyway."""
-    if torch.empty(0).is_meta:
-        return nn.Embedding(n, dim, _weight=torch.empty(n, dim))
-    return nn.Embedding(n, dim)
-
-
 class MoETransformer(nn.Module):
     """The target model. Dense weights and the KV cache live on ``device``; experts come from
     ``offload`` (attach with :meth:`attach_offload`; the loader does both).
@@ -232,7 +222,7 @@ class MoETransformer(nn.Module):
     def __init__(self, config: ModelConfig, capture_layers: tuple[int, ...] | None = None):
         super().__init__()
         self.config = config
-        self.embed_tokens = _embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, layer) for layer in range(config.n_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
