@@ -282,7 +282,7 @@ def test_depth_correction_with_an_interaction_must_be_monotone_at_the_deepest_de
             self.intercept_ = np.array([0.0])
             return self
 
-    monkeypatch.setattr(calibration, "LogisticRegression", Fitted)
+    monkeypatch.setattr("sklearn.linear_model.LogisticRegression", Fitted)   # the calibrator imports it when it fits
     cal = calibration.AcceptanceCalibrator(confidence=False, min_nodes=1).fit(hand_trace())   # depths 1 and 2
     assert cal.max_depth_ == 2
     np.testing.assert_array_equal(cal.coef_, [0.0, 1.0, 0.0, 0.0])     # the fit without the interaction

@@ -38,8 +38,6 @@ parent's), as a :class:`~specfit.tree.DraftTree` requires.
 from __future__ import annotations
 
 import numpy as np
-from sklearn.isotonic import IsotonicRegression
-from sklearn.linear_model import LogisticRegression
 
 from .. import kernels
 
@@ -136,6 +134,11 @@ class AcceptanceCalibrator:
                 "confidence": self.confidence, "depth_correction": self.depth_correction, "min_nodes": self.min_nodes}
 
     def fit(self, trace, cycles=None) -> "AcceptanceCalibrator":
+        # imported here: scikit-learn costs half a second of start-up to every command that
+        # only applies a fitted calibration
+        from sklearn.isotonic import IsotonicRegression
+        from sklearn.linear_model import LogisticRegression
+
         on_path = accepted_nodes(trace)
         mask = edge_mask(trace, cycles, self.given_parent_accepted, on_path)
         q_all, top_all = edge_probs(trace)
@@ -174,6 +177,8 @@ class AcceptanceCalibrator:
         if y.all() or not y.any():
             return
         max_depth = int(depth.max())
+        from sklearn.linear_model import LogisticRegression
+
         for features in ((x, depth, depth * x), (x, depth)):        # without the interaction if not monotone
             lr = LogisticRegression(C=1.0, max_iter=1000).fit(np.stack(features, axis=1), y)
             w = lr.coef_[0]

@@ -164,9 +164,11 @@ class Eagle3Drafter(nn.Module):
         self.midlayer = Eagle3Layer(config)
         self.norm = RMSNorm(H, config.rms_norm_eps, trainable=True)
         self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+        # the draft vocabulary starts as target ids 0..draft_vocab_size-1, set without arithmetic:
+        # on the meta device (from_pretrained builds there) that would import torch._dynamo
         self.register_buffer("d2t", torch.zeros(config.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
-        self.set_draft_vocabulary(torch.arange(config.draft_vocab_size))
+        self.t2d[:config.draft_vocab_size] = True
         self.rope_scale = self._set_inv_freq()
         self.max_seq_len = 0
 
@@ -251,10 +253,13 @@ class Eagle3Drafter(nn.Module):
 
     def _set_inv_freq(self, device: torch.device | str | None = None) -> float:
         """(Re)compute the float32 RoPE frequencies as a buffer on ``device`` (the default
-        device if None); returns the attention scale the RoPE variant asks for."""
+        device if None); returns the attention scale the RoPE variant asks for. Computed on the
+        CPU: arithmetic on the meta device would import torch._dynamo."""
         c = self.config
-        inv_freq, scale = inv_freq_and_scale(c.rope, c.head_dim, c.max_position_embeddings)
-        self.register_buffer("inv_freq", inv_freq if device is None else inv_freq.to(device), persistent=False)
+        with torch.device("cpu"):
+            inv_freq, scale = inv_freq_and_scale(c.rope, c.head_dim, c.max_position_embeddings)
+        device = torch.empty(0).device if device is None else device
+        self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         return scale
 
     def rope_angles(self, positions: torch.Tensor) -> torch.Tensor:
