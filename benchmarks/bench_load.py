@@ -1,7 +1,7 @@
 """What loading costs before the first token: the target and the EAGLE-3 drafter, in fresh
 processes, this checkout side by side with a baseline revision (a git worktree of ``--baseline``).
 
-    python benchmarks/bench_load.py --baseline REV [--runs 3] [--head llama-8b|tiny]
+    python benchmarks/bench_load.py --baseline REV [--runs 3] [--head llama-8b|tiny] [--trace PATH]
 
 Rows, each the median of ``--runs`` fresh processes run alternately (baseline, this checkout):
 
@@ -11,7 +11,9 @@ Rows, each the median of ``--runs`` fresh processes run alternately (baseline, t
   llama-8b``: the shape of an EAGLE-3 head for Llama-3.1-8B, bfloat16, 0.85 GB, the target's
   embedding shared; ``tiny``: the bundled drafter): seconds and peak RSS growth over the call;
 - ``specfit decode`` of the bundled model and drafter, ``--policy specfit``, 8 prompts x 16 tokens,
-  end to end (the command's wall time: imports, loads, warm-up, decode).
+  end to end (the command's wall time: imports, loads, warm-up, decode);
+- with ``--trace``, ``read_trace`` of that trace (what ``specfit simulate`` and ``sweep`` start
+  with): seconds, peak RSS growth over the call, and the trace's arrays in memory.
 
 Everything is written to a temporary directory.
 """
@@ -36,6 +38,19 @@ from specfit.assets import tiny_moe_dir
 t = time.perf_counter()
 load_model(tiny_moe_dir())
 print(json.dumps({"s": time.perf_counter() - t, "dynamo": "torch._dynamo" in sys.modules}))
+"""
+
+TRACE = """
+import json, resource, sys, time
+import numpy as np
+from specfit.traces.format import read_trace
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t = time.perf_counter()
+trace = read_trace(sys.argv[1])
+s = time.perf_counter() - t
+arrays = sum(v.nbytes for v in vars(trace).values() if isinstance(v, np.ndarray))
+print(json.dumps({"s": s, "peak_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024,
+                  "arrays_mb": arrays / 2**20}))
 """
 
 DRAFTER = """
@@ -112,6 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", required=True, help="git revision to compare with (a worktree is made)")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--head", choices=["llama-8b", "tiny"], default="llama-8b")
+    parser.add_argument("--trace", type=Path, help="a trace file to time read_trace on")
     args = parser.parse_args(argv)
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -132,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
             trees = {args.baseline: baseline, "this checkout": REPO}
             for tree in trees.values():          # warm each tree's numba cache and the page cache
                 decode(tree, env)
-            rows = {name: {"target": [], "dynamo": [], "drafter": [], "peak": [], "decode": []} for name in trees}
+            rows = {name: {"target": [], "dynamo": [], "drafter": [], "peak": [], "decode": [], "trace": []}
+                    for name in trees}
             for _ in range(args.runs):
                 for name, tree in trees.items():
                     got = run(tree, ["-c", TARGET], env)
@@ -142,6 +159,8 @@ def main(argv: list[str] | None = None) -> None:
                     rows[name]["drafter"].append(got["s"])
                     rows[name]["peak"].append(got["peak_mb"])
                     rows[name]["decode"].append(decode(tree, env)["s"])
+                    if args.trace:
+                        rows[name]["trace"].append(run(tree, ["-c", TRACE, str(args.trace.resolve())], env))
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(baseline)], capture_output=True)
 
@@ -153,6 +172,13 @@ def main(argv: list[str] | None = None) -> None:
     for name, r in rows.items():
         print(f"| {name} | {med(r['target']):.3f} | {'yes' if any(r['dynamo']) else 'no'} | {med(r['drafter']):.2f} "
               f"| {med(r['peak']):.0f} | {med(r['decode']):.2f} |")
+    if args.trace:
+        print(f"\nread_trace({args.trace.name}): median of {args.runs} fresh processes each, alternating")
+        print("| code | seconds | peak RSS +MB | trace arrays MB |")
+        print("|---|---:|---:|---:|")
+        for name, r in rows.items():
+            print(f"| {name} | {med(x['s'] for x in r['trace']):.2f} | {med(x['peak_mb'] for x in r['trace']):.0f} "
+                  f"| {med(x['arrays_mb'] for x in r['trace']):.0f} |")
 
 
 if __name__ == "__main__":

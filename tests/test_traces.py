@@ -48,6 +48,34 @@ def test_round_trip_preserves_every_array(tmp_path, small_synth):
     assert table.schema.field("true_experts").type.list_size == 16 * 8
 
 
+@pytest.mark.parametrize("batch", [1, 5, 64, 1 << 13])
+def test_per_slot_columns_read_a_batch_at_a_time_equal_what_was_written(tmp_path, small_synth, monkeypatch, batch):
+    """Expert ids, predicted ids and router weights go into their arrays record batch by record
+    batch; unknown rows (nulls) on either side of a batch's edge come back as -1 / NaN."""
+    import specfit.traces.format as trace_format
+
+    n = small_synth.n_nodes
+    true = small_synth.true_experts.copy()
+    unknown = np.zeros(n, dtype=bool)
+    unknown[[0, 4, 5, 63, 64, n - 1]] = True
+    true[unknown] = -1
+    predicted = np.roll(small_synth.true_experts, 1, axis=0)
+    predicted[[1, 5, 6]] = -1
+    weights = np.random.default_rng(0).random(true.shape).astype(np.float32)
+    weights[unknown] = np.nan
+    meta = copy.deepcopy(small_synth.meta)
+    meta["recording"]["position_indexed"] = False         # a recorded trace: unknown true experts allowed
+    trace = replace(small_synth, meta=meta, true_experts=true, predicted_experts=predicted, true_expert_weights=weights)
+    path = write_trace(trace, tmp_path / "t.parquet")
+    monkeypatch.setattr(trace_format, "_BATCH", batch)
+    back = read_trace(path, validate=False)
+    np.testing.assert_array_equal(back.true_experts, true)
+    np.testing.assert_array_equal(back.predicted_experts, predicted)
+    np.testing.assert_array_equal(back.true_expert_weights, weights)        # NaN rows equal NaN rows
+    assert back.true_experts.dtype == np.int16 and back.true_expert_weights.dtype == np.float32
+    assert read_trace(path, weights=False).true_expert_weights is None
+
+
 def test_unknown_values_round_trip_as_nulls(tmp_path):
     trace = hand_trace()
     trace.meta["recording"]["position_indexed"] = False
@@ -372,8 +400,6 @@ def test_synthesis_refuses_sequences_under_two_tokens_or_no_positions(n_tokens, 
 
 
 def test_expert_ids_above_127_of_a_model_with_up_to_256_experts_round_trip(tmp_path):
-
-
     t = hand_trace()
     meta = copy.deepcopy(t.meta)
     meta["model"].update(n_experts=256, top_k=2)
@@ -385,8 +411,6 @@ def test_expert_ids_above_127_of_a_model_with_up_to_256_experts_round_trip(tmp_p
 
 
 def test_unknown_router_weight_rows_read_back_as_nan(tmp_path):
-
-
     t = hand_trace()
     weights = np.full(t.true_experts.shape, 0.5, dtype=np.float32)
     weights[[2, 7]] = np.nan                            # two nodes whose router weights were not logged

@@ -57,6 +57,8 @@ NODE_COLUMNS = (
                                          "record them); null where unknown"),
 )
 # live recordings: measured per-cycle values (repeated on the cycle's rows)
+SLOT_COLUMNS = ("true_experts", "predicted_experts", "true_expert_weights")   # [layers x top_k] per row
+_BATCH = 1 << 13                 # rows per record batch read (bigger batches decode with more memory)
 MEASURED_COLUMNS = ("measured_time_s", "measured_draft_s", "measured_verify_s", "measured_bytes_h2d")
 
 
@@ -266,16 +268,19 @@ def read_trace(path: str | Path, validate: bool = True, weights: bool = True) ->
                            f"{[c for c, _, req, _ in NODE_COLUMNS if req]}")
     try:
         # batch by batch, one thread: pf.read() peaked at far more memory than this, and was no faster
-        # (benchmarks/RESULTS.md, "Stop 50: four more audits")
-        columns = None if weights else [c for c in pf.schema_arrow.names if c != "true_expert_weights"]
-        schema = pf.schema_arrow if weights else pa.schema([f for f in pf.schema_arrow if f.name in columns],
-                                                           metadata=pf.schema_arrow.metadata)
-        table = pa.Table.from_batches(list(pf.iter_batches(batch_size=1 << 16, columns=columns, use_threads=False)),
+        # (benchmarks/RESULTS.md, "Stop 50: four more audits"); the per-slot columns, the trace's
+        # bulk, go straight into their arrays (_slot_array)
+        slots = [c for c in SLOT_COLUMNS if c in names and (weights or c != "true_expert_weights")]
+        columns = [c for c in pf.schema_arrow.names if c not in SLOT_COLUMNS]
+        schema = pa.schema([f for f in pf.schema_arrow if f.name in columns], metadata=pf.schema_arrow.metadata)
+        table = pa.Table.from_batches(list(pf.iter_batches(batch_size=_BATCH, columns=columns, use_threads=False)),
                                       schema=schema)
+        model = meta["model"]
+        per_slot = {c: _slot_array(pf, c, model["n_layers"], model["top_k"], str(path)) for c in slots}
     except (pa.ArrowException, OSError) as exc:
         # a readable footer says nothing about the pages: truncated or overwritten data fails here
         raise SpecFitError(f"cannot read {path}: damaged Parquet data ({one_line(exc)})") from None
-    trace = _from_table(table, meta, str(path))
+    trace = _from_table(table, per_slot, meta, str(path))
     del table
     pa.default_memory_pool().release_unused()    # the pool would keep every buffer the table was read into
     if validate:
@@ -293,25 +298,37 @@ def _int_column(table: pa.Table, name: str, source: str, fill: int | None = None
         col.fill_null(fill).to_numpy(zero_copy_only=False)
 
 
-def _expert_array(table: pa.Table, name: str, L: int, k: int, source: str) -> np.ndarray:
-    col = table.column(name).combine_chunks()
-    if not (pa.types.is_fixed_size_list(col.type) and pa.types.is_integer(col.type.value_type)) \
-            or col.type.list_size != L * k:
-        raise SpecFitError(f"{source}: column '{name}' must be a fixed-size list of {L * k} integers "
-                           f"(layers x top_k = {L} x {k}), got {col.type}")
-    # a null set's slots may be null in the child array after a Parquet round trip
-    values = col.values.slice(col.offset * L * k, len(col) * L * k)
-    if values.null_count:
-        values = values.fill_null(0)
-    experts = values.to_numpy(zero_copy_only=False).astype(np.int16).reshape(len(col), L, k)
-    if col.null_count:
-        experts[~col.is_valid().to_numpy(zero_copy_only=False)] = UNKNOWN
-    return experts
+def _slot_array(pf: pq.ParquetFile, name: str, L: int, k: int, source: str) -> np.ndarray:
+    """Column ``name`` of ``pf``, a fixed-size list of ``L * k`` values per row (expert ids or
+    router weights), as an int16 (ids; :data:`UNKNOWN` in a null row) or float32 (weights; NaN in
+    a null row) array [rows, L, k], filled a record batch at a time: no whole-column copy in Arrow
+    and none for the cast (``benchmarks/RESULTS.md``, "Stop 54")."""
+    kind, dtype, null = ("integers", np.int16, UNKNOWN) if name != "true_expert_weights" else ("floats", np.float32, np.nan)
+    typ = pf.schema_arrow.field(name).type
+    value_ok = pa.types.is_integer if kind == "integers" else pa.types.is_floating
+    if not (pa.types.is_fixed_size_list(typ) and value_ok(typ.value_type)) or typ.list_size != L * k:
+        raise SpecFitError(f"{source}: column '{name}' must be a fixed-size list of {L * k} {kind} "
+                           f"(layers x top_k = {L} x {k}), got {typ}")
+    out = np.empty((pf.metadata.num_rows, L, k), dtype=dtype)
+    flat = out.reshape(len(out), L * k)
+    row = 0
+    for batch in pf.iter_batches(batch_size=_BATCH, columns=[name], use_threads=False):
+        col = batch.column(0)
+        m = len(col)
+        # a null row's slots may be null in the child array after a Parquet round trip
+        values = col.values.slice(col.offset * L * k, m * L * k)
+        if values.null_count:
+            values = values.fill_null(0)
+        flat[row:row + m] = values.to_numpy(zero_copy_only=False).reshape(m, L * k)
+        if col.null_count:
+            out[row:row + m][~col.is_valid().to_numpy(zero_copy_only=False)] = null
+        row += m
+    if row != len(out):
+        raise SpecFitError(f"{source}: column '{name}' has {row} rows, the file's footer says {len(out)}")
+    return out
 
 
-def _from_table(table: pa.Table, meta: dict, source: str) -> Trace:
-    model = meta["model"]
-    L, k = model["n_layers"], model["top_k"]
+def _from_table(table: pa.Table, per_slot: dict[str, np.ndarray], meta: dict, source: str) -> Trace:
     cycle = _int_column(table, "cycle", source)
     n = cycle.size
     if n == 0:
@@ -327,13 +344,9 @@ def _from_table(table: pa.Table, meta: dict, source: str) -> Trace:
     for name in MEASURED_COLUMNS:
         if name in table.column_names:
             measured[name] = table.column(name).to_numpy(zero_copy_only=False).astype(np.float64)[starts]
-    predicted = None
-    if "predicted_experts" in table.column_names:
-        predicted = _expert_array(table, "predicted_experts", L, k, source)
     verified = None
     if "verified" in table.column_names:
         verified = table.column("verified").fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
-    weights = _weight_array(table, L, k, source) if "true_expert_weights" in table.column_names else None
     node = _int_column(table, "node", source)
     if np.any(node != np.arange(n) - np.repeat(starts, np.diff(offsets))):
         raise SpecFitError(f"{source}: column 'node' must number each cycle's rows 0, 1, 2, ... (root first)")
@@ -347,8 +360,8 @@ def _from_table(table: pa.Table, meta: dict, source: str) -> Trace:
         draft_logprob=table.column("draft_logprob").to_numpy(zero_copy_only=False).astype(np.float32),
         path_prob=table.column("path_prob").to_numpy(zero_copy_only=False).astype(np.float64),
         verdict=_int_column(table, "verdict", source, fill=UNKNOWN).astype(np.int32),
-        true_experts=_expert_array(table, "true_experts", L, k, source),
-        predicted_experts=predicted, verified=verified, measured=measured, true_expert_weights=weights,
+        true_experts=per_slot["true_experts"], predicted_experts=per_slot.get("predicted_experts"),
+        verified=verified, measured=measured, true_expert_weights=per_slot.get("true_expert_weights"),
     )
 
 
