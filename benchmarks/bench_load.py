@@ -40,31 +40,39 @@ load_model(tiny_moe_dir())
 print(json.dumps({"s": time.perf_counter() - t, "dynamo": "torch._dynamo" in sys.modules}))
 """
 
-TRACE = """
-import json, resource, sys, time
+# the peak is the process's VmHWM: ru_maxrss would carry over the benchmark's own peak into a
+# child it forks (Linux keeps it across exec)
+PEAK = """
+def peak_mb():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+"""
+
+TRACE = PEAK + """
+import json, sys, time
 import numpy as np
 from specfit.traces.format import read_trace
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = peak_mb()
 t = time.perf_counter()
 trace = read_trace(sys.argv[1])
 s = time.perf_counter() - t
 arrays = sum(v.nbytes for v in vars(trace).values() if isinstance(v, np.ndarray))
-print(json.dumps({"s": s, "peak_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024,
-                  "arrays_mb": arrays / 2**20}))
+print(json.dumps({"s": s, "peak_mb": peak_mb() - base, "arrays_mb": arrays / 2**20}))
 """
 
-DRAFTER = """
-import json, resource, sys, time, warnings
+DRAFTER = PEAK + """
+import json, sys, time, warnings
 import torch
 from specfit.runtime.eagle3 import Eagle3Drafter
 warnings.simplefilter("ignore")
 head, vocab, hidden = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 embed = torch.ones(vocab, hidden, dtype=torch.bfloat16)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+base = peak_mb()
 t = time.perf_counter()
 Eagle3Drafter.from_pretrained(head, target_embed=embed, dtype=torch.bfloat16)
 s = time.perf_counter() - t
-print(json.dumps({"s": s, "peak_mb": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024}))
+print(json.dumps({"s": s, "peak_mb": peak_mb() - base}))
 """
 
 # an EAGLE-3 head for Llama-3.1-8B (the published yuhuili/EAGLE3-LLaMA3.1-Instruct-8B shape)
