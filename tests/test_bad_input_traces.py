@@ -234,6 +234,26 @@ def test_validation_refuses_router_weights_where_the_experts_are_unknown():
         validate_trace(dataclasses.replace(t, meta=meta, true_experts=true, true_expert_weights=weights))
 
 
+@pytest.mark.parametrize("value", [np.inf, -np.inf, -0.25, np.nan])
+@pytest.mark.parametrize("slot", [(0, 0), (1, 3), (-1, -1)])
+def test_validation_refuses_a_known_rows_weight_that_is_not_finite_and_non_negative(value, slot):
+    """Any slot of a row whose first weight is set: not only the first (an unknown row is NaN in
+    every slot, and a row is read as unknown by its first)."""
+    from specfit.traces.drafter import DrafterParams
+    from specfit.traces.synth import synthesize
+
+    t = synthesize("olmoe-1b-7b", "chat", 6, seed=0, sequence_tokens=6, drafter=DrafterParams(width=2, depth=2))
+    weights = np.full(t.true_experts.shape, 0.125, dtype=np.float32)
+    validate_trace(dataclasses.replace(t, true_expert_weights=weights))
+    if slot == (0, 0) and np.isnan(value):
+        weights[4] = np.nan                                     # the whole row unknown: allowed
+        validate_trace(dataclasses.replace(t, true_expert_weights=weights))
+        return
+    weights[4][slot] = value
+    with pytest.raises(SpecFitError, match="'true_expert_weights' must hold finite, non-negative router weights"):
+        validate_trace(dataclasses.replace(t, true_expert_weights=weights))
+
+
 def test_validation_requires_each_sequence_to_start_at_position_0():
     t = hand_trace()
     with pytest.raises(SpecFitError, match="must list positions 0, 1, 2"):
