@@ -70,7 +70,7 @@ def main() -> None:
 
     load_before = os.getloadavg()[0]
     t = time.perf_counter()
-    trace = read_trace(trace_path)
+    trace = read_trace(trace_path, weights=False)      # as specfit simulate and sweep read it
     read_s = time.perf_counter() - t
     t = time.perf_counter()
     prep = prepare_trace("olmoe-routing", trace, predictor=args.predictor, acceptance="calibrated")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -38,6 +39,20 @@ def test_oracle_is_exact_and_parent_repeats_the_last_routing(olmoe):
     parent = ParentPredictor().fit(olmoe)
     pred = parent.predict_trace(olmoe, [5])
     assert (pred == last_known_experts(olmoe)[5]).all()   # every node of the cycle, siblings alike
+
+
+def test_the_oracle_is_the_traces_own_array_and_refuses_a_trace_with_unknown_experts(olmoe):
+    oracle = make_predictor("oracle")
+    assert oracle.predict_trace(olmoe) is olmoe.true_experts       # no copy: the replay skips a second union
+    np.testing.assert_array_equal(oracle.predict_trace(olmoe, [3, 5]),
+                                  olmoe.true_experts[np.r_[olmoe.offsets[3]:olmoe.offsets[4], olmoe.offsets[5]:olmoe.offsets[6]]])
+    true = olmoe.true_experts.copy()
+    true[olmoe.offsets[5] + 1] = -1                                  # one node of cycle 5 unknown
+    blind = dataclasses.replace(olmoe, true_experts=true)
+    for cycles in (None, [5], [4, 5]):
+        with pytest.raises(SpecFitError, match="--predictor oracle: the trace does not know every node's true experts"):
+            oracle.predict_trace(blind, cycles)
+    np.testing.assert_array_equal(oracle.predict_trace(blind, [4]), true[olmoe.offsets[4]:olmoe.offsets[5]])
 
 
 def test_affinity_learns_a_seen_token_exactly():

@@ -52,13 +52,19 @@ class OraclePredictor(ExpertPredictor):
 
     def predict(self, batch: NodeBatch) -> np.ndarray:
         if batch.true_experts is None:
-            raise SpecFitError("--predictor oracle: the trace does not know every node's true experts")
+            raise SpecFitError(self._UNKNOWN)
         return batch.true_experts
 
     def predict_trace(self, trace, cycles=None) -> np.ndarray:
-        out = super().predict_trace(trace, cycles)
-        # the whole trace's own array: the replay recognises it and skips a second union
-        return trace.true_experts if cycles is None else out
+        if cycles is not None:
+            return super().predict_trace(trace, cycles)
+        # the whole trace's own array, without a batch's copies: the replay recognises it and
+        # skips a second union
+        if not trace.true_known.all():
+            raise SpecFitError(self._UNKNOWN)
+        return trace.true_experts
+
+    _UNKNOWN = "--predictor oracle: the trace does not know every node's true experts"
 
 
 class NoisyOraclePredictor(ExpertPredictor):
