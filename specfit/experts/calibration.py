@@ -168,6 +168,8 @@ class AcceptanceCalibrator:
     def _fit_depth(self, trace, cycles, on_path: np.ndarray) -> None:
         """The logistic depth correction on every node with a known outcome, or none when too few
         nodes or no monotone fit."""
+        from sklearn.linear_model import LogisticRegression     # as in fit
+
         known = _known(trace, cycles)
         if known.sum() < self.min_nodes:
             return
@@ -177,8 +179,6 @@ class AcceptanceCalibrator:
         if y.all() or not y.any():
             return
         max_depth = int(depth.max())
-        from sklearn.linear_model import LogisticRegression
-
         for features in ((x, depth, depth * x), (x, depth)):        # without the interaction if not monotone
             lr = LogisticRegression(C=1.0, max_iter=1000).fit(np.stack(features, axis=1), y)
             w = lr.coef_[0]

@@ -49,6 +49,7 @@ class OraclePredictor(ExpertPredictor):
 
     name = "oracle"
     needs_truth = True
+    _UNKNOWN = "--predictor oracle: the trace does not know every node's true experts"
 
     def predict(self, batch: NodeBatch) -> np.ndarray:
         if batch.true_experts is None:
@@ -63,8 +64,6 @@ class OraclePredictor(ExpertPredictor):
         if not trace.true_known.all():
             raise SpecFitError(self._UNKNOWN)
         return trace.true_experts
-
-    _UNKNOWN = "--predictor oracle: the trace does not know every node's true experts"
 
 
 class NoisyOraclePredictor(ExpertPredictor):
