@@ -86,8 +86,9 @@ LLAMA_8B_HEAD = {
 }
 
 
-def write_head(folder: Path) -> None:
-    """A random bfloat16 drafter of :data:`LLAMA_8B_HEAD`'s shape, without an embedding."""
+def write_head(folder: Path, shape: dict = LLAMA_8B_HEAD) -> None:
+    """A random bfloat16 drafter of ``shape`` (a config.json), without an embedding, its draft
+    vocabulary every fourth target id."""
     import torch
     from safetensors.torch import save_file
 
@@ -95,7 +96,7 @@ def write_head(folder: Path) -> None:
     from specfit.runtime.eagle3_config import Eagle3Config
 
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(LLAMA_8B_HEAD))
+    (folder / "config.json").write_text(json.dumps(shape))
     config = Eagle3Config.from_file(folder / "config.json")
     gen = torch.Generator().manual_seed(0)
     tensors = {name: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
