@@ -241,6 +241,21 @@ def test_the_shipped_trace_is_predicted_within_a_few_percent_held_out():
     assert abs(now - 1) < 0.04 and before / truth > 1.08
 
 
+@pytest.mark.parametrize("params", [{}, {"depth_correction": False}, {"min_nodes": 10**9}])
+def test_the_cross_fit_equals_a_fit_then_a_prediction_per_fold(params):
+    """The cross-fit hands the depth fit's path products to the prediction: exactly what a
+    calibrator fitted on the other folds predicts for the fold on its own."""
+    from specfit.experts.predictors import cycle_folds
+
+    olmoe = read_trace(SAMPLE_OLMOE)
+    fold = cycle_folds(olmoe, 2)[olmoe.cycle_of_node]
+    expected = np.ones(olmoe.n_nodes)
+    for f in (0, 1):
+        train = np.flatnonzero(cycle_folds(olmoe, 2) != f)
+        expected[fold == f] = AcceptanceCalibrator(**params).fit(olmoe, train).path_probs(olmoe)[fold == f]
+    np.testing.assert_array_equal(cross_calibrate(olmoe, **params), expected)
+
+
 def test_a_trace_recorded_workload_by_workload_is_calibrated_on_every_workload():
     """Sequences 0-3 from one drafter, 4-7 from one whose deep acceptance decays. The cross-fit
     deals whole sequences to the folds in turn, so each fold's maps see both drafters and predict

@@ -134,6 +134,12 @@ class AcceptanceCalibrator:
                 "confidence": self.confidence, "depth_correction": self.depth_correction, "min_nodes": self.min_nodes}
 
     def fit(self, trace, cycles=None) -> "AcceptanceCalibrator":
+        self._fit(trace, cycles)
+        return self
+
+    def _fit(self, trace, cycles) -> np.ndarray | None:
+        """:meth:`fit`; returns the trace's path products (:meth:`_products`, for every node) when
+        the depth fit computed them, for a caller that predicts the same trace next."""
         # imported here: scikit-learn costs half a second of start-up to every command that
         # only applies a fitted calibration
         from sklearn.isotonic import IsotonicRegression
@@ -156,28 +162,27 @@ class AcceptanceCalibrator:
         # held-out quality is measured by the caller on other cycles; the fit's own Brier score:
         self.brier_ = float(np.mean((self.predict_edge(q, top) - accepted) ** 2)) if q.size else float("nan")
         self.n_edges_ = int(q.size)
-        if self.depth_correction:
-            self._fit_depth(trace, cycles, on_path)
-        return self
+        return self._fit_depth(trace, cycles, on_path) if self.depth_correction else None
 
     def _confidence_features(self, q: np.ndarray, top: np.ndarray) -> np.ndarray:
         """[n, 3] the refinement's features (:func:`specfit.kernels.acceptance.features`, which
         the edge map computes per edge)."""
         return kernels.acceptance.confidence_features(_floats(q), _floats(top), _floats(self.x_), _floats(self.y_))
 
-    def _fit_depth(self, trace, cycles, on_path: np.ndarray) -> None:
+    def _fit_depth(self, trace, cycles, on_path: np.ndarray) -> np.ndarray | None:
         """The logistic depth correction on every node with a known outcome, or none when too few
-        nodes or no monotone fit."""
+        nodes or no monotone fit; returns the path products it computed (None: too few nodes)."""
         from sklearn.linear_model import LogisticRegression     # as in fit
 
         known = _known(trace, cycles)
         if known.sum() < self.min_nodes:
-            return
-        x = kernels.acceptance.logits(_floats(self._products(trace)[known]))
+            return None
+        products = self._products(trace)
+        x = kernels.acceptance.logits(_floats(products[known]))
         depth = trace.depth[known].astype(np.float64)
         y = on_path[known]
         if y.all() or not y.any():
-            return
+            return products
         max_depth = int(depth.max())
         for features in ((x, depth, depth * x), (x, depth)):        # without the interaction if not monotone
             lr = LogisticRegression(C=1.0, max_iter=1000).fit(np.stack(features, axis=1), y)
@@ -185,7 +190,8 @@ class AcceptanceCalibrator:
             coef = np.array([lr.intercept_[0], w[0], w[1], w[2] if w.size > 2 else 0.0])
             if min(coef[1] + coef[3] * d for d in (1, max_depth)) > 0:
                 self.coef_, self.max_depth_ = coef, max_depth
-                return
+                return products
+        return products
 
     def predict_edge(self, draft_prob: np.ndarray, top_prob: np.ndarray | None = None) -> np.ndarray:
         """Acceptance probability of nodes with draft probability ``draft_prob`` given their
@@ -230,12 +236,13 @@ class AcceptanceCalibrator:
             out = np.where(root, 1.0, edge * out[parent_row])
         return out
 
-    def path_probs(self, trace) -> np.ndarray:
+    def path_probs(self, trace, products: np.ndarray | None = None) -> np.ndarray:
         """[nodes] calibrated path probabilities of every node of ``trace`` (root: 1), each at
-        most its parent's."""
+        most its parent's. ``products``: the trace's :meth:`_products`, when the caller has them."""
         root = trace.parent < 0
         parent_row = np.where(root, np.arange(trace.n_nodes), trace.parent_rows)
-        out = np.where(root, 1.0, self.path_from_product(self._products(trace), trace.depth))
+        products = self._products(trace) if products is None else products
+        out = np.where(root, 1.0, self.path_from_product(products, trace.depth))
         for _ in range(int(trace.depth.max(initial=0))):
             out = np.where(root, 1.0, np.minimum(out, out[parent_row]))
         return out
@@ -272,7 +279,9 @@ def cross_calibrate(trace, n_folds: int = 2, **params) -> np.ndarray:
         train = np.flatnonzero(fold != f)
         if not (fold == f).any():
             continue
-        calibrator = AcceptanceCalibrator(**params).fit(trace, train if train.size else np.flatnonzero(fold == f))
-        probs = calibrator.path_probs(trace)
+        calibrator = AcceptanceCalibrator(**params)
+        # the depth fit's path products serve the prediction too: the same edge map on the same trace
+        products = calibrator._fit(trace, train if train.size else np.flatnonzero(fold == f))
+        probs = calibrator.path_probs(trace, products)
         out[fold_of_node == f] = probs[fold_of_node == f]
     return out
