@@ -40,6 +40,31 @@ def test_union_per_layer_of_the_roots_is_top_k_on_a_many_layer_trace():
     assert s["by_depth"][0]["union_experts_per_layer"] == pytest.approx(trace.top_k)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_union_by_depth_equals_sets_of_the_known_nodes_within_each_depth(seed):
+    """Against Python sets, on a synthetic trace with unknown nodes (roots among them: a cycle
+    with no known node within a depth counts 0 there)."""
+    import dataclasses
+
+    from specfit.traces.summary import _union_by_depth
+    from specfit.traces.synth import synthesize
+
+    trace = synthesize("olmoe-1b-7b", "chat", 10, seed=seed, sequence_tokens=5, drafter=DrafterParams(width=3, depth=3))
+    rng = np.random.default_rng(seed)
+    true = trace.true_experts.copy()
+    true[rng.random(trace.n_nodes) < 0.3] = -1
+    trace = dataclasses.replace(trace, true_experts=true)
+    max_depth = int(trace.depth.max())
+    expected = np.zeros(max_depth + 1)
+    for c in range(trace.n_cycles):
+        rows = [v for v in range(trace.offsets[c], trace.offsets[c + 1]) if (true[v] >= 0).all()]
+        for d in range(max_depth + 1):
+            expected[d] += sum(len({int(true[v, layer, s]) for v in rows if trace.depth[v] <= d
+                                    for s in range(trace.top_k)}) for layer in range(trace.n_layers))
+    assert (true[trace.offsets[:-1]] < 0).any(axis=(1, 2)).any()          # some root unknown
+    np.testing.assert_allclose(_union_by_depth(trace), expected / trace.n_cycles / trace.n_layers, rtol=1e-12)
+
+
 def test_edge_calibration_bins_of_the_hand_trace():
     rows = edge_calibration(hand_trace())
     # draft probabilities exp(float32 log q) of the drafted nodes: .9, .05, .889, .5 - 1 ulp, .4 - 1 ulp;

@@ -12,7 +12,7 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 __all__ = ["n_words", "popcount", "lowest_bit", "pack_rows", "pack_mask", "union_of_rows", "count_union",
-           "count_missing", "count_missing_row", "unpack", "slots_right", "first_bad_routing"]
+           "count_missing", "count_missing_row", "unpack", "slots_right", "first_bad_routing", "union_sizes_by_depth"]
 
 ONE = np.uint64(1)
 ZERO = np.uint64(0)
@@ -69,6 +69,36 @@ def pack_rows(experts, n_experts):
                     return bits, False
                 bits[v, layer, e >> 6] |= ONE << np.uint64(e & 63)
     return bits, True
+
+
+@njit(cache=True)
+def union_sizes_by_depth(offsets, depth, known, experts, n_experts, max_depth):
+    """float ``[max_depth + 1]``: summed over the cycles (rows ``offsets[c]:offsets[c + 1]``), the
+    size of the union over all layers of the experts of the ``known`` nodes at depth <= d (0
+    where a cycle has no known node that shallow). One pass over each cycle's nodes: an expert
+    counts at the depth of the first node that adds it to its layer's set."""
+    n_layers, k = experts.shape[1], experts.shape[2]
+    totals = np.zeros(max_depth + 1)
+    seen = np.zeros((n_layers, (n_experts + 63) // 64), dtype=np.uint64)
+    first = np.zeros(max_depth + 1, dtype=np.int64)     # experts a cycle's depth d adds
+    for c in range(offsets.size - 1):
+        seen[:] = ZERO
+        first[:] = 0
+        for v in range(offsets[c], offsets[c + 1]):
+            if not known[v]:
+                continue
+            for layer in range(n_layers):
+                for s in range(k):
+                    e = np.int64(experts[v, layer, s])
+                    bit = ONE << np.uint64(e & 63)
+                    if seen[layer, e >> 6] & bit == ZERO:
+                        seen[layer, e >> 6] |= bit
+                        first[depth[v]] += 1
+        running = 0
+        for d in range(max_depth + 1):
+            running += first[d]
+            totals[d] += running
+    return totals
 
 
 @njit(cache=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import kernels
 from .stats import acceptance_by_depth, accepted_lengths, consecutive_reuse, edge_calibration, popularity, \
     pair_overlap, same_token_reuse, top_quarter_share
 
@@ -41,22 +42,15 @@ def _layer_mean(values: np.ndarray) -> float:
 
 
 def _union_by_depth(trace) -> np.ndarray:
-    """[depth + 1] mean union size per layer (true experts) of the tree cut at each depth."""
+    """[depth + 1] mean union size per layer (true experts) of the tree cut at each depth: the
+    known nodes within that depth, over every cycle (a cycle with none counts 0)."""
     max_depth = int(trace.depth.max(initial=0))
-    known = trace.true_known
-    totals = np.zeros(max_depth + 1)
-    L, E = trace.n_layers, trace.n_experts
-    for c in range(trace.n_cycles):
-        r = trace.rows(c)
-        rows = np.arange(r.start, r.stop)[known[r]]
-        if rows.size == 0:
-            continue
-        onehot = np.zeros((rows.size, L, E), dtype=bool)
-        np.put_along_axis(onehot, trace.true_experts[rows].astype(np.int64), True, axis=2)
-        cumulative = np.logical_or.accumulate(onehot, axis=0).sum(axis=(1, 2))   # rows are in depth order
-        ends = np.searchsorted(trace.depth[rows], np.arange(max_depth + 1), side="right") - 1
-        totals += cumulative[np.maximum(ends, 0)]
-    return totals / max(trace.n_cycles, 1) / L
+    totals = kernels.bitsets.union_sizes_by_depth(np.ascontiguousarray(trace.offsets, dtype=np.int64),
+                                                  np.ascontiguousarray(trace.depth, dtype=np.int64),
+                                                  np.ascontiguousarray(trace.true_known),
+                                                  np.ascontiguousarray(trace.true_experts, dtype=np.int16),
+                                                  trace.n_experts, max_depth)
+    return totals / max(trace.n_cycles, 1) / trace.n_layers
 
 
 def summarise_trace(trace) -> dict:
