@@ -13,7 +13,8 @@ Rows, each the median of ``--runs`` fresh processes run alternately (baseline, t
 - ``specfit decode`` of the bundled model and drafter, ``--policy specfit``, 8 prompts x 16 tokens,
   end to end (the command's wall time: imports, loads, warm-up, decode);
 - with ``--trace``, ``read_trace`` of that trace (what ``specfit simulate`` and ``sweep`` start
-  with): seconds, peak RSS growth over the call, and the trace's arrays in memory.
+  with): seconds, peak RSS growth over the call, and the trace's arrays in memory; and
+  ``specfit traces inspect`` of it, end to end (the command's wall time).
 
 Everything is written to a temporary directory.
 """
@@ -116,19 +117,24 @@ def run(tree: Path, args: list[str], env: dict) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def decode(tree: Path, env: dict) -> dict:
+def command(tree: Path, args: list[str], env: dict) -> float:
+    """Seconds ``specfit args`` takes in ``tree``, end to end."""
     import time
 
+    t = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "specfit.cli", *args], cwd=tree, env={**env, "PYTHONPATH": str(tree)},
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise SystemExit(f"bench_load: specfit {args[0]} in {tree} failed:\n{out.stderr[-2000:]}")
+    return time.perf_counter() - t
+
+
+def decode(tree: Path, env: dict) -> dict:
     from specfit.assets import demo_prompts_path, tiny_moe_dir, tiny_moe_eagle3_dir
 
-    t = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "specfit.cli", "decode", "--model", str(tiny_moe_dir()),
-                          "--drafter", str(tiny_moe_eagle3_dir()), "--prompts", str(demo_prompts_path()),
-                          "--cache-experts", "4", "--policy", "specfit", "--max-new-tokens", "16"],
-                         cwd=tree, env={**env, "PYTHONPATH": str(tree)}, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"bench_load: specfit decode in {tree} failed:\n{out.stderr[-2000:]}")
-    return {"s": time.perf_counter() - t}
+    return {"s": command(tree, ["decode", "--model", str(tiny_moe_dir()), "--drafter", str(tiny_moe_eagle3_dir()),
+                                "--prompts", str(demo_prompts_path()), "--cache-experts", "4", "--policy", "specfit",
+                                "--max-new-tokens", "16"], env)}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -169,7 +175,9 @@ def main(argv: list[str] | None = None) -> None:
                     rows[name]["peak"].append(got["peak_mb"])
                     rows[name]["decode"].append(decode(tree, env)["s"])
                     if args.trace:
-                        rows[name]["trace"].append(run(tree, ["-c", TRACE, str(args.trace.resolve())], env))
+                        got = run(tree, ["-c", TRACE, str(args.trace.resolve())], env)
+                        got["inspect_s"] = command(tree, ["traces", "inspect", str(args.trace.resolve())], env)
+                        rows[name]["trace"].append(got)
         finally:
             subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(baseline)], capture_output=True)
 
@@ -183,11 +191,11 @@ def main(argv: list[str] | None = None) -> None:
               f"| {med(r['peak']):.0f} | {med(r['decode']):.2f} |")
     if args.trace:
         print(f"\nread_trace({args.trace.name}): median of {args.runs} fresh processes each, alternating")
-        print("| code | seconds | peak RSS +MB | trace arrays MB |")
-        print("|---|---:|---:|---:|")
+        print("| code | seconds | peak RSS +MB | trace arrays MB | `specfit traces inspect` s |")
+        print("|---|---:|---:|---:|---:|")
         for name, r in rows.items():
             print(f"| {name} | {med(x['s'] for x in r['trace']):.2f} | {med(x['peak_mb'] for x in r['trace']):.0f} "
-                  f"| {med(x['arrays_mb'] for x in r['trace']):.0f} |")
+                  f"| {med(x['arrays_mb'] for x in r['trace']):.0f} | {med(x['inspect_s'] for x in r['trace']):.2f} |")
 
 
 if __name__ == "__main__":
