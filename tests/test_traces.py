@@ -329,13 +329,19 @@ def test_synthetic_nodes_on_the_reference_path_route_like_the_reference_tokens()
     np.testing.assert_array_equal(trace.true_experts[on], trace.true_experts[trace.offsets[cycle + depth]])
 
 
-def test_pair_overlap_in_chunks_equals_the_overlap_of_all_pairs_at_once():
+@pytest.mark.parametrize("dtype", [np.int16, np.int64])
+def test_pair_overlap_equals_the_overlap_of_the_gathered_rows(dtype):
+    """The compiled count against set_overlap's comparison of every slot pair, unknown (-1) rows
+    and repeated pairs included."""
     from specfit.traces.stats import pair_overlap
 
     rng = np.random.default_rng(4)
-    experts = np.stack([rng.permutation(16)[:4] for _ in range(300)]).reshape(100, 3, 4)
+    experts = np.stack([rng.permutation(16)[:4] for _ in range(300)]).reshape(100, 3, 4).astype(dtype)
+    experts[[5, 17]] = -1
     i, j = rng.integers(0, 100, 250), rng.integers(0, 100, 250)
-    np.testing.assert_array_equal(pair_overlap(experts, i, j, chunk=64), set_overlap(experts[i], experts[j]))
+    i[:3], j[:3] = 5, 17
+    np.testing.assert_array_equal(pair_overlap(experts, i, j), set_overlap(experts[i], experts[j]))
+    assert pair_overlap(experts, i[:0], j[:0]).shape == (0, 3)
 
 
 def test_a_zipf_exponent_of_zero_is_uniform_and_allowed_but_a_negative_one_is_refused():

@@ -12,7 +12,8 @@ from numba import njit, types
 from numba.extending import intrinsic
 
 __all__ = ["n_words", "popcount", "lowest_bit", "pack_rows", "pack_mask", "union_of_rows", "count_union",
-           "count_missing", "count_missing_row", "unpack", "slots_right", "first_bad_routing", "union_sizes_by_depth"]
+           "count_missing", "count_missing_row", "unpack", "slots_right", "first_bad_routing", "union_sizes_by_depth",
+           "shared_slots"]
 
 ONE = np.uint64(1)
 ZERO = np.uint64(0)
@@ -69,6 +70,26 @@ def pack_rows(experts, n_experts):
                     return bits, False
                 bits[v, layer, e >> 6] |= ONE << np.uint64(e & 63)
     return bits, True
+
+
+@njit(cache=True)
+def shared_slots(experts, i, j):
+    """int ``[pairs, layers]``: how many of row ``i[p]``'s top-k slots at a layer name an expert
+    that row ``j[p]`` also has there (the count behind :func:`specfit.traces.stats.set_overlap`)."""
+    n_layers, k = experts.shape[1], experts.shape[2]
+    out = np.zeros((i.size, n_layers), dtype=np.int64)
+    for p in range(i.size):
+        a, b = i[p], j[p]
+        for layer in range(n_layers):
+            count = 0
+            for s in range(k):
+                e = experts[a, layer, s]
+                for t in range(k):
+                    if experts[b, layer, t] == e:
+                        count += 1
+                        break
+            out[p, layer] = count
+    return out
 
 
 @njit(cache=True)

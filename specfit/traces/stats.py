@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import kernels
 from ..experts.cache import ExpertCache
 
 __all__ = ["popularity", "top_quarter_share", "set_overlap", "pair_overlap", "consecutive_reuse", "same_token_reuse",
@@ -36,13 +37,12 @@ def set_overlap(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a[:, :, :, None] == b[:, :, None, :]).any(axis=3).sum(axis=2) / k
 
 
-def pair_overlap(experts: np.ndarray, i: np.ndarray, j: np.ndarray, chunk: int = 4096) -> np.ndarray:
-    """[pairs, layers] :func:`set_overlap` of rows ``i`` and ``j`` of ``experts``, a chunk of pairs at a
-    time (at once, its comparison would take k x k bytes per pair and layer)."""
-    out = np.empty((i.size, experts.shape[1]))
-    for s in range(0, i.size, chunk):
-        out[s:s + chunk] = set_overlap(experts[i[s:s + chunk]], experts[j[s:s + chunk]])
-    return out
+def pair_overlap(experts: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """[pairs, layers] :func:`set_overlap` of rows ``i`` and ``j`` of ``experts``, in one compiled
+    pass (no copies of the rows, no k x k comparison array)."""
+    counts = kernels.bitsets.shared_slots(np.ascontiguousarray(experts), np.asarray(i, dtype=np.int64),
+                                          np.asarray(j, dtype=np.int64))
+    return counts / experts.shape[2]
 
 
 def consecutive_reuse(experts: np.ndarray, sequence: np.ndarray | None = None) -> np.ndarray:
