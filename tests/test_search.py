@@ -289,6 +289,52 @@ def test_greedy_never_beats_exact_and_is_closed(case):
     assert ref.ratio(greedy.nodes) <= ref.ratio(exact.nodes) * (1 + TIE_REL)
 
 
+def greedy_reference(ref: RefProblem, draft_node_s: float = 0.0) -> list[int]:
+    """The greedy rule in plain Python: from the root, add the frontier node (lowest id first among
+    equals) whose set has the best priced ratio, while that beats the current set; a tie within
+    TIE_REL goes to the smaller set, as in the search."""
+    def priced(nodes):
+        tokens, time_s, _, _ = ref.evaluate(nodes)
+        return tokens, time_s + draft_node_s * (len(nodes) - 1), len(nodes)
+
+    def beats(a, b):
+        lhs, rhs = a[0] * b[1], b[0] * a[1]
+        if abs(lhs - rhs) > TIE_REL * max(abs(lhs), abs(rhs)):
+            return lhs > rhs
+        return a[2] < b[2]
+
+    chosen, current = [0], priced([0])
+    while True:
+        frontier = [v for v in range(1, len(ref.parents)) if v not in chosen and ref.parents[v] in chosen]
+        if not frontier:
+            return chosen
+        top = None
+        for v in frontier:
+            trial = (v, priced(chosen + [v]))
+            if top is None or beats(trial[1], top[1]):
+                top = trial
+        if not beats(top[1], current):
+            return chosen
+        chosen, current = sorted(chosen + [top[0]]), top[1]
+
+
+@core_settings(200)
+@given(search_case_st(max_nodes=24), st.sampled_from([0.0, 1e-5, 1e-3]))
+def test_greedy_follows_its_rule_step_by_step(case, draft_node_s):
+    assume(root_time_positive(case))
+    greedy = greedy_subtree(case.tree, case.experts, case.cached, case.cost, case.draft_levels, draft_node_s)
+    assert greedy.nodes.tolist() == greedy_reference(case.ref(), draft_node_s)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_greedy_follows_its_rule_on_eagle_shaped_trees(seed):
+    case = eagle_like_case(64, 500 + seed, LARGE_COSTS["mid"], n_layers=8, n_experts=32, top_k=4)
+    greedy = greedy_subtree(case.tree, case.experts, case.cached, case.cost, case.draft_levels)
+    expected = greedy_reference(case.ref())
+    assert len(expected) > 3                  # the rule took several steps on these trees
+    assert greedy.nodes.tolist() == expected
+
+
 def test_greedy_misses_a_pair_that_only_pays_off_together():
     # node 1 alone lowers the ratio (a new expert), so greedy stops; with its child 2 it pays off
     tree = DraftTree(parents=np.array([-1, 0, 1]), path_probs=np.array([1.0, 1.0, 1.0]))

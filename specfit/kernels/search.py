@@ -14,7 +14,7 @@ from numba import njit
 
 from .bitsets import count_union, pack_rows, popcount
 from .evaluate import (BAD_EXPERT, OK, canonical_closed, cycle_time, evaluate_bits, evaluate_ids, evaluate_nodes,
-                       experts_in_range, union_of_ids)
+                       expected_tokens, experts_in_range, union_of_ids)
 from .inner import indices, members, prune, setup, solve
 from .tolerances import GAIN_EPS, TIE_REL
 
@@ -191,13 +191,16 @@ def trim_ties(parents, probs, bits, cached_bits, params, draft_node_s, best, tok
 @njit(cache=True)
 def greedy_subtree(parents, probs, experts, cached_bits, n_experts, params, draft_levels, draft_node_s):
     """Baseline: grow from the root, each step adding the frontier node (a child of the selected
-    set) that gives the best ratio, while the ratio improves."""
+    set) that gives the best ratio, while the ratio improves. The selected set's expert union is
+    kept, so a candidate costs one OR over ``L x words`` and a pass over the node ids, not a union
+    of every selected node's sets."""
     n = parents.size
     empty = np.zeros(0, dtype=np.int64)
     bits, ok = pack_rows(experts, n_experts)
     if not ok:
         return BAD_EXPERT, empty, 0.0, 0.0, 0, 0
     union = np.empty(cached_bits.shape, dtype=np.uint64)
+    chosen = bits[0].copy()                  # the union of the selected nodes' sets
     scratch = np.empty(n, dtype=np.float64)
     selected = np.zeros(n, dtype=np.bool_)
     selected[0] = True
@@ -225,8 +228,10 @@ def greedy_subtree(parents, probs, experts, cached_bits, n_experts, params, draf
                 if selected[u] or u == v:
                     trial[size] = u
                     size += 1
-            tokens, time_s, hits, misses = evaluate_bits(probs, bits, cached_bits, trial, size, params,
-                                                          draft_levels, union, scratch)
+            np.bitwise_or(chosen, bits[v], union)
+            hits, misses = count_union(union, cached_bits)
+            time_s = cycle_time(params[0], params[1], params[2], params[3], params[4], draft_levels, size, hits, misses)
+            tokens = expected_tokens(probs, trial, size, scratch)
             if top_v < 0 or better(tokens, time_s + draft_node_s * (size - 1), size,
                                    top_tokens, top_s + draft_node_s * (top_size - 1), top_size):
                 top_v, top_tokens, top_s, top_hits, top_misses, top_size = v, tokens, time_s, hits, misses, size
@@ -234,6 +239,7 @@ def greedy_subtree(parents, probs, experts, cached_bits, n_experts, params, draf
                       best_tokens, best_s + draft_node_s * (best.size - 1), best.size):
             break
         selected[top_v] = True
+        np.bitwise_or(chosen, bits[top_v], chosen)
         frontier[top_v] = False
         n_frontier -= 1
         for u in range(top_v + 1, n):
