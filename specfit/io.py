@@ -20,7 +20,7 @@ from .errors import Interrupted, SpecFitError, note_stop_signal, one_line, sigte
 
 __all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "read_parquet", "strict_json", "write_jsonl_atomic", "check_output",
            "not_readable_as", "os_error_text", "run_dir_lock", "LOCK_FILE", "strict_dumps",
-           "nulls_as_nan",
+           "nulls_as_nan", "write_csv_atomic",
            "remove_stale_temporaries", "read_json_object", "json_text", "deferred_interrupt"]
 
 
@@ -336,6 +336,27 @@ def write_json_atomic(path: str | Path, obj, indent: int = 2) -> Path:
 
 def write_jsonl_atomic(path: str | Path, records) -> Path:
     return write_text_atomic(path, "".join(strict_dumps(r) + "\n" for r in records))
+
+
+def write_csv_atomic(path: str | Path, frame) -> Path:
+    """``frame`` (a pandas DataFrame) as CSV, written whole or not at all, by Arrow's compiled
+    writer (pandas formats each value in Python: 5.1 s of a 25k-token ``simulate``'s 28 s). A
+    float prints as the shortest text that reads back to it (``1`` for 1.0), a missing value as an
+    empty field, a string in quotes, a bool as ``True`` / ``False`` (as pandas writes it), and a
+    list column's value as its JSON list (``[3, 0, 1]``)."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from pyarrow import csv
+
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    for i, field in enumerate(table.schema):
+        column = table.column(i)
+        if pa.types.is_list(field.type) or pa.types.is_large_list(field.type):
+            items = pc.binary_join(column.cast(pa.list_(pa.string())), ", ")
+            table = table.set_column(i, field.name, pc.binary_join_element_wise("[", items, "]", ""))
+        elif pa.types.is_boolean(field.type):
+            table = table.set_column(i, field.name, pc.if_else(column, "True", "False"))
+    return atomic_write(path, lambda tmp: csv.write_csv(table, tmp))
 
 
 @contextlib.contextmanager

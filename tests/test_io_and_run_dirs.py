@@ -134,3 +134,40 @@ def test_a_ctrl_c_as_the_temporary_file_is_created_leaves_no_temporary(tmp_path,
     finally:
         signal.signal(signal.SIGINT, previous)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_csv_reads_back_to_the_frame_it_was_written_from(tmp_path):
+    """Every value of the frame comes back from the CSV: floats to the bit (the shortest text that
+    reads back to each), missing values as empty fields, strings with commas and quotes, bools,
+    and list columns (lists and arrays, empty or not, or missing) as JSON lists."""
+    import numpy as np
+    import pandas as pd
+
+    from specfit.io import write_csv_atomic
+
+    rng = np.random.default_rng(3)
+    floats = np.r_[rng.random(50) * 10.0 ** rng.integers(-12, 12, 50), 1.0, 11953766400.0, 1e-300, np.nan]
+    n = floats.size
+    frame = pd.DataFrame({
+        "name": [f'trace, "{i}"' if i % 3 == 0 else f"t{i}" for i in range(n)],
+        "policy": ["specfit+cache"] * (n - 1) + [None],
+        "count": np.arange(n, dtype=np.int64) * 10**9,
+        "maybe": pd.array([i if i % 4 else None for i in range(n)], dtype="Int64"),
+        "x": floats,
+        "flag": np.arange(n) % 2 == 0,
+        "per_layer": [[] if i % 5 == 0 else np.arange(i % 7, dtype=np.int64) if i % 2 else [i, 0, 1] for i in range(n - 1)]
+                     + [None],
+    })
+    path = write_csv_atomic(tmp_path / "cycles.csv", frame)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cycles.csv"]
+    back = pd.read_csv(path, keep_default_na=False, na_values=[""])
+    assert back.columns.tolist() == frame.columns.tolist()
+    assert back["name"].tolist() == frame["name"].tolist()
+    assert back["policy"].iloc[:-1].tolist() == frame["policy"].iloc[:-1].tolist() and pd.isna(back["policy"].iloc[-1])
+    assert back["count"].tolist() == frame["count"].tolist()
+    assert [None if pd.isna(v) else int(v) for v in back["maybe"]] == [None if v is pd.NA else int(v) for v in frame["maybe"]]
+    np.testing.assert_array_equal(back["x"].to_numpy(dtype=np.float64), floats)     # NaN where NaN, else equal bits
+    assert back["flag"].tolist() == frame["flag"].tolist()
+    lists = [None if pd.isna(v) else json.loads(v) for v in back["per_layer"]]
+    assert lists == [None if v is None else list(np.asarray(v).tolist()) for v in frame["per_layer"]]
+    assert '"trace, \\"0\\""' not in path.read_text() and '"trace, ""0"""' in path.read_text()   # CSV's own quoting

@@ -217,7 +217,21 @@ def test_cli_json_is_only_a_list(tmp_path):
     cycles = pd.read_parquet(tmp_path / "out" / "cycles.parquet")
     assert {"nodes_verified", "draft_levels", "union_size", "hits", "misses", "bytes_h2d", "predicted_time_s",
             "charged_time_s", "predicted_tokens", "committed_tokens"} <= set(cycles.columns)
-    assert (tmp_path / "out" / "summary.csv").exists()
+    # the CSV twins hold the same values as the Parquet files
+    for name in ("cycles", "summary"):
+        parquet = pd.read_parquet(tmp_path / "out" / f"{name}.parquet")
+        csv = pd.read_csv(tmp_path / "out" / f"{name}.csv", keep_default_na=False, na_values=[""])
+        assert csv.columns.tolist() == parquet.columns.tolist() and len(csv) == len(parquet)
+        for column in parquet.columns:
+            if pd.api.types.is_numeric_dtype(parquet[column]):
+                np.testing.assert_array_equal(csv[column].to_numpy(dtype=np.float64),
+                                              parquet[column].to_numpy(dtype=np.float64, na_value=np.nan),
+                                              err_msg=f"{name}.csv {column}")
+            elif parquet[column].dtype == object and len(parquet) and hasattr(parquet[column].iloc[0], "__len__") \
+                    and not isinstance(parquet[column].iloc[0], str):
+                assert [json.loads(v) for v in csv[column]] == [list(v) for v in parquet[column]], column
+            else:
+                assert csv[column].fillna("").astype(str).tolist() == parquet[column].fillna("").astype(str).tolist(), column
     # an affinity predictor is fitted on the other sequence: imperfect, but better than chance
     assert 0.3 < records[1]["union_precision"] < 1.0
 

@@ -159,7 +159,7 @@ def _write_outputs(out: Path, cycles, summary, ctx=None) -> None:
     """The run's files as one result: a Ctrl-C while they are written waits for the last of them
     (so "nothing was written" stays true of a stopped run); a kill leaves no summary.parquet, which
     a report refuses, never new cycles beside an old summary."""
-    from ..io import atomic_write, deferred_interrupt, remove_stale_temporaries, run_dir_lock
+    from ..io import atomic_write, deferred_interrupt, remove_stale_temporaries, run_dir_lock, write_csv_atomic
     from ..runinfo import write_run_info
 
     with run_dir_lock(out, "simulate"), \
@@ -172,7 +172,7 @@ def _write_outputs(out: Path, cycles, summary, ctx=None) -> None:
         write_run_info(out, "simulate", ctx)
         for name, frame in (("cycles", cycles), ("summary", summary)):
             atomic_write(out / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp, index=False))
-            atomic_write(out / f"{name}.csv", lambda tmp, f=frame: f.to_csv(tmp, index=False))
+            write_csv_atomic(out / f"{name}.csv", frame)
 
 
 def _print_summary(summary, out: Optional[Path]) -> None:
