@@ -8,7 +8,12 @@ thread's CPU time, which a loaded machine inflates less) and of greedy, and the 
 greedy leaves (exact / greedy - 1); then the goals next to the figures of the code before the
 compiled kernels. The first call (numba compiling, or loading its on-disk cache) is timed apart.
 
-    OMP_NUM_THREADS=1 taskset -c 1 python benchmarks/bench_search.py [--trees 200] [--sizes 16,32,64,128,256]
+``--greedy-growth 250,1000,2000`` also times the greedy baseline where it is slowest: wide trees
+that it grows node by node to the end (every edge near-certain, experts nearly free), each step
+pricing every frontier node, next to the exact search on the same trees.
+
+    OMP_NUM_THREADS=1 taskset -c 1 python benchmarks/bench_search.py [--trees 200] [--sizes 16,32,64,128,256] \
+        [--greedy-growth 250,1000,2000]
 """
 
 from __future__ import annotations
@@ -82,6 +87,32 @@ def make_case(rng, n_nodes):
     return tree, experts, cached
 
 
+def wide_case(n_nodes: int, seed: int = 1):
+    """A tree the greedy grows to the end: parents among the 400 nodes before each, every edge
+    0.97-0.999 likely, experts all but free (the arguments of greedy_subtree and best_subtree)."""
+    rng = np.random.default_rng(seed)
+    parents = np.array([-1] + [int(rng.integers(max(0, v - 400), v)) for v in range(1, n_nodes)])
+    probs = np.ones(n_nodes)
+    for v in range(1, n_nodes):
+        probs[v] = probs[parents[v]] * rng.uniform(0.97, 0.999)
+    cost = CostModel(base_s=3e-3, per_node_s=1e-6, hit_s=1e-7, miss_s=1e-7, draft_level_s=8e-4)
+    return (DraftTree(parents=parents, path_probs=probs), rng.integers(0, EXPERTS, (n_nodes, LAYERS, TOP_K)),
+            np.zeros((LAYERS, EXPERTS), dtype=bool), cost, 2)
+
+
+def greedy_growth(sizes: list[int]) -> Table:
+    """The greedy baseline's and the exact search's time on :func:`wide_case` trees."""
+    table = Table(title="The greedy baseline grown to the end (wide trees)")
+    for col in ("nodes", "greedy s", "greedy nodes", "exact ms", "exact nodes"):
+        table.add_column(col, justify="right")
+    for n in sizes:
+        case = wide_case(n)
+        greedy, greedy_s, _ = timed(greedy_subtree, *case)
+        exact, exact_s, _ = timed(best_subtree, *case)
+        table.add_row(str(n), f"{greedy_s:.3f}", str(greedy.n_nodes), f"{exact_s * 1e3:.1f}", str(exact.n_nodes))
+    return table
+
+
 def timed(fn, *args):
     """(result, wall seconds, thread CPU seconds)."""
     cpu, wall = time.thread_time(), time.perf_counter()
@@ -103,6 +134,7 @@ def main() -> None:
     ap.add_argument("--trees", type=int, default=200, help="random trees per size")
     ap.add_argument("--sizes", default="16,32,64,128,256")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--greedy-growth", default="", help="node counts of wide trees the greedy grows to the end")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     load_before = os.getloadavg()[0]
@@ -125,7 +157,7 @@ def main() -> None:
                 best, dt, cpu = timed(best_subtree, tree, experts, cached, cost, int(tree.max_depth))
                 exact_s.append(dt)
                 exact_cpu.append(cpu)
-                if n <= 128:  # greedy grows one node per step over the whole frontier: skip it on the largest trees
+                if n <= 256:  # each greedy step prices the whole frontier: skip it on larger trees
                     greedy, dt, _ = timed(greedy_subtree, tree, experts, cached, cost, int(tree.max_depth))
                     greedy_s.append(dt)
                     gaps.append(best.throughput / greedy.throughput - 1)
@@ -151,6 +183,8 @@ def main() -> None:
         goals.add_row(str(key[0]), key[1], f"{BEFORE_MS[key]:.2f}", f"<= {goal}" + (f" ({bar})" if bar else ""),
                       f"{wall:.3f}", f"{cpu:.3f}", met)
     console.print(goals)
+    if args.greedy_growth:
+        console.print(greedy_growth([int(s) for s in args.greedy_growth.split(",")]))
     console.print(f"first call (compile or load the cached kernels): best_subtree {first_s:.2f} s, greedy "
                   f"{greedy_first_s:.2f} s; load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
 
