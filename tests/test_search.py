@@ -289,6 +289,14 @@ def test_greedy_never_beats_exact_and_is_closed(case):
     assert ref.ratio(greedy.nodes) <= ref.ratio(exact.nodes) * (1 + TIE_REL)
 
 
+def tie_rule_beats(lhs: float, rhs: float, a_nodes: int, b_nodes: int) -> bool:
+    """The searches' comparison of a against b, given ``lhs`` / ``rhs`` (their ratios, or the cross
+    products of their tokens and times): the higher wins, and within TIE_REL the smaller set."""
+    if abs(lhs - rhs) > TIE_REL * max(abs(lhs), abs(rhs)):
+        return lhs > rhs
+    return a_nodes < b_nodes
+
+
 def greedy_reference(ref: RefProblem, draft_node_s: float = 0.0) -> list[int]:
     """The greedy rule in plain Python: from the root, add the frontier node (lowest id first among
     equals) whose set has the best priced ratio, while that beats the current set; a tie within
@@ -298,10 +306,7 @@ def greedy_reference(ref: RefProblem, draft_node_s: float = 0.0) -> list[int]:
         return tokens, time_s + draft_node_s * (len(nodes) - 1), len(nodes)
 
     def beats(a, b):
-        lhs, rhs = a[0] * b[1], b[0] * a[1]
-        if abs(lhs - rhs) > TIE_REL * max(abs(lhs), abs(rhs)):
-            return lhs > rhs
-        return a[2] < b[2]
+        return tie_rule_beats(a[0] * b[1], b[0] * a[1], a[2], b[2])
 
     chosen, current = [0], priced([0])
     while True:
@@ -383,12 +388,8 @@ def test_should_continue_matches_brute_force_level_by_level(case):
         current = best_subtree(sub.tree, sub.experts, sub.cached, sub.cost, draft_levels=d)
         best_ratio, smallest, _, _ = ref.brute_force()
         if previous is not None:
-            lhs, rhs = best_ratio, prev_ref[0]
-            if abs(lhs - rhs) > TIE_REL * max(lhs, rhs):
-                expect = lhs > rhs
-            else:
-                expect = smallest < prev_ref[1]
-            assert should_continue(previous, current) is expect, (d, lhs, rhs)
+            expect = tie_rule_beats(best_ratio, prev_ref[0], smallest, prev_ref[1])
+            assert should_continue(previous, current) is expect, (d, best_ratio, prev_ref[0])
         previous, prev_ref = current, (best_ratio, smallest)
 
 
