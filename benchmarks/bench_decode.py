@@ -109,6 +109,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--predictor", default="router", help="expert predictor: router, affinity or parent")
     parser.add_argument("--router-fixed", action="store_true", help="router predictor without per-layer context weights")
     parser.add_argument("--busy", type=int, default=0, help="CPU-bound processes to run beside the benchmark")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="the measured runs sample at this temperature (lossless tree speculative sampling); "
+                             "the warm-up stays greedy (it records a trace)")
+    parser.add_argument("--seed", type=int, default=0, help="sampling seed of the measured runs")
     parser.add_argument("--out", type=Path, default=None, help="keep the measured run's files (cycles.parquet, ...) here")
     args = parser.parse_args(argv)
     set_cpu_threads(args.threads)
@@ -196,12 +200,15 @@ def run_benchmark(args) -> None:
     policies = args.policies.split(",")
     if args.repeats > 1:
         repeated(policies, args.repeats, lambda specs: run_decode(plan(specs, acceptance_trace=acceptance,
-                                                                        profile=profile or args.profile)))
+                                                                        profile=profile or args.profile,
+                                                                        temperature=args.temperature, seed=args.seed)),
+                 sampled=args.temperature > 0)
         return
     # the prompts in turn, each policy with its own expert cache: a slow phase of the machine slows
     # every policy alike, not the one whose turn it is
     run = run_decode(plan(policies, acceptance_trace=acceptance, profile=profile or args.profile,
-                          out_dir=args.out, interleave=len(policies) > 1, cache_per_policy=len(policies) > 1))
+                          temperature=args.temperature, seed=args.seed, out_dir=args.out,
+                          interleave=len(policies) > 1, cache_per_policy=len(policies) > 1))
     if args.out is not None and profile is not None:
         import shutil
 
@@ -233,7 +240,8 @@ def run_benchmark(args) -> None:
                       f"{r['share_search']:.1%}", f"{r['share_bookkeeping']:.1%}")
     console = Console(width=160)
     console.print(table)
-    identical = {True: "yes", False: "NO", None: "n/a (one policy)"}[run.outputs_identical]
+    identical = {True: "yes", False: "NO", None: "n/a (sampled)" if args.temperature > 0 else "n/a (one policy)"}[
+        run.outputs_identical]
     console.print(f"greedy outputs identical across policies: {identical}; search ms/cycle: "
                   + ", ".join(f"{r['policy']} {r['share_search_ms_per_cycle']:.3f}" for r in rows))
     console.print("bookkeeping = expert predictions + learning after the commit + the cost model's update + the rest: "
@@ -272,8 +280,9 @@ def bare_tokens_per_s(cycles: list[dict], policy: str) -> float:
     return sum(c["committed_tokens"] for c in rows) / seconds if seconds > 0 else float("nan")
 
 
-def repeated(policies: list[str], repeats: int, decode) -> None:
-    """Decode every policy ``repeats`` times, interleaved; print medians and paired ratios."""
+def repeated(policies: list[str], repeats: int, decode, sampled: bool = False) -> None:
+    """Decode every policy ``repeats`` times, interleaved; print medians and paired ratios
+    (``sampled``: the runs sample, their outputs are not compared)."""
     import numpy as np
 
     rates = {p: [] for p in policies}
@@ -303,7 +312,10 @@ def repeated(policies: list[str], repeats: int, decode) -> None:
         print(f"| {p} | {np.median(v):.1f} | {v.min():.1f}-{v.max():.1f} | {np.median(ratio):.3f} | "
               f"{ratio.min():.3f}-{ratio.max():.3f} | {last['ms_per_cycle']:.2f} | {last['tokens_per_cycle']:.2f} | "
               f"{last['note']} |")
-    print(f"\ngreedy outputs identical across every run: {'yes' if identical else 'no'}")
+    if sampled:
+        print("\noutputs sampled (--temperature): not compared")
+    else:
+        print(f"\ngreedy outputs identical across every run: {'yes' if identical else 'no'}")
 
 
 def _learned(run, summary: dict) -> dict:

@@ -67,7 +67,9 @@ class Observation:
     Per cycle, both drivers also report the drafted ``tree`` (as the policy saw it), the
     ``verified`` node ids and the target's greedy next token at each of them (``verdicts``,
     aligned with ``verified``): every drafted child of a verified node is then known to be accepted
-    or not (:func:`edge_outcomes`), for free. ``decision_time_s`` is what the driver measured the
+    or not (:func:`edge_outcomes`), for free; where the decoder samples, it reports those outcomes
+    itself in ``edges`` (the nodes and the chance each is accepted, see
+    :func:`specfit.runtime.acceptance.sampled_edge_outcomes`). ``decision_time_s`` is what the driver measured the
     policy's decisions and the expert predictions to cost this cycle (None where the driver does
     not charge them, as the simulator does not); ``draft_levels`` the levels drafted.
 
@@ -88,13 +90,17 @@ class Observation:
     predicted_misses: int | None = None
     root_misses: int | None = None
     root_predicted_misses: int | None = None
+    edges: tuple[np.ndarray, np.ndarray] | None = None
 
 
 def edge_outcomes(observation: Observation) -> tuple[np.ndarray, np.ndarray]:
     """(nodes, accepted 0/1) of every drafted node whose parent lies on the accepted path (the
     root always does): accepted when its token is the target's greedy next token at the parent.
     The product of such outcomes along a path is its acceptance (the chain rule); children of a
-    rejected parent are left out (the target's verdict there continues a context it never keeps)."""
+    rejected parent are left out (the target's verdict there continues a context it never keeps).
+    A sampling decoder's ``observation.edges`` are the same nodes with the chance each is accepted."""
+    if observation.edges is not None:
+        return observation.edges
     tree, verified, verdicts = observation.tree, observation.verified, observation.verdicts
     if tree is None or verified is None or verdicts is None or tree.tokens is None or tree.n_nodes < 2:
         return np.zeros(0, dtype=np.int64), np.zeros(0)

@@ -119,3 +119,120 @@ def test_reliability_puts_a_probability_of_one_in_the_last_bin():
 
     # bins [0.9, 1.0]: predicted 1.95 in total, observed 1 -> ECE 0.95 / 2
     assert reliability([1.0, 0.95], [0, 1])["ece"] == pytest.approx(0.475)
+
+
+def reference_features(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
+    """The features node by node, as the module docstring defines them (plain Python)."""
+    eps = 3e-4
+    n, p, parents = tree.n_nodes, tree.path_probs, tree.parents
+    q = np.empty(n)
+    q[0] = 1 - eps
+    for v in range(1, n):
+        u = parents[v]
+        q[v] = min(max(p[v] / p[u] if p[u] > 0 else 0.0, eps), 1 - eps)
+
+    def logit(a):
+        a = min(max(a, eps), 1 - eps)
+        return np.log(a) - np.log1p(-a)
+
+    x = np.zeros((n, 8))
+    for v in range(n):
+        siblings = [] if v == 0 else sorted((s for s in range(1, n) if parents[s] == parents[v]),
+                                            key=lambda s: (-q[s], s))
+        q1 = q[siblings[0]] if siblings else 0.0
+        q2 = q[siblings[1]] if len(siblings) > 1 else 0.0
+        rank = siblings.index(v) if siblings else 0
+        lq, d = logit(q[v]), float(tree.depth[v])
+        x[v] = [1.0, lq, lq * lq / 10, d, d * lq / 4, logit(q1), q1 - q2, rank]
+    return q, x
+
+
+def random_tree(rng, n: int) -> DraftTree:
+    parents = np.array([-1] + [int(rng.integers(0, v)) for v in range(1, n)], dtype=np.int64)
+    edge = rng.choice([0.5, 0.25, 0.1], size=n) if rng.random() < 0.5 else rng.uniform(0, 1, size=n)   # ties or not
+    probs = np.ones(n)
+    for v in range(1, n):
+        probs[v] = probs[parents[v]] * edge[v]
+    return DraftTree(parents, probs, tokens=np.arange(n))
+
+
+def test_edge_features_equal_the_definition_on_random_trees():
+    rng = np.random.default_rng(7)
+    for n in [1, 2, 3] + list(rng.integers(4, 40, size=60)):
+        tree = random_tree(rng, int(n))
+        q, x = edge_features(tree)
+        ref_q, ref_x = reference_features(tree)
+        np.testing.assert_allclose(q, ref_q, rtol=1e-12, atol=0)
+        np.testing.assert_allclose(x, ref_x, rtol=1e-12, atol=1e-12)
+
+
+def test_calibrated_paths_are_the_products_of_the_logistic_edges():
+    rng = np.random.default_rng(8)
+    model = OnlineAcceptance()
+    model.coef_ = rng.normal(size=8)
+    for _ in range(30):
+        tree = random_tree(rng, int(rng.integers(2, 30)))
+        _, x = reference_features(tree)
+        edge = 1 / (1 + np.exp(-np.clip(x @ model.coef_, -30, 30)))
+        edge[0] = 1.0
+        path = np.ones(tree.n_nodes)
+        for v in range(1, tree.n_nodes):
+            path[v] = path[tree.parents[v]] * edge[v]
+        np.testing.assert_allclose(model.edge_probs(tree), edge, rtol=1e-12)
+        np.testing.assert_allclose(model.path_probs(tree), path, rtol=1e-12)
+
+
+def penalised_loss(w, x, y, l2):
+    z = x @ w
+    return np.sum(np.logaddexp(0, z) - y * z) + 0.5 * l2 * np.sum((w - np.r_[0.0, 1.0, np.zeros(6)]) ** 2)
+
+
+def test_the_refit_reaches_the_penalised_optimum_with_soft_labels():
+    """Newton's steps against scipy's minimiser of the same loss, on 0/1 outcomes and on the soft
+    ones sampling gives (a probability per edge)."""
+    from scipy.optimize import minimize
+
+    rng = np.random.default_rng(9)
+    for soft in (False, True):
+        model = OnlineAcceptance(min_edges=10**9, newton_steps=50, l2=1.0)
+        for _ in range(80):
+            tree = random_tree(rng, int(rng.integers(3, 25)))
+            nodes = np.arange(1, tree.n_nodes)
+            truth = np.clip(tree.path_probs[nodes] / tree.path_probs[tree.parents[nodes]], 0, 1) ** 2
+            model.update(tree, nodes, truth if soft else (rng.random(nodes.size) < truth).astype(float))
+        model._refit()
+        best = minimize(penalised_loss, np.r_[0.0, 1.0, np.zeros(6)], args=(model._x, model._y, 1.0), method="BFGS",
+                        options={"gtol": 1e-10})
+        assert penalised_loss(model.coef_, model._x, model._y, 1.0) <= best.fun + 1e-7
+        np.testing.assert_allclose(model.coef_, best.x, atol=1e-4)
+
+
+def test_soft_outcomes_are_learned_as_the_probabilities_they_are():
+    """Every edge accepted with probability 0.3 whatever its features: the calibrated edges settle
+    at 0.3 (a model taught 0/1 draws would too, more slowly; one taught greedy verdicts would not)."""
+    model = OnlineAcceptance(min_edges=32, refit_every=1, l2=1e-3, newton_steps=10)
+    rng = np.random.default_rng(10)
+    for _ in range(200):
+        tree = chain_tree(float(rng.uniform(0.2, 0.95)), rng)
+        model.update(tree, np.arange(1, 4), np.full(3, 0.3))
+    tree = chain_tree(0.8, rng)
+    np.testing.assert_allclose(model.edge_probs(tree)[1:], 0.3, atol=0.02)
+    assert model.quality()["n"] == 600
+
+
+def test_one_refit_step_is_newtons_step():
+    rng = np.random.default_rng(11)
+    model = OnlineAcceptance(min_edges=10**9, newton_steps=1, l2=1.0)
+    for _ in range(40):
+        tree = random_tree(rng, int(rng.integers(3, 25)))
+        nodes = np.arange(1, tree.n_nodes)
+        model.update(tree, nodes, (rng.random(nodes.size) < 0.4).astype(float))
+    prior = np.r_[0.0, 1.0, np.zeros(6)]
+    x, y = model._x, model._y
+    p = 1 / (1 + np.exp(-np.clip(x @ prior, -30, 30)))
+    grad = x.T @ (p - y)
+    hess = (x * (p * (1 - p))[:, None]).T @ x + np.eye(8)
+    newton = prior - np.linalg.solve(hess, grad)
+    assert penalised_loss(newton, x, y, 1.0) < penalised_loss(prior, x, y, 1.0)     # the full step is taken
+    model._refit()
+    np.testing.assert_allclose(model.coef_, newton, rtol=1e-9, atol=1e-12)

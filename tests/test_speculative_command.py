@@ -953,3 +953,36 @@ def test_a_single_policy_run_makes_no_claim_about_outputs_across_policies(checkp
     both = decode(checkpoint, "--policies", "ar,eagle3:12:4", "--profile", "pcie4")
     assert both.exit_code == 0, both.output
     assert "greedy outputs identical across policies: yes" in both.stdout
+
+
+def test_sampling_specfit_learns_its_acceptance_from_the_sampled_outcomes(checkpoint, tmp_path):
+    """At a temperature above 0, `specfit` runs as `specfit+online` (named so, with a note saying why),
+    and its online acceptance learns from the target's probabilities of the drafted tokens: soft
+    outcomes, not the greedy verdicts' 0 / 1."""
+    from specfit.runtime.decode_job import DecodePlan, run_decode
+
+    model_dir, drafter_dir, prompts = checkpoint
+    result = decode(checkpoint, "--policies", "ar,specfit", "--temperature", "0.8", "--profile", "pcie4",
+                    "--out", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output
+    assert "note: --temperature 0.8: specfit+online learn(s) acceptance online" in result.output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    names = [s["policy"] for s in (summary if isinstance(summary, list) else summary["policies"])]
+    assert names == ["ar", "specfit+online"]
+    run = run_decode(DecodePlan(model_dir=model_dir, drafter_dir=drafter_dir, prompts_path=prompts, cache_experts=3,
+                                policies=["specfit"], max_new_tokens=NEW_TOKENS, device="cpu", ignore_eos=True,
+                                profile="pcie4", temperature=0.8))
+    acceptance = run.policies[0].acceptance
+    outcomes = np.concatenate([y for _, _, y in acceptance._scored])
+    assert outcomes.size > 0 and np.all((outcomes >= 0) & (outcomes <= 1))
+    assert np.any((outcomes > 0) & (outcomes < 1))             # probabilities, not verdicts
+    # greedy decoding keeps specfit as named (its acceptance comes from a trace or the drafter)
+    greedy = DecodePlan(model_dir=model_dir, drafter_dir=drafter_dir, prompts_path=prompts, cache_experts=3,
+                        policies=["specfit"], max_new_tokens=NEW_TOKENS, device="cpu", profile="pcie4").validate()
+    assert greedy[0].name == "specfit" and greedy[0].acceptance is None
+
+
+def test_sampling_refuses_specfit_named_beside_the_specfit_online_it_becomes(checkpoint):
+    result = decode(checkpoint, "--policies", "specfit,specfit+online", "--temperature", "0.8", "--profile", "pcie4")
+    assert result.exit_code != 0
+    assert "--policies: when sampling (--temperature > 0) specfit learns its acceptance online" in result.output

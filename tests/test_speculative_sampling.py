@@ -103,3 +103,57 @@ def test_speculative_sampling_matches_the_target_distribution_end_to_end(samplin
         accepted += result.cycles[0].committed_tokens > 1
     assert _chi_square_p(counts, marginal) > 1e-3
     assert accepted > 50          # drafts were accepted, not only bonus tokens drawn
+
+
+def test_a_drafted_child_is_accepted_with_the_targets_probability_of_its_token():
+    """The walk tries the root's children in the drafter's order; each is accepted (its token
+    committed first) with the target's probability of that token, whichever siblings come before
+    it: what a policy that learns acceptance is told under sampling."""
+    from specfit.runtime.acceptance import sampled_edge_outcomes
+
+    V = 10
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(4, V, generator=gen)       # the target's at nodes 0-3, all verified
+    logits[0, [3, 5, 7]] += torch.tensor([2.0, 1.5, 1.0])
+    tokens = np.array([0, 3, 5, 7, 2])
+    tree = DraftTree(parents=np.array([-1, 0, 0, 0, 1]), path_probs=np.array([1.0, 0.5, 0.3, 0.1, 0.2]), tokens=tokens)
+    temperature = 0.9
+    p = target_probs(logits, temperature)
+    n, rng = 20000, np.random.default_rng(5)
+    accepted = np.zeros(5)
+    for _ in range(n):
+        path, _ = sample_accept(tree, np.arange(4), logits, temperature, rng)
+        accepted[path[1:2]] += 1          # the root's child on the path, if any
+    # the rule's probabilities, and the frequencies within 4.5 standard errors of them
+    nodes, probs = sampled_edge_outcomes(tree, np.arange(4), np.array([0]), logits, temperature)
+    assert nodes.tolist() == [1, 2, 3]
+    assert probs == pytest.approx(p[0, [3, 5, 7]], rel=1e-12)
+    freq = accepted[nodes] / n
+    assert np.all(np.abs(freq - probs) <= 4.5 * np.sqrt(probs * (1 - probs) / n))
+    # the drafter's order changes nothing: the third child is accepted as often as its token's mass,
+    # not as often as what is left after its siblings (p3 / (1 - p1 - p2), 1.6-2.2x more here)
+    assert abs(freq[2] - p[0, 7] / (1 - p[0, 3] - p[0, 5])) > 10 * np.sqrt(probs[2] / n)
+
+
+def test_sampled_edge_outcomes_are_the_children_of_the_accepted_path_priced_at_their_parents():
+    from specfit.runtime.acceptance import sampled_edge_outcomes
+
+    # 0 ─┬─ 1 ─┬─ 3 ── 5
+    #    │     └─ 4
+    #    └─ 2
+    tree = DraftTree(parents=np.array([-1, 0, 0, 1, 1, 3]), path_probs=np.array([1.0, 0.6, 0.3, 0.4, 0.1, 0.3]),
+                     tokens=np.array([0, 1, 2, 3, 4, 5]))
+    logits = torch.log(torch.tensor([[0.1, 0.5, 0.2, 0.1, 0.05, 0.05],      # at the root (row 0)
+                                     [0.1, 0.1, 0.1, 0.3, 0.3, 0.1],        # at node 1 (row 1)
+                                     [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]]) + 1e-30)   # at node 3 (row 2)
+    verified = np.array([0, 1, 3])
+    # path 0 -> 1: the children of 0 and of 1, at temperature 1 the rows' own probabilities; node 3's
+    # children are left out (its parent's outcome is known, its own verdict continues no kept context)
+    nodes, probs = sampled_edge_outcomes(tree, verified, np.array([0, 1]), logits, 1.0)
+    assert nodes.tolist() == [1, 2, 3, 4]
+    assert probs == pytest.approx([0.5, 0.2, 0.3, 0.3])
+    # a sharper temperature: the softmax of logits / T
+    nodes, probs = sampled_edge_outcomes(tree, verified, np.array([0, 1, 3]), logits, 0.5)
+    sharp = target_probs(logits, 0.5)
+    assert nodes.tolist() == [1, 2, 3, 4, 5]
+    assert probs == pytest.approx([sharp[0, 1], sharp[0, 2], sharp[1, 3], sharp[1, 4], sharp[2, 5]])

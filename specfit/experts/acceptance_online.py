@@ -2,6 +2,10 @@
 
 Each verified cycle reveals, for free, whether every drafted child of a verified node is accepted
 (its token is the target's greedy next token at the parent, :func:`specfit.policy_base.edge_outcomes`).
+When the decoder samples, the outcome is the chance that tree speculative sampling accepts the
+child, the target's probability of its token at the parent
+(:func:`specfit.runtime.acceptance.sampled_edge_outcomes`): a number in [0, 1] that the same
+log-likelihood takes as a soft label, and the scores below compare with.
 :class:`OnlineAcceptance` fits a logistic model of that outcome on the drafter's confidence where
 the policy uses it, per draft node (edge):
 
@@ -24,47 +28,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from .. import kernels
 from ..tree import DraftTree
 
 __all__ = ["OnlineAcceptance", "edge_features", "reliability"]
 
-# probabilities are clipped to [_EPS, 1 - _EPS] before the logit (|logit| <= 8): a calibrated tree
-# may carry 0s and 1s, and an unbounded feature lets a few edges swing the fit
-_EPS = 3e-4
 N_FEATURES = 8
 _PRIOR = np.array([0.0, 1.0, 0, 0, 0, 0, 0, 0])   # logit P = logit q: the tree's own probabilities
+_NO_COEF = np.zeros(0)
 
 
 def edge_features(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
-    """(q [n], features [n, N_FEATURES]) of every node's edge (row 0, the root, is unused)."""
-    n = tree.n_nodes
-    p = tree.path_probs
-    parents = np.maximum(tree.parents, 0)
-    q = np.clip(np.where(p[parents] > 0, p / np.maximum(p[parents], 1e-300), 0.0), _EPS, 1 - _EPS)
-    q[0] = 1 - _EPS
-    lq = np.log(q) - np.log1p(-q)
-    # the two largest conditional probabilities among each node's siblings, and its rank
-    nodes = np.arange(1, n)
-    order = np.lexsort((nodes, -q[nodes], parents[nodes]))
-    sorted_nodes, sorted_par = nodes[order], parents[nodes][order]
-    first = np.r_[True, sorted_par[1:] != sorted_par[:-1]] if order.size else np.zeros(0, dtype=bool)
-    start = np.maximum.accumulate(np.where(first, np.arange(order.size), 0)) if order.size else np.zeros(0, int)
-    rank = np.zeros(n)
-    rank[sorted_nodes] = np.arange(order.size) - start
-    q1 = np.zeros(n)
-    q2 = np.zeros(n)
-    top = sorted_nodes[first]
-    q1_par = np.zeros(n)
-    q1_par[sorted_par[first]] = q[top]
-    second = np.flatnonzero(~first & np.r_[False, first[:-1]]) if order.size else np.zeros(0, int)
-    q2_par = np.zeros(n)
-    q2_par[sorted_par[second]] = q[sorted_nodes[second]]
-    q1[1:], q2[1:] = q1_par[parents[1:]], q2_par[parents[1:]]
-    c1 = np.clip(q1, _EPS, 1 - _EPS)
-    depth = tree.depth.astype(np.float64)
-    x = np.stack([np.ones(n), lq, lq * lq / 10.0, depth, depth * lq / 4.0, np.log(c1) - np.log1p(-c1), q1 - q2,
-                  rank], axis=1)
-    return q, x
+    """(q [n], features [n, N_FEATURES]) of every node's edge (row 0, the root, is unused):
+    :func:`specfit.kernels.acceptance.online_features`."""
+    return kernels.acceptance.online_features(tree.parents, tree.path_probs, tree.depth)
 
 
 def reliability(predicted, outcome, bins: int = 10) -> dict:
@@ -103,22 +80,15 @@ class OnlineAcceptance:
     # ------------------------------------------------------------------ prediction
     def edge_probs(self, tree: DraftTree) -> np.ndarray:
         """[n] acceptance probability of each node given its parent (root: 1)."""
-        q, x = edge_features(tree)
-        if self.coef_ is None:
-            out = q
-        else:
-            out = 1.0 / (1.0 + np.exp(-np.clip(x @ self.coef_, -30, 30)))
-        out = out.copy()
-        out[0] = 1.0
-        return out
+        return self._probs(tree)[0]
 
     def path_probs(self, tree: DraftTree) -> np.ndarray:
         """[n] calibrated path probabilities (products of edge probabilities along each path)."""
-        edge = self.edge_probs(tree)
-        out = np.ones(tree.n_nodes)
-        for level in tree.levels[1:]:           # a level's parents are all in the one before
-            out[level] = out[tree.parents[level]] * edge[level]
-        return out
+        return self._probs(tree)[1]
+
+    def _probs(self, tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
+        return kernels.acceptance.online_probs(tree.parents, tree.path_probs, tree.depth,
+                                               _NO_COEF if self.coef_ is None else self.coef_)
 
     def calibrated(self, tree: DraftTree) -> DraftTree:
         return DraftTree(parents=tree.parents, path_probs=self.path_probs(tree), tokens=tree.tokens)
@@ -131,41 +101,18 @@ class OnlineAcceptance:
         if nodes.size == 0:
             return
         q, x = edge_features(tree)
-        self._scored.append((self.edge_probs(tree)[nodes], q[nodes], np.asarray(accepted, dtype=np.float64)))
+        accepted = np.asarray(accepted, dtype=np.float64)
+        self._scored.append((self.edge_probs(tree)[nodes], q[nodes], accepted))
         self._x = np.concatenate([self._x, x[nodes]])[-self.memory:]
         self._y = np.concatenate([self._y, accepted])[-self.memory:]
         self._updates += 1
         if self._y.size >= self.min_edges and (self.coef_ is None or self._updates % self.refit_every == 0):
             self._refit()
 
-    def _loss(self, w: np.ndarray) -> float:
-        """The penalised negative log-likelihood the fit minimises."""
-        z = self._x @ w
-        return float(np.sum(np.logaddexp(0, z) - self._y * z) + 0.5 * self.l2 * np.sum((w - _PRIOR) ** 2))
-
     def _refit(self) -> None:
-        """Damped Newton steps (halved until the penalised loss falls: plain Newton can overshoot
-        on nearly separable edges)."""
-        x, y = self._x, self._y
-        w = _PRIOR.copy() if self.coef_ is None else self.coef_.copy()
-        reg = np.full(N_FEATURES, self.l2)
-        loss = self._loss(w)
-        for _ in range(self.newton_steps):
-            p = 1.0 / (1.0 + np.exp(-np.clip(x @ w, -30, 30)))
-            grad = x.T @ (p - y) + reg * (w - _PRIOR)
-            hess = (x * (p * (1 - p))[:, None]).T @ x + np.diag(reg)
-            step = np.linalg.solve(hess, grad)
-            for _ in range(20):
-                trial = self._loss(w - step)
-                if trial <= loss:
-                    break
-                step = step / 2
-            else:
-                break
-            w, loss = w - step, trial
-            if np.abs(step).max() < 1e-6:
-                break
-        self.coef_ = w
+        """Damped Newton steps from the current weights (:func:`specfit.kernels.acceptance.online_refit`)."""
+        start = _PRIOR if self.coef_ is None else self.coef_
+        self.coef_ = kernels.acceptance.online_refit(self._x, self._y, start, _PRIOR, self.l2, self.newton_steps)
 
     # ------------------------------------------------------------------ quality
     def quality(self) -> dict:

@@ -12,6 +12,14 @@ all are rejected (or there are none) the bonus token is drawn from what is left 
 committed token is therefore distributed exactly as the target's own sample at that position: a
 point-mass proposal ``x`` accepted with probability ``min(1, p(x) / 1)`` leaves the residual
 ``p`` with ``x`` removed, which is what the next trial and the bonus draw use.
+
+The walk accepts a child exactly when a sample of ``p`` is its token: the first ``i - 1`` children
+(tokens ``x_1 .. x_{i-1}``, mass ``S``) are all rejected with probability ``1 - S`` (the factors
+``1 - p(x_j) / (1 - S_{j-1})`` telescope), and the i-th is then accepted with probability
+``p(x_i) / (1 - S)``. So a drafted child of a node on the accepted path is accepted there with
+probability ``p(x)``, the target's probability of its token at the parent, whatever its siblings
+and their order. That is the outcome a policy learns acceptance from when decoding samples
+(:func:`sampled_edge_outcomes`), as greedy decoding's is "the token is the parent's argmax".
 """
 
 from __future__ import annotations
@@ -22,13 +30,34 @@ import torch
 from .. import kernels
 from ..tree import DraftTree
 
-__all__ = ["greedy_accept", "sample_accept", "target_probs"]
+__all__ = ["greedy_accept", "sample_accept", "sampled_edge_outcomes", "target_probs"]
 
 
 def target_probs(logits: torch.Tensor, temperature: float) -> np.ndarray:
     """float64 [..., V] softmax of ``logits / temperature`` on the host (float64 so that
     renormalising after many rejections stays exact enough to sample from)."""
     return torch.softmax(logits.float() / temperature, dim=-1).double().cpu().numpy()
+
+
+def sampled_edge_outcomes(tree: DraftTree, nodes: np.ndarray, path: np.ndarray, logits: torch.Tensor,
+                          temperature: float) -> tuple[np.ndarray, np.ndarray]:
+    """(drafted nodes whose parent lies on the accepted ``path``, the chance that tree speculative
+    sampling accepts each there): the target's probability at ``temperature`` of the node's token
+    at its parent (``logits[i]`` are the target's at verified node ``nodes[i]``; sorted, with the
+    root). The sampling counterpart of the greedy 0/1 outcomes of
+    :func:`specfit.policy_base.edge_outcomes`, with the same nodes: every drafted child of a path
+    node, verified or not (a parent's logits price any token)."""
+    path = np.asarray(path, dtype=np.int64)
+    on_path = np.zeros(tree.n_nodes, dtype=bool)
+    on_path[path] = True
+    children = np.flatnonzero(on_path[tree.parents[1:]]) + 1
+    if children.size == 0:
+        return children, np.zeros(0)
+    parents = tree.parents[children]
+    rows = np.asarray(nodes, dtype=np.int64).searchsorted(path)       # the path nodes' rows in the pass
+    probs = target_probs(logits[torch.from_numpy(rows)], temperature)  # [path, V]
+    # a path from the root ascends (parents come before their children)
+    return children, probs[path.searchsorted(parents), tree.tokens[children]]
 
 
 def greedy_accept(tree: DraftTree, nodes: np.ndarray, verdicts: np.ndarray) -> tuple[np.ndarray, int]:

@@ -129,7 +129,7 @@ def decode(
         _print_summary(result, out)
     for line in result.notes:                      # on stderr: with --json too
         stderr.print(line)
-    if not json_lines and acceptance is None:
+    if not json_lines and acceptance is None and temperature == 0:
         for line in raw_acceptance_notes(result.summaries):
             stderr.print(line)
 

@@ -80,6 +80,7 @@ class CycleStats:
     committed_tokens: int          # accepted draft tokens + the bonus token
     draft_time_s: float            # from the cycle's start (the previous cycle's learning done) to the selection
     verify_time_s: float           # from the selection to the committed tokens (target pass, acceptance, KV)
+    path: np.ndarray | None = None  # the accepted path's node ids, from the root
     predicted_slots: int = 0       # (layer, rank) slots predicted for verified draft nodes
     predicted_slots_right: int = 0  # ... naming an expert the node really routed to
     learn_time_s: float = 0.0      # after the commit: the policy and the predictor learn

@@ -42,7 +42,7 @@ from ..experts.predictors import ExpertPredictor, NodeBatch, slots_right
 from ..policies import ArPolicy, CycleView, Observation, Policy
 from ..search import packed
 from ..tree import DraftTree
-from .acceptance import greedy_accept, sample_accept, target_probs
+from .acceptance import greedy_accept, sample_accept, sampled_edge_outcomes, target_probs
 from . import levers
 from .drafting import Proposer, tree_capacity
 from .model import MoETransformer, causal_mask
@@ -177,7 +177,8 @@ class Decoder:
                 commit = self.commit(draft, verification)
                 verified = now()
                 stats = CycleStats(position=len(output) - 1, draft=draft, verification=verification,
-                                   committed_tokens=len(commit.tokens), draft_time_s=selected - cycle_start,
+                                   path=commit.path, committed_tokens=len(commit.tokens),
+                                   draft_time_s=selected - cycle_start,
                                    verify_time_s=verified - selected, online=self.online is not None,
                                    update_time_s=update_s)
                 self._learn(stats)
@@ -347,12 +348,19 @@ class Decoder:
         decision_time_s = None
         if draft.selection is not None and self.online is None:
             decision_time_s = max(stats.draft_time_s - draft.drafter_time_s, 0.0)
+        # sampling accepts a drafted child of a path node with the target's probability of its token:
+        # the outcome a policy that learns acceptance learns from (greedy decoding's: the verdicts)
+        edges = None
+        if (self.temperature > 0 and not self.commit_root_only and draft.tree.n_nodes > 1
+                and getattr(self.policy, "acceptance", None) is not None):
+            edges = sampled_edge_outcomes(draft.tree, verification.nodes, stats.path, verification.logits,
+                                          self.temperature)
         self.policy.observe(Observation(predicted_slots=stats.predicted_slots,
                                         predicted_slots_right=stats.predicted_slots_right,
                                         resident_share=self.model.offload.cache.capacity_share,
                                         tree=draft.tree, verified=verification.nodes, verdicts=verification.verdicts,
                                         draft_levels=draft.draft_levels, decision_time_s=decision_time_s,
-                                        **levers.miss_report(draft, verification)))
+                                        edges=edges, **levers.miss_report(draft, verification)))
         levers.observe_union(self, verification)
         if self.predictor is not None and self.predictor.learning:
             nodes = verification.nodes
