@@ -303,14 +303,15 @@ def repeated(policies: list[str], repeats: int, decode, sampled: bool = False) -
     base = [p for p in ("ar", "eagle3") if p in rates]
     best = np.max([rates[p] for p in base], axis=0) if base else None
     print(f"\n| policy | tokens/s median | min-max | / best of {' and '.join(base)} per round: median | min-max | "
-          "ms/cycle | tokens/cycle | learned |")
+          "ms/cycle | tokens/cycle (pred.) | learned |")
     print("|---|---:|---:|---:|---:|---:|---:|---|")
     for p in policies:
         v = np.array(rates[p])
         ratio = v / best if best is not None else np.full(v.size, np.nan)
         last = extra[p][-1]
         print(f"| {p} | {np.median(v):.1f} | {v.min():.1f}-{v.max():.1f} | {np.median(ratio):.3f} | "
-              f"{ratio.min():.3f}-{ratio.max():.3f} | {last['ms_per_cycle']:.2f} | {last['tokens_per_cycle']:.2f} | "
+              f"{ratio.min():.3f}-{ratio.max():.3f} | {last['ms_per_cycle']:.2f} | {last['tokens_per_cycle']:.2f} "
+              f"({last['predicted_tokens_per_cycle']:.2f}) | "
               f"{last['note']} |")
     if sampled:
         print("\noutputs sampled (--temperature): not compared")
@@ -334,6 +335,7 @@ def _learned(run, summary: dict) -> dict:
         notes.append(f"prefetch overlap {prefetcher.efficiency_:.2f} (copy {prefetcher.copy_s_ * 1e3:.1f} ms, "
                      f"waited {prefetcher.wait_s_ * 1e3:.1f} ms)")
     return {"ms_per_cycle": summary["time_per_cycle_s"] * 1e3, "tokens_per_cycle": summary["tokens_per_cycle"],
+            "predicted_tokens_per_cycle": summary["predicted_tokens_per_cycle"],
             "note": "; ".join(notes)}
 
 

@@ -157,3 +157,20 @@ def test_sampled_edge_outcomes_are_the_children_of_the_accepted_path_priced_at_t
     sharp = target_probs(logits, 0.5)
     assert nodes.tolist() == [1, 2, 3, 4, 5]
     assert probs == pytest.approx([sharp[0, 1], sharp[0, 2], sharp[1, 3], sharp[1, 4], sharp[2, 5]])
+
+
+def test_the_bonus_draw_is_numpys_choice_draw_for_draw():
+    """The same seed samples the same tokens as ``rng.choice(p.size, p=p)`` did (same stream after it)."""
+    from specfit.runtime.acceptance import draw
+
+    maker = np.random.default_rng(12)
+    for seed in range(300):
+        logits = maker.normal(size=int(maker.integers(1, 3000))) * maker.uniform(0.1, 8)
+        p = np.exp(logits - logits.max())
+        p[maker.random(p.size) < 0.2] = 0.0          # rejected tokens zeroed, as the walk leaves them
+        if p.sum() == 0:
+            p[0] = 1.0
+        p = p / p.sum()
+        ours, numpys = np.random.default_rng(seed), np.random.default_rng(seed)
+        assert draw(p, ours) == int(numpys.choice(p.size, p=p))
+        assert ours.random() == numpys.random()

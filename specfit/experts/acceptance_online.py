@@ -91,7 +91,11 @@ class OnlineAcceptance:
                                                _NO_COEF if self.coef_ is None else self.coef_)
 
     def calibrated(self, tree: DraftTree) -> DraftTree:
-        return DraftTree(parents=tree.parents, path_probs=self.path_probs(tree), tokens=tree.tokens)
+        """``tree`` with the calibrated path probabilities (products of edges in (0, 1], so each
+        at most its parent's: the tree is taken as grown, without the constructor's checks)."""
+        if tree.tokens is None:
+            return DraftTree(parents=tree.parents, path_probs=self.path_probs(tree))
+        return DraftTree.grown(tree.parents, self.path_probs(tree), tree.tokens, tree.depth)
 
     # ------------------------------------------------------------------ learning
     def update(self, tree: DraftTree, nodes: np.ndarray, accepted: np.ndarray) -> None:

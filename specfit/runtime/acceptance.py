@@ -30,13 +30,22 @@ import torch
 from .. import kernels
 from ..tree import DraftTree
 
-__all__ = ["greedy_accept", "sample_accept", "sampled_edge_outcomes", "target_probs"]
+__all__ = ["draw", "greedy_accept", "sample_accept", "sampled_edge_outcomes", "target_probs"]
 
 
 def target_probs(logits: torch.Tensor, temperature: float) -> np.ndarray:
     """float64 [..., V] softmax of ``logits / temperature`` on the host (float64 so that
     renormalising after many rejections stays exact enough to sample from)."""
     return torch.softmax(logits.float() / temperature, dim=-1).double().cpu().numpy()
+
+
+def draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    """A token drawn from ``p`` (float64, sums to 1), as ``rng.choice(p.size, p=p)`` draws it (its
+    cumulative sums, one uniform number, the first bin above it), without the validation of ``p``
+    that costs that call most of its time: the same stream gives the same tokens."""
+    cdf = p.cumsum()
+    cdf /= cdf[-1]
+    return int(cdf.searchsorted(rng.random(), side="right"))
 
 
 def sampled_edge_outcomes(tree: DraftTree, nodes: np.ndarray, path: np.ndarray, logits: torch.Tensor,
@@ -77,12 +86,12 @@ def sample_accept(tree: DraftTree, nodes: np.ndarray, logits: torch.Tensor, temp
     """
     row_of = np.full(tree.n_nodes, -1, dtype=np.int64)
     row_of[nodes] = np.arange(nodes.size)
-    children = tree.children()
     path = [0]
     while True:
         node = path[-1]
         p = target_probs(logits[row_of[node]], temperature)
-        kids = children[node][row_of[children[node]] >= 0]
+        kids = np.flatnonzero(tree.parents == node)      # ascending (only the walk's nodes need theirs)
+        kids = kids[row_of[kids] >= 0]
         # the drafter's order: most probable first (ties: the earlier node)
         kids = kids[np.lexsort((kids, -tree.path_probs[kids]))]
         accepted = -1
@@ -96,5 +105,5 @@ def sample_accept(tree: DraftTree, nodes: np.ndarray, logits: torch.Tensor, temp
             p[token] = 0.0
             p /= rest
         if accepted < 0:
-            return np.array(path, dtype=np.int64), int(rng.choice(p.size, p=p / p.sum()))
+            return np.array(path, dtype=np.int64), draw(p / p.sum(), rng)
         path.append(accepted)

@@ -42,7 +42,7 @@ from ..experts.predictors import ExpertPredictor, NodeBatch, slots_right
 from ..policies import ArPolicy, CycleView, Observation, Policy
 from ..search import packed
 from ..tree import DraftTree
-from .acceptance import greedy_accept, sample_accept, sampled_edge_outcomes, target_probs
+from .acceptance import draw, greedy_accept, sample_accept, sampled_edge_outcomes, target_probs
 from . import levers
 from .drafting import Proposer, tree_capacity
 from .model import MoETransformer, causal_mask
@@ -236,7 +236,7 @@ class Decoder:
             self.recorder.add_prefill(out.expert_ids)
         if self.temperature > 0:
             p = target_probs(out.logits[-1], self.temperature)
-            root = int(self.rng.choice(p.size, p=p / p.sum()))
+            root = draw(p / p.sum(), self.rng)
         else:
             root = int(out.logits[-1].argmax())
         if self.proposer is not None:
