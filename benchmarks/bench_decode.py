@@ -32,12 +32,17 @@ written to a temporary directory, nothing to the checkout.
 
     python benchmarks/bench_decode.py [--policies ar,eagle3,specfit] [--max-new-tokens 64] \\
         [--cache-experts 4] [--threads 1] [--no-warmup] [--frozen-profile] [--busy 1] [--predictor router] [--router-fixed] \\
-        [--repeats 5]
+        [--repeats 5] [--temperature 0.7]
 
 Cycle-time errors are reported for the model each policy decided with (refitted online on its own
 cycles unless ``--frozen-profile``; each prediction made before its cycle ran, so held out by
 construction) and for the profile's prediction of the same selections. ``--busy N`` runs N
 CPU-bound processes beside the benchmark (a machine with other work on it), killed at the end.
+
+``--temperature T`` samples the measured runs (lossless tree speculative sampling; ``--seed``); the
+warm-up stays greedy, since it records the trace the acceptance calibration is fitted on, and
+``specfit`` then learns its acceptance online from the sampled outcomes (it runs as
+``specfit+online``, see ``specfit decode``).
 
 With ``--repeats N`` every policy is decoded N times, interleaved (the order rotates each round,
 each run a fresh load with its own warm-up), and the table reports the median tokens/s with its
