@@ -501,7 +501,7 @@ SAMPLED_ACCEPTANCE_NOTE = (
 def _learn_sampled_acceptance(policies: list, option: str) -> None:
     """Give every SpecFit policy without an online acceptance one (the ``+online`` lever, named so):
     an acceptance calibrated on greedy verdicts overstates what sampling accepts (its predicted
-    tokens per cycle were 40-60 % above the committed ones at temperatures 0.7-1 on the bundled
+    tokens per cycle were 40-66 % above the committed ones at temperatures 0.7-1 on the bundled
     model, ``benchmarks/RESULTS.md``)."""
     from ..policies import SpecFitPolicy, apply_levers
 
@@ -516,8 +516,11 @@ def _learn_sampled_acceptance(policies: list, option: str) -> None:
 
 def sampled_acceptance_note(plan: DecodePlan, policies: list) -> list[str]:
     """The note for the policies :func:`_learn_sampled_acceptance` gave an online acceptance."""
-    named = set(plan.policies)
-    changed = [p.name for p in policies if p.name not in named]
+    from ..policies import SpecFitPolicy
+
+    named = {spec.strip() for spec in plan.policies}
+    changed = [p.name for p in policies
+               if isinstance(p, SpecFitPolicy) and p.name.endswith("+online") and p.name not in named]
     if plan.temperature <= 0 or not changed:
         return []
     return [SAMPLED_ACCEPTANCE_NOTE.format(t=plan.temperature, names=", ".join(changed))]
