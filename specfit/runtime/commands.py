@@ -50,7 +50,8 @@ def decode(
     rescale: bool = typer.Option(False, "--rescale", help="Allow a profile made for another model shape."),
     max_new_tokens: int = typer.Option(128, "--max-new-tokens", help="Tokens to generate per prompt at most."),
     temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; above 0: sampling, lossless tree "
-                                      "speculative sampling for the drafting policies."),
+                                      "speculative sampling for the drafting policies (specfit then learns its "
+                                      "acceptance online from what sampling accepts: specfit+online)."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed: each policy's random stream starts from it and runs on "
                              "from prompt to prompt (the same command samples the same; a prompt's sample depends "
                              "on the prompts before it)."),
