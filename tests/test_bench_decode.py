@@ -29,3 +29,28 @@ def test_held_out_warmup_prompts_are_of_both_workloads_and_none_is_measured(tmp_
         assert r["prompt"].startswith("Question: ") and r["prompt"].endswith("\nAnswer:")
         assert r["prompt"].removesuffix("\nAnswer:") not in train
     assert len({r["prompt"] for r in records}) == 8
+
+
+def test_repeated_runs_that_sample_do_not_compare_their_outputs(monkeypatch, capsys):
+    """``--temperature``: each policy's runs sample their own tokens, so the table says the outputs
+    were not compared (greedy runs must be identical), and prints predicted tokens per cycle."""
+    from types import SimpleNamespace
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    decode = bench_module("bench_decode")
+    rates = {"ar": 100.0, "specfit": 120.0}
+
+    def run(specs):
+        spec = specs[0]
+        summary = {"policy": spec, "tokens_per_s": rates[spec], "time_per_cycle_s": 0.01,
+                   "tokens_per_cycle": 2.0 if spec == "specfit" else 1.0, "predicted_tokens_per_cycle": 1.9}
+        outputs = [[1, 2, 3]] if spec == "ar" else [[4, 5, 6]]             # sampled: they differ
+        return SimpleNamespace(summaries=[summary], records=[{"output_ids": o} for o in outputs],
+                               policies=[SimpleNamespace()])
+
+    decode.repeated(["ar", "specfit"], 2, run, sampled=True)
+    out = capsys.readouterr().out
+    assert "outputs sampled (--temperature): not compared" in out and "greedy outputs" not in out
+    assert "| specfit | 120.0 | 120.0-120.0 | 1.200 |" in out and "| 2.00 (1.90) |" in out
+    decode.repeated(["ar", "specfit"], 1, run)
+    assert "greedy outputs identical across every run: no" in capsys.readouterr().out
