@@ -33,13 +33,12 @@ from ..tree import DraftTree
 
 __all__ = ["OnlineAcceptance", "edge_features", "reliability"]
 
-N_FEATURES = 8
 _PRIOR = np.array([0.0, 1.0, 0, 0, 0, 0, 0, 0])   # logit P = logit q: the tree's own probabilities
 _NO_COEF = np.zeros(0)
 
 
 def edge_features(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
-    """(q [n], features [n, N_FEATURES]) of every node's edge (row 0, the root, is unused):
+    """(q [n], features [n, 8]) of every node's edge (row 0, the root, is unused):
     :func:`specfit.kernels.acceptance.online_features`."""
     return kernels.acceptance.online_features(tree.parents, tree.path_probs, tree.depth)
 
@@ -67,7 +66,7 @@ class OnlineAcceptance:
         self.memory, self.refit_every, self.min_edges = int(memory), int(refit_every), int(min_edges)
         self.l2, self.newton_steps = float(l2), int(newton_steps)
         self.coef_: np.ndarray | None = None
-        self._x = np.zeros((0, N_FEATURES))
+        self._x = np.zeros((0, _PRIOR.size))
         self._y = np.zeros(0)
         self._updates = 0
         # prequential scores: (this model's prediction, the tree's own, outcome) per scored edge
@@ -80,13 +79,14 @@ class OnlineAcceptance:
     # ------------------------------------------------------------------ prediction
     def edge_probs(self, tree: DraftTree) -> np.ndarray:
         """[n] acceptance probability of each node given its parent (root: 1)."""
-        return self._probs(tree)[0]
+        return self._probs(tree)[2]
 
     def path_probs(self, tree: DraftTree) -> np.ndarray:
         """[n] calibrated path probabilities (products of edge probabilities along each path)."""
-        return self._probs(tree)[1]
+        return self._probs(tree)[3]
 
-    def _probs(self, tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
+    def _probs(self, tree: DraftTree) -> tuple:
+        """(q, features, edge, path probabilities): :func:`specfit.kernels.acceptance.online_probs`."""
         return kernels.acceptance.online_probs(tree.parents, tree.path_probs, tree.depth,
                                                _NO_COEF if self.coef_ is None else self.coef_)
 
@@ -104,9 +104,9 @@ class OnlineAcceptance:
         nodes = np.asarray(nodes, dtype=np.int64)
         if nodes.size == 0:
             return
-        q, x = edge_features(tree)
+        q, x, edge, _ = self._probs(tree)
         accepted = np.asarray(accepted, dtype=np.float64)
-        self._scored.append((self.edge_probs(tree)[nodes], q[nodes], accepted))
+        self._scored.append((edge[nodes], q[nodes], accepted))
         self._x = np.concatenate([self._x, x[nodes]])[-self.memory:]
         self._y = np.concatenate([self._y, accepted])[-self.memory:]
         self._updates += 1

@@ -16,7 +16,7 @@ import math
 import numpy as np
 from numba import njit
 
-__all__ = ["LOGIT_EPS", "logit", "logits", "features", "confidence_features", "edge_prob", "path_prob", "edge_probs",
+__all__ = ["LOGIT_EPS", "clipped_logit", "logit", "logits", "features", "confidence_features", "edge_prob", "path_prob", "edge_probs",
            "path_probs", "calibrate_level", "ONLINE_EPS", "N_ONLINE_FEATURES", "online_features", "online_probs",
            "online_refit"]
 
@@ -24,9 +24,15 @@ LOGIT_EPS = 1e-4        # probabilities are clipped to [eps, 1 - eps] before a l
 
 
 @njit(cache=True)
-def logit(p):
-    p = min(max(p, LOGIT_EPS), 1.0 - LOGIT_EPS)
+def clipped_logit(p, eps):
+    """The logit of ``p`` clipped to ``[eps, 1 - eps]``."""
+    p = min(max(p, eps), 1.0 - eps)
     return math.log(p) - math.log1p(-p)
+
+
+@njit(cache=True)
+def logit(p):
+    return clipped_logit(p, LOGIT_EPS)
 
 
 @njit(cache=True)
@@ -118,12 +124,6 @@ N_ONLINE_FEATURES = 8
 
 
 @njit(cache=True)
-def _clipped_logit(p, eps):
-    p = min(max(p, eps), 1.0 - eps)
-    return math.log(p) - math.log1p(-p)
-
-
-@njit(cache=True)
 def online_features(parents, path_probs, depth):
     """(q [n], features [n, 8]) of every node's edge (row 0, the root's, is unused): ``q`` the
     node's conditional probability ``p_v / p_parent`` clipped to ``ONLINE_EPS``, and the features
@@ -177,14 +177,14 @@ def online_features(parents, path_probs, depth):
             q2[v] = top2
     x = np.empty((n, N_ONLINE_FEATURES))
     for v in range(n):
-        lq = math.log(q[v]) - math.log1p(-q[v])
+        lq = clipped_logit(q[v], ONLINE_EPS)
         d = float(depth[v])
         x[v, 0] = 1.0
         x[v, 1] = lq
         x[v, 2] = lq * lq / 10.0
         x[v, 3] = d
         x[v, 4] = d * lq / 4.0
-        x[v, 5] = _clipped_logit(q1[v], ONLINE_EPS)
+        x[v, 5] = clipped_logit(q1[v], ONLINE_EPS)
         x[v, 6] = q1[v] - q2[v]
         x[v, 7] = rank[v]
     return q, x
@@ -192,9 +192,10 @@ def online_features(parents, path_probs, depth):
 
 @njit(cache=True)
 def online_probs(parents, path_probs, depth, coef):
-    """(edge [n], path [n]): each node's acceptance probability given its parent, the logistic
-    model ``coef`` on :func:`online_features` (``coef`` empty: the clipped conditional ``q``; the
-    root's is 1), and the path probabilities, their products from the root."""
+    """(q [n], features [n, 8], edge [n], path [n]): :func:`online_features`, each node's acceptance
+    probability given its parent by the logistic model ``coef`` on them (``coef`` empty: the
+    clipped conditional ``q``; the root's is 1), and the path probabilities, their products from
+    the root."""
     q, x = online_features(parents, path_probs, depth)
     n = parents.size
     edge = np.empty(n)
@@ -211,7 +212,7 @@ def online_probs(parents, path_probs, depth, coef):
             e = 1.0 / (1.0 + math.exp(-min(max(z, -30.0), 30.0)))
         edge[v] = e
         path[v] = path[parents[v]] * e
-    return edge, path
+    return q, x, edge, path
 
 
 @njit(cache=True)
