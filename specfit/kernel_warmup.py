@@ -44,9 +44,11 @@ def _search() -> None:
 
 
 def _policy() -> None:
-    """SpecFit's per-level decision, its selection and what a cycle teaches it."""
+    """SpecFit's per-level decision, its selection and what a cycle teaches it, also with acceptance
+    learned online."""
     import numpy as np
 
+    from .experts.acceptance_online import OnlineAcceptance
     from .policy_base import CycleView, Observation
     from .specfit_policy import SpecFitPolicy
 
@@ -59,6 +61,15 @@ def _policy() -> None:
     policy.select(view.truncated(1))
     policy.observe(Observation(tree=tree, verified=np.array([0, 1]), verdicts=np.array([6, 0]), draft_levels=1,
                                misses=1, predicted_misses=1, root_misses=0, root_predicted_misses=0))
+    # with acceptance learned online (a sampling decode's specfit+online): the calibrated tree before
+    # and after a fit, and the update from a sampled cycle's edges
+    online = SpecFitPolicy(acceptance=OnlineAcceptance(min_edges=1))
+    for edges in ((np.array([1, 2]), np.array([0.5, 0.25])), None):
+        online.begin_cycle()
+        online.keep_drafting(view.truncated(1))
+        if edges is not None:
+            online.observe(Observation(tree=tree, verified=np.array([0, 1]), verdicts=np.array([6, 0]),
+                                       draft_levels=1, edges=edges))
 
 
 def _runtime() -> None:
@@ -73,12 +84,16 @@ def _runtime() -> None:
     from .experts.predictors import slots_right
     from .experts.prefetch import DraftPrefetch
     from .experts.router import RouterPredictor
-    from .runtime.acceptance import greedy_accept
+    from .runtime.acceptance import greedy_accept, sample_accept, sample_token
     from .search import packed
 
     tree, experts, cached, cost = _toy()
     tree.accepted_path(np.array([6, 0, 0]))
     greedy_accept(tree, np.array([0, 1]), np.array([6, 0]))
+    # a sampling decode's first token and walk
+    rng = np.random.default_rng(0)
+    sample_token(torch.zeros(8), 1.0, rng)
+    sample_accept(tree, np.array([0, 1]), torch.zeros(2, 8), 1.0, rng)
     tree.attention_mask(np.array([0, 1]), prefix_len=2)
     kernels.evaluate.union_accounting(experts, np.array([0, 1]), experts[:2], packed(cached))
     kernels.bitsets.count_missing(experts, 0, packed(cached))      # the root's misses
@@ -140,7 +155,8 @@ def _usable_cores() -> int:
 def warm_up(parallel: bool | None = None) -> float:
     """Load (or, the first time after an install or an edit, compile) the kernels a live decoder
     calls every cycle: a drafted level's nodes, frontier and mask, a tree's checks, mask and
-    accepted path, the search, SpecFit's per-level decision and what a cycle teaches it,
+    accepted path (greedy, and sampled), the search, SpecFit's per-level decision and what a cycle teaches it
+    (also with acceptance learned online),
     ``evaluate``, the cycle's union accounting, the slot precision, the router predictor's
     selection, the cache's admits, the KV compaction and the levers' rules (look-ahead keep,
     prefetch, admit by keep) and the online refit's forward selection, so that no timed cycle pays

@@ -69,7 +69,7 @@ class Observation:
     aligned with ``verified``): every drafted child of a verified node is then known to be accepted
     or not (:func:`edge_outcomes`), for free; where the decoder samples, it reports those outcomes
     itself in ``edges`` (the nodes and the chance each is accepted, see
-    :func:`specfit.runtime.acceptance.sampled_edge_outcomes`). ``decision_time_s`` is what the driver measured the
+    :func:`specfit.runtime.acceptance.sample_accept`). ``decision_time_s`` is what the driver measured the
     policy's decisions and the expert predictions to cost this cycle (None where the driver does
     not charge them, as the simulator does not); ``draft_levels`` the levels drafted.
 

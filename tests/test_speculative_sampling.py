@@ -12,13 +12,46 @@ from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one in
 from speculative_fixtures import make_drafter, speculative_decoder
 from specfit.costmodel import CostModel
 from specfit.policies import make_policy
-from specfit.runtime.acceptance import sample_accept, target_probs
+from specfit.runtime.acceptance import sample_accept, sample_token
 from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter
 from specfit.runtime.loader import load_model
 from specfit.runtime.model import causal_mask
 from specfit.tree import DraftTree
 
 COST = CostModel(base_s=2e-3, per_node_s=5e-5, hit_s=2e-5, miss_s=2e-4, draft_level_s=3e-4)
+
+
+def target_probs(logits: torch.Tensor, temperature: float) -> np.ndarray:
+    """The target's distribution at ``temperature``, float64 (the reference the walk must follow)."""
+    return torch.softmax(logits.double() / temperature, dim=-1).numpy()
+
+
+def reference_walk(tree: DraftTree, nodes: np.ndarray, logits: torch.Tensor, temperature: float, rng):
+    """Tree speculative sampling written out in numpy, as the module docstring states it: (path,
+    bonus, edges) with the uniform numbers drawn in the same order as the compiled walk's."""
+    row_of = np.full(tree.n_nodes, -1, dtype=np.int64)
+    row_of[nodes] = np.arange(nodes.size)
+    path, edge_nodes, edge_probs = [0], [], []
+    while True:
+        node = path[-1]
+        p = target_probs(logits[row_of[node]], temperature)
+        kids = np.flatnonzero(tree.parents == node)
+        edge_nodes += kids.tolist()
+        edge_probs += p[tree.tokens[kids]].tolist()
+        kids = kids[row_of[kids] >= 0]
+        kids = kids[np.lexsort((kids, -tree.path_probs[kids]))]
+        accepted = -1
+        for child in kids:
+            token = int(tree.tokens[child])
+            rest = p.sum() - p[token]
+            if rng.random() < p[token] or rest <= 0.0:
+                accepted = int(child)
+                break
+            p[token] = 0.0
+            p /= rest
+        if accepted < 0:
+            return path, int(rng.choice(p.size, p=p / p.sum())), (edge_nodes, edge_probs)
+        path.append(accepted)
 
 
 def _chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
@@ -50,7 +83,7 @@ def test_tree_sampling_commits_tokens_with_the_targets_distributions():
     rng = np.random.default_rng(1)
     first, second_after_a = np.zeros(V, dtype=np.int64), np.zeros(V, dtype=np.int64)
     for _ in range(6000):
-        path, bonus = sample_accept(tree, np.arange(6), logits, temperature, rng)
+        path, bonus, _ = sample_accept(tree, np.arange(6), logits, temperature, rng)
         committed = list(tokens[path[1:]]) + [bonus]
         first[committed[0]] += 1
         if committed[0] == 3:
@@ -65,7 +98,7 @@ def test_tree_sampling_only_walks_verified_nodes():
     tree = DraftTree(parents=np.array([-1, 0, 1]), path_probs=np.array([1.0, 0.9, 0.8]), tokens=np.array([0, 1, 2]))
     logits = torch.full((2, 4), -30.0)
     logits[:, 1] = 30.0          # the target wants token 1 after the root and after node 1 alike
-    path, bonus = sample_accept(tree, np.array([0, 1]), logits, 1.0, np.random.default_rng(0))
+    path, bonus, _ = sample_accept(tree, np.array([0, 1]), logits, 1.0, np.random.default_rng(0))
     assert path.tolist() == [0, 1] and bonus == 1     # node 2 was not verified: the bonus comes from node 1
 
 
@@ -108,9 +141,7 @@ def test_speculative_sampling_matches_the_target_distribution_end_to_end(samplin
 def test_a_drafted_child_is_accepted_with_the_targets_probability_of_its_token():
     """The walk tries the root's children in the drafter's order; each is accepted (its token
     committed first) with the target's probability of that token, whichever siblings come before
-    it: what a policy that learns acceptance is told under sampling."""
-    from specfit.runtime.acceptance import sampled_edge_outcomes
-
+    it: what a policy that learns acceptance is told under sampling (the walk's edges)."""
     V = 10
     gen = torch.Generator().manual_seed(4)
     logits = torch.randn(4, V, generator=gen)       # the target's at nodes 0-3, all verified
@@ -122,10 +153,11 @@ def test_a_drafted_child_is_accepted_with_the_targets_probability_of_its_token()
     n, rng = 20000, np.random.default_rng(5)
     accepted = np.zeros(5)
     for _ in range(n):
-        path, _ = sample_accept(tree, np.arange(4), logits, temperature, rng)
+        path, _, (nodes, probs) = sample_accept(tree, np.arange(4), logits, temperature, rng)
         accepted[path[1:2]] += 1          # the root's child on the path, if any
-    # the rule's probabilities, and the frequencies within 4.5 standard errors of them
-    nodes, probs = sampled_edge_outcomes(tree, np.arange(4), np.array([0]), logits, temperature)
+    # the rule's probabilities (the root's children among the last walk's edges), and the
+    # frequencies within 4.5 standard errors of them
+    nodes, probs = nodes[tree.parents[nodes] == 0], probs[tree.parents[nodes] == 0]
     assert nodes.tolist() == [1, 2, 3]
     assert probs == pytest.approx(p[0, [3, 5, 7]], rel=1e-12)
     freq = accepted[nodes] / n
@@ -135,9 +167,7 @@ def test_a_drafted_child_is_accepted_with_the_targets_probability_of_its_token()
     assert abs(freq[2] - p[0, 7] / (1 - p[0, 3] - p[0, 5])) > 10 * np.sqrt(probs[2] / n)
 
 
-def test_sampled_edge_outcomes_are_the_children_of_the_accepted_path_priced_at_their_parents():
-    from specfit.runtime.acceptance import sampled_edge_outcomes
-
+def test_the_walks_edges_are_the_children_of_the_accepted_path_priced_at_their_parents():
     # 0 ─┬─ 1 ─┬─ 3 ── 5
     #    │     └─ 4
     #    └─ 2
@@ -147,30 +177,95 @@ def test_sampled_edge_outcomes_are_the_children_of_the_accepted_path_priced_at_t
                                      [0.1, 0.1, 0.1, 0.3, 0.3, 0.1],        # at node 1 (row 1)
                                      [0.0, 0.0, 0.0, 0.0, 0.0, 1.0]]) + 1e-30)   # at node 3 (row 2)
     verified = np.array([0, 1, 3])
-    # path 0 -> 1: the children of 0 and of 1, at temperature 1 the rows' own probabilities; node 3's
-    # children are left out (its parent's outcome is known, its own verdict continues no kept context)
-    nodes, probs = sampled_edge_outcomes(tree, verified, np.array([0, 1]), logits, 1.0)
-    assert nodes.tolist() == [1, 2, 3, 4]
-    assert probs == pytest.approx([0.5, 0.2, 0.3, 0.3])
-    # a sharper temperature: the softmax of logits / T
-    nodes, probs = sampled_edge_outcomes(tree, verified, np.array([0, 1, 3]), logits, 0.5)
     sharp = target_probs(logits, 0.5)
-    assert nodes.tolist() == [1, 2, 3, 4, 5]
-    assert probs == pytest.approx([sharp[0, 1], sharp[0, 2], sharp[1, 3], sharp[1, 4], sharp[2, 5]])
+    seen = set()
+    for seed in range(200):
+        for temperature in (1.0, 0.5):
+            path, _, (nodes, probs) = sample_accept(tree, verified, logits, temperature, np.random.default_rng(seed))
+            seen.add(tuple(path.tolist()))
+            # every drafted child of a path node, verified or not (node 4 was not), at its parent's row;
+            # the children of a node off the path are left out
+            if path.tolist() == [0, 1] and temperature == 1.0:
+                assert nodes.tolist() == [1, 2, 3, 4]
+                assert probs == pytest.approx([0.5, 0.2, 0.3, 0.3])
+            elif path.tolist() == [0, 1, 3] and temperature == 0.5:
+                assert nodes.tolist() == [1, 2, 3, 4, 5]
+                assert probs == pytest.approx([sharp[0, 1], sharp[0, 2], sharp[1, 3], sharp[1, 4], sharp[2, 5]])
+            elif path.tolist() == [0]:
+                assert nodes.tolist() == [1, 2]
+    assert seen == {(0,), (0, 1), (0, 1, 3)}          # node 2 was not verified: never on a path
 
 
-def test_the_bonus_draw_is_numpys_choice_draw_for_draw():
-    """The same seed samples the same tokens as ``rng.choice(p.size, p=p)`` did (same stream after it)."""
-    from specfit.runtime.acceptance import draw
+def test_the_compiled_walk_is_the_reference_walk_draw_for_draw():
+    """Random trees, verified subsets, vocabularies and temperatures: the same path, bonus token
+    and edges as the rule written out in numpy from the same seed, and the stream left in the same
+    state (every uniform number drawn in the same order)."""
+    maker = np.random.default_rng(21)
+    walks = 0
+    for case in range(300):
+        n = int(maker.integers(1, 14))
+        parents = np.r_[-1, [int(maker.integers(0, v)) for v in range(1, n)]].astype(np.int64)
+        probs = np.ones(n)
+        for v in range(1, n):
+            probs[v] = probs[parents[v]] * maker.uniform(0.05, 1.0)
+        V = int(maker.integers(2, 40))
+        tokens = maker.integers(0, V, size=n)
+        tree = DraftTree(parents=parents, path_probs=probs, tokens=tokens)
+        # an ancestor-closed verified set: each node kept with probability 0.7 when its parent is
+        keep = np.r_[True, maker.random(n - 1) < 0.7]
+        for v in range(1, n):
+            keep[v] &= keep[parents[v]]
+        verified = np.flatnonzero(keep)
+        logits = torch.from_numpy(maker.normal(size=(verified.size, V)) * maker.uniform(0.2, 4)).float()
+        logits[:, tokens[maker.integers(0, n)]] += float(maker.uniform(0, 6))   # some drafts the target likes
+        temperature = float(maker.uniform(0.3, 1.5))
+        ours, theirs = np.random.default_rng(case), np.random.default_rng(case)
+        path, bonus, (nodes, edge_probs) = sample_accept(tree, verified, logits, temperature, ours)
+        ref_path, ref_bonus, (ref_nodes, ref_probs) = reference_walk(tree, verified, logits, temperature, theirs)
+        assert path.tolist() == ref_path and bonus == ref_bonus
+        assert nodes.tolist() == ref_nodes          # path order, each node's children ascending
+        np.testing.assert_allclose(edge_probs, ref_probs, rtol=1e-12, atol=1e-300)
+        assert ours.random() == theirs.random()
+        walks += len(path) > 1
+    assert walks > 60          # drafts were accepted, not only bonus tokens drawn
 
+
+def test_a_drafted_token_outside_the_targets_vocabulary_is_one_clear_error():
+    tree = DraftTree(parents=np.array([-1, 0]), path_probs=np.array([1.0, 0.5]), tokens=np.array([0, 9]))
+    with pytest.raises(ValueError, match=r"a token drafted after node 0 is not in the target's vocabulary \[0, 6\)"):
+        sample_accept(tree, np.arange(2), torch.zeros(2, 6), 1.0, np.random.default_rng(0))
+
+
+def test_the_first_token_is_drawn_from_the_targets_distribution_draw_for_draw_as_numpys_choice():
+    """The walk over the root alone (the prompt's first token): the same token as
+    ``rng.choice(V, p=p)`` from the same seed, and the stream left in the same state."""
     maker = np.random.default_rng(12)
     for seed in range(300):
-        logits = maker.normal(size=int(maker.integers(1, 3000))) * maker.uniform(0.1, 8)
-        p = np.exp(logits - logits.max())
-        p[maker.random(p.size) < 0.2] = 0.0          # rejected tokens zeroed, as the walk leaves them
-        if p.sum() == 0:
-            p[0] = 1.0
-        p = p / p.sum()
+        logits = torch.from_numpy(maker.normal(size=int(maker.integers(1, 3000))) * maker.uniform(0.1, 8)).float()
+        temperature = float(maker.uniform(0.2, 2.0))
+        p = target_probs(logits, temperature)
         ours, numpys = np.random.default_rng(seed), np.random.default_rng(seed)
-        assert draw(p, ours) == int(numpys.choice(p.size, p=p))
+        assert sample_token(logits, temperature, ours) == int(numpys.choice(p.size, p=p))
         assert ours.random() == numpys.random()
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5])
+    rng = np.random.default_rng(3)
+    counts = np.bincount([sample_token(logits, 0.7, rng) for _ in range(20000)], minlength=5)
+    assert _chi_square_p(counts, target_probs(logits, 0.7)) > 1e-3
+
+
+def test_rows_copied_one_at_a_time_walk_as_rows_read_in_place():
+    """Logits the walk cannot read in place (bfloat16 here, or on a device) are copied a visited row
+    at a time, the walk resuming where it stopped: the same walk as on their float32 copy read in
+    place."""
+    maker = np.random.default_rng(8)
+    parents = np.array([-1, 0, 0, 0, 1, 1, 2, 4, 4])
+    probs = np.array([1.0, 0.6, 0.3, 0.1, 0.5, 0.05, 0.2, 0.4, 0.1])
+    tree = DraftTree(parents=parents, path_probs=probs, tokens=np.array([0, 1, 2, 3, 4, 5, 6, 7, 8]))
+    for seed in range(100):
+        logits = torch.from_numpy(maker.normal(size=(9, 12)) * 2).to(torch.bfloat16)
+        logits[parents[1:], np.arange(1, 9)] += 3.0          # drafts the target likes
+        a = sample_accept(tree, np.arange(9), logits, 0.8, np.random.default_rng(seed))
+        b = sample_accept(tree, np.arange(9), logits.float(), 0.8, np.random.default_rng(seed))
+        assert a[0].tolist() == b[0].tolist() and a[1] == b[1]
+        np.testing.assert_array_equal(a[2][0], b[2][0])
+        np.testing.assert_array_equal(a[2][1], b[2][1])

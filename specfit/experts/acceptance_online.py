@@ -4,7 +4,7 @@ Each verified cycle reveals, for free, whether every drafted child of a verified
 (its token is the target's greedy next token at the parent, :func:`specfit.policy_base.edge_outcomes`).
 When the decoder samples, the outcome is the chance that tree speculative sampling accepts the
 child, the target's probability of its token at the parent
-(:func:`specfit.runtime.acceptance.sampled_edge_outcomes`): a number in [0, 1] that the same
+(the edges of :func:`specfit.runtime.acceptance.sample_accept`): a number in [0, 1] that the same
 log-likelihood takes as a soft label, and the scores below compare with.
 :class:`OnlineAcceptance` fits a logistic model of that outcome on the drafter's confidence where
 the policy uses it, per draft node (edge):

@@ -5,7 +5,7 @@ tree's checks, clipping, depths and accepted path), :mod:`.evaluate` (the cost f
 set), :mod:`.closure` (maximum-weight closure by max-flow), :mod:`.inner` (the inner closure
 problem with its reductions), :mod:`.search` (Dinkelbach, the root bound, the greedy baseline),
 :mod:`.cache` (the expert cache's admit and eviction), :mod:`.replay` (the trace replay loop),
-:mod:`.levels` (the expected next draft level), :mod:`.decide` (SpecFit's per-level decisions), :mod:`.lookahead` (the draft's look-ahead for the cache), :mod:`.levers` (the cache and prefetch levers in the replay), :mod:`.router` (the router predictor's top-k selection), :mod:`.kv` (the KV cache's compaction), :mod:`.acceptance` (the acceptance calibration's maps), :mod:`.identify` (the cycle-time fit's forward selection). The Python modules that own each concept (:mod:`specfit.tree`,
+:mod:`.levels` (the expected next draft level), :mod:`.decide` (SpecFit's per-level decisions), :mod:`.lookahead` (the draft's look-ahead for the cache), :mod:`.levers` (the cache and prefetch levers in the replay), :mod:`.router` (the router predictor's top-k selection), :mod:`.kv` (the KV cache's compaction), :mod:`.sampling` (tree speculative sampling's walk), :mod:`.acceptance` (the acceptance calibration's maps), :mod:`.identify` (the cycle-time fit's forward selection). The Python modules that own each concept (:mod:`specfit.tree`,
 :mod:`specfit.search`, :mod:`specfit.experts.cache`, :mod:`specfit.simulate.replay`) are thin
 wrappers: they validate, prepare arrays once and call these.
 
@@ -30,10 +30,11 @@ import os
 from pathlib import Path
 
 __all__ = ["bitsets", "tree", "evaluate", "closure", "inner", "search", "cache", "replay", "levels",
-           "decide", "lookahead", "levers", "router", "kv", "acceptance", "identify", "drop_stale_caches"]
+           "decide", "lookahead", "levers", "router", "kv", "sampling", "acceptance", "identify",
+           "drop_stale_caches"]
 
 _MODULES = frozenset(("bitsets", "tree", "evaluate", "closure", "inner", "search", "cache", "replay", "levels",
-                      "decide", "lookahead", "levers", "router", "kv", "acceptance", "identify"))
+                      "decide", "lookahead", "levers", "router", "kv", "sampling", "acceptance", "identify"))
 _checked = False
 
 

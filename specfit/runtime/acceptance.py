@@ -19,7 +19,8 @@ The walk accepts a child exactly when a sample of ``p`` is its token: the first 
 ``p(x_i) / (1 - S)``. So a drafted child of a node on the accepted path is accepted there with
 probability ``p(x)``, the target's probability of its token at the parent, whatever its siblings
 and their order. That is the outcome a policy learns acceptance from when decoding samples
-(:func:`sampled_edge_outcomes`), as greedy decoding's is "the token is the parent's argmax".
+(the edges :func:`sample_accept` returns), as greedy decoding's is "the token is the parent's
+argmax". The walk's steps are compiled (:mod:`specfit.kernels.sampling`).
 """
 
 from __future__ import annotations
@@ -30,43 +31,15 @@ import torch
 from .. import kernels
 from ..tree import DraftTree
 
-__all__ = ["draw", "greedy_accept", "sample_accept", "sampled_edge_outcomes", "target_probs"]
+__all__ = ["greedy_accept", "sample_accept", "sample_token"]
+
+_ROOT_ONLY = DraftTree(parents=np.array([-1]), path_probs=np.array([1.0]), tokens=np.array([0]))
 
 
-def target_probs(logits: torch.Tensor, temperature: float) -> np.ndarray:
-    """float64 [..., V] softmax of ``logits / temperature`` on the host (float64 so that
-    renormalising after many rejections stays exact enough to sample from)."""
-    return torch.softmax(logits.float() / temperature, dim=-1).double().cpu().numpy()
-
-
-def draw(p: np.ndarray, rng: np.random.Generator) -> int:
-    """A token drawn from ``p`` (float64, sums to 1), as ``rng.choice(p.size, p=p)`` draws it (its
-    cumulative sums, one uniform number, the first bin above it), without the validation of ``p``
-    that costs that call most of its time: the same stream gives the same tokens."""
-    cdf = p.cumsum()
-    cdf /= cdf[-1]
-    return int(cdf.searchsorted(rng.random(), side="right"))
-
-
-def sampled_edge_outcomes(tree: DraftTree, nodes: np.ndarray, path: np.ndarray, logits: torch.Tensor,
-                          temperature: float) -> tuple[np.ndarray, np.ndarray]:
-    """(drafted nodes whose parent lies on the accepted ``path``, the chance that tree speculative
-    sampling accepts each there): the target's probability at ``temperature`` of the node's token
-    at its parent (``logits[i]`` are the target's at verified node ``nodes[i]``; sorted, with the
-    root). The sampling counterpart of the greedy 0/1 outcomes of
-    :func:`specfit.policy_base.edge_outcomes`, with the same nodes: every drafted child of a path
-    node, verified or not (a parent's logits price any token)."""
-    path = np.asarray(path, dtype=np.int64)
-    on_path = np.zeros(tree.n_nodes, dtype=bool)
-    on_path[path] = True
-    children = np.flatnonzero(on_path[tree.parents[1:]]) + 1
-    if children.size == 0:
-        return children, np.zeros(0)
-    parents = tree.parents[children]
-    rows = np.asarray(nodes, dtype=np.int64).searchsorted(path)       # the path nodes' rows in the pass
-    probs = target_probs(logits[torch.from_numpy(rows)], temperature)  # [path, V]
-    # a path from the root ascends (parents come before their children)
-    return children, probs[path.searchsorted(parents), tree.tokens[children]]
+def sample_token(logits: torch.Tensor, temperature: float, rng: np.random.Generator) -> int:
+    """A token drawn from the target's distribution at ``temperature`` (``logits`` [V]): the bonus
+    token of a walk over the root alone."""
+    return sample_accept(_ROOT_ONLY, np.zeros(1, dtype=np.int64), logits[None], temperature, rng)[1]
 
 
 def greedy_accept(tree: DraftTree, nodes: np.ndarray, verdicts: np.ndarray) -> tuple[np.ndarray, int]:
@@ -78,32 +51,36 @@ def greedy_accept(tree: DraftTree, nodes: np.ndarray, verdicts: np.ndarray) -> t
 
 
 def sample_accept(tree: DraftTree, nodes: np.ndarray, logits: torch.Tensor, temperature: float,
-                  rng: np.random.Generator) -> tuple[np.ndarray, int]:
-    """(accepted path from the root, bonus token) by tree speculative sampling.
+                  rng: np.random.Generator) -> tuple[np.ndarray, int, tuple[np.ndarray, np.ndarray]]:
+    """(accepted path from the root, bonus token, edges) by tree speculative sampling.
 
-    ``logits[i]`` are the target's logits at node ``nodes[i]``; only the rows on the walk are
-    turned into probabilities, so a large vocabulary costs one softmax per committed token.
+    ``logits[i]`` are the target's logits at node ``nodes[i]`` (sorted, with the root). The walk
+    (:func:`specfit.kernels.sampling.walk`) reads logits on the CPU in place and copies those on a
+    device to the host a visited row at a time, so a large vocabulary costs one softmax per
+    committed token. ``edges`` are the drafted nodes whose parent lies on the path, verified or
+    not, with the chance the walk accepts each there: the target's probability of its token at the
+    parent (the sampling counterpart of the greedy 0/1 outcomes of
+    :func:`specfit.policy_base.edge_outcomes`, what a policy that learns acceptance is told).
     """
-    row_of = np.full(tree.n_nodes, -1, dtype=np.int64)
+    n, sampling = tree.n_nodes, kernels.sampling
+    row_of = np.full(n, -1, dtype=np.int64)
     row_of[nodes] = np.arange(nodes.size)
-    path = [0]
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        host, have = logits.detach().numpy(), np.ones(nodes.size, dtype=bool)
+    else:
+        host, have = np.empty(tuple(logits.shape), dtype=np.float32), np.zeros(nodes.size, dtype=bool)
+    path, edge_nodes, edge_probs = np.zeros(n, dtype=np.int64), np.empty(n, dtype=np.int64), np.empty(n)
+    size, n_edges = 1, 0
     while True:
-        node = path[-1]
-        p = target_probs(logits[row_of[node]], temperature)
-        kids = np.flatnonzero(tree.parents == node)      # ascending (only the walk's nodes need theirs)
-        kids = kids[row_of[kids] >= 0]
-        # the drafter's order: most probable first (ties: the earlier node)
-        kids = kids[np.lexsort((kids, -tree.path_probs[kids]))]
-        accepted = -1
-        for child in kids:
-            token = int(tree.tokens[child])
-            rest = p.sum() - p[token]
-            # rest == 0: the token holds all the mass but rounded below 1; it cannot be rejected
-            if rng.random() < p[token] or rest <= 0.0:
-                accepted = int(child)
-                break
-            p[token] = 0.0
-            p /= rest
-        if accepted < 0:
-            return np.array(path, dtype=np.int64), draw(p / p.sum(), rng)
-        path.append(accepted)
+        status, size, n_edges, bonus = sampling.walk(host, have, row_of, float(temperature), tree.parents,
+                                                     tree.path_probs, tree.tokens, rng, path, size, edge_nodes,
+                                                     edge_probs, n_edges)
+        if status == sampling.NEED_ROW:
+            row = row_of[path[size - 1]]
+            host[row] = logits[row].float().cpu().numpy()
+            have[row] = True
+            continue
+        if status == sampling.BAD_TOKEN:
+            raise ValueError(f"tree: a token drafted after node {path[size - 1]} is not in the target's vocabulary "
+                             f"[0, {logits.shape[-1]})")
+        return path[:size].copy(), int(bonus), (edge_nodes[:n_edges].copy(), edge_probs[:n_edges].copy())

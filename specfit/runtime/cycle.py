@@ -67,6 +67,8 @@ class Commit:
     path: np.ndarray
     rows: np.ndarray
     tokens: list[int]
+    # sampling: the drafted children of the path's nodes and the chance the walk accepts each there
+    edges: tuple[np.ndarray, np.ndarray] | None = None
 
 
 @dataclass
@@ -81,6 +83,7 @@ class CycleStats:
     draft_time_s: float            # from the cycle's start (the previous cycle's learning done) to the selection
     verify_time_s: float           # from the selection to the committed tokens (target pass, acceptance, KV)
     path: np.ndarray | None = None  # the accepted path's node ids, from the root
+    edges: tuple[np.ndarray, np.ndarray] | None = None   # sampling: Commit.edges
     predicted_slots: int = 0       # (layer, rank) slots predicted for verified draft nodes
     predicted_slots_right: int = 0  # ... naming an expert the node really routed to
     learn_time_s: float = 0.0      # after the commit: the policy and the predictor learn

@@ -42,7 +42,7 @@ from ..experts.predictors import ExpertPredictor, NodeBatch, slots_right
 from ..policies import ArPolicy, CycleView, Observation, Policy
 from ..search import packed
 from ..tree import DraftTree
-from .acceptance import draw, greedy_accept, sample_accept, sampled_edge_outcomes, target_probs
+from .acceptance import greedy_accept, sample_accept, sample_token
 from . import levers
 from .drafting import Proposer, tree_capacity
 from .model import MoETransformer, causal_mask
@@ -177,7 +177,7 @@ class Decoder:
                 commit = self.commit(draft, verification)
                 verified = now()
                 stats = CycleStats(position=len(output) - 1, draft=draft, verification=verification,
-                                   path=commit.path, committed_tokens=len(commit.tokens),
+                                   path=commit.path, edges=commit.edges, committed_tokens=len(commit.tokens),
                                    draft_time_s=selected - cycle_start,
                                    verify_time_s=verified - selected, online=self.online is not None,
                                    update_time_s=update_s)
@@ -235,8 +235,7 @@ class Decoder:
         if self.recorder is not None:
             self.recorder.add_prefill(out.expert_ids)
         if self.temperature > 0:
-            p = target_probs(out.logits[-1], self.temperature)
-            root = draw(p / p.sum(), self.rng)
+            root = sample_token(out.logits[-1], self.temperature, self.rng)
         else:
             root = int(out.logits[-1].argmax())
         if self.proposer is not None:
@@ -307,10 +306,12 @@ class Decoder:
 
     def commit(self, draft: Draft, verification: Verification) -> Commit:
         """Accept a verified path, keep its K/V, hand the accepted entries to the proposer."""
+        edges = None
         if self.commit_root_only:
             path, bonus = np.zeros(1, dtype=np.int64), int(verification.verdicts[0])
         elif self.temperature > 0:
-            path, bonus = sample_accept(draft.tree, verification.nodes, verification.logits, self.temperature, self.rng)
+            path, bonus, edges = sample_accept(draft.tree, verification.nodes, verification.logits, self.temperature,
+                                               self.rng)
         else:
             path, bonus = greedy_accept(draft.tree, verification.nodes, verification.verdicts)
         rows = self.keep_path(verification, path)
@@ -322,7 +323,7 @@ class Decoder:
             hidden = verification.hidden
             index = torch.from_numpy(rows)
             self.proposer.accept(hidden[index if hidden.device.type == "cpu" else index.to(hidden.device)], tokens)
-        return Commit(path=path, rows=rows, tokens=tokens)
+        return Commit(path=path, rows=rows, tokens=tokens, edges=edges)
 
     def keep_path(self, verification: Verification, path: np.ndarray) -> np.ndarray:
         """Move the K/V of the verified ``path`` nodes to the slots after the committed tokens;
@@ -349,18 +350,14 @@ class Decoder:
         if draft.selection is not None and self.online is None:
             decision_time_s = max(stats.draft_time_s - draft.drafter_time_s, 0.0)
         # sampling accepts a drafted child of a path node with the target's probability of its token:
-        # the outcome a policy that learns acceptance learns from (greedy decoding's: the verdicts)
-        edges = None
-        if (self.temperature > 0 and not self.commit_root_only and draft.tree.n_nodes > 1
-                and getattr(self.policy, "acceptance", None) is not None):
-            edges = sampled_edge_outcomes(draft.tree, verification.nodes, stats.path, verification.logits,
-                                          self.temperature)
+        # the outcome a policy that learns acceptance learns from (the walk's edges; greedy decoding's:
+        # the verdicts)
         self.policy.observe(Observation(predicted_slots=stats.predicted_slots,
                                         predicted_slots_right=stats.predicted_slots_right,
                                         resident_share=self.model.offload.cache.capacity_share,
                                         tree=draft.tree, verified=verification.nodes, verdicts=verification.verdicts,
                                         draft_levels=draft.draft_levels, decision_time_s=decision_time_s,
-                                        edges=edges, **levers.miss_report(draft, verification)))
+                                        edges=stats.edges, **levers.miss_report(draft, verification)))
         levers.observe_union(self, verification)
         if self.predictor is not None and self.predictor.learning:
             nodes = verification.nodes
