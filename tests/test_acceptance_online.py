@@ -236,3 +236,47 @@ def test_one_refit_step_is_newtons_step():
     assert penalised_loss(newton, x, y, 1.0) < penalised_loss(prior, x, y, 1.0)     # the full step is taken
     model._refit()
     np.testing.assert_allclose(model.coef_, newton, rtol=1e-9, atol=1e-12)
+
+
+def test_the_memory_keeps_the_last_edges_oldest_first_and_the_fit_sees_exactly_them():
+    """Updates of every size, past the memory and over several wraps: what the refit sees is the
+    concatenation of every update's edges, trimmed to the newest ``memory`` (the fit's input, in
+    order: the same sums as before the ring)."""
+    from specfit import kernels
+
+    rng = np.random.default_rng(3)
+    online = OnlineAcceptance(memory=50, refit_every=3, min_edges=5)
+    all_x, all_y = np.zeros((0, online._x.shape[1])), np.zeros(0)
+    seen = []
+    original = kernels.acceptance.online_refit
+
+    def spy(x, y, *args):
+        seen.append((x.copy(), y.copy()))
+        return original(x, y, *args)
+
+    kernels.acceptance.online_refit = spy
+    try:
+        for step in range(40):
+            n = 70 if step == 20 else int(rng.integers(2, 30))       # one update larger than the memory
+            parents = np.r_[-1, [int(rng.integers(0, v)) for v in range(1, n)]]
+            probs = np.ones(n)
+            for v in range(1, n):
+                probs[v] = probs[parents[v]] * rng.uniform(0.1, 1.0)
+            tree = DraftTree(parents=parents, path_probs=probs)
+            nodes = np.sort(rng.choice(np.arange(1, n), size=int(rng.integers(1, n)), replace=False))
+            if step == 20:
+                nodes = np.arange(1, n)
+            accepted = rng.random(nodes.size)
+            _, x, _, _ = online._probs(tree)
+            all_x, all_y = np.concatenate([all_x, x[nodes]])[-50:], np.concatenate([all_y, accepted])[-50:]
+            refits = len(seen)
+            online.update(tree, nodes, accepted)
+            window_x, window_y = online._window()
+            np.testing.assert_array_equal(window_x, all_x)
+            np.testing.assert_array_equal(window_y, all_y)
+            if len(seen) > refits:
+                np.testing.assert_array_equal(seen[-1][0], all_x)
+                np.testing.assert_array_equal(seen[-1][1], all_y)
+    finally:
+        kernels.acceptance.online_refit = original
+    assert online._n > 3 * 50 and len(seen) >= 10

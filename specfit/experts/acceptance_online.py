@@ -66,8 +66,10 @@ class OnlineAcceptance:
         self.memory, self.refit_every, self.min_edges = int(memory), int(refit_every), int(min_edges)
         self.l2, self.newton_steps = float(l2), int(newton_steps)
         self.coef_: np.ndarray | None = None
-        self._x = np.zeros((0, _PRIOR.size))
-        self._y = np.zeros(0)
+        # the last ``memory`` edges' features and outcomes, a ring (row ``n % memory`` is written next)
+        self._x = np.zeros((self.memory, _PRIOR.size))
+        self._y = np.zeros(self.memory)
+        self._n = 0
         self._updates = 0
         # prequential scores: (this model's prediction, the tree's own, outcome) per scored edge
         self._scored: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -107,16 +109,32 @@ class OnlineAcceptance:
         q, x, edge, _ = self._probs(tree)
         accepted = np.asarray(accepted, dtype=np.float64)
         self._scored.append((edge[nodes], q[nodes], accepted))
-        self._x = np.concatenate([self._x, x[nodes]])[-self.memory:]
-        self._y = np.concatenate([self._y, accepted])[-self.memory:]
+        self._remember(x[nodes], accepted)
         self._updates += 1
-        if self._y.size >= self.min_edges and (self.coef_ is None or self._updates % self.refit_every == 0):
+        if min(self._n, self.memory) >= self.min_edges and (self.coef_ is None or self._updates % self.refit_every == 0):
             self._refit()
+
+    def _remember(self, x: np.ndarray, y: np.ndarray) -> None:
+        """Write edges into the ring, the oldest overwritten first."""
+        x, y = x[-self.memory:], y[-self.memory:]
+        first = self._n % self.memory
+        head = min(y.size, self.memory - first)
+        self._x[first:first + head], self._y[first:first + head] = x[:head], y[:head]
+        self._x[:y.size - head], self._y[:y.size - head] = x[head:], y[head:]
+        self._n += y.size
+
+    def _window(self) -> tuple[np.ndarray, np.ndarray]:
+        """The remembered edges' features and outcomes, oldest first."""
+        if self._n <= self.memory:
+            return self._x[:self._n], self._y[:self._n]
+        first = self._n % self.memory
+        return np.concatenate([self._x[first:], self._x[:first]]), np.concatenate([self._y[first:], self._y[:first]])
 
     def _refit(self) -> None:
         """Damped Newton steps from the current weights (:func:`specfit.kernels.acceptance.online_refit`)."""
         start = _PRIOR if self.coef_ is None else self.coef_
-        self.coef_ = kernels.acceptance.online_refit(self._x, self._y, start, _PRIOR, self.l2, self.newton_steps)
+        x, y = self._window()
+        self.coef_ = kernels.acceptance.online_refit(x, y, start, _PRIOR, self.l2, self.newton_steps)
 
     # ------------------------------------------------------------------ quality
     def quality(self) -> dict:
