@@ -90,6 +90,11 @@ def _runtime() -> None:
     tree, experts, cached, cost = _toy()
     tree.accepted_path(np.array([6, 0, 0]))
     greedy_accept(tree, np.array([0, 1]), np.array([6, 0]))
+    # a drafted level's acceptance calibration (the drafter's, with --acceptance)
+    ints, floats = np.zeros(3, dtype=np.int64), np.zeros(3)
+    kernels.acceptance.calibrate_level(np.log(np.array([0.5, 0.25])), 2, np.array([1, 2]), ints[:2], ints,
+                                       floats.copy(), np.ones(3), np.array([0.0, 1.0]), np.array([0.0, 1.0]),
+                                       np.zeros(0), 1e-4, np.zeros(0), 0)
     # a sampling decode's first token and walk
     rng = np.random.default_rng(0)
     sample_token(torch.zeros(8), 1.0, rng)
@@ -155,7 +160,7 @@ def _usable_cores() -> int:
 def warm_up(parallel: bool | None = None) -> float:
     """Load (or, the first time after an install or an edit, compile) the kernels a live decoder
     calls every cycle: a drafted level's nodes, frontier and mask, a tree's checks, mask and
-    accepted path (greedy, and sampled), the search, SpecFit's per-level decision and what a cycle teaches it
+    accepted path (greedy, and sampled), a drafted level's acceptance calibration, the search, SpecFit's per-level decision and what a cycle teaches it
     (also with acceptance learned online),
     ``evaluate``, the cycle's union accounting, the slot precision, the router predictor's
     selection, the cache's admits, the KV compaction and the levers' rules (look-ahead keep,

@@ -353,6 +353,12 @@ def test_a_live_decode_after_the_warm_up_compiles_nothing(checkpoints):
     for spec in ("ar", "eagle3:12:3", "specfit", "specfit+cache+prefetch", "ar+usage"):
         decoder = speculative_decoder(model, drafter, make_policy(spec), COST, tree_top_k=3)
         decoder.generate(prompts()[2], NEW_TOKENS, ignore_eos=True)
+    # sampling: the walk, and the acceptance learned online from its edges (refitted within the run)
+    policy = make_policy("specfit+online")
+    policy.acceptance.min_edges = 4
+    decoder = speculative_decoder(model, drafter, policy, COST, tree_top_k=3, temperature=0.8, seed=1)
+    decoder.generate(prompts()[2], NEW_TOKENS, ignore_eos=True)
+    assert policy.acceptance.coef_ is not None
     after = _compiled_signatures()
     new = {k: sorted(map(str, v - before.get(k, set()))) for k, v in after.items() if v - before.get(k, set())}
     assert new == {}, "\n".join(f"{k}: {v}" for k, v in new.items())
