@@ -159,10 +159,9 @@ def _usable_cores() -> int:
 
 def warm_up(parallel: bool | None = None) -> float:
     """Load (or, the first time after an install or an edit, compile) the kernels a live decoder
-    calls every cycle: a drafted level's nodes, frontier and mask, a tree's checks, mask and
-    accepted path (greedy, and sampled), a drafted level's acceptance calibration, the search, SpecFit's per-level decision and what a cycle teaches it
-    (also with acceptance learned online),
-    ``evaluate``, the cycle's union accounting, the slot precision, the router predictor's
+    calls every cycle: a drafted level's nodes, frontier and mask and its acceptance calibration,
+    a tree's checks, mask and accepted path (greedy, and sampled), the search, SpecFit's per-level
+    decision and what a cycle teaches it (also with acceptance learned online), ``evaluate``, the cycle's union accounting, the slot precision, the router predictor's
     selection, the cache's admits, the KV compaction and the levers' rules (look-ahead keep,
     prefetch, admit by keep) and the online refit's forward selection, so that no timed cycle pays
     for it.

@@ -70,6 +70,7 @@ class OnlineAcceptance:
         self._x = np.zeros((self.memory, _PRIOR.size))
         self._y = np.zeros(self.memory)
         self._n = 0
+        self._last: tuple | None = None      # (tree, coef_, its probabilities)
         self._updates = 0
         # prequential scores: (this model's prediction, the tree's own, outcome) per scored edge
         self._scored: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
@@ -88,9 +89,16 @@ class OnlineAcceptance:
         return self._probs(tree)[3]
 
     def _probs(self, tree: DraftTree) -> tuple:
-        """(q, features, edge, path probabilities): :func:`specfit.kernels.acceptance.online_probs`."""
-        return kernels.acceptance.online_probs(tree.parents, tree.path_probs, tree.depth,
-                                               _NO_COEF if self.coef_ is None else self.coef_)
+        """(q, features, edge, path probabilities): :func:`specfit.kernels.acceptance.online_probs`.
+        The last tree's are kept: a cycle's update reads those of the tree its last decision
+        calibrated (a tree's arrays are read-only; a refit replaces ``coef_``)."""
+        if self._last is None or self._last[0] is not tree or self._last[1] is not self.coef_:
+            probs = kernels.acceptance.online_probs(tree.parents, tree.path_probs, tree.depth,
+                                                    _NO_COEF if self.coef_ is None else self.coef_)
+            for a in probs:          # shared by the calls on this tree: read-only, as the tree's are
+                a.setflags(write=False)
+            self._last = (tree, self.coef_, probs)
+        return self._last[2]
 
     def calibrated(self, tree: DraftTree) -> DraftTree:
         """``tree`` with the calibrated path probabilities (products of edges in (0, 1], so each
@@ -111,7 +119,8 @@ class OnlineAcceptance:
         self._scored.append((edge[nodes], q[nodes], accepted))
         self._remember(x[nodes], accepted)
         self._updates += 1
-        if min(self._n, self.memory) >= self.min_edges and (self.coef_ is None or self._updates % self.refit_every == 0):
+        if (min(self._n, self.memory) >= self.min_edges
+                and (self.coef_ is None or self._updates % self.refit_every == 0)):
             self._refit()
 
     def _remember(self, x: np.ndarray, y: np.ndarray) -> None:
