@@ -276,6 +276,9 @@ def test_a_refit_onto_a_profile_of_another_shape_is_refused(model_dir, tmp_path)
     (["simulate", "--trace", SAMPLE_OLMOE, "--profile", "pcie4", "--profile", "gh200,pcie4"],
      "--profile: lists pcie4 twice"),
     (["simulate", "--trace", SAMPLE_OLMOE, "--h2d-scale", "inf"], "--h2d-scale: expected a finite positive factor"),
+    (["simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar,specfit,ar"], "--policies: lists ar twice"),
+    (["simulate", "--trace", SAMPLE_OLMOE, "--trace", SAMPLE_OLMOE.parent / ".." / SAMPLE_OLMOE.parent.name /
+      SAMPLE_OLMOE.name], "(the same file) twice; expected distinct traces"),
     (["sweep", "."], ".: a directory, expected a .toml or .yaml sweep spec"),
     (["plan", "--device-memory-gb", "24", "--model-shape", "olmoe-1b-7b", "--h2d-scale", "inf"],
      "--h2d-scale: expected values finite and > 0, got inf"),

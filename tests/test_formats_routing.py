@@ -126,6 +126,12 @@ def _valid(tokens, layers, k):
     ({"problem0": _valid(3, L, K), "problem0_weights": np.ones((3, L, K)),
       "problem1": _valid(3, L, K)}, "recorded for some sequences only"),
     ({"problem1": _valid(3, L, K), "problem01": _valid(2, L, K)}, "'problem01' and 'problem1' are both sequence 1"),
+    # a sequence saved as floats, or an array of another name, would otherwise be dropped without a word
+    ({"problem0": _valid(3, L, K), "problem1": _valid(3, L, K).astype(np.float32)},
+     "array 'problem1' must be integers \\[tokens, layers, top_k\\], got float32"),
+    ({"problem0": _valid(3, L, K), "other": _valid(3, L, K)}, "array 'other' is neither a sequence \\(problem<N>\\)"),
+    ({"problem0": _valid(3, L, K), "problem1_router_weights": np.ones((3, L, K))}, "array 'problem1_router_weights' is "
+     "neither"),
 ])
 def test_bad_per_sequence_npz_is_one_error(tmp_path, arrays, message):
     path = tmp_path / "bad.npz"

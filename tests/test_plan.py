@@ -137,6 +137,7 @@ def test_plan_errors_are_one_line_before_ray_starts_or_anything_is_written(tmp_p
         (trace + ["--device-memory-gb", "8", "--context-tokens", "0"], "--context-tokens: expected >= 1, got 0"),
         (trace + ["--device-memory-gb", "8", "--reserve-gb", "-1"], "--reserve-gb: expected >= 0, got -1"),
         (trace + ["--device-memory-gb", "8", "--cache-steps", "0"], "--cache-steps: expected >= 1, got 0"),
+        (trace + ["--device-memory-gb", "8", "--top", "-1"], "--top: expected a number of runners-up >= 0, got -1"),
         (trace + ["--device-memory-gb", "8", "--profile", str(bad_profile)], str(bad_profile)),
         (shape + ["--device-memory-gb", "24", "--tokens", "0"], "--tokens: expected >= 1"),
         (shape + ["--device-memory-gb", "24", "--workload", "poetry"], "--workload"),

@@ -152,17 +152,30 @@ def test_sweep_without_ray_is_one_line_and_exit_2(tmp_path, monkeypatch):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("option", ["--num-cpus", "--chunk-cells", "--top"])
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_sweep_counts_below_one_are_one_line_before_ray_starts(tmp_path, option, value):
+    r = CliRunner().invoke(app, ["sweep", str(_grid_spec(tmp_path)), "--out", str(tmp_path / "out"), option, value])
+    assert r.exit_code == 2
+    assert r.output.strip() == f"error: {option}: expected a positive number, got {value}"
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("field, value, needle", [
     ("profiles", '"no-such-preset"', "field 'profiles': 'no-such-preset'"),
     ("profiles", '"empty.json"', "field 'profiles': "),
     ("traces", '["truncated.parquet"]', "not a Parquet trace file"),
+    # a cost term out of range is found with the profile it overrides: named by its own field
+    ("cost", '"base_s=-1"', "field 'cost': CostModel.base_s: expected a finite non-negative number"),
 ])
 def test_a_spec_naming_a_bad_profile_or_trace_is_one_line_and_leaves_nothing(tmp_path, field, value, needle):
     """The inputs are checked before the grid is recorded: no sweep.json or run.json that a report
     would take for an empty sweep, and no directory the run created."""
     (tmp_path / "empty.json").write_text("{}")
     (tmp_path / "truncated.parquet").write_bytes(SAMPLE_OLMOE.read_bytes()[:1000])
-    text = GRID_TOML.format(trace="olmoe.parquet").replace(f"{field} = ", f"{field} = {value}\n# was: ", 1)
+    text = GRID_TOML.format(trace="olmoe.parquet")
+    text = (text.replace(f"{field} = ", f"{field} = {value}\n# was: ", 1) if f"{field} = " in text
+            else f"{field} = {value}\n{text}")
     shutil.copy(SAMPLE_OLMOE, tmp_path / "olmoe.parquet")
     spec = _write(tmp_path / "bad.toml", text)
     r = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(tmp_path / "out"), "--num-cpus", "1"])

@@ -90,6 +90,18 @@ def test_unknown_values_round_trip_as_nulls(tmp_path):
     assert pq.read_table(tmp_path / "t.parquet").column("verdict").null_count == 1
 
 
+def test_metadata_is_strict_json_when_a_statistic_has_no_value(tmp_path):
+    """A one-position trace has no consecutive pair: its reuse statistic is NaN in memory, null in
+    the file (strict JSON readers refuse a bare NaN)."""
+    trace = synthesize("olmoe-1b-7b", "chat", n_tokens=1, seed=0)
+    assert np.isnan(trace.meta["statistics"]["consecutive_reuse"])
+    write_trace(trace, tmp_path / "one.parquet")
+    raw = pq.read_schema(tmp_path / "one.parquet").metadata[METADATA_KEY].decode()
+    meta = json.loads(raw, parse_constant=lambda name: pytest.fail(f"{name} in the metadata"))
+    assert meta["statistics"]["consecutive_reuse"] is None
+    assert read_trace(tmp_path / "one.parquet").n_cycles == 1
+
+
 def test_write_is_atomic_and_leaves_no_temp_files(tmp_path, small_synth):
     target = tmp_path / "t.parquet"
     write_trace(small_synth, target)

@@ -61,8 +61,9 @@ def simulate_command(
 
     try:
         check_run_dir(out, "simulate", files=SIMULATE_FILES)
-        cycles, summary = _simulate(traces, _distinct("--profile", _split(profiles, "--profile", "profile")),
-                                    _split([policies], "--policies", "policy"),
+        cycles, summary = _simulate(_distinct_files("--trace", traces),
+                                    _distinct("--profile", _split(profiles, "--profile", "profile")),
+                                    _distinct("--policies", _split([policies], "--policies", "policy")),
                                     _distinct("--cache-experts", _parse_sizes(cache_experts)), predictor,
                                     acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json,
                                     price_uncertainty, model)
@@ -85,6 +86,17 @@ def _distinct(option: str, values: list) -> list:
     if repeated:
         raise SpecFitError(f"{option}: lists {', '.join(repeated)} twice; expected distinct values")
     return values
+
+
+def _distinct_files(option: str, paths: list[Path]) -> list[Path]:
+    """``paths`` when no file is named twice (spelled alike or not: ``t.parquet`` and ``./t.parquet``)."""
+    seen: dict[Path, Path] = {}
+    for path in paths:
+        first = seen.setdefault(Path(path).resolve(), path)
+        if first is not path:
+            same = f"{first}" if str(first) == str(path) else f"{first} and {path} (the same file)"
+            raise SpecFitError(f"{option}: lists {same} twice; expected distinct traces (their rows would collide)")
+    return paths
 
 
 def _parse_sizes(text: str) -> list[int]:

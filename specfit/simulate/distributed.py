@@ -135,6 +135,10 @@ class GridInputs:
     scenarios: dict      # Cell.scenario_key -> Scenario
 
 
+# a scenario's error names the command-line option of the value; a spec file holds it in a field
+_SPEC_FIELDS = (("--cost", "cost"), ("--h2d-scale", "h2d_scale"), ("--profile", "profiles"))
+
+
 def resolve_inputs(spec: SweepSpec, cells: list[Cell]) -> GridInputs:
     """Read every source once and build every scenario in the driver, so bad input fails here
     with one clear message, and workers need no access to the user's files."""
@@ -167,8 +171,11 @@ def resolve_inputs(spec: SweepSpec, cells: list[Cell]) -> GridInputs:
             except SpecFitError as exc:
                 if Path(spec.path).suffix not in (".toml", ".yaml", ".yml"):
                     raise
-                # the value came from the spec file's `profiles`, not from a --profile option
-                raise SpecFitError(f"{spec.path}: field 'profiles': {str(exc).removeprefix('--profile ')}") from None
+                # the value came from a field of the spec file, not from the option the message names
+                message = str(exc)
+                field, option = next(((f, o) for o, f in _SPEC_FIELDS if message.startswith(o)), ("profiles", "--profile"))
+                raise SpecFitError(f"{spec.path}: field {field!r}: "
+                                   f"{message.removeprefix(option).removeprefix(':').lstrip()}") from None
     return GridInputs(data=data, scenarios=scenarios)
 
 

@@ -47,7 +47,7 @@ def sweep_command(
     from .grid import load_spec
 
     try:
-        for option, value in (("--num-cpus", num_cpus), ("--chunk-cells", chunk_cells)):
+        for option, value in (("--num-cpus", num_cpus), ("--chunk-cells", chunk_cells), ("--top", top)):
             if value is not None and value < 1:
                 raise SpecFitError(f"{option}: expected a positive number, got {value}")
         require_ray()
@@ -130,7 +130,7 @@ def plan_command(
     out: Optional[Path] = typer.Option(None, "--out", help="Sweep directory (default: runs/plan-<model>-<G>gb)."),
     address: Optional[str] = typer.Option(None, "--address", help="Join this Ray cluster."),
     num_cpus: Optional[int] = typer.Option(None, "--num-cpus", help="CPUs of the local Ray instance."),
-    top: int = typer.Option(5, "--top", help="Runner-up settings to list."),
+    top: int = typer.Option(5, "--top", help="Runner-up settings to list (0: the recommendation alone)."),
     as_json: bool = typer.Option(False, "--json", help="Print only the recommendation and runners-up as JSON."),
 ) -> None:
     """Turn a device-memory budget into candidate settings, replay them as a sweep, print the best."""
@@ -138,6 +138,8 @@ def plan_command(
     from .plan import MemoryBudget, run_plan
 
     try:
+        if top < 0:                          # 0: the recommendation alone
+            raise SpecFitError(f"--top: expected a number of runners-up >= 0, got {top}")
         require_ray()
         budget = MemoryBudget(device_bytes=device_memory_gb * 1e9, context_tokens=context_tokens,
                               reserve_bytes=reserve_gb * 1e9, dtype=dtype)

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import SpecFitError, one_line
-from ..io import atomic_write, json_text, not_readable_as
+from ..io import atomic_write, json_text, not_readable_as, strict_dumps
 from ..tree import DraftTree
 from .validate import check_meta, validate_trace
 
@@ -220,7 +220,8 @@ def to_table(trace: Trace) -> pa.Table:
         cols[name] = pa.array(np.asarray(values, dtype=np.float64)[c])
     table = pa.table(cols)
     meta = dict(trace.meta, schema_version=SCHEMA_VERSION)
-    return table.replace_schema_metadata({METADATA_KEY: json.dumps(meta, sort_keys=True).encode()})
+    # strict JSON (a statistic of too short a trace is NaN: null here), as every JSON SpecFit writes
+    return table.replace_schema_metadata({METADATA_KEY: strict_dumps(meta, sort_keys=True).encode()})
 
 
 def write_trace(trace: Trace, path: str | Path) -> Path:

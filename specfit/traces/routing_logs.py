@@ -120,11 +120,15 @@ def _flat_npz(data: dict, path: Path) -> RoutingLog:
     return RoutingLog(experts[order], tokens, seq[order], str(path), None if weights is None else weights[order], "npz")
 
 
+# the keys of a sequence's router weights beside its array (``problem0_router_weights``), in the order read
+_SEQUENCE_WEIGHT_SUFFIXES = ("_router_weights", "_weights")
+
+
 def _per_sequence_npz(data: dict, path: Path) -> RoutingLog:
     keyed = {}
     for name in data:
         match = re.fullmatch(r"(.*?)(\d+)", name)
-        if match and np.issubdtype(data[name].dtype, np.integer):
+        if match:             # a sequence's array, whatever its dtype (_expert_ids refuses a float one by name)
             keyed.setdefault(match.group(1), []).append((int(match.group(2)), name))
     if len(keyed) != 1:
         found = ", ".join(sorted(data)[:6]) or "nothing"
@@ -132,6 +136,14 @@ def _per_sequence_npz(data: dict, path: Path) -> RoutingLog:
                            f"under keys like problem0, problem1, ... (one shared prefix); found {found}")
     (prefix, entries), = keyed.items()
     entries.sort()
+    # every other array must be a sequence's router weights: one left unread would drop what it holds silently
+    known = {name for _, name in entries}
+    known |= {f"{name}{suffix}" for name in known for suffix in _SEQUENCE_WEIGHT_SUFFIXES}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise SpecFitError(f"{path}: array {unknown[0]!r} is neither a sequence ({prefix}<N>) nor a sequence's router "
+                           f"weights ({prefix}<N>_router_weights); expected only those in a log of one array per "
+                           "sequence")
     for (number, name), (other, other_name) in zip(entries, entries[1:]):
         if number == other:
             raise SpecFitError(f"{path}: arrays {name!r} and {other_name!r} are both sequence {number}; expected one "
@@ -141,7 +153,8 @@ def _per_sequence_npz(data: dict, path: Path) -> RoutingLog:
         block = _expert_ids(data[name], path, f"array {name!r}")
         experts.append(block)
         sequence.append(np.full(block.shape[0], number, dtype=np.int64))
-        weight_key = next((k for k in (f"{name}_router_weights", f"{name}_weights") if k in data), None)
+        weight_key = next((f"{name}{suffix}" for suffix in _SEQUENCE_WEIGHT_SUFFIXES if f"{name}{suffix}" in data),
+                          None)
         weights.append(None if weight_key is None else _weights(data[weight_key], block, path, f"array {weight_key!r}"))
     shapes = {block.shape[1:] for block in experts}
     if len(shapes) != 1:
