@@ -183,6 +183,15 @@ def _rerank(name: str):
     return build
 
 
+def _specfit(args: list[int], max_levels: int) -> Policy:
+    """``specfit`` (``max_levels`` levels at most) or ``specfit:D``, named as written: two depths
+    in one run are two policies, each with its own rows."""
+    policy = SpecFitPolicy(args[0] if args else max_levels)
+    if args:
+        policy.name = f"specfit:{args[0]}"
+    return policy
+
+
 POLICIES: dict[str, PolicySpec] = {
     "ar": PolicySpec("ar", "no speculation", lambda a, m: ArPolicy()),
     "chain": PolicySpec("chain:K", "a chain of K draft tokens", lambda a, m: ChainPolicy(a[0]), n_args=(1,)),
@@ -194,7 +203,7 @@ POLICIES: dict[str, PolicySpec] = {
                          "(simulator)", lambda a, m: RerankPolicy(a[0], max(1, min(a[0] - 1, m)), name=f"static:{a[0]}"),
                          n_args=(1,), live="static:N"),
     "specfit": PolicySpec("specfit[:D]", "exact max-throughput subtree, level stopping (D levels at most)",
-                          lambda a, m: SpecFitPolicy(a[0] if a else m), n_args=(0, 1)),
+                          lambda a, m: _specfit(a, m), n_args=(0, 1)),
     "oracle": PolicySpec("oracle", "knows the verdicts (simulator, an upper bound)", lambda a, m: OraclePolicy(64), live=""),
 }
 # what `specfit simulate` compares by default

@@ -219,6 +219,19 @@ def test_overhead_is_learned_from_the_drivers_measurements():
     assert policy.overhead_level_s == pytest.approx(0.009)
 
 
+@pytest.mark.parametrize("spec", ["ar", "chain:3", "eagle3", "eagle3:8:3", "static:6", "specfit", "specfit:4",
+                                  "specfit:2+online", "chain:1+cache+prefetch"])
+def test_a_policy_is_named_as_written(spec):
+    """Runs and summaries key their rows by the name: ``specfit:2`` and ``specfit:4`` in one run
+    must not pool into one ``specfit`` row."""
+    assert make_policy(spec).name == spec
+
+
+def test_specfit_depth_is_the_written_one_or_the_cap():
+    assert make_policy("specfit:4", max_levels=8).max_levels == 4
+    assert make_policy("specfit", max_levels=5).max_levels == 5
+
+
 def test_levers_attach_to_any_policy():
     from specfit.experts.acceptance_online import OnlineAcceptance
     from specfit.experts.lookahead import DraftLookahead

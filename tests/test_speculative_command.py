@@ -443,6 +443,31 @@ def test_a_rerun_stopped_early_keeps_none_of_the_last_runs_files(checkpoint, tmp
     assert len((out / "decode.jsonl").read_text().splitlines()) == 1 and not (out / "summary.json").exists()
 
 
+@pytest.mark.parametrize("failure", [SpecFitError("target model: NaN logits"), KeyboardInterrupt()])
+def test_a_rerun_that_fails_before_its_first_cycle_leaves_the_last_run_as_it_was(checkpoint, tmp_path, monkeypatch,
+                                                                               failure):
+    """Bad input found at the first pass (NaN weights), or a Ctrl-C while loading: the last run's
+    cycles, records, summary and run.json stay, byte for byte, and nothing of this run is added."""
+    from specfit.runtime.decoder import Decoder
+
+    model_dir, drafter_dir, prompts = checkpoint
+    out = tmp_path / "run"
+    plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["ar"],
+                      drafter_dir=drafter_dir, profile="pcie4", max_new_tokens=NEW_TOKENS, device="cpu", out_dir=out,
+                      ignore_eos=True, warmup=False)
+    run_decode(plan)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    assert {"cycles.parquet", "decode.jsonl", "summary.json", "run.json"} <= set(before)
+
+    def fail(self, *args, **kwargs):
+        raise failure
+
+    monkeypatch.setattr(Decoder, "prefill", fail)
+    with pytest.raises((SpecFitError, Interrupted)):
+        run_decode(plan)
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+
+
 def _stop_recording_after(monkeypatch, n_cycles):
     """Ctrl-C right after the recorder has taken its ``n_cycles``-th cycle (mid-sequence)."""
     from specfit.runtime.record import TraceRecorder

@@ -220,14 +220,17 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             inputs = _load(plan, say)
             inputs.notes.extend(sampled_acceptance_note(plan, policies))
             model, profile = inputs.model, inputs.profile
+            start = None
             if plan.out_dir is not None:
                 from ..calibrate.profile import ModelShape
                 from ..runinfo import write_run_info
 
                 # the shape the cycles were measured on: a refit must not move them onto another one
                 shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
-                write_run_info(plan.out_dir, "decode", ctx, shape=shape.to_dict(), profile=profile.label)
-            outputs = DecodeOutputs(plan.out_dir)
+
+                def start():       # with the first result (a rerun failing before it keeps the last run's)
+                    write_run_info(plan.out_dir, "decode", ctx, shape=shape.to_dict(), profile=profile.label)
+            outputs = DecodeOutputs(plan.out_dir, start)
             recorder = _recorder(plan, model, inputs.drafter, profile) if plan.record is not None else None
         except BaseException:
             leave_nothing()

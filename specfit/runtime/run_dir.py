@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import SpecFitError
 from ..io import (atomic_write, json_text, nulls_as_nan, read_parquet, remove_stale_temporaries, strict_dumps,
@@ -24,42 +24,56 @@ JOURNAL_FILE = "cycles.jsonl"
 
 
 class DecodeOutputs:
-    """The files under ``--out`` (a previous run's removed when this one starts): every cycle
+    """The files under ``--out`` (a previous run's replaced when this one has its first result): every cycle
     appended to the ``cycles.jsonl`` journal as it completes, so that even a killed run keeps each
     complete cycle; ``decode.jsonl`` and ``summary.json`` rewritten whole after each prompt (atomic:
     never half-written); ``cycles.parquet`` written once, when the run ends or stops, which then
     removes the journal (rewriting it after each prompt cost time quadratic in the prompts, a
     visible pause per prompt on a long run: ``benchmarks/RESULTS.md``, "Stop 50: four more
     audits"). :func:`read_decode_cycles` reads both. ``cycles`` are rows of
-    :data:`specfit.accounting.CYCLE_COLUMNS` with their keys."""
+    :data:`specfit.accounting.CYCLE_COLUMNS` with their keys.
 
-    def __init__(self, out_dir: Path | None):
+    A rerun into a directory replaces the last run's files (and ``start()`` writes this run's
+    ``run.json``) when its first cycle or record is written, not before: a rerun that fails on
+    its input, or is stopped, before it has a result leaves the last run as it was, and none of
+    the last run's files is ever read beside this run's cycles."""
+
+    def __init__(self, out_dir: Path | None, start: Callable[[], None] | None = None):
         self.out_dir = out_dir
         self.records: list[dict] = []
         self.cycles: list[dict] = []
         self.summaries: list[dict] = []
         self._journal = None
+        self._start, self._started = start, out_dir is None
         if out_dir is not None:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             remove_stale_temporaries(out_dir)
-            # a rerun into the directory replaces the last run's files now: kept until the first
-            # cycle, they would be read as this run's (the last run's summary beside new cycles)
-            for name in (JOURNAL_FILE, CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE):
-                (Path(out_dir) / name).unlink(missing_ok=True)
+
+    def _begin(self) -> None:
+        """This run's first result: the last run's files go, this run's ``run.json`` is written."""
+        if self._started:
+            return
+        for name in (JOURNAL_FILE, CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE):
+            (Path(self.out_dir) / name).unlink(missing_ok=True)
+        if self._start is not None:
+            self._start()
+        self._started = True
 
     def add_cycle(self, row: dict) -> None:
         self.cycles.append(row)
         if self.out_dir is None:
             return
         if self._journal is None:
+            self._begin()
             self._journal = open(Path(self.out_dir) / JOURNAL_FILE, "a", encoding="utf-8")
         self._journal.write(strict_dumps(row) + "\n")      # strict JSON: a NaN figure as null
         self._journal.flush()
 
     def flush(self) -> None:
         """``decode.jsonl`` and ``summary.json`` as they stand (the cycles are in the journal)."""
-        if self.out_dir is None:
+        if self.out_dir is None or not (self.records or self.summaries or self._started):
             return
+        self._begin()
         write_jsonl_atomic(self.out_dir / OUTPUT_FILE, self.records)
         if self.summaries:
             write_json_atomic(self.out_dir / SUMMARY_FILE, self.summaries)
