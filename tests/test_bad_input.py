@@ -140,6 +140,11 @@ def test_nan_target_weights_are_blamed_on_the_target_not_decoded_into_garbage(mo
                     "--profile", "pcie4", "--max-new-tokens", 2, "--out", out)
     one_line_error(result, f"target model {broken}:", "NaN or infinite logits")
     assert not out.exists()             # the run failed before any output: not even its run.json is left
+    # calibrating it would time passes whose routing collapsed into a profile that means nothing
+    profile = tmp_path / "profile.json"
+    result = invoke("calibrate", "--model", broken, "--quick", "--out", profile)
+    one_line_error(result, f"target model {broken}:", "a calibration pass (random tokens) gave NaN or infinite logits")
+    assert not profile.exists()
 
 
 # ----------------------------------------------------------------- traces

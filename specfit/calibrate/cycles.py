@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..errors import SpecFitError
 from ..experts.cache import ExpertCache
-from ..runtime.decoder import device_now
+from ..runtime.decoder import check_finite_logits, device_now
 from ..runtime.devices import free_device_bytes
 from ..runtime.model import MoETransformer, causal_mask
 from ..runtime.offload import ExpertOffload
@@ -156,7 +156,9 @@ def probe_cycles(model: MoETransformer, capacities, node_counts=(1, 2, 4, 8, 16,
 def _probe_one_cache(model, offload, rng, capacity, node_counts, repeats, context_len, progress) -> list[dict]:
     device, vocab = model.device, model.config.vocab_size
     context = rng.integers(0, vocab, context_len)
-    model(context, np.arange(context_len), causal_mask(0, context_len))     # prefill, warms the cache
+    out = model(context, np.arange(context_len), causal_mask(0, context_len))     # prefill, warms the cache
+    # a checkpoint with NaN weights would time passes that mean nothing (its routing collapses)
+    check_finite_logits(model, out.logits, "a calibration pass (random tokens)")
     rows = []
     plan = probe_trees(node_counts, repeats)
     for i in rng.permutation(len(plan)):

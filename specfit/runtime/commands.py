@@ -53,8 +53,10 @@ def decode(
                                       "speculative sampling for the drafting policies (specfit then learns its "
                                       "acceptance online from what sampling accepts: specfit+online)."),
     seed: int = typer.Option(0, "--seed", help="Sampling seed: each policy's random stream starts from it and runs on "
-                             "from prompt to prompt (the same command samples the same; a prompt's sample depends "
-                             "on the prompts before it)."),
+                             "from prompt to prompt (a prompt's sample depends on the prompts before it). Policies "
+                             "with fixed trees (ar, chain, static, eagle3) sample the same each time; specfit's trees "
+                             "depend on the cycle times it measures, so its samples, each drawn from the target's "
+                             "distribution, can differ from run to run."),
     tree_top_k: int = typer.Option(4, "--tree-top-k", help="EAGLE tree expansion: children per node and nodes expanded per level."),
     max_levels: int = typer.Option(8, "--max-levels", help="Draft levels at most for specfit and static:N (and --record-full)."),
     acceptance: Optional[Path] = typer.Option(None, "--acceptance", help="Trace to fit an acceptance calibrator on "

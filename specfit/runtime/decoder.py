@@ -49,7 +49,7 @@ from .model import MoETransformer, causal_mask
 from .cycle import Commit, CycleStats, DecodeResult, Draft, Verification
 from .offload import OffloadCounters
 
-__all__ = ["Decoder", "device_now", "device_clock", "charged_misses", "greedy_verdicts", "DecodeResult", "Draft", "Verification", "Commit", "CycleStats"]
+__all__ = ["Decoder", "device_now", "device_clock", "charged_misses", "check_finite_logits", "greedy_verdicts", "DecodeResult", "Draft", "Verification", "Commit", "CycleStats"]
 
 
 # the arrays of a tree that is its root alone (shared: the tree holds read-only views of them)
@@ -222,12 +222,8 @@ class Decoder:
         K/V stay cached; the proposer's session starts with the prompt's features."""
         n = len(prompt_ids)
         out = self.model(prompt_ids, np.arange(n), causal_mask(0, n), logits_rows=[n - 1])
-        if not bool(torch.isfinite(out.logits[-1]).all()):
-            # NaN logits argmax to token 0: the output would be garbage (or an instant EOS), silently
-            source = getattr(self.model, "source", None)
-            raise SpecFitError(f"target model{f' {source}' if source else ''}: the prompt's pass gave NaN or infinite "
-                               "logits; expected finite weights (a tensor of the checkpoint holds NaN or inf, or the "
-                               "dtype overflows)")
+        # NaN logits argmax to token 0: the output would be garbage (or an instant EOS), silently
+        check_finite_logits(self.model, out.logits[-1], "the prompt's pass")
         self.cache_len = n
         self._last_known = out.expert_ids[-1]
         if self.predictor is not None:       # the prompt's routing is the first thing a predictor can learn
@@ -438,6 +434,16 @@ def greedy_verdicts(logits: torch.Tensor) -> np.ndarray:
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
         return logits.numpy().argmax(axis=-1)
     return logits.argmax(dim=-1).cpu().numpy()
+
+
+def check_finite_logits(model, logits: torch.Tensor, what: str) -> None:
+    """One clear error when ``logits`` of ``model`` (``what``: the pass) hold NaN or inf: a
+    tensor of the checkpoint holds them, or the dtype overflows."""
+    if not bool(torch.isfinite(logits).all()):
+        source = getattr(model, "source", None)
+        raise SpecFitError(f"target model{f' {source}' if source else ''}: {what} gave NaN or infinite logits; "
+                           "expected finite weights (a tensor of the checkpoint holds NaN or inf, or the dtype "
+                           "overflows)")
 
 
 def charged_misses(expert_ids: np.ndarray, cached: np.ndarray, before=None) -> np.ndarray:
