@@ -73,6 +73,16 @@ def write_run_info(out_dir: str | Path, kind: str, ctx=None, **extra) -> Path:
     return write_json_atomic(Path(out_dir) / RUN_INFO_FILE, run_info(kind, ctx, **extra))
 
 
+def note_run(out_dir: str | Path, note: str) -> None:
+    """Add ``note`` to the notes of the directory's ``run.json`` (for its readers: a report shows
+    them); nothing when it has no readable one."""
+    info = read_run_info(out_dir)
+    if info is None:
+        return
+    notes = info.get("notes") if isinstance(info.get("notes"), list) else []
+    write_json_atomic(Path(out_dir) / RUN_INFO_FILE, {**info, "notes": [*notes, note]})
+
+
 def read_run_info(out_dir: str | Path) -> dict | None:
     """The directory's ``run.json``; None when there is none or it cannot be read as a JSON object
     (what was run is then unknown, which a report says; it is not an error there)."""

@@ -94,9 +94,11 @@ def test_a_summary_file_listing_something_other_than_objects_is_one_clear_error(
     assert got[0]["policy"] == "ar" and got[0]["precision"] != got[0]["precision"]     # null read as NaN
 
 
-def test_a_rerun_into_a_run_directory_removes_the_last_runs_outputs_before_its_first_cycle(tmp_path):
-    """The last run's cycles, journal, records and summary are gone as soon as a new run starts in
-    the directory: read before the new run's first cycle they would pass for its own."""
+def test_a_rerun_into_a_run_directory_replaces_the_last_runs_outputs_at_its_first_cycle(tmp_path):
+    """The last run's cycles, journal, records and summary stay while a new run has no result (one
+    that fails on its input leaves them as they were), and are gone when its first cycle is
+    written: read beside it they would pass for its own. ``start`` (the new run.json) runs then,
+    once."""
     from specfit.runtime.run_dir import (CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE, DecodeOutputs,
                                          read_decode_cycles, read_decode_summaries)
 
@@ -106,10 +108,19 @@ def test_a_rerun_into_a_run_directory_removes_the_last_runs_outputs_before_its_f
     first.close()
     assert (tmp_path / CYCLES_FILE).is_file() and (tmp_path / SUMMARY_FILE).is_file()
     (tmp_path / JOURNAL_FILE).write_text('{"policy": "ar", "cycle": 0}\n')
-    DecodeOutputs(tmp_path)
-    for name in (CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE):
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    started = []
+    second = DecodeOutputs(tmp_path, start=lambda: started.append(True))
+    second.flush()                                  # nothing to write yet: nothing replaced
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before and not started
+    second.add_cycle({"policy": "eagle3", "cycle": 0})
+    assert started == [True]
+    for name in (CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE):
         assert not (tmp_path / name).exists(), name
-    assert read_decode_cycles(tmp_path).empty and read_decode_summaries(tmp_path) == []
+    assert list(read_decode_cycles(tmp_path)["policy"]) == ["eagle3"] and read_decode_summaries(tmp_path) == []
+    second.add_cycle({"policy": "eagle3", "cycle": 1})
+    second.close()
+    assert started == [True] and list(read_decode_cycles(tmp_path)["cycle"]) == [0, 1]
 
 
 def test_a_ctrl_c_as_the_temporary_file_is_created_leaves_no_temporary(tmp_path, monkeypatch):

@@ -382,7 +382,7 @@ def test_a_stop_just_after_a_cycle_became_a_row_keeps_it_once(checkpoint, tmp_pa
 
     monkeypatch.setattr(decode_job.DecodeOutputs, "add_cycle", add_then_stop)
     rows = []
-    monkeypatch.setattr(decode_job, "_keep_partial", lambda plan, outputs, recorder: rows.extend(outputs.cycles) or "")
+    monkeypatch.setattr(decode_job, "_keep_partial", lambda plan, outputs, recorder, *why: rows.extend(outputs.cycles) or "")
     with pytest.raises(Interrupted):
         run_decode(plan)
     keys = [(r["sequence"], r["cycle"]) for r in rows]
@@ -441,6 +441,16 @@ def test_a_rerun_stopped_early_keeps_none_of_the_last_runs_files(checkpoint, tmp
     cycles = read_decode_cycles(out)
     assert set(cycles["policy"]) == {"ar"} and set(cycles["sequence"]) == {0} and len(cycles) == NEW_TOKENS - 1
     assert len((out / "decode.jsonl").read_text().splitlines()) == 1 and not (out / "summary.json").exists()
+    # its run.json says that it stopped, and its report says so above the tables
+    n_prompts = len(prompts.read_text().splitlines())
+    said = (f"the run stopped before its end (interrupted): it holds the {NEW_TOKENS - 1} cycle(s) completed before "
+            f"it; 1 of its {2 * n_prompts} (policy, prompt) runs finished")
+    assert json.loads((out / "run.json").read_text())["notes"] == [said]
+    from specfit.report.build import build_report
+
+    notes = []
+    page = build_report([out], tmp_path / "report", say=notes.append)
+    assert f"note: {said}" in notes and said in page.read_text()
 
 
 @pytest.mark.parametrize("failure", [SpecFitError("target model: NaN logits"), KeyboardInterrupt()])

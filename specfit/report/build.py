@@ -217,6 +217,6 @@ def _sections(page: Page, path: Path, kinds: list[str]) -> None:
             summaries = []
             page.note(f"{exc}: the table of the model each policy decided with is left out")
         with _damaged(path, "cycles.parquet / summary.json"):
-            live_section(page, cycles, str(path), summaries)
+            live_section(page, cycles, str(path), summaries, _run_notes(path))
     if "sweep" in kinds:
         _sweep_sections(page, path, kinds)

@@ -13,8 +13,11 @@ from .plots import bars, identity_scatter, new_axes
 __all__ = ["live_section"]
 
 
-def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | None = None) -> None:
+def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | None = None,
+                 notes: list[str] = ()) -> None:
     page.heading(f"Live decoding: {name}")
+    for note in notes:                       # what the run said its readers should know (e.g. that it stopped early)
+        page.note(note)
     cycles = read_cycles(cycles)
     policies = list(dict.fromkeys(cycles["policy"])) if "policy" in cycles else ["run"]
     if "policy" not in cycles:

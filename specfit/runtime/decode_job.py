@@ -28,6 +28,7 @@ kernel loading and library heuristics would otherwise land in its first cycles).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
@@ -227,9 +228,9 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
 
                 # the shape the cycles were measured on: a refit must not move them onto another one
                 shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
-
-                def start():       # with the first result (a rerun failing before it keeps the last run's)
-                    write_run_info(plan.out_dir, "decode", ctx, shape=shape.to_dict(), profile=profile.label)
+                # written with the first result (a rerun failing before it keeps the last run's)
+                start = functools.partial(write_run_info, plan.out_dir, "decode", ctx, shape=shape.to_dict(),
+                                          profile=profile.label)
             outputs = DecodeOutputs(plan.out_dir, start)
             recorder = _recorder(plan, model, inputs.drafter, profile) if plan.record is not None else None
         except BaseException:
@@ -255,7 +256,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
         except SpecFitError as exc:
             if stopped_with_nothing():
                 raise
-            kept = _keep_partial(plan, outputs, recorder)           # a failure mid-run: what ran stays readable
+            kept = _keep_partial(plan, outputs, recorder, str(exc), len(policies) * len(inputs.prompts))     # a failure mid-run: what ran stays readable
             if not kept:
                 raise
             raise SpecFitError(f"{exc} (before it: kept {kept})") from None
@@ -264,7 +265,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 raise
             if stopped_with_nothing():
                 raise Interrupted("interrupted before the first cycle: no cycle was decoded, so none was kept") from None
-            kept = _keep_partial(plan, outputs, recorder)
+            kept = _keep_partial(plan, outputs, recorder, "interrupted", len(policies) * len(inputs.prompts))
             raise Interrupted(f"interrupted after {len(outputs.cycles)} complete cycle(s) ({len(outputs.records)} (policy, "
                               f"prompt) run(s) finished): " + (f"kept {kept}" if kept else
                                                                "nothing was written (no --out or --record)")) from None
@@ -529,13 +530,19 @@ def sampled_acceptance_note(plan: DecodePlan, policies: list) -> list[str]:
     return [SAMPLED_ACCEPTANCE_NOTE.format(t=plan.temperature, names=", ".join(changed))]
 
 
-def _keep_partial(plan: DecodePlan, outputs: DecodeOutputs, recorder) -> str:
-    """A run stopped before its end (Ctrl-C, or bad input met mid-run): write what it completed,
-    the run directory's files and the recorded cycles as a trace; returns what was kept where
-    ("every complete cycle, N of them, in OUT and ..."), empty when nothing was asked to be written."""
+def _keep_partial(plan: DecodePlan, outputs: DecodeOutputs, recorder, why: str, runs: int) -> str:
+    """A run stopped before its end (Ctrl-C, or bad input met mid-run; ``why``): write what it
+    completed, the run directory's files (its ``run.json`` noting that it stopped, and why, for a
+    report to say; ``runs``: the (policy, prompt) runs it was to make) and the recorded cycles as a trace; returns what was kept where ("every
+    complete cycle, N of them, in OUT and ..."), empty when nothing was asked to be written."""
     outputs.close()
     kept = []
     if plan.out_dir is not None:
+        from ..runinfo import note_run
+
+        note_run(plan.out_dir, f"the run stopped before its end ({why}): it holds the {len(outputs.cycles)} cycle(s) "
+                               f"completed before it; {len(outputs.records)} of its {runs} (policy, prompt) runs "
+                               "finished")
         kept.append(f"every complete cycle, {len(outputs.cycles)} of them, in {plan.out_dir}")
     if recorder is not None and len(recorder):
         recorder.end_open_sequence()
