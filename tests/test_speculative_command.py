@@ -478,6 +478,35 @@ def test_a_rerun_that_fails_before_its_first_cycle_leaves_the_last_run_as_it_was
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
+def test_a_full_disk_mid_run_is_one_error_naming_the_journal_and_what_was_kept(checkpoint, tmp_path, monkeypatch):
+    """ENOSPC names no file: the error names the journal being written and how many cycles were
+    complete, and the complete cycles still reach the disk as far as it lets them."""
+    import errno
+
+    import specfit.runtime.run_dir as run_dir
+
+    model_dir, drafter_dir, prompts = checkpoint
+    out = tmp_path / "run"
+    plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["ar"],
+                      drafter_dir=drafter_dir, profile="pcie4", max_new_tokens=NEW_TOKENS, device="cpu", out_dir=out,
+                      ignore_eos=True, warmup=False)
+    dumps, written = run_dir.strict_dumps, []
+
+    def fill_up(row):
+        if len(written) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(row)
+        return dumps(row)
+
+    monkeypatch.setattr(run_dir, "strict_dumps", fill_up)
+    with pytest.raises(SpecFitError) as info:
+        run_decode(plan)
+    assert str(info.value) == (f"{out / 'cycles.jsonl'}: No space left on device (after 4 complete cycle(s); those "
+                               f"that reached the disk before it are in {out})")
+    # the journal's three lines; cycles.parquet then took all four (this disk had room for it)
+    assert len(read_decode_cycles(out)) == 4 and len(written) == 3
+
+
 def _stop_recording_after(monkeypatch, n_cycles):
     """Ctrl-C right after the recorder has taken its ``n_cycles``-th cycle (mid-sequence)."""
     from specfit.runtime.record import TraceRecorder

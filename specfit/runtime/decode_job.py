@@ -195,6 +195,10 @@ class DecodeRun:
     notes: list[str] = field(default_factory=list)   # what the user should know (e.g. a profile not used)
 
 
+# operating-system errors that are not about the run's files (a reader that went away)
+_NOT_THE_RUNS = (BrokenPipeError, ConnectionError, TimeoutError)
+
+
 def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None,
                status: Callable[[str], None] | None = None, progress: Callable[[], None] | None = None,
                ctx=None) -> DecodeRun:
@@ -269,12 +273,17 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             raise Interrupted(f"interrupted after {len(outputs.cycles)} complete cycle(s) ({len(outputs.records)} (policy, "
                               f"prompt) run(s) finished): " + (f"kept {kept}" if kept else
                                                                "nothing was written (no --out or --record)")) from None
-        except Exception:
-            # anything else (out of device memory, a torch error): the complete cycles still reach
-            # cycles.parquet before the error goes on, as far as the disk lets them
+        except Exception as exc:
+            # anything else (out of device memory, a torch error, a full disk): the complete cycles
+            # still reach cycles.parquet before the error goes on, as far as the disk lets them
             with contextlib.suppress(Exception):
                 rows.flush(stopped=True)
                 outputs.close()
+            if isinstance(exc, OSError) and plan.out_dir is not None and not isinstance(exc, _NOT_THE_RUNS):
+                from ..io import os_error_text
+
+                raise SpecFitError(f"{os_error_text(exc)} (after {len(outputs.cycles)} complete cycle(s); "
+                                   f"those that reached the disk before it are in {plan.out_dir})") from None
             raise
         outputs.close()
         trace_path = _write_recording(recorder, plan.record) if recorder is not None else None

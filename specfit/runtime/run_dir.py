@@ -63,11 +63,18 @@ class DecodeOutputs:
         self.cycles.append(row)
         if self.out_dir is None:
             return
-        if self._journal is None:
-            self._begin()
-            self._journal = open(Path(self.out_dir) / JOURNAL_FILE, "a", encoding="utf-8")
-        self._journal.write(strict_dumps(row) + "\n")      # strict JSON: a NaN figure as null
-        self._journal.flush()
+        journal = Path(self.out_dir) / JOURNAL_FILE
+        try:
+            if self._journal is None:
+                self._begin()
+                self._journal = open(journal, "a", encoding="utf-8")
+            self._journal.write(strict_dumps(row) + "\n")      # strict JSON: a NaN figure as null
+            self._journal.flush()
+        except OSError as exc:
+            # a full disk's error names no file: the journal it was written to is the one
+            if exc.filename is None:
+                exc.filename = str(journal)
+            raise
 
     def flush(self) -> None:
         """``decode.jsonl`` and ``summary.json`` as they stand (the cycles are in the journal)."""
