@@ -276,14 +276,14 @@ def summarise(cycles: "pd.DataFrame") -> dict:
     out = {
         "tokens": tokens, "cycles": n, "time_s": time_s,
         "tokens_per_s": tokens / time_s if time_s > 0 else (nan if n == 0 else float("inf")),
-        "tokens_per_cycle": tokens / n if n else 0.0,
+        "tokens_per_cycle": tokens / n if n else nan,
         "time_per_cycle_s": time_s / n if n else nan,
         "predicted_time_per_cycle_s": float(c["predicted_time_s"].mean()) if n else nan,
         "bytes_h2d": int(c["bytes_h2d"].sum()),
-        "bytes_per_token": float(c["bytes_h2d"].sum() / tokens) if tokens else 0.0,
+        "bytes_per_token": float(c["bytes_h2d"].sum() / tokens) if tokens else nan,
         "bytes_per_cycle": float(c["bytes_h2d"].mean()) if n else nan,
         "predicted_bytes_per_cycle": float(c["predicted_bytes_h2d"].mean()) if n else nan,
-        "hit_rate": hits / (hits + misses) if hits + misses else 0.0,
+        "hit_rate": hits / (hits + misses) if hits + misses else nan,
         "nodes_per_cycle": float(c["nodes_verified"].mean()) if n else nan,
         "draft_levels_per_cycle": float(c["draft_levels"].mean()) if n else nan,
         # levels drafted below the deepest selected node: draft time spent on nothing

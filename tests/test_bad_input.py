@@ -147,6 +147,24 @@ def test_nan_target_weights_are_blamed_on_the_target_not_decoded_into_garbage(mo
     assert not profile.exists()
 
 
+def test_a_decode_of_no_cycle_gives_no_rates_and_its_report_says_why(model_dir, tmp_path):
+    """--max-new-tokens 1: the prompt's pass makes the one token, no cycle runs. Its rates have no
+    value (null, not 0: a hit rate of 0 would say every expert missed) and a report says why it has
+    nothing to show."""
+    out = tmp_path / "run"
+    result = invoke("decode", "--model", model_dir, "--prompts", model_dir.parent / "prompts.jsonl", "--cache-experts", 2,
+                    "--profile", "pcie4", "--max-new-tokens", 1, "--out", out)
+    assert result.exit_code == 0, result.output
+    records = [json.loads(line) for line in (out / "decode.jsonl").read_text().splitlines()]
+    assert records and all(r["n_cycles"] == 0 and r["tokens_per_s"] is None and r["decode_hit_rate"] is None
+                           for r in records)
+    summary, = json.loads((out / "summary.json").read_text())
+    assert summary["cycles"] == 0 and summary["tokens"] == 0
+    assert summary["tokens_per_cycle"] is None and summary["hit_rate"] is None and summary["bytes_per_token"] is None
+    one_line_error(invoke("report", out, "--out", tmp_path / "rep"), f"{out}: a `specfit decode` run that decoded no "
+                   "cycle", "--max-new-tokens 1")
+
+
 # ----------------------------------------------------------------- traces
 def test_nan_draft_log_probabilities_fail_validation_not_the_simulator(tmp_path):
     table = pq.read_table(SAMPLE_OLMOE)

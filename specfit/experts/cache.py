@@ -59,8 +59,9 @@ class LayerCounts:
 
     @property
     def hit_rate(self) -> float:
+        """Hits over the experts looked up; NaN when none was (no pass: no rate to give)."""
         total = self.total_hits + self.total_misses
-        return self.total_hits / total if total else 0.0
+        return self.total_hits / total if total else float("nan")
 
 
 @dataclass

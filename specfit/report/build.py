@@ -21,7 +21,7 @@ from ..calibrate.profile import load_profile
 from ..errors import SpecFitError, one_line
 from ..io import deferred_interrupt, not_readable_as, read_parquet, write_json_atomic
 from ..runinfo import read_run_info
-from ..runtime.run_dir import CYCLES_FILE, JOURNAL_FILE, read_decode_cycles, read_decode_summaries
+from ..runtime.run_dir import CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, read_decode_cycles, read_decode_summaries
 from .calibration import calibration_section
 from .html import Page
 from .live import live_section
@@ -58,6 +58,10 @@ def classify(path: Path) -> list[str]:
                                "summary.parquet; expected a `specfit decode --out` run, or a `specfit simulate --out` "
                                "run with both files (run the simulation again)")
         kinds.append("live")
+    if not kinds and str(info.get("kind", "")) == "decode" and (path / OUTPUT_FILE).is_file():
+        raise SpecFitError(f"{path}: a `specfit decode` run that decoded no cycle (every output ended at the prompt "
+                           "pass's token: --max-new-tokens 1, or an end-of-sequence token first); its outputs are in "
+                           f"{path / OUTPUT_FILE}, and there are no cycles to report")
     if not kinds:
         raise SpecFitError(f"{path}: found no profile.json, summary.parquet, cycles.parquet or sweep.json; expected "
                            "what `specfit calibrate`, `specfit simulate --out`, `specfit decode --out` or `specfit sweep` "

@@ -131,9 +131,10 @@ class DecodeResult:
 
     @property
     def tokens_per_s(self) -> float:
-        """Decode-phase throughput: tokens committed by the cycles after the prefill per second."""
+        """Decode-phase throughput: tokens committed by the cycles after the prefill per second
+        (NaN without a decode cycle: the output ended at the prefill's token)."""
         committed = sum(self.cycle_tokens)
-        return committed / self.decode_time_s if self.decode_time_s > 0 else 0.0
+        return committed / self.decode_time_s if self.decode_time_s > 0 and self.n_cycles else float("nan")
 
     @property
     def decode_offload(self) -> OffloadCounters:
