@@ -318,6 +318,10 @@ def test_a_refit_onto_a_profile_of_another_shape_is_refused(model_dir, tmp_path)
     (["demo", "--max-new-tokens", "0"], "--max-new-tokens"),
     (["demo", "--threads", "0"], "--threads"),
     (["calibrate", "--shape", "tiny", "--threads", "0"], "--threads"),
+    # options that would be ignored without a word
+    (["calibrate", "--model", "m", "--layers", "2"], "--layers 2: sets the depth of a --shape stand-in"),
+    (["calibrate", "--refit", "run", "--profile", "pcie4", "--model", "m", "--quick"],
+     "--refit: --model, --quick set(s) what probing measures"),
 ])
 def test_bad_options_are_refused_before_any_work_or_file(tmp_path, argv, needle):
     before = files_under(tmp_path)

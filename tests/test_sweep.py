@@ -184,6 +184,22 @@ def test_a_spec_naming_a_bad_profile_or_trace_is_one_line_and_leaves_nothing(tmp
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("shape, needle", [
+    (None, "no known model shape has 3 layers x top-2; give its routing entry in {spec} a 'shape' field"),
+    ("olmo", "{spec}: the routing entry of log.npz: field 'shape': unknown model shape 'olmo'"),
+])
+def test_a_routing_log_of_no_known_shape_names_the_spec_field_to_set(tmp_path, shape, needle):
+    """The sweep has no --shape or --model option: the error says which field of the spec to set."""
+    experts = np.tile(np.arange(2, dtype=np.int16), (6, 3, 1))
+    np.savez(tmp_path / "log.npz", expert_ids=experts, sequence_id=np.zeros(6, dtype=np.int32))
+    entry = 'log = "log.npz", drafters = ["chat"]' + (f', shape = "{shape}"' if shape else "")
+    spec = _write(tmp_path / "routing.toml", f'routing = [{{{entry}}}]\nprofiles = "pcie4"\npolicies = ["ar"]\n')
+    r = CliRunner().invoke(app, ["sweep", str(spec), "--out", str(tmp_path / "out"), "--num-cpus", "1"])
+    lines = [line for line in r.output.splitlines() if line.startswith("error: ")]
+    assert r.exit_code == 2 and len(lines) == 1 and needle.format(spec=spec) in lines[0], r.output
+    assert "--shape" not in lines[0] and not (tmp_path / "out").exists()
+
+
 def test_an_address_nothing_answers_on_is_one_line(tmp_path):
     import socket
 

@@ -30,8 +30,9 @@ def calibrate_command(
                                        "with -refit, e.g. calibrate/h200-refit.json)."),
     quick: bool = typer.Option(False, "--quick", help="Smaller probe grids (CI, smoke tests)."),
     threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP + "."),
-    refit_runs: Optional[list[Path]] = typer.Option(None, "--refit", help="Refit --profile from the cycles of these "
-                                                    "`specfit decode --out` run directories instead of probing."),
+    refit_runs: Optional[list[Path]] = typer.Option(None, "--refit", help="Refit --profile from the cycles of a "
+                                                    "`specfit decode --out` run directory instead of probing; repeat "
+                                                    "for several (--refit RUN1 --refit RUN2)."),
     profile: Optional[str] = typer.Option(None, "--profile", help="With --refit: the profile to refit (JSON or preset)."),
     rescale: bool = typer.Option(False, "--rescale", help="Allow a profile made for another model shape (transfer costs scaled by expert bytes)."),
     seed: int = typer.Option(0, "--seed"),
@@ -53,6 +54,14 @@ def calibrate_command(
         check_output(out, "--out", kind="file")
         check_output(report, "--report", kind="dir")
         if refit_runs:
+            # a refit reads the runs' measured cycles: what only probing uses would be ignored without a word
+            probing = [option for option, given in (("--model", model), ("--shape", shape), ("--layers", layers),
+                                                    ("--drafter", drafter), ("--dtype", dtype), ("--quick", quick))
+                       if given]
+            if probing:
+                raise SpecFitError(f"--refit: {', '.join(probing)} set(s) what probing measures; a refit fits the "
+                                   "cycles of the runs it is given (their model is the one they decoded); drop "
+                                   f"{' and '.join(probing)}, or calibrate without --refit")
             path = _refit(refit_runs, profile, out, rescale, seed, as_json)
             _report(path, report, as_json, console)
             return
@@ -64,6 +73,9 @@ def calibrate_command(
         device = str(resolve_device(device))
         if (model is None) == (shape is None):
             raise SpecFitError("calibrate: pass exactly one of --model DIR or --shape NAME")
+        if layers is not None and shape is None:
+            raise SpecFitError(f"--layers {layers}: sets the depth of a --shape stand-in; a --model is probed with "
+                               "all of its layers")
         plan = calibrate_job.CalibrationPlan(model_dir=model, shape=shape, layers=layers, drafter_dir=drafter, device=device,
                                    dtype=dtype, quick=quick, seed=seed)
         plan.validate()

@@ -145,6 +145,7 @@ def resolve_inputs(spec: SweepSpec, cells: list[Cell]) -> GridInputs:
     from ..calibrate.profile import ModelShape
     from ..traces.format import read_trace
     from ..traces.importers import model_for_log, read_routing_log
+    from ..traces.synth import MODEL_SHAPES
     from .scenarios import build_scenario
     from .whatif import parse_overrides
 
@@ -152,7 +153,10 @@ def resolve_inputs(spec: SweepSpec, cells: list[Cell]) -> GridInputs:
     for src in spec.sources:
         if src.is_routing:
             log = _routing_log(read_routing_log(src.resolved), src)
-            model = model_for_log(log, src.import_options.get("shape"))
+            model = model_for_log(log, src.import_options.get("shape"),
+                                  option=f"{spec.path}: the routing entry of {src.path}: field 'shape'",
+                                  fix=f"give its routing entry in {spec.path} a 'shape' field (one of "
+                                      f"{sorted(MODEL_SHAPES)})")
             data[src.name] = (log, model)
             shapes[src.name] = ModelShape.from_trace_meta(model)
         else:

@@ -160,11 +160,14 @@ def _reference_weights(trace: Trace, ref_weights: list[np.ndarray]) -> np.ndarra
     return weights
 
 
-def model_for_log(log: RoutingLog, shape: str | None) -> dict:
-    """The model metadata for a log: a named shape, or one inferred from the log alone."""
+def model_for_log(log: RoutingLog, shape: str | None, option: str = "--shape",
+                  fix: str = "pass --shape NAME or --model (the model's config.json)") -> dict:
+    """The model metadata for a log: a named shape, or one inferred from the log alone. ``option``
+    names where the shape came from and ``fix`` what to do when none fits (a sweep spec's
+    routing entry has a field, not the command's options)."""
     if shape is not None:
         if shape not in MODEL_SHAPES:
-            raise SpecFitError(f"--shape: unknown model shape {shape!r}; expected one of {sorted(MODEL_SHAPES)}")
+            raise SpecFitError(f"{option}: unknown model shape {shape!r}; expected one of {sorted(MODEL_SHAPES)}")
         return dict(MODEL_SHAPES[shape])
     T, L, k = log.experts.shape
     same = [m for m in MODEL_SHAPES.values() if (m["n_layers"], m["top_k"]) == (L, k)]
@@ -175,9 +178,8 @@ def model_for_log(log: RoutingLog, shape: str | None) -> dict:
     if same:
         known = ", ".join(f"{m['name']}: {m['n_experts']} experts" for m in same)
         raise SpecFitError(f"{log.source}: expert id {largest} is out of range for every known model shape with {L} "
-                           f"layers x top-{k} ({known}); pass --shape NAME or --model (the model's config.json)")
-    raise SpecFitError(f"{log.source}: no known model shape has {L} layers x top-{k}; pass --shape NAME or "
-                       f"--model (the model's config.json)")
+                           f"layers x top-{k} ({known}); {fix}")
+    raise SpecFitError(f"{log.source}: no known model shape has {L} layers x top-{k}; {fix}")
 
 
 def model_from_config(config_path: str | Path, dtype: str = "bfloat16") -> dict:
