@@ -176,12 +176,16 @@ class CostModel:
         """This model, refused (naming ``source``) when a cycle could take 0 s under it: no base,
         node or expert time, where a throughput would be tokens per 0 s and the search has nothing
         to divide by. A user's profile or ``--cost`` goes through this; the library's own models
-        (a test's free model) need not."""
-        if not self.base_s + self.per_node_s + min(self.hit_s, self.miss_s) > 0:
-            from .errors import SpecFitError
+        (a test's free model) need not. So is a miss cheaper than a hit: a miss is a hit plus the
+        expert's copy (a fitted profile holds it by construction)."""
+        from .errors import SpecFitError
 
+        if not self.base_s + self.per_node_s + min(self.hit_s, self.miss_s) > 0:
             raise SpecFitError(f"{source}: predicts cycles of 0 s (base_s, per_node_s and hit_s or miss_s are all 0); "
                                f"expected base_s, per_node_s or both expert costs > 0")
+        if self.miss_s < self.hit_s:
+            raise SpecFitError(f"{source}: miss_s {self.miss_s:g} is below hit_s {self.hit_s:g}; expected miss_s >= "
+                               "hit_s (a miss is a hit plus the expert's copy to the device)")
         return self
 
     @classmethod

@@ -81,6 +81,20 @@ def test_a_profile_or_cost_that_predicts_cycles_of_no_time_is_one_line(tmp_path)
                   "--cost", "base_s=0,per_node_s=0,hit_s=1e-5").exit_code == 0
 
 
+def test_a_profile_or_cost_whose_miss_is_cheaper_than_a_hit_is_one_line(tmp_path):
+    """A miss is a hit plus the expert's copy: a model that prices it below a hit would make the
+    search prefer missing experts (a hand-edited profile, a --cost what-if)."""
+    cost = json.loads(VALID_PROFILE.read_text())["cost"]
+    bad = damaged_profile(tmp_path / "cheap_miss.json", cost={**cost, "miss_s": cost["hit_s"] / 2})
+    for argv in profile_commands(bad, tmp_path).values():
+        one_line_error(invoke(*argv), str(bad), "field 'cost': miss_s", "is below hit_s", "expected miss_s >= hit_s")
+    one_line_error(invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--cache-experts", 8,
+                          "--profile", "pcie4", "--cost", "miss_s=1e-6"), "--cost: miss_s 1e-06 is below hit_s")
+    # equal is a model: every expert resident, or a copy that costs nothing more
+    assert invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--cache-experts", 8,
+                  "--cost", f"miss_s={cost['hit_s']}").exit_code == 0
+
+
 def test_a_profile_that_is_not_utf8_is_one_line_in_every_command(tmp_path):
     bad = tmp_path / "latin1.json"
     bad.write_bytes(b"\xff" + VALID_PROFILE.read_bytes())

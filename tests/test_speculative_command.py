@@ -4,6 +4,7 @@ simulator, interrupted runs, refits, bad drafter checkpoints."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -599,6 +600,9 @@ def test_a_drafter_that_fails_mid_run_is_named_and_the_cycles_before_it_are_kept
     (lambda t, c: (c.update(target_hidden_size=32), t.update({"fc.weight": torch.zeros(256, 96)})),
      "3 x target_hidden_size = 3 x 32 features, but the target model has hidden_size 64"),
     (lambda t, c: t.update({"fc.weight": torch.zeros(256, 96)}), "built for a target with hidden size 32"),
+    # a width that is no multiple of 3 was built for no target: no fractional hidden size is named
+    (lambda t, c: t.update({"fc.weight": torch.zeros(256, 100)}),
+     "tensor 'fc.weight' has shape [256, 100], expected [256, 192]"),
     (lambda t, c: c.update(eagle_aux_hidden_state_layer_ids=[0, 1, 5]), "but the target has 2 layers"),
 ])
 def test_bad_drafter_checkpoint_is_one_clear_error(checkpoint, tmp_path, change, message):
@@ -609,6 +613,7 @@ def test_bad_drafter_checkpoint_is_one_clear_error(checkpoint, tmp_path, change,
     assert result.exit_code == 2, result.output
     assert message in result.stderr.replace("\n", " ")
     assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert not re.search(r"hidden size \d+\.\d", result.stderr)         # no target has a fractional width
 
 
 @pytest.mark.parametrize("args, message", [

@@ -79,9 +79,9 @@ def checked_state_dict(tensors: dict[str, torch.Tensor], config: Eagle3Config, p
         actual = tuple(tensors[stored].shape)
         if actual != shape:
             hint = ""
-            if name == "fc.weight" and actual[:1] == shape[:1]:
+            if name == "fc.weight" and actual[:1] == shape[:1] and len(actual) == 2 and actual[1] % 3 == 0:
                 hint = (f"; the features are 3 x the target's hidden size, so this drafter was built for a target "
-                        f"with hidden size {actual[1] / 3:g}, not config's target_hidden_size {config.target_hidden_size}")
+                        f"with hidden size {actual[1] // 3}, not config's target_hidden_size {config.target_hidden_size}")
             raise SpecFitError(f"{path}: tensor {stored!r} has shape {list(actual)}, expected {list(shape)}{hint}")
         state[name] = tensors[stored]
     if "embed_tokens.weight" in tensors:
