@@ -450,3 +450,8 @@ def test_a_report_into_a_directory_holding_another_inputs_report_says_it_replace
     # an unreadable inputs.json is no earlier report to name
     (tmp_path / "reports" / "sim" / "inputs.json").write_text("{broken")
     assert "note:" not in invoke("report", first).output
+    # "." is named by the directory it is: reports/sim, not reports/ itself
+    monkeypatch.chdir(second)
+    here = invoke("report", ".")
+    assert here.exit_code == 0, here.output
+    assert (second / "reports" / "sim" / "index.html").is_file() and not (second / "reports" / "index.html").exists()

@@ -824,12 +824,16 @@ def test_a_run_on_raw_draft_probabilities_that_mispredict_says_how_to_calibrate(
                  {"policy": "eagle3", "tokens_per_cycle": 3.55, "predicted_tokens_per_cycle": 1.54},
                  {"policy": "specfit", "tokens_per_cycle": 1.36, "predicted_tokens_per_cycle": 1.19},   # -12.5 %
                  {"policy": "specfit+online", "tokens_per_cycle": 1.9, "predicted_tokens_per_cycle": 3.0},
-                 {"policy": "chain:2", "tokens_per_cycle": 2.0, "predicted_tokens_per_cycle": 2.5}]
+                 {"policy": "chain:2", "tokens_per_cycle": 2.0, "predicted_tokens_per_cycle": 2.5},
+                 {"policy": "specfit:4", "tokens_per_cycle": 2.0, "predicted_tokens_per_cycle": 1.5}]
     notes = raw_acceptance_notes(summaries)
-    assert len(notes) == 2
+    assert len(notes) == 3
     assert notes[0].startswith("note: eagle3:") and "1.54 tokens per cycle where 3.55" in notes[0]
     assert "(-57%)" in notes[0] and "--acceptance TRACE" in notes[0] and "--record-full" in notes[0]
     assert notes[1].startswith("note: chain:2:") and "(+25%)" in notes[1]
+    # a fixed tree drafts the same whatever the probabilities say: only its predictions use them
+    assert all("the predicted tokens and times use them" in n and "SpecFit decides" not in n for n in notes[:2])
+    assert notes[2].startswith("note: specfit:4:") and "(-25%); SpecFit decides with them. Record" in notes[2]
     # calibrated online, or no decision (ar), or no cycles: nothing to say
     assert raw_acceptance_notes([{"policy": "specfit", "tokens_per_cycle": float("nan"),
                                   "predicted_tokens_per_cycle": 2.0}]) == []

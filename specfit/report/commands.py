@@ -23,7 +23,8 @@ def report_command(
     """Render one self-contained HTML report (predicted vs measured, policy comparisons, calibration)."""
     from .build import build_report
 
-    target = out or Path("reports") / (inputs[0].stem if inputs else "report")
+    # named after the first input (its absolute name: "." or ".." has none of its own)
+    target = out or Path("reports") / ((inputs[0].resolve().stem or "report") if inputs else "report")
     try:
         check_output(target, "--out", kind="dir")
         earlier = _earlier_inputs(target)

@@ -157,7 +157,10 @@ def raw_acceptance_notes(summaries: list[dict]) -> list[str]:
         off = (predicted - real) / real
         if abs(off) > RAW_ACCEPTANCE_OFF:
             notes.append(f"note: {s['policy']}: the drafter's raw probabilities predicted {predicted:.2f} tokens per "
-                         f"cycle where {real:.2f} were committed ({off:+.0%}); SpecFit decides with them. Record a "
+                         f"cycle where {real:.2f} were committed ({off:+.0%}); "
+                         + ("SpecFit decides with them" if s["policy"].startswith("specfit") else
+                            "the predicted tokens and times use them, as specfit would decide with them")
+                         + ". Record a "
                          f"trace of this model and drafter (--record TRACE --record-full) and pass it as "
                          f"--acceptance TRACE, as specfit demo does")
     return notes
