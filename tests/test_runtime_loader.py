@@ -139,6 +139,23 @@ def test_misshaped_tensor_is_named_with_both_shapes(qwen_dir):
         load_model(qwen_dir)
 
 
+def test_a_tensor_the_config_does_not_describe_is_refused_not_dropped(qwen_dir):
+    """Shared-expert weights in a Qwen3-MoE checkpoint (an architecture without them) would be left
+    out of every forward pass without a word."""
+    def edit(tensors):
+        for name in ("gate_proj", "up_proj"):
+            tensors[f"model.layers.1.mlp.shared_expert.{name}.weight"] = torch.zeros(32, 64)
+    _rewrite(qwen_dir, edit)
+    with pytest.raises(SpecFitError, match=r"tensor 'model.layers.1.mlp.shared_expert.gate_proj.weight' \(and 1 "
+                                           r"more\) is no weight of a Qwen3MoeForCausalLM model of 2 layers"):
+        load_model(qwen_dir)
+
+
+def test_a_rope_buffer_saved_by_an_older_export_is_no_weight(qwen_dir):
+    _rewrite(qwen_dir, lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
+    assert load_model(qwen_dir).config.n_layers == 2
+
+
 def test_integer_weights_are_named_with_their_stored_type(qwen_dir):
     name = "model.layers.1.mlp.experts.2.down_proj.weight"
 

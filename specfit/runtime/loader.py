@@ -40,6 +40,8 @@ __all__ = ["Checkpoint", "load_model", "load_tokenizer", "checkpoint_bytes", "lo
            "is_eagle3", "check_drafter", "load_router"]
 
 _MOE_PREFIXES = ("mlp", "block_sparse_moe")
+# tensors a checkpoint may hold that are no weights (buffers saved by older exports)
+_NOT_WEIGHTS = (".rotary_emb.inv_freq",)
 # per-expert names of (gate, up, down)
 _EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
 
@@ -67,6 +69,7 @@ class Checkpoint:
             raise SpecFitError(f"{self.model_dir}: no model.safetensors or model.safetensors.index.json "
                                f"(only safetensors checkpoints are supported)")
         self._handles = {}
+        self.read: set[str] = set()          # the tensors :meth:`get` has handed out
 
     @property
     def nbytes(self) -> int:
@@ -96,7 +99,20 @@ class Checkpoint:
             tensor = handle.get_tensor(name)
         except Exception as exc:  # truncated or overwritten data after a valid header
             raise SpecFitError(f"{self.files[name]}: tensor {name!r} cannot be read; the file is damaged ({exc})") from None
+        self.read.add(name)
         return tensor.to(dtype)
+
+    def check_all_read(self, what: str) -> None:
+        """One error when the checkpoint holds a tensor no :meth:`get` asked for: weights of a
+        module the config does not describe (shared experts under an architecture without them,
+        an extra layer) would otherwise be dropped, and the model computed without them. Buffers
+        older exports saved beside the weights (RoPE's ``inv_freq``) are not weights."""
+        unread = sorted(name for name in self.files if name not in self.read and not name.endswith(_NOT_WEIGHTS))
+        if unread:
+            more = f" (and {len(unread) - 1} more)" if len(unread) > 1 else ""
+            raise SpecFitError(f"{self.files[unread[0]]}: tensor {unread[0]!r}{more} is no weight of {what}; expected "
+                               "only the tensors its config.json describes (a checkpoint of another architecture, or "
+                               "a config.json whose layers, shared experts or tied embeddings differ from the weights)")
 
     def close(self) -> None:
         self._handles.clear()
@@ -135,6 +151,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
         for layer in config.moe_layers:
             _load_layer_experts(checkpoint, config, layer, host)
             checkpoint.close()   # unmap the files: pages read so far would otherwise stay resident
+        checkpoint.check_all_read(f"a {config.architecture} model of {config.n_layers} layers")
     finally:
         checkpoint.close()
 
