@@ -71,6 +71,8 @@ def test_generation_config_eos_ids_take_precedence(tmp_path):
     ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "unsupported architecture \\(LlamaForCausalLM\\)"),
     ({"mlp_only_layers": list(range(48))}, "no decoder layer has routed experts"),
     ({"mlp_only_layers": "0,1"}, "'mlp_only_layers' must be a list"),
+    ({"mlp_only_layers": [3, 48]}, "'mlp_only_layers' must be a list of layer indices in \\[0, 48\\), got \\[3, 48\\]"),
+    ({"eos_token_id": 151936}, "'eos_token_id' must be a token id .* in \\[0, vocab_size 151936\\)\\), got 151936"),
     ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope_type 'longrope'; supported"),
     ({"rope_scaling": {"rope_type": "linear"}}, "'rope_scaling.factor' is required"),
     ({"num_experts_per_tok": "eight"}, "'num_experts_per_tok' must be an integer, got 'eight'"),
@@ -95,7 +97,7 @@ def test_bad_config_is_one_error_naming_file_and_key(tmp_path, change, message):
     assert str(path) in str(info.value) and "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("eos", [float("inf"), 2.5, "151645", [151645, None], -1])
+@pytest.mark.parametrize("eos", [float("inf"), 2.5, "151645", [151645, None], -1, [151645, 151936]])
 def test_a_generation_config_eos_that_is_no_token_id_is_one_error(tmp_path, eos):
     (tmp_path / "config.json").write_text(json.dumps(HUB_QWEN3))
     path = tmp_path / "generation_config.json"

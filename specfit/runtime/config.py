@@ -176,7 +176,7 @@ class ModelConfig:
         if generation_path.is_file():
             generation = read_json_object(generation_path)
             if generation.get("eos_token_id") is not None:
-                eos = _eos_ids(generation["eos_token_id"], generation_path)
+                eos = _eos_ids(generation["eos_token_id"], generation_path, config.vocab_size)
                 config = replace(config, eos_token_ids=eos)
         return config
 
@@ -260,7 +260,7 @@ class ModelConfig:
             clip_qkv=get("clip_qkv", default=None, kind=float),
             sliding_window=sliding_window,
             checkpoint_dtype=_dtype_name(raw, source),
-            eos_token_ids=_eos_ids(raw.get("eos_token_id"), source),
+            eos_token_ids=_eos_ids(raw.get("eos_token_id"), source, get("vocab_size")),
             moe_layers=moe_layers,
             dense_intermediate_size=(get("intermediate_size") if len(moe_layers) < n_layers else None),
             shared_expert_intermediate_size=shared,
@@ -319,8 +319,9 @@ def _moe_layers(raw: dict, source: str, family: _Family, n_layers: int, n_expert
                            f"SpecFit needs an MoE model")
     if family.dense_layers == "sparse_step":
         mlp_only = raw.get("mlp_only_layers") or []
-        if not isinstance(mlp_only, list) or not all(isinstance(i, int) for i in mlp_only):
-            raise SpecFitError(f"{source}: key 'mlp_only_layers' must be a list of layer indices, got {mlp_only!r}")
+        if not isinstance(mlp_only, list) or not all(isinstance(i, int) and 0 <= i < n_layers for i in mlp_only):
+            raise SpecFitError(f"{source}: key 'mlp_only_layers' must be a list of layer indices in [0, {n_layers}), "
+                               f"got {mlp_only!r}")
         step = raw.get("decoder_sparse_step", 1) or 1
         if not isinstance(step, int) or step < 1:
             raise SpecFitError(f"{source}: key 'decoder_sparse_step' must be a positive integer, got {step!r}")
@@ -405,12 +406,12 @@ def _dtype_name(raw: dict, source: str) -> str | None:
     return name
 
 
-def _eos_ids(value, source) -> tuple[int, ...]:
+def _eos_ids(value, source, vocab_size: int) -> tuple[int, ...]:
     if value is None:
         return ()
     values = value if isinstance(value, (list, tuple)) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise SpecFitError(f"{source}: key 'eos_token_id' must be a token id or a list of token ids (integers >= 0), "
-                           f"got {value!r}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < vocab_size for v in values):
+        raise SpecFitError(f"{source}: key 'eos_token_id' must be a token id or a list of token ids (integers in "
+                           f"[0, vocab_size {vocab_size})), got {value!r}")
     return tuple(values)
 
