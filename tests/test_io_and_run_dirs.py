@@ -121,6 +121,11 @@ def test_a_rerun_into_a_run_directory_replaces_the_last_runs_outputs_at_its_firs
     second.add_cycle({"policy": "eagle3", "cycle": 1})
     second.close()
     assert started == [True] and list(read_decode_cycles(tmp_path)["cycle"]) == [0, 1]
+    # a writer that sets the rows whole (gpu_check) replaces them at close, its own kept
+    third = DecodeOutputs(tmp_path)
+    third.records, third.cycles = [{"policy": "ar"}], [{"policy": "ar", "cycle": 0}]
+    third.close()
+    assert list(read_decode_cycles(tmp_path)["policy"]) == ["ar"] and (tmp_path / OUTPUT_FILE).is_file()
 
 
 def test_a_ctrl_c_as_the_temporary_file_is_created_leaves_no_temporary(tmp_path, monkeypatch):

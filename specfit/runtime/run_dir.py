@@ -90,6 +90,7 @@ class DecodeOutputs:
         if self.out_dir is not None and self.cycles:
             import pandas as pd
 
+            self._begin()           # cycles set whole, not added one by one: the last run's files go first
             frame = pd.DataFrame(self.cycles)
             atomic_write(self.out_dir / CYCLES_FILE, lambda tmp: frame.to_parquet(tmp, index=False))
         self.flush()
