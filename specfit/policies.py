@@ -255,6 +255,10 @@ def apply_levers(policy: Policy, levers: list[str], spec: str = "") -> Policy:
         attribute, _, build = LEVERS[lever]
         if attribute == "acceptance" and not isinstance(policy, SpecFitPolicy):
             raise ValueError(f"policy {spec!r}: +{lever} needs a policy that searches (specfit)")
+        if attribute == "prefetcher" and policy.max_levels == 0:
+            raise ValueError(f"policy {spec!r}: +{lever} copies experts in the link time of drafted levels, and "
+                             f"{policy.name} drafts none; expected a drafting policy (chain:K, static:N, eagle3, "
+                             f"specfit)")
         if attribute == "prefetcher" and isinstance(policy, OraclePolicy):
             # the oracle drafts, and is charged for, only the levels of the prefix it picks in
             # hindsight: copies "while levels are drafted" would use link time no cycle pays for

@@ -232,6 +232,13 @@ def test_specfit_depth_is_the_written_one_or_the_cap():
     assert make_policy("specfit", max_levels=5).max_levels == 5
 
 
+def test_prefetch_needs_a_policy_that_drafts():
+    with pytest.raises(ValueError, match="'ar\\+prefetch': \\+prefetch copies experts in the link time of drafted "
+                                         "levels, and ar drafts none"):
+        make_policy("ar+prefetch")
+    assert make_policy("ar+usage").cache_advisor is not None          # eviction by use needs no draft
+
+
 def test_levers_attach_to_any_policy():
     from specfit.experts.acceptance_online import OnlineAcceptance
     from specfit.experts.lookahead import DraftLookahead

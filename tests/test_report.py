@@ -450,6 +450,10 @@ def test_a_report_into_a_directory_holding_another_inputs_report_says_it_replace
     # an unreadable inputs.json is no earlier report to name
     (tmp_path / "reports" / "sim" / "inputs.json").write_text("{broken")
     assert "note:" not in invoke("report", first).output
+    # the same run twice would repeat its sections: one error, spelled alike or not
+    one_line_error(invoke("report", first, Path("runs") / "sim", "--out", tmp_path / "twice"),
+                   "(the same path) given twice; expected each input once")
+    assert not (tmp_path / "twice").exists()
     # "." is named by the directory it is: reports/sim, not reports/ itself
     monkeypatch.chdir(second)
     here = invoke("report", ".")

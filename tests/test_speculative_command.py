@@ -508,6 +508,25 @@ def test_a_full_disk_mid_run_is_one_error_naming_the_journal_and_what_was_kept(c
     assert len(read_decode_cycles(out)) == 4 and len(written) == 3
 
 
+def test_a_profile_measured_on_another_kind_of_device_is_noted(checkpoint, tmp_path):
+    """An H200's profile on a CPU run: its times are another machine's, which the run says."""
+    example = json.loads((Path(__file__).resolve().parents[1] / "calibrate" / "examples" /
+                          "vm-x86-64-tiny-moe.json").read_text())
+    assert example["machine"]["device"] == "cpu"
+    same = tmp_path / "cpu.json"
+    same.write_text(json.dumps(example))
+    other = tmp_path / "h200.json"
+    other.write_text(json.dumps({**example, "machine": {**example["machine"], "device": "cuda",
+                                                         "device_name": "NVIDIA H200"}}))
+    said = "was measured on cuda (NVIDIA H200), this run decodes on cpu"
+    result = decode(checkpoint, "--policy", "ar", "--profile", str(other), "--rescale")
+    assert result.exit_code == 0 and f"note: {other} {said}" in " ".join(result.output.split()), result.output
+    result = decode(checkpoint, "--policy", "ar", "--profile", str(same), "--rescale")
+    assert result.exit_code == 0 and "was measured on" not in result.output, result.output
+    result = decode(checkpoint, "--policy", "ar", "--profile", "pcie4")       # a preset is a what-if by design
+    assert result.exit_code == 0 and "was measured on" not in result.output, result.output
+
+
 def _stop_recording_after(monkeypatch, n_cycles):
     """Ctrl-C right after the recorder has taken its ``n_cycles``-th cycle (mid-sequence)."""
     from specfit.runtime.record import TraceRecorder

@@ -163,6 +163,12 @@ def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report
     line) hears what the page left out and why, as the page says it."""
     if not inputs:
         raise SpecFitError("report: expected at least one input (a run directory or a profile JSON)")
+    seen: dict[Path, Path] = {}
+    for given in map(Path, inputs):
+        first = seen.setdefault(given.resolve(), given)
+        if first is not given:
+            same = str(first) if str(first) == str(given) else f"{first} and {given} (the same path)"
+            raise SpecFitError(f"report: {same} given twice; expected each input once (its sections would repeat)")
     page = Page(title)
     page.heading("What was run")
     runs = []

@@ -567,6 +567,19 @@ def _write_recording(recorder, path) -> Path:
     return write_trace(recorder.trace(), path)
 
 
+def _other_device_note(spec: str, profile, device) -> list[str]:
+    """A note when a measured profile comes from another kind of device than the one this run
+    decodes on (an H200's profile on a CPU run): its times are another machine's (a preset is a
+    what-if by design, and says so in its name)."""
+    measured_on = profile.machine.get("device") if isinstance(profile.machine, dict) else None
+    if profile.kind != "measured" or not isinstance(measured_on, str) or measured_on == device.type:
+        return []
+    name = profile.machine.get("device_name")
+    return [f"note: {spec} was measured on {measured_on}{f' ({name})' if name else ''}, this run decodes on "
+            f"{device.type}: its cycle times are another machine's until the online refit has seen this one's "
+            f"(specfit calibrate measures this machine)"]
+
+
 def _profile(plan: DecodePlan, model, say):
     """(profile, path, notes): ``--profile`` when given; else this machine's profile for the model
     from ``calibrate/`` in the current directory or the user's cache; else one calibrated quickly on
@@ -579,7 +592,8 @@ def _profile(plan: DecodePlan, model, say):
     shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
     if plan.profile is not None:
         path = Path(plan.profile) if Path(plan.profile).suffix == ".json" else None
-        return resolve_profile(plan.profile, shape, rescale=plan.rescale), path, []
+        profile = resolve_profile(plan.profile, shape, rescale=plan.rescale)
+        return profile, path, _other_device_note(plan.profile, profile, model.device)
     machine = machine_info()
     dtype = str(model.dtype).removeprefix("torch.")
     notes = []
