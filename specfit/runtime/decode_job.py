@@ -260,7 +260,8 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
         except SpecFitError as exc:
             if stopped_with_nothing():
                 raise
-            kept = _keep_partial(plan, outputs, recorder, str(exc), len(policies) * len(inputs.prompts))     # a failure mid-run: what ran stays readable
+            # a failure mid-run: what ran stays readable
+            kept = _keep_partial(plan, outputs, recorder, str(exc), len(policies) * len(inputs.prompts))
             if not kept:
                 raise
             raise SpecFitError(f"{exc} (before it: kept {kept})") from None
@@ -542,8 +543,9 @@ def sampled_acceptance_note(plan: DecodePlan, policies: list) -> list[str]:
 def _keep_partial(plan: DecodePlan, outputs: DecodeOutputs, recorder, why: str, runs: int) -> str:
     """A run stopped before its end (Ctrl-C, or bad input met mid-run; ``why``): write what it
     completed, the run directory's files (its ``run.json`` noting that it stopped, and why, for a
-    report to say; ``runs``: the (policy, prompt) runs it was to make) and the recorded cycles as a trace; returns what was kept where ("every
-    complete cycle, N of them, in OUT and ..."), empty when nothing was asked to be written."""
+    report to say; ``runs``: the (policy, prompt) runs it was to make) and the recorded cycles as
+    a trace; returns what was kept where ("every complete cycle, N of them, in OUT and ..."),
+    empty when nothing was asked to be written."""
     outputs.close()
     kept = []
     if plan.out_dir is not None:
