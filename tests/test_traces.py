@@ -177,6 +177,18 @@ def test_validation_names_the_field(field, edit, message):
         validate_trace(trace, source="hand")
 
 
+@pytest.mark.parametrize("field", ["token", "verdict"])
+def test_ids_past_the_models_vocabulary_are_no_tokens_of_it(field):
+    trace = hand_trace()
+    vocab = int(max(trace.token.max(), trace.verdict.max())) + 1
+    trace.meta["model"]["vocab_size"] = vocab
+    validate_trace(trace, source="hand")                     # every id below it
+    getattr(trace, field)[1] = vocab
+    with pytest.raises(SpecFitError, match=f"hand: column '{field}' must hold token ids below the model's vocab_size "
+                                           f"{vocab} \\(cycle 0, node 1\\)"):
+        validate_trace(trace, source="hand")
+
+
 def test_validation_names_the_node_that_repeats_an_expert_and_allows_equal_tokens_across_cycles():
     import copy
 

@@ -90,6 +90,12 @@ def validate_trace(trace, source: str = "trace") -> dict:
                                    "rising": "must not exceed the parent's path_prob"}[bad[1]])
     if np.any(trace.token < 0):
         fail("token", trace.token < 0, "must be a non-negative token id")
+    # with the model's vocabulary known, a token or verdict past it is no token of that model
+    vocab = trace.model.get("vocab_size") if isinstance(trace.model, dict) else None
+    if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0:
+        for name, ids in (("token", trace.token), ("verdict", trace.verdict)):
+            if np.any(ids >= vocab):
+                fail(name, ids >= vocab, f"must hold token ids below the model's vocab_size {vocab}")
     # siblings must carry distinct tokens: greedy acceptance then accepts at most one child. A
     # sibling group is its parent's row: sorted by (row, token), a repeat sits next to its twin
     rows, tokens = gparent[~root], trace.token.astype(np.int64)[~root]
