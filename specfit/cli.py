@@ -17,13 +17,13 @@ class _Commands(TyperGroup):
     written atomically, so what was complete before it stays whole."""
 
     def invoke(self, ctx):
-        from .errors import SpecFitError, fail
+        from .errors import PEER_ERRORS, SpecFitError, fail
 
         try:
             return super().invoke(ctx)
         except SpecFitError as exc:         # bad input, from any command: its one line, status 2
             fail(str(exc))
-        except (BrokenPipeError, ConnectionError, TimeoutError):
+        except PEER_ERRORS:
             raise               # a reader that went away (`| head`: click ends quietly), a network's
         except OSError as exc:
             from .io import os_error_text

@@ -23,6 +23,8 @@ class Interrupted(KeyboardInterrupt):
 
 # what a Ctrl-C can arrive as (see :func:`interrupted`); catch these, then check
 INTERRUPTS = (KeyboardInterrupt, SystemError)
+# operating-system errors about a peer (a reader that went away, a network), not about a file
+PEER_ERRORS = (BrokenPipeError, ConnectionError, TimeoutError)
 
 
 def interrupted(exc: BaseException) -> bool:

@@ -74,6 +74,18 @@ def not_readable_as(path: Path, expected: str, missing: str) -> str:
     return missing if what is None else f"{what}, expected {expected}"
 
 
+def repeated_path(paths, noun: str = "file") -> str | None:
+    """The first path ``paths`` names twice, spelled alike or not (``t.parquet`` and
+    ``./runs/../t.parquet``), as an error names it ("t", or "a and b (the same file)"); None when
+    every path is another."""
+    seen: dict[Path, object] = {}
+    for path in paths:
+        first = seen.setdefault(Path(path).resolve(), path)
+        if first is not path:
+            return str(first) if str(first) == str(path) else f"{first} and {path} (the same {noun})"
+    return None
+
+
 def os_error_text(exc: OSError) -> str:
     """An operating-system error as one line: the file(s) it names and the system's reason."""
     files = " -> ".join(str(f) for f in (exc.filename, exc.filename2) if f is not None)

@@ -19,7 +19,7 @@ import pandas as pd
 from .. import __version__
 from ..calibrate.profile import load_profile
 from ..errors import SpecFitError, one_line
-from ..io import deferred_interrupt, not_readable_as, read_parquet, write_json_atomic
+from ..io import deferred_interrupt, not_readable_as, read_parquet, repeated_path, write_json_atomic
 from ..runinfo import read_run_info
 from ..runtime.run_dir import CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, read_decode_cycles, read_decode_summaries
 from .calibration import calibration_section
@@ -163,12 +163,9 @@ def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report
     line) hears what the page left out and why, as the page says it."""
     if not inputs:
         raise SpecFitError("report: expected at least one input (a run directory or a profile JSON)")
-    seen: dict[Path, Path] = {}
-    for given in map(Path, inputs):
-        first = seen.setdefault(given.resolve(), given)
-        if first is not given:
-            same = str(first) if str(first) == str(given) else f"{first} and {given} (the same path)"
-            raise SpecFitError(f"report: {same} given twice; expected each input once (its sections would repeat)")
+    same = repeated_path(inputs, noun="path")
+    if same is not None:
+        raise SpecFitError(f"report: {same} given twice; expected each input once (its sections would repeat)")
     page = Page(title)
     page.heading("What was run")
     runs = []

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..accounting import live_row, summarise, waiting_note
-from ..errors import INTERRUPTS, Interrupted, SpecFitError, check_seed, interrupted
+from ..errors import INTERRUPTS, PEER_ERRORS, Interrupted, SpecFitError, check_seed, interrupted
 from ..io import run_dir_lock
 from .run_dir import CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE, DecodeOutputs, read_decode_cycles
 
@@ -195,10 +195,6 @@ class DecodeRun:
     notes: list[str] = field(default_factory=list)   # what the user should know (e.g. a profile not used)
 
 
-# operating-system errors that are not about the run's files (a reader that went away)
-_NOT_THE_RUNS = (BrokenPipeError, ConnectionError, TimeoutError)
-
-
 def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None,
                status: Callable[[str], None] | None = None, progress: Callable[[], None] | None = None,
                ctx=None) -> DecodeRun:
@@ -240,6 +236,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
         except BaseException:
             leave_nothing()
             raise
+        planned = len(policies) * len(inputs.prompts)      # (policy, prompt) runs
         rows = _CycleRows(outputs, profile.cost, model.offload.host.expert_bytes, per_cycle=plan.out_dir is not None)
 
         def stopped_with_nothing() -> bool:
@@ -261,7 +258,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             if stopped_with_nothing():
                 raise
             # a failure mid-run: what ran stays readable
-            kept = _keep_partial(plan, outputs, recorder, str(exc), len(policies) * len(inputs.prompts))
+            kept = _keep_partial(plan, outputs, recorder, str(exc), planned)
             if not kept:
                 raise
             raise SpecFitError(f"{exc} (before it: kept {kept})") from None
@@ -270,7 +267,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 raise
             if stopped_with_nothing():
                 raise Interrupted("interrupted before the first cycle: no cycle was decoded, so none was kept") from None
-            kept = _keep_partial(plan, outputs, recorder, "interrupted", len(policies) * len(inputs.prompts))
+            kept = _keep_partial(plan, outputs, recorder, "interrupted", planned)
             raise Interrupted(f"interrupted after {len(outputs.cycles)} complete cycle(s) ({len(outputs.records)} (policy, "
                               f"prompt) run(s) finished): " + (f"kept {kept}" if kept else
                                                                "nothing was written (no --out or --record)")) from None
@@ -280,7 +277,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             with contextlib.suppress(Exception):
                 rows.flush(stopped=True)
                 outputs.close()
-            if isinstance(exc, OSError) and plan.out_dir is not None and not isinstance(exc, _NOT_THE_RUNS):
+            if isinstance(exc, OSError) and plan.out_dir is not None and not isinstance(exc, PEER_ERRORS):
                 from ..io import os_error_text
 
                 raise SpecFitError(f"{os_error_text(exc)} (after {len(outputs.cycles)} complete cycle(s); "

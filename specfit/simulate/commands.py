@@ -10,6 +10,7 @@ import typer
 
 from ..console import speedup_text
 from ..errors import INTERRUPTS, Interrupted, SpecFitError, comma_list, stopped, stopped_by
+from ..io import repeated_path
 from ..runinfo import check_run_dir
 from ..policies import DEFAULT_POLICIES, POLICY_HELP
 
@@ -89,13 +90,10 @@ def _distinct(option: str, values: list) -> list:
 
 
 def _distinct_files(option: str, paths: list[Path]) -> list[Path]:
-    """``paths`` when no file is named twice (spelled alike or not: ``t.parquet`` and ``./t.parquet``)."""
-    seen: dict[Path, Path] = {}
-    for path in paths:
-        first = seen.setdefault(Path(path).resolve(), path)
-        if first is not path:
-            same = f"{first}" if str(first) == str(path) else f"{first} and {path} (the same file)"
-            raise SpecFitError(f"{option}: lists {same} twice; expected distinct traces (their rows would collide)")
+    """``paths`` when no file is named twice (:func:`~specfit.io.repeated_path`)."""
+    same = repeated_path(paths)
+    if same is not None:
+        raise SpecFitError(f"{option}: lists {same} twice; expected distinct traces (their rows would collide)")
     return paths
 
 
