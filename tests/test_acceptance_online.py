@@ -4,7 +4,7 @@ definitions, and calibration that beats the drafter's own probabilities on held-
 import numpy as np
 import pytest
 
-from specfit import DraftTree
+from specfit import DraftTree, kernels
 from specfit.experts.acceptance_online import OnlineAcceptance, edge_features, reliability
 from specfit.policy_base import Observation, edge_outcomes
 
@@ -280,3 +280,117 @@ def test_the_memory_keeps_the_last_edges_oldest_first_and_the_fit_sees_exactly_t
     finally:
         kernels.acceptance.online_refit = original
     assert online._n > 3 * 50 and len(seen) >= 10
+
+
+PRIOR = np.r_[0.0, 1.0, np.zeros(6)]
+
+
+def rows(lq, depth):
+    """Feature rows of edges with these logits and depths (the columns online_features fills)."""
+    lq, depth = np.asarray(lq, dtype=np.float64), np.asarray(depth, dtype=np.float64)
+    x = np.zeros((lq.size, 8))
+    x[:, 0], x[:, 1], x[:, 2], x[:, 3], x[:, 4] = 1.0, lq, lq * lq / 10, depth, depth * lq / 4
+    return x
+
+
+def test_the_loss_the_line_search_compares_is_the_penalised_log_likelihood():
+    """_online_loss by definition (soft labels, l2 / 2 |w - prior|^2), and the z, exp(-|z|) it leaves."""
+    rng = np.random.default_rng(0)
+    x = rows(rng.uniform(-8, 8, 30), rng.integers(1, 6, 30))
+    x[:, 5:] = rng.normal(size=(30, 3))
+    y = rng.random(30)
+    for l2 in (0.0, 1.0, 3.5):
+        w = PRIOR + rng.normal(size=8)
+        z, e = np.empty(30), np.empty(30)
+        got = kernels.acceptance._online_loss(x, y, w, PRIOR, l2, z, e)
+        assert got == np.float64(penalised_loss(w, x, y, l2)) or abs(got - penalised_loss(w, x, y, l2)) < 1e-9
+        np.testing.assert_allclose(z, x @ w, rtol=1e-12)
+        np.testing.assert_allclose(e, np.exp(-np.abs(x @ w)), rtol=1e-12)
+
+
+def test_a_newton_step_that_overshoots_is_halved_until_the_loss_falls():
+    """Six edges the prior gets badly wrong: the full Newton step from the prior raises the loss
+    (about 6.4 to 26), so the one-step refit must halve it and still end below the prior's loss."""
+    lq = [-1.7340959915494203, 6.244389632076677, -4.3654785034659245, 1.9709943149766787, -6.655754502681843,
+          5.3223063624543645]
+    x, y = rows(lq, [2, 3, 1, 1, 3, 3]), np.array([1.0, 1, 1, 1, 0, 1])
+    p = 1 / (1 + np.exp(-(x @ PRIOR)))
+    full = PRIOR - np.linalg.solve((x * (p * (1 - p))[:, None]).T @ x + np.eye(8), x.T @ (p - y))
+    assert penalised_loss(full, x, y, 1.0) > penalised_loss(PRIOR, x, y, 1.0) + 10      # the full step overshoots
+    w = kernels.acceptance.online_refit(x, y, PRIOR, PRIOR, 1.0, 1)
+    assert penalised_loss(w, x, y, 1.0) < penalised_loss(PRIOR, x, y, 1.0) - 1.0
+    # the step taken is the Newton direction, halved some times
+    step = PRIOR - w
+    ratio = step[:5] / (PRIOR - full)[:5]           # columns 5-7 are 0 here: neither moves
+    np.testing.assert_allclose(ratio, ratio[0], rtol=1e-9)
+    halvings = np.log2(1 / ratio[0])
+    assert abs(halvings - round(halvings)) < 1e-9 and 1 <= round(halvings) <= 20
+
+
+def chain(q):
+    """The root and two children, the first of drafter probability ``q``."""
+    return DraftTree(np.array([-1, 0, 0]), np.array([1.0, q, (1 - q) / 2]), tokens=np.array([0, 1, 2]))
+
+
+def test_the_first_refit_comes_as_soon_as_min_edges_outcomes_are_remembered():
+    """Exactly min_edges outcomes are enough, and the first fit does not wait for refit_every."""
+    model = OnlineAcceptance(min_edges=6, refit_every=100)
+    for i, q in enumerate([0.7, 0.6]):
+        assert model.coef_ is None
+        model.update(chain(q), np.array([1, 2]), np.array([1.0, 0.0]))
+    assert model.coef_ is None                   # 4 outcomes
+    model.update(chain(0.5), np.array([1, 2]), np.array([0.0, 1.0]))     # 6 outcomes: == min_edges
+    assert model.coef_ is not None
+
+
+def test_a_refit_changes_the_probabilities_of_a_tree_already_asked_about():
+    """The cached probabilities of the last tree are dropped when a refit replaces coef_: a tree the
+    policy calibrated before the update is calibrated again with the new weights."""
+    model = OnlineAcceptance(min_edges=2, refit_every=1)
+    tree = chain(0.8)
+    before = model.edge_probs(tree).copy()
+    model.update(tree, np.array([1, 2]), np.array([0.0, 0.0]))        # the refit learns "rejected"
+    assert model.coef_ is not None
+    _, _, edge, path = kernels.acceptance.online_probs(tree.parents, tree.path_probs, tree.depth, model.coef_)
+    np.testing.assert_array_equal(model.edge_probs(tree), edge)
+    np.testing.assert_array_equal(model.path_probs(tree), path)
+    assert model.edge_probs(tree)[1] < before[1]
+
+
+def test_each_refit_starts_from_the_current_weights():
+    """A refit continues from coef_ (newton_steps=1: one damped Newton step from it on the window),
+    not from the prior."""
+    model = OnlineAcceptance(min_edges=4, refit_every=1, newton_steps=1)
+    rng = np.random.default_rng(5)
+    for _ in range(6):
+        before = model.coef_
+        model.update(chain(float(rng.uniform(0.3, 0.9))), np.array([1, 2]), rng.random(2))
+        if before is not None:
+            x, y = model._window()
+            expected = kernels.acceptance.online_refit(x, y, before, PRIOR, model.l2, 1)
+            np.testing.assert_array_equal(model.coef_, expected)
+            assert not np.array_equal(expected, kernels.acceptance.online_refit(x, y, PRIOR, PRIOR, model.l2, 1))
+
+
+def test_a_child_of_zero_probability_has_its_conditional_clipped_to_online_eps():
+    """q = p_v / p_parent is clipped below too: a drafted node of probability 0 gets q = ONLINE_EPS
+    (and, before any fit, that edge probability, so its path keeps a positive probability)."""
+    eps = kernels.acceptance.ONLINE_EPS
+    tree = DraftTree(np.array([-1, 0, 0, 1]), np.array([1.0, 0.9, 0.0, 1e-9]), tokens=np.array([0, 1, 2, 3]))
+    q, _ = kernels.acceptance.online_features(tree.parents, tree.path_probs, tree.depth)
+    assert q[2] == eps and q[3] == eps
+    model = OnlineAcceptance()
+    assert model.edge_probs(tree)[2] == eps
+    assert model.path_probs(tree)[3] == 0.9 * eps > 0
+
+
+def test_edge_probabilities_are_clipped_at_logit_30_either_way():
+    """z = x . coef clipped to [-30, 30] before the logistic: an extreme model still gives every edge a
+    probability in [1 / (1 + e^30), 1 / (1 + e^-30)], never 0 (a path of probability 0)."""
+    tree = chain(0.7)
+    model = OnlineAcceptance()
+    model.coef_ = np.r_[-1000.0, np.zeros(7)]
+    np.testing.assert_allclose(model.edge_probs(tree)[1:], 1 / (1 + np.exp(30.0)), rtol=1e-12)
+    assert (model.path_probs(tree) > 0).all()
+    model.coef_ = np.r_[1000.0, np.zeros(7)]
+    np.testing.assert_allclose(model.edge_probs(tree)[1:], 1 / (1 + np.exp(-30.0)), rtol=1e-15)

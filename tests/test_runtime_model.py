@@ -11,6 +11,7 @@ from runtime_fixtures import (FAMILIES, N_LAYERS, TOP_K, VOCAB, load_reference, 
 from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one intra-op thread)
 from specfit.runtime.loader import load_model
 from specfit.runtime.decoder import greedy_verdicts
+from specfit.runtime.acceptance import NonFiniteLogits
 from specfit.runtime.model import causal_mask
 from specfit.tree import DraftTree
 
@@ -223,6 +224,20 @@ def test_greedy_verdicts_are_torch_argmax_ties_to_the_first():
     for dtype in (torch.float32, torch.float64, torch.bfloat16):
         got = greedy_verdicts(logits.to(dtype))
         assert got.dtype == np.int64 and got.tolist() == logits.to(dtype).argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_greedy_verdicts_refuse_a_row_without_a_greedy_token(dtype):
+    """NaN (which both argmaxes take for the maximum) or every logit -inf: named by its row; +inf is
+    the greedy token it is."""
+    logits = torch.zeros(3, 5, dtype=dtype)
+    logits[1, 2] = float("inf")
+    assert greedy_verdicts(logits).tolist() == [0, 2, 0]
+    for row, values in ((2, [0.0, 1.0, float("nan"), 3.0, 0.0]), (1, [-float("inf")] * 5)):
+        bad = logits.clone()
+        bad[row] = torch.tensor(values, dtype=dtype)
+        with pytest.raises(NonFiniteLogits, match=f"row {row} holds NaN or no logit above -inf"):
+            greedy_verdicts(bad)
 
 
 def test_causal_mask_is_a_linear_continuation():

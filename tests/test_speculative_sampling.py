@@ -12,7 +12,8 @@ from runtime_fixtures import torch_single_thread  # noqa: F401  (autouse: one in
 from speculative_fixtures import make_drafter, speculative_decoder
 from specfit.costmodel import CostModel
 from specfit.policies import make_policy
-from specfit.runtime.acceptance import sample_accept, sample_token
+from specfit.errors import SpecFitError
+from specfit.runtime.acceptance import NonFiniteLogits, sample_accept, sample_token
 from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter
 from specfit.runtime.loader import load_model
 from specfit.runtime.model import causal_mask
@@ -269,3 +270,113 @@ def test_rows_copied_one_at_a_time_walk_as_rows_read_in_place():
         assert a[0].tolist() == b[0].tolist() and a[1] == b[1]
         np.testing.assert_array_equal(a[2][0], b[2][0])
         np.testing.assert_array_equal(a[2][1], b[2][1])
+
+
+def test_a_logit_far_above_the_others_in_the_last_column_is_a_point_mass_not_an_overflow():
+    """The softmax is shifted by the row's maximum over every column, the last one included: a
+    drafted token holding (numerically) all the mass is accepted, priced 1, and drawn as the bonus."""
+    V = 5
+    logits = torch.zeros(2, V)
+    logits[:, V - 1] = 1000.0                     # exp(1000) overflows float64 unless shifted by it
+    tree = DraftTree(parents=np.array([-1, 0]), path_probs=np.array([1.0, 0.9]), tokens=np.array([0, V - 1]))
+    for seed in range(5):
+        path, bonus, (nodes, probs) = sample_accept(tree, np.arange(2), logits, 1.0, np.random.default_rng(seed))
+        assert path.tolist() == [0, 1] and bonus == V - 1
+        assert nodes.tolist() == [1] and probs.tolist() == [1.0]
+    # a drafted token elsewhere is priced 0, not NaN, and rejected
+    tree = DraftTree(parents=np.array([-1, 0]), path_probs=np.array([1.0, 0.9]), tokens=np.array([0, 1]))
+    path, bonus, (_, probs) = sample_accept(tree, np.arange(2), logits, 0.7, np.random.default_rng(0))
+    assert path.tolist() == [0] and bonus == V - 1 and probs.tolist() == [0.0]
+    assert sample_token(logits[0], 0.3, np.random.default_rng(1)) == V - 1
+
+
+def test_a_drafted_token_equal_to_the_vocabulary_size_is_rejected_as_out_of_range():
+    """[0, V) excludes V: a token one past the last column must not be read out of the row."""
+    tree = DraftTree(parents=np.array([-1, 0]), path_probs=np.array([1.0, 0.5]), tokens=np.array([0, 6]))
+    with pytest.raises(ValueError, match=r"not in the target's vocabulary \[0, 6\)"):
+        sample_accept(tree, np.arange(2), torch.zeros(2, 6), 1.0, np.random.default_rng(0))
+    tree = DraftTree(parents=np.array([-1, 0]), path_probs=np.array([1.0, 0.5]), tokens=np.array([0, 5]))
+    sample_accept(tree, np.arange(2), torch.zeros(2, 6), 1.0, np.random.default_rng(0))     # V - 1 is fine
+
+
+def test_siblings_with_equal_path_probabilities_are_tried_earlier_node_first():
+    """Ties in the drafter's order go to the earlier node: with two tokens of mass 1/2 each, the
+    first uniform number decides, and below 1/2 it accepts the first-tried child (node 1)."""
+    logits = torch.full((3, 4), -1000.0)
+    logits[0, [1, 2]] = 0.0                      # p(1) = p(2) = 1/2 at the root
+    tree = DraftTree(parents=np.array([-1, 0, 0]), path_probs=np.array([1.0, 0.4, 0.4]), tokens=np.array([0, 1, 2]))
+    seen = set()
+    for seed in range(40):
+        u = np.random.default_rng(seed).random()
+        path, _, _ = sample_accept(tree, np.arange(3), logits, 1.0, np.random.default_rng(seed))
+        # u < 1/2: the first tried (node 1) is accepted; else it is rejected and node 2 holds all that is left
+        assert path.tolist() == ([0, 1] if u < 0.5 else [0, 2]), (seed, u)
+        seen.add(path[1])
+    assert seen == {1, 2}
+
+
+def test_float64_logits_are_read_at_float64_precision():
+    """Logits already on the host in float64 are read in place, not rounded to float32 first: the
+    edges carry the float64 softmax to 1e-12 (float32 rounding moves them by ~1e-8 here)."""
+    logits = torch.tensor([[0.1, 0.2 + 1e-9, 0.3 - 3e-9, 0.15 + 7e-9]], dtype=torch.float64)
+    tree = DraftTree(parents=np.array([-1, 0, 0]), path_probs=np.array([1.0, 0.5, 0.4]), tokens=np.array([0, 1, 2]))
+    _, _, (nodes, probs) = sample_accept(tree, np.array([0]), logits, 0.01, np.random.default_rng(0))
+    exact = torch.softmax(logits[0] / 0.01, dim=-1).numpy()
+    assert nodes.tolist() == [1, 2]
+    np.testing.assert_allclose(probs, exact[[1, 2]], rtol=1e-12)
+
+
+def test_a_row_whose_largest_logit_is_infinite_is_a_point_mass_on_that_token():
+    """+inf (an overflowed logit) is the softmax's limit: the bonus is that token, a drafted child
+    of it is accepted priced 1, every other child priced 0 (not NaN, which online learning of
+    acceptance could not fit); two +inf tokens share the mass."""
+    inf = float("inf")
+    logits = torch.tensor([0.0, 1.0, 2.0, inf, -1.0])
+    for seed in range(3):
+        assert sample_token(logits, 1.0, np.random.default_rng(seed)) == 3
+    tree = DraftTree(parents=np.array([-1, 0, 0]), path_probs=np.array([1.0, 0.5, 0.4]), tokens=np.array([0, 1, 3]))
+    path, bonus, (nodes, probs) = sample_accept(tree, np.array([0]), logits[None], 1.0, np.random.default_rng(0))
+    assert path.tolist() == [0] and bonus == 3 and nodes.tolist() == [1, 2] and probs.tolist() == [0.0, 1.0]
+    path, bonus, (_, probs) = sample_accept(tree, np.arange(3), torch.stack([logits] * 3), 0.7,
+                                            np.random.default_rng(0))
+    assert path.tolist() == [0, 2] and bonus == 3 and probs.tolist() == [0.0, 1.0]       # node 2 has no children
+    two = torch.tensor([inf, 0.0, inf, 5.0])
+    drawn = {sample_token(two, 1.0, np.random.default_rng(seed)) for seed in range(40)}
+    assert drawn == {0, 2}
+
+
+@pytest.mark.parametrize("row", [[0.0, float("nan"), 1.0, 2.0], [float("nan")] * 4, [-float("inf")] * 4])
+def test_a_row_without_a_distribution_is_one_error_not_nan_edges(row):
+    """A NaN logit, or every logit -inf: no distribution to sample, named, before any draw."""
+    tree = DraftTree(parents=np.array([-1, 0]), path_probs=np.array([1.0, 0.5]), tokens=np.array([0, 1]))
+    rng = np.random.default_rng(0)
+    with pytest.raises(NonFiniteLogits, match="the row of node 0 holds NaN or no logit above -inf"):
+        sample_accept(tree, np.array([0]), torch.tensor([row]), 1.0, rng)
+    assert rng.random() == np.random.default_rng(0).random()          # nothing drawn
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_nan_logits_in_a_verification_pass_are_one_error_naming_the_target(sampling_setup, temperature):
+    """The prompt's pass is finite, a later verification pass is not (a dtype that overflows at some
+    position): the decode stops with the target named, greedy or sampling, not with garbage tokens."""
+    model, drafter, prompt = sampling_setup
+    forward, calls = model.forward, []
+
+    def overflowing(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 3:
+            with torch.inference_mode():              # the pass's tensors are inference tensors
+                out.logits[0, 4] = float("nan")
+        return out
+
+    decoder = speculative_decoder(model, drafter, make_policy("eagle3:7:2"), COST, tree_top_k=2,
+                                  temperature=temperature, seed=1)
+    model.forward = overflowing
+    try:
+        with pytest.raises(SpecFitError, match=r"target model.*: the verification pass after \d+ tokens gave NaN or "
+                                               "infinite logits"):
+            decoder.generate(prompt, 8, ignore_eos=True)
+    finally:
+        del model.forward
+    assert len(calls) == 3

@@ -5,6 +5,7 @@ hand."""
 import numpy as np
 import pytest
 
+from specfit import kernels
 from specfit.traces.drafter import DrafterParams, _draft_probs, draft_tree
 from specfit.traces.format import read_trace
 from specfit.traces.routing import TokenSampler
@@ -150,3 +151,36 @@ def test_sibling_reuse_pairs_only_siblings_off_the_accepted_path():
     # the hand trace's one sibling pair (A, B under the root at position 0) holds A, the accepted
     # token: no off-path pair is left, so the statistic is undefined
     assert np.isnan(trace_statistics(hand_trace())["sibling_reuse"])
+
+
+def union_sizes_reference(offsets, depth, known, experts, max_depth):
+    out = np.zeros(max_depth + 1)
+    for c in range(offsets.size - 1):
+        rows = [v for v in range(offsets[c], offsets[c + 1]) if known[v]]
+        for d in range(max_depth + 1):
+            out[d] += sum(len({int(experts[v, layer, s]) for v in rows if depth[v] <= d for s in range(experts.shape[2])})
+                          for layer in range(experts.shape[1]))
+    return out
+
+
+def test_an_expert_in_the_second_bitset_word_does_not_alias_another_layers_expert():
+    """100 experts: two 64-bit words per layer. Expert 67 at layer 0 and expert 3 at layer 1 are two
+    experts (a one-word set would put 67's bit on layer 1's expert 3)."""
+    experts = np.array([[[67], [3]]], dtype=np.int16)          # one node, 2 layers, top-1
+    totals = kernels.bitsets.union_sizes_by_depth(np.array([0, 1]), np.array([0]), np.array([True]), experts, 100, 0)
+    assert totals.tolist() == [2.0]
+
+
+def test_union_sizes_by_depth_equal_python_sets_for_expert_counts_off_a_multiple_of_64():
+    """Cycles in drafting order (depth non-decreasing, as traces are validated), some nodes unknown."""
+    rng = np.random.default_rng(0)
+    for n_experts in (60, 65, 100, 128, 130):
+        n, layers, k = 40, 3, 4
+        experts = np.stack([rng.permutation(n_experts)[:k] for _ in range(n * layers)]).reshape(n, layers, k)
+        experts = experts.astype(np.int16)
+        offsets = np.array([0, 7, 15, 15, 28, 40])
+        depth = np.concatenate([np.r_[0, np.sort(rng.integers(1, 4, b - a - 1))] if b > a else [] for a, b in
+                                zip(offsets[:-1], offsets[1:])]).astype(np.int64)
+        known = rng.random(n) < 0.8
+        got = kernels.bitsets.union_sizes_by_depth(offsets, depth, known, experts, n_experts, 3)
+        np.testing.assert_array_equal(got, union_sizes_reference(offsets, depth, known, experts, 3))

@@ -97,7 +97,8 @@ def union_sizes_by_depth(offsets, depth, known, experts, n_experts, max_depth):
     """float ``[max_depth + 1]``: summed over the cycles (rows ``offsets[c]:offsets[c + 1]``), the
     size of the union over all layers of the experts of the ``known`` nodes at depth <= d (0
     where a cycle has no known node that shallow). One pass over each cycle's nodes: an expert
-    counts at the depth of the first node that adds it to its layer's set."""
+    counts at the depth of the first node that adds it to its layer's set, so a cycle's rows must
+    be in drafting order (depth never decreasing, as :mod:`specfit.traces.validate` checks)."""
     n_layers, k = experts.shape[1], experts.shape[2]
     totals = np.zeros(max_depth + 1)
     seen = np.zeros((n_layers, (n_experts + 63) // 64), dtype=np.uint64)

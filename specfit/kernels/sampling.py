@@ -15,6 +15,10 @@ generator in place, as ``rng.random()`` does): one per tried child, then one for
 walk's order. The walk reads a row of logits only when it reaches its node, and stops to ask for
 one it does not have (``have``), before drawing anything there: logits on a device are copied to
 the host a visited row at a time, and the walk resumes where it stopped.
+
+A row whose largest logit is ``+inf`` (an overflow) is the softmax's limit: its mass shared by the
+``+inf`` tokens. A row with a NaN, or with no logit above ``-inf``, has no distribution: the walk
+stops there (``BAD_ROW``) before drawing anything.
 """
 
 from __future__ import annotations
@@ -22,9 +26,9 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-__all__ = ["walk", "DONE", "NEED_ROW", "BAD_TOKEN"]
+__all__ = ["walk", "DONE", "NEED_ROW", "BAD_TOKEN", "BAD_ROW"]
 
-DONE, NEED_ROW, BAD_TOKEN = 0, 1, 2
+DONE, NEED_ROW, BAD_TOKEN, BAD_ROW = 0, 1, 2, 3
 
 
 @njit(cache=True)
@@ -37,7 +41,8 @@ def walk(logits, have, row_of, temperature, parents, path_probs, tokens, rng, pa
     ``edge_probs``, filled up to ``n_edges``; path order, each node's children ascending) are
     written in place. ``status``: ``DONE`` with the bonus token; ``NEED_ROW`` when the node at
     ``path[size - 1]`` needs its row (fill it, set ``have``, call again with the returned sizes);
-    ``BAD_TOKEN`` when a drafted child's token is not in ``[0, V)``. ``parents`` is topological."""
+    ``BAD_TOKEN`` when a drafted child's token is not in ``[0, V)``; ``BAD_ROW`` when the node's row
+    has no distribution (a NaN, or every logit ``-inf``). ``parents`` is topological."""
     n = parents.size
     vocab = logits.shape[1]
     e = np.empty(vocab)
@@ -53,9 +58,16 @@ def walk(logits, have, row_of, temperature, parents, path_probs, tokens, rng, pa
             if logits[row, i] > top:
                 top, top_token = np.float64(logits[row, i]), i
         total = 0.0
-        for i in range(vocab):
-            e[i] = np.exp((np.float64(logits[row, i]) - top) / temperature)
-            total += e[i]
+        if top == np.inf:         # an overflowed logit: the limit of the softmax, a point mass
+            for i in range(vocab):
+                e[i] = 1.0 if logits[row, i] == np.inf else 0.0
+                total += e[i]
+        else:
+            for i in range(vocab):
+                e[i] = np.exp((np.float64(logits[row, i]) - top) / temperature)
+                total += e[i]
+        if not total > 0.0:       # NaN: a NaN logit, or every logit -inf
+            return BAD_ROW, size, n_edges, -1
         # its children: every one an edge; the verified ones in the drafter's order
         m = 0
         for v in range(node + 1, n):

@@ -31,7 +31,11 @@ import torch
 from .. import kernels
 from ..tree import DraftTree
 
-__all__ = ["greedy_accept", "sample_accept", "sample_token"]
+__all__ = ["greedy_accept", "sample_accept", "sample_token", "NonFiniteLogits"]
+
+class NonFiniteLogits(ValueError):
+    """A row of the target's logits has no distribution: a NaN, or no logit above ``-inf``."""
+
 
 _ROOT_ONLY = DraftTree(parents=np.array([-1]), path_probs=np.array([1.0]), tokens=np.array([0]))
 
@@ -80,6 +84,9 @@ def sample_accept(tree: DraftTree, nodes: np.ndarray, logits: torch.Tensor, temp
             host[row] = logits[row].float().cpu().numpy()
             have[row] = True
             continue
+        if status == sampling.BAD_ROW:
+            raise NonFiniteLogits(f"logits: the row of node {path[size - 1]} holds NaN or no logit above -inf; "
+                                  "expected a distribution to sample from")
         if status == sampling.BAD_TOKEN:
             raise ValueError(f"tree: a token drafted after node {path[size - 1]} is not in the target's vocabulary "
                              f"[0, {logits.shape[-1]})")

@@ -42,7 +42,7 @@ from ..experts.predictors import ExpertPredictor, NodeBatch, slots_right
 from ..policies import ArPolicy, CycleView, Observation, Policy
 from ..search import packed
 from ..tree import DraftTree
-from .acceptance import greedy_accept, sample_accept, sample_token
+from .acceptance import NonFiniteLogits, greedy_accept, sample_accept, sample_token
 from . import levers
 from .drafting import Proposer, tree_capacity
 from .model import MoETransformer, causal_mask
@@ -294,7 +294,11 @@ class Decoder:
             out = self.model(tree.tokens[nodes], self.cache_len + tree.depth[nodes], torch.from_numpy(mask))
         finally:
             self.model.offload.keep = None
-        verdicts = greedy_verdicts(out.logits)
+        try:
+            verdicts = greedy_verdicts(out.logits)
+        except NonFiniteLogits:
+            check_finite_logits(self.model, out.logits, f"the verification pass after {self.cache_len} tokens")
+            raise
         target_time_s = self._now() - start
         return Verification(nodes=nodes, verdicts=verdicts, logits=out.logits, expert_ids=out.expert_ids,
                             hidden=out.hidden, offload=out.offload, target_time_s=target_time_s,
@@ -430,10 +434,20 @@ def greedy_verdicts(logits: torch.Tensor) -> np.ndarray:
     """int64 [T]: the target's greedy token at each row of ``logits`` [T, V] (the first of tied
     maxima, as ``torch.argmax``), on the host. Host logits numpy reads in place: its argmax over a
     verification pass's logits takes a few microseconds, an order of magnitude less than torch's
-    dispatch (``benchmarks/RESULTS.md``, "Stop 26: what removing calls from the live cycle buys")."""
+    dispatch (``benchmarks/RESULTS.md``, "Stop 26: what removing calls from the live cycle buys").
+    A row with no greedy token (a NaN, which both argmaxes take for the maximum, or every logit
+    ``-inf``) raises :class:`~specfit.runtime.acceptance.NonFiniteLogits`."""
     if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
-        return logits.numpy().argmax(axis=-1)
-    return logits.argmax(dim=-1).cpu().numpy()
+        host = logits.numpy()
+        verdicts = host.argmax(axis=-1)
+        bad = ~(host[np.arange(verdicts.size), verdicts] > -np.inf)
+    else:       # one copy to the host: the rows without a greedy token marked -1
+        index = logits.argmax(dim=-1)
+        verdicts = torch.where(logits.gather(-1, index[:, None])[:, 0] > -torch.inf, index, -1).cpu().numpy()
+        bad = verdicts < 0
+    if bad.any():
+        raise NonFiniteLogits(f"logits: row {int(bad.argmax())} holds NaN or no logit above -inf")
+    return verdicts
 
 
 def check_finite_logits(model, logits: torch.Tensor, what: str) -> None:
