@@ -240,7 +240,8 @@ LEVERS: dict[str, tuple[str, str, Callable]] = {
 }
 
 
-_LEVERS_HELP = " (levers: +" + "/+".join(LEVERS) + ")"
+# words a narrow help column can wrap between (one "+a/+b/..." word is cut with an ellipsis there)
+_LEVERS_HELP = " (levers, added to a policy's name: " + ", ".join(f"+{lever}" for lever in LEVERS) + ")"
 POLICY_HELP = ", ".join(spec.grammar for spec in POLICIES.values()) + _LEVERS_HELP
 # what `specfit decode` runs: the others need a recorded trace
 LIVE_POLICY_HELP = ", ".join(spec.grammar if spec.live is None else spec.live for spec in POLICIES.values()

@@ -856,6 +856,15 @@ def test_a_run_on_raw_draft_probabilities_that_mispredict_says_how_to_calibrate(
     # calibrated online, or no decision (ar), or no cycles: nothing to say
     assert raw_acceptance_notes([{"policy": "specfit", "tokens_per_cycle": float("nan"),
                                   "predicted_tokens_per_cycle": 2.0}]) == []
+    # a small error, but SpecFit ran below ar (a README decode without --acceptance: 111.6 against 148.3)
+    rates = [{"policy": "ar", "tokens_per_cycle": 1.0, "predicted_tokens_per_cycle": 1.0, "tokens_per_s": 148.3},
+             {"policy": "specfit", "tokens_per_cycle": 1.39, "predicted_tokens_per_cycle": 1.23, "tokens_per_s": 111.6},
+             {"policy": "eagle3", "tokens_per_cycle": 2.0, "predicted_tokens_per_cycle": 1.9, "tokens_per_s": 67.9}]
+    notes = raw_acceptance_notes(rates)
+    assert len(notes) == 1 and notes[0].startswith("note: specfit: 111.6 tokens/s, below ar's 148.3; the drafter's raw")
+    assert "(-12%); SpecFit decides with them. Record" in notes[0]
+    rates[1]["tokens_per_s"] = 150.0                  # ahead of ar: the error alone decides (under 15 %)
+    assert raw_acceptance_notes(rates) == []
 
 
 def test_the_bundled_model_decodes_in_bfloat16_on_the_cpu(tmp_path):

@@ -16,7 +16,9 @@ def register(app: typer.Typer, traces_app: typer.Typer) -> None:
 
 
 def report_command(
-    inputs: list[Path] = typer.Argument(..., help="Run directories of decode / simulate (or the demo), profile JSON files."),
+    inputs: list[Path] = typer.Argument(..., metavar="INPUTS",
+                                      help="Run directories of decode, simulate, sweep or plan (or the demo), "
+                                      "profile JSON files."),
     out: Optional[Path] = typer.Option(None, "--out", help="Report directory (default: reports/<first input's name>)."),
     title: str = typer.Option("SpecFit report", "--title"),
 ) -> None:

@@ -148,17 +148,24 @@ def raw_acceptance_notes(summaries: list[dict]) -> list[str]:
     the committed ones. SpecFit prices every subtree with those probabilities; the bundled drafter's
     raw ones predicted well under half the tokens an EAGLE-3 tree committed, and SpecFit, taking
     them at their word, drafted levels that did not pay (slower than ``ar``: ``benchmarks/RESULTS.md``,
-    "Stop 33: `specfit decode` without an acceptance calibration")."""
+    "Stop 33: `specfit decode` without an acceptance calibration"). A SpecFit policy that ran
+    slower than ``ar`` in the same run gets the note at any error: what it chose is where those
+    probabilities were most optimistic, so a small average error can still cost it the run."""
     notes = []
+    ar_rate = next((s.get("tokens_per_s", float("nan")) for s in summaries if s["policy"] == "ar"), float("nan"))
     for s in summaries:
         real, predicted = s.get("tokens_per_cycle", float("nan")), s.get("predicted_tokens_per_cycle", float("nan"))
         if s["policy"] == "ar" or "+online" in s["policy"] or not real > 1.0 or not predicted == predicted:
             continue
         off = (predicted - real) / real
-        if abs(off) > RAW_ACCEPTANCE_OFF:
-            notes.append(f"note: {s['policy']}: the drafter's raw probabilities predicted {predicted:.2f} tokens per "
+        deciding = s["policy"].startswith("specfit")
+        behind = deciding and s.get("tokens_per_s", float("nan")) < ar_rate
+        if abs(off) > RAW_ACCEPTANCE_OFF or behind:
+            notes.append(f"note: {s['policy']}: "
+                         + (f"{s['tokens_per_s']:.1f} tokens/s, below ar's {ar_rate:.1f}; " if behind else "")
+                         + f"the drafter's raw probabilities predicted {predicted:.2f} tokens per "
                          f"cycle where {real:.2f} were committed ({off:+.0%}); "
-                         + ("SpecFit decides with them" if s["policy"].startswith("specfit") else
+                         + ("SpecFit decides with them" if deciding else
                             "the predicted tokens and times use them, as specfit would decide with them")
                          + ". Record a "
                          f"trace of this model and drafter (--record TRACE --record-full) and pass it as "

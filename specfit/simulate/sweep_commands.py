@@ -26,8 +26,9 @@ def register(app: typer.Typer, traces_app: typer.Typer) -> None:
 
 def sweep_command(
     ctx: typer.Context,
-    spec: Path = typer.Argument(..., help="Sweep spec (.toml, .yaml): traces, profiles, --h2d-scale values, cache "
-                                          "sizes and modes, policies, predictors, drafter presets (see simulate/)."),
+    spec: Path = typer.Argument(..., metavar="SPEC",
+                                help="Sweep spec (.toml, .yaml): traces, profiles, --h2d-scale values, cache sizes and "
+                                     "modes, policies, predictors, drafter presets (see simulate/)."),
     out: Optional[Path] = typer.Option(None, "--out", help="Dataset directory (default: runs/<spec name>); "
                                        "rerunning into it skips the cells already there."),
     address: Optional[str] = typer.Option(None, "--address", help="Join this Ray cluster (e.g. auto or "

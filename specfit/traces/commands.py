@@ -68,7 +68,7 @@ def synth_command(
 
 
 def import_routing_command(
-    log_file: Path = typer.Argument(..., help="Routing log: .npz (expert_ids + sequence_id [+ token_id, "
+    log_file: Path = typer.Argument(..., metavar="LOG", help="Routing log: .npz (expert_ids + sequence_id [+ token_id, "
                                     "generated_token_index, router_weights], or one array per sequence: problem0, "
                                     "problem1, ...), .jsonl or .parquet (one record per token and layer, or per token)."),
     out: Path = typer.Option(..., "--out", help="Trace file to write (.parquet)."),
@@ -127,7 +127,7 @@ def import_routing_command(
     _report_written(trace, out, as_json)
 
 
-def validate_command(trace_file: Path = typer.Argument(..., help="Trace file (.parquet).")) -> None:
+def validate_command(trace_file: Path = typer.Argument(..., metavar="FILE", help="Trace file (.parquet).")) -> None:
     """Check a trace file against the schema and every invariant the simulator relies on."""
     from .format import read_trace, validate_trace
 
@@ -140,7 +140,7 @@ def validate_command(trace_file: Path = typer.Argument(..., help="Trace file (.p
 
 
 def inspect_command(
-    trace_file: Path = typer.Argument(..., help="Trace file (.parquet)."),
+    trace_file: Path = typer.Argument(..., metavar="FILE", help="Trace file (.parquet)."),
     as_json: bool = typer.Option(False, "--json", help="Print only the summary as JSON."),
 ) -> None:
     """Summarise a trace: cycles, tree sizes, acceptance by depth, expert unions and reuse."""
