@@ -80,9 +80,11 @@ def repeated_path(paths, noun: str = "file") -> str | None:
     every path is another."""
     seen: dict[Path, object] = {}
     for path in paths:
-        first = seen.setdefault(Path(path).resolve(), path)
-        if first is not path:
+        key = Path(path).resolve()
+        if key in seen:
+            first = seen[key]
             return str(first) if str(first) == str(path) else f"{first} and {path} (the same {noun})"
+        seen[key] = path
     return None
 
 

@@ -10,7 +10,10 @@ from pathlib import Path
 import pytest
 
 from specfit.errors import SpecFitError
-from specfit.io import atomic_write, check_output, run_dir_lock, strict_dumps, write_text_atomic
+from specfit.io import atomic_write, check_output, repeated_path, run_dir_lock, strict_dumps, write_text_atomic
+from specfit.runinfo import RUN_INFO_FILE, note_run, write_run_info
+from specfit.runtime.run_dir import (CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE, DecodeOutputs,
+                                     read_decode_cycles, read_decode_summaries)
 
 
 def test_atomic_write_leaves_only_the_file_after_success(tmp_path):
@@ -187,3 +190,97 @@ def test_csv_reads_back_to_the_frame_it_was_written_from(tmp_path):
     lists = [None if pd.isna(v) else json.loads(v) for v in back["per_layer"]]
     assert lists == [None if v is None else list(np.asarray(v).tolist()) for v in frame["per_layer"]]
     assert '"trace, \\"0\\""' not in path.read_text() and '"trace, ""0"""' in path.read_text()   # CSV's own quoting
+
+
+def _last_run(out):
+    first = DecodeOutputs(out)
+    first.add_cycle({"policy": "ar", "cycle": 0})
+    first.records.append({"policy": "ar", "prompt": 0})
+    first.summaries.append({"policy": "ar"})
+    first.close()
+    assert {CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE} <= {p.name for p in out.iterdir()}
+
+
+def test_a_record_before_the_first_cycle_replaces_the_last_runs_files_and_is_kept_after_it(tmp_path):
+    """A prompt whose output ends at its prefill token gives a record before any cycle: its flush is
+    this run's first result, so the last run's cycles and summary go then (not left beside this
+    run's decode.jsonl), run.json is written, and the first cycle after it keeps that record."""
+    _last_run(tmp_path)
+    started = []
+    second = DecodeOutputs(tmp_path, start=lambda: started.append(True))
+    second.records.append({"policy": "eagle3", "prompt": 0})
+    second.flush()
+    assert started == [True]
+    assert not (tmp_path / CYCLES_FILE).exists() and not (tmp_path / SUMMARY_FILE).exists()
+    second.add_cycle({"policy": "eagle3", "cycle": 0})
+    lines = (tmp_path / OUTPUT_FILE).read_text().splitlines()
+    assert [json.loads(line)["policy"] for line in lines] == ["eagle3"]
+    second.close()
+    assert started == [True] and list(read_decode_cycles(tmp_path)["policy"]) == ["eagle3"]
+
+
+def test_a_run_stopped_in_its_first_prompt_writes_an_empty_record_file_not_none(tmp_path):
+    """Cycles but no finished (policy, prompt) run: decode.jsonl is written, empty (this run's), and
+    the journal is gone."""
+    out = DecodeOutputs(tmp_path)
+    out.add_cycle({"policy": "ar", "cycle": 0})
+    out.close()
+    assert (tmp_path / OUTPUT_FILE).read_text() == "" and not (tmp_path / JOURNAL_FILE).exists()
+    assert read_decode_summaries(tmp_path) == []
+
+
+def test_note_run_adds_to_the_notes_already_there(tmp_path):
+    write_run_info(tmp_path, "decode", notes=["first"])
+    note_run(tmp_path, "second")
+    note_run(tmp_path, "third")
+    info = json.loads((tmp_path / RUN_INFO_FILE).read_text())
+    assert info["notes"] == ["first", "second", "third"] and info["kind"] == "decode"
+
+
+def test_note_run_writes_nothing_where_there_is_no_readable_run_json(tmp_path):
+    note_run(tmp_path, "a note")
+    assert not (tmp_path / RUN_INFO_FILE).exists()
+    (tmp_path / RUN_INFO_FILE).write_text("[1, 2]")
+    note_run(tmp_path, "a note")
+    assert (tmp_path / RUN_INFO_FILE).read_text() == "[1, 2]"
+
+
+def _dead_pid() -> int:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+def test_a_decode_output_directory_loses_a_dead_writers_temporaries_and_keeps_a_live_ones(tmp_path):
+    """A SIGKILLed atomic write leaves .NAME.PID-RANDOM.tmp: opening the run directory removes it when
+    PID is gone, and leaves one whose writer (this process) is alive."""
+    dead = tmp_path / f".summary.json.{_dead_pid()}-abc.tmp"
+    live = tmp_path / f".decode.jsonl.{os.getpid()}-abc.tmp"
+    dead.write_text("half")
+    live.write_text("being written")
+    DecodeOutputs(tmp_path)
+    assert not dead.exists() and live.exists()
+
+
+KILLED_RUN_JOURNAL = '{"policy": "ar", "cycle": 0}\n{"policy": "ar", "cycle": 1}\n'
+
+
+def test_closing_outputs_that_never_had_a_result_keeps_the_last_runs_journal(tmp_path):
+    """A rerun that ends before its first result (a crash at its first pass) leaves the journal of a
+    killed last run, that run's only copy of its cycles."""
+    (tmp_path / JOURNAL_FILE).write_text(KILLED_RUN_JOURNAL)
+    DecodeOutputs(tmp_path, start=lambda: None).close()
+    assert (tmp_path / JOURNAL_FILE).read_text() == KILLED_RUN_JOURNAL
+
+
+def test_repeated_path_finds_a_path_given_twice_however_spelled(tmp_path, monkeypatch):
+    """The same object twice (a Python caller's list), the same spelling twice, two spellings of one file."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    p = tmp_path / "t.parquet"
+    assert repeated_path([p, p]) == str(p)
+    assert repeated_path(["t.parquet"] * 2) == "t.parquet"
+    assert repeated_path(["t.parquet", "./runs/../t.parquet"], "trace") == "t.parquet and ./runs/../t.parquet (the same trace)"
+    assert repeated_path(["t.parquet", "u.parquet", tmp_path / "runs"]) is None

@@ -3,6 +3,7 @@ simulator, interrupted runs, refits, bad drafter checkpoints."""
 
 from __future__ import annotations
 
+import errno
 import json
 import re
 from pathlib import Path
@@ -1087,3 +1088,67 @@ def test_sampling_refuses_specfit_named_beside_the_specfit_online_it_becomes(che
     result = decode(checkpoint, "--policies", "specfit,specfit+online", "--temperature", "0.8", "--profile", "pcie4")
     assert result.exit_code != 0
     assert "--policies: when sampling (--temperature > 0) specfit learns its acceptance online" in result.output
+
+
+def test_a_rerun_that_crashes_before_its_first_cycle_keeps_a_killed_runs_cycles(checkpoint, tmp_path, monkeypatch):
+    """A crash that is no bad input (out of device memory) at a rerun's first pass: the journal of the
+    SIGKILLed last run, its only copy of its cycles, stays."""
+    from specfit.runtime.decoder import Decoder
+
+    model_dir, drafter_dir, prompts = checkpoint
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "cycles.jsonl").write_text('{"policy": "ar", "cycle": 0}\n{"policy": "ar", "cycle": 1}\n')
+    plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["ar"], profile="pcie4",
+                      max_new_tokens=NEW_TOKENS, device="cpu", out_dir=out, ignore_eos=True, warmup=False)
+
+    def oom(self, *args, **kwargs):
+        raise RuntimeError("CUDA out of memory")
+
+    monkeypatch.setattr(Decoder, "prefill", oom)
+    with pytest.raises(RuntimeError):
+        run_decode(plan)
+    assert len(read_decode_cycles(out)) == 2
+
+
+def _ar_plan(checkpoint, out):
+    model_dir, drafter_dir, prompts = checkpoint
+    return DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["ar"], profile="pcie4",
+                      max_new_tokens=NEW_TOKENS, device="cpu", out_dir=out, ignore_eos=True, warmup=False)
+
+
+@pytest.mark.parametrize("peer", [BrokenPipeError(errno.EPIPE, "Broken pipe"),
+                                  ConnectionResetError(errno.ECONNRESET, "Connection reset by peer")])
+def test_a_reader_that_went_away_mid_decode_is_not_blamed_on_the_run_directory(checkpoint, tmp_path, peer):
+    """A peer's error (a `| head` reader closing, a network) met while a record is handed on goes on
+    as itself: it is no full disk, so no SpecFitError naming the run directory."""
+    def gone(record):
+        raise peer
+
+    with pytest.raises(type(peer)):
+        run_decode(_ar_plan(checkpoint, tmp_path / "run"), on_record=gone)
+
+
+def test_an_os_error_without_out_goes_on_as_itself(checkpoint):
+    """Without --out nothing was written: an OSError is not turned into "those that reached the disk
+    before it are in None"."""
+    def full(record):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError) as info:
+        run_decode(_ar_plan(checkpoint, None), on_record=full)
+    assert not isinstance(info.value, SpecFitError) and "None" not in str(info.value)
+
+
+def test_the_cli_lets_a_peers_error_through_not_as_an_error_line(monkeypatch, tmp_path):
+    """The CLI turns a file's OSError into one 'error:' line, but a peer's (a reset connection, a
+    timeout) goes on as itself."""
+    from cli_helpers import invoke
+    import specfit.report.build as build
+
+    for exc in (ConnectionResetError(errno.ECONNRESET, "reset"), TimeoutError("timed out")):
+        def raise_it(*args, **kwargs):
+            raise exc
+        monkeypatch.setattr(build, "build_report", raise_it)
+        result = invoke("report", tmp_path, "--out", tmp_path / "r")
+        assert isinstance(result.exception, type(exc)) and "error:" not in result.output, result.output

@@ -97,7 +97,9 @@ class DecodeOutputs:
         if self._journal is not None:
             self._journal.close()
             self._journal = None
-        if self.out_dir is not None:
+        if self._started and self.out_dir is not None:
+            # only this run's journal: before its first result the journal is the last run's (a killed
+            # run's cycles, which a rerun that failed before its first cycle must leave as they were)
             (Path(self.out_dir) / JOURNAL_FILE).unlink(missing_ok=True)
 
 
