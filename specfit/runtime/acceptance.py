@@ -33,6 +33,7 @@ from ..tree import DraftTree
 
 __all__ = ["greedy_accept", "sample_accept", "sample_token", "NonFiniteLogits"]
 
+
 class NonFiniteLogits(ValueError):
     """A row of the target's logits has no distribution: a NaN, or no logit above ``-inf``."""
 
