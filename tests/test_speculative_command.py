@@ -1152,3 +1152,23 @@ def test_the_cli_lets_a_peers_error_through_not_as_an_error_line(monkeypatch, tm
         monkeypatch.setattr(build, "build_report", raise_it)
         result = invoke("report", tmp_path, "--out", tmp_path / "r")
         assert isinstance(result.exception, type(exc)) and "error:" not in result.output, result.output
+
+
+def test_a_run_stopped_by_bad_input_mid_run_notes_the_error_not_an_interrupt(checkpoint, tmp_path):
+    """NaN drafter weights stop the run at specfit's first draft, after ar has decoded every prompt:
+    run.json's note says it stopped on that error (no Ctrl-C), with the cycles and runs it kept."""
+    model_dir, drafter_dir, prompts = checkpoint
+    bad = _corrupt(drafter_dir, tmp_path, lambda t, c: t.update({"fc.weight": torch.full_like(t["fc.weight"], float("nan"))}))
+    out = tmp_path / "run"
+    plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["ar", "specfit"],
+                      drafter_dir=bad, profile="pcie4", max_new_tokens=NEW_TOKENS, device="cpu", out_dir=out,
+                      ignore_eos=True, warmup=False)
+    with pytest.raises(SpecFitError, match="NaN probabilities") as info:
+        run_decode(plan)
+    error = str(info.value).split(" (before it: kept ")[0]
+    assert error.startswith(f"drafter {bad}: NaN probabilities")
+    kept = len(PROMPTS) * (NEW_TOKENS - 1)
+    said = (f"the run stopped before its end ({error}): it holds the {kept} cycle(s) completed before it; "
+            f"{len(PROMPTS)} of its {2 * len(PROMPTS)} (policy, prompt) runs finished")
+    notes = json.loads((out / "run.json").read_text())["notes"]
+    assert notes == [said] and "interrupted" not in notes[0]
