@@ -158,18 +158,17 @@ def raw_acceptance_notes(summaries: list[dict]) -> list[str]:
         if s["policy"] == "ar" or "+online" in s["policy"] or not real > 1.0 or not predicted == predicted:
             continue
         off = (predicted - real) / real
-        deciding = s["policy"].startswith("specfit")
-        behind = deciding and s.get("tokens_per_s", float("nan")) < ar_rate
+        deciding, rate = s["policy"].startswith("specfit"), s.get("tokens_per_s", float("nan"))
+        behind = deciding and rate < ar_rate
         if abs(off) > RAW_ACCEPTANCE_OFF or behind:
             notes.append(f"note: {s['policy']}: "
-                         + (f"{s['tokens_per_s']:.1f} tokens/s, below ar's {ar_rate:.1f}; " if behind else "")
+                         + (f"{rate:.1f} tokens/s, below ar's {ar_rate:.1f}; " if behind else "")
                          + f"the drafter's raw probabilities predicted {predicted:.2f} tokens per "
                          f"cycle where {real:.2f} were committed ({off:+.0%}); "
                          + ("SpecFit decides with them" if deciding else
                             "the predicted tokens and times use them, as specfit would decide with them")
-                         + ". Record a "
-                         f"trace of this model and drafter (--record TRACE --record-full) and pass it as "
-                         f"--acceptance TRACE, as specfit demo does")
+                         + ". Record a trace of this model and drafter (--record TRACE --record-full) and pass it "
+                         "as --acceptance TRACE, as specfit demo does")
     return notes
 
 
