@@ -183,7 +183,16 @@ def _run_demo(plan: DemoPlan, out: Path, say, progress) -> dict:
     sim_dir.mkdir(parents=True, exist_ok=True)
     for name, frame in (("cycles", cycles), ("summary", summary)):
         atomic_write(sim_dir / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp, index=False))
-    notes = _whatif_notes(plan, trace)
+    truth = None
+    behind = _settings_behind(summary)
+    if behind and predictor == "recorded":
+        # where a fixed setting leads, the same SpecFit policies deciding with the experts the target
+        # really routed to: how much of the gap is the expert predictor's
+        truth_prepared = prepare_trace("demo trace", trace, predictor="oracle", acceptance="calibrated")
+        profiles = {profile for profile, _ in behind}
+        _, truth = run_sweep([truth_prepared], ["ar", *_specfit_columns(summary)], sorted({c for _, c in behind}),
+                             [s for s in whatif_scenarios(trace) if s.label in profiles], progress=lambda what: step())
+    notes = _whatif_notes(plan, trace) + _leader_notes(summary, truth)
     write_run_info(sim_dir, "simulate (specfit demo)", notes=notes)
     timings["simulate_s"] = time.perf_counter() - started
 
@@ -203,6 +212,63 @@ def _whatif_notes(plan: DemoPlan, trace) -> list[str]:
     return [f"--quick: the what-if replays {trace.n_cycles} cycles of {n_sequences} prompts, each with the acceptance "
             f"calibration fitted on the other prompts' cycles: too few for its ranking of policies to be a result (a "
             f"smoke test); run the demo without --quick to compare them"]
+
+
+# the what-if's columns a user could run without SpecFit (``static:auto`` tuned on the trace, after the fact)
+FIXED_POLICIES = ("ar", "chain:2", "eagle3", "static:auto")
+
+
+def _specfit_columns(summary) -> list[str]:
+    return [p for p in dict.fromkeys(summary["policy"]) if p.split("+")[0] == "specfit"]
+
+
+def _settings_behind(summary) -> list[tuple[str, int]]:
+    """The (profile, cache size) settings of the what-if where a fixed policy runs faster than
+    every SpecFit column."""
+    behind = []
+    for (profile, cache), g in summary.groupby(["profile", "cache_experts"], sort=False):
+        rate = g.set_index("policy")["tokens_per_s"]
+        fixed = rate[rate.index.isin(FIXED_POLICIES)]
+        ours = rate[rate.index.isin(_specfit_columns(summary))]
+        if len(fixed) and len(ours) and fixed.max() > ours.max():
+            behind.append((profile, int(cache)))
+    return behind
+
+
+def _leader_notes(summary, truth) -> list[str]:
+    """What a reader of the what-if should know to read it: which columns no live run can be, and,
+    where a fixed policy leads SpecFit, what SpecFit reaches deciding with the true experts
+    (``truth``: the same replay with them; None when the policies decided with them already)."""
+    policies = set(summary["policy"])
+    notes = []
+    if "static:auto" in policies or "oracle" in policies:
+        notes.append("static:auto is static:N with the N that ran fastest on this very trace, picked per setting after "
+                     "the fact, and oracle knows the target's verdicts: neither can run live")
+    rows, leads = [], 0
+    for profile, cache in _settings_behind(summary):
+        g = summary[(summary["profile"] == profile) & (summary["cache_experts"] == cache)].set_index("policy")
+        fixed = g[g.index.isin(FIXED_POLICIES)]["tokens_per_s"]
+        ours = g[g.index.isin(_specfit_columns(summary))]["tokens_per_s"]
+        lead, best = fixed.idxmax(), ours.idxmax()
+        n = f" (N = {g.loc[lead, 'static_n']})" if lead == "static:auto" else ""
+        text = (f"{profile}, {cache} cached: {lead}{n} {g.loc[lead, 'speedup_vs_ar']:.2f}x, "
+                f"{best} {g.loc[best, 'speedup_vs_ar']:.2f}x")
+        if truth is not None:
+            t = truth[(truth["profile"] == profile) & (truth["cache_experts"] == cache)].set_index("policy")
+            text += f", {t.loc[best, 'speedup_vs_ar']:.2f}x with the true experts"
+            leads += bool(t.loc[best, "tokens_per_s"] > g.loc[lead, "tokens_per_s"])
+        rows.append(text)
+    if rows and truth is not None:
+        verdict = ("With the true experts SpecFit leads all of them: the gap is its expert predictor's (README: \"The "
+                   "expert predictor decides the rest\")" if leads == len(rows)
+                   else f"With the true experts SpecFit leads {leads} of these {len(rows)}")
+        notes.append("where a fixed policy leads, SpecFit decided with the live router's expert predictions, each cycle "
+                     "charged with the experts the target really routed to; deciding with those instead: "
+                     + "; ".join(rows) + f". {verdict}")
+    elif rows:
+        notes.append("a fixed policy leads SpecFit (which decided with the true experts: the trace holds no "
+                     "predictions) at: " + "; ".join(rows))
+    return notes
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:

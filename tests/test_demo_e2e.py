@@ -37,6 +37,12 @@ def test_demo_quick_writes_the_report_with_identical_outputs(tmp_path):
     flat = " ".join(output.split())
     assert "note: --quick: the what-if replays" in flat and "too few for its ranking of policies" in flat
     assert "note: --quick: the what-if replays" in text
+    # the what-if says which columns no live run can be, and where a fixed policy leads SpecFit, what
+    # SpecFit reaches with the true experts (on the page too)
+    assert "note: static:auto is static:N" in flat and "note: static:auto is static:N" in text
+    from specfit.demo import _settings_behind
+    behind = _settings_behind(pd.read_parquet(tmp_path / "simulate" / "summary.parquet"))
+    assert ("x with the true experts" in flat) == bool(behind) == ("x with the true experts" in text)
     for section in ("Live decoding", "Simulation", "Calibration", "Early stopping"):
         assert section in text
     assert "miss share" in text            # the per-layer cache heat map of the live runs

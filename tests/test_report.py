@@ -390,6 +390,44 @@ def test_only_a_quick_demos_what_if_carries_the_smoke_test_note():
     assert "replays 30 cycles of 2 prompts" in note
 
 
+def _whatif_summary(rates: dict, static_n: int = 12):
+    """A what-if summary as the demo's sweep writes it: ``rates[(profile, cache)][policy]`` tokens/s."""
+    import pandas as pd
+
+    rows = [{"profile": profile, "cache_experts": cache, "policy": policy, "tokens_per_s": rate,
+             "speedup_vs_ar": rate / by_policy["ar"], "static_n": static_n if policy == "static:auto" else pd.NA}
+            for (profile, cache), by_policy in rates.items() for policy, rate in by_policy.items()]
+    return pd.DataFrame(rows)
+
+
+def test_where_a_fixed_policy_leads_the_demo_says_what_specfit_reaches_with_the_true_experts():
+    from specfit.demo import _leader_notes, _settings_behind
+
+    summary = _whatif_summary({
+        ("gh200-qwen3", 0): {"ar": 100.0, "eagle3": 140.0, "static:auto": 150.0, "specfit": 120.0,
+                             "specfit+cache+prefetch": 130.0, "oracle": 300.0},
+        ("pcie4-qwen3", 0): {"ar": 100.0, "eagle3": 110.0, "static:auto": 115.0, "specfit": 125.0,
+                             "specfit+cache+prefetch": 125.0, "oracle": 200.0}})
+    # the oracle is no fixed setting: only gh200 trails, against static:auto, and SpecFit's best column there
+    assert _settings_behind(summary) == [("gh200-qwen3", 0)]
+    truth = _whatif_summary({("gh200-qwen3", 0): {"ar": 100.0, "specfit": 160.0, "specfit+cache+prefetch": 170.0}})
+    legend, note = _leader_notes(summary, truth)
+    assert "static:auto is static:N" in legend and "oracle knows the target's verdicts" in legend
+    assert ("gh200-qwen3, 0 cached: static:auto (N = 12) 1.50x, specfit+cache+prefetch 1.30x, 1.70x with the true "
+            "experts.") in note
+    assert "pcie4" not in note and "leads all of them" in note
+    # the true experts do not close the gap: the note counts it
+    truth = _whatif_summary({("gh200-qwen3", 0): {"ar": 100.0, "specfit": 125.0, "specfit+cache+prefetch": 140.0}})
+    assert "1.40x with the true experts. With the true experts SpecFit leads 0 of these 1" in _leader_notes(summary, truth)[1]
+    # a trace without predictions: SpecFit decided with the true experts already
+    (_, note) = _leader_notes(summary, None)
+    assert "the trace holds no predictions" in note and "x with the true experts" not in note
+    # SpecFit ahead everywhere: the legend alone; a what-if without static:auto or the oracle: nothing
+    ahead = summary[summary["profile"] == "pcie4-qwen3"]
+    assert _settings_behind(ahead) == [] and len(_leader_notes(ahead, None)) == 1
+    assert _leader_notes(ahead[~ahead["policy"].isin(["static:auto", "oracle"])], None) == []
+
+
 def test_sweep_heat_map_squares_show_the_best_cell_of_the_other_axes():
     import pandas as pd
 
