@@ -68,9 +68,11 @@ CYCLE_COLUMNS = tuple(Column(*c) for c in (
     ("predicted_misses", "int", False, "predicted union experts the search saw missing"),
     ("bytes_h2d", "int", False, "bytes copied host-to-device"),
     ("prefetched", "int", False, "experts copied ahead of their pass, in the link time of drafted levels"),
-    ("predicted_bytes_h2d", "float", False, "predicted misses times the bytes of one expert"),
+    ("predicted_bytes_h2d", "float", False, "predicted misses, plus the experts prefetched before the selection, "
+                                           "times the bytes of one expert"),
     ("charged_bytes_h2d", "int", False, "bytes the expert cache's bookkeeping gives the true experts from the "
-                                        "residency before the cycle (the cost model's view of what happened)"),
+                                        "residency the selection saw, plus the prefetched experts (the cost model's "
+                                        "view of what moved)"),
     ("prediction_precision", "float", False, "share of the verified draft nodes' predicted expert slots that were right"),
     ("draft_time_s", "float", True, "from the cycle's start to the selection"),
     ("verify_time_s", "float", True, "from the selection to the committed tokens"),
@@ -172,8 +174,9 @@ def live_row(stats, cost: CostModel | None, expert_bytes: int) -> dict:
         "predicted_misses": sel.misses if sel else -1,
         "bytes_h2d": offload.total_bytes_h2d + draft.prefetched * expert_bytes,
         "prefetched": draft.prefetched,
-        "predicted_bytes_h2d": sel.misses * expert_bytes if sel else nan,
-        "charged_bytes_h2d": int(charged.sum()) * expert_bytes if charged is not None else -1,
+        # the prefetched experts were copied before the selection: known, not predicted, and moved
+        "predicted_bytes_h2d": (sel.misses + draft.prefetched) * expert_bytes if sel else nan,
+        "charged_bytes_h2d": (int(charged.sum()) + draft.prefetched) * expert_bytes if charged is not None else -1,
         "prediction_precision": stats.predicted_slots_right / stats.predicted_slots if stats.predicted_slots else nan,
         "draft_time_s": stats.draft_time_s,
         "verify_time_s": stats.verify_time_s,
@@ -216,7 +219,8 @@ def replay_frame(columns: dict[str, np.ndarray], expert_bytes: int) -> "pd.DataF
     out["prior_predicted_time_s"] = columns["predicted_time_s"]
     out["charged_bytes_h2d"] = columns["bytes_h2d"]
     out["predicted_hits"] = np.asarray(columns["predicted_union_size"]) - np.asarray(columns["predicted_misses"])
-    out["predicted_bytes_h2d"] = np.asarray(columns["predicted_misses"], dtype=np.float64) * expert_bytes
+    out["predicted_bytes_h2d"] = (np.asarray(columns["predicted_misses"], dtype=np.float64)
+                                  + np.asarray(columns.get("prefetched", 0))) * expert_bytes
     if "prediction_precision" not in columns:
         out["prediction_precision"] = np.full(n, np.nan)
     return pd.DataFrame(out)

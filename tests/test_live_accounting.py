@@ -56,7 +56,8 @@ def count_copied_bytes(model, decoder):
 def test_bytes_charged_from_the_true_experts_equal_the_bytes_copied(cache_mode, cache_experts):
     model, drafter = tiny(cache_experts, cache_mode)
     expert_bytes = model.offload.host.expert_bytes
-    for spec in ("eagle3:16:4", "specfit"):
+    # +cache: the pass evicts in a cache advisor's order; +prefetch: experts are copied before it
+    for spec in ("eagle3:16:4", "specfit", "specfit+cache", "specfit+cache+prefetch"):
         model.offload.reset()
         decoder = Decoder(model, Proposer(drafter, 4), make_policy(spec), COST.replace(expert_bytes=expert_bytes))
         moved = count_copied_bytes(model, decoder)
@@ -65,7 +66,8 @@ def test_bytes_charged_from_the_true_experts_equal_the_bytes_copied(cache_mode, 
         streamed = 0
         for stats, copied in zip(result.cycles, moved):
             row = live_row(stats, COST, expert_bytes)
-            assert row["charged_bytes_h2d"] == copied == row["bytes_h2d"]
+            # the prefetch copies run beside the drafter, outside the pass
+            assert row["charged_bytes_h2d"] == copied + stats.draft.prefetched * expert_bytes == row["bytes_h2d"]
             streamed += int(stats.offload.streamed.sum())
             if cache_mode == "per_layer":
                 # per layer, the cost model's own count on the true experts is the same number
@@ -74,6 +76,23 @@ def test_bytes_charged_from_the_true_experts_equal_the_bytes_copied(cache_mode, 
                 assert misses * expert_bytes == copied
         if cache_experts == 3:
             assert streamed > 0        # unions larger than the slots: the staging path was exercised
+
+
+def test_a_frozen_profiles_policy_learns_its_own_overhead_not_the_callback_after_each_cycle():
+    """The time a cycle's measured span begins with (the previous cycle's accounting, recorder and
+    callback, e.g. a journal write) is not the policy's: a slow callback leaves SpecFit's learned
+    overhead per decision where it was."""
+    model, drafter = tiny(4)
+    learned = {}
+    for pause_s in (0.0, 0.04):
+        policy = make_policy("specfit")
+        decoder = Decoder(model, Proposer(drafter, 4), policy, COST, online_refit=False)
+        result = decoder.generate(PROMPT, 24, ignore_eos=True,
+                                  on_cycle=(lambda stats, n: time.sleep(pause_s)) if pause_s else None)
+        assert len(result.cycles) > 3 and policy.overhead_level_s > 0
+        learned[pause_s] = policy.overhead_level_s
+    # taken from the cycle's measured span (before), the 40 ms pause made it 30 ms per decision
+    assert learned[0.04] < 0.01 and learned[0.04] < 5 * learned[0.0] + 0.002
 
 
 def test_per_layer_unions_are_the_verified_nodes_experts():

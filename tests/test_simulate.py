@@ -277,6 +277,10 @@ def test_hand_trace_chain1_prefetch_copies_the_roots_expert_while_drafting():
     assert c["hits"].tolist() == [1, 1] and c["misses"].tolist() == [1, 1]
     np.testing.assert_allclose(c["charged_time_s"], [2.71, 2.71])
     assert c["bytes_h2d"].tolist() == [2000, 2000]        # the prefetched copies are bytes too
+    # deciding with the true experts, the bytes it predicts are what moved: the prefetched ones included
+    from specfit.accounting import replay_frame
+    rows = replay_frame(c, 1000)
+    assert rows["predicted_bytes_h2d"].tolist() == [2000, 2000] and rows["charged_bytes_h2d"].tolist() == [2000, 2000]
     plain = replay(prep, make_policy("chain:1"), ExpertCache(1, 4, capacity=1, expert_bytes=1000), cost).columns
     np.testing.assert_allclose(plain["charged_time_s"], [3.2, 2.71])
     assert log.committed[0].tolist() == [11, 12, 13]

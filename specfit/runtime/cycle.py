@@ -35,6 +35,7 @@ class Draft:
     prefetched: int = 0             # experts copied ahead of the pass while levels were drafted
     prefetch_copy_s: float = 0.0    # their copy time (beside the drafter)
     prefetch_wait_s: float = 0.0    # the part of it the verification pass had to wait for
+    phase_s: float = 0.0            # the draft phase itself: drafting, decisions, predictions, views
     last_known: np.ndarray | None = None   # [L, k] the routing the predictions saw as most recent
     last_known_rows: np.ndarray | None = None   # [max nodes, L, k] it, once per node the tree can hold
     contexts: list = field(default_factory=list)   # per level: the drafter context rows of its nodes (root: NaN)

@@ -173,7 +173,8 @@ class Decoder:
                 levers.finish_prefetch(self, draft)
                 # global mode can evict a later layer's expert within the pass: its check needs the state
                 before = copy.deepcopy(self.model.offload.cache) if self.model.offload.cache.mode == "global" else None
-                verification = self.verify(draft.tree, draft.nodes, keep=levers.cache_keep(self, draft))
+                keep = levers.cache_keep(self, draft)
+                verification = self.verify(draft.tree, draft.nodes, keep=keep)
                 commit = self.commit(draft, verification)
                 verified = now()
                 stats = CycleStats(position=len(output) - 1, draft=draft, verification=verification,
@@ -191,7 +192,7 @@ class Decoder:
                 priced = None if draft.selection is None else (draft.selection.hits, draft.selection.misses)
                 self._pending = ((draft.draft_levels, int(verification.nodes.size), offload.total_hits,
                                   offload.total_misses, stats.cycle_time_s), priced, update_s, draft.drafter_time_s)
-                self._account(stats, before)
+                self._account(stats, before, keep)
                 cycles.append(stats)
                 totals += offload
                 decode_bytes_h2d += offload.total_bytes_h2d + draft.prefetched * expert_bytes
@@ -244,6 +245,7 @@ class Decoder:
     def draft(self, root_token: int, max_levels: int = 0) -> Draft:
         """Draft level by level while the policy asks for more (at most ``max_levels``), then let
         it select the nodes to verify."""
+        began = self._now()
         draft = Draft(tree=DraftTree.grown(_ROOT_PARENTS, _ROOT_PROBS, np.array([root_token]), _ROOT_DEPTH),
                       experts=_NO_EXPERTS, edge_logprob=np.zeros(1), nodes=np.zeros(1, dtype=np.int64), selection=None,
                       cached=self.model.offload.cache.resident(read_only=True), cost=self.cost)
@@ -279,6 +281,7 @@ class Decoder:
         draft.nodes, draft.tree, draft.draft_levels = draft.selection.nodes, view.tree, view.draft_levels
         if tree is not None:
             draft.edge_logprob = tree.edge_logprob
+        draft.phase_s = self._now() - began
         return draft
 
     def verify(self, tree: DraftTree, nodes, keep: np.ndarray | None = None) -> Verification:
@@ -343,12 +346,13 @@ class Decoder:
             stats.predicted_slots, stats.predicted_slots_right = int(predicted.size), slots_right(predicted, true)
         draft = stats.draft
         # the policy's own time this cycle: everything in the draft phase but the drafter's passes
-        # (its decisions, the expert predictions, trees and views per level). With the online
-        # refit the cost model is fitted on measured cycles, which hold that time already: a policy
-        # that priced it on top would count it twice
+        # (its decisions, the expert predictions, trees and views per level), not the previous
+        # cycle's accounting, recording and callback that the cycle's measured time begins with.
+        # With the online refit the cost model is fitted on measured cycles, which hold that time
+        # already: a policy that priced it on top would count it twice
         decision_time_s = None
         if draft.selection is not None and self.online is None:
-            decision_time_s = max(stats.draft_time_s - draft.drafter_time_s, 0.0)
+            decision_time_s = max(draft.phase_s - draft.drafter_time_s, 0.0)
         # sampling accepts a drafted child of a path node with the target's probability of its token:
         # the outcome a policy that learns acceptance learns from (the walk's edges; greedy decoding's:
         # the verdicts)
@@ -366,11 +370,12 @@ class Decoder:
             self.predictor.update(stats.draft.tree.tokens[nodes], verification.expert_ids,
                                   self.model.config.n_experts, last_known=last, context=context)
 
-    def _account(self, stats: CycleStats, before) -> None:
+    def _account(self, stats: CycleStats, before, keep=None) -> None:
         """The cycle's union accounting in one pass (:func:`specfit.kernels.evaluate.union_accounting`):
         per layer the true and predicted unions, their overlap and misses against the residency
         the policy saw, and the misses the cache's bookkeeping charges the true experts
-        (``before``: the cache before a global-mode pass, which admits layer by layer)."""
+        (``before``: the cache before a global-mode pass, which admits layer by layer, with the
+        pass's eviction priorities ``keep``)."""
         draft, verification = stats.draft, stats.verification
         if draft.selection is not None and draft.experts.shape[1:] == verification.expert_ids.shape[1:]:
             stats.union_counts = kernels.evaluate.union_accounting(draft.experts, verification.nodes,
@@ -378,7 +383,7 @@ class Decoder:
             if before is None:
                 stats.charged_misses_per_layer = stats.union_counts[kernels.evaluate.TRUE_MISSES]
                 return
-        stats.charged_misses_per_layer = charged_misses(verification.expert_ids, draft.cached, before)
+        stats.charged_misses_per_layer = charged_misses(verification.expert_ids, draft.cached, before, keep)
 
     def _observe_last_cycle(self) -> float:
         """The online cost model sees the previous cycle (whose time is complete only once its own
@@ -460,12 +465,13 @@ def check_finite_logits(model, logits: torch.Tensor, what: str) -> None:
                            "overflows)")
 
 
-def charged_misses(expert_ids: np.ndarray, cached: np.ndarray, before=None) -> np.ndarray:
+def charged_misses(expert_ids: np.ndarray, cached: np.ndarray, before=None, keep=None) -> np.ndarray:
     """int [L]: misses of the true experts (``expert_ids[node, layer, k]`` of the verified nodes)
     against the residency ``cached[layer, expert]`` before the cycle, as the expert cache's own
     bookkeeping gives them: per layer, the union's experts not resident; in global mode (``before``,
-    a copy of the cache before the pass) by admitting each layer's union in order, as the offload
-    does, since an admit can evict an expert a later layer then misses."""
+    a copy of the cache before the pass) by admitting each layer's union in order with the pass's
+    eviction priorities ``keep`` (a cache advisor's, or None), as the offload does, since an admit
+    can evict an expert a later layer then misses."""
     n_experts = cached.shape[1]
     union = expert_union(expert_ids, np.arange(expert_ids.shape[0]), n_experts)
     if before is None:
@@ -474,7 +480,7 @@ def charged_misses(expert_ids: np.ndarray, cached: np.ndarray, before=None) -> n
     for layer in range(union.shape[0]):
         row = np.zeros_like(union)
         row[layer] = union[layer]
-        misses[layer] = before.admit(row).misses[layer]
+        misses[layer] = before.admit(row, keep=keep).misses[layer]
     return misses
 
 
