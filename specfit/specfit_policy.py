@@ -197,10 +197,11 @@ class SpecFitPolicy(Policy):
         o = self.overhead_level_s
         if o <= 0:
             return cost
-        key = (id(cost), o)
-        if self._cost_key != key:
+        # keyed by the model itself, held: a key of its id would match a later model at a freed one's
+        # address (the online refit makes a model per cycle)
+        if self._cost_key is None or self._cost_key[0] is not cost or self._cost_key[1] != o:
             self._cost = cost.scaled(1.0, plus_base_s=o, plus_draft_level_s=o)
-            self._cost_key = key
+            self._cost_key = (cost, o)
         return self._cost
 
     def _price_once(self, view: CycleView) -> float:

@@ -196,6 +196,17 @@ def test_overhead_is_priced_into_the_predicted_time():
     assert plain.draft_levels == 3 and priced.draft_levels == 3
 
 
+def test_each_new_cost_model_is_priced_with_the_overhead_on_its_own_terms():
+    # the online refit hands the policy a new model per cycle, and the last one is freed: a priced
+    # model remembered by the old one's id matched a new one at the freed address (199 of 200 in a loop)
+    policy = SpecFitPolicy(max_levels=8, overhead_level_s=0.2)
+    for i in range(50):
+        cost = FREE_DRAFT.replace(base_s=FREE_DRAFT.base_s + 0.01 * i)
+        sel = choose(policy, view(same_experts(), cost))
+        assert sel.time_s == pytest.approx(0.2 * (sel.draft_levels + 1) + cost.time_s(sel.draft_levels, sel.n_nodes, 0, 4))
+        del cost
+
+
 def test_a_dear_overhead_stops_drafting():
     # 5 s per decision: {0} = 1/(3.1 + 5) = .1235; level 1 {0,1,2} = 1.95/(3.3 + 10) = .1466 pays;
     # level 2 {0..4} = 2.65/(3.5 + 15) = .1432 does not, and the expected level 3 (children of 3
