@@ -181,8 +181,7 @@ class SpecFitPolicy(Policy):
     # ------------------------------------------------------------------ what the search sees
     def _decision_view(self, view: CycleView) -> CycleView:
         """The view with the calibrated tree and the cost model that carries the overhead."""
-        key = (id(view.tree), view.draft_levels)
-        if self._view_key == key:
+        if self._view_key is not None and self._view_key[0] is view.tree and self._view_key[1] == view.draft_levels:
             return self._view
         cost = self._priced_cost(view.cost)
         if cost is not self._params_of:       # one parameter array per cost model (a cycle's)
@@ -190,7 +189,7 @@ class SpecFitPolicy(Policy):
         tree = view.tree if self.acceptance is None else self.acceptance.calibrated(view.tree)
         self._view = CycleView(tree, view.experts, view.cached, cost, view.draft_levels, view.verdicts,
                                view.true_experts)
-        self._view_key = key
+        self._view_key = (view.tree, view.draft_levels)     # the tree held: an id could be a later tree's
         return self._view
 
     def _priced_cost(self, cost):
