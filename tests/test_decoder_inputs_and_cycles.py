@@ -67,6 +67,13 @@ def test_decoder_refuses_a_negative_temperature(model, bad):
         Decoder(model, temperature=bad)
 
 
+def test_a_full_tree_recording_refuses_to_sample(model):
+    # it commits the root's greedy verdict each cycle: after a sampled first token that mixes two outputs
+    with pytest.raises(ValueError, match=r"commit_root_only: a full-tree recording decodes greedily; got temperature 0.7"):
+        Decoder(model, temperature=0.7, commit_root_only=True)
+    assert Decoder(model, commit_root_only=True).commit_root_only
+
+
 def test_a_prefill_token_that_is_eos_ends_the_generation_without_a_cycle(model):
     """The first token (from the prompt's pass) being EOS stops at once: one token, stop reason
     eos, no cycle (not decoded on past the end of the answer)."""

@@ -99,6 +99,9 @@ class Decoder:
                  pause_gc: bool = True):
         if temperature < 0:
             raise ValueError(f"temperature: expected >= 0, got {temperature}")
+        if commit_root_only and temperature > 0:
+            # a full-tree recording is of the greedy output: its root verdict is the argmax
+            raise ValueError(f"commit_root_only: a full-tree recording decodes greedily; got temperature {temperature}")
         policy = policy or ArPolicy()
         if policy.max_levels > 0 and proposer is None:
             raise ValueError(f"policy {policy.name!r} drafts: it needs a proposer (a drafter)")
