@@ -12,8 +12,9 @@ A cycle is three stages that hand each other values, as vLLM's proposer / scorer
 
 The cycles are measured back to back: each from the end of the previous one's learning step to the
 end of its own, so the previous cycle's accounting (its row, the trace recorder, the caller's
-callback) is in its time, the cycles' measured times add up to the decode's time, and the cost
-model learns, and prices, all of it.
+callback) is in its time, the cycles' measured times add up to the decode's time but for the last
+cycle's accounting, and the cost model learns, and prices, all of it (the policy's own overhead per
+decision, learned without an online refit, is its draft phase's alone: :attr:`Draft.phase_s`).
 
 Autoregressive decoding is the case without a proposer. After each cycle the policy observes what
 verification revealed (:meth:`specfit.policies.Policy.observe`), exactly as the simulator reports
