@@ -344,6 +344,30 @@ def _assert_rows_of(rows: pd.DataFrame, prompts_begun: list):
     np.testing.assert_allclose(rows["measured_time_s"], [stats.cycle_time_s for stats in completed])
 
 
+def test_the_untimed_warm_up_teaches_the_measured_policy_nothing(checkpoint, monkeypatch):
+    """The warm-up decodes a few tokens of the first prompt, which the run then decodes: it runs on
+    a copy of the policy (as on a copy of the predictor), so the measured run starts from the state
+    a run without it would have."""
+    from specfit.runtime.decoder import Decoder
+
+    model_dir, drafter_dir, prompts = checkpoint
+    seen, generate = [], Decoder.generate
+
+    def spy(self, *args, **kwargs):
+        seen.append((self.policy, self.policy.overhead_level_s))
+        return generate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Decoder, "generate", spy)
+    plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["specfit"],
+                      drafter_dir=drafter_dir, profile="pcie4", max_new_tokens=NEW_TOKENS, device="cpu",
+                      ignore_eos=True, warmup=True, online_refit=False)
+    run_decode(plan)
+    (warm, _), (measured, learned_before), *rest = seen
+    # the warm-up's policy learned its overhead per decision (no online refit); the measured one had not
+    assert warm is not measured and warm.overhead_level_s > 0
+    assert learned_before == 0.0 and all(policy is measured for policy, _ in rest)
+
+
 def test_a_ctrl_c_inside_a_prompt_keeps_the_rows_of_its_complete_cycles(checkpoint, tmp_path, monkeypatch):
     """With an --out directory each cycle's row is journaled as it completes: a run stopped in the
     middle of a prompt (here before the second prompt's third cycle completes) writes a row for

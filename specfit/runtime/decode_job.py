@@ -28,6 +28,7 @@ kernel loading and library heuristics would otherwise land in its first cycles).
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import itertools
 import math
@@ -366,14 +367,17 @@ class _Runs:
         """The policy's decoder, after a few untimed tokens of the first prompt (``plan.warmup``)."""
         plan, i = self.plan, self.inputs
 
-        def decoder(recorder):
+        def decoder(recorder, policy):
             return _decoder(plan, i.model, i.drafter, policy, i.profile.cost, i.calibrator, recorder, i.fitted)
 
         if plan.warmup:
             self.say(f"warm-up {policy.name}")
             i.model.offload.reset()
-            decoder(None).generate(i.prompts[0].input_ids, min(WARMUP_TOKENS, plan.max_new_tokens), ignore_eos=True)
-        self.decoders[policy.name] = decoder(self.recorder if not plan.record_full else None)
+            # on a copy of the policy, as the predictor is one (see _decoder): what it would learn from
+            # these untimed tokens of the first prompt, which the run then decodes, stays out of the run
+            decoder(None, copy.deepcopy(policy)).generate(i.prompts[0].input_ids, min(WARMUP_TOKENS, plan.max_new_tokens),
+                                                          ignore_eos=True)
+        self.decoders[policy.name] = decoder(self.recorder if not plan.record_full else None, policy)
 
     def _decode_prompt(self, policy, index: int, prompt) -> None:
         plan, rows = self.plan, self.rows
@@ -660,8 +664,6 @@ def _fitted_predictor(plan, model):
 
 
 def _decoder(plan, model, drafter, policy, cost, calibrator, recorder, fitted=None):
-    import copy
-
     from ..experts.predictors import make_predictor
     from .decoder import Decoder
     from .drafting import Proposer
