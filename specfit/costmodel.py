@@ -196,8 +196,11 @@ class CostModel:
         missing = [k for k in required if k not in d]
         if missing:
             raise ValueError(f"{source}: missing cost-model field(s) {missing}")
-        known = {f.name for f in fields(cls)}
+        known = [f.name for f in fields(cls)]
+        unknown = [k for k in d if k not in known]
+        if unknown:      # a misspelt term would be read as 0 s without a word
+            raise ValueError(f"{source}: unknown cost-model field(s) {unknown}; expected {', '.join(known)}")
         try:
-            return cls(**{k: v for k, v in d.items() if k in known})
+            return cls(**d)
         except ValueError as exc:
             raise ValueError(f"{source}: {exc}") from None

@@ -57,6 +57,9 @@ def profile_commands(profile: Path, tmp: Path) -> dict[str, list]:
     ({"fit.warnings": "busy"}, "field 'fit.warnings': expected a list, got 'busy'"),
     ({"probes.cycles": [1, 2]}, "field 'probes.cycles': expected a list of objects (one per measurement), got a list "
                                 "holding 1"),
+    # a misspelt term was dropped, and the model read it as 0 s
+    ({"cost.draft_level_ms": 2.0}, "field 'cost': unknown cost-model field(s) ['draft_level_ms']; expected base_s, "
+                                   "per_node_s, hit_s, miss_s, draft_level_s, expert_bytes"),
 ])
 def test_a_malformed_profile_section_is_one_line_in_every_command(tmp_path, changes, needle):
     bad = damaged_profile(tmp_path / "bad.json", **changes)
