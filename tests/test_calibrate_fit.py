@@ -463,3 +463,34 @@ def test_a_holdout_of_every_cycle_or_of_a_negative_share_is_refused(fraction):
     """A held-out share of 1 leaves nothing to fit."""
     with pytest.raises(SpecFitError, match=r"holdout_fraction: expected a value in \[0, 1\)"):
         CycleTimeFitter(holdout_fraction=fraction)
+
+
+def test_a_prior_base_of_zero_is_refuted_by_cycles_that_hold_a_constant_part():
+    """A profile whose base is 0 (a fit that landed there) refitted on cycles with a 10 ms base: the
+    base is constant over the cycles, so only a candidate can leave the prior; held at 0, the other
+    terms had to carry it (held-out error 6.5 % against 0.7 %)."""
+    rng = np.random.default_rng(2)
+    true = CostModel(base_s=0.010, per_node_s=0.001, hit_s=0.0002, miss_s=0.0012, draft_level_s=0.002)
+    n = 200
+    levels, nodes, hits, misses = rng.integers(0, 5, n), rng.integers(1, 12, n), rng.integers(10, 60, n), rng.integers(0, 30, n)
+    X = CostModel.features(levels, nodes, hits, misses)
+    y = X @ true.params * (1 + 0.01 * rng.standard_normal(n))
+    fitter = CycleTimeFitter(prior=true.replace(base_s=0.0)).fit(X, y)
+    assert "base_s" in fitter.quality_["fitted"]
+    assert fitter.cost_model().base_s == pytest.approx(true.base_s, rel=0.05)
+    assert fitter.quality_["holdout"]["mape"] < 0.015
+
+
+@pytest.mark.parametrize("n", [3, 5])
+def test_no_more_cycles_than_terms_leave_every_term_at_its_prior(n):
+    """As many cycles as terms (or fewer): the largest model fits them exactly, so there is no
+    residual to measure the noise by. Every term keeps the prior (here the truth) instead of being
+    fitted exactly to 10 % noise (hit_s 3x and base_s 0 with five cycles, before)."""
+    for seed in range(4):
+        rng = np.random.default_rng(seed)
+        levels, nodes, hits, misses = rng.integers(0, 5, n), rng.integers(1, 12, n), rng.integers(10, 60, n), rng.integers(0, 30, n)
+        X = CostModel.features(levels, nodes, hits, misses)
+        y = X @ TRUE.params * (1 + 0.10 * rng.standard_normal(n))
+        fitter = CycleTimeFitter(prior=TRUE).fit(X, y)
+        assert fitter.quality_["fitted"] == [] and fitter.quality_["speed_factor"] == 1.0
+        np.testing.assert_allclose(fitter.cost_model().params, TRUE.params)

@@ -56,3 +56,22 @@ def test_online_model_pace_slope_is_at_most_one():
         fitted = online.fitted.time_s(4, 20, 12, 4)
         online.observe(4, 20, 12, 4, fitted * math.exp(3.0 * deviation), priced=(12, 4), drafter_s=drafter_s)
     assert online.pace_slope == 1.0
+
+
+def test_a_term_whose_column_leaves_the_window_is_held_at_the_prior_not_zeroed():
+    """Misses stop once the cache has warmed up: between two selections a refit reuses the last
+    one, whose fitted transfer term then has no column; it is selected again and held at the
+    profile's value, not set to 0 (a miss priced as a hit until the next selection, before)."""
+    rng = np.random.default_rng(0)
+    true = CostModel(base_s=0.010, per_node_s=0.001, hit_s=0.0002, miss_s=0.0022, draft_level_s=0.002)
+    prior = true.replace(miss_s=0.0012)
+    online = OnlineCostModel(prior, refit_interval_s=0.0)
+    transfer = []
+    for cycle in range(1, 73):
+        d, n, h = int(rng.integers(1, 5)), int(rng.integers(1, 12)), int(rng.integers(10, 60))
+        m = int(rng.integers(5, 40)) if cycle <= 16 else 0
+        online.observe(d, n, h, m, true.time_s(d, n, h, m) * (1 + 0.01 * rng.standard_normal()))
+        if cycle % 8 == 0:
+            transfer.append(online.fitted.transfer_s)
+    assert transfer[0] == pytest.approx(0.002, rel=0.05)         # fitted while the misses are in the window
+    assert min(transfer) > 0 and transfer[-1] == pytest.approx(prior.transfer_s)

@@ -222,7 +222,7 @@ class CycleTimeFitter:
             # the rows' weights in all (recency x Huber), for the noise per cycle and its degrees of freedom
             wr = w * robust * robust
             self._weights = (float(wr.sum()), float(wr.sum() ** 2 / np.sum(wr * wr)), float(np.sum(wr * wr) / wr.sum()))
-            if choice is None or rounds > 0:
+            if choice is None or rounds > 0 or self._lost_a_column(Ar, held_at, fixed, choice):
                 choice = self._identify(Ar, br, held_at, fixed, Z)
             theta = self._fit_choice(Ar, br, held_at, fixed, choice)
         if self._fixed_miss is not None:
@@ -248,6 +248,12 @@ class CycleTimeFitter:
             else:
                 target = target - held_part
         return (np.stack(cols, axis=1) if cols else np.zeros((A.shape[0], 0))), target
+
+    def _lost_a_column(self, A, held_at, fixed, choice) -> bool:
+        """Whether a column the choice fits is all zero in these cycles (e.g. no miss since the cache
+        warmed up): NNLS would set its term to 0 where a selection holds it at the prior."""
+        cols, _ = self._columns(A, np.zeros(A.shape[0]), held_at, fixed, choice["free"], choice["group"], choice["speed"])
+        return bool(cols.size) and not bool(np.all(np.any(cols != 0, axis=0)))
 
     def _fit_choice(self, A, b, held_at, fixed, choice) -> np.ndarray:
         """Physical parameters of a choice: NNLS on its columns, the held group at s x prior."""
@@ -285,7 +291,9 @@ class CycleTimeFitter:
         group = [j for j in movable if j not in free and known[j] and held_at[j] > 0]
         # a term constant over the cycles (the base always; a union that never changes) is part of
         # the cycle's constant: the data cannot tell it from the others, only scale them together
-        remaining = [j for j in movable if j not in free and np.ptp(Z[:, j]) > 0]
+        # A base whose prior is 0 is no such term: the speed factor cannot scale it off 0, so it is a
+        # candidate like a varying one (the data free it where a constant part of the cycle is theirs)
+        remaining = [j for j in movable if j not in free and (np.ptp(Z[:, j]) > 0 or (j == BASE and held_at[j] == 0))]
         held_fixed = np.where(fixed, held_at, 0.0)
         unit = self._unit
 
@@ -311,7 +319,12 @@ class CycleTimeFitter:
         # yet freed as noise and free none of them
         Gk, rhs, target2 = system(movable, [], False)
         rss = target2 - rhs @ np.linalg.pinv(Gk, hermitian=True) @ rhs if movable else target2
-        sigma2 = max(rss / sum_w * n_eff / max(n_eff - len(movable), 1.0), NOISE_FLOOR ** 2)
+        if n_eff - len(movable) < 1:
+            # as many cycles as terms (or fewer): the largest model fits them exactly and leaves no
+            # residual to measure the noise by; the noise is unknown, so no term is freed by it
+            sigma2 = np.inf
+        else:
+            sigma2 = max(rss / sum_w * n_eff / (n_eff - len(movable)), NOISE_FLOOR ** 2)
         scores = {}
         speed, speed_now = False, 1.0
         while True:
