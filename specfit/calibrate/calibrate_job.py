@@ -405,6 +405,12 @@ def refit(profile: Profile, run_dirs, seed: int = 0, holdout_fraction: float = 0
 
     X = CostModel.features(df["draft_levels"], df["nodes_verified"], df["hits"], df["misses"])
     y = df["measured_time_s"].to_numpy(dtype=np.float64)
+    if "update_time_s" in df:
+        # a cycle's time holds the online model's update when the run refitted as it went; a model that
+        # decides with the profile adds its own expected update (OnlineCostModel), so the profile is
+        # fitted on the cycles without it, or that time would be counted twice
+        update = pd.to_numeric(df["update_time_s"], errors="coerce").to_numpy(dtype=np.float64)
+        y = y - np.where(np.isfinite(update) & (update > 0) & (update < y), update, 0.0)
     # the profile is the prior: a term these cycles cannot identify keeps the profile's value
     fitter = CycleTimeFitter(holdout_fraction=holdout_fraction, seed=seed, prior=profile.cost).fit(
         X, y, source="decode cycles")
