@@ -277,6 +277,8 @@ def summarise(cycles: "pd.DataFrame") -> dict:
     predicted_union = int(c["predicted_union_size"].clip(lower=0).sum())
     overlap = int(c["union_overlap"].clip(lower=0).sum())
     hits, misses = int(c["hits"].sum()), int(c["misses"].sum())
+    priced = c["predicted_misses"] >= 0                 # -1: the cycle had no prediction (no cost model)
+    miss_error = (c["predicted_misses"] - c["misses"])[priced]
     out = {
         "tokens": tokens, "cycles": n, "time_s": time_s,
         "tokens_per_s": tokens / time_s if time_s > 0 else (nan if n == 0 else float("inf")),
@@ -295,8 +297,8 @@ def summarise(cycles: "pd.DataFrame") -> dict:
         "predicted_tokens_per_cycle": float(c["predicted_tokens"].mean()) if n else nan,
         "union_precision": overlap / predicted_union if predicted_union else 1.0,
         "union_recall": overlap / union if union else 1.0,
-        "miss_count_error": float(np.mean(c["predicted_misses"] - c["misses"])) if n else nan,
-        "miss_count_abs_error": float(np.mean(np.abs(c["predicted_misses"] - c["misses"]))) if n else nan,
+        "miss_count_error": float(np.mean(miss_error)) if len(miss_error) else nan,
+        "miss_count_abs_error": float(np.mean(np.abs(miss_error))) if len(miss_error) else nan,
         "prediction_precision": float(np.nanmean(c["prediction_precision"])) if c["prediction_precision"].notna().any()
         else nan,
     }

@@ -583,6 +583,11 @@ def test_the_summarys_rates_are_totals_over_totals():
     assert s["nodes_per_cycle"] == pytest.approx(2.5)
     # the first cycle drafted 2 levels for a deepest selected node at 1: one level wasted in 2 cycles
     assert s["wasted_draft_levels"] == pytest.approx(0.5)
+    # neither cycle had a prediction (read_cycles fills -1): no miss-count error, not -2 misses on average
+    assert np.isnan(s["miss_count_error"]) and np.isnan(s["miss_count_abs_error"])
+    c.loc[1, "predicted_misses"] = 5
+    s = summarise(c)
+    assert s["miss_count_error"] == pytest.approx(2.0) and s["miss_count_abs_error"] == pytest.approx(2.0)
 
 
 def test_cycles_whose_thread_waited_for_a_cpu_are_marked_and_left_out_of_the_running_error():
