@@ -126,6 +126,30 @@ def test_prefetch_matches_the_reference(seed):
         assert got.misses.tolist() == want["misses"].tolist(), f"step {step}: misses"
 
 
+def test_a_global_prefetch_keeps_the_resident_experts_of_its_own_mask():
+    # (0,0) and (1,1) fill a global cache of 2; the mask wants (0,0) kept and (1,0) brought: the
+    # slot is (1,1)'s, whatever the keeps say ((0,0)'s 0.1 is below (1,1)'s 0.2)
+    cache = ExpertCache(2, 2, 2, mode="global")
+    cache.warm(np.array([[True, False], [False, True]]))
+    result = cache.prefetch(np.array([[True, False], [True, False]]), np.array([[0.1, 0.0], [0.9, 0.2]]))
+    assert np.argwhere(result.evicted_mask).tolist() == [[1, 1]]
+    assert np.argwhere(cache.resident()).tolist() == [[0, 0], [1, 0]]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_global_prefetch_never_evicts_an_expert_of_its_mask_while_another_can_go(seed):
+    L, E, C = 3, 6, 5
+    cache = ExpertCache(L, E, C, mode="global")
+    rng = np.random.default_rng(seed)
+    for step, (union, keep) in enumerate(random_steps(seed, L, E, 30)):
+        mask = rng.random((L, E)) < 0.3
+        before = cache.resident()
+        result = cache.prefetch(mask, keep if step % 2 else None)
+        if (before & ~mask).sum() >= result.admitted_mask.sum():   # enough others to take the slots from
+            assert not (result.evicted_mask & mask & before).any(), f"step {step}"
+        cache.admit(union, keep=keep)
+
+
 def test_prefetched_experts_are_hits_and_not_counted_as_misses():
     cache = ExpertCache(1, 6, 2)
     mask = np.zeros((1, 6), dtype=bool)

@@ -380,16 +380,21 @@ def prefetch_items(mask, bits, score, count, slots, n_used, clock, counters, con
             for e in range(n_experts):
                 want[layer, e] = want[layer, e] and worth[layer, e]
     union = np.zeros((n_layers, words), dtype=np.uint64)
+    # the mask's resident experts are wanted as much: the last victims of the others' admission (the
+    # admit protects only the layer it admits; in global mode another layer's slot is a candidate)
+    victim_keep = np.zeros((n_layers, n_experts)) if keep.shape[0] == 0 else keep.copy()
     for layer in range(n_layers):
         for e in range(n_experts):
             if want[layer, e] or (mask[layer, e] and resident[layer, e]):
                 union[layer, e >> 6] |= ONE << np.uint64(e & 63)
+            if mask[layer, e] and resident[layer, e]:
+                victim_keep[layer, e] = np.inf
     kept = np.empty((3, n_layers), dtype=np.int64)
     for layer in range(n_layers):
         kept[0, layer], kept[1, layer], kept[2, layer] = counters[HITS, layer], counters[MISSES, layer], \
             counters[STREAMED, layer]
     scratch = np.empty((2, n_layers, words), dtype=np.uint64)
-    admit_union(union, bits, score, count, slots, n_used, clock, counters, config, keep, out_counts, scratch[0],
+    admit_union(union, bits, score, count, slots, n_used, clock, counters, config, victim_keep, out_counts, scratch[0],
                 admitted_bits, evicted_bits, scratch[1])
     for layer in range(n_layers):
         counters[HITS, layer], counters[MISSES, layer], counters[STREAMED, layer] = kept[0, layer], kept[1, layer], \
