@@ -312,3 +312,60 @@ def test_node_ids_that_do_not_number_each_cycle_from_the_root_are_refused(tmp_pa
     pq.write_table(table, tmp_path / "swapped.parquet")
     with pytest.raises(SpecFitError, match="column 'node' must number each cycle's rows"):
         read_trace(tmp_path / "swapped.parquet")
+
+
+def _damaged(tmp_path, name: str, make) -> "Path":
+    """The hand trace's file with column ``name`` replaced by ``make(table)`` (added where absent)."""
+    table = pq.read_table(write_trace(hand_trace(), tmp_path / "good.parquet"))
+    column = make(table)
+    if name in table.column_names:
+        table = table.set_column(table.column_names.index(name), name, column)
+    else:
+        table = table.append_column(name, column)
+    path = tmp_path / f"bad-{name}.parquet"
+    pq.write_table(table, path)
+    return path
+
+
+def _with(table, name, index, value, dtype):
+    values = table.column(name).to_numpy().astype(dtype)
+    values[index] = value
+    return pa.array(values)
+
+
+def _experts_with(table, value):
+    lists = table.column("true_experts").combine_chunks()
+    values = lists.values.to_numpy(zero_copy_only=False).astype(np.int32)
+    values[0] = value
+    return pa.FixedSizeListArray.from_arrays(pa.array(values), lists.type.list_size)
+
+
+@pytest.mark.parametrize("name, make, needle", [
+    # wider integers than the reader's types: wrapped, 65536 read as parent 0 and was accepted
+    ("parent", lambda t: _with(t, "parent", 3, 65536, np.int32),
+     "column 'parent' holds 65536; expected values from -32768 to 32767 (int16)"),
+    ("token", lambda t: _with(t, "token", 1, 2 ** 32 + 11, np.int64), "column 'token' holds 4294967307"),
+    ("true_experts", lambda t: _experts_with(t, 65537), "column 'true_experts' holds 65537"),
+    # a per-cycle column read from the cycle's first row: a second value on another row went unseen
+    ("sequence", lambda t: _with(t, "sequence", 1, 3, np.int32),
+     "column 'sequence' differs between the rows of cycle 0; expected one value per cycle"),
+    # optional columns of another type: a raw pyarrow or numpy exception, or NaN taken as a time
+    ("measured_time_s", lambda t: pa.array(["1.5"] * t.num_rows), "column 'measured_time_s' must hold numbers, got string"),
+    ("measured_time_s", lambda t: pa.array([float("nan")] * t.num_rows),
+     "column 'measured_time_s' holds 8 null or non-finite value(s)"),
+    ("verified", lambda t: pa.array(np.ones(t.num_rows, dtype=np.int64)), "column 'verified' must hold booleans, got int64"),
+])
+def test_a_trace_column_the_reader_would_misread_is_one_line(tmp_path, name, make, needle):
+    bad = _damaged(tmp_path, name, make)
+    with pytest.raises(SpecFitError, match=None) as refused:
+        read_trace(bad)
+    assert str(bad) in str(refused.value) and needle in str(refused.value)
+    one_line_error(invoke("traces", "validate", bad), str(bad), needle)
+
+
+def test_a_traces_nodes_frame_marks_unknown_verdicts():
+    trace = hand_trace()
+    trace.verdict[1] = -1
+    frame = trace.nodes_frame()
+    assert frame["verdict"].isna().tolist() == (~trace.verdict_known).tolist() and frame["verdict"].isna().iloc[1]
+    assert frame["verdict"].dropna().tolist() == trace.verdict[trace.verdict_known].tolist()

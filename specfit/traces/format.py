@@ -165,8 +165,7 @@ class Trace:
             "cycle": c, "sequence": self.sequence[c], "position": self.position[c],
             "node": np.arange(self.n_nodes) - self.offsets[c], "parent": self.parent, "depth": self.depth,
             "token": self.token, "draft_logprob": self.draft_logprob, "path_prob": self.path_prob,
-            "verdict": pd.array(np.where(self.verdict_known, self.verdict, 0), dtype="Int32").where(
-                self.verdict_known, pd.NA),
+            "verdict": pd.Series(self.verdict, dtype="Int32").mask(~self.verdict_known),
         })
         if experts:
             df["true_experts"] = list(self.true_experts)
@@ -289,14 +288,26 @@ def read_trace(path: str | Path, validate: bool = True, weights: bool = True) ->
     return trace
 
 
-def _int_column(table: pa.Table, name: str, source: str, fill: int | None = None) -> np.ndarray:
+def _int_column(table: pa.Table, name: str, source: str, fill: int | None = None, dtype=None) -> np.ndarray:
+    """Column ``name`` as integers (``fill`` for its nulls, else none allowed), as ``dtype`` when
+    given: a value outside that type's range is refused, not wrapped into a valid-looking one."""
     col = table.column(name)
     if not (pa.types.is_integer(col.type)):
         raise SpecFitError(f"{source}: column '{name}' must hold integers, got {col.type}")
     if col.null_count and fill is None:
         raise SpecFitError(f"{source}: column '{name}' has {col.null_count} null value(s); expected none")
-    return col.to_numpy(zero_copy_only=False) if not col.null_count else \
+    values = col.to_numpy(zero_copy_only=False) if not col.null_count else \
         col.fill_null(fill).to_numpy(zero_copy_only=False)
+    return values if dtype is None else _narrowed(values, dtype, f"{source}: column '{name}'")
+
+
+def _narrowed(values: np.ndarray, dtype, what: str) -> np.ndarray:
+    """``values`` as ``dtype``, refused (naming ``what``) when one lies outside its range."""
+    info = np.iinfo(dtype)
+    if values.size and (values.min() < info.min or values.max() > info.max):
+        bad = values[(values < info.min) | (values > info.max)][0]
+        raise SpecFitError(f"{what} holds {bad}; expected values from {info.min} to {info.max} ({np.dtype(dtype).name})")
+    return values.astype(dtype)
 
 
 def _slot_array(pf: pq.ParquetFile, name: str, L: int, k: int, source: str) -> np.ndarray:
@@ -320,7 +331,9 @@ def _slot_array(pf: pq.ParquetFile, name: str, L: int, k: int, source: str) -> n
         values = col.values.slice(col.offset * L * k, m * L * k)
         if values.null_count:
             values = values.fill_null(0)
-        flat[row:row + m] = values.to_numpy(zero_copy_only=False).reshape(m, L * k)
+        chunk = values.to_numpy(zero_copy_only=False)
+        flat[row:row + m] = (chunk if kind == "floats" else _narrowed(chunk, dtype, f"{source}: column '{name}'")
+                             ).reshape(m, L * k)
         if col.null_count:
             out[row:row + m][~col.is_valid().to_numpy(zero_copy_only=False)] = null
         row += m
@@ -341,26 +354,49 @@ def _from_table(table: pa.Table, per_slot: dict[str, np.ndarray], meta: dict, so
     for name in ("path_prob", "draft_logprob"):
         if not pa.types.is_floating(table.column(name).type) or table.column(name).null_count:
             raise SpecFitError(f"{source}: column '{name}' must hold non-null floats, got {table.column(name).type}")
+    sizes = np.diff(offsets)
+
+    def per_cycle_value(name: str, values: np.ndarray) -> np.ndarray:
+        """A per-cycle column's value, which every row of the cycle repeats."""
+        first = values[starts]
+        differs = values != np.repeat(first, sizes)
+        if np.any(differs & ~(np.isnan(values) & np.isnan(np.repeat(first, sizes))) if values.dtype.kind == "f"
+                  else differs):
+            c = int(np.searchsorted(offsets, int(np.argmax(differs)), side="right") - 1)
+            raise SpecFitError(f"{source}: column '{name}' differs between the rows of cycle {c}; expected one value per "
+                               f"cycle, repeated on each of its rows")
+        return first
+
+    per_cycle = {name: per_cycle_value(name, _int_column(table, name, source)) for name in ("sequence", "position")}
     measured = {}
     for name in MEASURED_COLUMNS:
         if name in table.column_names:
-            measured[name] = table.column(name).to_numpy(zero_copy_only=False).astype(np.float64)[starts]
+            col = table.column(name)
+            if not (pa.types.is_floating(col.type) or pa.types.is_integer(col.type)):
+                raise SpecFitError(f"{source}: column '{name}' must hold numbers, got {col.type}")
+            values = col.to_numpy(zero_copy_only=False).astype(np.float64)
+            if not np.isfinite(values).all():
+                raise SpecFitError(f"{source}: column '{name}' holds {int((~np.isfinite(values)).sum())} null or "
+                                   f"non-finite value(s); expected measured numbers")
+            measured[name] = per_cycle_value(name, values)
     verified = None
     if "verified" in table.column_names:
+        if not pa.types.is_boolean(table.column("verified").type):
+            raise SpecFitError(f"{source}: column 'verified' must hold booleans, got {table.column('verified').type}")
         verified = table.column("verified").fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
     node = _int_column(table, "node", source)
     if np.any(node != np.arange(n) - np.repeat(starts, np.diff(offsets))):
         raise SpecFitError(f"{source}: column 'node' must number each cycle's rows 0, 1, 2, ... (root first)")
     return Trace(
         meta=meta, offsets=offsets,
-        sequence=_int_column(table, "sequence", source)[starts].astype(np.int32),
-        position=_int_column(table, "position", source)[starts].astype(np.int32),
-        parent=_int_column(table, "parent", source).astype(np.int16),
-        depth=_int_column(table, "depth", source).astype(np.int16),
-        token=_int_column(table, "token", source).astype(np.int32),
+        sequence=per_cycle["sequence"].astype(np.int32),
+        position=per_cycle["position"].astype(np.int32),
+        parent=_int_column(table, "parent", source, dtype=np.int16),
+        depth=_int_column(table, "depth", source, dtype=np.int16),
+        token=_int_column(table, "token", source, dtype=np.int32),
         draft_logprob=table.column("draft_logprob").to_numpy(zero_copy_only=False).astype(np.float32),
         path_prob=table.column("path_prob").to_numpy(zero_copy_only=False).astype(np.float64),
-        verdict=_int_column(table, "verdict", source, fill=UNKNOWN).astype(np.int32),
+        verdict=_int_column(table, "verdict", source, fill=UNKNOWN, dtype=np.int32),
         true_experts=per_slot["true_experts"], predicted_experts=per_slot.get("predicted_experts"),
         verified=verified, measured=measured, true_expert_weights=per_slot.get("true_expert_weights"),
     )

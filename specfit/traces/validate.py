@@ -177,7 +177,8 @@ def _validate_position_indexed(trace, source: str) -> None:
     """A full trace: every node verified (verdict and true experts known), one cycle per position
     of each sequence, and consecutive roots spelling the reference output."""
     if not trace.verdict_known.all():
-        raise SpecFitError(f"{source}: column 'verdict' has nulls; a position-indexed trace needs every node's verdict")
+        raise SpecFitError(f"{source}: column 'verdict' has nulls or negative token ids; a position-indexed trace needs "
+                           f"every node's verdict")
     if not trace.true_known.all():
         raise SpecFitError(f"{source}: column 'true_experts' has nulls; a position-indexed trace needs every node's true experts")
     seq, pos = trace.sequence.astype(np.int64), trace.position.astype(np.int64)
