@@ -369,3 +369,15 @@ def test_a_traces_nodes_frame_marks_unknown_verdicts():
     frame = trace.nodes_frame()
     assert frame["verdict"].isna().tolist() == (~trace.verdict_known).tolist() and frame["verdict"].isna().iloc[1]
     assert frame["verdict"].dropna().tolist() == trace.verdict[trace.verdict_known].tolist()
+
+
+def test_a_routing_logs_token_past_the_models_vocabulary_is_named_before_any_work(tmp_path):
+    # the import drew off-path tokens from the log's wider range, then the writer refused its own
+    # trace, naming a synthesised node instead of the log's row
+    log = tmp_path / "log.npz"
+    tokens = np.arange(6) + 100
+    tokens[4] = 60000                                  # olmoe-1b-7b's vocab_size is 50304
+    np.savez(log, expert_ids=np.tile(np.arange(8), (6, 16, 1)), sequence_id=np.zeros(6, np.int32), token_id=tokens)
+    one_line_error(invoke("traces", "import-routing", log, "--out", tmp_path / "t.parquet"), str(log),
+                   "token id 60000 (sequence 0, its token 4) is not below the vocab_size 50304")
+    assert not (tmp_path / "t.parquet").exists()

@@ -66,6 +66,13 @@ def import_routing_and_model(log: RoutingLog, model: dict, workload: str = "impo
     rng = np.random.default_rng(seed)
     known_tokens = log.token_ids_known
     vocab = int(model.get("vocab_size", 0))
+    if known_tokens and vocab > 0 and int(log.tokens.max()) >= vocab:
+        # the trace would name the model's vocabulary and hold tokens past it (its writer refuses them)
+        row = int(np.argmax(log.tokens >= vocab))
+        raise SpecFitError(f"{log.source}: token id {int(log.tokens[row])} (sequence {int(log.sequence[row])}, its "
+                           f"token {int(row - np.flatnonzero(log.sequence == log.sequence[row])[0])}) is not below "
+                           f"the vocab_size {vocab} of the model shape {model['name']!r}; expected the log of that "
+                           f"model (or a shape with its vocab_size)")
     if known_tokens:
         vocab = max(vocab, int(log.tokens.max()) + 1)
     elif vocab <= 0:
