@@ -46,7 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from specfit.calibrate.presets import resolve_profile  # noqa: E402
 from specfit.calibrate.profile import ModelShape  # noqa: E402
-from specfit.experts.belady import belady_counts  # noqa: E402
+from specfit.experts.belady import belady_of_log  # noqa: E402
 from specfit.experts.cache import ExpertCache  # noqa: E402
 from specfit.policies import Observation, SpecFitPolicy, TunedPolicy, make_policy  # noqa: E402
 from specfit.experts.calibration import cross_calibrate  # noqa: E402
@@ -257,7 +257,7 @@ def rate(log, cost=None, capacity=None, prep=None, decision_s: float = 0.0) -> f
     c = log.columns
     time_s = c["charged_time_s"] + decision_s * (c["draft_levels"] + 1)
     if cost is not None:
-        hits, misses = belady_counts(log.unions, prep.trace.n_layers, prep.trace.n_experts, capacity)
+        hits, misses = belady_of_log(log, prep.trace.n_layers, prep.trace.n_experts, capacity)
         time_s = cost.predict_counts(c["draft_levels"], c["nodes_verified"], hits, misses)
     return float(c["committed_tokens"].sum() / time_s.sum())
 

@@ -10,14 +10,15 @@ from specfit.experts.belady import belady_counts
 from specfit.experts.cache import EVICTION_POLICIES, ExpertCache
 
 
-def fewest_misses(requests: list[set], capacity: int, start: frozenset = frozenset()) -> int:
+def fewest_misses(requests: list[set], capacity: int, start: frozenset = frozenset(), counted=None) -> int:
     """Minimum total misses over every choice of what stays resident after each cycle (any
-    ``capacity`` items of what was resident or needed), by dynamic programming over the sets."""
+    ``capacity`` items of what was resident or needed), by dynamic programming over the sets;
+    the requests not ``counted`` are served without their misses counted."""
     best = {start: 0}
-    for need in requests:
+    for t, need in enumerate(requests):
         nxt: dict[frozenset, int] = {}
         for held, cost in best.items():
-            cost += len(need - held)
+            cost += len(need - held) if counted is None or counted[t] else 0
             pool = sorted(held | need)
             for size in range(min(capacity, len(pool)) + 1):
                 for keep in combinations(pool, size):
@@ -83,6 +84,42 @@ def test_no_capacity_misses_everything():
     unions = [np.array([0, 1]), np.array([0, 1])]
     hits, misses = belady_counts(unions, 1, 4, 0)
     assert hits.tolist() == [0, 0] and misses.tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_requests_served_but_not_counted_equal_the_dynamic_program(seed):
+    # a prompt's pass: its experts are admitted (the cache plans for them) and not charged
+    rng = np.random.default_rng(100 + seed)
+    E, C = 5, int(rng.integers(1, 4))
+    unions = random_unions(rng, 8, 1, E, 3)
+    counted = rng.random(8) > 0.3
+    hits, misses = belady_counts(unions, 1, E, C, counted=counted)
+    assert misses.size == counted.sum()
+    assert int(misses.sum()) == fewest_misses([set(u.tolist()) for u in unions], C, counted=counted)
+    assert (hits + misses).tolist() == [u.size for u, c in zip(unions, counted) if c]
+
+
+@pytest.mark.parametrize("cache_experts", [1, 2, 3, 4])
+def test_the_ceiling_of_a_replay_serves_its_prompt_passes_too(cache_experts):
+    """A recorded trace's prompt pass is admitted before its sequence's first cycle; the ceiling
+    counted from an empty cache on the cycles alone was above LRU's own misses (3 against 0-2)."""
+    from trace_helpers import hand_trace
+
+    from specfit.calibrate.presets import SHAPES, preset_profile
+    from specfit.experts.belady import belady_of_log
+    from specfit.policies import make_policy
+    from specfit.simulate.replay import prepare, replay
+
+    trace = hand_trace()
+    trace.meta["recording"].update(prefill_sequences=[0], prefill_experts=[[[0, 1, 3]]])
+    prep = prepare("hand+prefill", trace, trace.true_experts)
+    assert prep.has_prefill.all()
+    cost = preset_profile("gh200", SHAPES["qwen3-30b-a3b"]).cost
+    log = replay(prep, make_policy("ar"), ExpertCache(1, 4, cache_experts), cost, record_unions=True)
+    hits, misses = belady_of_log(log, 1, 4, cache_experts)
+    assert misses.size == len(log) and (hits + misses).tolist() == log.columns["union_size"].tolist()
+    assert int(misses.sum()) <= int(log.columns["misses"].sum())
+    assert int(belady_counts(log.unions, 1, 4, cache_experts)[1].sum()) == 3     # the prompt's pass left out
 
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)

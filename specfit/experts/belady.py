@@ -12,6 +12,12 @@ number of misses: the usual exchange argument, since the choice of what to keep 
 only the next use of each expert matters. ``tests/test_belady.py`` checks it against a dynamic
 program over every residency set on small sequences.
 
+A request that is served but not counted (a sequence's prompt pass, which the replay admits before
+the sequence's first cycle and charges nothing for) makes its experts resident for free: keeping an
+expert until such a request is worth nothing, so its next use is the next *counted* request only when
+no uncounted one comes first (:func:`belady_of_log` builds a replay's requests so; the dynamic
+program checks this too).
+
 In per-layer mode a layer's union is used at once, so the optimum is achievable. In global mode the
 layers of one cycle run in order and a real cache may have to evict an expert that a later layer of
 the same cycle needs; the cycle-level model ignores that, so its count is a lower bound on the
@@ -22,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["belady_counts", "request_matrix"]
+__all__ = ["belady_counts", "belady_of_log", "request_matrix"]
 
 _NEVER = np.iinfo(np.int32).max
 
@@ -36,10 +42,13 @@ def request_matrix(unions: list[np.ndarray], n_items: int) -> np.ndarray:
 
 
 def belady_counts(unions: list[np.ndarray], n_layers: int, n_experts: int, capacity: int,
-                  mode: str = "per_layer", resident: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  mode: str = "per_layer", resident: np.ndarray | None = None,
+                  counted: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(hits, misses), int64 [cycles] each, of the optimal cache on the cycle ``unions`` (flat item
     ids per cycle), starting from ``resident`` (bool [L, E], default empty; at most ``capacity``
-    per layer, or in all)."""
+    per layer, or in all). ``counted`` (bool per union) marks the cycles to count: the others
+    (a prompt's pass) are requests the cache serves, and plans for, without a hit or miss counted;
+    the counts are then of the counted ones alone."""
     if mode not in ("per_layer", "global"):
         raise ValueError(f"mode: expected 'per_layer' or 'global', got {mode!r}")
     if capacity < 0:
@@ -47,12 +56,14 @@ def belady_counts(unions: list[np.ndarray], n_layers: int, n_experts: int, capac
     n_items = n_layers * n_experts
     req = request_matrix(unions, n_items)
     T = req.shape[0]
-    # next_use[t, i]: the first cycle after t that needs item i (_NEVER if none)
+    charged = np.ones(T, dtype=bool) if counted is None else np.asarray(counted, dtype=bool)
+    # next_use[t, i]: the first cycle after t that needs item i (_NEVER if none, or if that request
+    # is not counted: the item comes back for free there, so keeping it until then is worth nothing)
     next_use = np.empty((T, n_items), dtype=np.int32)
     upcoming = np.full(n_items, _NEVER, dtype=np.int32)
     for t in range(T - 1, -1, -1):
         next_use[t] = upcoming
-        upcoming[req[t]] = t
+        upcoming[req[t]] = t if charged[t] else _NEVER
     shape = (n_layers, n_experts) if mode == "per_layer" else (1, n_items)
     cap = min(int(capacity), shape[1])
     held = np.zeros(shape, dtype=bool)
@@ -76,4 +87,26 @@ def belady_counts(unions: list[np.ndarray], n_layers: int, n_experts: int, capac
         keep = np.argpartition(key, cap - 1, axis=1)[:, :cap]
         held = np.zeros(shape, dtype=bool)
         np.put_along_axis(held, keep, np.take_along_axis(key, keep, axis=1) < _NEVER, axis=1)
+    if counted is not None:
+        return hits[charged], misses[charged]
     return hits, misses
+
+
+def belady_of_log(log, n_layers: int, n_experts: int, capacity: int, mode: str = "per_layer") -> tuple[np.ndarray, np.ndarray]:
+    """(hits, misses) per cycle of a replay's :class:`~specfit.simulate.replay.CycleLog` (recorded
+    with ``record_unions``) under the optimal cache, its sequences' prompt passes served where the
+    replay admitted them (before each one's first cycle): the same requests the replay's cache saw."""
+    sequence = np.asarray(log.columns["sequence"], dtype=np.int64)
+    if np.any(np.diff(sequence) < 0):
+        raise ValueError("log: expected its cycles sequence by sequence, as a replay makes them")
+    prefills = log.prefill_unions or {}
+    requests, counted = [], []
+    # a sequence without a cycle (its output ended at the prompt's token) still had its prompt's pass
+    for s in sorted(set(prefills) | set(sequence.tolist())):
+        if s in prefills:
+            requests.append(prefills[s])
+            counted.append(False)
+        rows = np.flatnonzero(sequence == s)
+        requests.extend(log.unions[r] for r in rows)
+        counted.extend([True] * rows.size)
+    return belady_counts(requests, n_layers, n_experts, capacity, mode, counted=np.array(counted, dtype=bool))

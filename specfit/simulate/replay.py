@@ -73,6 +73,8 @@ class CycleLog:
     columns: dict[str, np.ndarray]
     committed: list[np.ndarray]        # per sequence: the tokens committed, in order
     unions: list[np.ndarray] | None = None   # per cycle: flat item ids of the true union (record_unions)
+    # per sequence with a recorded prompt pass: the flat item ids it admitted before its first cycle
+    prefill_unions: dict[int, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return int(self.columns["sequence"].size)
@@ -151,6 +153,10 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
         _return_lever_state(policy, cache, levers, layer_prefetched)
         if record_unions:
             unions = [np.flatnonzero(kernels.bitsets.unpack(union_log[r], trace.n_experts)) for r in range(rows)]
+    prefill_unions = None
+    if record_unions:
+        prefill_unions = {int(s): np.flatnonzero(kernels.bitsets.unpack(prep.prefill_bits[s], trace.n_experts))
+                          for s in np.flatnonzero(prep.has_prefill)}
     cols = {name: int_cols[i, :rows] for i, name in enumerate(kernels.replay.INT_COLUMNS)}
     cols.update({name: float_cols[i, :rows] for i, name in enumerate(kernels.replay.FLOAT_COLUMNS)})
     # the nodes of the levels drafted: the trace's tree at the cycle's position, cut there
@@ -164,7 +170,7 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
     # the cost model charges a miss for
     cols["bytes_h2d"] = (cols["misses"] + cols["prefetched"]) * cost.bytes_per_miss(trace.expert_bytes)
     committed = np.split(tokens_out[:int(per_sequence.sum())], np.cumsum(per_sequence)[:-1])
-    return CycleLog(columns=cols, committed=committed, unions=unions)
+    return CycleLog(columns=cols, committed=committed, unions=unions, prefill_unions=prefill_unions)
 
 
 def lever_state(policy: Policy, cache: ExpertCache) -> tuple | None:
