@@ -346,6 +346,8 @@ def _experts_with(table, value):
      "column 'parent' holds 65536; expected values from -32768 to 32767 (int16)"),
     ("token", lambda t: _with(t, "token", 1, 2 ** 32 + 11, np.int64), "column 'token' holds 4294967307"),
     ("true_experts", lambda t: _experts_with(t, 65537), "column 'true_experts' holds 65537"),
+    # a written row whose first id is negative read as an unknown row, its other ids unchecked
+    ("true_experts", lambda t: _experts_with(t, -1), "column 'true_experts' holds a negative expert id in row 0"),
     # a per-cycle column read from the cycle's first row: a second value on another row went unseen
     ("sequence", lambda t: _with(t, "sequence", 1, 3, np.int32),
      "column 'sequence' differs between the rows of cycle 0; expected one value per cycle"),

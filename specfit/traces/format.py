@@ -334,8 +334,14 @@ def _slot_array(pf: pq.ParquetFile, name: str, L: int, k: int, source: str) -> n
         chunk = values.to_numpy(zero_copy_only=False)
         flat[row:row + m] = (chunk if kind == "floats" else _narrowed(chunk, dtype, f"{source}: column '{name}'")
                              ).reshape(m, L * k)
+        valid = col.is_valid().to_numpy(zero_copy_only=False)
+        if kind == "integers" and (flat[row:row + m][valid] < 0).any():
+            # a row is unknown when null; a negative id in a written row would read as unknown (or out of range)
+            bad = row + int(np.flatnonzero(valid & (flat[row:row + m] < 0).any(axis=1))[0])
+            raise SpecFitError(f"{source}: column '{name}' holds a negative expert id in row {bad}; expected ids from 0 "
+                               f"(an unknown row is null)")
         if col.null_count:
-            out[row:row + m][~col.is_valid().to_numpy(zero_copy_only=False)] = null
+            out[row:row + m][~valid] = null
         row += m
     if row != len(out):
         raise SpecFitError(f"{source}: column '{name}' has {row} rows, the file's footer says {len(out)}")
