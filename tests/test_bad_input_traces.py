@@ -314,7 +314,7 @@ def test_node_ids_that_do_not_number_each_cycle_from_the_root_are_refused(tmp_pa
         read_trace(tmp_path / "swapped.parquet")
 
 
-def _damaged(tmp_path, name: str, make) -> "Path":
+def _damaged(tmp_path, name: str, make):
     """The hand trace's file with column ``name`` replaced by ``make(table)`` (added where absent)."""
     table = pq.read_table(write_trace(hand_trace(), tmp_path / "good.parquet"))
     column = make(table)
