@@ -212,3 +212,32 @@ def test_the_planned_device_bytes_are_what_the_slots_and_staging_buffers_hold():
         offload = ExpertOffload(host, capacity=capacity)
         assert offload.planned_device_bytes == offload.device_bytes == (3 * capacity + buffers) * host.expert_bytes
     assert host.expert_bytes == (2 * 3 * 4 + 4 * 3) * 4                 # gate, up and down of one expert, float32
+
+
+@pytest.mark.parametrize("with_keep", [False, True])
+def test_global_prefetches_between_passes_keep_every_slot_holding_its_experts_weights(with_keep):
+    """A global cache admits a prefetch layer by layer: a later layer's admission could evict an
+    expert an earlier layer had just admitted, which then came back both admitted and evicted and
+    was copied over another expert's slot (136 of 200 steps inconsistent, wrong weights read)."""
+    L, E, H, I = 3, 8, 4, 2
+    rng = np.random.default_rng(0)
+    host = HostExperts(L, E, H, I, torch.float32)
+    torch.manual_seed(0)
+    for layer in range(L):
+        host.gate_up[layer].copy_(torch.randn(E, 2 * I, H))
+        host.down[layer].copy_(torch.randn(E, H, I))
+    offload = ExpertOffload(host, 7, mode="global", policy="lru")
+    prefetches = 0
+    for step in range(200):
+        if rng.random() < 0.2:
+            mask = rng.random((L, E)) < 0.3
+            offload.prefetch(mask, keep=rng.random((L, E)) if with_keep else None)
+            offload.wait_prefetch()
+            prefetches += 1
+        else:
+            offload.begin_pass()
+            for layer in range(L):
+                for e, gate_up, down in offload.layer_experts(layer, np.unique(rng.integers(0, E, size=rng.integers(1, 6)))):
+                    assert torch.equal(gate_up, host.gate_up[layer][e]) and torch.equal(down, host.down[layer][e]), step
+        assert ((offload.slot_of >= 0) == offload.cache.resident()).all() and -1 not in offload._free_slots, step
+    assert prefetches > 20

@@ -373,21 +373,24 @@ def prefetch_items(mask, bits, score, count, slots, n_used, clock, counters, con
         for e in range(n_experts):
             resident[layer, e] = (bits[layer, e >> 6] >> np.uint64(e & 63)) & ONE
             want[layer, e] = mask[layer, e] and not resident[layer, e]
-    if keep.shape[0] > 0:
-        # an expert only displaces experts it outranks: the cheapest victim set is the lowest keeps
-        worth = worth_a_slot(want, mask, resident, keep, config[3], config[0] == 0)
-        for layer in range(n_layers):
-            for e in range(n_experts):
-                want[layer, e] = want[layer, e] and worth[layer, e]
+    # an expert only displaces experts it outranks (with ``keep``: the cheapest victim set is the
+    # lowest keeps; without, any expert outside the mask), and no more of them than the slots free and
+    # held outside the mask
+    worth = worth_a_slot(want, mask, resident, keep if keep.shape[0] > 0 else want.astype(np.float64), config[3],
+                         config[0] == 0)
+    for layer in range(n_layers):
+        for e in range(n_experts):
+            want[layer, e] = want[layer, e] and worth[layer, e]
     union = np.zeros((n_layers, words), dtype=np.uint64)
-    # the mask's resident experts are wanted as much: the last victims of the others' admission (the
-    # admit protects only the layer it admits; in global mode another layer's slot is a candidate)
+    # every expert of the mask (resident, or admitted by this call) is the last victim of the others'
+    # admission: the admit protects only the layer it admits, and in global mode a later layer's slot
+    # is taken from any layer, an expert admitted a layer earlier included
     victim_keep = np.zeros((n_layers, n_experts)) if keep.shape[0] == 0 else keep.copy()
     for layer in range(n_layers):
         for e in range(n_experts):
             if want[layer, e] or (mask[layer, e] and resident[layer, e]):
                 union[layer, e >> 6] |= ONE << np.uint64(e & 63)
-            if mask[layer, e] and resident[layer, e]:
+            if mask[layer, e]:
                 victim_keep[layer, e] = np.inf
     kept = np.empty((3, n_layers), dtype=np.int64)
     for layer in range(n_layers):
