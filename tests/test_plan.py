@@ -53,7 +53,12 @@ def _kv_bytes(config, tokens: int, dtype=torch.bfloat16) -> int:
 def test_dense_weights_and_kv_cache_are_the_runtimes(name):
     config = shape_config(name)
     memory = MemoryModel(name, config, MemoryBudget(80 * GB, context_tokens=1000, reserve_bytes=0))
-    assert memory.dense_bytes == 2 * _meta_model_params(config)
+    with torch.device("meta"):
+        tensors = MoETransformer(config).state_dict()
+    # bfloat16, but DeepSeek's routers, which the loader keeps in float32
+    assert memory.dense_bytes == sum(t.numel() * (4 if config.router_float32 and key.endswith("moe.gate.weight") else 2)
+                                     for key, t in tensors.items())
+    assert memory.dense_bytes > 2 * _meta_model_params(config) or not config.router_float32
     assert memory.kv_bytes(24) == _kv_bytes(config, 1024)
     assert memory.expert_bytes == 3 * config.hidden_size * config.expert_intermediate_size * 2
 
@@ -131,6 +136,7 @@ def test_plan_errors_are_one_line_before_ray_starts_or_anything_is_written(tmp_p
     for args, message in [
         (trace + ["--device-memory-gb", "1"], "--device-memory-gb 1: olmoe-1b-7b needs"),
         (trace + ["--device-memory-gb", "8", "--policies", "ar,static:auto"], "simulator baselines"),
+        (trace + ["--device-memory-gb", "8", "--policies", "ar,oracle"], "['oracle'] run only in a replay"),
         (trace + ["--device-memory-gb", "8", "--model-shape", "qwen3-30b-a3b"], "differs from --model-shape"),
         (trace + ["--device-memory-gb", "8", "--dtype", "float8"], "--dtype"),
         (trace + ["--device-memory-gb", "inf"], "--device-memory-gb: expected a positive, finite size, got inf"),
@@ -282,6 +288,8 @@ def test_plan_counts_the_root_in_a_chain_tree():
     assert tree_tokens("ar", by_levels) == 1
     assert tree_tokens("chain:4", by_levels) == 5        # the root and 4 drafted tokens
     assert tree_tokens("chain:9", by_levels) == 6        # at most as deep as the traces
+    assert tree_tokens("chain:4+cache+prefetch", by_levels) == 5     # levers change no tree (a traceback, before)
+    assert tree_tokens("specfit:2+online", by_levels) == 7
 
 
 def test_a_specfit_level_cap_takes_the_largest_tree_within_that_many_levels():

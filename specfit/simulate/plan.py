@@ -90,7 +90,7 @@ def _meta_model(config):
 def tree_tokens(policy: str, max_nodes_by_levels: np.ndarray) -> int:
     """The most nodes (root included) ``policy`` verifies in a cycle; ``max_nodes_by_levels[d]``:
     the largest tree within d levels on the traces."""
-    name, _, rest = policy.partition(":")
+    name, _, rest = policy.split("+")[0].partition(":")       # levers change no tree size
     args = [int(a) for a in rest.split(":")] if rest else []
     deepest = len(max_nodes_by_levels) - 1
     if name == "ar":
@@ -112,7 +112,11 @@ class MemoryModel:
 
     @property
     def dense_bytes(self) -> int:
-        return dense_weight_params(self.config) * self.budget.dtype_bytes
+        config = self.config
+        routers = 0
+        if config.router_float32:          # DeepSeek's routers stay in float32 whatever --dtype (the loader)
+            routers = config.n_moe_layers * config.n_experts * config.hidden_size * (4 - self.budget.dtype_bytes)
+        return dense_weight_params(config) * self.budget.dtype_bytes + routers
 
     @property
     def expert_bytes(self) -> int:
@@ -308,6 +312,7 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
 
 
 def _check_candidates(candidates: list[str]) -> None:
+    from ..policies import make_policy
     from .sweep import check_policies
 
     bad = [p for p in candidates if p in ("static:auto", "eagle3-nocache")]
@@ -315,6 +320,10 @@ def _check_candidates(candidates: list[str]) -> None:
         raise SpecFitError(f"--policies: {bad} are simulator baselines, not settings to deploy; name the policy "
                            "itself (static:N, eagle3:N:D)")
     check_policies(candidates, 8)
+    hindsight = [p for p in candidates if make_policy(p, max_levels=8).simulator_only]
+    if hindsight:
+        raise SpecFitError(f"--policies: {hindsight} run only in a replay (the oracle knows the target's verdicts), not "
+                           "settings to deploy; name a policy a decode runs (ar, chain:K, eagle3:N:D, static:N, specfit)")
 
 
 def _synth_task(shape: str, workload: str, tokens: int):
