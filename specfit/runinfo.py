@@ -53,6 +53,10 @@ def _command_line(ctx) -> str:
     words = ["specfit", *reversed(names)]
     for param in ctx.command.params:
         value = ctx.params.get(param.name)
+        if value is False and param.default is not False and getattr(param, "secondary_opts", None):
+            # an option on by default, turned off (--frozen-profile, --no-price-uncertainty): said so
+            words.append(max(param.secondary_opts, key=len))
+            continue
         if value is None or value is False or value == () or value == []:
             continue
         if param.param_type_name == "argument":

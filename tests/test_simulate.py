@@ -544,6 +544,16 @@ def test_the_recorded_command_names_the_options_given_and_leaves_out_those_at_th
     assert "--predictor" not in words                               # given, but equal to its default (oracle)
 
 
+def test_the_recorded_command_keeps_an_option_turned_off_that_is_on_by_default(tmp_path):
+    # left out, the command run again from run.json priced the uncertainty again
+    out = tmp_path / "sim"
+    result = CliRunner().invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), "--policies", "ar", "--cache-experts", "0",
+                                      "--no-price-uncertainty", "--out", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    words = json.loads((out / "run.json").read_text())["command"].split()
+    assert "--no-price-uncertainty" in words and "--price-uncertainty" not in words
+
+
 
 
 def two_sequence_trace() -> Trace:
