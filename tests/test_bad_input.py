@@ -298,6 +298,10 @@ def test_a_refit_onto_a_profile_of_another_shape_is_refused(model_dir, tmp_path)
     (["simulate", "--trace", SAMPLE_OLMOE, "--cache-experts", "8,0,8"], "--cache-experts: lists 8 twice"),
     (["simulate", "--trace", SAMPLE_OLMOE, "--profile", "pcie4", "--profile", "gh200,pcie4"],
      "--profile: lists pcie4 twice"),
+    # two profiles whose rows would carry one label (a ValueError's traceback after preparing the traces, before)
+    (["simulate", "--trace", SAMPLE_OLMOE, "--profile", "a/prof.json,b/prof.json"],
+     "--profile: a/prof.json, b/prof.json would all be labelled 'prof' in the results"),
+    (["simulate", "--trace", SAMPLE_OLMOE, "--profile", "pcie4,x/pcie4.json"], "would all be labelled 'pcie4'"),
     (["simulate", "--trace", SAMPLE_OLMOE, "--h2d-scale", "inf"], "--h2d-scale: expected a finite positive factor"),
     (["simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar,specfit,ar"], "--policies: lists ar twice"),
     (["simulate", "--trace", SAMPLE_OLMOE, "--trace", SAMPLE_OLMOE.parent / ".." / SAMPLE_OLMOE.parent.name /

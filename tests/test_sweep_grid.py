@@ -73,6 +73,13 @@ def test_the_same_routing_source_twice_is_refused():
                    source="spec.toml", base=BASE)
 
 
+def test_the_same_trace_file_spelt_two_ways_is_refused():
+    # "t.parquet" and "./x/../t.parquet": one file, two traces of other names, every cell replayed twice
+    other = f"./../{BASE.name}/{TRACE}"
+    with pytest.raises(SpecFitError, match=r"field 'traces' lists .* \(the same file\) twice"):
+        parse_spec({"traces": [TRACE, other]}, source="spec.toml", base=BASE)
+
+
 # chunking covers every pending cell exactly once, whatever the chunk size
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 7, 100])
 def test_chunks_hold_every_cell_once(size):

@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..errors import SpecFitError
-from ..io import not_readable_as
+from ..io import not_readable_as, repeated_path
 
 __all__ = ["TraceSource", "Cell", "SweepSpec", "load_spec", "parse_spec", "expand", "run_cell", "CELL_COLUMNS",
            "file_digest", "policy_cost_rank"]
@@ -284,6 +284,9 @@ def _trace_sources(raw: dict, source: str, base: Path, workloads: dict) -> list[
             raise SpecFitError(f"{source}: field 'traces': {path!r} (relative to {base}): "
                                + not_readable_as(resolved, "a trace file", "no such trace file"))
         out.append(TraceSource(name=name, path=path, resolved=resolved, digest=file_digest(resolved)))
+    same = repeated_path([t.resolved for t in out])
+    if same is not None:      # spelt two ways, one file would be replayed twice as two traces
+        raise SpecFitError(f"{source}: field 'traces' lists {same} twice; expected distinct trace files")
     for i, entry in enumerate(routing):
         where = f"{source}: routing[{i}]"
         bad = sorted(set(entry) - set(_ROUTING_KEYS))
