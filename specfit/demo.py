@@ -222,17 +222,25 @@ def _specfit_columns(summary) -> list[str]:
     return [p for p in dict.fromkeys(summary["policy"]) if p.split("+")[0] == "specfit"]
 
 
+def _leaders(summary) -> list[tuple]:
+    """``(profile, cache size, the setting's rows by policy, the fastest fixed policy, the fastest
+    SpecFit column)`` of each setting of the what-if where a fixed policy runs faster than every
+    SpecFit column."""
+    ours_names = _specfit_columns(summary)
+    out = []
+    for (profile, cache), g in summary.groupby(["profile", "cache_experts"], sort=False):
+        g = g.set_index("policy")
+        fixed = g["tokens_per_s"][g.index.isin(FIXED_POLICIES)]
+        ours = g["tokens_per_s"][g.index.isin(ours_names)]
+        if len(fixed) and len(ours) and fixed.max() > ours.max():
+            out.append((profile, int(cache), g, fixed.idxmax(), ours.idxmax()))
+    return out
+
+
 def _settings_behind(summary) -> list[tuple[str, int]]:
     """The (profile, cache size) settings of the what-if where a fixed policy runs faster than
     every SpecFit column."""
-    behind = []
-    for (profile, cache), g in summary.groupby(["profile", "cache_experts"], sort=False):
-        rate = g.set_index("policy")["tokens_per_s"]
-        fixed = rate[rate.index.isin(FIXED_POLICIES)]
-        ours = rate[rate.index.isin(_specfit_columns(summary))]
-        if len(fixed) and len(ours) and fixed.max() > ours.max():
-            behind.append((profile, int(cache)))
-    return behind
+    return [(profile, cache) for profile, cache, *_ in _leaders(summary)]
 
 
 def _leader_notes(summary, truth) -> list[str]:
@@ -245,11 +253,7 @@ def _leader_notes(summary, truth) -> list[str]:
         notes.append("static:auto is static:N with the N that ran fastest on this very trace, picked per setting after "
                      "the fact, and oracle knows the target's verdicts: neither can run live")
     rows, leads = [], 0
-    for profile, cache in _settings_behind(summary):
-        g = summary[(summary["profile"] == profile) & (summary["cache_experts"] == cache)].set_index("policy")
-        fixed = g[g.index.isin(FIXED_POLICIES)]["tokens_per_s"]
-        ours = g[g.index.isin(_specfit_columns(summary))]["tokens_per_s"]
-        lead, best = fixed.idxmax(), ours.idxmax()
+    for profile, cache, g, lead, best in _leaders(summary):
         n = f" (N = {g.loc[lead, 'static_n']})" if lead == "static:auto" else ""
         text = (f"{profile}, {cache} cached: {lead}{n} {g.loc[lead, 'speedup_vs_ar']:.2f}x, "
                 f"{best} {g.loc[best, 'speedup_vs_ar']:.2f}x")

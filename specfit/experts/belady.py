@@ -106,7 +106,7 @@ def belady_of_log(log, n_layers: int, n_experts: int, capacity: int, mode: str =
         if s in prefills:
             requests.append(prefills[s])
             counted.append(False)
-        rows = np.flatnonzero(sequence == s)
-        requests.extend(log.unions[r] for r in rows)
-        counted.extend([True] * rows.size)
+        lo, hi = np.searchsorted(sequence, s), np.searchsorted(sequence, s, side="right")
+        requests.extend(log.unions[lo:hi])
+        counted.extend([True] * (hi - lo))
     return belady_counts(requests, n_layers, n_experts, capacity, mode, counted=np.array(counted, dtype=bool))

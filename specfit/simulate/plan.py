@@ -315,15 +315,12 @@ def _check_candidates(candidates: list[str]) -> None:
     from ..policies import make_policy
     from .sweep import check_policies
 
-    bad = [p for p in candidates if p in ("static:auto", "eagle3-nocache")]
-    if bad:
-        raise SpecFitError(f"--policies: {bad} are simulator baselines, not settings to deploy; name the policy "
-                           "itself (static:N, eagle3:N:D)")
     check_policies(candidates, 8)
-    hindsight = [p for p in candidates if make_policy(p, max_levels=8).simulator_only]
-    if hindsight:
-        raise SpecFitError(f"--policies: {hindsight} run only in a replay (the oracle knows the target's verdicts), not "
-                           "settings to deploy; name a policy a decode runs (ar, chain:K, eagle3:N:D, static:N, specfit)")
+    replay_only = [p for p in candidates if make_policy(p, max_levels=8).simulator_only]
+    if replay_only:
+        raise SpecFitError(f"--policies: {replay_only} run only in a replay (simulator baselines, or the oracle that "
+                           "knows the target's verdicts), not settings to deploy; name the policy a decode runs (ar, "
+                           "chain:K, eagle3:N:D, static:N, specfit)")
 
 
 def _synth_task(shape: str, workload: str, tokens: int):

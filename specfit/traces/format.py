@@ -365,9 +365,8 @@ def _from_table(table: pa.Table, per_slot: dict[str, np.ndarray], meta: dict, so
     def per_cycle_value(name: str, values: np.ndarray) -> np.ndarray:
         """A per-cycle column's value, which every row of the cycle repeats."""
         first = values[starts]
-        differs = values != np.repeat(first, sizes)
-        if np.any(differs & ~(np.isnan(values) & np.isnan(np.repeat(first, sizes))) if values.dtype.kind == "f"
-                  else differs):
+        differs = values != np.repeat(first, sizes)          # finite values only: NaN is refused before
+        if differs.any():
             c = int(np.searchsorted(offsets, int(np.argmax(differs)), side="right") - 1)
             raise SpecFitError(f"{source}: column '{name}' differs between the rows of cycle {c}; expected one value per "
                                f"cycle, repeated on each of its rows")
