@@ -394,3 +394,12 @@ def test_edge_probabilities_are_clipped_at_logit_30_either_way():
     assert (model.path_probs(tree) > 0).all()
     model.coef_ = np.r_[1000.0, np.zeros(7)]
     np.testing.assert_allclose(model.edge_probs(tree)[1:], 1 / (1 + np.exp(-30.0)), rtol=1e-15)
+
+
+def test_online_acceptance_refuses_no_penalty_and_reliability_refuses_nan():
+    # without a penalty a constant feature (rank 0 in a chain) made the Newton step singular
+    with pytest.raises(ValueError, match="l2"):
+        OnlineAcceptance(l2=0.0)
+    with pytest.raises(ValueError, match="finite probabilities"):
+        reliability([0.5, float("nan")], [1.0, 0.0])
+    assert reliability([0.2, 0.9], [0.0, 1.0])["brier"] == pytest.approx((0.04 + 0.01) / 2)

@@ -50,6 +50,18 @@ def test_hand_computed_windows_with_no_cache():
         assert even.hidden_s[0] == pytest.approx(hidden) and even.copies[0] == copies
 
 
+def test_the_ceiling_counts_as_useful_only_the_copies_it_started():
+    """Three layers, all missing: 12, 4 and 4 experts. The windows before layers 1 and 2 hold 3
+    and 1 copies: 4 started, all useful (the slots run to the widest window, which once counted
+    layer 2's unstarted misses as useful: precision 1.5)."""
+    E = 16
+    unions = [np.array(list(range(12)) + [E + e for e in range(4)] + [2 * E + e for e in range(4)])]
+    cost = CostModel(base_s=0.0, per_node_s=0.0, hit_s=0.25, miss_s=1.25, draft_level_s=0.0)
+    out = layer_ahead(unions, np.array([1]), np.array([1]), 3, E, 16, cost)
+    assert out.copies[0] == 4 and out.useful[0] == 4 and out.precision == 1.0
+    assert out.hidden_s[0] == pytest.approx(4.0)
+
+
 def test_no_window_hides_nothing():
     free = CostModel(base_s=0.0, per_node_s=0.0, hit_s=0.0, miss_s=0.05, draft_level_s=0.0)
     for rank in (None, _fixed([3, 0, 2, 1])):

@@ -121,3 +121,53 @@ def test_learned_context_probe_scores_deviations_from_the_mean_rate():
     # nothing (popularity is its own feature)
     probe = _ridge_probe(np.ones((50, 3), dtype=np.float32), np.zeros((50, 1, 1), dtype=np.int64), 4, 1.0)
     np.testing.assert_allclose(probe, 0.0, atol=1e-6)
+
+
+def test_the_probe_is_fitted_live_after_the_prompts_routing_without_a_context():
+    """The decoder teaches the predictor the prompt's routing (no drafter context) before any
+    cycle; the probe was fitted only when every remembered entry had a context, so never."""
+    rng = np.random.default_rng(0)
+    weights = rng.normal(size=(16, L * E))
+
+    def nodes(n):
+        context = rng.normal(size=(n, 16)).astype(np.float32)
+        experts = np.argsort(-(context @ weights).reshape(n, L, E), axis=2)[:, :, :K]
+        return rng.integers(0, 50, n), experts, context
+
+    p = LearnedPredictor(refit_every=8)
+    tokens, experts, _ = nodes(40)
+    p.update(tokens, experts, E)
+    for _ in range(64):
+        tokens, experts, context = nodes(6)
+        p.update(tokens, experts, E, last_known=np.full(experts.shape, -1), context=context)
+    assert p.probe_ is not None and p.coef_[FEATURES.index("context_probe")] > 0
+
+
+def test_a_training_node_does_not_see_its_own_routing_in_its_tokens_share():
+    """Fitted on a trace, each training node's token shares leave the node out: a token seen once
+    has no share (as for a token unseen at prediction time), a token seen n times the shares of
+    its n - 1 others."""
+    trace = routed_trace(4, 200, token_rule=False)
+    trace.token[:5] = np.arange(100, 105)              # five tokens seen once
+    p = LearnedPredictor(prior_strength=1.0).fit(trace)
+    true = trace.true_experts.astype(np.int64)
+    own = np.zeros((true.shape[0], L, E), dtype=bool)
+    np.put_along_axis(own, true, True, axis=2)
+    batch = NodeBatch(tokens=trace.token, last_known=np.full(true.shape, -1))
+    x, loo = p.features(batch), p.features(batch, own=own)
+    share, n = p.table_.token_shares(trace.token)
+    expected = (share * n[:, None, None] - own) / np.maximum(n - 1, 1)[:, None, None]
+    np.testing.assert_allclose(loo[..., FEATURES.index("token_share")], expected, atol=1e-6)
+    np.testing.assert_allclose(loo[..., FEATURES.index("token_share_weighted")],
+                               expected * ((n - 1) / n)[:, None, None], atol=1e-6)
+    once = n == 1
+    assert once.any() and (loo[once][..., :2] == 0).all() and (x[once][..., 1] == own[once]).all()
+    # the other features are the node's own either way
+    np.testing.assert_array_equal(loo[..., 2:], x[..., 2:])
+
+
+def test_an_unfitted_learned_predictor_says_so():
+    from specfit.errors import SpecFitError
+
+    with pytest.raises(SpecFitError, match="learned: not fitted"):
+        LearnedPredictor().predict(NodeBatch(tokens=np.array([1]), last_known=np.full((1, L, K), -1)))

@@ -49,6 +49,9 @@ def reliability(predicted, outcome, bins: int = 10) -> dict:
     y = np.asarray(outcome, dtype=np.float64)
     if p.size == 0:
         return {"n": 0, "brier": float("nan"), "ece": float("nan")}
+    if p.shape != y.shape or not (np.isfinite(p).all() and np.isfinite(y).all()):
+        raise ValueError(f"reliability: expected finite probabilities and outcomes of one shape, got shapes {p.shape} "
+                         f"and {y.shape}")
     which = np.minimum((p * bins).astype(int), bins - 1)
     gap = np.abs(np.bincount(which, weights=p, minlength=bins) - np.bincount(which, weights=y, minlength=bins))
     return {"n": int(p.size), "brier": float(np.mean((p - y) ** 2)), "ece": float(gap.sum() / p.size)}
@@ -60,9 +63,10 @@ class OnlineAcceptance:
 
     def __init__(self, memory: int = 4096, refit_every: int = 8, min_edges: int = 64, l2: float = 1.0,
                  newton_steps: int = 4):
-        if memory < 1 or refit_every < 1 or min_edges < 1 or l2 < 0 or newton_steps < 1:
-            raise ValueError("online acceptance: expected positive memory, refit_every, min_edges and newton_steps, "
-                             "and l2 >= 0")
+        if memory < 1 or refit_every < 1 or min_edges < 1 or not l2 > 0 or newton_steps < 1:
+            # without a penalty a constant feature (rank 0 in a chain) leaves the Newton step singular
+            raise ValueError("online acceptance: expected positive memory, refit_every, min_edges, newton_steps "
+                             "and l2")
         self.memory, self.refit_every, self.min_edges = int(memory), int(refit_every), int(min_edges)
         self.l2, self.newton_steps = float(l2), int(newton_steps)
         self.coef_: np.ndarray | None = None

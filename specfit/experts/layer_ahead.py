@@ -117,8 +117,9 @@ def layer_ahead(unions: list[np.ndarray], nodes: np.ndarray, draft_levels: np.nd
             continue
         if rank is None:
             # the true misses of each next layer, as many as the window starts
-            useful = np.arange(slots)[None, :] < missed[1:].sum(axis=1)[:, None]
             started = np.minimum(missed[1:].sum(axis=1), np.ceil(window / transfer_s))
+            # every copy started is of a true miss; the slots run to the widest window
+            useful = np.arange(slots)[None, :] < started[:, None]
         else:
             ranked, p = (np.asarray(x) for x in rank(t, union))
             ok = ranked >= 0

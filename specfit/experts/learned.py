@@ -26,6 +26,7 @@ import numpy as np
 from ..threads import one_blas_thread
 from .predictor_base import ExpertPredictor, NodeBatch, selected_rows, trace_batch
 from .affinity import AffinityPredictor
+from ..errors import SpecFitError
 
 __all__ = ["LearnedPredictor", "FEATURES"]
 
@@ -69,12 +70,22 @@ class LearnedPredictor(ExpertPredictor):
                 "seed": self.seed, "memory_nodes": self.memory_nodes}
 
     # ------------------------------------------------------------------ features
-    def features(self, batch: NodeBatch) -> np.ndarray:
-        """float32 [n, L, E, len(FEATURES)]."""
+    def features(self, batch: NodeBatch, own: np.ndarray | None = None) -> np.ndarray:
+        """float32 [n, L, E, len(FEATURES)]. ``own`` (bool [n, L, E], training only): each node's
+        own routing, which the token table holds already; it leaves the node's token shares, as
+        it is absent from them at prediction time (a token seen once would otherwise show its
+        label as its share)."""
+        if getattr(self.table_, "keys_", None) is None:
+            raise SpecFitError("--predictor learned: not fitted; fit it on a trace or update it with routed tokens first")
         last = np.asarray(batch.last_known).astype(np.int64)
         n, L, _ = last.shape
         E = self.table_.n_experts_
         share, n_x = self.table_.token_shares(batch.tokens)
+        if own is not None:
+            others = np.maximum(n_x - 1, 0)
+            share = ((share * n_x[:, None, None] - own) / np.maximum(others, 1)[:, None, None]).clip(0, 1)
+            share = share.astype(np.float32)
+            n_x = others.astype(np.float32)
         w = (n_x / (n_x + self.prior_strength) if self.prior_strength > 0 else (n_x > 0)).astype(np.float32)
         x = np.zeros((n, L, E, len(FEATURES)), dtype=np.float32)
         x[..., 0] = share * w[:, None, None]
@@ -116,10 +127,10 @@ class LearnedPredictor(ExpertPredictor):
         if n * per_node > self.max_rows:
             take = np.sort(np.random.default_rng(self.seed).choice(n, self.max_rows // per_node, replace=False))
         batch, true = _take(batch, take), true[take]
-        x = self.features(batch).reshape(-1, len(FEATURES))
         y = np.zeros((take.size, L, E), dtype=bool)
         layer = np.broadcast_to(np.arange(L)[None, :, None], true.shape)
         y[np.broadcast_to(np.arange(take.size)[:, None, None], true.shape), layer, true] = True
+        x = self.features(batch, own=y).reshape(-1, len(FEATURES))
         y = y.ravel()
         if y.all() or not y.any():
             return
@@ -152,9 +163,13 @@ class LearnedPredictor(ExpertPredictor):
         last = np.concatenate([b[1] for b in self._buffer])
         true = np.concatenate([b[2] for b in self._buffer])
         contexts = [b[3] for b in self._buffer]
+        width = {c.shape[1] for c in contexts if c is not None}
         context = None
-        if contexts and all(c is not None for c in contexts):
-            context = np.concatenate(contexts)
+        if len(width) == 1:
+            # entries without one (the prompt's pass) get NaN rows: they leave the probe's fit
+            h = width.pop()
+            context = np.concatenate([np.full((b[0].size, h), np.nan, dtype=np.float32) if b[3] is None else b[3]
+                                      for b in self._buffer])
             known = np.isfinite(context).all(axis=1)
             if known.sum() > 1:
                 self.probe_ = _ridge_probe(context[known], true[known], self.table_.n_experts_, self.probe_ridge)
