@@ -64,8 +64,10 @@ class ArPolicy(Policy):
 
 
 class ChainPolicy(Policy):
-    """Draft K levels, verify the chain that follows the most probable child at each level. Live,
-    the chain is drafted as a chain (top-1 at every level), as EAGLE's chain mode does."""
+    """Draft K levels, verify the chain that follows the drafter's most probable child at each
+    level. Live, the chain is drafted as a chain (top-1 at every level), as EAGLE's chain mode does;
+    a replay follows the same top-1 in the recorded tree (the drafter's probabilities, not the
+    calibrated ones, which can reorder siblings)."""
 
     draft_top_k = 1
 
@@ -77,7 +79,7 @@ class ChainPolicy(Policy):
 
     def select(self, view: CycleView) -> Selection:
         children = view.tree.children()
-        probs = view.tree.path_probs
+        probs = view.tree.path_probs if view.drafter_probs is None else view.drafter_probs
         chain = [0]
         while len(chain) <= self.max_levels and children[chain[-1]].size:
             kids = children[chain[-1]]
@@ -153,8 +155,11 @@ class TunedPolicy(RerankPolicy):
         self.sizes, self.max_levels_cap, self.levers = tuple(sizes), int(max_levels), list(levers)
 
     def candidates(self, max_nodes: int) -> list[Policy]:
-        """The fixed policies to try on trees of at most ``max_nodes`` nodes (with this one's levers)."""
-        sizes = [n for n in self.sizes if n <= max_nodes] or [max(2, max_nodes)]
+        """The fixed policies to try on trees of at most ``max_nodes`` nodes (with this one's levers):
+        the sizes below it and the first at or above it, which verifies whole trees (a size between
+        the largest tree and the next listed one would be the same policy)."""
+        whole = min((n for n in self.sizes if n >= max_nodes), default=max(2, max_nodes))
+        sizes = [n for n in self.sizes if n < max_nodes] + [whole]
         suffix = "".join(f"+{lever}" for lever in self.levers)
         return [make_policy(f"static:{n}{suffix}", self.max_levels_cap) for n in sizes]
 

@@ -33,13 +33,17 @@ class CycleView:
     draft_levels: int
     verdicts: np.ndarray | None = None
     true_experts: np.ndarray | None = None
+    # a replay's: the drafter's own path probabilities where ``tree`` holds calibrated ones (a
+    # chain follows the drafter's top-1 child, the one a live chain drafts)
+    drafter_probs: np.ndarray | None = None
 
     def truncated(self, levels: int) -> "CycleView":
         """The view after only ``levels`` levels (nodes of a level-by-level tree come in depth
         order, so the first levels are a prefix of the arrays)."""
         keep = np.flatnonzero(self.tree.depth <= levels)
         if keep.size == self.tree.n_nodes:
-            return CycleView(self.tree, self.experts, self.cached, self.cost, levels, self.verdicts, self.true_experts)
+            return CycleView(self.tree, self.experts, self.cached, self.cost, levels, self.verdicts, self.true_experts,
+                             self.drafter_probs)
         if not np.array_equal(keep, np.arange(keep.size)):
             raise ValueError("tree: expected nodes in order of depth (drafted level by level)")
         n = keep.size
@@ -48,6 +52,7 @@ class CycleView:
             draft_levels=levels,
             verdicts=None if self.verdicts is None else self.verdicts[:n],
             true_experts=None if self.true_experts is None else self.true_experts[:n],
+            drafter_probs=None if self.drafter_probs is None else self.drafter_probs[:n],
         )
 
     def evaluate(self, nodes) -> Selection:

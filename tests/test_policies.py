@@ -424,12 +424,16 @@ def test_oracle_keeps_the_shortest_prefix_on_an_exact_tie():
     assert sel.nodes.tolist() == [0]
 
 
-# static:auto tries every size of its grid that fits, the tree's own size included
+# static:auto tries every size of its grid that fits, and one that verifies whole trees
 def test_static_auto_candidates_include_a_size_equal_to_the_largest_tree():
     auto = make_policy("static:auto")
     assert [p.name for p in auto.candidates(8)] == ["static:2", "static:3", "static:4", "static:6", "static:8"]
     assert auto.candidates(64)[-1].name == "static:64"
     assert [p.name for p in auto.candidates(1)] == ["static:2"]
+    # trees of 5 or 58 nodes: the whole tree is static:6 / static:64 (the sizes stopped at 4 / 48)
+    assert [p.name for p in auto.candidates(5)] == ["static:2", "static:3", "static:4", "static:6"]
+    assert [p.name for p in auto.candidates(58)][-2:] == ["static:48", "static:64"]
+    assert auto.candidates(100)[-1].name == "static:100"
 
 
 # eagle3's defaults are N=60 nodes of D=7 levels

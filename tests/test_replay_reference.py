@@ -42,6 +42,7 @@ class RefTree:
         for v in range(1, len(self.parents)):
             self.depth[v] = self.depth[self.parents[v]] + 1
         self.raw = [float(x) for x in raw_probs[lo:hi]]
+        self.drafter = [float(x) for x in trace.path_prob[lo:hi]]     # the drafter's own: a chain's top-1
         self.probs = [self.raw[0]] + [min(self.raw[v], self.raw[self.parents[v]]) for v in range(1, len(self.raw))]
         self.lo, self.hi = lo, hi
         self._true, self._predicted, self._n_experts = trace.true_experts, predicted, trace.n_experts
@@ -113,13 +114,12 @@ def ref_decide(spec: str, tree: RefTree, resident: np.ndarray, cost: CostModel):
         levels, nodes = 0, [0]
     elif name == "chain":
         levels = min(args[0], depth)
-        probs = tree.level_probs(levels)
         nodes = [0]
         while len(nodes) <= args[0]:
             kids = [u for u in tree.within(levels) if u and tree.parents[u] == nodes[-1]]
             if not kids:
                 break
-            nodes.append(max(kids, key=lambda u: (probs[u], -u)))
+            nodes.append(max(kids, key=lambda u: (tree.drafter[u], -u)))
     else:   # eagle3[:N[:D]] and static:N rank by path probability and keep N, ties to the lower id
         if name == "eagle3":
             total, levels = (args + [60, 7][len(args):])[:2]
@@ -309,6 +309,24 @@ def test_chain_follows_the_earlier_of_two_equally_probable_children(compiled):
     log = _replay(tie_trace(2, accepted_child=2), "chain:1", compiled=compiled)
     assert log.columns["position"].tolist() == [0, 1, 2]
     assert log.columns["committed_tokens"].tolist() == [1, 1, 1]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_chain_follows_the_drafters_top_child_whatever_the_calibrated_probabilities(compiled):
+    """Live, ``chain:K`` drafts the drafter's top-1 at every level; a replay deciding with
+    calibrated probabilities that rank a sibling above it must still verify that top-1 (it took
+    the calibrated favourite, a chain no live run drafts)."""
+    trace = tie_trace(2, accepted_child=2)
+    trace.path_prob[1], trace.draft_logprob[1] = 0.6, np.log(0.6)      # the drafter's top-1: child 1, rejected
+    calibrated = trace.path_prob.copy()
+    calibrated[1], calibrated[2] = 0.3, 0.5                            # calibration prefers child 2
+    prep = prepare("reordered", trace, trace.true_experts, calibrated)
+    log = replay(prep, make_policy("chain:1"), ExpertCache(1, 4, capacity=1, expert_bytes=1000), COST,
+                 compiled=compiled)
+    # child 1 verified and rejected: the first cycle commits the bonus 11 only
+    assert log.columns["committed_tokens"].tolist() == [1, 1, 1]
+    # and its predicted tokens are priced with the calibrated probability of the node it verifies
+    assert log.columns["predicted_tokens"][0] == pytest.approx(1.3)
 
 
 @pytest.mark.parametrize("compiled", [True, False])

@@ -192,8 +192,9 @@ def _commit_scratch(offsets, bits, config):
 
 @njit(cache=True)
 def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parents, depth, tokens, verdicts,
-                    predicted_experts, true_bits, predicted_bits, path_probs, level_probs, level_offsets,
-                    level_sizes, path_offsets, paths, sequence_starts, prefill_bits, has_prefill, params, bits, score,
+                    predicted_experts, true_bits, predicted_bits, path_probs, level_probs, drafter_probs,
+                    level_offsets, level_sizes, path_offsets, paths, sequence_starts, prefill_bits, has_prefill, params,
+                    bits, score,
                     count, slots, n_used, clock, counters, config, link_params, lconf, lf, usage, layer_prefetched,
                     prefetched, union_log, int_cols, float_cols, tokens_out, tokens_per_sequence):
     """Replay every sequence with a compiled policy (``kind`` one of AR, CHAIN, RERANK, ORACLE;
@@ -290,7 +291,10 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
                     while n_sel <= max_levels:
                         top = -1
                         for u in range(nodes[n_sel - 1] + 1, n):
-                            if parents[base + u] == nodes[n_sel - 1] and (top < 0 or probs[base + u] > probs[base + top]):
+                            # the drafter's top-1 (``drafter_probs``), as a live chain is drafted,
+                            # whatever the calibrated probabilities say
+                            if parents[base + u] == nodes[n_sel - 1] and (
+                                    top < 0 or drafter_probs[base + u] > drafter_probs[base + top]):
                                 top = u
                         if top < 0:
                             break

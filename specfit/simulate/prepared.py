@@ -38,6 +38,7 @@ class PreparedTrace:
     verdicts: np.ndarray            # int32 [nodes]: the target's greedy next token at each node
     true_experts: np.ndarray        # int16 [nodes, L, k]
     raw_probs: np.ndarray           # float64 [nodes]: the path probabilities given (drafter's or calibrated)
+    drafter_probs: np.ndarray       # float64 [nodes]: the drafter's own (a chain follows its top-1, as drafted live)
     path_probs: np.ndarray          # float64 [nodes]: each full tree's, clipped to the parent's as a DraftTree does
     level_probs: np.ndarray         # float64 [nodes]: the same in a tree cut at fewer levels than drafted
     level_offsets: np.ndarray       # int64 [cycles + 1]: cycle c's level sizes are level_sizes[lo[c]:lo[c + 1]]
@@ -175,7 +176,8 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
     cycle_of = trace.cycle_of_node
     root = trace.parent < 0
     parent_row = np.where(root, np.arange(n), trace.parent_rows)
-    raw = trace.path_prob if path_probs is None else np.asarray(path_probs, dtype=np.float64)
+    drafter = np.asarray(trace.path_prob, dtype=np.float64)
+    raw = drafter if path_probs is None else np.asarray(path_probs, dtype=np.float64)
     _check_path_probs(name, raw, root, parent_row, cycle_of, offsets)
     # a DraftTree clips each node to its parent's value (rounding slack); a tree cut at fewer
     # levels is built from the full tree's clipped values and clips once more
@@ -224,7 +226,7 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
         return frozen[id(a)]
 
     arrays = dict(offsets=offsets, parents=parents, depths=depths, tokens=tokens, verdicts=verdicts,
-                  true_experts=true_experts, raw_probs=raw, path_probs=full, level_probs=level,
+                  true_experts=true_experts, raw_probs=raw, drafter_probs=drafter, path_probs=full, level_probs=level,
                   level_offsets=level_offsets, level_sizes=level_sizes, predicted_experts=predicted_experts,
                   true_bits=true_bits, predicted_bits=predicted_bits, path_offsets=path_offsets, paths=paths,
                   first_cycles=first, prefill_bits=prefill_bits, has_prefill=has_prefill)

@@ -63,7 +63,7 @@ class _LevelView(CycleView):
             draft_levels=levels,
             verdicts=None if self.verdicts is None else self.verdicts[:n],
             true_experts=None if self.true_experts is None else self.true_experts[:n],
-            prep=prep, cycle=c)
+            drafter_probs=self.drafter_probs[:n], prep=prep, cycle=c)
 
 
 @dataclass
@@ -131,8 +131,8 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
         rows = kernels.replay.replay_compiled(
             *rule, prep.predicted_is_true, prep.offsets, prep.parents, prep.depths, prep.tokens, prep.verdicts,
             prep.predicted_experts, prep.true_bits, prep.predicted_bits, prep.path_probs, prep.level_probs,
-            prep.level_offsets, prep.level_sizes, prep.path_offsets, prep.paths, bounds, prep.prefill_bits,
-            prep.has_prefill, cost.params,
+            prep.drafter_probs, prep.level_offsets, prep.level_sizes, prep.path_offsets, prep.paths, bounds,
+            prep.prefill_bits, prep.has_prefill, cost.params,
             *cache.kernel_state(), *lever_args, int_cols, float_cols, tokens_out, per_sequence)
     elif compiled_specfit:
         # the policy's state arrays are updated in place, as its own calls would update them
@@ -249,7 +249,8 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
                 tree=prep.tree(c), experts=prep.predicted_experts[lo:hi].astype(np.int64),
                 cached=cache.resident(read_only=True), cost=cost, draft_levels=prep.depth(c),
                 verdicts=prep.verdicts[lo:hi] if needs_truth else None,
-                true_experts=prep.true_experts[lo:hi].astype(np.int64) if needs_truth else None, prep=prep, cycle=c)
+                true_experts=prep.true_experts[lo:hi].astype(np.int64) if needs_truth else None,
+                drafter_probs=prep.drafter_probs[lo:hi], prep=prep, cycle=c)
             if prefetcher is not None:
                 prefetcher.begin_cycle()
             sel = choose(policy, view, before_level=None if prefetcher is None else prefetch_level)
