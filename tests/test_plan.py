@@ -146,6 +146,9 @@ def test_plan_errors_are_one_line_before_ray_starts_or_anything_is_written(tmp_p
         (trace + ["--device-memory-gb", "8", "--top", "-1"], "--top: expected a number of runners-up >= 0, got -1"),
         (trace + ["--device-memory-gb", "8", "--profile", str(bad_profile)], str(bad_profile)),
         (shape + ["--device-memory-gb", "24", "--tokens", "0"], "--tokens: expected >= 1"),
+        # the synthesised traces move bfloat16 experts: float32 would size one expert and move another
+        (shape + ["--device-memory-gb", "80", "--dtype", "float32"], "--dtype float32: experts of 25165824 bytes"),
+        (trace + ["--device-memory-gb", "8", "--predictor", "router"], "--predictor: router needs the target's"),
         (shape + ["--device-memory-gb", "24", "--workload", "poetry"], "--workload"),
         (shape + ["--device-memory-gb", "24", "--h2d-scale", "-1"], "--h2d-scale: expected values finite and > 0, got -1"),
         # a profile of another shape is refused before any trace is synthesised

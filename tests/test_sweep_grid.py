@@ -35,6 +35,13 @@ def test_an_axis_listing_a_value_twice_is_refused():
         spec_of(cache_experts=[0, 16, 0])
 
 
+# a sweep loads no model: the router predictor (the target's router weights) is refused in the
+# spec, not on a worker after Ray started with a hint at an option sweeps do not have
+def test_the_router_predictor_is_refused_in_a_sweep_spec():
+    with pytest.raises(SpecFitError, match="spec.toml: field 'predictor': router needs the target's weights"):
+        spec_of(predictor=["oracle", "router"])
+
+
 # a negative cache size is refused naming the field
 def test_a_negative_cache_size_is_refused():
     with pytest.raises(SpecFitError, match="cache_experts"):

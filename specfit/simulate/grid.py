@@ -260,7 +260,7 @@ def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec
         for acceptance in axes["acceptance"]:
             for mode in axes["cache_mode"]:
                 for policy in axes["cache_policy"]:
-                    check_replay_options(predictor, acceptance, mode, policy, source=source)
+                    check_replay_options(predictor, acceptance, mode, policy, source=source, weights=False)
     sources = _trace_sources(raw, source, base, WORKLOADS)
     return SweepSpec(path=source, sources=tuple(sources), axes=axes, **scalars)
 

@@ -269,7 +269,7 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
     if "ar" not in candidates:
         candidates.insert(0, "ar")      # every setting is compared with AR at its cache size
     _check_candidates(candidates)
-    check_replay_options(predictor, "calibrated", "per_layer", "lru")
+    check_replay_options(predictor, "calibrated", "per_layer", "lru", weights=False)
     # every input is checked before Ray starts and anything is written: a budget that holds no
     # model, the traces' model, the synthesis options, the cache steps, the profile
     memory.max_cache_experts_for(1)
@@ -277,6 +277,7 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
         _check_trace_matches(trace, config, budget.dtype_bytes, path)
     if not loaded:
         _check_synthesis(name, workloads, tokens, given=model_shape)
+        _check_synthesised_dtype(name, config, budget)
     cache_sizes(1, cache_steps)
     check_axis_values({"h2d_scale": [h2d_scale]}, "plan")
     # the profile against every trace's shape (those to synthesise: their preset's), before any is made
@@ -343,6 +344,18 @@ def _check_synthesis(shape: str, workloads: list[str], tokens: int, given: str |
         raise SpecFitError(f"--workload: expected presets of {sorted(WORKLOADS)}, got {workloads}")
     if tokens < 1:
         raise SpecFitError(f"--tokens: expected >= 1 positions per workload to synthesise, got {tokens}")
+
+
+def _check_synthesised_dtype(shape: str, config, budget: MemoryBudget) -> None:
+    """The synthesised traces carry the preset's expert size (bfloat16 weights), which the replay
+    charges each miss for: another ``--dtype`` would size the cache for one expert and move another."""
+    from ..traces.synth import MODEL_SHAPES
+
+    synthesised, wanted = MODEL_SHAPES[shape]["expert_bytes"], config.expert_params * budget.dtype_bytes
+    if synthesised != wanted:
+        raise SpecFitError(f"--dtype {budget.dtype}: experts of {wanted} bytes, but the traces synthesised for {shape} "
+                           f"move experts of {synthesised} bytes (bfloat16); give --trace (recorded at "
+                           f"{budget.dtype}) or a 2-byte --dtype")
 
 
 def _synthesised_traces(ray, shape: str, workloads: list[str], tokens: int, folder: Path):

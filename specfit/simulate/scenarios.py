@@ -16,14 +16,20 @@ __all__ = ["check_replay_options", "build_scenario", "scenario_label", "unique_n
 
 
 def check_replay_options(predictor: str, acceptance: str, cache_mode: str, cache_policy: str,
-                         source: str = "") -> None:
+                         source: str = "", weights: bool = True) -> None:
     """One clear error for an unknown predictor, acceptance, cache mode or eviction policy;
-    ``source`` (e.g. a spec file) prefixes the message instead of the option's name."""
+    ``source`` (e.g. a spec file) prefixes the message instead of the option's name. ``weights``:
+    the command can load the target's weights (``simulate --model``), which the ``router``
+    predictor needs."""
     from ..experts.cache import EVICTION_POLICIES
-    from ..experts.predictors import parse_predictor
+    from ..experts.predictors import PREDICTORS, parse_predictor
 
     where = (lambda key, option: f"{source}: field {key!r}") if source else (lambda key, option: option)
-    parse_predictor(predictor, where("predictor", "--predictor"))
+    name, _ = parse_predictor(predictor, where("predictor", "--predictor"))
+    if name == "router" and not weights:
+        raise SpecFitError(f"{where('predictor', '--predictor')}: router needs the target's weights, which this "
+                           f"command does not load (simulate --model does); expected one of "
+                           f"{sorted(set(PREDICTORS) - {'router'})} (noisy as noisy:P)")
     if acceptance not in ("calibrated", "raw"):
         raise SpecFitError(f"{where('acceptance', '--acceptance')}: expected calibrated or raw, got {acceptance!r}")
     if cache_mode not in ("per_layer", "global"):
