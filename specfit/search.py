@@ -236,13 +236,23 @@ def max_weight_closure(weights: np.ndarray, requires: list[tuple[int, int]]) -> 
     (Dinic's algorithm on float capacities). The weights must be finite; a gain smaller than
     ``GAIN_EPS`` plus ``FLOW_REL`` times the sum of the weights' magnitudes (what the flow's float
     subtractions round off) counts as none (a tie: the smaller set)."""
-    weights = np.ascontiguousarray(weights, dtype=np.float64)
-    if weights.ndim == 1 and not np.isfinite(weights).all():
+    try:
+        weights = np.ascontiguousarray(weights, dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError("weights: expected a 1-D array of finite numbers") from None
+    if weights.ndim != 1:
+        raise ValueError(f"weights: expected a 1-D array of finite numbers, got shape {weights.shape}")
+    if not np.isfinite(weights).all():
         bad = int(np.flatnonzero(~np.isfinite(weights))[0])
         raise ValueError(f"weights: expected finite numbers, got {weights[bad]} at index {bad}")
-    pairs = np.asarray(requires, dtype=np.int64).reshape(-1, 2)
-    if weights.ndim != 1 or pairs.size and (pairs.min() < 0 or pairs.max() >= weights.size):
-        raise ValueError(f"requires: expected pairs of indices into {weights.size} weights")
+    try:
+        given = np.asarray(requires, dtype=np.float64).reshape(-1, 2)
+    except (TypeError, ValueError):
+        given = np.full((1, 2), np.nan)
+    if given.size and not (np.isfinite(given).all() and (given == np.round(given)).all() and given.min() >= 0
+                           and given.max() < weights.size):
+        raise ValueError(f"requires: expected pairs of integer indices into {weights.size} weights")
+    pairs = given.astype(np.int64)
     return kernels.closure.closure_of_weights(weights, np.ascontiguousarray(pairs[:, 0]),
                                               np.ascontiguousarray(pairs[:, 1]), GAIN_EPS)
 

@@ -25,7 +25,9 @@ class DraftTree:
     Attributes:
         parents: int64 [n]; ``parents[0] == -1``, ``0 <= parents[v] < v`` for ``v > 0``.
         path_probs: float64 [n]; predicted probability that the path root->v is accepted;
-            ``path_probs[0] == 1`` and non-increasing along every path.
+            ``path_probs[0] == 1``; a node above its parent's value as given (float rounding, at
+            most ``PROB_SLACK``) is clipped to it, so along a path the values fall or stay level
+            up to that rounding per level.
         tokens: int64 [n] or None; the token of each node (node 0: the last committed token).
         depth: int64 [n], derived; the root has depth 0.
     """

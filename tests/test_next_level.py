@@ -87,3 +87,15 @@ def test_the_virtual_level_uses_the_acceptance_of_its_own_depth():
     tree, _, _ = expected_level(TREE, experts_by_hand(), np.zeros((1, 12), dtype=bool), stats, depth=2)
     assert tree.parents[7:].tolist() == [3, 3, 4, 4]
     assert tree.path_probs[7:].tolist() == pytest.approx([0.3 * 0.6, 0.3 * 0.3, 0.12 * 0.6, 0.12 * 0.3])
+
+
+def test_the_optimistic_level_takes_the_best_conditional_probability_of_the_newest_level():
+    # level 2: node 3 at 0.45 under 0.9 (conditional 0.5), node 4 at 0.19 under 0.2 (0.95): every
+    # virtual child gets 0.95 (the most probable node's own 0.5 made the "optimistic" rule pessimistic)
+    from specfit.next_level import optimistic_level
+
+    tree = DraftTree(parents=np.array([-1, 0, 0, 1, 2]), path_probs=np.array([1.0, 0.9, 0.2, 0.45, 0.19]))
+    grown, experts = optimistic_level(tree, np.arange(5).reshape(5, 1, 1), 2)
+    np.testing.assert_array_equal(grown.parents[5:], [3, 4])
+    np.testing.assert_allclose(grown.path_probs[5:], [0.45 * 0.95, 0.19 * 0.95])
+    np.testing.assert_array_equal(experts[5:, 0, 0], [3, 4])       # the parents' experts

@@ -4,6 +4,7 @@ maximum-weight closure, large-tree sanity and bad input."""
 from __future__ import annotations
 
 import math
+import re
 import time
 
 import numpy as np
@@ -429,6 +430,18 @@ def test_max_weight_closure_equals_brute_force_with_float_weights(problem):
     assert np.array_equal(got, expected), (weights, requires, got)
 
 
+@pytest.mark.parametrize("weights, requires, message", [
+    (np.ones((2, 2)), [], "weights: expected a 1-D array"),
+    (["a", 1.0], [], "weights: expected a 1-D array"),
+    ([1.0, np.inf], [], "weights: expected finite numbers, got inf at index 1"),
+    ([1.0, -1.0], [(0.9, 1.7)], "requires: expected pairs of integer indices"),     # was read as (0, 1)
+    ([1.0, -1.0], [(0, 1), (1,)], "requires: expected pairs of integer indices"),
+])
+def test_max_weight_closure_names_its_bad_input(weights, requires, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        max_weight_closure(weights, requires)
+
+
 def test_max_weight_closure_hand_examples():
     # 0 (+3) needs 2 (-2); 1 (+1) needs 2: take all three (+2)
     assert max_weight_closure(np.array([3.0, 1.0, -2.0]), [(0, 2), (1, 2)]).tolist() == [True, True, True]
@@ -780,7 +793,7 @@ def test_closure_requirement_naming_one_past_the_last_weight_is_refused():
     from specfit.search import max_weight_closure
 
     # index 2 of two weights would name the kernel's source vertex
-    with pytest.raises(ValueError, match="requires: expected pairs of indices into 2 weights"):
+    with pytest.raises(ValueError, match="requires: expected pairs of integer indices into 2 weights"):
         max_weight_closure(np.array([1.0, -1.0]), [(0, 2)])
 
 

@@ -189,12 +189,10 @@ def optimistic_children(parents, probs, frontier, experts):
     """The optimistic virtual level below ``frontier`` (not empty): one child per node at the
     level's best conditional probability, with its parent's experts; ``(parents, probabilities,
     experts)`` of the grown tree (empty parents when that probability is 0)."""
-    top = frontier[0]
+    q = 0.0
     for v in frontier:
-        if probs[v] > probs[top]:
-            top = v
-    parent_p = probs[parents[top]]
-    q = min(probs[top] / parent_p, 1.0) if parent_p > 0 else 0.0
+        if probs[parents[v]] > 0:
+            q = max(q, min(probs[v] / probs[parents[v]], 1.0))
     if q <= 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float64), np.zeros((0, 0, 0), dtype=np.int64)
     n, f = parents.size, frontier.size
