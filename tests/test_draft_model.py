@@ -63,3 +63,46 @@ def test_a_draft_model_with_another_vocabulary_is_one_clear_error(tmp_path):
     assert result.exit_code == 2
     assert "must share the target's tokenizer" in result.output
     assert "Traceback" not in result.output
+
+
+# against a regression in model.py (a sliding window measured from cache slots, while a draft model runs one
+# position ahead of its slots and a draft tree's nodes sit at their depths): fed in several calls and as a tree,
+# the drafter's logits are transformers' over each path at positions 1, 2, ...
+def test_a_draft_model_with_a_sliding_window_reads_each_path_as_transformers_does(tmp_path):
+    import torch
+
+    from runtime_fixtures import load_reference
+    from specfit.runtime.draft_model import ModelDrafter
+    from specfit.runtime.loader import load_model
+
+    model_dir = make_tiny_model("mixtral", tmp_path / "drafter", seed=3, sliding_window=2)
+    reference = load_reference(model_dir)
+
+    def expected(tokens):
+        with torch.no_grad():
+            return reference(torch.tensor([tokens]), position_ids=torch.arange(1, len(tokens) + 1)[None]).logits[0, -1]
+
+    def drafter():
+        d = ModelDrafter(load_model(model_dir, cache_experts=8, capture_layers=()))
+        d.setup_kv_cache(32)
+        return d
+
+    tokens = torch.randint(0, 96, (10,), generator=torch.Generator().manual_seed(1)).tolist()
+    whole = drafter()(None, tokens, list(range(10))).logits[-1]
+    incremental = drafter()
+    incremental(None, tokens[:6], list(range(6)))
+    for i in range(6, 10):
+        last = incremental(None, tokens[i:i + 1], [i]).logits[-1]
+    assert (whole - expected(tokens)).abs().max().item() <= 1e-5
+    assert (last - expected(tokens)).abs().max().item() <= 1e-5
+
+    # a tree after 6 committed entries: three siblings (slots 6-8), the third's child (slot 9) and grandchild
+    # (slot 10); the grandchild's window of 2 leaves out its grandparent, which a slot number would keep
+    tree = drafter()
+    tree(None, tokens[:6], list(range(6)))
+    tree(None, [17, 42, 9], [6, 6, 6], torch.tensor([[True] * 6 + [True, False, False],
+                                                     [True] * 6 + [False, True, False],
+                                                     [True] * 6 + [False, False, True]]))
+    tree(None, [63], [7], torch.tensor([[True] * 6 + [False, False, True, True]]))
+    deep = tree(None, [2], [8], torch.tensor([[True] * 6 + [False, False, True, True, True]])).logits[-1]
+    assert (deep - expected(tokens[:6] + [9, 63, 2])).abs().max().item() <= 1e-5

@@ -234,6 +234,7 @@ class MoETransformer(nn.Module):
         self.max_seq_len = 0
         self._kv_storage: torch.Tensor | None = None     # every layer's K/V in one tensor (setup_kv_cache)
         self._kv_host: np.ndarray | None = None           # ... viewed as numpy, on the host
+        self._slot_positions: torch.Tensor | None = None  # each slot's position, for a sliding window
 
     # ------------------------------------------------------------------ setup
     def init_rope(self) -> None:
@@ -276,6 +277,10 @@ class MoETransformer(nn.Module):
         else:
             for a in attention:
                 a.kv_cache = a.make_kv_cache(max_seq_len, self.dtype, self.device)
+        # a sliding window needs each cached key's position, which is not always its slot: a draft
+        # model runs one position ahead of its slots, a draft tree's nodes sit at their depths
+        self._slot_positions = (torch.zeros(max_seq_len, dtype=torch.long, device=self.device)
+                                if self.config.sliding_window is not None else None)
         self.max_seq_len = int(max_seq_len)
 
     @property
@@ -325,6 +330,8 @@ class MoETransformer(nn.Module):
         rows = None if logits_rows is None else self._host_or_device(logits_rows, np.int64)
         ids, positions, rows, mask = self._upload(ids, positions, rows, mask)
         additive_mask = self._additive_mask(mask, positions, cache_len)
+        if self._slot_positions is not None:
+            self._slot_positions[cache_len:cache_len + T] = positions
 
         # float32 angles whatever the compute dtype; MLA also rotates in float32, as transformers does
         cos, sin = self.rotary.cos_sin(positions, torch.float32 if self.config.mla else self.dtype)
@@ -378,9 +385,9 @@ class MoETransformer(nn.Module):
     def _additive_mask(self, attn_mask: torch.Tensor, positions: torch.Tensor, cache_len: int) -> torch.Tensor:
         window = self.config.sliding_window
         if window is not None:
-            # a key is visible only within the window of the query's position; committed slots
-            # hold position == slot, new tokens their given positions
-            key_positions = torch.cat((torch.arange(cache_len, device=self.device), positions))
+            # a key is visible only within the window of the query's position; cached slots hold
+            # the positions they were written at, new tokens their given positions
+            key_positions = torch.cat((self._slot_positions[:cache_len], positions))
             attn_mask = attn_mask & (positions[:, None] - key_positions[None, :] < window)
         # 0 / finfo.min in the compute dtype, as transformers builds its eager masks
         return torch.zeros(attn_mask.shape, dtype=self.dtype, device=self.device).masked_fill(
@@ -396,8 +403,13 @@ class MoETransformer(nn.Module):
             status = kernels.kv.compact(self._kv_host, int(cache_len), self._host_or_device(keep, np.int64))
             if status != kernels.kv.OK:
                 self._refuse_keep(cache_len, outside=status == kernels.kv.OUT_OF_RANGE)
-            return
-        self._compact_kv_tensors(cache_len, keep)
+        else:
+            self._compact_kv_tensors(cache_len, keep)
+        if self._slot_positions is not None:
+            # the kept tokens' positions move with their keys (after the checks above)
+            keep = self._host_or_device(keep, np.int64)
+            slots = upload(keep + cache_len, self.device) if isinstance(keep, np.ndarray) else keep + cache_len
+            self._slot_positions[cache_len:cache_len + slots.numel()] = self._slot_positions[slots]
 
     def _refuse_keep(self, cache_len: int, outside: bool):
         """The one error of a ``keep`` that is not ascending or (``outside``) reaches outside the
