@@ -518,6 +518,38 @@ def test_bad_draft_vocabulary_or_embedding_is_one_clear_error(tmp_path, change, 
         Eagle3Drafter.from_pretrained(tmp_path)
 
 
+def _second_layer(t, c):
+    t.update({name.replace("midlayer.", "layers.1."): w.clone() for name, w in list(t.items())
+              if name.startswith("midlayer.")})
+
+
+# against a regression in eagle3_checkpoint.py: an integer or bool weight reached load_state_dict (a raw
+# RuntimeError); a tensor the config does not describe (a q_norm, a second layer, a layers.0.* set beside
+# midlayer.*) was dropped and the drafter ran without it
+@pytest.mark.parametrize("change, message", [
+    (lambda t, c: t.update({"fc.weight": t["fc.weight"].to(torch.int32)}),
+     "tensor 'fc.weight' is stored as int32, expected floating-point weights"),
+    (lambda t, c: t.update({"norm.weight": t["norm.weight"] > 0}), "tensor 'norm.weight' is stored as bool"),
+    (lambda t, c: t.update({"embed_tokens.weight": t["embed_tokens.weight"].long()}),
+     "tensor 'embed_tokens.weight' is stored as int64"),
+    (lambda t, c: t.update({"midlayer.self_attn.q_norm.weight": torch.ones(16)}),
+     "tensor 'midlayer.self_attn.q_norm.weight' is no weight of the EAGLE-3 drafter"),
+    (_second_layer, "tensor 'layers.1.hidden_norm.weight' (and 9 more) is no weight"),
+    (lambda t, c: t.update({name.replace("midlayer.", "layers.0."): w * 2 for name, w in list(t.items())
+                            if name.startswith("midlayer.")}), "has both midlayer.* and layers.0.* tensors"),
+])
+def test_a_non_float_or_undescribed_tensor_is_one_clear_error(tmp_path, change, message):
+    write_and_corrupt(tmp_path, change)
+    with pytest.raises(SpecFitError, match=re.escape(message)):
+        Eagle3Drafter.from_pretrained(tmp_path)
+
+
+def test_integer_vocabulary_maps_and_rope_buffers_are_no_unexpected_tensors(tmp_path):
+    write_and_corrupt(tmp_path, lambda t, c: t.update({"midlayer.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
+    loaded = Eagle3Drafter.from_pretrained(tmp_path)
+    assert loaded.d2t.dtype == torch.int64 and loaded.fc.weight.dtype == torch.float32
+
+
 # drafting.py: a tree top-k wider than the draft vocabulary takes every draft token
 def test_tree_top_k_wider_than_the_draft_vocabulary_drafts_every_draft_token():
     drafter = random_drafter()

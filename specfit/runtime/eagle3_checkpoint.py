@@ -17,6 +17,11 @@ __all__ = ["DrafterVocabularyWarning", "LAYER_PREFIXES", "read_safetensors", "ch
            "checked_vocabulary", "check_embedding"]
 
 LAYER_PREFIXES = ("midlayer.", "layers.0.")
+# weights are stored in one of these and converted to the drafter's dtype; an integer, bool or
+# 8-bit float tensor (stored without its scale) would convert to other numbers
+_WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+# buffers older exports saved beside the weights, as the target loader allows (loader.py)
+_NOT_WEIGHTS = (".rotary_emb.inv_freq",)
 
 
 class DrafterVocabularyWarning(UserWarning):
@@ -62,8 +67,14 @@ _VARIANT_TENSORS = (("fc_norm.", "fc_norm"), ("input_norm.", "norm_before_fc"))
 
 
 def checked_state_dict(tensors: dict[str, torch.Tensor], config: Eagle3Config, path: Path) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors under the module's names, each checked against the config's shape."""
-    prefix = next((p for p in LAYER_PREFIXES if any(name.startswith(p) for name in tensors)), "midlayer.")
+    """Checkpoint tensors under the module's names, each checked against the config's shape and
+    stored as floating-point weights; a tensor the config does not describe is refused, as the
+    target loader refuses one (the drafter would run without it)."""
+    prefixes = [p for p in LAYER_PREFIXES if any(name.startswith(p) for name in tensors)]
+    if len(prefixes) > 1:
+        raise SpecFitError(f"{path}: has both {prefixes[0]}* and {prefixes[1]}* tensors; expected the drafter's one "
+                           f"layer under one of them")
+    prefix = prefixes[0] if prefixes else "midlayer."
     for tensor_prefix, key in _VARIANT_TENSORS:
         if not getattr(config, key) and any(name.startswith(tensor_prefix) for name in tensors):
             raise SpecFitError(f"{path}: has tensors {tensor_prefix}*, but config.json does not set \"{key}\": true; "
@@ -83,14 +94,28 @@ def checked_state_dict(tensors: dict[str, torch.Tensor], config: Eagle3Config, p
                 hint = (f"; the features are 3 x the target's hidden size, so this drafter was built for a target "
                         f"with hidden size {actual[1] // 3}, not config's target_hidden_size {config.target_hidden_size}")
             raise SpecFitError(f"{path}: tensor {stored!r} has shape {list(actual)}, expected {list(shape)}{hint}")
-        state[name] = tensors[stored]
+        state[name] = _checked_weight(tensors, stored, path)
     if "embed_tokens.weight" in tensors:
         embed = tensors["embed_tokens.weight"]
         expected = (config.vocab_size, config.hidden_size)
         if tuple(embed.shape) != expected:
             raise SpecFitError(f"{path}: tensor 'embed_tokens.weight' has shape {list(embed.shape)}, expected {list(expected)}")
-        state["embed_tokens.weight"] = embed
+        state["embed_tokens.weight"] = _checked_weight(tensors, "embed_tokens.weight", path)
+    known = {name.replace("midlayer.", prefix, 1) for name in state} | {"d2t", "t2d"}
+    unexpected = sorted(name for name in tensors if name not in known and not name.endswith(_NOT_WEIGHTS))
+    if unexpected:
+        more = f" (and {len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise SpecFitError(f"{path}: tensor {unexpected[0]!r}{more} is no weight of the EAGLE-3 drafter its config.json "
+                           f"describes; expected only its one layer's, fc, norm, lm_head, embed_tokens, d2t and t2d")
     return state
+
+
+def _checked_weight(tensors: dict[str, torch.Tensor], name: str, path: Path) -> torch.Tensor:
+    tensor = tensors[name]
+    if tensor.dtype not in _WEIGHT_DTYPES:
+        raise SpecFitError(f"{path}: tensor {name!r} is stored as {str(tensor.dtype).removeprefix('torch.')}, "
+                           f"expected floating-point weights (float32, float16, bfloat16 or float64)")
+    return tensor
 
 
 def checked_vocabulary(tensors: dict[str, torch.Tensor], config: Eagle3Config, path: Path) -> torch.Tensor:
