@@ -21,7 +21,7 @@ from .errors import Interrupted, SpecFitError, note_stop_signal, one_line, sigte
 __all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "read_parquet", "strict_json", "write_jsonl_atomic", "check_output",
            "not_readable_as", "os_error_text", "run_dir_lock", "LOCK_FILE", "strict_dumps",
            "nulls_as_nan", "write_csv_atomic",
-           "remove_stale_temporaries", "read_json_object", "json_text", "deferred_interrupt"]
+           "remove_stale_temporaries", "read_json_object", "json_text", "config_value", "deferred_interrupt"]
 
 
 def json_text(value) -> str:
@@ -38,6 +38,23 @@ def json_text(value) -> str:
     if isinstance(value, str):
         return repr(value) if len(value) <= 40 else "a string"
     return repr(value)
+
+
+def config_value(value, key: str, source: str, kind=int):
+    """``value`` of ``key`` as ``kind`` (int, float or bool), as JSON wrote it: a string, a bool
+    where a number is meant, a fractional or infinite count is a damaged config, not something to
+    convert (``int("128")``, ``int(4.5)`` and ``bool("false")`` would all pass silently)."""
+    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = numeric and math.isfinite(value) and float(value).is_integer()
+    else:
+        ok = numeric
+    if not ok:
+        expected = {int: "an integer", float: "a number", bool: "true or false"}[kind]
+        raise SpecFitError(f"{source}: key {key!r} must be {expected}, got {json_text(value)}")
+    return kind(value)
 
 
 def read_json_object(path: str | Path, expected: str = "a JSON file") -> dict:

@@ -461,6 +461,9 @@ BASE = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": 40, "num_att
 SCALED = {
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "beta_fast": 16.0,
              "beta_slow": 2.0},
+    # against a regression in eagle3_config.py (truncate not written: reloaded as true, other frequencies)
+    "yarn-untruncated": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024,
+                         "truncate": False},
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 8.0,
                "original_max_position_embeddings": 1024},
 }

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -88,6 +90,29 @@ def test_hub_and_transformers5_spellings_give_the_same_rope():
 def test_bad_rope_is_one_error(raw, message):
     with pytest.raises(SpecFitError, match=message):
         parse_rope(raw, "config.json", 4096)
+
+
+# against a regression in rope.py (RoPE values converted loosely: "false" read as true, "2" or true as a
+# factor, a null partial_rotary_factor a raw TypeError): read strictly, as config_value reads the rest
+@pytest.mark.parametrize("block,message", [
+    ({"rope_type": "yarn", "factor": 4.0, "truncate": "false"}, "key 'rope_scaling.truncate' must be true or false"),
+    ({"rope_type": "linear", "factor": "2"}, "key 'rope_scaling.factor' must be a number, got '2'"),
+    ({"rope_type": "linear", "factor": True}, "key 'rope_scaling.factor' must be a number, got true"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024.5},
+     "key 'rope_scaling.original_max_position_embeddings' must be an integer"),
+])
+def test_a_rope_value_of_the_wrong_kind_is_one_error(block, message):
+    with pytest.raises(SpecFitError, match=re.escape(message)):
+        parse_rope({"rope_theta": 1e4, "rope_scaling": block}, "config.json", 4096)
+    with pytest.raises(SpecFitError, match=re.escape("key 'rope_theta' must be a number, got '1e4'")):
+        parse_rope({"rope_theta": "1e4"}, "config.json", 4096)
+
+
+def test_a_null_rope_value_is_absent():
+    spec = parse_rope({"rope_theta": 1e4, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "truncate": None,
+                                                           "partial_rotary_factor": None, "beta_fast": None}},
+                      "config.json", 4096)
+    assert spec.truncate is True and spec.beta_fast == 32.0
 
 
 # against a regression in rope.py (reset when the pass reaches exactly max_position_embeddings)

@@ -20,14 +20,13 @@ scaling variants are read by :mod:`specfit.runtime.rope`.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
 from ..errors import SpecFitError
-from ..io import json_text, read_json_object
+from ..io import config_value, json_text, read_json_object
 from .rope import RopeSpec, parse_rope
 
 __all__ = ["ModelConfig", "MLAShape", "SUPPORTED_ARCHITECTURES", "DTYPES", "default_capture_layers"]
@@ -275,23 +274,6 @@ class ModelConfig:
 
 
 # ----------------------------------------------------------------- helpers
-def config_value(value, key: str, source: str, kind=int):
-    """``value`` of ``key`` as ``kind`` (int, float or bool), as JSON wrote it: a string, a bool
-    where a number is meant, a fractional or infinite count is a damaged config, not something to
-    convert (``int("128")``, ``int(4.5)`` and ``bool("false")`` would all pass silently)."""
-    numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if kind is bool:
-        ok = isinstance(value, bool)
-    elif kind is int:
-        ok = numeric and math.isfinite(value) and float(value).is_integer()
-    else:
-        ok = numeric
-    if not ok:
-        expected = {int: "an integer", float: "a number", bool: "true or false"}[kind]
-        raise SpecFitError(f"{source}: key {key!r} must be {expected}, got {json_text(value)}")
-    return kind(value)
-
-
 def _architecture(raw: dict, source: str) -> str:
     names = raw.get("architectures") or []
     if isinstance(names, str):

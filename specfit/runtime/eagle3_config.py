@@ -288,7 +288,7 @@ def _rope_block(rope: RopeSpec) -> dict:
         if getattr(rope, name) is not None:
             block[name] = getattr(rope, name)
     if rope.rope_type == "yarn":
-        block.update(beta_fast=rope.beta_fast, beta_slow=rope.beta_slow)
+        block.update(beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, truncate=rope.truncate)
     if rope.rope_type == "llama3":
         block.update(low_freq_factor=rope.low_freq_factor, high_freq_factor=rope.high_freq_factor)
     return block

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import SpecFitError
+from ..io import config_value
 
 __all__ = ["RopeSpec", "parse_rope", "Rotary", "yarn_mscale"]
 
@@ -63,8 +64,9 @@ class RopeSpec:
 
 
 def parse_rope(raw: dict, source: str, max_position_embeddings: int, default_theta: float | None = None) -> RopeSpec:
-    """The RoPE of a ``config.json`` (either spelling); one clear error for an unknown variant or
-    a missing parameter."""
+    """The RoPE of a ``config.json`` (either spelling); one clear error for an unknown variant, a
+    missing parameter or a value of the wrong kind (read as :func:`config_value` reads; null is
+    absent)."""
     scaling = raw.get("rope_scaling")
     params = raw.get("rope_parameters")
     key = "rope_scaling" if isinstance(scaling, dict) and scaling else "rope_parameters"
@@ -72,29 +74,25 @@ def parse_rope(raw: dict, source: str, max_position_embeddings: int, default_the
     if block is not None and not isinstance(block, dict):
         raise SpecFitError(f"{source}: key {key!r} must be an object, got {block!r}")
     block = dict(block or {})
-    theta = block.get("rope_theta", raw.get("rope_theta", default_theta))
-    if theta is None:
+
+    def number(name, default=None, kind=float):
+        value = block.get(name)
+        return default if value is None else config_value(value, f"{key}.{name}", source, kind)
+
+    if block.get("rope_theta") is not None:
+        theta = number("rope_theta")
+    elif raw.get("rope_theta") is not None:
+        theta = config_value(raw["rope_theta"], "rope_theta", source, float)
+    elif default_theta is not None:
+        theta = float(default_theta)
+    else:
         raise SpecFitError(f"{source}: missing key 'rope_theta' (or 'rope_parameters.rope_theta')")
     rope_type = str(block.get("rope_type", block.get("type", "default")))
     if rope_type not in ROPE_TYPES:
         raise SpecFitError(f"{source}: key {key!r} has rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
-    if float(block.get("partial_rotary_factor", 1.0)) != 1.0:
+    if number("partial_rotary_factor", 1.0) != 1.0:
         raise SpecFitError(f"{source}: key {key!r} has partial_rotary_factor {block['partial_rotary_factor']}; "
                            f"only full-width RoPE is supported")
-
-    def number(name, default=None, kind=float):
-        value = block.get(name, default)
-        if value is None:
-            return None
-        try:
-            return kind(value)
-        except (TypeError, ValueError):
-            raise SpecFitError(f"{source}: key '{key}.{name}' must be a number, got {value!r}") from None
-
-    try:
-        theta = float(theta)
-    except (TypeError, ValueError):
-        raise SpecFitError(f"{source}: key 'rope_theta' must be a number, got {theta!r}") from None
     if rope_type == "default":
         return RopeSpec(theta=theta)
     original = number("original_max_position_embeddings", kind=int)
@@ -115,7 +113,7 @@ def parse_rope(raw: dict, source: str, max_position_embeddings: int, default_the
     return RopeSpec(theta=theta, rope_type=rope_type, factor=factor, original_max_position_embeddings=original,
                     beta_fast=number("beta_fast") or 32.0, beta_slow=number("beta_slow") or 1.0,
                     mscale=number("mscale"), mscale_all_dim=number("mscale_all_dim"),
-                    attention_factor=number("attention_factor"), truncate=bool(block.get("truncate", True)),
+                    attention_factor=number("attention_factor"), truncate=number("truncate", True, kind=bool),
                     low_freq_factor=number("low_freq_factor", 1.0), high_freq_factor=number("high_freq_factor", 4.0))
 
 
