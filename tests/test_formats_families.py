@@ -115,6 +115,17 @@ def test_logits_match_transformers_float32(model_dirs, case):
         assert (out.logits - expected).abs().max().item() <= 1e-5, f"hub spelling: {hub_spelling}"
 
 
+# against a regression in config.py (a sliding_window key applied to every family): transformers' DeepSeek-V2,
+# like its OLMoE, masks plainly causally whatever the key says
+def test_a_deepseek_v2_sliding_window_key_is_ignored_like_transformers(tmp_path):
+    model_dir = make_family_model("deepseek_v2", tmp_path, seed=3, sliding_window=4)
+    assert json.loads((model_dir / "config.json").read_text())["sliding_window"] == 4
+    ids = _tokens()
+    with torch.no_grad():
+        expected = load_reference(model_dir)(ids[None]).logits[0]
+    assert (_ours(model_dir)(ids, torch.arange(SEQ)).logits - expected).abs().max().item() <= 1e-5
+
+
 @pytest.mark.parametrize("case", ["qwen2_moe-mlp_only_layers", "deepseek_v2-lite", "deepseek_v2-grouped"])
 def test_bfloat16_matches_transformers_with_deepseeks_router_in_float32(model_dirs, case):
     model_dir = model_dirs(case)

@@ -230,7 +230,9 @@ class ModelConfig:
         routing = _routing(raw, source, family, get, n_experts)
 
         sliding_window = get("sliding_window", default=None)
-        if family.model_type in ("qwen3_moe", "qwen2_moe") and not raw.get("use_sliding_window", False):
+        if family.model_type in ("olmoe", "deepseek_v2"):
+            sliding_window = None  # transformers' OLMoE and DeepSeek-V2 mask plainly causally whatever the key says
+        elif family.model_type in ("qwen3_moe", "qwen2_moe") and not raw.get("use_sliding_window", False):
             sliding_window = None  # Qwen ignores the window unless use_sliding_window is set
         elif family.model_type == "qwen2_moe" and sliding_window:
             raise SpecFitError(f"{source}: key 'use_sliding_window' is true; Qwen2-MoE's per-layer sliding "
