@@ -87,3 +87,29 @@ def test_routing_is_skewed_but_not_collapsed(tiny):
     assert all(share < 0.5 for share in stats["max_share"])
     assert all(bits > 0.6 * np.log2(n_experts) for bits in stats["entropy_bits"])
     assert np.mean(stats["reuse"]) > top_k / n_experts
+
+
+# against a regression in quality.py (only the top-level feature-layer key read): a drafter naming its layers
+# under SpecForge's nested key (outputs of layers, one less) is given the same target features
+def test_a_drafter_with_the_nested_feature_layer_key_reads_the_same_target_layers(tmp_path, tiny):
+    import shutil
+
+    drafter_dir = tmp_path / "drafter"
+    shutil.copytree(assets.tiny_moe_eagle3_dir(), drafter_dir)
+    config = json.loads((drafter_dir / "config.json").read_text())
+    ids = config.pop("eagle_aux_hidden_state_layer_ids")
+    config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [layer - 1 for layer in ids]}
+    (drafter_dir / "config.json").write_text(json.dumps(config))
+    nested = quality.TinyModel(assets.tiny_moe_dir(), drafter_dir)
+    assert nested.target.capture_layers == tiny.target.capture_layers == tuple(ids)
+
+
+# against a regression in quality.py (routed experts counted in every layer, dense ones included)
+def test_target_parameters_count_routed_experts_in_moe_layers_only(tmp_path):
+    from runtime_fixtures import load_reference, make_tiny_model
+    from specfit.runtime.loader import load_model
+
+    model_dir = make_tiny_model("qwen3_moe", tmp_path, mlp_only_layers=[0])
+    target = load_model(model_dir, cache_experts=8)
+    assert target.config.n_moe_layers == 1
+    assert quality.target_parameters(target) == load_reference(model_dir).num_parameters()

@@ -24,10 +24,11 @@ from ..policies import rerank
 from ..runtime.drafting import DrafterSession, TreeDraft
 from ..runtime.eagle3 import Eagle3Drafter
 from ..runtime.config import ModelConfig
-from ..runtime.loader import load_model, load_tokenizer
+from ..runtime.loader import check_drafter, drafter_capture_layers, load_model, load_tokenizer
 from . import corpus
 
-__all__ = ["DraftShape", "CHAIN", "TREE", "TinyModel", "acceptance", "routing_stats", "measure", "model_card"]
+__all__ = ["DraftShape", "CHAIN", "TREE", "TinyModel", "acceptance", "routing_stats", "measure", "target_parameters",
+           "model_card"]
 
 WINDOW_TOKENS = 256          # held-out text is scored in windows of this many tokens
 DOCS_PROMPT_TOKENS = 48      # a docs prompt is the start of a held-out text
@@ -53,15 +54,14 @@ class TinyModel:
     """The target (runtime loader, every expert resident), its tokenizer and its drafter."""
 
     def __init__(self, target_dir: str | Path, drafter_dir: str | Path):
-        drafter_config = json.loads((Path(drafter_dir) / "config.json").read_text())
-        capture = drafter_config.get("eagle_aux_hidden_state_layer_ids")
-        n_experts = ModelConfig.from_dir(target_dir).n_experts
+        target_config = ModelConfig.from_dir(target_dir)
+        # the drafter's feature layers in either spelling (top-level or SpecForge's nested key), as the loader reads them
+        capture = drafter_capture_layers(drafter_dir, target_config)
         # every expert resident: quality does not depend on the cache, and misses would only cost copies
-        self.target = load_model(target_dir, cache_experts=n_experts,
-                                 capture_layers=tuple(capture) if capture else None)
+        self.target = load_model(target_dir, cache_experts=target_config.n_experts, capture_layers=capture)
         self.tokenizer = load_tokenizer(target_dir)
         self.drafter = Eagle3Drafter.from_pretrained(drafter_dir, target_embed=self.target.embed_tokens.weight)
-        self.drafter.check_target(self.target.config.vocab_size, self.target.config.hidden_size, str(target_dir))
+        check_drafter(self.target, self.drafter, source=str(drafter_dir))
         self.eos_ids = set(self.target.config.eos_token_ids)
 
     def encode(self, text: str) -> list[int]:
@@ -206,15 +206,20 @@ def measure(target_dir, drafter_dir, seed: int, n_train_math: int, n_eval_math: 
             entry["greedy_answers_correct"] = f"{correct}/{len(answers)}"
     results["bundled_prompts"] = {shape.name: bundled_prompt_acceptance(model, shape) for shape in (CHAIN, TREE)}
     log(f"bundled prompts: {results['bundled_prompts']}")
-    config = model.target.config
     results["sizes_bytes"] = {name: sum(p.stat().st_size for p in Path(d).iterdir())
                               for name, d in (("target", target_dir), ("drafter", drafter_dir))}
     results["parameters"] = {
-        "target": int(sum(p.numel() for p in model.target.parameters())
-                      + config.n_layers * config.n_experts * config.expert_params),
+        "target": target_parameters(model.target),
         "drafter": int(sum(p.numel() for p in model.drafter.parameters())),
     }
     return results
+
+
+def target_parameters(target) -> int:
+    """The target's parameters: its modules' plus every routed expert's, which live in the offload
+    (only the MoE layers have them)."""
+    config = target.config
+    return int(sum(p.numel() for p in target.parameters()) + config.n_moe_layers * config.n_experts * config.expert_params)
 
 
 def model_card(m: dict) -> str:
