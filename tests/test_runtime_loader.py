@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -166,6 +167,25 @@ def test_integer_weights_are_named_with_their_stored_type(qwen_dir):
     _rewrite(qwen_dir, edit)
     with pytest.raises(SpecFitError, match=rf"tensor '{name}' is stored as I32, expected floating-point weights"):
         load_model(qwen_dir)
+
+
+# against a regression in loader.py (any stored type starting with F taken for a weight): 8-bit floats are
+# quantized weights whose scales live elsewhere, read plainly they would be other numbers
+def test_fp8_weights_are_named_with_their_stored_type(qwen_dir):
+    name = "model.layers.0.self_attn.q_proj.weight"
+    _rewrite(qwen_dir, lambda t: t.update({name: t[name].to(torch.float8_e4m3fn)}))
+    with pytest.raises(SpecFitError, match=rf"tensor '{name}' is stored as F8_E4M3, expected floating-point weights"):
+        load_model(qwen_dir)
+
+
+# against a regression in config.py (quantization_config ignored: a late error about scale tensors, or
+# quantized weights read as plain floats)
+@pytest.mark.parametrize("quantization, method", [({"quant_method": "fp8", "weight_block_size": [128, 128]}, "fp8"),
+                                                  ("gptq", "no quant_method")])
+def test_a_quantized_checkpoint_is_refused_by_its_config(quantization, method):
+    with pytest.raises(SpecFitError, match=re.escape(f"config.json: key 'quantization_config' ({method}): quantized "
+                                                     f"checkpoints are not supported; expected")):
+        ModelConfig.from_dict({**HUB_QWEN3, "quantization_config": quantization}, source="config.json")
 
 
 def test_misshaped_fused_experts_are_rejected(tmp_path):

@@ -190,6 +190,13 @@ class ModelConfig:
     def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
         architecture = _architecture(raw, source)
         family = _FAMILIES[architecture]
+        quantization = raw.get("quantization_config")
+        if quantization is not None:
+            # its weights would be read as plain floats without their scales: refused before any is read
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+            raise SpecFitError(f"{source}: key 'quantization_config' ({method or 'no quant_method'}): quantized "
+                               f"checkpoints are not supported; expected float32, float16 or bfloat16 weights "
+                               f"(a checkpoint without quantization_config)")
 
         def get(*keys, default=_REQUIRED, kind=int):
             for key in keys:

@@ -92,9 +92,10 @@ class Checkpoint:
         if actual != expected:
             raise SpecFitError(f"{self.files[name]}: tensor {name!r} has shape {actual}, expected {expected}")
         stored = handle.get_slice(name).get_dtype()
-        if dtype.is_floating_point and not (stored.startswith("F") or stored == "BF16"):
+        # 8-bit floats are quantized weights (their scales stored apart): read plainly they would be wrong
+        if dtype.is_floating_point and stored not in ("F32", "F16", "BF16", "F64"):
             raise SpecFitError(f"{self.files[name]}: tensor {name!r} is stored as {stored}, expected floating-point "
-                               f"weights (F32, F16 or BF16)")
+                               f"weights (F32, F16, BF16 or F64)")
         try:
             tensor = handle.get_tensor(name)
         except Exception as exc:  # truncated or overwritten data after a valid header
