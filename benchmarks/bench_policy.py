@@ -331,8 +331,8 @@ def on_path_nodes(prep: PreparedTrace) -> np.ndarray:
 
 
 def predictor_quality(preps: dict[str, PreparedTrace], trace) -> dict:
-    """Slot precision of every predictor (over all nodes, and apart on the accepted paths' nodes
-    and the others), and the precision / recall of the predicted union of each tree's root and
+    """Slot precision of every predictor (over the draft nodes, as the replay's ``slot_precision``
+    counts it, and apart on the accepted paths' nodes, roots included, and the others), and the precision / recall of the predicted union of each tree's root and
     first level (the same nodes for every predictor)."""
     from specfit.experts.predictors import slots_right, union_quality
 

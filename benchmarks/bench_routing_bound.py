@@ -62,6 +62,7 @@ def with_model(name: str, sequences: int):
         #   --sequence-tokens 80 --tree-width 3 --seed 0
         trace, model = synthesize_and_model("qwen3-30b-a3b", "chat", 160, seed=0, sequence_tokens=80, drafter=width3)
         shipped = bp.ROOT / "traces" / "qwen3-30b-a3b-chat.parquet"
+        same = read_trace(shipped)
     elif not bp.SHARED_LOG.is_file():
         return None
     elif name == "olmoe-sample":
@@ -71,14 +72,15 @@ def with_model(name: str, sequences: int):
         log = log.select(np.flatnonzero(np.isin(log.sequence, first)))
         trace, model = import_routing_and_model(log, model_for_log(log, None), workload="chat", drafter=width3, seed=0)
         shipped = bp.ROOT / "traces" / "olmoe-1b-7b-real-routing.parquet"
-    else:
-        log = bp.domain_log(name.split("-")[1], sequences)
-        trace, model = import_routing_and_model(log, model_for_log(log, None), workload="chat", seed=0)
-        shipped = None
-    if shipped is not None:
         same = read_trace(shipped)
-        if not (np.array_equal(same.true_experts, trace.true_experts) and np.array_equal(same.token, trace.token)):
-            raise SystemExit(f"{name}: the rebuilt trace differs from {shipped}; its routing model is not this one")
+    else:
+        domain = name.split("-")[1]
+        log = bp.domain_log(domain, sequences)
+        trace, model = import_routing_and_model(log, model_for_log(log, None), workload="chat", seed=0)
+        same = bp._imported(domain, sequences, "chat")       # the trace bench_policy.py replays (its cache)
+        shipped = bp.CACHE_DIR / f"olmoe-{domain}-{sequences}-chat.parquet"
+    if not (np.array_equal(same.true_experts, trace.true_experts) and np.array_equal(same.token, trace.token)):
+        raise SystemExit(f"{name}: the rebuilt trace differs from {shipped}; its routing model is not this one")
     return trace, model
 
 

@@ -253,7 +253,7 @@ def main() -> None:
         for name, got in (("200-cell grid", pairs), ("probe", probes)):
             ratios = sorted(s["wall_s"] / r["wall_s"] for s, r in got)
             print(f"\n{name}: Ray / serial cells/s per pair {', '.join(f'{x:.2f}x' for x in ratios)}, "
-                  f"median {ratios[len(ratios) // 2]:.2f}x")
+                  f"median {np.median(ratios):.2f}x")
         if not args.skip_interrupt:
             print("\n| step | exit code | cells in the dataset | temporary files |")
             print("|---|---|---|---|")
