@@ -606,6 +606,55 @@ def test_an_interrupted_full_recording_ends_its_open_sequence_where_it_stopped(c
     assert len(stopped.reference) == 2
 
 
+@pytest.mark.parametrize("where", ["cycles.parquet", "trace"])
+def test_a_ctrl_c_while_the_last_files_are_written_keeps_and_notes_every_cycle(checkpoint, tmp_path, monkeypatch,
+                                                                                where):
+    """After the last prompt the run still writes cycles.parquet and the trace: a Ctrl-C there keeps
+    every cycle in both, notes the stop in run.json and says what was kept, not that no cycle ran."""
+    from specfit.runinfo import read_run_info
+    from specfit.runtime import decode_job
+    from specfit.runtime.run_dir import DecodeOutputs
+
+    owner, name = (DecodeOutputs, "close") if where == "cycles.parquet" else (decode_job, "_write_recording")
+    original, calls = getattr(owner, name), []
+
+    def stop_the_first_time(*args):
+        calls.append(args)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return original(*args)
+
+    monkeypatch.setattr(owner, name, stop_the_first_time)
+    out, trace_path = tmp_path / "run", tmp_path / "live.parquet"
+    result = decode(checkpoint, "--policy", "eagle3:12:4", "--profile", "pcie4", "--out", str(out),
+                    "--record", str(trace_path))
+    assert result.exit_code == 130, result.output
+    said = " ".join(result.output.split())
+    assert "no cycle was decoded" not in said and "kept every complete cycle" in said, said
+    cycles = pd.read_parquet(out / "cycles.parquet")
+    assert sorted(set(cycles["sequence"])) == list(range(len(PROMPTS)))
+    assert read_trace(trace_path).n_cycles == len(cycles)
+    assert (out / "summary.json").is_file() and not (out / "cycles.jsonl").exists()
+    assert any("interrupted" in note for note in read_run_info(out)["notes"])
+
+
+def test_a_recording_without_a_decode_cycle_is_one_error_and_the_other_outputs_are_written(checkpoint, tmp_path,
+                                                                                             monkeypatch):
+    """Every output ending at the prompt pass's token (a first token that is EOS) leaves nothing to
+    record: one line naming --record, no trace file, and decode.jsonl and summary.json written."""
+    from specfit.runtime.record import TraceRecorder
+
+    monkeypatch.setattr(TraceRecorder, "add_cycle", lambda self, stats: None)    # as if no cycle ran
+    out, trace_path = tmp_path / "run", tmp_path / "live.parquet"
+    result = decode(checkpoint, "--policy", "eagle3:12:4", "--profile", "pcie4", "--out", str(out),
+                    "--record", str(trace_path))
+    assert result.exit_code == 2, result.output
+    assert f"--record {trace_path}: no decode cycle ran" in " ".join(result.stderr.split()), result.stderr
+    assert "Traceback" not in result.output and len(result.stderr.strip().splitlines()) == 1
+    assert not trace_path.exists()
+    assert (out / "summary.json").is_file() and len((out / "decode.jsonl").read_text().splitlines()) == len(PROMPTS)
+
+
 # --------------------------------------------------------------------------- bad input
 def _corrupt(drafter_dir, tmp_path, change):
     bad = tmp_path / "bad_drafter"
@@ -664,6 +713,7 @@ def test_bad_drafter_checkpoint_is_one_clear_error(checkpoint, tmp_path, change,
     (["--policy", "specfit", "--temperature", "0.5", "--record", "t.parquet"], "--record: traces describe greedy"),
     (["--policies", "ar,specfit", "--record", "t.parquet"], "--record: records the cycles of one policy"),
     (["--record-full"], "--record-full: pass --record TRACE"),
+    (["--record", "t.parquet", "--max-new-tokens", "1"], "--record: --max-new-tokens 1 ends every output"),
     (["--policies", "ar,ar"], "names a policy twice"),
     (["--policy", "oracle"], "--policy oracle: knows the target's verdicts in advance"),
     (["--policies", "ar,static:auto"], "--policies static:auto: only a replay can run it"),
@@ -672,6 +722,7 @@ def test_bad_drafter_checkpoint_is_one_clear_error(checkpoint, tmp_path, change,
     (["--policy", "specfit", "--tree-top-k", "5000"], "--tree-top-k: expected at most the drafter's vocabulary"),
     (["--seed", "-1"], "--seed: expected a non-negative integer, got -1"),
     (["--profile", "nowhere.json"], "nowhere.json: no such profile file"),
+    (["--acceptance", "nowhere.parquet"], "--acceptance nowhere.parquet: no such trace file"),
 ])
 def test_bad_options_are_one_clear_error(checkpoint, args, message):
     result = decode(checkpoint, *args)

@@ -126,8 +126,11 @@ def decode(
             result = run_decode(plan, on_record=emit, status=status, progress=tick, ctx=ctx)
     except Interrupted as exc:
         stopped(str(exc))
-    except INTERRUPTS as exc:                     # while loading the model, before any cycle ran
-        stopped_by(exc, "interrupted before the first cycle: no cycle was decoded, so none was kept")
+    except INTERRUPTS as exc:
+        # before the run began (its checks, the --out lock), or a second Ctrl-C while the first one's
+        # cycles were being saved: the command cannot tell which, so it claims neither
+        stopped_by(exc, "interrupted before the run could say what it kept (with --out, every cycle completed before "
+                        "it is in its cycles journal)")
     if not json_lines:
         _print_summary(result, out)
     for line in result.notes:                      # on stderr: with --json too

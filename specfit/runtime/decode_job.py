@@ -48,6 +48,7 @@ __all__ = ["DecodePlan", "DecodeRun", "run_decode", "summarise_policy", "read_de
            "CYCLES_FILE", "SUMMARY_FILE", "JOURNAL_FILE", "WARMUP_TOKENS"]
 
 WARMUP_TOKENS = 4
+NOTHING_DECODED = "interrupted before the first cycle: no cycle was decoded, so none was kept"
 
 
 @dataclass
@@ -130,6 +131,9 @@ class DecodePlan:
             (self.record_full and self.record is None, "--record-full: pass --record TRACE, the trace file to write"),
             (self.record is not None and self.temperature > 0,
              "--record: traces describe greedy decoding (the target's argmax verdicts); use --temperature 0"),
+            (self.record is not None and self.max_new_tokens == 1,
+             "--record: --max-new-tokens 1 ends every output at the prompt pass's token, so no decode cycle runs and "
+             "there is nothing to record; expected at least 2"),
             (self.record is not None and not self.record_full and len(policies) != 1,
              "--record: records the cycles of one policy; pass a single --policy (or --record-full)"),
             (self.cache_per_policy and not self.interleave,
@@ -166,6 +170,8 @@ class DecodePlan:
                                    f"{self.predictor} learns nothing from a trace")
             if not Path(self.predictor_trace).is_file():
                 raise SpecFitError(f"--predictor-trace {self.predictor_trace}: no such trace file")
+        if self.acceptance_trace is not None and not Path(self.acceptance_trace).is_file():
+            raise SpecFitError(f"--acceptance {self.acceptance_trace}: no such trace file")
         if not Path(self.model_dir).is_dir():
             raise SpecFitError(f"--model {self.model_dir}: not a directory")
         from ..io import check_output
@@ -234,8 +240,10 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                                           profile=profile.label)
             outputs = DecodeOutputs(plan.out_dir, start)
             recorder = _recorder(plan, model, inputs.drafter, profile) if plan.record is not None else None
-        except BaseException:
+        except BaseException as exc:
             leave_nothing()
+            if isinstance(exc, INTERRUPTS) and interrupted(exc):
+                raise Interrupted(NOTHING_DECODED) from None
             raise
         planned = len(policies) * len(inputs.prompts)      # (policy, prompt) runs
         rows = _CycleRows(outputs, profile.cost, model.offload.host.expert_bytes, per_cycle=plan.out_dir is not None)
@@ -255,6 +263,9 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
 
                 warm_up()      # numba loads (or, after an install, compiles) the kernels before any timed cycle
             _Runs(plan, inputs, outputs, rows, recorder, on_record, progress, say).run(policies)
+            # inside the try: a stop while the last files are written still keeps (and notes) every cycle
+            outputs.close()
+            trace_path = _write_recording(recorder, plan.record) if recorder is not None else None
         except SpecFitError as exc:
             if stopped_with_nothing():
                 raise
@@ -267,7 +278,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             if not interrupted(exc):
                 raise
             if stopped_with_nothing():
-                raise Interrupted("interrupted before the first cycle: no cycle was decoded, so none was kept") from None
+                raise Interrupted(NOTHING_DECODED) from None
             kept = _keep_partial(plan, outputs, recorder, "interrupted", planned)
             raise Interrupted(f"interrupted after {len(outputs.cycles)} complete cycle(s) ({len(outputs.records)} (policy, "
                               f"prompt) run(s) finished): " + (f"kept {kept}" if kept else
@@ -284,8 +295,10 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 raise SpecFitError(f"{os_error_text(exc)} (after {len(outputs.cycles)} complete cycle(s); "
                                    f"those that reached the disk before it are in {plan.out_dir})") from None
             raise
-        outputs.close()
-        trace_path = _write_recording(recorder, plan.record) if recorder is not None else None
+        if recorder is not None and trace_path is None:
+            where = f"; the run's other outputs are in {plan.out_dir}" if plan.out_dir is not None else ""
+            raise SpecFitError(f"--record {plan.record}: no decode cycle ran (every output ended at the prompt pass's "
+                               f"token): nothing to record{where}")
         host = model.offload.host
         memory = {"host_expert_bytes": host.nbytes, "pinned_bytes": host.pinned_bytes,
                   "device_expert_bytes": model.offload.device_bytes}
@@ -558,16 +571,18 @@ def _keep_partial(plan: DecodePlan, outputs: DecodeOutputs, recorder, why: str, 
         kept.append(f"every complete cycle, {len(outputs.cycles)} of them, in {plan.out_dir}")
     if recorder is not None and len(recorder):
         recorder.end_open_sequence()
-        _write_recording(recorder, plan.record)
-        kept.append(f"the {len(recorder)} recorded cycle(s) as a trace in {plan.record}")
+        if _write_recording(recorder, plan.record) is not None:
+            kept.append(f"the {len(recorder)} recorded cycle(s) as a trace in {plan.record}")
     return " and ".join(kept)
 
 
-def _write_recording(recorder, path) -> Path:
-    """Write the recorded cycles as a trace (atomically: an interrupted write leaves no file)."""
+def _write_recording(recorder, path) -> Path | None:
+    """Write the recorded cycles as a trace (atomically: an interrupted write leaves no file); None,
+    and no file, when no cycle was recorded."""
     from ..traces.format import write_trace
 
-    return write_trace(recorder.trace(), path)
+    trace = recorder.trace()
+    return None if trace is None else write_trace(trace, path)
 
 
 def _other_device_note(spec: str, profile, device) -> list[str]:

@@ -110,11 +110,12 @@ class TraceRecorder:
     def __len__(self) -> int:
         return len(self.cycles)
 
-    def trace(self) -> Trace:
-        """The recorded cycles as a :class:`Trace` (call after the last sequence ended)."""
+    def trace(self) -> Trace | None:
+        """The recorded cycles as a :class:`Trace` (call after the last sequence ended); None when
+        there are none (every output ended at its prompt pass's token: no decode cycle ran)."""
         cycles = [self._cut(c) for c in self.cycles if not self.full or self._in_reference(c)]
         if not cycles:
-            raise ValueError("recorder: no cycles were recorded")
+            return None
         sizes = np.array([c.parent.size for c in cycles])
         cat = lambda name: np.concatenate([getattr(c, name) for c in cycles])   # noqa: E731
         meta = {
