@@ -249,6 +249,30 @@ def test_a_refit_of_a_file_instead_of_a_run_directory_is_one_line(tmp_path):
     assert not (tmp_path / "p.json").exists()
 
 
+def test_calibrate_checks_its_default_profile_file_before_any_probe(tmp_path, monkeypatch):
+    """Without --out the profile goes to calibrate/<host>-<device>-<model>.json: a ./calibrate that
+    is a file is one line naming that path, before the probes (minutes), not after them."""
+    from specfit.calibrate import calibrate_job
+
+    monkeypatch.setattr(calibrate_job, "calibrate", lambda *args, **kwargs: pytest.fail("probed before the check"))
+    (tmp_path / "calibrate").write_text("not a folder")
+    one_line_error(invoke("calibrate", "--shape", "tiny", "--layers", 1, "--quick"), "--out calibrate/",
+                   "tiny.json: calibrate is a file")
+
+
+def test_a_refit_of_the_same_run_twice_is_refused_however_spelled(tmp_path):
+    """Its cycles would be fitted twice, and the held-out error measured on cycles whose copies
+    were fitted."""
+    run = tmp_path / "run"
+    (tmp_path / "sub").mkdir()
+    run.mkdir()
+    for second, named in ((run, f"lists {run} twice"), (f"{run}/./", f"lists {run} twice"),
+                          (tmp_path / "sub" / ".." / "run", "(the same run directory)")):
+        one_line_error(invoke("calibrate", "--refit", run, "--refit", second, "--profile", "pcie4", "--out",
+                              tmp_path / "p.json"), "--refit", named, "expected distinct runs")
+    assert not (tmp_path / "p.json").exists()
+
+
 # ----------------------------------------------------------------- configs and profiles
 def test_more_experts_per_token_than_experts_is_blamed_on_the_config(model_dir, tmp_path):
     bad = tmp_path / "model"
@@ -324,6 +348,9 @@ def test_a_refit_onto_a_profile_of_another_shape_is_refused(model_dir, tmp_path)
     (["calibrate", "--shape", "tiny", "--threads", "0"], "--threads"),
     # options that would be ignored without a word
     (["calibrate", "--model", "m", "--layers", "2"], "--layers 2: sets the depth of a --shape stand-in"),
+    # a stand-in of deepseek-v2-lite's first (dense) layer alone would have no expert to probe
+    (["calibrate", "--shape", "deepseek-v2-lite", "--layers", "1"],
+     "--layers: expected 2..27 for deepseek-v2-lite (its first 1 layer(s) dense"),
     (["calibrate", "--refit", "run", "--profile", "pcie4", "--model", "m", "--quick"],
      "--refit: --model, --quick set(s) what probing measures"),
 ])

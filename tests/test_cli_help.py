@@ -34,3 +34,11 @@ def test_decode_help_prints_its_second_paragraph_as_one_line_at_a_wide_terminal(
     result = CliRunner().invoke(app, ["decode", "--help"], env={"COLUMNS": "250"})
     line = next(line for line in result.output.splitlines() if "Reports, per prompt" in line)
     assert "profile's predictions." in line
+
+
+def test_calibrate_help_names_every_shape_a_stand_in_can_take():
+    from specfit.calibrate.standin import SHAPE_CONFIGS
+
+    calibrate = typer.main.get_command(app).commands["calibrate"]
+    shape = next(p for p in calibrate.params if "--shape" in p.opts)
+    assert shape.help.endswith(f"{', '.join(SHAPE_CONFIGS)}."), shape.help

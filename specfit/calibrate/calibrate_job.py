@@ -34,7 +34,7 @@ from .profile import ModelShape, Profile, machine_info
 from .repeat import busy_warnings, machine_noise, repeat_rounds
 
 __all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "run_shape", "check_dtype",
-           "default_profile_path", "cached_profile_path", "RUN_CYCLE_COLUMNS", "probe_prior"]
+           "default_profile_path", "planned_profile_path", "cached_profile_path", "RUN_CYCLE_COLUMNS", "probe_prior"]
 
 # what `specfit decode --out` writes per cycle (cycles.parquet) and a refit reads
 RUN_CYCLE_COLUMNS = ("draft_levels", "nodes_verified", "hits", "misses", "measured_time_s")
@@ -61,8 +61,14 @@ class CalibrationPlan:
 
             ModelConfig.from_dir(self.model_dir)
         else:
-            from .standin import shape_config
+            from .standin import SHAPE_CONFIGS, shape_config
 
+            raw = SHAPE_CONFIGS.get(self.shape or "", {})
+            dense = raw.get("first_k_dense_replace", 0)
+            if self.layers is not None and 1 <= self.layers <= dense:
+                # a stand-in of only dense layers has no expert to probe
+                raise SpecFitError(f"--layers: expected {dense + 1}..{raw['num_hidden_layers']} for {self.shape} (its "
+                                   f"first {dense} layer(s) dense, the rest MoE), got {self.layers}")
             shape_config(self.shape or "", self.layers)
 
     @property
@@ -125,7 +131,14 @@ def _slug(text: str) -> str:
 def default_profile_path(machine: dict, shape: ModelShape) -> Path:
     """``calibrate/<host>-<device>-<model>.json`` under the current directory (where
     ``specfit calibrate`` writes by default and a project keeps its profiles)."""
-    return Path("calibrate") / _profile_name(machine, shape)
+    return Path("calibrate") / _profile_name(machine, shape.name)
+
+
+def planned_profile_path(plan: CalibrationPlan) -> Path:
+    """The :func:`default_profile_path` of the profile ``plan`` makes, known before any probe runs
+    (its name is the model directory's or the --shape's, as the profile's shape is named)."""
+    name = Path(plan.model_dir).name if plan.model_dir is not None else str(plan.shape)
+    return Path("calibrate") / _profile_name(machine_info(), name)
 
 
 def cached_profile_path(machine: dict, shape: ModelShape, dtype: str | None = None) -> Path:
@@ -134,14 +147,14 @@ def cached_profile_path(machine: dict, shape: ModelShape, dtype: str | None = No
     itself, whatever the current directory; with ``dtype`` (the experts' element type) in the
     name, so that one model decoded in two dtypes keeps a profile for each."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    name = _profile_name(machine, shape)
+    name = _profile_name(machine, shape.name)
     if dtype:
         name = name.removesuffix(".json") + f"-{_slug(dtype)}.json"
     return root / "specfit" / "profiles" / name
 
 
-def _profile_name(machine: dict, shape: ModelShape) -> str:
-    return f"{_slug(machine['host'])}-{_slug(machine['device_name'])}-{_slug(shape.name)}.json"
+def _profile_name(machine: dict, model_name: str) -> str:
+    return f"{_slug(machine['host'])}-{_slug(machine['device_name'])}-{_slug(model_name)}.json"
 
 
 def _load_target(plan: CalibrationPlan, status=None):

@@ -8,8 +8,13 @@ from typing import Optional
 import typer
 
 from ..errors import INTERRUPTS, SpecFitError, check_seed, fail, stopped_by
-from ..io import check_output, strict_dumps
+from ..io import check_output, repeated_path, strict_dumps
 from ..threads import THREADS_HELP, set_cpu_threads
+
+
+# the stand-ins' names (:data:`specfit.calibrate.standin.SHAPE_CONFIGS`, whose module loads torch: seconds
+# at every command's start for a help line); tests/test_cli_help.py keeps the two the same
+STANDIN_SHAPES = ("qwen3-30b-a3b", "olmoe-1b-7b", "mixtral-8x7b", "qwen1.5-moe-a2.7b", "deepseek-v2-lite", "tiny")
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
@@ -19,7 +24,7 @@ def register(app: typer.Typer, traces_app: typer.Typer) -> None:
 def calibrate_command(
     model: Optional[Path] = typer.Option(None, "--model", help="Hugging Face MoE model directory to probe."),
     shape: Optional[str] = typer.Option(None, "--shape", help="Probe random weights of a named shape instead: "
-                                        "qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b, tiny."),
+                                        f"{', '.join(STANDIN_SHAPES)}."),
     layers: Optional[int] = typer.Option(None, "--layers", help="With --shape: layers of the stand-in (costs are scaled to the full depth)."),
     drafter: Optional[Path] = typer.Option(None, "--drafter", help="EAGLE-3 drafter directory (its shape sizes the draft probe)."),
     device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N."),
@@ -79,13 +84,14 @@ def calibrate_command(
         plan = calibrate_job.CalibrationPlan(model_dir=model, shape=shape, layers=layers, drafter_dir=drafter, device=device,
                                    dtype=dtype, quick=quick, seed=seed)
         plan.validate()
+        # the default file is checked as --out is, before the probes (minutes) rather than after them
+        path = check_output(out or calibrate_job.planned_profile_path(plan), "--out", kind="file")
         with Progress(TextColumn("[bold]calibrate"), BarColumn(), TextColumn("{task.completed}/{task.total} probes"),
                       TextColumn("{task.description}"), TimeElapsedColumn(), console=console, disable=as_json,
                       transient=True) as bar:
             task = bar.add_task("", total=plan.n_steps)
             prof = calibrate_job.calibrate(plan, progress=lambda: bar.update(task, advance=1, description=""),
                                            status=lambda message: bar.update(task, description=message))
-        path = out or calibrate_job.default_profile_path(prof.machine, prof.shape)
         prof.save(path)
     except INTERRUPTS as exc:
         stopped_by(exc, "interrupted: no profile was written (probes are fitted only once they have all run)")
@@ -161,6 +167,10 @@ def _refit(run_dirs, profile_spec, out, rescale, seed, as_json) -> Path:
         if not Path(d).is_dir():
             fail(f"--refit {d}: expected a `specfit decode --out` run directory (with cycles.parquet), "
                  f"{'got a file' if Path(d).exists() else 'no such directory'}")
+    same = repeated_path(run_dirs, noun="run directory")
+    if same is not None:
+        fail(f"--refit: lists {same} twice; expected distinct runs (a run's cycles would be fitted twice, and held "
+             "out beside their own copies)")
     # the model the runs decoded (run.json): a preset is built for it, a profile of another shape
     # is refused unless --rescale maps it onto it
     shape = next((s for s in map(run_shape, run_dirs) if s is not None), None)
