@@ -42,16 +42,28 @@ class DemoPlan:
 
     def validate(self) -> None:
         """Every option checked before any probe runs or any file is written."""
-        from .assets import tiny_moe_dir
+        from .assets import demo_prompts_path, tiny_moe_dir
         from .runinfo import check_run_dir
         from .runtime.config import ModelConfig
+        from .runtime.loader import load_tokenizer
+        from .runtime.prompts import read_prompts
 
-        n_experts = ModelConfig.from_dir(tiny_moe_dir()).n_experts
+        config = ModelConfig.from_dir(tiny_moe_dir())
+        n_experts = config.n_experts
         if not 0 <= self.cache_experts <= n_experts:
             raise SpecFitError(f"--cache-experts: expected 0..{n_experts} (the bundled model has {n_experts} experts per "
                                f"layer), got {self.cache_experts}")
-        if self.max_new_tokens < 1:
-            raise SpecFitError(f"--max-new-tokens: expected at least 1, got {self.max_new_tokens}")
+        if self.max_new_tokens < 2:
+            # one token is the prompt pass's: no decode cycle would run, and the demo records them
+            raise SpecFitError(f"--max-new-tokens: expected at least 2 (the first token is the prompt pass's; the "
+                               f"demo decodes and records the cycles after it), got {self.max_new_tokens}")
+        # the decode would refuse it only after the calibration and the warm-up
+        prompts = read_prompts(demo_prompts_path(), load_tokenizer(tiny_moe_dir()), config.vocab_size)
+        longest = max(len(prompt.input_ids) for prompt in prompts)
+        if longest + self.max_new_tokens > config.max_position_embeddings:
+            raise SpecFitError(f"--max-new-tokens: expected at most {config.max_position_embeddings - longest} (the "
+                               f"bundled model has {config.max_position_embeddings} positions and its longest bundled "
+                               f"prompt {longest} tokens), got {self.max_new_tokens}")
         if self.n_prompts is not None and self.n_prompts < 1:
             raise SpecFitError(f"n_prompts: expected at least 1, got {self.n_prompts}")
         check_run_dir(self.out_dir, "demo")
@@ -120,7 +132,8 @@ def _run_demo(plan: DemoPlan, out: Path, say, progress) -> dict:
     from .calibrate.calibrate_job import CalibrationPlan, calibrate, refit
     from .report.build import build_report
     from .runtime.decode_job import DecodePlan, run_decode
-    from .runinfo import write_run_info
+    from .io import write_json_atomic
+    from .runinfo import RUN_INFO_FILE, read_run_info, run_info, write_run_info
     from .simulate.replay import prepare_trace
     from .simulate.sweep import run_sweep
     from .traces.format import read_trace
@@ -162,7 +175,9 @@ def _run_demo(plan: DemoPlan, out: Path, say, progress) -> dict:
                         # a slow phase of the machine then slows every policy alike, not the one running
                         interleave=True, cache_per_policy=True)
     decoded = run_decode(decode, progress=lambda: step())
-    write_run_info(out / "decode", "decode (specfit demo)")
+    # the decode's run.json keeps its shape and profile (a refit of it checks them) under the demo's label
+    info = read_run_info(out / "decode") or run_info("decode")
+    write_json_atomic(out / "decode" / RUN_INFO_FILE, {**info, "kind": "decode (specfit demo)"})
     if decoded.outputs_identical is False:
         raise SpecFitError("demo: greedy outputs differ between policies; the decoder is not lossless here")
     timings["decode_s"] = time.perf_counter() - started

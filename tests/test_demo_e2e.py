@@ -50,6 +50,10 @@ def test_demo_quick_writes_the_report_with_identical_outputs(tmp_path):
     assert "decided with at the end of the run" in text
     cycles = pd.read_parquet(tmp_path / "decode" / "cycles.parquet")
     assert set(cycles["policy"]) == {"ar", "eagle3", "specfit"}
+    # the decode's run.json keeps the shape and profile a refit of it checks, under the demo's label
+    from specfit.runinfo import read_run_info
+    info = read_run_info(tmp_path / "decode")
+    assert info["kind"] == "decode (specfit demo)" and info["shape"]["n_experts"] > 0 and info["profile"]
     summary = pd.read_parquet(tmp_path / "simulate" / "summary.parquet")
     assert {"pcie4-qwen3", "pcie5-qwen3", "gh200-qwen3"} <= set(summary["profile"])
     # the recorded full trace replays to the decoded output: oracle commits the accepted path

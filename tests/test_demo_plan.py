@@ -22,6 +22,19 @@ def test_demo_cache_experts_accepts_every_expert_and_refuses_one_more(tmp_path):
         DemoPlan(out_dir=tmp_path / "bad", cache_experts=n + 1).validate()
 
 
+def test_demo_refuses_more_new_tokens_than_the_bundled_model_has_positions_before_anything_runs(tmp_path):
+    """The longest bundled prompt and --max-new-tokens must fit the model's positions: refused in
+    validate(), not by the decode after the calibration and the warm-up (and after a rerun has
+    cleared the last report)."""
+    positions = ModelConfig.from_dir(tiny_moe_dir()).max_position_embeddings
+    DemoPlan(out_dir=tmp_path / "ok", max_new_tokens=positions // 2).validate()
+    with pytest.raises(SpecFitError, match="--max-new-tokens: expected at least 2"):    # no cycle to record
+        DemoPlan(out_dir=tmp_path / "one", max_new_tokens=1).validate()
+    with pytest.raises(SpecFitError, match=rf"--max-new-tokens: expected at most \d+ .*{positions} positions.*got "
+                                           rf"{positions}"):
+        DemoPlan(out_dir=tmp_path / "bad", max_new_tokens=positions).validate()
+
+
 @pytest.mark.parametrize("bad", [0, -2])
 def test_demo_plan_refuses_fewer_than_one_prompt(tmp_path, bad):
     with pytest.raises(SpecFitError, match=rf"n_prompts: expected at least 1, got {bad}"):
