@@ -130,7 +130,7 @@ def decode(
         # before the run began (its checks, the --out lock), or a second Ctrl-C while the first one's
         # cycles were being saved: the command cannot tell which, so it claims neither
         stopped_by(exc, "interrupted before the run could say what it kept (with --out, every cycle completed before "
-                        "it is in its cycles journal)")
+                        "it is in that directory)")
     if not json_lines:
         _print_summary(result, out)
     for line in result.notes:                      # on stderr: with --json too
