@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from specfit.traces.routing import RoutingModel, TokenSampler, zipf_popularity
 
@@ -55,3 +56,29 @@ def test_routing_model_calibration_keeps_sibling_and_token_slots_within_top_k():
     m.calibrate(TokenSampler(200, 1.0, rng), rng, pilot_tokens=256, rounds=6)
     assert np.all(m.sibling_prob_ <= 1 - m.token_prob_ + 1e-12)
     assert np.all(m.token_prob_ <= 1 - m.consecutive_prob_ + 1e-12)
+
+
+def test_top_one_routing_takes_its_anchor_slot():
+    """With one expert per layer the anchor count was rounded with a uniform top-1 does not have:
+    no expert ever came from the previous token (reuse at chance, 0.07, with every slot asked to)."""
+    from specfit.traces.stats import consecutive_reuse
+
+    pop = np.full((2, 16), 1 / 16)
+    for k in (1, 2):
+        m = RoutingModel(pop, 1.0, 0.0, 0.0, top_k=k, vocab_size=100, seed=0)
+        m.token_prob_[:], m.consecutive_prob_[:] = 0.0, 1.0      # every slot the previous token's
+        rng = np.random.default_rng(0)
+        routed = m.sequences(rng.integers(0, 100, size=(4, 50)), rng).reshape(-1, 2, k)
+        np.testing.assert_array_equal(consecutive_reuse(routed, np.repeat(np.arange(4), 50)), [1.0, 1.0])
+
+
+def test_distinct_tokens_of_a_steep_sampler_come_without_hanging_and_a_too_small_vocabulary_is_refused():
+    from specfit.errors import SpecFitError
+    from specfit.traces.routing import TokenSampler
+
+    rng = np.random.default_rng(0)
+    steep = TokenSampler(50_000, 8.0, rng)          # rank 5 drawn once in ~400k: the draws alone took minutes
+    got = steep.distinct_from([int(steep.ids[0])], 5, rng)
+    assert len(set(got.tolist())) == 5 and int(steep.ids[0]) not in got
+    with pytest.raises(SpecFitError, match="5 distinct tokens asked besides 0, but the vocabulary has 4"):
+        TokenSampler(4, 1.0, rng).distinct_from([], 5, rng)

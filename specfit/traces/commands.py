@@ -29,8 +29,9 @@ def synth_command(
     sequence_tokens: int = typer.Option(128, "--sequence-tokens", help="Positions per sequence (prompt)."),
     tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Drafter top-k: children per expanded node (default 4)."),
     tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Draft levels (default 7)."),
-    top1_prob: Optional[float] = typer.Option(None, "--top1-prob", help="Mean top-1 draft probability at depth 1 "
-                                           "(default: the workload's, chat 0.55, math 0.63, code 0.68)."),
+    top1_prob: Optional[float] = typer.Option(None, "--top1-prob", help="Mean Beta-drawn draft probability at depth 1, "
+                                           "the top-1's a bit above (default: the workload's, chat 0.55, math 0.63, "
+                                           "code 0.68)."),
     depth_decay: Optional[float] = typer.Option(None, "--depth-decay", help="Per-level factor on the top-1 probability "
                                              "(default: the workload's, chat 0.94, math 0.95, code 0.96)."),
     calibration_exponent: Optional[float] = typer.Option(None, "--calibration-exponent",

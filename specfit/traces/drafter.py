@@ -6,9 +6,12 @@ further level expands the ``width`` nodes of the previous level with the highest
 (the frontier) into ``width`` children each. Every candidate is kept, so a policy that reranks
 (EAGLE-3, static) sees exactly what EAGLE's rerank would: ``width + (depth - 1) * width**2`` nodes.
 
-Probabilities: at each expanded node the drafter's top-1 probability is Beta-distributed with mean
+Probabilities: at each expanded node one probability is Beta-distributed with mean
 ``top1_prob * depth_decay**(depth - 1)`` (confidence falls with depth, as draft errors compound);
-the other ``width - 1`` children share the remaining mass (sorted Dirichlet shares of it). The
+the other ``width - 1`` children share the remaining mass (sorted Dirichlet shares of it), and the
+children are sorted. Where a share exceeds the Beta draw it is the top-1, so the top-1's mean is
+above that mean, the more so the lower it is (0.558 for 0.55 at depth 1, 0.415 for 0.379 at depth
+7; 0.286 for a ``--top1-prob`` of 0.1). The
 target accepts child i with probability ``q_i ** calibration_exponent`` (1: the drafter is
 calibrated; above 1: it is over-confident), and none of them with the rest. On the reference path
 the accepted child carries the reference's next token, so the verdicts spell the reference output.
@@ -36,7 +39,7 @@ class DrafterParams:
 
     width: int = 4                  # EAGLE top_k: children per expanded node, frontier size
     depth: int = 7                  # draft levels
-    top1_prob: float = 0.55         # mean top-1 draft probability at depth 1
+    top1_prob: float = 0.55         # mean of the Beta-drawn probability at depth 1 (the top-1 averages a bit above)
     depth_decay: float = 0.94       # per-level factor on the mean top-1 probability
     confidence_spread: float = 4.0  # Beta concentration of the top-1 probability (lower: more spread)
     calibration_exponent: float = 1.15  # acceptance = draft_prob ** exponent (1: calibrated)

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import SpecFitError
 from .stats import consecutive_reuse, popularity as measure_popularity, same_token_reuse, set_overlap, top_quarter_share
 
 __all__ = ["RoutingModel", "zipf_popularity", "TokenSampler"]
 
 _EMBED_DIM = 16  # rank of the token preference vectors
+_DISTINCT_ROUNDS = 64   # draws of distinct tokens before the rest are drawn without replacement
 
 
 def zipf_popularity(n_layers: int, n_experts: int, exponent: float, rng: np.random.Generator) -> np.ndarray:
@@ -62,10 +64,17 @@ class TokenSampler:
         return self.ids[np.minimum(r, self.ids.size - 1)]
 
     def distinct_from(self, avoid: np.ndarray, size: int, rng: np.random.Generator) -> np.ndarray:
-        """``size`` distinct tokens, none of them in ``avoid``."""
+        """``size`` distinct tokens, none of them in ``avoid``: drawn until distinct (a few draws at
+        any usual exponent), the rest without replacement once that takes too long (a steep
+        exponent puts nearly all the mass on a few tokens)."""
         out: list[int] = []
         taken = set(int(a) for a in avoid)
-        while len(out) < size:
+        if size > self.ids.size - len(taken):
+            raise SpecFitError(f"token sampler: {size} distinct tokens asked besides {len(taken)}, but the vocabulary "
+                               f"has {self.ids.size}")
+        for _ in range(_DISTINCT_ROUNDS):
+            if len(out) == size:
+                break
             for t in self.sample(size - len(out) + 2, rng):
                 t = int(t)
                 if t not in taken:
@@ -73,6 +82,9 @@ class TokenSampler:
                     out.append(t)
                     if len(out) == size:
                         break
+        if len(out) < size:
+            mass = np.diff(self.cdf, prepend=0.0) * ~np.isin(self.ids, np.fromiter(taken, np.int64, len(taken)))
+            out += rng.choice(self.ids, size - len(out), replace=False, p=mass / mass.sum()).tolist()
         return np.array(out, dtype=np.int64)
 
 
@@ -154,7 +166,10 @@ class RoutingModel:
         # slot counts by stochastic rounding: the mean is exact and the spread minimal, so two
         # occurrences of a token take about the same prefix of its preference list
         n_tok = np.floor(self.token_prob_[None, :, None] * k + slot_u[..., :1]).astype(np.int64)
-        n_anchor = np.minimum(k - n_tok, np.floor(np.asarray(anchor_prob)[None, :, None] * k + slot_u[..., 1:2]))
+        # top-1 has one slot uniform; its anchor rank needs no uniform (one anchor expert), so that
+        # one rounds the anchor count
+        anchor_round = slot_u[..., 1:2] if k > 1 else anchor_u[..., :1]
+        n_anchor = np.minimum(k - n_tok, np.floor(np.asarray(anchor_prob)[None, :, None] * k + anchor_round))
         if anchor is not None:
             # a random n_anchor of the anchor's experts, ranked above every free candidate
             rank = np.argsort(np.argsort(anchor_u, axis=2), axis=2)
