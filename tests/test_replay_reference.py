@@ -325,6 +325,8 @@ def test_chain_follows_the_drafters_top_child_whatever_the_calibrated_probabilit
                  compiled=compiled)
     # child 1 verified and rejected: the first cycle commits the bonus 11 only
     assert log.columns["committed_tokens"].tolist() == [1, 1, 1]
+    # a chain drafts one node per level (the recorded tree's level 1 has two)
+    assert log.columns["nodes_drafted"].tolist() == [2, 1, 1]
     # and its predicted tokens are priced with the calibrated probability of the node it verifies
     assert log.columns["predicted_tokens"][0] == pytest.approx(1.3)
 

@@ -606,6 +606,32 @@ def test_an_interrupted_full_recording_ends_its_open_sequence_where_it_stopped(c
     assert len(stopped.reference) == 2
 
 
+def test_a_full_recording_holds_the_runs_predictor_and_every_level_its_policies_draft(checkpoint, tmp_path):
+    """The full trees were drafted --max-levels deep by a decoder with the default router predictor,
+    whatever --predictor said (and the trace's metadata named): a replay of eagle3 or chain:K
+    (their own depth) saw trees cut short, and replayed predictions no live policy decided with."""
+    model_dir, drafter_dir, prompts = checkpoint
+    path = tmp_path / "full.parquet"
+    plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["chain:4"],
+                      drafter_dir=drafter_dir, profile="pcie4", max_new_tokens=NEW_TOKENS, device="cpu",
+                      ignore_eos=True, record=path, record_full=True, max_levels=2, predictor="parent")
+    run_decode(plan)
+    trace = read_trace(path)
+    assert trace.meta["drafter"]["max_levels"] == 4 and int(trace.depth.max()) == 4
+    assert trace.meta["recording"]["predictor"] == "parent"
+    # the parent predictor: every node of a cycle routes like the token before its root, the
+    # previous cycle's root (one token committed per cycle)
+    checked = 0
+    for c in range(1, trace.n_cycles):
+        if trace.sequence[c] != trace.sequence[c - 1]:
+            continue
+        before = np.sort(trace.true_experts[trace.offsets[c - 1]], axis=-1)
+        nodes = np.sort(trace.predicted_experts[trace.offsets[c]:trace.offsets[c + 1]], axis=-1)
+        assert (nodes == before[None]).all(), c
+        checked += 1
+    assert checked > 10
+
+
 @pytest.mark.parametrize("where", ["cycles.parquet", "trace"])
 def test_a_ctrl_c_while_the_last_files_are_written_keeps_and_notes_every_cycle(checkpoint, tmp_path, monkeypatch,
                                                                                 where):

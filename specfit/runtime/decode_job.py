@@ -239,7 +239,8 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 start = functools.partial(write_run_info, plan.out_dir, "decode", ctx, shape=shape.to_dict(),
                                           profile=profile.label)
             outputs = DecodeOutputs(plan.out_dir, start)
-            recorder = _recorder(plan, model, inputs.drafter, profile) if plan.record is not None else None
+            recorder = (_recorder(plan, model, inputs.drafter, profile, recorded_levels(plan, policies))
+                        if plan.record is not None else None)
         except BaseException as exc:
             leave_nothing()
             if isinstance(exc, INTERRUPTS) and interrupted(exc):
@@ -340,7 +341,7 @@ class _Runs:
     def run(self, policies: list) -> None:
         (self._interleaved if self.plan.interleave else self._in_turn)(policies)
         if self.plan.record_full:
-            self._record_full()
+            self._record_full(recorded_levels(self.plan, policies))
 
     def _in_turn(self, policies: list) -> None:
         model = self.inputs.model
@@ -422,10 +423,10 @@ class _Runs:
             summary["online_model"] = self.decoders[policy.name].online.state()
         self.outputs.summaries.append(summary)
 
-    def _record_full(self) -> None:
+    def _record_full(self, levels: int) -> None:
         plan, i, recorder = self.plan, self.inputs, self.recorder
-        self.say(f"recording full trees at every position into {plan.record}")
-        full = _full_decoder(plan, i.model, i.drafter, i.profile.cost, recorder)
+        self.say(f"recording full trees of {levels} levels at every position into {plan.record}")
+        full = _full_decoder(plan, i.model, i.drafter, i.profile.cost, recorder, levels, i.fitted)
         i.model.offload.reset()
         for index, prompt in enumerate(i.prompts):
             recorder.begin_sequence(index)
@@ -678,37 +679,50 @@ def _fitted_predictor(plan, model):
     return make_predictor(plan.predictor).fit(trace)
 
 
-def _decoder(plan, model, drafter, policy, cost, calibrator, recorder, fitted=None):
+def _predictor(plan, model, fitted=None):
+    """A fresh expert predictor of ``plan``'s kind for one decoder (a copy of the fitted one): the
+    fitted ones go on learning from the run's own verified nodes."""
     from ..experts.predictors import make_predictor
+
+    if fitted is not None:
+        return copy.deepcopy(fitted)
+    if plan.predictor == "router":
+        return make_predictor("router", model=model, adapt=plan.router_adapt)
+    return make_predictor(plan.predictor)
+
+
+def _decoder(plan, model, drafter, policy, cost, calibrator, recorder, fitted=None):
     from .decoder import Decoder
     from .drafting import Proposer
 
-    # a fresh predictor per decoder (a copy of the fitted one): the fitted ones go on learning from
-    # the run's own verified nodes
-    if fitted is not None:
-        predictor = copy.deepcopy(fitted)
-    elif plan.predictor == "router":
-        predictor = make_predictor("router", model=model, adapt=plan.router_adapt)
-    else:
-        predictor = make_predictor(plan.predictor)
     proposer = Proposer(drafter, plan.tree_top_k) if policy.max_levels > 0 else None
-    return Decoder(model, proposer, policy, cost, predictor=predictor, eos_token_ids=model.config.eos_token_ids,
-                   temperature=plan.temperature, seed=plan.seed, calibrator=calibrator, recorder=recorder,
-                   online_refit=plan.online_refit)
+    return Decoder(model, proposer, policy, cost, predictor=_predictor(plan, model, fitted),
+                   eos_token_ids=model.config.eos_token_ids, temperature=plan.temperature, seed=plan.seed,
+                   calibrator=calibrator, recorder=recorder, online_refit=plan.online_refit)
 
 
-def _full_decoder(plan, model, drafter, cost, recorder):
+def recorded_levels(plan, policies: list) -> int:
+    """The draft levels a recording holds: ``--max-levels``, or the deepest policy's where it
+    drafts more (``eagle3:N:D`` and ``chain:K`` keep their own depth), so that a replay of a full-tree
+    recording sees every level a policy of the run drafted."""
+    return max([plan.max_levels] + [p.max_levels for p in policies])
+
+
+def _full_decoder(plan, model, drafter, cost, recorder, levels: int, fitted=None):
     from ..policies import RerankPolicy
     from .decoder import Decoder
     from .drafting import Proposer, tree_capacity
 
-    # "verify everything": the rerank keeping as many nodes as the tree can have, one token committed
-    policy = RerankPolicy(tree_capacity(plan.tree_top_k, plan.max_levels), plan.max_levels, name="full")
-    return Decoder(model, Proposer(drafter, plan.tree_top_k), policy, cost, eos_token_ids=model.config.eos_token_ids,
-                   recorder=recorder, commit_root_only=True, online_refit=False)
+    # "verify everything": the rerank keeping as many nodes as the tree can have, one token
+    # committed; the run's expert predictor (its kind, its fitted state), whose predictions the trace
+    # records, learning from the full trees it verifies
+    policy = RerankPolicy(tree_capacity(plan.tree_top_k, levels), levels, name="full")
+    return Decoder(model, Proposer(drafter, plan.tree_top_k), policy, cost, predictor=_predictor(plan, model, fitted),
+                   eos_token_ids=model.config.eos_token_ids, recorder=recorder, commit_root_only=True,
+                   online_refit=False)
 
 
-def _recorder(plan: DecodePlan, model, drafter, profile):
+def _recorder(plan: DecodePlan, model, drafter, profile, levels: int):
     from .record import TraceRecorder
 
     c = model.config
@@ -716,7 +730,7 @@ def _recorder(plan: DecodePlan, model, drafter, profile):
                   "expert_bytes": model.offload.host.expert_bytes, "vocab_size": c.vocab_size}
     drafter_meta = {"name": Path(plan.drafter_dir).name if plan.drafter_dir else "none",
                     "kind": getattr(getattr(drafter, "config", None), "kind", "eagle3"),
-                    "tree_top_k": plan.tree_top_k, "max_levels": plan.max_levels}
+                    "tree_top_k": plan.tree_top_k, "max_levels": levels}
     if drafter is not None:
         drafter_meta.update(hidden_size=drafter.config.hidden_size, draft_vocab_size=drafter.config.draft_vocab_size)
     recording = {"policy": None if plan.record_full else plan.policies[0], "predictor": plan.predictor,

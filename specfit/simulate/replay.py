@@ -159,9 +159,13 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
                           for s in np.flatnonzero(prep.has_prefill)}
     cols = {name: int_cols[i, :rows] for i, name in enumerate(kernels.replay.INT_COLUMNS)}
     cols.update({name: float_cols[i, :rows] for i, name in enumerate(kernels.replay.FLOAT_COLUMNS)})
-    # the nodes of the levels drafted: the trace's tree at the cycle's position, cut there
+    # the nodes of the levels drafted: the trace's tree at the cycle's position, cut there; a policy
+    # drafting top-1 (a chain) drafts a node per level, as live
     cycle = bounds[cols["sequence"]] + cols["position"]
-    cols["nodes_drafted"] = prep.level_sizes[prep.level_offsets[cycle] + cols["draft_levels"]]
+    if policy.draft_top_k == 1:
+        cols["nodes_drafted"] = cols["draft_levels"] + 1
+    else:
+        cols["nodes_drafted"] = prep.level_sizes[prep.level_offsets[cycle] + cols["draft_levels"]]
     # the charged time: the same cost formula, on the true union against the cache state
     cols["charged_time_s"] = cost.predict_counts(cols["draft_levels"], cols["nodes_verified"], cols["hits"],
                                                  cols["misses"])
