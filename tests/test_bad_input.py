@@ -375,6 +375,16 @@ def test_a_simulated_cache_larger_than_the_trace_says_every_expert_is_cached(tmp
     assert (rows.loc[100, ["tokens_per_s", "hit_rate"]] == rows.loc[64, ["tokens_per_s", "hit_rate"]]).all()
 
 
+def test_a_simulated_policy_deeper_than_the_traces_trees_is_noted():
+    # the sample's trees are 7 levels deep; a chain of 9 and eagle3 of 8 levels would be replayed
+    # shorter than live, static:4 (3 levels) and specfit (it decides its own depth) are not
+    result = invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar,chain:9,eagle3:60:8,static:4,specfit",
+                    "--max-levels", "12", "--cache-experts", "8", "--json")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())
+    assert f"note: chain:9, eagle3:60:8 draft more levels than {SAMPLE_OLMOE}'s deepest tree (7)" in said, said
+
+
 def test_simulate_without_a_baseline_prints_no_nan(tmp_path):
     result = invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "specfit", "--cache-experts", 8)
     assert result.exit_code == 0, result.output

@@ -151,6 +151,12 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
             console.print(f"note: --cache-experts {max(cache_sizes)} is more than {path}'s {slots} experts "
                           f"{'in all' if cache_mode == 'global' else 'per layer'}: replayed with every expert cached",
                           markup=False, highlight=False)
+        shallow = _deeper_than(policies, max_levels, int(trace.depth.max()))
+        if shallow:
+            console.print(f"note: {', '.join(shallow)} draft more levels than {path}'s deepest tree "
+                          f"({int(trace.depth.max())}): replayed on the levels it holds, with fewer nodes and less "
+                          f"draft time than live (record with --max-levels at least their depth)",
+                          markup=False, highlight=False)
         with console.status(f"preparing {path} ...") if not quiet else _nothing():
             prepared.append(prepare_trace(name, trace, predictor, acceptance, model_dir=model_dir))
         shape = ModelShape.from_trace_meta(trace.model)
@@ -169,6 +175,15 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     import pandas as pd
 
     return pd.concat(cycle_frames, ignore_index=True), pd.concat(summaries, ignore_index=True)
+
+
+def _deeper_than(policies: list[str], max_levels: int, depth: int) -> list[str]:
+    """The fixed-depth policies (``chain:K``, ``eagle3:N:D``, ``static:N``), which live always
+    draft their levels, that draft more than ``depth``."""
+    from ..policies import ChainPolicy, RerankPolicy, make_policy
+
+    built = [(spec, make_policy(spec, max_levels)) for spec in policies]
+    return [spec for spec, p in built if type(p) in (ChainPolicy, RerankPolicy) and p.max_levels > depth]
 
 
 class _nothing:
