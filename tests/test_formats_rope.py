@@ -113,6 +113,10 @@ def test_a_null_rope_value_is_absent():
                                                            "partial_rotary_factor": None, "beta_fast": None}},
                       "config.json", 4096)
     assert spec.truncate is True and spec.beta_fast == 32.0
+    # a null rope_type gives way to the older "type" key
+    spec = parse_rope({"rope_theta": 1e4, "rope_scaling": {"rope_type": None, "type": "linear", "factor": 2.0}},
+                      "config.json", 4096)
+    assert spec.rope_type == "linear" and spec.factor == 2.0
 
 
 # against a regression in rope.py (reset when the pass reaches exactly max_position_embeddings)

@@ -80,5 +80,7 @@ def test_distinct_tokens_of_a_steep_sampler_come_without_hanging_and_a_too_small
     steep = TokenSampler(50_000, 8.0, rng)          # rank 5 drawn once in ~400k: the draws alone took minutes
     got = steep.distinct_from([int(steep.ids[0])], 5, rng)
     assert len(set(got.tolist())) == 5 and int(steep.ids[0]) not in got
+    # more than the ~100 tokens whose mass the cdf still resolves
+    assert len(set(steep.distinct_from([], 300, rng).tolist())) == 300
     with pytest.raises(SpecFitError, match="5 distinct tokens asked besides 0, but the vocabulary has 4"):
         TokenSampler(4, 1.0, rng).distinct_from([], 5, rng)

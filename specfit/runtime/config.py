@@ -131,6 +131,7 @@ class ModelConfig:
     router_float32: bool = False                   # DeepSeek keeps the router weight and logits in float32
     rope: RopeSpec | None = None                   # None: default RoPE with rope_theta
     mla: MLAShape | None = None
+    quantization: str | None = None                # quantization_config's quant_method: weights no loader reads
 
     def __post_init__(self):
         if self.moe_layers is None:
@@ -192,11 +193,10 @@ class ModelConfig:
         family = _FAMILIES[architecture]
         quantization = raw.get("quantization_config")
         if quantization is not None:
-            # its weights would be read as plain floats without their scales: refused before any is read
+            # kept: a loader refuses the weights (read plainly, without their scales); the shape is
+            # all a routing import or a plan needs
             method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-            raise SpecFitError(f"{source}: key 'quantization_config' ({method or 'no quant_method'}): quantized "
-                               f"checkpoints are not supported; expected float32, float16 or bfloat16 weights "
-                               f"(a checkpoint without quantization_config)")
+            quantization = str(method or "no quant_method")
 
         def get(*keys, default=_REQUIRED, kind=int):
             for key in keys:
@@ -249,6 +249,7 @@ class ModelConfig:
         return cls(
             architecture=architecture,
             model_type=family.model_type,
+            quantization=quantization,
             vocab_size=get("vocab_size"),
             hidden_size=hidden_size,
             n_layers=n_layers,
@@ -283,6 +284,15 @@ class ModelConfig:
 
 
 # ----------------------------------------------------------------- helpers
+def check_unquantized(config: ModelConfig, source) -> None:
+    """Refuse to read the weights of a quantized checkpoint (its weights would be read as plain
+    floats without their scales), before any is read."""
+    if config.quantization is not None:
+        raise SpecFitError(f"{source}: key 'quantization_config' ({config.quantization}): quantized checkpoints are not "
+                           f"supported; expected float32, float16 or bfloat16 weights (a checkpoint without "
+                           f"quantization_config)")
+
+
 def _architecture(raw: dict, source: str) -> str:
     names = raw.get("architectures") or []
     if isinstance(names, str):

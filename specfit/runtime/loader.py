@@ -30,7 +30,7 @@ from safetensors import safe_open
 
 from ..errors import SpecFitError
 from ..io import json_text, read_json_object
-from .config import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig
+from .config import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig, check_unquantized
 from .draft_model import ModelDrafter
 from .eagle3 import EAGLE3_ARCHITECTURE, SPECULATORS_ARCHITECTURE, Eagle3Config, Eagle3Drafter
 from .model import MoETransformer
@@ -142,6 +142,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
     """
     model_dir = Path(model_dir)
     config = ModelConfig.from_dir(model_dir)
+    check_unquantized(config, model_dir / "config.json")
     dtype = _resolve_dtype(dtype, config)
     device = torch.device(device)
     checkpoint = Checkpoint(model_dir)
@@ -309,6 +310,7 @@ def load_router(model_dir: str | Path, context_weight: float = 0.5):
     from ..experts.router import RouterPredictor
 
     config = ModelConfig.from_dir(model_dir)
+    check_unquantized(config, Path(model_dir) / "config.json")
     checkpoint = Checkpoint(model_dir)
     H, E = config.hidden_size, config.n_experts
     try:

@@ -87,7 +87,7 @@ def parse_rope(raw: dict, source: str, max_position_embeddings: int, default_the
         theta = float(default_theta)
     else:
         raise SpecFitError(f"{source}: missing key 'rope_theta' (or 'rope_parameters.rope_theta')")
-    rope_type = str(block.get("rope_type", block.get("type", "default")))
+    rope_type = next((str(block[k]) for k in ("rope_type", "type") if block.get(k) is not None), "default")
     if rope_type not in ROPE_TYPES:
         raise SpecFitError(f"{source}: key {key!r} has rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
     if number("partial_rotary_factor", 1.0) != 1.0:

@@ -155,7 +155,8 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
         if shallow:
             console.print(f"note: {', '.join(shallow)} draft more levels than {path}'s deepest tree "
                           f"({int(trace.depth.max())}): replayed on the levels it holds, with fewer nodes and less "
-                          f"draft time than live (record with --max-levels at least their depth)",
+                          f"draft time than live (deeper trees: --tree-depth when synthesising or importing a trace, "
+                          f"decode --max-levels when recording one)",
                           markup=False, highlight=False)
         with console.status(f"preparing {path} ...") if not quiet else _nothing():
             prepared.append(prepare_trace(name, trace, predictor, acceptance, model_dir=model_dir))

@@ -83,7 +83,9 @@ class TokenSampler:
                     if len(out) == size:
                         break
         if len(out) < size:
-            mass = np.diff(self.cdf, prepend=0.0) * ~np.isin(self.ids, np.fromiter(taken, np.int64, len(taken)))
+            # every untaken token possible (a steep exponent's tail has no mass left in the cdf)
+            mass = np.maximum(np.diff(self.cdf, prepend=0.0), np.finfo(np.float64).tiny)
+            mass *= ~np.isin(self.ids, np.fromiter(taken, np.int64, len(taken)))
             out += rng.choice(self.ids, size - len(out), replace=False, p=mass / mass.sum()).tolist()
         return np.array(out, dtype=np.int64)
 
