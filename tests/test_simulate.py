@@ -570,13 +570,13 @@ def two_sequence_trace() -> Trace:
 
 
 def test_nodes_drafted_is_read_from_each_sequences_own_trees():
-    # chain:1 drafts one level everywhere: sequence 0 at position 0 has root + A + B within one
+    # eagle3:60:1 drafts one level everywhere: sequence 0 at position 0 has root + A + B within one
     # level (3 nodes), at position 2 root + 50 (2); sequence 1's only tree has root + 35 (2), not
-    # the 3 of sequence 0's position-0 tree
+    # the 3 of sequence 0's position-0 tree (a chain drafts a node per level whatever the tree)
     trace = two_sequence_trace()
     prep = prepare("two", trace, trace.true_experts)
     for compiled in (True, False):
-        log = replay(prep, make_policy("chain:1"), ExpertCache(1, 4, capacity=1, expert_bytes=1000), HAND_COST,
+        log = replay(prep, make_policy("eagle3:60:1"), ExpertCache(1, 4, capacity=1, expert_bytes=1000), HAND_COST,
                      compiled=compiled)
         c = log.columns
         assert c["sequence"].tolist() == [0, 0, 1] and c["position"].tolist() == [0, 2, 0]
