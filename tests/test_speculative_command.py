@@ -757,6 +757,21 @@ def test_bad_options_are_one_clear_error(checkpoint, args, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_an_unreadable_acceptance_trace_is_named_before_the_model_loads_or_a_profile_is_measured(checkpoint, tmp_path,
+                                                                                                  monkeypatch):
+    import specfit.runtime.loader as loader
+
+    garbled = tmp_path / "garbled.parquet"
+    garbled.write_bytes(b"not a parquet file")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    loaded = []
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: loaded.append(a) or pytest.fail("model loaded"))
+    result = decode(checkpoint, "--policy", "eagle3:12:3", "--acceptance", str(garbled))
+    assert result.exit_code == 2, result.output
+    assert str(garbled) in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not loaded and not (tmp_path / "cache").exists()
+
+
 @pytest.mark.parametrize("mode, eviction, capacity", [("per_layer", "lru", 3), ("per_layer", "lfu", 3),
                                                        ("global", "lru", 10), ("global", "lfu", 10)])
 def test_a_live_run_and_a_replay_of_its_trace_count_the_same_hits_misses_and_bytes(checkpoint, tmp_path, mode,

@@ -506,6 +506,8 @@ def _load(plan: DecodePlan, say) -> _Inputs:
                                f"({config.max_position_embeddings})")
     # the drafter's config is checked against the target's before any weight is read
     capture = drafter_capture_layers(plan.drafter_dir, config) if plan.drafter_dir is not None else None
+    # a trace it cannot read or learn from is named before the model loads and a profile is measured
+    calibrator = _acceptance_calibrator(plan.acceptance_trace) if plan.acceptance_trace else None
 
     say(f"loading {plan.model_dir}")
     model = load_model(plan.model_dir, device=device, dtype=dtype, cache_experts=plan.cache_experts,
@@ -515,7 +517,6 @@ def _load(plan: DecodePlan, say) -> _Inputs:
         raise SpecFitError(f"--tree-top-k: expected at most the drafter's vocabulary, {drafter.config.draft_vocab_size} "
                            f"tokens ({plan.drafter_dir}), got {plan.tree_top_k}")
     profile, profile_path, notes = _profile(plan, model, say)
-    calibrator = _acceptance_calibrator(plan.acceptance_trace) if plan.acceptance_trace else None
     fitted = _fitted_predictor(plan, model) if plan.predictor_trace else None
     return _Inputs(tokenizer, prompts, model, drafter, profile, profile_path, notes, calibrator, fitted)
 
