@@ -251,7 +251,9 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
             os.close(fd)
         write(tmp)
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report is for others to read
+        _fsync(tmp)                       # the data on disk before the name: a crash never leaves an empty file
         os.replace(tmp, path)
+        _fsync(path.parent, directory=True)
     except OSError as exc:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
@@ -264,6 +266,19 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> Path:
             Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _fsync(path, directory: bool = False) -> None:
+    """Flush ``path``'s data (a directory's: its entries) to the disk. A file system that cannot
+    sync a directory (some network ones refuse) leaves the rename as durable as it makes it."""
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not directory:
+            raise
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager

@@ -24,6 +24,25 @@ def test_atomic_write_leaves_only_the_file_after_success(tmp_path):
     assert (tmp_path / "a.json").read_text() == "[1]"
 
 
+def test_atomic_write_syncs_the_data_before_the_rename_and_the_folder_after(tmp_path, monkeypatch):
+    """A crash between the rename and the kernel's write-back must not leave an empty file under
+    the name: the temporary file's data is synced before it is renamed, then its folder's entry."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.realpath(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(a))), real_replace(a, b)))
+    write_text_atomic(tmp_path / "a.json", "{}")
+    kinds = [e[0] for e in events]
+    assert kinds == ["fsync", "replace", "fsync"]
+    assert events[0][1] == events[1][1] != str(tmp_path / "a.json")      # the temporary file, synced
+    assert events[2][1] == os.path.realpath(tmp_path)                     # then the folder's entry
+
+
 def test_atomic_write_interrupted_by_ctrl_c_leaves_the_previous_file_and_no_temporary(tmp_path):
     target = tmp_path / "a.txt"
     target.write_text("old")
