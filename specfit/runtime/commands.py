@@ -77,7 +77,8 @@ def decode(
                                       "measured time)."),
     interleave: bool = typer.Option(False, "--interleave", help="Decode each prompt with every policy in turn (the "
                                     "order rotating) instead of policy after policy, with one expert cache for all: "
-                                    "a machine whose speed drifts then slows every policy alike."),
+                                    "a machine whose speed drifts then slows every policy alike. A replay gives each "
+                                    "policy its own cache: add --cache-per-policy to compare with one."),
     cache_per_policy: bool = typer.Option(False, "--cache-per-policy", help="With --interleave: each policy keeps its "
                                           "own expert cache across the prompts, as policy after policy would (the "
                                           "caches take turns on the device between prompts, off the clock)."),
