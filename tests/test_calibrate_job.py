@@ -61,13 +61,56 @@ def test_the_draft_level_is_the_median_of_the_levels_beyond_the_first(monkeypatc
     assert calibrate(plan).cost.draft_level_s == pytest.approx(1.5)
 
 
-# a stand-in with fewer layers than its shape scales its per-layer terms up to the full count
-def test_a_standin_of_half_the_layers_doubles_its_per_layer_terms():
+# a stand-in with fewer layers than its shape grows its per-pass terms by the layers it lacks
+def test_a_standin_of_half_the_layers_adds_the_missing_layers_not_a_second_head():
+    from specfit.calibrate.cycles import part_line
+
     profile = calibrate(CalibrationPlan(shape="tiny", layers=2, quick=True))
-    assert profile.fit["layer_scale"] == pytest.approx(2.0)
-    probed = profile.fit["probed_params"]
-    assert profile.cost.base_s == pytest.approx(probed["base_s"] * 2)
-    assert profile.cost.per_node_s == pytest.approx(probed["per_node_s"] * 2)
+    probed, rows = profile.fit["probed_params"], profile.probes["layer_parts"]
+    assert profile.fit["layers_added"] == {"dense_layer": 0, "moe_layer": 2}
+    assert {r["part"] for r in rows} == {"moe_layer"} and {r["tokens"] for r in rows} == {1, 16}
+    line = part_line(rows, "moe_layer")
+    assert line[0] > 0
+    for i, term in enumerate(("base_s", "per_node_s")):
+        assert profile.fit["depth_added_s"][term] == pytest.approx(2 * line[i])
+        assert getattr(profile.cost, term) == pytest.approx(probed[term] + 2 * line[i])
+
+
+# DeepSeek-V2's first layer is dense and a stand-in keeps it: only MoE layers are missing
+def test_a_deepseek_standin_adds_only_its_missing_moe_layers():
+    from specfit.costmodel import CostModel
+
+    rows = [{"part": "moe_layer", "tokens": 1, "seconds": 1.1e-3}, {"part": "moe_layer", "tokens": 16, "seconds": 2.6e-3},
+            {"part": "dense_layer", "tokens": 1, "seconds": 2.02e-3},
+            {"part": "dense_layer", "tokens": 16, "seconds": 2.32e-3}]
+    probed = CostModel(base_s=10e-3, per_node_s=1e-3, hit_s=1e-4, miss_s=1e-3, draft_level_s=5e-4)
+    cost, info = calibrate_job.scale_to_depth(probed, rows, shape_config("deepseek-v2-lite", 4),
+                                              shape_config("deepseek-v2-lite"))
+    # an MoE layer 1 ms + 0.1 ms a token; 23 of the 26 are missing, the one dense layer is there
+    assert info["layers_added"] == {"dense_layer": 0, "moe_layer": 23}
+    assert info["layer_lines_s"]["moe_layer"] == {"base_s": pytest.approx(1e-3), "per_node_s": pytest.approx(0.1e-3)}
+    assert cost.base_s == pytest.approx(10e-3 + 23 * 1e-3)
+    assert cost.per_node_s == pytest.approx(1e-3 + 23 * 0.1e-3)
+    assert (cost.hit_s, cost.miss_s, cost.draft_level_s) == (probed.hit_s, probed.miss_s, probed.draft_level_s)
+
+
+def test_a_deepseek_shaped_standin_times_an_moe_layer_without_its_experts(monkeypatch):
+    from specfit.calibrate import standin
+    from specfit.calibrate.cycles import part_line
+
+    small = {**standin.SHAPE_CONFIGS["deepseek-v2-lite"], "vocab_size": 512, "hidden_size": 64,
+             "num_hidden_layers": 6, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "intermediate_size": 128, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+             "v_head_dim": 16, "num_attention_heads": 2, "num_key_value_heads": 2}
+    monkeypatch.setitem(standin.SHAPE_CONFIGS, "small-deepseek", small)
+    profile = calibrate(CalibrationPlan(shape="small-deepseek", layers=3, quick=True))
+    probed, rows = profile.fit["probed_params"], profile.probes["layer_parts"]
+    assert profile.fit["layers_added"] == {"dense_layer": 0, "moe_layer": 3}
+    assert {r["part"] for r in rows} == {"moe_layer", "dense_layer"}
+    moe = part_line(rows, "moe_layer")
+    assert moe[0] > 0
+    assert profile.cost.base_s == pytest.approx(probed["base_s"] + 3 * moe[0])
+    assert profile.cost.per_node_s == pytest.approx(probed["per_node_s"] + 3 * moe[1])
 
 
 def test_a_refit_leaves_out_the_online_models_own_update(tmp_path):

@@ -10,8 +10,8 @@ when they say the machine was busy. The fit is physical (:mod:`specfit.calibrate
 never costs less than a hit, and a term the passes cannot identify is held at what the direct
 probes measured (a hit: one resident expert; a transfer: one expert's copy; a node: the slope of
 the star-tree passes, :func:`~specfit.calibrate.cycles.star_node_cost`). A stand-in model with fewer layers than the
-named shape gives per-layer costs, so ``base_s`` and ``per_node_s`` (which grow with the layer
-count) are scaled to the full depth; the scaling is recorded in the profile.
+named shape lacks whole layers, so ``base_s`` and ``per_node_s`` grow by those layers' time, each
+kind of layer timed on its own (:func:`scale_to_depth`); what was added is recorded in the profile.
 """
 
 from __future__ import annotations
@@ -27,14 +27,16 @@ import torch
 
 from ..costmodel import PARAM_NAMES
 from ..errors import SpecFitError, check_seed
-from .cycles import cycles_features, probe_cycles, probe_draft, probe_drafter_levels, probe_trees, star_node_cost
+from .cycles import (cycles_features, part_line, probe_cycles, probe_draft, probe_drafter_levels, probe_trees,
+                     probe_layer_parts, star_node_cost)
 from .fit import CycleTimeFitter, prediction_errors
 from .probes import MEASURES, fit_h2d, probe_expert_compute, probe_h2d
 from .profile import ModelShape, Profile, machine_info
 from .repeat import busy_warnings, machine_noise, repeat_rounds
 
 __all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "run_shape", "check_dtype",
-           "default_profile_path", "planned_profile_path", "cached_profile_path", "RUN_CYCLE_COLUMNS", "probe_prior"]
+           "default_profile_path", "planned_profile_path", "cached_profile_path", "RUN_CYCLE_COLUMNS", "probe_prior",
+           "scale_to_depth"]
 
 # what `specfit decode --out` writes per cycle (cycles.parquet) and a refit reads
 RUN_CYCLE_COLUMNS = ("draft_levels", "nodes_verified", "hits", "misses", "measured_time_s")
@@ -296,9 +298,12 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> 
     fitter = CycleTimeFitter(seed=plan.seed, fixed={"draft_level_s": draft_level_s}, prior=prior).fit(
         X, y, source="cycle probes")
     cost = fitter.cost_model(expert_bytes=full.expert_bytes)
-    layer_scale = full.n_layers / probed.n_layers
-    if layer_scale != 1:
-        cost = cost.replace(base_s=cost.base_s * layer_scale, per_node_s=cost.per_node_s * layer_scale)
+    part_rows, depth = [], {"layers_added": {"dense_layer": 0, "moe_layer": 0}}
+    if full.n_layers != probed.n_layers:          # a stand-in of fewer layers than its shape
+        from .standin import shape_config
+
+        part_rows = probe_layer_parts(model)
+        cost, depth = scale_to_depth(cost, part_rows, c, shape_config(plan.shape))
     predicted = fitter.predict(X)
     pinned = device.type == "cuda"
     fit_info = {
@@ -307,7 +312,7 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> 
                   "miss_s = hit_s + transfer_s >= hit_s), draft_level_s fixed from the draft probe, terms the "
                   "passes cannot identify held at the expert-compute, H2D and star-tree probes' values",
         "probed_params": dict(zip(PARAM_NAMES, map(float, fitter.params_))),
-        "layer_scale": layer_scale,
+        **depth,
         "h2d": fit_h2d(h2d_rows, pinned=pinned if device.type == "cuda" else None),
         "h2d_pageable": fit_h2d(h2d_rows, pinned=False) if device.type == "cuda" else None,
         "seconds": time.perf_counter() - started,
@@ -320,8 +325,28 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> 
         cost=cost, shape=full, kind="measured",
         source=f"specfit calibrate on {machine['device_name']} ({probed.name})", machine=machine, fit=fit_info,
         probes={"h2d": h2d_rows, "expert_compute": compute_rows, "cycles": cycle_rows, "draft": draft_rows,
+                "layer_parts": part_rows,
                 "probed_shape": probed.to_dict(), "dtype": str(dtype).replace("torch.", ""), "measures": MEASURES},
     )
+
+
+def scale_to_depth(cost, part_rows: list[dict], probed, full) -> tuple:
+    """(cost model, what was added) of a stand-in with config ``probed`` at the depth of ``full``.
+
+    The stand-in's passes already hold the head and its own layers, so ``base_s`` and
+    ``per_node_s`` grow by the layers it lacks, each timed on its own (``part_rows``:
+    :func:`~specfit.calibrate.cycles.probe_layer_parts`). Multiplying the terms by the ratio of MoE
+    layers instead scaled the head and the dense layer with them: twice the full model's base for
+    a 4-layer DeepSeek-V2-Lite stand-in on a CPU, 4.4 times for a 2-layer one."""
+    kinds = {"dense_layer": lambda c: c.n_layers - c.n_moe_layers, "moe_layer": lambda c: c.n_moe_layers}
+    missing = {part: count(full) - count(probed) for part, count in kinds.items()}
+    lines = {part: part_line(part_rows, part) for part in kinds}
+    added = {term: sum(n * lines[part][i] for part, n in missing.items())
+             for i, term in enumerate(("base_s", "per_node_s"))}
+    info = {"layers_added": missing,
+            "layer_lines_s": {part: {"base_s": line[0], "per_node_s": line[1]} for part, line in lines.items()},
+            "depth_added_s": added}
+    return cost.replace(**{term: getattr(cost, term) + s for term, s in added.items()}), info
 
 
 def probe_prior(compute_rows: list[dict], h2d_rows: list[dict], expert_bytes: int, pinned: bool) -> dict:

@@ -10,7 +10,8 @@ on a noisy machine often lands on ``per_node_s = 0``. So each cache size also ge
 size (up to twice the largest random tree), which measure the cost of a node with the experts held
 fixed: their slope per node (:func:`star_node_cost`) is also the value the fit holds ``per_node_s``
 at when the passes together cannot identify it. ``probe_draft`` times one draft level of an
-EAGLE-3-shaped drafter layer over a frontier of ``width`` nodes.
+EAGLE-3-shaped drafter layer over a frontier of ``width`` nodes. ``probe_layer_parts`` times the
+layers a stand-in with fewer layers than its shape lacks.
 """
 
 from __future__ import annotations
@@ -24,14 +25,14 @@ import torch.nn.functional as F
 from ..errors import SpecFitError
 from ..experts.cache import ExpertCache
 from ..runtime.decoder import check_finite_logits, device_now
-from ..runtime.devices import free_device_bytes
-from ..runtime.model import MoETransformer, causal_mask
+from ..runtime.devices import free_device_bytes, to_host
+from ..runtime.model import MoETransformer, causal_mask, routing_plan
 from ..runtime.offload import ExpertOffload
 from ..tree import DraftTree
 from .probes import median_time_s
 
 __all__ = ["random_tree", "star_tree", "probe_trees", "star_node_cost", "probe_cycles", "fit_capacities",
-           "PROBE_RESERVE_BYTES", "probe_draft", "probe_drafter_levels", "cycles_features"]
+           "PROBE_RESERVE_BYTES", "probe_draft", "probe_drafter_levels", "cycles_features", "probe_layer_parts", "part_line"]
 
 
 def random_tree(rng: np.random.Generator, n_nodes: int, vocab_size: int, max_depth: int = 8) -> DraftTree:
@@ -192,6 +193,53 @@ def cycles_features(rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
     X = CostModel.features([r["draft_levels"] for r in rows], [r["n_nodes"] for r in rows],
                            [r["hits"] for r in rows], [r["misses"] for r in rows])
     return X, np.array([r["seconds"] for r in rows], dtype=np.float64)
+
+
+@torch.inference_mode()
+def probe_layer_parts(model: MoETransformer, token_counts=(1, 16), context_len: int = 64,
+                      repeats: int = 7) -> list[dict]:
+    """Time one layer of each kind a pass over ``n`` new tokens runs: an MoE layer without its
+    routed experts (attention, norms, the router with its host synchronisation, a shared expert;
+    the routed experts are the profile's hits and misses) and, where the model has one, a dense
+    layer (DeepSeek-V2's first). A stand-in with fewer layers than its shape lacks whole layers
+    of these kinds and nothing else (:func:`~specfit.calibrate.calibrate_job.scale_to_depth`).
+    Rows: ``part`` (``moe_layer`` or ``dense_layer``), ``tokens``, ``seconds``."""
+    device = model.device
+    model.setup_kv_cache(max(model.max_seq_len, context_len + max(token_counts)))
+    moe = next(layer for layer in model.layers if layer.moe is not None)
+    dense = next((layer for layer in model.layers if layer.moe is None), None)
+
+    def moe_without_experts(x, cos, sin, mask):
+        x = x + moe.self_attn(moe.input_layernorm(x), cos, sin, context_len, mask)
+        h = moe.post_attention_layernorm(x)
+        _, expert_ids = moe.moe.route(h)
+        routing_plan(to_host(expert_ids))
+        return x + moe.shared_expert(h) if moe.shared_expert is not None else x
+
+    rows = []
+    for n in token_counts:
+        positions = torch.arange(context_len, context_len + n, device=device)
+        mask = model._additive_mask(torch.ones(n, context_len + n, dtype=torch.bool, device=device), positions,
+                                    context_len)
+        cos, sin = model.rotary.cos_sin(positions, torch.float32 if model.config.mla else model.dtype)
+        x = model.embed_tokens(torch.zeros(n, dtype=torch.long, device=device))
+        parts = {"moe_layer": lambda: moe_without_experts(x, cos, sin, mask)}
+        if dense is not None:
+            parts["dense_layer"] = lambda: dense(x, cos, sin, context_len, mask)
+        for part, run in parts.items():
+            rows.append({"part": part, "tokens": int(n), "seconds": median_time_s(run, device, repeats)})
+    return rows
+
+
+def part_line(rows: list[dict], part: str) -> tuple[float, float]:
+    """(seconds at no token, seconds per token) of one part of :func:`probe_unscaled_parts`: the
+    line through its smallest and largest token count, clipped at 0; (0, 0) where it was not timed."""
+    points = sorted((r["tokens"], r["seconds"]) for r in rows if r["part"] == part)
+    if not points:
+        return 0.0, 0.0
+    (n0, t0), (n1, t1) = points[0], points[-1]
+    per_token = max((t1 - t0) / (n1 - n0), 0.0) if n1 > n0 else 0.0
+    return max(t0 - per_token * n0, 0.0), per_token
 
 
 @torch.inference_mode()
