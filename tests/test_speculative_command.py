@@ -772,6 +772,19 @@ def test_an_unreadable_acceptance_trace_is_named_before_the_model_loads_or_a_pro
     assert not loaded and not (tmp_path / "cache").exists()
 
 
+def test_an_acceptance_trace_of_another_model_is_refused_before_the_model_loads(checkpoint, monkeypatch):
+    """The calibration learns how often the trace's target accepted its drafter's tokens: another
+    model's trace would price this model's trees with that model's acceptance."""
+    import specfit.runtime.loader as loader
+    from trace_helpers import SAMPLE_QWEN3
+
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("model loaded"))
+    result = decode(checkpoint, "--policy", "specfit", "--profile", "pcie4", "--acceptance", str(SAMPLE_QWEN3))
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert f"--acceptance {SAMPLE_QWEN3}: 48 MoE layers x 128 experts, top-8" in result.stderr, result.stderr
+    assert "a trace of another model" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
 @pytest.mark.parametrize("mode, eviction, capacity", [("per_layer", "lru", 3), ("per_layer", "lfu", 3),
                                                        ("global", "lru", 10), ("global", "lfu", 10)])
 def test_a_live_run_and_a_replay_of_its_trace_count_the_same_hits_misses_and_bytes(checkpoint, tmp_path, mode,

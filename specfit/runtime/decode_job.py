@@ -507,7 +507,7 @@ def _load(plan: DecodePlan, say) -> _Inputs:
     # the drafter's config is checked against the target's before any weight is read
     capture = drafter_capture_layers(plan.drafter_dir, config) if plan.drafter_dir is not None else None
     # a trace it cannot read or learn from is named before the model loads and a profile is measured
-    calibrator = _acceptance_calibrator(plan.acceptance_trace) if plan.acceptance_trace else None
+    calibrator = _acceptance_calibrator(plan.acceptance_trace, config) if plan.acceptance_trace else None
 
     say(f"loading {plan.model_dir}")
     model = load_model(plan.model_dir, device=device, dtype=dtype, cache_experts=plan.cache_experts,
@@ -648,11 +648,26 @@ def _profile(plan: DecodePlan, model, say):
     return profile, path, notes
 
 
-def _acceptance_calibrator(trace_path: Path):
+def _check_trace_model(option: str, path, trace, config) -> None:
+    """A trace of another model (MoE shape or vocabulary) is refused: what is learned from it, its
+    experts or how often its target accepted its drafter's tokens, is that model's."""
+    have = (config.n_moe_layers, config.n_experts, config.top_k)
+    vocab = trace.model.get("vocab_size")        # older and imported traces may not record it
+    if (trace.n_layers, trace.n_experts, trace.top_k) != have or vocab not in (None, config.vocab_size):
+        theirs, ours = ("", "") if vocab is None else (f", {vocab} tokens", f", {config.vocab_size} tokens")
+        raise SpecFitError(f"{option} {path}: {trace.n_layers} MoE layers x {trace.n_experts} experts, top-"
+                           f"{trace.top_k}{theirs}; the model has {have[0]} x {have[1]}, top-{have[2]}{ours}: a "
+                           f"trace of another model")
+
+
+def _acceptance_calibrator(trace_path: Path, config):
+    """The calibrator fitted on ``trace_path``'s verdicts: how often this model accepted its
+    drafter's tokens, so a trace of another model is refused."""
     from ..experts.calibration import AcceptanceCalibrator
     from ..traces.format import read_trace
 
     trace = read_trace(trace_path, weights=False)
+    _check_trace_model("--acceptance", trace_path, trace, config)
     calibrator = AcceptanceCalibrator().fit(trace)
     if calibrator.n_edges_ == 0:
         raise SpecFitError(f"--acceptance {trace_path}: the trace has no draft node whose parent's verdict is known")
@@ -666,11 +681,7 @@ def _fitted_predictor(plan, model):
 
     path = plan.predictor_trace
     trace = read_trace(path, weights=False)
-    config = model.config
-    have = (config.n_moe_layers, config.n_experts, config.top_k)
-    if (trace.n_layers, trace.n_experts, trace.top_k) != have:
-        raise SpecFitError(f"--predictor-trace {path}: {trace.n_layers} MoE layers x {trace.n_experts} experts, top-"
-                           f"{trace.top_k}; the model has {have[0]} x {have[1]}, top-{have[2]}: a trace of another model")
+    _check_trace_model("--predictor-trace", path, trace, model.config)
     recording = trace.meta.get("recording", {})
     if plan.predictor in recording.get("unfittable_predictors", []):
         raise SpecFitError(f"--predictor-trace {path}: its token ids are {recording.get('token_ids', 'unknown')}; "
