@@ -261,6 +261,18 @@ def test_cli_table_and_bad_input(tmp_path):
     assert r.exit_code == 2 and "p.json" in r.output
 
 
+def test_predictor_router_without_model_is_refused_before_any_trace_is_read(tmp_path, monkeypatch):
+    import specfit.traces.format as trace_format
+
+    garbled = tmp_path / "garbled.parquet"
+    garbled.write_bytes(b"not a parquet file")
+    monkeypatch.setattr(trace_format, "read_trace", lambda *a, **k: pytest.fail("trace read"))
+    r = CliRunner().invoke(app, ["simulate", "--trace", str(garbled), "--predictor", "router"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.output.strip() == ("error: --predictor router: needs the target's weights; pass --model DIR (the "
+                                "trace's model)")
+
+
 # --------------------------------------------------------------------------- levers in the replay
 def test_hand_trace_chain1_prefetch_copies_the_roots_expert_while_drafting():
     # a draft level of 1 s carries 1 / 0.49 = 2.04 transfers: before level 1 of each cycle the

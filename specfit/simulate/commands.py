@@ -130,13 +130,14 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     from ..calibrate.profile import ModelShape
     from ..experts.cache import ExpertCache
     from ..traces.format import read_trace
-    from .prepared import check_position_indexed
+    from .prepared import check_position_indexed, check_router_model
     from .replay import prepare_trace
     from .scenarios import build_scenario, check_replay_options, unique_names
     from .sweep import check_policies, run_sweep
     from .whatif import parse_overrides
 
     check_replay_options(predictor, acceptance, cache_mode, cache_policy)
+    check_router_model(predictor, model_dir)
     check_policies(policies, max_levels)
     overrides = parse_overrides(cost_text)
     console = Console(stderr=True)

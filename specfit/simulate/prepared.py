@@ -18,7 +18,7 @@ from ..errors import SpecFitError
 from ..traces.format import Trace
 from ..tree import DraftTree, bad_path_probs
 
-__all__ = ["PreparedTrace", "prepare", "prepare_trace", "check_position_indexed"]
+__all__ = ["PreparedTrace", "prepare", "prepare_trace", "check_position_indexed", "check_router_model"]
 
 
 @dataclass(eq=False)
@@ -283,6 +283,13 @@ def _slots_right(predicted: np.ndarray, true: np.ndarray, draft: np.ndarray) -> 
     return int(total), int(right)
 
 
+def check_router_model(predictor: str, model_dir) -> None:
+    """``predictor="router"`` reads the target's routers from ``model_dir``: without one it is one
+    error, which a command gives with its other option checks (before any trace is read)."""
+    if predictor == "router" and model_dir is None:
+        raise SpecFitError("--predictor router: needs the target's weights; pass --model DIR (the trace's model)")
+
+
 def prepare_trace(name: str, trace: Trace, predictor: str = "oracle", acceptance: str = "calibrated",
                   model_dir=None) -> PreparedTrace:
     """:func:`prepare` with the experts of ``predictor`` and, for ``acceptance="calibrated"``, path
@@ -292,6 +299,7 @@ def prepare_trace(name: str, trace: Trace, predictor: str = "oracle", acceptance
     from ..experts.predictors import cross_predict, parse_predictor
 
     parse_predictor(predictor)
+    check_router_model(predictor, model_dir)
     if acceptance not in ("calibrated", "raw"):
         raise SpecFitError(f"--acceptance: expected calibrated or raw, got {acceptance!r}")
     unfittable = trace.meta.get("recording", {}).get("unfittable_predictors", [])
@@ -300,8 +308,6 @@ def prepare_trace(name: str, trace: Trace, predictor: str = "oracle", acceptance
                            f"{trace.meta['recording'].get('token_ids', 'unknown')}); use oracle, parent or recorded")
     probs = cross_calibrate(trace) if acceptance == "calibrated" else None
     if predictor == "router":
-        if model_dir is None:
-            raise SpecFitError("--predictor router: needs the target's weights; pass --model DIR (the trace's model)")
         from ..runtime.loader import load_router
 
         router = load_router(model_dir)
