@@ -56,6 +56,13 @@ def test_a_profile_jsons_digest_is_part_of_its_cells_identity():
     assert a["pcie4"] == b["pcie4"] and a["mine.json"] != b["mine.json"]
 
 
+# a/profile.json and b/profile.json would both be labelled "profile": one profile in the results
+def test_profiles_of_the_same_name_in_two_folders_are_refused():
+    with pytest.raises(SpecFitError, match=r"spec.toml: field 'profiles': a/profile.json, b/profile.json would all "
+                                           r"be labelled 'profile' in the results"):
+        spec_of(profiles=["pcie4", "a/profile.json", "b/profile.json"])
+
+
 # each link speed gets its own cost model
 def test_each_h2d_scale_replays_under_its_own_cost_model():
     spec = spec_of(h2d_scale=[1, 2], cache_experts=[0], policies=["ar"])

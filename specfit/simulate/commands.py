@@ -60,10 +60,12 @@ def simulate_command(
 ) -> None:
     """Replay traces through every policy with the same cache and cost model, and compare."""
 
+    from .scenarios import distinct_labels
+
     try:
         check_run_dir(out, "simulate", files=SIMULATE_FILES)
         cycles, summary = _simulate(_distinct_files("--trace", traces),
-                                    _distinct_labels(_distinct("--profile", _split(profiles, "--profile", "profile"))),
+                                    distinct_labels(_distinct("--profile", _split(profiles, "--profile", "profile"))),
                                     _distinct("--policies", _split([policies], "--policies", "policy")),
                                     _distinct("--cache-experts", _parse_sizes(cache_experts)), predictor,
                                     acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json,
@@ -87,20 +89,6 @@ def _distinct(option: str, values: list) -> list:
     if repeated:
         raise SpecFitError(f"{option}: lists {', '.join(repeated)} twice; expected distinct values")
     return values
-
-
-def _distinct_labels(profiles: list[str]) -> list[str]:
-    """``profiles`` when no two share the label their rows carry (a profile file's name without
-    ``.json``, a preset's name): ``a/prof.json`` and ``b/prof.json`` would be one profile in the results."""
-    from .scenarios import scenario_label
-
-    labels = [scenario_label(p, 1.0, {}) for p in profiles]
-    same = next((label for label in labels if labels.count(label) > 1), None)
-    if same is not None:
-        named = [p for p, label in zip(profiles, labels) if label == same]
-        raise SpecFitError(f"--profile: {', '.join(named)} would all be labelled {same!r} in the results; expected "
-                           f"profiles with distinct names (rename a file)")
-    return profiles
 
 
 def _distinct_files(option: str, paths: list[Path]) -> list[Path]:

@@ -231,7 +231,7 @@ def check_axis_values(axes: dict, source: str) -> None:
 def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec:
     """A :class:`SweepSpec` from the spec's parsed mapping; relative paths are relative to ``base``."""
     from ..traces.synth import WORKLOADS
-    from .scenarios import check_replay_options
+    from .scenarios import check_replay_options, distinct_labels
     from .sweep import check_policies
     from .whatif import parse_overrides
 
@@ -250,6 +250,8 @@ def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec
             raise SpecFitError(f"{source}: field {key!r} must be a {kind.__name__}, got {value!r}")
         scalars[key] = value
     check_axis_values(axes, source)
+    # a sweep's rows carry the label simulate gives the same profile: two alike would be one profile
+    distinct_labels(axes["profiles"], "--profile" if source == "plan" else f"{source}: field 'profiles'")
     try:
         parse_overrides(scalars["cost"])
         check_policies(axes["policies"], max(axes["max_levels"]))

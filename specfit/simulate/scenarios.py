@@ -12,7 +12,7 @@ from pathlib import Path
 from ..errors import SpecFitError
 from .sweep import Scenario
 
-__all__ = ["check_replay_options", "build_scenario", "scenario_label", "unique_names", "link_gbps"]
+__all__ = ["check_replay_options", "distinct_labels", "build_scenario", "scenario_label", "unique_names", "link_gbps"]
 
 
 def check_replay_options(predictor: str, acceptance: str, cache_mode: str, cache_policy: str,
@@ -45,6 +45,19 @@ def scenario_label(profile_spec: str, h2d_scale: float, overrides: dict[str, flo
     label += f" x{h2d_scale:g} H2D" if h2d_scale != 1.0 else ""
     label += " (" + ",".join(f"{k}={v:g}" for k, v in overrides.items()) + ")" if overrides else ""
     return label
+
+
+def distinct_labels(profiles: list[str], where: str = "--profile") -> list[str]:
+    """``profiles`` when no two share the label their rows carry (a profile file's name without
+    ``.json``, a preset's name): ``a/prof.json`` and ``b/prof.json`` would be one profile in the
+    results. ``where``: the option or spec field the error names."""
+    labels = [scenario_label(p, 1.0, {}) for p in profiles]
+    same = next((label for label in labels if labels.count(label) > 1), None)
+    if same is not None:
+        named = [p for p, label in zip(profiles, labels) if label == same]
+        raise SpecFitError(f"{where}: {', '.join(named)} would all be labelled {same!r} in the results; expected "
+                           f"profiles with distinct names (rename a file)")
+    return profiles
 
 
 def build_scenario(profile_spec: str, shape, h2d_scale: float = 1.0, overrides: dict[str, float] | None = None,
