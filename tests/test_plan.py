@@ -251,6 +251,27 @@ def test_plan_recommends_the_best_cell_of_its_exhaustive_grid(ray_local, tmp_pat
     assert r.exit_code == 130 and not (tmp_path / "plan" / "plan.json").exists(), r.output
 
 
+def test_plan_notes_candidates_deeper_than_the_traces_trees_as_simulate_does(ray_local, tmp_path):
+    # the sample's trees are 7 levels deep: chain:9 and eagle3:60:8 are replayed on 7 levels, with
+    # fewer nodes and less draft time than a live run of them; static:4 (3 levels) is not
+    policies = "ar,chain:9,eagle3:60:8,static:4"
+    r = CliRunner().invoke(app, ["plan", "--trace", str(SAMPLE_OLMOE), "--device-memory-gb", "4", "--profile", "pcie5",
+                                 "--policies", policies, "--cache-steps", "1", "--out", str(tmp_path / "plan"), "--json"])
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.stderr.split())
+    assert f"note: chain:9, eagle3:60:8 draft more levels than {SAMPLE_OLMOE}'s deepest tree (7)" in said, said
+    plan = json.loads(r.stdout)
+    setting = {s["policy"]: s for s in plan["settings"] if s["cache_experts"] == 0}
+    assert setting["chain:9"]["tree_tokens"] == 8 and setting["eagle3:60:8"]["tree_tokens"] == 58
+    # the same note, and the same figures, from simulate
+    r = CliRunner().invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), "--profile", "pcie5", "--policies", policies,
+                                 "--cache-experts", "0", "--json"])
+    assert r.exit_code == 0, r.output
+    assert "note: chain:9, eagle3:60:8 draft more levels" in " ".join(r.stderr.split())
+    for row in json.loads(r.stdout):
+        assert row["tokens_per_s"] == pytest.approx(setting[row["policy"]]["tokens_per_s"], rel=1e-9)
+
+
 def test_plan_for_a_model_shape_synthesises_each_workload_once(ray_local, tmp_path):
     args = ["plan", "--model-shape", "olmoe-1b-7b", "--workload", "chat,code", "--tokens", "24", "--device-memory-gb",
             "3", "--policies", "ar,specfit:4", "--cache-steps", "1", "--out", str(tmp_path / "plan"), "--json"]
@@ -301,6 +322,16 @@ def test_a_specfit_level_cap_takes_the_largest_tree_within_that_many_levels():
     assert tree_tokens("specfit:4", by_levels) == 20
     assert tree_tokens("specfit:9", by_levels) == 30     # capped at the traces' depth
     assert tree_tokens("specfit", by_levels) == 30       # no cap: the deepest
+
+
+def test_a_fixed_tree_is_sized_within_the_levels_it_drafts():
+    by_levels = np.array([1, 3, 7, 12, 20, 30])          # largest trees within 0..5 levels
+    assert tree_tokens("eagle3:16:1", by_levels) == 3    # one level holds 3 nodes, not 16
+    assert tree_tokens("eagle3:16:2", by_levels) == 7
+    assert tree_tokens("eagle3:8:3", by_levels) == 8
+    assert tree_tokens("eagle3", by_levels) == 30        # 60 nodes of 7 levels, on traces of 5
+    assert tree_tokens("static:2", by_levels) == 2       # one level: the root and its best child
+    assert tree_tokens("static:60", by_levels) == 30
 
 
 def test_a_budget_that_exactly_holds_every_expert_caches_every_expert():

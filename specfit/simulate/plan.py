@@ -34,6 +34,7 @@ __all__ = ["MemoryBudget", "MemoryModel", "dense_weight_params", "kv_bytes_per_t
            "DEFAULT_CANDIDATES", "cache_sizes", "rank_settings", "PlanResult", "run_plan", "PLAN_FILE"]
 
 PLAN_FILE = "plan.json"
+PLAN_MAX_LEVELS = 8             # the draft levels the plan's sweep caps specfit and static:N at (the grid's default)
 DEFAULT_CANDIDATES = ("ar", "chain:1", "chain:2", "chain:3", "chain:4", "static:2", "static:3", "static:4", "static:8",
                       "eagle3:8:3", "eagle3:16:4", "eagle3:32:5", "eagle3:60:7", "specfit:4", "specfit:8")
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -88,20 +89,17 @@ def _meta_model(config):
 
 
 def tree_tokens(policy: str, max_nodes_by_levels: np.ndarray) -> int:
-    """The most nodes (root included) ``policy`` verifies in a cycle; ``max_nodes_by_levels[d]``:
-    the largest tree within d levels on the traces."""
-    name, _, rest = policy.split("+")[0].partition(":")       # levers change no tree size
-    args = [int(a) for a in rest.split(":")] if rest else []
-    deepest = len(max_nodes_by_levels) - 1
-    if name == "ar":
-        return 1
-    if name == "chain":
-        return min(args[0], deepest) + 1
-    if name in ("static", "eagle3"):
-        total = args[0] if args else 60
-        return int(min(total, max_nodes_by_levels[-1]))
-    levels = args[0] if args else deepest                  # specfit[:L], oracle
-    return int(max_nodes_by_levels[min(levels, deepest)])
+    """The most nodes (root included) ``policy`` verifies in a cycle, within the levels it drafts
+    (a replay drafts no deeper than the traces); ``max_nodes_by_levels[d]``: the largest tree
+    within d levels on the traces."""
+    from ..policies import ChainPolicy, RerankPolicy, make_policy
+
+    built = make_policy(policy, PLAN_MAX_LEVELS)          # levers change no tree size
+    levels = min(built.max_levels, len(max_nodes_by_levels) - 1)
+    if isinstance(built, ChainPolicy):
+        return levels + 1
+    largest = int(max_nodes_by_levels[levels])
+    return min(built.total_nodes, largest) if isinstance(built, RerankPolicy) else largest
 
 
 @dataclass(frozen=True)
@@ -250,10 +248,13 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
              cache_steps: int = 4, predictor: str = "oracle", out_dir: Path | None = None, address: str | None = None,
              num_cpus: int | None = None, show_progress: bool = True, ctx=None) -> PlanResult:
     """Build the candidate grid for ``budget``, run it as a sweep into ``out_dir`` and rank it."""
+    from rich.console import Console
+
     from ..calibrate.presets import resolve_profile
     from ..io import write_json_atomic
     from ..runinfo import check_run_dir
     from ..traces.format import read_trace
+    from .commands import depth_note
     from .dataset import read_results
     from .distributed import execute, ray_session
     from .grid import check_axis_values, parse_spec
@@ -293,6 +294,10 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
     with ray_session(address, num_cpus) as ray:
         if not loaded:
             traces, loaded = _synthesised_traces(ray, name, workloads, tokens, out_dir / "traces")
+        for trace, path in zip(loaded, traces):
+            note = depth_note(candidates, PLAN_MAX_LEVELS, trace, path)
+            if note:              # the setting it recommends may be one of them
+                Console(stderr=True).print(note, markup=False, highlight=False)
         by_levels = _max_nodes_by_levels(loaded)
         largest_tree = max(tree_tokens(p, by_levels) for p in candidates)
         sizes = cache_sizes(memory.max_cache_experts_for(largest_tree), cache_steps)
@@ -316,8 +321,8 @@ def _check_candidates(candidates: list[str]) -> None:
     from ..policies import make_policy
     from .sweep import check_policies
 
-    check_policies(candidates, 8)
-    replay_only = [p for p in candidates if make_policy(p, max_levels=8).simulator_only]
+    check_policies(candidates, PLAN_MAX_LEVELS)
+    replay_only = [p for p in candidates if make_policy(p, max_levels=PLAN_MAX_LEVELS).simulator_only]
     if replay_only:
         raise SpecFitError(f"--policies: {replay_only} run only in a replay (simulator baselines, or the oracle that "
                            "knows the target's verdicts), not settings to deploy; name the policy a decode runs (ar, "
