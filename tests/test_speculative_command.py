@@ -945,7 +945,7 @@ def test_a_predictor_fitted_on_a_recorded_trace_decodes_losslessly(checkpoint, t
     from specfit.experts.predictors import NodeBatch, make_predictor
 
     batch = NodeBatch(trace.token[:4], np.full((4,) + trace.true_experts.shape[1:], -1))
-    assert _fitted_predictor(plan, model).predict(batch).shape == (4,) + trace.true_experts.shape[1:]
+    assert _fitted_predictor(plan, model.config).predict(batch).shape == (4,) + trace.true_experts.shape[1:]
     with pytest.raises(SpecFitError, match="not fitted"):
         make_predictor("affinity").predict(batch)
 
@@ -956,9 +956,12 @@ def test_a_predictor_fitted_on_a_recorded_trace_decodes_losslessly(checkpoint, t
     (["--predictor", "affinity", "--predictor-trace", "{other}"], "a trace of another model"),
     (["--predictor", "affinity", "--router-fixed"], "fixes the router predictor's context weight"),
 ])
-def test_a_bad_predictor_trace_is_one_line(checkpoint, tmp_path, args, message):
+def test_a_bad_predictor_trace_is_one_line(checkpoint, tmp_path, monkeypatch, args, message):
+    """Each is refused before the model loads (a trace of another model too: the fit needs the trace alone)."""
+    import specfit.runtime.loader as loader
     from trace_helpers import SAMPLE_QWEN3
 
+    monkeypatch.setattr(loader, "load_model", lambda *a, **k: pytest.fail("model loaded"))
     paths = {"trace": str(SAMPLE_QWEN3), "missing": str(tmp_path / "nope.parquet"), "other": str(SAMPLE_QWEN3)}
     result = decode(checkpoint, "--policy", "specfit", "--profile", "pcie4", *[a.format(**paths) for a in args])
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output

@@ -508,6 +508,7 @@ def _load(plan: DecodePlan, say) -> _Inputs:
     capture = drafter_capture_layers(plan.drafter_dir, config) if plan.drafter_dir is not None else None
     # a trace it cannot read or learn from is named before the model loads and a profile is measured
     calibrator = _acceptance_calibrator(plan.acceptance_trace, config) if plan.acceptance_trace else None
+    fitted = _fitted_predictor(plan, config) if plan.predictor_trace else None
 
     say(f"loading {plan.model_dir}")
     model = load_model(plan.model_dir, device=device, dtype=dtype, cache_experts=plan.cache_experts,
@@ -517,7 +518,6 @@ def _load(plan: DecodePlan, say) -> _Inputs:
         raise SpecFitError(f"--tree-top-k: expected at most the drafter's vocabulary, {drafter.config.draft_vocab_size} "
                            f"tokens ({plan.drafter_dir}), got {plan.tree_top_k}")
     profile, profile_path, notes = _profile(plan, model, say)
-    fitted = _fitted_predictor(plan, model) if plan.predictor_trace else None
     return _Inputs(tokenizer, prompts, model, drafter, profile, profile_path, notes, calibrator, fitted)
 
 
@@ -674,14 +674,15 @@ def _acceptance_calibrator(trace_path: Path, config):
     return calibrator
 
 
-def _fitted_predictor(plan, model):
-    """``plan.predictor`` fitted on ``plan.predictor_trace`` (a trace of this model)."""
+def _fitted_predictor(plan, config):
+    """``plan.predictor`` fitted on ``plan.predictor_trace``, a trace of the model of ``config``
+    (before the model loads: the fit needs the trace alone)."""
     from ..experts.predictors import make_predictor
     from ..traces.format import read_trace
 
     path = plan.predictor_trace
     trace = read_trace(path, weights=False)
-    _check_trace_model("--predictor-trace", path, trace, model.config)
+    _check_trace_model("--predictor-trace", path, trace, config)
     recording = trace.meta.get("recording", {})
     if plan.predictor in recording.get("unfittable_predictors", []):
         raise SpecFitError(f"--predictor-trace {path}: its token ids are {recording.get('token_ids', 'unknown')}; "
