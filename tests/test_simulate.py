@@ -273,6 +273,14 @@ def test_predictor_router_without_model_is_refused_before_any_trace_is_read(tmp_
                                 "trace's model)")
 
 
+def test_a_model_without_the_router_predictor_is_refused_not_ignored(tmp_path):
+    r = CliRunner().invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), "--predictor", "affinity", "--model",
+                                 str(tmp_path)])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert r.output.strip() == (f"error: --model {tmp_path}: only --predictor router reads the target's weights; "
+                                f"--predictor is affinity")
+
+
 # --------------------------------------------------------------------------- levers in the replay
 def test_hand_trace_chain1_prefetch_copies_the_roots_expert_while_drafting():
     # a draft level of 1 s carries 1 / 0.49 = 2.04 transfers: before level 1 of each cycle the

@@ -288,6 +288,9 @@ def check_router_model(predictor: str, model_dir) -> None:
     error, which a command gives with its other option checks (before any trace is read)."""
     if predictor == "router" and model_dir is None:
         raise SpecFitError("--predictor router: needs the target's weights; pass --model DIR (the trace's model)")
+    if predictor != "router" and model_dir is not None:
+        raise SpecFitError(f"--model {model_dir}: only --predictor router reads the target's weights; --predictor is "
+                           f"{predictor}")
 
 
 def prepare_trace(name: str, trace: Trace, predictor: str = "oracle", acceptance: str = "calibrated",
