@@ -263,6 +263,16 @@ def test_plan_notes_candidates_deeper_than_the_traces_trees_as_simulate_does(ray
     plan = json.loads(r.stdout)
     setting = {s["policy"]: s for s in plan["settings"] if s["cache_experts"] == 0}
     assert setting["chain:9"]["tree_tokens"] == 8 and setting["eagle3:60:8"]["tree_tokens"] == 58
+    # plan.json keeps the note and marks the settings it names, whichever it recommends
+    assert [" ".join(n.split()) for n in plan["notes"]] == [said[said.index("note: chain:9"):]]
+    assert {p: s["deeper_than_traces"] for p, s in setting.items()} == {"ar": False, "chain:9": True,
+                                                                        "eagle3:60:8": True, "static:4": False}
+    table = CliRunner().invoke(app, ["plan", "--trace", str(SAMPLE_OLMOE), "--device-memory-gb", "4", "--profile",
+                                     "pcie5", "--policies", policies, "--cache-steps", "1", "--out",
+                                     str(tmp_path / "plan"), "--top", "8"])
+    assert table.exit_code == 0, table.output
+    assert "chain:9 *" in table.stdout and "static:4 *" not in table.stdout, table.stdout
+    assert "* drafts more levels than the traces' trees hold" in " ".join(table.stdout.split())
     # the same note, and the same figures, from simulate
     r = CliRunner().invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), "--profile", "pcie5", "--policies", policies,
                                  "--cache-experts", "0", "--json"])

@@ -164,10 +164,10 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
 
 
 def depth_note(policies: list[str], max_levels: int, trace, path) -> str | None:
-    """The note for the policies of :func:`_deeper_than` on ``trace`` (None when there are none):
+    """The note for the policies of :func:`deeper_than` on ``trace`` (None when there are none):
     their replay has fewer nodes and less draft time than a live run of them."""
     depth = int(trace.depth.max())
-    shallow = _deeper_than(policies, max_levels, depth)
+    shallow = deeper_than(policies, max_levels, depth)
     if not shallow:
         return None
     return (f"note: {', '.join(shallow)} draft more levels than {path}'s deepest tree ({depth}): replayed on the "
@@ -175,7 +175,7 @@ def depth_note(policies: list[str], max_levels: int, trace, path) -> str | None:
             f"synthesising or importing a trace, decode --max-levels when recording one)")
 
 
-def _deeper_than(policies: list[str], max_levels: int, depth: int) -> list[str]:
+def deeper_than(policies: list[str], max_levels: int, depth: int) -> list[str]:
     """The fixed-depth policies (``chain:K``, ``eagle3:N:D``, ``static:N``), which live always
     draft their levels, that draft more than ``depth``."""
     from ..policies import ChainPolicy, RerankPolicy, make_policy

@@ -194,6 +194,7 @@ class PlanResult:
     cache_sizes: list = field(default_factory=list)   # cached experts per layer tried
     run: object = None
     cells: int = 0
+    notes: list = field(default_factory=list)        # the policies a trace is too shallow to replay whole
 
     @property
     def best(self) -> dict:
@@ -204,7 +205,7 @@ class PlanResult:
         clean = [{k: (v.item() if hasattr(v, "item") else v) for k, v in r.items()} for r in rows]
         return {"memory": self.memory.to_dict(), "traces": self.traces, "profile": self.profile,
                 "cache_sizes": self.cache_sizes, "cells": self.cells, "sweep": str(self.out_dir),
-                "best": clean[0], "runners_up": clean[1:top + 1], "settings": clean}
+                "best": clean[0], "runners_up": clean[1:top + 1], "settings": clean, "notes": self.notes}
 
 
 def _model_config(model_shape: str | None, trace_model: dict | None):
@@ -254,7 +255,7 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
     from ..io import write_json_atomic
     from ..runinfo import check_run_dir
     from ..traces.format import read_trace
-    from .commands import depth_note
+    from .commands import deeper_than, depth_note
     from .dataset import read_results
     from .distributed import execute, ray_session
     from .grid import check_axis_values, parse_spec
@@ -294,10 +295,13 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
     with ray_session(address, num_cpus) as ray:
         if not loaded:
             traces, loaded = _synthesised_traces(ray, name, workloads, tokens, out_dir / "traces")
+        notes, shallow = [], set()
         for trace, path in zip(loaded, traces):
             note = depth_note(candidates, PLAN_MAX_LEVELS, trace, path)
-            if note:              # the setting it recommends may be one of them
+            if note:              # the setting it recommends may be one of them: marked in the ranking
                 Console(stderr=True).print(note, markup=False, highlight=False)
+                notes.append(note)
+                shallow.update(deeper_than(candidates, PLAN_MAX_LEVELS, int(trace.depth.max())))
         by_levels = _max_nodes_by_levels(loaded)
         largest_tree = max(tree_tokens(p, by_levels) for p in candidates)
         sizes = cache_sizes(memory.max_cache_experts_for(largest_tree), cache_steps)
@@ -310,9 +314,10 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
                       extra={"plan": {**memory.to_dict(), "cache_sizes": sizes, "candidates": candidates}})
     results = read_results(out_dir)
     ranked = rank_settings(results, memory, by_levels, candidates)
+    ranked["deeper_than_traces"] = ranked["policy"].isin(shallow)
     label = scenario_label(profile, h2d_scale, {})
     result = PlanResult(memory=memory, traces=sorted(results["trace"].unique()), profile=label, ranked=ranked,
-                        out_dir=out_dir, cache_sizes=sizes, run=run, cells=len(results))
+                        out_dir=out_dir, cache_sizes=sizes, run=run, cells=len(results), notes=notes)
     write_json_atomic(out_dir / PLAN_FILE, result.to_dict())
     return result
 

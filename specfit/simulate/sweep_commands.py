@@ -175,10 +175,14 @@ def _print_plan(result, top: int) -> None:
     for col in ("", "policy", "cache/layer", "tokens/s", "vs ar", "tree tokens", "device GB", "expert cache GB"):
         table.add_column(col, justify="left" if col in ("", "policy") else "right")
     for i, row in enumerate(result.ranked.head(top + 1).itertuples()):
-        table.add_row("best" if i == 0 else f"#{i + 1}", row.policy, str(row.cache_experts), f"{row.tokens_per_s:.2f}",
+        policy = f"{row.policy} *" if row.deeper_than_traces else row.policy
+        table.add_row("best" if i == 0 else f"#{i + 1}", policy, str(row.cache_experts), f"{row.tokens_per_s:.2f}",
                       speedup_text(row.speedup_vs_ar, "–"), str(row.tree_tokens), f"{row.device_bytes / 1e9:.2f}",
                       f"{row.expert_cache_bytes / 1e9:.2f}")
     console.print(table)
+    if result.ranked.head(top + 1)["deeper_than_traces"].any():
+        console.print("* drafts more levels than the traces' trees hold: its figures are those of the levels they hold "
+                      "(the note above)")
     best = result.best
     console.print(f"recommended: [bold]{best['policy']}[/bold] with {best['cache_experts']} cached experts per layer: "
                   f"{best['tokens_per_s']:.2f} tokens/s predicted, {best['device_bytes'] / 1e9:.2f} GB of device memory "
