@@ -89,6 +89,29 @@ def test_dense_and_moe_layers_follow_each_familys_keys():
     assert layers("deepseek_v2-lite", first_k_dense_replace=0) == (0, 1, 2)
 
 
+@pytest.mark.parametrize("shape, key", [("qwen1.5-moe-a2.7b", "shared_expert_intermediate_size"),
+                                        ("deepseek-v2-lite", "n_shared_experts"), ("deepseek-v2-lite", "q_lora_rank")])
+def test_a_key_left_out_of_a_config_gets_transformers_class_default(shape, key):
+    """The model transformers builds from such a config has the default's shared expert or
+    query projection: so must ours (plan and import-routing read no weights to notice)."""
+    import transformers
+
+    from specfit.calibrate.standin import SHAPE_CONFIGS
+
+    raw = {k: v for k, v in SHAPE_CONFIGS[shape].items() if k != key}
+    ours = ModelConfig.from_dict(raw)
+    cls = transformers.Qwen2MoeConfig if shape.startswith("qwen") else transformers.DeepseekV2Config
+    theirs = cls(**{k: v for k, v in raw.items() if k != "architectures"})
+    if key == "q_lora_rank":
+        assert ours.mla.q_lora_rank == theirs.q_lora_rank == 1536
+        # given as null, there is no query compression (DeepSeek-V2-Lite's config)
+        assert ModelConfig.from_dict({**raw, key: None}).mla.q_lora_rank is None
+    elif key == "n_shared_experts":
+        assert ours.shared_expert_intermediate_size == theirs.moe_intermediate_size * theirs.n_shared_experts > 0
+    else:
+        assert ours.shared_expert_intermediate_size == theirs.shared_expert_intermediate_size > 0
+
+
 def test_qwen2_moe_shared_expert_is_resident_and_only_routed_experts_are_offloaded(model_dirs):
     model = _ours(model_dirs("qwen2_moe-mlp_only_layers"), cache_experts=N_EXPERTS)
     c = model.config

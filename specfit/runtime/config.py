@@ -230,10 +230,10 @@ class ModelConfig:
             raise SpecFitError(f"{source}: key 'num_experts_per_tok' is {top_k}, more than the {n_experts} experts "
                                f"per layer ({' / '.join(family.expert_count_keys)})")
         max_positions = get("max_position_embeddings")
-        mla = _mla_shape(source, get, n_heads, n_kv_heads) if family.model_type == "deepseek_v2" else None
+        mla = _mla_shape(source, raw, get, n_heads, n_kv_heads) if family.model_type == "deepseek_v2" else None
         head_dim = mla.qk_rope_head_dim if mla else get("head_dim", default=hidden_size // n_heads)
         moe_layers = _moe_layers(raw, source, family, n_layers, n_experts)
-        shared = _shared_expert_width(family, get)
+        shared = _shared_expert_width(family, raw, get)
         routing = _routing(raw, source, family, get, n_experts)
 
         sliding_window = get("sliding_window", default=None)
@@ -346,11 +346,19 @@ def _moe_layers(raw: dict, source: str, family: _Family, n_layers: int, n_expert
     return layers
 
 
-def _shared_expert_width(family: _Family, get) -> int:
+def _absent_as(raw: dict, key: str, default, get):
+    """``key``'s value, or transformers' class default where the config leaves the key out (a
+    key given as null stays None)."""
+    return default if key not in raw else get(key, default=None)
+
+
+def _shared_expert_width(family: _Family, raw: dict, get) -> int:
+    # a config without the key gets transformers' class default, as the model it builds would
     if family.shared_expert == "gated":
-        return get("shared_expert_intermediate_size", default=0)
+        return _absent_as(raw, "shared_expert_intermediate_size", 5632, get) or 0
     if family.shared_expert == "plain":
-        return get("moe_intermediate_size") * get("n_shared_experts", default=0)
+        # null: none (DeepSeek's own code); transformers cannot build that model at all
+        return get("moe_intermediate_size") * (_absent_as(raw, "n_shared_experts", 2, get) or 0)
     return 0
 
 
@@ -388,11 +396,11 @@ def _attention_bias(raw: dict, source: str, family: _Family) -> bool:
     return False
 
 
-def _mla_shape(source: str, get, n_heads: int, n_kv_heads: int) -> MLAShape:
+def _mla_shape(source: str, raw: dict, get, n_heads: int, n_kv_heads: int) -> MLAShape:
     if n_kv_heads != n_heads:
         raise SpecFitError(f"{source}: DeepSeek-V2 attention needs num_key_value_heads == num_attention_heads "
                            f"({n_kv_heads} != {n_heads})")
-    return MLAShape(q_lora_rank=get("q_lora_rank", default=None), kv_lora_rank=get("kv_lora_rank"),
+    return MLAShape(q_lora_rank=_absent_as(raw, "q_lora_rank", 1536, get), kv_lora_rank=get("kv_lora_rank"),
                     qk_nope_head_dim=get("qk_nope_head_dim"), qk_rope_head_dim=get("qk_rope_head_dim"),
                     v_head_dim=get("v_head_dim"))
 
