@@ -8,7 +8,7 @@ import pytest
 
 from specfit import CostModel
 from specfit.calibrate.fit import CycleTimeFitter, from_physical, prediction_errors, to_physical
-from specfit.calibrate.presets import OLMOE_1B_7B, PRESETS, QWEN3_30B_A3B, preset_profile, resolve_profile
+from specfit.calibrate.presets import MIXTRAL_8X7B, OLMOE_1B_7B, PRESETS, QWEN3_30B_A3B, preset_profile, resolve_profile
 from specfit.calibrate.profile import ModelShape, Profile, load_profile
 from specfit.errors import SpecFitError
 
@@ -188,6 +188,13 @@ def test_presets_follow_published_bandwidths():
             assert prof.kind == "preset"
             assert prof.cost.transfer_s == pytest.approx(shape.expert_bytes / (gbps * 1e9))
             assert prof.cost.miss_s == pytest.approx(prof.cost.hit_s + prof.cost.transfer_s)
+    # a hit reads the expert from HBM (~3 TB/s) after ~4.9 us of launches: 8 us for Qwen3's 9.44 MB,
+    # Mixtral's 352 MB never less than their 117 us read
+    hits = {s.name: preset_profile("pcie4", s).cost.hit_s for s in (QWEN3_30B_A3B, OLMOE_1B_7B, MIXTRAL_8X7B)}
+    assert hits["qwen3-30b-a3b"] == pytest.approx(8e-6)
+    for name, shape in (("olmoe-1b-7b", OLMOE_1B_7B), ("mixtral-8x7b", MIXTRAL_8X7B)):
+        assert hits[name] - hits["qwen3-30b-a3b"] == pytest.approx((shape.expert_bytes - QWEN3_30B_A3B.expert_bytes) / 3e12)
+    assert hits["mixtral-8x7b"] > MIXTRAL_8X7B.expert_bytes / 3e12 > 117e-6
     assert json.loads(json.dumps(preset_profile("pcie4").to_dict()))["kind"] == "preset"
     with pytest.raises(SpecFitError, match="preset"):
         resolve_profile("pcie9")

@@ -3,8 +3,8 @@
 Transfer cost of a miss = expert bytes / link bandwidth (pinned host memory):
 PCIe Gen4 ~25 GB/s, PCIe Gen5 ~50 GB/s (H100/H200 hosts), GH200 NVLink-C2C ~340 GB/s.
 The compute terms are those of an H100-class GPU running Qwen3-30B-A3B at batch size 1:
-reading one 9.44 MB bf16 expert from HBM (~3 TB/s) plus kernel launches (``hit_s``), the dense
-part of 48 layers (``base_s``), the marginal cost of one more verified token (``per_node_s``) and
+reading one expert from HBM (~3 TB/s; 9.44 MB in bf16) plus kernel launches (``hit_s``, which
+follows the shape's expert bytes like a transfer), the dense part of 48 layers (``base_s``), the marginal cost of one more verified token (``per_node_s``) and
 one EAGLE-3 draft level (``draft_level_s``). ``specfit calibrate`` replaces all of them with
 measurements of the machine at hand.
 """
@@ -35,20 +35,24 @@ PRESETS = {
     "gh200": (340.0, "GH200 NVLink-C2C, ~340 GB/s H2D (preset, not measured)"),
 }
 
-_HIT_S = 8e-6          # one resident expert for a few tokens: 9.44 MB at ~3 TB/s + launches
+_HBM_BPS = 3e12        # an H100-class GPU's HBM, ~3 TB/s
+_HIT_S = 8e-6          # one resident Qwen3 expert for a few tokens: 9.44 MB read at ~3 TB/s + launches
+_LAUNCH_S = _HIT_S - QWEN3_30B_A3B.expert_bytes / _HBM_BPS    # the launches: ~4.9 us
 _BASE_S = 5e-3         # attention + dense weights + launches of 48 layers, one token
 _PER_NODE_S = 3e-5     # one more token in the verification batch
 _DRAFT_LEVEL_S = 6e-4  # one EAGLE-3 draft level (one decoder layer + draft lm_head)
 
 
 def preset_profile(name: str, shape: ModelShape = QWEN3_30B_A3B) -> Profile:
-    """The preset ``name`` for a model of ``shape`` (the transfer term follows its expert bytes;
-    the compute terms stay those of Qwen3-30B-A3B on an H100-class GPU)."""
+    """The preset ``name`` for a model of ``shape``: a transfer and a hit follow its expert bytes
+    (a hit reads the expert from HBM: a Mixtral expert's 352 MB take 117 us there, not the 8 us of
+    Qwen3's 9.44 MB), the other compute terms stay those of Qwen3-30B-A3B on an H100-class GPU."""
     if name not in PRESETS:
         raise SpecFitError(f"profile preset {name!r}: expected one of {sorted(PRESETS)} or a profile JSON file")
     gbps, description = PRESETS[name]
     transfer_s = shape.expert_bytes / (gbps * 1e9)
-    cost = CostModel(base_s=_BASE_S, per_node_s=_PER_NODE_S, hit_s=_HIT_S, miss_s=_HIT_S + transfer_s,
+    hit_s = _LAUNCH_S + shape.expert_bytes / _HBM_BPS
+    cost = CostModel(base_s=_BASE_S, per_node_s=_PER_NODE_S, hit_s=hit_s, miss_s=hit_s + transfer_s,
                      draft_level_s=_DRAFT_LEVEL_S, expert_bytes=shape.expert_bytes)
     return Profile(cost=cost, shape=shape, kind="preset", source=name,
                    fit={"note": description, "h2d_gbps": gbps}, machine={"device": "preset", "device_name": description})
