@@ -132,3 +132,22 @@ def test_a_refit_leaves_out_the_online_models_own_update(tmp_path):
                   "measured_time_s": work + update, "update_time_s": update}).to_parquet(run / "cycles.parquet")
     profile, _ = calibrate_job.refit(Profile(cost=true, shape=ModelShape("m", 4, 16, 2, 1000)), [run])
     assert profile.cost.base_s == pytest.approx(true.base_s, rel=0.005)
+
+
+def test_a_standin_drafter_for_mla_attends_over_the_whole_width(monkeypatch):
+    """MLA's head_dim is its rotary part alone; an EAGLE-3 head is a Llama layer of the target's
+    width (DeepSeek-V2-Lite: 16 heads x 128, not x 64)."""
+    import torch
+
+    from specfit.calibrate import standin
+
+    small = {**standin.SHAPE_CONFIGS["deepseek-v2-lite"], "vocab_size": 512, "hidden_size": 64,
+             "num_hidden_layers": 2, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "intermediate_size": 128, "kv_lora_rank": 16, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+             "v_head_dim": 16, "num_attention_heads": 2, "num_key_value_heads": 2}
+    monkeypatch.setitem(standin.SHAPE_CONFIGS, "small-deepseek", small)
+    config = shape_config("small-deepseek")
+    assert config.head_dim == 8
+    model = standin.random_model(config, torch.device("cpu"), torch.float32)
+    drafter = standin.random_drafter(model, draft_vocab_size=64)
+    assert drafter.config.head_dim * drafter.config.num_attention_heads == 64

@@ -2,8 +2,8 @@
 checkpoint is downloaded (``specfit calibrate --shape qwen3-30b-a3b --layers 4``).
 
 A stand-in has the real layer shapes (hidden size, heads, experts, expert width, vocabulary) and
-fewer layers; its per-layer costs are the real ones, and the cost model's per-layer terms scale
-with the layer count (:func:`scale_layers`). Routing of random weights is near-uniform, which is
+fewer layers; its per-layer costs are the real ones, and the cost model's per-pass terms grow by
+the timed cost of the layers it lacks (:func:`~specfit.calibrate.calibrate_job.scale_to_depth`). Routing of random weights is near-uniform, which is
 what the probes want: many distinct experts per pass, so hits and misses both vary.
 """
 
@@ -142,9 +142,12 @@ def random_drafter(model: MoETransformer, draft_vocab_size: int = 32000, seed: i
     from ..runtime.eagle3 import Eagle3Config, Eagle3Drafter
 
     c = model.config
+    # an EAGLE-3 head attends like a Llama layer; MLA's head_dim is only its rotary part (64 of
+    # DeepSeek-V2-Lite's 128), which would make the drafter's attention half as wide
+    head_dim = c.hidden_size // c.n_heads if c.mla else c.head_dim
     config = Eagle3Config(hidden_size=c.hidden_size, target_hidden_size=c.hidden_size, vocab_size=c.vocab_size,
                           draft_vocab_size=min(draft_vocab_size, c.vocab_size), num_attention_heads=c.n_heads,
-                          num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, intermediate_size=3 * c.hidden_size,
+                          num_key_value_heads=c.n_kv_heads, head_dim=head_dim, intermediate_size=3 * c.hidden_size,
                           aux_hidden_state_layer_ids=tuple(model.capture_layers), dtype=str(model.dtype).removeprefix("torch."))
     drafter = Eagle3Drafter(config, target_embed=model.embed_tokens.weight)
     drafter.init_weights(seed)
