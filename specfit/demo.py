@@ -76,8 +76,11 @@ class DemoPlan:
 
 def whatif_scenarios(trace, presets=("pcie4", "pcie5", "gh200")):
     """Cost models for replaying a small model's trace as if it ran at Qwen3-30B-A3B scale: the
-    preset's per-expert costs as they are (a miss moves one 9.44 MB expert), the per-layer terms
-    scaled from 48 layers to the trace's."""
+    preset's per-expert costs as they are (a miss moves one 9.44 MB expert) and every per-pass
+    term, the draft level's too, times the trace's layers / 48. A cycle then costs 1/12 (for 4
+    layers) of a 48-layer Qwen3 cycle whose every layer routes like the trace's: the policies
+    compare as on that model. Left at a whole EAGLE-3 level, drafting would be priced as for a
+    4-layer Qwen3, a model with the drafter of one 12 times its depth."""
     from .calibrate.presets import QWEN3_30B_A3B, preset_profile
     from .simulate.sweep import Scenario
 

@@ -232,7 +232,7 @@ def probe_layer_parts(model: MoETransformer, token_counts=(1, 16), context_len: 
 
 
 def part_line(rows: list[dict], part: str) -> tuple[float, float]:
-    """(seconds at no token, seconds per token) of one part of :func:`probe_unscaled_parts`: the
+    """(seconds at no token, seconds per token) of one part of :func:`probe_layer_parts`: the
     line through its smallest and largest token count, clipped at 0; (0, 0) where it was not timed."""
     points = sorted((r["tokens"], r["seconds"]) for r in rows if r["part"] == part)
     if not points:
