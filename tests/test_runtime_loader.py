@@ -240,6 +240,11 @@ def test_tied_embeddings_load_without_lm_head(tmp_path):
     assert "lm_head.weight" not in load_file(str(model_dir / "model.safetensors"))
     model = load_model(model_dir)
     assert torch.equal(model.lm_head.weight, model.embed_tokens.weight)
+    # what plan reserves for the dense weights is what the model holds: the tied tensor once
+    from specfit.simulate.plan import dense_weight_params
+
+    held = {t.data_ptr(): t.numel() for t in model.state_dict().values()}
+    assert dense_weight_params(model.config) == sum(held.values())
 
 
 def test_tokenizer_is_optional(tmp_path, qwen_dir):

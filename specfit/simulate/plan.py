@@ -65,8 +65,10 @@ class MemoryBudget:
 def dense_weight_params(config) -> int:
     """Parameters of everything but the routed experts of a :class:`~specfit.runtime.config.ModelConfig`:
     what the runtime's model holds on the device (attention of any kind, norms, routers, shared
-    experts and dense MLP layers, embeddings), counted on a model built on the meta device."""
-    return sum(t.numel() for t in _meta_model(config).state_dict().values())
+    experts and dense MLP layers, embeddings), counted on a model built on the meta device; a tied
+    ``lm_head`` is the embedding, held once (the loader)."""
+    params = sum(t.numel() for t in _meta_model(config).state_dict().values())
+    return params - (config.vocab_size * config.hidden_size if config.tie_word_embeddings else 0)
 
 
 def kv_bytes_per_token(config, dtype_bytes: int) -> int:
