@@ -169,14 +169,20 @@ def _tree_tokens(policy: str, trace) -> int:
     """Nodes a policy verifies at most on ``trace`` (root included), from the policy's definition."""
     name, _, rest = policy.partition(":")
     args = [int(a) for a in rest.split(":")] if rest else []
-    largest = int(trace.tree_sizes.max())
+    deepest = int(trace.depth.max())
+
+    def within(levels):              # the largest recorded tree cut at ``levels`` draft levels
+        return max(int((trace.depth[trace.offsets[c]:trace.offsets[c + 1]] <= levels).sum()) for c in range(trace.n_cycles))
+
     if name == "ar":
         return 1
     if name == "chain":
-        return args[0] + 1
-    if name in ("static", "eagle3"):
-        return min(args[0], largest)
-    return max(int((trace.depth[trace.offsets[c]:trace.offsets[c + 1]] <= args[0]).sum()) for c in range(trace.n_cycles))
+        return min(args[0], deepest) + 1
+    if name == "static":             # the plan drafts up to 8 levels
+        return min(args[0], within(8))
+    if name == "eagle3":             # eagle3:N:D drafts D levels
+        return min(args[0], within(args[1]))
+    return within(args[0])
 
 
 def test_plan_recommends_the_best_cell_of_its_exhaustive_grid(ray_local, tmp_path, monkeypatch):
