@@ -56,6 +56,21 @@ def test_a_profile_jsons_digest_is_part_of_its_cells_identity():
     assert a["pcie4"] == b["pcie4"] and a["mine.json"] != b["mine.json"]
 
 
+# a preset's figures are the code's: changed (as a hit's were in stop 62), its cells are new cells,
+# so a sweep resumed across the change replays them rather than mixing rows of the two
+def test_a_presets_figures_are_part_of_its_cells_identity(monkeypatch):
+    from specfit.calibrate import presets
+
+    spec = spec_of(profiles=["pcie4", "gh200"], cache_experts=[0], policies=["ar"])
+    before = {c.profile_source: c.cell_id for c in expand(spec)}
+    assert before == {c.profile_source: c.cell_id for c in expand(spec)}
+    monkeypatch.setitem(presets.PRESETS, "gh200", (300.0, presets.PRESETS["gh200"][1]))
+    after = {c.profile_source: c.cell_id for c in expand(spec)}
+    assert after["pcie4"] == before["pcie4"] and after["gh200"] != before["gh200"]
+    monkeypatch.setattr(presets, "_LAUNCH_S", 2 * presets._LAUNCH_S)
+    assert {c.profile_source: c.cell_id for c in expand(spec)}["pcie4"] != before["pcie4"]
+
+
 # a/profile.json and b/profile.json would both be labelled "profile": one profile in the results
 def test_profiles_of_the_same_name_in_two_folders_are_refused():
     with pytest.raises(SpecFitError, match=r"spec.toml: field 'profiles': a/profile.json, b/profile.json would all "

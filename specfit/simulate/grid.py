@@ -23,8 +23,8 @@ synthesised with each drafter preset of ``drafters`` (:data:`specfit.traces.synt
 
 A cell is identified by a hash of its parameters and of the bytes of the files it reads
 (:attr:`Cell.cell_id`): the same setting has the same id in every run, so an interrupted or
-extended sweep skips what is already in its dataset, and a changed trace or profile is replayed
-again. :func:`run_cell` is the one place that knows how a cell becomes a replay.
+extended sweep skips what is already in its dataset, and a changed trace, profile or preset is
+replayed again. :func:`run_cell` is the one place that knows how a cell becomes a replay.
 """
 
 from __future__ import annotations
@@ -319,12 +319,13 @@ def _trace_sources(raw: dict, source: str, base: Path, workloads: dict) -> list[
 
 def expand(spec: SweepSpec, profile_digests: dict[str, str] | None = None) -> list[Cell]:
     """Every cell of the grid, in a fixed order. ``profile_digests``: the digest of each profile
-    JSON named in the spec (computed here when not given)."""
+    JSON named in the spec (computed here when not given); a preset's is :func:`preset_digest`."""
     import itertools
 
     a = spec.axes
     if profile_digests is None:
         profile_digests = {p: file_digest(_profile_path(spec, p)) for p in a["profiles"] if p.endswith(".json")}
+    profile_digests = {**{p: preset_digest(p) for p in a["profiles"] if not p.endswith(".json")}, **profile_digests}
     cells = []
     for src in spec.sources:
         for predictor, acceptance, profile, h2d, mode, evict, cache, levels, pricing, policy in itertools.product(
@@ -337,6 +338,16 @@ def expand(spec: SweepSpec, profile_digests: dict[str, str] | None = None) -> li
                               acceptance=acceptance, max_levels=levels, price_uncertainty=pricing,
                               inputs_digest=digest))
     return cells
+
+
+def preset_digest(name: str) -> str:
+    """A preset's digest: its cost model for every shape it knows. Its figures are constants of the
+    code, so a sweep resumed after they changed (a hit following the expert bytes, stop 62) replays
+    its cells again instead of mixing rows of the two."""
+    from ..calibrate.presets import SHAPES, preset_profile
+
+    costs = [preset_profile(name, shape).cost.to_dict() for shape in SHAPES.values()]
+    return hashlib.sha256(json.dumps(costs, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _profile_path(spec: SweepSpec, profile: str) -> Path:
