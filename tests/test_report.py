@@ -497,3 +497,23 @@ def test_a_report_into_a_directory_holding_another_inputs_report_says_it_replace
     here = invoke("report", ".")
     assert here.exit_code == 0, here.output
     assert (second / "reports" / "sim" / "index.html").is_file() and not (second / "reports" / "index.html").exists()
+
+
+def test_each_run_shows_the_versions_it_recorded_and_the_report_its_own(sim_dir, tmp_path):
+    """A run made by another version than the report's code: its row says its own versions, and
+    the report's version is labelled as the report's (it once stood as the runs' specfit)."""
+    import json
+    import shutil
+
+    from specfit import __version__
+
+    old, new = tmp_path / "old", tmp_path / "new"
+    for run, version in ((old, "0.0.7"), (new, None)):
+        shutil.copytree(sim_dir, run)
+        if version:
+            info = json.loads((run / "run.json").read_text())
+            (run / "run.json").write_text(json.dumps({**info, "versions": {"specfit": version, "python": "3.10.2"}}))
+    text = build_report([old, new], tmp_path / "rep").read_text()
+    assert "specfit 0.0.7, python 3.10.2" in text
+    assert f"specfit {__version__}, python " in text                # the other run's own record
+    assert "report built with specfit" in text

@@ -174,12 +174,14 @@ def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report
         kinds = classify(path)
         plan.append((path, kinds))
         info = read_run_info(path) if path.is_dir() else None
+        versions = (info or {}).get("versions")
+        versions = versions if isinstance(versions, dict) else {}      # a damaged run.json says nothing
         runs.append({"input": str(path), "contains": ", ".join(kinds),
-                     "command": (info or {}).get("command", "–"), "started": (info or {}).get("started", "–")})
+                     "command": (info or {}).get("command", "–"), "started": (info or {}).get("started", "–"),
+                     # each run's own: the report's code may be another version than the run's
+                     "versions": ", ".join(f"{k} {v}" for k, v in versions.items()) or "–"})
     page.table(pd.DataFrame(runs))
-    versions = next((read_run_info(p) or {} for p, _ in plan if p.is_dir() and read_run_info(p)), {}).get("versions", {})
-    versions = versions if isinstance(versions, dict) else {}      # a damaged run.json says nothing
-    page.facts({"specfit": __version__, **{k: v for k, v in versions.items() if k != "specfit"}})
+    page.facts({"report built with specfit": __version__})
     # a trace or run named with a '$' is text, not matplotlib's math
     with matplotlib.rc_context({"text.parse_math": False}):
         for path, kinds in plan:
