@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import platform
 import shlex
@@ -12,7 +14,7 @@ from pathlib import Path
 
 from .io import write_json_atomic
 
-__all__ = ["run_info", "write_run_info", "read_run_info", "check_run_dir", "RUN_INFO_FILE"]
+__all__ = ["run_info", "write_run_info", "read_run_info", "check_run_dir", "RUN_INFO_FILE", "source_digest"]
 
 RUN_INFO_FILE = "run.json"
 
@@ -21,7 +23,8 @@ def run_info(kind: str, ctx=None, **extra) -> dict:
     """``ctx``: the command's ``typer.Context``, from which the full command line is rebuilt."""
     from . import __version__
 
-    versions = {"specfit": __version__, "python": platform.python_version()}
+    # the version string stays while the code changes: the digest of its source tells two apart
+    versions = {"specfit": __version__, "specfit_source": source_digest(), "python": platform.python_version()}
     for module in ("torch", "numpy", "transformers"):
         mod = sys.modules.get(module)
         if mod is not None:
@@ -34,6 +37,16 @@ def run_info(kind: str, ctx=None, **extra) -> dict:
         "versions": versions,
         **extra,
     }
+
+
+@functools.lru_cache(maxsize=None)
+def source_digest() -> str:
+    """A digest of the package's Python source (names and bytes of every ``.py`` file under it)."""
+    root = Path(__file__).resolve().parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def _command_line(ctx) -> str:

@@ -704,3 +704,26 @@ def test_the_python_loop_reports_each_cycles_own_verdicts_to_the_policy():
     assert [np.asarray(o.verdicts).tolist() for o in policy.seen] == [[11, 12], [13, 7]]
     assert [o.draft_levels for o in policy.seen] == [1, 1]
     assert [o.misses for o in policy.seen] == [2, 1]
+
+
+def test_run_json_records_the_traces_and_cost_models_the_figures_were_made_from(tmp_path):
+    """Two runs of the same command line whose figures differ (a profile changed under its name,
+    a preset's figures changed in the code) are told apart by their run.json."""
+    from specfit.runinfo import source_digest
+    from specfit.simulate.grid import file_digest
+
+    infos = []
+    for h2d, out in ((1.0, tmp_path / "a"), (0.8, tmp_path / "b")):
+        r = CliRunner().invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), "--profile", "pcie4", "--policies", "ar",
+                                     "--cache-experts", "0", "--h2d-scale", str(h2d), "--out", str(out)])
+        assert r.exit_code == 0, r.output
+        infos.append(json.loads((out / "run.json").read_text()))
+    a, b = infos
+    name = next(iter(a["inputs"]["traces"]))
+    assert a["inputs"]["traces"][name] == {"path": str(SAMPLE_OLMOE.resolve()), "digest": file_digest(SAMPLE_OLMOE)}
+    cost = preset_profile("pcie4", SHAPES["olmoe-1b-7b"]).cost
+    (label_a, cost_a), = a["inputs"]["cost_models"][name].items()
+    assert label_a == "pcie4" and cost_a["miss_s"] == pytest.approx(cost.miss_s)
+    (_, cost_b), = b["inputs"]["cost_models"][name].items()
+    assert cost_b["miss_s"] - cost_b["hit_s"] == pytest.approx((cost.miss_s - cost.hit_s) / 0.8)
+    assert a["versions"]["specfit_source"] == source_digest() and len(source_digest()) == 16

@@ -64,14 +64,14 @@ def simulate_command(
 
     try:
         check_run_dir(out, "simulate", files=SIMULATE_FILES)
-        cycles, summary = _simulate(_distinct_files("--trace", traces),
+        cycles, summary, inputs = _simulate(_distinct_files("--trace", traces),
                                     distinct_labels(_distinct("--profile", _split(profiles, "--profile", "profile"))),
                                     _distinct("--policies", _split([policies], "--policies", "policy")),
                                     _distinct("--cache-experts", _parse_sizes(cache_experts)), predictor,
                                     acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json,
                                     price_uncertainty, model)
         if out is not None:
-            _write_outputs(out, cycles, summary, ctx)
+            _write_outputs(out, cycles, summary, ctx, inputs)
     except Interrupted as exc:
         stopped(str(exc))
     except INTERRUPTS as exc:
@@ -118,6 +118,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     from ..calibrate.profile import ModelShape
     from ..experts.cache import ExpertCache
     from ..traces.format import read_trace
+    from .grid import file_digest
     from .prepared import check_position_indexed, check_router_model
     from .replay import prepare_trace
     from .scenarios import build_scenario, check_replay_options, unique_names
@@ -129,7 +130,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     check_policies(policies, max_levels)
     overrides = parse_overrides(cost_text)
     console = Console(stderr=True)
-    prepared, scenarios = [], {}
+    prepared, scenarios, inputs = [], {}, {"traces": {}, "cost_models": {}}
     names = unique_names(trace_paths)
     for path, name in zip(trace_paths, names):
         trace = read_trace(path, weights=False)
@@ -147,6 +148,10 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
             prepared.append(prepare_trace(name, trace, predictor, acceptance, model_dir=model_dir))
         shape = ModelShape.from_trace_meta(trace.model)
         scenarios[name] = [build_scenario(spec, shape, h2d_scale, overrides, rescale) for spec in profiles]
+        # what the figures were made from, for run.json: a preset's figures are the code's, a
+        # profile file may change under its name
+        inputs["traces"][name] = {"path": str(Path(path).resolve()), "digest": file_digest(path)}
+        inputs["cost_models"][name] = {s.label: s.cost.to_dict() for s in scenarios[name]}
     n_runs = sum(len(scenarios[p.name]) for p in prepared) * len(cache_sizes) * len(policies)
     cycle_frames, summaries = [], []
     with Progress(TextColumn("[bold]simulate"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -160,7 +165,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
             summaries.append(summ)
     import pandas as pd
 
-    return pd.concat(cycle_frames, ignore_index=True), pd.concat(summaries, ignore_index=True)
+    return pd.concat(cycle_frames, ignore_index=True), pd.concat(summaries, ignore_index=True), inputs
 
 
 def depth_note(policies: list[str], max_levels: int, trace, path) -> str | None:
@@ -192,7 +197,7 @@ class _nothing:
         return False
 
 
-def _write_outputs(out: Path, cycles, summary, ctx=None) -> None:
+def _write_outputs(out: Path, cycles, summary, ctx=None, inputs: dict | None = None) -> None:
     """The run's files as one result: a Ctrl-C while they are written waits for the last of them
     (so "nothing was written" stays true of a stopped run); a kill leaves no summary.parquet, which
     a report refuses, never new cycles beside an old summary."""
@@ -206,7 +211,7 @@ def _write_outputs(out: Path, cycles, summary, ctx=None) -> None:
         # and marks a complete output
         for name in ("summary.parquet", "summary.csv"):
             (out / name).unlink(missing_ok=True)
-        write_run_info(out, "simulate", ctx)
+        write_run_info(out, "simulate", ctx, **({"inputs": inputs} if inputs else {}))
         for name, frame in (("cycles", cycles), ("summary", summary)):
             atomic_write(out / f"{name}.parquet", lambda tmp, f=frame: f.to_parquet(tmp, index=False))
             write_csv_atomic(out / f"{name}.csv", frame)
