@@ -28,6 +28,7 @@ from .tree import DraftTree, check_nodes
 __all__ = ["CostModel", "check_experts", "expert_union", "cycle_time_s", "PARAM_NAMES"]
 
 PARAM_NAMES = ("draft_level_s", "base_s", "per_node_s", "hit_s", "miss_s")
+CYCLE_RANGE_S = (1e-12, 1e6)    # what a user's model may price a term at (check_cycle_time)
 
 
 def check_experts(tree: DraftTree | None, experts, cached) -> tuple[np.ndarray, np.ndarray]:
@@ -186,6 +187,16 @@ class CostModel:
         if self.miss_s < self.hit_s:
             raise SpecFitError(f"{source}: miss_s {self.miss_s:g} is below hit_s {self.hit_s:g}; expected miss_s >= "
                                "hit_s (a miss is a hit plus the expert's copy to the device)")
+        # beyond these a throughput leaves float64: cycles of 1e-310 s make the search's ratio inf
+        # (it keeps the root alone), terms of 1e306 s overflow a cycle's sum. A single tiny term
+        # (a fit's 1e-18) is harmless beside the others
+        terms = {name: getattr(self, name) for name in PARAM_NAMES}
+        if max(terms.values()) < CYCLE_RANGE_S[0]:
+            raise SpecFitError(f"{source}: every term is below {CYCLE_RANGE_S[0]:g} s ({max(terms.values()):g} the "
+                               f"largest); expected a cycle's time in seconds")
+        name = max(terms, key=terms.get)
+        if terms[name] > CYCLE_RANGE_S[1]:
+            raise SpecFitError(f"{source}: {name} {terms[name]:g} s; expected at most {CYCLE_RANGE_S[1]:g} s")
         return self
 
     @classmethod

@@ -84,6 +84,21 @@ def test_a_profile_or_cost_that_predicts_cycles_of_no_time_is_one_line(tmp_path)
                   "--cost", "base_s=0,per_node_s=0,hit_s=1e-5").exit_code == 0
 
 
+def test_a_cost_model_outside_float64s_reach_is_one_line(tmp_path):
+    """Terms of 1e-311 s made every policy's tokens/s inf and the search keep the root alone (its
+    ratio inf); a scale of 1e-320 overflowed a miss into a traceback. A single tiny term beside
+    real ones (a fit's 1e-18) is a model."""
+    tiny = "base_s=5e-311,per_node_s=1e-312,hit_s=1e-313,miss_s=1e-311,draft_level_s=1e-312"
+    one_line_error(invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar,specfit", "--cost", tiny),
+                   "--cost: every term is below 1e-12 s")
+    one_line_error(invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--cost", "base_s=1e307"),
+                   "--cost: base_s 1e+307 s; expected at most 1e+06 s")
+    one_line_error(invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--cache-experts", 8,
+                          "--h2d-scale=1e-320"), "--h2d-scale: expected a finite positive factor that leaves a miss finite")
+    assert invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--cache-experts", 8,
+                  "--cost", "per_node_s=1e-18").exit_code == 0
+
+
 def test_a_profile_or_cost_whose_miss_is_cheaper_than_a_hit_is_one_line(tmp_path):
     """A miss is a hit plus the expert's copy: a model that prices it below a hit would make the
     search prefer missing experts (a hand-edited profile, a --cost what-if)."""

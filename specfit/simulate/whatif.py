@@ -42,6 +42,7 @@ def apply_overrides(cost: CostModel, overrides: dict[str, float]) -> CostModel:
 def scale_h2d(cost: CostModel, factor: float) -> CostModel:
     """The cost model with ``factor`` times the host-to-device bandwidth: the transfer part of a
     miss (:attr:`CostModel.transfer_s`) divided by ``factor``."""
-    if not (math.isfinite(factor) and factor > 0):
-        raise SpecFitError(f"--h2d-scale: expected a finite positive factor, got {factor}")
-    return cost.replace(miss_s=cost.hit_s + cost.transfer_s / factor)
+    miss_s = cost.hit_s + cost.transfer_s / factor if math.isfinite(factor) and factor > 0 else math.nan
+    if not math.isfinite(miss_s):       # 1e-320: a finite factor whose transfer overflows
+        raise SpecFitError(f"--h2d-scale: expected a finite positive factor that leaves a miss finite, got {factor}")
+    return cost.replace(miss_s=miss_s)
