@@ -95,6 +95,25 @@ def test_a_routing_entry_without_drafters_uses_the_chat_preset():
     assert spec.sources[0].drafter == "chat"
 
 
+# a routing source's trees are made with its drafter preset's figures and the options' defaults,
+# which the code may change: changed, its cells are new cells, so a resumed sweep replays them
+def test_a_drafter_presets_figures_and_the_import_defaults_are_part_of_its_cells_identity(monkeypatch):
+    from dataclasses import replace
+
+    def ids(**entry):
+        spec = parse_spec({"routing": [{"log": TRACE, "drafters": ["chat", "code"], **entry}], "cache_experts": [0],
+                          "policies": ["ar"]}, source="spec.toml", base=BASE)
+        return {c.trace.split(":")[1]: c.cell_id for c in expand(spec)}
+
+    before = ids()
+    assert before == ids()
+    # an option left out is hashed at the value the import uses for it
+    assert ids(sibling_reuse=0.3, seed=0) == before and ids(seed=1) != before
+    monkeypatch.setitem(WORKLOADS, "code", replace(WORKLOADS["code"], top1_prob=0.8))
+    after = ids()
+    assert after["chat"] == before["chat"] and after["code"] != before["code"]
+
+
 # the same source twice is refused (its cells would share ids)
 def test_the_same_routing_source_twice_is_refused():
     with pytest.raises(SpecFitError, match="same name"):

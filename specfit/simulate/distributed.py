@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import INTERRUPTS, Interrupted, SpecFitError, interrupted
-from .grid import Cell, SweepSpec, TraceSource, policy_cost_rank, run_cell
+from .grid import Cell, SweepSpec, TraceSource, import_arguments, policy_cost_rank, run_cell
 
 __all__ = ["require_ray", "ray_session", "run_grid", "SweepRun", "GridInputs", "resolve_inputs", "RAY_MISSING",
            "SweepInterrupted"]
@@ -197,11 +197,8 @@ def _routing_log(log, src: TraceSource):
 # ------------------------------------------------------------------ tasks (run on Ray workers)
 def _import_task(log, model: dict, drafter: str, options: dict):
     from ..traces.importers import import_routing
-    from ..traces.synth import WORKLOADS
 
-    return import_routing(log, model, workload=drafter, drafter=WORKLOADS[drafter],
-                          sibling_reuse=options.get("sibling_reuse", 0.3), seed=options.get("seed", 0),
-                          max_tokens=options.get("max_tokens"))
+    return import_routing(log, model, **import_arguments(drafter, options))
 
 
 def _prepare_task(trace, name: str, predictor: str, acceptance: str):

@@ -308,13 +308,25 @@ def _trace_sources(raw: dict, source: str, base: Path, workloads: dict) -> list[
         options = {k: entry[k] for k in ("shape", "max_tokens", "sequences", "seed", "sibling_reuse") if k in entry}
         stem = log_names[i]
         for drafter in drafters:
+            # the trees are made with the preset's figures and the options' defaults, which the code
+            # may change: both are part of the identity, so a resumed sweep does not mix old and new trees
+            made_with = import_arguments(drafter, options)
+            made_with["drafter"] = made_with["drafter"].to_dict()
             out.append(TraceSource(name=f"{stem}:{drafter}", path=entry["log"], resolved=resolved, drafter=drafter,
-                                   import_options=options,
-                                   digest=file_digest(resolved, {"drafter": drafter, **options})))
+                                   import_options=options, digest=file_digest(resolved, {**options, **made_with})))
     names = [s.name for s in out]
     if len(set(names)) != len(names):
         raise SpecFitError(f"{source}: two traces have the same name ({names}); list each source once")
     return out
+
+
+def import_arguments(drafter: str, options: dict) -> dict:
+    """The :func:`~specfit.traces.importers.import_routing` arguments a routing source's trace is
+    made with: its drafter preset and its options, those the spec leaves out at their defaults."""
+    from ..traces.synth import WORKLOADS
+
+    return {"workload": drafter, "drafter": WORKLOADS[drafter], "sibling_reuse": options.get("sibling_reuse", 0.3),
+            "seed": options.get("seed", 0), "max_tokens": options.get("max_tokens")}
 
 
 def expand(spec: SweepSpec, profile_digests: dict[str, str] | None = None) -> list[Cell]:
