@@ -309,6 +309,43 @@ def test_plan_for_a_model_shape_synthesises_each_workload_once(ray_local, tmp_pa
     assert [t.stat().st_mtime_ns for t in traces] == stamps
 
 
+class _InProcessRay:
+    """Runs the Ray tasks in the test's process."""
+
+    def remote(self, task):
+        return type("Remote", (), {"remote": staticmethod(lambda *args: _Ref(task(*args)))})()
+
+    def get(self, ref):
+        return ref.value
+
+
+class _Ref:
+    def __init__(self, value):
+        self.value = value
+
+
+# a kept trace is reused only while it is what its preset makes now: after a preset's figures
+# change (they are the code's), a rerun ranks on a trace synthesised again, and says so
+def test_a_kept_trace_is_synthesised_again_when_its_workload_preset_changed(tmp_path, monkeypatch, capsys):
+    from dataclasses import replace
+
+    from specfit.simulate.plan import _synthesised_traces
+    from specfit.traces.synth import WORKLOADS
+
+    folder = tmp_path / "traces"
+    paths, _ = _synthesised_traces(_InProcessRay(), "olmoe-1b-7b", ["chat", "code"], 8, folder)
+    stamps = [p.stat().st_mtime_ns for p in paths]
+    _synthesised_traces(_InProcessRay(), "olmoe-1b-7b", ["chat", "code"], 8, folder)
+    assert [p.stat().st_mtime_ns for p in paths] == stamps and capsys.readouterr().err == ""
+    monkeypatch.setitem(WORKLOADS, "code", replace(WORKLOADS["code"], top1_prob=0.8))
+    _, [chat, code] = _synthesised_traces(_InProcessRay(), "olmoe-1b-7b", ["chat", "code"], 8, folder)
+    assert paths[0].stat().st_mtime_ns == stamps[0] and paths[1].stat().st_mtime_ns != stamps[1]
+    assert code.meta["drafter"]["top1_prob"] == 0.8 and read_trace(paths[1]).meta["drafter"]["top1_prob"] == 0.8
+    err = capsys.readouterr().err
+    assert err == (f"plan: {paths[1]} was synthesised with other settings than the 'code' preset's now; "
+                   "synthesising it again\n")
+
+
 def test_a_plan_stopped_while_it_synthesises_its_traces_says_nothing_was_kept(ray_local, tmp_path, monkeypatch):
     import specfit.simulate.plan as plan_module
 

@@ -336,11 +336,15 @@ def _check_candidates(candidates: list[str]) -> None:
                            "chain:K, eagle3:N:D, static:N, specfit)")
 
 
+def _synthesis_options(tokens: int) -> dict:
+    # two sequences: the calibrated acceptance and fitted predictors are cross-fitted on the other one
+    return {"seed": 0, "sequence_tokens": max(2, -(-tokens // 2))}
+
+
 def _synth_task(shape: str, workload: str, tokens: int):
     from ..traces.synth import synthesize
 
-    # two sequences: the calibrated acceptance and fitted predictors are cross-fitted on the other one
-    return synthesize(shape, workload, tokens, seed=0, sequence_tokens=max(2, -(-tokens // 2)))
+    return synthesize(shape, workload, tokens, **_synthesis_options(tokens))
 
 
 def _check_synthesis(shape: str, workloads: list[str], tokens: int, given: str | None = None) -> None:
@@ -372,12 +376,32 @@ def _check_synthesised_dtype(shape: str, config, budget: MemoryBudget) -> None:
 
 def _synthesised_traces(ray, shape: str, workloads: list[str], tokens: int, folder: Path):
     """Traces of ``shape`` for each workload preset (options checked by :func:`_check_synthesis`),
-    synthesised in parallel on Ray once and kept in the plan's directory (a rerun reuses them)."""
+    synthesised in parallel on Ray once and kept in the plan's directory (a rerun reuses those made
+    as they would be made now: the presets are the code's, and may have changed since)."""
+    import typer
+
     from ..traces.format import read_trace, write_trace
+    from ..traces.synth import synthesis_record
 
     paths = [folder / f"{shape}-{w}-{tokens}.parquet" for w in workloads]
+    kept = {}
+    for w, p in zip(workloads, paths):
+        if p.is_file():
+            trace = read_trace(p, weights=False)
+            if _made_as(trace.meta, synthesis_record(shape, w, **_synthesis_options(tokens))):
+                kept[p] = trace
+            else:
+                typer.secho(f"plan: {p} was synthesised with other settings than the {w!r} preset's now; "
+                            "synthesising it again", err=True)
     remote = ray.remote(_synth_task)
-    todo = {remote.remote(shape, w, tokens): p for w, p in zip(workloads, paths) if not p.is_file()}
+    todo = {remote.remote(shape, w, tokens): p for w, p in zip(workloads, paths) if p not in kept}
     for ref, path in todo.items():
         write_trace(ray.get(ref), path)
-    return paths, [read_trace(p, weights=False) for p in paths]
+    return paths, [kept[p] if p in kept else read_trace(p, weights=False) for p in paths]
+
+
+def _made_as(meta: dict, record: dict) -> bool:
+    """Whether a synthetic trace's metadata holds ``record`` (its ``parameters`` also hold what was fitted)."""
+    parameters = meta.get("parameters") if isinstance(meta.get("parameters"), dict) else {}
+    made = {**meta, "parameters": {k: parameters.get(k) for k in record["parameters"]}}
+    return all(made.get(k) == v for k, v in record.items())

@@ -29,8 +29,8 @@ from .format import Trace
 from .routing import RoutingModel, TokenSampler, zipf_popularity
 from .summary import trace_statistics
 
-__all__ = ["MODEL_SHAPES", "WORKLOADS", "RoutingParams", "synthesize", "synthesize_and_model", "build_trees",
-           "with_drafter_overrides"]
+__all__ = ["MODEL_SHAPES", "WORKLOADS", "RoutingParams", "synthesize", "synthesize_and_model", "synthesis_record",
+           "build_trees", "with_drafter_overrides"]
 
 # the calibration presets' shapes, plus the vocabulary size that synthetic token ids need
 _VOCAB_SIZES = {"qwen3-30b-a3b": 151936, "olmoe-1b-7b": 50304, "mixtral-8x7b": 32000}
@@ -160,26 +160,35 @@ def synthesize_and_model(shape: str, workload: str, n_tokens: int, seed: int = 0
     ref_tokens = [token_sampler.sample(n + 1, rng) for n in lengths]
     ref_experts = [router.sequences(t[None], rng)[0] for t in ref_tokens]
     arrays = build_trees(ref_tokens, ref_experts, router, drafter, token_sampler, rng)
-    meta = {
+    meta = synthesis_record(shape, workload, seed, sequence_tokens, routing, drafter)
+    meta["parameters"].update(fitted={
+        "popularity_power": router.popularity_power_.round(4).tolist(),
+        "token_prob": router.token_prob_.round(4).tolist(),
+        "consecutive_prob": router.consecutive_prob_.round(4).tolist(),
+        "sibling_prob": router.sibling_prob_.round(4).tolist()},
+        targets={"popularity_skew": float(router.popularity_skew.mean()),
+                 "consecutive_reuse": routing.consecutive_reuse, "token_affinity": routing.token_affinity,
+                 "sibling_reuse": routing.sibling_reuse})
+    trace = Trace(meta=meta, **arrays)
+    trace.meta["statistics"] = trace_statistics(trace)
+    return trace, router
+
+
+def synthesis_record(shape: str, workload: str, seed: int = 0, sequence_tokens: int = 128,
+                     routing: RoutingParams = RoutingParams(), drafter: DrafterParams | None = None) -> dict:
+    """The metadata of a trace :func:`synthesize` makes with these arguments, but for what it fits
+    and measures: what the trace was made with, so a kept trace can be told from a stale one."""
+    model = MODEL_SHAPES[shape]
+    return {
         "model": {k: model[k] for k in ("name", "n_layers", "n_experts", "top_k", "expert_bytes", "vocab_size")},
-        "drafter": {"name": "synthetic-eagle3", **drafter.to_dict()},
+        "drafter": {"name": "synthetic-eagle3", **(drafter or WORKLOADS[workload]).to_dict()},
         "workload": workload,
         "recording": {"kind": "synthetic", "position_indexed": True, "full_verification": True,
                       "tool": f"specfit {__version__} traces synth", "seed": seed, "sequence_tokens": sequence_tokens},
         "provenance": {"real": [], "synthesised": ["reference tokens", "routing", "draft trees", "draft probabilities",
                                                    "verdicts"]},
-        "parameters": {"routing": routing.to_dict(), "fitted": {
-            "popularity_power": router.popularity_power_.round(4).tolist(),
-            "token_prob": router.token_prob_.round(4).tolist(),
-            "consecutive_prob": router.consecutive_prob_.round(4).tolist(),
-            "sibling_prob": router.sibling_prob_.round(4).tolist()},
-            "targets": {"popularity_skew": float(router.popularity_skew.mean()),
-                        "consecutive_reuse": routing.consecutive_reuse, "token_affinity": routing.token_affinity,
-                        "sibling_reuse": routing.sibling_reuse}},
+        "parameters": {"routing": routing.to_dict()},
     }
-    trace = Trace(meta=meta, **arrays)
-    trace.meta["statistics"] = trace_statistics(trace)
-    return trace, router
 
 
 def with_drafter_overrides(workload: str, **overrides) -> DrafterParams:
