@@ -236,8 +236,11 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 # the shape the cycles were measured on: a refit must not move them onto another one
                 shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
                 # written with the first result (a rerun failing before it keeps the last run's)
+                # the profile's file (a cached one is picked by the machine) and figures: a file may
+                # change under its name, a preset in the code
                 start = functools.partial(write_run_info, plan.out_dir, "decode", ctx, shape=shape.to_dict(),
-                                          profile=profile.label)
+                                          profile=profile.label, profile_file=inputs.profile_path and
+                                          str(Path(inputs.profile_path).resolve()), cost_model=profile.cost.to_dict())
             outputs = DecodeOutputs(plan.out_dir, start)
             recorder = (_recorder(plan, model, inputs.drafter, profile, recorded_levels(plan, policies))
                         if plan.record is not None else None)
