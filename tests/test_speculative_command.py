@@ -460,7 +460,7 @@ def test_a_rerun_stopped_early_keeps_none_of_the_last_runs_files(checkpoint, tmp
     assert (out / "summary.json").is_file()
     # what the predictions were made with: a preset's figures (no file)
     info = json.loads((out / "run.json").read_text())
-    assert info["profile"] == "pcie4" and info["profile_file"] is None
+    assert info["profile"] == "pcie4 (preset)" and info["profile_file"] is None
     assert info["cost_model"]["base_s"] == pytest.approx(5e-3) and info["cost_model"]["hit_s"] > 0
 
     def stop(record):
