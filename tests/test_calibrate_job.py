@@ -151,3 +151,56 @@ def test_a_standin_drafter_for_mla_attends_over_the_whole_width(monkeypatch):
     model = standin.random_model(config, torch.device("cpu"), torch.float32)
     drafter = standin.random_drafter(model, draft_vocab_size=64)
     assert drafter.config.head_dim * drafter.config.num_attention_heads == 64
+
+
+@pytest.fixture
+def gpu_host(monkeypatch):
+    """A host with two (faked) GPUs, the second one current: torch names each by its index."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"NVIDIA GPU {device}")
+
+
+# a machine record names the device it was measured on: cuda:N is GPU N, cuda the current one
+def test_the_machine_record_names_the_gpu_it_measured(gpu_host):
+    from specfit.calibrate.profile import machine_info
+
+    assert machine_info("cuda:0")["device_name"] == "NVIDIA GPU 0"
+    assert machine_info("cuda")["device_name"] == "NVIDIA GPU 1"
+    assert machine_info("cuda:1")["device"] == "cuda"
+
+
+# on a GPU host, a calibration on the CPU is the CPU's profile: a decode on the GPU does not take it for its own
+def test_a_cpu_calibration_on_a_gpu_host_is_not_the_gpus_profile(gpu_host, tmp_path, monkeypatch):
+    import types
+
+    import torch
+
+    from specfit.calibrate.presets import preset_profile
+    from specfit.calibrate.profile import ModelShape, machine_info
+    from specfit.runtime import decode_job
+    from specfit.runtime.config import ModelConfig
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cpu = machine_info("cpu")
+    assert cpu["device"] == "cpu" and "GPU" not in cpu["device_name"] and "cuda" not in cpu
+    config = ModelConfig.from_dir(tiny_moe_dir())
+    shape = ModelShape.from_config(config, torch.float32, tiny_moe_dir().name)
+    made = preset_profile("pcie4", shape)
+    made.machine = cpu                               # as calibrate() records a --device cpu run
+    mine = calibrate_job.planned_profile_path(CalibrationPlan(model_dir=tiny_moe_dir(), device="cpu", quick=True))
+    made.save(mine)
+    made.save(calibrate_job.cached_profile_path(cpu, shape, "float32"))
+    monkeypatch.setattr(calibrate_job, "calibrate", lambda plan, model=None: preset_profile("gh200", shape))
+    plan = types.SimpleNamespace(profile=None, model_dir=str(tiny_moe_dir()), drafter_dir=None, seed=0, rescale=False)
+    model = types.SimpleNamespace(config=config, dtype=torch.float32, device=torch.device("cuda:0"))
+    profile, path, _ = decode_job._profile(plan, model, lambda message: None)
+    assert path == calibrate_job.cached_profile_path(machine_info("cuda:0"), shape, "float32")
+    assert "nvidia-gpu-0" in path.name and profile.machine["device"] == "preset"      # calibrated, not the CPU's
+    model.device = torch.device("cpu")
+    profile, path, _ = decode_job._profile(plan, model, lambda message: None)
+    assert path == mine and profile.machine == cpu

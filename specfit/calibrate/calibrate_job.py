@@ -140,7 +140,7 @@ def planned_profile_path(plan: CalibrationPlan) -> Path:
     """The :func:`default_profile_path` of the profile ``plan`` makes, known before any probe runs
     (its name is the model directory's or the --shape's, as the profile's shape is named)."""
     name = Path(plan.model_dir).name if plan.model_dir is not None else str(plan.shape)
-    return Path("calibrate") / _profile_name(machine_info(), name)
+    return Path("calibrate") / _profile_name(machine_info(plan.device), name)
 
 
 def cached_profile_path(machine: dict, shape: ModelShape, dtype: str | None = None) -> Path:
@@ -253,7 +253,7 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> 
         name = Path(plan.model_dir).name if plan.model_dir else "model"
         probed = full = ModelShape.from_config(model.config, model.dtype, name)
     device, dtype, c = model.device, model.dtype, model.config
-    machine = machine_info()
+    machine = machine_info(device)
 
     capacities = sorted({int(round(f * c.n_experts)) for f in plan.capacity_fractions})
     # every probe once per round, the rounds one after another: a disturbance of the machine shorter

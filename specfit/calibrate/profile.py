@@ -101,22 +101,24 @@ class ModelShape:
         return all(getattr(self, k) == getattr(other, k) for k in keys)
 
 
-def machine_info() -> dict:
-    """What the measurements ran on: device, host, library versions."""
+def machine_info(device) -> dict:
+    """What the measurements ran on: ``device`` (a torch device or its name; on a GPU host a
+    calibration may run on the CPU, or on another GPU than the first), host, library versions."""
     import torch
 
+    device = torch.device(device)
     info = {
         "host": socket.gethostname(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "torch": torch.__version__,
-        "device": "cpu",
+        "device": device.type,
         "device_name": platform.processor() or platform.machine(),
     }
-    if torch.cuda.is_available():
-        info["device"] = "cuda"
-        info["device_name"] = torch.cuda.get_device_name(0)
+    if device.type == "cuda":
+        index = torch.cuda.current_device() if device.index is None else device.index
+        info["device_name"] = torch.cuda.get_device_name(index)
         info["cuda"] = torch.version.cuda
     return info
 

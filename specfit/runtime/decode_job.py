@@ -617,7 +617,7 @@ def _profile(plan: DecodePlan, model, say):
         path = Path(plan.profile) if Path(plan.profile).suffix == ".json" else None
         profile = resolve_profile(plan.profile, shape, rescale=plan.rescale)
         return profile, path, _other_device_note(plan.profile, profile, model.device)
-    machine = machine_info()
+    machine = machine_info(model.device)
     dtype = str(model.dtype).removeprefix("torch.")
     notes = []
     for path in (default_profile_path(machine, shape), cached_profile_path(machine, shape, dtype),
