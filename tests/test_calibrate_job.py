@@ -58,7 +58,11 @@ def test_the_draft_level_is_the_median_of_the_levels_beyond_the_first(monkeypatc
     rows = [{"level": 1, "seconds": 10.0}, {"level": 2, "seconds": 1.0}, {"level": 3, "seconds": 2.0}]
     monkeypatch.setattr(calibrate_job, "probe_drafter_levels", lambda model, drafter, seed=0: rows)
     plan = CalibrationPlan(model_dir=tiny_moe_dir(), drafter_dir=tiny_moe_eagle3_dir(), quick=True)
-    assert calibrate(plan).cost.draft_level_s == pytest.approx(1.5)
+    profile = calibrate(plan)
+    assert profile.cost.draft_level_s == pytest.approx(1.5)
+    # and the profile says which drafter it timed
+    assert profile.probes["drafter"] == calibrate_job.drafter_identity(tiny_moe_eagle3_dir())
+    assert profile.probes["drafter"].startswith("tiny-moe-eagle3@")
 
 
 # a stand-in with fewer layers than its shape grows its per-pass terms by the layers it lacks
@@ -204,3 +208,48 @@ def test_a_cpu_calibration_on_a_gpu_host_is_not_the_gpus_profile(gpu_host, tmp_p
     model.device = torch.device("cpu")
     profile, path, _ = decode_job._profile(plan, model, lambda message: None)
     assert path == mine and profile.machine == cpu
+
+
+# a cached profile whose draft level another drafter timed is used, and the decode says so once
+def test_a_profile_timed_with_another_drafter_is_noted(tmp_path, monkeypatch):
+    import json
+    import types
+
+    import torch
+
+    from specfit.calibrate.presets import preset_profile
+    from specfit.calibrate.profile import ModelShape, machine_info
+    from specfit.runtime import decode_job
+    from specfit.runtime.config import ModelConfig
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    config = ModelConfig.from_dir(tiny_moe_dir())
+    shape = ModelShape.from_config(config, torch.float32, tiny_moe_dir().name)
+    path = calibrate_job.cached_profile_path(machine_info("cpu"), shape, "float32")
+    other = tmp_path / "other-drafter"
+    other.mkdir()
+    (other / "config.json").write_text(json.dumps({**json.loads((tiny_moe_eagle3_dir() / "config.json").read_text()),
+                                                   "draft_vocab_size": 7}))
+    model = types.SimpleNamespace(config=config, dtype=torch.float32, device=torch.device("cpu"))
+
+    def notes(timed_with, drafter):
+        made = preset_profile("pcie4", shape)
+        if timed_with is not None:
+            made.probes["drafter"] = timed_with
+        made.save(path)
+        plan = types.SimpleNamespace(profile=None, model_dir=str(tiny_moe_dir()), drafter_dir=drafter, seed=0,
+                                     rescale=False)
+        _, used, said = decode_job._profile(plan, model, lambda message: None)
+        assert used == path
+        return said
+
+    eagle = calibrate_job.drafter_identity(tiny_moe_eagle3_dir())
+    assert notes(eagle, tiny_moe_eagle3_dir()) == []
+    assert notes(None, tiny_moe_eagle3_dir()) == []                     # an older profile does not say
+    assert notes(eagle, None) == []                                     # an AR decode drafts nothing
+    for timed_with, drafter in (("stand-in", tiny_moe_eagle3_dir()), (eagle, other)):
+        said = notes(timed_with, drafter)
+        assert len(said) == 1 and f"timed with {timed_with}" in said[0]
+        assert f"drafts with {calibrate_job.drafter_identity(drafter)}" in said[0] and "online refit" in said[0]
+    assert calibrate_job.drafter_identity(other).startswith("other-drafter@")

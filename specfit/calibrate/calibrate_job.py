@@ -35,8 +35,8 @@ from .profile import ModelShape, Profile, machine_info
 from .repeat import busy_warnings, machine_noise, repeat_rounds
 
 __all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "run_shape", "check_dtype",
-           "default_profile_path", "planned_profile_path", "cached_profile_path", "RUN_CYCLE_COLUMNS", "probe_prior",
-           "scale_to_depth"]
+           "default_profile_path", "planned_profile_path", "cached_profile_path", "drafter_identity", "RUN_CYCLE_COLUMNS",
+           "probe_prior", "scale_to_depth"]
 
 # what `specfit decode --out` writes per cycle (cycles.parquet) and a refit reads
 RUN_CYCLE_COLUMNS = ("draft_levels", "nodes_verified", "hits", "misses", "measured_time_s")
@@ -159,6 +159,16 @@ def _profile_name(machine: dict, model_name: str) -> str:
     return f"{_slug(machine['host'])}-{_slug(machine['device_name'])}-{_slug(model_name)}.json"
 
 
+def drafter_identity(drafter_dir) -> str:
+    """Which drafter a draft level was timed with, ``<directory>@<digest of its config.json>``, or
+    "stand-in": a profile's ``draft_level_s`` is that drafter's, and a decode with another says so."""
+    if drafter_dir is None:
+        return "stand-in"
+    from ..simulate.grid import file_digest
+
+    return f"{Path(drafter_dir).name}@{file_digest(Path(drafter_dir) / 'config.json')}"
+
+
 def _load_target(plan: CalibrationPlan, status=None):
     """(model, probed shape, full shape, dtype) for a model directory or a named stand-in."""
     device = torch.device(plan.device)
@@ -271,6 +281,7 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> 
     noise = {**machine_noise(rows, timing, device.type, torch.get_num_threads()), "warmup_rounds": plan.warmup_rounds,
              "quick": plan.quick}
     drafter = _load_drafter(plan, model)
+    timed_with = drafter_identity(plan.drafter_dir if drafter is not None else None)
     draft_hidden, draft_vocab = _drafter_dims(plan, c)
     if drafter is None and plan.model_dir is None and draft_hidden == c.hidden_size:
         # a stand-in: a random EAGLE-3 head of the published shape grows real trees (its levels
@@ -325,7 +336,7 @@ def calibrate(plan: CalibrationPlan, progress=None, model=None, status=None) -> 
         cost=cost, shape=full, kind="measured",
         source=f"specfit calibrate on {machine['device_name']} ({probed.name})", machine=machine, fit=fit_info,
         probes={"h2d": h2d_rows, "expert_compute": compute_rows, "cycles": cycle_rows, "draft": draft_rows,
-                "layer_parts": part_rows,
+                "layer_parts": part_rows, "drafter": timed_with,
                 "probed_shape": probed.to_dict(), "dtype": str(dtype).replace("torch.", ""), "measures": MEASURES},
     )
 

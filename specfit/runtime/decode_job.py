@@ -610,7 +610,8 @@ def _profile(plan: DecodePlan, model, say):
     (the same model in another dtype) is passed over, and the notes say so."""
     from ..calibrate.presets import resolve_profile
     from ..calibrate.profile import ModelShape, load_profile, machine_info
-    from ..calibrate.calibrate_job import CalibrationPlan, cached_profile_path, calibrate, default_profile_path
+    from ..calibrate.calibrate_job import (CalibrationPlan, cached_profile_path, calibrate, default_profile_path,
+                                           drafter_identity)
 
     shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
     if plan.profile is not None:
@@ -629,6 +630,12 @@ def _profile(plan: DecodePlan, model, say):
                 notes.append(f"note: {exc}: not used")
                 continue
             if found.shape.same_shape(shape):
+                timed = found.probes.get("drafter")           # older profiles do not say
+                ours = drafter_identity(plan.drafter_dir) if plan.drafter_dir is not None else None
+                if isinstance(timed, str) and ours is not None and timed != ours:
+                    notes.append(f"note: {path}: its draft level was timed with {timed}, this run drafts with {ours}: "
+                                 "its draft_level_s is another drafter's until the online refit has seen this run's "
+                                 "levels (a few cycles)")
                 return found.for_shape(shape, source=str(path)), path, notes
             notes.append(f"note: {path}: made for {found.shape.n_layers} layers x {found.shape.n_experts} experts "
                          f"of {found.shape.expert_bytes} B, not this model's {shape.n_layers} x {shape.n_experts} of "
