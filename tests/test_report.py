@@ -515,5 +515,5 @@ def test_each_run_shows_the_versions_it_recorded_and_the_report_its_own(sim_dir,
             (run / "run.json").write_text(json.dumps({**info, "versions": {"specfit": version, "python": "3.10.2"}}))
     text = build_report([old, new], tmp_path / "rep").read_text()
     assert "specfit 0.0.7, python 3.10.2" in text
-    assert f"specfit {__version__}, python " in text                # the other run's own record
+    assert f"specfit {__version__}, specfit_source " in text        # the other run's own record
     assert "report built with specfit" in text

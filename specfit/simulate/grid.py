@@ -337,7 +337,10 @@ def expand(spec: SweepSpec, profile_digests: dict[str, str] | None = None) -> li
     a = spec.axes
     if profile_digests is None:
         profile_digests = {p: file_digest(_profile_path(spec, p)) for p in a["profiles"] if p.endswith(".json")}
-    profile_digests = {**{p: preset_digest(p) for p in a["profiles"] if not p.endswith(".json")}, **profile_digests}
+    from ..calibrate.presets import PRESETS
+
+    # (a name that is neither is refused where the scenarios are built, naming the spec's field)
+    profile_digests = {**{p: preset_digest(p) for p in a["profiles"] if p in PRESETS}, **profile_digests}
     cells = []
     for src in spec.sources:
         for predictor, acceptance, profile, h2d, mode, evict, cache, levels, pricing, policy in itertools.product(
