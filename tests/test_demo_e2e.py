@@ -95,7 +95,9 @@ def test_calibrate_decode_refit_loop(tmp_path):
     ar = cycles.loc[cycles["policy"] == "ar", "measured_time_s"].to_numpy()
     noise = float(np.mean(np.abs(ar - np.median(ar)) / ar))
     print(f"noise of identical autoregressive cycles (MAPE around their median): {noise:.1%}")
-    assert comparison["after"]["mape"] <= 1.1 * comparison["before"]["mape"] + 0.02
+    # (a profile that happened to land below the machine's noise, 12.7 % beside 16.3 % in a CI run of
+    # stop 62, leaves the refit the noise itself to reach)
+    assert comparison["after"]["mape"] <= max(1.1 * comparison["before"]["mape"] + 0.02, noise)
     assert comparison["after"]["mape"] < max(0.25, 1.5 * noise)
     refit = json.loads((tmp_path / "refit.json").read_text())
     assert refit["kind"] == "refit" and refit["fit"]["refit"]["after"]["mape"] == comparison["after"]["mape"]
