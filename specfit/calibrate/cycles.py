@@ -221,7 +221,7 @@ def probe_layer_parts(model: MoETransformer, token_counts=(1, 16), context_len: 
         positions = torch.arange(context_len, context_len + n, device=device)
         mask = model._additive_mask(torch.ones(n, context_len + n, dtype=torch.bool, device=device), positions,
                                     context_len)
-        cos, sin = model.rotary.cos_sin(positions, torch.float32 if model.config.mla else model.dtype)
+        cos, sin = model.rope(positions)
         x = model.embed_tokens(torch.zeros(n, dtype=torch.long, device=device))
         parts = {"moe_layer": lambda: moe_without_experts(x, cos, sin, mask)}
         if dense is not None:

@@ -333,8 +333,7 @@ class MoETransformer(nn.Module):
         if self._slot_positions is not None:
             self._slot_positions[cache_len:cache_len + T] = positions
 
-        # float32 angles whatever the compute dtype; MLA also rotates in float32, as transformers does
-        cos, sin = self.rotary.cos_sin(positions, torch.float32 if self.config.mla else self.dtype)
+        cos, sin = self.rope(positions)
 
         self.offload.begin_pass()
         x = self.embed_tokens(ids)
@@ -381,6 +380,11 @@ class MoETransformer(nn.Module):
             out[i] = blob[offset:offset + array.nbytes].view(_TORCH_DTYPES[array.dtype]).view(array.shape)
             offset += array.nbytes
         return out
+
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's (cos, sin) at ``positions``: float32 angles whatever the compute dtype, applied in
+        it (MLA also rotates in float32, as transformers does)."""
+        return self.rotary.cos_sin(positions, torch.float32 if self.config.mla else self.dtype)
 
     def _additive_mask(self, attn_mask: torch.Tensor, positions: torch.Tensor, cache_len: int) -> torch.Tensor:
         window = self.config.sliding_window

@@ -141,9 +141,10 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
             console.print(f"note: --cache-experts {max(cache_sizes)} is more than {path}'s {slots} experts "
                           f"{'in all' if cache_mode == 'global' else 'per layer'}: replayed with every expert cached",
                           markup=False, highlight=False)
-        note = depth_note(policies, max_levels, trace, path)
-        if note:
-            console.print(note, markup=False, highlight=False)
+        depth = int(trace.depth.max())
+        shallow = deeper_than(policies, max_levels, depth)
+        if shallow:
+            console.print(depth_note(shallow, depth, path), markup=False, highlight=False)
         with console.status(f"preparing {path} ...") if not quiet else _nothing():
             prepared.append(prepare_trace(name, trace, predictor, acceptance, model_dir=model_dir))
         shape = ModelShape.from_trace_meta(trace.model)
@@ -168,13 +169,9 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     return pd.concat(cycle_frames, ignore_index=True), pd.concat(summaries, ignore_index=True), inputs
 
 
-def depth_note(policies: list[str], max_levels: int, trace, path) -> str | None:
-    """The note for the policies of :func:`deeper_than` on ``trace`` (None when there are none):
-    their replay has fewer nodes and less draft time than a live run of them."""
-    depth = int(trace.depth.max())
-    shallow = deeper_than(policies, max_levels, depth)
-    if not shallow:
-        return None
+def depth_note(shallow: list[str], depth: int, path) -> str:
+    """The note for the policies :func:`deeper_than` found deeper than ``path``'s trees (``depth``
+    levels): their replay has fewer nodes and less draft time than a live run of them."""
     return (f"note: {', '.join(shallow)} draft more levels than {path}'s deepest tree ({depth}): replayed on the "
             f"levels it holds, with fewer nodes and less draft time than live (deeper trees: --tree-depth when "
             f"synthesising or importing a trace, decode --max-levels when recording one)")

@@ -299,11 +299,12 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
             traces, loaded = _synthesised_traces(ray, name, workloads, tokens, out_dir / "traces")
         notes, shallow = [], set()
         for trace, path in zip(loaded, traces):
-            note = depth_note(candidates, PLAN_MAX_LEVELS, trace, path)
-            if note:              # the setting it recommends may be one of them: marked in the ranking
-                Console(stderr=True).print(note, markup=False, highlight=False)
-                notes.append(note)
-                shallow.update(deeper_than(candidates, PLAN_MAX_LEVELS, int(trace.depth.max())))
+            depth = int(trace.depth.max())
+            deeper = deeper_than(candidates, PLAN_MAX_LEVELS, depth)
+            if deeper:            # the setting it recommends may be one of them: marked in the ranking
+                notes.append(depth_note(deeper, depth, path))
+                Console(stderr=True).print(notes[-1], markup=False, highlight=False)
+                shallow.update(deeper)
         by_levels = _max_nodes_by_levels(loaded)
         largest_tree = max(tree_tokens(p, by_levels) for p in candidates)
         sizes = cache_sizes(memory.max_cache_experts_for(largest_tree), cache_steps)
