@@ -266,6 +266,24 @@ def _refused(run: Path, needle: str, tmp_path: Path) -> None:
     assert not out.exists()
 
 
+def test_a_report_is_not_written_among_a_runs_files(sim_dir, tmp_path):
+    """``report RUN --out RUN`` wrote index.html and inputs.json beside the simulation's files,
+    where a rerun of the simulation into RUN left them describing the old run."""
+    run = tmp_path / "run"
+    shutil.copytree(sim_dir, run)
+    held = sorted(p.name for p in run.iterdir())
+    one_line_error(invoke("report", run, "--out", run), f"--out {run}", "`specfit simulate` run", "reports/")
+    assert sorted(p.name for p in run.iterdir()) == held
+    # a demo's directory holds its own report: not a run to protect
+    from specfit.runinfo import write_run_info
+
+    demo = tmp_path / "demo"
+    shutil.copytree(sim_dir, demo / "simulate")
+    write_run_info(demo, "demo")
+    assert invoke("report", demo, "--out", demo).exit_code == 0
+    assert (demo / "index.html").is_file()
+
+
 def test_a_demo_directory_without_its_parts_is_refused(tmp_path):
     # a demo stopped before its first step: its run.json and nothing the report reads
     from specfit.runinfo import write_run_info

@@ -19,7 +19,8 @@ def report_command(
     inputs: list[Path] = typer.Argument(..., metavar="INPUTS",
                                       help="Run directories of decode, simulate, sweep or plan (or the demo), "
                                       "profile JSON files."),
-    out: Optional[Path] = typer.Option(None, "--out", help="Report directory (default: reports/<first input's name>)."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Report directory (default: reports/<first input's name>); "
+                                       "not a run's output directory (a demo's excepted)."),
     title: str = typer.Option("SpecFit report", "--title"),
 ) -> None:
     """Render one self-contained HTML report (predicted vs measured, policy comparisons, calibration)."""
@@ -29,6 +30,7 @@ def report_command(
     target = out or Path("reports") / ((inputs[0].resolve().stem or "report") if inputs else "report")
     try:
         check_output(target, "--out", kind="dir")
+        _check_not_a_run(target)
         earlier = _earlier_inputs(target)
         index = build_report(inputs, target, title=title, say=lambda line: typer.secho(line, err=True))
     except Interrupted as exc:
@@ -40,6 +42,20 @@ def report_command(
         typer.secho(f"note: {target} held the report of {', '.join(earlier)}; it is replaced (--out names another "
                     "directory)", err=True)
     typer.echo(f"report written to {index}")
+
+
+def _check_not_a_run(target: Path) -> None:
+    """Refuse a ``--out`` that holds a decode, simulate, sweep or plan run (its ``run.json``): the
+    report's files would sit among the run's, and stay there, describing the old run, when the run
+    is written there again. A demo's directory holds its own report (the demo replaces it)."""
+    from ..errors import SpecFitError
+    from ..runinfo import RUN_INFO_FILE, read_run_info
+
+    held = (read_run_info(target) or {}).get("kind")
+    if isinstance(held, str) and held.split() and held.split()[0] != "demo":
+        raise SpecFitError(f"--out {target}: holds a `specfit {held.split()[0]}` run ({RUN_INFO_FILE}); expected a directory "
+                           "for the report alone (the default is reports/<first input's name>), not one among the "
+                           "run's files, where a rerun would leave it stale")
 
 
 def _earlier_inputs(target: Path) -> list[str] | None:
