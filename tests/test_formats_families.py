@@ -163,6 +163,21 @@ def test_bfloat16_matches_transformers_with_deepseeks_router_in_float32(model_di
     assert router_dtype == (torch.float32 if case.startswith("deepseek") else torch.bfloat16)
 
 
+@pytest.mark.parametrize("case", ["qwen2_moe", "deepseek_v2-lite", "qwen3_moe-yarn", "mixtral-linear",
+                                  "olmoe-dynamic"])
+def test_a_calibration_stand_in_holds_each_weight_in_the_loaders_dtype(model_dirs, case):
+    """The stand-in calibration times held DeepSeek's router in bfloat16 where the loader keeps it
+    in float32: it timed another router than the model runs."""
+    from specfit.calibrate.standin import random_model, standin_bytes
+
+    model_dir = model_dirs(case)
+    loaded = {name: t.dtype for name, t in load_model(model_dir, dtype="bfloat16").state_dict().items()}
+    stand_in = random_model(ModelConfig.from_dir(model_dir), torch.device("cpu"), torch.bfloat16).state_dict()
+    assert {name: t.dtype for name, t in stand_in.items()} == loaded
+    assert standin_bytes(ModelConfig.from_dir(model_dir), torch.bfloat16)["dense"] == sum(
+        t.numel() * t.element_size() for t in stand_in.values())
+
+
 def test_bfloat16_mla_decode_steps_keep_the_expanded_form_and_match_transformers(model_dirs):
     """In float32 decode steps over a cached prompt absorb kv_b_proj (test above); in bfloat16 the
     absorbed form's rounding would differ from ``transformers``' by a few bfloat16 steps (enough

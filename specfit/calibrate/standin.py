@@ -15,7 +15,7 @@ import torch
 
 from ..errors import SpecFitError
 from ..runtime.config import ModelConfig
-from ..runtime.model import MoETransformer
+from ..runtime.model import MoETransformer, weight_dtype
 from ..runtime.offload import ExpertOffload, HostExperts
 
 __all__ = ["SHAPE_CONFIGS", "shape_config", "random_model", "random_drafter"]
@@ -76,8 +76,8 @@ def standin_bytes(config: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
     """Host bytes a stand-in of ``config`` holds: its experts and its dense weights."""
     with torch.device("meta"):
         model = MoETransformer(config)
-    element = torch.empty(0, dtype=dtype).element_size()
-    dense = sum(t.numel() for t in model.state_dict().values()) * element
+    dense = sum(t.numel() * torch.empty(0, dtype=weight_dtype(name, config, dtype)).element_size()
+                for name, t in model.state_dict().items())
     return {"experts": config.n_moe_layers * config.n_experts * config.expert_bytes(dtype), "dense": dense}
 
 
@@ -98,10 +98,12 @@ def random_model(config: ModelConfig, device: torch.device, dtype: torch.dtype, 
         model = MoETransformer(config)
     state = {}
     for name, param in model.state_dict(keep_vars=True).items():
+        # held in the loader's dtypes (a float32 router), so the stand-in times what the model runs
+        held = weight_dtype(name, config, dtype)
         if name.endswith("norm.weight"):
-            state[name] = torch.ones(param.shape, dtype=dtype, device=device)
+            state[name] = torch.ones(param.shape, dtype=held, device=device)
         else:
-            state[name] = _fill(torch.empty(param.shape, dtype=dtype, device=device), gen)
+            state[name] = _fill(torch.empty(param.shape, dtype=held, device=device), gen)
     model.load_state_dict(state, strict=True, assign=True)
     model.requires_grad_(False).eval()
     model.init_rope()

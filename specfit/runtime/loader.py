@@ -33,7 +33,7 @@ from ..io import json_text, read_json_object
 from .config import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig, check_unquantized
 from .draft_model import ModelDrafter
 from .eagle3 import EAGLE3_ARCHITECTURE, SPECULATORS_ARCHITECTURE, Eagle3Config, Eagle3Drafter
-from .model import MoETransformer
+from .model import MoETransformer, weight_dtype
 from .offload import ExpertOffload, HostExperts
 
 __all__ = ["Checkpoint", "load_model", "load_tokenizer", "checkpoint_bytes", "load_drafter", "drafter_capture_layers",
@@ -271,7 +271,6 @@ def _dense_state_dict(checkpoint: Checkpoint, config: ModelConfig, dtype, device
               "norm.weight": ("model.norm.weight", (H,))}
     if not config.tie_word_embeddings or "lm_head.weight" in checkpoint:
         shapes["lm_head.weight"] = ("lm_head.weight", (V, H))
-    float32 = set()                      # tensors kept in float32 whatever the compute dtype
     for layer in range(config.n_layers):
         ours, theirs = f"layers.{layer}.", f"model.layers.{layer}."
         attn = _mla_shapes(config) if config.mla is not None else _attention_shapes(config)
@@ -286,8 +285,6 @@ def _dense_state_dict(checkpoint: Checkpoint, config: ModelConfig, dtype, device
             continue
         prefix = f"{theirs}{_moe_prefix(checkpoint, layer)}"
         shapes[f"{ours}moe.gate.weight"] = (f"{prefix}.gate.weight", (E, H))
-        if config.router_float32:
-            float32.add(f"{ours}moe.gate.weight")
         if config.shared_expert_intermediate_size:
             I = config.shared_expert_intermediate_size
             stored = "shared_expert" if config.shared_expert_gated else "shared_experts"   # Qwen2-MoE / DeepSeek
@@ -297,7 +294,7 @@ def _dense_state_dict(checkpoint: Checkpoint, config: ModelConfig, dtype, device
                 shapes[f"{ours}shared_expert.gate.weight"] = (f"{prefix}.shared_expert_gate.weight", (1, H))
     # copy=True: a tensor read from a safetensors file can share the file's memory map, which
     # would keep every page read from that file resident for the model's lifetime
-    dense = {ours: checkpoint.get(theirs, shape, torch.float32 if ours in float32 else dtype).to(device, copy=True)
+    dense = {ours: checkpoint.get(theirs, shape, weight_dtype(ours, config, dtype)).to(device, copy=True)
              for ours, (theirs, shape) in shapes.items()}
     if "lm_head.weight" not in dense:
         dense["lm_head.weight"] = dense["embed_tokens.weight"]   # tied: one tensor, two uses

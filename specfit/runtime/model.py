@@ -38,7 +38,7 @@ from .offload import ExpertOffload, OffloadCounters
 from .rope import Rotary
 from .routers import route
 
-__all__ = ["MoETransformer", "ForwardOutput", "causal_mask", "routing_plan", "expert_output"]
+__all__ = ["MoETransformer", "ForwardOutput", "causal_mask", "routing_plan", "expert_output", "weight_dtype"]
 
 _TORCH_DTYPES = {np.dtype(np.int64): torch.int64, np.dtype(np.bool_): torch.bool}
 
@@ -115,6 +115,13 @@ class Attention(nn.Module):
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs.view(self.n_kv_heads, groups * T, -1), values).view(self.n_heads, T, self.head_dim)
         return self.o_proj(out.transpose(0, 1).reshape(T, self.n_heads * self.head_dim))
+
+
+def weight_dtype(name: str, config: ModelConfig, dtype: torch.dtype) -> torch.dtype:
+    """The dtype :class:`MoETransformer`'s weight ``name`` is held in when the model computes in
+    ``dtype``: float32 for a router the family keeps in float32 (``router_float32``: DeepSeek),
+    ``dtype`` otherwise. The loader and the calibration's stand-in both hold weights so."""
+    return torch.float32 if config.router_float32 and name.endswith("moe.gate.weight") else dtype
 
 
 class MoEBlock(nn.Module):
