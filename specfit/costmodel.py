@@ -138,6 +138,14 @@ class CostModel:
         """The host-to-device part of a miss: what a miss costs beyond a hit (never negative)."""
         return max(self.miss_s - self.hit_s, 0.0)
 
+    def scaled_transfer(self, factor: float, copy_latency_s: float = 0.0) -> "CostModel":
+        """The model whose transfer part of a miss has its bandwidth part times ``factor`` (a link
+        ``1 / factor`` times as fast, or experts ``factor`` times as large) and keeps
+        ``copy_latency_s``, the fixed latency of a copy (at most the whole transfer), which
+        neither changes."""
+        fixed_s = min(max(copy_latency_s, 0.0), self.transfer_s)
+        return self.replace(miss_s=self.hit_s + fixed_s + (self.transfer_s - fixed_s) * factor)
+
     # ---------------------------------------------------------------- prediction
     @staticmethod
     def features(draft_levels, n_nodes, hits, misses) -> np.ndarray:

@@ -203,6 +203,30 @@ def test_whatif_h2d_scale_and_overrides():
         parse_overrides("base_s")
 
 
+def test_a_bandwidth_what_if_and_a_rescale_keep_the_fixed_latency_of_a_copy(tmp_path):
+    """A measured profile's transfer is a copy's fixed latency (its H2D fit's intercept) plus bytes
+    over the bandwidth; ``--h2d-scale`` and ``--rescale`` scaled the latency with the bandwidth."""
+    from specfit.calibrate.profile import ModelShape, Profile
+    from specfit.simulate.scenarios import build_scenario
+
+    shape = SHAPES["olmoe-1b-7b"]
+    hit_s, transfer_s, latency_s = 1e-4, 2e-4, 5e-5
+    cost = CostModel(base_s=1e-2, per_node_s=1e-4, hit_s=hit_s, miss_s=hit_s + transfer_s, expert_bytes=shape.expert_bytes)
+    fit = {"h2d": {"gbps": 40.0, "overhead_s": latency_s, "r2": 1.0}}
+    path = Profile(cost=cost, shape=shape, fit=fit).save(tmp_path / "p.json")
+    bandwidth_s = transfer_s - latency_s
+    faster = build_scenario(str(path), shape, h2d_scale=2.0).cost
+    assert faster.miss_s == pytest.approx(hit_s + latency_s + bandwidth_s / 2)
+    larger = ModelShape("olmoe-2x", shape.n_layers, shape.n_experts, shape.top_k, 2 * shape.expert_bytes,
+                        shape.hidden_size)
+    rescaled = build_scenario(str(path), larger, rescale=True).cost
+    assert rescaled.miss_s == pytest.approx(hit_s + latency_s + bandwidth_s * 2)
+    assert rescaled.expert_bytes == 2 * shape.expert_bytes
+    # a preset's transfer is bytes over a published bandwidth, all of it scaled
+    preset = preset_profile("pcie4", shape).cost
+    assert build_scenario("pcie4", shape, h2d_scale=2.0).cost.transfer_s == pytest.approx(preset.transfer_s / 2)
+
+
 def test_cli_json_is_only_a_list(tmp_path):
     runner = CliRunner()
     r = runner.invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), "--policies", "ar,eagle3,specfit",

@@ -10,6 +10,7 @@ asks to rescale it (transfer costs scale with the bytes of one expert).
 from __future__ import annotations
 
 import json
+import math
 import platform
 import socket
 from dataclasses import asdict, dataclass, field, fields
@@ -141,11 +142,21 @@ class Profile:
     def label(self) -> str:
         return f"{self.source or self.shape.name} ({self.kind})"
 
+    @property
+    def copy_latency_s(self) -> float:
+        """The fixed latency of one host-to-device copy, whatever its bytes: the intercept of the
+        calibration's H2D fit (``fit.h2d.overhead_s``); 0 for a profile without one (a preset is
+        bytes over a published bandwidth). A bandwidth what-if (``--h2d-scale``) and a rescale to
+        other expert bytes scale a miss's transfer less this part."""
+        h2d = self.fit.get("h2d")
+        latency = h2d.get("overhead_s") if isinstance(h2d, dict) else None
+        return float(latency) if isinstance(latency, (int, float)) and math.isfinite(latency) and latency > 0 else 0.0
+
     # ------------------------------------------------------------------ shapes
     def for_shape(self, shape: ModelShape, rescale: bool = False, source: str = "profile") -> "Profile":
         """This profile for a model of ``shape``: itself when the shapes match; with ``rescale``,
-        transfer costs scaled by the ratio of expert bytes (the compute terms are kept);
-        otherwise an error naming both shapes."""
+        transfer costs scaled by the ratio of expert bytes (the compute terms and the latency of a
+        copy, :attr:`copy_latency_s`, are kept); otherwise an error naming both shapes."""
         if self.shape.same_shape(shape):
             return self
         if not rescale:
@@ -156,7 +167,7 @@ class Profile:
                 f"B/expert); pass --rescale to map its transfer costs by expert bytes"
             )
         ratio = shape.expert_bytes / self.shape.expert_bytes if self.shape.expert_bytes else 1.0
-        cost = self.cost.replace(miss_s=self.cost.hit_s + self.cost.transfer_s * ratio, expert_bytes=shape.expert_bytes)
+        cost = self.cost.scaled_transfer(ratio, self.copy_latency_s).replace(expert_bytes=shape.expert_bytes)
         return Profile(cost=cost, shape=shape, kind=self.kind, source=f"{self.label} rescaled to {shape.name}",
                        machine=self.machine, fit={**self.fit, "rescaled_from": self.shape.to_dict()},
                        probes=self.probes, created=self.created)

@@ -45,7 +45,8 @@ def simulate_command(
                                    "calibrated (the acceptance calibrator, "
                                    "cross-fitted) or raw (the drafter's)."),
     cost: Optional[str] = typer.Option(None, "--cost", help="Override cost-model parameters, e.g. base_s=0.004,miss_s=2e-4."),
-    h2d_scale: float = typer.Option(1.0, "--h2d-scale", help="What-if: multiply the host-to-device bandwidth."),
+    h2d_scale: float = typer.Option(1.0, "--h2d-scale", help="What-if: multiply the host-to-device bandwidth "
+                                    "(a copy's fixed latency, the intercept of the profile's H2D fit, is kept)."),
     rescale: bool = typer.Option(False, "--rescale", help="Allow a profile measured for another model shape "
                                  "(transfer costs scaled by expert bytes)."),
     cache_mode: str = typer.Option("per_layer", "--cache-mode", help="per_layer or global."),

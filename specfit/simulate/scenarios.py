@@ -64,7 +64,7 @@ def build_scenario(profile_spec: str, shape, h2d_scale: float = 1.0, overrides: 
                    rescale: bool = False) -> Scenario:
     """The cost model of ``profile_spec`` (preset name or profile JSON) for a model of ``shape``
     (:class:`~specfit.calibrate.profile.ModelShape`), with ``overrides`` applied and the host
-    link ``h2d_scale`` times as fast."""
+    link ``h2d_scale`` times as fast (its bandwidth: the profile's latency of a copy is kept)."""
     from ..calibrate.presets import resolve_profile
     from .whatif import apply_overrides, scale_h2d
 
@@ -72,7 +72,7 @@ def build_scenario(profile_spec: str, shape, h2d_scale: float = 1.0, overrides: 
     profile = resolve_profile(profile_spec, shape, rescale=rescale)
     cost = apply_overrides(profile.cost, overrides)
     if h2d_scale != 1.0:
-        cost = scale_h2d(cost, h2d_scale)
+        cost = scale_h2d(cost, h2d_scale, profile.copy_latency_s)
     return Scenario(scenario_label(profile_spec, h2d_scale, overrides), cost)
 
 

@@ -116,7 +116,8 @@ def plan_command(
                                   "traces for when no --trace is given: chat, math, code."),
     tokens: int = typer.Option(128, "--tokens", help="Positions per synthesised trace."),
     profile: str = typer.Option("pcie5", "--profile", help="Preset (pcie4, pcie5, gh200) or profile JSON."),
-    h2d_scale: float = typer.Option(1.0, "--h2d-scale", help="What-if: multiply the host-to-device bandwidth."),
+    h2d_scale: float = typer.Option(1.0, "--h2d-scale", help="What-if: multiply the host-to-device bandwidth "
+                                    "(a copy's fixed latency, the intercept of the profile's H2D fit, is kept)."),
     rescale: bool = typer.Option(False, "--rescale", help="Allow a profile measured for another model shape."),
     context_tokens: int = typer.Option(4096, "--context-tokens", help="KV-cache length to reserve (tokens)."),
     reserve_gb: float = typer.Option(1.0, "--reserve-gb", help="Device memory kept for everything else: runtime "

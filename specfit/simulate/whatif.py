@@ -39,10 +39,12 @@ def apply_overrides(cost: CostModel, overrides: dict[str, float]) -> CostModel:
     return cost.check_cycle_time("--cost") if overrides else cost
 
 
-def scale_h2d(cost: CostModel, factor: float) -> CostModel:
-    """The cost model with ``factor`` times the host-to-device bandwidth: the transfer part of a
-    miss (:attr:`CostModel.transfer_s`) divided by ``factor``."""
-    miss_s = cost.hit_s + cost.transfer_s / factor if math.isfinite(factor) and factor > 0 else math.nan
-    if not math.isfinite(miss_s):       # 1e-320: a finite factor whose transfer overflows
+def scale_h2d(cost: CostModel, factor: float, copy_latency_s: float = 0.0) -> CostModel:
+    """The cost model with ``factor`` times the host-to-device bandwidth: the bandwidth part of a
+    miss's transfer (:attr:`CostModel.transfer_s` less ``copy_latency_s``, the fixed latency of a
+    copy: :attr:`~specfit.calibrate.profile.Profile.copy_latency_s`) divided by ``factor``; the
+    latency of a copy does not change with the link's bandwidth."""
+    scale = 1.0 / factor if math.isfinite(factor) and factor > 0 else math.nan
+    if not math.isfinite(cost.transfer_s * scale):       # 1e-320: a finite factor whose transfer overflows
         raise SpecFitError(f"--h2d-scale: expected a finite positive factor that leaves a miss finite, got {factor}")
-    return cost.replace(miss_s=miss_s)
+    return cost.scaled_transfer(scale, copy_latency_s)
