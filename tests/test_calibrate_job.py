@@ -200,7 +200,8 @@ def test_a_cpu_calibration_on_a_gpu_host_is_not_the_gpus_profile(gpu_host, tmp_p
     made.save(mine)
     made.save(calibrate_job.cached_profile_path(cpu, shape, "float32"))
     monkeypatch.setattr(calibrate_job, "calibrate", lambda plan, model=None: preset_profile("gh200", shape))
-    plan = types.SimpleNamespace(profile=None, model_dir=str(tiny_moe_dir()), drafter_dir=None, seed=0, rescale=False)
+    plan = types.SimpleNamespace(profile=None, model_dir=str(tiny_moe_dir()), drafter_dir=None, seed=0, rescale=False,
+                                 online_refit=True)
     model = types.SimpleNamespace(config=config, dtype=torch.float32, device=torch.device("cuda:0"))
     profile, path, _ = decode_job._profile(plan, model, lambda message: None)
     assert path == calibrate_job.cached_profile_path(machine_info("cuda:0"), shape, "float32")
@@ -233,13 +234,13 @@ def test_a_profile_timed_with_another_drafter_is_noted(tmp_path, monkeypatch):
                                                    "draft_vocab_size": 7}))
     model = types.SimpleNamespace(config=config, dtype=torch.float32, device=torch.device("cpu"))
 
-    def notes(timed_with, drafter):
+    def notes(timed_with, drafter, online_refit=True):
         made = preset_profile("pcie4", shape)
         if timed_with is not None:
             made.probes["drafter"] = timed_with
         made.save(path)
         plan = types.SimpleNamespace(profile=None, model_dir=str(tiny_moe_dir()), drafter_dir=drafter, seed=0,
-                                     rescale=False)
+                                     rescale=False, online_refit=online_refit)
         _, used, said = decode_job._profile(plan, model, lambda message: None)
         assert used == path
         return said
@@ -253,3 +254,34 @@ def test_a_profile_timed_with_another_drafter_is_noted(tmp_path, monkeypatch):
         assert len(said) == 1 and f"timed with {timed_with}" in said[0]
         assert f"drafts with {calibrate_job.drafter_identity(drafter)}" in said[0] and "online refit" in said[0]
     assert calibrate_job.drafter_identity(other).startswith("other-drafter@")
+    # with --frozen-profile no online refit ever replaces the other drafter's draft level
+    said = notes("stand-in", tiny_moe_eagle3_dir(), online_refit=False)
+    assert len(said) == 1 and "timed with stand-in" in said[0]
+    assert "online refit has seen" not in said[0] and "for the whole run" in said[0] and "--frozen-profile" in said[0]
+
+
+# a profile measured on another kind of device: with --frozen-profile it stays that machine's for the whole run
+@pytest.mark.parametrize("online_refit", [True, False])
+def test_another_devices_profile_is_noted_as_frozen_or_refitted(tmp_path, online_refit):
+    import types
+
+    import torch
+
+    from specfit.calibrate.presets import preset_profile
+    from specfit.calibrate.profile import ModelShape
+    from specfit.runtime import decode_job
+    from specfit.runtime.config import ModelConfig
+
+    config = ModelConfig.from_dir(tiny_moe_dir())
+    shape = ModelShape.from_config(config, torch.float32, tiny_moe_dir().name)
+    made = preset_profile("pcie4", shape)
+    made.kind, made.machine = "measured", {"device": "cuda", "device_name": "NVIDIA H200"}
+    path = made.save(tmp_path / "h200.json")
+    plan = types.SimpleNamespace(profile=str(path), model_dir=str(tiny_moe_dir()), drafter_dir=None, seed=0,
+                                 rescale=False, online_refit=online_refit)
+    model = types.SimpleNamespace(config=config, dtype=torch.float32, device=torch.device("cpu"))
+    _, used, said = decode_job._profile(plan, model, lambda message: None)
+    assert used == path and len(said) == 1
+    assert "was measured on cuda (NVIDIA H200), this run decodes on cpu" in said[0]
+    assert ("until the online refit has seen this one's" in said[0]) == online_refit
+    assert ("for the whole run, as --frozen-profile keeps the profile unchanged" in said[0]) == (not online_refit)

@@ -590,16 +590,23 @@ def _write_recording(recorder, path) -> Path | None:
     return None if trace is None else write_trace(trace, path)
 
 
-def _other_device_note(spec: str, profile, device) -> list[str]:
+def _until_refit(online_refit: bool, seen: str) -> str:
+    """How long a profile's figure stays another machine's or drafter's in this run: until the
+    online refit has seen ``seen``, or, with ``--frozen-profile``, the whole run."""
+    return f"until the online refit has seen {seen}" if online_refit else \
+        "for the whole run, as --frozen-profile keeps the profile unchanged"
+
+
+def _other_device_note(spec: str, profile, device, online_refit: bool) -> list[str]:
     """A note when a measured profile comes from another kind of device than the one this run
     decodes on (an H200's profile on a CPU run): its times are another machine's (a preset is a
     what-if by design, and says so in its name)."""
     measured_on = profile.machine.get("device") if isinstance(profile.machine, dict) else None
     if profile.kind != "measured" or not isinstance(measured_on, str) or measured_on == device.type:
         return []
-    name = profile.machine.get("device_name")
+    name, until = profile.machine.get("device_name"), _until_refit(online_refit, "this one's")
     return [f"note: {spec} was measured on {measured_on}{f' ({name})' if name else ''}, this run decodes on "
-            f"{device.type}: its cycle times are another machine's until the online refit has seen this one's "
+            f"{device.type}: its cycle times are another machine's {until} "
             f"(specfit calibrate measures this machine)"]
 
 
@@ -617,7 +624,7 @@ def _profile(plan: DecodePlan, model, say):
     if plan.profile is not None:
         path = Path(plan.profile) if Path(plan.profile).suffix == ".json" else None
         profile = resolve_profile(plan.profile, shape, rescale=plan.rescale)
-        return profile, path, _other_device_note(plan.profile, profile, model.device)
+        return profile, path, _other_device_note(plan.profile, profile, model.device, plan.online_refit)
     machine = machine_info(model.device)
     dtype = str(model.dtype).removeprefix("torch.")
     notes = []
@@ -634,8 +641,8 @@ def _profile(plan: DecodePlan, model, say):
                 ours = drafter_identity(plan.drafter_dir) if plan.drafter_dir is not None else None
                 if isinstance(timed, str) and ours is not None and timed != ours:
                     notes.append(f"note: {path}: its draft level was timed with {timed}, this run drafts with {ours}: "
-                                 "its draft_level_s is another drafter's until the online refit has seen this run's "
-                                 "levels (a few cycles)")
+                                 "its draft_level_s is another drafter's "
+                                 + _until_refit(plan.online_refit, "this run's levels (a few cycles)"))
                 return found.for_shape(shape, source=str(path)), path, notes
             notes.append(f"note: {path}: made for {found.shape.n_layers} layers x {found.shape.n_experts} experts "
                          f"of {found.shape.expert_bytes} B, not this model's {shape.n_layers} x {shape.n_experts} of "
