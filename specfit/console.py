@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["table_console", "PIPE_WIDTH", "speedup_text"]
+__all__ = ["table_console", "PIPE_WIDTH", "figure_text", "speedup_text"]
 
 # rich lays a pipe or a file out at 80 columns: a table of ten numeric columns then cuts its numbers
 # short ("(1.37…"); a terminal keeps its own width
@@ -18,13 +18,22 @@ def table_console():
     return console if console.is_terminal else Console(width=PIPE_WIDTH)
 
 
+def _missing(value) -> bool:
+    return value is None or value != value           # None, or NaN (of any float type)
+
+
+def figure_text(value, spec: str, missing: str = "-") -> str:
+    """A figure as a table cell: ``value`` in the format ``spec`` (``".2f"``, ``".0%"``), and
+    ``missing`` where there is none (NaN, None: a run that completed no cycle has no tokens/s,
+    no error and no hit rate)."""
+    return missing if _missing(value) else format(value, spec)
+
+
 def speedup_text(value, missing: str = "-") -> str:
     """A speed-up as a table shows it: ``1.37x``, with a third decimal where two would round a
     loss or a gain to ``1.00x`` (``0.999x``), and ``missing`` where there is none (NaN, None:
     its baseline was not among the policies)."""
-    import math
-
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+    if _missing(value):
         return missing
     text = f"{value:.2f}x"
     return f"{value:.3f}x" if text == "1.00x" and value != 1.0 else text

@@ -310,7 +310,7 @@ def demo_command(
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .console import table_console
+    from .console import figure_text, table_console
 
     console = Console(stderr=True)
     plan = DemoPlan(out_dir=out, quick=quick, cache_experts=cache_experts, max_new_tokens=max_new_tokens)
@@ -335,7 +335,7 @@ def demo_command(
         table.add_row(s["policy"], f"{s['tokens_per_s']:.1f}",
                       f"{s['tokens_per_cycle']:.2f} ({s['predicted_tokens_per_cycle']:.2f})",
                       f"{s['time_per_cycle_s'] * 1e3:.2f} ({s['predicted_time_per_cycle_s'] * 1e3:.2f})",
-                      _pct(s["time_mape"]), _pct(s["prior_time_mape"]), _pct(s["union_mape"]),
+                      *(figure_text(s[k], ".0%") for k in ("time_mape", "prior_time_mape", "union_mape")),
                       f"{s['nodes_per_cycle']:.1f}", f"{s['hit_rate']:.2f}")
     out_console = table_console()
     out_console.print(table)
@@ -361,7 +361,3 @@ def demo_command(
     out_console.print(f"greedy outputs identical across policies: {'yes' if same else 'n/a' if same is None else 'NO'}; "
                       f"cache sizes simulated: {', '.join(map(str, caches))} experts per layer")
     out_console.print(f"report: {result['report']}")
-
-
-def _pct(value: float) -> str:
-    return "-" if value != value else f"{value:.0%}"

@@ -451,6 +451,15 @@ def test_a_speedup_that_rounds_to_one_keeps_its_sign():
     assert speedup_text(float("nan")) == "-" and speedup_text(None, "–") == "–"
 
 
+def test_a_figure_without_a_value_prints_as_a_dash():
+    import numpy as np
+
+    from specfit.console import figure_text
+
+    assert [figure_text(v, ".2f") for v in (1.234, float("nan"), None, np.float32("nan"))] == ["1.23", "-", "-", "-"]
+    assert figure_text(0.125, ".0%") == "12%" and figure_text(float("nan"), ".0%", "–") == "–"
+
+
 def test_a_trace_changed_in_memory_is_validated_before_the_compiled_replay():
     # the replay indexes by depth without bounds checks: one wrong depth crashed the process
     trace = read_trace(SAMPLE_OLMOE)

@@ -831,6 +831,11 @@ def test_a_decode_whose_outputs_end_at_the_prefill_token_reports_no_cycles(check
     records = [json.loads(line) for line in (out / "decode.jsonl").read_text().splitlines()]
     assert len(records) == 2 * len(PROMPTS) and all(len(r["output_ids"]) == 1 for r in records)
     assert not (out / "cycles.parquet").exists() and "cycles.parquet" not in result.output
+    # the figures no cycle gives (tokens/s, times, errors, hit rates) print as "-", as every empty cell does
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("│ ar ", "│ specfit "))]
+    assert len(rows) == 2 * len(PROMPTS) + 2, result.stdout
+    assert not any(re.search(r"\bnan\b", row, re.IGNORECASE) for row in rows), result.stdout
+    assert all(" - " in row for row in rows), result.stdout
 
 
 def test_decode_refuses_an_unknown_cache_policy_before_loading(checkpoint):

@@ -179,7 +179,7 @@ def raw_acceptance_notes(summaries: list[dict]) -> list[str]:
 def _print_summary(run, out: Path | None) -> None:
     from rich.table import Table
 
-    from ..console import table_console
+    from ..console import figure_text, table_console
 
     console = table_console()
     records = run.records
@@ -189,7 +189,8 @@ def _print_summary(run, out: Path | None) -> None:
         table.add_column(name, justify="left" if name in ("policy", "prompt", "stop") else "right")
     for r in records[:_MAX_TABLE_ROWS]:
         table.add_row(r["policy"], str(r["index"]), str(r["prompt_tokens"]), str(r["n_new_tokens"]),
-                      f"{r['tokens_per_s']:.1f}", f"{r['decode_bytes_h2d'] / 1e6:.2f}", f"{r['decode_hit_rate']:.3f}", r["stop_reason"])
+                      figure_text(r["tokens_per_s"], ".1f"), f"{r['decode_bytes_h2d'] / 1e6:.2f}",
+                      figure_text(r["decode_hit_rate"], ".3f"), r["stop_reason"])
     if len(records) > _MAX_TABLE_ROWS:
         table.add_row("...", "", "", "", "", "", "", "")
     console.print(table)
@@ -201,12 +202,15 @@ def _print_summary(run, out: Path | None) -> None:
                  "KB H2D/cycle", "nodes", "hit rate", "search+book."):
         table.add_column(name, justify="left" if name == "policy" else "right")
     for s in run.summaries:
-        table.add_row(s["policy"], f"{s['tokens_per_s']:.1f}",
-                      f"{s['tokens_per_cycle']:.2f} ({s['predicted_tokens_per_cycle']:.2f})",
-                      f"{s['time_per_cycle_s'] * 1e3:.2f} ({s['predicted_time_per_cycle_s'] * 1e3:.2f})",
-                      _share(s["time_mape"]), _share(s["prior_time_mape"]), _share(s["union_mape"]),
-                      f"{s['bytes_per_cycle'] / 1e3:.0f} ({s['predicted_bytes_per_cycle'] / 1e3:.0f})",
-                      f"{s['nodes_per_cycle']:.1f}", f"{s['hit_rate']:.2f}", _share(s.get("overhead_share", float("nan"))))
+        table.add_row(s["policy"], figure_text(s["tokens_per_s"], ".1f"),
+                      f"{figure_text(s['tokens_per_cycle'], '.2f')} ({figure_text(s['predicted_tokens_per_cycle'], '.2f')})",
+                      f"{figure_text(s['time_per_cycle_s'] * 1e3, '.2f')} "
+                      f"({figure_text(s['predicted_time_per_cycle_s'] * 1e3, '.2f')})",
+                      *(figure_text(s[k], ".0%") for k in ("time_mape", "prior_time_mape", "union_mape")),
+                      f"{figure_text(s['bytes_per_cycle'] / 1e3, '.0f')} "
+                      f"({figure_text(s['predicted_bytes_per_cycle'] / 1e3, '.0f')})",
+                      figure_text(s["nodes_per_cycle"], ".1f"), figure_text(s["hit_rate"], ".2f"),
+                      figure_text(s.get("overhead_share"), ".0%"))
     console.print(table)
     if run.memory:
         m = run.memory
@@ -225,7 +229,3 @@ def _print_summary(run, out: Path | None) -> None:
                                            if (out / f).exists()))
     if run.trace_path is not None:
         console.print(f"wrote {run.trace_path} ({run.trace_cycles} cycles)")
-
-
-def _share(value: float) -> str:
-    return "-" if value != value else f"{value:.0%}"
