@@ -285,3 +285,49 @@ def test_another_devices_profile_is_noted_as_frozen_or_refitted(tmp_path, online
     assert "was measured on cuda (NVIDIA H200), this run decodes on cpu" in said[0]
     assert ("until the online refit has seen this one's" in said[0]) == online_refit
     assert ("for the whole run, as --frozen-profile keeps the profile unchanged" in said[0]) == (not online_refit)
+
+
+# a CPU profile is found by machine and model, not by torch threads: a decode with another thread count
+# than the profile was measured with says so, naming both, however it got the profile
+def test_a_cpu_profile_measured_with_other_threads_is_noted(tmp_path, monkeypatch):
+    import types
+
+    import torch
+
+    from specfit.calibrate.presets import preset_profile
+    from specfit.calibrate.profile import ModelShape, machine_info
+    from specfit.runtime import decode_job
+    from specfit.runtime.config import ModelConfig
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    measured = machine_info("cpu")
+    assert measured["torch_threads"] == 1                     # a calibration records its threads
+    config = ModelConfig.from_dir(tiny_moe_dir())
+    shape = ModelShape.from_config(config, torch.float32, tiny_moe_dir().name)
+    path = calibrate_job.cached_profile_path(measured, shape, "float32")
+    made = preset_profile("pcie4", shape)
+    made.kind, made.machine = "measured", measured
+    made.save(path)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert calibrate_job.cached_profile_path(machine_info("cpu"), shape, "float32") == path    # the same file
+
+    def notes(spec=None, device="cpu", online_refit=True):
+        plan = types.SimpleNamespace(profile=spec, model_dir=str(tiny_moe_dir()), drafter_dir=None, seed=0,
+                                     rescale=False, online_refit=online_refit)
+        model = types.SimpleNamespace(config=config, dtype=torch.float32, device=torch.device(device))
+        _, used, said = decode_job._profile(plan, model, lambda message: None)
+        assert used == path
+        return said
+
+    for said in (notes(), notes(str(path))):
+        assert len(said) == 1 and f"{path} was measured with 1 torch thread(s), this run decodes with 2" in said[0]
+        assert "until the online refit has seen this run's" in said[0]
+    assert "for the whole run" in notes(online_refit=False)[0]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert notes() == [] and notes(str(path)) == []           # the same threads
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    del made.machine["torch_threads"]                           # an older profile does not say
+    made.save(path)
+    assert notes() == []

@@ -104,7 +104,8 @@ class ModelShape:
 
 def machine_info(device) -> dict:
     """What the measurements ran on: ``device`` (a torch device or its name; on a GPU host a
-    calibration may run on the CPU, or on another GPU than the first), host, library versions."""
+    calibration may run on the CPU, or on another GPU than the first), host, library versions, and
+    torch's intra-op threads (``--threads``: on a CPU they set how long a pass takes)."""
     import torch
 
     device = torch.device(device)
@@ -114,6 +115,7 @@ def machine_info(device) -> dict:
         "processor": platform.processor() or platform.machine(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
         "device": device.type,
         "device_name": platform.processor() or platform.machine(),
     }

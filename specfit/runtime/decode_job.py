@@ -610,6 +610,23 @@ def _other_device_note(spec: str, profile, device, online_refit: bool) -> list[s
             f"(specfit calibrate measures this machine)"]
 
 
+def _other_threads_note(spec: str, profile, device, online_refit: bool) -> list[str]:
+    """A note when a profile measured on a CPU had another number of torch threads than this CPU
+    run (a profile is found by machine and model, not by threads): a CPU pass's time depends on
+    them, so its cycle times are another setting's. Older profiles do not say."""
+    import torch
+
+    machine = profile.machine if isinstance(profile.machine, dict) else {}
+    measured_with, ours = machine.get("torch_threads"), torch.get_num_threads()
+    if (profile.kind != "measured" or device.type != "cpu" or machine.get("device") != "cpu"
+            or not isinstance(measured_with, int) or measured_with == ours):
+        return []
+    until = _until_refit(online_refit, "this run's")
+    return [f"note: {spec} was measured with {measured_with} torch thread(s), this run decodes with {ours} "
+            f"(--threads): its cycle times are another setting's {until} (specfit calibrate --threads "
+            f"{ours} measures this setting)"]
+
+
 def _profile(plan: DecodePlan, model, say):
     """(profile, path, notes): ``--profile`` when given; else this machine's profile for the model
     from ``calibrate/`` in the current directory or the user's cache; else one calibrated quickly on
@@ -624,7 +641,8 @@ def _profile(plan: DecodePlan, model, say):
     if plan.profile is not None:
         path = Path(plan.profile) if Path(plan.profile).suffix == ".json" else None
         profile = resolve_profile(plan.profile, shape, rescale=plan.rescale)
-        return profile, path, _other_device_note(plan.profile, profile, model.device, plan.online_refit)
+        return profile, path, (_other_device_note(plan.profile, profile, model.device, plan.online_refit)
+                               + _other_threads_note(plan.profile, profile, model.device, plan.online_refit))
     machine = machine_info(model.device)
     dtype = str(model.dtype).removeprefix("torch.")
     notes = []
@@ -643,6 +661,7 @@ def _profile(plan: DecodePlan, model, say):
                     notes.append(f"note: {path}: its draft level was timed with {timed}, this run drafts with {ours}: "
                                  "its draft_level_s is another drafter's "
                                  + _until_refit(plan.online_refit, "this run's levels (a few cycles)"))
+                notes += _other_threads_note(str(path), found, model.device, plan.online_refit)
                 return found.for_shape(shape, source=str(path)), path, notes
             notes.append(f"note: {path}: made for {found.shape.n_layers} layers x {found.shape.n_experts} experts "
                          f"of {found.shape.expert_bytes} B, not this model's {shape.n_layers} x {shape.n_experts} of "
