@@ -138,6 +138,50 @@ def test_a_refit_leaves_out_the_online_models_own_update(tmp_path):
     assert profile.cost.base_s == pytest.approx(true.base_s, rel=0.005)
 
 
+def test_a_refit_names_the_drafter_its_cycles_drafted_with(tmp_path):
+    """A refit's draft_level_s is fitted on the runs' drafted levels: the profile then names the
+    drafter of those runs (run.json), not the one that timed the profile it refits; when it cannot
+    tell (an older run, or several drafters) it names none and says so."""
+    import json
+
+    from specfit.calibrate.profile import ModelShape, Profile
+    from specfit.costmodel import CostModel
+
+    rng = np.random.default_rng(2)
+    true = CostModel(base_s=0.010, per_node_s=0.001, hit_s=0.0002, miss_s=0.0012, draft_level_s=0.002)
+
+    def run(name, drafter="absent", drafting=True):
+        n = 60
+        levels = rng.integers(1, 5, n) if drafting else np.zeros(n, dtype=int)
+        nodes, hits, misses = rng.integers(1, 12, n), rng.integers(10, 60, n), rng.integers(0, 30, n)
+        d = tmp_path / name
+        d.mkdir()
+        pd.DataFrame({"draft_levels": levels, "nodes_verified": nodes, "hits": hits, "misses": misses,
+                      "measured_time_s": CostModel.features(levels, nodes, hits, misses) @ true.params}
+                     ).to_parquet(d / "cycles.parquet")
+        if drafter != "absent":
+            (d / "run.json").write_text(json.dumps({"kind": "decode", "drafter": drafter}))
+        return d
+
+    def refit(*runs):
+        prior = Profile(cost=true, shape=ModelShape("m", 4, 16, 2, 1000), probes={"drafter": "stand-in"})
+        return calibrate_job.refit(prior, list(runs))[0]
+
+    eagle, other = run("eagle", "eagle@1"), run("other", "other@2")
+    refitted = refit(eagle)
+    assert refitted.probes["drafter"] == "eagle@1" and "warnings" not in refitted.fit
+    assert refit(run("ar", None, drafting=False)).probes["drafter"] == "stand-in"     # no level drafted: kept
+    for runs, said in (([run("old")], "does not say which drafter"), ([eagle, other], "eagle@1 and with other@2")):
+        refitted = refit(*runs)
+        assert "drafter" not in refitted.probes
+        assert len(refitted.fit["warnings"]) == 1 and said in refitted.fit["warnings"][0]
+        assert "probes.drafter, stand-in, dropped" in refitted.fit["warnings"][0]
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "run.json").write_text(json.dumps({"drafter": 3}))
+    with pytest.raises(SpecFitError, match="field 'drafter': expected a string"):
+        calibrate_job.run_drafter(tmp_path / "bad")
+
+
 def test_a_standin_drafter_for_mla_attends_over_the_whole_width(monkeypatch):
     """MLA's head_dim is its rotary part alone; an EAGLE-3 head is a Llama layer of the target's
     width (DeepSeek-V2-Lite: 16 heads x 128, not x 64)."""

@@ -462,6 +462,10 @@ def test_a_rerun_stopped_early_keeps_none_of_the_last_runs_files(checkpoint, tmp
     info = json.loads((out / "run.json").read_text())
     assert info["profile"] == "pcie4 (preset)" and info["profile_file"] is None
     assert info["cost_model"]["base_s"] == pytest.approx(5e-3) and info["cost_model"]["hit_s"] > 0
+    # and the drafter its levels were drafted with (a refit's draft level is that drafter's)
+    from specfit.calibrate.calibrate_job import drafter_identity
+
+    assert info["drafter"] == drafter_identity(drafter_dir)
 
     def stop(record):
         raise KeyboardInterrupt

@@ -27,6 +27,7 @@ import torch
 
 from ..costmodel import PARAM_NAMES
 from ..errors import SpecFitError, check_seed
+from ..io import json_text
 from .cycles import (cycles_features, part_line, probe_cycles, probe_draft, probe_drafter_levels, probe_trees,
                      probe_layer_parts, star_node_cost)
 from .fit import CycleTimeFitter, prediction_errors
@@ -416,19 +417,60 @@ def read_run_cycles(run_dir: str | Path) -> pd.DataFrame:
     return df.assign(**values)
 
 
-def run_shape(run_dir: str | Path) -> ModelShape | None:
-    """The model a ``specfit decode --out`` run decoded, as its ``run.json`` records it; None for
-    a run that recorded none (no run.json, or one without a shape: older runs, the demo's warm-up).
-    A run.json that is there but cannot be read is an error: ignoring it would refit a preset
-    for the wrong model, or a profile of another model, without a word."""
+def _run_json(run_dir: str | Path) -> tuple[dict, Path]:
+    """A ``specfit decode --out`` run's ``run.json`` and its path ({} when there is none). One that
+    is there but cannot be read is an error: ignoring it would refit a preset for the wrong model,
+    or a profile of another model, without a word."""
     from ..io import read_json_object
     from ..runinfo import RUN_INFO_FILE
 
     path = Path(run_dir) / RUN_INFO_FILE
     if not path.exists():
-        return None
-    recorded = read_json_object(path, "the run.json of a `specfit decode --out` run").get("shape")
+        return {}, path
+    return read_json_object(path, "the run.json of a `specfit decode --out` run"), path
+
+
+def run_shape(run_dir: str | Path) -> ModelShape | None:
+    """The model a ``specfit decode --out`` run decoded, as its ``run.json`` records it; None for
+    a run that recorded none (no run.json, or one without a shape: older runs, the demo's warm-up)."""
+    info, path = _run_json(run_dir)
+    recorded = info.get("shape")
     return None if recorded is None else ModelShape.from_dict(recorded, source=str(path))
+
+
+def run_drafter(run_dir: str | Path) -> str | None:
+    """The drafter a ``specfit decode --out`` run drafted with (:func:`drafter_identity`), as its
+    ``run.json`` records it; None for a run that drafted with none or does not say (older runs)."""
+    info, path = _run_json(run_dir)
+    drafter = info.get("drafter")
+    if drafter is not None and not isinstance(drafter, str):
+        raise SpecFitError(f"{path}: field 'drafter': expected a string (<directory>@<digest>) or null, got "
+                           f"{json_text(drafter)}")
+    return drafter
+
+
+def _refit_probes(profile: Profile, run_dirs, frames) -> tuple[dict, list[str]]:
+    """The refitted profile's probes and warnings. Its ``draft_level_s`` is fitted on the runs'
+    drafted levels, so ``probes.drafter`` names their drafter; when the runs drafted with several,
+    or one of them does not say with which (older runs), the key goes (a decode then compares
+    nothing) and a warning says so. Runs that drafted no level leave the profile's draft level and
+    its drafter as they were."""
+    drafters = {run_drafter(d) for d, frame in zip(run_dirs, frames) if (frame["draft_levels"] > 0).any()}
+    probes = dict(profile.probes)
+    if not drafters:
+        return probes, []
+    if len(drafters) == 1 and None not in drafters:
+        probes["drafter"] = drafters.pop()
+        return probes, []
+    timed = probes.pop("drafter", None)
+    if timed is None:
+        return probes, []
+    known = sorted(d for d in drafters if d is not None)
+    unknown = "its run.json does not say which drafter drafted its levels (a decode of an older SpecFit)"
+    which = (f"the runs drafted their levels with {' and with '.join(known)}" + (f", and one of them {unknown}"
+             if None in drafters else "")) if known else f"a run's {unknown}"
+    return probes, [f"{which}: the refitted draft_level_s is not known to be one drafter's, so the profile no longer "
+                    f"names one (probes.drafter, {timed}, dropped)"]
 
 
 def refit(profile: Profile, run_dirs, seed: int = 0, holdout_fraction: float = 0.3) -> tuple[Profile, dict]:
@@ -470,8 +512,10 @@ def refit(profile: Profile, run_dirs, seed: int = 0, holdout_fraction: float = 0
     cost = fitter.cost_model(expert_bytes=profile.cost.expert_bytes)
     comparison = {"n_cycles": int(len(y)), "n_holdout": int(n_test), "before": before, "after": after,
                   "before_params": profile.cost.to_dict(), "after_params": cost.to_dict()}
+    probes, warnings = _refit_probes(profile, run_dirs, frames)
     refitted = Profile(cost=cost, shape=profile.shape, kind="refit",
                        source=f"refit of {profile.label} on {len(y)} decode cycles", machine=profile.machine,
-                       fit={**fitter.quality_, "refit": comparison, "runs": [str(d) for d in run_dirs]},
-                       probes=profile.probes)
+                       fit={**fitter.quality_, "refit": comparison, "runs": [str(d) for d in run_dirs],
+                            **({"warnings": warnings} if warnings else {})},
+                       probes=probes)
     return refitted, comparison

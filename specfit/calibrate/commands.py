@@ -196,4 +196,6 @@ def _refit(run_dirs, profile_spec, out, rescale, seed, as_json) -> Path:
     typer.echo(f"draft level {after['draft_level_s'] * 1e3:.3g} ms, "
                f"per node {after['per_node_s'] * 1e6:.3g} us, hit {after['hit_s'] * 1e6:.3g} us, "
                f"miss {after['miss_s'] * 1e6:.3g} us, base {after['base_s'] * 1e3:.3g} ms")
+    for warning in new.fit.get("warnings") or ():
+        typer.echo(f"warning: {warning}", err=True)
     return path

@@ -230,6 +230,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             model, profile = inputs.model, inputs.profile
             start = None
             if plan.out_dir is not None:
+                from ..calibrate.calibrate_job import drafter_identity
                 from ..calibrate.profile import ModelShape
                 from ..runinfo import write_run_info
 
@@ -237,10 +238,12 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
                 # written with the first result (a rerun failing before it keeps the last run's)
                 # the profile's file (a cached one is picked by the machine) and figures: a file may
-                # change under its name, a preset in the code
+                # change under its name, a preset in the code; and the drafter whose levels the
+                # cycles timed (a refit's draft level is that drafter's)
                 start = functools.partial(write_run_info, plan.out_dir, "decode", ctx, shape=shape.to_dict(),
                                           profile=profile.label, profile_file=inputs.profile_path and
-                                          str(Path(inputs.profile_path).resolve()), cost_model=profile.cost.to_dict())
+                                          str(Path(inputs.profile_path).resolve()), cost_model=profile.cost.to_dict(),
+                                          drafter=plan.drafter_dir and drafter_identity(plan.drafter_dir))
             outputs = DecodeOutputs(plan.out_dir, start)
             recorder = (_recorder(plan, model, inputs.drafter, profile, recorded_levels(plan, policies))
                         if plan.record is not None else None)
