@@ -535,3 +535,14 @@ def test_each_run_shows_the_versions_it_recorded_and_the_report_its_own(sim_dir,
     assert "specfit 0.0.7, python 3.10.2" in text
     assert f"specfit {__version__}, specfit_source " in text        # the other run's own record
     assert "report built with specfit" in text
+
+
+def test_log_axes_tick_numbers_not_raw_mathtext(sim_dir, profile_path, tmp_path):
+    """The report draws with text.parse_math off (a '$' in a name is text), and matplotlib's log
+    ticks are mathtext: the nodes-verified histogram and the cache-hit latency printed
+    `$\\mathdefault{10^{0}}$`. Their ticks are plain numbers (SVG keeps each text in a comment)."""
+    text = build_report([sim_dir, profile_path], tmp_path / "rep").read_text()
+    assert "mathdefault" not in text
+    for axis_label in ("nodes verified in a cycle", "tokens through one resident expert"):
+        svg = next(fig for fig in text.split("<figure>") if f"<!-- {axis_label} -->" in fig)
+        assert "<!-- 10 -->" in svg, axis_label

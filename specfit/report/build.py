@@ -182,7 +182,8 @@ def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report
                      "versions": ", ".join(f"{k} {v}" for k, v in versions.items()) or "–"})
     page.table(pd.DataFrame(runs))
     page.facts({"report built with specfit": __version__})
-    # a trace or run named with a '$' is text, not matplotlib's math
+    # a trace, profile or policy named with a '$' is text, not matplotlib's math (in titles, legends
+    # and category ticks alike); log axes tick plain numbers, not mathtext (plots.log_x)
     with matplotlib.rc_context({"text.parse_math": False}):
         for path, kinds in plan:
             _sections(page, path, kinds)

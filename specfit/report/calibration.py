@@ -8,7 +8,7 @@ import pandas as pd
 from ..calibrate.profile import Profile, held_out_unit
 from ..calibrate.repeat import rounds_text
 from .html import Page
-from .plots import identity_scatter, new_axes
+from .plots import identity_scatter, log_x, new_axes
 
 __all__ = ["calibration_section"]
 
@@ -56,7 +56,8 @@ def calibration_section(page: Page, profile: Profile, name: str) -> None:
         fig, ax = new_axes()
         ax.plot(df["tokens"], df["seconds"] * 1e6, "o-")
         ax.axhline(profile.cost.hit_s * 1e6, ls="--", color="grey", label=f"fitted hit_s = {profile.cost.hit_s * 1e6:.3g} µs")
-        ax.set(xlabel="tokens through one resident expert", ylabel="µs", xscale="log")
+        log_x(ax)
+        ax.set(xlabel="tokens through one resident expert", ylabel="µs")
         ax.legend()
         page.figure(fig, "Cache-hit latency: one resident expert run on 1..N tokens (median of repeats).")
     if probes.get("cycles"):

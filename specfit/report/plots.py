@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import LogFormatter
 
-__all__ = ["new_axes", "identity_scatter", "bars", "grouped_bars"]
+__all__ = ["new_axes", "log_x", "identity_scatter", "bars", "grouped_bars"]
 
 
 def new_axes(width: float = 6.4, height: float = 3.6):
@@ -13,6 +14,16 @@ def new_axes(width: float = 6.4, height: float = 3.6):
     ax = fig.add_subplot()
     ax.grid(alpha=0.3)
     return fig, ax
+
+
+def log_x(ax) -> None:
+    """Put ``ax``'s x axis on a log scale with ticks that are plain numbers (1, 10, 100). The
+    report draws with ``text.parse_math`` off, so that a '$' in a trace, profile or policy name is
+    text (:func:`specfit.report.build.build_report`); matplotlib's own log ticks are mathtext
+    (``$\\mathdefault{10^{0}}$``) and printed as written."""
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(LogFormatter())
+    ax.xaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))     # labels a short axis's minor ticks
 
 
 # above this many points a scatter is drawn as an image inside the SVG: one vector marker per

@@ -7,7 +7,7 @@ import pandas as pd
 
 from ..errors import SpecFitError
 from .html import Page
-from .plots import grouped_bars, new_axes
+from .plots import grouped_bars, log_x, new_axes
 
 __all__ = ["simulation_section"]
 
@@ -92,6 +92,7 @@ def _tree_sizes(cycles: pd.DataFrame):
     for policy in policies:
         ax.hist(cycles.loc[cycles["policy"] == policy, "nodes_verified"], bins=edges, histtype="step", lw=1.5,
                 label=str(policy), density=True)
-    ax.set(xscale="log", xlabel="nodes verified in a cycle", ylabel="share of cycles")
+    log_x(ax)
+    ax.set(xlabel="nodes verified in a cycle", ylabel="share of cycles")
     ax.legend(fontsize=8)
     return fig
