@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import pytest
 
 from specfit.accounting import read_cycles
 from specfit.report.calibration import _h2d
@@ -11,7 +12,7 @@ from specfit.report.build import classify
 from specfit.report.html import Page
 from specfit.report.live import _layer_heat_map, _per_policy, _stopping
 from specfit.report.plots import grouped_bars
-from specfit.report.simulation import simulation_section
+from specfit.report.simulation import _tree_sizes, simulation_section
 
 EVIL = '<script>alert("x")</script>&'
 
@@ -117,3 +118,15 @@ def test_two_cache_sizes_draw_the_throughput_vs_cache_figure():
     page = Page("t")
     simulation_section(page, pd.DataFrame(rows), None, "run")
     assert "Throughput vs expert-cache size" in page.render()
+
+
+def test_nodes_verified_histogram_bars_are_shares_of_each_policys_cycles():
+    """Drawn with density=True on log-spaced bins, a policy verifying 58 nodes every cycle stood at
+    0.07 on the 'share of cycles' axis. Each policy's bars sum to 1, one bar per cycle size."""
+    cycles = pd.DataFrame({"policy": ["eagle3"] * 6 + ["specfit"] * 4, "nodes_verified": [58] * 6 + [1, 1, 1, 16]})
+    ax = _tree_sizes(cycles).axes[0]
+    # a step outline goes (left, h), (right, h) for each bin: every other vertex holds a bin's height
+    heights = {outline.get_label(): outline.get_path().vertices[1:-1:2, 1] for outline in ax.patches}
+    assert {policy: h.sum() for policy, h in heights.items()} == {"eagle3": pytest.approx(1), "specfit": pytest.approx(1)}
+    assert sorted(heights["eagle3"][heights["eagle3"] > 0]) == [pytest.approx(1.0)]
+    assert sorted(heights["specfit"][heights["specfit"] > 0]) == [pytest.approx(0.25), pytest.approx(0.75)]
