@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from specfit.accounting import read_cycles
 from specfit.report.calibration import _h2d
@@ -12,7 +13,7 @@ from specfit.report.build import classify
 from specfit.report.html import Page
 from specfit.report.live import _layer_heat_map, _per_policy, _stopping
 from specfit.report.plots import grouped_bars
-from specfit.report.simulation import _tree_sizes, simulation_section
+from specfit.report.simulation import _throughput_vs_cache, _tree_sizes, simulation_section
 
 EVIL = '<script>alert("x")</script>&'
 
@@ -130,3 +131,15 @@ def test_nodes_verified_histogram_bars_are_shares_of_each_policys_cycles():
     assert {policy: h.sum() for policy, h in heights.items()} == {"eagle3": pytest.approx(1), "specfit": pytest.approx(1)}
     assert sorted(heights["eagle3"][heights["eagle3"] > 0]) == [pytest.approx(1.0)]
     assert sorted(heights["specfit"][heights["specfit"] > 0]) == [pytest.approx(0.25), pytest.approx(0.75)]
+
+
+def test_simulation_line_plots_keep_their_legend_off_the_data():
+    """Inside the axes, the throughput-vs-cache legend sat on the oracle line (lines climbing to the
+    top right) and the histogram's on eagle3's bar: both legends are right of the axes."""
+    summary = pd.DataFrame([{"policy": p, "cache_experts": c, "tokens_per_s": tps * (1 + c / 16)}
+                            for p, tps in (("ar", 90), ("eagle3", 50), ("specfit", 110), ("oracle", 155)) for c in (0, 16)])
+    cycles = pd.DataFrame({"policy": ["ar"] * 3 + ["eagle3"] * 3, "nodes_verified": [1, 1, 1, 58, 58, 58]})
+    for fig in (_throughput_vs_cache(summary), _tree_sizes(cycles)):
+        ax = fig.axes[0]
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        assert ax.get_legend().get_window_extent(renderer).x0 >= ax.get_window_extent(renderer).x1

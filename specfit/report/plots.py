@@ -6,7 +6,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter
 
-__all__ = ["new_axes", "log_x", "identity_scatter", "bars", "grouped_bars"]
+__all__ = ["new_axes", "log_x", "legend_outside", "identity_scatter", "bars", "grouped_bars"]
 
 
 def new_axes(width: float = 6.4, height: float = 3.6):
@@ -24,6 +24,12 @@ def log_x(ax) -> None:
     ax.set_xscale("log")
     ax.xaxis.set_major_formatter(LogFormatter())
     ax.xaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))     # labels a short axis's minor ticks
+
+
+def legend_outside(ax) -> None:
+    """The legend to the right of the axes, where it covers no line however the data fall (inside,
+    it sat on the highest line of a figure whose lines climb to its top right)."""
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
 
 
 # above this many points a scatter is drawn as an image inside the SVG: one vector marker per

@@ -7,7 +7,7 @@ import pandas as pd
 
 from ..errors import SpecFitError
 from .html import Page
-from .plots import grouped_bars, log_x, new_axes
+from .plots import grouped_bars, legend_outside, log_x, new_axes
 
 __all__ = ["simulation_section"]
 
@@ -81,7 +81,7 @@ def _throughput_vs_cache(group: pd.DataFrame):
         g = g.sort_values("cache_experts")
         ax.plot(g["cache_experts"], g["tokens_per_s"], "o-", label=str(policy))
     ax.set(xlabel="cached experts per layer", ylabel="tokens / s")
-    ax.legend(fontsize=8)
+    legend_outside(ax)
     return fig
 
 
@@ -98,5 +98,5 @@ def _tree_sizes(cycles: pd.DataFrame):
                 weights=np.full(len(nodes), 1 / len(nodes)))
     log_x(ax)
     ax.set(xlabel="nodes verified in a cycle", ylabel="share of cycles")
-    ax.legend(fontsize=8)
+    legend_outside(ax)
     return fig
