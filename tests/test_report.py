@@ -546,3 +546,20 @@ def test_log_axes_tick_numbers_not_raw_mathtext(sim_dir, profile_path, tmp_path)
     for axis_label in ("nodes verified in a cycle", "tokens through one resident expert"):
         svg = next(fig for fig in text.split("<figure>") if f"<!-- {axis_label} -->" in fig)
         assert "<!-- 10 -->" in svg, axis_label
+
+
+def test_simulation_tables_have_headers_with_units_bytes_in_mb_and_define_their_columns(sim_dir, tmp_path):
+    """The tables showed the summary's field names (bytes_per_token, wasted_draft_levels,
+    miss_count_error) and bytes per token in bytes (1.611e+09) under figures in MB; 'wasted' and
+    'miss count' were defined nowhere."""
+    text = build_report([sim_dir], tmp_path / "rep").read_text()
+    headers = set(re.findall(r"<th>([^<]*)</th>", text))
+    assert {"MB H2D / token", "tokens / s", "wasted draft levels / cycle", "miss-count error", "hit rate"} <= headers
+    assert not headers & {"bytes_per_token", "tokens_per_s", "wasted_draft_levels", "miss_count_error", "hit_rate"}
+    summary = pd.read_parquet(sim_dir / "summary.parquet")
+    for mb in summary["bytes_per_token"] / 1e6:                 # as the figure above it: MB H2D / token
+        assert f"<td>{mb:.4g}</td>" in text
+    small_print = html.unescape(" ".join(re.findall(r'<p class="meta">([^<]*)</p>', text)))
+    for header in ("MB H2D / token:", "wasted draft levels / cycle: levels drafted below the deepest verified node",
+                   "miss-count error: mean over cycles of predicted minus actual cache misses (positive:"):
+        assert header in small_print, header

@@ -51,20 +51,45 @@ def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame |
     if cycles is not None and not cycles.empty:
         page.figure(_tree_sizes(cycles), "Nodes verified per cycle: how large a subtree each policy chose, as a share "
                                          "of the policy's cycles over every trace, profile and cache size of the run.")
-    cols = ["trace", "profile", "cache_experts", "policy", "predictor", "tokens_per_s", "tokens_per_cycle",
-            "bytes_per_token", "hit_rate", "nodes_per_cycle", "draft_levels_per_cycle", "wasted_draft_levels",
-            "speedup_vs_ar", "speedup_vs_eagle3"]
-    page.table(summary[[c for c in cols if c in summary.columns]], caption="Summary per trace, profile, cache size and policy")
-    quality = [c for c in ("union_precision", "union_recall", "union_mape", "miss_count_error", "miss_count_abs_error",
-                           "predicted_tokens_per_cycle", "tokens_per_cycle", "tokens_bias", "time_mape", "time_bias")
-               if c in summary.columns]
+    summary = summary.assign(bytes_per_token=summary["bytes_per_token"] / 1e6)     # MB, as in the figures
+    page.table(_shown(summary, _SUMMARY), percent=("hit rate",), caption=(
+        "Summary per trace, profile, cache size and policy. cached experts: experts the cache holds per layer; "
+        "tokens / s: committed tokens per second of charged cycle time; MB H2D / token: host-to-device megabytes "
+        "(10^6 bytes) per committed token; hit rate: share of the verified union's experts found in the cache; "
+        "nodes / cycle: draft-tree nodes verified per cycle; draft levels / cycle: drafter passes per cycle; "
+        "wasted draft levels / cycle: levels drafted below the deepest verified node (draft time spent on "
+        "nothing); speed-up vs ar / eagle3: tokens / s over that policy's at the same trace, profile and cache "
+        "size."))
+    quality = [c for c in _QUALITY if c in summary.columns]
     if quality:
-        page.table(summary[["trace", "profile", "cache_experts", "policy", "predictor", *quality]],
-                   caption="Prediction quality: the expert predictor (union precision / recall, union-size MAPE, "
-                           "miss-count error) and the acceptance estimate (predicted vs committed tokens per cycle). "
-                           "MAPE: mean of |predicted - actual| / actual per cycle; bias: sum(predicted) / sum(actual) - 1. "
-                           "The actual time is the cost model on the true union (the simulator's measurement).")
+        page.table(_shown(summary, {**_KEYS, **_QUALITY}), percent=_QUALITY_SHARES, caption=(
+            "Prediction quality: the expert predictor and the acceptance estimate. union precision / recall: "
+            "share of the predicted union of experts that the cycles used / of the used union that was predicted "
+            "(over all cycles); union-size MAPE: mean over cycles of |predicted - actual| / actual union size; "
+            "miss-count error: mean over cycles of predicted minus actual cache misses (positive: the search "
+            "expected more misses than the cycle had), |error| its mean absolute value; predicted vs committed "
+            "tokens / cycle: the acceptance estimate of the chosen tree against the tokens the cycle committed; "
+            "bias: sum(predicted) / sum(actual) - 1; time MAPE and bias: the predicted cycle time against the "
+            "cost model on the true union (the simulator's measurement)."))
 
+
+# the summary's columns each table shows, under a header with its unit
+_KEYS = {"trace": "trace", "profile": "profile", "cache_experts": "cached experts", "policy": "policy",
+         "predictor": "predictor"}
+_SUMMARY = {**_KEYS, "tokens_per_s": "tokens / s", "tokens_per_cycle": "tokens / cycle",
+            "bytes_per_token": "MB H2D / token", "hit_rate": "hit rate", "nodes_per_cycle": "nodes / cycle",
+            "draft_levels_per_cycle": "draft levels / cycle", "wasted_draft_levels": "wasted draft levels / cycle",
+            "speedup_vs_ar": "speed-up vs ar", "speedup_vs_eagle3": "speed-up vs eagle3"}
+_QUALITY = {"union_precision": "union precision", "union_recall": "union recall", "union_mape": "union-size MAPE",
+            "miss_count_error": "miss-count error", "miss_count_abs_error": "miss-count |error|",
+            "predicted_tokens_per_cycle": "predicted tokens / cycle", "tokens_per_cycle": "committed tokens / cycle",
+            "tokens_bias": "tokens bias", "time_mape": "time MAPE", "time_bias": "time bias"}
+_QUALITY_SHARES = ("union precision", "union recall", "union-size MAPE", "tokens bias", "time MAPE", "time bias")
+
+
+def _shown(frame: pd.DataFrame, columns: dict) -> pd.DataFrame:
+    """The ``columns`` of ``frame`` it has, renamed to their headers."""
+    return frame[[c for c in columns if c in frame.columns]].rename(columns=columns)
 
 def _label(rows) -> str:
     """``static:auto`` with the tree size it picked at each cache size, in the bars' order
