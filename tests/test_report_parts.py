@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import html
 import numpy as np
 import pandas as pd
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from specfit.accounting import read_cycles
-from specfit.report.calibration import _h2d
+from specfit import CostModel
+from specfit.calibrate.profile import ModelShape, Profile
+from specfit.report.calibration import _h2d, calibration_section
 from specfit.report.build import classify
 from specfit.report.html import Page
 from specfit.report.live import _layer_heat_map, _per_policy, _stopping
@@ -143,3 +146,32 @@ def test_simulation_line_plots_keep_their_legend_off_the_data():
         ax = fig.axes[0]
         renderer = FigureCanvasAgg(fig).get_renderer()
         assert ax.get_legend().get_window_extent(renderer).x0 >= ax.get_window_extent(renderer).x1
+
+
+def _refit_profile(held: dict, fitted: list) -> Profile:
+    errors = {"mape": 0.1, "max_ape": 0.2, "max_abs_err": 1e-4, "n": 3}
+    return Profile(cost=CostModel(base_s=1e-3, per_node_s=1e-4, hit_s=38.2e-6, miss_s=1e-4, draft_level_s=2e-4),
+                   shape=ModelShape("m", 4, 16, 4, 1000), kind="refit", source="refit", machine={},
+                   fit={"fitted": fitted, "held": held, "refit": {"n_cycles": 10, "before": errors, "after": errors}},
+                   probes={"h2d": [{"bytes": b, "pinned": False, "seconds": 1e-6 + b / 1e10} for b in (1e3, 4e3)],
+                           "expert_compute": [{"tokens": t, "seconds": 2e-5 + 1e-6 * t} for t in (1, 4, 16)]})
+
+
+def _calibration_page(profile: Profile) -> str:
+    page = Page("t")
+    calibration_section(page, profile, "p")
+    return html.unescape(page.render())
+
+
+def test_a_refitted_profiles_calibration_figures_say_what_they_draw():
+    """A refit's fit has no H2D line, yet the caption spoke of 'the fitted bandwidth'; its hit_s,
+    held at the prior times a speed factor, was labelled 'fitted hit_s' above every probe point
+    while the facts above said held. Each caption and legend now says what is drawn."""
+    held = {"hit_s": {"value": 38.2e-6, "at": "prior x speed factor 1.15", "reason": "not determined by the data"}}
+    text = _calibration_page(_refit_profile(held, ["draft_level_s"]))
+    assert "fitted bandwidth" not in text and "fitted hit_s" not in text
+    assert "as probed; this profile holds no fit of them (a refit on decode cycles" in text
+    assert "<!-- hit_s = 38.2 µs, held at prior x speed factor 1.15 -->" in text
+    assert "dashed: the profile's hit_s, held at prior x speed factor 1.15, not fitted: not determined by the data" in text
+    fitted = _calibration_page(_refit_profile({}, ["draft_level_s", "hit_s"]))
+    assert "<!-- hit_s = 38.2 µs, fitted on the decode cycles -->" in fitted

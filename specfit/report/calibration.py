@@ -55,11 +55,14 @@ def calibration_section(page: Page, profile: Profile, name: str) -> None:
         df = pd.DataFrame(probes["expert_compute"])
         fig, ax = new_axes()
         ax.plot(df["tokens"], df["seconds"] * 1e6, "o-")
-        ax.axhline(profile.cost.hit_s * 1e6, ls="--", color="grey", label=f"fitted hit_s = {profile.cost.hit_s * 1e6:.3g} µs")
+        label, said = _term_status(fit, "hit_s")
+        ax.axhline(profile.cost.hit_s * 1e6, ls="--", color="grey",
+                   label=f"hit_s = {profile.cost.hit_s * 1e6:.3g} µs" + (f", {label}" if label else ""))
         log_x(ax)
         ax.set(xlabel="tokens through one resident expert", ylabel="µs")
         ax.legend()
-        page.figure(fig, "Cache-hit latency: one resident expert run on 1..N tokens (median of repeats).")
+        page.figure(fig, "Cache-hit latency: one resident expert run on 1..N tokens (median of repeats); dashed: "
+                         f"the profile's hit_s, {said}.")
     if probes.get("cycles"):
         _cycles(page, pd.DataFrame(probes["cycles"]))
     if probes.get("draft"):
@@ -69,8 +72,21 @@ def calibration_section(page: Page, profile: Profile, name: str) -> None:
         _refit(page, fit["refit"])
 
 
+def _term_status(fit: dict, name: str) -> tuple[str, str]:
+    """How a profile came by its term ``name``: (a legend's few words, "" where the profile does not
+    say, and a caption's part of a sentence)."""
+    held = (fit.get("held") or {}).get(name)
+    if held:
+        return f"held at {held['at']}", f"held at {held['at']}, not fitted: {held['reason']}"
+    if name in (fit.get("fitted") or ()):
+        fitted = f"fitted on the {held_out_unit(fit)}"
+        return fitted, f"{fitted}, not on these points"
+    return "", "as the profile holds it"
+
+
 def _h2d(page: Page, df: pd.DataFrame, fit: dict) -> None:
     fig, ax = new_axes()
+    fitted = False
     for pinned, group in df.groupby("pinned"):
         label = "pinned" if pinned else ("pageable" if len(df["pinned"].unique()) > 1 else "host copy")
         ax.plot(group["bytes"] / 1e6, group["seconds"] * 1e3, "o", label=label)
@@ -79,10 +95,13 @@ def _h2d(page: Page, df: pd.DataFrame, fit: dict) -> None:
             x = np.linspace(0, group["bytes"].max(), 50)
             ax.plot(x / 1e6, (line["overhead_s"] + x / (line["gbps"] * 1e9)) * 1e3, "-",
                     label=f"fit: {line['gbps']:.3g} GB/s + {line['overhead_s'] * 1e6:.3g} µs")
+            fitted = True
     ax.set(xlabel="MB per copy", ylabel="ms")
     ax.legend()
-    page.figure(fig, "Host-to-device transfers of 1..k experts over sizes around one expert, with the fitted "
-                     "bandwidth and per-copy overhead.")
+    page.figure(fig, "Host-to-device transfers of 1..k experts over sizes around one expert, " + (
+        "with the fitted bandwidth and per-copy overhead." if fitted else
+        "as probed; this profile holds no fit of them" + (" (a refit on decode cycles fits the cycle-time terms, "
+                                                          "not the copies)." if fit.get("refit") else ".")))
 
 
 def _cycles(page: Page, df: pd.DataFrame) -> None:
