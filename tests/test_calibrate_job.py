@@ -375,3 +375,28 @@ def test_a_cpu_profile_measured_with_other_threads_is_noted(tmp_path, monkeypatc
     del made.machine["torch_threads"]                           # an older profile does not say
     made.save(path)
     assert notes() == []
+
+
+def _tiny_shape():
+    import torch
+
+    from specfit.calibrate.profile import ModelShape
+    from specfit.runtime.config import ModelConfig
+
+    return ModelShape.from_config(ModelConfig.from_dir(tiny_moe_dir()), torch.float32, tiny_moe_dir().name)
+
+
+# the XDG Base Directory specification: a relative $XDG_CACHE_HOME is invalid and ignored
+def test_a_relative_xdg_cache_home_is_ignored(tmp_path, monkeypatch):
+    home = tmp_path / "home" / ".cache"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
+    path = calibrate_job.cached_profile_path({"host": "h", "device_name": "cpu"}, _tiny_shape(), "float32")
+    assert path == home / "specfit" / "profiles" / "h-cpu-tiny-moe-float32.json"
+    for value in ("relative/cache", "", "."):
+        monkeypatch.setenv("XDG_CACHE_HOME", value)
+        assert calibrate_job.user_cache_dir() == home
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert calibrate_job.user_cache_dir() == home
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert calibrate_job.user_cache_dir() == tmp_path / "xdg"

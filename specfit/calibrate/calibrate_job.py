@@ -36,7 +36,8 @@ from .profile import ModelShape, Profile, machine_info
 from .repeat import busy_warnings, machine_noise, repeat_rounds
 
 __all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "run_shape", "check_dtype",
-           "default_profile_path", "planned_profile_path", "cached_profile_path", "drafter_identity", "RUN_CYCLE_COLUMNS",
+           "default_profile_path", "planned_profile_path", "cached_profile_path", "user_cache_dir", "drafter_identity",
+           "RUN_CYCLE_COLUMNS",
            "probe_prior", "scale_to_depth"]
 
 # what `specfit decode --out` writes per cycle (cycles.parquet) and a refit reads
@@ -149,11 +150,18 @@ def cached_profile_path(machine: dict, shape: ModelShape, dtype: str | None = No
     ``~/.cache/specfit/profiles``), where ``specfit decode`` keeps the quick calibrations it makes
     itself, whatever the current directory; with ``dtype`` (the experts' element type) in the
     name, so that one model decoded in two dtypes keeps a profile for each."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     name = _profile_name(machine, shape.name)
     if dtype:
         name = name.removesuffix(".json") + f"-{_slug(dtype)}.json"
-    return root / "specfit" / "profiles" / name
+    return user_cache_dir() / "specfit" / "profiles" / name
+
+
+def user_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME``, or ``~/.cache`` where it is unset, empty or relative: the XDG Base
+    Directory specification says a relative path there is invalid and ignored (it would name
+    another cache in every directory a command runs from)."""
+    root = os.environ.get("XDG_CACHE_HOME", "")
+    return Path(root) if os.path.isabs(root) else Path.home() / ".cache"
 
 
 def _profile_name(machine: dict, model_name: str) -> str:
