@@ -19,7 +19,7 @@ from typing import Callable
 from .errors import Interrupted, SpecFitError, note_stop_signal, one_line, sigterm_stops
 
 __all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "read_parquet", "strict_json", "write_jsonl_atomic", "check_output",
-           "not_readable_as", "os_error_text", "run_dir_lock", "LOCK_FILE", "strict_dumps",
+           "not_readable_as", "os_error_text", "run_dir_lock", "file_lock", "LOCK_FILE", "strict_dumps",
            "nulls_as_nan", "write_csv_atomic",
            "remove_stale_temporaries", "read_json_object", "json_text", "config_value", "deferred_interrupt"]
 
@@ -163,35 +163,52 @@ LOCK_FILE = ".lock"
 def run_dir_lock(out_dir: str | Path | None, command: str):
     """Hold ``out_dir``'s lock (:data:`LOCK_FILE`, created with the directory) while a ``command``
     writes into it: a second run writing the same directory at once would delete and mix the
-    first one's files (or compute a sweep's cells twice), so it is refused in one line. The lock is
-    the operating system's (``flock``): a killed run's is gone with its process. No ``out_dir``:
-    nothing to hold."""
+    first one's files (or compute a sweep's cells twice), so it is refused in one line. No
+    ``out_dir``: nothing to hold."""
     if out_dir is None:
         yield
         return
-    import fcntl
-
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    lock = out_dir / LOCK_FILE
+
+    def refuse() -> None:
+        raise SpecFitError(f"{out_dir}: another specfit run is writing this directory (`specfit {command}` needs "
+                           "it alone); wait for it or use another --out")
+
+    with file_lock(out_dir / LOCK_FILE, "the directory's lock", refuse):
+        yield
+
+
+@contextlib.contextmanager
+def file_lock(lock: Path, what: str, on_held: Callable[[], None]):
+    """Hold the lock on file ``lock`` (``what`` names it in errors; created if missing). The lock is
+    the operating system's (``flock``): a killed holder's is gone with its process, whatever its
+    file says. When another process holds it, ``on_held()`` is called first: it raises to refuse,
+    or returns to wait until the holder lets go. Yields whether it waited. On a file system
+    without locks (some network mounts) it runs unlocked."""
+    import fcntl
+
     try:                                # never through a link, never blocking on a FIFO, never truncating
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o666)
     except OSError as exc:
-        raise SpecFitError(f"{lock}: cannot open the directory's lock ({exc.strerror or exc}); expected a regular "
+        raise SpecFitError(f"{lock}: cannot open {what} ({exc.strerror or exc}); expected a regular "
                            "file or none") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise SpecFitError(f"{lock}: not a regular file; expected the directory's lock file or none")
+            raise SpecFitError(f"{lock}: not a regular file; expected {what} file or none")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            held = True
+            held, waited = True, False
         except BlockingIOError:
-            raise SpecFitError(f"{out_dir}: another specfit run is writing this directory (`specfit {command}` needs "
-                               "it alone); wait for it or use another --out") from None
-        except OSError:                 # a file system without locks (some network mounts): run unlocked
-            held = False
+            held, waited = False, True
+        except OSError:                 # a file system without locks: run unlocked
+            held, waited = False, False
+        if waited:
+            on_held()
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            held = True
         try:
-            yield
+            yield waited
         finally:
             if held:
                 fcntl.flock(fd, fcntl.LOCK_UN)

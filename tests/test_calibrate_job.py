@@ -386,6 +386,103 @@ def _tiny_shape():
     return ModelShape.from_config(ModelConfig.from_dir(tiny_moe_dir()), torch.float32, tiny_moe_dir().name)
 
 
+def _cache_setup(tmp_path, monkeypatch, made):
+    """(plan, model, cached path, calibrate's calls) for ``decode_job._profile`` on the bundled model
+    with no profile found: its quick calibration is replaced by ``made()``, counted."""
+    import types
+
+    import torch
+
+    from specfit.calibrate.profile import machine_info
+    from specfit.runtime.config import ModelConfig
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.chdir(tmp_path)
+    shape = _tiny_shape()
+    calls = []
+    monkeypatch.setattr(calibrate_job, "calibrate", lambda plan, model=None: calls.append(plan) or made(shape))
+    plan = types.SimpleNamespace(profile=None, model_dir=str(tiny_moe_dir()), drafter_dir=None, seed=0, rescale=False,
+                                 online_refit=True)
+    model = types.SimpleNamespace(config=ModelConfig.from_dir(tiny_moe_dir()), dtype=torch.float32,
+                                  device=torch.device("cpu"))
+    return plan, model, calibrate_job.cached_profile_path(machine_info("cpu"), shape, "float32"), calls
+
+
+def _measured(shape, noise=None):
+    from specfit.calibrate.presets import preset_profile
+    from specfit.calibrate.repeat import busy_warnings
+
+    made = preset_profile("pcie4", shape)
+    made.kind = "measured"
+    if noise is not None:
+        made.fit = {**made.fit, "probe_noise": noise, "warnings": busy_warnings(noise)}
+    return made
+
+
+# two decodes without --profile started at once: the second waits for the first one's calibration
+# (the cache entry's lock) and decides with the profile it saved, instead of calibrating beside it
+def test_a_second_run_waits_for_the_first_ones_calibration_and_decides_with_its_profile(tmp_path, monkeypatch):
+    import dataclasses
+    import fcntl
+    import os
+    import threading
+    import time
+
+    from specfit.runtime import decode_job
+
+    plan, model, path, calls = _cache_setup(tmp_path, monkeypatch, _measured)
+    path.parent.mkdir(parents=True)
+    said, out = [], {}
+    second = threading.Thread(target=lambda: out.update(result=decode_job._profile(plan, model, said.append)))
+    # the first run's lock beside the cached profile (another open of it conflicts as another process's would)
+    lock = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        second.start()
+        deadline = time.monotonic() + 30
+        while not said and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert said and "waiting for another specfit run's calibration" in said[0]
+        time.sleep(0.2)
+        assert second.is_alive() and not calls                    # blocked on the lock, nothing calibrated
+        first = _measured(_tiny_shape())
+        first.cost = dataclasses.replace(first.cost, base_s=0.123)    # the first run's, told apart
+        first.save(path)
+    finally:
+        os.close(lock)                                               # the first run ends: its lock is gone
+    second.join(timeout=30)
+    profile, used, notes = out["result"]
+    assert used == path and not calls and profile.cost.base_s == 0.123
+    assert any("waited for another run's calibration" in note for note in notes)
+    # alone, it does not wait and says nothing of it
+    _, used, notes = decode_job._profile(plan, model, said.append)
+    assert used == path and not any("waited" in note for note in notes)
+
+
+# a quick calibration the machine disturbed decides the run, its warnings are noted as `specfit
+# calibrate` prints them, and it is not kept: every later run would decide with it
+def test_a_busy_quick_calibration_is_noted_and_not_saved(tmp_path, monkeypatch):
+    from specfit.runtime import decode_job
+
+    busy = {"rounds": 3, "quick": True, "spread_median": 0.61, "cpu_share": 0.5, "load_average": 2.4, "cpu_count": 2}
+    plan, model, path, calls = _cache_setup(tmp_path, monkeypatch, lambda shape: _measured(shape, busy))
+    profile, used, notes = decode_job._profile(plan, model, lambda message: None)
+    assert len(calls) == 1 and used is None and not path.exists()
+    assert profile.fit["probe_noise"] == busy                      # this run decides with it
+    text = " ".join(notes)
+    assert "timings varied by 61%" in text and "got 50% of a CPU core" in text
+    assert "machine was busy" in text and "not saved" in text and "next run without --profile calibrates again" in text
+    decode_job._profile(plan, model, lambda message: None)
+    assert len(calls) == 2 and not path.exists()                   # measured again, not the busy one reused
+    # a load average above the cores alone is noted, but the probes had their core and spread little: kept
+    loaded = {**busy, "spread_median": 0.05, "cpu_share": 0.99, "load_average": 3.0}
+    plan, model, path, calls = _cache_setup(tmp_path, monkeypatch, lambda shape: _measured(shape, loaded))
+    _, used, notes = decode_job._profile(plan, model, lambda message: None)
+    assert used == path and path.is_file()
+    assert any("load average 3.0 on 2 CPU cores" in note for note in notes)
+    assert not any("machine was busy" in note for note in notes)
+
+
 # the XDG Base Directory specification: a relative $XDG_CACHE_HOME is invalid and ignored
 def test_a_relative_xdg_cache_home_is_ignored(tmp_path, monkeypatch):
     home = tmp_path / "home" / ".cache"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from specfit.errors import SpecFitError
-from specfit.io import atomic_write, check_output, repeated_path, run_dir_lock, strict_dumps, write_text_atomic
+from specfit.io import atomic_write, check_output, file_lock, repeated_path, run_dir_lock, strict_dumps, write_text_atomic
 from specfit.runinfo import RUN_INFO_FILE, note_run, write_run_info
 from specfit.runtime.run_dir import (CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE, DecodeOutputs,
                                      read_decode_cycles, read_decode_summaries)
@@ -85,6 +85,35 @@ def test_the_run_directory_lock_is_exclusive_against_another_open_of_it(tmp_path
                 pass
     with run_dir_lock(tmp_path / "run", "decode"):      # released: taken again
         pass
+
+
+def test_a_lock_whose_holder_was_killed_is_taken_without_waiting(tmp_path):
+    """The lock is the operating system's: a SIGKILLed holder's goes with its process, though its
+    file stays."""
+    import signal
+    import subprocess
+    import sys
+
+    def refuse():
+        raise SpecFitError("held")
+
+    lock = tmp_path / "profile.json.lock"
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys, time\n"
+                               f"fd = os.open({str(lock)!r}, os.O_RDWR | os.O_CREAT)\n"
+                               "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\ntime.sleep(60)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(SpecFitError, match="held"):          # alive: held
+            with file_lock(lock, "the lock", refuse):
+                pass
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+        holder.stdout.close()
+    assert lock.exists()
+    with file_lock(lock, "the lock", refuse) as waited:
+        assert not waited
 
 
 def test_read_run_info_is_none_for_a_run_json_that_is_not_an_object(tmp_path):

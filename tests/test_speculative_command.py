@@ -42,6 +42,15 @@ def in_tmp_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
 
 
+@pytest.fixture
+def quiet_machine(monkeypatch):
+    """A quick calibration the machine disturbed is not kept in the cache: for the tests that check
+    what is kept, the probes' checks find the (shared) test machine quiet."""
+    from specfit.calibrate import repeat
+
+    monkeypatch.setattr(repeat, "machine_busy", lambda noise: False)
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     root = tmp_path_factory.mktemp("decode_command")
@@ -172,6 +181,7 @@ def test_a_frozen_profile_decides_every_cycle_with_the_profile(checkpoint, tmp_p
     assert "online_model" not in json.loads((out / "summary.json").read_text())[0]
 
 
+@pytest.mark.usefixtures("quiet_machine")
 def test_without_profile_a_quick_calibration_is_saved_in_the_user_cache_and_named(checkpoint, tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "user-cache"))
     result = decode(checkpoint, "--policy", "chain:2")
@@ -206,6 +216,7 @@ def test_without_profile_a_quick_calibration_is_saved_in_the_user_cache_and_name
     assert f"profile:{mine_bf16}" in "".join(again.output.split()) and mine_bf16.stat().st_mtime_ns == bf16_mtime
 
 
+@pytest.mark.usefixtures("quiet_machine")
 def test_a_profile_cache_that_cannot_be_written_or_read_does_not_stop_a_decode(checkpoint, tmp_path, monkeypatch):
     # the cache's place is a file: the quick calibration decides this run, and the note says why it
     # was not kept; a damaged cached profile is calibrated again and replaced
@@ -1050,6 +1061,7 @@ def test_the_journal_is_strict_json_and_reads_back_as_the_rows_were(tmp_path):
     assert list(kept["cycle"]) == [0, 1] and list(kept["layer_misses"][1]) == [1, 2]
 
 
+@pytest.mark.usefixtures("quiet_machine")
 def test_float16_decodes_as_ar_does_and_uses_a_profile_calibrated_in_float16(checkpoint, tmp_path, monkeypatch):
     """`specfit calibrate --dtype float16` writes a float16 profile: decode runs in float16 too (its
     greedy output the target's own in that dtype) and finds that profile, not a float32 one."""

@@ -24,7 +24,9 @@ What the rounds say about the machine (:func:`machine_noise`):
   thread the work is CPU-bound, so a share well below 1 means other processes held the cores);
 - ``load_average``: the system's one-minute load average against its CPU count.
 
-:func:`busy_warnings` turns these into sentences for the profile and the command line.
+:func:`busy_warnings` turns these into sentences for the profile and the command line;
+:func:`machine_busy` says whether the probes were disturbed (``specfit decode`` does not keep such a
+quick calibration in its cache).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ import numpy as np
 
 from ..errors import SpecFitError
 
-__all__ = ["repeat_rounds", "machine_noise", "busy_warnings", "rounds_text", "SPREAD_BUSY", "CPU_SHARE_BUSY"]
+__all__ = ["repeat_rounds", "machine_noise", "busy_warnings", "machine_busy", "rounds_text", "SPREAD_BUSY",
+           "CPU_SHARE_BUSY"]
 
 # a median spread over the rounds above this says the timings are disturbed
 SPREAD_BUSY = 0.15
@@ -124,11 +127,28 @@ def machine_noise(rows: dict[str, list[dict]], timing: dict, device_type: str, t
     return out
 
 
+def _spread_busy(noise: dict) -> bool:
+    spread = noise.get("spread_median", float("nan"))
+    return spread == spread and spread > SPREAD_BUSY
+
+
+def _share_busy(noise: dict) -> bool:
+    share = noise.get("cpu_share")
+    return share is not None and share < CPU_SHARE_BUSY
+
+
+def machine_busy(noise: dict) -> bool:
+    """Whether the probes' own checks say other work disturbed them (the first two of
+    :func:`busy_warnings`): their timings spread over the rounds, or they got less than a core. A
+    high load average alone is not: the probes may still have had their core."""
+    return _spread_busy(noise) or _share_busy(noise)
+
+
 def busy_warnings(noise: dict) -> list[str]:
     """Sentences saying why the probes' timings may not describe the machine at rest (empty: none)."""
     warnings = []
     spread = noise.get("spread_median", float("nan"))
-    if spread == spread and spread > SPREAD_BUSY:
+    if _spread_busy(noise):
         # a --quick calibration's few short passes jitter on an idle machine too
         cause, again = (("the machine is busy or its passes jitter (--quick probes are few and short: they vary "
                          "on an idle machine too)", "when it is quiet and without --quick") if noise.get("quick") else
@@ -137,7 +157,7 @@ def busy_warnings(noise: dict) -> list[str]:
                         f"median across {noise['rounds']} rounds): {cause}; the profile is uncertain. Calibrate "
                         f"again {again}, or rely on the online refit while decoding")
     share = noise.get("cpu_share")
-    if share is not None and share < CPU_SHARE_BUSY:
+    if _share_busy(noise):
         warnings.append(f"the probes got {share:.0%} of a CPU core (CPU time over wall time): other processes "
                         f"were running; the profile describes this machine as loaded as it was")
     load, count = noise.get("load_average", float("nan")), noise.get("cpu_count") or 0

@@ -634,11 +634,16 @@ def _profile(plan: DecodePlan, model, say):
     """(profile, path, notes): ``--profile`` when given; else this machine's profile for the model
     from ``calibrate/`` in the current directory or the user's cache; else one calibrated quickly on
     the loaded model and saved in the cache (and said where). A found profile of another shape
-    (the same model in another dtype) is passed over, and the notes say so."""
+    (the same model in another dtype) is passed over, and the notes say so.
+
+    The cache entry is locked while it is looked up and calibrated: a second run without a profile
+    started at once waits for the first one's calibration and decides with its profile, instead of
+    measuring the machine while the other calibrates. A quick calibration the machine disturbed
+    (:func:`~specfit.calibrate.repeat.machine_busy`) decides this run but is not kept: every later
+    run would decide with it."""
     from ..calibrate.presets import resolve_profile
-    from ..calibrate.profile import ModelShape, load_profile, machine_info
-    from ..calibrate.calibrate_job import (CalibrationPlan, cached_profile_path, calibrate, default_profile_path,
-                                           drafter_identity)
+    from ..calibrate.profile import ModelShape, machine_info
+    from ..calibrate.calibrate_job import cached_profile_path
 
     shape = ModelShape.from_config(model.config, model.dtype, Path(plan.model_dir).name)
     if plan.profile is not None:
@@ -648,9 +653,38 @@ def _profile(plan: DecodePlan, model, say):
                                + _other_threads_note(plan.profile, profile, model.device, plan.online_refit))
     machine = machine_info(model.device)
     dtype = str(model.dtype).removeprefix("torch.")
+    path = cached_profile_path(machine, shape, dtype)
+    with contextlib.ExitStack() as stack:
+        waited = _hold_cache_lock(stack, path, say)
+        return _found_or_calibrated(plan, model, shape, machine, dtype, path, say, waited)
+
+
+def _hold_cache_lock(stack: contextlib.ExitStack, path: Path, say) -> bool:
+    """Hold the lock beside cached profile ``path`` (``<name>.lock``) in ``stack``, waiting while
+    another run holds it; whether it waited. A cache that cannot hold it (not writable) is used
+    unlocked: no run can save into it either."""
+    from ..io import file_lock
+
+    def wait() -> None:
+        say(f"waiting for another specfit run's calibration of this machine and model ({path})")
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return stack.enter_context(file_lock(path.with_name(path.name + ".lock"), "the profile cache's lock", wait))
+    except (OSError, SpecFitError):
+        return False
+
+
+def _found_or_calibrated(plan: DecodePlan, model, shape, machine: dict, dtype: str, cached: Path, say, waited: bool):
+    """:func:`_profile`'s search and quick calibration, with the cache entry ``cached`` locked (after
+    ``waited`` for another run that held it)."""
+    from ..calibrate.profile import load_profile
+    from ..calibrate.repeat import machine_busy
+    from ..calibrate.calibrate_job import (CalibrationPlan, cached_profile_path, calibrate, default_profile_path,
+                                           drafter_identity)
+
     notes = []
-    for path in (default_profile_path(machine, shape), cached_profile_path(machine, shape, dtype),
-                 cached_profile_path(machine, shape)):
+    for path in (default_profile_path(machine, shape), cached, cached_profile_path(machine, shape)):
         if path.is_file():
             try:
                 found = load_profile(path)
@@ -665,14 +699,24 @@ def _profile(plan: DecodePlan, model, say):
                                  "its draft_level_s is another drafter's "
                                  + _until_refit(plan.online_refit, "this run's levels (a few cycles)"))
                 notes += _other_threads_note(str(path), found, model.device, plan.online_refit)
+                if waited and path == cached:
+                    notes.append(f"note: waited for another run's calibration of this machine and model; this run "
+                                 f"decides with the profile it saved ({path})")
                 return found.for_shape(shape, source=str(path)), path, notes
             notes.append(f"note: {path}: made for {found.shape.n_layers} layers x {found.shape.n_experts} experts "
                          f"of {found.shape.expert_bytes} B, not this model's {shape.n_layers} x {shape.n_experts} of "
                          f"{shape.expert_bytes} B in {dtype}: not used")
-    path = cached_profile_path(machine, shape, dtype)
+    path = cached
     say(f"no profile for this machine and model in {dtype} yet: quick calibration, saved to {path}")
     profile = calibrate(CalibrationPlan(model_dir=Path(plan.model_dir), drafter_dir=plan.drafter_dir,
                                         device=str(model.device), quick=True, seed=plan.seed), model=model)
+    # what `specfit calibrate` prints after its table: the probes' own checks
+    notes += [f"note: the quick calibration: {warning}" for warning in profile.fit.get("warnings") or ()]
+    if machine_busy(profile.fit.get("probe_noise") or {}):
+        notes.append(f"note: the machine was busy during the quick calibration: this run decides with it, but it is "
+                     f"not saved to {path}; the next run without --profile calibrates again (or run `specfit "
+                     f"calibrate` on a quiet machine)")
+        return profile, None, notes
     try:
         profile.save(path)
     except (OSError, SpecFitError) as exc:        # a cache that cannot be written: this run uses it anyway
