@@ -2,9 +2,10 @@
 summary of a policy's cycles, and the error measures.
 
 Both drivers describe a cycle with the same columns (:data:`CYCLE_COLUMNS`). What only a live run
-measures (wall-clock times, the per-layer traffic) is NaN / empty in a replay; what happened is in
-both: the committed tokens, the true union's hits and misses, the bytes moved, and
-``charged_time_s``, the cost model applied to them (in a replay, the simulator's "measurement").
+measures (wall-clock times) is NaN / empty in a replay; what happened is in both: the committed
+tokens, the true union's hits and misses (per layer too, in a replay's rows written to a file; a
+sweep's summary goes without them), the bytes moved, and ``charged_time_s``, the cost model applied
+to them (in a replay, the simulator's "measurement").
 ``time_s`` is the cycle's time as the driver knows it: measured live, charged in a replay; a
 policy's throughput is committed tokens over the sum of ``time_s``, in the summary, the terminal
 and the report alike.
@@ -90,11 +91,11 @@ CYCLE_COLUMNS = tuple(Column(*c) for c in (
                                 "wait for prefetch copies: it waited for a CPU another process had), on a CPU "
                                 "device with one torch thread; empty elsewhere, where other threads or the device "
                                 "do part of the work"),
-    ("hits_per_layer", "list", True, "hits per MoE layer"),
-    ("misses_per_layer", "list", True, "misses per MoE layer"),
-    ("union_per_layer", "list", True, "experts of the verified nodes' true union, per MoE layer"),
-    ("predicted_union_per_layer", "list", True, "experts of the predicted union of the verified nodes, per layer"),
-    ("predicted_misses_per_layer", "list", True, "predicted union experts the search saw missing, per layer"),
+    ("hits_per_layer", "list", False, "hits per MoE layer"),
+    ("misses_per_layer", "list", False, "misses per MoE layer"),
+    ("union_per_layer", "list", False, "experts of the verified nodes' true union, per MoE layer"),
+    ("predicted_union_per_layer", "list", False, "experts of the predicted union of the verified nodes, per layer"),
+    ("predicted_misses_per_layer", "list", False, "predicted union experts the search saw missing, per layer"),
 ))
 # (label, predicted column, actual column) of the errors the summary reports
 ERROR_QUANTITIES = (("time", "predicted_time_s", "time_s"), ("prior_time", "prior_predicted_time_s", "time_s"),
@@ -200,14 +201,15 @@ def live_row(stats, cost: CostModel | None, expert_bytes: int) -> dict:
 
 def replay_frame(columns: dict[str, np.ndarray], expert_bytes: int) -> "pd.DataFrame":
     """The schema's rows of a replay (``CycleLog.columns`` of :func:`specfit.simulate.replay.replay`):
-    what the simulator knows, the live-only columns empty."""
+    what the simulator knows, the live-only columns empty, and the per-layer ones (``[cycles, L]``
+    arrays) as lists where the replay recorded them (``per_layer``), else empty."""
     import pandas as pd
 
     n = len(columns["committed_tokens"])
     out = {"sequence": columns["sequence"], "position": columns["position"]}
     for col in CYCLE_COLUMNS:
         if col.name in columns:
-            out[col.name] = columns[col.name]
+            out[col.name] = columns[col.name].tolist() if col.kind == "list" else columns[col.name]
         elif col.kind == "list":
             # the empty tuple is one object: a list per cycle (millions in a sweep) fed the cyclic
             # garbage collector: 1.25 s of a 25k-token simulate, 0.07 s now

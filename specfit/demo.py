@@ -194,7 +194,7 @@ def _run_demo(plan: DemoPlan, out: Path, say, progress) -> dict:
     prepared = prepare_trace("demo trace", trace, predictor=predictor, acceptance="calibrated")
     caches = (0, trace.n_experts // 2) if plan.quick else (0, trace.n_experts // 4, trace.n_experts // 2)
     cycles, summary = run_sweep([prepared], list(SIM_POLICIES), list(caches), whatif_scenarios(trace),
-                                progress=lambda what: step())
+                                per_layer=True, progress=lambda what: step())
     sim_dir = out / "simulate"
     from .io import atomic_write
 

@@ -258,6 +258,9 @@ def test_cli_json_is_only_a_list(tmp_path):
                 assert csv[column].fillna("").astype(str).tolist() == parquet[column].fillna("").astype(str).tolist(), column
     # an affinity predictor is fitted on the other sequence: imperfect, but better than chance
     assert 0.3 < records[1]["union_precision"] < 1.0
+    # rows written: the per-layer columns filled, one entry per layer, and the per-layer errors with them
+    assert all(len(v) == 16 for v in cycles["predicted_misses_per_layer"])
+    assert all(r["union_layer_mape"] is not None and r["misses_layer_mape"] is not None for r in records)
 
 
 def test_cli_table_and_bad_input(tmp_path):
@@ -367,7 +370,7 @@ def test_compiled_lever_replay_equals_the_loop_through_the_lever_objects(spec, p
         policy = make_policy(spec)
         policy.observe(Observation(predicted_slots=100, predicted_slots_right=60, resident_share=0.25))
         cache = ExpertCache(trace.n_layers, trace.n_experts, 16)
-        log = replay(prep, policy, cache, cost, record_unions=True, compiled=not python_loop)
+        log = replay(prep, policy, cache, cost, record_unions=True, compiled=not python_loop, per_layer=True)
         runs.append((log, cache, policy))
     (a, cache_a, pol_a), (b, cache_b, pol_b) = runs
     assert len(a) == len(b) > 0
@@ -413,7 +416,7 @@ def test_specfit_compiled_replay_equals_its_policy_driven_level_by_level(build):
         policy = build()
         policy.observe(Observation(predicted_slots=100, predicted_slots_right=60, resident_share=0.25))
         log = replay(prep, policy, ExpertCache(trace.n_layers, trace.n_experts, 16), cost, record_unions=True,
-                     compiled=not python_loop)
+                     compiled=not python_loop, per_layer=True)
         logs.append(log)
         states.append([a.copy() for a in policy.state])
     assert len(logs[0]) == len(logs[1]) > 0
@@ -760,3 +763,109 @@ def test_run_json_records_the_traces_and_cost_models_the_figures_were_made_from(
     (_, cost_b), = b["inputs"]["cost_models"][name].items()
     assert cost_b["miss_s"] - cost_b["hit_s"] == pytest.approx((cost.miss_s - cost.hit_s) / 0.8)
     assert a["versions"]["specfit_source"] == source_digest() and len(source_digest()) == 16
+
+
+# (per-cycle total, per-layer column) pairs of the schema
+PER_LAYER_TOTALS = (("hits", "hits_per_layer"), ("misses", "misses_per_layer"), ("union_size", "union_per_layer"),
+                    ("predicted_union_size", "predicted_union_per_layer"),
+                    ("predicted_misses", "predicted_misses_per_layer"))
+
+
+@pytest.mark.parametrize("path", [SAMPLE_OLMOE, SAMPLE_QWEN3], ids=["olmoe", "qwen3"])
+@pytest.mark.parametrize("cache_mode", ["per_layer", "global"])
+def test_a_replays_per_layer_columns_sum_to_its_cycle_totals_in_both_loops(path, cache_mode):
+    """With ``per_layer`` every policy's replay fills the per-layer columns, which sum to the
+    cycle's totals; the Python loop (``compiled=False``) gives the same ones; and the other
+    columns are those of the replay without them. A poor prediction, so the predicted union is
+    not the true one."""
+    trace = read_trace(path)
+    prep = prepare("parent", trace, np.roll(trace.true_experts, 1, axis=0))
+    cost = preset_profile("gh200", SHAPES.get(trace.model["name"])).cost
+    capacity = 16 if cache_mode == "per_layer" else 8 * trace.n_layers
+    hit = mispredicted = False
+    for spec in ["ar", "chain:4", "eagle3", "static:6", "specfit", "oracle", "specfit+cache+prefetch", "ar+usage"]:
+        logs = []
+        for compiled, per_layer in ((True, True), (False, True), (True, False)):
+            policy = make_policy(spec)
+            policy.observe(Observation(predicted_slots=100, predicted_slots_right=60, resident_share=0.25))
+            logs.append(replay(prep, policy, ExpertCache(trace.n_layers, trace.n_experts, capacity, mode=cache_mode),
+                               cost, compiled=compiled, per_layer=per_layer))
+        (a, python, plain) = logs
+        c = a.columns
+        for total, column in PER_LAYER_TOTALS:
+            assert c[column].shape == (len(a), trace.n_layers), (spec, column)
+            np.testing.assert_array_equal(c[column].sum(axis=1), c[total], err_msg=f"{spec} {column}")
+            np.testing.assert_array_equal(c[column], python.columns[column], err_msg=f"{spec} {column}")
+        assert (c["misses_per_layer"] > 0).any(), spec
+        hit |= (c["hits_per_layer"] > 0).any()
+        mispredicted |= not np.array_equal(c["predicted_misses_per_layer"], c["misses_per_layer"])
+        assert set(plain.columns) == set(c) - {column for _, column in PER_LAYER_TOTALS}
+        for name, column in plain.columns.items():
+            np.testing.assert_array_equal(column, c[name], err_msg=f"{spec} {name}")
+        for x, y in zip(a.committed, plain.committed, strict=True):
+            np.testing.assert_array_equal(x, y)
+    assert hit and mispredicted
+
+
+def root_trace(true_roots: list) -> Trace:
+    """A two-layer, four-expert trace of one sequence whose trees are their roots alone, one per
+    position: token 10 + position, the target saying the next one; ``true_roots[p][layer]`` the
+    root's true experts (the same number in every layer)."""
+    experts = np.array(true_roots, dtype=np.int16)
+    n = len(true_roots)
+    return Trace(
+        meta={"model": {"name": "hand", "n_layers": 2, "n_experts": 4, "top_k": experts.shape[2], "expert_bytes": 1000},
+              "drafter": {"name": "hand"}, "workload": "test",
+              "recording": {"kind": "synthetic", "position_indexed": True, "full_verification": True},
+              "provenance": {"real": [], "synthesised": ["everything"]}},
+        offsets=np.arange(n + 1), sequence=np.zeros(n, dtype=np.int32), position=np.arange(n, dtype=np.int32),
+        parent=np.full(n, -1, dtype=np.int16), depth=np.zeros(n, dtype=np.int16),
+        token=np.arange(10, 10 + n, dtype=np.int32), draft_logprob=np.zeros(n, dtype=np.float32),
+        path_prob=np.ones(n), verdict=np.arange(11, 11 + n, dtype=np.int32), true_experts=experts)
+
+
+def test_a_two_cycle_replays_per_layer_columns_by_hand():
+    # top-2, a cache of 2 experts per layer that starts empty; ar verifies each root alone
+    # cycle 0: true L0 {0, 1}, L1 {2, 3}, all missing; predicted L0 {0, 1}, L1 {1, 2}, all missing
+    # cycle 1: true L0 {0, 2} (0 resident), L1 {2, 3} (both resident); predicted L0 {1, 3} (1
+    #   resident), L1 {0, 1} (neither)
+    trace = root_trace([[[0, 1], [2, 3]], [[0, 2], [2, 3]]])
+    predicted = np.array([[[0, 1], [1, 2]], [[1, 3], [0, 1]]], dtype=np.int16)
+    for compiled in (True, False):
+        c = replay(prepare("hand", trace, predicted), make_policy("ar"), ExpertCache(2, 4, capacity=2), HAND_COST,
+                   compiled=compiled, per_layer=True).columns
+        assert c["hits_per_layer"].tolist() == [[0, 0], [1, 2]]
+        assert c["misses_per_layer"].tolist() == [[2, 2], [1, 0]]
+        assert c["union_per_layer"].tolist() == [[2, 2], [2, 2]]
+        assert c["predicted_union_per_layer"].tolist() == [[2, 2], [2, 2]]
+        assert c["predicted_misses_per_layer"].tolist() == [[2, 2], [1, 2]]
+        assert c["misses"].tolist() == [4, 1] and c["predicted_misses"].tolist() == [4, 3]
+
+
+def test_in_global_mode_a_layers_misses_are_the_admits_an_earlier_layers_admit_evicted_its_expert():
+    # top-1, three slots for both layers, LRU: after cycle 0 (L0 e0, L1 e1) and cycle 1 (L0 e2,
+    # L1 e3: e0, the oldest, makes room for L1's e3) L1's e1 is resident but the oldest; cycle 2's
+    # L0 e0 takes its slot before L1's admit asks for it: two misses, one per layer
+    trace = root_trace([[[0], [1]], [[2], [3]], [[0], [1]]])
+    for compiled in (True, False):
+        c = replay(prepare("hand", trace, trace.true_experts), make_policy("ar"),
+                   ExpertCache(2, 4, capacity=3, mode="global"), HAND_COST, compiled=compiled, per_layer=True).columns
+        assert c["misses"].tolist() == [2, 2, 2]
+        assert c["misses_per_layer"].tolist() == [[1, 1], [1, 1], [1, 1]]
+        assert c["hits_per_layer"].tolist() == [[0, 0], [0, 0], [0, 0]]
+        # the prediction (the truth) is priced against the residency the selection saw: e1 resident
+        assert c["predicted_misses_per_layer"].tolist() == [[1, 1], [1, 1], [1, 0]]
+
+
+def test_a_sweeps_summary_has_per_layer_errors_only_when_its_rows_are_kept(sample):
+    scenario = Scenario("pcie4", preset_profile("pcie4", SHAPES["qwen3-30b-a3b"]).cost)
+    for per_layer in (True, False):
+        cycles, summary = run_sweep([sample], ["ar", "eagle3", "specfit"], [16], [scenario], per_layer=per_layer)
+        if per_layer:
+            assert np.isfinite(summary["union_layer_mape"]).all() and np.isfinite(summary["misses_layer_mape"]).all()
+            assert all(len(v) == 48 for v in cycles["union_per_layer"])
+            totals = np.array([sum(v) for v in cycles["misses_per_layer"]])
+            np.testing.assert_array_equal(totals, cycles["misses"])
+        else:
+            assert summary["union_layer_mape"].isna().all()
+            assert all(len(v) == 0 for v in cycles["union_per_layer"])

@@ -11,7 +11,7 @@ from .bitsets import ONE, ZERO, count_union, popcount, union_of_rows
 from .formula import cycle_time_s
 
 __all__ = ["OK", "BAD_EXPERT", "cycle_time", "pairwise_sum", "expected_tokens", "experts_in_range", "union_of_ids",
-           "canonical_closed", "evaluate_nodes", "evaluate_ids", "evaluate_bits", "union_accounting",
+           "canonical_closed", "evaluate_nodes", "evaluate_ids", "evaluate_bits", "union_accounting", "count_unions",
            "TRUE_UNION", "PREDICTED_UNION", "OVERLAP", "PREDICTED_MISSES", "TRUE_MISSES"]
 
 # status codes the Python wrappers turn into the validation errors they already word
@@ -200,7 +200,7 @@ def union_accounting(predicted, nodes, true, cached_bits):
     the verified nodes' experts, in the order of ``nodes``), of the predicted one (``predicted``
     [n, L, k] rows ``nodes``), of their overlap, and the experts of each union not resident in
     ``cached_bits`` [L, words] (rows :data:`TRUE_UNION` .. :data:`TRUE_MISSES`): what a live
-    cycle's row reports next to what the policy predicted, in one pass."""
+    cycle's row reports next to what the policy predicted, in one pass (:func:`count_unions`)."""
     n_layers, words = cached_bits.shape
     m = nodes.size
     rows = np.arange(m)
@@ -208,8 +208,20 @@ def union_accounting(predicted, nodes, true, cached_bits):
     union_of_ids(true, 0, rows, m, true_bits)
     predicted_bits = np.empty((n_layers, words), dtype=np.uint64)
     union_of_ids(predicted, 0, nodes, m, predicted_bits)
-    out = np.zeros((5, n_layers), dtype=np.int64)
+    out = np.empty((5, n_layers), dtype=np.int64)
+    count_unions(true_bits, predicted_bits, cached_bits, out)
+    return out
+
+
+@njit(cache=True)
+def count_unions(true_bits, predicted_bits, cached_bits, out):
+    """:func:`union_accounting`'s rows into ``out`` [5, L] from the unions as words (``[L, words]``
+    each): the live cycle's accounting, and the replay's (:func:`specfit.kernels.replay.commit_cycle`)
+    on the unions it has built."""
+    n_layers, words = cached_bits.shape
     for layer in range(n_layers):
+        for row in range(5):
+            out[row, layer] = 0
         for w in range(words):
             t, p, c = true_bits[layer, w], predicted_bits[layer, w], cached_bits[layer, w]
             out[TRUE_UNION, layer] += popcount(t)
@@ -217,4 +229,3 @@ def union_accounting(predicted, nodes, true, cached_bits):
             out[OVERLAP, layer] += popcount(t & p)
             out[PREDICTED_MISSES, layer] += popcount(p & ~c)
             out[TRUE_MISSES, layer] += popcount(t & ~c)
-    return out

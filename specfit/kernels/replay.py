@@ -19,9 +19,10 @@ import numpy as np
 from numba import njit
 
 from .bitsets import count_missing_row, popcount, union_of_rows
+from .cache import MISSES as CACHE_MISSES
 from .cache import admit_cycle
 from .decide import MAX_LEVELS, NODE_PRICE, OK, decide_level, node_price, observe_cycle, select_level
-from .evaluate import cycle_time, expected_tokens
+from .evaluate import TRUE_MISSES, count_unions, cycle_time, expected_tokens
 from .levers import ADVISOR, CARRY, PREFETCH, keep_priorities, observe_union, prefetch_level
 from .tree import accepted_path
 
@@ -63,14 +64,19 @@ def accepted_paths(offsets, parents, depth, tokens, verdicts):
 def commit_cycle(c, nodes, n_sel, same_experts, union_ready, offsets, depth, tokens, verdicts, true_bits,
                  predicted_bits, path_offsets, paths, bits, score, count, slots, n_used, clock, counters, config,
                  keep, selected, true_union, predicted_union, admitted, evicted, cand_score, cand_slot, int_cols, row,
-                 tokens_out, n_out):
+                 layer_counts, tokens_out, n_out):
     """Verify ``nodes[:n_sel]`` (sorted, closed, with the root) at cycle ``c``: commit the accepted
     path's prefix inside them plus the bonus token, admit the union of their true experts
     (``true_bits`` / ``predicted_bits``: the trace's per-node sets ``[nodes, L, words]``; the true
     union already in ``true_union`` when ``union_ready``), and fill the cycle's columns in
     ``int_cols[:, row]`` (all but the policy's predictions); ``keep`` orders the cache's evictions
-    (:mod:`specfit.kernels.cache`). Returns the number of committed
-    tokens and the new length of ``tokens_out``."""
+    (:mod:`specfit.kernels.cache`). When ``layer_counts`` (int64 ``[cycles, 5, L]``) has rows, the
+    cycle's per-layer accounting goes to ``layer_counts[row]``: the rows of
+    :func:`.evaluate.union_accounting`, taken against the residency before the admit (the one the
+    policy's selection saw), with :data:`~.evaluate.TRUE_MISSES` the admit's own misses per layer
+    (those the ``misses`` column sums; in global mode a layer's admit can evict an expert a later
+    layer then misses). Returns the number of committed tokens and the new length of
+    ``tokens_out``."""
     base = offsets[c]
     for i in range(n_sel):
         selected[nodes[i]] = True
@@ -101,8 +107,16 @@ def commit_cycle(c, nodes, n_sel, same_experts, union_ready, offsets, depth, tok
                 overlap += popcount(true_union[layer, w] & predicted_union[layer, w])
     if same_experts:
         overlap = union_size
+    per_layer = layer_counts.shape[0] > 0
+    if per_layer:
+        count_unions(true_union, true_union if same_experts else predicted_union, bits, layer_counts[row])
+        for layer in range(n_layers):      # the admit's misses: its running per-layer counters across it
+            layer_counts[row, TRUE_MISSES, layer] = -counters[CACHE_MISSES, layer]
     hits, misses = admit_cycle(true_union, bits, score, count, slots, n_used, clock, counters, config, keep, admitted,
                                evicted, cand_score, cand_slot)
+    if per_layer:
+        for layer in range(n_layers):
+            layer_counts[row, TRUE_MISSES, layer] += counters[CACHE_MISSES, layer]
     int_cols[NODES_VERIFIED, row] = n_sel
     int_cols[DEEPEST_SELECTED, row] = depth[base + nodes[n_sel - 1]]
     int_cols[UNION_SIZE, row] = hits + misses
@@ -196,12 +210,13 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
                     level_offsets, level_sizes, path_offsets, paths, sequence_starts, prefill_bits, has_prefill, params,
                     bits, score,
                     count, slots, n_used, clock, counters, config, link_params, lconf, lf, usage, layer_prefetched,
-                    prefetched, union_log, int_cols, float_cols, tokens_out, tokens_per_sequence):
+                    prefetched, union_log, layer_counts, int_cols, float_cols, tokens_out, tokens_per_sequence):
     """Replay every sequence with a compiled policy (``kind`` one of AR, CHAIN, RERANK, ORACLE;
     ``total_nodes`` the rerank's N, ``max_levels`` the levels it drafts) and the levers of
     ``lconf`` (:mod:`.levers`, not with the oracle); ``true_bits`` / ``predicted_bits`` are the
     expert ids' per-node sets (the unions are taken on them); each cycle's true union goes to
-    ``union_log[row]`` when it has rows; sequence ``s``'s prompt pass ``prefill_bits[s]`` is admitted
+    ``union_log[row]`` when it has rows, and its per-layer accounting to ``layer_counts[row]``
+    likewise (:func:`commit_cycle`); sequence ``s``'s prompt pass ``prefill_bits[s]`` is admitted
     before its first cycle where ``has_prefill[s]``. Returns the number of cycles run (the columns'
     length)."""
     max_nodes, no_keep, selected, true_union, predicted_union, cached, admitted, evicted, cand_score, cand_slot = \
@@ -331,7 +346,8 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
             k, n_out = commit_cycle(c, nodes, n_sel, same_union, ready, offsets, depth, tokens, verdicts,
                                     true_bits, predicted_bits, path_offsets, paths, bits, score, count, slots,
                                     n_used, clock, counters, config, keep, selected, true_union, predicted_union,
-                                    admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
+                                    admitted, evicted, cand_score, cand_slot, int_cols, row, layer_counts, tokens_out,
+                                    n_out)
             if lconf[ADVISOR]:
                 observe_union(true_union, config[2], lconf, lf, usage)
             prefetched[row] = copied
@@ -416,12 +432,14 @@ def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true
                    sequence_starts, prefill_bits, has_prefill, n_experts,
                    params, conf, fstate, istate, recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width,
                    bits, score, count, slots, n_used, clock, counters, config, link_params, lconf, lf, usage,
-                   layer_prefetched, prefetched, union_log, int_cols, float_cols, tokens_out, tokens_per_sequence):
+                   layer_prefetched, prefetched, union_log, layer_counts, int_cols, float_cols, tokens_out,
+                   tokens_per_sequence):
     """Replay every sequence with SpecFit's rules (:func:`decide_cycle` on each cycle's tree with
     its predicted experts and the residency at the cycle's start, then the commit and
     :func:`.decide.observe_cycle`), the policy's state arrays updated in place, and the levers of
     ``lconf`` (:mod:`.levers`; ``prefetched[row]`` the experts each cycle copied ahead), and each
-    cycle's true union in ``union_log[row]`` when it has rows. Returns the number of cycles run;
+    cycle's true union in ``union_log[row]`` and its per-layer accounting in ``layer_counts[row]``
+    when they have rows (:func:`commit_cycle`). Returns the number of cycles run;
     ``status`` errors of the search end the replay early with ``-1 - status``."""
     max_nodes, no_keep, selected, true_union, predicted_union, cached, admitted, evicted, cand_score, cand_slot = \
         _commit_scratch(offsets, bits, config)
@@ -470,7 +488,8 @@ def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true
             k, n_out = commit_cycle(c, nodes, nodes.size, same_experts, ready, offsets, depth, tokens, verdicts,
                                     true_bits, predicted_bits, path_offsets, paths, bits, score, count, slots,
                                     n_used, clock, counters, config, keep, selected, true_union, predicted_union,
-                                    admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
+                                    admitted, evicted, cand_score, cand_slot, int_cols, row, layer_counts, tokens_out,
+                                    n_out)
             if lconf[ADVISOR]:
                 observe_union(true_union, n_experts, lconf, lf, usage)
             if union_log.shape[0]:

@@ -65,7 +65,9 @@ def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame |
         page.table(_shown(summary, {**_KEYS, **_QUALITY}), percent=_QUALITY_SHARES, caption=(
             "Prediction quality: the expert predictor and the acceptance estimate. union precision / recall: "
             "share of the predicted union of experts that the cycles used / of the used union that was predicted "
-            "(over all cycles); union-size MAPE: mean over cycles of |predicted - actual| / actual union size; "
+            "(over all cycles); union-size MAPE: mean over cycles of |predicted - actual| / actual union size, per "
+            "layer: the same over each cycle's layers (likewise the misses' MAPE per layer; recorded only by a "
+            "replay that writes its rows, simulate --out); "
             "miss-count error: mean over cycles of predicted minus actual cache misses (positive: the search "
             "expected more misses than the cycle had), |error| its mean absolute value; predicted vs committed "
             "tokens / cycle: the acceptance estimate of the chosen tree against the tokens the cycle committed; "
@@ -81,10 +83,12 @@ _SUMMARY = {**_KEYS, "tokens_per_s": "tokens / s", "tokens_per_cycle": "tokens /
             "draft_levels_per_cycle": "draft levels / cycle", "wasted_draft_levels": "wasted draft levels / cycle",
             "speedup_vs_ar": "speed-up vs ar", "speedup_vs_eagle3": "speed-up vs eagle3"}
 _QUALITY = {"union_precision": "union precision", "union_recall": "union recall", "union_mape": "union-size MAPE",
-            "miss_count_error": "miss-count error", "miss_count_abs_error": "miss-count |error|",
+            "union_layer_mape": "union-size MAPE per layer", "miss_count_error": "miss-count error",
+            "miss_count_abs_error": "miss-count |error|", "misses_layer_mape": "misses MAPE per layer",
             "predicted_tokens_per_cycle": "predicted tokens / cycle", "tokens_per_cycle": "committed tokens / cycle",
             "tokens_bias": "tokens bias", "time_mape": "time MAPE", "time_bias": "time bias"}
-_QUALITY_SHARES = ("union precision", "union recall", "union-size MAPE", "tokens bias", "time MAPE", "time bias")
+_QUALITY_SHARES = ("union precision", "union recall", "union-size MAPE", "union-size MAPE per layer",
+                   "misses MAPE per layer", "tokens bias", "time MAPE", "time bias")
 
 
 def _shown(frame: pd.DataFrame, columns: dict) -> pd.DataFrame:

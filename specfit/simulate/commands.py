@@ -70,7 +70,7 @@ def simulate_command(
                                     _distinct("--policies", _split([policies], "--policies", "policy")),
                                     _distinct("--cache-experts", _parse_sizes(cache_experts)), predictor,
                                     acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json,
-                                    price_uncertainty, model)
+                                    price_uncertainty, model, per_layer=out is not None)
         if out is not None:
             _write_outputs(out, cycles, summary, ctx, inputs)
     except Interrupted as exc:
@@ -112,7 +112,10 @@ def _parse_sizes(text: str) -> list[int]:
 
 
 def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptance, cost_text, h2d_scale, rescale,
-              cache_mode, cache_policy, max_levels, quiet, price_uncertainty=True, model_dir=None):
+              cache_mode, cache_policy, max_levels, quiet, price_uncertainty=True, model_dir=None, per_layer=False):
+    """Replay every trace, profile, cache size and policy: ``(cycles, summary, inputs)``; the cycles'
+    per-layer columns (and the summary's per-layer errors) only with ``per_layer``, when the rows
+    are written."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -162,6 +165,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
         for prep in prepared:
             cyc, summ = run_sweep([prep], policies, cache_sizes, scenarios[prep.name], cache_mode=cache_mode,
                                   cache_policy=cache_policy, max_levels=max_levels, price_uncertainty=price_uncertainty,
+                                  per_layer=per_layer,
                                   progress=lambda what: bar.update(task, advance=1, description=what))
             cycle_frames.append(cyc)
             summaries.append(summ)

@@ -68,7 +68,8 @@ class _LevelView(CycleView):
 
 @dataclass
 class CycleLog:
-    """Per-cycle columns of one replay (numpy arrays of equal length) and the committed tokens."""
+    """Per-cycle columns of one replay (numpy arrays of equal length; the per-layer ones, when
+    recorded, ``[cycles, L]``) and the committed tokens."""
 
     columns: dict[str, np.ndarray]
     committed: list[np.ndarray]        # per sequence: the tokens committed, in order
@@ -100,14 +101,16 @@ def _compiled_rule(policy: Policy) -> tuple[int, int, int] | None:
 
 
 def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostModel,
-           record_unions: bool = False, compiled: bool = True) -> CycleLog:
+           record_unions: bool = False, compiled: bool = True, per_layer: bool = False) -> CycleLog:
     """Replay every sequence of ``prep`` through ``policy`` with ``cache`` and ``cost`` (the
     policy's cost model). Both ``cache`` and ``policy`` are mutated: they carry state across
     cycles (residency; what the policy and its levers learn), so a second replay wants fresh ones
     (:func:`specfit.policies.make_policy`). ``record_unions`` keeps each
-    cycle's true union (e.g. for :func:`specfit.experts.belady.belady_counts`). ``compiled=False``
-    runs the Python loop through the policy and lever objects even where the kernels could run
-    the whole replay (the reference the kernels are tested against; slower, same results)."""
+    cycle's true union (e.g. for :func:`specfit.experts.belady.belady_counts`). ``per_layer`` adds
+    the schema's per-layer columns (``[cycles, L]`` each, :func:`_per_layer_columns`: for rows
+    written to a file; a sweep's summary goes without them). ``compiled=False`` runs the Python loop
+    through the policy and lever objects even where the kernels could run the whole replay (the
+    reference the kernels are tested against; slower, same results)."""
     trace = prep.trace
     if (cache.n_layers, cache.n_experts) != (trace.n_layers, trace.n_experts):
         raise ValueError(f"cache: expected {trace.n_layers} layers x {trace.n_experts} experts to match the trace, "
@@ -123,10 +126,11 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
     compiled_specfit = levers is not None and type(policy) is SpecFitPolicy and policy.acceptance is None
     unions: list[np.ndarray] | None = [] if record_unions else None
     prefetched = np.zeros(n, dtype=np.int64)
+    layer_counts = np.zeros((n if per_layer else 0, 5, trace.n_layers), dtype=np.int64)
     if rule is not None or compiled_specfit:
         layer_prefetched = np.zeros(trace.n_layers, dtype=np.int64)
         union_log = np.zeros((n if record_unions else 0, trace.n_layers, (trace.n_experts + 63) // 64), dtype=np.uint64)
-        lever_args = (cost.params, *levers, layer_prefetched, prefetched, union_log)
+        lever_args = (cost.params, *levers, layer_prefetched, prefetched, union_log, layer_counts)
     if rule is not None:
         rows = kernels.replay.replay_compiled(
             *rule, prep.predicted_is_true, prep.offsets, prep.parents, prep.depths, prep.tokens, prep.verdicts,
@@ -148,7 +152,7 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
                              "trace: a predicted expert id is out of range for the trace's experts")
     else:
         rows = _replay_python(prep, policy, cache, cost, bounds, int_cols, float_cols, tokens_out, per_sequence,
-                              prefetched, unions)
+                              prefetched, unions, layer_counts)
     if rule is not None or compiled_specfit:
         _return_lever_state(policy, cache, levers, layer_prefetched)
         if record_unions:
@@ -173,8 +177,23 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
     # the misses and the prefetched copies (whose link time was idle), each an expert of the size
     # the cost model charges a miss for
     cols["bytes_h2d"] = (cols["misses"] + cols["prefetched"]) * cost.bytes_per_miss(trace.expert_bytes)
+    if per_layer:
+        cols.update(_per_layer_columns(layer_counts[:rows]))
     committed = np.split(tokens_out[:int(per_sequence.sum())], np.cumsum(per_sequence)[:-1])
     return CycleLog(columns=cols, committed=committed, unions=unions, prefill_unions=prefill_unions)
+
+
+def _per_layer_columns(layer_counts: np.ndarray) -> dict[str, np.ndarray]:
+    """The schema's per-layer columns (``[cycles, L]`` each) from the replay's accounting
+    (``layer_counts[cycle]``: :func:`specfit.kernels.replay.commit_cycle`'s rows of
+    :func:`specfit.kernels.evaluate.union_accounting`), as a live cycle reports them: the admit's hits
+    and misses, the true union their sum, the predicted union and its misses against the residency
+    the selection saw."""
+    e = kernels.evaluate
+    union, misses = layer_counts[:, e.TRUE_UNION], layer_counts[:, e.TRUE_MISSES]
+    return {"hits_per_layer": union - misses, "misses_per_layer": misses, "union_per_layer": union,
+            "predicted_union_per_layer": layer_counts[:, e.PREDICTED_UNION],
+            "predicted_misses_per_layer": layer_counts[:, e.PREDICTED_MISSES]}
 
 
 def lever_state(policy: Policy, cache: ExpertCache) -> tuple | None:
@@ -210,7 +229,7 @@ def _return_lever_state(policy: Policy, cache: ExpertCache, levers: tuple, layer
 
 
 def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostModel, bounds, int_cols,
-                   float_cols, tokens_out, per_sequence, prefetched, unions) -> int:
+                   float_cols, tokens_out, per_sequence, prefetched, unions, layer_counts) -> int:
     """The loop for a policy that decides in Python: a view per cycle, ``choose`` (with the
     prefetcher's copies before each level), the compiled commit (with the cache advisor's keep
     priorities), then what the cycle revealed to ``policy.observe``."""
@@ -272,7 +291,8 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
             committed, n_out = k.commit_cycle(
                 c, nodes, nodes.size, same, False, offsets, prep.depths, prep.tokens, prep.verdicts, prep.true_bits,
                 prep.predicted_bits, prep.path_offsets, prep.paths, *state, cache.kernel_keep(keep), selected,
-                true_union, predicted_union, admitted, evicted, cand_score, cand_slot, int_cols, row, tokens_out, n_out)
+                true_union, predicted_union, admitted, evicted, cand_score, cand_slot, int_cols, row, layer_counts,
+                tokens_out, n_out)
             if advisor is not None or unions is not None:
                 union = kernels.bitsets.unpack(true_union, n_experts)
                 if advisor is not None:

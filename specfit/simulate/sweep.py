@@ -45,7 +45,7 @@ def check_policies(specs: list[str], max_levels: int) -> None:
 
 
 def _run(prep: PreparedTrace, policy: Policy, capacity: int, cost: CostModel, cache_mode: str,
-         cache_policy: str) -> CycleLog:
+         cache_policy: str, per_layer: bool = False) -> CycleLog:
     capacity = capacity if policy.cache_capacity is None else policy.cache_capacity
     cache = ExpertCache(prep.trace.n_layers, prep.trace.n_experts, capacity, mode=cache_mode,
                         policy=cache_policy, expert_bytes=prep.trace.expert_bytes)
@@ -53,7 +53,7 @@ def _run(prep: PreparedTrace, policy: Policy, capacity: int, cost: CostModel, ca
     policy.observe(Observation(predicted_slots=prep.info["predicted_slots"],
                                predicted_slots_right=prep.info["predicted_slots_right"],
                                resident_share=cache.capacity_share))
-    return replay(prep, policy, cache, cost)
+    return replay(prep, policy, cache, cost, per_layer=per_layer)
 
 
 def _check_grid(prepared, policies, cache_sizes, scenarios) -> None:
@@ -75,12 +75,14 @@ def _check_grid(prepared, policies, cache_sizes, scenarios) -> None:
 def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: list[int], scenarios: list[Scenario],
               cache_mode: str = "per_layer", cache_policy: str = "lru", max_levels: int = 8,
               progress: Callable[[str], None] | None = None,
-              price_uncertainty: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
+              price_uncertainty: bool = True, per_layer: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Replay every combination; returns ``(cycles, summary)`` DataFrames (one row per cycle in
     :data:`specfit.accounting.CYCLE_COLUMNS`, one :func:`specfit.accounting.summarise` row per
     (trace, profile, cache size, policy)). ``price_uncertainty``: the specfit policy
     prices, per draft node, the experts its predictor gets wrong (the predictor's slot precision
-    on the trace)."""
+    on the trace). ``per_layer``: the cycles' per-layer columns are filled (and the summary's
+    per-layer errors with them), for rows that are written out; without it they are empty, which
+    keeps a sweep free of a list per cycle and column."""
     check_policies(policies, max_levels)
     _check_grid(prepared, policies, cache_sizes, scenarios)
 
@@ -102,17 +104,18 @@ def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: l
                     if isinstance(policy, TunedPolicy):
                         best = None
                         for cand in policy.candidates(max_nodes):
-                            log = _run(prep, cand, capacity, scenario.cost, cache_mode, cache_policy)
+                            log = _run(prep, cand, capacity, scenario.cost, cache_mode, cache_policy, per_layer)
                             rate = log.columns["committed_tokens"].sum() / log.columns["charged_time_s"].sum()
                             if best is None or rate > best[0]:
                                 best = (rate, cand.total_nodes, log)
                         log, extra = best[2], {"static_n": best[1]}
                     elif policy.cache_capacity is not None:
                         if spec not in imposed:
-                            imposed[spec] = _run(prep, policy, capacity, scenario.cost, cache_mode, cache_policy)
+                            imposed[spec] = _run(prep, policy, capacity, scenario.cost, cache_mode, cache_policy,
+                                                 per_layer)
                         log = imposed[spec]
                     else:
-                        log = _run(prep, policy, capacity, scenario.cost, cache_mode, cache_policy)
+                        log = _run(prep, policy, capacity, scenario.cost, cache_mode, cache_policy, per_layer)
                     keys = {"trace": prep.name, "profile": scenario.label, "cache_experts": capacity, "policy": spec}
                     frame = replay_frame(log.columns, scenario.cost.bytes_per_miss(prep.trace.expert_bytes))
                     frame.insert(2, "cycle", np.arange(len(frame)))
