@@ -15,7 +15,7 @@ from specfit.report.calibration import _h2d, calibration_section
 from specfit.report.build import classify
 from specfit.report.html import Page
 from specfit.report.live import _layer_heat_map, _per_policy, _stopping
-from specfit.report.plots import grouped_bars
+from specfit.report.plots import bars, grouped_bars
 from specfit.report.simulation import _throughput_vs_cache, _tree_sizes, simulation_section
 
 EVIL = '<script>alert("x")</script>&'
@@ -175,3 +175,14 @@ def test_a_refitted_profiles_calibration_figures_say_what_they_draw():
     assert "dashed: the profile's hit_s, held at prior x speed factor 1.15, not fitted: not determined by the data" in text
     fitted = _calibration_page(_refit_profile({}, ["draft_level_s", "hit_s"]))
     assert "<!-- hit_s = 38.2 µs, fitted on the decode cycles -->" in fitted
+
+
+def test_the_tallest_bars_label_sits_inside_the_axes():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    fig = bars(["ar", "eagle3", "specfit"], [1.7, 1.75, 1.4], "MB H2D / committed token",
+               ["372 MB total", "375 MB total", "295 MB total"])
+    FigureCanvasAgg(fig).draw()
+    ax = fig.axes[0]
+    top = ax.get_window_extent().y1
+    assert max(text.get_window_extent().y1 for text in ax.texts) < top

@@ -75,6 +75,8 @@ def bars(labels, values, ylabel: str, annotations=None, title: str = ""):
     for xi, v, note in zip(x, values, annotations or [None] * len(labels)):
         if note:
             ax.annotate(note, (xi, v), ha="center", va="bottom", fontsize=8, xytext=(0, 2), textcoords="offset points")
+    if annotations:
+        ax.margins(y=0.12)          # room above the tallest bar for its label, inside the axes
     return fig
 
 
