@@ -64,7 +64,7 @@ def test_report_has_the_simulation_and_calibration_sections(sim_dir, profile_pat
         assert f">{policy}<" in text
     # the replay's per-layer errors, from the rows `simulate --out` wrote, in the prediction-quality table
     assert np.isfinite(summary["union_layer_mape"]).all()
-    assert "<th>union_layer_mape</th>" in text and "<th>misses_layer_mape</th>" in text
+    assert "<th>union-size MAPE per layer</th>" in text and "<th>misses MAPE per layer</th>" in text
     # nothing is loaded from outside the file (SVG namespace URIs are names, not loads)
     assert not re.search(r"""(src|href|url)\s*[=(]\s*["']?(https?:)?//""", text)
 
