@@ -566,3 +566,59 @@ def test_simulation_tables_have_headers_with_units_bytes_in_mb_and_define_their_
     for header in ("MB H2D / token:", "wasted draft levels / cycle: levels drafted below the deepest verified node",
                    "miss-count error: mean over cycles of predicted minus actual cache misses (positive:"):
         assert header in small_print, header
+
+
+def _legend_colors(page_html: str) -> list[tuple[str, str]]:
+    """(label, colour) of every legend entry of every figure: an entry's colour is the first fill or
+    stroke its handle is drawn with (the legend's frame aside; a hatched patch's, its pattern's
+    ground), its label the comment that follows."""
+    entries = []
+    for svg in re.findall(r"<svg.*?</svg>", page_html, re.S):
+        if '<g id="legend_1">' not in svg:
+            continue
+        seen = []
+        for token in re.finditer(r"(?:fill|stroke): (#[0-9a-f]{6}|url\(#(\w+)\))|<!-- (.*?) -->",
+                                 svg[svg.index('<g id="legend_1">'):]):
+            if token.group(2):
+                seen.append(re.search(rf'<pattern id="{token.group(2)}".*?fill="(#[0-9a-f]{{6}})"', svg, re.S).group(1))
+            elif token.group(1) and token.group(1) not in ("#ffffff", "#cccccc"):
+                seen.append(token.group(1))
+            elif token.group(3) is not None:
+                entries.append((token.group(3), seen[0]))
+                seen = []
+    return entries
+
+
+def test_a_policy_keeps_its_colour_in_every_figure_of_the_page():
+    """The live figures (scatter, cycle times measured and predicted, errors over time, unions, bytes,
+    tokens per cycle, early stopping) and a simulation section after them on the same page: each
+    policy one colour, whatever its place among a figure's lines."""
+    from specfit.report.html import Page
+    from specfit.report.live import live_section
+    from specfit.report.simulation import simulation_section
+
+    rows = []
+    for policy, levels in (("ar", 0), ("eagle3", 4), ("specfit", 2)):
+        for i in range(20):
+            t = 0.01 + 0.002 * levels + 0.0001 * i
+            rows.append({"policy": policy, "cycle": i, "draft_levels": levels - (i % 2 if levels else 0),
+                         "nodes_verified": 1 + levels, "hits": 6, "misses": 2, "bytes_h2d": 2000,
+                         "measured_time_s": t, "predicted_time_s": t * 1.05, "prior_predicted_time_s": t * 1.2,
+                         "online_predicted_time_s": t * 1.05, "draft_time_s": 0.002 * levels, "predicted_tokens": 1.5,
+                         "committed_tokens": 1 + i % 3, "union_per_layer": [4, 4], "predicted_union_per_layer": [3, 5]})
+    summary = pd.DataFrame([{"trace": "t", "profile": "pcie4", "cache_experts": c, "policy": p, "tokens_per_s": 10.0 + k,
+                             "speedup_vs_ar": 1.0, "bytes_per_token": 1e6}
+                            for c in (0, 16) for k, p in enumerate(("ar", "chain", "eagle3", "specfit"))])
+    sim_cycles = pd.DataFrame({"policy": ["ar", "chain", "eagle3", "specfit"] * 4, "nodes_verified": [1, 4, 40, 8] * 4})
+    page = Page("t")
+    live_section(page, pd.DataFrame(rows), "run")
+    simulation_section(page, summary, sim_cycles, "sim")
+    entries = _legend_colors(page.render())
+    colors = {}
+    for label, color in entries:
+        if not label.endswith(" cached"):               # the bars of a cache size, not of a policy
+            colors.setdefault(label.split(" ")[0], set()).add(color)
+    assert set(colors) == {"ar", "chain", "eagle3", "specfit"}
+    assert len(entries) > 20                             # every figure's entries were read
+    assert all(len(c) == 1 for c in colors.values()), colors
+    assert len({c for (c,) in colors.values()}) == len(colors)       # and no two policies share one

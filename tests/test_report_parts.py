@@ -15,7 +15,7 @@ from specfit.report.calibration import _h2d, calibration_section
 from specfit.report.build import classify
 from specfit.report.html import Page
 from specfit.report.live import _layer_heat_map, _per_policy, _stopping
-from specfit.report.plots import bars, grouped_bars
+from specfit.report.plots import bars, grouped_bars, policy_colors
 from specfit.report.simulation import _throughput_vs_cache, _tree_sizes, simulation_section
 
 EVIL = '<script>alert("x")</script>&'
@@ -128,7 +128,7 @@ def test_nodes_verified_histogram_bars_are_shares_of_each_policys_cycles():
     """Drawn with density=True on log-spaced bins, a policy verifying 58 nodes every cycle stood at
     0.07 on the 'share of cycles' axis. Each policy's bars sum to 1, one bar per cycle size."""
     cycles = pd.DataFrame({"policy": ["eagle3"] * 6 + ["specfit"] * 4, "nodes_verified": [58] * 6 + [1, 1, 1, 16]})
-    ax = _tree_sizes(cycles).axes[0]
+    ax = _tree_sizes(cycles, policy_colors(cycles["policy"].unique())).axes[0]
     # a step outline goes (left, h), (right, h) for each bin: every other vertex holds a bin's height
     heights = {outline.get_label(): outline.get_path().vertices[1:-1:2, 1] for outline in ax.patches}
     assert {policy: h.sum() for policy, h in heights.items()} == {"eagle3": pytest.approx(1), "specfit": pytest.approx(1)}
@@ -142,7 +142,8 @@ def test_simulation_line_plots_keep_their_legend_off_the_data():
     summary = pd.DataFrame([{"policy": p, "cache_experts": c, "tokens_per_s": tps * (1 + c / 16)}
                             for p, tps in (("ar", 90), ("eagle3", 50), ("specfit", 110), ("oracle", 155)) for c in (0, 16)])
     cycles = pd.DataFrame({"policy": ["ar"] * 3 + ["eagle3"] * 3, "nodes_verified": [1, 1, 1, 58, 58, 58]})
-    for fig in (_throughput_vs_cache(summary), _tree_sizes(cycles)):
+    colors = policy_colors(summary["policy"].unique())
+    for fig in (_throughput_vs_cache(summary, colors), _tree_sizes(cycles, colors)):
         ax = fig.axes[0]
         renderer = FigureCanvasAgg(fig).get_renderer()
         assert ax.get_legend().get_window_extent(renderer).x0 >= ax.get_window_extent(renderer).x1

@@ -16,6 +16,7 @@ import matplotlib
 import pandas as pd
 
 from ..io import write_text_atomic
+from .plots import policy_colors
 
 __all__ = ["Page", "svg_of"]
 
@@ -60,6 +61,13 @@ class Page:
     parts: list[str] = field(default_factory=list)
     toc: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)      # what the page left out and why, for the command to say
+    colors: dict[str, str] = field(default_factory=dict)   # each policy's colour in every figure of the page
+
+    def policy_colors(self, policies) -> dict[str, str]:
+        """Each policy's colour on this page: the one it was first given (in page order), in
+        every figure of every section."""
+        self.colors = policy_colors(policies, self.colors)
+        return self.colors
 
     def note(self, text: str) -> "Page":
         """Say on the page, and to whoever renders it (:attr:`notes`), what was left out and why."""

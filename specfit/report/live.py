@@ -8,7 +8,7 @@ from matplotlib.ticker import MaxNLocator
 
 from ..accounting import read_cycles, summarise
 from .html import Page
-from .plots import bars, identity_scatter, new_axes
+from .plots import bars, identity_scatter, new_axes, policy_colors
 
 __all__ = ["live_section"]
 
@@ -22,6 +22,7 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
     policies = list(dict.fromkeys(cycles["policy"])) if "policy" in cycles else ["run"]
     if "policy" not in cycles:
         cycles = cycles.assign(policy="run")
+    colors = page.policy_colors(policies)
     page.table(_per_policy(cycles), percent=_SHARES, caption=(
         "Per policy: measured vs predicted. tokens/s: committed tokens over the sum of measured cycle times "
         "(as in summary.json and the terminal); MAPE: mean over cycles of |predicted - measured| / measured; "
@@ -33,25 +34,26 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
 
     if cycles["predicted_time_s"].notna().any():
         fig = identity_scatter(cycles["measured_time_s"] * 1e3, cycles["predicted_time_s"] * 1e3, "measured cycle (ms)",
-                               "predicted cycle (ms)", groups=cycles["policy"])
+                               "predicted cycle (ms)", groups=cycles["policy"], group_colors=colors)
         page.figure(fig, "Predicted vs measured cycle time (draft + verify + learn), with the identity line.")
 
     fig, ax = new_axes(7.5, 3.4)
     for policy in policies:
         g = cycles[cycles["policy"] == policy]
-        ax.plot(np.arange(len(g)), g["measured_time_s"] * 1e3, lw=1, label=f"{policy} measured")
+        ax.plot(np.arange(len(g)), g["measured_time_s"] * 1e3, lw=1, label=f"{policy} measured", color=colors[policy])
         if g["predicted_time_s"].notna().any():
-            ax.plot(np.arange(len(g)), g["predicted_time_s"] * 1e3, lw=1, ls="--", label=f"{policy} predicted")
+            ax.plot(np.arange(len(g)), g["predicted_time_s"] * 1e3, lw=1, ls="--", label=f"{policy} predicted",
+                    color=colors[policy])
     ax.set(xlabel="cycle", ylabel="ms")
     ax.legend(fontsize=7, ncol=2)
     page.figure(fig, "Cycle time over the run.")
-    errors = _errors_over_time(cycles, policies)
+    errors = _errors_over_time(cycles, policies, colors)
     if errors is not None:
         page.figure(errors, f"Cycle-time error over the run: |predicted - measured| / measured, a rolling mean over "
                             f"{_ROLLING} cycles, of the profile's prediction (the prior, dashed) and of the model "
                             f"refitted online on the run's own cycles, which the policy decided with (solid). Each "
                             f"online prediction was made before its cycle was measured.")
-    union = _union_per_layer(cycles, policies)
+    union = _union_per_layer(cycles, policies, colors)
     if union is not None:
         page.figure(union, "Expert union per layer, predicted (from the expert predictor, hatched) and true (what "
                            "the verified nodes routed to), mean per cycle; the union is what the cycle-time "
@@ -60,7 +62,7 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
     if "bytes_h2d" in cycles:
         per = cycles.groupby("policy", sort=False).agg(bytes=("bytes_h2d", "sum"), tokens=("committed_tokens", "sum"))
         page.figure(bars(per.index, per["bytes"] / per["tokens"] / 1e6, "MB H2D / committed token",
-                         [f"{b / 1e6:.3g} MB total" for b in per["bytes"]]),
+                         [f"{b / 1e6:.3g} MB total" for b in per["bytes"]], colors=[colors[p] for p in per.index]),
                     "Host-to-device bytes per committed token, per policy.")
     heat = _layer_heat_map(cycles)
     if heat is not None:
@@ -70,7 +72,7 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
     top = int(cycles["committed_tokens"].max())
     for policy in policies:
         counts = np.bincount(cycles.loc[cycles["policy"] == policy, "committed_tokens"], minlength=top + 1)[1:]
-        ax.plot(np.arange(1, top + 1), counts / max(counts.sum(), 1), "o-", label=str(policy))
+        ax.plot(np.arange(1, top + 1), counts / max(counts.sum(), 1), "o-", label=str(policy), color=colors[policy])
     ax.set(xlabel="tokens committed in a cycle", ylabel="share of cycles")
     ax.legend(fontsize=8)
     page.figure(fig, "Committed tokens per cycle.")
@@ -145,11 +147,11 @@ def _charged_matches(g: pd.DataFrame) -> str:
     return "yes" if same == len(known) else f"{same} of {len(known)} cycles"
 
 
-def _errors_over_time(cycles: pd.DataFrame, policies):
+def _errors_over_time(cycles: pd.DataFrame, policies, colors: dict | None = None):
     if "prior_predicted_time_s" not in cycles or cycles["prior_predicted_time_s"].isna().all():
         return None
+    colors = colors or policy_colors(policies)
     fig, ax = new_axes(7.5, 3.4)
-    colors = {}
     for policy in policies:
         g = cycles[cycles["policy"] == policy]
         measured = g["measured_time_s"].to_numpy(dtype=float)
@@ -159,18 +161,17 @@ def _errors_over_time(cycles: pd.DataFrame, policies):
                 continue
             ape = pd.Series(np.abs(predicted - measured) / measured).rolling(_ROLLING, min_periods=1).mean()
             label = f"{policy} {'profile' if column.startswith('prior') else 'online'}"
-            line = ax.plot(np.arange(len(g)), ape * 100, lw=1, ls=style, label=label,
-                           color=colors.get(policy))
-            colors.setdefault(policy, line[0].get_color())
+            ax.plot(np.arange(len(g)), ape * 100, lw=1, ls=style, label=label, color=colors[policy])
     ax.set(xlabel="cycle of the policy", ylabel="rolling APE (%)")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=7, ncol=2)
     return fig
 
 
-def _union_per_layer(cycles: pd.DataFrame, policies):
+def _union_per_layer(cycles: pd.DataFrame, policies, colors: dict | None = None):
     if "union_per_layer" not in cycles:
         return None
+    colors = colors or policy_colors(policies)
     rows = {}
     for policy in policies:
         g = cycles[cycles["policy"] == policy]
@@ -186,8 +187,8 @@ def _union_per_layer(cycles: pd.DataFrame, policies):
     x = np.arange(n_layers)
     for i, (policy, (predicted, true)) in enumerate(rows.items()):
         pos = x - 0.4 + width * (2 * i + 0.5)
-        bar = ax.bar(pos, true, width=width * 0.95, label=f"{policy} true")
-        ax.bar(pos + width, predicted, width=width * 0.95, color=bar[0].get_facecolor(), alpha=0.5, hatch="//",
+        ax.bar(pos, true, width=width * 0.95, label=f"{policy} true", color=colors[policy])
+        ax.bar(pos + width, predicted, width=width * 0.95, color=colors[policy], alpha=0.5, hatch="//",
                label=f"{policy} predicted")
     ax.set(xlabel="layer", ylabel="experts in the union per cycle")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -241,11 +242,13 @@ def _stopping(page: Page, cycles: pd.DataFrame) -> None:
     }
     page.heading("Early stopping: SpecFit vs EAGLE-3", level=3)
     page.facts(facts)
+    colors = page.policy_colors(["specfit", eagle])
     fig, ax = new_axes()
     top = int(max(s["draft_levels"].max(), depth))
     for label, g in (("specfit", s), (eagle, e)):
         counts = np.bincount(g["draft_levels"], minlength=top + 1)
-        ax.bar(np.arange(top + 1) + (0.2 if label == "specfit" else -0.2), counts / counts.sum(), width=0.4, label=label)
+        ax.bar(np.arange(top + 1) + (0.2 if label == "specfit" else -0.2), counts / counts.sum(), width=0.4, label=label,
+               color=colors[label])
     ax.set(xlabel="draft levels in a cycle", ylabel="share of cycles")
     ax.legend()
     page.figure(fig, "Draft levels per cycle: SpecFit stops when another level does not pay for itself.")

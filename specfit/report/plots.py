@@ -6,7 +6,23 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter
 
-__all__ = ["new_axes", "log_x", "legend_outside", "identity_scatter", "bars", "grouped_bars"]
+__all__ = ["new_axes", "log_x", "legend_outside", "identity_scatter", "bars", "grouped_bars", "POLICY_PALETTE",
+           "policy_colors"]
+
+# matplotlib's default cycle (tab10): a policy's colour on a page, given in page order
+POLICY_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+                  "#17becf")
+
+
+def policy_colors(policies, given: dict | None = None) -> dict[str, str]:
+    """One colour per policy: ``given``'s (the page's so far) kept, each policy new to it the next
+    of :data:`POLICY_PALETTE` in the order named. A figure that took the next colour of the cycle
+    gave a policy a colour by its place among the figure's lines, so the same policy changed colour
+    from one figure to the next."""
+    colors = dict(given or {})
+    for policy in map(str, policies):
+        colors.setdefault(policy, POLICY_PALETTE[len(colors) % len(POLICY_PALETTE)])
+    return colors
 
 
 def new_axes(width: float = 6.4, height: float = 3.6):
@@ -39,9 +55,10 @@ RASTER_ABOVE = 2000
 
 
 def identity_scatter(measured, predicted, xlabel: str, ylabel: str, color=None, color_label: str = "",
-                     groups=None):
+                     groups=None, group_colors: dict | None = None):
     """Predicted vs measured with the identity line and the MAPE in the title; ``color`` shades
-    points by a number (with a colour bar), ``groups`` labels them by category (with a legend)."""
+    points by a number (with a colour bar), ``groups`` labels them by category (with a legend, each
+    in its colour of ``group_colors`` where it has one)."""
     measured, predicted = np.asarray(measured, dtype=float), np.asarray(predicted, dtype=float)
     raster = measured.size > RASTER_ABOVE
     fig, ax = new_axes(5.2, 4.4)
@@ -49,7 +66,8 @@ def identity_scatter(measured, predicted, xlabel: str, ylabel: str, color=None, 
         groups = np.asarray(groups)
         for name in dict.fromkeys(groups.tolist()):
             sel = groups == name
-            ax.scatter(measured[sel], predicted[sel], s=14, alpha=0.75, label=str(name), rasterized=raster)
+            ax.scatter(measured[sel], predicted[sel], s=14, alpha=0.75, label=str(name), rasterized=raster,
+                       color=(group_colors or {}).get(str(name)))
         ax.legend(fontsize=8)
     else:
         shade = {} if color is None else {"c": np.asarray(color), "cmap": "viridis"}
@@ -65,11 +83,11 @@ def identity_scatter(measured, predicted, xlabel: str, ylabel: str, color=None, 
     return fig
 
 
-def bars(labels, values, ylabel: str, annotations=None, title: str = ""):
-    """A bar chart with an optional label above each bar (e.g. a speedup)."""
+def bars(labels, values, ylabel: str, annotations=None, title: str = "", colors=None):
+    """A bar chart with an optional label above each bar (e.g. a speedup); ``colors``: one per bar."""
     fig, ax = new_axes(max(4.0, 0.75 * len(labels) + 2), 3.6)
     x = np.arange(len(labels))
-    ax.bar(x, values, color="#4a78b5")
+    ax.bar(x, values, color="#4a78b5" if colors is None else list(colors))
     ax.set_xticks(x, [str(label) for label in labels], rotation=30, ha="right")
     ax.set(ylabel=ylabel, title=title)
     for xi, v, note in zip(x, values, annotations or [None] * len(labels)):

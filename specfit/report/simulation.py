@@ -44,13 +44,15 @@ def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame |
                     "Committed tokens per second of charged cycle time, per policy and expert-cache size "
                     "(experts per layer); labels: speed-up vs ar at the same cache size.")
         if len(caches) > 1:
-            page.figure(_throughput_vs_cache(group), "Throughput vs expert-cache size, per policy.")
+            page.figure(_throughput_vs_cache(group, page.policy_colors(policies)),
+                        "Throughput vs expert-cache size, per policy.")
         page.figure(grouped_bars(labels, {f"{c} cached": [table.loc[(c, p), "bytes_per_token"] / 1e6 for p in policies]
                                           for c in caches}, "MB H2D / token"),
                     "Host-to-device traffic per committed token, per policy and expert-cache size.")
     if cycles is not None and not cycles.empty:
-        page.figure(_tree_sizes(cycles), "Nodes verified per cycle: how large a subtree each policy chose, as a share "
-                                         "of the policy's cycles over every trace, profile and cache size of the run.")
+        page.figure(_tree_sizes(cycles, page.policy_colors(sorted(cycles["policy"].unique(), key=_policy_rank))),
+                    "Nodes verified per cycle: how large a subtree each policy chose, as a share of the policy's "
+                    "cycles over every trace, profile and cache size of the run.")
     summary = summary.assign(bytes_per_token=summary["bytes_per_token"] / 1e6)     # MB, as in the figures
     page.table(_shown(summary, _SUMMARY), percent=("hit rate",), caption=(
         "Summary per trace, profile, cache size and policy. cached experts: experts the cache holds per layer; "
@@ -104,17 +106,17 @@ def _label(rows) -> str:
     return f"static:auto (N={sizes[0] if len(set(sizes)) == 1 else '/'.join(sizes)})"
 
 
-def _throughput_vs_cache(group: pd.DataFrame):
+def _throughput_vs_cache(group: pd.DataFrame, colors: dict):
     fig, ax = new_axes()
     for policy, g in sorted(group.groupby("policy"), key=lambda kv: _policy_rank(kv[0])):
         g = g.sort_values("cache_experts")
-        ax.plot(g["cache_experts"], g["tokens_per_s"], "o-", label=str(policy))
+        ax.plot(g["cache_experts"], g["tokens_per_s"], "o-", label=str(policy), color=colors[str(policy)])
     ax.set(xlabel="cached experts per layer", ylabel="tokens / s")
     legend_outside(ax)
     return fig
 
 
-def _tree_sizes(cycles: pd.DataFrame):
+def _tree_sizes(cycles: pd.DataFrame, colors: dict):
     fig, ax = new_axes()
     policies = sorted(cycles["policy"].unique(), key=_policy_rank)
     top = int(cycles["nodes_verified"].max())
@@ -124,7 +126,7 @@ def _tree_sizes(cycles: pd.DataFrame):
         # each cycle weighs 1 / cycles: a bar is the share of the policy's cycles (density=True divided
         # it by the log-spaced bin's width: 58 nodes every cycle was drawn at 0.07)
         ax.hist(nodes, bins=edges, histtype="step", lw=1.5, label=str(policy),
-                weights=np.full(len(nodes), 1 / len(nodes)))
+                weights=np.full(len(nodes), 1 / len(nodes)), color=colors[str(policy)])
     log_x(ax)
     ax.set(xlabel="nodes verified in a cycle", ylabel="share of cycles")
     legend_outside(ax)
