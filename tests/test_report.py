@@ -118,8 +118,9 @@ def test_live_report_shows_the_profile_and_online_errors_over_time_and_unions_pe
 
 
 def test_live_report_shows_the_online_model_each_policy_ended_with(tmp_path):
-    """From the run's summary.json: the refitted terms, the tracked speed, and each term held at the
-    profile with its reason (escaped like every string); a run without one has no such table and
+    """From the run's summary.json: the refitted terms, the fit's speed factor and the tracked speed
+    (two numbers, named apart), and each held term with the value it is held at (the profile's
+    times the speed factor) and its reason (escaped like every string); a run without one has no such table and
     still renders, and one whose summary.json was damaged says so on the page and to the caller."""
     rows = [{"policy": "specfit", "cycle": i, "draft_levels": 2, "nodes_verified": 5, "hits": 6, "misses": 2,
              "measured_time_s": 0.01, "predicted_time_s": 0.01, "predicted_tokens": 2.0, "committed_tokens": 2}
@@ -127,9 +128,10 @@ def test_live_report_shows_the_online_model_each_policy_ended_with(tmp_path):
     run = tmp_path / "run"
     run.mkdir()
     pd.DataFrame(rows).to_parquet(run / "cycles.parquet")
-    state = {"cycles_seen": 10, "refits": 2, "tracked_speed": 1.25, "pace_slope": 0.4,
+    state = {"cycles_seen": 10, "refits": 2, "speed_factor": 1.31, "tracked_speed": 1.25, "pace_slope": 0.4,
              "params": {"base_s": 2e-3, "per_node_s": 5e-5, "hit_s": 1e-4, "miss_s": 1.5e-4, "draft_level_s": 9e-4},
-             "held": {"transfer_s": {"value": 5e-5, "at": "prior", "reason": "not determined <by> the data"}}}
+             "held": {"transfer_s": {"value": 5e-5, "at": "prior x speed factor 1.31",
+                                     "reason": "not determined <by> the data"}}}
     (run / "summary.json").write_text(json.dumps([{"policy": "specfit", "online_model": state}, {"policy": "ar"}]))
     text = build_report([run], tmp_path / "rep").read_text()
     table = text[text.index("decided with at the end of the run"):]
@@ -137,8 +139,9 @@ def test_live_report_shows_the_online_model_each_policy_ended_with(tmp_path):
     header = re.findall(r"<th>([^<]*)</th>", table)[:len(cells)]
     row = dict(zip(header, cells))
     assert row["policy"] == "specfit" and row["per draft level (ms)"] == "0.9" and row["per node (ms)"] == "0.05"
-    assert row["speed"] == "1.25" and row["cycles (refits)"] == "10 (2)"
-    assert row["held at the profile"] == "transfer_s: not determined &lt;by&gt; the data"
+    assert row["fit's speed factor (x profile)"] == "1.31" and row["tracked speed (x fit)"] == "1.25"
+    assert row["cycles (refits)"] == "10 (2)"
+    assert row["held terms: at (why)"] == "transfer_s: prior x speed factor 1.31 (not determined &lt;by&gt; the data)"
     assert "<by>" not in text
     (run / "summary.json").unlink()
     assert "decided with at the end" not in build_report([run], tmp_path / "rep2").read_text()

@@ -80,8 +80,11 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
     online = _online_models(summaries or [])
     if online is not None:
         page.table(online, caption="The cost model each policy decided with at the end of the run (refitted online on "
-                   "its own cycles): its terms (ms), the speed tracker, the drafter-pace slope, and the terms its cycles "
-                   "could not determine, held at the profile's value (why).")
+                   "its own cycles). Its terms (ms); the fit's speed factor: the one factor it scaled a group of the "
+                   "profile's terms by, where its cycles could not tell them apart; the speed tracker's factor on top "
+                   "of the fit (the recent cycles' measured over fitted time, which multiplied every term of a "
+                   "prediction); the drafter-pace slope; and the terms its cycles could not determine: the value each "
+                   "is held at (the profile's, or the profile's times the fit's speed factor) and why.")
 
 
 _TERMS = (("base_s", "base (ms)"), ("per_node_s", "per node (ms)"), ("hit_s", "hit (ms)"), ("miss_s", "miss (ms)"),
@@ -100,10 +103,12 @@ def _online_models(summaries: list) -> pd.DataFrame | None:
         rows.append({
             "policy": summary.get("policy", "?"),
             **{label: 1e3 * float(params[name]) for name, label in _TERMS if name in params},
-            "speed": float(state.get("tracked_speed", float("nan"))),
+            "fit's speed factor (x profile)": float(state.get("speed_factor", float("nan"))),
+            "tracked speed (x fit)": float(state.get("tracked_speed", float("nan"))),
             "pace slope": float(state.get("pace_slope", float("nan"))),
             "cycles (refits)": f"{state.get('cycles_seen', '?')} ({state.get('refits', '?')})",
-            "held at the profile": "; ".join(f"{term}: {h.get('reason', '')}" for term, h in held.items()) or "–",
+            "held terms: at (why)": "; ".join(f"{term}: {h.get('at', '?')} ({h.get('reason', '')})"
+                                              for term, h in held.items()) or "–",
         })
     return pd.DataFrame(rows) if rows else None
 
