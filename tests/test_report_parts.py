@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import html
+import re
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -187,3 +189,29 @@ def test_the_tallest_bars_label_sits_inside_the_axes():
     ax = fig.axes[0]
     top = ax.get_window_extent().y1
     assert max(text.get_window_extent().y1 for text in ax.texts) < top
+
+
+def test_the_live_per_policy_figures_are_two_tables_each_whole_on_the_page():
+    from specfit.report.live import live_section
+
+    page = Page(title="t")
+    live_section(page, pd.DataFrame(_rows("specfit", [2, 2, 1, 1]) + _rows("eagle3", [4] * 4)), "run")
+    text = page.render()
+    tables = [t for t in text.split("<h3>")[1:] if t.startswith("Per policy")]
+    headers = [re.findall(r"<th>([^<]*)</th>", t[:t.index("</thead>")]) for t in tables]
+    assert len(tables) == 2 and all(len(h) <= 12 for h in headers)
+    every = _per_policy(read_cycles(pd.DataFrame(_rows("specfit", [2, 2, 1, 1])))).columns
+    assert sorted(set(headers[0] + headers[1])) == sorted(every)       # every column still shown, once
+    assert headers[0][0] == headers[1][0] == "policy"
+
+
+def test_a_wide_table_is_set_denser_its_headers_break_and_short_names_do_not_wrap():
+    wide = pd.DataFrame({"trace": ["demo trace"], "path": ["/a/very/long/path/to/a/trace/file.parquet"],
+                         **{f"column {i}": [float(i)] for i in range(11)}, "draft_levels_per_cycle": [1.0]})
+    text = Page(title="t").table(wide).render()
+    assert 'class="dataframe dense"' in text
+    assert "<th>draft_<wbr>levels_<wbr>per_<wbr>cycle</th>" in text          # a field name breaks at its underscores
+    assert "#t0 td:nth-child(1), #t0 th:nth-child(1) { white-space: nowrap; }" in text     # the short names
+    assert "nth-child(2) { white-space: nowrap" not in text and "nth-child(2) { text-align: left" in text
+    narrow = Page(title="t").table(pd.DataFrame({"a": [1.0], "b": [2.0]})).render()
+    assert "dataframe dense" not in narrow

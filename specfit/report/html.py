@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import io
+import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -34,7 +35,15 @@ code, pre { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12
 pre { background: #f5f6f8; padding: 8px; overflow-x: auto; }
 nav a { margin-right: 14px; }
 .wide { overflow-x: auto; }
+table.dense { font-size: 12px; } table.dense th, table.dense td { padding: 2px 5px; }
+@media print { body { max-width: none; padding: 0; } .wide { overflow: visible; }
+               table { font-size: 10px; } }
 """
+
+# a table of more columns than this is set denser (smaller type, less padding) to fit the page
+DENSE_ABOVE = 10
+# a text column whose values are all this short never wraps (a name on one line, not one word a line)
+NOWRAP_UP_TO = 24
 
 
 _TABLE_START = '<div class="wide">'
@@ -53,6 +62,12 @@ def svg_of(fig) -> str:
             fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
     text = buf.getvalue()
     return text[text.index("<svg"):]  # drop the XML prolog and doctype
+
+
+def _cells(table_id: str, df: pd.DataFrame, first: int, columns) -> str:
+    """The CSS selector of the cells (head and body) of ``columns`` of the table ``table_id``."""
+    numbers = [first + list(df.columns).index(c) for c in columns]
+    return ", ".join(f"#{table_id} td:nth-child({k}), #{table_id} th:nth-child({k})" for k in numbers)
 
 
 @dataclass
@@ -109,13 +124,18 @@ class Page:
         formatters = {c: float_format.format for c in df.columns if pd.api.types.is_float_dtype(df[c])}
         formatters.update({c: "{:+.1%}".format if "bias" in c else "{:.1%}".format for c in percent if c in df})
         table_id = f"t{sum(part.startswith(_TABLE_START) for part in self.parts)}"
-        table = df.to_html(index=index, escape=True, border=0, formatters=formatters, na_rep="–", table_id=table_id)
-        # numbers align right (the sheet's default), text columns left
+        dense = ["dense"] if df.shape[1] + index > DENSE_ABOVE else []
+        table = df.to_html(index=index, escape=True, border=0, formatters=formatters, na_rep="–", table_id=table_id,
+                           classes=dense)
+        # a field name in a header may break after its underscores (one word is as wide as its column)
+        table = re.sub(r"(<th[^>]*>)([^<]*)", lambda m: m.group(1) + m.group(2).replace("_", "_<wbr>"), table)
+        # numbers align right (the sheet's default), text columns left; short names on one line
         first = 2 if index else 1
-        text = [first + i for i, c in enumerate(df.columns) if not pd.api.types.is_numeric_dtype(df[c])]
-        style = ", ".join(f"#{table_id} td:nth-child({k}), #{table_id} th:nth-child({k})" for k in text)
-        self.parts.append(_TABLE_START + (f"<style>{style} {{ text-align: left; }}</style>" if style else "")
-                          + f"{table}</div>")
+        text = [c for c in df.columns if not pd.api.types.is_numeric_dtype(df[c])]
+        short = [c for c in text if max(len(str(c)), df[c].astype(str).str.len().max()) <= NOWRAP_UP_TO]
+        style = "".join(f"{_cells(table_id, df, first, columns)} {{ {rule} }}"
+                        for columns, rule in ((text, "text-align: left;"), (short, "white-space: nowrap;")) if columns)
+        self.parts.append(_TABLE_START + (f"<style>{style}</style>" if style else "") + f"{table}</div>")
         return self
 
     def figure(self, fig, caption: str = "") -> "Page":
