@@ -625,3 +625,39 @@ def test_a_policy_keeps_its_colour_in_every_figure_of_the_page():
     assert len(entries) > 20                             # every figure's entries were read
     assert all(len(c) == 1 for c in colors.values()), colors
     assert len({c for (c,) in colors.values()}) == len(colors)       # and no two policies share one
+
+
+def test_a_decode_page_says_the_terminals_notes_and_predicted_bytes_next_to_measured(tmp_path):
+    """The notes the terminal says after its tables, made by the same functions from the run's
+    summary.json: a policy that waited for a CPU, and for a greedy run priced with the drafter's raw
+    probabilities (run.json) the policies whose predicted tokens were far off or that ran below ar;
+    and the per-policy traffic table has the predicted H2D bytes per cycle beside the measured."""
+    from specfit.accounting import waiting_note
+    from specfit.runtime.commands import raw_acceptance_notes
+
+    rows = [{"policy": policy, "cycle": i, "draft_levels": 2, "nodes_verified": 5, "hits": 6, "misses": 2,
+             "bytes_h2d": 4e6, "predicted_bytes_h2d": 5e6, "measured_time_s": 0.01, "predicted_time_s": 0.01,
+             "predicted_tokens": 1.5, "committed_tokens": 3} for policy in ("ar", "eagle3", "specfit") for i in range(4)]
+    run = tmp_path / "run"
+    run.mkdir()
+    pd.DataFrame(rows).to_parquet(run / "cycles.parquet")
+    summaries = [{"policy": "ar", "tokens_per_s": 527.1, "tokens_per_cycle": 1.0, "predicted_tokens_per_cycle": 1.0},
+                 {"policy": "eagle3", "tokens_per_s": 381.4, "tokens_per_cycle": 3.32, "predicted_tokens_per_cycle": 1.5,
+                  "waited_cycles": 0.6, "waited_share": 0.4, "time_mape": 0.3},
+                 {"policy": "specfit", "tokens_per_s": 470.7, "tokens_per_cycle": 1.24, "predicted_tokens_per_cycle": 1.13}]
+    (run / "summary.json").write_text(json.dumps(summaries))
+    terminal = [waiting_note(summaries[1]), *(n.removeprefix("note: ") for n in raw_acceptance_notes(summaries))]
+    assert len(terminal) == 3 and "below ar's 527.1" in terminal[2]
+    for acceptance, shown in ((None, terminal), ("trace.parquet", terminal[:1])):
+        (run / "run.json").write_text(json.dumps({"kind": "decode", "acceptance": acceptance, "temperature": 0.0,
+                                                  "notes": ["the profile was measured on another machine"]}))
+        said = []
+        text = build_report([run], tmp_path / f"rep{acceptance}", say=said.append).read_text()
+        assert said == [f"note: {note}" for note in ["the profile was measured on another machine", *shown]]
+        assert all(html.escape(note) in text for note in shown)
+        assert ("raw probabilities" in text) == (acceptance is None)
+    table = text[text.index("Per policy: host-to-device traffic"):]
+    header = re.findall(r"<th>([^<]*)</th>", table[:table.index("</thead>")])
+    cells = re.findall(r"<td>([^<]*)</td>", table)
+    row = dict(zip(header, cells))
+    assert row["MB H2D/cycle (measured)"] == "4" and row["MB H2D/cycle (predicted)"] == "5"

@@ -4,6 +4,7 @@ simulator, interrupted runs, refits, bad drafter checkpoints."""
 from __future__ import annotations
 
 import errno
+import html
 import json
 import re
 from pathlib import Path
@@ -467,11 +468,21 @@ def test_a_rerun_stopped_early_keeps_none_of_the_last_runs_files(checkpoint, tmp
     plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["ar", "specfit"],
                       drafter_dir=drafter_dir, profile="pcie4", max_new_tokens=NEW_TOKENS, device="cpu", out_dir=out,
                       ignore_eos=True)
-    run_decode(plan)
+    run = run_decode(plan)
     assert (out / "summary.json").is_file()
     # what the predictions were made with: a preset's figures (no file)
     info = json.loads((out / "run.json").read_text())
     assert info["profile"] == "pcie4 (preset)" and info["profile_file"] is None
+    # how acceptance was priced (the drafter's raw probabilities, greedy), and the terminal's notes
+    # after its tables, which the report says too, from the run's summaries
+    assert info["acceptance"] is None and info["temperature"] == 0
+    from specfit.report.build import build_report
+    from specfit.runtime.commands import raw_acceptance_notes
+
+    said = [line.removeprefix("note: ") for line in run.notes + raw_acceptance_notes(run.summaries)]
+    assert said                                    # raw probabilities are far off on the test's checkpoint
+    page = build_report([out], tmp_path / "first").read_text()
+    assert all(html.escape(note) in page for note in said)
     assert info["cost_model"]["base_s"] == pytest.approx(5e-3) and info["cost_model"]["hit_s"] > 0
     # and the drafter its levels were drafted with (a refit's draft level is that drafter's)
     from specfit.calibrate.calibrate_job import drafter_identity

@@ -6,7 +6,9 @@ import numpy as np
 import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
-from ..accounting import read_cycles, summarise
+from ..accounting import read_cycles, summarise, waiting_note
+from ..runinfo import read_run_info
+from ..runtime.commands import raw_acceptance_notes
 from .html import Page
 from .plots import bars, identity_scatter, new_axes, policy_colors
 
@@ -15,8 +17,11 @@ __all__ = ["live_section"]
 
 def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | None = None,
                  notes: list[str] = ()) -> None:
+    """``name``: the run's directory; ``summaries``: its ``summary.json``; ``notes``: its ``run.json``'s."""
     page.heading(f"Live decoding: {name}")
     for note in notes:                       # what the run said its readers should know (e.g. that it stopped early)
+        page.note(note)
+    for note in _summary_notes(summaries or [], read_run_info(name) or {}):
         page.note(note)
     cycles = read_cycles(cycles)
     policies = list(dict.fromkeys(cycles["policy"])) if "policy" in cycles else ["run"]
@@ -34,10 +39,11 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
         "foresee; time MAPE, others: the time MAPE over the remaining cycles (with most cycles waiting, not the "
         "model's alone either: the online model follows the machine's speed, waits included)."))
     page.table(table[[c for c in table.columns if c not in _TIME_COLUMNS or c == "policy"]], percent=_SHARES,
-               caption="Per policy: host-to-device traffic, expert cache and trees. bytes "
-                       "MAPE: of each cycle's predicted bytes (the predicted misses and prefetches) against the bytes "
-                       "moved; charged = moved bytes: whether the bytes the cache bookkeeping charged the true "
-                       "experts are the bytes moved, cycle by cycle; union MAPE: of the predicted expert union's size "
+               caption="Per policy: host-to-device traffic, measured vs predicted, expert cache and trees. "
+                       "MB H2D/cycle (predicted): the predicted misses and prefetches, as the terminal's KB H2D/cycle "
+                       "in brackets; bytes MAPE: of each cycle's predicted bytes against the bytes moved; charged = "
+                       "moved bytes: whether the bytes the cache bookkeeping charged the true experts are the bytes "
+                       "moved, cycle by cycle; union MAPE: of the predicted expert union's size "
                        "against the experts the verified nodes routed to (per layer: each layer's); draft levels and "
                        "nodes verified: mean per cycle.")
 
@@ -96,6 +102,17 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
                    "is held at (the profile's, or the profile's times the fit's speed factor) and why.")
 
 
+def _summary_notes(summaries: list, info: dict) -> list[str]:
+    """The notes the terminal said after the run's tables, from its summaries: a policy whose
+    thread waited for a CPU, and, for a greedy run that priced acceptance with the drafter's raw
+    probabilities (``run.json``: no ``acceptance``, ``temperature`` 0; a run recorded before it said
+    neither has none of these), a policy whose predicted tokens were far off or that ran below ar."""
+    notes = [note for note in map(waiting_note, summaries) if note]
+    if "acceptance" in info and info["acceptance"] is None and info.get("temperature") == 0:
+        notes += [note.removeprefix("note: ") for note in raw_acceptance_notes(summaries)]
+    return notes
+
+
 _TERMS = (("base_s", "base (ms)"), ("per_node_s", "per node (ms)"), ("hit_s", "hit (ms)"), ("miss_s", "miss (ms)"),
           ("draft_level_s", "per draft level (ms)"))
 
@@ -145,7 +162,8 @@ def _per_policy(cycles: pd.DataFrame) -> pd.DataFrame:
                      # the cycles whose thread waited for a CPU (another process had it) and the
                      # time error over the others (CPU runs with one thread; empty elsewhere)
                      "share of cycles that waited for CPU": s["waited_cycles"], "time MAPE, others": s["running_time_mape"],
-                     "MB H2D/cycle": s["bytes_per_cycle"] / 1e6, "bytes MAPE": s["bytes_mape"],
+                     "MB H2D/cycle (measured)": s["bytes_per_cycle"] / 1e6,
+                     "MB H2D/cycle (predicted)": s["predicted_bytes_per_cycle"] / 1e6, "bytes MAPE": s["bytes_mape"],
                      "charged = moved bytes": _charged_matches(g), "hit rate": s["hit_rate"],
                      "union MAPE": s["union_mape"], "union/layer MAPE": s.get("union_layer_mape", np.nan),
                      "draft levels": s["draft_levels_per_cycle"], "nodes verified": s["nodes_per_cycle"]})

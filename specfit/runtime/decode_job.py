@@ -239,11 +239,15 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 # written with the first result (a rerun failing before it keeps the last run's)
                 # the profile's file (a cached one is picked by the machine) and figures: a file may
                 # change under its name, a preset in the code; and the drafter whose levels the
-                # cycles timed (a refit's draft level is that drafter's)
+                # cycles timed (a refit's draft level is that drafter's); how the policies priced
+                # acceptance, and the notes the terminal says before its own, for the report to say
                 start = functools.partial(write_run_info, plan.out_dir, "decode", ctx, shape=shape.to_dict(),
                                           profile=profile.label, profile_file=inputs.profile_path and
                                           str(Path(inputs.profile_path).resolve()), cost_model=profile.cost.to_dict(),
-                                          drafter=plan.drafter_dir and drafter_identity(plan.drafter_dir))
+                                          drafter=plan.drafter_dir and drafter_identity(plan.drafter_dir),
+                                          acceptance=plan.acceptance_trace and str(plan.acceptance_trace),
+                                          temperature=plan.temperature,
+                                          notes=[note.removeprefix("note: ") for note in inputs.notes])
             outputs = DecodeOutputs(plan.out_dir, start)
             recorder = (_recorder(plan, model, inputs.drafter, profile, recorded_levels(plan, policies))
                         if plan.record is not None else None)
