@@ -167,7 +167,10 @@ def load_spec(path: str | Path) -> SweepSpec:
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecFitError(f"{path}: not a readable sweep spec ({exc})") from None
     if path.suffix == ".toml":
-        import tomllib
+        try:
+            import tomllib
+        except ModuleNotFoundError:           # Python 3.10: the same parser as a package (a dependency there)
+            import tomli as tomllib
 
         try:
             raw = tomllib.loads(text)
