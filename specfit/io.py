@@ -20,7 +20,7 @@ from .errors import Interrupted, SpecFitError, note_stop_signal, one_line, sigte
 
 __all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "read_parquet", "strict_json", "write_jsonl_atomic", "check_output",
            "not_readable_as", "os_error_text", "run_dir_lock", "file_lock", "LOCK_FILE", "strict_dumps",
-           "nulls_as_nan", "write_csv_atomic",
+           "nulls_as_nan", "write_csv_atomic", "user_cache_dir",
            "remove_stale_temporaries", "read_json_object", "json_text", "config_value", "deferred_interrupt"]
 
 
@@ -440,3 +440,11 @@ def deferred_interrupt(done: str = "interrupted: the files being written were co
     if caught:
         note_stop_signal(caught[-1])
         raise Interrupted(done)
+
+
+def user_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME``, or ``~/.cache`` where it is unset, empty or relative: the XDG Base
+    Directory specification says a relative path there is invalid and ignored (it would name
+    another cache in every directory a command runs from)."""
+    root = os.environ.get("XDG_CACHE_HOME", "")
+    return Path(root) if os.path.isabs(root) else Path.home() / ".cache"

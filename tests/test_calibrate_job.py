@@ -485,6 +485,8 @@ def test_a_busy_quick_calibration_is_noted_and_not_saved(tmp_path, monkeypatch):
 
 # the XDG Base Directory specification: a relative $XDG_CACHE_HOME is invalid and ignored
 def test_a_relative_xdg_cache_home_is_ignored(tmp_path, monkeypatch):
+    from specfit.io import user_cache_dir
+
     home = tmp_path / "home" / ".cache"
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")
@@ -492,8 +494,8 @@ def test_a_relative_xdg_cache_home_is_ignored(tmp_path, monkeypatch):
     assert path == home / "specfit" / "profiles" / "h-cpu-tiny-moe-float32.json"
     for value in ("relative/cache", "", "."):
         monkeypatch.setenv("XDG_CACHE_HOME", value)
-        assert calibrate_job.user_cache_dir() == home
+        assert user_cache_dir() == home
     monkeypatch.delenv("XDG_CACHE_HOME")
-    assert calibrate_job.user_cache_dir() == home
+    assert user_cache_dir() == home
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert calibrate_job.user_cache_dir() == tmp_path / "xdg"
+    assert user_cache_dir() == tmp_path / "xdg"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import math
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -160,6 +162,52 @@ def test_stale_cached_kernels_are_dropped_when_any_source_changes(tmp_path):
     (src / "b.py").write_text("y = 3\n")             # a file the cached kernel may have inlined
     assert drop_stale_caches(*args) is True
     assert not (cache / "a.f-1.py311.nbi").exists() and (cache / "a.cpython-311.pyc").exists()
+
+
+def test_a_read_only_install_caches_its_kernels_in_a_folder_of_their_digest(tmp_path):
+    """An install whose kernels' ``__pycache__`` cannot be written (a read-only site-packages): numba
+    fell back to a per-user folder keyed on each file alone, or, with none writable, stopped at the
+    first kernel with a traceback. The kernels now cache in the user's cache directory under their
+    sources' digest (a changed kernel gets a new folder)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    package = Path(kernels.__file__).resolve().parents[1]
+    copy = tmp_path / "site" / "specfit"
+    shutil.copytree(package, copy, ignore=shutil.ignore_patterns("__pycache__", "assets"))
+    (copy / "kernels" / "__pycache__").write_text("")        # a file where the folder would be: not writable
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env.update(PYTHONPATH=str(tmp_path / "site"), XDG_CACHE_HOME=str(tmp_path / "xdg"))
+    probe = ("import numpy as np, numba, specfit.kernels as k; "
+             "print(k.bitsets.popcount(np.uint64(7))); print(numba.config.CACHE_DIR)")
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    count, folder = out.stdout.split()
+    digest = kernels.sources_digest(sorted((copy / "kernels").glob("*.py")))
+    assert count == "3" and Path(folder) == tmp_path / "xdg" / "specfit" / "numba" / digest[:16]
+    assert list(Path(folder).rglob("*.nbi"))                  # cached there
+
+
+def test_writable_folders_are_told_from_those_that_cannot_be_made(tmp_path):
+    assert kernels.writable(tmp_path / "new" / "folder") and (tmp_path / "new" / "folder").is_dir()
+    (tmp_path / "file").write_text("")
+    assert not kernels.writable(tmp_path / "file" / "folder")
+
+
+def test_with_no_writable_cache_the_first_kernel_says_so_naming_numba_cache_dir(tmp_path, monkeypatch):
+    import tempfile
+
+    from specfit.errors import SpecFitError
+
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kernels.cache_folder("ab" * 32) == tmp_path / "xdg" / "specfit" / "numba" / ("ab" * 8)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file" / "xdg"))
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "file" / "tmp"))
+    with pytest.raises(SpecFitError, match="set NUMBA_CACHE_DIR to a writable directory"):
+        kernels.cache_folder("ab" * 32)
 
 
 def test_warm_up_loads_the_live_kernels_and_leaves_no_state():

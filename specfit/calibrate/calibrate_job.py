@@ -27,7 +27,7 @@ import torch
 
 from ..costmodel import PARAM_NAMES
 from ..errors import SpecFitError, check_seed
-from ..io import json_text
+from ..io import json_text, user_cache_dir
 from .cycles import (cycles_features, part_line, probe_cycles, probe_draft, probe_drafter_levels, probe_trees,
                      probe_layer_parts, star_node_cost)
 from .fit import CycleTimeFitter, prediction_errors
@@ -36,7 +36,7 @@ from .profile import ModelShape, Profile, machine_info
 from .repeat import busy_warnings, machine_noise, repeat_rounds
 
 __all__ = ["CalibrationPlan", "calibrate", "refit", "read_run_cycles", "run_shape", "check_dtype",
-           "default_profile_path", "planned_profile_path", "cached_profile_path", "user_cache_dir", "drafter_identity",
+           "default_profile_path", "planned_profile_path", "cached_profile_path", "drafter_identity",
            "RUN_CYCLE_COLUMNS",
            "probe_prior", "scale_to_depth"]
 
@@ -154,14 +154,6 @@ def cached_profile_path(machine: dict, shape: ModelShape, dtype: str | None = No
     if dtype:
         name = name.removesuffix(".json") + f"-{_slug(dtype)}.json"
     return user_cache_dir() / "specfit" / "profiles" / name
-
-
-def user_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME``, or ``~/.cache`` where it is unset, empty or relative: the XDG Base
-    Directory specification says a relative path there is invalid and ignored (it would name
-    another cache in every directory a command runs from)."""
-    root = os.environ.get("XDG_CACHE_HOME", "")
-    return Path(root) if os.path.isabs(root) else Path.home() / ".cache"
 
 
 def _profile_name(machine: dict, model_name: str) -> str:

@@ -18,8 +18,12 @@ Numba keys a cached kernel on its own source file only, while a kernel that call
 file (the replay calls the cache and the search) has that code compiled in. So before the first
 kernel module is imported, a digest of every kernel source (the cost formula's, :mod:`.formula`,
 among them) is compared with the one stored beside the cache; when it differs, this package's
-cached kernels are dropped and recompiled. With ``NUMBA_CACHE_DIR`` set the caches live elsewhere
-and this check is skipped.
+cached kernels are dropped and recompiled. An install whose ``__pycache__`` cannot be written (a
+read-only site-packages: a container image run as another user) caches in a folder named after
+that digest under the user's cache directory (``~/.cache/specfit/numba/<digest>``), or the
+system's temporary directory when that cannot be written either, so a changed kernel never meets
+another's cache; where nothing can be written, the first kernel says so in one line. With
+``NUMBA_CACHE_DIR`` set the caches live there and these checks are skipped.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from pathlib import Path
 
 __all__ = ["bitsets", "tree", "evaluate", "closure", "inner", "search", "cache", "replay", "levels",
            "decide", "lookahead", "levers", "router", "kv", "sampling", "acceptance", "identify",
-           "drop_stale_caches"]
+           "drop_stale_caches", "sources_digest", "cache_folder", "writable"]
 
 _MODULES = frozenset(("bitsets", "tree", "evaluate", "closure", "inner", "search", "cache", "replay", "levels",
                       "decide", "lookahead", "levers", "router", "kv", "sampling", "acceptance", "identify"))
@@ -49,20 +53,62 @@ def _drop_stale_caches() -> None:
     global _checked
     if _checked:
         return
+    if not os.environ.get("NUMBA_CACHE_DIR"):
+        here = Path(__file__).resolve().parent
+        sources, cache = sorted(here.glob("*.py")), here / "__pycache__"
+        if writable(cache):
+            drop_stale_caches(sources, cache / "kernels.sha256", [(cache, "*.nb[ic]")])
+        else:
+            import numba
+
+            numba.config.CACHE_DIR = str(cache_folder(sources_digest(sources)))
     _checked = True
-    if os.environ.get("NUMBA_CACHE_DIR"):
-        return
-    here = Path(__file__).resolve().parent
-    drop_stale_caches(sorted(here.glob("*.py")), here / "__pycache__" / "kernels.sha256", [(here / "__pycache__", "*.nb[ic]")])
+
+
+def writable(folder: Path) -> bool:
+    """Whether files can be created in ``folder`` (made if missing), as numba checks a cache's."""
+    import tempfile
+
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError:
+        return False
+    return True
+
+
+def cache_folder(digest: str) -> Path:
+    """Where a read-only install's kernels are cached: a folder of these sources' ``digest`` in the
+    user's cache directory, else in the system's temporary directory (per user); an error naming
+    ``NUMBA_CACHE_DIR`` when neither can be written (numba would stop at the first kernel with a
+    traceback)."""
+    import tempfile
+
+    from ..errors import SpecFitError
+    from ..io import user_cache_dir
+
+    user = os.getuid() if hasattr(os, "getuid") else os.getlogin()
+    tried = [user_cache_dir() / "specfit" / "numba", Path(tempfile.gettempdir()) / f"specfit-numba-{user}"]
+    for root in tried:
+        if writable(root / digest[:16]):
+            return root / digest[:16]
+    raise SpecFitError(f"SpecFit's compiled kernels need a writable cache: {Path(__file__).parent / '__pycache__'} "
+                       f"(the install's), {tried[0]} and {tried[1]} cannot be written; set NUMBA_CACHE_DIR to a "
+                       "writable directory")
+
+
+def sources_digest(sources: list[Path]) -> str:
+    """The digest of the kernel ``sources``, names and contents: what a cache was compiled from."""
+    digest = hashlib.sha256()
+    for path in sources:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def drop_stale_caches(sources: list[Path], stamp: Path, caches: list[tuple[Path, str]]) -> bool:
     """Delete the cache files matching ``caches`` (folder, glob pattern) unless ``stamp`` holds the
     digest of ``sources``; then store it. True when files were dropped (or there was no stamp)."""
-    digest = hashlib.sha256()
-    for path in sources:
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
-    want = digest.hexdigest()
+    want = sources_digest(sources)
     try:
         if stamp.read_text() == want:
             return False
