@@ -180,6 +180,22 @@ def test_a_refitted_profiles_calibration_figures_say_what_they_draw():
     assert "<!-- hit_s = 38.2 µs, fitted on the decode cycles -->" in fitted
 
 
+def test_a_refitted_profiles_probe_passes_say_whose_predictions_they_show():
+    """The probe passes' predictions are the calibration's own fit's; a refit's terms come from decode
+    cycles since (they would put these passes 17 % high on the demo's profile), and the figure
+    did not say whose predictions it drew."""
+    from dataclasses import replace
+
+    row = {"capacity": 0, "tree": "random", "n_nodes": 8, "hits": 0, "misses": 48, "draft_levels": 0,
+           "seconds": 3.2e-3, "predicted_s": 3.1e-3}
+    refitted = _refit_profile({}, ["draft_level_s"])
+    refitted = replace(refitted, probes={**refitted.probes, "cycles": [row, {**row, "n_nodes": 4, "seconds": 2e-3}]})
+    assert "Predicted by the calibration's own fit, before the refit" in _calibration_page(refitted)
+    measured = replace(refitted, kind="measured", fit={"fitted": [], "held": {}})
+    text = _calibration_page(measured)
+    assert "Verification passes over random trees" in text and "before the refit" not in text
+
+
 def test_the_tallest_bars_label_sits_inside_the_axes():
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 

@@ -64,7 +64,7 @@ def calibration_section(page: Page, profile: Profile, name: str) -> None:
         page.figure(fig, "Cache-hit latency: one resident expert run on 1..N tokens (median of repeats); dashed: "
                          f"the profile's hit_s, {said}.")
     if probes.get("cycles"):
-        _cycles(page, pd.DataFrame(probes["cycles"]))
+        _cycles(page, pd.DataFrame(probes["cycles"]), refitted=bool(fit.get("refit")))
     if probes.get("draft"):
         page.table(pd.DataFrame(probes["draft"]).assign(ms=lambda d: d["seconds"] * 1e3).drop(columns="seconds"),
                    caption="Draft level time by frontier width")
@@ -104,13 +104,18 @@ def _h2d(page: Page, df: pd.DataFrame, fit: dict) -> None:
                                                           "not the copies)." if fit.get("refit") else ".")))
 
 
-def _cycles(page: Page, df: pd.DataFrame) -> None:
+def _cycles(page: Page, df: pd.DataFrame, refitted: bool = False) -> None:
+    """The calibration's timed passes against its fit's predictions (recorded with the probes); a
+    refitted profile's terms came from decode cycles since, which hold the decoder's own work, so
+    its figures say whose predictions these are."""
     if "predicted_s" not in df:
         return
     fig = identity_scatter(df["seconds"] * 1e3, df["predicted_s"] * 1e3, "measured pass (ms)", "predicted (ms)",
                            color=df["capacity"], color_label="cache slots / layer")
+    whose = (" Predicted by the calibration's own fit, before the refit: the refitted terms (above) were "
+             "fitted on decode cycles, which hold the decoder's work around the passes too." if refitted else "")
     page.figure(fig, "Verification passes over random trees at several cache sizes: predicted vs measured, "
-                     "with the identity line.")
+                     "with the identity line." + whose)
     fig, ax = new_axes()
     rel = (df["predicted_s"] - df["seconds"]) / df["seconds"] * 100
     ax.scatter(df["n_nodes"], rel, s=14, alpha=0.7)
