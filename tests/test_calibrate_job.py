@@ -150,9 +150,9 @@ def test_a_refit_names_the_drafter_its_cycles_drafted_with(tmp_path):
     rng = np.random.default_rng(2)
     true = CostModel(base_s=0.010, per_node_s=0.001, hit_s=0.0002, miss_s=0.0012, draft_level_s=0.002)
 
-    def run(name, drafter="absent", drafting=True):
+    def run(name, drafter="absent", drafting=True, depth=None):
         n = 60
-        levels = rng.integers(1, 5, n) if drafting else np.zeros(n, dtype=int)
+        levels = (np.full(n, depth) if depth else rng.integers(1, 5, n)) if drafting else np.zeros(n, dtype=int)
         nodes, hits, misses = rng.integers(1, 12, n), rng.integers(10, 60, n), rng.integers(0, 30, n)
         d = tmp_path / name
         d.mkdir()
@@ -180,6 +180,41 @@ def test_a_refit_names_the_drafter_its_cycles_drafted_with(tmp_path):
     (tmp_path / "bad" / "run.json").write_text(json.dumps({"drafter": 3}))
     with pytest.raises(SpecFitError, match="field 'drafter': expected a string"):
         calibrate_job.run_drafter(tmp_path / "bad")
+    # every cycle five levels deep: the levels cannot be told from the base, draft_level_s is held
+    # at the prior's (scaled), which is still the stand-in's: the profile keeps naming it
+    fixed = refit(run("fixed", "eagle@1", depth=5))
+    assert "draft_level_s" in fixed.fit["held"] and fixed.probes["drafter"] == "stand-in"
+
+
+def test_a_refit_keeps_the_calibrations_copy_fit_and_a_what_if_keeps_its_latency(tmp_path):
+    """A refit dropped fit.h2d, so a refitted profile's copy latency read 0 and --h2d-scale scaled it
+    with the bandwidth again."""
+    from specfit.calibrate.profile import ModelShape, Profile
+    from specfit.costmodel import CostModel
+    from specfit.simulate.scenarios import build_scenario, link_gbps
+
+    rng = np.random.default_rng(3)
+    true = CostModel(base_s=0.010, per_node_s=0.001, hit_s=0.0002, miss_s=0.0012, draft_level_s=0.002,
+                     expert_bytes=10**6)
+    n = 80
+    levels, nodes, hits, misses = (rng.integers(0, 5, n), rng.integers(1, 12, n), rng.integers(10, 60, n),
+                                   rng.integers(0, 30, n))
+    (tmp_path / "run").mkdir()
+    pd.DataFrame({"draft_levels": levels, "nodes_verified": nodes, "hits": hits, "misses": misses,
+                  "measured_time_s": CostModel.features(levels, nodes, hits, misses) @ true.params}
+                 ).to_parquet(tmp_path / "run" / "cycles.parquet")
+    h2d = {"gbps": 1.25, "overhead_s": 2e-4, "r2": 1.0}
+    shape = ModelShape("m", 4, 16, 2, 10**6)
+    prior = Profile(cost=true, shape=shape, fit={"h2d": h2d})
+    refitted = calibrate_job.refit(prior, [tmp_path / "run"])[0]
+    assert refitted.fit["h2d"] == h2d and refitted.copy_latency_s == 2e-4
+    path = refitted.save(tmp_path / "refit.json")
+    faster = build_scenario(str(path), shape, h2d_scale=4.0)
+    bandwidth_s = refitted.cost.transfer_s - 2e-4
+    assert faster.cost.transfer_s == pytest.approx(2e-4 + bandwidth_s / 4)
+    # the link a sweep's table shows: the bandwidth part, four times as fast
+    assert link_gbps(faster.cost, faster.copy_latency_s) == pytest.approx(
+        4 * link_gbps(refitted.cost, refitted.copy_latency_s))
 
 
 def test_a_standin_drafter_for_mla_attends_over_the_whole_width(monkeypatch):
@@ -474,6 +509,12 @@ def test_a_busy_quick_calibration_is_noted_and_not_saved(tmp_path, monkeypatch):
     assert "machine was busy" in text and "not saved" in text and "next run without --profile calibrates again" in text
     decode_job._profile(plan, model, lambda message: None)
     assert len(calls) == 2 and not path.exists()                   # measured again, not the busy one reused
+    # a quick calibration's passes that spread while they had their core: an idle machine's jitter, kept
+    jitter = {**busy, "spread_median": 0.3, "cpu_share": 0.99, "load_average": 0.2}
+    plan, model, path, calls = _cache_setup(tmp_path, monkeypatch, lambda shape: _measured(shape, jitter))
+    _, used, notes = decode_job._profile(plan, model, lambda message: None)
+    assert used == path and path.is_file() and not any("machine was busy" in note for note in notes)
+    path.unlink()
     # a load average above the cores alone is noted, but the probes had their core and spread little: kept
     loaded = {**busy, "spread_median": 0.05, "cpu_share": 0.99, "load_average": 3.0}
     plan, model, path, calls = _cache_setup(tmp_path, monkeypatch, lambda shape: _measured(shape, loaded))

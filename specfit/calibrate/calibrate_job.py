@@ -454,7 +454,9 @@ def _refit_probes(profile: Profile, run_dirs, frames) -> tuple[dict, list[str]]:
     drafted levels, so ``probes.drafter`` names their drafter; when the runs drafted with several,
     or one of them does not say with which (older runs), the key goes (a decode then compares
     nothing) and a warning says so. Runs that drafted no level leave the profile's draft level and
-    its drafter as they were."""
+    its drafter as they were; so does a refit that held ``draft_level_s`` (every cycle drafting as
+    deep, its levels cannot be told from the base: the prior's, scaled), which :func:`refit` does
+    not ask this for."""
     drafters = {run_drafter(d) for d, frame in zip(run_dirs, frames) if (frame["draft_levels"] > 0).any()}
     probes = dict(profile.probes)
     if not drafters:
@@ -512,10 +514,13 @@ def refit(profile: Profile, run_dirs, seed: int = 0, holdout_fraction: float = 0
     cost = fitter.cost_model(expert_bytes=profile.cost.expert_bytes)
     comparison = {"n_cycles": int(len(y)), "n_holdout": int(n_test), "before": before, "after": after,
                   "before_params": profile.cost.to_dict(), "after_params": cost.to_dict()}
-    probes, warnings = _refit_probes(profile, run_dirs, frames)
+    probes, warnings = (_refit_probes(profile, run_dirs, frames) if "draft_level_s" in fitter.quality_.get("fitted", ())
+                        else (dict(profile.probes), []))
     refitted = Profile(cost=cost, shape=profile.shape, kind="refit",
                        source=f"refit of {profile.label} on {len(y)} decode cycles", machine=profile.machine,
                        fit={**fitter.quality_, "refit": comparison, "runs": [str(d) for d in run_dirs],
+                            # the copies' fit of the probes it keeps (a copy's latency: what-ifs keep it)
+                            **{k: profile.fit[k] for k in ("h2d", "h2d_pageable") if k in profile.fit},
                             **({"warnings": warnings} if warnings else {})},
                        probes=probes)
     return refitted, comparison

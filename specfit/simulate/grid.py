@@ -410,7 +410,7 @@ def run_cell(prepared, cell: Cell, scenario) -> dict:
     clash = {k for k in row if k in params and row[k] != params[k]}
     if clash:
         raise RuntimeError(f"cell {cell.cell_id}: the summary's {sorted(clash)} differ from the cell's")
-    return {**row, **params, "link_gbps": link_gbps(scenario.cost), "replay_s": replay_s}
+    return {**row, **params, "link_gbps": link_gbps(scenario.cost, scenario.copy_latency_s), "replay_s": replay_s}
 
 
 def _is_missing(value) -> bool:

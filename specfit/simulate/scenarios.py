@@ -73,13 +73,15 @@ def build_scenario(profile_spec: str, shape, h2d_scale: float = 1.0, overrides: 
     cost = apply_overrides(profile.cost, overrides)
     if h2d_scale != 1.0:
         cost = scale_h2d(cost, h2d_scale, profile.copy_latency_s)
-    return Scenario(scenario_label(profile_spec, h2d_scale, overrides), cost)
+    return Scenario(scenario_label(profile_spec, h2d_scale, overrides), cost, profile.copy_latency_s)
 
 
-def link_gbps(cost) -> float:
+def link_gbps(cost, copy_latency_s: float = 0.0) -> float:
     """The host-to-device bandwidth a cost model implies: one expert's bytes over the transfer
-    part of a miss (``miss_s - hit_s``); infinite when a miss costs no more than a hit."""
-    transfer_s = cost.miss_s - cost.hit_s
+    part of a miss (``miss_s - hit_s``) less the fixed latency of a copy (``copy_latency_s``, the
+    profile's: :attr:`~specfit.calibrate.profile.Profile.copy_latency_s`), which a bandwidth
+    what-if keeps; infinite when a miss costs no more than that."""
+    transfer_s = cost.transfer_s - min(max(copy_latency_s, 0.0), cost.transfer_s)
     return cost.expert_bytes / transfer_s / 1e9 if transfer_s > 0 and cost.expert_bytes else float("inf")
 
 

@@ -29,6 +29,7 @@ class Scenario:
 
     label: str
     cost: CostModel
+    copy_latency_s: float = 0.0        # the fixed latency of a copy in a miss's transfer (the profile's)
 
 
 def check_policies(specs: list[str], max_levels: int) -> None:
