@@ -139,9 +139,11 @@ def _share_busy(noise: dict) -> bool:
 
 def machine_busy(noise: dict) -> bool:
     """Whether the probes' own checks say other work disturbed them (the first two of
-    :func:`busy_warnings`): their timings spread over the rounds, or they got less than a core. A
-    high load average alone is not: the probes may still have had their core."""
-    return _spread_busy(noise) or _share_busy(noise)
+    :func:`busy_warnings`): they got less than a core, or, but for a ``--quick`` calibration, their
+    timings spread over the rounds (a quick one's few short passes spread beyond that on an idle
+    machine too: in about half the runs on a 2-core VM, stop 33). A high load average alone is
+    not: the probes may still have had their core."""
+    return _share_busy(noise) or (_spread_busy(noise) and not noise.get("quick"))
 
 
 def busy_warnings(noise: dict) -> list[str]:
