@@ -197,6 +197,7 @@ def test_writable_folders_are_told_from_those_that_cannot_be_made(tmp_path):
 
 
 def test_with_no_writable_cache_the_first_kernel_says_so_naming_numba_cache_dir(tmp_path, monkeypatch):
+    import os
     import tempfile
 
     from specfit.errors import SpecFitError
@@ -208,6 +209,16 @@ def test_with_no_writable_cache_the_first_kernel_says_so_naming_numba_cache_dir(
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "file" / "tmp"))
     with pytest.raises(SpecFitError, match="set NUMBA_CACHE_DIR to a writable directory"):
         kernels.cache_folder("ab" * 32)
+    # numba's cache files are pickles: a folder others can write to (a shared temporary directory
+    # where another user made it first) is not used
+    shared = tmp_path / "shared" / f"specfit-numba-{os.getuid()}"
+    shared.mkdir(parents=True)
+    shared.chmod(0o777)
+    monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "shared"))
+    with pytest.raises(SpecFitError, match="NUMBA_CACHE_DIR"):
+        kernels.cache_folder("ab" * 32)
+    shared.chmod(0o700)
+    assert kernels.cache_folder("ab" * 32) == shared / ("ab" * 8)
 
 
 def test_warm_up_loads_the_live_kernels_and_leaves_no_state():

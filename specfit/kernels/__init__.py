@@ -81,20 +81,37 @@ def cache_folder(digest: str) -> Path:
     """Where a read-only install's kernels are cached: a folder of these sources' ``digest`` in the
     user's cache directory, else in the system's temporary directory (per user); an error naming
     ``NUMBA_CACHE_DIR`` when neither can be written (numba would stop at the first kernel with a
-    traceback)."""
+    traceback). Numba's cache files are pickles: a folder is used only when it is this user's and
+    no one else can write to it (on a shared temporary directory another user could make it first)."""
     import tempfile
 
     from ..errors import SpecFitError
     from ..io import user_cache_dir
 
-    user = os.getuid() if hasattr(os, "getuid") else os.getlogin()
-    tried = [user_cache_dir() / "specfit" / "numba", Path(tempfile.gettempdir()) / f"specfit-numba-{user}"]
+    tried = [user_cache_dir() / "specfit" / "numba", Path(tempfile.gettempdir()) / f"specfit-numba-{_user()}"]
     for root in tried:
-        if writable(root / digest[:16]):
+        if _private(root) and writable(root / digest[:16]):
             return root / digest[:16]
     raise SpecFitError(f"SpecFit's compiled kernels need a writable cache: {Path(__file__).parent / '__pycache__'} "
                        f"(the install's), {tried[0]} and {tried[1]} cannot be written; set NUMBA_CACHE_DIR to a "
                        "writable directory")
+
+
+def _user() -> str:
+    return str(os.getuid()) if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+
+
+def _private(root: Path) -> bool:
+    """Whether ``root`` (made, only its owner's, if missing) is this user's and writable by no one
+    else."""
+    try:
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        held = root.stat()
+    except OSError:
+        return False
+    if not hasattr(os, "getuid"):
+        return True
+    return held.st_uid == os.getuid() and not held.st_mode & 0o022
 
 
 def sources_digest(sources: list[Path]) -> str:
