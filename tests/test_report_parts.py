@@ -196,6 +196,15 @@ def test_a_refitted_profiles_probe_passes_say_whose_predictions_they_show():
     assert "Verification passes over random trees" in text and "before the refit" not in text
 
 
+def test_a_page_of_many_policies_gives_each_its_own_colour():
+    """The page-wide colours wrapped after ten: a decode's two policies after a ten-policy sweep
+    drew in one colour."""
+    page = Page("t")
+    sweep = page.policy_colors([f"p{i}" for i in range(10)])
+    decode = page.policy_colors(["ar", "specfit+online"])
+    assert len(set(sweep.values()) | {decode["ar"], decode["specfit+online"]}) == 12
+
+
 def test_the_tallest_bars_label_sits_inside_the_axes():
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import numpy as np
+from matplotlib import colormaps
+from matplotlib.colors import to_hex
 from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter
 
 __all__ = ["new_axes", "log_x", "legend_outside", "identity_scatter", "bars", "grouped_bars", "POLICY_PALETTE",
            "policy_colors"]
 
-# matplotlib's default cycle (tab10): a policy's colour on a page, given in page order
-POLICY_PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
-                  "#17becf")
+# matplotlib's default cycle (tab10), then the light halves of tab20 and tab20b's and tab20c's dark
+# and middle shades: 35 colours, so that a page of many policies (a sweep's and a decode's) does not
+# give two of them one colour (after 35 the palette wraps)
+POLICY_PALETTE = tuple(to_hex(c) for c in (*colormaps["tab10"].colors, *colormaps["tab20"].colors[1::2],
+                                           *colormaps["tab20b"].colors[::4], *colormaps["tab20c"].colors[::4],
+                                           *colormaps["tab20b"].colors[2::4]))
 
 
 def policy_colors(policies, given: dict | None = None) -> dict[str, str]:
