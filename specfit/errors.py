@@ -124,9 +124,10 @@ def comma_list(text: str, option: str, what: str = "entry", example: str = "") -
     return entries
 
 
-def check_seed(seed) -> None:
-    """numpy's and torch's generators take a non-negative integer seed: refuse another before any work."""
+def check_seed(seed, option: str = "--seed") -> None:
+    """numpy's and torch's generators take a non-negative integer seed: refuse another before any
+    work (``option``: where the seed was given, e.g. a field of a sweep spec)."""
     import numbers
 
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise SpecFitError(f"--seed: expected a non-negative integer, got {seed!r}")
+        raise SpecFitError(f"{option}: expected a non-negative integer, got {seed!r}")

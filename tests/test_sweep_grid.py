@@ -121,6 +121,26 @@ def test_the_same_routing_source_twice_is_refused():
                    source="spec.toml", base=BASE)
 
 
+# a routing entry's options are refused in the spec with `traces import-routing`'s own checks,
+# naming the entry and its field, not on a Ray worker after part of the grid ran
+@pytest.mark.parametrize("key, value, option", [("seed", -1, "--seed"), ("sibling_reuse", 5.0, "--sibling-reuse"),
+                                                ("sequences", 0, "--sequences"), ("max_tokens", -3, "--max-tokens")])
+def test_a_routing_entrys_options_out_of_range_are_refused_as_the_import_command_refuses_them(tmp_path, key, value,
+                                                                                               option):
+    from typer.testing import CliRunner
+
+    from specfit.cli import app
+
+    entry = {"log": TRACE, "drafters": ["chat"], key: value}
+    with pytest.raises(SpecFitError) as spec_error:
+        parse_spec({"traces": [TRACE], "routing": [{"log": TRACE}, entry]}, source="spec.toml", base=BASE)
+    where = f"spec.toml: routing[1]: field {key!r}: "
+    assert str(spec_error.value).startswith(where)
+    r = CliRunner().invoke(app, ["traces", "import-routing", str(SAMPLE_OLMOE), option, str(value),
+                                 "--out", str(tmp_path / "t.parquet")])
+    assert r.exit_code == 2 and f"error: {option}: {str(spec_error.value).removeprefix(where)}" in r.output, r.output
+
+
 def test_the_same_trace_file_spelt_two_ways_is_refused():
     # "t.parquet" and "./x/../t.parquet": one file, two traces of other names, every cell replayed twice
     other = f"./../{BASE.name}/{TRACE}"

@@ -271,6 +271,7 @@ def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec
 
 
 def _trace_sources(raw: dict, source: str, base: Path, workloads: dict) -> list[TraceSource]:
+    from ..traces.importers import check_import_options
     from .scenarios import unique_names
 
     traces = raw.get("traces", [])
@@ -301,6 +302,10 @@ def _trace_sources(raw: dict, source: str, base: Path, workloads: dict) -> list[
         for key, kind in _ROUTING_KEYS.items():
             if key in entry and not _is_a(kind, entry[key]):
                 raise SpecFitError(f"{where}: field {key!r} must be a {kind.__name__}, got {entry[key]!r}")
+        options = {k: entry[k] for k in ("shape", "max_tokens", "sequences", "seed", "sibling_reuse") if k in entry}
+        # the range checks of `specfit traces import-routing`'s options, naming the entry's field
+        check_import_options(**{k: v for k, v in options.items() if k != "shape"},
+                             name=lambda key: f"{where}: field {key!r}")
         drafters = entry.get("drafters", ["chat"])
         if not drafters or any(not isinstance(d, str) or d not in workloads for d in drafters):
             raise SpecFitError(f"{where}: field 'drafters' must list presets of {sorted(workloads)}, got {drafters!r}")
@@ -308,7 +313,6 @@ def _trace_sources(raw: dict, source: str, base: Path, workloads: dict) -> list[
         if not resolved.is_file():
             raise SpecFitError(f"{where}: field 'log': {entry['log']!r} (relative to {base}): "
                                + not_readable_as(resolved, "a routing log", "no such routing log"))
-        options = {k: entry[k] for k in ("shape", "max_tokens", "sequences", "seed", "sibling_reuse") if k in entry}
         stem = log_names[i]
         for drafter in drafters:
             # the trees are made with the preset's figures and the options' defaults, which the code

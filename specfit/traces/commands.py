@@ -90,7 +90,7 @@ def import_routing_command(
 ) -> None:
     """Turn a real routing log into a trace: real committed-token experts, synthesised draft trees."""
     from .format import write_trace
-    from .importers import import_routing, model_for_log, model_from_config, read_routing_log
+    from .importers import check_import_options, import_routing, model_for_log, model_from_config, read_routing_log
     from .synth import WORKLOADS, with_drafter_overrides
 
     try:
@@ -103,13 +103,7 @@ def import_routing_command(
             raise SpecFitError(str(exc)) from None
         if shape is not None and model is not None:
             raise SpecFitError("import-routing: pass --shape or --model, not both")
-        if sequences is not None and sequences < 1:
-            raise SpecFitError(f"--sequences: expected >= 1, got {sequences}")
-        if max_tokens is not None and max_tokens < 1:
-            raise SpecFitError(f"--max-tokens: expected >= 1 position, got {max_tokens}")
-        check_seed(seed)
-        if not 0.0 <= sibling_reuse <= 1.0:
-            raise SpecFitError(f"--sibling-reuse: expected a fraction in [0, 1], got {sibling_reuse:g}")
+        check_import_options(sequences, max_tokens, seed, sibling_reuse)
         if dtype not in ("bfloat16", "float32") or (dtype != "bfloat16" and model is None):
             raise SpecFitError(f"--dtype: expected bfloat16 or float32 with --model, got {dtype!r}"
                                + ("" if model is not None else " without --model"))

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from .. import __version__
-from ..errors import SpecFitError
+from ..errors import SpecFitError, check_seed
 from .drafter import DrafterParams
 from .format import Trace
 from .routing import RoutingModel, TokenSampler
@@ -33,11 +33,29 @@ from .stats import consecutive_reuse, popularity, same_token_reuse
 from .summary import trace_statistics
 from .synth import MODEL_SHAPES, WORKLOADS, build_trees
 
-__all__ = ["RoutingLog", "read_routing_log", "import_routing", "import_routing_and_model", "model_for_log",
-           "model_from_config", "dump_jsonl", "JSONL_FIELDS", "TOKEN_PREDICTORS"]
+__all__ = ["RoutingLog", "read_routing_log", "import_routing", "import_routing_and_model", "check_import_options",
+           "model_for_log", "model_from_config", "dump_jsonl", "JSONL_FIELDS", "TOKEN_PREDICTORS"]
 
 # predictors that learn a token -> experts table: meaningless on synthesised token ids
 TOKEN_PREDICTORS = ("affinity",)
+
+
+def _option_name(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def check_import_options(sequences: int | None = None, max_tokens: int | None = None, seed: int = 0,
+                         sibling_reuse: float = 0.3, name=_option_name) -> None:
+    """The import's options in range, before any work: ``specfit traces import-routing``'s options
+    and a sweep spec's routing entry. ``name(key)`` is how an error names the option
+    (``--max-tokens``, or a spec's ``sweep.toml: routing[0]: field 'max_tokens'``)."""
+    if sequences is not None and sequences < 1:
+        raise SpecFitError(f"{name('sequences')}: expected >= 1, got {sequences}")
+    if max_tokens is not None and max_tokens < 1:
+        raise SpecFitError(f"{name('max_tokens')}: expected >= 1 position, got {max_tokens}")
+    check_seed(seed, name("seed"))
+    if not 0.0 <= sibling_reuse <= 1.0:
+        raise SpecFitError(f"{name('sibling_reuse')}: expected a fraction in [0, 1], got {sibling_reuse:g}")
 
 
 def import_routing(log: RoutingLog, model: dict, workload: str = "imported", drafter: DrafterParams | None = None,
