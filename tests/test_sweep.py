@@ -185,8 +185,8 @@ def test_a_spec_naming_a_bad_profile_or_trace_is_one_line_and_leaves_nothing(tmp
 
 
 @pytest.mark.parametrize("shape, needle", [
-    (None, "no known model shape has 3 layers x top-2; give its routing entry in {spec} a 'shape' field"),
-    ("olmo", "{spec}: the routing entry of log.npz: field 'shape': unknown model shape 'olmo'"),
+    (None, "no known model shape has 3 layers x top-2; give routing[0] in {spec} a 'shape' field"),
+    ("olmo", "{spec}: routing[0]: field 'shape': unknown model shape 'olmo'"),
 ])
 def test_a_routing_log_of_no_known_shape_names_the_spec_field_to_set(tmp_path, shape, needle):
     """The sweep has no --shape or --model option: the error says which field of the spec to set."""

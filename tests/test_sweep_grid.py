@@ -210,6 +210,22 @@ def test_the_sweeps_import_uses_the_import_commands_defaults():
         assert np.array_equal(getattr(ours, field), getattr(ref, field)), field
 
 
+# a routing entry's shape that is not the log's is refused before Ray starts, naming the entry,
+# not on a worker after the grid's other traces ran
+def test_a_routing_entrys_shape_the_log_is_not_of_is_refused_before_any_task(tmp_path):
+    log = _real_log()
+    np.savez(tmp_path / "log.npz", expert_ids=log.experts, sequence_id=log.sequence, token_id=log.tokens)
+    entries = [{"log": "log.npz", "drafters": ["chat"]}, {"log": "log.npz", "drafters": ["code"], "shape": "qwen3-30b-a3b"}]
+    spec = parse_spec({"routing": entries, "policies": ["ar"]}, source=str(tmp_path / "spec.toml"), base=tmp_path)
+    with pytest.raises(SpecFitError) as error:
+        resolve_inputs(spec, expand(spec))
+    assert str(error.value).startswith(f"{tmp_path / 'spec.toml'}: routing[1]: field 'shape': ")
+    assert "16 layers x top-8, the model shape 'qwen3-30b-a3b' expects 48 x top-8" in str(error.value)
+    entries[1]["shape"] = "olmoe-1b-7b"       # the log's own shape named explicitly is taken
+    spec = parse_spec({"routing": entries, "policies": ["ar"]}, source=str(tmp_path / "spec.toml"), base=tmp_path)
+    assert [model["name"] for _, model in resolve_inputs(spec, expand(spec)).data.values()] == ["olmoe-1b-7b"] * 2
+
+
 def _row(cell_id, policy, cache, tps):
     return {"cell_id": cell_id, "trace": "t", "policy": policy, "cache_experts": cache, "tokens_per_s": tps}
 

@@ -153,10 +153,10 @@ def resolve_inputs(spec: SweepSpec, cells: list[Cell]) -> GridInputs:
     for src in spec.sources:
         if src.is_routing:
             log = _routing_log(read_routing_log(src.resolved), src)
+            # a shape the log is not of is found here, before Ray starts, not on a worker
             model = model_for_log(log, src.import_options.get("shape"),
-                                  option=f"{spec.path}: the routing entry of {src.path}: field 'shape'",
-                                  fix=f"give its routing entry in {spec.path} a 'shape' field (one of "
-                                      f"{sorted(MODEL_SHAPES)})")
+                                  option=f"{spec.path}: {src.entry}: field 'shape'",
+                                  fix=f"give {src.entry} in {spec.path} a 'shape' field (one of {sorted(MODEL_SHAPES)})")
             data[src.name] = (log, model)
             shapes[src.name] = ModelShape.from_trace_meta(model)
         else:

@@ -74,6 +74,7 @@ class TraceSource:
     path: str
     resolved: Path
     drafter: str = ""                              # "" for a trace file
+    entry: str = field(default="", compare=False)  # "routing[i]": the spec's entry, which errors name
     import_options: dict = field(default_factory=dict, hash=False, compare=False)  # shape, max_tokens, ...
     digest: str = ""
 
@@ -320,7 +321,7 @@ def _trace_sources(raw: dict, source: str, base: Path, workloads: dict) -> list[
             made_with = import_arguments(drafter, options)
             made_with["drafter"] = made_with["drafter"].to_dict()
             out.append(TraceSource(name=f"{stem}:{drafter}", path=entry["log"], resolved=resolved, drafter=drafter,
-                                   import_options=options, digest=file_digest(resolved, {**options, **made_with})))
+                                   entry=f"routing[{i}]", import_options=options, digest=file_digest(resolved, {**options, **made_with})))
     names = [s.name for s in out]
     if len(set(names)) != len(names):
         raise SpecFitError(f"{source}: two traces have the same name ({names}); list each source once")

@@ -34,7 +34,7 @@ from .summary import trace_statistics
 from .synth import MODEL_SHAPES, WORKLOADS, build_trees
 
 __all__ = ["RoutingLog", "read_routing_log", "import_routing", "import_routing_and_model", "check_import_options",
-           "model_for_log", "model_from_config", "dump_jsonl", "JSONL_FIELDS", "TOKEN_PREDICTORS"]
+           "check_log_fits", "model_for_log", "model_from_config", "dump_jsonl", "JSONL_FIELDS", "TOKEN_PREDICTORS"]
 
 # predictors that learn a token -> experts table: meaningless on synthesised token ids
 TOKEN_PREDICTORS = ("affinity",)
@@ -74,23 +74,12 @@ def import_routing_and_model(log: RoutingLog, model: dict, workload: str = "impo
     """:func:`import_routing`, and the routing model calibrated to the log that drew the off-path
     nodes' experts (what a predictor of those nodes could know at best, short of the draws)."""
     T, L, k = log.experts.shape
-    if model["n_layers"] != L or model["top_k"] != k:
-        raise SpecFitError(f"{log.source}: the log has {L} layers x top-{k}, the model shape "
-                           f"{model['name']!r} expects {model['n_layers']} x top-{model['top_k']}")
+    check_log_fits(log, model, log.source)
     E = int(model["n_experts"])
-    if log.experts.min() < 0 or log.experts.max() >= E:
-        raise SpecFitError(f"{log.source}: expert ids must be in [0, {E}) for {model['name']!r}")
     drafter = drafter or WORKLOADS.get(workload, WORKLOADS["chat"])
     rng = np.random.default_rng(seed)
     known_tokens = log.token_ids_known
     vocab = int(model.get("vocab_size", 0))
-    if known_tokens and vocab > 0 and int(log.tokens.max()) >= vocab:
-        # the trace would name the model's vocabulary and hold tokens past it (its writer refuses them)
-        row = int(np.argmax(log.tokens >= vocab))
-        raise SpecFitError(f"{log.source}: token id {int(log.tokens[row])} (sequence {int(log.sequence[row])}, its "
-                           f"token {int(row - np.flatnonzero(log.sequence == log.sequence[row])[0])}) is not below "
-                           f"the vocab_size {vocab} of the model shape {model['name']!r}; expected the log of that "
-                           f"model (or a shape with its vocab_size)")
     if known_tokens:
         vocab = max(vocab, int(log.tokens.max()) + 1)
     elif vocab <= 0:
@@ -159,6 +148,26 @@ def import_routing_and_model(log: RoutingLog, model: dict, workload: str = "impo
     return trace, router
 
 
+def check_log_fits(log: RoutingLog, model: dict, where: str) -> None:
+    """The log is one of ``model``'s: its layers and top-k, expert ids below its experts, token ids
+    below its vocabulary. ``where`` starts an error (the log, or the option that named the model)."""
+    T, L, k = log.experts.shape
+    if model["n_layers"] != L or model["top_k"] != k:
+        raise SpecFitError(f"{where}: the log has {L} layers x top-{k}, the model shape "
+                           f"{model['name']!r} expects {model['n_layers']} x top-{model['top_k']}")
+    E = int(model["n_experts"])
+    if log.experts.size and (log.experts.min() < 0 or log.experts.max() >= E):
+        raise SpecFitError(f"{where}: expert ids must be in [0, {E}) for {model['name']!r}")
+    vocab = int(model.get("vocab_size", 0))
+    if log.token_ids_known and vocab > 0 and int(log.tokens.max()) >= vocab:
+        # the trace would name the model's vocabulary and hold tokens past it (its writer refuses them)
+        row = int(np.argmax(log.tokens >= vocab))
+        raise SpecFitError(f"{where}: token id {int(log.tokens[row])} (sequence {int(log.sequence[row])}, its "
+                           f"token {int(row - np.flatnonzero(log.sequence == log.sequence[row])[0])}) is not below "
+                           f"the vocab_size {vocab} of the model shape {model['name']!r}; expected the log of that "
+                           f"model (or a shape with its vocab_size)")
+
+
 def _synthesised_tokens(log: RoutingLog, sampler: TokenSampler, rng: np.random.Generator) -> np.ndarray:
     return sampler.sample(log.sequence.size, rng).astype(np.int64)
 
@@ -187,18 +196,22 @@ def _reference_weights(trace: Trace, ref_weights: list[np.ndarray]) -> np.ndarra
 
 def model_for_log(log: RoutingLog, shape: str | None, option: str = "--shape",
                   fix: str = "pass --shape NAME or --model (the model's config.json)") -> dict:
-    """The model metadata for a log: a named shape, or one inferred from the log alone. ``option``
-    names where the shape came from and ``fix`` what to do when none fits (a sweep spec's
-    routing entry has a field, not the command's options)."""
+    """The model metadata for a log: a named shape, or one inferred from the log alone; either
+    checked against the log (:func:`check_log_fits`), so a sweep finds a mismatch before Ray
+    starts. ``option`` names where the shape came from and ``fix`` what to do when none fits (a
+    sweep spec's routing entry has a field, not the command's options)."""
     if shape is not None:
         if shape not in MODEL_SHAPES:
             raise SpecFitError(f"{option}: unknown model shape {shape!r}; expected one of {sorted(MODEL_SHAPES)}")
-        return dict(MODEL_SHAPES[shape])
+        model = dict(MODEL_SHAPES[shape])
+        check_log_fits(log, model, f"{option}: {log.source}")
+        return model
     T, L, k = log.experts.shape
     same = [m for m in MODEL_SHAPES.values() if (m["n_layers"], m["top_k"]) == (L, k)]
     largest = int(log.experts.max()) if log.experts.size else -1
     for m in same:
         if largest < m["n_experts"]:
+            check_log_fits(log, m, log.source)
             return dict(m)
     if same:
         known = ", ".join(f"{m['name']}: {m['n_experts']} experts" for m in same)
