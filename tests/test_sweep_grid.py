@@ -172,6 +172,22 @@ def test_a_finished_sweep_counts_every_cell_as_skipped(tmp_path):
     assert (run.total, run.skipped, run.computed, run.chunks) == (2, 2, 0, 0)
 
 
+# a sweep into a plan's directory removes the plan's recommendation, which ranked another grid
+# (a report would present it as this sweep's)
+def test_a_sweep_into_a_plans_directory_removes_its_plan_json(tmp_path):
+    from specfit.simulate.distributed import execute
+    from specfit.simulate.plan import PLAN_FILE
+
+    spec = spec_of(cache_experts=[0], policies=["ar"])
+    cells = expand(spec)
+    (tmp_path / "results").mkdir()
+    write_part(tmp_path, [{"cell_id": c.cell_id, "trace": c.trace} for c in cells])    # every cell done: no Ray
+    (tmp_path / PLAN_FILE).write_text('{"memory": {}, "best": {}}')
+    run = execute(spec, tmp_path, show_progress=False)
+    assert run.skipped == len(cells) and not (tmp_path / PLAN_FILE).exists()
+    assert (tmp_path / "sweep.json").is_file()
+
+
 def _log(n_sequences=3, per=5):
     rng = np.random.default_rng(0)
     n = n_sequences * per

@@ -368,6 +368,7 @@ def _execute_locked(spec: SweepSpec, cells: list[Cell], out_dir: Path, address, 
 
     from ..runinfo import write_run_info
     from .dataset import done_cell_ids, remove_stale_temporaries, write_sweep_file
+    from .plan import PLAN_FILE
 
     remove_stale_temporaries(out_dir)
     done = done_cell_ids(out_dir)
@@ -375,6 +376,9 @@ def _execute_locked(spec: SweepSpec, cells: list[Cell], out_dir: Path, address, 
     # the traces and profiles are checked before the grid is recorded: a spec that names a bad
     # one leaves no sweep.json or run.json (which a report would take for an empty sweep)
     inputs = None if finished else resolve_inputs(spec, cells)
+    # a plan's recommendation ranks the grid its plan ran: beside another grid a report would show
+    # it as this sweep's (a plan writes its own after this sweep)
+    (out_dir / PLAN_FILE).unlink(missing_ok=True)
     write_sweep_file(out_dir, {**spec.to_dict(), **(extra or {})}, [c.params() for c in cells])
     write_run_info(out_dir, "sweep", ctx)
     if finished:
