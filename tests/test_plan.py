@@ -4,6 +4,7 @@ reproduces)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import numpy as np
@@ -162,6 +163,33 @@ def test_plan_errors_are_one_line_before_ray_starts_or_anything_is_written(tmp_p
         assert r.output.startswith("error: ") and message in r.output and len(r.output.strip().splitlines()) == 1, \
             (args, r.output)
         assert not out.exists(), args
+
+
+# a budget that holds AR's one-token tree but not a candidate's largest tree plans with the
+# candidates that fit, naming those left out, instead of failing after Ray started
+def test_a_candidate_whose_tree_does_not_fit_the_budget_is_left_out_with_a_note(tmp_path, monkeypatch, capsys):
+    import specfit.simulate.distributed as distributed
+    from specfit.simulate.plan import run_plan
+
+    class Ran(Exception):
+        pass
+
+    def execute(spec, out_dir, **kwargs):
+        raise Ran(spec.axes["policies"], kwargs["extra"]["plan"]["candidates"])
+
+    @contextlib.contextmanager
+    def no_ray(*args):
+        yield None
+    monkeypatch.setattr(distributed, "execute", execute)
+    monkeypatch.setattr(distributed, "ray_session", no_ray)
+    probe = MemoryModel("olmoe-1b-7b", shape_config("olmoe-1b-7b"), MemoryBudget(80 * GB))
+    budget = MemoryBudget(probe.device_bytes(0, 3))           # chain:2's tree of 3 tokens, not specfit's
+    with pytest.raises(Ran) as ran:
+        run_plan(budget, None, [SAMPLE_OLMOE], [], 0, "pcie4", policies="ar,chain:2,specfit", out_dir=tmp_path / "p",
+                 show_progress=False)
+    assert ran.value.args == (["ar", "chain:2"], ["ar", "chain:2"])
+    note = capsys.readouterr().err
+    assert "left out specfit (" in note and "chain:2" not in note, note
 
 
 # ------------------------------------------------------------------ on Ray

@@ -297,7 +297,13 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
     with ray_session(address, num_cpus) as ray:
         if not loaded:
             traces, loaded = _synthesised_traces(ray, name, workloads, tokens, out_dir / "traces")
+        by_levels = _max_nodes_by_levels(loaded)
+        # the pre-check fitted AR's one-token tree; a larger tree's KV entries may not fit the budget
+        candidates, too_large = _fitting_candidates(candidates, memory, by_levels)
         notes, shallow = [], set()
+        if too_large:
+            notes.append(too_large)
+            Console(stderr=True).print(too_large, markup=False, highlight=False)
         for trace, path in zip(loaded, traces):
             depth = int(trace.depth.max())
             deeper = deeper_than(candidates, PLAN_MAX_LEVELS, depth)
@@ -305,7 +311,6 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
                 notes.append(depth_note(deeper, depth, path))
                 Console(stderr=True).print(notes[-1], markup=False, highlight=False)
                 shallow.update(deeper)
-        by_levels = _max_nodes_by_levels(loaded)
         largest_tree = max(tree_tokens(p, by_levels) for p in candidates)
         sizes = cache_sizes(memory.max_cache_experts_for(largest_tree), cache_steps)
         raw = {"traces": [str(Path(p).resolve()) for p in traces], "profiles": [str(Path(profile).resolve())
@@ -323,6 +328,19 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
                         out_dir=out_dir, cache_sizes=sizes, run=run, cells=len(results), notes=notes)
     write_json_atomic(out_dir / PLAN_FILE, result.to_dict())
     return result
+
+
+def _fitting_candidates(candidates: list[str], memory: MemoryModel, by_levels: np.ndarray) -> tuple[list[str], str]:
+    """The candidates whose largest tree on the traces fits the budget with no cached expert (AR's
+    always does: checked before the traces are made), and a note naming those left out."""
+    needs = {p: memory.device_bytes(0, tree_tokens(p, by_levels)) for p in candidates}
+    left_out = [p for p in candidates if needs[p] > memory.budget.device_bytes]
+    if not left_out:
+        return candidates, ""
+    what = ", ".join(f"{p} (a tree of {tree_tokens(p, by_levels)} tokens: {needs[p] / 1e9:.2f} GB)" for p in left_out)
+    return [p for p in candidates if p not in left_out], (
+        f"note: --device-memory-gb {memory.budget.device_bytes / 1e9:g}: left out {what}: the KV cache of "
+        f"{memory.model} for its largest tree does not fit with no cached expert")
 
 
 def _check_candidates(candidates: list[str]) -> None:
