@@ -165,6 +165,26 @@ def test_plan_errors_are_one_line_before_ray_starts_or_anything_is_written(tmp_p
         assert not out.exists(), args
 
 
+# a trace, workload or policy given twice is refused naming its option, before Ray starts or a
+# trace is synthesised (not as a spec's field after both)
+@pytest.mark.parametrize("args, message", [
+    (["--trace", str(SAMPLE_OLMOE), "--trace", str(SAMPLE_OLMOE.parent / ".." / SAMPLE_OLMOE.parent.name
+                                                  / SAMPLE_OLMOE.name)], f"--trace: lists {SAMPLE_OLMOE} and "),
+    (["--model-shape", "olmoe-1b-7b", "--workload", "chat,code,chat"], "--workload: lists chat twice"),
+    (["--trace", str(SAMPLE_OLMOE), "--policies", "ar,chain:2,chain:2"], "--policies: lists chain:2 twice"),
+])
+def test_a_plan_input_given_twice_is_one_line_naming_its_option_before_ray_starts(tmp_path, monkeypatch, args, message):
+    import specfit.simulate.distributed as distributed
+
+    def ray_session(*args, **kwargs):
+        raise AssertionError("Ray started")
+    monkeypatch.setattr(distributed, "ray_session", ray_session)
+    out = tmp_path / "plan"
+    r = CliRunner().invoke(app, ["plan", *args, "--device-memory-gb", "24", "--tokens", "16", "--out", str(out)])
+    assert r.exit_code == 2 and r.output.startswith(f"error: {message}"), r.output
+    assert len(r.output.strip().splitlines()) == 1 and not out.exists()
+
+
 # a budget that holds AR's one-token tree but not a candidate's largest tree plans with the
 # candidates that fit, naming those left out, instead of failing after Ray started
 def test_a_candidate_whose_tree_does_not_fit_the_budget_is_left_out_with_a_note(tmp_path, monkeypatch, capsys):

@@ -65,10 +65,10 @@ def simulate_command(
 
     try:
         check_run_dir(out, "simulate", files=SIMULATE_FILES)
-        cycles, summary, inputs = _simulate(_distinct_files("--trace", traces),
-                                    distinct_labels(_distinct("--profile", _split(profiles, "--profile", "profile"))),
-                                    _distinct("--policies", _split([policies], "--policies", "policy")),
-                                    _distinct("--cache-experts", _parse_sizes(cache_experts)), predictor,
+        cycles, summary, inputs = _simulate(distinct_files("--trace", traces),
+                                    distinct_labels(distinct("--profile", _split(profiles, "--profile", "profile"))),
+                                    distinct("--policies", _split([policies], "--policies", "policy")),
+                                    distinct("--cache-experts", _parse_sizes(cache_experts)), predictor,
                                     acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json,
                                     price_uncertainty, model, per_layer=out is not None)
         if out is not None:
@@ -84,7 +84,7 @@ def simulate_command(
     _print_summary(summary, out)
 
 
-def _distinct(option: str, values: list) -> list:
+def distinct(option: str, values: list) -> list:
     """``values`` when none is repeated (a repeated one would be replayed twice and its rows collide)."""
     repeated = sorted({str(v) for v in values if values.count(v) > 1})
     if repeated:
@@ -92,7 +92,7 @@ def _distinct(option: str, values: list) -> list:
     return values
 
 
-def _distinct_files(option: str, paths: list[Path]) -> list[Path]:
+def distinct_files(option: str, paths: list[Path]) -> list[Path]:
     """``paths`` when no file is named twice (:func:`~specfit.io.repeated_path`)."""
     same = repeated_path(paths)
     if same is not None:

@@ -257,7 +257,7 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
     from ..io import write_json_atomic
     from ..runinfo import check_run_dir
     from ..traces.format import read_trace
-    from .commands import deeper_than, depth_note
+    from .commands import deeper_than, depth_note, distinct, distinct_files
     from .dataset import read_results
     from .distributed import execute, ray_session
     from .grid import check_axis_values, parse_spec
@@ -265,11 +265,12 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
 
     if not traces and model_shape is None:
         raise SpecFitError("plan: expected --trace (your workloads' traces) or --model-shape (traces are synthesised)")
-    loaded = [read_trace(p, weights=False) for p in traces]
+    loaded = [read_trace(p, weights=False) for p in distinct_files("--trace", traces)]
     name, config = _model_config(model_shape, loaded[0].model if loaded else None)
     memory = MemoryModel(name, config, budget)
     out_dir = Path(out_dir) if out_dir is not None else Path("runs") / f"plan-{name}-{budget.device_bytes / 1e9:g}gb"
-    candidates = comma_list(policies, "--policies", "policy") if policies else list(DEFAULT_CANDIDATES)
+    candidates = (distinct("--policies", comma_list(policies, "--policies", "policy")) if policies
+                  else list(DEFAULT_CANDIDATES))
     if "ar" not in candidates:
         candidates.insert(0, "ar")      # every setting is compared with AR at its cache size
     _check_candidates(candidates)
@@ -374,9 +375,12 @@ def _check_synthesis(shape: str, workloads: list[str], tokens: int, given: str |
     if shape not in MODEL_SHAPES:
         raise SpecFitError(f"--model-shape {given or shape}: traces can be synthesised only for the shapes "
                            f"{sorted(MODEL_SHAPES)}; for another model give --trace (a trace of its routing)")
+    from .commands import distinct
+
     bad = [w for w in workloads if w not in WORKLOADS]
     if bad or not workloads:
         raise SpecFitError(f"--workload: expected presets of {sorted(WORKLOADS)}, got {workloads}")
+    distinct("--workload", workloads)       # one trace each: a preset twice would be one file twice
     if tokens < 1:
         raise SpecFitError(f"--tokens: expected >= 1 positions per workload to synthesise, got {tokens}")
 
