@@ -406,6 +406,36 @@ def test_a_plan_stopped_while_it_synthesises_its_traces_says_nothing_was_kept(ra
     assert "interrupted before the sweep's first cell: nothing was kept" in r.output and "resumes" not in r.output
 
 
+# without --out, a plan stopped says what its default directory holds: nothing before the
+# sweep recorded its grid, every finished cell after
+@pytest.mark.parametrize("stop_in", ["synthesis", "sweep"])
+def test_a_plan_stopped_without_out_says_what_its_default_directory_kept(tmp_path, monkeypatch, stop_in):
+    import specfit.simulate.distributed as distributed
+    import specfit.simulate.plan as plan_module
+
+    def stopped(*args, **kwargs):
+        if stop_in == "sweep":                # the grid recorded, no cell finished yet
+            (args[1] / "sweep.json").parent.mkdir(parents=True)
+            (args[1] / "sweep.json").write_text("{}")
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def no_ray(*args):
+        yield None
+    monkeypatch.setattr(distributed, "ray_session", no_ray)
+    monkeypatch.setattr(plan_module, "_synthesised_traces", stopped)
+    monkeypatch.setattr(distributed, "execute", stopped)
+    monkeypatch.chdir(tmp_path)
+    source = (["--model-shape", "olmoe-1b-7b", "--tokens", "16"] if stop_in == "synthesis"
+              else ["--trace", str(SAMPLE_OLMOE)])
+    r = CliRunner().invoke(app, ["plan", *source, "--device-memory-gb", "24"])
+    assert r.exit_code == 130, r.output
+    if stop_in == "synthesis":
+        assert "interrupted before the sweep's first cell: nothing was kept" in r.output, r.output
+    else:
+        assert "the dataset in runs/plan-olmoe-1b-7b-24gb keeps every cell finished before it" in r.output, r.output
+
+
 def test_plan_counts_the_root_in_a_chain_tree():
     from specfit.simulate.plan import tree_tokens
 

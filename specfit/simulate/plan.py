@@ -249,8 +249,10 @@ def _max_nodes_by_levels(traces: list) -> np.ndarray:
 def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], workloads: list[str], tokens: int,
              profile: str, h2d_scale: float = 1.0, rescale: bool = False, policies: str | None = None,
              cache_steps: int = 4, predictor: str = "oracle", out_dir: Path | None = None, address: str | None = None,
-             num_cpus: int | None = None, show_progress: bool = True, ctx=None) -> PlanResult:
-    """Build the candidate grid for ``budget``, run it as a sweep into ``out_dir`` and rank it."""
+             num_cpus: int | None = None, show_progress: bool = True, ctx=None, on_out_dir=None) -> PlanResult:
+    """Build the candidate grid for ``budget``, run it as a sweep into ``out_dir`` and rank it.
+    ``on_out_dir(path)`` hears the directory as soon as it is known (the default is named after
+    the traces' model), so a caller stopped later can say what it kept."""
     from rich.console import Console
 
     from ..calibrate.presets import resolve_profile
@@ -269,6 +271,8 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
     name, config = _model_config(model_shape, loaded[0].model if loaded else None)
     memory = MemoryModel(name, config, budget)
     out_dir = Path(out_dir) if out_dir is not None else Path("runs") / f"plan-{name}-{budget.device_bytes / 1e9:g}gb"
+    if on_out_dir is not None:
+        on_out_dir(out_dir)
     candidates = (distinct("--policies", comma_list(policies, "--policies", "policy")) if policies
                   else list(DEFAULT_CANDIDATES))
     if "ar" not in candidates:

@@ -68,15 +68,15 @@ def sweep_command(
 
 def _stopped_outside_the_grid(exc: BaseException, out_dir: Path | None) -> None:
     """A Ctrl-C outside the grid's run (which says itself how many cells it kept): every cell
-    finished before it is in the dataset, written whole."""
+    finished before it is in the dataset, written whole. ``out_dir`` None: a plan stopped before it
+    knew its directory (the default is named after the traces' model)."""
     from .dataset import SWEEP_FILE
 
-    if out_dir is not None and not (Path(out_dir) / SWEEP_FILE).is_file():
+    if out_dir is None or not (Path(out_dir) / SWEEP_FILE).is_file():
         # stopped while Ray started or a plan synthesised its traces: no grid was recorded yet
         stopped_by(exc, "interrupted before the sweep's first cell: nothing was kept; the same command starts again")
-    where = f" in {out_dir}" if out_dir is not None else ""
-    stopped_by(exc, f"interrupted: the dataset{where} keeps every cell finished before it; the same command resumes "
-                    "from there")
+    stopped_by(exc, f"interrupted: the dataset in {out_dir} keeps every cell finished before it; the same command "
+                    "resumes from there")
 
 
 def _print_sweep(results, run, out_dir: Path, top: int) -> None:
@@ -139,6 +139,7 @@ def plan_command(
     from .distributed import require_ray
     from .plan import MemoryBudget, run_plan
 
+    resolved = []              # the sweep directory, once run_plan knows it (the default is named after the model)
     try:
         if top < 0:                          # 0: the recommendation alone
             raise SpecFitError(f"--top: expected a number of runners-up >= 0, got {top}")
@@ -149,11 +150,12 @@ def plan_command(
                           workloads=comma_list(workloads, "--workload", "workload"), tokens=tokens,
                           profile=profile, h2d_scale=h2d_scale, rescale=rescale, policies=policies,
                           cache_steps=cache_steps, predictor=predictor, out_dir=out, address=address,
-                          num_cpus=num_cpus, show_progress=not as_json, ctx=ctx)
+                          num_cpus=num_cpus, show_progress=not as_json, ctx=ctx,
+                          on_out_dir=resolved.append)
     except Interrupted as exc:
         stopped(str(exc))
     except INTERRUPTS as exc:                 # starting Ray, synthesising traces, ranking
-        _stopped_outside_the_grid(exc, out)
+        _stopped_outside_the_grid(exc, resolved[0] if resolved else None)
     if as_json:
         typer.echo(strict_dumps(result.to_dict(top), indent=2))
         return
