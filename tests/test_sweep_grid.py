@@ -282,6 +282,20 @@ def test_a_profile_json_is_found_beside_the_spec(tmp_path, monkeypatch):
         preset_profile("pcie5", OLMOE_1B_7B).cost.miss_s)
 
 
+# a profile of another shape is allowed in a spec by its field `rescale` (a sweep has no --rescale)
+def test_a_profile_of_another_shape_names_the_specs_rescale_field(tmp_path):
+    from specfit.calibrate.presets import QWEN3_30B_A3B
+    preset_profile("pcie5", QWEN3_30B_A3B).save(tmp_path / "qwen.json")
+    raw = {"traces": [str(SAMPLE_OLMOE)], "profiles": ["qwen.json"], "cache_experts": [0], "policies": ["ar"]}
+    spec = parse_spec(raw, source=str(tmp_path / "spec.toml"), base=tmp_path)
+    with pytest.raises(SpecFitError) as error:
+        resolve_inputs(spec, expand(spec))
+    assert str(error.value).startswith(f"{tmp_path / 'spec.toml'}: field 'profiles': ")
+    assert "set rescale = true in the spec to map" in str(error.value) and "--rescale" not in str(error.value)
+    spec = parse_spec({**raw, "rescale": True}, source=str(tmp_path / "spec.toml"), base=tmp_path)
+    assert resolve_inputs(spec, expand(spec)).scenarios        # the field it names does allow it
+
+
 # rows come back in grid order whatever order the part files list in
 def test_read_results_returns_rows_in_grid_order_not_part_file_order(tmp_path):
     from specfit.simulate.dataset import part_files

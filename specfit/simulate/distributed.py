@@ -176,7 +176,8 @@ def resolve_inputs(spec: SweepSpec, cells: list[Cell]) -> GridInputs:
                 if Path(spec.path).suffix not in (".toml", ".yaml", ".yml"):
                     raise
                 # the value came from a field of the spec file, not from the option the message names
-                message = str(exc)
+                # (a profile of another shape is allowed by the spec's field rescale, not by --rescale)
+                message = str(exc).replace("pass --rescale", "set rescale = true in the spec")
                 field, option = next(((f, o) for o, f in _SPEC_FIELDS if message.startswith(o)), ("profiles", "--profile"))
                 raise SpecFitError(f"{spec.path}: field {field!r}: "
                                    f"{message.removeprefix(option).removeprefix(':').lstrip()}") from None
