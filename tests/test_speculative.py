@@ -202,6 +202,25 @@ def test_the_drafter_warm_up_runs_each_catch_up_length_once_per_drafter_and_chan
     assert calls[0] == len(prompt) - 1                       # the same drafter is not warmed twice
 
 
+def test_a_generations_kept_cycles_hold_no_logits_or_features(checkpoints):
+    """Each kept cycle held its verification's [nodes, vocab] logits and captured features and the
+    predictions' per-node rows to the generation's end (0.63 MB a cycle of this model's EAGLE-3
+    tree; on CUDA on the device): only the cycle itself reads them."""
+    model, drafter = load(*checkpoints["qwen3_moe"], cache_experts=8)
+    seen = []
+
+    def during(stats, tokens):           # the callback still sees the whole cycle
+        seen.append(stats.verification.logits is not None and stats.verification.hidden is not None)
+
+    result = Decoder(model, Proposer(drafter, 4), make_policy("eagle3:16:4"), COST).generate(
+        prompts()[2], NEW_TOKENS, ignore_eos=True, on_cycle=during)
+    assert result.cycles and all(seen)
+    for stats in result.cycles:
+        assert stats.verification.logits is None and stats.verification.hidden is None
+        assert stats.draft.last_known_rows is None and stats.draft.contexts == []
+        assert stats.verification.expert_ids.shape[0] == stats.verification.nodes.size   # the rows' data stays
+
+
 def test_tree_verification_equals_linear_sequences_and_compaction_keeps_the_path(checkpoints):
     """One pass over a tree (mask + per-node positions) gives every node the logits of its own
     root-to-node path run as a plain sequence; after compaction of an accepted path, decoding

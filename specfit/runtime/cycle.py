@@ -47,12 +47,14 @@ class Verification:
 
     ``nodes`` are the verified node ids (sorted, with the root); ``verdicts[i]`` is the target's
     greedy next token after ``nodes[i]``, ``logits[i]`` its logits there; ``expert_ids[i, layer,
-    k]`` its true experts; ``hidden[i]`` its captured features (EAGLE-3's drafter input).
+    k]`` its true experts; ``hidden[i]`` its captured features (EAGLE-3's drafter input). A cycle a
+    generation keeps (:attr:`DecodeResult.cycles`) no longer holds its logits and features: the
+    commit used them.
     """
 
     nodes: np.ndarray
     verdicts: np.ndarray
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     expert_ids: np.ndarray
     hidden: torch.Tensor | None
     offload: OffloadCounters

@@ -213,6 +213,7 @@ class Decoder:
                     self.recorder.add_cycle(stats)
                 if on_cycle is not None:
                     on_cycle(stats, len(tokens))
+                _release(stats)
                 # the next cycle starts where this one's measured part ended: its accounting above
                 # (the union counts, the recorder, the callback) is in the next cycle's time
                 cycle_start, cpu_start = learned, cpu_learned
@@ -437,6 +438,16 @@ class Decoder:
 
     def _is_eos(self, token: int, ignore_eos: bool) -> bool:
         return not ignore_eos and token in self.eos_token_ids
+
+
+def _release(stats: CycleStats) -> None:
+    """Drop what only the cycle itself read (its logits and captured features, the predictions'
+    rows of the last known routing and drafter contexts) once its rows, recording and callback
+    have it: a generation keeps its cycles, and these held a [nodes, vocab] logits tensor per cycle
+    (on the device, under CUDA) to its end: 0.63 MB a cycle of the bundled model's EAGLE-3 tree,
+    about 18 MB of Qwen3-30B-A3B's."""
+    stats.verification.logits = stats.verification.hidden = None
+    stats.draft.last_known_rows, stats.draft.contexts = None, []
 
 
 def greedy_verdicts(logits: torch.Tensor) -> np.ndarray:
