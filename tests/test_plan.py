@@ -484,3 +484,32 @@ def test_the_largest_tree_within_d_levels_counts_every_node_at_depth_d():
 
     # hand_trace: cycle 0 has depths 0, 1, 1, 2; cycles 1 and 2 have depths 0, 1
     assert _max_nodes_by_levels([hand_trace()]).tolist() == [1, 3, 4]
+
+
+def _plan_result(memory, policies=("ar", "specfit:4", "specfit:8")):
+    from pathlib import Path
+
+    from specfit.simulate.plan import PlanResult
+
+    rows = pd.DataFrame({"policy": list(policies) * 2, "cache_experts": [0] * len(policies) + [16] * len(policies),
+                         "trace": "chat", "tokens": 100, "time_s": np.linspace(1.0, 2.0, 2 * len(policies))})
+    ranked = rank_settings(rows, memory, np.array([1, 6, 20, 40, 58]), list(policies))
+    ranked["deeper_than_traces"] = False
+    return PlanResult(memory, ["chat"], "pcie5", ranked, Path("runs/plan"), cache_sizes=[0, 16], cells=len(rows))
+
+
+def test_a_narrow_terminal_keeps_plans_policy_names_and_figures_whole(monkeypatch, capsys):
+    from rich.console import Console
+
+    import specfit.console
+    from specfit.simulate.sweep_commands import _print_plan
+
+    result = _plan_result(MemoryModel("olmoe-1b-7b", shape_config("olmoe-1b-7b"), MemoryBudget(8 * GB)))
+    monkeypatch.setattr(specfit.console, "table_console", lambda: Console(width=50))
+    _print_plan(result, top=5)
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("│")]
+    assert len(rows) == len(result.ranked)
+    for setting, row in zip(result.ranked.itertuples(), rows):
+        cells = [cell.strip() for cell in row.strip("│").split("│")]
+        assert cells[1] == setting.policy and f"{setting.tokens_per_s:.2f}" in cells, row
+        assert f"{setting.device_bytes / GB:.2f}" in cells, row

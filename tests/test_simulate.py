@@ -869,3 +869,23 @@ def test_a_sweeps_summary_has_per_layer_errors_only_when_its_rows_are_kept(sampl
         else:
             assert summary["union_layer_mape"].isna().all()
             assert all(len(v) == 0 for v in cycles["union_per_layer"])
+
+
+def test_a_narrow_terminal_keeps_every_figure_and_policy_name_whole(monkeypatch):
+    from rich.console import Console
+
+    import specfit.console
+
+    args = ["simulate", "--trace", str(SAMPLE_OLMOE), "--policies", "ar,static:auto,specfit+cache+prefetch",
+            "--cache-experts", "16", "--profile", "pcie5"]
+    records = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
+    monkeypatch.setattr(specfit.console, "table_console", lambda: Console(width=60))     # a 60-column terminal
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    rows = [line for line in r.output.splitlines() if line.startswith("│")]
+    assert len(rows) == len(records), r.output       # one line per row: no cell folded onto the next
+    for record, row in zip(records, rows):
+        cells = [cell.strip() for cell in row.strip("│").split("│")]
+        assert cells[1].startswith(record["policy"]), row
+        assert f"{record['tokens_per_s']:.2f}" in cells and f"{record['bytes_per_token'] / 1e6:.1f}" in cells, row
+    assert "…" not in r.output

@@ -84,6 +84,20 @@ def simulate_command(
     _print_summary(summary, out)
 
 
+def print_whole(console, table) -> None:
+    """Print ``table``, whose columns are ``no_wrap``, at its own width when the terminal is narrower:
+    rich would otherwise cut its figures and policy names ("13.2…", "specfit…"); a table that
+    scrolls sideways beats one whose numbers are cut."""
+    from rich.measure import Measurement
+
+    width = console.width
+    console.width = max(width, Measurement.get(console, console.options.update_width(10_000), table).maximum)
+    try:
+        console.print(table)
+    finally:
+        console.width = width
+
+
 def distinct(option: str, values: list) -> list:
     """``values`` when none is repeated (a repeated one would be replayed twice and its rows collide)."""
     repeated = sorted({str(v) for v in values if values.count(v) > 1})
@@ -231,8 +245,7 @@ def _print_summary(summary, out: Optional[Path]) -> None:
         # experts), and predicted vs committed tokens
         for col in ("cache", "policy", "tokens/s", "tokens/cycle", "MB/token", "hit rate", "nodes", "vs ar", "vs eagle3",
                     "union P/R", "pred. tokens err"):
-            # on a narrow terminal a cell folds onto the next line: never "specfit+cache…" or "(1.37…"
-            table.add_column(col, justify="right" if col != "policy" else "left", overflow="fold")
+            table.add_column(col, justify="right" if col != "policy" else "left", no_wrap=True)
         for _, row in group.iterrows():
             policy = row["policy"] + (f" (N={int(row['static_n'])})" if row["policy"].startswith("static:auto") else "")
             table.add_row(str(row["cache_experts"]), policy, f"{row['tokens_per_s']:.2f}", f"{row['tokens_per_cycle']:.2f}",
@@ -240,6 +253,6 @@ def _print_summary(summary, out: Optional[Path]) -> None:
                           speedup_text(row["speedup_vs_ar"]), speedup_text(row["speedup_vs_eagle3"]),
                           f"{row['union_precision']:.2f}/{row['union_recall']:.2f}",
                           f"{row['tokens_bias']:+.1%}")
-        console.print(table)
+        print_whole(console, table)
     if out is not None:
         console.print(f"per-cycle rows and the summary written to {out}/ (cycles|summary).(parquet|csv)")

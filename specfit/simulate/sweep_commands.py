@@ -83,6 +83,7 @@ def _print_sweep(results, run, out_dir: Path, top: int) -> None:
     from rich.table import Table
 
     from ..console import table_console
+    from .commands import print_whole
 
     console = table_console()
     best = results.sort_values("tokens_per_s", ascending=False, kind="stable").head(top)
@@ -91,13 +92,14 @@ def _print_sweep(results, run, out_dir: Path, top: int) -> None:
     table = Table(title=f"best {len(best)} of {len(results)} cells by tokens/s",
                   caption=", ".join(f"{k} {v}" for k, v in fixed.items()))
     for col in shown:
-        table.add_column(_SETTING_COLUMNS[col], justify="right" if col in ("cache_experts", "max_levels") else "left")
+        table.add_column(_SETTING_COLUMNS[col], justify="right" if col in ("cache_experts", "max_levels") else "left",
+                         no_wrap=True)
     for col in ("link GB/s", "tokens/s", "vs ar", "hit rate", "nodes"):
-        table.add_column(col, justify="right")
+        table.add_column(col, justify="right", no_wrap=True)
     for _, row in best.iterrows():
         table.add_row(*(str(row[c]) for c in shown), f"{row['link_gbps']:.0f}", f"{row['tokens_per_s']:.2f}",
                       speedup_text(row["speedup_vs_ar"], "–"), f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}")
-    console.print(table)
+    print_whole(console, table)
     rate = f", {run.computed / run.wall_s:.1f} cells/s on {run.workers} workers" if run.computed and run.wall_s else ""
     console.print(f"{run.computed} cells replayed now, {run.skipped} already in the dataset{rate}; "
                   f"rows in {out_dir}/results/ (Parquet), render with `specfit report {out_dir}`")
@@ -166,6 +168,7 @@ def _print_plan(result, top: int) -> None:
     from rich.table import Table
 
     from ..console import table_console
+    from .commands import print_whole
 
     console = table_console()
     mem = result.memory
@@ -176,13 +179,13 @@ def _print_plan(result, top: int) -> None:
                   f"{', '.join(map(str, result.cache_sizes))}")
     table = Table(title=f"best settings on {', '.join(result.traces)} ({result.profile})")
     for col in ("", "policy", "cache/layer", "tokens/s", "vs ar", "tree tokens", "device GB", "expert cache GB"):
-        table.add_column(col, justify="left" if col in ("", "policy") else "right")
+        table.add_column(col, justify="left" if col in ("", "policy") else "right", no_wrap=True)
     for i, row in enumerate(result.ranked.head(top + 1).itertuples()):
         policy = f"{row.policy} *" if row.deeper_than_traces else row.policy
         table.add_row("best" if i == 0 else f"#{i + 1}", policy, str(row.cache_experts), f"{row.tokens_per_s:.2f}",
                       speedup_text(row.speedup_vs_ar, "–"), str(row.tree_tokens), f"{row.device_bytes / 1e9:.2f}",
                       f"{row.expert_cache_bytes / 1e9:.2f}")
-    console.print(table)
+    print_whole(console, table)
     if result.ranked.head(top + 1)["deeper_than_traces"].any():
         console.print("* drafts more levels than the traces' trees hold: its figures are those of the levels they hold "
                       "(the note above)")
