@@ -513,3 +513,25 @@ def test_a_narrow_terminal_keeps_plans_policy_names_and_figures_whole(monkeypatc
         cells = [cell.strip() for cell in row.strip("│").split("│")]
         assert cells[1] == setting.policy and f"{setting.tokens_per_s:.2f}" in cells, row
         assert f"{setting.device_bytes / GB:.2f}" in cells, row
+
+
+def test_plans_memory_line_adds_up_to_each_rows_device_gb(capsys):
+    import re
+
+    from specfit.simulate.sweep_commands import _print_plan
+
+    memory = MemoryModel("olmoe-1b-7b", shape_config("olmoe-1b-7b"), MemoryBudget(8 * GB))
+    result = _plan_result(memory, policies=("ar", "eagle3:60:7"))
+    _print_plan(result, top=5)
+    out = capsys.readouterr().out
+    line = " ".join(out.split("┏")[0].split())               # the memory line, as one line
+    gb = {name: float(re.search(rf"{name}[^;,]*? ([0-9.]+) GB", line).group(1))
+          for name in ("dense weights", "KV cache", "staging", "reserve", "one cached expert per layer")}
+    kv_per_token_gb = float(re.search(r"\+ ([0-9.]+) MB per tree token", line).group(1)) / 1e3
+    rows = [[c.strip() for c in row.strip("│").split("│")] for row in out.splitlines() if row.startswith("│")]
+    assert {int(r[2]) for r in rows} == {0, 16}
+    for _, policy, cache, _, _, tree, device_gb, expert_cache_gb in rows:
+        staging = gb["staging"] if int(cache) < memory.config.n_experts else 0.0
+        total = (gb["dense weights"] + gb["KV cache"] + int(tree) * kv_per_token_gb + float(expert_cache_gb)
+                 + staging + gb["reserve"])
+        assert total == pytest.approx(float(device_gb), abs=0.011), (policy, cache, line)

@@ -172,9 +172,13 @@ def _print_plan(result, top: int) -> None:
 
     console = table_console()
     mem = result.memory
+    # the terms of the table's device GB: a row adds its tree's KV entries, its expert cache and,
+    # while not every expert is cached, the staging buffers
     console.print(f"[bold]{mem.model}[/bold] in {mem.budget.device_bytes / 1e9:g} GB: dense weights "
                   f"{mem.dense_bytes / 1e9:.2f} GB, KV cache ({mem.budget.context_tokens} tokens) "
-                  f"{mem.kv_bytes(0) / 1e9:.2f} GB, reserve {mem.budget.reserve_bytes / 1e9:.2f} GB; "
+                  f"{mem.kv_bytes(0) / 1e9:.2f} GB + {(mem.kv_bytes(1) - mem.kv_bytes(0)) / 1e6:.3f} MB per tree token, "
+                  f"staging {mem.staging_bytes(0) / 1e9:.3f} GB while not every expert is cached, "
+                  f"reserve {mem.budget.reserve_bytes / 1e9:.2f} GB; "
                   f"one cached expert per layer {mem.slot_bytes / 1e9:.3f} GB; cached experts per layer tried: "
                   f"{', '.join(map(str, result.cache_sizes))}")
     table = Table(title=f"best settings on {', '.join(result.traces)} ({result.profile})")
