@@ -889,3 +889,11 @@ def test_a_narrow_terminal_keeps_every_figure_and_policy_name_whole(monkeypatch)
         assert cells[1].startswith(record["policy"]), row
         assert f"{record['tokens_per_s']:.2f}" in cells and f"{record['bytes_per_token'] / 1e6:.1f}" in cells, row
     assert "…" not in r.output
+
+
+def test_a_bracketed_out_directory_is_printed_verbatim_not_read_as_markup(tmp_path):
+    out = tmp_path / "run[/]3"       # "[/]" closes no tag: rich would raise MarkupError after the files were written
+    r = CliRunner().invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), "--policies", "ar", "--cache-experts", "16",
+                                 "--out", str(out)])
+    assert r.exit_code == 0 and "Traceback" not in r.output, r.output
+    assert f"written to {out}/ " in r.output.replace("\n", " ")

@@ -447,3 +447,13 @@ def test_unknown_router_weight_rows_read_back_as_nan(tmp_path):
     back = read_trace(write_trace(dataclasses.replace(t, true_expert_weights=weights), tmp_path / "w.parquet"))
     assert np.isnan(back.true_expert_weights[[2, 7]]).all()
     np.testing.assert_array_equal(np.delete(back.true_expert_weights, [2, 7], axis=0), np.full((6, 1, 1), 0.5))
+
+
+def test_inspect_and_synth_print_a_bracketed_file_name_verbatim(tmp_path):
+    trace = tmp_path / "chat[v2].parquet"       # "[v2]" would be read as a rich tag and vanish
+    r = CliRunner().invoke(app, ["traces", "synth", "--shape", "olmoe-1b-7b", "--tokens", "64", "--out", str(trace)])
+    assert r.exit_code == 0, r.output
+    assert f"{trace.name}: 64 positions" in r.output
+    r = CliRunner().invoke(app, ["traces", "inspect", str(trace)])
+    assert r.exit_code == 0, r.output
+    assert trace.name in r.output

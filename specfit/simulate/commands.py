@@ -131,6 +131,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     per-layer columns (and the summary's per-layer errors) only with ``per_layer``, when the rows
     are written."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..calibrate.profile import ModelShape
@@ -163,7 +164,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
         shallow = deeper_than(policies, max_levels, depth)
         if shallow:
             console.print(depth_note(shallow, depth, path), markup=False, highlight=False)
-        with console.status(f"preparing {path} ...") if not quiet else _nothing():
+        with console.status(f"preparing {escape(str(path))} ...") if not quiet else _nothing():
             prepared.append(prepare_trace(name, trace, predictor, acceptance, model_dir=model_dir))
         shape = ModelShape.from_trace_meta(trace.model)
         scenarios[name] = [build_scenario(spec, shape, h2d_scale, overrides, rescale) for spec in profiles]
@@ -234,13 +235,14 @@ def _write_outputs(out: Path, cycles, summary, ctx=None, inputs: dict | None = N
 
 
 def _print_summary(summary, out: Optional[Path]) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from ..console import table_console
 
     console = table_console()
     for (trace, profile), group in summary.groupby(["trace", "profile"], sort=False):
-        table = Table(title=f"{trace} - {profile} - predictor {group['predictor'].iloc[0]}")
+        table = Table(title=escape(f"{trace} - {profile} - predictor {group['predictor'].iloc[0]}"))
         # prediction quality: the union the policy priced vs the one charged (1/1 with oracle
         # experts), and predicted vs committed tokens
         for col in ("cache", "policy", "tokens/s", "tokens/cycle", "MB/token", "hit rate", "nodes", "vs ar", "vs eagle3",
@@ -255,4 +257,5 @@ def _print_summary(summary, out: Optional[Path]) -> None:
                           f"{row['tokens_bias']:+.1%}")
         print_whole(console, table)
     if out is not None:
-        console.print(f"per-cycle rows and the summary written to {out}/ (cycles|summary).(parquet|csv)")
+        console.print(f"per-cycle rows and the summary written to {out}/ (cycles|summary).(parquet|csv)", markup=False,
+                      highlight=False)

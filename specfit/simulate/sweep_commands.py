@@ -80,6 +80,7 @@ def _stopped_outside_the_grid(exc: BaseException, out_dir: Path | None) -> None:
 
 
 def _print_sweep(results, run, out_dir: Path, top: int) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from ..console import table_console
@@ -90,19 +91,20 @@ def _print_sweep(results, run, out_dir: Path, top: int) -> None:
     shown = [c for c in _SETTING_COLUMNS if c in ("policy", "cache_experts") or results[c].astype(str).nunique() > 1]
     fixed = {_SETTING_COLUMNS[c]: results[c].iloc[0] for c in _SETTING_COLUMNS if c not in shown}
     table = Table(title=f"best {len(best)} of {len(results)} cells by tokens/s",
-                  caption=", ".join(f"{k} {v}" for k, v in fixed.items()))
+                  caption=escape(", ".join(f"{k} {v}" for k, v in fixed.items())))
     for col in shown:
         table.add_column(_SETTING_COLUMNS[col], justify="right" if col in ("cache_experts", "max_levels") else "left",
                          no_wrap=True)
     for col in ("link GB/s", "tokens/s", "vs ar", "hit rate", "nodes"):
         table.add_column(col, justify="right", no_wrap=True)
     for _, row in best.iterrows():
-        table.add_row(*(str(row[c]) for c in shown), f"{row['link_gbps']:.0f}", f"{row['tokens_per_s']:.2f}",
+        table.add_row(*(escape(str(row[c])) for c in shown), f"{row['link_gbps']:.0f}", f"{row['tokens_per_s']:.2f}",
                       speedup_text(row["speedup_vs_ar"], "–"), f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}")
     print_whole(console, table)
     rate = f", {run.computed / run.wall_s:.1f} cells/s on {run.workers} workers" if run.computed and run.wall_s else ""
     console.print(f"{run.computed} cells replayed now, {run.skipped} already in the dataset{rate}; "
-                  f"rows in {out_dir}/results/ (Parquet), render with `specfit report {out_dir}`")
+                  f"rows in {out_dir}/results/ (Parquet), render with `specfit report {out_dir}`", markup=False,
+                  highlight=False)
 
 
 def plan_command(
@@ -165,6 +167,7 @@ def plan_command(
 
 
 def _print_plan(result, top: int) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from ..console import table_console
@@ -174,14 +177,14 @@ def _print_plan(result, top: int) -> None:
     mem = result.memory
     # the terms of the table's device GB: a row adds its tree's KV entries, its expert cache and,
     # while not every expert is cached, the staging buffers
-    console.print(f"[bold]{mem.model}[/bold] in {mem.budget.device_bytes / 1e9:g} GB: dense weights "
+    console.print(f"[bold]{escape(mem.model)}[/bold] in {mem.budget.device_bytes / 1e9:g} GB: dense weights "
                   f"{mem.dense_bytes / 1e9:.2f} GB, KV cache ({mem.budget.context_tokens} tokens) "
                   f"{mem.kv_bytes(0) / 1e9:.2f} GB + {(mem.kv_bytes(1) - mem.kv_bytes(0)) / 1e6:.3f} MB per tree token, "
                   f"staging {mem.staging_bytes(0) / 1e9:.3f} GB while not every expert is cached, "
                   f"reserve {mem.budget.reserve_bytes / 1e9:.2f} GB; "
                   f"one cached expert per layer {mem.slot_bytes / 1e9:.3f} GB; cached experts per layer tried: "
                   f"{', '.join(map(str, result.cache_sizes))}")
-    table = Table(title=f"best settings on {', '.join(result.traces)} ({result.profile})")
+    table = Table(title=escape(f"best settings on {', '.join(result.traces)} ({result.profile})"))
     for col in ("", "policy", "cache/layer", "tokens/s", "vs ar", "tree tokens", "device GB", "expert cache GB"):
         table.add_column(col, justify="left" if col in ("", "policy") else "right", no_wrap=True)
     for i, row in enumerate(result.ranked.head(top + 1).itertuples()):
@@ -196,4 +199,4 @@ def _print_plan(result, top: int) -> None:
     best = result.best
     console.print(f"recommended: [bold]{best['policy']}[/bold] with {best['cache_experts']} cached experts per layer: "
                   f"{best['tokens_per_s']:.2f} tokens/s predicted, {best['device_bytes'] / 1e9:.2f} GB of device memory "
-                  f"({result.cells} cells in {result.out_dir}/)")
+                  f"({result.cells} cells in {escape(str(result.out_dir))}/)")

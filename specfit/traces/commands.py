@@ -139,6 +139,7 @@ def inspect_command(
     as_json: bool = typer.Option(False, "--json", help="Print only the summary as JSON."),
 ) -> None:
     """Summarise a trace: cycles, tree sizes, acceptance by depth, expert unions and reuse."""
+    from rich.markup import escape
     from rich.table import Table
 
     from ..console import table_console
@@ -151,14 +152,14 @@ def inspect_command(
         typer.echo(strict_dumps(summary, indent=2))
         return
     console = table_console()
-    head = Table(title=f"{trace_file}", show_header=False)
+    head = Table(title=escape(str(trace_file)), show_header=False)
     head.add_column("field")
     head.add_column("value")
     for key in ("model", "workload", "recording", "provenance_real", "provenance_synthesised", "cycles", "sequences",
                 "nodes_per_tree", "max_depth", "full_tree_accepted_tokens", "consecutive_reuse", "token_affinity",
                 "sibling_reuse", "popularity_skew"):
         value = summary[key]
-        head.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+        head.add_row(key, f"{value:.3f}" if isinstance(value, float) else escape(str(value)))
     console.print(head)
     depth = Table(title="By draft depth")
     for col in ("depth", "nodes_per_tree", "acceptance_rate", "union_experts_per_layer"):
@@ -206,11 +207,12 @@ def _report_written(trace, out: Path, as_json: bool) -> None:
     if as_json:
         typer.echo(strict_dumps(stats, indent=2))
         return
+    from rich.markup import escape
     from rich.table import Table
 
     from ..console import table_console
 
-    table = Table(title=f"{out}: {trace.n_cycles} positions, {trace.n_nodes / trace.n_cycles:.1f} nodes/tree")
+    table = Table(title=escape(f"{out}: {trace.n_cycles} positions, {trace.n_nodes / trace.n_cycles:.1f} nodes/tree"))
     table.add_column("statistic")
     table.add_column("target", justify="right")
     table.add_column("measured", justify="right")
