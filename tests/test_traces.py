@@ -457,3 +457,26 @@ def test_inspect_and_synth_print_a_bracketed_file_name_verbatim(tmp_path):
     r = CliRunner().invoke(app, ["traces", "inspect", str(trace)])
     assert r.exit_code == 0, r.output
     assert trace.name in r.output
+
+
+def test_inspect_shows_the_trees_behind_each_acceptance_rate_and_whole_numbers_whole(tmp_path):
+    from specfit.traces.stats import accepted_lengths
+
+    trace = read_trace(SAMPLE_QWEN3)
+    lengths = accepted_lengths(trace)
+    r = CliRunner().invoke(app, ["traces", "inspect", str(SAMPLE_QWEN3)])
+    assert r.exit_code == 0, r.output
+    rows = {}
+    for line in r.output.split("By draft depth")[1].splitlines():
+        cells = [c.strip() for c in line.strip("│").split("│")]
+        if line.startswith("│") and cells[0].isdigit():
+            rows[int(cells[0])] = cells
+    assert sorted(rows) == list(range(int(trace.depth.max()) + 1))
+    for d, (_, _, trees, rate, _) in rows.items():
+        reached = int((lengths >= d - 1).sum()) if d else trace.n_cycles
+        assert int(trees) == reached
+        if d:
+            assert rate == f"{(lengths >= d).sum() / max(1, reached):.3f}"
+    nodes = next(line for line in r.output.splitlines() if "│ nodes_per_tree" in line).split("│")[2].strip()
+    mean = trace.tree_sizes.mean()
+    assert nodes == (str(int(mean)) if float(mean).is_integer() else f"{mean:.3f}")

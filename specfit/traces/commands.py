@@ -159,14 +159,16 @@ def inspect_command(
                 "nodes_per_tree", "max_depth", "full_tree_accepted_tokens", "consecutive_reuse", "token_affinity",
                 "sibling_reuse", "popularity_skew"):
         value = summary[key]
-        head.add_row(key, f"{value:.3f}" if isinstance(value, float) else escape(str(value)))
+        head.add_row(key, _figure(value) if isinstance(value, float) else escape(str(value)))
     console.print(head)
-    depth = Table(title="By draft depth")
-    for col in ("depth", "nodes_per_tree", "acceptance_rate", "union_experts_per_layer"):
+    # a rate with the number of trees behind it: 1.000 of 1 tree is no estimate
+    depth = Table(title="By draft depth", caption="acceptance_rate: the share of the trees (those whose accepted path "
+                                                  "reached the level before) that reach this depth")
+    for col in ("depth", "nodes_per_tree", "trees", "acceptance_rate", "union_experts_per_layer"):
         depth.add_column(col, justify="right")
     for row in summary["by_depth"]:
-        depth.add_row(str(row["depth"]), f"{row['nodes_per_tree']:.1f}", f"{row['acceptance_rate']:.3f}",
-                      f"{row['union_experts_per_layer']:.1f}")
+        depth.add_row(str(row["depth"]), f"{row['nodes_per_tree']:.1f}", str(row["trees"]),
+                      f"{row['acceptance_rate']:.3f}", f"{row['union_experts_per_layer']:.1f}")
     console.print(depth)
     calib = Table(title="Drafter calibration (draft probability vs share accepted)")
     for col in ("bin", "nodes", "draft_prob", "accept_rate"):
@@ -174,6 +176,11 @@ def inspect_command(
     for row in summary["calibration"]:
         calib.add_row(row["bin"], str(row["nodes"]), f"{row['draft_prob']:.3f}", f"{row['accept_rate']:.3f}")
     console.print(calib)
+
+
+def _figure(value: float) -> str:
+    """A summary figure: a whole number as one (58 nodes per tree, not 58.000), others to three decimals."""
+    return str(int(value)) if value.is_integer() else f"{value:.3f}"
 
 
 def _check_trace_out(out: Path, source: Path | None = None) -> None:

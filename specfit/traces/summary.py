@@ -59,6 +59,7 @@ def summarise_trace(trace) -> dict:
     depth_counts = np.bincount(trace.depth.astype(np.int64)) / trace.n_cycles
     unions = _union_by_depth(trace)
     by_depth = acceptance_by_depth(trace)
+    lengths = accepted_lengths(trace)
     model = trace.model
     return {
         "model": f"{model['name']} ({trace.n_layers} layers x {trace.n_experts} experts, top-{trace.top_k}, "
@@ -74,6 +75,8 @@ def summarise_trace(trace) -> dict:
         **{k: v for k, v in stats.items() if k != "acceptance_by_depth"},
         "by_depth": [{"depth": d, "nodes_per_tree": float(depth_counts[d]),
                       "acceptance_rate": float(by_depth.get(d, 1.0)) if d else 1.0,
+                      # the trees the rate is a share of: those whose accepted path reaches depth d - 1
+                      "trees": int((lengths >= d - 1).sum()) if d else trace.n_cycles,
                       "union_experts_per_layer": float(unions[d])} for d in range(depth_counts.size)],
         "calibration": edge_calibration(trace),
     }
