@@ -897,3 +897,13 @@ def test_a_bracketed_out_directory_is_printed_verbatim_not_read_as_markup(tmp_pa
                                  "--out", str(out)])
     assert r.exit_code == 0 and "Traceback" not in r.output, r.output
     assert f"written to {out}/ " in r.output.replace("\n", " ")
+
+
+def test_simulate_leaves_nothing_on_a_stderr_that_is_not_a_terminal():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "specfit", "simulate", "--trace", str(SAMPLE_OLMOE), "--policies", "ar",
+                          "--cache-experts", "16"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "ar" in run.stdout and run.stderr == ""      # no blank line from a transient progress bar

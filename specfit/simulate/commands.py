@@ -149,6 +149,8 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     check_policies(policies, max_levels)
     overrides = parse_overrides(cost_text)
     console = Console(stderr=True)
+    # a transient bar or spinner leaves a blank line in a pipe or a file: shown on a terminal only
+    quiet = quiet or not console.is_terminal
     prepared, scenarios, inputs = [], {}, {"traces": {}, "cost_models": {}}
     names = unique_names(trace_paths)
     for path, name in zip(trace_paths, names):
