@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["table_console", "PIPE_WIDTH", "figure_text", "speedup_text"]
+__all__ = ["table_console", "print_table", "PIPE_WIDTH", "figure_text", "speedup_text"]
 
 # rich lays a pipe or a file out at 80 columns: a table of ten numeric columns then cuts its numbers
 # short ("(1.37…"); a terminal keeps its own width
@@ -16,6 +16,28 @@ def table_console():
 
     console = Console()
     return console if console.is_terminal else Console(width=PIPE_WIDTH)
+
+
+def print_table(console, table) -> None:
+    """Print ``table`` on ``console`` with every cell whole: at the console's width when the table
+    fits in it, else at the table's own width. rich would otherwise fold or cut its cells, figures
+    and policy names included (``494…``, ``1289.`` over ``2``): a wide table that scrolls sideways
+    beats one whose numbers are cut."""
+    from rich.measure import Measurement
+
+    needed = Measurement.get(console, console.options.update_width(_WIDEST_TABLE), table).maximum
+    if needed <= console.width:
+        console.print(table)
+        return
+    width = console.width
+    console.width = needed
+    try:
+        console.print(table)
+    finally:
+        console.width = width
+
+
+_WIDEST_TABLE = 10_000   # columns a table may take to show its cells unfolded (measuring only)
 
 
 def _missing(value) -> bool:

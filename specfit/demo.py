@@ -310,7 +310,7 @@ def demo_command(
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .console import figure_text, table_console
+    from .console import figure_text, print_table, table_console
 
     console = Console(stderr=True)
     plan = DemoPlan(out_dir=out, quick=quick, cache_experts=cache_experts, max_new_tokens=max_new_tokens)
@@ -330,7 +330,7 @@ def demo_command(
                         "time error: each cycle predicted before it ran, by the model refitted online / by the profile)")
     for col in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "time error", "profile's", "union error",
                 "nodes verified", "hit rate"):
-        table.add_column(col, justify="left" if col == "policy" else "right", overflow="fold")
+        table.add_column(col, justify="left" if col == "policy" else "right")
     for s in result["decode"].summaries:
         table.add_row(s["policy"], f"{s['tokens_per_s']:.1f}",
                       f"{s['tokens_per_cycle']:.2f} ({s['predicted_tokens_per_cycle']:.2f})",
@@ -338,23 +338,23 @@ def demo_command(
                       *(figure_text(s[k], ".0%") for k in ("time_mape", "prior_time_mape", "union_mape")),
                       f"{s['nodes_per_cycle']:.1f}", f"{s['hit_rate']:.2f}")
     out_console = table_console()
-    out_console.print(table)
+    print_table(out_console, table)
     for line in result["decode"].notes:
         console.print(line)
     summary = result["summary"]
     table = Table(title="What-if: the same workload at Qwen3-30B-A3B expert scale (presets, not measurements), "
                         "tokens/s and speed-up vs ar")
     caches = sorted(summary["cache_experts"].unique())
-    table.add_column("profile", overflow="fold")
+    table.add_column("profile")
     table.add_column("cache")
     policies = list(dict.fromkeys(summary["policy"]))
     for p in policies:
-        table.add_column(p, justify="right", overflow="fold")
+        table.add_column(p, justify="right")
     for (profile, cache), g in summary.groupby(["profile", "cache_experts"], sort=False):
         row = g.set_index("policy")
         table.add_row(str(profile), str(cache), *[f"{row.loc[p, 'tokens_per_s']:.1f} ({row.loc[p, 'speedup_vs_ar']:.2f}x)"
                                                   for p in policies])
-    out_console.print(table)
+    print_table(out_console, table)
     for line in result["whatif_notes"]:
         out_console.print(f"note: {line}")
     same = result["outputs_identical"]

@@ -179,7 +179,7 @@ def raw_acceptance_notes(summaries: list[dict]) -> list[str]:
 def _print_summary(run, out: Path | None) -> None:
     from rich.table import Table
 
-    from ..console import figure_text, table_console
+    from ..console import figure_text, print_table, table_console
 
     console = table_console()
     records = run.records
@@ -193,7 +193,7 @@ def _print_summary(run, out: Path | None) -> None:
                       figure_text(r["decode_hit_rate"], ".3f"), r["stop_reason"])
     if len(records) > _MAX_TABLE_ROWS:
         table.add_row("...", "", "", "", "", "", "", "")
-    console.print(table)
+    print_table(console, table)
 
     table = Table(title=f"measured (predicted) per policy, profile {run.profile_label}; tokens/s over the measured "
                         f"cycles; time MAPE per cycle of the model the policy decided with (online-refitted unless "
@@ -211,7 +211,7 @@ def _print_summary(run, out: Path | None) -> None:
                       f"({figure_text(s['predicted_bytes_per_cycle'] / 1e3, '.0f')})",
                       figure_text(s["nodes_per_cycle"], ".1f"), figure_text(s["hit_rate"], ".2f"),
                       figure_text(s.get("overhead_share"), ".0%"))
-    console.print(table)
+    print_table(console, table)
     if run.memory:
         m = run.memory
         pinned = f", pinned {m['pinned_bytes'] / 1e9:.3f} GB" if m["pinned_bytes"] else " (pageable: no GPU)"

@@ -1,0 +1,62 @@
+"""What ``specfit decode`` and ``specfit demo`` print: tables whose figures and names stay whole on a
+narrow terminal, user paths printed as they are, notes on stdout after the tables."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from rich.table import Table
+
+import specfit.console
+from specfit.console import print_table
+from specfit.runtime import commands
+from specfit.runtime.decode_job import DecodeRun
+
+POLICIES = ("ar", "eagle3:16:4", "specfit+online")
+
+
+def fake_run(n_prompts=2, **fields) -> DecodeRun:
+    records = [dict(policy=p, index=i, prompt_tokens=47, n_new_tokens=32, tokens_per_s=494.123 + i,
+                    decode_bytes_h2d=32.24e6, decode_hit_rate=0.669, stop_reason="length")
+               for p in POLICIES for i in range(n_prompts)]
+    summaries = [dict(policy=p, tokens_per_s=1289.2, tokens_per_cycle=2.92, predicted_tokens_per_cycle=3.05,
+                      time_per_cycle_s=0.00556, predicted_time_per_cycle_s=0.00561, time_mape=0.1,
+                      prior_time_mape=0.27, union_mape=0.09, bytes_per_cycle=3179e3, predicted_bytes_per_cycle=3651e3,
+                      nodes_per_cycle=11.8, hit_rate=0.62, overhead_share=0.12) for p in POLICIES]
+    return DecodeRun(records=records, cycles=[], summaries=summaries, profile_label="pcie4", profile_path=None,
+                     outputs_identical=True, **fields)
+
+
+def printed_summary(monkeypatch, run, out=None, width=60) -> str:
+    """``_print_summary`` on a terminal ``width`` columns wide."""
+    text = io.StringIO()
+    monkeypatch.setattr(specfit.console, "table_console", lambda: Console(file=text, width=width))
+    commands._print_summary(run, out)
+    return text.getvalue()
+
+
+def test_decode_tables_keep_their_figures_and_policy_names_whole_on_a_narrow_terminal(monkeypatch):
+    text = printed_summary(monkeypatch, fake_run(), width=60)
+    assert "…" not in text
+    for policy in POLICIES:
+        assert f"│ {policy} " in text, text
+    for figure in ("494.1", "495.1", "1289.2", "2.92 (3.05)", "5.56 (5.61)", "3179 (3651)", "11.8"):
+        assert figure in text, (figure, text)
+
+
+def test_a_table_that_fits_prints_at_the_consoles_width():
+    table = Table(title="t")
+    for name in ("policy", "tokens/s"):
+        table.add_column(name)
+    table.add_row("specfit+cache+prefetch", "1289.2")
+    text = io.StringIO()
+    console = Console(file=text, width=80)
+    print_table(console, table)
+    assert console.width == 80 and max(map(len, text.getvalue().splitlines())) <= 80
+    narrow = Console(file=io.StringIO(), width=20)
+    print_table(narrow, table)
+    assert narrow.width == 20                       # widened for the one table only
+    assert "specfit+cache+prefetch" in narrow.file.getvalue() and "1289.2" in narrow.file.getvalue()
