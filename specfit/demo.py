@@ -307,6 +307,7 @@ def demo_command(
 ) -> None:
     """Calibrate, decode with ar / eagle3 / specfit, simulate what-ifs and write one HTML report."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
@@ -320,7 +321,7 @@ def demo_command(
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
                       console=console, transient=True) as bar:
             task = bar.add_task("demo", total=None)
-            result = run_demo(plan, say=lambda m: (console.print(m), bar.update(task, description=m)),
+            result = run_demo(plan, say=lambda m: (console.print(m, markup=False), bar.update(task, description=escape(m))),
                               progress=lambda *a: bar.advance(task))
     except INTERRUPTS as exc:
         stopped_by(exc, f"interrupted: what finished is kept under {out} (decode runs keep every complete cycle); run "
@@ -340,7 +341,7 @@ def demo_command(
     out_console = table_console()
     print_table(out_console, table)
     for line in result["decode"].notes:
-        console.print(line)
+        console.print(line, markup=False)
     summary = result["summary"]
     table = Table(title="What-if: the same workload at Qwen3-30B-A3B expert scale (presets, not measurements), "
                         "tokens/s and speed-up vs ar")
@@ -356,8 +357,8 @@ def demo_command(
                                                   for p in policies])
     print_table(out_console, table)
     for line in result["whatif_notes"]:
-        out_console.print(f"note: {line}")
+        out_console.print(f"note: {line}", markup=False)
     same = result["outputs_identical"]
     out_console.print(f"greedy outputs identical across policies: {'yes' if same else 'n/a' if same is None else 'NO'}; "
                       f"cache sizes simulated: {', '.join(map(str, caches))} experts per layer")
-    out_console.print(f"report: {result['report']}")
+    out_console.print(f"report: {result['report']}", markup=False)     # --out prints as it is

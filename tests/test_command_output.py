@@ -26,8 +26,8 @@ def fake_run(n_prompts=2, **fields) -> DecodeRun:
                       time_per_cycle_s=0.00556, predicted_time_per_cycle_s=0.00561, time_mape=0.1,
                       prior_time_mape=0.27, union_mape=0.09, bytes_per_cycle=3179e3, predicted_bytes_per_cycle=3651e3,
                       nodes_per_cycle=11.8, hit_rate=0.62, overhead_share=0.12) for p in POLICIES]
-    return DecodeRun(records=records, cycles=[], summaries=summaries, profile_label="pcie4", profile_path=None,
-                     outputs_identical=True, **fields)
+    return DecodeRun(records=records, cycles=[], summaries=summaries,
+                     **{"profile_label": "pcie4", "profile_path": None, "outputs_identical": True, **fields})
 
 
 def printed_summary(monkeypatch, run, out=None, width=60) -> str:
@@ -60,3 +60,48 @@ def test_a_table_that_fits_prints_at_the_consoles_width():
     print_table(narrow, table)
     assert narrow.width == 20                       # widened for the one table only
     assert "specfit+cache+prefetch" in narrow.file.getvalue() and "1289.2" in narrow.file.getvalue()
+
+
+def test_decode_prints_user_paths_as_they_are(monkeypatch, tmp_path):
+    out = tmp_path / "run[/]3"
+    out.mkdir(parents=True)
+    (out / "decode.jsonl").write_text("")
+    run = fake_run(profile_path=tmp_path / "profiles[x]" / "p.json", trace_path=tmp_path / "chat[v2].parquet",
+                   trace_cycles=7)
+    run.profile_label = "calibrated [bold] here"
+    text = printed_summary(monkeypatch, run, out, width=200)
+    assert f"profile: {tmp_path / 'profiles[x]' / 'p.json'}" in text
+    assert f"wrote {out / 'decode.jsonl'}" in text
+    assert f"wrote {tmp_path / 'chat[v2].parquet'} (7 cycles)" in text
+    assert "profile calibrated [bold] here;" in text
+
+
+def fake_demo_result(report: Path) -> dict:
+    import pandas as pd
+
+    rows = [dict(profile=profile, cache_experts=cache, policy=p, tokens_per_s=tokens_per_s, speedup_vs_ar=speedup)
+            for profile in ("pcie4-qwen3", "gh200-qwen3") for cache in (0, 8)
+            for p, tokens_per_s, speedup in (("ar", 13.29, 1.0), ("specfit+cache+prefetch", 13.24, 0.996))]
+    return {"report": report, "decode": fake_run(notes=["note: a [bold] note about the decode"]),
+            "summary": pd.DataFrame(rows), "whatif_notes": ["a [red] note about the what-if"],
+            "outputs_identical": True}
+
+
+def run_demo_command(monkeypatch, out: Path, *args):
+    """``specfit demo`` in process, its steps replaced by :func:`fake_demo_result`."""
+    from typer.testing import CliRunner
+
+    import specfit.demo
+    from specfit.cli import app
+
+    monkeypatch.setattr(specfit.demo, "run_demo", lambda plan, say, progress: fake_demo_result(out / "index.html"))
+    return CliRunner().invoke(app, ["demo", "--out", str(out), *map(str, args)])
+
+
+def test_the_demo_prints_its_paths_and_notes_as_they_are(monkeypatch, tmp_path):
+    out = tmp_path / "demo[/]x"
+    result = run_demo_command(monkeypatch, out)
+    assert result.exit_code == 0, result.output
+    assert f"report: {out / 'index.html'}" in result.stdout
+    assert "note: a [red] note about the what-if" in result.stdout
+    assert "note: a [bold] note about the decode" in result.stdout + result.stderr

@@ -87,6 +87,7 @@ def decode(
 
     Reports, per prompt and policy, tokens/s, bytes copied host-to-device and the cache's hit rate, and per policy the measured cycle time, tokens per cycle and bytes next to the profile's predictions."""  # one line: typer keeps a paragraph's line breaks
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from .decode_job import DecodePlan, run_decode
@@ -119,7 +120,7 @@ def decode(
             task = bar.add_task("decode", total=None)
 
             def status(message: str) -> None:
-                bar.update(task, description=message)
+                bar.update(task, description=escape(message))   # it names the model's directory
 
             def tick() -> None:
                 bar.advance(task)
@@ -135,10 +136,10 @@ def decode(
     if not json_lines:
         _print_summary(result, out)
     for line in result.notes:                      # on stderr: with --json too
-        stderr.print(line)
+        stderr.print(line, markup=False)
     if not json_lines and acceptance is None and temperature == 0:
         for line in raw_acceptance_notes(result.summaries):
-            stderr.print(line)
+            stderr.print(line, markup=False)
 
 
 # predicted tokens per cycle this far from the committed ones say the drafter's probabilities are
@@ -177,6 +178,7 @@ def raw_acceptance_notes(summaries: list[dict]) -> list[str]:
 
 
 def _print_summary(run, out: Path | None) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
     from ..console import figure_text, print_table, table_console
@@ -195,7 +197,7 @@ def _print_summary(run, out: Path | None) -> None:
         table.add_row("...", "", "", "", "", "", "", "")
     print_table(console, table)
 
-    table = Table(title=f"measured (predicted) per policy, profile {run.profile_label}; tokens/s over the measured "
+    table = Table(title=f"measured (predicted) per policy, profile {escape(run.profile_label)}; tokens/s over the measured "
                         f"cycles; time MAPE per cycle of the model the policy decided with (online-refitted unless "
                         f"--frozen-profile) and of the profile's")
     for name in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "time MAPE", "profile's", "union MAPE",
@@ -222,10 +224,10 @@ def _print_summary(run, out: Path | None) -> None:
     if run.outputs_identical is not None:
         console.print("greedy outputs identical across policies: " + ("yes" if run.outputs_identical else "[red]NO[/red]"))
     if run.profile_path is not None:
-        console.print(f"profile: {run.profile_path}")
+        console.print(f"profile: {run.profile_path}", markup=False)    # paths print as they are
     if out is not None:
         # (no cycles.parquet when no cycle ran: an output that ended at the prefill's token)
         console.print("wrote " + ", ".join(str(out / f) for f in (OUTPUT_FILE, CYCLES_FILE, SUMMARY_FILE)
-                                           if (out / f).exists()))
+                                           if (out / f).exists()), markup=False)
     if run.trace_path is not None:
-        console.print(f"wrote {run.trace_path} ({run.trace_cycles} cycles)")
+        console.print(f"wrote {run.trace_path} ({run.trace_cycles} cycles)", markup=False)
