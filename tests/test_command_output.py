@@ -4,6 +4,7 @@ narrow terminal, user paths printed as they are, notes on stdout after the table
 from __future__ import annotations
 
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,17 @@ def test_the_demo_prints_its_paths_and_notes_as_they_are(monkeypatch, tmp_path):
     assert f"report: {out / 'index.html'}" in result.stdout
     assert "note: a [red] note about the what-if" in result.stdout
     assert "note: a [bold] note about the decode" in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("with_out", [False, True])
+def test_the_per_prompt_table_shows_every_policy_and_says_how_many_rows_it_left_out(monkeypatch, tmp_path, with_out):
+    out = tmp_path / "run" if with_out else None
+    text = printed_summary(monkeypatch, fake_run(n_prompts=8), out, width=200)    # 24 runs, more than 20 rows
+    shown = commands._MAX_TABLE_ROWS // len(POLICIES)
+    for policy in POLICIES:
+        assert re.search(rf"│ {re.escape(policy)} +│ {8 - shown} more ", text), text
+    assert f"{len(POLICIES) * (8 - shown)} more rows not shown" in text
+    if with_out:
+        assert f"{out / 'decode.jsonl'} has every row" in text
+    else:
+        assert "decode.jsonl has" not in text and "--out DIR writes every row" in text

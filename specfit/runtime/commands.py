@@ -185,16 +185,25 @@ def _print_summary(run, out: Path | None) -> None:
 
     console = table_console()
     records = run.records
+    by_policy = {}
+    for r in records:
+        by_policy.setdefault(r["policy"], []).append(r)
+    shown = max(1, _MAX_TABLE_ROWS // max(1, len(by_policy)))     # rows per policy: every policy shows
+    hidden = sum(max(0, len(rows) - shown) for rows in by_policy.values())
+    where = (f"{out / OUTPUT_FILE} has every row" if out is not None
+             else f"--out DIR writes every row to DIR/{OUTPUT_FILE}, --json prints them")
     table = Table(title=f"specfit decode: per prompt ({len(records)} runs); tokens/s, MB H2D and hit rate over the "
-                        f"decode cycles (the prompt's pass is in decode.jsonl's bytes_h2d, hits and misses)")
+                        f"decode cycles (the prompt's pass is in the rows' bytes_h2d, hits and misses: --out, --json)",
+                  caption=escape(f"{hidden} more rows not shown ({shown} per policy here); {where}") if hidden else None)
     for name in ("policy", "prompt", "prompt tokens", "new tokens", "tokens/s", "MB H2D", "hit rate", "stop"):
         table.add_column(name, justify="left" if name in ("policy", "prompt", "stop") else "right")
-    for r in records[:_MAX_TABLE_ROWS]:
-        table.add_row(r["policy"], str(r["index"]), str(r["prompt_tokens"]), str(r["n_new_tokens"]),
-                      figure_text(r["tokens_per_s"], ".1f"), f"{r['decode_bytes_h2d'] / 1e6:.2f}",
-                      figure_text(r["decode_hit_rate"], ".3f"), r["stop_reason"])
-    if len(records) > _MAX_TABLE_ROWS:
-        table.add_row("...", "", "", "", "", "", "", "")
+    for policy, rows in by_policy.items():
+        for r in rows[:shown]:
+            table.add_row(r["policy"], str(r["index"]), str(r["prompt_tokens"]), str(r["n_new_tokens"]),
+                          figure_text(r["tokens_per_s"], ".1f"), f"{r['decode_bytes_h2d'] / 1e6:.2f}",
+                          figure_text(r["decode_hit_rate"], ".3f"), r["stop_reason"])
+        if len(rows) > shown:
+            table.add_row(policy, f"{len(rows) - shown} more", "", "", "", "", "", "")
     print_table(console, table)
 
     table = Table(title=f"measured (predicted) per policy, profile {escape(run.profile_label)}; tokens/s over the measured "
