@@ -340,8 +340,8 @@ def demo_command(
                       f"{s['nodes_per_cycle']:.1f}", f"{s['hit_rate']:.2f}")
     out_console = table_console()
     print_table(out_console, table)
-    for line in result["decode"].notes:
-        console.print(line, markup=False)
+    for line in result["decode"].notes:            # on stdout after the table, as the what-if's
+        out_console.print(line, markup=False)
     summary = result["summary"]
     table = Table(title="What-if: the same workload at Qwen3-30B-A3B expert scale (presets, not measurements), "
                         "tokens/s and speed-up vs ar")

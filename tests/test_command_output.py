@@ -4,6 +4,7 @@ narrow terminal, user paths printed as they are, notes on stdout after the table
 from __future__ import annotations
 
 import io
+import json
 import re
 from pathlib import Path
 
@@ -105,7 +106,7 @@ def test_the_demo_prints_its_paths_and_notes_as_they_are(monkeypatch, tmp_path):
     assert result.exit_code == 0, result.output
     assert f"report: {out / 'index.html'}" in result.stdout
     assert "note: a [red] note about the what-if" in result.stdout
-    assert "note: a [bold] note about the decode" in result.stdout + result.stderr
+    assert "note: a [bold] note about the decode" in result.stdout      # after its table, as the what-if's
 
 
 @pytest.mark.parametrize("with_out", [False, True])
@@ -120,3 +121,35 @@ def test_the_per_prompt_table_shows_every_policy_and_says_how_many_rows_it_left_
         assert f"{out / 'decode.jsonl'} has every row" in text
     else:
         assert "decode.jsonl has" not in text and "--out DIR writes every row" in text
+
+
+def run_decode_command(monkeypatch, tmp_path, run: DecodeRun, *args):
+    """``specfit decode ARGS`` in process, the decode itself replaced by ``run``."""
+    from typer.testing import CliRunner
+
+    from specfit.cli import app
+    from specfit.runtime import decode_job
+
+    def fake_decode(plan, on_record=None, status=None, progress=None, ctx=None):
+        for record in run.records:
+            on_record(record)
+        return run
+
+    monkeypatch.setattr(decode_job.DecodePlan, "validate", lambda plan: None)
+    monkeypatch.setattr(decode_job, "run_decode", fake_decode)
+    return CliRunner().invoke(app, ["decode", "--model", str(tmp_path / "model"), "--prompts",
+                                    str(tmp_path / "prompts.jsonl"), "--cache-experts", "2", *map(str, args)])
+
+
+def test_decode_notes_follow_its_tables_on_stdout_and_stay_off_a_json_stdout(monkeypatch, tmp_path):
+    run = fake_run(notes=["note: the machine was busy"])
+    run.summaries[2].update(policy="specfit", tokens_per_s=100.0, predicted_tokens_per_cycle=1.5)   # below ar
+    result = run_decode_command(monkeypatch, tmp_path, run, "--policies", "ar,eagle3,specfit")
+    assert result.exit_code == 0, result.output
+    assert "note:" not in result.stderr
+    tables_end = result.stdout.index("greedy outputs identical")
+    busy, below = result.stdout.index("note: the machine was busy"), result.stdout.index("note: specfit: 100.0 tokens/s")
+    assert tables_end < busy < below
+    result = run_decode_command(monkeypatch, tmp_path, run, "--policies", "ar,eagle3,specfit", "--json")
+    assert result.exit_code == 0 and "note: the machine was busy" in result.stderr
+    assert [json.loads(line)["policy"] for line in result.stdout.splitlines()] == [r["policy"] for r in run.records]

@@ -133,13 +133,14 @@ def decode(
         # cycles were being saved: the command cannot tell which, so it claims neither
         stopped_by(exc, "interrupted before the run could say what it kept (with --out, every cycle completed before "
                         "it is in that directory)")
-    if not json_lines:
-        _print_summary(result, out)
-    for line in result.notes:                      # on stderr: with --json too
-        stderr.print(line, markup=False)
-    if not json_lines and acceptance is None and temperature == 0:
-        for line in raw_acceptance_notes(result.summaries):
+    if json_lines:
+        for line in result.notes:                  # stdout holds the JSON alone
             stderr.print(line, markup=False)
+        return
+    notes = result.notes
+    if acceptance is None and temperature == 0:
+        notes = notes + raw_acceptance_notes(result.summaries)
+    _print_summary(result, out, notes)
 
 
 # predicted tokens per cycle this far from the committed ones say the drafter's probabilities are
@@ -177,7 +178,9 @@ def raw_acceptance_notes(summaries: list[dict]) -> list[str]:
     return notes
 
 
-def _print_summary(run, out: Path | None) -> None:
+def _print_summary(run, out: Path | None, notes: list[str] = ()) -> None:
+    """The tables and what the run wrote on stdout, then ``notes`` about the results (after the tables,
+    on stdout as the demo's: a log of the run keeps them)."""
     from rich.markup import escape
     from rich.table import Table
 
@@ -240,3 +243,5 @@ def _print_summary(run, out: Path | None) -> None:
                                            if (out / f).exists()), markup=False)
     if run.trace_path is not None:
         console.print(f"wrote {run.trace_path} ({run.trace_cycles} cycles)", markup=False)
+    for line in notes:
+        console.print(line, markup=False)
