@@ -319,7 +319,7 @@ def demo_command(
         set_cpu_threads(threads)
         plan.validate()
         with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as bar:
+                      console=console, transient=True, disable=not console.is_terminal) as bar:
             task = bar.add_task("demo", total=None)
             result = run_demo(plan, say=lambda m: (console.print(m, markup=False), bar.update(task, description=escape(m))),
                               progress=lambda *a: bar.advance(task))

@@ -153,3 +153,10 @@ def test_decode_notes_follow_its_tables_on_stdout_and_stay_off_a_json_stdout(mon
     result = run_decode_command(monkeypatch, tmp_path, run, "--policies", "ar,eagle3,specfit", "--json")
     assert result.exit_code == 0 and "note: the machine was busy" in result.stderr
     assert [json.loads(line)["policy"] for line in result.stdout.splitlines()] == [r["policy"] for r in run.records]
+
+
+def test_no_progress_line_leaves_a_blank_line_on_a_stderr_that_is_not_a_terminal(monkeypatch, tmp_path):
+    result = run_decode_command(monkeypatch, tmp_path, fake_run(), "--policies", "ar,eagle3,specfit")
+    assert result.exit_code == 0 and result.stderr == "", repr(result.stderr)
+    result = run_demo_command(monkeypatch, tmp_path / "demo")
+    assert result.exit_code == 0 and result.stderr == "", repr(result.stderr)

@@ -87,8 +87,8 @@ def calibrate_command(
         # the default file is checked as --out is, before the probes (minutes) rather than after them
         path = check_output(out or calibrate_job.planned_profile_path(plan), "--out", kind="file")
         with Progress(TextColumn("[bold]calibrate"), BarColumn(), TextColumn("{task.completed}/{task.total} probes"),
-                      TextColumn("{task.description}"), TimeElapsedColumn(), console=console, disable=as_json,
-                      transient=True) as bar:
+                      TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                      disable=as_json or not console.is_terminal, transient=True) as bar:
             task = bar.add_task("", total=plan.n_steps)
             prof = calibrate_job.calibrate(plan, progress=lambda: bar.update(task, advance=1, description=""),
                                            status=lambda message: bar.update(task, description=message))

@@ -113,10 +113,11 @@ def decode(
             print(strict_dumps(record_), flush=True)
 
     # loading and calibration messages live in the transient progress line: on error, stderr
-    # holds the one error line only
+    # holds the one error line only (a pipe or a file gets no progress line: rich would leave a
+    # blank line there when it goes)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     try:
-        with Progress(*columns, console=stderr, transient=True) as bar:
+        with Progress(*columns, console=stderr, transient=True, disable=not stderr.is_terminal) as bar:
             task = bar.add_task("decode", total=None)
 
             def status(message: str) -> None:
