@@ -160,3 +160,16 @@ def test_no_progress_line_leaves_a_blank_line_on_a_stderr_that_is_not_a_terminal
     assert result.exit_code == 0 and result.stderr == "", repr(result.stderr)
     result = run_demo_command(monkeypatch, tmp_path / "demo")
     assert result.exit_code == 0 and result.stderr == "", repr(result.stderr)
+
+
+def test_a_run_that_recorded_a_full_trace_names_it_as_the_acceptance_to_pass(monkeypatch, tmp_path):
+    run = fake_run()
+    run.summaries[1].update(tokens_per_cycle=3.5, predicted_tokens_per_cycle=1.5)     # eagle3: raw probabilities off
+    trace = tmp_path / "chat[v2].parquet"
+    result = run_decode_command(monkeypatch, tmp_path, run, "--policies", "ar,eagle3,specfit", "--record", trace,
+                                "--record-full")
+    text = " ".join(result.stdout.split())
+    assert result.exit_code == 0 and f"as --acceptance {trace} next time" in text, result.output
+    assert "--acceptance TRACE" not in text
+    result = run_decode_command(monkeypatch, tmp_path, run, "--policies", "ar,eagle3,specfit")
+    assert "(--record TRACE --record-full) and pass it as --acceptance TRACE" in " ".join(result.stdout.split())

@@ -140,7 +140,7 @@ def decode(
         return
     notes = result.notes
     if acceptance is None and temperature == 0:
-        notes = notes + raw_acceptance_notes(result.summaries)
+        notes = notes + raw_acceptance_notes(result.summaries, recorded=record if record_full else None)
     _print_summary(result, out, notes)
 
 
@@ -149,7 +149,7 @@ def decode(
 RAW_ACCEPTANCE_OFF = 0.15
 
 
-def raw_acceptance_notes(summaries: list[dict]) -> list[str]:
+def raw_acceptance_notes(summaries: list[dict], recorded: Path | None = None) -> list[str]:
     """Notes for a run decided with the drafter's raw probabilities (no ``--acceptance``): one per
     drafting policy whose predicted tokens per cycle were more than :data:`RAW_ACCEPTANCE_OFF` off
     the committed ones. SpecFit prices every subtree with those probabilities; the bundled drafter's
@@ -157,7 +157,11 @@ def raw_acceptance_notes(summaries: list[dict]) -> list[str]:
     them at their word, drafted levels that did not pay (slower than ``ar``: ``benchmarks/RESULTS.md``,
     "Stop 33: `specfit decode` without an acceptance calibration"). A SpecFit policy that ran
     slower than ``ar`` in the same run gets the note at any error: what it chose is where those
-    probabilities were most optimistic, so a small average error can still cost it the run."""
+    probabilities were most optimistic, so a small average error can still cost it the run.
+    ``recorded``: the full trace this run wrote (``--record --record-full``), the one to pass."""
+    advice = (f"Pass the trace this run recorded as --acceptance {recorded} next time" if recorded is not None
+              else "Record a trace of this model and drafter (--record TRACE --record-full) and pass it as "
+                   "--acceptance TRACE, as specfit demo does")
     notes = []
     ar_rate = next((s.get("tokens_per_s", float("nan")) for s in summaries if s["policy"] == "ar"), float("nan"))
     for s in summaries:
@@ -174,8 +178,7 @@ def raw_acceptance_notes(summaries: list[dict]) -> list[str]:
                          f"cycle where {real:.2f} were committed ({off:+.0%}); "
                          + ("SpecFit decides with them" if deciding else
                             "the predicted tokens and times use them, as specfit would decide with them")
-                         + ". Record a trace of this model and drafter (--record TRACE --record-full) and pass it "
-                         "as --acceptance TRACE, as specfit demo does")
+                         + f". {advice}")
     return notes
 
 
