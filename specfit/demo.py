@@ -36,7 +36,7 @@ class DemoPlan:
     out_dir: Path = Path("reports/demo")
     quick: bool = False
     cache_experts: int = 8
-    max_new_tokens: int = 48
+    max_new_tokens: int | None = None    # None: 48, or 16 with quick; a value given is kept
     n_prompts: int | None = None
     device: str = "cpu"
 
@@ -69,8 +69,9 @@ class DemoPlan:
         check_run_dir(self.out_dir, "demo")
 
     def __post_init__(self):
+        if self.max_new_tokens is None:
+            self.max_new_tokens = 16 if self.quick else 48
         if self.quick:
-            self.max_new_tokens = min(self.max_new_tokens, 16)
             self.n_prompts = self.n_prompts or 2
 
 
@@ -301,7 +302,9 @@ def demo_command(
     out: Path = typer.Option(Path("reports/demo"), "--out", help="Directory for the report and everything it shows."),
     quick: bool = typer.Option(False, "--quick", help="Fewer prompts and tokens, smaller probe grids (CI)."),
     cache_experts: int = typer.Option(8, "--cache-experts", help="Device expert slots per layer (the model has 16)."),
-    max_new_tokens: int = typer.Option(48, "--max-new-tokens"),
+    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", show_default=False,
+                                                 help="Tokens to generate per prompt at most (default 48; 16 with "
+                                                      "--quick)."),
     threads: Optional[int] = typer.Option(None, "--threads", help=THREADS_HELP + "; the tiny model's matrices are "
                                           "too small for intra-op threads to pay anyway."),
 ) -> None:

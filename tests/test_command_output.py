@@ -173,3 +173,13 @@ def test_a_run_that_recorded_a_full_trace_names_it_as_the_acceptance_to_pass(mon
     assert "--acceptance TRACE" not in text
     result = run_decode_command(monkeypatch, tmp_path, run, "--policies", "ar,eagle3,specfit")
     assert "(--record TRACE --record-full) and pass it as --acceptance TRACE" in " ".join(result.stdout.split())
+
+
+def test_demo_quick_keeps_the_max_new_tokens_given_on_the_command_line(monkeypatch, tmp_path):
+    import specfit.demo
+
+    plans = []
+    monkeypatch.setattr(specfit.demo.DemoPlan, "validate", lambda plan: plans.append(plan))
+    run_demo_command(monkeypatch, tmp_path / "demo", "--quick", "--max-new-tokens", "40")
+    run_demo_command(monkeypatch, tmp_path / "demo", "--quick")
+    assert [plan.max_new_tokens for plan in plans] == [40, 16]

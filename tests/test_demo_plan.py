@@ -52,8 +52,13 @@ def test_demo_prompts_file_takes_the_first_ceil_n_over_workloads_of_each(tmp_pat
     assert {w: workloads.count(w) for w in set(workloads)} == {"docs": per_workload, "math": per_workload}
 
 
-def test_quick_caps_new_tokens_at_16_and_takes_two_prompts():
-    assert DemoPlan(quick=True, max_new_tokens=48).max_new_tokens == 16
-    assert DemoPlan(quick=True, max_new_tokens=8).max_new_tokens == 8
+def test_quick_takes_16_new_tokens_by_default_and_two_prompts():
+    assert DemoPlan(quick=True).max_new_tokens == 16
+    assert DemoPlan().max_new_tokens == 48
     assert DemoPlan(quick=True).n_prompts == 2
+
+
+def test_quick_keeps_a_max_new_tokens_given():
+    assert DemoPlan(quick=True, max_new_tokens=40).max_new_tokens == 40
+    assert DemoPlan(quick=True, max_new_tokens=8).max_new_tokens == 8
     assert DemoPlan(quick=False, max_new_tokens=48).max_new_tokens == 48
