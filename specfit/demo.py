@@ -273,7 +273,7 @@ def _leader_notes(summary, truth) -> list[str]:
                      "the fact, and oracle knows the target's verdicts: neither can run live")
     rows, leads = [], 0
     for profile, cache, g, lead, best in _leaders(summary):
-        n = f" (N = {g.loc[lead, 'static_n']})" if lead == "static:auto" else ""
+        n = f" (N={g.loc[lead, 'static_n']})" if lead == "static:auto" else ""     # as simulate's table writes it
         text = (f"{profile}, {cache} cached: {lead}{n} {g.loc[lead, 'speedup_vs_ar']:.2f}x, "
                 f"{best} {g.loc[best, 'speedup_vs_ar']:.2f}x")
         if truth is not None:
@@ -330,9 +330,11 @@ def demo_command(
         stopped_by(exc, f"interrupted: what finished is kept under {out} (decode runs keep every complete cycle); run "
                         f"specfit demo again for the report")
 
+    # the columns decode's per-policy table shows, under its names
     table = Table(title="Live decoding of the bundled tiny MoE on this machine (measured, predicted in brackets; "
-                        "time error: each cycle predicted before it ran, by the model refitted online / by the profile)")
-    for col in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "time error", "profile's", "union error",
+                        "time MAPE (mean absolute % error) of each cycle's time predicted before it ran, by the model "
+                        "refitted online and by the profile; union MAPE: of its predicted number of distinct experts)")
+    for col in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "time MAPE", "profile's", "union MAPE",
                 "nodes verified", "hit rate"):
         table.add_column(col, justify="left" if col == "policy" else "right")
     for s in result["decode"].summaries:

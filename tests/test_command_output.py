@@ -183,3 +183,20 @@ def test_demo_quick_keeps_the_max_new_tokens_given_on_the_command_line(monkeypat
     run_demo_command(monkeypatch, tmp_path / "demo", "--quick", "--max-new-tokens", "40")
     run_demo_command(monkeypatch, tmp_path / "demo", "--quick")
     assert [plan.max_new_tokens for plan in plans] == [40, 16]
+
+
+def test_decode_and_demo_name_the_same_quantities_alike(monkeypatch, tmp_path):
+    import pandas as pd
+
+    from specfit.demo import _leader_notes
+
+    decode_text = printed_summary(monkeypatch, fake_run(), width=400)
+    monkeypatch.undo()
+    demo_text = run_demo_command(monkeypatch, tmp_path / "demo").stdout
+    for text in (decode_text, demo_text):
+        for name in ("time MAPE", "profile's", "union MAPE", "nodes verified", "hit rate", "mean absolute % error"):
+            assert name in text, (name, text)
+        assert "time error" not in text and "union error" not in text
+    summary = pd.DataFrame([dict(profile="pcie4-qwen3", cache_experts=0, policy=p, tokens_per_s=t, speedup_vs_ar=t / 10,
+                                 static_n=16) for p, t in (("ar", 10.0), ("static:auto", 14.0), ("specfit", 12.0))])
+    assert "static:auto (N=16) 1.40x" in " ".join(_leader_notes(summary, None))      # as simulate's table writes it

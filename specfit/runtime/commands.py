@@ -214,10 +214,11 @@ def _print_summary(run, out: Path | None, notes: list[str] = ()) -> None:
     print_table(console, table)
 
     table = Table(title=f"measured (predicted) per policy, profile {escape(run.profile_label)}; tokens/s over the measured "
-                        f"cycles; time MAPE per cycle of the model the policy decided with (online-refitted unless "
-                        f"--frozen-profile) and of the profile's")
+                        f"cycles; time MAPE (mean absolute % error) of each cycle's predicted time, by the model the policy "
+                        f"decided with (online-refitted unless --frozen-profile) and by the profile; union MAPE: of its "
+                        f"predicted number of distinct experts")
     for name in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "time MAPE", "profile's", "union MAPE",
-                 "KB H2D/cycle", "nodes", "hit rate", "search+book."):
+                 "KB H2D/cycle", "nodes verified", "hit rate", "search+book."):
         table.add_column(name, justify="left" if name == "policy" else "right")
     for s in run.summaries:
         table.add_row(s["policy"], figure_text(s["tokens_per_s"], ".1f"),
