@@ -266,6 +266,8 @@ def _leader_notes(summary, truth) -> list[str]:
     """What a reader of the what-if should know to read it: which columns no live run can be, and,
     where a fixed policy leads SpecFit, what SpecFit reaches deciding with the true experts
     (``truth``: the same replay with them; None when the policies decided with them already)."""
+    from .console import speedup_text
+
     policies = set(summary["policy"])
     notes = []
     if "static:auto" in policies or "oracle" in policies:
@@ -274,11 +276,11 @@ def _leader_notes(summary, truth) -> list[str]:
     rows, leads = [], 0
     for profile, cache, g, lead, best in _leaders(summary):
         n = f" (N={g.loc[lead, 'static_n']})" if lead == "static:auto" else ""     # as simulate's table writes it
-        text = (f"{profile}, {cache} cached: {lead}{n} {g.loc[lead, 'speedup_vs_ar']:.2f}x, "
-                f"{best} {g.loc[best, 'speedup_vs_ar']:.2f}x")
+        text = (f"{profile}, {cache} cached: {lead}{n} {speedup_text(g.loc[lead, 'speedup_vs_ar'])}, "
+                f"{best} {speedup_text(g.loc[best, 'speedup_vs_ar'])}")
         if truth is not None:
             t = truth[(truth["profile"] == profile) & (truth["cache_experts"] == cache)].set_index("policy")
-            text += f", {t.loc[best, 'speedup_vs_ar']:.2f}x with the true experts"
+            text += f", {speedup_text(t.loc[best, 'speedup_vs_ar'])} with the true experts"
             leads += bool(t.loc[best, "tokens_per_s"] > g.loc[lead, "tokens_per_s"])
         rows.append(text)
     if rows and truth is not None:
@@ -314,7 +316,7 @@ def demo_command(
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .console import figure_text, print_table, table_console
+    from .console import figure_text, print_table, speedup_text, table_console
 
     console = Console(stderr=True)
     plan = DemoPlan(out_dir=out, quick=quick, cache_experts=cache_experts, max_new_tokens=max_new_tokens)
@@ -358,7 +360,7 @@ def demo_command(
         table.add_column(p, justify="right")
     for (profile, cache), g in summary.groupby(["profile", "cache_experts"], sort=False):
         row = g.set_index("policy")
-        table.add_row(str(profile), str(cache), *[f"{row.loc[p, 'tokens_per_s']:.1f} ({row.loc[p, 'speedup_vs_ar']:.2f}x)"
+        table.add_row(str(profile), str(cache), *[f"{row.loc[p, 'tokens_per_s']:.1f} ({speedup_text(row.loc[p, 'speedup_vs_ar'])})"
                                                   for p in policies])
     print_table(out_console, table)
     for line in result["whatif_notes"]:

@@ -200,3 +200,15 @@ def test_decode_and_demo_name_the_same_quantities_alike(monkeypatch, tmp_path):
     summary = pd.DataFrame([dict(profile="pcie4-qwen3", cache_experts=0, policy=p, tokens_per_s=t, speedup_vs_ar=t / 10,
                                  static_n=16) for p, t in (("ar", 10.0), ("static:auto", 14.0), ("specfit", 12.0))])
     assert "static:auto (N=16) 1.40x" in " ".join(_leader_notes(summary, None))      # as simulate's table writes it
+
+
+def test_the_demo_writes_its_speed_ups_as_the_other_tables_do(monkeypatch, tmp_path):
+    import pandas as pd
+
+    from specfit.demo import _leader_notes
+
+    text = run_demo_command(monkeypatch, tmp_path / "demo").stdout
+    assert "13.2 (0.996x)" in text and "13.2 (1.00x)" not in text, text      # a 0.4 % loss is not 1.00x
+    summary = pd.DataFrame([dict(profile="pcie4-qwen3", cache_experts=0, policy=p, tokens_per_s=t, speedup_vs_ar=t / 10,
+                                 static_n=2) for p, t in (("ar", 10.0), ("chain:2", 10.04), ("specfit", 9.96))])
+    assert "chain:2 1.004x, specfit 0.996x" in " ".join(_leader_notes(summary, None))
