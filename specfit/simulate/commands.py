@@ -84,20 +84,6 @@ def simulate_command(
     _print_summary(summary, out)
 
 
-def print_whole(console, table) -> None:
-    """Print ``table``, whose columns are ``no_wrap``, at its own width when the terminal is narrower:
-    rich would otherwise cut its figures and policy names ("13.2…", "specfit…"); a table that
-    scrolls sideways beats one whose numbers are cut."""
-    from rich.measure import Measurement
-
-    width = console.width
-    console.width = max(width, Measurement.get(console, console.options.update_width(10_000), table).maximum)
-    try:
-        console.print(table)
-    finally:
-        console.width = width
-
-
 def distinct(option: str, values: list) -> list:
     """``values`` when none is repeated (a repeated one would be replayed twice and its rows collide)."""
     repeated = sorted({str(v) for v in values if values.count(v) > 1})
@@ -240,7 +226,7 @@ def _print_summary(summary, out: Optional[Path]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from ..console import table_console
+    from ..console import print_table, table_console
 
     console = table_console()
     for (trace, profile), group in summary.groupby(["trace", "profile"], sort=False):
@@ -257,7 +243,7 @@ def _print_summary(summary, out: Optional[Path]) -> None:
                           speedup_text(row["speedup_vs_ar"]), speedup_text(row["speedup_vs_eagle3"]),
                           f"{row['union_precision']:.2f}/{row['union_recall']:.2f}",
                           f"{row['tokens_bias']:+.1%}")
-        print_whole(console, table)
+        print_table(console, table)
     if out is not None:
         console.print(f"per-cycle rows and the summary written to {out}/ (cycles|summary).(parquet|csv)", markup=False,
                       highlight=False)

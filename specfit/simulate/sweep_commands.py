@@ -84,7 +84,7 @@ def _print_sweep(results, run, out_dir: Path, top: int) -> None:
     from rich.table import Table
 
     from ..console import table_console
-    from .commands import print_whole
+    from ..console import print_table
 
     console = table_console()
     best = results.sort_values("tokens_per_s", ascending=False, kind="stable").head(top)
@@ -100,7 +100,7 @@ def _print_sweep(results, run, out_dir: Path, top: int) -> None:
     for _, row in best.iterrows():
         table.add_row(*(escape(str(row[c])) for c in shown), f"{row['link_gbps']:.0f}", f"{row['tokens_per_s']:.2f}",
                       speedup_text(row["speedup_vs_ar"], "–"), f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}")
-    print_whole(console, table)
+    print_table(console, table)
     rate = f", {run.computed / run.wall_s:.1f} cells/s on {run.workers} workers" if run.computed and run.wall_s else ""
     console.print(f"{run.computed} cells replayed now, {run.skipped} already in the dataset{rate}; "
                   f"rows in {out_dir}/results/ (Parquet), render with `specfit report {out_dir}`", markup=False,
@@ -171,7 +171,7 @@ def _print_plan(result, top: int) -> None:
     from rich.table import Table
 
     from ..console import table_console
-    from .commands import print_whole
+    from ..console import print_table
 
     console = table_console()
     mem = result.memory
@@ -192,7 +192,7 @@ def _print_plan(result, top: int) -> None:
         table.add_row("best" if i == 0 else f"#{i + 1}", policy, str(row.cache_experts), f"{row.tokens_per_s:.2f}",
                       speedup_text(row.speedup_vs_ar, "–"), str(row.tree_tokens), f"{row.device_bytes / 1e9:.2f}",
                       f"{row.expert_cache_bytes / 1e9:.2f}")
-    print_whole(console, table)
+    print_table(console, table)
     if result.ranked.head(top + 1)["deeper_than_traces"].any():
         console.print("* drafts more levels than the traces' trees hold: its figures are those of the levels they hold "
                       "(the note above)")
