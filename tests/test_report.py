@@ -437,7 +437,7 @@ def test_where_a_fixed_policy_leads_the_demo_says_what_specfit_reaches_with_the_
     truth = _whatif_summary({("gh200-qwen3", 0): {"ar": 100.0, "specfit": 160.0, "specfit+cache+prefetch": 170.0}})
     legend, note = _leader_notes(summary, truth)
     assert "static:auto is static:N" in legend and "oracle knows the target's verdicts" in legend
-    assert ("gh200-qwen3, 0 cached: static:auto (N = 12) 1.50x, specfit+cache+prefetch 1.30x, 1.70x with the true "
+    assert ("gh200-qwen3, 0 cached: static:auto (N=12) 1.50x, specfit+cache+prefetch 1.30x, 1.70x with the true "
             "experts.") in note
     assert "pcie4" not in note and "leads all of them" in note
     # the true experts do not close the gap: the note counts it
