@@ -204,7 +204,7 @@ POLICIES: dict[str, PolicySpec] = {
                          n_args=(0, 1, 2)),
     "eagle3-nocache": PolicySpec("eagle3-nocache", "eagle3 with no expert cache (simulator)",
                                  lambda a, m: RerankPolicy(60, 7, name="eagle3-nocache", cache_capacity=0), live=""),
-    "static": PolicySpec("static:N|static:auto", "the best N nodes of the tree; auto: the best N on the trace "
+    "static": PolicySpec("static:N (or static:auto)", "the best N nodes of the tree; auto: the best N on the trace "
                          "(simulator)", lambda a, m: RerankPolicy(a[0], max(1, min(a[0] - 1, m)), name=f"static:{a[0]}"),
                          n_args=(1,), live="static:N"),
     "specfit": PolicySpec("specfit[:D]", "exact max-throughput subtree, level stopping (D levels at most)",

@@ -42,3 +42,18 @@ def test_calibrate_help_names_every_shape_a_stand_in_can_take():
     calibrate = typer.main.get_command(app).commands["calibrate"]
     shape = next(p for p in calibrate.params if "--shape" in p.opts)
     assert shape.help.endswith(f"{', '.join(SHAPE_CONFIGS)}."), shape.help
+
+
+def test_simulate_and_plans_help_show_their_defaults_and_examples_whole_at_80_columns(monkeypatch):
+    """A help printed to a pipe is 80 columns: long tokens (the policies' default
+    `ar,chain:4,eagle...`, `base_s=0.004,mis...`, `static:N|static:...`) were cut short."""
+    from typer.testing import CliRunner
+
+    from specfit.cli import app
+
+    monkeypatch.setenv("COLUMNS", "80")
+    for command in ("simulate", "plan"):
+        text = CliRunner().invoke(app, [command, "--help"], terminal_width=80).output
+        lines = [line for line in text.splitlines() if "…" in line]
+        # the one cut left: simulate's pair of flag names in the names column
+        assert all("--price-uncertai" in line for line in lines), lines

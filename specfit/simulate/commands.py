@@ -33,7 +33,9 @@ def simulate_command(
     traces: list[Path] = typer.Option(..., "--trace", help="Position-indexed trace file; repeat for several."),
     profiles: list[str] = typer.Option(["pcie4"], "--profile", help="Preset (pcie4, pcie5, gh200) or profile JSON; "
                                        "repeat or comma-separate for several."),
-    policies: str = typer.Option(",".join(DEFAULT_POLICIES), "--policies", help=f"Comma-separated: {POLICY_HELP}."),
+    # defaults and examples as words the help's column can wrap (80 columns cut a long token short)
+    policies: str = typer.Option(",".join(DEFAULT_POLICIES), "--policies", help=f"Comma-separated: {POLICY_HELP}.",
+                                 show_default=", ".join(DEFAULT_POLICIES)),
     cache_experts: str = typer.Option("0,16,32", "--cache-experts", help="Comma-separated cache sizes (experts per "
                                       "layer, or in total with --cache-mode global)."),
     predictor: str = typer.Option("oracle", "--predictor", help="Expert predictor the policies decide with: oracle, "
@@ -44,7 +46,8 @@ def simulate_command(
     acceptance: str = typer.Option("calibrated", "--acceptance", help="Path probabilities the policies use: "
                                    "calibrated (the acceptance calibrator, "
                                    "cross-fitted) or raw (the drafter's)."),
-    cost: Optional[str] = typer.Option(None, "--cost", help="Override cost-model parameters, e.g. base_s=0.004,miss_s=2e-4."),
+    cost: Optional[str] = typer.Option(None, "--cost", help="Override cost-model parameters: name=seconds, several comma-separated, e.g. "
+                                      "base_s=0.004 or miss_s=2e-4."),
     h2d_scale: float = typer.Option(1.0, "--h2d-scale", help="What-if: multiply the host-to-device bandwidth "
                                     "(a copy's fixed latency, the intercept of the profile's H2D fit, is kept)."),
     rescale: bool = typer.Option(False, "--rescale", help="Allow a profile measured for another model shape "
@@ -54,7 +57,8 @@ def simulate_command(
     max_levels: int = typer.Option(8, "--max-levels", help="Draft levels at most for specfit (specfit:D sets its own D) and static:N."),
     price_uncertainty: bool = typer.Option(True, "--price-uncertainty/--no-price-uncertainty",
                                            help="specfit prices, per draft node, the experts its predictor gets "
-                                                "wrong (from the predictor's precision on the trace)."),
+                                                "wrong (from the predictor's precision on the trace).",
+                                           show_default="on"),
     out: Optional[Path] = typer.Option(None, "--out", help="Directory for cycles/summary as Parquet and CSV."),
     as_json: bool = typer.Option(False, "--json", help="Print only a JSON list (one object per trace, profile, "
                                  "cache size and policy) on stdout."),

@@ -128,7 +128,7 @@ def plan_command(
                                      "context, activations, the drafter (GB)."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="Weight and KV-cache dtype: bfloat16, float16, float32."),
     policies: Optional[str] = typer.Option(None, "--policies", help="Candidate policies (comma-separated, e.g. "
-                                           "ar,chain:2,static:4,eagle3:16:4,specfit:6); default: AR, chains, "
+                                           "ar,chain:2 or static:4,eagle3:16:4,specfit:6); default: AR, chains, "
                                            "fixed and EAGLE-3 trees of several widths and depths, specfit."),
     cache_steps: int = typer.Option(4, "--cache-steps", help="Expert-cache sizes to try between none and "
                                     "the most the budget holds."),
