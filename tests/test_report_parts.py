@@ -240,3 +240,29 @@ def test_a_wide_table_is_set_denser_its_headers_break_and_short_names_do_not_wra
     assert "nth-child(2) { white-space: nowrap" not in text and "nth-child(2) { text-align: left" in text
     narrow = Page(title="t").table(pd.DataFrame({"a": [1.0], "b": [2.0]})).render()
     assert "dataframe dense" not in narrow
+
+
+def test_a_partial_sweeps_page_lists_the_cells_with_no_result_yet():
+    """A partial sweep's page said "cells finished 3 of 8" and no more: which settings were missing
+    had to be worked out from sweep.json by hand."""
+    from specfit.report.sweep import sweep_section
+
+    cells = [{"cell_id": f"{trace}-{policy}-{cache}", "trace": trace, "profile_source": "pcie4", "h2d_scale": 1.0,
+              "policy": policy, "cache_experts": cache}
+             for trace in ("chat",) for policy in ("ar", "specfit") for cache in (0, 8, 16, 32)]
+    done = [c for c in cells if c["policy"] == "ar" and c["cache_experts"] < 32]
+    results = pd.DataFrame([{**c, "profile": "pcie4", "tokens_per_s": 10.0 + c["cache_experts"], "speedup_vs_ar": 1.0,
+                             "link_gbps": 25.0, "hit_rate": 0.5, "nodes_per_cycle": 1.0, "bytes_per_token": 1e6}
+                            for c in done])
+    page = Page("t")
+    sweep_section(page, results, "run", {"cells": cells})
+    text = page.render()
+    assert "cells finished</th><td>3 of 8" in text
+    assert "The 5 cells of the grid with no result yet" in text
+    cells_text = re.sub(r"\s+", "", text)
+    rows = re.findall(r"<tr><td>chat</td><td>pcie4</td><td>1</td><td>(\w+)</td><td>([0-9,]+)</td></tr>", cells_text)
+    assert rows == [("ar", "32"), ("specfit", "0,8,16,32")]
+    # a finished sweep lists none
+    page = Page("t")
+    sweep_section(page, results, "run", {"cells": done})
+    assert "no result yet" not in page.render()

@@ -111,6 +111,7 @@ def sweep_section(page: Page, results: pd.DataFrame, name: str, spec: dict | Non
                 "profiles": ", ".join(dict.fromkeys(results["profile"])),
                 "policies": ", ".join(sorted(results["policy"].unique(), key=_policy_rank)),
                 "replay time (sum)": f"{results['replay_s'].sum():.1f} s" if "replay_s" in results else "–"})
+    _missing_cells(page, results, (spec or {}).get("cells") or [])
     for trace in dict.fromkeys(results["trace"]):
         made = heat_map_grid(results, trace)
         if made is None:
@@ -124,6 +125,27 @@ def sweep_section(page: Page, results: pd.DataFrame, name: str, spec: dict | Non
             "hit_rate", "nodes_per_cycle", "bytes_per_token"]
     top = results.sort_values("tokens_per_s", ascending=False, kind="stable").head(20)
     page.table(top[[c for c in dict.fromkeys(cols) if c in top]], caption="The 20 fastest cells")
+
+
+def _missing_cells(page: Page, results: pd.DataFrame, cells: list) -> None:
+    """Which cells of the grid (``sweep.json``'s) have no result yet: per trace, profile source,
+    bandwidth factor and policy, the cache sizes missing (a resume of the same command replays
+    them)."""
+    done = set(results["cell_id"]) if "cell_id" in results else set()
+    missing = pd.DataFrame([c for c in cells if isinstance(c, dict) and c.get("cell_id") not in done])
+    keys = [k for k in ("trace", "profile_source", "h2d_scale", "policy") if k in missing]
+    if missing.empty or not keys or "cache_experts" not in missing:
+        return
+    table = (missing.groupby(keys, sort=False)["cache_experts"]
+             .agg(lambda sizes: ", ".join(map(str, sorted(set(sizes))))).reset_index()
+             .rename(columns={"profile_source": "profile", "h2d_scale": "link x", "cache_experts": "cache sizes missing"}))
+    page.table(table.head(_MISSING_ROWS), caption=(
+        f"The {len(missing)} cells of the grid with no result yet" + (f" (the first {_MISSING_ROWS} of {len(table)} "
+                                                                          "groups)" if len(table) > _MISSING_ROWS else "")
+        + ": the same sweep command, run again, replays them"))
+
+
+_MISSING_ROWS = 30
 
 
 def plan_section(page: Page, plan: dict, name: str) -> None:
