@@ -209,16 +209,24 @@ def test_with_no_writable_cache_the_first_kernel_says_so_naming_numba_cache_dir(
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "file" / "tmp"))
     with pytest.raises(SpecFitError, match="set NUMBA_CACHE_DIR to a writable directory"):
         kernels.cache_folder("ab" * 32)
-    # numba's cache files are pickles: a folder others can write to (a shared temporary directory
-    # where another user made it first) is not used
+    # numba's cache files are pickles: a folder another user made first on a shared temporary
+    # directory is not used (only root can give a folder away, as a test)
     shared = tmp_path / "shared" / f"specfit-numba-{os.getuid()}"
     shared.mkdir(parents=True)
     shared.chmod(0o777)
     monkeypatch.setattr(tempfile, "gettempdir", lambda: str(tmp_path / "shared"))
-    with pytest.raises(SpecFitError, match="NUMBA_CACHE_DIR"):
-        kernels.cache_folder("ab" * 32)
-    shared.chmod(0o700)
-    assert kernels.cache_folder("ab" * 32) == shared / ("ab" * 8)
+    if os.getuid() == 0:
+        os.chown(shared, 65534, 65534)
+        with pytest.raises(SpecFitError, match="cannot be written or are another user's; set NUMBA_CACHE_DIR"):
+            kernels.cache_folder("ab" * 32)
+        os.chown(shared, 0, 0)
+    assert kernels.cache_folder("ab" * 32) == shared / ("ab" * 8) and shared.stat().st_mode & 0o777 == 0o700
+    # the user's own folder that others may write to (made under a umask of 002): made private, used
+    own = tmp_path / "xdg2" / "specfit" / "numba"
+    own.mkdir(parents=True)
+    own.chmod(0o775)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg2"))
+    assert kernels.cache_folder("ab" * 32) == own / ("ab" * 8) and own.stat().st_mode & 0o777 == 0o700
 
 
 def test_warm_up_loads_the_live_kernels_and_leaves_no_state():

@@ -93,8 +93,8 @@ def cache_folder(digest: str) -> Path:
         if _private(root) and writable(root / digest[:16]):
             return root / digest[:16]
     raise SpecFitError(f"SpecFit's compiled kernels need a writable cache: {Path(__file__).parent / '__pycache__'} "
-                       f"(the install's), {tried[0]} and {tried[1]} cannot be written; set NUMBA_CACHE_DIR to a "
-                       "writable directory")
+                       f"(the install's), {tried[0]} and {tried[1]} cannot be written or are another user's; set "
+                       "NUMBA_CACHE_DIR to a writable directory")
 
 
 def _user() -> str:
@@ -103,15 +103,20 @@ def _user() -> str:
 
 def _private(root: Path) -> bool:
     """Whether ``root`` (made, only its owner's, if missing) is this user's and writable by no one
-    else."""
+    else; one of the user's that others may write to (made under a umask of 002 by an earlier
+    version) is made the user's alone first."""
     try:
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
         held = root.stat()
+        if not hasattr(os, "getuid"):
+            return True
+        if held.st_uid != os.getuid():
+            return False
+        if held.st_mode & 0o022:
+            root.chmod(0o700)
     except OSError:
         return False
-    if not hasattr(os, "getuid"):
-        return True
-    return held.st_uid == os.getuid() and not held.st_mode & 0o022
+    return True
 
 
 def sources_digest(sources: list[Path]) -> str:
