@@ -266,3 +266,11 @@ def test_a_partial_sweeps_page_lists_the_cells_with_no_result_yet():
     page = Page("t")
     sweep_section(page, results, "run", {"cells": done})
     assert "no result yet" not in page.render()
+    # cells apart on another axis of the grid (the predictor) stay apart: the oracle's cache 0 is done
+    two = [{**c, "cell_id": c["cell_id"] + "-" + predictor, "predictor": predictor}
+           for c in cells if c["policy"] == "ar" and c["cache_experts"] == 0 for predictor in ("oracle", "router")]
+    page = Page("t")
+    finished = pd.DataFrame([{**results.iloc[0].to_dict(), **two[0]}])
+    sweep_section(page, finished, "run", {"cells": two})
+    flat = re.sub(r"\s+", "", page.render())
+    assert "<td>ar</td><td>router</td><td>0</td>" in flat and "<td>oracle</td>" not in flat

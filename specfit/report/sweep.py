@@ -133,7 +133,11 @@ def _missing_cells(page: Page, results: pd.DataFrame, cells: list) -> None:
     them)."""
     done = set(results["cell_id"]) if "cell_id" in results else set()
     missing = pd.DataFrame([c for c in cells if isinstance(c, dict) and c.get("cell_id") not in done])
+    # and every other axis of the grid that varies (a predictor, a cache mode...): cells apart on it stay apart
+    grid = pd.DataFrame([c for c in cells if isinstance(c, dict)])
     keys = [k for k in ("trace", "profile_source", "h2d_scale", "policy") if k in missing]
+    keys += [k for k in _OTHER_AXES if k in missing and k not in keys and k != "profile_source"
+             and grid[k].astype(str).nunique() > 1]
     if missing.empty or not keys or "cache_experts" not in missing:
         return
     table = (missing.groupby(keys, sort=False)["cache_experts"]
