@@ -316,7 +316,8 @@ def demo_command(
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .console import figure_text, print_table, speedup_text, table_console
+    from .console import print_table, speedup_text, table_console
+    from .runtime.commands import policy_table
 
     console = Console(stderr=True)
     plan = DemoPlan(out_dir=out, quick=quick, cache_experts=cache_experts, max_new_tokens=max_new_tokens)
@@ -332,19 +333,11 @@ def demo_command(
         stopped_by(exc, f"interrupted: what finished is kept under {out} (decode runs keep every complete cycle); run "
                         f"specfit demo again for the report")
 
-    # the columns decode's per-policy table shows, under its names
-    table = Table(title="Live decoding of the bundled tiny MoE on this machine (measured, predicted in brackets; "
-                        "time MAPE (mean absolute % error) of each cycle's time predicted before it ran, by the model "
-                        "refitted online and by the profile; union MAPE: of its predicted number of distinct experts)")
-    for col in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "time MAPE", "profile's", "union MAPE",
-                "nodes verified", "hit rate"):
-        table.add_column(col, justify="left" if col == "policy" else "right")
-    for s in result["decode"].summaries:
-        table.add_row(s["policy"], f"{s['tokens_per_s']:.1f}",
-                      f"{s['tokens_per_cycle']:.2f} ({s['predicted_tokens_per_cycle']:.2f})",
-                      f"{s['time_per_cycle_s'] * 1e3:.2f} ({s['predicted_time_per_cycle_s'] * 1e3:.2f})",
-                      *(figure_text(s[k], ".0%") for k in ("time_mape", "prior_time_mape", "union_mape")),
-                      f"{s['nodes_per_cycle']:.1f}", f"{s['hit_rate']:.2f}")
+    # decode's per-policy table, without its traffic columns
+    table = policy_table(result["decode"].summaries, "Live decoding of the bundled tiny MoE on this machine (measured, "
+                         "predicted in brackets; time MAPE (mean absolute % error) of each cycle's time predicted before "
+                         "it ran, by the model refitted online and by the profile; union MAPE: of its predicted number of "
+                         "distinct experts)", traffic=False)
     out_console = table_console()
     print_table(out_console, table)
     for line in result["decode"].notes:            # on stdout after the table, as the what-if's

@@ -182,6 +182,33 @@ def raw_acceptance_notes(summaries: list[dict], recorded: Path | None = None) ->
     return notes
 
 
+def policy_table(summaries: list[dict], title: str, traffic: bool = True):
+    """The per-policy table of a decode's summaries, measured (predicted): rates, cycle times, the
+    errors of their predictions, trees and the cache; with ``traffic`` the bytes per cycle and the
+    search and bookkeeping's share (``specfit decode``; the demo shows it without them)."""
+    from rich.table import Table
+
+    from ..console import figure_text
+
+    table = Table(title=title)
+    names = ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "time MAPE", "profile's", "union MAPE",
+             *(("KB H2D/cycle",) if traffic else ()), "nodes verified", "hit rate", *(("search+book.",) if traffic else ()))
+    for name in names:
+        table.add_column(name, justify="left" if name == "policy" else "right")
+    for s in summaries:
+        bytes_cell = (f"{figure_text(s['bytes_per_cycle'] / 1e3, '.0f')} "
+                      f"({figure_text(s['predicted_bytes_per_cycle'] / 1e3, '.0f')})",)
+        table.add_row(s["policy"], figure_text(s["tokens_per_s"], ".1f"),
+                      f"{figure_text(s['tokens_per_cycle'], '.2f')} ({figure_text(s['predicted_tokens_per_cycle'], '.2f')})",
+                      f"{figure_text(s['time_per_cycle_s'] * 1e3, '.2f')} "
+                      f"({figure_text(s['predicted_time_per_cycle_s'] * 1e3, '.2f')})",
+                      *(figure_text(s[k], ".0%") for k in ("time_mape", "prior_time_mape", "union_mape")),
+                      *(bytes_cell if traffic else ()), figure_text(s["nodes_per_cycle"], ".1f"),
+                      figure_text(s["hit_rate"], ".2f"),
+                      *((figure_text(s.get("overhead_share"), ".0%"),) if traffic else ()))
+    return table
+
+
 def _print_summary(run, out: Path | None, notes: list[str] = ()) -> None:
     """The tables and what the run wrote on stdout, then ``notes`` about the results (after the tables,
     on stdout as the demo's: a log of the run keeps them)."""
@@ -213,24 +240,11 @@ def _print_summary(run, out: Path | None, notes: list[str] = ()) -> None:
             table.add_row(policy, f"{len(rows) - shown} more", "", "", "", "", "", "")
     print_table(console, table)
 
-    table = Table(title=f"measured (predicted) per policy, profile {escape(run.profile_label)}; tokens/s over the measured "
-                        f"cycles; time MAPE (mean absolute % error) of each cycle's predicted time, by the model the policy "
-                        f"decided with (online-refitted unless --frozen-profile) and by the profile; union MAPE: of its "
-                        f"predicted number of distinct experts")
-    for name in ("policy", "tokens/s", "tokens/cycle", "ms/cycle", "time MAPE", "profile's", "union MAPE",
-                 "KB H2D/cycle", "nodes verified", "hit rate", "search+book."):
-        table.add_column(name, justify="left" if name == "policy" else "right")
-    for s in run.summaries:
-        table.add_row(s["policy"], figure_text(s["tokens_per_s"], ".1f"),
-                      f"{figure_text(s['tokens_per_cycle'], '.2f')} ({figure_text(s['predicted_tokens_per_cycle'], '.2f')})",
-                      f"{figure_text(s['time_per_cycle_s'] * 1e3, '.2f')} "
-                      f"({figure_text(s['predicted_time_per_cycle_s'] * 1e3, '.2f')})",
-                      *(figure_text(s[k], ".0%") for k in ("time_mape", "prior_time_mape", "union_mape")),
-                      f"{figure_text(s['bytes_per_cycle'] / 1e3, '.0f')} "
-                      f"({figure_text(s['predicted_bytes_per_cycle'] / 1e3, '.0f')})",
-                      figure_text(s["nodes_per_cycle"], ".1f"), figure_text(s["hit_rate"], ".2f"),
-                      figure_text(s.get("overhead_share"), ".0%"))
-    print_table(console, table)
+    print_table(console, policy_table(
+        run.summaries, f"measured (predicted) per policy, profile {escape(run.profile_label)}; tokens/s over the "
+        f"measured cycles; time MAPE (mean absolute % error) of each cycle's predicted time, by the model the policy "
+        f"decided with (online-refitted unless --frozen-profile) and by the profile; union MAPE: of its predicted "
+        f"number of distinct experts"))
     if run.memory:
         m = run.memory
         pinned = f", pinned {m['pinned_bytes'] / 1e9:.3f} GB" if m["pinned_bytes"] else " (pageable: no GPU)"
