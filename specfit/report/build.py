@@ -196,14 +196,15 @@ def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report
     return index
 
 
-def _run_notes(path: Path) -> list[str]:
-    """The notes a run wrote into its ``run.json`` for its readers (the strings of a list ``notes``)."""
-    notes = (read_run_info(path) or {}).get("notes")
+def _run_notes(info: dict) -> list[str]:
+    """The notes a run wrote into its ``run.json`` (``info``) for its readers (the strings of a list ``notes``)."""
+    notes = info.get("notes")
     return [note for note in notes if isinstance(note, str)] if isinstance(notes, list) else []
 
 
 def _sections(page: Page, path: Path, kinds: list[str]) -> None:
     """The sections of one input, each from the files that hold it."""
+    info = (read_run_info(path) if path.is_dir() else None) or {}        # its run.json, read once
     if "calibration" in kinds:
         profile_path = path if path.is_file() else path / "profile.json"
         profile = load_profile(profile_path)
@@ -215,7 +216,7 @@ def _sections(page: Page, path: Path, kinds: list[str]) -> None:
         cycles = read_parquet(path / "cycles.parquet", columns=["policy", "nodes_verified"]) \
             if (path / "cycles.parquet").is_file() else None
         with _damaged(path, "summary.parquet / cycles.parquet"):
-            simulation_section(page, summary, cycles, str(path), _run_notes(path))
+            simulation_section(page, summary, cycles, str(path), _run_notes(info))
     if "live" in kinds:
         with _damaged(path, "cycles.parquet / cycles.jsonl"):
             cycles = read_decode_cycles(path)
@@ -227,6 +228,6 @@ def _sections(page: Page, path: Path, kinds: list[str]) -> None:
             summaries = []
             page.note(f"{exc}: the table of the model each policy decided with is left out")
         with _damaged(path, "cycles.parquet / summary.json"):
-            live_section(page, cycles, str(path), summaries, _run_notes(path))
+            live_section(page, cycles, str(path), summaries, _run_notes(info), info)
     if "sweep" in kinds:
         _sweep_sections(page, path, kinds)

@@ -7,7 +7,6 @@ import pandas as pd
 from matplotlib.ticker import MaxNLocator
 
 from ..accounting import read_cycles, summarise, waiting_note
-from ..runinfo import read_run_info
 from ..runtime.commands import raw_acceptance_notes
 from .html import Page
 from .plots import bars, identity_scatter, new_axes, policy_colors
@@ -16,12 +15,13 @@ __all__ = ["live_section"]
 
 
 def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | None = None,
-                 notes: list[str] = ()) -> None:
-    """``name``: the run's directory; ``summaries``: its ``summary.json``; ``notes``: its ``run.json``'s."""
+                 notes: list[str] = (), run_info: dict | None = None) -> None:
+    """``name``: the run's directory; ``summaries``: its ``summary.json``; ``notes`` and
+    ``run_info``: its ``run.json``'s notes and the rest of it."""
     page.heading(f"Live decoding: {name}")
     for note in notes:                       # what the run said its readers should know (e.g. that it stopped early)
         page.note(note)
-    for note in _summary_notes(summaries or [], read_run_info(name) or {}):
+    for note in _summary_notes(summaries or [], run_info or {}):
         page.note(note)
     cycles = read_cycles(cycles)
     policies = list(dict.fromkeys(cycles["policy"])) if "policy" in cycles else ["run"]
