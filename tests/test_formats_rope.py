@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
@@ -173,3 +174,27 @@ def test_bfloat16_cos_sin_carry_the_attention_factor_rounded_once_like_transform
     want_cos, want_sin = reference(torch.zeros(1, dtype=torch.bfloat16), positions[None])
     cos, sin = ours.cos_sin(positions, torch.bfloat16)
     assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+
+
+# against a regression in rope.py (a top-level original_max_position_embeddings ignored: yarn and llama3
+# computed for the block's length, another model than transformers builds; logits off by units)
+@pytest.mark.parametrize("raw", [
+    {"rope_parameters": {"rope_theta": 5000.0, **VARIANTS["yarn"]}},
+    {"rope_theta": 5000.0, "rope_scaling": {"type": "yarn", "factor": 8.0}},
+    {"rope_parameters": {"rope_theta": 5000.0, **VARIANTS["llama3"]}},
+], ids=["yarn", "yarn-hub-spelling", "llama3"])
+def test_a_top_level_original_length_overrides_the_rope_blocks_like_transformers(raw):
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRotaryEmbedding
+
+    raw = {**raw, "original_max_position_embeddings": 16}
+    # a copy: transformers writes the length into the block it is given
+    config = Qwen3MoeConfig(hidden_size=64, num_attention_heads=4, head_dim=32, max_position_embeddings=MAX_POS,
+                            **copy.deepcopy(raw))
+    reference = Qwen3MoeRotaryEmbedding(config)     # its RoPE functions standardize again: the top-level key wins
+    assert config.rope_parameters["original_max_position_embeddings"] == 16
+    spec = parse_rope(raw, "config.json", MAX_POS)
+    assert spec.original_max_position_embeddings == 16
+    ours = Rotary(spec, 32, MAX_POS)
+    assert torch.equal(ours.inv_freq, reference.inv_freq)
+    assert ours.attention_scaling == pytest.approx(reference.attention_scaling, rel=1e-12)

@@ -3,7 +3,8 @@
 A config names its RoPE in one of two spellings: the hub's (``rope_theta`` at the top level and an
 optional ``rope_scaling`` block whose kind is ``type`` or ``rope_type``) or what ``transformers``
 5.x writes (``rope_parameters: {rope_theta, rope_type, ...}``). As in ``transformers``, a
-``rope_scaling`` block takes precedence and a top-level ``rope_theta`` fills a block that has none.
+``rope_scaling`` block takes precedence and a top-level ``rope_theta`` fills a block that has none;
+a top-level ``original_max_position_embeddings`` overrides the block's for ``yarn`` and ``llama3``.
 
 Variants (the formulas of ``transformers.modeling_rope_utils``, operation by operation in float32,
 so the frequencies agree bit for bit):
@@ -96,6 +97,9 @@ def parse_rope(raw: dict, source: str, max_position_embeddings: int, default_the
     if rope_type == "default":
         return RopeSpec(theta=theta)
     original = number("original_max_position_embeddings", kind=int)
+    if rope_type in ("yarn", "llama3") and raw.get("original_max_position_embeddings") is not None:
+        # transformers' precedence: a top-level key (Phi-3's spelling) overrides the block's
+        original = config_value(raw["original_max_position_embeddings"], "original_max_position_embeddings", source, int)
     factor = number("factor")
     if rope_type == "yarn":
         original = original or int(max_position_embeddings)
@@ -106,8 +110,8 @@ def parse_rope(raw: dict, source: str, max_position_embeddings: int, default_the
     if rope_type in ("linear", "dynamic") and factor < 1.0:
         raise SpecFitError(f"{source}: key '{key}.factor' must be >= 1 for rope_type {rope_type!r}, got {factor}")
     if rope_type == "llama3":
-        missing = [name for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-                   if block.get(name) is None]
+        missing = [name for name in ("low_freq_factor", "high_freq_factor") if block.get(name) is None]
+        missing += ["original_max_position_embeddings"] if original is None else []
         if missing:
             raise SpecFitError(f"{source}: key {key!r} (rope_type 'llama3') misses {missing}")
     return RopeSpec(theta=theta, rope_type=rope_type, factor=factor, original_max_position_embeddings=original,
