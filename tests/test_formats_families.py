@@ -317,6 +317,8 @@ def test_mla_absorbed_attention_equals_the_expanded_form_and_is_chosen_for_few_q
     ({"norm_topk_prob": True}, "'norm_topk_prob' is true"),
     ({"scoring_func": "sigmoid"}, "'scoring_func' must be 'softmax'"),
     ({"moe_layer_freq": 2}, "'moe_layer_freq' must be 1"),
+    # against a regression in config.py (accepted, then the loader's unread-tensor error named a bias, not the key)
+    ({"mlp_bias": True}, "'mlp_bias' is true"),
     ({"moe_layer_freq": "1"}, "'moe_layer_freq' must be 1, got '1'"),
     ({"first_k_dense_replace": "1"}, "'first_k_dense_replace' must be an integer, got '1'"),
     ({"first_k_dense_replace": -1}, "'first_k_dense_replace' must be a non-negative integer, got -1"),

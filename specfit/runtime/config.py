@@ -214,6 +214,9 @@ class ModelConfig:
         n_kv_heads = get("num_key_value_heads", default=family.kv_heads_default or n_heads)
         if raw.get("hidden_act", "silu") != "silu":
             raise SpecFitError(f"{source}: key 'hidden_act' must be 'silu', got {raw['hidden_act']!r}")
+        if family.model_type == "deepseek_v2" and raw.get("mlp_bias"):
+            # transformers' DeepSeek-V2 then has biases on its dense and shared-expert MLPs
+            raise SpecFitError(f"{source}: key 'mlp_bias' is true; DeepSeek-V2 MLPs without biases only")
         n_experts = get(*family.expert_count_keys)
         top_k = get("num_experts_per_tok")
         for name, value in (("hidden_size", hidden_size), ("num_hidden_layers", n_layers),
