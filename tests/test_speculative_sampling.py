@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import ctypes
+from collections import namedtuple
+
 import numpy as np
 import pytest
 import torch
@@ -13,9 +16,13 @@ from speculative_fixtures import make_drafter, speculative_decoder
 from specfit.costmodel import CostModel
 from specfit.policies import make_policy
 from specfit.errors import SpecFitError
+from specfit.assets import tiny_moe_dir, tiny_moe_eagle3_dir
 from specfit.runtime.acceptance import NonFiniteLogits, sample_accept, sample_token
+from specfit.runtime.decoder import Decoder
+from specfit.runtime.drafting import Proposer
 from specfit.runtime.eagle3 import Eagle3Config, Eagle3Drafter
-from specfit.runtime.loader import load_model
+from specfit.runtime.loader import drafter_capture_layers, load_drafter, load_model
+from specfit.runtime.config import ModelConfig
 from specfit.runtime.model import causal_mask
 from specfit.tree import DraftTree
 
@@ -380,3 +387,174 @@ def test_nan_logits_in_a_verification_pass_are_one_error_naming_the_target(sampl
     finally:
         del model.forward
     assert len(calls) == 3
+
+
+class _ScriptedBits(np.random.PCG64):
+    """A bit generator whose doubles are scripted (``script``, then 0.0 once it runs out), read by
+    the compiled walk: numba draws through the bit generator's ``ctypes`` interface, which this
+    overrides (``drawn`` counts the draws)."""
+
+    _interface = namedtuple("interface", "state_address state next_uint64 next_uint32 next_double bit_generator")
+
+    def __init__(self):
+        super().__init__(0)
+        self.script, self.drawn = [], 0
+        base = super().ctypes
+        self._callbacks = (ctypes.CFUNCTYPE(ctypes.c_uint64, ctypes.c_void_p)(lambda _: 0),
+                           ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_void_p)(lambda _: 0),
+                           ctypes.CFUNCTYPE(ctypes.c_double, ctypes.c_void_p)(self._next_double))
+        self._scripted = self._interface(base.state_address, base.state, *self._callbacks, base.bit_generator)
+
+    def _next_double(self, _state):
+        u = self.script[self.drawn] if self.drawn < len(self.script) else 0.0
+        self.drawn += 1
+        return u
+
+    @property
+    def ctypes(self):
+        return self._scripted
+
+
+def exact_walk_outcomes(tree: DraftTree, nodes: np.ndarray, logits: torch.Tensor, temperature: float) -> dict:
+    """{(path, bonus): probability} of one walk over every uniform number it can draw (numpy's
+    ``random()`` draws ``k / 2**53``), found by running the compiled walk on scripted numbers: each
+    draw's outcomes are intervals of ``k``, whose ends bisection finds, and each interval is
+    followed into the next draw (their widths multiplied)."""
+    grid = 1 << 53
+    bits = _ScriptedBits()
+    rng = np.random.Generator(bits)
+
+    def run(script):
+        bits.script, bits.drawn = [k / grid for k in script], 0
+        path, bonus, _ = sample_accept(tree, nodes, logits, temperature, rng)
+        return (tuple(path.tolist()), int(bonus)), bits.drawn
+
+    outcomes = {}
+
+    def follow(script, probability):
+        outcome, drawn = run(script)
+        if drawn <= len(script):          # decided before the next draw
+            outcomes[outcome] = outcomes.get(outcome, 0.0) + probability
+            return
+        low = 0
+        while low < grid:
+            outcome = run(script + [low])
+            inside, outside = low, grid
+            while outside - inside > 1:
+                middle = (inside + outside) // 2
+                if run(script + [middle]) == outcome:
+                    inside = middle
+                else:
+                    outside = middle
+            follow(script + [(low + outside - 1) // 2], probability * (outside - low) / grid)
+            low = outside
+
+    follow([], 1.0)
+    assert bits.drawn > 0          # the walk drew through the scripted interface
+    return outcomes
+
+
+def test_every_token_a_cycle_commits_follows_the_target_exactly_over_all_outcomes():
+    """Random trees, their one-cycle outcomes enumerated exactly (not sampled): after every accepted
+    token prefix, the next committed token (a drafted child or the bonus) has exactly the target's
+    distribution there, ``softmax(logits / temperature)`` (temperature once, float64), to 1e-9.
+    The trees have duplicate siblings (a reduced draft vocabulary mapped onto the target's), tokens
+    the target gives probability 0 or 1, tokens never drafted (only the bonus can commit them),
+    deep chains, unverified subtrees, and float32, float64 and bfloat16 logits; the target's
+    logits depend on the token path alone, as a real target's do."""
+    maker = np.random.default_rng(7)
+    seen = dict(prefixes=0, non_first=0, after_leaf=0, undrafted=0, duplicates=0)
+    for case in range(150):
+        n, V = int(maker.integers(1, 10)), int(maker.integers(2, 6))
+        parents = (np.r_[-1, np.arange(n - 1)] if case % 4 == 0 else              # a chain
+                   np.r_[-1, [int(maker.integers(0, v)) for v in range(1, n)]]).astype(np.int64)
+        probs = np.ones(n)
+        for v in range(1, n):
+            probs[v] = probs[parents[v]] * maker.choice([0.5, maker.uniform(0.05, 1.0)])
+        tokens = maker.integers(0, V, size=n)
+        keep = np.r_[True, maker.random(n - 1) < 0.8]
+        for v in range(1, n):
+            keep[v] &= keep[parents[v]]
+        verified = np.flatnonzero(keep)
+
+        def token_path(v):
+            return (*token_path(parents[v]), int(tokens[v])) if v > 0 else ()
+
+        by_context, rows = {}, []
+        for v in verified:
+            if token_path(v) not in by_context:
+                row = maker.normal(size=V) * maker.uniform(0.2, 3)
+                kind = case % 5
+                if kind == 1:           # zeros
+                    row[maker.random(V) < 0.4] = -np.inf
+                    row[maker.integers(0, V)] = 0.5
+                elif kind == 2:         # a point mass
+                    row[:] = -np.inf
+                    row[maker.integers(0, V)] = 1.0
+                elif kind == 3:         # drafts the target likes
+                    row[tokens[maker.integers(0, n)]] += 3.0
+                by_context[token_path(v)] = row
+            rows.append(by_context[token_path(v)])
+        logits = torch.tensor(np.array(rows), dtype=(torch.float32, torch.float64, torch.bfloat16)[case % 3])
+        temperature = float(maker.choice([1.0, maker.uniform(0.2, 2.0)]))
+        tree = DraftTree(parents=parents, path_probs=probs, tokens=tokens)
+        p = target_probs(logits, temperature)
+        row_of = {int(v): i for i, v in enumerate(verified)}
+
+        def first_tried(v):          # the drafter's order: path probability descending, ties the earlier node
+            children = verified[parents[verified] == v]
+            return children[np.lexsort((children, -probs[children]))][0]
+
+        outcomes = exact_walk_outcomes(tree, verified, logits, temperature)
+        assert sum(outcomes.values()) == pytest.approx(1.0, abs=1e-12)
+        following, node_at = {}, {}        # accepted token prefix -> next token's probability, its node
+        for (path, bonus), probability in outcomes.items():
+            committed = [int(t) for t in tokens[list(path[1:])]] + [bonus]
+            for j, token in enumerate(committed):
+                node_at.setdefault(tuple(committed[:j]), set()).add(path[j])
+                next_token = following.setdefault(tuple(committed[:j]), np.zeros(V))
+                next_token[token] += probability
+            seen["after_leaf"] += len(path) > 1 and not np.any(parents[verified] == path[-1])
+            seen["non_first"] += any(path[j + 1] != first_tried(path[j]) for j in range(len(path) - 1))
+        for prefix, next_token in following.items():
+            (node,) = node_at[prefix]          # one node per accepted prefix
+            np.testing.assert_allclose(next_token / next_token.sum(), p[row_of[node]], rtol=0, atol=1e-9,
+                                       err_msg=f"case {case}, after {prefix}")
+            drafted = tokens[verified[parents[verified] == node]]
+            seen["undrafted"] += np.any(np.isin(np.flatnonzero(p[row_of[node]] > 0), drafted, invert=True))
+            seen["duplicates"] += np.unique(drafted).size < drafted.size
+            seen["prefixes"] += 1
+    assert min(seen.values()) > 20, seen
+
+
+def test_sampled_cycles_verify_with_the_logits_of_the_committed_sequence_recomputed():
+    """Sampling accepts paths greedy decoding never would (a non-first child, a token other than
+    the argmax): after each cycle's KV compaction the next cycle's target logits, at every node of
+    its accepted path, equal a plain causal pass over the committed sequence. The bundled model and
+    its EAGLE-3 drafter (a reduced draft vocabulary, mapped by d2t), several seeds and temperatures."""
+    drafter_dir = tiny_moe_eagle3_dir()
+    config = ModelConfig.from_dir(tiny_moe_dir())
+    model = load_model(tiny_moe_dir(), cache_experts=6, capture_layers=drafter_capture_layers(drafter_dir, config))
+    drafter = load_drafter(drafter_dir, model)
+    reference = load_model(tiny_moe_dir(), cache_experts=config.n_experts)
+    prompt = [1, 57, 300, 12, 9, 77]
+    non_first = 0
+    for temperature, seed in ((1.0, 0), (0.6, 1)):
+        decoder = Decoder(model, Proposer(drafter, 4), make_policy("eagle3:8:3"), COST, temperature=temperature,
+                          seed=seed)
+        cycles = []
+
+        def keep(stats, _tokens):
+            rows = stats.verification.nodes.searchsorted(stats.path)
+            cycles.append((stats.position, stats.verification.logits[rows].clone(), stats.path, stats.draft.tree))
+
+        result = decoder.generate(prompt, 40, ignore_eos=True, on_cycle=keep)
+        sequence = prompt + result.output_ids
+        n = len(sequence)
+        reference.setup_kv_cache(n)
+        full = reference(sequence, np.arange(n), causal_mask(0, n)).logits
+        for position, logits, path, tree in cycles:
+            start = len(prompt) + position          # the cycle's root in the sequence
+            torch.testing.assert_close(logits, full[start:start + path.size], rtol=0, atol=1e-4)
+            non_first += any(path[j + 1] != np.flatnonzero(tree.parents == path[j])[0] for j in range(path.size - 1))
+    assert non_first >= 3          # paths through a later sibling were accepted and compacted
