@@ -61,8 +61,10 @@ def test_each_cycle_reports_the_output_position_of_its_root(model):
     assert [c.committed_tokens for c in result.cycles] == [1] * 5
 
 
-@pytest.mark.parametrize("bad", [-0.5, -1e-9])
-def test_decoder_refuses_a_negative_temperature(model, bad):
+@pytest.mark.parametrize("bad", [-0.5, -1e-9, float("nan"), float("inf")])
+def test_decoder_refuses_a_negative_or_non_finite_temperature(model, bad):
+    # NaN compares False with 0: it decoded greedily without a word; inf sampled uniformly (and a row
+    # with a -inf logit gave NaN, "no distribution")
     with pytest.raises(ValueError, match=r"temperature: expected >= 0"):
         Decoder(model, temperature=bad)
 

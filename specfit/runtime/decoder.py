@@ -98,8 +98,8 @@ class Decoder:
                  temperature: float = 0.0, seed: int = 0, calibrator: AcceptanceCalibrator | None = None,
                  recorder=None, commit_root_only: bool = False, online_refit: bool | OnlineCostModel = True,
                  pause_gc: bool = True):
-        if temperature < 0:
-            raise ValueError(f"temperature: expected >= 0, got {temperature}")
+        if not 0 <= temperature < float("inf"):      # NaN too: it would decode greedily, silently
+            raise ValueError(f"temperature: expected >= 0 and finite, got {temperature}")
         if commit_root_only and temperature > 0:
             # a full-tree recording is of the greedy output: its root verdict is the argmax
             raise ValueError(f"commit_root_only: a full-tree recording decodes greedily; got temperature {temperature}")
