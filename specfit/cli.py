@@ -14,15 +14,22 @@ class _Commands(TyperGroup):
     """The command group: bad input (:class:`~specfit.errors.SpecFitError`, from any command) and an
     operating-system error that no command expected (a full disk, a file that vanished or turned
     into a directory mid-run) end as one line naming the file, status 2, not a traceback. Files are
-    written atomically, so what was complete before it stays whole."""
+    written atomically, so what was complete before it stays whole. A Ctrl-C or a kill that no
+    command's own handling met (while it imports torch, or prints its tables) ends in one line too,
+    with the stop's status (typer's own exit is status 130 without a word, a SIGTERM's too)."""
 
     def invoke(self, ctx):
-        from .errors import PEER_ERRORS, SpecFitError, fail
+        from .errors import INTERRUPTS, PEER_ERRORS, Interrupted, SpecFitError, fail, stopped, stopped_by
 
         try:
             return super().invoke(ctx)
         except SpecFitError as exc:         # bad input, from any command: its one line, status 2
             fail(str(exc))
+        except Interrupted as exc:          # says itself what was kept
+            stopped(str(exc))
+        except INTERRUPTS as exc:
+            stopped_by(exc, "interrupted before the command could say what it kept (its files are written whole or "
+                            "not at all: none is half-written)")
         except PEER_ERRORS:
             raise               # a reader that went away (`| head`: click ends quietly), a network's
         except OSError as exc:

@@ -442,6 +442,31 @@ def test_a_ctrl_c_while_files_are_written_waits_for_the_last_of_them(tmp_path):
         signal.signal(signal.SIGINT, inherited)
 
 
+@pytest.mark.parametrize("signal_name, status", [("SIGINT", 130), ("SIGTERM", 143)])
+def test_a_stop_outside_a_commands_own_handling_is_one_line_with_the_stops_status(tmp_path, monkeypatch, signal_name,
+                                                                                  status):
+    """A Ctrl-C or a kill while decode imports torch, before its run (and its handling of a stop)
+    begins: typer's own exit was status 130 without a word, for a SIGTERM too."""
+    import signal
+
+    import specfit.runtime.commands as decode_commands
+
+    def stopped_while_importing(threads):
+        os.kill(os.getpid(), getattr(signal, signal_name))
+
+    monkeypatch.setattr(decode_commands, "set_cpu_threads", stopped_while_importing)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)   # a background job's is SIG_IGN
+    try:
+        result = invoke("decode", "--model", tmp_path / "model", "--prompts", tmp_path / "prompts.jsonl",
+                        "--cache-experts", 3, "--out", tmp_path / "run")
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == status and len(lines) == 1, result.output
+    assert lines[0].startswith("interrupted before the command could say what it kept") and "Traceback" not in result.output
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_killed_write_leaves_no_temporary_file_once_the_file_is_written_again(tmp_path):
     from specfit.io import write_text_atomic
 
