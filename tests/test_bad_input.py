@@ -467,6 +467,38 @@ def test_a_stop_outside_a_commands_own_handling_is_one_line_with_the_stops_statu
     assert not (tmp_path / "run").exists()
 
 
+def test_a_ctrl_c_while_calibrates_report_is_written_says_the_report_was_completed(tmp_path, monkeypatch, capsys):
+    """``calibrate --report``: a Ctrl-C while the report's files are written waits for the last of
+    them (``deferred_interrupt``); the command said no report was written beside the finished one."""
+    import signal
+
+    import typer
+    from rich.console import Console
+
+    import specfit.report.build as build
+    from specfit.calibrate.commands import _report
+
+    write = build.write_json_atomic
+
+    def stopped_while_writing(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)           # arrives between the report's two files
+        return write(*args, **kwargs)
+
+    monkeypatch.setattr(build, "write_json_atomic", stopped_while_writing)
+    profile = Path(__file__).resolve().parents[1] / "calibrate" / "examples" / "vm-x86-64-tiny-moe.json"
+    report = tmp_path / "report"
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)   # a background job's is SIG_IGN
+    try:
+        with pytest.raises(typer.Exit) as stop:
+            _report(profile, report, False, Console(stderr=True))
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+    said = capsys.readouterr().err
+    assert stop.value.exit_code == 130 and f"the report in {report} was completed first" in said, said
+    assert "no report was written" not in said and str(profile) in said
+    assert (report / "index.html").is_file() and json.loads((report / "inputs.json").read_text()) == [str(profile)]
+
+
 def test_a_killed_write_leaves_no_temporary_file_once_the_file_is_written_again(tmp_path):
     from specfit.io import write_text_atomic
 

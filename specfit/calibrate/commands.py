@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from ..errors import INTERRUPTS, SpecFitError, check_seed, fail, stopped_by
+from ..errors import INTERRUPTS, Interrupted, SpecFitError, check_seed, fail, stopped, stopped_by
 from ..io import check_output, repeated_path, strict_dumps
 from ..threads import THREADS_HELP, set_cpu_threads
 
@@ -114,6 +114,8 @@ def _report(profile_path: Path, report_dir: Path | None, quiet: bool, console) -
                              say=lambda line: console.print(line, markup=False, highlight=False))
     except SpecFitError as exc:
         fail(f"{exc} (the profile was written to {profile_path})")
+    except Interrupted as exc:              # stopped while the report's files were written: they were completed first
+        stopped(f"{exc}; the profile was written to {profile_path}")
     except INTERRUPTS as exc:
         stopped_by(exc, f"interrupted: the profile was written to {profile_path}; no report was written to {report_dir}")
     if not quiet:
