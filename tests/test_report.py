@@ -154,6 +154,27 @@ def test_live_report_shows_the_online_model_each_policy_ended_with(tmp_path):
         assert html.escape(said[0]) in text
 
 
+def test_a_killed_decodes_report_says_the_run_did_not_end(tmp_path):
+    """A SIGKILL leaves the cycles journal (a run that ends or stops removes it) and no note in
+    run.json: the report shows the journal's cycles and says the run did not end; the same cycles
+    from a run that ended say nothing of the kind."""
+    rows = [{"policy": "ar", "cycle": i, "draft_levels": 0, "nodes_verified": 1, "hits": 6, "misses": 2,
+             "measured_time_s": 0.01, "predicted_time_s": 0.01, "predicted_tokens": 1.0, "committed_tokens": 1}
+            for i in range(6)]
+    killed, ended = tmp_path / "killed", tmp_path / "ended"
+    killed.mkdir()
+    ended.mkdir()
+    (killed / "cycles.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows) + '{"policy": "ar", "cyc')
+    pd.DataFrame(rows).to_parquet(ended / "cycles.parquet")
+    said = []
+    text = build_report([killed], tmp_path / "rep", say=said.append).read_text()
+    assert len(said) == 1 and str(killed / "cycles.jsonl") in said[0] and "did not end" in said[0], said
+    assert "the 6 cycle(s) it completed" in said[0] and html.escape(said[0]) in text
+    said = []
+    build_report([ended], tmp_path / "rep2", say=said.append)
+    assert not said
+
+
 def test_report_command_errors_are_one_line(tmp_path):
     result = CliRunner().invoke(app, ["report", str(tmp_path), "--out", str(tmp_path / "r")])
     assert result.exit_code == 2

@@ -222,6 +222,12 @@ def _sections(page: Page, path: Path, kinds: list[str]) -> None:
             cycles = read_decode_cycles(path)
         if cycles.empty:
             raise SpecFitError(f"{path / 'cycles.parquet'}: no decode cycles to report")
+        if (path / JOURNAL_FILE).is_file():
+            # a run that ends or stops removes its journal: a kill (or a run still going) leaves it,
+            # with no note in run.json, which only a stop the run saw can write
+            page.note(f"{path / JOURNAL_FILE}: the journal of a `specfit decode` that did not end (it was killed, or "
+                      f"is still running): this shows the {len(cycles)} cycle(s) it completed, and its "
+                      f"{OUTPUT_FILE} and summary.json may be older than them")
         try:
             summaries = read_decode_summaries(path)
         except SpecFitError as exc:               # the cycles are still worth the page
