@@ -19,7 +19,7 @@ from typing import Optional
 
 import typer
 
-from .errors import INTERRUPTS, SpecFitError, stopped_by
+from .errors import INTERRUPTS, Interrupted, SpecFitError, stopped, stopped_by
 from .threads import THREADS_HELP, set_cpu_threads
 
 __all__ = ["DemoPlan", "run_demo", "register", "whatif_scenarios"]
@@ -121,6 +121,19 @@ def _clear_previous(out: Path) -> None:
     shutil.rmtree(out / "simulate", ignore_errors=True)
 
 
+class ReportCompleted(Interrupted):
+    """A Ctrl-C during the demo's last step, its report: held until the report was complete."""
+
+
+def _write_report(out: Path) -> Path:
+    from .report.build import build_report
+
+    try:
+        return build_report([out], out, title="SpecFit demo: the bundled tiny MoE")
+    except Interrupted as exc:        # held until the report's files were complete: every step is done
+        raise ReportCompleted(f"{exc}; every step of the demo is done") from None
+
+
 def run_demo(plan: DemoPlan, say=print, progress=None) -> dict:
     """Run every step; returns what the final table shows and the report's path."""
     from .io import run_dir_lock
@@ -134,7 +147,6 @@ def run_demo(plan: DemoPlan, say=print, progress=None) -> dict:
 def _run_demo(plan: DemoPlan, out: Path, say, progress) -> dict:
     from .assets import tiny_moe_dir, tiny_moe_eagle3_dir
     from .calibrate.calibrate_job import CalibrationPlan, calibrate, refit
-    from .report.build import build_report
     from .runtime.decode_job import DecodePlan, run_decode
     from .io import write_json_atomic
     from .runinfo import RUN_INFO_FILE, read_run_info, run_info, write_run_info
@@ -216,7 +228,7 @@ def _run_demo(plan: DemoPlan, out: Path, say, progress) -> dict:
     timings["simulate_s"] = time.perf_counter() - started
 
     say("4/4 writing the report")
-    index = build_report([out], out, title="SpecFit demo: the bundled tiny MoE")
+    index = _write_report(out)
     return {"report": index, "decode": decoded, "summary": summary, "profile": profile, "timings": timings,
             "outputs_identical": decoded.outputs_identical, "whatif_notes": notes}
 
@@ -329,9 +341,12 @@ def demo_command(
             task = bar.add_task("demo", total=None)
             result = run_demo(plan, say=lambda m: (console.print(m, markup=False), bar.update(task, description=escape(m))),
                               progress=lambda *a: bar.advance(task))
+    except ReportCompleted as exc:
+        stopped(str(exc))
     except INTERRUPTS as exc:
-        stopped_by(exc, f"interrupted: what finished is kept under {out} (decode runs keep every complete cycle); run "
-                        f"specfit demo again for the report")
+        kept = (f"what finished is kept under {out} (decode runs keep every complete cycle)" if out.exists()
+                else f"nothing was written ({out} was not made)")
+        stopped_by(exc, f"interrupted: {kept}; run specfit demo again for the report")
 
     # decode's per-policy table, without its traffic columns
     table = policy_table(result["decode"].summaries, "Live decoding of the bundled tiny MoE on this machine (measured, "

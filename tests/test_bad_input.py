@@ -623,3 +623,37 @@ def test_prompt_token_id_equal_to_the_vocabulary_size_is_refused(tmp_path):
     path.write_text(json.dumps({"input_ids": [1, 100]}) + "\n")
     with pytest.raises(SpecFitError, match="token id 100 outside the vocabulary"):
         read_prompts(path, vocab_size=100)
+
+
+@pytest.mark.parametrize("where", ["before anything was written", "while the report was written"])
+def test_a_ctrl_c_in_the_demo_says_what_is_there(tmp_path, monkeypatch, where):
+    """The demo said "what finished is kept under OUT" when OUT had not been made, and "run specfit
+    demo again for the report" when the Ctrl-C had been held until its report was complete."""
+    from typer.testing import CliRunner
+
+    import specfit.demo as demo
+    import specfit.report.build as build
+    from specfit.cli import app
+    from specfit.errors import Interrupted
+
+    out = tmp_path / "demo"
+    if where == "before anything was written":
+        def stop(plan, say=print, progress=None):
+            raise KeyboardInterrupt
+        monkeypatch.setattr(demo, "run_demo", stop)
+    else:
+        def run_to_the_report(plan, say=print, progress=None):
+            Path(plan.out_dir).mkdir(parents=True)
+            return demo._write_report(Path(plan.out_dir))
+
+        def held_until_written(*args, **kwargs):    # what deferred_interrupt raises once the files are whole
+            raise Interrupted(f"interrupted while writing: the report in {out} was completed first")
+        monkeypatch.setattr(build, "build_report", held_until_written)
+        monkeypatch.setattr(demo, "run_demo", run_to_the_report)
+    result = CliRunner().invoke(app, ["demo", "--quick", "--out", str(out)])
+    assert result.exit_code == 130, result.output
+    if where == "before anything was written":
+        assert f"nothing was written ({out} was not made)" in result.output and "kept under" not in result.output
+    else:
+        assert "was completed first; every step of the demo is done" in result.output
+        assert "again for the report" not in result.output
