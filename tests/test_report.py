@@ -682,3 +682,23 @@ def test_a_decode_page_says_the_terminals_notes_and_predicted_bytes_next_to_meas
     cells = re.findall(r"<td>([^<]*)</td>", table)
     row = dict(zip(header, cells))
     assert row["MB H2D/cycle (measured)"] == "4" and row["MB H2D/cycle (predicted)"] == "5"
+
+
+def test_simulation_bar_labels_write_speed_ups_as_the_terminal_does():
+    """The bars' speed-up labels were ``f"{x:.2f}x"``: a 0.2% loss read 1.00x where simulate's table
+    says 0.998x, and a run without ar labelled every bar "nanx"."""
+    from specfit.accounting import with_speedups
+    from specfit.report.html import Page
+    from specfit.report.simulation import simulation_section
+
+    def page_of(policies, rates):
+        summary = pd.DataFrame({"trace": "t", "profile": "pcie4", "cache_experts": 0, "policy": policies,
+                                "tokens_per_s": rates, "bytes_per_token": 1e6})
+        page = Page("t")
+        simulation_section(page, with_speedups(summary, ["trace", "profile", "cache_experts"]), None, "run")
+        return page.render()
+
+    text = page_of(["ar", "specfit"], [10.0, 9.98])
+    assert "<!-- 0.998x -->" in text and "<!-- 1.00x -->" in text
+    text = page_of(["eagle3", "specfit"], [5.0, 9.0])
+    assert "nanx" not in text and not re.search(r"<!-- [^>]*x -->", text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ..console import speedup_text
 from ..errors import SpecFitError
 from .html import Page
 from .plots import grouped_bars, legend_outside, log_x, new_axes
@@ -39,10 +40,13 @@ def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame |
         table = group.set_index(["cache_experts", "policy"])
         labels = [_label([table.loc[(c, p)] for c in caches]) if p == "static:auto" else p for p in policies]
         series = {f"{c} cached": [table.loc[(c, p), "tokens_per_s"] for p in policies] for c in caches}
-        notes = {f"{c} cached": [f"{table.loc[(c, p), 'speedup_vs_ar']:.2f}x" for p in policies] for c in caches}
+        # as the terminal writes them: a loss is never rounded to 1.00x, and a run without ar has no label
+        notes = {f"{c} cached": [speedup_text(table.loc[(c, p), "speedup_vs_ar"], missing="") for p in policies]
+                 for c in caches}
         page.figure(grouped_bars(labels, series, "tokens / s", notes, title=f"{trace} on {profile}"),
                     "Committed tokens per second of charged cycle time, per policy and expert-cache size "
-                    "(experts per layer); labels: speed-up vs ar at the same cache size.")
+                    "(experts per layer); labels: speed-up vs ar at the same cache size (none where ar was not "
+                    "replayed).")
         if len(caches) > 1:
             page.figure(_throughput_vs_cache(group, page.policy_colors(policies)),
                         "Throughput vs expert-cache size, per policy.")
