@@ -702,3 +702,30 @@ def test_simulation_bar_labels_write_speed_ups_as_the_terminal_does():
     assert "<!-- 0.998x -->" in text and "<!-- 1.00x -->" in text
     text = page_of(["eagle3", "specfit"], [5.0, 9.0])
     assert "nanx" not in text and not re.search(r"<!-- [^>]*x -->", text)
+
+
+def test_a_global_caches_sizes_are_labelled_experts_in_all_not_per_layer(tmp_path):
+    """simulate --cache-mode global counts a cache in experts of every layer together; its report
+    called 256 cached experts (of 16 x 64) "experts the cache holds per layer", 4x what the model has."""
+    trace = REPO / "traces" / "olmoe-1b-7b-real-routing.parquet"
+    runs = {}
+    for mode in ("per_layer", "global"):
+        out = tmp_path / mode
+        result = CliRunner().invoke(app, ["simulate", "--trace", str(trace), "--profile", "pcie4", "--policies",
+                                          "ar,specfit", "--cache-experts", "0,256" if mode == "global" else "0,16",
+                                          "--cache-mode", mode, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        runs[mode] = html.unescape(build_report([out], tmp_path / f"rep-{mode}").read_text())
+    assert "cached experts: experts the cache holds in all;" in runs["global"]
+    assert "(experts in all)" in runs["global"] and "<!-- cached experts in all -->" in runs["global"]
+    assert "cached experts: experts the cache holds per layer;" in runs["per_layer"]
+    assert "<!-- cached experts per layer -->" in runs["per_layer"]
+    # a sweep's heat map of a global cache, likewise
+    from specfit.report.html import Page
+    from specfit.report.sweep import sweep_section
+
+    page = Page("t")
+    sweep_section(page, pd.DataFrame({"trace": "t", "profile": "pcie4", "policy": "ar", "cache_mode": "global",
+                                      "cache_experts": [0, 0, 256, 256], "link_gbps": [25.0, 50.0] * 2,
+                                      "tokens_per_s": [1.0, 2.0, 3.0, 4.0]}), "sweep")
+    assert "by expert-cache size (experts in all)" in html.unescape(page.render())

@@ -10,7 +10,7 @@ from ..errors import SpecFitError
 from .html import Page
 from .plots import grouped_bars, legend_outside, log_x, new_axes
 
-__all__ = ["simulation_section"]
+__all__ = ["simulation_section", "cache_unit"]
 
 _POLICY_ORDER = ("ar", "chain", "static", "eagle3-nocache", "eagle3", "specfit", "oracle")
 
@@ -32,6 +32,7 @@ def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame |
                    "number of cycles and their cost differ.")
     for note in notes:                       # what the run said its readers should know
         page.note(note)
+    unit = cache_unit(summary)
     groups = summary.groupby(["trace", "profile"], sort=False)
     for (trace, profile), group in groups:
         page.heading(f"{trace} on {profile}", level=3)
@@ -45,10 +46,10 @@ def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame |
                  for c in caches}
         page.figure(grouped_bars(labels, series, "tokens / s", notes, title=f"{trace} on {profile}"),
                     "Committed tokens per second of charged cycle time, per policy and expert-cache size "
-                    "(experts per layer); labels: speed-up vs ar at the same cache size (none where ar was not "
+                    f"(experts {unit}); labels: speed-up vs ar at the same cache size (none where ar was not "
                     "replayed).")
         if len(caches) > 1:
-            page.figure(_throughput_vs_cache(group, page.policy_colors(policies)),
+            page.figure(_throughput_vs_cache(group, page.policy_colors(policies), unit),
                         "Throughput vs expert-cache size, per policy.")
         page.figure(grouped_bars(labels, {f"{c} cached": [table.loc[(c, p), "bytes_per_token"] / 1e6 for p in policies]
                                           for c in caches}, "MB H2D / token"),
@@ -59,7 +60,7 @@ def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame |
                     "cycles over every trace, profile and cache size of the run.")
     summary = summary.assign(bytes_per_token=summary["bytes_per_token"] / 1e6)     # MB, as in the figures
     page.table(_shown(summary, _SUMMARY), percent=("hit rate",), caption=(
-        "Summary per trace, profile, cache size and policy. cached experts: experts the cache holds per layer; "
+        f"Summary per trace, profile, cache size and policy. cached experts: experts the cache holds {unit}; "
         "tokens / s: committed tokens per second of charged cycle time; MB H2D / token: host-to-device megabytes "
         "(10^6 bytes) per committed token; hit rate: share of the verified union's experts found in the cache; "
         "nodes / cycle: draft-tree nodes verified per cycle; draft levels / cycle: drafter passes per cycle; "
@@ -97,6 +98,16 @@ _QUALITY_SHARES = ("union precision", "union recall", "union-size MAPE", "union-
                    "misses MAPE per layer", "tokens bias", "time MAPE", "time bias")
 
 
+def cache_unit(frame: pd.DataFrame) -> str:
+    """What the cache sizes of ``frame``'s rows count: experts "per layer", or "in all" where every
+    row's cache is global (``--cache-mode global``; a summary written before it said its mode is
+    per layer, the default)."""
+    modes = set(frame["cache_mode"].astype(str)) if "cache_mode" in frame else {"per_layer"}
+    if modes == {"global"}:
+        return "in all"
+    return "per layer" if "global" not in modes else "per layer, or in all where the cache mode is global"
+
+
 def _shown(frame: pd.DataFrame, columns: dict) -> pd.DataFrame:
     """The ``columns`` of ``frame`` it has, renamed to their headers."""
     return frame[[c for c in columns if c in frame.columns]].rename(columns=columns)
@@ -110,12 +121,12 @@ def _label(rows) -> str:
     return f"static:auto (N={sizes[0] if len(set(sizes)) == 1 else '/'.join(sizes)})"
 
 
-def _throughput_vs_cache(group: pd.DataFrame, colors: dict):
+def _throughput_vs_cache(group: pd.DataFrame, colors: dict, unit: str = "per layer"):
     fig, ax = new_axes()
     for policy, g in sorted(group.groupby("policy"), key=lambda kv: _policy_rank(kv[0])):
         g = g.sort_values("cache_experts")
         ax.plot(g["cache_experts"], g["tokens_per_s"], "o-", label=str(policy), color=colors[str(policy)])
-    ax.set(xlabel="cached experts per layer", ylabel="tokens / s")
+    ax.set(xlabel=f"cached experts {unit}", ylabel="tokens / s")
     legend_outside(ax)
     return fig
 

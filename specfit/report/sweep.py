@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from .html import Page
 from .plots import new_axes
-from .simulation import _policy_rank
+from .simulation import _policy_rank, cache_unit
 
 __all__ = ["sweep_section", "plan_section", "heat_map_grid", "frontier"]
 
@@ -118,7 +118,8 @@ def sweep_section(page: Page, results: pd.DataFrame, name: str, spec: dict | Non
             continue
         fig, varying = made
         note = f"; each square is the best over {', '.join(varying)}" if varying else ""
-        page.figure(fig, f"{trace}: committed tokens per second by expert-cache size (experts per layer) and "
+        unit = cache_unit(results[results["trace"] == trace])
+        page.figure(fig, f"{trace}: committed tokens per second by expert-cache size (experts {unit}) and "
                          f"host-to-device bandwidth, per policy{note}.")
     cols = ["trace", "profile", "link_gbps", "cache_experts", "policy", *[a for a in _OTHER_AXES if a in results
             and results[a].astype(str).nunique() > 1 and a != "profile_source"], "tokens_per_s", "speedup_vs_ar",

@@ -123,7 +123,9 @@ def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: l
                     for name, value in reversed(keys.items()):
                         frame.insert(0, name, value)
                     cycle_frames.append(frame)
-                    rows.append({**keys, "predictor": prep.predictor, "slot_precision": prep.info["slot_precision"],
+                    # cache_mode: what a cache size counts (experts per layer, or in all), for the report
+                    rows.append({**keys, "predictor": prep.predictor, "cache_mode": cache_mode,
+                                 "slot_precision": prep.info["slot_precision"],
                                  **summarise(frame), **extra})
                     if progress is not None:
                         progress(f"{prep.name} {scenario.label} cache={capacity} {spec}")
