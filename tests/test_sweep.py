@@ -433,3 +433,27 @@ def test_sweep_tells_each_policy_the_share_of_a_layer_its_cache_holds(monkeypatc
     cost = CostModel(base_s=1.0, per_node_s=0.1, hit_s=0.01, miss_s=0.5, draft_level_s=0.2, expert_bytes=1000)
     sweep.run_sweep([prepare("hand", trace, trace.true_experts)], ["specfit"], [1, 2], [sweep.Scenario("hand", cost)])
     assert sorted(shares) == [0.25, 0.5]                   # what the uncertainty price weighs misses by
+
+
+def test_link_bandwidths_are_written_as_they_are_not_rounded_to_whole_gb_per_s(capsys, tmp_path):
+    """A sweep at --h2d-scale 0.5 and 0.25 of pcie4 (25 GB/s) printed links of 12 and 6 GB/s, in
+    the terminal's table and the heat map's ticks alike (f"{gbps:.0f}"; 0.4 GB/s read 0)."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    from specfit.report.sweep import heat_map_grid
+    from specfit.simulate.sweep_commands import _print_sweep
+
+    results = pd.DataFrame({"trace": "t", "profile": "pcie4", "cache_mode": "per_layer", "cache_policy": "lru",
+                            "policy": "ar", "cache_experts": [0, 0, 0, 16, 16, 16], "predictor": "oracle",
+                            "acceptance": "calibrated", "max_levels": 8, "price_uncertainty": True,
+                            "link_gbps": [6.25, 12.5, 0.4] * 2, "tokens_per_s": [1.0, 2.0, 0.5, 3.0, 4.0, 1.5],
+                            "speedup_vs_ar": 1.0, "hit_rate": 0.5, "nodes_per_cycle": 1.0})
+    fig, _ = heat_map_grid(results, "t")
+    assert [t.get_text() for t in fig.axes[0].get_xticklabels()] == ["0.4", "6.25", "12.5"]
+    _print_sweep(results, SimpleNamespace(computed=6, skipped=0, wall_s=1.0, workers=1), tmp_path, top=6)
+    lines = capsys.readouterr().out.splitlines()
+    column = [c.strip() for c in next(line for line in lines if "link GB/s" in line).split("┃")].index("link GB/s")
+    cells = [line.split("│")[column].strip() for line in lines if line.count("│") > column]
+    assert sorted(cells) == ["0.4", "0.4", "12.5", "12.5", "6.25", "6.25"]

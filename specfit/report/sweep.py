@@ -65,7 +65,7 @@ def heat_map_grid(results: pd.DataFrame, trace: str) -> tuple[Figure, list[str]]
                         ax.text(j, i, f"{grid[i, j]:.3g}", ha="center", va="center", fontsize=7,
                                 color="white" if grid[i, j] < (vmin + vmax) / 2 else "black")
         x, y = _ticks(len(links)), _ticks(len(caches))
-        ax.set_xticks(x, [f"{links[j]:.0f}" for j in x], fontsize=7)
+        ax.set_xticks(x, [f"{links[j]:.4g}" for j in x], fontsize=7)
         ax.set_yticks(y, [str(caches[i]) for i in y], fontsize=7)
         ax.set_title(str(policy), fontsize=9)
         ax.set_xlabel("link GB/s", fontsize=8)

@@ -98,7 +98,7 @@ def _print_sweep(results, run, out_dir: Path, top: int) -> None:
     for col in ("link GB/s", "tokens/s", "vs ar", "hit rate", "nodes"):
         table.add_column(col, justify="right", no_wrap=True)
     for _, row in best.iterrows():
-        table.add_row(*(escape(str(row[c])) for c in shown), f"{row['link_gbps']:.0f}", f"{row['tokens_per_s']:.2f}",
+        table.add_row(*(escape(str(row[c])) for c in shown), f"{row['link_gbps']:.4g}", f"{row['tokens_per_s']:.2f}",
                       speedup_text(row["speedup_vs_ar"], "–"), f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}")
     print_table(console, table)
     rate = f", {run.computed / run.wall_s:.1f} cells/s on {run.workers} workers" if run.computed and run.wall_s else ""
