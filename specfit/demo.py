@@ -352,7 +352,8 @@ def demo_command(
     table = policy_table(result["decode"].summaries, "Live decoding of the bundled tiny MoE on this machine (measured, "
                          "predicted in brackets; time MAPE (mean absolute % error) of each cycle's time predicted before "
                          "it ran, by the model refitted online and by the profile; union MAPE: of its predicted number of "
-                         "distinct experts)", traffic=False)
+                         "distinct experts; hit rate: share of the verified nodes' experts found in the cache)",
+                         traffic=False)
     out_console = table_console()
     print_table(out_console, table)
     for line in result["decode"].notes:            # on stdout after the table, as the what-if's

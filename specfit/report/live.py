@@ -32,7 +32,8 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
     # two tables of a dozen columns or fewer, each whole on the page: one of twenty ran past its edge
     page.table(table[list(_TIME_COLUMNS)], percent=_SHARES, caption=(
         "Per policy: measured vs predicted time and tokens. tokens/s: committed tokens over the sum of measured cycle "
-        "times (as in summary.json and the terminal); MAPE: mean over cycles of |predicted - measured| / measured; "
+        "times (as in summary.json and the terminal), predicted: the predicted tokens over the sum of predicted cycle "
+        "times; MAPE: mean over cycles of |predicted - measured| / measured; "
         "bias: sum(predicted) / sum(measured) - 1. Cycles waited for CPU: the share of cycles whose decoding "
         "thread spent over a tenth of the cycle not running (its wall time minus its CPU time: another process "
         "had the core; recorded on a CPU with one torch thread), which no prediction made before the cycle can "
@@ -41,7 +42,7 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
     page.table(table[[c for c in table.columns if c not in _TIME_COLUMNS or c == "policy"]], percent=_SHARES,
                caption="Per policy: host-to-device traffic, measured vs predicted, expert cache and trees. "
                        "MB H2D/cycle (predicted): the predicted misses and prefetches, as the terminal's KB H2D/cycle "
-                       "in brackets; bytes MAPE: of each cycle's predicted bytes against the bytes moved; charged = "
+                       "in brackets; bytes MAPE: of each cycle's predicted bytes against the bytes moved, over the cycles that moved bytes; charged = "
                        "moved bytes: whether the bytes the cache bookkeeping charged the true experts are the bytes "
                        "moved, cycle by cycle; union MAPE: of the predicted expert union's size "
                        "against the experts the verified nodes routed to (per layer: each layer's); draft levels and "

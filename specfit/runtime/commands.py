@@ -244,7 +244,9 @@ def _print_summary(run, out: Path | None, notes: list[str] = ()) -> None:
         run.summaries, f"measured (predicted) per policy, profile {escape(run.profile_label)}; tokens/s over the "
         f"measured cycles; time MAPE (mean absolute % error) of each cycle's predicted time, by the model the policy "
         f"decided with (online-refitted unless --frozen-profile) and by the profile; union MAPE: of its predicted "
-        f"number of distinct experts"))
+        f"number of distinct experts; KB H2D/cycle: 10^3 bytes copied host-to-device per cycle; hit rate: share of "
+        f"the verified nodes' experts found in the cache; search+book.: share of the measured time outside the "
+        f"drafter's and the target's passes (decisions, expert predictions, bookkeeping)"))
     if run.memory:
         m = run.memory
         pinned = f", pinned {m['pinned_bytes'] / 1e9:.3f} GB" if m["pinned_bytes"] else " (pageable: no GPU)"

@@ -248,6 +248,12 @@ def _print_summary(summary, out: Optional[Path]) -> None:
                           f"{row['union_precision']:.2f}/{row['union_recall']:.2f}",
                           f"{row['tokens_bias']:+.1%}")
         print_table(console, table)
+    console.print("tokens/s: committed tokens per second of charged cycle time; cache: cached experts (per layer, or in "
+                  "all with --cache-mode global); MB/token: 10^6 bytes host-to-device per committed token; hit rate: share "
+                  "of the verified union's experts found in the cache; nodes: verified per cycle; vs ar / vs eagle3: "
+                  "tokens/s over that policy's at the same cache size; union P/R: precision / recall of the predicted "
+                  "expert union; pred. tokens err: predicted over committed tokens, minus 1", markup=False,
+                  highlight=False)
     if out is not None:
         console.print(f"per-cycle rows and the summary written to {out}/ (cycles|summary).(parquet|csv)", markup=False,
                       highlight=False)
