@@ -729,3 +729,20 @@ def test_a_global_caches_sizes_are_labelled_experts_in_all_not_per_layer(tmp_pat
                                       "cache_experts": [0, 0, 256, 256], "link_gbps": [25.0, 50.0] * 2,
                                       "tokens_per_s": [1.0, 2.0, 3.0, 4.0]}), "sweep")
     assert "by expert-cache size (experts in all)" in html.unescape(page.render())
+
+
+def test_the_refit_tables_errors_are_percentages_as_the_facts_above_it(profile_path, tmp_path):
+    """The refit's table wrote its held-out MAPE and max APE as fractions (0.1012) under the facts'
+    "MAPE 9.8%" and calibrate --refit's "10.1%": a reader took a 10% error for 0.1%."""
+    from specfit.calibrate.profile import load_profile
+
+    profile = load_profile(profile_path)
+    before = {"n": 16, "mape": 0.1012, "max_ape": 0.3243, "max_abs_err": 1e-3}
+    after = {"n": 16, "mape": 0.0976, "max_ape": 0.2558, "max_abs_err": 1.1e-3}
+    profile.fit = {**profile.fit, "holdout": after,
+                   "refit": {"n_cycles": 52, "n_holdout": 16, "before": before, "after": after,
+                             "before_params": profile.cost.to_dict(), "after_params": profile.cost.to_dict()}}
+    text = build_report([profile.save(tmp_path / "refit.json")], tmp_path / "rep").read_text()
+    table = text[text.index("Refit on 52 decode cycles"):]
+    for cell in ("10.1%", "32.4%", "9.8%", "25.6%"):
+        assert f"<td>{cell}</td>" in table, cell
