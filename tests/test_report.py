@@ -3,9 +3,11 @@
 import copy
 import html
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -746,3 +748,22 @@ def test_the_refit_tables_errors_are_percentages_as_the_facts_above_it(profile_p
     table = text[text.index("Refit on 52 decode cycles"):]
     for cell in ("10.1%", "32.4%", "9.8%", "25.6%"):
         assert f"<td>{cell}</td>" in table, cell
+
+
+def test_the_early_stopping_comparison_takes_the_same_eagle3_in_every_process(tmp_path):
+    """With two EAGLE-3 trees in a run (eagle3 and eagle3:16:4) the early-stopping facts compared
+    SpecFit with whichever a set of the policy names gave first, which changes with the process's
+    string hashing: one `specfit report` of a run said eagle3's tokens per cycle, the next the other's."""
+    rows = [{"policy": p, "sequence": 0, "position": i, "cycle": i, "draft_levels": levels, "deepest_selected": levels,
+             "nodes_verified": 1 + levels, "committed_tokens": tokens, "time_s": 0.01, "measured_time_s": 0.01,
+             "draft_time_s": 0.002 * levels}
+            for p, levels, tokens in (("ar", 0, 1), ("eagle3:16:4", 4, 2), ("eagle3", 7, 3), ("specfit", 2, 2))
+            for i in range(3)]
+    path = tmp_path / "cycles.parquet"
+    pd.DataFrame(rows).to_parquet(path)
+    script = ("import sys, pandas as pd; from specfit.report.html import Page; from specfit.report.live import _stopping; "
+              "page = Page('t'); _stopping(page, pd.read_parquet(sys.argv[1])); print(page.render())")
+    for seed in range(6):
+        out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True,
+                             cwd=REPO, env={**os.environ, "PYTHONHASHSEED": str(seed), "PYTHONPATH": str(REPO)}).stdout
+        assert "tokens per cycle (specfit / eagle3)</th><td>2.00 / 3.00</td>" in out, seed

@@ -257,8 +257,10 @@ def _layer_heat_map(cycles: pd.DataFrame):
 
 def _stopping(page: Page, cycles: pd.DataFrame) -> None:
     """Where SpecFit stopped drafting earlier than EAGLE-3 did, and what that saved or cost."""
-    names = set(cycles["policy"])
-    eagle = next((p for p in names if str(p).startswith("eagle3")), None)
+    names = list(dict.fromkeys(cycles["policy"]))
+    # plain eagle3 where the run has it, else its first EAGLE-3 tree in the run's order (not a set's,
+    # whose order changes from one process to the next: the page compared another tree each time)
+    eagle = "eagle3" if "eagle3" in names else next((p for p in names if str(p).startswith("eagle3")), None)
     if "specfit" not in names or eagle is None or "draft_levels" not in cycles:
         return
     s, e = cycles[cycles["policy"] == "specfit"], cycles[cycles["policy"] == eagle]
@@ -267,13 +269,13 @@ def _stopping(page: Page, cycles: pd.DataFrame) -> None:
     per_level = (e["draft_time_s"].sum() / max(e["draft_levels"].sum(), 1)) if "draft_time_s" in e else np.nan
     facts = {
         f"cycles where specfit drafted fewer levels than {eagle} ({depth})": f"{earlier.mean():.0%} of {len(s)}",
-        "mean draft levels (specfit / eagle3)": f"{s['draft_levels'].mean():.2f} / {e['draft_levels'].mean():.2f}",
+        f"mean draft levels (specfit / {eagle})": f"{s['draft_levels'].mean():.2f} / {e['draft_levels'].mean():.2f}",
         "draft time saved per cycle (measured)": (f"{(e['draft_time_s'].mean() - s['draft_time_s'].mean()) * 1e3:.3g} ms"
                                                   if "draft_time_s" in s else "–"),
         f"measured time of one draft level ({eagle}'s: drafter pass, expert predictions, decision)":
             f"{per_level * 1e3:.3g} ms" if np.isfinite(per_level) else "–",
-        "tokens per cycle (specfit / eagle3)": f"{s['committed_tokens'].mean():.2f} / {e['committed_tokens'].mean():.2f}",
-        "tokens per second (specfit / eagle3)": f"{s['committed_tokens'].sum() / s['time_s'].sum():.3g} / "
+        f"tokens per cycle (specfit / {eagle})": f"{s['committed_tokens'].mean():.2f} / {e['committed_tokens'].mean():.2f}",
+        f"tokens per second (specfit / {eagle})": f"{s['committed_tokens'].sum() / s['time_s'].sum():.3g} / "
                                                 f"{e['committed_tokens'].sum() / e['time_s'].sum():.3g}",
     }
     page.heading("Early stopping: SpecFit vs EAGLE-3", level=3)
