@@ -767,3 +767,19 @@ def test_the_early_stopping_comparison_takes_the_same_eagle3_in_every_process(tm
         out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True,
                              cwd=REPO, env={**os.environ, "PYTHONHASHSEED": str(seed), "PYTHONPATH": str(REPO)}).stdout
         assert "tokens per cycle (specfit / eagle3)</th><td>2.00 / 3.00</td>" in out, seed
+
+
+def test_a_sampled_runs_early_stopping_is_shown_for_its_specfit_online():
+    """A sampled run's SpecFit is named specfit+online: the early-stopping section looked for a policy
+    named specfit only, and left the section out."""
+    from specfit.report.html import Page
+    from specfit.report.live import _stopping
+
+    rows = [{"policy": p, "sequence": 0, "position": i, "cycle": i, "draft_levels": levels, "committed_tokens": tokens,
+             "time_s": 0.01, "draft_time_s": 0.002 * levels}
+            for p, levels, tokens in (("ar", 0, 1), ("eagle3", 7, 3), ("specfit+online", 2, 2)) for i in range(3)]
+    page = Page("t")
+    _stopping(page, pd.DataFrame(rows))
+    html = page.render()
+    assert "tokens per cycle (specfit+online / eagle3)</th><td>2.00 / 3.00</td>" in html
+    assert "cycles where specfit+online drafted fewer levels than eagle3 (7)</th><td>100% of 3</td>" in html

@@ -261,31 +261,33 @@ def _stopping(page: Page, cycles: pd.DataFrame) -> None:
     # plain eagle3 where the run has it, else its first EAGLE-3 tree in the run's order (not a set's,
     # whose order changes from one process to the next: the page compared another tree each time)
     eagle = "eagle3" if "eagle3" in names else next((p for p in names if str(p).startswith("eagle3")), None)
-    if "specfit" not in names or eagle is None or "draft_levels" not in cycles:
+    # plain specfit the same way, else the run's first variant (a sampled run's is specfit+online)
+    ours = "specfit" if "specfit" in names else next((p for p in names if str(p).startswith("specfit")), None)
+    if ours is None or eagle is None or "draft_levels" not in cycles:
         return
-    s, e = cycles[cycles["policy"] == "specfit"], cycles[cycles["policy"] == eagle]
+    s, e = cycles[cycles["policy"] == ours], cycles[cycles["policy"] == eagle]
     depth = int(e["draft_levels"].max())
     earlier = s["draft_levels"] < depth
     per_level = (e["draft_time_s"].sum() / max(e["draft_levels"].sum(), 1)) if "draft_time_s" in e else np.nan
     facts = {
-        f"cycles where specfit drafted fewer levels than {eagle} ({depth})": f"{earlier.mean():.0%} of {len(s)}",
-        f"mean draft levels (specfit / {eagle})": f"{s['draft_levels'].mean():.2f} / {e['draft_levels'].mean():.2f}",
+        f"cycles where {ours} drafted fewer levels than {eagle} ({depth})": f"{earlier.mean():.0%} of {len(s)}",
+        f"mean draft levels ({ours} / {eagle})": f"{s['draft_levels'].mean():.2f} / {e['draft_levels'].mean():.2f}",
         "draft time saved per cycle (measured)": (f"{(e['draft_time_s'].mean() - s['draft_time_s'].mean()) * 1e3:.3g} ms"
                                                   if "draft_time_s" in s else "–"),
         f"measured time of one draft level ({eagle}'s: drafter pass, expert predictions, decision)":
             f"{per_level * 1e3:.3g} ms" if np.isfinite(per_level) else "–",
-        f"tokens per cycle (specfit / {eagle})": f"{s['committed_tokens'].mean():.2f} / {e['committed_tokens'].mean():.2f}",
-        f"tokens per second (specfit / {eagle})": f"{s['committed_tokens'].sum() / s['time_s'].sum():.3g} / "
+        f"tokens per cycle ({ours} / {eagle})": f"{s['committed_tokens'].mean():.2f} / {e['committed_tokens'].mean():.2f}",
+        f"tokens per second ({ours} / {eagle})": f"{s['committed_tokens'].sum() / s['time_s'].sum():.3g} / "
                                                 f"{e['committed_tokens'].sum() / e['time_s'].sum():.3g}",
     }
     page.heading("Early stopping: SpecFit vs EAGLE-3", level=3)
     page.facts(facts)
-    colors = page.policy_colors(["specfit", eagle])
+    colors = page.policy_colors([ours, eagle])
     fig, ax = new_axes()
     top = int(max(s["draft_levels"].max(), depth))
-    for label, g in (("specfit", s), (eagle, e)):
+    for label, g in ((ours, s), (eagle, e)):
         counts = np.bincount(g["draft_levels"], minlength=top + 1)
-        ax.bar(np.arange(top + 1) + (0.2 if label == "specfit" else -0.2), counts / counts.sum(), width=0.4, label=label,
+        ax.bar(np.arange(top + 1) + (0.2 if label == ours else -0.2), counts / counts.sum(), width=0.4, label=label,
                color=colors[label])
     ax.set(xlabel="draft levels in a cycle", ylabel="share of cycles")
     ax.legend()
