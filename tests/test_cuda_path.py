@@ -682,3 +682,27 @@ def test_stream_copier_waits_for_the_last_burst_and_the_last_wait_to_end_before_
     synced = [entry[1] for entry in cuda.log[start:] if entry[0] == "event_synchronize"]
     assert sorted(synced) == sorted([burst2_end.id, wait2_after.id])
     assert timing.n_bursts == 2 and timing.n_waits == 2
+
+
+def test_a_prefetch_after_a_pass_nobody_timed_waits_and_copies_for_its_own_experts_alone(fake_cuda):
+    """The decoder reads no timing of the prompt's pass: the first cycle's prefetch, on the copy
+    stream, is timed by itself (one expert, two copies of 1 ms), not with the prompt pass's
+    copies and waits, which the prefetcher would learn its overlap from."""
+    offload = ExpertOffload(_host(2, 8), capacity=3, cuda_api=fake_cuda)
+    offload.begin_pass()
+    for layer in range(2):
+        _consume(offload, layer, [0, 1, 2, 3, 4, 5])           # misses, admitted and streamed
+    assert int(offload.counters.misses.sum()) == 12
+    mask = np.zeros((2, 8), dtype=bool)
+    mask[0, 7] = True
+    assert offload.prefetch(mask) == 1
+    copy_s, wait_s = offload.wait_prefetch()
+    assert copy_s == pytest.approx(2e-3) and wait_s == pytest.approx(2e-3)
+    # a second prefetch before the wait is timed with the first
+    offload.begin_pass()
+    _consume(offload, 1, [0, 1, 2, 3])
+    for expert in (6, 7):
+        mask = np.zeros((2, 8), dtype=bool)
+        mask[1, expert] = True
+        assert offload.prefetch(mask) == 1
+    assert offload.wait_prefetch()[0] == pytest.approx(4e-3)

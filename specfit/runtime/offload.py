@@ -328,6 +328,10 @@ class ExpertOffload:
         if not jobs:
             return 0
         if isinstance(self._copier, StreamCopier):
+            if not self._prefetch_pending:
+                # timings the copier still holds are of a pass nobody read (a prompt's pass):
+                # dropped, as begin_pass drops them, so that wait_prefetch times these copies alone
+                self._copier.discard()
             # the slots may still be read by compute already enqueued: the copies wait for it
             self._copier.record_compute("compute")
             self._copier.issue(jobs, after="compute")
