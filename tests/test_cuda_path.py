@@ -706,3 +706,29 @@ def test_a_prefetch_after_a_pass_nobody_timed_waits_and_copies_for_its_own_exper
         mask[1, expert] = True
         assert offload.prefetch(mask) == 1
     assert offload.wait_prefetch()[0] == pytest.approx(4e-3)
+
+
+def test_the_decoders_clock_waits_for_compute_not_for_copies_in_flight(fake_cuda, monkeypatch):
+    """A clock read right after a prefetch burst is enqueued (the decoder reads one before each
+    draft level) waits for the compute stream alone: waiting for the device, copy stream
+    included, would hold the drafter back until the prefetch copies landed, so they never
+    overlapped it. ``torch.cuda.synchronize`` stands in as waiting for every stream, as it does."""
+    from specfit.runtime.decoder import device_clock
+
+    offload = ExpertOffload(_host(1, 8), capacity=3, cuda_api=fake_cuda)
+    mask = np.zeros((1, 8), dtype=bool)
+    mask[0, [5, 6]] = True
+    assert offload.prefetch(mask) == 2
+    copy_stream = fake_cuda.streams[0]
+    assert copy_stream.clock_ms == 4.0                     # four copies in flight
+    fake_cuda.compute(offload.device, 1.0)                 # and a millisecond of compute
+    waited = []
+    monkeypatch.setattr(FakeStream, "synchronize", lambda self: waited.append((self.name, self.device)), raising=False)
+    monkeypatch.setattr(torch.cuda, "current_stream", fake_cuda.current_stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.extend(
+        [(s.name, s.device) for s in fake_cuda.streams] + [("compute", device)]))
+    device = torch.device("cuda", 1)
+    now = device_clock(device)
+    now()
+    assert waited == [("compute", device)]
+    offload.wait_prefetch()

@@ -128,7 +128,7 @@ class Decoder:
         # the drafter's states estimate the target's only when they live in the same space
         self.drafter_context = (proposer is not None and proposer.context_in_target_space
                                 and proposer.drafter.config.hidden_size == model.config.hidden_size)
-        self._now = device_clock(model.device)   # seconds, after the device's queued work
+        self._now = device_clock(model.device)   # seconds, after the compute stream's queued work
         self.cache_len = 0                  # committed tokens whose K/V are in the cache
         self._last_known: np.ndarray | None = None   # [L, k] routing of the last committed token the target ran
 
@@ -516,9 +516,12 @@ def gc_paused(pause: bool = True):
 
 
 def device_now(device: torch.device) -> float:
-    """Wall-clock seconds, after the device has finished the work queued so far."""
+    """Wall-clock seconds, after the device has finished the work queued so far on its compute
+    stream (the current one). Not ``torch.cuda.synchronize``, which waits for every stream: for the
+    expert copies on the offload's copy stream too, so a clock read just after a prefetch would hold
+    the drafter back until its copies landed; compute waits for a copy where it reads one."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
     return time.perf_counter()
 
 
