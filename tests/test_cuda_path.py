@@ -732,3 +732,32 @@ def test_the_decoders_clock_waits_for_compute_not_for_copies_in_flight(fake_cuda
     now()
     assert waited == [("compute", device)]
     offload.wait_prefetch()
+
+
+@pytest.mark.parametrize("stream_copier", [False, True])
+def test_an_offload_allocated_in_inference_mode_takes_prefetches_and_turns_outside_it(fake_cuda, stream_copier):
+    """A calibration's probes reallocate the model's expert cache inside inference mode (a
+    stand-in is built inside it): a prefetch (a worker thread on the CPU, the copy stream on
+    CUDA, both outside it) and a cache's turn restored still copy into its slots."""
+    from specfit.runtime.offload import CacheTurns
+
+    host = _host(2, 8)
+    with torch.inference_mode():
+        offload = ExpertOffload(host, capacity=3, cuda_api=fake_cuda if stream_copier else None)
+        offload.release()
+        offload.allocate()
+    mask = np.zeros((2, 8), dtype=bool)
+    mask[:, [1, 6]] = True
+    assert offload.prefetch(mask) == 4
+    offload.wait_prefetch()
+    for layer in range(2):
+        slot = offload.slot_of[layer, 6]
+        assert torch.equal(offload.slot_gate_up[slot], host.gate_up[layer][6])
+    turns = CacheTurns(offload)
+    turns.take("a")
+    _consume(offload, 0, [2, 3])
+    turns.take("b")
+    _consume(offload, 0, [4, 5, 7])                           # b's experts take a's slots
+    turns.take("a")
+    assert turns.copied == 2
+    assert _consume(offload, 0, [2, 3]) == [2, 3] and offload.counters.hits[0] == 2

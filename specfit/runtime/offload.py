@@ -180,8 +180,12 @@ class ExpertOffload:
         def buffers(n):
             return (torch.empty((n, 2 * I, H), dtype=host.dtype, device=self.device),
                     torch.empty((n, H, I), dtype=host.dtype, device=self.device))
-        self.slot_gate_up, self.slot_down = buffers(self._n_slots)
-        self.staging_gate_up, self.staging_down = buffers(self._n_staging)
+        # never inference tensors, even when allocated inside inference mode (a calibration's
+        # probes, a stand-in's build): copies write them outside it too (a prefetch, on the copy
+        # stream or a worker thread; a cache's turn restored), which inference tensors refuse
+        with torch.inference_mode(False):
+            self.slot_gate_up, self.slot_down = buffers(self._n_slots)
+            self.staging_gate_up, self.staging_down = buffers(self._n_staging)
         self.released = False
         self.reset()
 
