@@ -75,9 +75,15 @@ class CopyMeter:
     def __call__(self, stats, tokens: int) -> None:
         self.busy_s += self.offload.last_timing.copy_busy_s        # the pass's timing, read by the decoder
         self.bytes += int(stats.verification.offload.total_bytes_h2d)
+        # a prefetching policy's copies while it drafted, and how long the pass then waited for them
+        draft = stats.draft
+        self.prefetched += draft.prefetched
+        self.prefetch_copy_s += draft.prefetch_copy_s
+        self.prefetch_wait_s += draft.prefetch_wait_s
 
     def reset(self) -> None:
         self.busy_s, self.bytes = 0.0, 0
+        self.prefetched, self.prefetch_copy_s, self.prefetch_wait_s = 0, 0.0, 0.0
 
     @property
     def gbps(self) -> float:
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     generator = torch.Generator().manual_seed(args.seed)
     prompts = [torch.randint(0, config.vocab_size, (args.prompt_tokens,), generator=generator).tolist()
                for _ in range(args.prompts)]
-    records, cycles, copies = [], [], {}
+    records, cycles, copies, prefetches = [], [], {}, {}
     meter = CopyMeter(model.offload)
     for policy in policies:
         phase = time.perf_counter()
@@ -177,6 +183,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                            **live_row(s, profile.cost, model.offload.host.expert_bytes)}
                           for c, s in enumerate(result.cycles))
         copies[policy.name] = meter.gbps
+        prefetches[policy.name] = (meter.prefetched, meter.prefetch_copy_s, meter.prefetch_wait_s)
         seconds[policy.name] = time.perf_counter() - phase
     summaries = [summarise_policy(p.name, records, cycles) for p in policies]
     probe_gbps = h2d.get("gbps", float("nan"))
@@ -193,12 +200,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
         s["predicted_transfer_s_per_cycle"] = transfer_s * sum(c["misses"] for c in rows) / max(len(rows), 1)
         s["h2d_gbps"] = copies[s["policy"]]
         s["h2d_of_probe"] = s["h2d_gbps"] / probe_gbps
+        prefetched, copy_s, wait_s = prefetches[s["policy"]]
+        s["prefetched_per_cycle"] = prefetched / max(len(rows), 1)
+        s["prefetch_copy_s_per_cycle"], s["prefetch_wait_s_per_cycle"] = (t / max(len(rows), 1) for t in (copy_s, wait_s))
         table.add_row(s["policy"], f"{s['nodes_per_cycle']:.1f}", f"{s['tokens_per_cycle']:.2f}",
                       f"{s['time_per_cycle_s'] * 1e3:.2f}", f"{s['predicted_time_per_cycle_s'] * 1e3:.2f}",
                       f"{s['time_mape']:.0%}", f"{s['stall_s_per_cycle'] * 1e3:.2f}",
                       f"{s['predicted_transfer_s_per_cycle'] * 1e3:.2f}", f"{s['bytes_per_cycle'] / 1e6:.1f}",
                       f"{s['h2d_gbps']:.1f}", f"{s['h2d_of_probe']:.0%}", f"{s['hit_rate']:.2f}")
     console.print(table)
+    for s in summaries:
+        if s["prefetched_per_cycle"]:
+            # the copy stream's spans of the prefetches against how long the pass then waited for them
+            copy_s, wait_s = s["prefetch_copy_s_per_cycle"], s["prefetch_wait_s_per_cycle"]
+            console.print(f"{s['policy']}: prefetched {s['prefetched_per_cycle']:.1f} experts/cycle while drafting, "
+                          f"their copies {copy_s * 1e3:.2f} ms/cycle, the pass waited {wait_s * 1e3:.2f} ms/cycle for "
+                          f"them ({1 - wait_s / copy_s if copy_s > 0 else float('nan'):.0%} hidden)")
     console.print("seconds: " + ", ".join(f"{name} {value:.1f}" for name, value in seconds.items()))
     if args.run_dir is not None:
         outputs = DecodeOutputs(args.run_dir)

@@ -11,8 +11,10 @@
 #           first run after an install; seconds after that);
 # smoke     benchmarks/gpu_check.py on the tiny shape: every CUDA path in seconds;
 # check     gpu_check.py at Qwen3-30B-A3B layer shapes, 4 layers (see its docstring), calibrated
-#           with the full grids, 4 prompts x 32 tokens, a cache of 32 of 128 experts per layer:
-#           every cycle kept under $OUT/run-cache32 (for benchmarks/bench_online.py) with the profile;
+#           with the full grids, 4 prompts x 32 tokens, a cache of 32 of 128 experts per layer, and
+#           eagle3+prefetch beside its policies (copies on the copy stream while the drafter runs;
+#           not yet run on a GPU): every cycle kept under $OUT/run-cache32 (for
+#           benchmarks/bench_online.py) with the profile;
 # check64   the same with another seed and 64 of 128 experts cached per layer ($OUT/run-cache64);
 # calibrate `specfit calibrate --shape qwen3-30b-a3b --layers 4` with the full probe grids, timed:
 #           the profile of the whole 48-layer model on this machine (costs scaled to the full depth);
@@ -57,6 +59,7 @@ fi
 if want check; then
   t=$(date +%s%N)
   timeout "${CHECK_S:-200}" $py benchmarks/gpu_check.py --full-calibration --prompts 4 --new-tokens 32 \
+      --policies ar,eagle3,eagle3+prefetch,static:auto,specfit \
       --out "$out/gpu_check.json" --run-dir "$out/run-cache32" 2>&1 | tee "$out/gpu_check.log"
   elapsed "gpu_check qwen3-30b-a3b cache 32 (rc $?)" "$t"
 fi

@@ -62,6 +62,26 @@ def test_gpu_check_runs_on_the_cpu_with_tiny_shapes(capsys, tmp_path):
     assert json.loads((tmp_path / "run" / "profile.json").read_text())["cost"] == saved["cost"]
 
 
+def test_gpu_check_reports_what_a_prefetching_policy_copied_while_drafting(capsys, tmp_path):
+    """gpu_check.sh runs eagle3+prefetch beside the other policies: its prefetches land in the
+    stand-in's cache (built, and reallocated by the calibration, inside inference mode) and the
+    summary says how many experts a cycle prefetched, their copy time and the pass's wait."""
+    out_path = tmp_path / "gpu_check.json"
+    summaries = _gpu_check().main(["--device", "cpu", "--shape", "tiny", "--layers", "2", "--prompts", "1",
+                                   "--prompt-tokens", "8", "--new-tokens", "6", "--draft-vocab", "256",
+                                   "--policies", "eagle3,eagle3+prefetch", "--out", str(out_path)])
+    plain, prefetching = summaries
+    assert plain["prefetched_per_cycle"] == 0 == plain["prefetch_copy_s_per_cycle"]
+    assert prefetching["prefetched_per_cycle"] > 0 and prefetching["prefetch_copy_s_per_cycle"] > 0
+    assert 0 <= prefetching["prefetch_wait_s_per_cycle"]
+    record = json.loads(out_path.read_text())
+    rows = [c for c in record["cycles"] if c["policy"] == "eagle3+prefetch"]
+    moved = sum(c["bytes_h2d"] - c["misses"] * record["expert_bytes"] for c in rows) / record["expert_bytes"]
+    assert moved == pytest.approx(prefetching["prefetched_per_cycle"] * len(rows))
+    out = capsys.readouterr().out
+    assert "eagle3+prefetch: prefetched" in out and "eagle3: prefetched" not in out
+
+
 def test_gpu_check_rejects_a_device_it_cannot_use(capsys):
     with pytest.raises(SystemExit) as exit_info:
         _gpu_check().main(["--device", "tpu"])
