@@ -7,6 +7,11 @@
 #                                           # firstuse 37 + 27 s)
 #   OUT=gpu_out STEPS="kernels check check64" benchmarks/gpu_check.sh     # some of them
 #
+# The steps added since stop 38 (smoke, attention, and eagle3+prefetch in check) have not run on a
+# GPU, and the step timeouts add to 1,710 s: where one command may run 600 s at most (this project's
+# device sessions, 15 min of device time in all), run it in two calls, the stop-38 steps first:
+#   STEPS="kernels check check64 calibrate decode" (about 4 min), then STEPS="smoke firstuse attention".
+#
 # kernels   numba compiles the live decoder's kernels into the cache the next steps use (the
 #           first run after an install; seconds after that);
 # smoke     benchmarks/gpu_check.py on the tiny shape: every CUDA path in seconds;
