@@ -19,7 +19,8 @@ class _Commands(TyperGroup):
     with the stop's status (typer's own exit is status 130 without a word, a SIGTERM's too)."""
 
     def invoke(self, ctx):
-        from .errors import INTERRUPTS, PEER_ERRORS, Interrupted, SpecFitError, fail, stopped, stopped_by
+        from .errors import (INTERRUPTS, PEER_ERRORS, Interrupted, SpecFitError, fail, out_of_memory_text, stopped,
+                             stopped_by)
 
         try:
             return super().invoke(ctx)
@@ -36,6 +37,11 @@ class _Commands(TyperGroup):
             from .io import os_error_text
 
             fail(os_error_text(exc))
+        except (MemoryError, RuntimeError) as exc:
+            text = out_of_memory_text(exc)
+            if text is None:
+                raise
+            fail(text)
 
 
 app = typer.Typer(

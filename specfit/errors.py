@@ -131,3 +131,19 @@ def check_seed(seed, option: str = "--seed") -> None:
 
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
         raise SpecFitError(f"{option}: expected a non-negative integer, got {seed!r}")
+
+
+def out_of_memory_text(exc: BaseException) -> str | None:
+    """One line for an allocation that failed (torch's ``OutOfMemoryError`` on a device, its CPU
+    allocator's RuntimeError, Python's MemoryError), or None for any other error. Files written
+    before it are whole (atomic writes); a decode keeps the cycles it completed."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    if type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in first:
+        where = "device"
+    elif isinstance(exc, MemoryError) or "can't allocate memory" in first:
+        where = "host"
+    else:
+        return None
+    return (f"out of {where} memory{': ' + first if first else ''}; a smaller --cache-experts, fewer or shorter "
+            f"prompts, or a smaller model need less (`specfit plan` estimates a model's memory)")
+

@@ -1340,3 +1340,37 @@ def test_a_run_stopped_by_bad_input_mid_run_notes_the_error_not_an_interrupt(che
             f"{len(PROMPTS)} of its {2 * len(PROMPTS)} (policy, prompt) runs finished")
     notes = json.loads((out / "run.json").read_text())["notes"]
     assert notes == [said] and "interrupted" not in notes[0]
+
+
+@pytest.mark.parametrize("failure, where", [
+    (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.11 GiB total capacity)"),
+     "device"),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: you tried to "
+                  "allocate 4294967296 bytes."), "host"),
+    (MemoryError(), "host")])
+def test_out_of_memory_mid_run_is_one_error_saying_what_was_kept(checkpoint, tmp_path, monkeypatch, failure, where):
+    """An allocation that failed mid-run (a cache too big for the device) ended in torch's traceback;
+    it is one line saying which memory ran out, what needs less, and the complete cycles kept."""
+    from specfit.cli import app
+    from specfit.runtime.decoder import Decoder
+    from typer.testing import CliRunner
+
+    model_dir, drafter_dir, prompts = checkpoint
+    out = tmp_path / "run"
+    verify, cycles = Decoder.verify, []
+
+    def runs_out(self, *args, **kwargs):
+        if len(cycles) == 8:             # some cycles in (a warm-up decode runs first)
+            raise failure
+        cycles.append(1)
+        return verify(self, *args, **kwargs)
+
+    monkeypatch.setattr(Decoder, "verify", runs_out)
+    result = CliRunner().invoke(app, ["decode", "--model", str(model_dir), "--prompts", str(prompts), "--cache-experts",
+                                      "3", "--policies", "ar", "--profile", "pcie4", "--max-new-tokens",
+                                      str(NEW_TOKENS), "--ignore-eos", "--out", str(out)])
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert result.exit_code == 2 and len(lines) == 1 and "Traceback" not in result.output, result.output
+    assert lines[0].startswith(f"error: out of {where} memory") and "--cache-experts" in lines[0]
+    kept = len(read_decode_cycles(out))
+    assert kept > 0 and lines[0].endswith(f"(after {kept} complete cycle(s); they are in {out})")

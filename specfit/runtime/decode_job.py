@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..accounting import live_row, summarise, waiting_note
-from ..errors import INTERRUPTS, PEER_ERRORS, Interrupted, SpecFitError, check_seed, interrupted
+from ..errors import INTERRUPTS, PEER_ERRORS, Interrupted, SpecFitError, check_seed, interrupted, out_of_memory_text
 from ..io import run_dir_lock
 from .run_dir import CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE, DecodeOutputs, read_decode_cycles
 
@@ -305,6 +305,9 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
 
                 raise SpecFitError(f"{os_error_text(exc)} (after {len(outputs.cycles)} complete cycle(s); "
                                    f"those that reached the disk before it are in {plan.out_dir})") from None
+            if (memory := out_of_memory_text(exc)) is not None:
+                kept = f"; they are in {plan.out_dir}" if plan.out_dir is not None and outputs.cycles else ""
+                raise SpecFitError(f"{memory} (after {len(outputs.cycles)} complete cycle(s){kept})") from None
             raise
         if recorder is not None and trace_path is None:
             where = f"; the run's other outputs are in {plan.out_dir}" if plan.out_dir is not None else ""
