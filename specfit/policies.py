@@ -15,8 +15,10 @@ the grammar (:data:`POLICY_HELP` is written from it):
 
 - ``ar``: no speculation, the root alone.
 - ``chain:K``: draft K levels of the drafter's top-1 (a chain), verify it.
-- ``eagle3[:N[:D]]``: EAGLE-2/3 dynamic tree: draft D levels (default 7), keep the N nodes
-  (default 60, root included) with the highest path probabilities (rerank).
+- ``eagle3[:N[:D]]``: EAGLE-2/3 dynamic tree: draft D levels (default 8), keep the N nodes
+  (default 60, root included) with the highest path probabilities (rerank). The defaults are
+  EAGLE-3's (``EaModel.from_pretrained``: ``total_token=60``, ``depth=7``, where ``depth`` counts
+  the drafter passes after the first level, "the maximum number of draft length - 1": 8 levels).
 - ``eagle3-nocache``: ``eagle3`` with no expert cache (every expert streamed), the "vanilla"
   offloaded setup (simulator only).
 - ``static:N``: the same rerank with N nodes (root included) and depth N - 1 capped at the
@@ -52,7 +54,7 @@ from .tree import DraftTree
 __all__ = [
     "CycleView", "Observation", "Policy", "ArPolicy", "ChainPolicy", "RerankPolicy", "SpecFitPolicy", "OraclePolicy",
     "TunedPolicy", "PolicySpec", "POLICIES", "rerank", "POLICY_HELP", "LIVE_POLICY_HELP", "DEFAULT_POLICIES", "make_policy", "choose",
-    "STATIC_AUTO_SIZES", "LEVERS", "apply_levers",
+    "STATIC_AUTO_SIZES", "EAGLE3_LEVELS", "LEVERS", "apply_levers",
 ]
 
 
@@ -164,6 +166,9 @@ class TunedPolicy(RerankPolicy):
         return [make_policy(f"static:{n}{suffix}", self.max_levels_cap) for n in sizes]
 
 
+# EAGLE-3's draft levels: its default depth=7 drafts the root's top-k, then 7 more levels
+EAGLE3_LEVELS = 8
+
 # static:auto tries these tree sizes (root included)
 STATIC_AUTO_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
@@ -183,7 +188,7 @@ class PolicySpec:
 
 def _rerank(name: str):
     def build(args: list[int], max_levels: int) -> Policy:
-        total, depth = (args + [60, 7][len(args):])[:2]
+        total, depth = (args + [60, EAGLE3_LEVELS][len(args):])[:2]
         return RerankPolicy(total, depth, name=name if not args else f"{name}:" + ":".join(map(str, args)))
     return build
 
@@ -200,10 +205,10 @@ def _specfit(args: list[int], max_levels: int) -> Policy:
 POLICIES: dict[str, PolicySpec] = {
     "ar": PolicySpec("ar", "no speculation", lambda a, m: ArPolicy()),
     "chain": PolicySpec("chain:K", "a chain of K draft tokens", lambda a, m: ChainPolicy(a[0]), n_args=(1,)),
-    "eagle3": PolicySpec("eagle3[:N[:D]]", "EAGLE-3's tree: N nodes (60) of D levels (7)", _rerank("eagle3"),
+    "eagle3": PolicySpec("eagle3[:N[:D]]", f"EAGLE-3's tree: N nodes (60) of D levels ({EAGLE3_LEVELS})", _rerank("eagle3"),
                          n_args=(0, 1, 2)),
     "eagle3-nocache": PolicySpec("eagle3-nocache", "eagle3 with no expert cache (simulator)",
-                                 lambda a, m: RerankPolicy(60, 7, name="eagle3-nocache", cache_capacity=0), live=""),
+                                 lambda a, m: RerankPolicy(60, EAGLE3_LEVELS, name="eagle3-nocache", cache_capacity=0), live=""),
     "static": PolicySpec("static:N (or static:auto)", "the best N nodes of the tree; auto: the best N on the trace "
                          "(simulator)", lambda a, m: RerankPolicy(a[0], max(1, min(a[0] - 1, m)), name=f"static:{a[0]}"),
                          n_args=(1,), live="static:N"),
@@ -297,7 +302,7 @@ def _make_base(text: str, spec: str, max_levels: int) -> Policy:
     try:
         args = [int(a) for a in rest.split(":")] if rest else []
     except ValueError:
-        raise ValueError(f"policy {spec!r}: expected integer parameters, e.g. chain:4, static:8, eagle3:60:7") from None
+        raise ValueError(f"policy {spec!r}: expected integer parameters, e.g. chain:4, static:8, eagle3:60:8") from None
     if len(args) not in entry.n_args:
         raise ValueError(f"policy {spec!r}: expected {entry.grammar}")
     return entry.build(args, max_levels)

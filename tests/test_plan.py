@@ -460,7 +460,7 @@ def test_a_fixed_tree_is_sized_within_the_levels_it_drafts():
     assert tree_tokens("eagle3:16:1", by_levels) == 3    # one level holds 3 nodes, not 16
     assert tree_tokens("eagle3:16:2", by_levels) == 7
     assert tree_tokens("eagle3:8:3", by_levels) == 8
-    assert tree_tokens("eagle3", by_levels) == 30        # 60 nodes of 7 levels, on traces of 5
+    assert tree_tokens("eagle3", by_levels) == 30        # 60 nodes of 8 levels, on traces of 5
     assert tree_tokens("static:2", by_levels) == 2       # one level: the root and its best child
     assert tree_tokens("static:60", by_levels) == 30
 

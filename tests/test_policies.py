@@ -436,11 +436,24 @@ def test_static_auto_candidates_include_a_size_equal_to_the_largest_tree():
     assert auto.candidates(100)[-1].name == "static:100"
 
 
-# eagle3's defaults are N=60 nodes of D=7 levels
-@pytest.mark.parametrize("spec, nodes, depth", [("eagle3", 60, 7), ("eagle3:16", 16, 7), ("eagle3:16:3", 16, 3)])
+# eagle3's defaults are EAGLE-3's: total_token=60 nodes (root included) and depth=7, which counts
+# the drafter's passes after the first level (EAGLE's --depth: "the maximum number of draft
+# length - 1"): D=8 levels
+@pytest.mark.parametrize("spec, nodes, depth", [("eagle3", 60, 8), ("eagle3:16", 16, 8), ("eagle3:16:3", 16, 3),
+                                                ("eagle3-nocache", 60, 8)])
 def test_eagle3_defaults(spec, nodes, depth):
     policy = make_policy(spec)
     assert (policy.total_nodes, policy.max_levels) == (nodes, depth)
+
+
+# EAGLE-3's default tree drafts 8 levels: on a tree 9 levels deep it verifies nodes of level 8,
+# none of level 9
+def test_eagle3_default_tree_reaches_eagle3s_eighth_level():
+    parents = np.arange(-1, 9)                              # a chain of 9 levels under the root
+    tree = DraftTree(parents, 0.9 ** np.arange(10))
+    experts = np.zeros((10, 1, 1), dtype=np.int64)
+    sel = choose(make_policy("eagle3"), CycleView(tree, experts, np.zeros((1, 1), dtype=bool), FREE_DRAFT, 0))
+    assert sel.draft_levels == 8 and sel.nodes.tolist() == list(range(9))
 
 
 # specfit:D caps the levels drafted at D whatever max_levels the driver passes

@@ -122,7 +122,7 @@ def ref_decide(spec: str, tree: RefTree, resident: np.ndarray, cost: CostModel):
             nodes.append(max(kids, key=lambda u: (tree.drafter[u], -u)))
     else:   # eagle3[:N[:D]] and static:N rank by path probability and keep N, ties to the lower id
         if name == "eagle3":
-            total, levels = (args + [60, 7][len(args):])[:2]
+            total, levels = (args + [60, 8][len(args):])[:2]   # EAGLE-3's 60 tokens, 8 levels
         else:
             total, levels = args[0], min(args[0] - 1, 8)   # static: depth N - 1, at most the 8 levels drafted
         levels = min(levels, depth)

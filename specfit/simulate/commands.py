@@ -152,14 +152,15 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
             console.print(f"note: --cache-experts {max(cache_sizes)} is more than {path}'s {slots} experts "
                           f"{'in all' if cache_mode == 'global' else 'per layer'}: replayed with every expert cached",
                           markup=False, highlight=False)
+        shape = ModelShape.from_trace_meta(trace.model)
+        scenarios[name] = [build_scenario(spec, shape, h2d_scale, overrides, rescale) for spec in profiles]
+        # after the options' checks: a refused option is the one line said
         depth = int(trace.depth.max())
         shallow = deeper_than(policies, max_levels, depth)
         if shallow:
             console.print(depth_note(shallow, depth, path), markup=False, highlight=False)
         with console.status(f"preparing {escape(str(path))} ...") if not quiet else _nothing():
             prepared.append(prepare_trace(name, trace, predictor, acceptance, model_dir=model_dir))
-        shape = ModelShape.from_trace_meta(trace.model)
-        scenarios[name] = [build_scenario(spec, shape, h2d_scale, overrides, rescale) for spec in profiles]
         # what the figures were made from, for run.json: a preset's figures are the code's, a
         # profile file may change under its name
         inputs["traces"][name] = {"path": str(Path(path).resolve()), "digest": file_digest(path)}

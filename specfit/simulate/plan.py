@@ -36,7 +36,7 @@ __all__ = ["MemoryBudget", "MemoryModel", "dense_weight_params", "kv_bytes_per_t
 PLAN_FILE = "plan.json"
 PLAN_MAX_LEVELS = 8             # the draft levels the plan's sweep caps specfit and static:N at (the grid's default)
 DEFAULT_CANDIDATES = ("ar", "chain:1", "chain:2", "chain:3", "chain:4", "static:2", "static:3", "static:4", "static:8",
-                      "eagle3:8:3", "eagle3:16:4", "eagle3:32:5", "eagle3:60:7", "specfit:4", "specfit:8")
+                      "eagle3:8:3", "eagle3:16:4", "eagle3:32:5", "eagle3:60:8", "specfit:4", "specfit:8")
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
