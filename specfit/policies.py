@@ -16,13 +16,15 @@ the grammar (:data:`POLICY_HELP` is written from it):
 - ``ar``: no speculation, the root alone.
 - ``chain:K``: draft K levels of the drafter's top-1 (a chain), verify it.
 - ``eagle3[:N[:D]]``: EAGLE-2/3 dynamic tree: draft D levels (default 8), keep the N nodes
-  (default 60, root included) with the highest path probabilities (rerank). The defaults are
+  (default 60, root included) with the highest path probabilities of the drafter (rerank; its
+  cumulative log-probabilities, also where the run calibrates acceptance). The defaults are
   EAGLE-3's (``EaModel.from_pretrained``: ``total_token=60``, ``depth=7``, where ``depth`` counts
   the drafter passes after the first level, "the maximum number of draft length - 1": 8 levels).
 - ``eagle3-nocache``: ``eagle3`` with no expert cache (every expert streamed), the "vanilla"
   offloaded setup (simulator only).
 - ``static:N``: the same rerank with N nodes (root included) and depth N - 1 capped at the
-  drafted depth: a fixed tree size.
+  drafted depth, by the path probabilities the policies use (calibrated where the run calibrates
+  acceptance): a fixed tree size.
 - ``static:auto``: ``static:N`` with the N that is best on the trace, cache size and cost model (a
   strong baseline that knows the trace; simulator only, which tries every candidate).
 - ``specfit``: the exact max-throughput search after every level; stop drafting as soon as neither
@@ -93,24 +95,33 @@ class RerankPolicy(Policy):
     """EAGLE-2/3 rerank: after a fixed number of levels keep the ``total_nodes`` nodes (root
     included) with the highest path probability (ties keep the earlier node), closed under
     ancestors: a tree clips each child to its parent's probability as given, so over several
-    levels of float slack a deep node can outscore an ancestor, which is then kept as well."""
+    levels of float slack a deep node can outscore an ancestor, which is then kept as well.
 
-    def __init__(self, total_nodes: int, depth: int, name: str, cache_capacity: int | None = None):
+    ``drafter_scores``: rank by the drafter's own path probabilities (its cumulative
+    log-probabilities, as EAGLE's ``topK_genrate`` ranks ``cu_scores``) where the run has calibrated
+    ones; otherwise by the path probabilities the policy is given (calibrated where the run has an
+    acceptance calibrator). The predicted outcome uses the given ones either way."""
+
+    def __init__(self, total_nodes: int, depth: int, name: str, cache_capacity: int | None = None,
+                 drafter_scores: bool = False):
         if total_nodes < 2 or depth < 1:
             raise ValueError(f"policy {name!r}: expected N >= 2 nodes (root included) and depth >= 1, got N={total_nodes}, "
                              f"depth={depth} (a tree of the root alone is ar)")
         self.total_nodes, self.max_levels, self.name = int(total_nodes), int(depth), name
+        self.drafter_scores = bool(drafter_scores)
         if cache_capacity is not None:     # a cache the run does not have: only a replay can impose it
             self.cache_capacity, self.simulator_only = int(cache_capacity), True
 
     def select(self, view: CycleView) -> Selection:
-        return view.evaluate(rerank(view.tree, self.total_nodes))
+        scores = view.drafter_probs if self.drafter_scores else None
+        return view.evaluate(rerank(view.tree, self.total_nodes, scores))
 
 
-def rerank(tree: DraftTree, total_nodes: int) -> np.ndarray:
-    """EAGLE's rerank: the ``total_nodes`` nodes (root included) with the highest path probability,
-    ties to the earlier node; sorted ids of an ancestor-closed set."""
-    probs = tree.path_probs
+def rerank(tree: DraftTree, total_nodes: int, scores: np.ndarray | None = None) -> np.ndarray:
+    """EAGLE's rerank: the ``total_nodes`` nodes (root included) with the highest path probability
+    (``scores`` [nodes], default the tree's), ties to the earlier node; sorted ids of an
+    ancestor-closed set."""
+    probs = tree.path_probs if scores is None else scores[:tree.n_nodes]
     order = np.lexsort((np.arange(probs.size), -probs))   # by probability desc, then index
     return tree.closure(np.sort(order[:total_nodes]))
 
@@ -189,7 +200,8 @@ class PolicySpec:
 def _rerank(name: str):
     def build(args: list[int], max_levels: int) -> Policy:
         total, depth = (args + [60, EAGLE3_LEVELS][len(args):])[:2]
-        return RerankPolicy(total, depth, name=name if not args else f"{name}:" + ":".join(map(str, args)))
+        return RerankPolicy(total, depth, name=name if not args else f"{name}:" + ":".join(map(str, args)),
+                            drafter_scores=True)
     return build
 
 
@@ -208,7 +220,8 @@ POLICIES: dict[str, PolicySpec] = {
     "eagle3": PolicySpec("eagle3[:N[:D]]", f"EAGLE-3's tree: N nodes (60) of D levels ({EAGLE3_LEVELS})", _rerank("eagle3"),
                          n_args=(0, 1, 2)),
     "eagle3-nocache": PolicySpec("eagle3-nocache", "eagle3 with no expert cache (simulator)",
-                                 lambda a, m: RerankPolicy(60, EAGLE3_LEVELS, name="eagle3-nocache", cache_capacity=0), live=""),
+                                 lambda a, m: RerankPolicy(60, EAGLE3_LEVELS, name="eagle3-nocache", cache_capacity=0,
+                                                           drafter_scores=True), live=""),
     "static": PolicySpec("static:N (or static:auto)", "the best N nodes of the tree; auto: the best N on the trace "
                          "(simulator)", lambda a, m: RerankPolicy(a[0], max(1, min(a[0] - 1, m)), name=f"static:{a[0]}"),
                          n_args=(1,), live="static:N"),

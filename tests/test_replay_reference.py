@@ -126,7 +126,8 @@ def ref_decide(spec: str, tree: RefTree, resident: np.ndarray, cost: CostModel):
         else:
             total, levels = args[0], min(args[0] - 1, 8)   # static: depth N - 1, at most the 8 levels drafted
         levels = min(levels, depth)
-        probs = tree.level_probs(levels)
+        # eagle3 by the drafter's own probabilities (EAGLE's cumulative log-probabilities), static by the policies'
+        probs = tree.drafter if name == "eagle3" else tree.level_probs(levels)
         keep = sorted(tree.within(levels), key=lambda u: (-probs[u], u))[:total]
         closed = set(keep) | {0}
         for v in list(closed):
@@ -329,6 +330,26 @@ def test_chain_follows_the_drafters_top_child_whatever_the_calibrated_probabilit
     assert log.columns["nodes_drafted"].tolist() == [2, 1, 1]
     # and its predicted tokens are priced with the calibrated probability of the node it verifies
     assert log.columns["predicted_tokens"][0] == pytest.approx(1.3)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_eagle3_reranks_by_the_drafters_probabilities_and_static_by_the_calibrated(compiled):
+    """EAGLE-3 ranks its candidates by the drafter's cumulative log-probability: a replay whose
+    calibrated probabilities rank a sibling above the drafter's favourite still verifies the
+    favourite with ``eagle3``; ``static:N`` (SpecFit's fixed size) ranks by the calibrated ones."""
+    trace = tie_trace(2, accepted_child=2)
+    trace.path_prob[1], trace.draft_logprob[1] = 0.6, np.log(0.6)      # the drafter's favourite: child 1, rejected
+    calibrated = trace.path_prob.copy()
+    calibrated[1], calibrated[2] = 0.3, 0.5                            # calibration prefers child 2, accepted
+    prep = prepare("reordered", trace, trace.true_experts, calibrated)
+    committed = {}
+    for spec in ("eagle3:2:1", "static:2"):
+        log = replay(prep, make_policy(spec), ExpertCache(1, 4, capacity=1, expert_bytes=1000), COST,
+                     compiled=compiled)
+        committed[spec] = log.columns["committed_tokens"].tolist()
+        if spec == "eagle3:2:1":     # priced with the calibrated probability of the node it verifies
+            assert log.columns["predicted_tokens"][0] == pytest.approx(1.3)
+    assert committed == {"eagle3:2:1": [1, 1, 1], "static:2": [2, 1]}
 
 
 @pytest.mark.parametrize("compiled", [True, False])

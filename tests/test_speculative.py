@@ -128,6 +128,35 @@ def test_every_cycle_reports_measured_and_predicted(checkpoints):
         assert row["online_predicted_time_s"] == row["predicted_time_s"]
 
 
+class ReversingCalibrator:
+    """An acceptance calibrator that ranks each node's children the other way round from the
+    drafter: its last (least probable) child is the most probable one."""
+
+    def calibrate_level(self, edge_lp, width, new, parents, depth, edge_product, path_prob):
+        rank = np.arange(new.size) % width
+        path_prob[new] = path_prob[parents] * (0.5 + 0.4 * rank / max(width - 1, 1))
+        edge_product[new] = path_prob[new]
+
+
+@pytest.mark.parametrize("spec, drafters_choice", [("eagle3:2:1", True), ("static:2", False)])
+def test_live_eagle3_reranks_by_the_drafters_probabilities_where_the_run_calibrates(checkpoints, spec,
+                                                                                   drafters_choice):
+    """EAGLE-3 ranks by the drafter's cumulative log-probability: with an acceptance calibrator
+    that reverses the order, ``eagle3`` still verifies the drafter's top child, ``static:N`` (SpecFit's
+    fixed size) the calibrated favourite."""
+    model, drafter = load(*checkpoints["qwen3_moe"], cache_experts=8)
+    decoder = speculative_decoder(model, drafter, make_policy(spec), COST, tree_top_k=3,
+                                  calibrator=ReversingCalibrator())
+    drafted = []
+    decoder.generate(prompts()[1], 6, ignore_eos=True, on_cycle=lambda stats, _: drafted.append(stats.draft))
+    drafted = [draft for draft in drafted if draft.tree.n_nodes > 1]     # the last cycle may draft nothing
+    assert drafted
+    for draft in drafted:
+        children = np.flatnonzero(draft.tree.parents == 0)
+        top = children[np.argmax(draft.edge_logprob[children])]
+        assert draft.nodes.tolist() == [0, int(top) if drafters_choice else int(children[-1])]
+
+
 def test_drafter_state_after_acceptance_equals_a_fresh_run(checkpoints):
     """After cycles that accepted several tokens, the drafter's cache holds exactly the entries
     a from-scratch run over the committed sequence (with the target's features) would."""

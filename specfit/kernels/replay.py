@@ -26,10 +26,11 @@ from .evaluate import TRUE_MISSES, count_unions, cycle_time, expected_tokens
 from .levers import ADVISOR, CARRY, PREFETCH, keep_priorities, observe_union, prefetch_level
 from .tree import accepted_path
 
-__all__ = ["AR", "CHAIN", "RERANK", "ORACLE", "INT_COLUMNS", "FLOAT_COLUMNS", "accepted_paths", "commit_cycle",
+__all__ = ["AR", "CHAIN", "RERANK", "ORACLE", "DRAFTER_RERANK", "INT_COLUMNS", "FLOAT_COLUMNS", "accepted_paths", "commit_cycle",
            "record_decision", "replay_compiled", "replay_specfit"]
 
 AR, CHAIN, RERANK, ORACLE = 0, 1, 2, 3
+DRAFTER_RERANK = 4     # the rerank by the drafter's own path probabilities (EAGLE-3's), not the calibrated ones
 # the rows of the replay's output arrays
 INT_COLUMNS = ("sequence", "position", "nodes_verified", "draft_levels", "deepest_selected", "union_size", "hits",
                "misses", "predicted_union_size", "predicted_misses", "union_overlap", "committed_tokens")
@@ -211,7 +212,7 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
                     bits, score,
                     count, slots, n_used, clock, counters, config, link_params, lconf, lf, usage, layer_prefetched,
                     prefetched, union_log, layer_counts, int_cols, float_cols, tokens_out, tokens_per_sequence):
-    """Replay every sequence with a compiled policy (``kind`` one of AR, CHAIN, RERANK, ORACLE;
+    """Replay every sequence with a compiled policy (``kind`` one of AR, CHAIN, RERANK, DRAFTER_RERANK, ORACLE;
     ``total_nodes`` the rerank's N, ``max_levels`` the levels it drafts) and the levers of
     ``lconf`` (:mod:`.levers`, not with the oracle); ``true_bits`` / ``predicted_bits`` are the
     expert ids' per-node sets (the unions are taken on them); each cycle's true union goes to
@@ -316,9 +317,10 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
                         nodes[n_sel] = top
                         n_sel += 1
                 else:
-                    # rerank: the total_nodes most probable nodes (ties: the earlier), closed
+                    # rerank: the total_nodes most probable nodes (ties: the earlier), closed; by the
+                    # drafter's own probabilities for DRAFTER_RERANK
                     for v in range(n):
-                        neg[v] = -probs[base + v]
+                        neg[v] = -(drafter_probs[base + v] if kind == DRAFTER_RERANK else probs[base + v])
                     order = np.argsort(neg[:n], kind="mergesort")
                     selected[0] = True
                     for i in range(min(total_nodes, n)):

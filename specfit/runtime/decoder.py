@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import gc
 import time
 from typing import Callable
@@ -281,6 +282,9 @@ class Decoder:
             # the selection prices the rest of the cycle at the speed its drafter passes showed
             view = CycleView(view.tree, view.experts, view.cached,
                              self.online.within_cycle(draft.drafter_time_s, view.draft_levels), view.draft_levels)
+        if tree is not None and self.calibrator is not None:
+            # the drafter's own path probabilities beside the calibrated ones (EAGLE's rerank ranks by them)
+            view = dataclasses.replace(view, drafter_probs=np.exp(tree.cum_logprob[:tree.n_nodes]))
         draft.selection = self._decide(draft, self.policy.select, view)
         draft.cached = view.cached
         draft.nodes, draft.tree, draft.draft_levels = draft.selection.nodes, view.tree, view.draft_levels

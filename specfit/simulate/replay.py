@@ -94,7 +94,7 @@ def _compiled_rule(policy: Policy) -> tuple[int, int, int] | None:
     if kind is ChainPolicy:
         return k.CHAIN, 0, int(policy.max_levels)
     if kind is RerankPolicy:
-        return k.RERANK, int(policy.total_nodes), int(policy.max_levels)
+        return k.DRAFTER_RERANK if policy.drafter_scores else k.RERANK, int(policy.total_nodes), int(policy.max_levels)
     if kind is OraclePolicy:
         return k.ORACLE, 0, int(policy.max_levels)
     return None
