@@ -300,6 +300,27 @@ def test_terms_held_together_follow_the_machines_speed_in_the_priors_proportions
     assert fitter.quality_["train"]["median_ape"] < 0.03
 
 
+def test_a_term_freed_beside_the_speed_factor_does_not_carry_the_whole_slowdown():
+    """Cycles of a machine 3 times slower than the profile, drafting one level nearly always (the
+    level and union columns move with the constant part). The speed factor is chosen first; a term
+    freed after it (the hits) left the factor undetermined, the factor was dropped, and the fit
+    ended with the base, node and level terms at the profile's 1x and the hits at about 7x: the
+    cycles predicted, their parts priced wrong. A term that would take the factor's evidence stays
+    with the group, so the base follows the machine."""
+    prior = CostModel(base_s=1.1e-3, per_node_s=3.6e-5, hit_s=3.6e-5, miss_s=3.75e-5, draft_level_s=3.3e-4)
+    for seed in range(12):
+        rng = np.random.default_rng(seed)
+        levels = np.where(rng.random(48) < 0.95, 1, rng.choice([0, 2], 48))
+        nodes = np.where(levels > 0, 1 + levels * rng.integers(1, 3, 48), 1)
+        union = 16 + (nodes - 1) * rng.integers(2, 6, 48)
+        misses = rng.integers(0, union // 2)
+        X = CostModel.features(levels, nodes, union - misses, misses)
+        y = 3.0 * (X @ prior.params) * np.exp(0.1 * rng.standard_normal(48))
+        fitter = CycleTimeFitter(holdout_fraction=0, prior=prior).fit(X, y)
+        assert fitter.cost_model().base_s > 2 * prior.base_s, seed
+        assert fitter.quality_["train"]["median_ape"] < 0.1, seed
+
+
 def probe_like_cycles(rng, stars: bool, noise: float):
     """Verification passes as ``specfit calibrate`` probes them on a 4-layer, 16-expert, top-4
     model: random trees whose union grows with the node count (and saturates), at five cache

@@ -351,6 +351,16 @@ class CycleTimeFitter:
                 remaining.remove(j)
                 if j in group:
                     group.remove(j)
+                    if speed and group and 1.0 <= score(free, group, True, len(free), 1.0, speed_visible(group))[0] < np.inf:
+                        # freed, the term would take the evidence of the speed factor the data chose
+                        # before it (the factor is still estimable, no longer determined): it moves
+                        # with the group. Dropping the factor instead put the group back at the
+                        # prior's speed and this one term carried the whole slowdown of a machine
+                        # uniformly slower than the profile (hit_s 7x, the rest 1x)
+                        free.remove(j)
+                        group.append(j)
+                        scores[("term", j)] = (np.inf, scores[("term", j)][1])
+                        continue
             if speed and group and not score(free, group, True, len(free), 1.0, speed_visible(group))[0] < 1.0:
                 speed, speed_now = False, 1.0      # what is left of the group: the free terms explain it
         if speed and len(group) == 1:
