@@ -403,3 +403,28 @@ def test_online_acceptance_refuses_no_penalty_and_reliability_refuses_nan():
     with pytest.raises(ValueError, match="finite probabilities"):
         reliability([0.5, float("nan")], [1.0, 0.0])
     assert reliability([0.2, 0.9], [0.0, 1.0])["brier"] == pytest.approx((0.04 + 0.01) / 2)
+
+
+def test_the_prequential_scores_take_the_same_memory_however_long_the_run():
+    """quality() scores every edge the model was updated with, from running sums: a list of every
+    scored edge grew with the run (~350 bytes a cycle of the bundled model), and quality() took
+    longer each time it was asked."""
+    import pickle
+
+    model = OnlineAcceptance(min_edges=64, refit_every=4)
+    pred, raw, outcomes, sizes = [], [], [], []
+    for i, (tree, verified, verdicts) in enumerate(over_confident_cycles(4, 400)):
+        nodes, accepted = edge_outcomes(Observation(tree=tree, verified=verified, verdicts=verdicts))
+        pred.append(model.edge_probs(tree)[nodes])
+        raw.append(edge_features(tree)[0][nodes])
+        outcomes.append(accepted)
+        model.update(tree, nodes, accepted)
+        if i in (99, 399):
+            sizes.append(len(pickle.dumps(model)))
+    assert sizes[1] - sizes[0] < 16          # a counter's pickled width at most; 300 cycles of a list: ~50 kB
+    q = model.quality()
+    y = np.concatenate(outcomes)
+    for prefix, scored in (("", reliability(np.concatenate(pred), y)), ("raw_", reliability(np.concatenate(raw), y))):
+        assert q[f"{prefix}n"] == scored["n"] == 1200
+        assert q[f"{prefix}brier"] == pytest.approx(scored["brier"], rel=1e-12)
+        assert q[f"{prefix}ece"] == pytest.approx(scored["ece"], rel=1e-12)

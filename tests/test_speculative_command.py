@@ -1243,7 +1243,7 @@ def test_sampling_specfit_learns_its_acceptance_from_the_sampled_outcomes(checkp
                                 policies=["specfit"], max_new_tokens=NEW_TOKENS, device="cpu", ignore_eos=True,
                                 profile="pcie4", temperature=0.8))
     acceptance = run.policies[0].acceptance
-    outcomes = np.concatenate([y for _, _, y in acceptance._scored])
+    _, outcomes = acceptance._window()          # the outcomes it learned from
     assert outcomes.size > 0 and np.all((outcomes >= 0) & (outcomes <= 1))
     assert np.any((outcomes > 0) & (outcomes < 1))             # probabilities, not verdicts
     # greedy decoding keeps specfit as named (its acceptance comes from a trace or the drafter)

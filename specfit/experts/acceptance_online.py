@@ -21,7 +21,8 @@ probabilities are products of edge probabilities (each <= 1: non-increasing alon
 Before it has ``min_edges`` outcomes it returns the tree's own probabilities. Its predictions are
 scored before each update (prequential: every scored cycle is held out from the fit that made its
 prediction), next to the tree's own probabilities: Brier score and expected calibration error
-(:func:`reliability`).
+(:func:`reliability`), kept as running sums per bin, so a run of any length scores in constant
+memory.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = ["OnlineAcceptance", "edge_features", "reliability"]
 
 _PRIOR = np.array([0.0, 1.0, 0, 0, 0, 0, 0, 0])   # logit P = logit q: the tree's own probabilities
 _NO_COEF = np.zeros(0)
+_BINS = 10                                         # the reliability bins of quality()
 
 
 def edge_features(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
@@ -52,9 +54,19 @@ def reliability(predicted, outcome, bins: int = 10) -> dict:
     if p.shape != y.shape or not (np.isfinite(p).all() and np.isfinite(y).all()):
         raise ValueError(f"reliability: expected finite probabilities and outcomes of one shape, got shapes {p.shape} "
                          f"and {y.shape}")
+    return _reliability_of(p.size, *_binned(p.ravel(), y.ravel(), bins))
+
+
+def _binned(p: np.ndarray, y: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray, float]:
+    """(sum of the probabilities per bin, sum of the outcomes per bin, sum of squared errors): the
+    sums :func:`reliability` reads, which add up over batches of edges."""
     which = np.minimum((p * bins).astype(int), bins - 1)
-    gap = np.abs(np.bincount(which, weights=p, minlength=bins) - np.bincount(which, weights=y, minlength=bins))
-    return {"n": int(p.size), "brier": float(np.mean((p - y) ** 2)), "ece": float(gap.sum() / p.size)}
+    return (np.bincount(which, weights=p, minlength=bins), np.bincount(which, weights=y, minlength=bins),
+            float(np.sum((p - y) ** 2)))
+
+
+def _reliability_of(n: int, p_sums: np.ndarray, y_sums: np.ndarray, squared: float) -> dict:
+    return {"n": int(n), "brier": squared / n, "ece": float(np.abs(p_sums - y_sums).sum() / n)}
 
 
 class OnlineAcceptance:
@@ -76,8 +88,13 @@ class OnlineAcceptance:
         self._n = 0
         self._last: tuple | None = None      # (tree, coef_, its probabilities)
         self._updates = 0
-        # prequential scores: (this model's prediction, the tree's own, outcome) per scored edge
-        self._scored: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        # prequential scores of this model's predictions (row 0) and the tree's own (row 1), as the
+        # sums reliability() reads: per bin the probabilities' and the outcomes' (a list of every
+        # scored edge grew with the run: ~350 bytes a cycle of the bundled model, and quality() took
+        # longer each time)
+        self._n_scored = 0
+        self._bin_sums = np.zeros((2, 2, _BINS))
+        self._squared = np.zeros(2)
 
     def get_params(self) -> dict:
         return {"memory": self.memory, "refit_every": self.refit_every, "min_edges": self.min_edges, "l2": self.l2,
@@ -120,7 +137,12 @@ class OnlineAcceptance:
             return
         q, x, edge, _ = self._probs(tree)
         accepted = np.asarray(accepted, dtype=np.float64)
-        self._scored.append((edge[nodes], q[nodes], accepted))
+        for row, predicted in enumerate((edge[nodes], q[nodes])):
+            p_sums, y_sums, squared = _binned(predicted, accepted, _BINS)
+            self._bin_sums[row, 0] += p_sums
+            self._bin_sums[row, 1] += y_sums
+            self._squared[row] += squared
+        self._n_scored += nodes.size
         self._remember(x[nodes], accepted)
         self._updates += 1
         if (min(self._n, self.memory) >= self.min_edges
@@ -153,11 +175,11 @@ class OnlineAcceptance:
     def quality(self) -> dict:
         """Prequential reliability of this model and of the tree's own probabilities on every
         edge scored so far (``n``, ``brier``, ``ece`` and the same with the ``raw_`` prefix)."""
-        if not self._scored:
+        if not self._n_scored:
             return {**reliability([], []), **{f"raw_{k}": v for k, v in reliability([], []).items()}}
-        pred, raw, y = (np.concatenate(parts) for parts in zip(*self._scored))
-        out = reliability(pred, y)
-        out.update({f"raw_{k}": v for k, v in reliability(raw, y).items()})
+        out = _reliability_of(self._n_scored, *self._bin_sums[0], self._squared[0])
+        out.update({f"raw_{k}": v for k, v in _reliability_of(self._n_scored, *self._bin_sums[1],
+                                                              self._squared[1]).items()})
         return out
 
     def to_dict(self) -> dict:
