@@ -21,6 +21,8 @@ in the constructor, ``coef_`` and the table learned, ``predict`` pure.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from ..threads import one_blas_thread
@@ -155,8 +157,11 @@ class LearnedPredictor(ExpertPredictor):
             self._buffer.pop(0)
         self.table_.update(tokens, experts, n_experts)
         self._updates += 1
+        self.refit_s = 0.0
         if self._updates % self.refit_every == 0:
+            started = time.perf_counter()
             self._refit_from_buffer()
+            self.refit_s = time.perf_counter() - started
 
     def _refit_from_buffer(self) -> None:
         tokens = np.concatenate([b[0] for b in self._buffer])

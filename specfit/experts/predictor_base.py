@@ -74,6 +74,9 @@ class ExpertPredictor(ABC):
     # whether :meth:`update` can still change what it predicts (a driver skips gathering what it
     # would hand an update otherwise)
     learning = True
+    # seconds of the refit the last :meth:`update` ran (0.0: none): a step of one cycle in many,
+    # which the live decoder's online cost model leaves out of what it learns a cycle costs
+    refit_s = 0.0
 
     def fit(self, trace, cycles=None) -> "ExpertPredictor":
         return self

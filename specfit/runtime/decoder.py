@@ -195,8 +195,13 @@ class Decoder:
                     stats.waited_s = max(stats.cycle_time_s - stats.cpu_time_s - draft.prefetch_wait_s, 0.0)
                 offload = verification.offload
                 priced = None if draft.selection is None else (draft.selection.hits, draft.selection.misses)
+                # the cycle as the online model learns it: without an expert predictor's refit, a
+                # step of one cycle in many (~60 ms of a learned predictor's every 64 cycles), which
+                # the speed tracker took for a slower machine and over-predicted the next cycles by
+                refit_s = self.predictor.refit_s if self.predictor is not None else 0.0
                 self._pending = ((draft.draft_levels, int(verification.nodes.size), offload.total_hits,
-                                  offload.total_misses, stats.cycle_time_s), priced, update_s, draft.drafter_time_s)
+                                  offload.total_misses, stats.cycle_time_s - refit_s), priced, update_s,
+                                 draft.drafter_time_s)
                 self._account(stats, before, keep)
                 cycles.append(stats)
                 totals += offload
