@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import weakref
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from trace_helpers import SAMPLE_OLMOE
 from typer.testing import CliRunner
 
@@ -104,14 +107,19 @@ def test_largest_cache_that_fits_by_brute_force():
     config = shape_config("olmoe-1b-7b")
     dense, E = 2 * _meta_model_params(config), config.n_experts
     expert = 3 * config.hidden_size * config.expert_intermediate_size * 2
-    for budget_gb in (2.1, 3.3, 4.0, 9.0, 40.0):
-        memory = MemoryModel("olmoe", config, MemoryBudget(budget_gb * GB, context_tokens=4096, reserve_bytes=0.5 * GB))
+    for budget_gb in (2.5, 3.3, 4.0, 9.0, 40.0):
+        memory = MemoryModel("olmoe", config, MemoryBudget(budget_gb * GB, context_tokens=4096, reserve_bytes=0.5 * GB,
+                                                           prompt_tokens=256))
+        # the drafter and the passes' workspace: test_plans_estimate_holds_what_a_decode_allocates
+        drafting = memory.drafter_bytes(58) + memory.workspace_bytes(58)
         fits = [c for c in range(E + 1) if dense + _kv_bytes(config, 4096 + 58) + c * config.n_layers * expert
-                + (2 * expert if c < E else 0) + 0.5 * GB <= budget_gb * GB]
+                + (2 * expert if c < E else 0) + drafting + 0.5 * GB <= budget_gb * GB]
         assert memory.max_cache_experts_for(58) == max(fits)
-    # 2 GB holds the dense weights and the KV cache but not the staging buffers and the reserve
-    memory = MemoryModel("olmoe", config, MemoryBudget(2.0 * GB, context_tokens=4096, reserve_bytes=0.5 * GB))
-    with pytest.raises(SpecFitError, match="--device-memory-gb 2: olmoe needs 2.02 GB with no cached expert"):
+    # 2.3 GB holds the dense weights, the KV cache and the drafter but not the staging buffers,
+    # the workspace and the reserve
+    memory = MemoryModel("olmoe", config, MemoryBudget(2.3 * GB, context_tokens=4096, reserve_bytes=0.5 * GB,
+                                                       prompt_tokens=256))
+    with pytest.raises(SpecFitError, match="--device-memory-gb 2.3: olmoe needs 2.41 GB with no cached expert"):
         memory.max_cache_experts_for(58)
 
 
@@ -138,7 +146,8 @@ def test_plan_errors_are_one_line_before_ray_starts_or_anything_is_written(tmp_p
         (trace + ["--device-memory-gb", "1"], "--device-memory-gb 1: olmoe-1b-7b needs"),
         (trace + ["--device-memory-gb", "8", "--policies", "ar,static:auto"], "simulator baselines"),
         (trace + ["--device-memory-gb", "8", "--policies", "ar,oracle"], "['oracle'] run only in a replay"),
-        (trace + ["--device-memory-gb", "8", "--model-shape", "qwen3-30b-a3b"], "differs from --model-shape"),
+        (trace + ["--device-memory-gb", "24", "--model-shape", "qwen3-30b-a3b"], "differs from --model-shape"),
+        (trace + ["--device-memory-gb", "8", "--prompt-tokens", "4097"], "--prompt-tokens: expected 1..4096"),
         (trace + ["--device-memory-gb", "8", "--dtype", "float8"], "--dtype"),
         (trace + ["--device-memory-gb", "inf"], "--device-memory-gb: expected a positive, finite size, got inf"),
         (trace + ["--device-memory-gb", "8", "--context-tokens", "0"], "--context-tokens: expected >= 1, got 0"),
@@ -236,7 +245,7 @@ def _tree_tokens(policy: str, trace) -> int:
 def test_plan_recommends_the_best_cell_of_its_exhaustive_grid(ray_local, tmp_path, monkeypatch):
     budget_gb, reserve_gb = 4.0, 1.0
     r = CliRunner().invoke(app, ["plan", "--trace", str(SAMPLE_OLMOE), "--device-memory-gb", str(budget_gb),
-                                 "--profile", "pcie5", "--out", str(tmp_path / "plan"), "--json"])
+                                 "--prompt-tokens", "256", "--profile", "pcie5", "--out", str(tmp_path / "plan"), "--json"])
     assert r.exit_code == 0, r.output
     plan = json.loads(r.stdout)
     trace = read_trace(SAMPLE_OLMOE)
@@ -244,15 +253,21 @@ def test_plan_recommends_the_best_cell_of_its_exhaustive_grid(ray_local, tmp_pat
     dense = 2 * _meta_model_params(config)
     expert = 3 * config.hidden_size * config.expert_intermediate_size * 2
     E, L = config.n_experts, config.n_layers
+    # the drafter and the passes' workspace: test_plans_estimate_holds_what_a_decode_allocates
+    memory = MemoryModel("olmoe-1b-7b", config, MemoryBudget(budget_gb * GB, prompt_tokens=256))
+
+    def drafting(tree):
+        return memory.drafter_bytes(tree) + memory.workspace_bytes(tree)
 
     def device_bytes(policy, cache):
-        return (dense + _kv_bytes(config, 4096 + _tree_tokens(policy, trace)) + cache * L * expert
-                + (2 * expert if cache < E else 0) + reserve_gb * GB)
+        tree = _tree_tokens(policy, trace)
+        return (dense + _kv_bytes(config, 4096 + tree) + cache * L * expert
+                + (2 * expert if cache < E else 0) + drafting(tree) + reserve_gb * GB)
 
     # the cache sizes: none up to the most that fits next to the largest candidate tree, 4 steps
     largest = max(_tree_tokens(p, trace) for p in DEFAULT_CANDIDATES)
     most = max(c for c in range(E + 1) if dense + _kv_bytes(config, 4096 + largest) + c * L * expert
-               + (2 * expert if c < E else 0) + reserve_gb * GB <= budget_gb * GB)
+               + (2 * expert if c < E else 0) + drafting(largest) + reserve_gb * GB <= budget_gb * GB)
     sizes = sorted({round(most * i / 4) for i in range(5)})
     assert plan["cache_sizes"] == sizes and most > 0
     # the grid is exhaustive: every candidate policy at every size, once
@@ -310,7 +325,7 @@ def test_plan_notes_candidates_deeper_than_the_traces_trees_as_simulate_does(ray
     # fewer nodes and less draft time than a live run of them; static:4 (3 levels) is not
     policies = "ar,chain:9,eagle3:60:8,static:4"
     r = CliRunner().invoke(app, ["plan", "--trace", str(SAMPLE_OLMOE), "--device-memory-gb", "4", "--profile", "pcie5",
-                                 "--policies", policies, "--cache-steps", "1", "--out", str(tmp_path / "plan"), "--json"])
+                                 "--prompt-tokens", "256", "--policies", policies, "--cache-steps", "1", "--out", str(tmp_path / "plan"), "--json"])
     assert r.exit_code == 0, r.output
     said = " ".join(r.stderr.split())
     assert f"note: chain:9, eagle3:60:8 draft more levels than {SAMPLE_OLMOE}'s deepest tree (7)" in said, said
@@ -322,7 +337,7 @@ def test_plan_notes_candidates_deeper_than_the_traces_trees_as_simulate_does(ray
     assert {p: s["deeper_than_traces"] for p, s in setting.items()} == {"ar": False, "chain:9": True,
                                                                         "eagle3:60:8": True, "static:4": False}
     table = CliRunner().invoke(app, ["plan", "--trace", str(SAMPLE_OLMOE), "--device-memory-gb", "4", "--profile",
-                                     "pcie5", "--policies", policies, "--cache-steps", "1", "--out",
+                                     "pcie5", "--prompt-tokens", "256", "--policies", policies, "--cache-steps", "1", "--out",
                                      str(tmp_path / "plan"), "--top", "8"])
     assert table.exit_code == 0, table.output
     assert "chain:9 *" in table.stdout and "static:4 *" not in table.stdout, table.stdout
@@ -338,7 +353,8 @@ def test_plan_notes_candidates_deeper_than_the_traces_trees_as_simulate_does(ray
 
 def test_plan_for_a_model_shape_synthesises_each_workload_once(ray_local, tmp_path):
     args = ["plan", "--model-shape", "olmoe-1b-7b", "--workload", "chat,code", "--tokens", "24", "--device-memory-gb",
-            "3", "--policies", "ar,specfit:4", "--cache-steps", "1", "--out", str(tmp_path / "plan"), "--json"]
+            "3.5", "--prompt-tokens", "256", "--policies", "ar,specfit:4", "--cache-steps", "1", "--out",
+            str(tmp_path / "plan"), "--json"]
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 0, r.output
     plan = json.loads(r.stdout)
@@ -526,12 +542,84 @@ def test_plans_memory_line_adds_up_to_each_rows_device_gb(capsys):
     out = capsys.readouterr().out
     line = " ".join(out.split("┏")[0].split())               # the memory line, as one line
     gb = {name: float(re.search(rf"{name}[^;,]*? ([0-9.]+) GB", line).group(1))
-          for name in ("dense weights", "KV cache", "staging", "reserve", "one cached expert per layer")}
+          for name in ("dense weights", "KV cache", "staging", "workspace", "reserve", "one cached expert per layer")}
     kv_per_token_gb = float(re.search(r"\+ ([0-9.]+) MB per tree token", line).group(1)) / 1e3
     rows = [[c.strip() for c in row.strip("│").split("│")] for row in out.splitlines() if row.startswith("│")]
     assert {int(r[2]) for r in rows} == {0, 16}
-    for _, policy, cache, _, _, tree, device_gb, expert_cache_gb in rows:
+    drafter_gb = float(re.search(r"the drafter [^;,]*? ([0-9.]+) GB", line).group(1))
+    for _, policy, cache, _, _, tree, device_gb, expert_cache_gb, workspace_gb in rows:
         staging = gb["staging"] if int(cache) < memory.config.n_experts else 0.0
+        drafter = drafter_gb if policy != "ar" else 0.0
+        if policy == "ar":         # the prompt's pass, as the line says
+            assert float(workspace_gb) == gb["workspace"]
         total = (gb["dense weights"] + gb["KV cache"] + int(tree) * kv_per_token_gb + float(expert_cache_gb)
-                 + staging + gb["reserve"])
+                 + staging + drafter + float(workspace_gb) + gb["reserve"])
         assert total == pytest.approx(float(device_gb), abs=0.011), (policy, cache, line)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The most bytes the CPU tensors that ops create under it hold at once, but for ``existing``
+    storages (the weights, the expert slots): a storage counts while a tensor viewing it lives."""
+
+    def __init__(self, existing):
+        super().__init__()
+        self.existing, self.views, self.size, self.live, self.peak = existing, {}, {}, 0, 0
+
+    def _release(self, key):
+        self.views[key] -= 1
+        if not self.views[key]:
+            del self.views[key]
+            self.live -= self.size.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_flatten(out)[0]:
+            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in self.existing:
+                key = tensor.untyped_storage().data_ptr()
+                if key not in self.views:
+                    self.views[key], self.size[key] = 0, tensor.untyped_storage().nbytes()
+                    self.live += self.size[key]
+                self.views[key] += 1
+                weakref.finalize(tensor, self._release, key)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def test_plans_estimate_holds_what_a_decode_allocates():
+    """A decode as ``specfit decode`` builds it (a stand-in of the tiny shape and its stand-in
+    EAGLE-3 head, the policy drafting its largest tree) holds its weights, drafter, expert slots and
+    staging, and at its peak the KV caches and the largest pass's tensors: plan's estimate for the
+    same shape, cache, policy and context is that peak, within the pieces it leaves to the reserve
+    (the MLP blocks' activations)."""
+    from specfit.calibrate.presets import resolve_profile
+    from specfit.calibrate.profile import ModelShape
+    from specfit.calibrate.standin import random_drafter, random_model
+    from specfit.experts.predictors import make_predictor
+    from specfit.policies import RerankPolicy
+    from specfit.runtime.decoder import Decoder
+    from specfit.runtime.drafting import Proposer, tree_capacity
+
+    config, cache, prompt_tokens, new_tokens = shape_config("tiny"), 4, 400, 12
+    model = random_model(config, torch.device("cpu"), torch.float32, cache_experts=cache)
+    drafter = random_drafter(model)
+    levels = 3
+    policy = RerankPolicy(tree_capacity(4, levels), levels, name="full")        # the whole drafted tree, verified
+    cost = resolve_profile("pcie5", ModelShape.from_config(config, torch.float32, "tiny")).cost
+    decoder = Decoder(model, Proposer(drafter, 4), policy, cost, predictor=make_predictor("router", model=model),
+                      eos_token_ids=[], online_refit=False)
+    offload = model.offload
+    held = [*model.parameters(), *drafter.parameters(), *drafter.buffers(), offload.slot_gate_up, offload.slot_down,
+            offload.staging_gate_up, offload.staging_down]
+    resident = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in held}.values())
+    existing = {t.untyped_storage().data_ptr() for t in held + offload.host.gate_up + offload.host.down}
+    prompt = np.random.default_rng(0).integers(0, config.vocab_size, prompt_tokens).tolist()
+    with _LiveBytes(existing) as live:            # the KV caches and every pass's tensors
+        result = decoder.generate(prompt, new_tokens, ignore_eos=True)
+    tree = max(int(c.verification.nodes.size) for c in result.cycles)
+    assert tree == tree_capacity(4, levels)
+    actual = resident + live.peak
+
+    memory = MemoryModel("tiny", config, MemoryBudget(1 * GB, context_tokens=prompt_tokens + new_tokens,
+                                                      reserve_bytes=0, dtype="float32", prompt_tokens=prompt_tokens))
+    estimate = memory.device_bytes(cache, tree)
+    assert actual * 0.97 <= estimate <= actual * 1.03, (estimate, actual)

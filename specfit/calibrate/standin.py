@@ -18,7 +18,7 @@ from ..runtime.config import ModelConfig
 from ..runtime.model import MoETransformer, weight_dtype
 from ..runtime.offload import ExpertOffload, HostExperts
 
-__all__ = ["SHAPE_CONFIGS", "shape_config", "random_model", "random_drafter"]
+__all__ = ["SHAPE_CONFIGS", "shape_config", "random_model", "random_drafter", "drafter_config"]
 
 # Hugging Face config.json fields of the supported public shapes (plus a tiny one for tests).
 SHAPE_CONFIGS = {
@@ -141,16 +141,27 @@ def random_drafter(model: MoETransformer, draft_vocab_size: int = 32000, seed: i
     """An EAGLE-3 head shaped like the published ones for this target (its width, heads and
     head_dim, a 32k draft vocabulary), random weights, sharing the target's embedding: what a
     stand-in's draft levels are timed with, and the drafter of ``benchmarks/gpu_check.py``."""
-    from ..runtime.eagle3 import Eagle3Config, Eagle3Drafter
+    from ..runtime.eagle3 import Eagle3Drafter
 
-    c = model.config
-    # an EAGLE-3 head attends like a Llama layer; MLA's head_dim is only its rotary part (64 of
-    # DeepSeek-V2-Lite's 128), which would make the drafter's attention half as wide
-    head_dim = c.hidden_size // c.n_heads if c.mla else c.head_dim
-    config = Eagle3Config(hidden_size=c.hidden_size, target_hidden_size=c.hidden_size, vocab_size=c.vocab_size,
-                          draft_vocab_size=min(draft_vocab_size, c.vocab_size), num_attention_heads=c.n_heads,
-                          num_key_value_heads=c.n_kv_heads, head_dim=head_dim, intermediate_size=3 * c.hidden_size,
-                          aux_hidden_state_layer_ids=tuple(model.capture_layers), dtype=str(model.dtype).removeprefix("torch."))
+    config = drafter_config(model.config, model.dtype, draft_vocab_size, capture_layers=model.capture_layers)
     drafter = Eagle3Drafter(config, target_embed=model.embed_tokens.weight)
     drafter.init_weights(seed)
     return drafter.to(device=model.device, dtype=model.dtype).eval()
+
+
+def drafter_config(config: ModelConfig, dtype: torch.dtype, draft_vocab_size: int = 32000,
+                   capture_layers: tuple[int, ...] | None = None):
+    """The :class:`~specfit.runtime.eagle3.Eagle3Config` of :func:`random_drafter` for a target of
+    ``config`` (what ``specfit plan`` counts for a drafting policy)."""
+    from ..runtime.eagle3 import Eagle3Config
+    from ..runtime.config import default_capture_layers
+
+    c = config
+    # an EAGLE-3 head attends like a Llama layer; MLA's head_dim is only its rotary part (64 of
+    # DeepSeek-V2-Lite's 128), which would make the drafter's attention half as wide
+    head_dim = c.hidden_size // c.n_heads if c.mla else c.head_dim
+    layers = default_capture_layers(c.n_layers) if capture_layers is None else capture_layers
+    return Eagle3Config(hidden_size=c.hidden_size, target_hidden_size=c.hidden_size, vocab_size=c.vocab_size,
+                        draft_vocab_size=min(draft_vocab_size, c.vocab_size), num_attention_heads=c.n_heads,
+                        num_key_value_heads=c.n_kv_heads, head_dim=head_dim, intermediate_size=3 * c.hidden_size,
+                        aux_hidden_state_layer_ids=tuple(layers), dtype=str(dtype).removeprefix("torch."))

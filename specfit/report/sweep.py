@@ -158,7 +158,10 @@ def plan_section(page: Page, plan: dict, name: str) -> None:
     mem, best = plan["memory"], plan["best"]
     page.paragraph(f"{mem['model']} in {mem['device_bytes'] / 1e9:g} GB of device memory: dense weights "
                    f"{mem['dense_bytes'] / 1e9:.2f} GB, KV cache {mem['kv_bytes_per_token'] * mem['context_tokens'] / 1e9:.2f}"
-                   f" GB for {mem['context_tokens']} tokens, reserve {mem['reserve_bytes'] / 1e9:.2f} GB, one cached "
+                   f" GB for {mem['context_tokens']} tokens, "
+                   + (f"the prompt's pass ({mem['prompt_tokens']} tokens) {mem['prompt_pass_bytes'] / 1e9:.2f} GB, a "
+                      f"drafter {mem['drafter_bytes'] / 1e9:.2f} GB, " if "prompt_pass_bytes" in mem else "")
+                   + f"reserve {mem['reserve_bytes'] / 1e9:.2f} GB, one cached "
                    f"expert per layer {mem['slot_bytes'] / 1e9:.3f} GB. Recommended: {best['policy']} with "
                    f"{best['cache_experts']} cached experts per layer, {best['tokens_per_s']:.2f} tokens/s predicted "
                    f"on {', '.join(plan['traces'])} ({plan['profile']}).")

@@ -2,13 +2,23 @@
 
 The memory model (bytes on the device, batch size 1):
 
-    device = dense weights + KV cache + expert slots + staging + reserve
+    device = dense weights + KV cache + expert slots + staging + drafter + workspace + reserve
     dense weights = every parameter but the routed experts (embeddings, attention, norms,
                     routers, lm_head) x dtype bytes
     KV cache      = layers x kv_heads x head_dim x 2 (K and V) x (context + tree tokens) x dtype bytes
     expert slots  = cached experts per layer x layers x bytes of one expert
     staging       = two experts' buffers while not every expert is cached (the runtime streams the
                     overflow of a layer's union through them, :mod:`specfit.runtime.offload`)
+    drafter       = a policy that drafts: the stand-in EAGLE-3 head's weights (the target's
+                    embedding shared) and its KV cache for the context
+                    (:func:`~specfit.runtime.footprint.drafter_footprint`)
+    workspace     = the largest pass's transient tensors: the prompt's pass over ``prompt tokens``
+                    (the target's, and the drafter's for a policy that drafts: attention scores
+                    [heads, prompt, prompt], about 8 bytes each in bfloat16) or the verification of
+                    the tree over the context (:func:`~specfit.runtime.footprint.pass_workspace_bytes`:
+                    the runtime's own modules run on the meta device)
+    reserve       = what the estimate leaves out: the CUDA context, the caching allocator's
+                    rounding, the MLP blocks' activations
 
 ``tree tokens`` is the largest tree a policy verifies (its KV entries are written before the
 accepted path is compacted). The cache sizes tried run from none to the most the budget holds
@@ -23,6 +33,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -46,12 +57,16 @@ class MemoryBudget:
     context_tokens: int = 4096
     reserve_bytes: float = 1e9
     dtype: str = "bfloat16"
+    prompt_tokens: int | None = None     # the longest prompt; None: the context's length
 
     def __post_init__(self) -> None:
         if not 0 < self.device_bytes < math.inf:
             raise SpecFitError(f"--device-memory-gb: expected a positive, finite size, got {self.device_bytes / 1e9:g}")
         if self.context_tokens < 1:
             raise SpecFitError(f"--context-tokens: expected >= 1, got {self.context_tokens}")
+        if self.prompt_tokens is not None and not 1 <= self.prompt_tokens <= self.context_tokens:
+            raise SpecFitError(f"--prompt-tokens: expected 1..{self.context_tokens} (--context-tokens, which holds the "
+                               f"prompt and what is generated), got {self.prompt_tokens}")
         if not self.reserve_bytes >= 0:
             raise SpecFitError(f"--reserve-gb: expected >= 0, got {self.reserve_bytes / 1e9:g}")
         if self.dtype not in _DTYPE_BYTES:
@@ -60,6 +75,10 @@ class MemoryBudget:
     @property
     def dtype_bytes(self) -> int:
         return _DTYPE_BYTES[self.dtype]
+
+    @property
+    def longest_prompt(self) -> int:
+        return self.context_tokens if self.prompt_tokens is None else self.prompt_tokens
 
 
 def dense_weight_params(config) -> int:
@@ -135,9 +154,50 @@ class MemoryModel:
 
         return ExpertCache.staging_buffers(cache_experts, self.config.n_experts) * self.expert_bytes
 
+    @cached_property
+    def _drafter(self):
+        from ..runtime.footprint import drafter_footprint
+
+        return drafter_footprint(self.config, self._torch_dtype, self.budget.context_tokens, self.budget.longest_prompt)
+
+    @property
+    def _torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.budget.dtype)
+
+    def drafter_bytes(self, tree: int) -> int:
+        """The drafter's weights and KV cache for a policy verifying trees of ``tree`` tokens (1:
+        the root alone, ``ar``, which loads no drafter)."""
+        return 0 if tree <= 1 else self._drafter.weight_bytes + self._drafter.kv_bytes
+
+    @cached_property
+    def prompt_pass_bytes(self) -> int:
+        """The target's pass over the longest prompt (its last row's logits)."""
+        from ..runtime.footprint import pass_workspace_bytes
+
+        return pass_workspace_bytes(self.config, self._torch_dtype, self.budget.longest_prompt, 0, logits_rows=1)
+
+    @cached_property
+    def _verify_bytes(self) -> dict:
+        return {}              # tree tokens -> the verification pass's workspace
+
+    def workspace_bytes(self, tree: int) -> int:
+        """The largest pass's transient tensors: the prompt's (and the drafter's over it, for a
+        policy that drafts) or the verification of ``tree`` tokens over the context."""
+        from ..runtime.footprint import pass_workspace_bytes
+
+        if tree > 1 and tree not in self._verify_bytes:
+            self._verify_bytes[tree] = pass_workspace_bytes(self.config, self._torch_dtype, tree,
+                                                            self.budget.context_tokens)
+        verify = self._verify_bytes.get(tree, 0)
+        drafter = 0 if tree <= 1 else self._drafter.prompt_pass_bytes
+        return max(self.prompt_pass_bytes, verify, drafter)
+
     def device_bytes(self, cache_experts: int, tree: int) -> float:
         return (self.dense_bytes + self.kv_bytes(tree) + cache_experts * self.slot_bytes
-                + self.staging_bytes(cache_experts) + self.budget.reserve_bytes)
+                + self.staging_bytes(cache_experts) + self.drafter_bytes(tree) + self.workspace_bytes(tree)
+                + self.budget.reserve_bytes)
 
     def max_cache_experts_for(self, tree: int) -> int:
         """The most cached experts per layer that fit (``n_experts`` at most); an error when even
@@ -148,7 +208,9 @@ class MemoryModel:
             raise SpecFitError(
                 f"--device-memory-gb {self.budget.device_bytes / 1e9:g}: {self.model} needs {need / 1e9:.2f} GB with no "
                 f"cached expert (dense weights {self.dense_bytes / 1e9:.2f} GB, KV cache {self.kv_bytes(tree) / 1e9:.2f} "
-                f"GB, staging {self.staging_bytes(0) / 1e9:.3f} GB, reserve {self.budget.reserve_bytes / 1e9:.2f} GB)")
+                f"GB, staging {self.staging_bytes(0) / 1e9:.3f} GB, drafter {self.drafter_bytes(tree) / 1e9:.2f} GB, "
+                f"workspace {self.workspace_bytes(tree) / 1e9:.2f} GB with a {self.budget.longest_prompt}-token prompt "
+                f"(--prompt-tokens), reserve {self.budget.reserve_bytes / 1e9:.2f} GB)")
         E = self.config.n_experts
         if self.device_bytes(E, tree) <= self.budget.device_bytes:
             return E
@@ -156,6 +218,8 @@ class MemoryModel:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "device_bytes": self.budget.device_bytes, "context_tokens": self.budget.context_tokens,
+                "prompt_tokens": self.budget.longest_prompt, "drafter_bytes": self.drafter_bytes(2),
+                "prompt_pass_bytes": self.prompt_pass_bytes,
                 "reserve_bytes": self.budget.reserve_bytes, "dtype": self.budget.dtype, "dense_bytes": self.dense_bytes,
                 "expert_bytes": self.expert_bytes, "slot_bytes": self.slot_bytes,
                 "kv_bytes_per_token": kv_bytes_per_token(self.config, self.budget.dtype_bytes)}
@@ -180,6 +244,8 @@ def rank_settings(results: pd.DataFrame, memory: MemoryModel, max_nodes_by_level
     g["tree_tokens"] = [tree_tokens(p, max_nodes_by_levels) for p in g["policy"]]
     g["expert_cache_bytes"] = g["cache_experts"] * memory.slot_bytes
     g["kv_bytes"] = [memory.kv_bytes(t) for t in g["tree_tokens"]]
+    g["drafter_bytes"] = [memory.drafter_bytes(t) for t in g["tree_tokens"]]
+    g["workspace_bytes"] = [memory.workspace_bytes(t) for t in g["tree_tokens"]]
     g["device_bytes"] = [memory.device_bytes(c, t) for c, t in zip(g["cache_experts"], g["tree_tokens"])]
     g["candidate"] = g["policy"].map({p: i for i, p in enumerate(policies)})
     g = g.sort_values(["tokens_per_s", "device_bytes", "candidate"], ascending=[False, True, True], kind="stable")

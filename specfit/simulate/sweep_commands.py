@@ -123,9 +123,14 @@ def plan_command(
     h2d_scale: float = typer.Option(1.0, "--h2d-scale", help="What-if: multiply the host-to-device bandwidth "
                                     "(a copy's fixed latency, the intercept of the profile's H2D fit, is kept)."),
     rescale: bool = typer.Option(False, "--rescale", help="Allow a profile measured for another model shape."),
-    context_tokens: int = typer.Option(4096, "--context-tokens", help="KV-cache length to reserve (tokens)."),
-    reserve_gb: float = typer.Option(1.0, "--reserve-gb", help="Device memory kept for everything else: runtime "
-                                     "context, activations, the drafter (GB)."),
+    context_tokens: int = typer.Option(4096, "--context-tokens", help="KV-cache length to reserve (tokens): "
+                                       "the prompt and what is generated."),
+    prompt_tokens: Optional[int] = typer.Option(None, "--prompt-tokens", help="Longest prompt to plan for "
+                                                "(tokens; default: --context-tokens): its pass holds attention "
+                                                "scores [heads, prompt, prompt]."),
+    reserve_gb: float = typer.Option(1.0, "--reserve-gb", help="Device memory kept for what the estimate leaves "
+                                     "out: the CUDA context, the caching allocator's rounding, the MLP blocks' "
+                                     "activations (GB)."),
     dtype: str = typer.Option("bfloat16", "--dtype", help="Weight and KV-cache dtype: bfloat16, float16, float32."),
     policies: Optional[str] = typer.Option(None, "--policies", help="Candidate policies (comma-separated, e.g. "
                                            "ar,chain:2 or static:4,eagle3:16:4,specfit:6); default: AR, chains, "
@@ -149,7 +154,7 @@ def plan_command(
             raise SpecFitError(f"--top: expected a number of runners-up >= 0, got {top}")
         require_ray()
         budget = MemoryBudget(device_bytes=device_memory_gb * 1e9, context_tokens=context_tokens,
-                              reserve_bytes=reserve_gb * 1e9, dtype=dtype)
+                              reserve_bytes=reserve_gb * 1e9, dtype=dtype, prompt_tokens=prompt_tokens)
         result = run_plan(budget, model_shape=model_shape, traces=list(traces),
                           workloads=comma_list(workloads, "--workload", "workload"), tokens=tokens,
                           profile=profile, h2d_scale=h2d_scale, rescale=rescale, policies=policies,
@@ -175,23 +180,29 @@ def _print_plan(result, top: int) -> None:
 
     console = table_console()
     mem = result.memory
-    # the terms of the table's device GB: a row adds its tree's KV entries, its expert cache and,
-    # while not every expert is cached, the staging buffers
+    # the terms of the table's device GB: a row adds its tree's KV entries, its expert cache,
+    # while not every expert is cached the staging buffers, and for a policy that drafts the
+    # drafter and the larger workspace of its passes
     console.print(f"[bold]{escape(mem.model)}[/bold] in {mem.budget.device_bytes / 1e9:g} GB: dense weights "
                   f"{mem.dense_bytes / 1e9:.2f} GB, KV cache ({mem.budget.context_tokens} tokens) "
                   f"{mem.kv_bytes(0) / 1e9:.2f} GB + {(mem.kv_bytes(1) - mem.kv_bytes(0)) / 1e6:.3f} MB per tree token, "
                   f"staging {mem.staging_bytes(0) / 1e9:.3f} GB while not every expert is cached, "
-                  f"reserve {mem.budget.reserve_bytes / 1e9:.2f} GB; "
+                  f"workspace (the prompt's pass over {mem.budget.longest_prompt} tokens: --prompt-tokens) "
+                  f"{mem.prompt_pass_bytes / 1e9:.2f} GB, for a policy that drafts the drafter (a stand-in EAGLE-3 "
+                  f"head and its KV cache) {mem.drafter_bytes(2) / 1e9:.2f} GB and the workspace of its passes where "
+                  f"larger (workspace GB), reserve (the CUDA context and allocator rounding) "
+                  f"{mem.budget.reserve_bytes / 1e9:.2f} GB; "
                   f"one cached expert per layer {mem.slot_bytes / 1e9:.3f} GB; cached experts per layer tried: "
                   f"{', '.join(map(str, result.cache_sizes))}")
     table = Table(title=escape(f"best settings on {', '.join(result.traces)} ({result.profile})"))
-    for col in ("", "policy", "cache/layer", "tokens/s", "vs ar", "tree tokens", "device GB", "expert cache GB"):
+    for col in ("", "policy", "cache/layer", "tokens/s", "vs ar", "tree tokens", "device GB", "expert cache GB",
+                "workspace GB"):
         table.add_column(col, justify="left" if col in ("", "policy") else "right", no_wrap=True)
     for i, row in enumerate(result.ranked.head(top + 1).itertuples()):
         policy = f"{row.policy} *" if row.deeper_than_traces else row.policy
         table.add_row("best" if i == 0 else f"#{i + 1}", policy, str(row.cache_experts), f"{row.tokens_per_s:.2f}",
                       speedup_text(row.speedup_vs_ar, "–"), str(row.tree_tokens), f"{row.device_bytes / 1e9:.2f}",
-                      f"{row.expert_cache_bytes / 1e9:.2f}")
+                      f"{row.expert_cache_bytes / 1e9:.2f}", f"{row.workspace_bytes / 1e9:.2f}")
     print_table(console, table)
     if result.ranked.head(top + 1)["deeper_than_traces"].any():
         console.print("* drafts more levels than the traces' trees hold: its figures are those of the levels they hold "
