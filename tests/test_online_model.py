@@ -75,3 +75,25 @@ def test_a_term_whose_column_leaves_the_window_is_held_at_the_prior_not_zeroed()
             transfer.append(online.fitted.transfer_s)
     assert transfer[0] == pytest.approx(0.002, rel=0.05)         # fitted while the misses are in the window
     assert min(transfer) > 0 and transfer[-1] == pytest.approx(prior.transfer_s)
+
+
+def test_a_refit_that_prices_a_cached_root_at_zero_keeps_the_fit_it_had(monkeypatch):
+    """On a loaded machine a window's hit and level terms explained the cycles whole: the refit's
+    base and per-node terms were 0 with hit_s 0 too, the next search met a root predicted to take
+    0 s and the decode ended in a ValueError. Every cycle runs a target pass: such a refit is not kept."""
+    online = OnlineCostModel(COST, window=8, min_cycles=8, refit_every=8, refit_interval_s=0.0)
+    for _ in range(8):
+        online.observe(0, 1, 12, 4, COST.time_s(0, 1, 12, 4))
+    kept = online.fitted
+    assert online.n_refits == 1 and kept.base_s + kept.per_node_s > 0
+    solve = online._fitter.solve
+
+    def explained_by_the_misses(features, times, **kw):
+        theta, info = solve(features, times, **kw)
+        return np.array([theta[0], 0.0, 0.0, 0.0, theta[4] + theta[3]]), info
+
+    monkeypatch.setattr(online._fitter, "solve", explained_by_the_misses)
+    for _ in range(8):
+        online.observe(0, 1, 12, 4, COST.time_s(0, 1, 12, 4))
+    assert online.n_refits == 2 and online.fitted == kept
+    assert online.cost.time_s(0, 1, 12, 0) > 0        # a root whose experts are all cached

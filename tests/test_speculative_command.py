@@ -1274,7 +1274,7 @@ def test_a_rerun_that_crashes_before_its_first_cycle_keeps_a_killed_runs_cycles(
         raise RuntimeError("CUDA out of memory")
 
     monkeypatch.setattr(Decoder, "prefill", oom)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(SpecFitError, match=r"^out of device memory: CUDA out of memory; .* \(after 0 complete cycle"):
         run_decode(plan)
     assert len(read_decode_cycles(out)) == 2
 

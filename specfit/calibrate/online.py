@@ -259,9 +259,16 @@ class OnlineCostModel:
         reuse = self._choice if self.n_refits % self.select_every else None
         theta, info = self._fitter.solve(self._features[:n], self._times[:n], start=self._theta, robust_iterations=0,
                                          sample_weight=recency, choice=reuse)
-        self._theta = theta
         params = from_physical(theta)
-        self.fitted = CostModel(**dict(zip(PARAM_NAMES, map(float, params))), expert_bytes=self.prior.expert_bytes)
+        fitted = CostModel(**dict(zip(PARAM_NAMES, map(float, params))), expert_bytes=self.prior.expert_bytes)
+        if not fitted.base_s + fitted.per_node_s > 0:
+            # every cycle runs a target pass, whose fixed part is positive: a window the other terms
+            # explain whole (a loaded machine's noise) gave a model that predicts 0 s for a root
+            # whose experts are cached, which the search refuses; the fit it had stays
+            self.n_refits += 1
+            return reuse is None
+        self._theta = theta
+        self.fitted = fitted
         self._choice = info["choice"]
         self.held = info["held_names"]
         self.n_refits += 1
