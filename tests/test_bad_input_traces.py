@@ -90,6 +90,31 @@ def test_trace_recording_metadata_that_is_no_object_is_one_line(tmp_path):
         one_line_error(invoke(*argv), str(bad), "'recording' must be a JSON object, got a list")
 
 
+@pytest.mark.parametrize("section, key, value, expected", [
+    ("model", "expert_bytes", True, "model.expert_bytes must be a non-negative integer, got true (a boolean)"),
+    ("model", "n_layers", True, "model.n_layers must be a positive integer, got true (a boolean)"),
+    ("model", "n_experts", 10 ** 12, "model.n_experts is 1000000000000; expected at most 32768"),
+    ("model", "hidden_size", None, "model.hidden_size must be a non-negative integer, got null"),
+    ("model", "shared_expert_bytes", 1.5, "model.shared_expert_bytes must be a non-negative integer, got 1.5"),
+    ("model", "vocab_size", "2048", "model.vocab_size must be a positive integer, got '2048'"),
+    ("provenance", "real", [7], "provenance.real must be a list of strings, got a list holding 7"),
+    ("provenance", "synthesised", None, "provenance.synthesised must be a list of strings, got null"),
+    ("recording", "unfittable_predictors", None, "recording.unfittable_predictors must be a list of strings, got null"),
+    ("recording", "position_indexed", "false", "recording.position_indexed must be true or false, got 'false'"),
+])
+def test_trace_metadata_of_the_wrong_kind_is_one_line_where_the_trace_is_read(tmp_path, section, key, value, expected):
+    """A metadata value a reader takes as it is (a profile's shape, a list `traces inspect` joins,
+    the predictors a trace cannot fit) is checked where the trace is read: a boolean is no count,
+    a count past int16 ids is no expert count."""
+    trace = hand_trace()
+    table = pq.read_table(write_trace(trace, tmp_path / "good.parquet"))
+    meta = dict(trace.meta, schema_version=1, **{section: {**trace.meta[section], key: value}})
+    bad = tmp_path / "meta.parquet"
+    pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), bad)
+    for argv in trace_readers(bad).values():
+        one_line_error(invoke(*argv), str(bad), f"metadata {expected}")
+
+
 
 @pytest.mark.parametrize("prefill", [
     {"prefill_sequences": [0], "prefill_experts": []},                     # lists of different lengths

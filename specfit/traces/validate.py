@@ -15,6 +15,7 @@ __all__ = ["validate_trace", "check_meta", "prompt_passes", "REQUIRED_META", "RE
 
 REQUIRED_META = ("model", "drafter", "workload", "recording", "provenance")
 REQUIRED_MODEL = ("name", "n_layers", "n_experts", "top_k", "expert_bytes")
+MAX_EXPERTS = int(np.iinfo(np.int16).max) + 1     # a trace holds expert ids as int16 in memory
 
 
 def check_meta(meta: dict, source: str) -> None:
@@ -29,12 +30,34 @@ def check_meta(meta: dict, source: str) -> None:
     if not isinstance(model, dict) or any(k not in model for k in REQUIRED_MODEL):
         raise SpecFitError(f"{source}: metadata field 'model' must hold {list(REQUIRED_MODEL)}")
     for k in ("n_layers", "n_experts", "top_k"):
-        if not isinstance(model[k], int) or model[k] <= 0:
-            raise SpecFitError(f"{source}: metadata model.{k} must be a positive integer, got {model[k]!r}")
+        if not _is_integer(model[k]) or model[k] <= 0:
+            raise SpecFitError(f"{source}: metadata model.{k} must be a positive integer, got {json_text(model[k])}")
+    if model["n_experts"] > MAX_EXPERTS:
+        raise SpecFitError(f"{source}: metadata model.n_experts is {model['n_experts']}; expected at most {MAX_EXPERTS} "
+                           f"(a trace holds expert ids as int16)")
     if model["top_k"] > model["n_experts"]:
         raise SpecFitError(f"{source}: metadata model.top_k ({model['top_k']}) exceeds model.n_experts")
-    if not isinstance(model["expert_bytes"], int) or model["expert_bytes"] < 0:
-        raise SpecFitError(f"{source}: metadata model.expert_bytes must be a non-negative integer")
+    # the optional sizes too: a reader takes them as they are (a profile's shape, a vocabulary check)
+    for k in ("expert_bytes", "hidden_size", "shared_expert_bytes", "vocab_size"):
+        if k in model and (not _is_integer(model[k]) or model[k] < (1 if k == "vocab_size" else 0)):
+            expected = "a positive" if k == "vocab_size" else "a non-negative"
+            raise SpecFitError(f"{source}: metadata model.{k} must be {expected} integer, got {json_text(model[k])}")
+    # lists readers join or search (`traces inspect`, the predictors a trace cannot fit)
+    for where, key in (("provenance", "real"), ("provenance", "synthesised"), ("recording", "unfittable_predictors")):
+        value = meta[where].get(key, [])
+        wrong = [v for v in value if not isinstance(v, str)] if isinstance(value, list) else [value]
+        if wrong:
+            got = f"a list holding {json_text(wrong[0])}" if isinstance(value, list) else json_text(value)
+            raise SpecFitError(f"{source}: metadata {where}.{key} must be a list of strings, got {got}")
+    position_indexed = meta["recording"].get("position_indexed", False)
+    if not isinstance(position_indexed, bool):
+        raise SpecFitError(f"{source}: metadata recording.position_indexed must be true or false, got "
+                           f"{json_text(position_indexed)}")
+
+
+def _is_integer(value) -> bool:
+    """A JSON integer (a boolean is none: ``true`` would read as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 
