@@ -215,6 +215,9 @@ def test_npz_token_indices_that_are_not_integers_are_one_line(tmp_path):
     ("token_index", 2.5, "field 'token_index' must hold integer token indices, got 2.5 in row 2"),
     ("sequence_id", None, "field 'sequence_id' must hold integer sequence ids, got null (NaN) in row 2"),
     ("sequence_id", "x", "field 'sequence_id' must hold integer sequence ids, got 'x' in row 2"),
+    # pandas would read these as 0 and 2 in a column of numbers
+    ("sequence_id", "0", "field 'sequence_id' must hold integer sequence ids, got '0' in row 2"),
+    ("token_index", True, "field 'token_index' must hold integer token indices, got True in row 2"),
 ])
 def test_jsonl_ids_that_are_null_nan_or_not_integers_are_named(tmp_path, field, value, expected):
     log = write_jsonl(tmp_path / "log.jsonl", token_records(**{"2": {field: value}}))

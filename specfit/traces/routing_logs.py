@@ -75,7 +75,9 @@ def read_routing_log(path: str | Path) -> RoutingLog:
         return _read_npz(path)
     if path.suffix in (".jsonl", ".json"):
         try:
-            frame = pd.read_json(path, lines=True)
+            # dtype=False: values as JSON wrote them (pandas would read true as 1 and "3" as 3 in a
+            # column of numbers, which the id checks below refuse)
+            frame = pd.read_json(path, lines=True, dtype=False)
         except ValueError as exc:
             raise SpecFitError(f"{path}: not valid JSON lines ({exc})") from None
         return _from_records(frame, path, "jsonl")
