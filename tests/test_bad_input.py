@@ -289,6 +289,33 @@ def test_more_experts_per_token_than_experts_is_blamed_on_the_config(model_dir, 
         one_line_error(result, "config.json", "num_experts_per_tok")
 
 
+@pytest.mark.parametrize("changes, needle", [
+    ({"vocab_size": 0}, "key 'vocab_size' must be at least 1, got 0"),          # was blamed on eos_token_id
+    ({"max_position_embeddings": 0}, "key 'max_position_embeddings' must be at least 1, got 0"),   # on the prompts
+    ({"head_dim": 0}, "key 'head_dim' must be at least 1, got 0"),                # on a tensor's shape
+    ({"moe_intermediate_size": -1}, "key 'moe_intermediate_size' must be at least 1, got -1"),     # a traceback
+    ({"rms_norm_eps": -1e-6}, "key 'rms_norm_eps' must be a finite number >= 0, got -1e-06"),     # on NaN weights
+    ({"rms_norm_eps": float("inf")}, "key 'rms_norm_eps' must be a finite number >= 0, got inf"),  # decoded
+    ({"rope_theta": None, "rope_parameters": {"rope_theta": 0, "rope_type": "default"}},
+     "key 'rope_parameters.rope_theta' must be a finite number > 0, got 0.0"),  # on NaN weights
+    ({"rope_theta": float("inf"), "rope_parameters": None}, "key 'rope_theta' must be a finite number > 0, got inf"),
+])
+def test_a_config_size_or_constant_out_of_range_is_blamed_on_the_config(model_dir, tmp_path, changes, needle):
+    """A config value a later step takes as it is (the eos check takes the vocabulary, the prompt
+    check the context, the host buffers the expert width, every norm the epsilon, RoPE theta) is
+    refused where the config is read, naming its key."""
+    bad = tmp_path / "model"
+    bad.mkdir()
+    for f in model_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    config = json.loads((bad / "config.json").read_text())
+    assert "moe_intermediate_size" in config and "head_dim" in config
+    (bad / "config.json").write_text(json.dumps({**config, **changes}))
+    result = invoke("decode", "--model", bad, "--prompts", model_dir.parent / "prompts.jsonl", "--cache-experts", 2,
+                    "--profile", "pcie4", "--max-new-tokens", 2)
+    one_line_error(result, str(bad / "config.json"), needle)
+
+
 def test_a_refit_onto_a_profile_of_another_shape_is_refused(model_dir, tmp_path):
     run = tmp_path / "run"
     result = invoke("decode", "--model", model_dir, "--prompts", model_dir.parent / "prompts.jsonl",

@@ -351,6 +351,10 @@ def test_default_feature_layers_are_described_as_the_default():
     ({**specforge_config(), "intermediate_size": float("inf")}, "'intermediate_size' must be an integer, got inf"),
     ({**specforge_config(), "hidden_size": 64.5}, "'hidden_size' must be an integer, got 64.5"),
     ({**specforge_config(), "vocab_size": "4096"}, "'vocab_size' must be an integer, got '4096'"),
+    # a norm's epsilon below 0 makes NaN, an infinite one zeros; a theta of 0 NaN frequencies
+    ({**specforge_config(), "rms_norm_eps": -1e-6}, "'rms_norm_eps' must be a finite number >= 0, got -1e-06"),
+    ({**specforge_config(), "rms_norm_eps": float("inf")}, "'rms_norm_eps' must be a finite number >= 0, got inf"),
+    ({**specforge_config(), "rope_theta": 0}, "'rope_theta' must be a finite number > 0, got 0.0"),
 ])
 def test_bad_drafter_config_is_one_error(raw, message):
     with pytest.raises(SpecFitError, match=message):

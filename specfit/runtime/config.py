@@ -20,6 +20,7 @@ scaling variants are read by :mod:`specfit.runtime.rope`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from ..errors import SpecFitError
 from ..io import config_value, json_text, read_json_object
 from .rope import RopeSpec, parse_rope
 
-__all__ = ["ModelConfig", "MLAShape", "SUPPORTED_ARCHITECTURES", "DTYPES", "default_capture_layers"]
+__all__ = ["ModelConfig", "MLAShape", "SUPPORTED_ARCHITECTURES", "DTYPES", "default_capture_layers", "norm_eps"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -235,6 +236,15 @@ class ModelConfig:
         max_positions = get("max_position_embeddings")
         mla = _mla_shape(source, raw, get, n_heads, n_kv_heads) if family.model_type == "deepseek_v2" else None
         head_dim = mla.qk_rope_head_dim if mla else get("head_dim", default=hidden_size // n_heads)
+        vocab_size = get("vocab_size")
+        expert_width = get(*family.expert_width_keys)
+        # sizes a later step takes as they are: a vocabulary the eos check, a context the prompt check,
+        # widths the host buffers allocated before any expert is read
+        for name, value in (("vocab_size", vocab_size), ("max_position_embeddings", max_positions),
+                            ("head_dim", head_dim), (family.expert_width_keys[0], expert_width)):
+            if value < 1:
+                raise SpecFitError(f"{source}: key {name!r} must be at least 1, got {value}")
+        rms_norm_eps = norm_eps(get("rms_norm_eps", kind=float), source)
         moe_layers = _moe_layers(raw, source, family, n_layers, n_experts)
         shared = _shared_expert_width(family, raw, get)
         routing = _routing(raw, source, family, get, n_experts)
@@ -253,7 +263,7 @@ class ModelConfig:
             architecture=architecture,
             model_type=family.model_type,
             quantization=quantization,
-            vocab_size=get("vocab_size"),
+            vocab_size=vocab_size,
             hidden_size=hidden_size,
             n_layers=n_layers,
             n_heads=n_heads,
@@ -261,8 +271,8 @@ class ModelConfig:
             head_dim=head_dim,
             n_experts=n_experts,
             top_k=top_k,
-            expert_intermediate_size=get(*family.expert_width_keys),
-            rms_norm_eps=get("rms_norm_eps", kind=float),
+            expert_intermediate_size=expert_width,
+            rms_norm_eps=rms_norm_eps,
             rope_theta=0.0,      # filled from the RoPE spec below
             max_position_embeddings=max_positions,
             norm_topk_prob=family.always_renormalise or get("norm_topk_prob", default=False, kind=bool),
@@ -272,7 +282,7 @@ class ModelConfig:
             clip_qkv=get("clip_qkv", default=None, kind=float),
             sliding_window=sliding_window,
             checkpoint_dtype=_dtype_name(raw, source),
-            eos_token_ids=_eos_ids(raw.get("eos_token_id"), source, get("vocab_size")),
+            eos_token_ids=_eos_ids(raw.get("eos_token_id"), source, vocab_size),
             moe_layers=moe_layers,
             dense_intermediate_size=(get("intermediate_size") if len(moe_layers) < n_layers else None),
             shared_expert_intermediate_size=shared,
@@ -294,6 +304,14 @@ def check_unquantized(config: ModelConfig, source) -> None:
         raise SpecFitError(f"{source}: key 'quantization_config' ({config.quantization}): quantized checkpoints are not "
                            f"supported; expected float32, float16 or bfloat16 weights (a checkpoint without "
                            f"quantization_config)")
+
+
+def norm_eps(value: float, source: str) -> float:
+    """A config's ``rms_norm_eps``: below 0 every norm is NaN, infinite every norm 0 (an output
+    that is silently no model's)."""
+    if not (math.isfinite(value) and value >= 0):
+        raise SpecFitError(f"{source}: key 'rms_norm_eps' must be a finite number >= 0, got {value}")
+    return value
 
 
 def _architecture(raw: dict, source: str) -> str:

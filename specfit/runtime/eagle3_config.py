@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SpecFitError
-from .config import config_value, default_capture_layers
+from .config import config_value, default_capture_layers, norm_eps
 from .rope import RopeSpec, parse_rope
 
 __all__ = ["Eagle3Config", "EAGLE3_ARCHITECTURE", "SPECULATORS_ARCHITECTURE", "DRAFTER_DTYPES"]
@@ -230,7 +230,7 @@ def _from_llama_layout(raw: dict, top: dict, source: str, checkpoint_format: str
         num_key_value_heads=n_kv_heads,
         head_dim=get("head_dim", default=hidden_size // n_heads),
         intermediate_size=get("intermediate_size"),
-        rms_norm_eps=get("rms_norm_eps", float, 1e-6),
+        rms_norm_eps=norm_eps(get("rms_norm_eps", float, 1e-6), source),
         rope_theta=rope.theta,
         max_position_embeddings=max_positions,
         aux_hidden_state_layer_ids=aux,

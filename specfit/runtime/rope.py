@@ -80,6 +80,7 @@ def parse_rope(raw: dict, source: str, max_position_embeddings: int, default_the
         value = block.get(name)
         return default if value is None else config_value(value, f"{key}.{name}", source, kind)
 
+    theta_key = f"{key}.rope_theta" if block.get("rope_theta") is not None else "rope_theta"
     if block.get("rope_theta") is not None:
         theta = number("rope_theta")
     elif raw.get("rope_theta") is not None:
@@ -88,6 +89,8 @@ def parse_rope(raw: dict, source: str, max_position_embeddings: int, default_the
         theta = float(default_theta)
     else:
         raise SpecFitError(f"{source}: missing key 'rope_theta' (or 'rope_parameters.rope_theta')")
+    if not (math.isfinite(theta) and theta > 0):      # 0 or less: NaN frequencies; infinite: no rotation at all
+        raise SpecFitError(f"{source}: key {theta_key!r} must be a finite number > 0, got {theta}")
     rope_type = next((str(block[k]) for k in ("rope_type", "type") if block.get(k) is not None), "default")
     if rope_type not in ROPE_TYPES:
         raise SpecFitError(f"{source}: key {key!r} has rope_type {rope_type!r}; supported: {', '.join(ROPE_TYPES)}")
