@@ -19,7 +19,7 @@ from typing import Callable
 from .errors import Interrupted, SpecFitError, note_stop_signal, one_line, sigterm_stops
 
 __all__ = ["atomic_write", "write_text_atomic", "write_json_atomic", "read_parquet", "strict_json", "write_jsonl_atomic", "check_output",
-           "not_readable_as", "os_error_text", "run_dir_lock", "file_lock", "LOCK_FILE", "strict_dumps",
+           "not_readable_as", "optional_file", "os_error_text", "run_dir_lock", "file_lock", "LOCK_FILE", "strict_dumps",
            "nulls_as_nan", "write_csv_atomic", "user_cache_dir",
            "remove_stale_temporaries", "read_json_object", "json_text", "config_value", "deferred_interrupt"]
 
@@ -89,6 +89,18 @@ def not_readable_as(path: Path, expected: str, missing: str) -> str:
     naming it: :func:`_not_a_file`'s reason, or (``missing``) nothing at all."""
     what = _not_a_file(path)
     return missing if what is None else f"{what}, expected {expected}"
+
+
+def optional_file(path: Path, expected: str) -> bool:
+    """Whether an optional file is there to read: False where nothing is at ``path`` (not even a
+    link), True for a regular file; what stands there instead (a directory, a symbolic link to
+    nothing: a partial download) is one error naming it, not taken for an absent file."""
+    if not os.path.lexists(path):
+        return False
+    what = _not_a_file(path)
+    if what is not None:
+        raise SpecFitError(f"{path}: {what}, expected {expected}")
+    return True
 
 
 def repeated_path(paths, noun: str = "file") -> str | None:

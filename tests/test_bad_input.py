@@ -289,6 +289,47 @@ def test_more_experts_per_token_than_experts_is_blamed_on_the_config(model_dir, 
         one_line_error(result, "config.json", "num_experts_per_tok")
 
 
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "tokenizer.json", "generation_config.json"])
+@pytest.mark.parametrize("stand_in, said", [("directory", "a directory"), ("dangling link", "a symbolic link to nothing")])
+def test_a_model_file_that_is_a_directory_or_a_dangling_link_is_named_so(model_dir, tmp_path, name, stand_in, said):
+    """A model directory's file replaced by a directory, or a link whose target is gone (a partial
+    download into a hub cache, whose snapshot files are links), is named as what it is: neither
+    "no such file" nor taken for an absent optional file (a tokenizer the prompts then lack, a
+    generation config whose end-of-sequence ids are then silently the config's)."""
+    bad = tmp_path / "model"
+    bad.mkdir()
+    for f in model_dir.iterdir():
+        (bad / f.name).symlink_to(f)
+    (bad / name).unlink(missing_ok=True)
+    if stand_in == "directory":
+        (bad / name).mkdir()
+    else:
+        (bad / name).symlink_to(tmp_path / "gone")
+    prompts = tmp_path / "prompts.jsonl"      # text needs the tokenizer
+    prompts.write_text(json.dumps({"prompt": "a b c"} if name == "tokenizer.json" else {"input_ids": [3, 1, 4]}) + "\n")
+    result = invoke("decode", "--model", bad, "--prompts", prompts, "--cache-experts", 2, "--profile", "pcie4",
+                    "--max-new-tokens", 2)
+    one_line_error(result, str(bad / name), said)
+
+
+@pytest.mark.parametrize("stand_in, said", [("directory", "a directory"), ("dangling link", "a symbolic link to nothing")])
+def test_drafter_weights_that_are_a_directory_or_a_dangling_link_are_named_so(tmp_path, stand_in, said):
+    from specfit.assets import tiny_moe_dir, tiny_moe_eagle3_dir
+
+    bad = tmp_path / "drafter"
+    bad.mkdir()
+    (bad / "config.json").symlink_to(tiny_moe_eagle3_dir() / "config.json")
+    if stand_in == "directory":
+        (bad / "model.safetensors").mkdir()
+    else:
+        (bad / "model.safetensors").symlink_to(tmp_path / "gone")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"input_ids": [3, 1, 4]}) + "\n")
+    result = invoke("decode", "--model", tiny_moe_dir(), "--drafter", bad, "--policy", "chain:1", "--prompts", prompts,
+                    "--cache-experts", 2, "--max-new-tokens", 2)
+    one_line_error(result, str(bad / "model.safetensors"), said)
+
+
 @pytest.mark.parametrize("changes, needle", [
     ({"vocab_size": 0}, "key 'vocab_size' must be at least 1, got 0"),          # was blamed on eos_token_id
     ({"max_position_embeddings": 0}, "key 'max_position_embeddings' must be at least 1, got 0"),   # on the prompts

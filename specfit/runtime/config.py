@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ..errors import SpecFitError
-from ..io import config_value, json_text, read_json_object
+from ..io import config_value, json_text, not_readable_as, optional_file, read_json_object
 from .rope import RopeSpec, parse_rope
 
 __all__ = ["ModelConfig", "MLAShape", "SUPPORTED_ARCHITECTURES", "DTYPES", "default_capture_layers", "norm_eps"]
@@ -174,7 +174,7 @@ class ModelConfig:
         model_dir = Path(model_dir)
         config = cls.from_file(model_dir / "config.json")
         generation_path = model_dir / "generation_config.json"
-        if generation_path.is_file():
+        if optional_file(generation_path, "a generation_config.json"):
             generation = read_json_object(generation_path)
             if generation.get("eos_token_id") is not None:
                 eos = _eos_ids(generation["eos_token_id"], generation_path, config.vocab_size)
@@ -185,7 +185,8 @@ class ModelConfig:
     def from_file(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
         if not path.is_file():
-            raise SpecFitError(f"{path}: no such file; expected a Hugging Face config.json")
+            raise SpecFitError(f"{path}: " + not_readable_as(path, "a Hugging Face config.json",
+                                                             "no such file; expected a Hugging Face config.json"))
         return cls.from_dict(read_json_object(path), source=str(path))
 
     @classmethod

@@ -46,7 +46,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from ..errors import SpecFitError
-from ..io import atomic_write, write_json_atomic
+from ..io import atomic_write, optional_file, write_json_atomic
 from .drafting import DraftOutput
 from .eagle3_checkpoint import (LAYER_PREFIXES, DrafterVocabularyWarning, check_embedding, checked_state_dict,
                                 checked_vocabulary, read_safetensors)
@@ -344,7 +344,7 @@ class Eagle3Drafter(nn.Module):
         drafter_dir = Path(drafter_dir)
         config = Eagle3Config.from_file(drafter_dir / "config.json")
         weights_path = drafter_dir / "model.safetensors"
-        if not weights_path.is_file():
+        if not optional_file(weights_path, "the drafter's safetensors weights"):
             raise SpecFitError(f"{drafter_dir}: no model.safetensors (only safetensors drafter checkpoints are supported)")
         dtype = dtype or _DTYPES[config.dtype]
         tensors = read_safetensors(weights_path)

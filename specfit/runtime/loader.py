@@ -29,7 +29,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import SpecFitError
-from ..io import json_text, read_json_object
+from ..io import json_text, optional_file, read_json_object
 from .config import DTYPES, SUPPORTED_ARCHITECTURES, ModelConfig, check_unquantized
 from .draft_model import ModelDrafter
 from .eagle3 import EAGLE3_ARCHITECTURE, SPECULATORS_ARCHITECTURE, Eagle3Config, Eagle3Drafter
@@ -53,7 +53,7 @@ class Checkpoint:
         self.model_dir = Path(model_dir)
         single = self.model_dir / "model.safetensors"
         index = self.model_dir / "model.safetensors.index.json"
-        if index.is_file():
+        if optional_file(index, "the shard index of a sharded checkpoint"):
             weight_map = read_json_object(index, "the shard index of a sharded checkpoint").get("weight_map")
             if not (isinstance(weight_map, dict) and all(isinstance(f, str) and f for f in weight_map.values())):
                 raise SpecFitError(f"{index}: key 'weight_map' must be an object of tensor name -> shard file name, "
@@ -62,7 +62,7 @@ class Checkpoint:
             for path in set(self.files.values()):
                 if not path.is_file():
                     raise SpecFitError(f"{index}: shard {path.name} is listed but missing from {self.model_dir}")
-        elif single.is_file():
+        elif optional_file(single, "a safetensors checkpoint"):
             self._handles = {}
             self.files = {name: single for name in self._handle(single).keys()}
         else:
@@ -170,7 +170,7 @@ def load_model(model_dir: str | Path, device: str | torch.device = "cpu", dtype:
 def load_tokenizer(model_dir: str | Path):
     """The directory's ``tokenizer.json`` as a :class:`tokenizers.Tokenizer`, or None if absent."""
     path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
+    if not optional_file(path, "a tokenizer file"):
         return None
     from tokenizers import Tokenizer
 
