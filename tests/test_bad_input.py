@@ -273,6 +273,24 @@ def test_a_refit_of_the_same_run_twice_is_refused_however_spelled(tmp_path):
     assert not (tmp_path / "p.json").exists()
 
 
+@pytest.mark.parametrize("stand_in, said", [("directory", "a directory"), ("dangling link", "a symbolic link to nothing")])
+@pytest.mark.parametrize("command", ["report", "calibrate --refit"])
+def test_a_runs_cycles_file_that_is_a_directory_or_a_dangling_link_is_named_so(tmp_path, stand_in, said, command):
+    """A decode run whose cycles.parquet is a directory or a link to nothing is not a run that
+    "decoded no cycle" (the report said so) nor one whose file is missing (the refit said so)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"kind": "decode"}))
+    (run / "decode.jsonl").write_text(json.dumps({"index": 0, "policy": "ar"}) + "\n")
+    if stand_in == "directory":
+        (run / "cycles.parquet").mkdir()
+    else:
+        (run / "cycles.parquet").symlink_to(tmp_path / "gone.parquet")
+    argv = ["report", run, "--out", tmp_path / "report"] if command == "report" else \
+        ["calibrate", "--refit", run, "--profile", "pcie4", "--out", tmp_path / "p.json"]
+    one_line_error(invoke(*argv), str(run / "cycles.parquet"), said)
+
+
 # ----------------------------------------------------------------- configs and profiles
 def test_more_experts_per_token_than_experts_is_blamed_on_the_config(model_dir, tmp_path):
     bad = tmp_path / "model"

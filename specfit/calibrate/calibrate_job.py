@@ -27,7 +27,7 @@ import torch
 
 from ..costmodel import PARAM_NAMES
 from ..errors import SpecFitError, check_seed
-from ..io import json_text, user_cache_dir
+from ..io import json_text, optional_file, user_cache_dir
 from .cycles import (cycles_features, part_line, probe_cycles, probe_draft, probe_drafter_levels, probe_trees,
                      probe_layer_parts, star_node_cost)
 from .fit import CycleTimeFitter, prediction_errors
@@ -381,7 +381,8 @@ def read_run_cycles(run_dir: str | Path) -> pd.DataFrame:
     from ..runtime.run_dir import CYCLES_FILE, JOURNAL_FILE, read_decode_cycles
 
     run_dir = Path(run_dir)
-    if not (run_dir / CYCLES_FILE).is_file() and not (run_dir / JOURNAL_FILE).is_file():
+    if not any([optional_file(run_dir / CYCLES_FILE, "a run's cycles (Parquet)"),
+                optional_file(run_dir / JOURNAL_FILE, "a run's journal of cycles (JSON lines)")]):
         raise SpecFitError(f"{run_dir / CYCLES_FILE}: no such file; expected the cycles of a `specfit decode --out "
                            f"{run_dir}` run")
     df = read_decode_cycles(run_dir)

@@ -19,7 +19,7 @@ import pandas as pd
 from .. import __version__
 from ..calibrate.profile import load_profile
 from ..errors import SpecFitError, one_line
-from ..io import deferred_interrupt, not_readable_as, read_parquet, repeated_path, write_json_atomic
+from ..io import deferred_interrupt, not_readable_as, optional_file, read_parquet, repeated_path, write_json_atomic
 from ..runinfo import read_run_info
 from ..runtime.run_dir import CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, read_decode_cycles, read_decode_summaries
 from .calibration import calibration_section
@@ -41,18 +41,21 @@ def classify(path: Path) -> list[str]:
                                                          "no such file or directory"))
     kinds = []
     info = read_run_info(path) or {}
-    if (path / "sweep.json").is_file():
+    # a file of a run's that is there but no file (a directory, a link to nothing) is named, not
+    # taken for absent (a decode whose cycles.parquet is a directory "decoded no cycle")
+    if optional_file(path / "sweep.json", "a sweep's grid (JSON)"):
         kinds.append("sweep")
-        if (path / "plan.json").is_file():
+        if optional_file(path / "plan.json", "a plan's recommendation (JSON)"):
             kinds.append("plan")
-    if (path / "profile.json").is_file():
+    if optional_file(path / "profile.json", "a hardware profile (JSON)"):
         kinds.append("calibration")
-    if (path / "summary.parquet").is_file():
+    if optional_file(path / "summary.parquet", "a simulation's summary (Parquet)"):
         kinds.append("simulation")
     elif str(info.get("kind", "")).startswith("simulate"):
         raise SpecFitError(f"{path}: a `specfit simulate` output without its summary.parquet (the run was interrupted "
                            "while writing); run the simulation again")
-    elif (path / CYCLES_FILE).is_file() or (path / JOURNAL_FILE).is_file():
+    elif any([optional_file(path / CYCLES_FILE, "a run's cycles (Parquet)"),
+              optional_file(path / JOURNAL_FILE, "a run's journal of cycles (JSON lines)")]):
         if not _measured(path / CYCLES_FILE):
             raise SpecFitError(f"{path}: cycles.parquet holds replayed cycles (no measured times) but no "
                                "summary.parquet; expected a `specfit decode --out` run, or a `specfit simulate --out` "

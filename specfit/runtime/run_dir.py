@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import SpecFitError
-from ..io import (atomic_write, json_text, nulls_as_nan, read_parquet, remove_stale_temporaries, strict_dumps,
-                  write_json_atomic, write_jsonl_atomic)
+from ..io import (atomic_write, json_text, nulls_as_nan, optional_file, read_parquet, remove_stale_temporaries,
+                  strict_dumps, write_json_atomic, write_jsonl_atomic)
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -122,8 +122,8 @@ def read_decode_cycles(out_dir: str | Path) -> "pd.DataFrame":
 
     out_dir = Path(out_dir)
     parquet, journal = out_dir / CYCLES_FILE, out_dir / JOURNAL_FILE
-    frame = read_parquet(parquet) if parquet.is_file() else pd.DataFrame()
-    if journal.is_file():
+    frame = read_parquet(parquet) if optional_file(parquet, "a run's cycles (Parquet)") else pd.DataFrame()
+    if optional_file(journal, "a run's journal of cycles (JSON lines)"):
         rows = []
         try:
             lines = journal.read_text(encoding="utf-8").splitlines()
@@ -144,7 +144,7 @@ def read_decode_summaries(out_dir: str | Path) -> list:
     it has none (a run stopped before writing it). The file is written whole or not at all, so one
     that does not read as a list of objects was damaged afterwards: that is an error naming it."""
     path = Path(out_dir) / SUMMARY_FILE
-    if not path.is_file():
+    if not optional_file(path, "the run's per-policy summaries (JSON)"):
         return []
     try:
         summaries = json.loads(path.read_text(encoding="utf-8"))
