@@ -165,6 +165,23 @@ def test_a_decode_of_no_cycle_gives_no_rates_and_its_report_says_why(model_dir, 
                    "cycle", "--max-new-tokens 1")
 
 
+@pytest.mark.parametrize("column, value", [("union_size", float("inf")), ("committed_tokens", float("inf")),
+                                           ("committed_tokens", 1e300), ("bytes_h2d", float("-inf"))])
+def test_a_decode_runs_count_that_is_infinite_or_past_int64_is_one_line_in_its_report(model_dir, tmp_path, column, value):
+    """A count of a run's cycles.parquet that no integer holds (an edited or damaged file) ended the
+    report in an OverflowError traceback; it is the report's one line about a damaged column."""
+    out = tmp_path / "run"
+    result = invoke("decode", "--model", model_dir, "--prompts", model_dir.parent / "prompts.jsonl", "--cache-experts", 2,
+                    "--profile", "pcie4", "--max-new-tokens", 4, "--out", out)
+    assert result.exit_code == 0, result.output
+    cycles = pd.read_parquet(out / "cycles.parquet")
+    cycles[column] = cycles[column].astype(float)
+    cycles.loc[0, column] = value
+    cycles.to_parquet(out / "cycles.parquet")
+    one_line_error(invoke("report", out, "--out", tmp_path / "rep"), f"{out}: cycles.parquet / summary.json: a column "
+                   "holds values of the wrong type or range")
+
+
 # ----------------------------------------------------------------- traces
 def test_nan_draft_log_probabilities_fail_validation_not_the_simulator(tmp_path):
     table = pq.read_table(SAMPLE_OLMOE)

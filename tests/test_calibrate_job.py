@@ -46,6 +46,13 @@ def test_a_fractional_count_is_refused(tmp_path):
         read_run_cycles(_run(tmp_path, [0.01, 0.02, 0.02], hits=(1, 2.5)))
 
 
+# a count past int64 is none a run wrote (1e300 ended the fit in a LinAlgError traceback)
+@pytest.mark.parametrize("value", [1e300, 2.0 ** 63])
+def test_a_count_past_int64_is_refused(tmp_path, value):
+    with pytest.raises(SpecFitError, match=r"column 'nodes_verified' holds .*; expected non-negative whole counts \(int64\)"):
+        read_run_cycles(_run(tmp_path, [0.01, 0.02, 0.02], nodes_verified=(1, value)))
+
+
 # a stand-in of zero layers is refused
 @pytest.mark.parametrize("layers", [0, -1, 5])
 def test_a_standin_layer_count_out_of_range_is_refused(layers):

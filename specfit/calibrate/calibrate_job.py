@@ -408,13 +408,14 @@ def read_run_cycles(run_dir: str | Path) -> pd.DataFrame:
                            f"{bad[0]:g}); expected positive seconds")
     for name in RUN_CYCLE_COLUMNS[:-1]:
         counts = values[name]
-        wrong = ~(np.isfinite(counts) & (counts >= 0) & (counts == np.round(counts)))
+        # a count past int64 is none the run wrote (and 1e300 broke the fit's eigen-solver in a traceback)
+        wrong = ~(np.isfinite(counts) & (counts >= 0) & (counts == np.round(counts)) & (counts < 2.0 ** 63))
         if wrong.any():
             first = int(np.argmax(wrong))
             value = df[name].iloc[first]
             shown = repr(value) if isinstance(value, str) or value is None else f"{counts[first]:g}"
             raise SpecFitError(f"{path}: column '{name}' holds {shown} (cycle {first}); expected non-negative whole "
-                               f"counts")
+                               f"counts (int64)")
     return df.assign(**values)
 
 

@@ -116,7 +116,7 @@ def _damaged(path: Path, files: str, unit: str = "column"):
     except KeyError as exc:
         raise SpecFitError(f"{path}: {files}: missing {unit} {exc}; expected the {unit}s the specfit version "
                            f"that reads it writes") from None
-    except (ValueError, TypeError, AttributeError, IndexError) as exc:
+    except (ValueError, TypeError, AttributeError, IndexError, OverflowError) as exc:   # inf or 1e300 as a count
         detail = one_line(exc)
         detail = detail if len(detail) <= 120 else detail[:117] + "..."
         raise SpecFitError(f"{path}: {files}: a {unit} holds values of the wrong type or range ({detail})") from None
