@@ -69,6 +69,7 @@ class _Setting:
 
 
 _RECENT_FIRST = 8     # first levels the level-0 test remembers
+MAX_LEVELS = int(np.iinfo(np.int16).max)     # the deepest draft level a trace can record (depth is int16)
 _NO_NODES = np.zeros(0, dtype=np.int64)
 
 
@@ -103,6 +104,9 @@ class SpecFitPolicy(Policy):
             raise ValueError(f"overhead_level_s: expected seconds >= 0 or None, got {overhead_level_s!r}")
         if int(max_levels) < 1:
             raise ValueError(f"policy 'specfit:{max_levels}': expected D >= 1 draft levels (specfit:0 would be ar)")
+        if int(max_levels) > MAX_LEVELS:      # its per-level state is [D + 2, ranks]: 10**12 levels, 116 TiB
+            raise ValueError(f"policy 'specfit:{max_levels}': expected D <= {MAX_LEVELS} draft levels (a trace records "
+                             f"a node's depth in int16)")
         d = kernels.decide
         # the state the compiled rules (specfit.kernels.decide) read and update in place: the
         # configuration (its settings below are properties that write it, so a setting changed

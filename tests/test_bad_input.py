@@ -422,6 +422,9 @@ def test_a_refit_onto_a_profile_of_another_shape_is_refused(model_dir, tmp_path)
     (["simulate", "--trace", SAMPLE_OLMOE, "--policies", "specfit:0"], "specfit:0"),
     (["simulate", "--trace", SAMPLE_OLMOE, "--policies", ","], "--policies: expected at least one policy"),
     (["simulate", "--trace", SAMPLE_OLMOE, "--max-levels", "0"], "--max-levels"),
+    # a specfit policy's per-level state is [D + 2, ranks]: 10**12 levels asked for 116 TiB (a MemoryError)
+    (["simulate", "--trace", SAMPLE_OLMOE, "--max-levels", "1000000000000"], "--max-levels: expected at most 32767"),
+    (["simulate", "--trace", SAMPLE_OLMOE, "--policies", "specfit:32768"], "'specfit:32768': expected D <= 32767"),
     (["simulate", "--trace", SAMPLE_OLMOE, "--cache-experts", "8,0,8"], "--cache-experts: lists 8 twice"),
     (["simulate", "--trace", SAMPLE_OLMOE, "--profile", "pcie4", "--profile", "gh200,pcie4"],
      "--profile: lists pcie4 twice"),

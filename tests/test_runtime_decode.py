@@ -193,6 +193,8 @@ def test_decode_command_prints_a_summary_table(cli_model, tmp_path):
     ([{"input_ids": [1]}], ["--cache-experts", "1000", "--cache-mode", "global"], "experts in all, as --cache-mode global counts them), got 1000"),
     ([{"input_ids": [1]}], ["--policy", "specfit", "--max-levels", "0"],
      "--max-levels: expected >= 1 draft levels for --policy specfit, got 0"),
+    ([{"input_ids": [1]}], ["--policy", "specfit", "--max-levels", "1000000000000"],
+     "--max-levels: expected at most 32767 draft levels for --policy specfit, got 1000000000000"),
     ([{"input_ids": [1]}], ["--max-new-tokens", "1000"], "exceed the model's max_position_embeddings"),
     ([{"input_ids": [1]}], ["--dtype", "int4"], "--dtype: expected one of float32, bfloat16, float16"),
 ])

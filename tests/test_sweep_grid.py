@@ -29,6 +29,12 @@ def spec_of(**fields):
     return parse_spec({"traces": [TRACE], **fields}, source="spec.toml", base=BASE)
 
 
+# a specfit policy's per-level state is [D + 2, ranks]: 10**12 levels ended the sweep in a MemoryError
+def test_more_draft_levels_than_a_trace_can_record_are_refused():
+    with pytest.raises(SpecFitError, match="spec.toml: field 'max_levels': expected values from 1 to 32767, got 1e"):
+        spec_of(max_levels=[8, 10 ** 12])
+
+
 # a value listed twice would make two cells with one id
 def test_an_axis_listing_a_value_twice_is_refused():
     with pytest.raises(SpecFitError, match="twice"):

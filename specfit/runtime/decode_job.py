@@ -91,6 +91,7 @@ class DecodePlan:
     def validate(self):
         """Check the options that need no file; return the parsed policies."""
         from ..policies import make_policy
+        from ..specfit_policy import MAX_LEVELS
 
         if not self.policies:
             raise SpecFitError("--policy: expected at least one policy")
@@ -100,10 +101,11 @@ class DecodePlan:
                 policies.append(make_policy(spec, max_levels=self.max_levels))
             except ValueError as exc:
                 message = f"--policy: {exc}"
-                if self.max_levels < 1:
+                if not 1 <= self.max_levels <= MAX_LEVELS:
                     try:                # a spec that builds with a level: --max-levels is what is wrong
                         make_policy(spec, max_levels=1)
-                        message = f"--max-levels: expected >= 1 draft levels for --policy {spec}, got {self.max_levels}"
+                        expected = ">= 1" if self.max_levels < 1 else f"at most {MAX_LEVELS}"
+                        message = f"--max-levels: expected {expected} draft levels for --policy {spec}, got {self.max_levels}"
                     except ValueError:
                         pass
                 raise SpecFitError(message) from None

@@ -218,14 +218,15 @@ def _values(raw: dict, key: str, kind: type, default: list, source: str) -> list
     return out
 
 
-_AXIS_BOUNDS = (("cache_experts", lambda v: v < 0, ">= 0"), ("max_levels", lambda v: v < 1, ">= 1"),
-                ("h2d_scale", lambda v: not (math.isfinite(v) and v > 0), "finite and > 0"))
-
-
 def check_axis_values(axes: dict, source: str) -> None:
     """The numeric axes in range (those of ``axes`` that are there); ``source`` ``"plan"``: the
     values came from ``specfit plan``'s options, which the error names."""
-    for key, bad, expected in _AXIS_BOUNDS:
+    from ..specfit_policy import MAX_LEVELS
+
+    bounds = (("cache_experts", lambda v: v < 0, ">= 0"),
+              ("max_levels", lambda v: not 1 <= v <= MAX_LEVELS, f"from 1 to {MAX_LEVELS}"),
+              ("h2d_scale", lambda v: not (math.isfinite(v) and v > 0), "finite and > 0"))
+    for key, bad, expected in bounds:
         wrong = [v for v in axes.get(key, ()) if bad(v)]
         if wrong:
             where = f"--{key.replace('_', '-')}" if source == "plan" else f"{source}: field '{key}'"

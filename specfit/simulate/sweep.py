@@ -19,6 +19,7 @@ from ..costmodel import CostModel
 from ..errors import SpecFitError
 from ..experts.cache import ExpertCache
 from ..policies import DEFAULT_POLICIES, Observation, Policy, TunedPolicy, make_policy
+from ..specfit_policy import MAX_LEVELS
 from .replay import CycleLog, PreparedTrace, replay
 
 __all__ = ["Scenario", "run_sweep", "DEFAULT_POLICIES", "check_policies"]
@@ -38,6 +39,9 @@ def check_policies(specs: list[str], max_levels: int) -> None:
         raise SpecFitError("--policies: expected at least one policy, e.g. ar,eagle3,specfit")
     if max_levels < 1:
         raise SpecFitError(f"--max-levels: expected >= 1 draft levels, got {max_levels}")
+    if max_levels > MAX_LEVELS:
+        raise SpecFitError(f"--max-levels: expected at most {MAX_LEVELS} draft levels (a trace records a node's depth "
+                           f"in int16), got {max_levels}")
     for spec in specs:
         try:
             make_policy(spec, max_levels=max_levels)
