@@ -368,6 +368,13 @@ def _experts_with(table, value):
     return pa.FixedSizeListArray.from_arrays(pa.array(values), lists.type.list_size)
 
 
+def _experts_with_a_null_slot(table, row):
+    lists = table.column("true_experts").combine_chunks()
+    values = lists.values.to_numpy(zero_copy_only=False)
+    slot = row * lists.type.list_size
+    return pa.FixedSizeListArray.from_arrays(pa.array(values, mask=np.arange(values.size) == slot), lists.type.list_size)
+
+
 @pytest.mark.parametrize("name, make, needle", [
     # wider integers than the reader's types: wrapped, 65536 read as parent 0 and was accepted
     ("parent", lambda t: _with(t, "parent", 3, 65536, np.int32),
@@ -376,6 +383,9 @@ def _experts_with(table, value):
     ("true_experts", lambda t: _experts_with(t, 65537), "column 'true_experts' holds 65537"),
     # a written row whose first id is negative read as an unknown row, its other ids unchecked
     ("true_experts", lambda t: _experts_with(t, -1), "column 'true_experts' holds a negative expert id in row 0"),
+    # a null slot in a written row read as expert 0, and was accepted
+    ("true_experts", lambda t: _experts_with_a_null_slot(t, 2),
+     "column 'true_experts' has a null slot in row 2, a row that is not null"),
     # a per-cycle column read from the cycle's first row: a second value on another row went unseen
     ("sequence", lambda t: _with(t, "sequence", 1, 3, np.int32),
      "column 'sequence' differs between the rows of cycle 0; expected one value per cycle"),

@@ -327,14 +327,20 @@ def _slot_array(pf: pq.ParquetFile, name: str, L: int, k: int, source: str) -> n
     for batch in pf.iter_batches(batch_size=_BATCH, columns=[name], use_threads=False):
         col = batch.column(0)
         m = len(col)
+        valid = col.is_valid().to_numpy(zero_copy_only=False)
         # a null row's slots may be null in the child array after a Parquet round trip
         values = col.values.slice(col.offset * L * k, m * L * k)
         if values.null_count:
+            # in a written row a null slot would read as 0 (expert 0, a weight of 0): only a whole row is unknown
+            slot_null = ~values.is_valid().to_numpy(zero_copy_only=False).reshape(m, L * k)
+            if (slot_null.any(axis=1) & valid).any():
+                bad = row + int(np.flatnonzero(slot_null.any(axis=1) & valid)[0])
+                raise SpecFitError(f"{source}: column '{name}' has a null slot in row {bad}, a row that is not null; "
+                                   f"expected {kind} in every slot of a known row (an unknown row is null as a whole)")
             values = values.fill_null(0)
         chunk = values.to_numpy(zero_copy_only=False)
         flat[row:row + m] = (chunk if kind == "floats" else _narrowed(chunk, dtype, f"{source}: column '{name}'")
                              ).reshape(m, L * k)
-        valid = col.is_valid().to_numpy(zero_copy_only=False)
         if kind == "integers" and (flat[row:row + m][valid] < 0).any():
             # a row is unknown when null; a negative id in a written row would read as unknown (or out of range)
             bad = row + int(np.flatnonzero(valid & (flat[row:row + m] < 0).any(axis=1))[0])
