@@ -6,20 +6,18 @@ from __future__ import annotations
 
 import contextlib
 import json
-import weakref
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from trace_helpers import SAMPLE_OLMOE
 from typer.testing import CliRunner
 
 from specfit.calibrate.standin import SHAPE_CONFIGS, shape_config
 from specfit.cli import app
 from specfit.errors import SpecFitError
+from specfit.runtime.footprint import PeakBytes
 from specfit.runtime.model import MoETransformer
 from specfit.runtime.offload import ExpertOffload, HostExperts
 from specfit.simulate.dataset import read_results
@@ -557,34 +555,6 @@ def test_plans_memory_line_adds_up_to_each_rows_device_gb(capsys):
         assert total == pytest.approx(float(device_gb), abs=0.011), (policy, cache, line)
 
 
-class _LiveBytes(TorchDispatchMode):
-    """The most bytes the CPU tensors that ops create under it hold at once, but for ``existing``
-    storages (the weights, the expert slots): a storage counts while a tensor viewing it lives."""
-
-    def __init__(self, existing):
-        super().__init__()
-        self.existing, self.views, self.size, self.live, self.peak = existing, {}, {}, 0, 0
-
-    def _release(self, key):
-        self.views[key] -= 1
-        if not self.views[key]:
-            del self.views[key]
-            self.live -= self.size.pop(key)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_flatten(out)[0]:
-            if isinstance(tensor, torch.Tensor) and tensor.untyped_storage().data_ptr() not in self.existing:
-                key = tensor.untyped_storage().data_ptr()
-                if key not in self.views:
-                    self.views[key], self.size[key] = 0, tensor.untyped_storage().nbytes()
-                    self.live += self.size[key]
-                self.views[key] += 1
-                weakref.finalize(tensor, self._release, key)
-        self.peak = max(self.peak, self.live)
-        return out
-
-
 def test_plans_estimate_holds_what_a_decode_allocates():
     """A decode as ``specfit decode`` builds it (a stand-in of the tiny shape and its stand-in
     EAGLE-3 head, the policy drafting its largest tree) holds its weights, drafter, expert slots and
@@ -611,9 +581,8 @@ def test_plans_estimate_holds_what_a_decode_allocates():
     held = [*model.parameters(), *drafter.parameters(), *drafter.buffers(), offload.slot_gate_up, offload.slot_down,
             offload.staging_gate_up, offload.staging_down]
     resident = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in held}.values())
-    existing = {t.untyped_storage().data_ptr() for t in held + offload.host.gate_up + offload.host.down}
     prompt = np.random.default_rng(0).integers(0, config.vocab_size, prompt_tokens).tolist()
-    with _LiveBytes(existing) as live:            # the KV caches and every pass's tensors
+    with PeakBytes(held + offload.host.gate_up + offload.host.down) as live:            # the KV caches and every pass's tensors
         result = decoder.generate(prompt, new_tokens, ignore_eos=True)
     tree = max(int(c.verification.nodes.size) for c in result.cycles)
     assert tree == tree_capacity(4, levels)

@@ -22,15 +22,17 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["pass_workspace_bytes", "DrafterFootprint", "drafter_footprint"]
+__all__ = ["pass_workspace_bytes", "DrafterFootprint", "drafter_footprint", "PeakBytes"]
 
 
-class _PeakBytes(TorchDispatchMode):
-    """The most bytes the storages created under it hold at once (a storage is held while a tensor
-    viewing it is alive)."""
+class PeakBytes(TorchDispatchMode):
+    """The most bytes the storages that ops create under it hold at once (a storage is held while a
+    tensor viewing it is alive), but for the storages of ``existing`` tensors (weights, caches made
+    before it)."""
 
-    def __init__(self):
+    def __init__(self, existing=()):
         super().__init__()
+        self.existing = {t.untyped_storage()._cdata for t in existing}
         self.views, self.size, self.live, self.peak = {}, {}, 0, 0
 
     def _release(self, key: int) -> None:
@@ -45,6 +47,8 @@ class _PeakBytes(TorchDispatchMode):
             if isinstance(tensor, torch.Tensor):
                 storage = tensor.untyped_storage()
                 key = storage._cdata
+                if key in self.existing:
+                    continue
                 if key not in self.views:
                     self.views[key], self.size[key] = 0, storage.nbytes()
                     self.live += storage.nbytes()
@@ -75,7 +79,7 @@ def pass_workspace_bytes(config, dtype: torch.dtype, new_tokens: int, cached_tok
     model.max_seq_len = cached_tokens + new_tokens
     if config.sliding_window is not None:
         model._slot_positions = torch.zeros(model.max_seq_len, dtype=torch.long, device="meta")
-    with _PeakBytes() as peak:
+    with PeakBytes() as peak:
         positions = torch.arange(cached_tokens, cached_tokens + new_tokens, device="meta")
         mask = model._additive_mask(torch.ones(new_tokens, cached_tokens + new_tokens, dtype=torch.bool, device="meta"),
                                     positions, cached_tokens)
@@ -111,7 +115,7 @@ def drafter_footprint(config, dtype: torch.dtype, entries: int, prompt_tokens: i
     weights = sum(t.nbytes for t in (*drafter.parameters(), *drafter.buffers()))
     drafter.setup_kv_cache(entries)
     kv = drafter.midlayer.self_attn.kv_cache.k.untyped_storage().nbytes()      # keys and values
-    with _PeakBytes() as peak:
+    with PeakBytes() as peak:
         features = torch.empty(prompt_tokens, 3 * config.hidden_size, dtype=dtype, device="meta")
         ids = torch.zeros(prompt_tokens, dtype=torch.long, device="meta")
         positions = torch.arange(prompt_tokens, device="meta")
