@@ -16,7 +16,6 @@ kind of layer timed on its own (:func:`scale_to_depth`); what was added is recor
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
