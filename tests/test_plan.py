@@ -146,6 +146,8 @@ def test_plan_errors_are_one_line_before_ray_starts_or_anything_is_written(tmp_p
         (trace + ["--device-memory-gb", "8", "--policies", "ar,oracle"], "['oracle'] run only in a replay"),
         (trace + ["--device-memory-gb", "24", "--model-shape", "qwen3-30b-a3b"], "differs from --model-shape"),
         (trace + ["--device-memory-gb", "8", "--prompt-tokens", "4097"], "--prompt-tokens: expected 1..4096"),
+        (trace + ["--device-memory-gb", "8", "--prefill-chunk", "-1"],
+         "--prefill-chunk: expected a number of tokens >= 0"),
         (trace + ["--device-memory-gb", "8", "--dtype", "float8"], "--dtype"),
         (trace + ["--device-memory-gb", "inf"], "--device-memory-gb: expected a positive, finite size, got inf"),
         (trace + ["--device-memory-gb", "8", "--context-tokens", "0"], "--context-tokens: expected >= 1, got 0"),

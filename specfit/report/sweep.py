@@ -159,7 +159,9 @@ def plan_section(page: Page, plan: dict, name: str) -> None:
     page.paragraph(f"{mem['model']} in {mem['device_bytes'] / 1e9:g} GB of device memory: dense weights "
                    f"{mem['dense_bytes'] / 1e9:.2f} GB, KV cache {mem['kv_bytes_per_token'] * mem['context_tokens'] / 1e9:.2f}"
                    f" GB for {mem['context_tokens']} tokens, "
-                   + (f"the prompt's pass ({mem['prompt_tokens']} tokens) {mem['prompt_pass_bytes'] / 1e9:.2f} GB, a "
+                   + (f"the prompt's pass ({mem['prompt_tokens']} tokens"
+                      + (f" in chunks of {mem['prefill_chunk']}" if mem.get("prefill_chunk") else "")
+                      + f") {mem['prompt_pass_bytes'] / 1e9:.2f} GB, a "
                       f"drafter {mem['drafter_bytes'] / 1e9:.2f} GB, " if "prompt_pass_bytes" in mem else "")
                    + f"reserve {mem['reserve_bytes'] / 1e9:.2f} GB, one cached "
                    f"expert per layer {mem['slot_bytes'] / 1e9:.3f} GB. Recommended: {best['policy']} with "

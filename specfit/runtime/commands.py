@@ -12,6 +12,7 @@ from ..errors import INTERRUPTS, Interrupted, comma_list, fail, stopped, stopped
 from ..io import strict_dumps
 from ..policies import LIVE_POLICY_HELP
 from ..threads import THREADS_HELP, set_cpu_threads
+from .prefill import PREFILL_CHUNK, PREFILL_CHUNK_HELP
 from .run_dir import CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE
 
 __all__ = ["register", "decode"]
@@ -82,6 +83,7 @@ def decode(
     cache_per_policy: bool = typer.Option(False, "--cache-per-policy", help="With --interleave: each policy keeps its "
                                           "own expert cache across the prompts, as policy after policy would (the "
                                           "caches take turns on the device between prompts, off the clock)."),
+    prefill_chunk: int = typer.Option(PREFILL_CHUNK, "--prefill-chunk", help=PREFILL_CHUNK_HELP),
 ) -> None:
     """Decode with the experts in host memory and an expert cache on the device.
 
@@ -103,7 +105,7 @@ def decode(
                       cache_policy=cache_policy, predictor=predictor, predictor_trace=predictor_trace,
                       router_adapt=not router_fixed,
                       online_refit=online_refit, interleave=interleave,
-                      cache_per_policy=cache_per_policy)
+                      cache_per_policy=cache_per_policy, prefill_chunk=prefill_chunk)
     stderr = Console(stderr=True)
     set_cpu_threads(threads)
     plan.validate()

@@ -117,13 +117,13 @@ class CycleStats:
 @dataclass
 class DecodeResult:
     """One prompt's generation. ``offload`` counts every target pass, the prompt's included;
-    ``prefill_offload`` the prompt's pass alone; ``decode_bytes_h2d`` the decode cycles' copies
+    ``prefill_offload`` the prompt's passes alone (one per prefill chunk); ``decode_bytes_h2d`` the decode cycles' copies
     (their passes' and the prefetched experts')."""
 
     prompt_ids: list[int]
     output_ids: list[int]
     stop_reason: str                  # "eos", or "length" when max_new_tokens was reached
-    prefill_time_s: float             # the target's prompt pass and, with a drafter, its pass over the prompt
+    prefill_time_s: float             # the target's prompt passes and, with a drafter, its passes over the prompt
     decode_time_s: float
     n_cycles: int
     offload: OffloadCounters

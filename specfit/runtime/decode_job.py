@@ -39,6 +39,7 @@ from typing import Callable
 from ..accounting import live_row, summarise, waiting_note
 from ..errors import INTERRUPTS, PEER_ERRORS, Interrupted, SpecFitError, check_seed, interrupted, out_of_memory_text
 from ..io import run_dir_lock
+from .prefill import PREFILL_CHUNK, check_prefill_chunk
 from .run_dir import CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE, DecodeOutputs, read_decode_cycles
 
 # the predictors a recorded trace can fit before a live run (--predictor-trace)
@@ -87,6 +88,8 @@ class DecodePlan:
     # with interleave: each policy keeps its own expert cache across the prompts, as policy after
     # policy would (the caches take turns on the device between prompts, off the clock)
     cache_per_policy: bool = False
+    # the prompt through the target and the drafter in passes of at most this many tokens (0: one pass)
+    prefill_chunk: int = PREFILL_CHUNK
 
     def validate(self):
         """Check the options that need no file; return the parsed policies."""
@@ -145,6 +148,7 @@ class DecodePlan:
         for failed, message in checks:
             if failed:
                 raise SpecFitError(message)
+        check_prefill_chunk(self.prefill_chunk)
         if self.temperature > 0:
             _learn_sampled_acceptance(policies, option)
         check_seed(self.seed)
@@ -519,6 +523,14 @@ def _load(plan: DecodePlan, say) -> _Inputs:
             raise SpecFitError(f"{plan.prompts_path}:{prompt.line}: {len(prompt.input_ids)} prompt tokens + "
                                f"--max-new-tokens {plan.max_new_tokens} exceed the model's max_position_embeddings "
                                f"({config.max_position_embeddings})")
+        if plan.record is not None and 0 < plan.prefill_chunk < len(prompt.input_ids):
+            # a trace records a sequence's prompt pass as one union of experts, which a replay admits
+            # at once; passes of several chunks admit one union per chunk, and the cache they leave
+            # (what the first cycle sees) is not that one admit's
+            raise SpecFitError(f"{plan.prompts_path}:{prompt.line}: --record: the prompt's {len(prompt.input_ids)} "
+                               f"tokens run in passes of --prefill-chunk {plan.prefill_chunk}, and a trace records a "
+                               f"prompt's pass as one; expected --prefill-chunk 0 or at least {len(prompt.input_ids)} "
+                               f"to record it")
     # the drafter's config is checked against the target's before any weight is read
     capture = drafter_capture_layers(plan.drafter_dir, config) if plan.drafter_dir is not None else None
     # a trace it cannot read or learn from is named before the model loads and a profile is measured
@@ -803,7 +815,8 @@ def _decoder(plan, model, drafter, policy, cost, calibrator, recorder, fitted=No
     proposer = Proposer(drafter, plan.tree_top_k) if policy.max_levels > 0 else None
     return Decoder(model, proposer, policy, cost, predictor=_predictor(plan, model, fitted),
                    eos_token_ids=model.config.eos_token_ids, temperature=plan.temperature, seed=plan.seed,
-                   calibrator=calibrator, recorder=recorder, online_refit=plan.online_refit)
+                   calibrator=calibrator, recorder=recorder, online_refit=plan.online_refit,
+                   prefill_chunk=plan.prefill_chunk)
 
 
 def recorded_levels(plan, policies: list) -> int:
@@ -824,7 +837,7 @@ def _full_decoder(plan, model, drafter, cost, recorder, levels: int, fitted=None
     policy = RerankPolicy(tree_capacity(plan.tree_top_k, levels), levels, name="full")
     return Decoder(model, Proposer(drafter, plan.tree_top_k), policy, cost, predictor=_predictor(plan, model, fitted),
                    eos_token_ids=model.config.eos_token_ids, recorder=recorder, commit_root_only=True,
-                   online_refit=False)
+                   online_refit=False, prefill_chunk=plan.prefill_chunk)
 
 
 def _recorder(plan: DecodePlan, model, drafter, profile, levels: int):
@@ -840,7 +853,7 @@ def _recorder(plan: DecodePlan, model, drafter, profile, levels: int):
         drafter_meta.update(hidden_size=drafter.config.hidden_size, draft_vocab_size=drafter.config.draft_vocab_size)
     recording = {"policy": None if plan.record_full else plan.policies[0], "predictor": plan.predictor,
                  "profile": profile.label, "cache_experts": plan.cache_experts, "device": str(model.device),
-                 "max_new_tokens": plan.max_new_tokens}
+                 "max_new_tokens": plan.max_new_tokens, "prefill_chunk": plan.prefill_chunk}
     return TraceRecorder(model_meta, drafter_meta, workload=Path(plan.prompts_path).name, full=plan.record_full,
                          recording=recording)
 

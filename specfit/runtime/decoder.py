@@ -47,9 +47,10 @@ from ..tree import DraftTree
 from .acceptance import NonFiniteLogits, greedy_accept, sample_accept, sample_token
 from . import levers
 from .drafting import Proposer, tree_capacity
-from .model import MoETransformer, causal_mask
+from .model import ForwardOutput, MoETransformer, causal_mask
 from .cycle import Commit, CycleStats, DecodeResult, Draft, Verification
 from .offload import OffloadCounters
+from .prefill import PREFILL_CHUNK, check_prefill_chunk, prefill_chunks
 
 __all__ = ["Decoder", "device_now", "device_clock", "charged_misses", "check_finite_logits", "greedy_verdicts", "DecodeResult", "Draft", "Verification", "Commit", "CycleStats"]
 
@@ -92,13 +93,15 @@ class Decoder:
             themselves leave no reference cycles behind (a test pins it), so nothing accumulates.
             The collector is the process's: an application whose other threads make cyclic
             garbage while a generation runs can pass False.
+        prefill_chunk: the prompt runs through the target and the drafter in passes of at most
+            this many tokens (:mod:`specfit.runtime.prefill`); 0 runs it in one pass.
     """
 
     def __init__(self, model: MoETransformer, proposer: Proposer | None = None, policy: Policy | None = None,
                  cost: CostModel | None = None, predictor: ExpertPredictor | None = None, eos_token_ids=(),
                  temperature: float = 0.0, seed: int = 0, calibrator: AcceptanceCalibrator | None = None,
                  recorder=None, commit_root_only: bool = False, online_refit: bool | OnlineCostModel = True,
-                 pause_gc: bool = True):
+                 pause_gc: bool = True, prefill_chunk: int = PREFILL_CHUNK):
         if not 0 <= temperature < float("inf"):      # NaN too: it would decode greedily, silently
             raise ValueError(f"temperature: expected >= 0 and finite, got {temperature}")
         if commit_root_only and temperature > 0:
@@ -124,6 +127,7 @@ class Decoder:
         self.rng = np.random.default_rng(seed)
         self.calibrator, self.recorder, self.commit_root_only = calibrator, recorder, bool(commit_root_only)
         self.pause_gc = bool(pause_gc)
+        self.prefill_chunk = check_prefill_chunk(prefill_chunk, "prefill_chunk")
         self.top_k = None if proposer is None else (policy.draft_top_k or proposer.top_k)
         self._max_nodes = 1 if proposer is None else tree_capacity(self.top_k, policy.max_levels)   # per tree
         # the drafter's states estimate the target's only when they live in the same space
@@ -230,10 +234,12 @@ class Decoder:
                             cycle_tokens=cycle_tokens, cycles=cycles)
 
     def prefill(self, prompt_ids: list[int], max_new_tokens: int = 0):
-        """Run the prompt; return the first generated token and the pass's output. The prompt's
-        K/V stay cached; the proposer's session starts with the prompt's features."""
+        """Run the prompt; return the first generated token and the prompt's output (its passes
+        together: every token's routing and features, the last token's logits, the passes'
+        expert traffic). The prompt's K/V stay cached; the proposer's session starts with the
+        prompt's features."""
         n = len(prompt_ids)
-        out = self.model(prompt_ids, np.arange(n), causal_mask(0, n), logits_rows=[n - 1])
+        out = self._prompt_passes(prompt_ids)
         # NaN logits argmax to token 0: the output would be garbage (or an instant EOS), silently
         check_finite_logits(self.model, out.logits[-1], "the prompt's pass")
         self.cache_len = n
@@ -249,8 +255,23 @@ class Decoder:
         if self.proposer is not None:
             # committed entries, plus the frontier entries of one tree (top-k per level after the first)
             entries = n + max_new_tokens + max(self.policy.max_levels - 1, 0) * self.top_k
-            self.proposer.start(prompt_ids, out.hidden, root, entries)
+            self.proposer.start(prompt_ids, out.hidden, root, entries, chunk=self.prefill_chunk)
         return root, out
+
+    def _prompt_passes(self, prompt_ids: list[int]) -> ForwardOutput:
+        """The prompt through the target in passes of at most :attr:`prefill_chunk` tokens, each a
+        causal continuation of the KV entries the passes before it wrote; their outputs joined."""
+        passes, offload = [], OffloadCounters.zeros(self.model.config.n_moe_layers)
+        for start, end in prefill_chunks(len(prompt_ids), self.prefill_chunk):
+            out = self.model(prompt_ids[start:end], np.arange(start, end), causal_mask(start, end - start),
+                             logits_rows=[end - start - 1])
+            offload += out.offload
+            passes.append(out)
+        if len(passes) == 1:
+            return passes[0]
+        hidden = None if out.hidden is None else torch.cat([p.hidden for p in passes])
+        return ForwardOutput(logits=out.logits, expert_ids=np.concatenate([p.expert_ids for p in passes]),
+                             hidden=hidden, offload=offload)
 
     # ------------------------------------------------------------------ the three stages
     def draft(self, root_token: int, max_levels: int = 0) -> Draft:

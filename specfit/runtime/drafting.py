@@ -38,6 +38,7 @@ import torch
 from .. import kernels
 from ..errors import SpecFitError
 from ..tree import DraftTree
+from .prefill import prefill_chunks
 
 __all__ = ["DraftOutput", "DrafterSession", "TreeDraft", "Level", "Proposer", "tree_capacity"]
 
@@ -265,19 +266,22 @@ class Proposer:
     def context_in_target_space(self) -> bool:
         return getattr(self.drafter, "features_in_target_space", True)
 
-    def start(self, prompt_ids: list[int], features: torch.Tensor, first_token: int, max_entries: int) -> None:
+    def start(self, prompt_ids: list[int], features: torch.Tensor, first_token: int, max_entries: int,
+              chunk: int = 0) -> None:
         """A new sequence: the prompt's features (from the prefill) pair with the tokens that
         followed them, the last with the prefill's token.
 
         The drafter runs every prompt entry but the last one now, as the prefill's drafter pass:
         a prompt-length pass in the first cycle would make that cycle unlike every other (its
         cost model prices one pass over the few entries a cycle accepts). The last entry, the
-        one whose output drafts the first level, stays pending as a cycle's accepted entries do."""
+        one whose output drafts the first level, stays pending as a cycle's accepted entries do.
+        The prompt's entries run in passes of at most ``chunk`` entries (0: one pass), each over
+        the ones before it, as the target's prompt passes do."""
         self.session = DrafterSession(self.drafter, max_entries)
         self._warm_up(features[-1:], int(first_token), max_entries)
         tokens = list(prompt_ids[1:]) + [int(first_token)]
-        if len(tokens) > 1:
-            self.session.commit(features[:-1], torch.tensor(tokens[:-1]))
+        for start, end in prefill_chunks(len(tokens) - 1, chunk):
+            self.session.commit(features[start:end], torch.tensor(tokens[start:end]))
         self._pending = [(features[-1:], tokens[-1:])]
 
     def draft(self, root_token: int, max_levels: int, top_k: int | None = None, acceptance=None) -> TreeDraft:

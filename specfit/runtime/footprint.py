@@ -4,9 +4,10 @@ measured by running the runtime's own modules on the ``meta`` device (no memory,
 A pass's workspace is the most bytes its tensors hold at once: a target pass's attention
 materialises its scores ``[heads, new tokens, keys]`` in the compute dtype, their float32 softmax
 and its cast back (about 8 bytes a score in bfloat16), and its logits are ``[rows, vocab]``. The
-prompt's pass is one pass over every prompt token, so its workspace grows with the square of the
-prompt (4.5 GB for a 4096-token prompt at Qwen3-30B-A3B's 32 heads); a verification pass's with
-its tree times the context. :func:`pass_workspace_bytes` runs one attention layer (the layers run
+prompt runs in chunks (:mod:`specfit.runtime.prefill`), so its largest pass is a chunk over the
+whole prompt, whose workspace grows with the chunk times the prompt (one pass over a 4096-token
+prompt at Qwen3-30B-A3B's 32 heads: 4.4 GB; 512-token chunks: 0.56 GB); a verification pass's
+with its tree times the context. :func:`pass_workspace_bytes` runs one attention layer (the layers run
 one after another: one layer's transients are alive at a time), the final norm and the
 ``lm_head`` over the rows whose logits are kept; the MoE and MLP blocks' transients (a few
 ``[tokens, intermediate]`` blocks) are left out. :func:`drafter_footprint` builds the stand-in
@@ -97,14 +98,15 @@ def pass_workspace_bytes(config, dtype: torch.dtype, new_tokens: int, cached_tok
 class DrafterFootprint:
     weight_bytes: int      # its parameters and buffers, the target's shared embedding not counted
     kv_bytes: int          # its KV cache for the given entries
-    prompt_pass_bytes: int  # the workspace of its pass over a prompt (the newest entry's logits)
+    prompt_pass_bytes: int  # the workspace of its largest pass over a prompt (the newest entry's logits)
 
 
 @torch.inference_mode()
-def drafter_footprint(config, dtype: torch.dtype, entries: int, prompt_tokens: int) -> DrafterFootprint:
+def drafter_footprint(config, dtype: torch.dtype, entries: int, prompt_tokens: int, chunk: int = 0) -> DrafterFootprint:
     """The stand-in EAGLE-3 head of a target of ``config`` (:func:`~specfit.calibrate.standin.drafter_config`,
-    the embedding the target's): its weights, a KV cache of ``entries`` slots and its pass over
-    ``prompt_tokens`` (at most ``entries``) target positions, on the meta device."""
+    the embedding the target's): its weights, a KV cache of ``entries`` slots and its largest pass
+    over ``prompt_tokens`` (at most ``entries``) target positions in passes of at most ``chunk``
+    (0: one pass): ``chunk`` entries over the ones before them, on the meta device."""
     from ..calibrate.standin import drafter_config
     from .eagle3 import Eagle3Drafter
 
@@ -115,11 +117,13 @@ def drafter_footprint(config, dtype: torch.dtype, entries: int, prompt_tokens: i
     weights = sum(t.nbytes for t in (*drafter.parameters(), *drafter.buffers()))
     drafter.setup_kv_cache(entries)
     kv = drafter.midlayer.self_attn.kv_cache.k.untyped_storage().nbytes()      # keys and values
+    new = min(chunk or prompt_tokens, prompt_tokens)
+    cached = prompt_tokens - new
     with PeakBytes() as peak:
-        features = torch.empty(prompt_tokens, 3 * config.hidden_size, dtype=dtype, device="meta")
-        ids = torch.zeros(prompt_tokens, dtype=torch.long, device="meta")
-        positions = torch.arange(prompt_tokens, device="meta")
-        allowed = torch.ones(prompt_tokens, prompt_tokens, dtype=torch.bool, device="meta").tril()
+        features = torch.empty(new, 3 * config.hidden_size, dtype=dtype, device="meta")
+        ids = torch.zeros(new, dtype=torch.long, device="meta")
+        positions = torch.arange(cached, prompt_tokens, device="meta")
+        allowed = torch.ones(new, prompt_tokens, dtype=torch.bool, device="meta").tril(diagonal=cached)
         out = drafter(features, ids, positions, allowed, logits_rows=[-1])
         del features, ids, positions, allowed, out
     return DrafterFootprint(weight_bytes=weights, kv_bytes=kv, prompt_pass_bytes=peak.peak)

@@ -12,9 +12,11 @@ The memory model (bytes on the device, batch size 1):
     drafter       = a policy that drafts: the stand-in EAGLE-3 head's weights (the target's
                     embedding shared) and its KV cache for the context
                     (:func:`~specfit.runtime.footprint.drafter_footprint`)
-    workspace     = the largest pass's transient tensors: the prompt's pass over ``prompt tokens``
-                    (the target's, and the drafter's for a policy that drafts: attention scores
-                    [heads, prompt, prompt], about 8 bytes each in bfloat16) or the verification of
+    workspace     = the largest pass's transient tensors: the prompt's largest pass, a chunk of
+                    ``prefill chunk`` tokens over ``prompt tokens`` (the target's, and the
+                    drafter's for a policy that drafts: attention scores [heads, chunk, prompt],
+                    about 8 bytes each in bfloat16; ``specfit decode`` runs the prompt in such
+                    chunks, :mod:`specfit.runtime.prefill`) or the verification of
                     the tree over the context (:func:`~specfit.runtime.footprint.pass_workspace_bytes`:
                     the runtime's own modules run on the meta device)
     reserve       = what the estimate leaves out: the CUDA context, the caching allocator's
@@ -40,6 +42,7 @@ import numpy as np
 import pandas as pd
 
 from ..errors import SpecFitError, comma_list
+from ..runtime.prefill import PREFILL_CHUNK, check_prefill_chunk
 
 __all__ = ["MemoryBudget", "MemoryModel", "dense_weight_params", "kv_bytes_per_token", "tree_tokens",
            "DEFAULT_CANDIDATES", "cache_sizes", "rank_settings", "PlanResult", "run_plan", "PLAN_FILE"]
@@ -58,8 +61,10 @@ class MemoryBudget:
     reserve_bytes: float = 1e9
     dtype: str = "bfloat16"
     prompt_tokens: int | None = None     # the longest prompt; None: the context's length
+    prefill_chunk: int = PREFILL_CHUNK   # the prompt's passes, as decode runs them (0: one pass)
 
     def __post_init__(self) -> None:
+        check_prefill_chunk(self.prefill_chunk)
         if not 0 < self.device_bytes < math.inf:
             raise SpecFitError(f"--device-memory-gb: expected a positive, finite size, got {self.device_bytes / 1e9:g}")
         if self.context_tokens < 1:
@@ -158,7 +163,8 @@ class MemoryModel:
     def _drafter(self):
         from ..runtime.footprint import drafter_footprint
 
-        return drafter_footprint(self.config, self._torch_dtype, self.budget.context_tokens, self.budget.longest_prompt)
+        return drafter_footprint(self.config, self._torch_dtype, self.budget.context_tokens, self.budget.longest_prompt,
+                                 self.budget.prefill_chunk)
 
     @property
     def _torch_dtype(self):
@@ -171,12 +177,20 @@ class MemoryModel:
         the root alone, ``ar``, which loads no drafter)."""
         return 0 if tree <= 1 else self._drafter.weight_bytes + self._drafter.kv_bytes
 
+    @property
+    def prompt_chunk(self) -> int:
+        """Tokens of the prompt's largest pass: a chunk, or the whole prompt within one."""
+        prompt = self.budget.longest_prompt
+        return min(self.budget.prefill_chunk or prompt, prompt)
+
     @cached_property
     def prompt_pass_bytes(self) -> int:
-        """The target's pass over the longest prompt (its last row's logits)."""
+        """The target's largest pass over the longest prompt (its last row's logits): a chunk over
+        the tokens before it, the last full one (a bound where the last chunk is ragged)."""
         from ..runtime.footprint import pass_workspace_bytes
 
-        return pass_workspace_bytes(self.config, self._torch_dtype, self.budget.longest_prompt, 0, logits_rows=1)
+        prompt, chunk = self.budget.longest_prompt, self.prompt_chunk
+        return pass_workspace_bytes(self.config, self._torch_dtype, chunk, prompt - chunk, logits_rows=1)
 
     @cached_property
     def _verify_bytes(self) -> dict:
@@ -218,7 +232,8 @@ class MemoryModel:
 
     def to_dict(self) -> dict:
         return {"model": self.model, "device_bytes": self.budget.device_bytes, "context_tokens": self.budget.context_tokens,
-                "prompt_tokens": self.budget.longest_prompt, "drafter_bytes": self.drafter_bytes(2),
+                "prompt_tokens": self.budget.longest_prompt, "prefill_chunk": self.budget.prefill_chunk,
+                "drafter_bytes": self.drafter_bytes(2),
                 "prompt_pass_bytes": self.prompt_pass_bytes,
                 "reserve_bytes": self.budget.reserve_bytes, "dtype": self.budget.dtype, "dense_bytes": self.dense_bytes,
                 "expert_bytes": self.expert_bytes, "slot_bytes": self.slot_bytes,

@@ -12,6 +12,7 @@ import typer
 from ..console import speedup_text
 from ..errors import INTERRUPTS, Interrupted, SpecFitError, comma_list, stopped, stopped_by
 from ..io import strict_dumps
+from ..runtime.prefill import PREFILL_CHUNK, PREFILL_CHUNK_HELP
 
 # the settings a table may show for a cell (column: header); those the grid varies are shown
 _SETTING_COLUMNS = {"trace": "trace", "profile": "profile", "cache_mode": "cache mode", "cache_policy": "eviction",
@@ -127,7 +128,9 @@ def plan_command(
                                        "the prompt and what is generated."),
     prompt_tokens: Optional[int] = typer.Option(None, "--prompt-tokens", help="Longest prompt to plan for "
                                                 "(tokens; default: --context-tokens): its pass holds attention "
-                                                "scores [heads, prompt, prompt]."),
+                                                "scores [heads, --prefill-chunk, prompt]."),
+    prefill_chunk: int = typer.Option(PREFILL_CHUNK, "--prefill-chunk", help="The prompt's passes, as `specfit "
+                                      "decode --prefill-chunk` runs them (the same default): " + PREFILL_CHUNK_HELP),
     reserve_gb: float = typer.Option(1.0, "--reserve-gb", help="Device memory kept for what the estimate leaves "
                                      "out: the CUDA context, the caching allocator's rounding, the MLP blocks' "
                                      "activations (GB)."),
@@ -154,7 +157,8 @@ def plan_command(
             raise SpecFitError(f"--top: expected a number of runners-up >= 0, got {top}")
         require_ray()
         budget = MemoryBudget(device_bytes=device_memory_gb * 1e9, context_tokens=context_tokens,
-                              reserve_bytes=reserve_gb * 1e9, dtype=dtype, prompt_tokens=prompt_tokens)
+                              reserve_bytes=reserve_gb * 1e9, dtype=dtype, prompt_tokens=prompt_tokens,
+                              prefill_chunk=prefill_chunk)
         result = run_plan(budget, model_shape=model_shape, traces=list(traces),
                           workloads=comma_list(workloads, "--workload", "workload"), tokens=tokens,
                           profile=profile, h2d_scale=h2d_scale, rescale=rescale, policies=policies,
@@ -187,7 +191,8 @@ def _print_plan(result, top: int) -> None:
                   f"{mem.dense_bytes / 1e9:.2f} GB, KV cache ({mem.budget.context_tokens} tokens) "
                   f"{mem.kv_bytes(0) / 1e9:.2f} GB + {(mem.kv_bytes(1) - mem.kv_bytes(0)) / 1e6:.3f} MB per tree token, "
                   f"staging {mem.staging_bytes(0) / 1e9:.3f} GB while not every expert is cached, "
-                  f"workspace (the prompt's pass over {mem.budget.longest_prompt} tokens: --prompt-tokens) "
+                  f"workspace (the prompt's largest pass: {mem.prompt_chunk} tokens over a "
+                  f"{mem.budget.longest_prompt}-token prompt from --prefill-chunk and --prompt-tokens) "
                   f"{mem.prompt_pass_bytes / 1e9:.2f} GB, for a policy that drafts the drafter (a stand-in EAGLE-3 "
                   f"head and its KV cache) {mem.drafter_bytes(2) / 1e9:.2f} GB and the workspace of its passes where "
                   f"larger (workspace GB), reserve (the CUDA context and allocator rounding) "
