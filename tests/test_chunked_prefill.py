@@ -210,36 +210,6 @@ def test_plans_prompt_workspace_with_chunks_grows_with_the_chunk_times_the_promp
     assert workspace(300, 512) == workspace(300, 0)                    # a prompt within one chunk: one pass
 
 
-@pytest.mark.parametrize("chunk", [0, 128])
-def test_plans_chunked_estimate_holds_what_a_chunked_decode_allocates(chunk):
-    from test_plan import _LiveBytes
-    from specfit.experts.predictors import make_predictor
-    from specfit.policies import RerankPolicy
-    from specfit.runtime.drafting import tree_capacity
-
-    config, cache, prompt_tokens, new_tokens = shape_config("tiny"), 4, 400, 12
-    model = random_model(config, torch.device("cpu"), torch.float32, cache_experts=cache)
-    drafter = random_drafter(model)
-    policy = RerankPolicy(tree_capacity(4, 3), 3, name="full")
-    cost = resolve_profile("pcie5", ModelShape.from_config(config, torch.float32, "tiny")).cost
-    decoder = Decoder(model, Proposer(drafter, 4), policy, cost, predictor=make_predictor("router", model=model),
-                      eos_token_ids=[], online_refit=False, prefill_chunk=chunk)
-    offload = model.offload
-    held = [*model.parameters(), *drafter.parameters(), *drafter.buffers(), offload.slot_gate_up, offload.slot_down,
-            offload.staging_gate_up, offload.staging_down]
-    resident = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in held}.values())
-    existing = {t.untyped_storage().data_ptr() for t in held + offload.host.gate_up + offload.host.down}
-    prompt = _prompt(prompt_tokens, config.vocab_size, seed=0)
-    with _LiveBytes(existing) as live:
-        result = decoder.generate(prompt, new_tokens, ignore_eos=True)
-    tree = max(int(c.verification.nodes.size) for c in result.cycles)
-    memory = MemoryModel("tiny", config, MemoryBudget(1 * GB, context_tokens=prompt_tokens + new_tokens,
-                                                      reserve_bytes=0, dtype="float32", prompt_tokens=prompt_tokens,
-                                                      prefill_chunk=chunk))
-    actual, estimate = resident + live.peak, memory.device_bytes(cache, tree)
-    assert actual * 0.97 <= estimate <= actual * 1.03, (estimate, actual)
-
-
 # ----------------------------------------------------------------------------- options
 def test_a_bad_prefill_chunk_is_one_error():
     with pytest.raises(SpecFitError, match="--prefill-chunk: expected a number of tokens >= 0"):

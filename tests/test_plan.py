@@ -557,12 +557,14 @@ def test_plans_memory_line_adds_up_to_each_rows_device_gb(capsys):
         assert total == pytest.approx(float(device_gb), abs=0.011), (policy, cache, line)
 
 
-def test_plans_estimate_holds_what_a_decode_allocates():
+@pytest.mark.parametrize("chunk", [0, 128, 512])
+def test_plans_estimate_holds_what_a_decode_allocates(chunk):
     """A decode as ``specfit decode`` builds it (a stand-in of the tiny shape and its stand-in
-    EAGLE-3 head, the policy drafting its largest tree) holds its weights, drafter, expert slots and
-    staging, and at its peak the KV caches and the largest pass's tensors: plan's estimate for the
-    same shape, cache, policy and context is that peak, within the pieces it leaves to the reserve
-    (the MLP blocks' activations)."""
+    EAGLE-3 head, the policy drafting its largest tree, the prompt in one pass, in chunks of 128
+    and within the default chunk) holds its weights, drafter, expert slots and staging, and at its
+    peak the KV caches and the largest pass's tensors: plan's estimate for the same shape, cache,
+    policy, context and chunk is that peak, within the pieces it leaves to the reserve (the MLP
+    blocks' activations)."""
     from specfit.calibrate.presets import resolve_profile
     from specfit.calibrate.profile import ModelShape
     from specfit.calibrate.standin import random_drafter, random_model
@@ -578,7 +580,7 @@ def test_plans_estimate_holds_what_a_decode_allocates():
     policy = RerankPolicy(tree_capacity(4, levels), levels, name="full")        # the whole drafted tree, verified
     cost = resolve_profile("pcie5", ModelShape.from_config(config, torch.float32, "tiny")).cost
     decoder = Decoder(model, Proposer(drafter, 4), policy, cost, predictor=make_predictor("router", model=model),
-                      eos_token_ids=[], online_refit=False)
+                      eos_token_ids=[], online_refit=False, prefill_chunk=chunk)
     offload = model.offload
     held = [*model.parameters(), *drafter.parameters(), *drafter.buffers(), offload.slot_gate_up, offload.slot_down,
             offload.staging_gate_up, offload.staging_down]
@@ -591,6 +593,7 @@ def test_plans_estimate_holds_what_a_decode_allocates():
     actual = resident + live.peak
 
     memory = MemoryModel("tiny", config, MemoryBudget(1 * GB, context_tokens=prompt_tokens + new_tokens,
-                                                      reserve_bytes=0, dtype="float32", prompt_tokens=prompt_tokens))
+                                                      reserve_bytes=0, dtype="float32", prompt_tokens=prompt_tokens,
+                                                      prefill_chunk=chunk))
     estimate = memory.device_bytes(cache, tree)
     assert actual * 0.97 <= estimate <= actual * 1.03, (estimate, actual)
