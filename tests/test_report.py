@@ -8,6 +8,7 @@ import re
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -277,6 +278,25 @@ def test_a_dollar_in_a_trace_name_is_text_and_every_heading_has_its_own_anchor(s
     anchors = re.findall(r'<h[23] id="([^"]+)"', text)
     assert len(anchors) == len(set(anchors)) >= 6
     assert set(re.findall(r'<a href="#([^"]+)"', text)) <= set(anchors)
+
+
+@pytest.mark.filterwarnings("error:Glyph")
+@pytest.mark.parametrize("words", ["missing from current font.", "missing from font(s) DejaVu Sans."])
+def test_a_missing_glyph_is_silent_in_either_matplotlibs_words(monkeypatch, words):
+    """matplotlib before 3.9 warns 'missing from current font', from 3.9 on 'missing from font(s) NAME':
+    with the older, every glyph of a CJK trace name warned through the command's output."""
+    from matplotlib.figure import Figure
+
+    from specfit.report.html import svg_of
+
+    savefig = Figure.savefig
+
+    def warning_savefig(fig, *args, **kwargs):
+        warnings.warn(f"Glyph 32531 (\\N{{CJK UNIFIED IDEOGRAPH-7F13}}) {words}", UserWarning)
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", warning_savefig)
+    assert svg_of(Figure()).startswith("<svg")
 
 
 def test_a_replays_cycles_without_their_summary_are_not_reported_as_a_live_run(sim_dir, tmp_path):

@@ -55,8 +55,9 @@ def svg_of(fig) -> str:
     buf = io.StringIO()
     with warnings.catch_warnings():
         # a label in a script the bundled font lacks (CJK, say) draws boxes: the page's tables
-        # have the text, and a warning per glyph would drown the command's output
-        warnings.filterwarnings("ignore", message="Glyph .* missing from font", category=UserWarning)
+        # have the text, and a warning per glyph would drown the command's output ("missing from
+        # current font" before matplotlib 3.9, "missing from font(s) NAME" since)
+        warnings.filterwarnings("ignore", message="Glyph .* missing from (current )?font", category=UserWarning)
         # the same figure gives the same bytes: no date, element ids from a fixed salt (not random)
         with matplotlib.rc_context({"svg.hashsalt": "specfit"}):
             fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
