@@ -227,7 +227,7 @@ def test_csv_reads_back_to_the_frame_it_was_written_from(tmp_path):
     })
     path = write_csv_atomic(tmp_path / "cycles.csv", frame)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cycles.csv"]
-    back = pd.read_csv(path, keep_default_na=False, na_values=[""])
+    back = pd.read_csv(path, keep_default_na=False, na_values=[""], engine="pyarrow")
     assert back.columns.tolist() == frame.columns.tolist()
     assert back["name"].tolist() == frame["name"].tolist()
     assert back["policy"].iloc[:-1].tolist() == frame["policy"].iloc[:-1].tolist() and pd.isna(back["policy"].iloc[-1])

@@ -244,7 +244,7 @@ def test_cli_json_is_only_a_list(tmp_path):
     # the CSV twins hold the same values as the Parquet files
     for name in ("cycles", "summary"):
         parquet = pd.read_parquet(tmp_path / "out" / f"{name}.parquet")
-        csv = pd.read_csv(tmp_path / "out" / f"{name}.csv", keep_default_na=False, na_values=[""])
+        csv = pd.read_csv(tmp_path / "out" / f"{name}.csv", keep_default_na=False, na_values=[""], engine="pyarrow")
         assert csv.columns.tolist() == parquet.columns.tolist() and len(csv) == len(parquet)
         for column in parquet.columns:
             if pd.api.types.is_numeric_dtype(parquet[column]):
