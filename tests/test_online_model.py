@@ -95,5 +95,23 @@ def test_a_refit_that_prices_a_cached_root_at_zero_keeps_the_fit_it_had(monkeypa
     monkeypatch.setattr(online._fitter, "solve", explained_by_the_misses)
     for _ in range(8):
         online.observe(0, 1, 12, 4, COST.time_s(0, 1, 12, 4))
-    assert online.n_refits == 2 and online.fitted == kept
+    assert online.n_refits == 1 and online.fitted == kept
     assert online.cost.time_s(0, 1, 12, 0) > 0        # a root whose experts are all cached
+    assert online.state()["refits"] == 1
+
+
+def test_a_first_refit_refused_leaves_the_model_as_it_started(monkeypatch):
+    """The first refit refused (above) left the refit count at 1 with no choice of terms, and the
+    run's summary (state()) then failed on it: a demo under load ended in a TypeError."""
+    online = OnlineCostModel(COST, window=8, min_cycles=8, refit_every=8, refit_interval_s=0.0)
+    solve = online._fitter.solve
+
+    def explained_by_the_misses(features, times, **kw):
+        theta, info = solve(features, times, **kw)
+        return np.array([theta[0], 0.0, 0.0, 0.0, theta[4] + theta[3]]), info
+
+    monkeypatch.setattr(online._fitter, "solve", explained_by_the_misses)
+    for _ in range(10):
+        online.observe(0, 1, 12, 4, COST.time_s(0, 1, 12, 4))
+    assert online.n_refits == 0 and online.fitted == COST
+    assert online.state()["refits"] == 0 and online.cost.time_s(0, 1, 12, 0) > 0

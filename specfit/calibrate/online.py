@@ -264,9 +264,9 @@ class OnlineCostModel:
         if not fitted.base_s + fitted.per_node_s > 0:
             # every cycle runs a target pass, whose fixed part is positive: a window the other terms
             # explain whole (a loaded machine's noise) gave a model that predicts 0 s for a root
-            # whose experts are cached, which the search refuses; the fit it had stays
-            self.n_refits += 1
-            return reuse is None
+            # whose experts are cached, which the search refuses; the fit it had stays (and its
+            # choice of terms: a first refit refused leaves the model unrefitted, to try again)
+            return False
         self._theta = theta
         self.fitted = fitted
         self._choice = info["choice"]
