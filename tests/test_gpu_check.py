@@ -72,7 +72,9 @@ def test_gpu_check_reports_what_a_prefetching_policy_copied_while_drafting(capsy
                                    "--policies", "eagle3,eagle3+prefetch", "--out", str(out_path)])
     plain, prefetching = summaries
     assert plain["prefetched_per_cycle"] == 0 == plain["prefetch_copy_s_per_cycle"]
-    assert prefetching["prefetched_per_cycle"] > 0 and prefetching["prefetch_copy_s_per_cycle"] > 0
+    # how much it prefetches is the online cost model's call: on a loaded CPU it can fit a copy at
+    # no more than a hit and prefetch nothing (seen in a loaded suite); whatever it copied is timed
+    assert (prefetching["prefetched_per_cycle"] > 0) == (prefetching["prefetch_copy_s_per_cycle"] > 0)
     assert 0 <= prefetching["prefetch_wait_s_per_cycle"]
     record = json.loads(out_path.read_text())
     rows = [c for c in record["cycles"] if c["policy"] == "eagle3+prefetch"]
