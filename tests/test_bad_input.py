@@ -375,6 +375,7 @@ def test_drafter_weights_that_are_a_directory_or_a_dangling_link_are_named_so(tm
     ({"rope_theta": None, "rope_parameters": {"rope_theta": 0, "rope_type": "default"}},
      "key 'rope_parameters.rope_theta' must be a finite number > 0, got 0.0"),  # on NaN weights
     ({"rope_theta": float("inf"), "rope_parameters": None}, "key 'rope_theta' must be a finite number > 0, got inf"),
+    ({"num_hidden_layers": 10**12}, "key 'num_hidden_layers' must be at most 32768, got 1000000000000"),   # a hang
 ])
 def test_a_config_size_or_constant_out_of_range_is_blamed_on_the_config(model_dir, tmp_path, changes, needle):
     """A config value a later step takes as it is (the eos check takes the vocabulary, the prompt

@@ -33,6 +33,7 @@ from .rope import RopeSpec, parse_rope
 __all__ = ["ModelConfig", "MLAShape", "SUPPORTED_ARCHITECTURES", "DTYPES", "default_capture_layers", "norm_eps"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_LAYERS = 32768       # decoder layers a config may have (a damaged count is refused before any list of them)
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,9 @@ class ModelConfig:
                             (family.expert_count_keys[0], n_experts), ("num_experts_per_tok", top_k)):
             if value < 1:
                 raise SpecFitError(f"{source}: key {name!r} must be at least 1, got {value}")
+        if n_layers > MAX_LAYERS:
+            # models have tens of layers; the layer lists below would take minutes and gigabytes first
+            raise SpecFitError(f"{source}: key 'num_hidden_layers' must be at most {MAX_LAYERS}, got {n_layers}")
         if n_heads % n_kv_heads:
             given = "" if raw.get("num_key_value_heads") is not None else (
                 f", the default of {architecture}'s transformers config class where the key is missing: add the key")
