@@ -10,6 +10,7 @@ saying what was run.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 
 import matplotlib
@@ -108,18 +109,24 @@ def _measured(cycles: Path) -> bool:
 def _damaged(path: Path, files: str, unit: str = "column"):
     """Tables or JSON that lack a ``unit`` (column, field) the report reads, or hold a value of
     another type, are one error naming the files and what was wrong, not a traceback. (The report
-    reads what this version writes; a hand-edited or damaged file ends here.)"""
-    try:
-        yield
-    except SpecFitError:
-        raise                                           # already says what was wrong
-    except KeyError as exc:
-        raise SpecFitError(f"{path}: {files}: missing {unit} {exc}; expected the {unit}s the specfit version "
-                           f"that reads it writes") from None
-    except (ValueError, TypeError, AttributeError, IndexError, OverflowError) as exc:   # inf or 1e300 as a count
-        detail = one_line(exc)
-        detail = detail if len(detail) <= 120 else detail[:117] + "..."
-        raise SpecFitError(f"{path}: {files}: a {unit} holds values of the wrong type or range ({detail})") from None
+    reads what this version writes; a hand-edited or damaged file ends here.) The warnings a
+    damaged value raises on its way (numpy's "invalid value encountered in cast") go with the
+    error; a section that builds gives them on."""
+    with warnings.catch_warnings(record=True) as raised:
+        warnings.simplefilter("always")
+        try:
+            yield
+        except SpecFitError:
+            raise                                           # already says what was wrong
+        except KeyError as exc:
+            raise SpecFitError(f"{path}: {files}: missing {unit} {exc}; expected the {unit}s the specfit version "
+                               f"that reads it writes") from None
+        except (ValueError, TypeError, AttributeError, IndexError, OverflowError) as exc:   # inf or 1e300 as a count
+            detail = one_line(exc)
+            detail = detail if len(detail) <= 120 else detail[:117] + "..."
+            raise SpecFitError(f"{path}: {files}: a {unit} holds values of the wrong type or range ({detail})") from None
+    for w in raised:
+        warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 
 def _sweep_sections(page: Page, path: Path, kinds: list[str]) -> None:
