@@ -144,6 +144,6 @@ def out_of_memory_text(exc: BaseException) -> str | None:
         where = "host"
     else:
         return None
-    return (f"out of {where} memory{': ' + first if first else ''}; a smaller --cache-experts, fewer or shorter "
-            f"prompts, or a smaller model need less (`specfit plan` estimates a model's memory)")
+    return (f"out of {where} memory{': ' + first if first else ''}; a smaller --cache-experts or --prefill-chunk, "
+            f"fewer or shorter prompts, or a smaller model need less (`specfit plan` estimates a model's memory)")
 

@@ -33,8 +33,9 @@ class CycleView:
     draft_levels: int
     verdicts: np.ndarray | None = None
     true_experts: np.ndarray | None = None
-    # a replay's: the drafter's own path probabilities where ``tree`` holds calibrated ones (a
-    # chain follows the drafter's top-1 child, the one a live chain drafts)
+    # the drafter's own path probabilities where ``tree`` holds calibrated ones (a replay's, and a
+    # live run's that calibrates acceptance): a chain follows the drafter's top-1 child, the one a
+    # live chain drafts, and eagle3 ranks by them as EAGLE-3 does
     drafter_probs: np.ndarray | None = None
 
     def truncated(self, levels: int) -> "CycleView":

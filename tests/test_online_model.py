@@ -110,8 +110,17 @@ def test_a_first_refit_refused_leaves_the_model_as_it_started(monkeypatch):
         theta, info = solve(features, times, **kw)
         return np.array([theta[0], 0.0, 0.0, 0.0, theta[4] + theta[3]]), info
 
-    monkeypatch.setattr(online._fitter, "solve", explained_by_the_misses)
-    for _ in range(10):
+    tries = []
+
+    def counted(features, times, **kw):
+        tries.append(online.n_seen)
+        theta, info = explained_by_the_misses(features, times, **kw)
+        theta[2] = 1.6e-20              # not 0, but no cycle's fixed part either (seen from the fitter)
+        return theta, info
+
+    monkeypatch.setattr(online._fitter, "solve", counted)
+    for _ in range(20):
         online.observe(0, 1, 12, 4, COST.time_s(0, 1, 12, 4))
     assert online.n_refits == 0 and online.fitted == COST
     assert online.state()["refits"] == 0 and online.cost.time_s(0, 1, 12, 0) > 0
+    assert tries == [8, 16]             # a refused refit waits its turn (it was tried every cycle)

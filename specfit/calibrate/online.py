@@ -132,6 +132,7 @@ class OnlineCostModel:
         self._times = np.zeros(self.window)
         self.n_seen = 0
         self.n_refits = 0
+        self._refused = 0               # refits not kept (see _refit): the next waits its turn
         self.refit_interval_s = float(refit_interval_s)
         self._since_refit = 0            # cycles and measured seconds observed since the last refit
         self._since_refit_s = 0.0
@@ -222,7 +223,8 @@ class OnlineCostModel:
         kind = 0                                     # index into UPDATE_KINDS
         self._since_refit += 1
         self._since_refit_s += time_s
-        if self.n_seen >= self.min_cycles and (self.n_refits == 0 or self._since_refit >= self.refit_every
+        first = self.n_refits == 0 and not self._refused
+        if self.n_seen >= self.min_cycles and (first or self._since_refit >= self.refit_every
                                                and self._since_refit_s >= self.refit_interval_s):
             before = self.fitted
             kind = 2 if self._refit() else 1
@@ -261,12 +263,14 @@ class OnlineCostModel:
                                          sample_weight=recency, choice=reuse)
         params = from_physical(theta)
         fitted = CostModel(**dict(zip(PARAM_NAMES, map(float, params))), expert_bytes=self.prior.expert_bytes)
-        if not fitted.base_s + fitted.per_node_s > 0:
+        if not fitted.base_s + fitted.per_node_s > 1e-6 * (self.prior.base_s + self.prior.per_node_s):
             # every cycle runs a target pass, whose fixed part is positive: a window the other terms
-            # explain whole (a loaded machine's noise) gave a model that predicts 0 s for a root
-            # whose experts are cached, which the search refuses; the fit it had stays (and its
-            # choice of terms: a first refit refused leaves the model unrefitted, to try again)
-            return False
+            # explain whole (a loaded machine's noise) gave a model that predicts ~0 s for a root
+            # whose experts are cached, which the search refuses (or verifies alone at any
+            # ratio); the fit it had stays, and its choice of terms (a first refit refused leaves
+            # the model unrefitted); the next try waits the refit interval
+            self._refused += 1
+            return reuse is None
         self._theta = theta
         self.fitted = fitted
         self._choice = info["choice"]

@@ -201,7 +201,7 @@ class Decoder:
                 priced = None if draft.selection is None else (draft.selection.hits, draft.selection.misses)
                 # the cycle as the online model learns it: without an expert predictor's refit, a
                 # step of one cycle in many (~60 ms of a learned predictor's every 64 cycles), which
-                # the speed tracker took for a slower machine and over-predicted the next cycles by
+                # the speed tracker took for a slower machine (the next cycles over-predicted up to 2.7x)
                 refit_s = self.predictor.refit_s if self.predictor is not None else 0.0
                 self._pending = ((draft.draft_levels, int(verification.nodes.size), offload.total_hits,
                                   offload.total_misses, stats.cycle_time_s - refit_s), priced, update_s,
@@ -261,6 +261,8 @@ class Decoder:
     def _prompt_passes(self, prompt_ids: list[int]) -> ForwardOutput:
         """The prompt through the target in passes of at most :attr:`prefill_chunk` tokens, each a
         causal continuation of the KV entries the passes before it wrote; their outputs joined."""
+        if not len(prompt_ids):
+            raise ValueError("prompt_ids: expected at least one token")
         passes, offload = [], OffloadCounters.zeros(self.model.config.n_moe_layers)
         for start, end in prefill_chunks(len(prompt_ids), self.prefill_chunk):
             out = self.model(prompt_ids[start:end], np.arange(start, end), causal_mask(start, end - start),

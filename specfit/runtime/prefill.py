@@ -17,14 +17,17 @@ without chunking. ``specfit plan`` sizes the prompt's workspace with the same ch
 
 from __future__ import annotations
 
+import numbers
+
 from ..errors import SpecFitError
 
 __all__ = ["PREFILL_CHUNK", "PREFILL_CHUNK_HELP", "prefill_chunks", "check_prefill_chunk"]
 
 PREFILL_CHUNK = 512
+# (rich reads [..] in a help text as markup: the shapes are written heads x chunk x context)
 PREFILL_CHUNK_HELP = ("Run the prompt through the target and the drafter in passes of at most this many tokens "
-                      "(chunked prefill: a pass's attention scores are [heads, chunk, context], not [heads, prompt, "
-                      "prompt]); 0: one pass.")
+                      "(chunked prefill: a pass's attention scores are heads x chunk x context, not heads x prompt x "
+                      "prompt); 0: one pass.")
 
 
 def prefill_chunks(n: int, chunk: int) -> list[tuple[int, int]]:
@@ -36,6 +39,6 @@ def prefill_chunks(n: int, chunk: int) -> list[tuple[int, int]]:
 
 def check_prefill_chunk(chunk, option: str = "--prefill-chunk") -> int:
     """``chunk`` as an int; one clear error where it is not a number of tokens >= 0."""
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 0:
+    if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 0:
         raise SpecFitError(f"{option}: expected a number of tokens >= 0 (0: the prompt in one pass), got {chunk!r}")
-    return chunk
+    return int(chunk)

@@ -185,7 +185,8 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
 def depth_note(shallow: list[str], depth: int, path) -> str:
     """The note for the policies :func:`deeper_than` found deeper than ``path``'s trees (``depth``
     levels): their replay has fewer nodes and less draft time than a live run of them."""
-    return (f"note: {', '.join(shallow)} draft more levels than {path}'s deepest tree ({depth}): replayed on the "
+    verb = "drafts" if len(shallow) == 1 else "draft"
+    return (f"note: {', '.join(shallow)} {verb} more levels than {path}'s deepest tree ({depth}): replayed on the "
             f"levels it holds, with fewer nodes and less draft time than live (deeper trees: --tree-depth when "
             f"synthesising or importing a trace, decode --max-levels when recording one)")
 

@@ -12,7 +12,7 @@ import typer
 from ..console import speedup_text
 from ..errors import INTERRUPTS, Interrupted, SpecFitError, comma_list, stopped, stopped_by
 from ..io import strict_dumps
-from ..runtime.prefill import PREFILL_CHUNK, PREFILL_CHUNK_HELP
+from ..runtime.prefill import PREFILL_CHUNK
 
 # the settings a table may show for a cell (column: header); those the grid varies are shown
 _SETTING_COLUMNS = {"trace": "trace", "profile": "profile", "cache_mode": "cache mode", "cache_policy": "eviction",
@@ -127,10 +127,11 @@ def plan_command(
     context_tokens: int = typer.Option(4096, "--context-tokens", help="KV-cache length to reserve (tokens): "
                                        "the prompt and what is generated."),
     prompt_tokens: Optional[int] = typer.Option(None, "--prompt-tokens", help="Longest prompt to plan for "
-                                                "(tokens; default: --context-tokens): its pass holds attention "
-                                                "scores [heads, --prefill-chunk, prompt]."),
-    prefill_chunk: int = typer.Option(PREFILL_CHUNK, "--prefill-chunk", help="The prompt's passes, as `specfit "
-                                      "decode --prefill-chunk` runs them (the same default): " + PREFILL_CHUNK_HELP),
+                                                "(tokens; default: --context-tokens): each of its passes holds "
+                                                "attention scores heads x --prefill-chunk x prompt."),
+    prefill_chunk: int = typer.Option(PREFILL_CHUNK, "--prefill-chunk", help="The chunk `specfit decode "
+                                      "--prefill-chunk` runs the prompt in (the same default): plan sizes the "
+                                      "prompt's passes with it; 0: one pass over the whole prompt."),
     reserve_gb: float = typer.Option(1.0, "--reserve-gb", help="Device memory kept for what the estimate leaves "
                                      "out: the CUDA context, the caching allocator's rounding, the MLP blocks' "
                                      "activations (GB)."),

@@ -28,7 +28,8 @@ def synth_command(
     seed: int = typer.Option(0, "--seed"),
     sequence_tokens: int = typer.Option(128, "--sequence-tokens", help="Positions per sequence (prompt)."),
     tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Drafter top-k: children per expanded node (default 4)."),
-    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Draft levels (default 7)."),
+    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Draft levels (default 7, the sample "
+                                             "traces' depth; eagle3 drafts 8, replayed on the levels a trace holds)."),
     top1_prob: Optional[float] = typer.Option(None, "--top1-prob", help="Mean Beta-drawn draft probability at depth 1, "
                                            "the top-1's a bit above (default: the workload's, chat 0.55, math 0.63, "
                                            "code 0.68)."),
@@ -83,7 +84,8 @@ def import_routing_command(
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Import only the first positions."),
     sequences: Optional[int] = typer.Option(None, "--sequences", help="Import only the first sequences."),
     tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Drafter top-k: children per expanded node (default 4)."),
-    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Draft levels (default 7)."),
+    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Draft levels (default 7, the sample "
+                                             "traces' depth; eagle3 drafts 8, replayed on the levels a trace holds)."),
     sibling_reuse: float = typer.Option(0.3, "--sibling-reuse", help="Target overlap of two off-path draft siblings."),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = typer.Option(False, "--json", help="Print only the trace's statistics as JSON."),
