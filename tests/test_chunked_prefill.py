@@ -216,3 +216,24 @@ def test_a_bad_prefill_chunk_is_one_error():
         MemoryBudget(GB, prefill_chunk=-1)
     with pytest.raises(ValueError, match="prefill_chunk: expected a number of tokens >= 0"):
         Decoder(load_model(tiny_moe_dir()), prefill_chunk=-3)
+
+
+def test_a_numpy_integer_chunk_is_a_chunk_and_an_empty_prompt_one_error():
+    """A chunk given as a numpy integer (a sweep's value) was refused as not a number of tokens; an
+    empty prompt handed to prefill ended in an UnboundLocalError."""
+    decoder = Decoder(load_model(tiny_moe_dir()), prefill_chunk=np.int64(16))
+    assert decoder.prefill_chunk == 16 and type(decoder.prefill_chunk) is int
+    with pytest.raises(ValueError, match="prompt_ids: expected at least one token"):
+        decoder.prefill([])
+
+
+@pytest.mark.parametrize("command", ["decode", "plan"])
+def test_the_chunk_options_help_keeps_its_shapes(command):
+    """rich read '[heads, chunk, context]' in the help as markup and dropped it ('scores are , not )')."""
+    from typer.testing import CliRunner
+
+    from specfit.cli import app
+
+    out = " ".join(CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "200"}).output.split())
+    assert "x chunk x context" in out or "x --prefill-chunk x prompt" in out, out
+    assert "are , not" not in out and "scores ." not in out
