@@ -597,3 +597,12 @@ def test_plans_estimate_holds_what_a_decode_allocates(chunk):
                                                       prefill_chunk=chunk))
     estimate = memory.device_bytes(cache, tree)
     assert actual * 0.97 <= estimate <= actual * 1.03, (estimate, actual)
+
+
+def test_plans_synthesised_traces_are_as_deep_as_its_deepest_candidate():
+    """The plan synthesised the presets' 7-level trees, so eagle3:60:8 and specfit:8 were replayed a
+    level short (and the plan printed the note saying so)."""
+    from specfit.simulate.plan import PLAN_MAX_LEVELS, _synth_task
+
+    trace = _synth_task("olmoe-1b-7b", "chat", 8)
+    assert int(trace.depth.max()) == PLAN_MAX_LEVELS == 8

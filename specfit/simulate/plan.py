@@ -441,15 +441,20 @@ def _check_candidates(candidates: list[str]) -> None:
                            "chain:K, eagle3:N:D, static:N, specfit)")
 
 
-def _synthesis_options(tokens: int) -> dict:
-    # two sequences: the calibrated acceptance and fitted predictors are cross-fitted on the other one
-    return {"seed": 0, "sequence_tokens": max(2, -(-tokens // 2))}
+def _synthesis_options(workload: str, tokens: int) -> dict:
+    """Two sequences (the calibrated acceptance and fitted predictors are cross-fitted on the other
+    one), trees as deep as the deepest candidate drafts (the preset's 7 levels would replay
+    ``eagle3:60:8`` and ``specfit:8`` a level short)."""
+    from ..traces.synth import with_drafter_overrides
+
+    return {"seed": 0, "sequence_tokens": max(2, -(-tokens // 2)),
+            "drafter": with_drafter_overrides(workload, depth=PLAN_MAX_LEVELS)}
 
 
 def _synth_task(shape: str, workload: str, tokens: int):
     from ..traces.synth import synthesize
 
-    return synthesize(shape, workload, tokens, **_synthesis_options(tokens))
+    return synthesize(shape, workload, tokens, **_synthesis_options(workload, tokens))
 
 
 def _check_synthesis(shape: str, workloads: list[str], tokens: int, given: str | None = None) -> None:
@@ -496,7 +501,7 @@ def _synthesised_traces(ray, shape: str, workloads: list[str], tokens: int, fold
     for w, p in zip(workloads, paths):
         if p.is_file():
             trace = read_trace(p, weights=False)
-            if _made_as(trace.meta, synthesis_record(shape, w, **_synthesis_options(tokens))):
+            if _made_as(trace.meta, synthesis_record(shape, w, **_synthesis_options(w, tokens))):
                 kept[p] = trace
             else:
                 typer.secho(f"plan: {p} was synthesised with other settings than the {w!r} preset's now; "
