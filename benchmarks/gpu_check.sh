@@ -11,6 +11,10 @@
 # GPU, and the step timeouts add to 1,710 s: where one command may run 600 s at most (this project's
 # device sessions, 15 min of device time in all), run it in two calls, the stop-38 steps first:
 #   STEPS="kernels check check64 calibrate decode" (about 4 min), then STEPS="smoke firstuse attention".
+# Each half's step timeouts add to more than 600 s (870 s and 840 s), so a step that runs to its
+# timeout can take the call past the limit; to bound each half at 540 s, run the first with
+# KERNELS_S=100 CHECK_S=120 CALIBRATE_S=100 DECODE_S=100 and the second with SMOKE_S=100
+# FIRSTUSE_S=100 ATTENTION_S=80 (stop 38's times fit them).
 #
 # kernels   numba compiles the live decoder's kernels into the cache the next steps use (the
 #           first run after an install; seconds after that);

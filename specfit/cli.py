@@ -38,7 +38,7 @@ class _Commands(TyperGroup):
 
             fail(os_error_text(exc))
         except (MemoryError, RuntimeError) as exc:
-            text = out_of_memory_text(exc)
+            text = out_of_memory_text(exc, ctx.invoked_subcommand)
             if text is None:
                 raise
             fail(text)

@@ -133,10 +133,20 @@ def check_seed(seed, option: str = "--seed") -> None:
         raise SpecFitError(f"{option}: expected a non-negative integer, got {seed!r}")
 
 
-def out_of_memory_text(exc: BaseException) -> str | None:
+# what needs less memory, per command (the options named are that command's own)
+_LESS_MEMORY = {
+    "decode": ("a smaller --cache-experts or --prefill-chunk, fewer or shorter prompts, or a smaller model need less "
+               "(`specfit plan` estimates a model's memory)"),
+    "calibrate": "a smaller --shape or fewer --layers need less",
+    "demo": "a smaller --cache-experts or --quick needs less",
+}
+
+
+def out_of_memory_text(exc: BaseException, command: str | None = "decode") -> str | None:
     """One line for an allocation that failed (torch's ``OutOfMemoryError`` on a device, its CPU
-    allocator's RuntimeError, Python's MemoryError), or None for any other error. Files written
-    before it are whole (atomic writes); a decode keeps the cycles it completed."""
+    allocator's RuntimeError, Python's MemoryError), or None for any other error, with what needs
+    less for ``command`` (the options of ``decode`` and ``calibrate``; another's: smaller inputs).
+    Files written before it are whole (atomic writes); a decode keeps the cycles it completed."""
     first = (str(exc).strip().splitlines() or [""])[0]
     if type(exc).__name__ == "OutOfMemoryError" or "CUDA out of memory" in first:
         where = "device"
@@ -144,6 +154,6 @@ def out_of_memory_text(exc: BaseException) -> str | None:
         where = "host"
     else:
         return None
-    return (f"out of {where} memory{': ' + first if first else ''}; a smaller --cache-experts or --prefill-chunk, "
-            f"fewer or shorter prompts, or a smaller model need less (`specfit plan` estimates a model's memory)")
+    less = _LESS_MEMORY.get(command, "fewer or smaller inputs (traces, runs, cells) need less")
+    return f"out of {where} memory{': ' + first if first else ''}; {less}"
 

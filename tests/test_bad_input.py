@@ -768,3 +768,20 @@ def test_a_ctrl_c_in_the_demo_says_what_is_there(tmp_path, monkeypatch, where):
     else:
         assert "was completed first; every step of the demo is done" in result.output
         assert "again for the report" not in result.output
+
+
+def test_out_of_memory_advice_names_the_commands_own_options(monkeypatch, tmp_path):
+    """Running out of memory outside decode is one line whose advice is the command's: simulate has
+    no --prefill-chunk and no prompts (decode's advice was given for every command)."""
+    import specfit.simulate.commands as commands
+
+    def out_of_memory(*args, **kwargs):
+        raise MemoryError()
+
+    monkeypatch.setattr(commands, "_simulate", out_of_memory)
+    line = one_line_error(invoke("simulate", "--trace", SAMPLE_OLMOE, "--out", tmp_path / "sim"), "out of host memory")
+    assert "--prefill-chunk" not in line and "smaller inputs" in line
+    from specfit.errors import out_of_memory_text
+
+    assert "--prefill-chunk" in out_of_memory_text(MemoryError(), "decode")
+    assert "--layers" in out_of_memory_text(MemoryError(), "calibrate")

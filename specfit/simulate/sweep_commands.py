@@ -111,7 +111,8 @@ def _print_sweep(results, run, out_dir: Path, top: int) -> None:
 def plan_command(
     ctx: typer.Context,
     device_memory_gb: float = typer.Option(..., "--device-memory-gb", help="Device memory for the model, its KV "
-                                           "cache, the expert cache and staging (GB = 1e9 bytes)."),
+                                           "cache, the expert cache and staging, the drafter, the passes' "
+                                           "workspace and --reserve-gb (GB = 1e9 bytes)."),
     model_shape: Optional[str] = typer.Option(None, "--model-shape", help="Model shape for the memory model "
                                               "(qwen3-30b-a3b, olmoe-1b-7b, mixtral-8x7b) or a config.json; "
                                               "default: the trace's model."),
