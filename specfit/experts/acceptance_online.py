@@ -45,7 +45,7 @@ def edge_features(tree: DraftTree) -> tuple[np.ndarray, np.ndarray]:
     return kernels.acceptance.online_features(tree.parents, tree.path_probs, tree.depth)
 
 
-def reliability(predicted, outcome, bins: int = 10) -> dict:
+def reliability(predicted, outcome, bins: int = _BINS) -> dict:
     """Brier score and expected calibration error (equal-width bins) of probabilities."""
     p = np.asarray(predicted, dtype=np.float64)
     y = np.asarray(outcome, dtype=np.float64)

@@ -258,11 +258,14 @@ def _layer_heat_map(cycles: pd.DataFrame):
 def _stopping(page: Page, cycles: pd.DataFrame) -> None:
     """Where SpecFit stopped drafting earlier than EAGLE-3 did, and what that saved or cost."""
     names = list(dict.fromkeys(cycles["policy"]))
-    # plain eagle3 where the run has it, else its first EAGLE-3 tree in the run's order (not a set's,
-    # whose order changes from one process to the next: the page compared another tree each time)
-    eagle = "eagle3" if "eagle3" in names else next((p for p in names if str(p).startswith("eagle3")), None)
-    # plain specfit the same way, else the run's first variant (a sampled run's is specfit+online)
-    ours = "specfit" if "specfit" in names else next((p for p in names if str(p).startswith("specfit")), None)
+
+    def plain_or_first(base: str):
+        # the plain policy where the run has it, else its first variant in the run's order (not a
+        # set's, whose order changes from one process to the next: the page compared another tree
+        # each time); a sampled run's SpecFit is specfit+online
+        return base if base in names else next((p for p in names if str(p).startswith(base)), None)
+
+    eagle, ours = plain_or_first("eagle3"), plain_or_first("specfit")
     if ours is None or eagle is None or "draft_levels" not in cycles:
         return
     s, e = cycles[cycles["policy"] == ours], cycles[cycles["policy"] == eagle]

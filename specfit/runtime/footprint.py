@@ -109,6 +109,7 @@ def drafter_footprint(config, dtype: torch.dtype, entries: int, prompt_tokens: i
     (0: one pass): ``chunk`` entries over the ones before them, on the meta device."""
     from ..calibrate.standin import drafter_config
     from .eagle3 import Eagle3Drafter
+    from .prefill import largest_prompt_pass
 
     with torch.device("meta"):
         embed = torch.empty(config.vocab_size, config.hidden_size, dtype=dtype)
@@ -117,8 +118,7 @@ def drafter_footprint(config, dtype: torch.dtype, entries: int, prompt_tokens: i
     weights = sum(t.nbytes for t in (*drafter.parameters(), *drafter.buffers()))
     drafter.setup_kv_cache(entries)
     kv = drafter.midlayer.self_attn.kv_cache.k.untyped_storage().nbytes()      # keys and values
-    new = min(chunk or prompt_tokens, prompt_tokens)
-    cached = prompt_tokens - new
+    new, cached = largest_prompt_pass(prompt_tokens, chunk)
     with PeakBytes() as peak:
         features = torch.empty(new, 3 * config.hidden_size, dtype=dtype, device="meta")
         ids = torch.zeros(new, dtype=torch.long, device="meta")

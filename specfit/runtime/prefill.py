@@ -21,7 +21,7 @@ import numbers
 
 from ..errors import SpecFitError
 
-__all__ = ["PREFILL_CHUNK", "PREFILL_CHUNK_HELP", "prefill_chunks", "check_prefill_chunk"]
+__all__ = ["PREFILL_CHUNK", "PREFILL_CHUNK_HELP", "prefill_chunks", "largest_prompt_pass", "check_prefill_chunk"]
 
 PREFILL_CHUNK = 512
 # (rich reads [..] in a help text as markup: the shapes are written heads x chunk x context)
@@ -35,6 +35,14 @@ def prefill_chunks(n: int, chunk: int) -> list[tuple[int, int]]:
     (0: one pass)."""
     step = chunk or max(n, 1)
     return [(start, min(start + step, n)) for start in range(0, n, step)]
+
+
+def largest_prompt_pass(n: int, chunk: int) -> tuple[int, int]:
+    """(new tokens, tokens before them) of the largest of a prompt's passes (:func:`prefill_chunks`):
+    a whole chunk over every prompt token before it (a bound where the last chunk is ragged), or
+    the prompt in one pass."""
+    new = min(chunk or n, n)
+    return new, n - new
 
 
 def check_prefill_chunk(chunk, option: str = "--prefill-chunk") -> int:

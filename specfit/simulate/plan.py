@@ -180,17 +180,19 @@ class MemoryModel:
     @property
     def prompt_chunk(self) -> int:
         """Tokens of the prompt's largest pass: a chunk, or the whole prompt within one."""
-        prompt = self.budget.longest_prompt
-        return min(self.budget.prefill_chunk or prompt, prompt)
+        from ..runtime.prefill import largest_prompt_pass
+
+        return largest_prompt_pass(self.budget.longest_prompt, self.budget.prefill_chunk)[0]
 
     @cached_property
     def prompt_pass_bytes(self) -> int:
         """The target's largest pass over the longest prompt (its last row's logits): a chunk over
         the tokens before it, the last full one (a bound where the last chunk is ragged)."""
         from ..runtime.footprint import pass_workspace_bytes
+        from ..runtime.prefill import largest_prompt_pass
 
-        prompt, chunk = self.budget.longest_prompt, self.prompt_chunk
-        return pass_workspace_bytes(self.config, self._torch_dtype, chunk, prompt - chunk, logits_rows=1)
+        new, cached = largest_prompt_pass(self.budget.longest_prompt, self.budget.prefill_chunk)
+        return pass_workspace_bytes(self.config, self._torch_dtype, new, cached, logits_rows=1)
 
     @cached_property
     def _verify_bytes(self) -> dict:
