@@ -222,11 +222,14 @@ class ModelConfig:
             raise SpecFitError(f"{source}: key 'mlp_bias' is true; DeepSeek-V2 MLPs without biases only")
         n_experts = get(*family.expert_count_keys)
         top_k = get("num_experts_per_tok")
-        for name, value in (("hidden_size", hidden_size), ("num_hidden_layers", n_layers),
-                            ("num_attention_heads", n_heads), ("num_key_value_heads", n_kv_heads),
-                            (family.expert_count_keys[0], n_experts), ("num_experts_per_tok", top_k)):
-            if value < 1:
-                raise SpecFitError(f"{source}: key {name!r} must be at least 1, got {value}")
+        def at_least_one(*pairs) -> None:
+            for name, value in pairs:
+                if value < 1:
+                    raise SpecFitError(f"{source}: key {name!r} must be at least 1, got {value}")
+
+        at_least_one(("hidden_size", hidden_size), ("num_hidden_layers", n_layers), ("num_attention_heads", n_heads),
+                     ("num_key_value_heads", n_kv_heads), (family.expert_count_keys[0], n_experts),
+                     ("num_experts_per_tok", top_k))
         if n_layers > MAX_LAYERS:
             # models have tens of layers; the layer lists below would take minutes and gigabytes first
             raise SpecFitError(f"{source}: key 'num_hidden_layers' must be at most {MAX_LAYERS}, got {n_layers}")
@@ -245,10 +248,8 @@ class ModelConfig:
         expert_width = get(*family.expert_width_keys)
         # sizes a later step takes as they are: a vocabulary the eos check, a context the prompt check,
         # widths the host buffers allocated before any expert is read
-        for name, value in (("vocab_size", vocab_size), ("max_position_embeddings", max_positions),
-                            ("head_dim", head_dim), (family.expert_width_keys[0], expert_width)):
-            if value < 1:
-                raise SpecFitError(f"{source}: key {name!r} must be at least 1, got {value}")
+        at_least_one(("vocab_size", vocab_size), ("max_position_embeddings", max_positions), ("head_dim", head_dim),
+                     (family.expert_width_keys[0], expert_width))
         rms_norm_eps = norm_eps(get("rms_norm_eps", kind=float), source)
         moe_layers = _moe_layers(raw, source, family, n_layers, n_experts)
         shared = _shared_expert_width(family, raw, get)
