@@ -12,6 +12,11 @@ from ..errors import INTERRUPTS, SpecFitError, check_seed, stopped_by
 from ..io import check_output, strict_dumps
 
 
+# synth's and import-routing's draft depth
+TREE_DEPTH_HELP = ("Draft levels (default 7, the sample traces' depth; eagle3 drafts 8, replayed on the levels a trace "
+                   "holds).")
+
+
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
     traces_app.command("synth")(synth_command)
     traces_app.command("import-routing")(import_routing_command)
@@ -28,8 +33,7 @@ def synth_command(
     seed: int = typer.Option(0, "--seed"),
     sequence_tokens: int = typer.Option(128, "--sequence-tokens", help="Positions per sequence (prompt)."),
     tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Drafter top-k: children per expanded node (default 4)."),
-    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Draft levels (default 7, the sample "
-                                             "traces' depth; eagle3 drafts 8, replayed on the levels a trace holds)."),
+    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help=TREE_DEPTH_HELP),
     top1_prob: Optional[float] = typer.Option(None, "--top1-prob", help="Mean Beta-drawn draft probability at depth 1, "
                                            "the top-1's a bit above (default: the workload's, chat 0.55, math 0.63, "
                                            "code 0.68)."),
@@ -84,8 +88,7 @@ def import_routing_command(
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Import only the first positions."),
     sequences: Optional[int] = typer.Option(None, "--sequences", help="Import only the first sequences."),
     tree_width: Optional[int] = typer.Option(None, "--tree-width", help="Drafter top-k: children per expanded node (default 4)."),
-    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help="Draft levels (default 7, the sample "
-                                             "traces' depth; eagle3 drafts 8, replayed on the levels a trace holds)."),
+    tree_depth: Optional[int] = typer.Option(None, "--tree-depth", help=TREE_DEPTH_HELP),
     sibling_reuse: float = typer.Option(0.3, "--sibling-reuse", help="Target overlap of two off-path draft siblings."),
     seed: int = typer.Option(0, "--seed"),
     as_json: bool = typer.Option(False, "--json", help="Print only the trace's statistics as JSON."),
