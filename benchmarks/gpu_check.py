@@ -209,13 +209,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"{s['predicted_transfer_s_per_cycle'] * 1e3:.2f}", f"{s['bytes_per_cycle'] / 1e6:.1f}",
                       f"{s['h2d_gbps']:.1f}", f"{s['h2d_of_probe']:.0%}", f"{s['hit_rate']:.2f}")
     console.print(table)
+    prefetching = {p.name for p in policies if p.prefetcher is not None}
     for s in summaries:
-        if s["prefetched_per_cycle"]:
+        if s["policy"] in prefetching:      # a line even where it chose to prefetch nothing
             # the copy stream's spans of the prefetches against how long the pass then waited for them
             copy_s, wait_s = s["prefetch_copy_s_per_cycle"], s["prefetch_wait_s_per_cycle"]
+            hidden = f" ({1 - wait_s / copy_s:.0%} hidden)" if copy_s > 0 else ""
             console.print(f"{s['policy']}: prefetched {s['prefetched_per_cycle']:.1f} experts/cycle while drafting, "
                           f"their copies {copy_s * 1e3:.2f} ms/cycle, the pass waited {wait_s * 1e3:.2f} ms/cycle for "
-                          f"them ({1 - wait_s / copy_s if copy_s > 0 else float('nan'):.0%} hidden)")
+                          f"them{hidden}")
     console.print("seconds: " + ", ".join(f"{name} {value:.1f}" for name, value in seconds.items()))
     if args.run_dir is not None:
         outputs = DecodeOutputs(args.run_dir)
