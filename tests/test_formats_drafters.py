@@ -361,6 +361,18 @@ def test_bad_drafter_config_is_one_error(raw, message):
         Eagle3Config.from_dict(raw, source="drafter/config.json")
 
 
+def test_feature_layers_named_out_of_order_are_read_in_layer_order():
+    # vLLM and SGLang concatenate the captured features in their loop over the layers
+    nested = Eagle3Config.from_dict(specforge_config(nested_ids=[4, 0, 2]))
+    assert nested.feature_layers(6) == (1, 3, 5) and nested.aux_layers_in_file == (4, 0, 2)
+    assert "eagle_config.eagle_aux_hidden_state_layer_ids = [4, 0, 2]" in nested.describe_feature_layers(6)
+    top = Eagle3Config.from_dict(specforge_config(top_ids=[5, 1, 3]))
+    assert top.feature_layers(6) == (1, 3, 5) and top == nested
+    assert Eagle3Config.from_dict(specforge_config(nested_ids=[4, 0, 2], top_ids=[1, 5, 3])).feature_layers(6) == (1, 3, 5)
+    # a repeat (SpecFit's heads for models under six layers: EAGLE-3's default clipped) keeps its order
+    assert Eagle3Config.from_dict(specforge_config(top_ids=[1, 1, 0])).feature_layers(2) == (1, 1, 0)
+
+
 def test_a_speculators_config_is_known_by_its_model_type_or_its_architecture():
     from specfit.runtime.eagle3_config import SPECULATORS_ARCHITECTURE, is_speculators
 
