@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import typer
 from typer.core import TyperGroup
 
@@ -89,11 +87,3 @@ def _register_all() -> None:
 
 
 _register_all()
-
-
-def main() -> None:  # pragma: no cover - entry point for `python -m specfit`
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

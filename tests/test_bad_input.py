@@ -578,6 +578,27 @@ def test_a_stop_outside_a_commands_own_handling_is_one_line_with_the_stops_statu
     assert not (tmp_path / "run").exists()
 
 
+def test_a_ctrl_c_while_the_command_starts_is_one_line_with_status_130():
+    """A Ctrl-C while ``specfit`` imports its commands (torch, numba's kernels: a few tenths of a
+    second), before typer and the commands' handling exist: it was a traceback."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "class StopAtTheCommands:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'specfit.cli':\n"
+            "            raise KeyboardInterrupt\n"
+            "sys.meta_path.insert(0, StopAtTheCommands())\n"
+            "from specfit.__main__ import main\n"
+            "main()\n")
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    assert result.returncode == 130, result.stderr
+    assert result.stderr == "specfit: interrupted while starting; nothing was run\n" and result.stdout == ""
+
+
 def test_a_ctrl_c_while_calibrates_report_is_written_says_the_report_was_completed(tmp_path, monkeypatch, capsys):
     """``calibrate --report``: a Ctrl-C while the report's files are written waits for the last of
     them (``deferred_interrupt``); the command said no report was written beside the finished one."""
