@@ -164,6 +164,17 @@ def test_stale_cached_kernels_are_dropped_when_any_source_changes(tmp_path):
     assert not (cache / "a.f-1.py311.nbi").exists() and (cache / "a.cpython-311.pyc").exists()
 
 
+def test_a_cached_kernel_that_cannot_be_dropped_is_passed_over(tmp_path):
+    """A cache file that cannot be deleted (another user's in a shared, sticky ``__pycache__``; here a
+    folder of a cache file's name) is passed over as the other OSErrors there are: the except clause
+    named SpecFitError before its import had run, and the first kernel stopped with an UnboundLocalError."""
+    src, cache = _fake_package(tmp_path)
+    (cache / "a.f-1.py311.1.nbc").unlink()
+    (cache / "a.f-1.py311.1.nbc").mkdir()
+    assert drop_stale_caches([src / "a.py", src / "b.py"], cache / "kernels.sha256", [(cache, "*.nb[ic]")]) is True
+    assert (cache / "a.f-1.py311.1.nbc").is_dir()
+
+
 def test_a_read_only_install_caches_its_kernels_in_a_folder_of_their_digest(tmp_path):
     """An install whose kernels' ``__pycache__`` cannot be written (a read-only site-packages): numba
     fell back to a per-user folder keyed on each file alone, or, with none writable, stopped at the

@@ -136,13 +136,14 @@ def drop_stale_caches(sources: list[Path], stamp: Path, caches: list[tuple[Path,
             return False
     except OSError:
         pass
+    # before the try: a failed unlink reaches its except clause, which names SpecFitError
+    from ..errors import SpecFitError
+    from ..io import write_text_atomic
+
     try:
         for folder, pattern in caches:
             for path in folder.glob(pattern):
                 path.unlink(missing_ok=True)
-        from ..errors import SpecFitError
-        from ..io import write_text_atomic
-
         write_text_atomic(stamp, want)
     except (OSError, SpecFitError):   # a read-only install (numba then caches in the user's cache
         pass                          # directory), or a stamp that is no regular file
