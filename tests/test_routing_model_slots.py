@@ -84,3 +84,12 @@ def test_distinct_tokens_of_a_steep_sampler_come_without_hanging_and_a_too_small
     assert len(set(steep.distinct_from([], 300, rng).tolist())) == 300
     with pytest.raises(SpecFitError, match="5 distinct tokens asked besides 0, but the vocabulary has 4"):
         TokenSampler(4, 1.0, rng).distinct_from([], 5, rng)
+
+
+def test_routing_model_calibration_needs_a_round():
+    """The pilot is measured within a round: with ``rounds=0`` the calibration ended in an
+    UnboundLocalError (its statistics were read after a loop that never ran)."""
+    rng = np.random.default_rng(0)
+    m = RoutingModel(zipf_popularity(L, E, 1.0, rng), 0.2, 0.7, 0.9, K, 200, seed=1)
+    with pytest.raises(ValueError, match="rounds: expected at least 1, got 0"):
+        m.calibrate(TokenSampler(200, 1.0, rng), rng, pilot_tokens=256, rounds=0)

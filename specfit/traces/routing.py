@@ -235,6 +235,9 @@ class RoutingModel:
         reproduces the targets; the pilot's measured statistics (layer means) are kept in
         ``pilot_``. The pilot reuses its tokens and noise every round (common random numbers), so
         a round's change in the statistics comes from the parameters alone."""
+        if rounds < 1:
+            # pilot_ holds the last round's measured statistics: with no round there are none
+            raise ValueError(f"rounds: expected at least 1, got {rounds}")
         n_seq = 8
         length = max(16, pilot_tokens // n_seq)
         L, E, k = self.n_layers, self.n_experts, self.top_k
