@@ -413,17 +413,4 @@ def _from_table(table: pa.Table, per_slot: dict[str, np.ndarray], meta: dict, so
     )
 
 
-def _weight_array(table: pa.Table, L: int, k: int, source: str) -> np.ndarray:
-    col = table.column("true_expert_weights").combine_chunks()
-    if not (pa.types.is_fixed_size_list(col.type) and pa.types.is_floating(col.type.value_type)) \
-            or col.type.list_size != L * k:
-        raise SpecFitError(f"{source}: column 'true_expert_weights' must be a fixed-size list of {L * k} floats "
-                           f"(layers x top_k = {L} x {k}), got {col.type}")
-    values = col.values.fill_null(0).to_numpy(zero_copy_only=False)[col.offset * L * k:(col.offset + len(col)) * L * k]
-    weights = values.astype(np.float32).reshape(len(col), L, k)
-    if col.null_count:
-        weights[~col.is_valid().to_numpy(zero_copy_only=False)] = np.nan
-    return weights
-
-
 # --------------------------------------------------------------------------- validation
