@@ -87,6 +87,19 @@ def test_hub_and_transformers5_spellings_give_the_same_rope():
     ({"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}},
      "partial_rotary_factor"),
     ({}, "missing key 'rope_theta'"),
+    # a factor of 0 or less, an original length below 1, llama3's blend over an empty or reversed band:
+    # a ValueError (log of a negative length) or ZeroDivisionError, or frequencies of inf / NaN
+    ({"rope_theta": 1e4, "rope_scaling": {"type": "yarn", "factor": 0.0}}, "'rope_scaling.factor' must be a finite number > 0, got 0.0"),
+    ({"rope_theta": 1e4, "rope_scaling": {"type": "yarn", "factor": -2.0, "original_max_position_embeddings": 64}},
+     "'rope_scaling.factor' must be a finite number > 0, got -2.0"),
+    ({"rope_theta": 1e4, "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": -64}},
+     "'rope_scaling.original_max_position_embeddings' must be at least 1, got -64"),
+    ({"rope_theta": 1e4, "original_max_position_embeddings": -8, "rope_scaling": {"type": "yarn", "factor": 4.0}},
+     "key 'original_max_position_embeddings' must be at least 1, got -8"),
+    ({"rope_theta": 1e4, "rope_scaling": {"type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64,
+                                          "low_freq_factor": 0.0, "high_freq_factor": 4.0}}, "must satisfy 0 < low < high, got 0.0 and 4.0"),
+    ({"rope_theta": 1e4, "rope_scaling": {"type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64,
+                                          "low_freq_factor": 4.0, "high_freq_factor": 4.0}}, "must satisfy 0 < low < high, got 4.0 and 4.0"),
 ])
 def test_bad_rope_is_one_error(raw, message):
     with pytest.raises(SpecFitError, match=message):

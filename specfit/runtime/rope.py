@@ -112,11 +112,22 @@ def parse_rope(raw: dict, source: str, max_position_embeddings: int, default_the
         raise SpecFitError(f"{source}: key '{key}.factor' is required for rope_type {rope_type!r}")
     if rope_type in ("linear", "dynamic") and factor < 1.0:
         raise SpecFitError(f"{source}: key '{key}.factor' must be >= 1 for rope_type {rope_type!r}, got {factor}")
+    # 0 or less divides the frequencies by 0 or flips them; an original length below 1 takes a log of 0 or less
+    if not (math.isfinite(factor) and factor > 0):
+        raise SpecFitError(f"{source}: key '{key}.factor' must be a finite number > 0, got {factor}")
+    if original is not None and original < 1:
+        name = ("original_max_position_embeddings" if raw.get("original_max_position_embeddings") is not None
+                and rope_type in ("yarn", "llama3") else f"{key}.original_max_position_embeddings")
+        raise SpecFitError(f"{source}: key {name!r} must be at least 1, got {original}")
     if rope_type == "llama3":
         missing = [name for name in ("low_freq_factor", "high_freq_factor") if block.get(name) is None]
         missing += ["original_max_position_embeddings"] if original is None else []
         if missing:
             raise SpecFitError(f"{source}: key {key!r} (rope_type 'llama3') misses {missing}")
+        low, high = number("low_freq_factor"), number("high_freq_factor")
+        if not 0 < low < high:      # the blend between them divides by each and by their difference
+            raise SpecFitError(f"{source}: keys '{key}.low_freq_factor' and '{key}.high_freq_factor' must satisfy "
+                               f"0 < low < high, got {low} and {high}")
     return RopeSpec(theta=theta, rope_type=rope_type, factor=factor, original_max_position_embeddings=original,
                     beta_fast=number("beta_fast") or 32.0, beta_slow=number("beta_slow") or 1.0,
                     mscale=number("mscale"), mscale_all_dim=number("mscale_all_dim"),
