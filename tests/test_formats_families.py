@@ -6,6 +6,7 @@ other families, both config spellings, offload counters per MoE layer, and ``spe
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -87,6 +88,23 @@ def test_dense_and_moe_layers_follow_each_familys_keys():
     assert layers("qwen2_moe-sparse_step_2") == (1, 3)            # (i + 1) % step == 0
     assert layers("deepseek_v2-lite") == (1, 2)                   # i >= first_k_dense_replace
     assert layers("deepseek_v2-lite", first_k_dense_replace=0) == (0, 1, 2)
+
+
+@pytest.mark.parametrize("shape, changes, needle", [
+    ("qwen1.5-moe-a2.7b", {"shared_expert_intermediate_size": -4},
+     "key 'shared_expert_intermediate_size' must be 0 (no shared expert) or more, got -4"),
+    ("deepseek-v2-lite", {"n_shared_experts": -1}, "key 'n_shared_experts' must be 0 (no shared expert) or more, got -1"),
+    ("deepseek-v2-lite", {"intermediate_size": 0}, "key 'intermediate_size' must be at least 1, got 0"),
+    ("qwen1.5-moe-a2.7b", {"mlp_only_layers": [0], "intermediate_size": -8}, "key 'intermediate_size' must be at least 1"),
+])
+def test_a_dense_or_shared_width_out_of_range_is_blamed_on_the_config(shape, changes, needle):
+    """Refused where the config is read, as the routed experts' width is (a dense width of 0 or less
+    was refused only as a tensor of shape [-8, H]; a negative shared width was taken)."""
+    from specfit.calibrate.standin import SHAPE_CONFIGS
+
+    with pytest.raises(SpecFitError, match=re.escape(needle)):
+        ModelConfig.from_dict({**SHAPE_CONFIGS[shape], **changes})
+    assert ModelConfig.from_dict({**SHAPE_CONFIGS["deepseek-v2-lite"], "n_shared_experts": 0}).shared_expert_intermediate_size == 0
 
 
 @pytest.mark.parametrize("shape, key", [("qwen1.5-moe-a2.7b", "shared_expert_intermediate_size"),

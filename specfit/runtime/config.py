@@ -252,7 +252,10 @@ class ModelConfig:
                      (family.expert_width_keys[0], expert_width))
         rms_norm_eps = norm_eps(get("rms_norm_eps", kind=float), source)
         moe_layers = _moe_layers(raw, source, family, n_layers, n_experts)
-        shared = _shared_expert_width(family, raw, get)
+        dense_width = get("intermediate_size") if len(moe_layers) < n_layers else None
+        shared = _shared_expert_width(family, raw, get, source)
+        if dense_width is not None:
+            at_least_one(("intermediate_size", dense_width))
         routing = _routing(raw, source, family, get, n_experts)
 
         sliding_window = get("sliding_window", default=None)
@@ -290,7 +293,7 @@ class ModelConfig:
             checkpoint_dtype=_dtype_name(raw, source),
             eos_token_ids=_eos_ids(raw.get("eos_token_id"), source, vocab_size),
             moe_layers=moe_layers,
-            dense_intermediate_size=(get("intermediate_size") if len(moe_layers) < n_layers else None),
+            dense_intermediate_size=dense_width,
             shared_expert_intermediate_size=shared,
             shared_expert_gated=family.shared_expert == "gated",
             attention_bias=_attention_bias(raw, source, family),
@@ -379,14 +382,17 @@ def _absent_as(raw: dict, key: str, default, get):
     return default if key not in raw else get(key, default=None)
 
 
-def _shared_expert_width(family: _Family, raw: dict, get) -> int:
+def _shared_expert_width(family: _Family, raw: dict, get, source: str) -> int:
     # a config without the key gets transformers' class default, as the model it builds would
-    if family.shared_expert == "gated":
-        return _absent_as(raw, "shared_expert_intermediate_size", 5632, get) or 0
-    if family.shared_expert == "plain":
-        # null: none (DeepSeek's own code); transformers cannot build that model at all
-        return get("moe_intermediate_size") * (_absent_as(raw, "n_shared_experts", 2, get) or 0)
-    return 0
+    if family.shared_expert is None:
+        return 0
+    key, default = (("shared_expert_intermediate_size", 5632) if family.shared_expert == "gated"
+                    else ("n_shared_experts", 2))
+    # null: none (DeepSeek's own code for n_shared_experts; transformers cannot build that model at all)
+    value = _absent_as(raw, key, default, get) or 0
+    if value < 0:
+        raise SpecFitError(f"{source}: key {key!r} must be 0 (no shared expert) or more, got {value}")
+    return value if family.shared_expert == "gated" else get("moe_intermediate_size") * value
 
 
 def _routing(raw: dict, source: str, family: _Family, get, n_experts: int) -> dict:
