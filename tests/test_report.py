@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import warnings
+from html.parser import HTMLParser
 from pathlib import Path
 
 import numpy as np
@@ -211,6 +212,78 @@ def test_damaged_run_tables_are_one_line_and_write_no_report(sim_dir, tmp_path):
     cases[empty] = "no decode cycles to report"
     for run, needle in cases.items():
         _refused(run, needle, tmp_path)
+
+
+class _Document(HTMLParser):
+    """What a page's markup holds that a validator checks: every element's tag, attributes and
+    ancestors, in order, and each element's text."""
+
+    def __init__(self, text: str):
+        super().__init__(convert_charrefs=True)
+        self.elements, self.open, self.text = [], [], {}
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        self.elements.append((tag, dict(attrs), tuple(t for t, _ in self.open)))
+        if tag not in ("meta", "br", "wbr", "img", "link", "input"):
+            self.open.append((tag, len(self.elements) - 1))
+
+    def handle_startendtag(self, tag, attrs):
+        self.elements.append((tag, dict(attrs), tuple(t for t, _ in self.open)))
+
+    def handle_endtag(self, tag):
+        while self.open and self.open.pop()[0] != tag:
+            pass
+
+    def handle_data(self, data):
+        for _, k in self.open:
+            self.text[k] = self.text.get(k, "") + data
+
+
+def _page_problems(text: str) -> list[str]:
+    """What makes ``text`` an invalid HTML document: an id given twice, an element or attribute
+    of another XML namespace (an SVG's RDF metadata), a link to no element of the page."""
+    doc = _Document(text)
+    ids = [a["id"] for _, a, _ in doc.elements if "id" in a]
+    problems = [f"id {i!r} {ids.count(i)} times" for i in sorted(set(ids)) if ids.count(i) > 1]
+    problems += sorted({f"<{tag}> of another namespace" for tag, _, _ in doc.elements if ":" in tag})
+    problems += sorted({f"attribute {name} of another namespace" for _, a, _ in doc.elements for name in a
+                        if ":" in name and name != "xmlns:xlink" and not name.startswith("xlink:")})
+    targets = [ref[1:] for _, a, _ in doc.elements for key, ref in a.items()
+               if key in ("href", "xlink:href") and ref and ref.startswith("#")]
+    targets += re.findall(r"url\(#([^)]+)\)", text)
+    problems += sorted({f"a link to #{t}, which no element has" for t in targets if t not in ids})
+    return problems
+
+
+@pytest.fixture(scope="module")
+def full_page(sim_dir, tmp_path_factory):
+    """A page of every kind of section: a simulation, a calibration, a live run (two policies, the
+    early-stopping comparison) and a killed decode's journal of one cycle."""
+    tmp = tmp_path_factory.mktemp("full")
+    rng = np.random.default_rng(3)
+    rows = [{"policy": policy, "cycle": i, "draft_levels": levels - i % 2 * (policy == "specfit"), "nodes_verified": 3,
+             "hits": 0, "misses": 4, "bytes_h2d": 4000, "charged_bytes_h2d": 4000, "measured_time_s": t,
+             "predicted_time_s": t * 1.1, "prior_predicted_time_s": t * 1.2, "online_predicted_time_s": t * 1.1,
+             "draft_time_s": 1e-3 * levels, "predicted_tokens": 1.5, "committed_tokens": 1 + i % 2,
+             "union_per_layer": [4, 4], "predicted_union_per_layer": [3, 5], "hits_per_layer": [0, 0],
+             "misses_per_layer": [2, 2]}
+            for policy, levels in (("eagle3", 3), ("specfit", 2)) for i, t in enumerate(rng.uniform(0.01, 0.02, 12))]
+    live, killed = tmp / "live", tmp / "killed"
+    live.mkdir()
+    killed.mkdir()
+    pd.DataFrame(rows).to_parquet(live / "cycles.parquet")
+    (killed / "cycles.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    profile = REPO / "calibrate" / "examples" / "vm-x86-64-tiny-moe.json"
+    return build_report([sim_dir, profile, live, killed], tmp / "rep").read_text()
+
+
+def test_a_page_of_every_section_is_a_valid_html_document(full_page):
+    """matplotlib names every figure's parts alike (figure_1, axes_1, glyphs, clip paths) and writes
+    RDF metadata into each: a page held thousands of duplicate ids and elements an HTML document
+    cannot hold. Each figure's ids are its own, and every link lands on an element of the page."""
+    assert full_page.count("<figure>") >= 10
+    assert _page_problems(full_page) == []
 
 
 def _chromium() -> str | None:
@@ -620,11 +693,11 @@ def _legend_colors(page_html: str) -> list[tuple[str, str]]:
     ground), its label the comment that follows."""
     entries = []
     for svg in re.findall(r"<svg.*?</svg>", page_html, re.S):
-        if '<g id="legend_1">' not in svg:
+        legend = re.search(r'<g id="(f\d+_)?legend_1">', svg)
+        if legend is None:
             continue
         seen = []
-        for token in re.finditer(r"(?:fill|stroke): (#[0-9a-f]{6}|url\(#(\w+)\))|<!-- (.*?) -->",
-                                 svg[svg.index('<g id="legend_1">'):]):
+        for token in re.finditer(r"(?:fill|stroke): (#[0-9a-f]{6}|url\(#(\w+)\))|<!-- (.*?) -->", svg[legend.start():]):
             if token.group(2):
                 seen.append(re.search(rf'<pattern id="{token.group(2)}".*?fill="(#[0-9a-f]{{6}})"', svg, re.S).group(1))
             elif token.group(1) and token.group(1) not in ("#ffffff", "#cccccc"):

@@ -48,6 +48,11 @@ NOWRAP_UP_TO = 24
 
 _TABLE_START = '<div class="wide">'
 
+# the metadata matplotlib writes into an SVG unless told not to
+_SVG_METADATA = ("Date", "Format", "Type", "Creator")
+# where an SVG names an id of its own: the id, a link to it, a paint or clip path that refers to it
+_SVG_ID_USE = re.compile(r'(\bid="|href="#|url\(#)([^")]+)')
+
 
 def svg_of(fig) -> str:
     """A matplotlib :class:`~matplotlib.figure.Figure` (made without pyplot, so nothing needs a
@@ -58,11 +63,21 @@ def svg_of(fig) -> str:
         # have the text, and a warning per glyph would drown the command's output ("missing from
         # current font" before matplotlib 3.9, "missing from font(s) NAME" since)
         warnings.filterwarnings("ignore", message="Glyph .* missing from (current )?font", category=UserWarning)
-        # the same figure gives the same bytes: no date, element ids from a fixed salt (not random)
+        # the same figure gives the same bytes: no date, element ids from a fixed salt (not random);
+        # and no metadata block at all, whose RDF elements (dc:, cc:) an HTML page cannot hold
         with matplotlib.rc_context({"svg.hashsalt": "specfit"}):
-            fig.savefig(buf, format="svg", bbox_inches="tight", metadata={"Date": None})
+            fig.savefig(buf, format="svg", bbox_inches="tight", metadata=dict.fromkeys(_SVG_METADATA))
     text = buf.getvalue()
     return text[text.index("<svg"):]  # drop the XML prolog and doctype
+
+
+def _own_ids(svg: str, prefix: str) -> str:
+    """``svg`` with every id it defines (and every reference to one) prefixed by ``prefix``.
+    matplotlib names the parts of every figure alike (``figure_1``, ``axes_1``, a glyph, a clip
+    path): a page of many figures held each id once per figure, which an HTML document may not
+    (and a reference resolved to the first figure's element)."""
+    ids = set(re.findall(r'\bid="([^"]+)"', svg))
+    return _SVG_ID_USE.sub(lambda m: m.group(1) + prefix + m.group(2) if m.group(2) in ids else m.group(0), svg)
 
 
 def _cells(table_id: str, df: pd.DataFrame, first: int, columns) -> str:
@@ -141,7 +156,8 @@ class Page:
 
     def figure(self, fig, caption: str = "") -> "Page":
         cap = f"<figcaption>{html.escape(caption)}</figcaption>" if caption else ""
-        self.parts.append(f"<figure>{svg_of(fig)}{cap}</figure>")
+        prefix = f"f{sum(part.startswith('<figure>') for part in self.parts)}_"      # one per figure of the page
+        self.parts.append(f"<figure>{_own_ids(svg_of(fig), prefix)}{cap}</figure>")
         return self
 
     def render(self) -> str:
