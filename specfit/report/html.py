@@ -93,6 +93,7 @@ class Page:
     toc: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)      # what the page left out and why, for the command to say
     colors: dict[str, str] = field(default_factory=dict)   # each policy's colour in every figure of the page
+    styles: list[str] = field(default_factory=list)     # the tables' own rules, for the page's head
 
     def policy_colors(self, policies) -> dict[str, str]:
         """Each policy's colour on this page: the one it was first given (in page order), in
@@ -149,9 +150,10 @@ class Page:
         first = 2 if index else 1
         text = [c for c in df.columns if not pd.api.types.is_numeric_dtype(df[c])]
         short = [c for c in text if max(len(str(c)), df[c].astype(str).str.len().max()) <= NOWRAP_UP_TO]
-        style = "".join(f"{_cells(table_id, df, first, columns)} {{ {rule} }}"
-                        for columns, rule in ((text, "text-align: left;"), (short, "white-space: nowrap;")) if columns)
-        self.parts.append(_TABLE_START + (f"<style>{style}</style>" if style else "") + f"{table}</div>")
+        # in the head: a <style> in the body is not HTML (browsers apply it; validators refuse it)
+        self.styles += [f"{_cells(table_id, df, first, columns)} {{ {rule} }}"
+                        for columns, rule in ((text, "text-align: left;"), (short, "white-space: nowrap;")) if columns]
+        self.parts.append(f"{_TABLE_START}{table}</div>")
         return self
 
     def figure(self, fig, caption: str = "") -> "Page":
@@ -163,10 +165,11 @@ class Page:
     def render(self) -> str:
         nav = " ".join(f'<a href="#{a}">{html.escape(t)}</a>' for a, t in self.toc)
         body = "\n".join(self.parts)
+        styles = "\n".join(self.styles)
         return (
             "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\"><title>{html.escape(self.title)}</title>"
-            f"<style>{_STYLE}</style></head><body><h1>{html.escape(self.title)}</h1>"
+            f"<style>{_STYLE}{styles}</style></head><body><h1>{html.escape(self.title)}</h1>"
             f"<nav>{nav}</nav>\n{body}\n</body></html>\n"
         )
 
