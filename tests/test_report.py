@@ -259,6 +259,26 @@ def _page_problems(text: str) -> list[str]:
     return problems
 
 
+def _accessibility_problems(text: str) -> list[str]:
+    """What a reviewer of a page's accessibility finds: no language or title, a figure (an inline
+    SVG) or image without a text alternative, a header cell of a table's body that does not say
+    what it heads, a heading that skips a level."""
+    doc = _Document(text)
+    named = {a["id"]: doc.text.get(k, "").strip() for k, (_, a, _) in enumerate(doc.elements) if "id" in a}
+    problems = [] if re.match(r'<!DOCTYPE html>\s*<html lang="en">', text) else ["no <html lang>"]
+    problems += [] if re.search(r"<title>[^<]+</title>", text) else ["no <title>"]
+    for tag, a, within in doc.elements:
+        if tag == "svg" and "svg" not in within and not (a.get("role") == "img" and named.get(a.get("aria-labelledby"))):
+            problems.append(f"a figure with no text alternative ({a.get('role')}, {a.get('aria-labelledby')})")
+        if tag == "img" and not a.get("alt", "").strip():
+            problems.append("an image with no alt text")
+        if tag == "th" and "thead" not in within and a.get("scope") not in ("row", "col"):
+            problems.append("a header cell of a table's body without a scope")
+    levels = [int(tag[1]) for tag, _, _ in doc.elements if re.fullmatch(r"h[1-6]", tag)]
+    problems += [f"<h{b}> after <h{a}>" for a, b in zip(levels, levels[1:]) if b > a + 1]
+    return sorted(set(problems))
+
+
 @pytest.fixture(scope="module")
 def full_page(sim_dir, tmp_path_factory):
     """A page of every kind of section: a simulation, a calibration, a live run (two policies, the
@@ -288,6 +308,14 @@ def test_a_page_of_every_section_is_a_valid_html_document(full_page):
     every link lands on an element of the page, and the tables' rules are in the page's head."""
     assert full_page.count("<figure>") >= 10
     assert _page_problems(full_page) == []
+
+
+def test_a_page_of_every_section_has_a_text_alternative_for_every_figure_and_scoped_headers(full_page):
+    """A figure's text (axes, legend) is drawn as paths, which a screen reader reads as nothing, and
+    the SVG said neither that it is an image nor what it shows; the facts tables' row headers did
+    not say they head their row. Every figure is an image named by its caption."""
+    assert full_page.count("<figure>") >= 10
+    assert _accessibility_problems(full_page) == []
 
 
 def _chromium() -> str | None:

@@ -124,7 +124,8 @@ class Page:
 
     def facts(self, items: dict) -> "Page":
         """A two-column table of labelled values."""
-        rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>" for k, v in items.items())
+        rows = "".join(f'<tr><th scope="row">{html.escape(str(k))}</th><td>{html.escape(str(v))}</td></tr>'
+                       for k, v in items.items())
         self.parts.append(f'<table class="facts">{rows}</table>')
         return self
 
@@ -156,10 +157,12 @@ class Page:
         self.parts.append(f"{_TABLE_START}{table}</div>")
         return self
 
-    def figure(self, fig, caption: str = "") -> "Page":
-        cap = f"<figcaption>{html.escape(caption)}</figcaption>" if caption else ""
+    def figure(self, fig, caption: str) -> "Page":
+        """``fig`` under ``caption``, which is also its text alternative: the figure's text is drawn
+        as paths, which a screen reader reads as nothing, so the SVG is one image named by its caption."""
         prefix = f"f{sum(part.startswith('<figure>') for part in self.parts)}_"      # one per figure of the page
-        self.parts.append(f"<figure>{_own_ids(svg_of(fig), prefix)}{cap}</figure>")
+        svg = _own_ids(svg_of(fig), prefix).replace("<svg ", f'<svg role="img" aria-labelledby="{prefix}caption" ', 1)
+        self.parts.append(f'<figure>{svg}<figcaption id="{prefix}caption">{html.escape(caption)}</figcaption></figure>')
         return self
 
     def render(self) -> str:
