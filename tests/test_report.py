@@ -341,6 +341,34 @@ def test_report_renders_in_headless_chromium(sim_dir, profile_path, tmp_path):
     assert shot.stat().st_size > 20_000     # a rendered page, not a blank one
 
 
+def test_a_page_fits_a_narrow_window_its_figures_narrowed_and_long_names_wrapped(tmp_path):
+    """A figure is as wide as matplotlib drew it (a sweep's heat maps over 1,000 px) and a name of
+    no spaces (a path) one word: at a phone's width the page scrolled sideways (the demo's at 500 px
+    was 758 px wide). Figures narrow with the window and long names wrap. (Headless Chromium's
+    narrowest window is 500 px; the script measures the page in a copy.)"""
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("Chromium is not installed (.ci/run installs Debian's chromium); the browser check is skipped")
+    from specfit.report.html import Page
+    from specfit.report.plots import new_axes
+
+    long = "runs/" + "x" * 200
+    fig, ax = new_axes(12, 3)
+    ax.plot([0, 1], [0, 1], label=long)
+    page = Page(long).heading(f"Simulation: {long}").paragraph(f"note: {long}", css="note").figure(fig, long)
+    measured = page.render().replace("</body>", "<script>document.body.dataset.width = "
+                                     "document.documentElement.scrollWidth + ' ' + innerWidth;</script></body>")
+    (tmp_path / "page.html").write_text(measured)
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", f"--user-data-dir={tmp_path / 'profile'}",
+             "--window-size=400,900"]
+    dom = subprocess.run([browser, *flags, "--dump-dom", (tmp_path / "page.html").as_uri()], capture_output=True,
+                         text=True, timeout=120)
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    width, window = map(int, re.search(r'data-width="(\d+) (\d+)"', dom.stdout).groups())
+    assert window <= 500 and width <= window, (width, window)
+
+
 def test_damaged_profile_fields_and_journals_are_one_line(profile_path, tmp_path):
     """Fields the calibration section reads, present with the wrong content (a hand-edited profile),
     a run journal that is not UTF-8, and a run.json whose versions are not an object: one error

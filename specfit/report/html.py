@@ -30,6 +30,8 @@ table { border-collapse: collapse; margin: 8px 0 14px; font-size: 13px; }
 th, td { border: 1px solid #d8dde6; padding: 3px 8px; text-align: right; }
 th { background: #f2f4f8; } td:first-child, th:first-child { text-align: left; }
 figure { margin: 10px 0 18px; } figcaption { color: #5a6475; font-size: 12.5px; }
+figure svg { max-width: 100%; height: auto; }   /* narrower with the window, its shape kept (its viewBox) */
+h1, h2, h3, p, nav, figcaption { overflow-wrap: break-word; }       /* a long unbroken name wraps at the edge */
 .meta { color: #5a6475; font-size: 12.5px; } .note { background: #fff7e0; padding: 6px 10px; border-left: 3px solid #e0b040; }
 code, pre { font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12.5px; }
 pre { background: #f5f6f8; padding: 8px; overflow-x: auto; }
