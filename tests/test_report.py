@@ -318,6 +318,17 @@ def test_a_page_of_every_section_has_a_text_alternative_for_every_figure_and_sco
     assert _accessibility_problems(full_page) == []
 
 
+def test_a_reports_title_names_its_inputs_unless_given_one(sim_dir, profile_path, tmp_path):
+    """Every `specfit report` page was titled "SpecFit report", so a browser's tabs and history of
+    several reports told them apart by nothing; the default title names the inputs."""
+    text = build_report([sim_dir, profile_path], tmp_path / "rep").read_text()
+    title = f"SpecFit report: {sim_dir.name}, profile.json"
+    assert f"<title>{title}</title>" in text and f"<h1>{title}</h1>" in text
+    result = CliRunner().invoke(app, ["report", str(profile_path), "--out", str(tmp_path / "cli"), "--title", "<mine>"])
+    assert result.exit_code == 0, result.output
+    assert "<title>&lt;mine&gt;</title>" in (tmp_path / "cli" / "index.html").read_text()
+
+
 def _chromium() -> str | None:
     return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 

@@ -168,15 +168,17 @@ def _earlier_plan(plan: dict, sweep: dict) -> str:
     return ""
 
 
-def build_report(inputs: list[Path], out_dir: Path, title: str = "SpecFit report", say=None) -> Path:
-    """Render every input into ``out_dir/index.html``; returns its path. ``say`` (a function of a
-    line) hears what the page left out and why, as the page says it."""
+def build_report(inputs: list[Path], out_dir: Path, title: str | None = None, say=None) -> Path:
+    """Render every input into ``out_dir/index.html``; returns its path. ``title``: the page's, by
+    default "SpecFit report: " and the inputs' names (a browser's tab or history of several reports
+    told them apart by nothing else). ``say`` (a function of a line) hears what the page left out
+    and why, as the page says it."""
     if not inputs:
         raise SpecFitError("report: expected at least one input (a run directory or a profile JSON)")
     same = repeated_path(inputs, noun="path")
     if same is not None:
         raise SpecFitError(f"report: {same} given twice; expected each input once (its sections would repeat)")
-    page = Page(title)
+    page = Page(title or "SpecFit report: " + ", ".join(Path(p).resolve().name or str(p) for p in inputs))
     page.heading("What was run")
     runs = []
     plan = []

@@ -21,7 +21,8 @@ def report_command(
                                       "profile JSON files."),
     out: Optional[Path] = typer.Option(None, "--out", help="Report directory (default: reports/<first input's name>); "
                                        "not a run's output directory (a demo's excepted)."),
-    title: str = typer.Option("SpecFit report", "--title"),
+    title: Optional[str] = typer.Option(None, "--title", help="The page's title (default: SpecFit report: the inputs' "
+                                        "names)."),
 ) -> None:
     """Render one self-contained HTML report (predicted vs measured, policy comparisons, calibration)."""
     from .build import build_report
