@@ -310,6 +310,20 @@ def test_a_page_of_every_section_is_a_valid_html_document(full_page):
     assert _page_problems(full_page) == []
 
 
+def test_a_sweeps_panels_of_equal_tokens_per_second_give_no_id_twice():
+    """matplotlib names an image by its pixels' hash: a sweep's heat map whose policies reached the
+    same tokens/s in every square drew equal panels, one id four times in one figure."""
+    from specfit.report.html import Page
+    from specfit.report.sweep import heat_map_grid
+
+    results = pd.DataFrame([{"trace": "t", "policy": policy, "cache_experts": cache, "link_gbps": link,
+                             "tokens_per_s": 10.0 + cache + link}
+                            for policy in ("ar", "chain", "eagle3", "specfit") for cache in (0, 8) for link in (16, 32)])
+    fig, _ = heat_map_grid(results, "t")
+    text = Page("t").figure(fig, "Tokens/s per policy").render()
+    assert text.count("<image") == 5 and _page_problems(text) == []
+
+
 def test_a_page_of_every_section_has_a_text_alternative_for_every_figure_and_scoped_headers(full_page):
     """A figure's text (axes, legend) is drawn as paths, which a screen reader reads as nothing, and
     the SVG said neither that it is an image nor what it shows; the facts tables' row headers did

@@ -11,6 +11,7 @@ import html
 import io
 import re
 import warnings
+from collections import Counter
 from dataclasses import dataclass, field
 
 import matplotlib
@@ -77,9 +78,23 @@ def _own_ids(svg: str, prefix: str) -> str:
     """``svg`` with every id it defines (and every reference to one) prefixed by ``prefix``.
     matplotlib names the parts of every figure alike (``figure_1``, ``axes_1``, a glyph, a clip
     path): a page of many figures held each id once per figure, which an HTML document may not
-    (and a reference resolved to the first figure's element)."""
+    (and a reference resolved to the first figure's element). An id matplotlib gives twice in one
+    figure (an image's is its pixels' hash: a sweep's panels of equal tokens/s) is numbered from
+    its second on; a reference lands on the first, the same content."""
     ids = set(re.findall(r'\bid="([^"]+)"', svg))
-    return _SVG_ID_USE.sub(lambda m: m.group(1) + prefix + m.group(2) if m.group(2) in ids else m.group(0), svg)
+    given = Counter()
+
+    def own(m: re.Match) -> str:
+        start, name = m.groups()
+        if name not in ids:
+            return m.group(0)
+        if start == 'id="':
+            given[name] += 1
+            if given[name] > 1:
+                return f"{start}{prefix}{name}-{given[name]}"
+        return start + prefix + name
+
+    return _SVG_ID_USE.sub(own, svg)
 
 
 def _cells(table_id: str, df: pd.DataFrame, first: int, columns) -> str:
