@@ -310,6 +310,19 @@ def test_a_page_of_every_section_is_a_valid_html_document(full_page):
     assert _page_problems(full_page) == []
 
 
+def test_every_svg_path_has_its_data_even_a_spaces_glyph():
+    """matplotlib draws text as glyph paths and writes a space's, which has no outline, with no d:
+    an error per figure of the page to the Nu checker (SVG 1.1 requires it)."""
+    from matplotlib.figure import Figure
+
+    from specfit.report.html import svg_of
+
+    fig = Figure()
+    fig.add_subplot().set_title("two words")
+    paths = re.findall(r"<path [^>]*>", svg_of(fig))
+    assert paths and all(re.search(r'\bd="', p) for p in paths)
+
+
 def test_a_sweeps_panels_of_equal_tokens_per_second_give_no_id_twice():
     """matplotlib names an image by its pixels' hash: a sweep's heat map whose policies reached the
     same tokens/s in every square drew equal panels, one id four times in one figure."""

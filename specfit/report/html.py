@@ -71,6 +71,8 @@ def svg_of(fig) -> str:
         with matplotlib.rc_context({"svg.hashsalt": "specfit"}):
             fig.savefig(buf, format="svg", bbox_inches="tight", metadata=dict.fromkeys(_SVG_METADATA))
     text = buf.getvalue()
+    # a glyph with no outline (a space's) is a path with no d, which SVG 1.1 (the Nu checker's) requires
+    text = re.sub(r"<path (?![^>]*\bd=)", '<path d="" ', text)
     return text[text.index("<svg"):]  # drop the XML prolog and doctype
 
 
