@@ -78,6 +78,18 @@ def test_decode_prints_user_paths_as_they_are(monkeypatch, tmp_path):
     assert "profile calibrated [bold] here;" in text
 
 
+def test_decode_tells_outputs_differing_within_rounding_from_a_failure(monkeypatch):
+    """Greedy outputs that first differ at a rounding tie of the compute dtype (a tree verification
+    pass rounds apart from a one-token pass) are not reported as a failure; others are."""
+    run = fake_run(outputs_identical=False, differing_lines=[3, 7], tie_lines=[3, 7], dtype="bfloat16")
+    text = " ".join(printed_summary(monkeypatch, run, width=200).split())
+    assert "greedy outputs identical across policies: no, within bfloat16 rounding: the outputs of the prompt(s) on " \
+           "line(s) 3, 7 first differ where the target's best logits are tied to rounding" in text
+    run = fake_run(outputs_identical=False, differing_lines=[3, 7], tie_lines=[3])
+    text = " ".join(printed_summary(monkeypatch, run, width=200).split())
+    assert "greedy outputs identical across policies: NO (prompt(s) on line(s) 3, 7)" in text
+
+
 def fake_demo_result(report: Path) -> dict:
     import pandas as pd
 

@@ -87,6 +87,29 @@ def test_decode_counters_add_up(model_dirs):
     assert record["tokens_per_s"] > 0
 
 
+def test_outputs_that_first_differ_at_tied_logits_differ_within_rounding(model_dirs):
+    """In a 16-bit dtype a tree verification pass rounds apart from a one-token pass, so a policy can
+    commit the other of two near-tied tokens: ``specfit decode`` tells that from a decoding fault by
+    the target's logits at the outputs' first difference."""
+    from specfit.runtime.decode_job import rounding_ties
+    from specfit.runtime.prompts import Prompt
+
+    model = load_model(model_dirs["qwen3_moe"], cache_experts=N_EXPERTS)
+    prompt = _prompts()[1]
+    ar = Decoder(model).generate(prompt, 8, ignore_eos=True).output_ids
+    logits = model(prompt + ar[:3], np.arange(len(prompt) + 3)).logits[-1]
+    tied = next(t for t in range(VOCAB) if t != ar[3])
+    far = int(logits.argmin())
+    with torch.no_grad():            # token ``tied`` gets ``ar[3]``'s logit everywhere: an exact tie
+        model.lm_head.weight[tied] = model.lm_head.weight[ar[3]]
+    prompts = [Prompt(line=1, input_ids=[0], text=None), Prompt(line=2, input_ids=prompt, text=None)]
+    records = [{"index": 0, "output_ids": [5, 6]}, {"index": 1, "output_ids": ar}] * 2
+    records[3] = {"index": 1, "output_ids": ar[:3] + [tied] + ar[5:]}
+    assert rounding_ties(model, prompts, records) == ([2], [2])
+    records[3] = {"index": 1, "output_ids": ar[:3] + [far] + ar[5:]}
+    assert rounding_ties(model, prompts, records) == ([2], [])
+
+
 def test_verify_and_commit_accept_the_matching_path(model_dirs):
     """The cycle primitives the speculative decoder builds on: a tree whose first branch is the
     target's own continuation is accepted along that branch, the KV cache is compacted, and

@@ -15,9 +15,22 @@ from ..threads import THREADS_HELP, set_cpu_threads
 from .prefill import PREFILL_CHUNK, PREFILL_CHUNK_HELP
 from .run_dir import CYCLES_FILE, OUTPUT_FILE, SUMMARY_FILE
 
-__all__ = ["register", "decode"]
+__all__ = ["register", "decode", "identical_text"]
 
 _MAX_TABLE_ROWS = 20   # the per-prompt table stays on one screen; the JSONL has every prompt
+
+
+def identical_text(run) -> str:
+    """The answer to "greedy outputs identical across policies?" for a greedy run of several
+    policies (rich markup): a difference the compute dtype's rounding explains is not a failure."""
+    if run.outputs_identical:
+        return "yes"
+    lines = ", ".join(map(str, run.differing_lines))
+    if run.outputs_within_rounding:
+        return (f"no, within {run.dtype} rounding: the outputs of the prompt(s) on line(s) {lines} first differ "
+                f"where the target's best logits are tied to rounding (a tree verification pass rounds apart from "
+                f"a one-token pass)")
+    return f"[red]NO[/red] (prompt(s) on line(s) {lines})"
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
@@ -63,7 +76,9 @@ def decode(
     acceptance: Optional[Path] = typer.Option(None, "--acceptance", help="Trace to fit an acceptance calibrator on "
                                               "(draft probability -> acceptance probability); default: the drafter's."),
     device: str = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: cuda when available)."),
-    dtype: str = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu)."),
+    dtype: str = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu). In "
+                              "bfloat16 or float16 a policy's greedy output can leave ar's where the target's best "
+                              "logits tie to that dtype's rounding (a tree pass rounds apart from a one-token pass)."),
     out: Path = typer.Option(None, "--out", help=f"Directory for {OUTPUT_FILE} (per prompt), {CYCLES_FILE} (per cycle) "
                              f"and {SUMMARY_FILE} (per policy)."),
     record: Optional[Path] = typer.Option(None, "--record", help="Write the decoded cycles as a trace (Parquet)."),
@@ -257,7 +272,7 @@ def _print_summary(run, out: Path | None, notes: list[str] = ()) -> None:
     if run.drafter_features:
         console.print(f"drafter features: {run.drafter_features}")
     if run.outputs_identical is not None:
-        console.print("greedy outputs identical across policies: " + ("yes" if run.outputs_identical else "[red]NO[/red]"))
+        console.print("greedy outputs identical across policies: " + identical_text(run))
     if run.profile_path is not None:
         console.print(f"profile: {run.profile_path}", markup=False)    # paths print as they are
     if out is not None:

@@ -46,9 +46,17 @@ from .run_dir import CYCLES_FILE, JOURNAL_FILE, OUTPUT_FILE, SUMMARY_FILE, Decod
 FITTED_PREDICTORS = ("affinity", "learned")
 
 __all__ = ["DecodePlan", "DecodeRun", "run_decode", "summarise_policy", "read_decode_cycles", "OUTPUT_FILE",
-           "CYCLES_FILE", "SUMMARY_FILE", "JOURNAL_FILE", "WARMUP_TOKENS"]
+           "CYCLES_FILE", "SUMMARY_FILE", "JOURNAL_FILE", "WARMUP_TOKENS", "ROUNDING_TIE_UNITS", "rounding_ties"]
 
 WARMUP_TOKENS = 4
+# how close (in units of the compute dtype's epsilon times the row's largest |logit|) the target's
+# logits of the tokens the policies chose must be for their outputs' first difference to be a
+# rounding tie: a tree verification pass's logits differ from a one-token pass's by up to about one
+# unit in a 16-bit dtype (the bundled model: 0.76 in bfloat16, 0.96 in float16), a deeper model's by
+# more; float32's differ by several of its much smaller units (8.3), all sums rounding apart, hence
+# the floor on the unit
+ROUNDING_TIE_UNITS = 4.0
+ROUNDING_UNIT_FLOOR = 2.0 ** -20
 NOTHING_DECODED = "interrupted before the first cycle: no cycle was decoded, so none was kept"
 
 
@@ -200,12 +208,21 @@ class DecodeRun:
     profile_label: str
     profile_path: Path | None
     outputs_identical: bool | None       # greedy runs of several policies: same tokens everywhere?
+    differing_lines: list[int] = field(default_factory=list)   # ... if not, the prompts' lines where they differ
+    tie_lines: list[int] = field(default_factory=list)         # ... those whose first difference is a rounding tie
+    dtype: str = "float32"                       # the target's compute dtype
     trace_path: Path | None = None
     trace_cycles: int = 0
     policies: list = field(default_factory=list)   # the policy objects, with what they learned
     memory: dict = field(default_factory=dict)   # host expert bytes, pinned bytes, device expert-slot bytes
     drafter_features: str | None = None          # which target layers feed the drafter
     notes: list[str] = field(default_factory=list)   # what the user should know (e.g. a profile not used)
+
+    @property
+    def outputs_within_rounding(self) -> bool:
+        """The greedy outputs differ, and each prompt's first difference is a rounding tie
+        (:func:`rounding_ties`): lossless up to the compute dtype's rounding."""
+        return self.outputs_identical is False and self.tie_lines == self.differing_lines
 
 
 def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None,
@@ -319,6 +336,8 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             where = f"; the run's other outputs are in {plan.out_dir}" if plan.out_dir is not None else ""
             raise SpecFitError(f"--record {plan.record}: no decode cycle ran (every output ended at the prompt pass's "
                                f"token): nothing to record{where}")
+        identical = _outputs_identical(outputs.records) if plan.temperature == 0 else None
+        differing, ties = rounding_ties(model, inputs.prompts, outputs.records, plan.prefill_chunk) if identical is False else ([], [])
         host = model.offload.host
         memory = {"host_expert_bytes": host.nbytes, "pinned_bytes": host.pinned_bytes,
                   "device_expert_bytes": model.offload.device_bytes}
@@ -327,7 +346,8 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
         return DecodeRun(memory=memory, drafter_features=describe(model.config.n_layers) if describe else None, notes=notes,
                          records=outputs.records, cycles=outputs.cycles, summaries=outputs.summaries,
                          profile_label=profile.label, profile_path=inputs.profile_path,
-                         outputs_identical=_outputs_identical(outputs.records) if plan.temperature == 0 else None,
+                         outputs_identical=identical, differing_lines=differing, tie_lines=ties,
+                         dtype=str(model.dtype).removeprefix("torch."),
                          trace_path=trace_path, trace_cycles=len(recorder) if recorder is not None else 0,
                          policies=policies)
 
@@ -865,6 +885,46 @@ def _outputs_identical(records: list[dict]) -> bool | None:
     if len({r["policy"] for r in records}) < 2:
         return None
     return all(len(outputs) == 1 for outputs in by_prompt.values())
+
+
+def rounding_ties(model, prompts: list, records: list[dict], prefill_chunk: int = PREFILL_CHUNK) -> tuple[list[int], list[int]]:
+    """(lines of the prompts whose greedy outputs differ between policies, the lines among them
+    where the outputs first differ at a rounding tie).
+
+    A verification pass over a tree sums each row's attention over another layout of keys than a
+    one-token pass does, so its logits round apart from autoregressive decoding's (in a 16-bit
+    dtype by up to about one unit of :data:`ROUNDING_TIE_UNITS`'s scale, in float32 by about 1e-6 of
+    the logits' scale); where the target's two best tokens are that close, the policies can commit
+    different ones and continue apart. A prompt's first difference is a rounding tie when the
+    target, run once over the prompt and the tokens every output shares (its prompt pass, as
+    autoregressive decoding runs it), gives each token the policies chose there a logit within
+    :data:`ROUNDING_TIE_UNITS` units of the best (an output that ends where another goes on is no tie)."""
+    import torch
+
+    from .decoder import Decoder
+
+    by_prompt: dict[int, list[list[int]]] = {}
+    for r in records:
+        by_prompt.setdefault(r["index"], []).append(r["output_ids"])
+    unit = max(torch.finfo(model.dtype).eps, ROUNDING_UNIT_FLOOR)
+    differing, ties = [], []
+    for index, outputs in sorted(by_prompt.items()):
+        if all(output == outputs[0] for output in outputs):
+            continue
+        prompt = prompts[index]
+        differing.append(prompt.line)
+        at = next((i for i in range(min(map(len, outputs))) if len({output[i] for output in outputs}) > 1), None)
+        if at is None:
+            continue
+        ids = list(prompt.input_ids) + outputs[0][:at]
+        if model.max_seq_len < len(ids):
+            model.setup_kv_cache(len(ids))
+        logits = Decoder(model, prefill_chunk=prefill_chunk).prefill(ids)[1].logits[-1].float()
+        best = logits.max()
+        chosen = logits[[output[at] for output in outputs]]
+        if bool((best - chosen <= ROUNDING_TIE_UNITS * unit * logits.abs().max()).all()):
+            ties.append(prompt.line)
+    return differing, ties
 
 
 # --------------------------------------------------------------------------- the comparison
