@@ -40,7 +40,10 @@ def register(app: typer.Typer, traces_app: typer.Typer) -> None:
 def decode(
     ctx: typer.Context,
     model: Path = typer.Option(..., "--model", help="Hugging Face model directory (config.json + safetensors)."),
-    prompts: Path = typer.Option(..., "--prompts", help='JSONL file: one {"prompt": "..."} or {"input_ids": [...]} per line.'),
+    prompts: Path = typer.Option(..., "--prompts", help='JSONL file, one prompt per line: {"prompt": "..."}, {"input_ids": '
+                                 '[...]} or a chat, {"messages": [{"role": "user", "content": "..."}]} (rendered with '
+                                 'the model\'s chat template, as a server does; optional "chat_template_kwargs": '
+                                 '{"enable_thinking": false}; needs the chat extra: transformers and jinja2).'),
     cache_experts: int = typer.Option(..., "--cache-experts", help="Expert slots per layer on the device, or in all with "
                                       "--cache-mode global (0 streams every expert)."),
     cache_mode: str = typer.Option("per_layer", "--cache-mode", help="per_layer or global (as in simulate)."),

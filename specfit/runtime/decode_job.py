@@ -537,7 +537,7 @@ def _load(plan: DecodePlan, say) -> _Inputs:
         raise SpecFitError(f"--cache-experts: expected 0..{slots} ({plan.model_dir} has {slots} experts {where}), "
                            f"got {plan.cache_experts}")
     tokenizer = load_tokenizer(plan.model_dir)
-    prompts = read_prompts(plan.prompts_path, tokenizer, config.vocab_size)
+    prompts = read_prompts(plan.prompts_path, tokenizer, config.vocab_size, plan.model_dir)
     for prompt in prompts:
         if len(prompt.input_ids) + plan.max_new_tokens > config.max_position_embeddings:
             raise SpecFitError(f"{plan.prompts_path}:{prompt.line}: {len(prompt.input_ids)} prompt tokens + "
