@@ -841,6 +841,92 @@ def test_a_policy_keeps_its_colour_in_every_figure_of_the_page():
     assert len({c for (c,) in colors.values()}) == len(colors)       # and no two policies share one
 
 
+def _marks(fig, policies) -> list[tuple[str, str, bytes, bool]]:
+    """(policy, colour, marker shape, in the legend) of every line and scatter of ``fig`` whose label
+    names one of ``policies`` (its first word), and of every legend entry that does (bars aside):
+    the shape as the vertices of the marker's path (a line's marker and a scatter's points compare
+    alike; no marker is no vertices)."""
+    from matplotlib.collections import PathCollection
+    from matplotlib.colors import to_hex
+    from matplotlib.lines import Line2D
+    from matplotlib.markers import MarkerStyle
+
+    def shape(artist) -> bytes:
+        if isinstance(artist, Line2D):
+            marker = MarkerStyle(artist.get_marker())
+            path = marker.get_path().transformed(marker.get_transform())
+        else:
+            path = artist.get_paths()[0]
+        return np.round(path.vertices, 3).tobytes() if len(path.vertices) else b""
+
+    def colour(artist) -> str:
+        return to_hex(artist.get_color() if isinstance(artist, Line2D) else np.atleast_2d(artist.get_facecolor())[0],
+                      keep_alpha=False)
+
+    marks = []
+    for ax in fig.axes:
+        legend = ax.get_legend()
+        handles = zip(legend.legend_handles, legend.get_texts()) if legend else ()
+        drawn = [(a, a.get_label()) for a in [*ax.get_lines(), *ax.collections]]
+        for artist, label in [*drawn, *((h, t.get_text()) for h, t in handles)]:
+            policy = str(label).split(" ")[0]
+            if policy in policies and isinstance(artist, (Line2D, PathCollection)):     # not a bar
+                in_legend = legend is not None and artist in legend.legend_handles
+                marks.append((policy, colour(artist), shape(artist), in_legend))
+    return marks
+
+
+def test_policies_are_told_apart_by_marker_as_well_as_colour_in_every_figure(sim_dir, tmp_path, monkeypatch):
+    """A colour-blind reader (or a greyscale print) matched a line to its policy by nothing: the
+    live figures (scatter, cycle times, errors over time, tokens per cycle), the simulation's
+    (throughput vs cache, tree sizes) and the plan's frontier drew every policy alike but for its
+    colour. Each policy has its marker, the same in every figure of the page and in the legends;
+    no two policies of a figure share one."""
+    from specfit.report.html import Page
+    from specfit.report.sweep import plan_section
+
+    figures = []
+    monkeypatch.setattr(Page, "figure", lambda page, fig, caption: figures.append((page, fig)) or page)
+    rows = [{"policy": policy, "cycle": i, "draft_levels": levels, "nodes_verified": 1 + levels, "hits": 6,
+             "misses": 2, "bytes_h2d": 2000, "measured_time_s": t, "predicted_time_s": t * 1.05,
+             "prior_predicted_time_s": t * 1.2, "online_predicted_time_s": t * 1.05, "draft_time_s": 0.002 * levels,
+             "predicted_tokens": 1.5, "committed_tokens": 1 + i % 3}
+            for policy, levels in (("eagle3", 4), ("specfit", 2), ("ar", 0)) for i, t in enumerate(np.full(300, 0.01))]
+    live = tmp_path / "live"
+    live.mkdir()
+    pd.DataFrame(rows).to_parquet(live / "cycles.parquet")
+    build_report([live, sim_dir], tmp_path / "rep")
+    settings = [{"policy": policy, "cache_experts": c, "tokens_per_s": 10.0 + c + k, "device_bytes": 1e9 * (1 + c),
+                 "speedup_vs_ar": 1.0, "tree_tokens": 8, "expert_cache_bytes": 1e8 * c, "kv_bytes": 1e8}
+                for k, policy in enumerate(("ar", "static:8", "eagle3", "specfit")) for c in (0, 4, 8)]
+    plan = {"memory": {"model": "m", "device_bytes": 8e9, "dense_bytes": 1e9, "kv_bytes_per_token": 1e4,
+                       "context_tokens": 4096, "reserve_bytes": 1e8, "slot_bytes": 1e7},
+            "best": settings[-1], "runners_up": settings[-3:-1], "settings": settings, "traces": ["t"], "profile": "p"}
+    plan_section(Page("plan"), plan, "plan")
+    policies = {"ar", "eagle3", "specfit", "static"}
+    drawn = {}                                           # per page: each policy's (colour, marker)
+    read = set()
+    for page, fig in figures:
+        marks = _marks(fig, policies)
+        if len({policy for policy, *_ in marks}) < 2:
+            continue
+        read.add(id(fig))
+        shapes = {}
+        for policy, color, shape, in_legend in marks:
+            assert shape, f"{policy} drawn without a marker"
+            shapes.setdefault(policy, set()).add(shape)
+            drawn.setdefault(id(page), {}).setdefault(policy, set()).add((color, shape))
+        assert all(len(s) == 1 for s in shapes.values()), shapes.keys()
+        assert len({s for (s,) in map(tuple, shapes.values())}) == len(shapes), sorted(shapes)
+        assert any(in_legend for *_, in_legend in marks)     # the legends were read too
+    # the live section's scatter, cycle times, errors and tokens per cycle; the simulation's
+    # throughput vs cache and tree sizes; the plan's frontier
+    assert len(read) == 7
+    for looks in drawn.values():
+        assert all(len(look) == 1 for look in looks.values()), looks
+        assert len({look for (look,) in map(tuple, looks.values())}) == len(looks)
+
+
 def test_a_decode_page_says_the_terminals_notes_and_predicted_bytes_next_to_measured(tmp_path):
     """The notes the terminal says after its tables, made by the same functions from the run's
     summary.json: a policy that waited for a CPU, and for a greedy run priced with the drafter's raw

@@ -16,8 +16,8 @@ from specfit.calibrate.profile import ModelShape, Profile
 from specfit.report.calibration import _h2d, calibration_section
 from specfit.report.build import classify
 from specfit.report.html import Page
-from specfit.report.live import _layer_heat_map, _per_policy, _stopping
-from specfit.report.plots import bars, grouped_bars, policy_colors
+from specfit.report.live import _layer_heat_map, _per_policy, _stopping, live_section
+from specfit.report.plots import bars, grouped_bars, policy_styles
 from specfit.report.simulation import _throughput_vs_cache, _tree_sizes, simulation_section
 
 EVIL = '<script>alert("x")</script>&'
@@ -130,9 +130,9 @@ def test_nodes_verified_histogram_bars_are_shares_of_each_policys_cycles():
     """Drawn with density=True on log-spaced bins, a policy verifying 58 nodes every cycle stood at
     0.07 on the 'share of cycles' axis. Each policy's bars sum to 1, one bar per cycle size."""
     cycles = pd.DataFrame({"policy": ["eagle3"] * 6 + ["specfit"] * 4, "nodes_verified": [58] * 6 + [1, 1, 1, 16]})
-    ax = _tree_sizes(cycles, policy_colors(cycles["policy"].unique())).axes[0]
-    # a step outline goes (left, h), (right, h) for each bin: every other vertex holds a bin's height
-    heights = {outline.get_label(): outline.get_path().vertices[1:-1:2, 1] for outline in ax.patches}
+    ax = _tree_sizes(cycles, policy_styles(cycles["policy"].unique())).axes[0]
+    # a step outline goes (left, h), (middle, h), (right, h) for each bin: every third point holds a bin's height
+    heights = {outline.get_label(): outline.get_ydata()[2:-1:3] for outline in ax.get_lines()}
     assert {policy: h.sum() for policy, h in heights.items()} == {"eagle3": pytest.approx(1), "specfit": pytest.approx(1)}
     assert sorted(heights["eagle3"][heights["eagle3"] > 0]) == [pytest.approx(1.0)]
     assert sorted(heights["specfit"][heights["specfit"] > 0]) == [pytest.approx(0.25), pytest.approx(0.75)]
@@ -144,8 +144,8 @@ def test_simulation_line_plots_keep_their_legend_off_the_data():
     summary = pd.DataFrame([{"policy": p, "cache_experts": c, "tokens_per_s": tps * (1 + c / 16)}
                             for p, tps in (("ar", 90), ("eagle3", 50), ("specfit", 110), ("oracle", 155)) for c in (0, 16)])
     cycles = pd.DataFrame({"policy": ["ar"] * 3 + ["eagle3"] * 3, "nodes_verified": [1, 1, 1, 58, 58, 58]})
-    colors = policy_colors(summary["policy"].unique())
-    for fig in (_throughput_vs_cache(summary, colors), _tree_sizes(cycles, colors)):
+    styles = policy_styles(summary["policy"].unique())
+    for fig in (_throughput_vs_cache(summary, styles), _tree_sizes(cycles, styles)):
         ax = fig.axes[0]
         renderer = FigureCanvasAgg(fig).get_renderer()
         assert ax.get_legend().get_window_extent(renderer).x0 >= ax.get_window_extent(renderer).x1
@@ -274,3 +274,28 @@ def test_a_partial_sweeps_page_lists_the_cells_with_no_result_yet():
     sweep_section(page, finished, "run", {"cells": two})
     flat = re.sub(r"\s+", "", page.render())
     assert "<td>ar</td><td>router</td><td>0</td>" in flat and "<td>oracle</td>" not in flat
+
+
+def test_a_long_runs_lines_mark_every_kth_cycle_each_policy_its_own_cycles(monkeypatch):
+    """A marker on every one of 2,000 cycles is a smear: the cycle-time and error lines of a long
+    run carry about MARKS_PER_LINE markers each, those of lines that lie on one another (one per
+    policy) on other cycles."""
+    from specfit.report.plots import MARKS_PER_LINE
+
+    n = 2000
+    rows = pd.DataFrame(_rows("eagle3", [4] * n, n=n) + _rows("specfit", [2] * n, n=n))
+    rows = rows.assign(prior_predicted_time_s=rows["predicted_time_s"] * 1.2,
+                       online_predicted_time_s=rows["predicted_time_s"])
+    figures = []
+    monkeypatch.setattr(Page, "figure", lambda page, fig, caption: figures.append(fig) or page)
+    live_section(Page("t"), rows, "run")
+    lines = [line for fig in figures for ax in fig.axes for line in ax.get_lines() if len(line.get_xdata()) == n]
+    assert len(lines) == 8                 # measured and predicted, profile and online: of each of two policies
+    marked = {}
+    for line in lines:
+        assert line.get_marker() not in ("None", "", None), line.get_label()
+        start, step = line.get_markevery()
+        cycles = range(start, n, step)
+        assert MARKS_PER_LINE / 2 <= len(cycles) <= MARKS_PER_LINE, (line.get_label(), len(cycles))
+        marked.setdefault(line.get_label().split(" ")[0], set()).add(cycles[0])
+    assert not marked["eagle3"] & marked["specfit"]

@@ -18,7 +18,7 @@ import matplotlib
 import pandas as pd
 
 from ..io import write_text_atomic
-from .plots import policy_colors
+from .plots import PolicyStyle, policy_styles
 
 __all__ = ["Page", "svg_of"]
 
@@ -111,14 +111,18 @@ class Page:
     parts: list[str] = field(default_factory=list)
     toc: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)      # what the page left out and why, for the command to say
-    colors: dict[str, str] = field(default_factory=dict)   # each policy's colour in every figure of the page
+    policies: dict[str, PolicyStyle] = field(default_factory=dict)   # each policy's look in every figure of the page
     styles: list[str] = field(default_factory=list)     # the tables' own rules, for the page's head
 
+    def policy_styles(self, policies) -> dict[str, PolicyStyle]:
+        """Each policy's colour, marker and line style on this page: those it was first given (in
+        page order), in every figure of every section."""
+        self.policies = policy_styles(policies, self.policies)
+        return self.policies
+
     def policy_colors(self, policies) -> dict[str, str]:
-        """Each policy's colour on this page: the one it was first given (in page order), in
-        every figure of every section."""
-        self.colors = policy_colors(policies, self.colors)
-        return self.colors
+        """Each policy's colour on this page (:meth:`policy_styles`), for bars, which have no marker."""
+        return {policy: style.color for policy, style in self.policy_styles(policies).items()}
 
     def note(self, text: str) -> "Page":
         """Say on the page, and to whoever renders it (:attr:`notes`), what was left out and why."""

@@ -9,7 +9,7 @@ from matplotlib.ticker import MaxNLocator
 from ..accounting import read_cycles, summarise, waiting_note
 from ..runtime.commands import raw_acceptance_notes
 from .html import Page
-from .plots import bars, identity_scatter, new_axes, policy_colors
+from .plots import bars, identity_scatter, new_axes, policy_styles
 
 __all__ = ["live_section"]
 
@@ -27,7 +27,8 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
     policies = list(dict.fromkeys(cycles["policy"])) if "policy" in cycles else ["run"]
     if "policy" not in cycles:
         cycles = cycles.assign(policy="run")
-    colors = page.policy_colors(policies)
+    styles = page.policy_styles(policies)
+    colors = page.policy_colors(policies)               # for the bars, which have no marker
     table = _per_policy(cycles)
     # two tables of a dozen columns or fewer, each whole on the page: one of twenty ran past its edge
     page.table(table[list(_TIME_COLUMNS)], percent=_SHARES, caption=(
@@ -50,26 +51,27 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
 
     if cycles["predicted_time_s"].notna().any():
         fig = identity_scatter(cycles["measured_time_s"] * 1e3, cycles["predicted_time_s"] * 1e3, "measured cycle (ms)",
-                               "predicted cycle (ms)", groups=cycles["policy"], group_colors=colors)
+                               "predicted cycle (ms)", groups=cycles["policy"], group_styles=styles)
         page.figure(fig, "Predicted vs measured cycle time (draft + verify + learn), with the identity line.")
 
     fig, ax = new_axes(7.5, 3.4)
-    for policy in policies:
+    for k, policy in enumerate(policies):
         g = cycles[cycles["policy"] == policy]
-        ax.plot(np.arange(len(g)), g["measured_time_s"] * 1e3, lw=1, label=f"{policy} measured", color=colors[policy])
+        marked = styles[policy].marked(len(g), k, len(policies))
+        ax.plot(np.arange(len(g)), g["measured_time_s"] * 1e3, lw=1, ms=4, label=f"{policy} measured", **marked)
         if g["predicted_time_s"].notna().any():
-            ax.plot(np.arange(len(g)), g["predicted_time_s"] * 1e3, lw=1, ls="--", label=f"{policy} predicted",
-                    color=colors[policy])
+            ax.plot(np.arange(len(g)), g["predicted_time_s"] * 1e3, lw=1, ms=4, ls="--", label=f"{policy} predicted",
+                    **marked)
     ax.set(xlabel="cycle", ylabel="ms")
     ax.legend(fontsize=7, ncol=2)
     page.figure(fig, "Cycle time over the run.")
-    errors = _errors_over_time(cycles, policies, colors)
+    errors = _errors_over_time(cycles, policies, styles)
     if errors is not None:
         page.figure(errors, f"Cycle-time error over the run: |predicted - measured| / measured, a rolling mean over "
                             f"{_ROLLING} cycles, of the profile's prediction (the prior, dashed) and of the model "
                             f"refitted online on the run's own cycles, which the policy decided with (solid). Each "
                             f"online prediction was made before its cycle was measured.")
-    union = _union_per_layer(cycles, policies, colors)
+    union = _union_per_layer(cycles, policies, styles)
     if union is not None:
         page.figure(union, "Expert union per layer, predicted (from the expert predictor, hatched) and true (what "
                            "the verified nodes routed to), mean per cycle; the union is what the cycle-time "
@@ -88,7 +90,9 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
     top = int(cycles["committed_tokens"].max())
     for policy in policies:
         counts = np.bincount(cycles.loc[cycles["policy"] == policy, "committed_tokens"], minlength=top + 1)[1:]
-        ax.plot(np.arange(1, top + 1), counts / max(counts.sum(), 1), "o-", label=str(policy), color=colors[policy])
+        # the lines lie on one another where shares are equal (at 0): each in its policy's line style too
+        ax.plot(np.arange(1, top + 1), counts / max(counts.sum(), 1), label=str(policy), ls=styles[policy].linestyle,
+                **styles[policy].marked(top))
     ax.set(xlabel="tokens committed in a cycle", ylabel="share of cycles")
     ax.legend(fontsize=8)
     page.figure(fig, "Committed tokens per cycle.")
@@ -183,12 +187,12 @@ def _charged_matches(g: pd.DataFrame) -> str:
     return "yes" if same == len(known) else f"{same} of {len(known)} cycles"
 
 
-def _errors_over_time(cycles: pd.DataFrame, policies, colors: dict | None = None):
+def _errors_over_time(cycles: pd.DataFrame, policies, styles: dict | None = None):
     if "prior_predicted_time_s" not in cycles or cycles["prior_predicted_time_s"].isna().all():
         return None
-    colors = colors or policy_colors(policies)
+    styles = styles or policy_styles(policies)
     fig, ax = new_axes(7.5, 3.4)
-    for policy in policies:
+    for k, policy in enumerate(policies):
         g = cycles[cycles["policy"] == policy]
         measured = g["measured_time_s"].to_numpy(dtype=float)
         for column, style in (("prior_predicted_time_s", "--"), ("online_predicted_time_s", "-")):
@@ -197,17 +201,18 @@ def _errors_over_time(cycles: pd.DataFrame, policies, colors: dict | None = None
                 continue
             ape = pd.Series(np.abs(predicted - measured) / measured).rolling(_ROLLING, min_periods=1).mean()
             label = f"{policy} {'profile' if column.startswith('prior') else 'online'}"
-            ax.plot(np.arange(len(g)), ape * 100, lw=1, ls=style, label=label, color=colors[policy])
+            ax.plot(np.arange(len(g)), ape * 100, lw=1, ms=4, ls=style, label=label,
+                    **styles[policy].marked(len(g), k, len(policies)))
     ax.set(xlabel="cycle of the policy", ylabel="rolling APE (%)")
     ax.set_ylim(bottom=0)
     ax.legend(fontsize=7, ncol=2)
     return fig
 
 
-def _union_per_layer(cycles: pd.DataFrame, policies, colors: dict | None = None):
+def _union_per_layer(cycles: pd.DataFrame, policies, styles: dict | None = None):
     if "union_per_layer" not in cycles:
         return None
-    colors = colors or policy_colors(policies)
+    styles = styles or policy_styles(policies)
     rows = {}
     for policy in policies:
         g = cycles[cycles["policy"] == policy]
@@ -223,8 +228,8 @@ def _union_per_layer(cycles: pd.DataFrame, policies, colors: dict | None = None)
     x = np.arange(n_layers)
     for i, (policy, (predicted, true)) in enumerate(rows.items()):
         pos = x - 0.4 + width * (2 * i + 0.5)
-        ax.bar(pos, true, width=width * 0.95, label=f"{policy} true", color=colors[policy])
-        ax.bar(pos + width, predicted, width=width * 0.95, color=colors[policy], alpha=0.5, hatch="//",
+        ax.bar(pos, true, width=width * 0.95, label=f"{policy} true", color=styles[policy].color)
+        ax.bar(pos + width, predicted, width=width * 0.95, color=styles[policy].color, alpha=0.5, hatch="//",
                label=f"{policy} predicted")
     ax.set(xlabel="layer", ylabel="experts in the union per cycle")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

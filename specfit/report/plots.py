@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.colors import to_hex
@@ -9,7 +12,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter
 
 __all__ = ["new_axes", "log_x", "legend_outside", "identity_scatter", "bars", "grouped_bars", "POLICY_PALETTE",
-           "policy_colors"]
+           "POLICY_MARKERS", "POLICY_LINESTYLES", "PolicyStyle", "policy_styles"]
 
 # matplotlib's default cycle (tab10), then the light halves of tab20 and tab20b's and tab20c's dark
 # and middle shades: 35 colours, so that a page of many policies (a sweep's and a decode's) does not
@@ -19,15 +22,49 @@ POLICY_PALETTE = tuple(to_hex(c) for c in (*colormaps["tab10"].colors, *colormap
                                            *colormaps["tab20b"].colors[2::4]))
 
 
-def policy_colors(policies, given: dict | None = None) -> dict[str, str]:
-    """One colour per policy: ``given``'s (the page's so far) kept, each policy new to it the next
-    of :data:`POLICY_PALETTE` in the order named. A figure that took the next colour of the cycle
-    gave a policy a colour by its place among the figure's lines, so the same policy changed colour
-    from one figure to the next."""
-    colors = dict(given or {})
+# a marker per policy beside its colour: a reader who cannot tell the colours apart (one man in
+# twelve), or a greyscale print, matched a line to its legend entry by nothing. Filled shapes whose
+# outlines differ; eight, prime to the palette's 35, so that no two of a page's first 280 policies
+# share both colour and marker
+POLICY_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+# and a line style, for the figures whose lines lie on one another (a histogram's outlines)
+POLICY_LINESTYLES = ("-", "--", "-.", ":")
+# a line of more points than this (a run's cycles) is marked every k-th point, about this many
+# times: a marker on each of 2,000 cycles was a smear that hid the line
+MARKS_PER_LINE = 20
+
+
+@dataclass(frozen=True)
+class PolicyStyle:
+    """How one policy is drawn in every figure of a page."""
+
+    color: str
+    marker: str
+    linestyle: str
+
+    def marked(self, points: int, line: int = 0, lines: int = 1) -> dict:
+        """matplotlib's keywords for a line of ``points`` points in this colour with this marker:
+        on every point up to :data:`MARKS_PER_LINE`, else on every k-th, the ``line``-th of
+        ``lines`` lines starting its marks k * line / lines in (lines on one another do not stack
+        their markers)."""
+        step = max(1, math.ceil(points / MARKS_PER_LINE))
+        return {"color": self.color, "marker": self.marker, "markevery": (step * line // lines, step)}
+
+
+def policy_styles(policies, given: dict | None = None) -> dict[str, PolicyStyle]:
+    """One colour, marker and line style per policy: ``given``'s (the page's so far) kept, the
+    ``k``-th policy new to it the ``k``-th of :data:`POLICY_PALETTE`, :data:`POLICY_MARKERS` and
+    :data:`POLICY_LINESTYLES` (each wrapping), in the order named. A figure that took the next
+    colour of the cycle gave a policy a colour by its place among the figure's lines, so the same
+    policy changed colour from one figure to the next."""
+    styles = dict(given or {})
     for policy in map(str, policies):
-        colors.setdefault(policy, POLICY_PALETTE[len(colors) % len(POLICY_PALETTE)])
-    return colors
+        if policy not in styles:
+            k = len(styles)
+            styles[policy] = PolicyStyle(POLICY_PALETTE[k % len(POLICY_PALETTE)],
+                                         POLICY_MARKERS[k % len(POLICY_MARKERS)],
+                                         POLICY_LINESTYLES[k % len(POLICY_LINESTYLES)])
+    return styles
 
 
 def new_axes(width: float = 6.4, height: float = 3.6):
@@ -60,10 +97,10 @@ RASTER_ABOVE = 2000
 
 
 def identity_scatter(measured, predicted, xlabel: str, ylabel: str, color=None, color_label: str = "",
-                     groups=None, group_colors: dict | None = None):
+                     groups=None, group_styles: dict | None = None):
     """Predicted vs measured with the identity line and the MAPE in the title; ``color`` shades
     points by a number (with a colour bar), ``groups`` labels them by category (with a legend, each
-    in its colour of ``group_colors`` where it has one)."""
+    in its colour and marker of ``group_styles`` where it has them)."""
     measured, predicted = np.asarray(measured, dtype=float), np.asarray(predicted, dtype=float)
     raster = measured.size > RASTER_ABOVE
     fig, ax = new_axes(5.2, 4.4)
@@ -71,8 +108,9 @@ def identity_scatter(measured, predicted, xlabel: str, ylabel: str, color=None, 
         groups = np.asarray(groups)
         for name in dict.fromkeys(groups.tolist()):
             sel = groups == name
-            ax.scatter(measured[sel], predicted[sel], s=14, alpha=0.75, label=str(name), rasterized=raster,
-                       color=(group_colors or {}).get(str(name)))
+            style = (group_styles or {}).get(str(name))
+            look = {"color": style.color, "marker": style.marker} if style else {}
+            ax.scatter(measured[sel], predicted[sel], s=14, alpha=0.75, label=str(name), rasterized=raster, **look)
         ax.legend(fontsize=8)
     else:
         shade = {} if color is None else {"c": np.asarray(color), "cmap": "viridis"}

@@ -49,13 +49,13 @@ def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame |
                     f"(experts {unit}); labels: speed-up vs ar at the same cache size (none where ar was not "
                     "replayed).")
         if len(caches) > 1:
-            page.figure(_throughput_vs_cache(group, page.policy_colors(policies), unit),
+            page.figure(_throughput_vs_cache(group, page.policy_styles(policies), unit),
                         "Throughput vs expert-cache size, per policy.")
         page.figure(grouped_bars(labels, {f"{c} cached": [table.loc[(c, p), "bytes_per_token"] / 1e6 for p in policies]
                                           for c in caches}, "MB H2D / token"),
                     "Host-to-device traffic per committed token, per policy and expert-cache size.")
     if cycles is not None and not cycles.empty:
-        page.figure(_tree_sizes(cycles, page.policy_colors(sorted(cycles["policy"].unique(), key=_policy_rank))),
+        page.figure(_tree_sizes(cycles, page.policy_styles(sorted(cycles["policy"].unique(), key=_policy_rank))),
                     "Nodes verified per cycle: how large a subtree each policy chose, as a share of the policy's "
                     "cycles over every trace, profile and cache size of the run.")
     summary = summary.assign(bytes_per_token=summary["bytes_per_token"] / 1e6)     # MB, as in the figures
@@ -121,28 +121,37 @@ def _label(rows) -> str:
     return f"static:auto (N={sizes[0] if len(set(sizes)) == 1 else '/'.join(sizes)})"
 
 
-def _throughput_vs_cache(group: pd.DataFrame, colors: dict, unit: str = "per layer"):
+def _throughput_vs_cache(group: pd.DataFrame, styles: dict, unit: str = "per layer"):
     fig, ax = new_axes()
     for policy, g in sorted(group.groupby("policy"), key=lambda kv: _policy_rank(kv[0])):
         g = g.sort_values("cache_experts")
-        ax.plot(g["cache_experts"], g["tokens_per_s"], "o-", label=str(policy), color=colors[str(policy)])
+        style = styles[str(policy)]
+        ax.plot(g["cache_experts"], g["tokens_per_s"], label=str(policy), color=style.color, marker=style.marker)
     ax.set(xlabel=f"cached experts {unit}", ylabel="tokens / s")
     legend_outside(ax)
     return fig
 
 
-def _tree_sizes(cycles: pd.DataFrame, colors: dict):
+def _tree_sizes(cycles: pd.DataFrame, styles: dict):
     fig, ax = new_axes()
     policies = sorted(cycles["policy"].unique(), key=_policy_rank)
     top = int(cycles["nodes_verified"].max())
     edges = np.unique(np.round(np.geomspace(1, max(top, 2) + 1, 16))) - 0.5
+    middles = np.sqrt(edges[:-1] * edges[1:])                  # of a bin on the log axis
     for policy in policies:
         nodes = cycles.loc[cycles["policy"] == policy, "nodes_verified"]
-        # each cycle weighs 1 / cycles: a bar is the share of the policy's cycles (density=True divided
-        # it by the log-spaced bin's width: 58 nodes every cycle was drawn at 0.07)
-        ax.hist(nodes, bins=edges, histtype="step", lw=1.5, label=str(policy),
-                weights=np.full(len(nodes), 1 / len(nodes)), color=colors[str(policy)])
+        # a bar is the share of the policy's cycles (density=True divided it by the log-spaced bin's
+        # width: 58 nodes every cycle was drawn at 0.07)
+        shares = np.histogram(nodes, bins=edges)[0] / len(nodes)
+        # the step outline as one line, through each bar's top middle, where the policy's marker
+        # sits (on the bars it has): outlines lie on one another at shared edges and heights
+        x = np.concatenate([edges[:1], np.column_stack([edges[:-1], middles, edges[1:]]).ravel(), edges[-1:]])
+        y = np.concatenate([[0.0], np.repeat(shares, 3), [0.0]])
+        style = styles[str(policy)]
+        ax.plot(x, y, lw=1.5, label=str(policy), color=style.color, ls=style.linestyle, marker=style.marker,
+                markevery=(2 + 3 * np.flatnonzero(shares)).tolist())
     log_x(ax)
+    ax.set_ylim(bottom=0)                   # as a bar chart's: the outlines' feet on the axis
     ax.set(xlabel="nodes verified in a cycle", ylabel="share of cycles")
     legend_outside(ax)
     return fig

@@ -16,7 +16,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 from .html import Page
-from .plots import new_axes
+from .plots import new_axes, policy_styles
 from .simulation import _policy_rank, cache_unit
 
 __all__ = ["sweep_section", "plan_section", "heat_map_grid", "frontier"]
@@ -82,14 +82,17 @@ def _ticks(n: int) -> list[int]:
     return sorted({*range(0, n, step), n - 1})
 
 
-def frontier(settings: pd.DataFrame, budget_bytes: float, best: dict):
+def frontier(settings: pd.DataFrame, budget_bytes: float, best: dict, styles: dict | None = None):
     """Tokens/s vs device memory for every setting the plan ran, with the frontier (the best
-    tokens/s within each memory size) and the budget."""
+    tokens/s within each memory size) and the budget; each policy (its name before a ':') in its
+    colour and marker of ``styles``, by default one of its own."""
     fig, ax = new_axes(7.0, 4.0)
     heads = settings["policy"].str.split(":").str[0]
-    for head in sorted(heads.unique(), key=_policy_rank):
+    styles = styles or policy_styles(_heads(settings))
+    for head in _heads(settings):
         s = settings[heads == head]
-        ax.scatter(s["device_bytes"] / 1e9, s["tokens_per_s"], s=18, label=head, alpha=0.8)
+        ax.scatter(s["device_bytes"] / 1e9, s["tokens_per_s"], s=18, label=head, alpha=0.8, color=styles[head].color,
+                   marker=styles[head].marker)
     order = settings.sort_values(["device_bytes", "tokens_per_s"], ascending=[True, False])
     running = np.maximum.accumulate(order["tokens_per_s"].to_numpy())
     ax.step(order["device_bytes"] / 1e9, running, where="post", color="black", lw=1.2, label="frontier")
@@ -99,6 +102,11 @@ def frontier(settings: pd.DataFrame, budget_bytes: float, best: dict):
     ax.set(xlabel="device memory (GB)", ylabel="tokens / s")
     ax.legend(fontsize=7, ncol=2)
     return fig
+
+
+def _heads(settings: pd.DataFrame) -> list[str]:
+    """The policies of a plan's settings, each once: their names before a ':' (static:8's static)."""
+    return sorted(settings["policy"].str.split(":").str[0].unique(), key=_policy_rank)
 
 
 def sweep_section(page: Page, results: pd.DataFrame, name: str, spec: dict | None = None) -> None:
@@ -168,7 +176,7 @@ def plan_section(page: Page, plan: dict, name: str) -> None:
                    f"{best['cache_experts']} cached experts per layer, {best['tokens_per_s']:.2f} tokens/s predicted "
                    f"on {', '.join(plan['traces'])} ({plan['profile']}).")
     settings = pd.DataFrame(plan["settings"])
-    page.figure(frontier(settings, mem["device_bytes"], best),
+    page.figure(frontier(settings, mem["device_bytes"], best, page.policy_styles(_heads(settings))),
                 "Every candidate setting (policy x expert-cache size): predicted tokens/s against the device memory it "
                 "needs; the line is the best reachable within each memory size, the dashed line the budget.")
     table = pd.DataFrame([best, *plan["runners_up"]])
