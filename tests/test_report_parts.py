@@ -89,6 +89,19 @@ def test_live_early_stopping_counts_only_cycles_with_fewer_levels_than_eagle3():
     assert "cycles where specfit drafted fewer levels than eagle3 (4)</th><td>50% of 4</td>" in text
 
 
+def test_early_stoppings_bars_read_as_their_legend_and_not_by_colour_alone():
+    """eagle3's bars on the left are its legend's first entry, hatched; specfit's on the right plain
+    (the legend listed specfit first, over bars told apart by colour alone)."""
+    page = _Figures(title="t")
+    _stopping(page, read_cycles(pd.DataFrame(_rows("specfit", [4, 4, 2, 2]) + _rows("eagle3", [4, 4, 4, 4]))))
+    ax = page.parts[-1].axes[0]
+    handles, labels = ax.get_legend_handles_labels()
+    assert labels == ["eagle3", "specfit"]
+    (left, right) = (bars.patches for bars in handles)
+    assert all(p.get_x() < q.get_x() for p, q in zip(left, right))
+    assert {p.get_hatch() for p in left} == {"//"} and not any(p.get_hatch() for p in right)
+
+
 def test_calibration_h2d_figure_draws_each_memory_kind_with_its_own_fit():
     rows = [{"bytes": b, "pinned": p, "seconds": (1e-5 + b / 20e9) if p else (3e-5 + b / 5e9)}
             for p in (True, False) for b in (1e6, 2e6, 4e6)]

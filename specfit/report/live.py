@@ -293,10 +293,12 @@ def _stopping(page: Page, cycles: pd.DataFrame) -> None:
     colors = page.policy_colors([ours, eagle])
     fig, ax = new_axes()
     top = int(max(s["draft_levels"].max(), depth))
-    for label, g in ((ours, s), (eagle, e)):
+    # left to right as the legend reads top to bottom, and each bar hatched as its entry: colour is not all
+    for (label, g), offset, hatch in (((eagle, e), -0.2, "//"), ((ours, s), 0.2, "")):
         counts = np.bincount(g["draft_levels"], minlength=top + 1)
-        ax.bar(np.arange(top + 1) + (0.2 if label == ours else -0.2), counts / counts.sum(), width=0.4, label=label,
-               color=colors[label])
+        ax.bar(np.arange(top + 1) + offset, counts / counts.sum(), width=0.4, label=label, color=colors[label],
+               hatch=hatch, edgecolor="white")
     ax.set(xlabel="draft levels in a cycle", ylabel="share of cycles")
     ax.legend()
-    page.figure(fig, "Draft levels per cycle: SpecFit stops when another level does not pay for itself.")
+    page.figure(fig, f"Draft levels per cycle ({eagle} left, hatched; {ours} right): SpecFit stops when another level "
+                     f"does not pay for itself.")
