@@ -260,3 +260,16 @@ def test_decode_of_a_chat_speculates_the_autoregressive_output_and_records_it(tm
     assert [r["prompt_tokens"] for r in records if r["policy"] == "ar"] == [
         len(reference(model_dir, TURNS)), len(reference(model_dir, TURNS[:1])), text_tokens]
     assert read_trace(tmp_path / "trace.parquet").n_cycles > 0
+
+
+@pytest.mark.parametrize("line, kind", [({"messages": TURNS}, "messages"), ({"prompt": "<|im_start|>hi"}, "prompt")])
+def test_a_token_past_the_models_vocabulary_is_one_error(tmp_path, line, kind):
+    """The ChatML copy's <|im_start|> and <|im_end|> are ids 2048 and 2049, past the bundled model's
+    2048 embedding rows: a decode ended in the embedding's IndexError traceback."""
+    model_dir = chat_model(tmp_path / "model", "chatml")
+    prompts = write_prompts(tmp_path / "prompts.jsonl", [line])
+    result = runner.invoke(app, ["decode", "--model", str(model_dir), "--prompts", str(prompts), "--cache-experts", "2",
+                                 "--device", "cpu", "--max-new-tokens", "2", "--profile", "pcie4"])
+    assert result.exit_code == 2 and len(result.output.strip().splitlines()) == 1, result.output
+    assert (f'prompts.jsonl:1: "{kind}" tokenises to token id 2048, outside the model\'s vocabulary [0, 2048)'
+            in result.output)

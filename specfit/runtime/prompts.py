@@ -65,11 +65,14 @@ def read_prompts(path: str | Path, tokenizer=None, vocab_size: int | None = None
         if "chat_template_kwargs" in record and given != ["messages"]:
             raise SpecFitError(f'{where}: "chat_template_kwargs" goes with "messages" (a chat), not with "{given[0]}"')
         if "prompt" in record:
-            prompts.append(_from_text(record["prompt"], tokenizer, where, number))
+            prompt = _from_text(record["prompt"], tokenizer, where, number)
         elif "messages" in record:
-            prompts.append(_from_chat(record, tokenizer, chat, where, number))
+            prompt = _from_chat(record, tokenizer, chat, where, number)
         else:
-            prompts.append(Prompt(number, _token_ids(record["input_ids"], vocab_size, where), None))
+            prompt = Prompt(number, _token_ids(record["input_ids"], vocab_size, where), None)
+        if prompt.text is not None:
+            _tokenised_in_vocabulary(prompt.input_ids, vocab_size, given[0], where)
+        prompts.append(prompt)
     if not prompts:
         raise SpecFitError(f"{path}: no prompts (expected one JSON object per line)")
     return prompts
@@ -181,6 +184,16 @@ def _check_unicode(text: str, field: str, where: str) -> None:
     except UnicodeEncodeError as exc:      # a lone surrogate ("\\ud800"): valid JSON, not text
         raise SpecFitError(f'{where}: {field} must be valid Unicode text, got an unpaired surrogate at character '
                            f'{exc.start}') from None
+
+
+def _tokenised_in_vocabulary(ids: list[int], vocab_size: int | None, kind: str, where: str) -> None:
+    """A tokenizer of another model than the weights (or with tokens added past the embedding's
+    rows) gives ids the embedding has no row for: an IndexError deep in the first pass."""
+    bad = [t for t in ids if vocab_size is not None and t >= vocab_size]
+    if bad:
+        raise SpecFitError(f'{where}: "{kind}" tokenises to token id {bad[0]}, outside the model\'s vocabulary [0, '
+                           f'{vocab_size}) (config.json\'s vocab_size): the model directory\'s tokenizer.json has '
+                           f'ids the embedding has no row for')
 
 
 def _token_ids(value, vocab_size: int | None, where: str) -> list[int]:
