@@ -121,6 +121,14 @@ def test_trace_metadata_of_the_wrong_kind_is_one_line_where_the_trace_is_read(tm
     {"prefill_sequences": [0], "prefill_experts": [[[0], [1]]]},            # two layers' lists for a 1-layer trace
     {"prefill_sequences": [0], "prefill_experts": [[[7]]]},                 # an expert id out of range
     {"prefill_sequences": [0], "prefill_experts": "nothing"},
+    {"prefill_sequences": [0], "prefill_experts": [[[0]], [[1]]]},            # two passes, no pass counts
+    {"prefill_sequences": [0], "prefill_experts": [[[0]], [[1]]], "prefill_pass_counts": [3]},   # counts past the passes
+    {"prefill_sequences": [0], "prefill_experts": [], "prefill_pass_counts": [0]},                # a sequence of no pass
+    {"prefill_sequences": [0], "prefill_experts": [[[0]]], "prefill_pass_counts": [True]},
+    {"prefill_sequences": [0, 1], "prefill_experts": [[[0]], [[1]]], "prefill_pass_counts": [2]},  # one count, two ids
+    {"prefill_sequences": [0], "prefill_experts": [[[0]], [[7]]], "prefill_pass_counts": [2]},     # pass 1 out of range
+    {"prefill_sequences": [0], "prefill_experts": [[[0]], None], "prefill_pass_counts": [2]},      # a pass missing
+    {"prefill_pass_counts": [1]},                                                                 # counts of nothing
 ])
 def test_a_recorded_prompt_pass_that_is_malformed_is_one_line(tmp_path, prefill):
     """A live recording's prompt passes warm the replay's cache: a malformed entry is refused

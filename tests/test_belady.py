@@ -99,10 +99,13 @@ def test_requests_served_but_not_counted_equal_the_dynamic_program(seed):
     assert (hits + misses).tolist() == [u.size for u, c in zip(unions, counted) if c]
 
 
+@pytest.mark.parametrize("passes", [{"prefill_experts": [[[0, 1, 3]]]},
+                                    {"prefill_experts": [[[3]], [[0, 1]]], "prefill_pass_counts": [2]}])
 @pytest.mark.parametrize("cache_experts", [1, 2, 3, 4])
-def test_the_ceiling_of_a_replay_serves_its_prompt_passes_too(cache_experts):
-    """A recorded trace's prompt pass is admitted before its sequence's first cycle; the ceiling
-    counted from an empty cache on the cycles alone was above LRU's own misses (3 against 0-2)."""
+def test_the_ceiling_of_a_replay_serves_its_prompt_passes_too(cache_experts, passes):
+    """A recorded trace's prompt passes (one, or one per chunk) are admitted before its sequence's
+    first cycle; the ceiling counted from an empty cache on the cycles alone was above LRU's own
+    misses (3 against 0-2)."""
     from trace_helpers import hand_trace
 
     from specfit.calibrate.presets import SHAPES, preset_profile
@@ -111,7 +114,7 @@ def test_the_ceiling_of_a_replay_serves_its_prompt_passes_too(cache_experts):
     from specfit.simulate.replay import prepare, replay
 
     trace = hand_trace()
-    trace.meta["recording"].update(prefill_sequences=[0], prefill_experts=[[[0, 1, 3]]])
+    trace.meta["recording"].update(prefill_sequences=[0], **passes)
     prep = prepare("hand+prefill", trace, trace.true_experts)
     assert prep.has_prefill.all()
     cost = preset_profile("gh200", SHAPES["qwen3-30b-a3b"]).cost

@@ -1,7 +1,7 @@
 """Chunked prefill: the prompt through the target and the drafter in passes of at most
 ``prefill_chunk`` tokens gives what the one pass gives (logits, greedy output of every policy,
-routing, the recording) on every attention variant, its accounting adds up over the passes, and
-plan's workspace for it grows with the chunk times the prompt, not the prompt squared."""
+routing) on every attention variant, its accounting adds up over the passes, its recording holds
+each pass, and plan's workspace for it grows with the chunk times the prompt, not the prompt squared."""
 
 from __future__ import annotations
 
@@ -126,7 +126,7 @@ def test_the_drafter_runs_the_prompt_in_chunks_and_drafts_what_the_one_pass_draf
 
 def test_chunked_prefill_accounting_and_recording(bundled):
     """The prompt's expert traffic is every pass's (a layer's union per chunk), its time holds
-    every pass, and the recording's prompt pass is the whole prompt's experts, as in one pass."""
+    every pass, and the recording holds each pass's experts per layer, in the order they ran."""
     model, drafter = bundled
     prompt = _prompt(45, model.config.vocab_size, seed=5)
     recorded = {}
@@ -140,11 +140,14 @@ def test_chunked_prefill_accounting_and_recording(bundled):
         decoder_routing = _routing(model, prompt)
         for s, e in prefill_chunks(len(prompt), chunk):
             union_sizes += [np.unique(decoder_routing[s:e, layer]).size for layer in range(model.config.n_moe_layers)]
+        assert recorded[chunk] == [[np.unique(decoder_routing[s:e, layer]).tolist()
+                                    for layer in range(model.config.n_moe_layers)]
+                                   for s, e in prefill_chunks(len(prompt), chunk)]
         served = result.prefill_offload.hits + result.prefill_offload.misses
         assert served.tolist() == union_sizes.tolist(), chunk
         assert result.offload.total_misses >= result.prefill_offload.total_misses
         assert result.prefill_time_s > 0
-    assert recorded[16] == recorded[0]
+    assert len(recorded[0]) == 1 and len(recorded[16]) == 3
 
 
 def _routing(model, prompt):

@@ -221,9 +221,6 @@ def test_decode_command_prints_a_summary_table(cli_model, tmp_path):
     ([{"input_ids": [1]}], ["--max-new-tokens", "1000"], "exceed the model's max_position_embeddings"),
     ([{"input_ids": [1]}], ["--dtype", "int4"], "--dtype: expected one of float32, bfloat16, float16"),
     ([{"input_ids": [1]}], ["--prefill-chunk", "-1"], "--prefill-chunk: expected a number of tokens >= 0"),
-    # a trace records the prompt's pass as one: a prompt in several chunks cannot be recorded
-    ([{"input_ids": [1, 2]}, {"input_ids": [1, 2, 3, 4, 5]}], ["--record", "t.parquet", "--prefill-chunk", "4"],
-     "prompts.jsonl:2: --record: the prompt's 5 tokens run in passes of --prefill-chunk 4"),
 ])
 def test_decode_command_bad_input_is_one_line(cli_model, tmp_path, lines, args, message):
     prompts = _write_prompts(tmp_path / "prompts.jsonl", lines)

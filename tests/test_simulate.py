@@ -535,10 +535,13 @@ def test_a_prepared_trace_is_read_only_as_a_ray_worker_receives_it_so_its_kernel
     assert (len(kernels.replay.replay_compiled.signatures), len(kernels.replay.replay_specfit.signatures)) == signatures
 
 
-def test_every_replay_path_starts_each_sequence_with_its_recorded_prompt_pass():
+@pytest.mark.parametrize("passes", [1, 3])
+def test_every_replay_path_starts_each_sequence_with_its_recorded_prompt_pass(passes):
     """A live recording's prompt passes are admitted before each sequence's first cycle by the
     compiled replays (fixed policies and specfit) and the Python loop alike: the same columns, and
-    first cycles that hit what the prompt pass made resident."""
+    first cycles that hit what the prompt passes made resident. A prompt recorded in several passes
+    (one per chunk; the old format's one entry per sequence with ``passes`` 1) has them admitted in
+    order: its cache is not the one its passes' union leaves in a cache smaller than that union."""
     import copy
 
     from specfit.policies import Observation
@@ -547,30 +550,46 @@ def test_every_replay_path_starts_each_sequence_with_its_recorded_prompt_pass():
     rng = np.random.default_rng(0)
     sequences = sorted({int(s) for s in trace.sequence})
     trace.meta = copy.deepcopy(trace.meta)
-    trace.meta["recording"]["prefill_sequences"] = sequences
-    trace.meta["recording"]["prefill_experts"] = [
+    recording = trace.meta["recording"]
+    recording["prefill_sequences"] = sequences
+    recording["prefill_experts"] = [
         [sorted(rng.choice(trace.n_experts, 12, replace=False).tolist()) for _ in range(trace.n_layers)]
-        for _ in sequences]
+        for _ in range(passes * len(sequences))]
+    if passes > 1:
+        recording["prefill_pass_counts"] = [passes] * len(sequences)
     warm = prepare("parent", trace, np.roll(trace.true_experts, 1, axis=0))
-    cold_trace = copy.copy(trace)
-    cold_trace.meta = copy.deepcopy(trace.meta)
+    cold_trace, union_trace = copy.copy(trace), copy.copy(trace)
+    cold_trace.meta, union_trace.meta = copy.deepcopy(trace.meta), copy.deepcopy(trace.meta)
     del cold_trace.meta["recording"]["prefill_sequences"], cold_trace.meta["recording"]["prefill_experts"]
+    cold_trace.meta["recording"].pop("prefill_pass_counts", None)
+    union_trace.meta["recording"].pop("prefill_pass_counts", None)
+    union_trace.meta["recording"]["prefill_experts"] = [
+        [sorted(set().union(*(recording["prefill_experts"][s * passes + p][layer] for p in range(passes))))
+         for layer in range(trace.n_layers)] for s in range(len(sequences))]
     cold = prepare("parent", cold_trace, np.roll(trace.true_experts, 1, axis=0))
+    union = prepare("parent", union_trace, np.roll(trace.true_experts, 1, axis=0))
     assert warm.has_prefill.all() and not cold.has_prefill.any()
+    assert warm.prefill_bits.shape[0] == warm.prefill_offsets[-1] == passes * len(sequences)
     cost = preset_profile("pcie4", SHAPES[trace.model["name"]]).cost
     for spec in ("ar", "chain:2+cache+prefetch", "specfit", "specfit+cache+prefetch"):
         logs = {}
-        for prep, compiled in ((warm, True), (warm, False), (cold, True)):
+        for name, prep, compiled in (("warm", warm, True), ("warm", warm, False), ("cold", cold, True),
+                                     ("union", union, True)):
             policy = make_policy(spec)
             policy.observe(Observation(predicted_slots=100, predicted_slots_right=60, resident_share=0.25))
-            logs[prep is warm, compiled] = replay(prep, policy, ExpertCache(trace.n_layers, trace.n_experts, 16), cost,
-                                                  compiled=compiled)
-        for column, values in logs[True, True].columns.items():
-            np.testing.assert_array_equal(values, logs[True, False].columns[column], err_msg=f"{spec} {column}")
+            logs[name, compiled] = replay(prep, policy, ExpertCache(trace.n_layers, trace.n_experts, 16), cost,
+                                          compiled=compiled)
+        for column, values in logs["warm", True].columns.items():
+            np.testing.assert_array_equal(values, logs["warm", False].columns[column], err_msg=f"{spec} {column}")
         def first_hits(log):
             return log.columns["hits"][np.r_[True, np.diff(log.columns["sequence"]) != 0]].sum()
 
-        assert first_hits(logs[True, True]) > first_hits(logs[False, True]), spec
+        assert first_hits(logs["warm", True]) > first_hits(logs["cold", True]), spec
+        # one pass: its union is itself; three of 12 experts a layer through a 16-slot cache leave
+        # the last pass's experts resident, not those the eviction keeps of the passes' union
+        same = all(np.array_equal(values, logs["union", True].columns[column])
+                   for column, values in logs["warm", True].columns.items())
+        assert same == (passes == 1), spec
 
 
 def test_the_recorded_command_runs_as_typed_when_started_as_python_dash_m(tmp_path):

@@ -815,12 +815,30 @@ def test_an_acceptance_trace_of_another_model_is_refused_before_the_model_loads(
     assert "a trace of another model" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("mode, eviction, capacity", [("per_layer", "lru", 3), ("per_layer", "lfu", 3),
-                                                       ("global", "lru", 10), ("global", "lfu", 10)])
+def _one_union_per_prompt(trace):
+    """``trace`` with each sequence's prompt passes recorded as one union of their experts (a
+    recording without the passes' order): what a replay that admits the prompt at once sees."""
+    import copy
+
+    trace = copy.copy(trace)
+    trace.meta = copy.deepcopy(trace.meta)
+    recording = trace.meta["recording"]
+    counts, experts = recording.pop("prefill_pass_counts"), recording["prefill_experts"]
+    ends = np.cumsum(counts)
+    recording["prefill_experts"] = [[sorted(set().union(*(p[layer] for p in experts[end - n:end])))
+                                     for layer in range(trace.n_layers)] for n, end in zip(counts, ends)]
+    return trace
+
+
+@pytest.mark.parametrize("mode, eviction, capacity, chunk", [
+    ("per_layer", "lru", 3, 512), ("per_layer", "lfu", 3, 512), ("global", "lru", 10, 512), ("global", "lfu", 10, 512),
+    # prompts of 5, 3 and 7 tokens in passes of 2: each pass's union admitted in turn
+    ("per_layer", "lru", 3, 2), ("global", "lfu", 10, 2)])
 def test_a_live_run_and_a_replay_of_its_trace_count_the_same_hits_misses_and_bytes(checkpoint, tmp_path, mode,
-                                                                                     eviction, capacity):
+                                                                                     eviction, capacity, chunk):
     """The cache is shared code: re-charging the recorded cycles through a fresh cache with the live
-    run's settings gives the live run's per-cycle traffic exactly, for every eviction policy and mode."""
+    run's settings gives the live run's per-cycle traffic exactly, for every eviction policy and mode,
+    a prompt run in chunks too (its passes admitted in the order they ran, not as one union)."""
     from specfit.simulate.recorded import recharge
 
     trace_path, out = tmp_path / "live.parquet", tmp_path / "run"
@@ -829,15 +847,23 @@ def test_a_live_run_and_a_replay_of_its_trace_count_the_same_hits_misses_and_byt
                                  str(prompts), "--cache-experts", str(capacity), "--cache-mode", mode, "--cache-policy",
                                  eviction, "--device", "cpu", "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos",
                                  "--policy", "eagle3:12:3", "--profile", "pcie4", "--record", str(trace_path),
-                                 "--out", str(out)])
+                                 "--out", str(out), "--prefill-chunk", str(chunk)])
     assert result.exit_code == 0, result.output
     live = pd.read_parquet(out / "cycles.parquet")
     trace = read_trace(trace_path)
-    replayed = recharge(trace, ExpertCache(trace.n_layers, trace.n_experts, capacity, mode=mode, policy=eviction,
+    counts = trace.meta["recording"]["prefill_pass_counts"]
+    assert counts == ([1, 1, 1] if chunk > 7 else [3, 2, 4])
+
+    def recharged(trace):
+        return recharge(trace, ExpertCache(trace.n_layers, trace.n_experts, capacity, mode=mode, policy=eviction,
                                            expert_bytes=trace.expert_bytes))
+
+    replayed = recharged(trace)
     assert len(replayed) == len(live) and live["misses"].sum() > 0 and live["hits"].sum() > 0
     for column in ("hits", "misses", "bytes_h2d"):
         np.testing.assert_array_equal(replayed[column].to_numpy(), live[column].to_numpy(), err_msg=column)
+    if chunk < 7:        # the passes' order matters: one union per prompt leaves another cache
+        assert (recharged(_one_union_per_prompt(trace))["hits"].to_numpy() != live["hits"].to_numpy()).any()
     # without a cache the same cycles copy every expert of their unions: the cache did the saving
     streamed = recharge(trace, ExpertCache(trace.n_layers, trace.n_experts, 0, mode=mode))
     assert (streamed["hits"] == 0).all() and streamed["misses"].sum() > live["misses"].sum()
@@ -1095,32 +1121,43 @@ def test_float16_decodes_as_ar_does_and_uses_a_profile_calibrated_in_float16(che
     assert wrong.exit_code == 2 and "--dtype: expected one of float32, bfloat16, float16, got 'float64'" in wrong.output
 
 
-@pytest.mark.parametrize("mode, capacity", [("per_layer", 3), ("global", 10)])
+@pytest.mark.parametrize("mode, capacity, chunk", [("per_layer", 3, 512), ("global", 10, 512), ("per_layer", 3, 2),
+                                                   ("global", 10, 2)])
 def test_a_replay_of_a_full_recording_counts_the_live_runs_hits_and_misses_cycle_for_cycle(checkpoint, tmp_path, mode,
-                                                                                           capacity):
+                                                                                           capacity, chunk):
     """A fixed policy decides the same in a replay as live, and the replay's cache starts each
-    sequence as the live one did: holding the experts of its prompt's pass (recorded in the trace),
-    so every cycle's hits and misses are the live run's, compiled and Python replay alike."""
+    sequence as the live one did: holding the experts of its prompt's passes (recorded in the trace,
+    one per chunk, admitted in the order they ran), so every cycle's hits and misses are the live
+    run's, compiled and Python replay alike."""
     trace_path, out = tmp_path / "full.parquet", tmp_path / "run"
     policies = ("ar", "eagle3:12:3")
     result = decode(checkpoint, "--policies", ",".join(policies), "--cache-mode", mode, "--cache-experts",
                     str(capacity), "--max-levels", "3", "--profile", "pcie4", "--frozen-profile", "--record",
-                    str(trace_path), "--record-full", "--out", str(out))
+                    str(trace_path), "--record-full", "--out", str(out), "--prefill-chunk", str(chunk))
     assert result.exit_code == 0, result.output
     live = pd.read_parquet(out / "cycles.parquet")
     trace = read_trace(trace_path)
     prep = prepare("full", trace, trace.true_experts)
     assert prep.has_prefill.all()
+    assert np.diff(prep.prefill_offsets).tolist() == ([1, 1, 1] if chunk > 7 else [3, 2, 4])
+    one_union = prepare("one union", _one_union_per_prompt(trace), trace.true_experts)
+    cost = CostModel(2e-3, 5e-5, 2e-5, 2e-4, 3e-4)
+
+    def replayed(prep, spec, compiled=True):
+        cache = ExpertCache(trace.n_layers, trace.n_experts, capacity, mode=mode, expert_bytes=trace.expert_bytes)
+        return replay(prep, make_policy(spec, max_levels=3), cache, cost, compiled=compiled)
+
+    differs = False
     for spec in policies:
         ran = live[live["policy"] == spec].reset_index(drop=True)
         for compiled in (True, False):
-            cache = ExpertCache(trace.n_layers, trace.n_experts, capacity, mode=mode, expert_bytes=trace.expert_bytes)
-            log = replay(prep, make_policy(spec, max_levels=3), cache, CostModel(2e-3, 5e-5, 2e-5, 2e-4, 3e-4),
-                         compiled=compiled)
+            log = replayed(prep, spec, compiled)
             for column in ("position", "nodes_drafted", "nodes_verified", "committed_tokens", "hits", "misses"):
                 np.testing.assert_array_equal(log.columns[column], ran[column].to_numpy(),
                                               err_msg=f"{spec} {column} compiled={compiled}")
         assert ran["hits"].sum() > 0 and ran["misses"].sum() > 0
+        differs |= bool((replayed(one_union, spec).columns["hits"] != ran["hits"].to_numpy()).any())
+    assert differs == (chunk < 7)     # the passes' order matters: one union per prompt leaves another cache
 
 
 @pytest.mark.parametrize("stop", ["bad input", "Ctrl-C"])

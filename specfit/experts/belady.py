@@ -104,8 +104,8 @@ def belady_of_log(log, n_layers: int, n_experts: int, capacity: int, mode: str =
     # a sequence without a cycle (its output ended at the prompt's token) still had its prompt's pass
     for s in sorted(set(prefills) | set(sequence.tolist())):
         if s in prefills:
-            requests.append(prefills[s])
-            counted.append(False)
+            requests.extend(prefills[s])
+            counted.extend([False] * len(prefills[s]))
         lo, hi = np.searchsorted(sequence, s), np.searchsorted(sequence, s, side="right")
         requests.extend(log.unions[lo:hi])
         counted.extend([True] * (hi - lo))

@@ -208,7 +208,7 @@ def _commit_scratch(offsets, bits, config):
 @njit(cache=True)
 def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parents, depth, tokens, verdicts,
                     predicted_experts, true_bits, predicted_bits, path_probs, level_probs, drafter_probs,
-                    level_offsets, level_sizes, path_offsets, paths, sequence_starts, prefill_bits, has_prefill, params,
+                    level_offsets, level_sizes, path_offsets, paths, sequence_starts, prefill_bits, prefill_offsets, params,
                     bits, score,
                     count, slots, n_used, clock, counters, config, link_params, lconf, lf, usage, layer_prefetched,
                     prefetched, union_log, layer_counts, int_cols, float_cols, tokens_out, tokens_per_sequence):
@@ -217,9 +217,9 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
     ``lconf`` (:mod:`.levers`, not with the oracle); ``true_bits`` / ``predicted_bits`` are the
     expert ids' per-node sets (the unions are taken on them); each cycle's true union goes to
     ``union_log[row]`` when it has rows, and its per-layer accounting to ``layer_counts[row]``
-    likewise (:func:`commit_cycle`); sequence ``s``'s prompt pass ``prefill_bits[s]`` is admitted
-    before its first cycle where ``has_prefill[s]``. Returns the number of cycles run (the columns'
-    length)."""
+    likewise (:func:`commit_cycle`); sequence ``s``'s prompt passes
+    ``prefill_bits[prefill_offsets[s]:prefill_offsets[s + 1]]`` are admitted in order before its
+    first cycle. Returns the number of cycles run (the columns' length)."""
     max_nodes, no_keep, selected, true_union, predicted_union, cached, admitted, evicted, cand_score, cand_slot = \
         _commit_scratch(offsets, bits, config)
     n_layers, words = bits.shape
@@ -243,8 +243,8 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
     for s in range(sequence_starts.size - 1):
         c = sequence_starts[s]
         first_token = n_out
-        if has_prefill[s]:         # the prompt's pass, before the first cycle, as live
-            admit_cycle(prefill_bits[s], bits, score, count, slots, n_used, clock, counters, config, no_keep, admitted,
+        for p in range(prefill_offsets[s], prefill_offsets[s + 1]):   # the prompt's passes in order, as live
+            admit_cycle(prefill_bits[p], bits, score, count, slots, n_used, clock, counters, config, no_keep, admitted,
                         evicted, cand_score, cand_slot)
         while c < sequence_starts[s + 1]:
             base = offsets[c]
@@ -431,7 +431,7 @@ def _commit_keep(parents, path_probs, level_probs, experts, n, deepest, levels, 
 @njit(cache=True)
 def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true_bits, predicted_experts,
                    predicted_bits, path_probs, level_probs, level_offsets, level_sizes, path_offsets, paths,
-                   sequence_starts, prefill_bits, has_prefill, n_experts,
+                   sequence_starts, prefill_bits, prefill_offsets, n_experts,
                    params, conf, fstate, istate, recent_p, recent_w, acceptance, new_experts, new_is_share, seen, width,
                    bits, score, count, slots, n_used, clock, counters, config, link_params, lconf, lf, usage,
                    layer_prefetched, prefetched, union_log, layer_counts, int_cols, float_cols, tokens_out,
@@ -455,8 +455,8 @@ def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true
     for s in range(sequence_starts.size - 1):
         c = sequence_starts[s]
         first_token = n_out
-        if has_prefill[s]:         # the prompt's pass, before the first cycle, as live
-            admit_cycle(prefill_bits[s], bits, score, count, slots, n_used, clock, counters, config, no_keep, admitted,
+        for p in range(prefill_offsets[s], prefill_offsets[s + 1]):   # the prompt's passes in order, as live
+            admit_cycle(prefill_bits[p], bits, score, count, slots, n_used, clock, counters, config, no_keep, admitted,
                         evicted, cand_score, cand_slot)
         while c < sequence_starts[s + 1]:
             base = offsets[c]

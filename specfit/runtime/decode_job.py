@@ -543,14 +543,6 @@ def _load(plan: DecodePlan, say) -> _Inputs:
             raise SpecFitError(f"{plan.prompts_path}:{prompt.line}: {len(prompt.input_ids)} prompt tokens + "
                                f"--max-new-tokens {plan.max_new_tokens} exceed the model's max_position_embeddings "
                                f"({config.max_position_embeddings})")
-        if plan.record is not None and 0 < plan.prefill_chunk < len(prompt.input_ids):
-            # a trace records a sequence's prompt pass as one union of experts, which a replay admits
-            # at once; passes of several chunks admit one union per chunk, and the cache they leave
-            # (what the first cycle sees) is not that one admit's
-            raise SpecFitError(f"{plan.prompts_path}:{prompt.line}: --record: the prompt's {len(prompt.input_ids)} "
-                               f"tokens run in passes of --prefill-chunk {plan.prefill_chunk}, and a trace records a "
-                               f"prompt's pass as one; expected --prefill-chunk 0 or at least {len(prompt.input_ids)} "
-                               f"to record it")
     # the drafter's config is checked against the target's before any weight is read
     capture = drafter_capture_layers(plan.drafter_dir, config) if plan.drafter_dir is not None else None
     # a trace it cannot read or learn from is named before the model loads and a profile is measured

@@ -247,7 +247,7 @@ class Decoder:
         if self.predictor is not None:       # the prompt's routing is the first thing a predictor can learn
             self.predictor.update(np.asarray(prompt_ids), out.expert_ids, self.model.config.n_experts)
         if self.recorder is not None:
-            self.recorder.add_prefill(out.expert_ids)
+            self.recorder.add_prefill(out.expert_ids, self.prefill_chunk)
         if self.temperature > 0:
             root = sample_token(out.logits[-1], self.temperature, self.rng)
         else:

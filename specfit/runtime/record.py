@@ -22,6 +22,7 @@ import numpy as np
 from .. import __version__
 from ..traces.format import UNKNOWN, Trace
 from .decoder import CycleStats
+from .prefill import prefill_chunks
 
 __all__ = ["TraceRecorder"]
 
@@ -60,16 +61,18 @@ class TraceRecorder:
         self.sequence = 0
         self.cycles: list[_Cycle] = []
         self._lengths: dict[int, int] = {}      # sequence -> output tokens (for cutting full trees)
-        self._prefill: dict[int, list[list[int]]] = {}   # sequence -> the prefill's experts per layer
+        self._prefill: dict[int, list[list[list[int]]]] = {}   # sequence -> each prompt pass's experts per layer
 
     def begin_sequence(self, sequence: int) -> None:
         self.sequence = int(sequence)
 
-    def add_prefill(self, expert_ids: np.ndarray) -> None:
-        """The prompt's pass: its experts per layer (``expert_ids`` [tokens, L, k]), which warmed the
-        expert cache before the sequence's first cycle."""
+    def add_prefill(self, expert_ids: np.ndarray, chunk: int = 0) -> None:
+        """The prompt's passes: their experts per layer (``expert_ids`` [tokens, L, k], the passes
+        of at most ``chunk`` tokens together, :func:`~specfit.runtime.prefill.prefill_chunks`),
+        which warmed the expert cache before the sequence's first cycle, one pass after another."""
         L = expert_ids.shape[1]
-        self._prefill[self.sequence] = [np.unique(expert_ids[:, layer]).tolist() for layer in range(L)]
+        self._prefill[self.sequence] = [[np.unique(expert_ids[start:end, layer]).tolist() for layer in range(L)]
+                                        for start, end in prefill_chunks(expert_ids.shape[0], chunk)]
 
     def end_sequence(self, n_output_tokens: int) -> None:
         """The sequence's output is complete: ``n_output_tokens`` tokens, the first from the prefill."""
@@ -124,8 +127,10 @@ class TraceRecorder:
             "workload": self.workload,
             "recording": {"kind": "live-full" if self.full else "live", "position_indexed": self.full,
                           "full_verification": self.full, "tool": f"specfit {__version__} decode", **self.recording,
-                          # each sequence's prompt pass, in sequence order: what the cache saw before its cycles
-                          "prefill_experts": [self._prefill.get(seq) for seq in sorted(self._prefill)],
+                          # each sequence's prompt passes, in sequence order, one entry per pass (a
+                          # prompt in chunks has several): what the cache saw before its cycles
+                          "prefill_experts": [p for seq in sorted(self._prefill) for p in self._prefill[seq]],
+                          "prefill_pass_counts": [len(self._prefill[seq]) for seq in sorted(self._prefill)],
                           "prefill_sequences": sorted(self._prefill)},
             "provenance": {"real": ["reference tokens", "routing", "draft trees", "draft probabilities", "verdicts",
                                     "predicted experts", "measured times"], "synthesised": []},

@@ -49,14 +49,20 @@ class PreparedTrace:
     path_offsets: np.ndarray        # int64 [cycles + 1]: cycle c's accepted path is paths[po[c]:po[c + 1]]
     paths: np.ndarray               # int64: accepted paths of the full trees, root first, local node ids
     first_cycles: np.ndarray        # first cycle (position 0) of each sequence
-    prefill_bits: np.ndarray        # uint64 [sequences, L, words]: the experts each sequence's prompt pass made resident
-    has_prefill: np.ndarray         # bool [sequences]: the trace records that pass (live recordings)
+    prefill_bits: np.ndarray        # uint64 [passes, L, words]: the experts each prompt pass made resident
+    prefill_offsets: np.ndarray     # int64 [sequences + 1]: sequence s's passes in order are prefill_bits[po[s]:po[s + 1]]
+                                    # (none where the trace does not record them; live recordings do)
     info: dict = field(default_factory=dict)   # e.g. the predictor's and calibrator's quality
     _trees: dict = field(default_factory=dict, repr=False)
 
     @property
     def n_cycles(self) -> int:
         return self.trace.n_cycles
+
+    @property
+    def has_prefill(self) -> np.ndarray:
+        """bool [sequences]: the trace records the sequence's prompt passes."""
+        return np.diff(self.prefill_offsets) > 0
 
     @property
     def predicted_is_true(self) -> bool:
@@ -202,13 +208,15 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
     path_offsets, paths = kernels.replay.accepted_paths(offsets, parents, depths, tokens, verdicts)
     seq = trace.sequence
     first = np.flatnonzero(np.r_[True, seq[1:] != seq[:-1]])
-    # the cache a live run's first cycle saw held its prompt pass's experts: admitted before it
+    # the cache a live run's first cycle saw held its prompt passes' experts: admitted before it,
+    # one pass after another
     passes = prompt_passes(trace, name)
-    has_prefill = np.array([int(seq[c]) in passes for c in first], dtype=bool)
-    prefill_bits = np.zeros((first.size, trace.n_layers, kernels.bitsets.n_words(trace.n_experts)), dtype=np.uint64)
-    for s, c in enumerate(first):
-        if has_prefill[s]:
-            prefill_bits[s] = kernels.bitsets.pack_mask(passes[int(seq[c])])
+    recorded = [passes.get(int(seq[c]), np.zeros((0, trace.n_layers, trace.n_experts), dtype=bool)) for c in first]
+    prefill_offsets = np.r_[0, np.cumsum([p.shape[0] for p in recorded])].astype(np.int64)
+    prefill_bits = np.zeros((prefill_offsets[-1], trace.n_layers, kernels.bitsets.n_words(trace.n_experts)),
+                            dtype=np.uint64)
+    for p, mask in enumerate(m for r in recorded for m in r):
+        prefill_bits[p] = kernels.bitsets.pack_mask(mask)
     info = dict(info or {})
     slots, right = _slots_right(predicted_experts, true_experts, ~root)
     info.setdefault("predicted_slots", slots)
@@ -229,7 +237,7 @@ def prepare(name: str, trace: Trace, predicted_experts: np.ndarray, path_probs: 
                   true_experts=true_experts, raw_probs=raw, drafter_probs=drafter, path_probs=full, level_probs=level,
                   level_offsets=level_offsets, level_sizes=level_sizes, predicted_experts=predicted_experts,
                   true_bits=true_bits, predicted_bits=predicted_bits, path_offsets=path_offsets, paths=paths,
-                  first_cycles=first, prefill_bits=prefill_bits, has_prefill=has_prefill)
+                  first_cycles=first, prefill_bits=prefill_bits, prefill_offsets=prefill_offsets)
     return PreparedTrace(name=name, trace=trace, predictor=predictor, info=info,
                          **{key: read_only(np.asarray(a)) for key, a in arrays.items()})
 

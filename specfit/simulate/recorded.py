@@ -4,7 +4,7 @@ A live trace (``specfit decode --record``, not ``--record-full``) holds the cycl
 which nodes it verified and their true experts. Its decisions are fixed, so it cannot answer
 "what would another policy do" (that needs a position-indexed trace and :mod:`.replay`), but it
 can answer "what would these cycles have cost with this cache and this cost model": each
-sequence's prompt pass (recorded in the trace's metadata) and then each cycle's verified union go
+sequence's prompt passes (recorded in the trace's metadata) and then each cycle's verified union go
 through the same :class:`~specfit.experts.cache.ExpertCache` the live decoder used, in the same
 order. With the live run's cache settings the hits, misses and bytes are the live run's exactly.
 """
@@ -41,7 +41,8 @@ def recharge(trace: Trace, cache: ExpertCache, cost: CostModel | None = None) ->
             if sequence not in prefill:
                 raise SpecFitError(f"recharge: the trace does not record sequence {sequence}'s prompt pass "
                                    "(recorded by an older SpecFit); its cache state cannot be rebuilt")
-            cache.admit(prefill[sequence])
+            for union in prefill[sequence]:      # the prompt's passes, one after another
+                cache.admit(union)
             previous = sequence
         r = trace.rows(c)
         verified = trace.verified[r]

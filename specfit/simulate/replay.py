@@ -74,8 +74,8 @@ class CycleLog:
     columns: dict[str, np.ndarray]
     committed: list[np.ndarray]        # per sequence: the tokens committed, in order
     unions: list[np.ndarray] | None = None   # per cycle: flat item ids of the true union (record_unions)
-    # per sequence with a recorded prompt pass: the flat item ids it admitted before its first cycle
-    prefill_unions: dict[int, np.ndarray] | None = None
+    # per sequence with recorded prompt passes: the flat item ids each admitted before its first cycle
+    prefill_unions: dict[int, list[np.ndarray]] | None = None
 
     def __len__(self) -> int:
         return int(self.columns["sequence"].size)
@@ -136,7 +136,7 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
             *rule, prep.predicted_is_true, prep.offsets, prep.parents, prep.depths, prep.tokens, prep.verdicts,
             prep.predicted_experts, prep.true_bits, prep.predicted_bits, prep.path_probs, prep.level_probs,
             prep.drafter_probs, prep.level_offsets, prep.level_sizes, prep.path_offsets, prep.paths, bounds,
-            prep.prefill_bits, prep.has_prefill, cost.params,
+            prep.prefill_bits, prep.prefill_offsets, cost.params,
             *cache.kernel_state(), *lever_args, int_cols, float_cols, tokens_out, per_sequence)
     elif compiled_specfit:
         # the policy's state arrays are updated in place, as its own calls would update them
@@ -144,7 +144,7 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
             prep.predicted_is_true, prep.offsets, prep.parents, prep.depths, prep.tokens, prep.verdicts,
             prep.true_bits, prep.predicted_experts, prep.predicted_bits, prep.path_probs, prep.level_probs,
             prep.level_offsets, prep.level_sizes, prep.path_offsets, prep.paths, bounds, prep.prefill_bits,
-            prep.has_prefill, trace.n_experts,
+            prep.prefill_offsets, trace.n_experts,
             policy._priced_cost(cost).params, *policy.state, *cache.kernel_state(), *lever_args, int_cols, float_cols,
             tokens_out, per_sequence)
         if rows < 0:
@@ -159,8 +159,9 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
             unions = [np.flatnonzero(kernels.bitsets.unpack(union_log[r], trace.n_experts)) for r in range(rows)]
     prefill_unions = None
     if record_unions:
-        prefill_unions = {int(s): np.flatnonzero(kernels.bitsets.unpack(prep.prefill_bits[s], trace.n_experts))
-                          for s in np.flatnonzero(prep.has_prefill)}
+        po = prep.prefill_offsets
+        prefill_unions = {int(s): [np.flatnonzero(kernels.bitsets.unpack(prep.prefill_bits[p], trace.n_experts))
+                                   for p in range(po[s], po[s + 1])] for s in np.flatnonzero(prep.has_prefill)}
     cols = {name: int_cols[i, :rows] for i, name in enumerate(kernels.replay.INT_COLUMNS)}
     cols.update({name: float_cols[i, :rows] for i, name in enumerate(kernels.replay.FLOAT_COLUMNS)})
     # the nodes of the levels drafted: the trace's tree at the cycle's position, cut there; a policy
@@ -262,8 +263,8 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
 
     for s in range(bounds.size - 1):
         c, first_token = int(bounds[s]), n_out
-        if prep.has_prefill[s]:         # the prompt's pass, before the first cycle, as live
-            kernels.cache.admit_cycle(prep.prefill_bits[s], *state, kernels.cache.NO_KEEP, admitted, evicted, cand_score,
+        for p in range(prep.prefill_offsets[s], prep.prefill_offsets[s + 1]):   # the prompt's passes, as live
+            kernels.cache.admit_cycle(prep.prefill_bits[p], *state, kernels.cache.NO_KEEP, admitted, evicted, cand_score,
                                       cand_slot)
         while c < bounds[s + 1]:
             lo, hi = int(offsets[c]), int(offsets[c + 1])

@@ -159,33 +159,49 @@ def validate_trace(trace, source: str = "trace") -> dict:
 
 
 def prompt_passes(trace, source: str) -> dict[int, np.ndarray]:
-    """Each recorded sequence's prompt pass, the experts it made resident before the sequence's
-    first cycle (a live recording's ``recording.prefill_sequences`` / ``prefill_experts``): sequence
-    id -> bool ``[layers, experts]``. Empty for a trace that records none (synthetic, imported, or
-    recorded by an older SpecFit). Checked: one list of expert ids in range per layer."""
+    """Each recorded sequence's prompt passes, the experts each made resident before the
+    sequence's first cycle, in the order they ran (a live recording's
+    ``recording.prefill_sequences`` / ``prefill_experts`` / ``prefill_pass_counts``): sequence id
+    -> bool ``[passes, layers, experts]``. ``prefill_experts`` holds one entry per pass, sequence by
+    sequence, and ``prefill_pass_counts`` how many are each sequence's (a prompt run in chunks has
+    one pass per chunk); without it each sequence has one (as an older SpecFit recorded them).
+    Empty for a trace that records none (synthetic, imported, or recorded by an older SpecFit
+    still). Checked: one list of expert ids in range per layer in each pass."""
     recording = trace.meta.get("recording") or {}
     sequences, experts = recording.get("prefill_sequences"), recording.get("prefill_experts")
-    if sequences is None and experts is None:
+    counts = recording.get("prefill_pass_counts")
+    if sequences is None and experts is None and counts is None:
         return {}
-    where = f"{source}: metadata recording.prefill_sequences / prefill_experts"
-    if not (isinstance(sequences, list) and isinstance(experts, list) and len(sequences) == len(experts)
+    where = f"{source}: metadata recording.prefill_sequences / prefill_experts / prefill_pass_counts"
+    if not (isinstance(sequences, list) and isinstance(experts, list)
             and all(isinstance(s, int) and not isinstance(s, bool) for s in sequences)):
-        raise SpecFitError(f"{where}: expected two lists of the same length, sequence ids and their experts per layer")
+        raise SpecFitError(f"{where}: expected two lists, sequence ids and their prompt passes' experts per layer")
+    if counts is None:
+        counts = [1] * len(sequences)
+    if not (isinstance(counts, list) and len(counts) == len(sequences)
+            and all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in counts)
+            and sum(counts) == len(experts)):
+        raise SpecFitError(f"{where}: expected one prefill_experts entry per prompt pass: each sequence's number of "
+                           f"passes (>= 1) in prefill_pass_counts, one per sequence, adding up to the "
+                           f"{len(experts)} entries (without prefill_pass_counts, one entry per sequence)")
     L, E = trace.n_layers, trace.n_experts
     passes = {}
-    for sequence, layers in zip(sequences, experts):
-        if layers is None:            # a sequence whose prompt pass was not recorded
+    ends = np.cumsum(counts).tolist()
+    for sequence, count, end in zip(sequences, counts, ends):
+        entries = experts[end - count:end]
+        if entries == [None]:         # a sequence whose prompt pass was not recorded
             continue
-        ok = isinstance(layers, list) and len(layers) == L and all(
-            isinstance(ids, list) and all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < E for e in ids)
-            for ids in layers)
-        if not ok:
-            raise SpecFitError(f"{where}: sequence {sequence}'s entry must hold {L} lists (one per layer) of expert ids "
-                               f"in [0, {E})")
-        union = np.zeros((L, E), dtype=bool)
-        for layer, ids in enumerate(layers):
-            union[layer, ids] = True
-        passes[sequence] = union
+        masks = np.zeros((count, L, E), dtype=bool)
+        for i, layers in enumerate(entries):
+            ok = isinstance(layers, list) and len(layers) == L and all(
+                isinstance(ids, list) and all(isinstance(e, int) and not isinstance(e, bool) and 0 <= e < E for e in ids)
+                for ids in layers)
+            if not ok:
+                entry = f"sequence {sequence}'s entry" if count == 1 else f"sequence {sequence}'s pass {i}"
+                raise SpecFitError(f"{where}: {entry} must hold {L} lists (one per layer) of expert ids in [0, {E})")
+            for layer, ids in enumerate(layers):
+                masks[i, layer, ids] = True
+        passes[sequence] = masks
     return passes
 
 
