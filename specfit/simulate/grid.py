@@ -168,11 +168,7 @@ def load_spec(path: str | Path) -> SweepSpec:
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecFitError(f"{path}: not a readable sweep spec ({exc})") from None
     if path.suffix == ".toml":
-        try:
-            import tomllib
-        except ModuleNotFoundError:           # Python 3.10: the same parser as a package (a dependency there)
-            import tomli as tomllib
-
+        import tomllib
         try:
             raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
