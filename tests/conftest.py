@@ -1,6 +1,7 @@
 """Test-wide settings: nothing a test runs may write into the user's home."""
 
 import os
+import signal
 
 import pytest
 
@@ -20,8 +21,12 @@ def user_cache_in_tmp(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """A local Ray instance of 2 CPUs for one test module (skips without Ray)."""
+    """A local Ray instance of 2 CPUs for one test module (skips without Ray). Ray's driver keeps
+    its SIGTERM handler (exit 15) after its shutdown: the modules after this one get back the
+    handler before it, as a command's own process has (a kill is its stop, status 143)."""
     ray = pytest.importorskip("ray")
+    sigterm = signal.getsignal(signal.SIGTERM)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+    signal.signal(signal.SIGTERM, sigterm)
