@@ -14,7 +14,8 @@
 #
 # PYTHON: the interpreter (default python3). TORCH: how pip installs torch first (default
 # `torch==2.13.0`, which is the CPU build on this project's machines; elsewhere on Linux x86-64 add
-# `--index-url https://download.pytorch.org/whl/cpu`). MINVER_DIR: where the environments go.
+# `--index-url https://download.pytorch.org/whl/cpu`; `TORCH=torch==2.4.0` tries the library's floor, which the
+# dev extra's `torch>=2.6` then raises for transformers 5). MINVER_DIR: where the environments go.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 resolution=lowest-direct
