@@ -122,7 +122,7 @@ def command(tree: Path, args: list[str], env: dict) -> float:
     import time
 
     t = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "specfit.cli", *args], cwd=tree, env={**env, "PYTHONPATH": str(tree)},
+    out = subprocess.run([sys.executable, "-m", "specfit", *args], cwd=tree, env={**env, "PYTHONPATH": str(tree)},
                          capture_output=True, text=True)
     if out.returncode != 0:
         raise SystemExit(f"bench_load: specfit {args[0]} in {tree} failed:\n{out.stderr[-2000:]}")

@@ -87,3 +87,7 @@ def _register_all() -> None:
 
 
 _register_all()
+
+
+if __name__ == "__main__":      # ``python -m specfit.cli``, as before the entry point was specfit/__main__.py
+    app()

@@ -599,6 +599,20 @@ def test_a_ctrl_c_while_the_command_starts_is_one_line_with_status_130():
     assert result.stderr == "specfit: interrupted while starting; nothing was run\n" and result.stdout == ""
 
 
+def test_python_m_specfit_cli_still_runs_the_command():
+    """The entry point moved to ``specfit.__main__``; ``python -m specfit.cli`` (what
+    ``benchmarks/bench_load.py`` times) then imported the commands and exited 0 having run nothing."""
+    import subprocess
+    import sys
+
+    from specfit import __version__
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-m", "specfit.cli", "--version"], capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert result.returncode == 0 and result.stdout == f"{__version__}\n", (result.stdout, result.stderr)
+
+
 def test_a_ctrl_c_while_calibrates_report_is_written_says_the_report_was_completed(tmp_path, monkeypatch, capsys):
     """``calibrate --report``: a Ctrl-C while the report's files are written waits for the last of
     them (``deferred_interrupt``); the command said no report was written beside the finished one."""
