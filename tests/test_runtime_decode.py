@@ -110,6 +110,28 @@ def test_outputs_that_first_differ_at_tied_logits_differ_within_rounding(model_d
     assert rounding_ties(model, prompts, records) == ([2], [])
 
 
+def test_a_policys_fault_is_not_hidden_behind_another_policys_earlier_rounding_tie(model_dirs):
+    """Three policies: one parts from ar at a tie, another later at a token far from the best. The
+    outputs' joint first difference was the tie, and the run said "within rounding"; every two
+    outputs are checked where they part."""
+    from specfit.runtime.decode_job import rounding_ties
+    from specfit.runtime.prompts import Prompt
+
+    model = load_model(model_dirs["qwen3_moe"], cache_experts=N_EXPERTS)
+    prompt = _prompts()[1]
+    ar = Decoder(model).generate(prompt, 12, ignore_eos=True).output_ids
+    tied = next(t for t in range(VOCAB) if t != ar[3])
+    with torch.no_grad():            # token ``tied`` gets ``ar[3]``'s logit everywhere: an exact tie
+        model.lm_head.weight[tied] = model.lm_head.weight[ar[3]]
+    far = int(model(prompt + ar[:8], np.arange(len(prompt) + 8)).logits[-1].argmin())
+    prompts = [Prompt(line=4, input_ids=prompt, text=None)]
+    tie = {"index": 0, "output_ids": ar[:3] + [tied] + ar[4:]}
+    fault = {"index": 0, "output_ids": ar[:8] + [far] + ar[9:]}
+    assert rounding_ties(model, prompts, [{"index": 0, "output_ids": ar}, tie]) == ([4], [4])
+    assert rounding_ties(model, prompts, [{"index": 0, "output_ids": ar}, tie, fault]) == ([4], [])
+    assert rounding_ties(model, prompts, [fault, tie, {"index": 0, "output_ids": ar}]) == ([4], [])
+
+
 def test_verify_and_commit_accept_the_matching_path(model_dirs):
     """The cycle primitives the speculative decoder builds on: a tree whose first branch is the
     target's own continuation is accepted along that branch, the KV cache is compacted, and

@@ -209,7 +209,7 @@ class DecodeRun:
     profile_path: Path | None
     outputs_identical: bool | None       # greedy runs of several policies: same tokens everywhere?
     differing_lines: list[int] = field(default_factory=list)   # ... if not, the prompts' lines where they differ
-    tie_lines: list[int] = field(default_factory=list)         # ... those whose first difference is a rounding tie
+    tie_lines: list[int] = field(default_factory=list)         # ... those whose outputs part at rounding ties only
     dtype: str = "float32"                       # the target's compute dtype
     trace_path: Path | None = None
     trace_cycles: int = 0
@@ -220,7 +220,7 @@ class DecodeRun:
 
     @property
     def outputs_within_rounding(self) -> bool:
-        """The greedy outputs differ, and each prompt's first difference is a rounding tie
+        """The greedy outputs differ, and every two of a prompt's outputs part at a rounding tie
         (:func:`rounding_ties`): lossless up to the compute dtype's rounding."""
         return self.outputs_identical is False and self.tie_lines == self.differing_lines
 
@@ -881,42 +881,54 @@ def _outputs_identical(records: list[dict]) -> bool | None:
 
 def rounding_ties(model, prompts: list, records: list[dict], prefill_chunk: int = PREFILL_CHUNK) -> tuple[list[int], list[int]]:
     """(lines of the prompts whose greedy outputs differ between policies, the lines among them
-    where the outputs first differ at a rounding tie).
+    where every difference is a rounding tie).
 
     A verification pass over a tree sums each row's attention over another layout of keys than a
     one-token pass does, so its logits round apart from autoregressive decoding's (in a 16-bit
     dtype by up to about one unit of :data:`ROUNDING_TIE_UNITS`'s scale, in float32 by about 1e-6 of
     the logits' scale); where the target's two best tokens are that close, the policies can commit
-    different ones and continue apart. A prompt's first difference is a rounding tie when the
-    target, run once over the prompt and the tokens every output shares (its prompt pass, as
-    autoregressive decoding runs it), gives each token the policies chose there a logit within
-    :data:`ROUNDING_TIE_UNITS` units of the best (an output that ends where another goes on is no tie)."""
+    different ones and continue apart. Two outputs part at a rounding tie when the target, run once
+    over the prompt and the tokens they share (its prompt pass, as autoregressive decoding runs
+    it), gives each of the tokens they chose there a logit within :data:`ROUNDING_TIE_UNITS` units
+    of the best (an output that ends where another goes on is no tie). Every two outputs of a
+    prompt are checked where they part: a policy that leaves the others at a fault is not hidden
+    behind another's earlier tie."""
     import torch
 
-    from .decoder import Decoder
-
-    by_prompt: dict[int, list[list[int]]] = {}
+    by_prompt: dict[int, list[tuple[int, ...]]] = {}
     for r in records:
-        by_prompt.setdefault(r["index"], []).append(r["output_ids"])
+        by_prompt.setdefault(r["index"], []).append(tuple(r["output_ids"]))
     unit = max(torch.finfo(model.dtype).eps, ROUNDING_UNIT_FLOOR)
     differing, ties = [], []
     for index, outputs in sorted(by_prompt.items()):
-        if all(output == outputs[0] for output in outputs):
+        distinct = list(dict.fromkeys(outputs))
+        if len(distinct) == 1:
             continue
         prompt = prompts[index]
         differing.append(prompt.line)
-        at = next((i for i in range(min(map(len, outputs))) if len({output[i] for output in outputs}) > 1), None)
-        if at is None:
-            continue
-        ids = list(prompt.input_ids) + outputs[0][:at]
-        if model.max_seq_len < len(ids):
-            model.setup_kv_cache(len(ids))
-        logits = Decoder(model, prefill_chunk=prefill_chunk).prefill(ids)[1].logits[-1].float()
-        best = logits.max()
-        chosen = logits[[output[at] for output in outputs]]
-        if bool((best - chosen <= ROUNDING_TIE_UNITS * unit * logits.abs().max()).all()):
+        parts: dict[tuple, set[int]] | None = {}     # where outputs part (the tokens they share) -> the tokens chosen
+        for a, b in itertools.combinations(distinct, 2):
+            at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+            if at is None:              # one ends where the other goes on: no tie
+                parts = None
+                break
+            parts.setdefault(a[:at], set()).update((a[at], b[at]))
+        if parts is not None and all(_tied(model, list(prompt.input_ids) + list(shared), chosen, unit, prefill_chunk)
+                                     for shared, chosen in sorted(parts.items())):
             ties.append(prompt.line)
     return differing, ties
+
+
+def _tied(model, ids: list[int], chosen: set[int], unit: float, prefill_chunk: int) -> bool:
+    """Whether the target, run over ``ids`` as a prompt pass, gives every token of ``chosen`` a
+    logit within :data:`ROUNDING_TIE_UNITS` units of its best."""
+    from .decoder import Decoder
+
+    if model.max_seq_len < len(ids):
+        model.setup_kv_cache(len(ids))
+    logits = Decoder(model, prefill_chunk=prefill_chunk).prefill(ids)[1].logits[-1].float()
+    best = logits.max()
+    return bool((best - logits[sorted(chosen)] <= ROUNDING_TIE_UNITS * unit * logits.abs().max()).all())
 
 
 # --------------------------------------------------------------------------- the comparison
