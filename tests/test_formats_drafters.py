@@ -369,8 +369,22 @@ def test_feature_layers_named_out_of_order_are_read_in_layer_order():
     top = Eagle3Config.from_dict(specforge_config(top_ids=[5, 1, 3]))
     assert top.feature_layers(6) == (1, 3, 5) and top == nested
     assert Eagle3Config.from_dict(specforge_config(nested_ids=[4, 0, 2], top_ids=[1, 5, 3])).feature_layers(6) == (1, 3, 5)
-    # a repeat (SpecFit's heads for models under six layers: EAGLE-3's default clipped) keeps its order
+    # a repeat (the clipped default of a model of a few layers) keeps its order
     assert Eagle3Config.from_dict(specforge_config(top_ids=[1, 1, 0])).feature_layers(2) == (1, 1, 0)
+
+
+@pytest.mark.parametrize("n_layers", range(1, 9))
+def test_a_heads_default_feature_layers_read_back_as_written(n_layers):
+    """SpecFit's default for a 3-layer target was (2, 1, 0): a head saved with it read back as
+    (0, 1, 2), its features in another order than it was built with."""
+    from dataclasses import replace
+
+    from specfit.runtime.config import default_capture_layers
+
+    layers = default_capture_layers(n_layers)
+    written = replace(Eagle3Config.from_dict(specforge_config()), aux_hidden_state_layer_ids=layers)
+    assert Eagle3Config.from_dict(written.to_dict()).feature_layers(n_layers) == layers
+    assert default_capture_layers(3) == (0, 1, 2) and default_capture_layers(48) == (2, 24, 45)
 
 
 def test_a_speculators_config_is_known_by_its_model_type_or_its_architecture():

@@ -30,7 +30,7 @@ from ..errors import SpecFitError
 from ..io import config_value, json_text, not_readable_as, optional_file, read_json_object
 from .rope import RopeSpec, parse_rope
 
-__all__ = ["ModelConfig", "MLAShape", "SUPPORTED_ARCHITECTURES", "DTYPES", "default_capture_layers", "norm_eps"]
+__all__ = ["ModelConfig", "MLAShape", "SUPPORTED_ARCHITECTURES", "DTYPES", "default_capture_layers", "layer_order", "norm_eps"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_LAYERS = 32768       # decoder layers a config may have (a damaged count is refused before any list of them)
@@ -70,8 +70,17 @@ _REQUIRED = object()
 
 def default_capture_layers(n_layers: int) -> tuple[int, ...]:
     """EAGLE-3's feature layers: the inputs of decoder layers 2, L/2 and L-3, clipped to the
-    layers a tiny model has (so a 2-layer test model still yields three H-wide features)."""
-    return tuple(min(max(layer, 0), n_layers - 1) for layer in (2, n_layers // 2, n_layers - 3))
+    layers a tiny model has (so a 2-layer test model still yields three H-wide features), in
+    :func:`layer_order`."""
+    return layer_order(tuple(min(max(layer, 0), n_layers - 1) for layer in (2, n_layers // 2, n_layers - 3)))
+
+
+def layer_order(ids: tuple[int, ...]) -> tuple[int, ...]:
+    """Feature layers in the order the features are concatenated: vLLM and SGLang capture them in
+    their loop over the layers, whatever order a drafter's config names them in. Ids with a repeat,
+    which they cannot load (each layer is captured once) and only the clipped default of a model
+    of a few layers has, keep the order they were built with."""
+    return tuple(sorted(ids)) if len(set(ids)) == len(ids) else tuple(ids)
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,8 @@ Feature-layer conventions (what the file says decides which one applies):
 
 :attr:`Eagle3Config.aux_hidden_state_layer_ids` is always in the first convention (the layers
 whose inputs the target captures), in layer order as vLLM and SGLang concatenate the features
-(three different ids; a repeat, in SpecFit's own heads for models under six layers, keeps its order); :meth:`Eagle3Config.describe_feature_layers` states both.
+(:func:`~specfit.runtime.config.layer_order`: three different ids sorted; a repeat, in the clipped
+default of a model of a few layers, keeps its order); :meth:`Eagle3Config.describe_feature_layers` states both.
 Without ids the EAGLE-3 default applies: inputs of layers 2, L/2 and L-3.
 """
 
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import SpecFitError
-from .config import config_value, default_capture_layers, norm_eps
+from .config import config_value, default_capture_layers, layer_order, norm_eps
 from .rope import RopeSpec, parse_rope
 
 __all__ = ["Eagle3Config", "EAGLE3_ARCHITECTURE", "SPECULATORS_ARCHITECTURE", "DRAFTER_DTYPES"]
@@ -262,14 +263,6 @@ def _layer_ids(value, key: str, source: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _layer_order(ids: tuple[int, ...]) -> tuple[int, ...]:
-    """vLLM and SGLang concatenate the features in their loop over the layers, whatever order the
-    file names them in. Ids with a repeat, which they cannot load (each layer is captured once) and
-    only SpecFit's own heads for models under six layers carry (EAGLE-3's default clipped), keep
-    the order they were built with."""
-    return tuple(sorted(ids)) if len(set(ids)) == len(ids) else ids
-
-
 def _aux_layers(raw: dict, source: str):
     """(capture layers, key, ids as written): the top-level ids are inputs of layers (vLLM), the
     nested ``eagle_config`` ones outputs of layers (SpecForge / SGLang), so +1."""
@@ -281,13 +274,13 @@ def _aux_layers(raw: dict, source: str):
     top = _layer_ids(top, TOP_KEY, source) if top is not None else None
     nested = _layer_ids(nested, NESTED_KEY, source) if nested is not None else None
     if nested is not None:
-        capture = _layer_order(tuple(j + 1 for j in nested))
-        if top is not None and _layer_order(top) != capture:
+        capture = layer_order(tuple(j + 1 for j in nested))
+        if top is not None and layer_order(top) != capture:
             raise SpecFitError(f"{source}: keys {TOP_KEY!r} = {list(top)} (inputs of layers) and {NESTED_KEY!r} = "
                                f"{list(nested)} (outputs of layers) name different target layers")
         return capture, NESTED_KEY, nested
     if top is not None:
-        return _layer_order(top), TOP_KEY, top
+        return layer_order(top), TOP_KEY, top
     return None, None, None
 
 
