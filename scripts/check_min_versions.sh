@@ -27,7 +27,7 @@ command -v uv >/dev/null || { echo "error: uv not found: pip install uv" >&2; ex
 rm -rf "$dir" && mkdir -p "$dir"
 # the kernels compiled by another numba stay out of the work tree's cache
 export NUMBA_CACHE_DIR="$dir/numba" OMP_NUM_THREADS=1
-direct='^(numpy|numba|scipy|pandas|pyarrow|scikit-learn|threadpoolctl|matplotlib|typer|click|rich|safetensors|tokenizers|torch|ray|pyyaml|transformers|pytest|pytest-timeout|hypothesis)=='
+direct='^(numpy|numba|scipy|pandas|pyarrow|scikit-learn|threadpoolctl|matplotlib|typer|click|rich|safetensors|tokenizers|torch|ray|pyyaml|transformers|jinja2|pytest|pytest-timeout|hypothesis)=='
 
 venv() {   # venv NAME REQUIREMENT...: a fresh environment, torch first, then the requirements at $resolution
   local env="$dir/$1"; shift
