@@ -112,6 +112,29 @@ def run_demo_command(monkeypatch, out: Path, *args):
     return CliRunner().invoke(app, ["demo", "--out", str(out), *map(str, args)])
 
 
+def test_the_demo_stops_on_a_fault_but_not_on_a_rounding_tie(monkeypatch, tmp_path):
+    """A bfloat16 demo (the Python API on a GPU) whose outputs part only at rounding ties goes on and
+    says so, as decode does; any other difference stops it (it stopped on both)."""
+    from specfit.demo import check_lossless
+    from specfit.errors import SpecFitError
+
+    tie = fake_run(outputs_identical=False, differing_lines=[2], tie_lines=[2], dtype="bfloat16")
+    check_lossless(tie)
+    check_lossless(fake_run())
+    with pytest.raises(SpecFitError, match=r"line\(s\) 2, 5, not only at rounding ties; the decoder is not lossless"):
+        check_lossless(fake_run(outputs_identical=False, differing_lines=[2, 5], tie_lines=[2], dtype="bfloat16"))
+    result = fake_demo_result(tmp_path / "index.html")
+    monkeypatch.setattr("specfit.demo.run_demo", lambda plan, say, progress: {**result, "decode": tie,
+                                                                              "outputs_identical": False})
+    from typer.testing import CliRunner
+
+    from specfit.cli import app
+
+    printed = CliRunner().invoke(app, ["demo", "--out", str(tmp_path)])
+    assert printed.exit_code == 0, printed.output
+    assert "greedy outputs identical across policies: no, within bfloat16 rounding" in " ".join(printed.stdout.split())
+
+
 def test_the_demo_prints_its_paths_and_notes_as_they_are(monkeypatch, tmp_path):
     out = tmp_path / "demo[/]x"
     result = run_demo_command(monkeypatch, out)
