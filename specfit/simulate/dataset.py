@@ -25,10 +25,11 @@ import pandas as pd
 from ..errors import SpecFitError
 from ..io import atomic_write, read_parquet, run_dir_lock, write_json_atomic
 
-__all__ = ["SWEEP_FILE", "RESULTS_DIR", "is_sweep_dir", "locked", "remove_stale_temporaries", "done_cell_ids",
+__all__ = ["SWEEP_FILE", "PLAN_FILE", "RESULTS_DIR", "is_sweep_dir", "locked", "remove_stale_temporaries", "done_cell_ids",
            "write_part", "write_sweep_file", "read_sweep_file", "read_results", "fill_speedups", "part_files"]
 
 SWEEP_FILE = "sweep.json"
+PLAN_FILE = "plan.json"          # `specfit plan`'s recommendation, beside the sweep it ran
 RESULTS_DIR = "results"
 _SPEEDUPS = ("speedup_vs_ar", "speedup_vs_eagle3")
 # what identifies a baseline row's group: every cell parameter but the policy

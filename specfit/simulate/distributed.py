@@ -368,8 +368,7 @@ def _execute_locked(spec: SweepSpec, cells: list[Cell], out_dir: Path, address, 
     )
 
     from ..runinfo import write_run_info
-    from .dataset import done_cell_ids, remove_stale_temporaries, write_sweep_file
-    from .plan import PLAN_FILE
+    from .dataset import PLAN_FILE, done_cell_ids, remove_stale_temporaries, write_sweep_file
 
     remove_stale_temporaries(out_dir)
     done = done_cell_ids(out_dir)

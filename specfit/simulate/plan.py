@@ -43,11 +43,11 @@ import pandas as pd
 
 from ..errors import SpecFitError, comma_list
 from ..runtime.prefill import PREFILL_CHUNK, check_prefill_chunk
+from .dataset import PLAN_FILE
 
 __all__ = ["MemoryBudget", "MemoryModel", "dense_weight_params", "kv_bytes_per_token", "tree_tokens",
            "DEFAULT_CANDIDATES", "cache_sizes", "rank_settings", "PlanResult", "run_plan", "PLAN_FILE"]
 
-PLAN_FILE = "plan.json"
 PLAN_MAX_LEVELS = 8             # the draft levels the plan's sweep caps specfit and static:N at (the grid's default)
 DEFAULT_CANDIDATES = ("ar", "chain:1", "chain:2", "chain:3", "chain:4", "static:2", "static:3", "static:4", "static:8",
                       "eagle3:8:3", "eagle3:16:4", "eagle3:32:5", "eagle3:60:8", "specfit:4", "specfit:8")
