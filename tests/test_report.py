@@ -787,8 +787,8 @@ def test_simulation_tables_have_headers_with_units_bytes_in_mb_and_define_their_
 
 def _legend_colors(page_html: str) -> list[tuple[str, str]]:
     """(label, colour) of every legend entry of every figure: an entry's colour is the first fill or
-    stroke its handle is drawn with (the legend's frame aside; a hatched patch's, its pattern's
-    ground), its label the comment that follows."""
+    stroke its handle is drawn with (the legend's frame and white aside; a hatched patch's, its
+    pattern's first, its ground or a hollow bar's hatch), its label the comment that follows."""
     entries = []
     for svg in re.findall(r"<svg.*?</svg>", page_html, re.S):
         legend = re.search(r'<g id="(f\d+_)?legend_1">', svg)
@@ -797,7 +797,8 @@ def _legend_colors(page_html: str) -> list[tuple[str, str]]:
         seen = []
         for token in re.finditer(r"(?:fill|stroke): (#[0-9a-f]{6}|url\(#(\w+)\))|<!-- (.*?) -->", svg[legend.start():]):
             if token.group(2):
-                seen.append(re.search(rf'<pattern id="{token.group(2)}".*?fill="(#[0-9a-f]{{6}})"', svg, re.S).group(1))
+                pattern = re.search(rf'<pattern id="{token.group(2)}".*?</pattern>', svg, re.S).group(0)
+                seen.append(re.search(r'(?:fill="|fill: |stroke: )(?!#ffffff)(#[0-9a-f]{6})', pattern).group(1))
             elif token.group(1) and token.group(1) not in ("#ffffff", "#cccccc"):
                 seen.append(token.group(1))
             elif token.group(3) is not None:

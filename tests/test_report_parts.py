@@ -123,6 +123,64 @@ def test_grouped_bars_center_each_labels_series_on_its_tick():
     np.testing.assert_allclose(centres[1], np.arange(3) + 0.2, atol=1e-9)
 
 
+def _bar_series(ax) -> list[tuple[str, tuple, str, bool]]:
+    """Each bar series of ``ax`` as its legend names it: (label, colour, hatch, filled), one look
+    for all its bars, and the legend's patch drawn in that look."""
+    handles, labels = ax.get_legend_handles_labels()
+    series = []
+    for label, bars, shown in zip(labels, handles, ax.get_legend().get_patches()):
+        looks = {(tuple(p.get_facecolor()), p.get_hatch() or "") for p in bars.patches}
+        assert len(looks) == 1, label
+        (face, hatch), = looks
+        assert (tuple(shown.get_facecolor()), shown.get_hatch() or "") == (face, hatch), label
+        series.append((label, face, hatch, face[:3] != (1.0, 1.0, 1.0)))
+    return series
+
+
+def test_grouped_bars_tell_their_series_apart_by_hatch_as_well_as_colour():
+    """A greyscale print or a reader who cannot tell the colours apart had the cache sizes' bars by
+    colour alone: each series its own hatch too (the first six all different), and no two of a
+    figure's series one colour and one hatch."""
+    for n in (2, 6, 14):
+        fig = grouped_bars(["ar", "specfit"], {f"{c} cached": [1.0 + c, 2.0] for c in range(n)}, "tokens / s")
+        series = _bar_series(fig.axes[0])
+        assert len(series) == n
+        assert len({hatch for _, _, hatch, _ in series[:6]}) == min(n, 6)
+        assert len({(face, hatch) for _, face, hatch, _ in series}) == n
+
+
+def test_union_per_layer_bars_read_in_greyscale_policy_by_hatch_true_filled_predicted_hollow():
+    """The policies' bars were told apart by colour alone and predicted from true by one hatch all
+    shared: each policy has its hatch on both its bars, its true bars filled and its predicted
+    ones hollow, so no two series look alike without their colours."""
+    from specfit.report.live import _union_per_layer
+
+    policies = ["ar", "chain:2", "eagle3", "specfit"]
+    cycles = pd.DataFrame([{"policy": p, "union_per_layer": [4 + k, 5], "predicted_union_per_layer": [5, 4 + k]}
+                           for k, p in enumerate(policies) for _ in range(2)])
+    series = _bar_series(_union_per_layer(cycles, policies).axes[0])
+    assert [label for label, *_ in series] == [f"{p} {kind}" for p in policies for kind in ("true", "predicted")]
+    assert len({(hatch, filled) for _, _, hatch, filled in series}) == len(series)
+    for (_, _, true_hatch, true_filled), (_, _, predicted_hatch, predicted_filled) in zip(series[::2], series[1::2]):
+        assert true_hatch == predicted_hatch and true_filled and not predicted_filled
+
+
+def test_calibration_h2d_figure_marks_pinned_and_pageable_points_apart_each_fit_in_its_kinds_colour():
+    """Both kinds' points were circles, told apart by colour alone (and each fit line a third and a
+    fourth colour): each kind its marker, and its fit its colour and its own line style."""
+    rows = [{"bytes": b, "pinned": p, "seconds": (1e-5 + b / 20e9) if p else (3e-5 + b / 5e9)}
+            for p in (True, False) for b in (1e6, 2e6, 4e6)]
+    fit = {"h2d": {"gbps": 20.0, "overhead_s": 1e-5}, "h2d_pageable": {"gbps": 5.0, "overhead_s": 3e-5}}
+    page = _Figures(title="t")
+    _h2d(page, pd.DataFrame(rows), fit)
+    lines = dict(zip(*reversed(page.parts[0].axes[0].get_legend_handles_labels())))
+    pinned, pageable = lines["pinned"], lines["pageable"]
+    assert pinned.get_marker() != pageable.get_marker()
+    for points, line in ((pinned, lines["fit: 20 GB/s + 10 µs"]), (pageable, lines["fit: 5 GB/s + 30 µs"])):
+        assert line.get_color() == points.get_color()
+    assert lines["fit: 20 GB/s + 10 µs"].get_linestyle() != lines["fit: 5 GB/s + 30 µs"].get_linestyle()
+
+
 # a decode table with some cycles unmeasured is still a decode (any measured cycle says so)
 def test_a_cycle_table_with_one_measured_cycle_is_a_live_run(tmp_path):
     pd.DataFrame({"measured_time_s": [0.1, np.nan, 0.2]}).to_parquet(tmp_path / "cycles.parquet")

@@ -8,7 +8,7 @@ import pandas as pd
 from ..calibrate.profile import Profile, held_out_unit
 from ..calibrate.repeat import rounds_text
 from .html import Page
-from .plots import identity_scatter, log_x, new_axes
+from .plots import POLICY_PALETTE, identity_scatter, log_x, new_axes
 
 __all__ = ["calibration_section"]
 
@@ -84,16 +84,24 @@ def _term_status(fit: dict, name: str) -> tuple[str, str]:
     return "", "as the profile holds it"
 
 
+# pinned (or a host copy's one kind) and pageable: colour, marker, the fit's line style
+_H2D_LOOK = {True: (POLICY_PALETTE[0], "o", "-"), False: (POLICY_PALETTE[1], "s", "--")}
+
+
 def _h2d(page: Page, df: pd.DataFrame, fit: dict) -> None:
     fig, ax = new_axes()
     fitted = False
+    one_kind = len(df["pinned"].unique()) == 1
     for pinned, group in df.groupby("pinned"):
-        label = "pinned" if pinned else ("pageable" if len(df["pinned"].unique()) > 1 else "host copy")
-        ax.plot(group["bytes"] / 1e6, group["seconds"] * 1e3, "o", label=label)
-        line = fit.get("h2d") if (pinned or len(df["pinned"].unique()) == 1) else fit.get("h2d_pageable")
+        label = "pinned" if pinned else ("host copy" if one_kind else "pageable")
+        # each kind its colour, marker and line style, its fit in its own: the two kinds' points were
+        # one marker, told apart by colour alone, and each fit another colour than its points
+        color, marker, linestyle = _H2D_LOOK[bool(pinned) or one_kind]
+        ax.plot(group["bytes"] / 1e6, group["seconds"] * 1e3, ls="none", color=color, marker=marker, label=label)
+        line = fit.get("h2d") if (pinned or one_kind) else fit.get("h2d_pageable")
         if line and np.isfinite(line.get("gbps", np.nan)) and line["gbps"] > 0:
             x = np.linspace(0, group["bytes"].max(), 50)
-            ax.plot(x / 1e6, (line["overhead_s"] + x / (line["gbps"] * 1e9)) * 1e3, "-",
+            ax.plot(x / 1e6, (line["overhead_s"] + x / (line["gbps"] * 1e9)) * 1e3, color=color, ls=linestyle,
                     label=f"fit: {line['gbps']:.3g} GB/s + {line['overhead_s'] * 1e6:.3g} µs")
             fitted = True
     ax.set(xlabel="MB per copy", ylabel="ms")

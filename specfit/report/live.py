@@ -9,7 +9,7 @@ from matplotlib.ticker import MaxNLocator
 from ..accounting import read_cycles, summarise, waiting_note
 from ..runtime.commands import raw_acceptance_notes
 from .html import Page
-from .plots import bars, identity_scatter, new_axes, policy_styles
+from .plots import BAR_HANDLE, bars, identity_scatter, legend_outside, new_axes, policy_styles
 
 __all__ = ["live_section"]
 
@@ -73,9 +73,9 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
                             f"online prediction was made before its cycle was measured.")
     union = _union_per_layer(cycles, policies, styles)
     if union is not None:
-        page.figure(union, "Expert union per layer, predicted (from the expert predictor, hatched) and true (what "
-                           "the verified nodes routed to), mean per cycle; the union is what the cycle-time "
-                           "prediction prices.")
+        page.figure(union, "Expert union per layer, true (what the verified nodes routed to; filled) and predicted "
+                           "(from the expert predictor; hollow, outlined), mean per cycle, each policy in its colour "
+                           "and hatch; the union is what the cycle-time prediction prices.")
 
     if "bytes_h2d" in cycles:
         per = cycles.groupby("policy", sort=False).agg(bytes=("bytes_h2d", "sum"), tokens=("committed_tokens", "sum"))
@@ -226,14 +226,19 @@ def _union_per_layer(cycles: pd.DataFrame, policies, styles: dict | None = None)
     n_layers = len(next(iter(rows.values()))[1])
     width = 0.8 / (2 * len(rows))
     x = np.arange(n_layers)
+    # each policy its hatch; true filled in its colour (the hatch in white), predicted hollow (the
+    # hatch and outline in its colour): the bars were told apart by colour alone, and predicted
+    # from true by a hatch all policies shared, so a greyscale print matched a bar to nothing
     for i, (policy, (predicted, true)) in enumerate(rows.items()):
         pos = x - 0.4 + width * (2 * i + 0.5)
-        ax.bar(pos, true, width=width * 0.95, label=f"{policy} true", color=styles[policy].color)
-        ax.bar(pos + width, predicted, width=width * 0.95, color=styles[policy].color, alpha=0.5, hatch="//",
+        style = styles[policy]
+        ax.bar(pos, true, width=width * 0.95, label=f"{policy} true", color=style.color, hatch=style.hatch,
+               edgecolor="white")
+        ax.bar(pos + width, predicted, width=width * 0.95, color="white", hatch=style.hatch, edgecolor=style.color,
                label=f"{policy} predicted")
     ax.set(xlabel="layer", ylabel="experts in the union per cycle")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.legend(fontsize=7, ncol=2)
+    legend_outside(ax, fontsize=7, **BAR_HANDLE)       # inside, it sat on the tallest layers' bars
     return fig
 
 

@@ -12,7 +12,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import LogFormatter
 
 __all__ = ["new_axes", "log_x", "legend_outside", "identity_scatter", "bars", "grouped_bars", "POLICY_PALETTE",
-           "POLICY_MARKERS", "POLICY_LINESTYLES", "PolicyStyle", "policy_styles"]
+           "POLICY_MARKERS", "POLICY_LINESTYLES", "BAR_HATCHES", "BAR_HANDLE",
+           "PolicyStyle", "policy_styles"]
 
 # matplotlib's default cycle (tab10), then the light halves of tab20 and tab20b's and tab20c's dark
 # and middle shades: 35 colours, so that a page of many policies (a sweep's and a decode's) does not
@@ -29,6 +30,13 @@ POLICY_PALETTE = tuple(to_hex(c) for c in (*colormaps["tab10"].colors, *colormap
 POLICY_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 # and a line style, for the figures whose lines lie on one another (a histogram's outlines)
 POLICY_LINESTYLES = ("-", "--", "-.", ":")
+# and a bar's hatch, for the bar figures, where a series had its colour alone (its bars side by
+# side with the others'): six, prime to the palette's 35, so that no two of a figure's first 210
+# series share both colour and hatch
+BAR_HATCHES = ("", "//", "..", "xx", "\\\\", "oo")
+# a legend's patches this tall and long (in font sizes), where a hatch shows a few of its strokes
+# (matplotlib's 0.7 high showed a sliver of it)
+BAR_HANDLE = {"handleheight": 1.6, "handlelength": 2.4}
 # a line of more points than this (a run's cycles) is marked every k-th point, about this many
 # times: a marker on each of 2,000 cycles was a smear that hid the line
 MARKS_PER_LINE = 20
@@ -41,6 +49,7 @@ class PolicyStyle:
     color: str
     marker: str
     linestyle: str
+    hatch: str = ""
 
     def marked(self, points: int, line: int = 0, lines: int = 1) -> dict:
         """matplotlib's keywords for a line of ``points`` points in this colour with this marker:
@@ -52,18 +61,19 @@ class PolicyStyle:
 
 
 def policy_styles(policies, given: dict | None = None) -> dict[str, PolicyStyle]:
-    """One colour, marker and line style per policy: ``given``'s (the page's so far) kept, the
-    ``k``-th policy new to it the ``k``-th of :data:`POLICY_PALETTE`, :data:`POLICY_MARKERS` and
-    :data:`POLICY_LINESTYLES` (each wrapping), in the order named. A figure that took the next
-    colour of the cycle gave a policy a colour by its place among the figure's lines, so the same
-    policy changed colour from one figure to the next."""
+    """One colour, marker, line style and hatch per policy: ``given``'s (the page's so far) kept,
+    the ``k``-th policy new to it the ``k``-th of :data:`POLICY_PALETTE`, :data:`POLICY_MARKERS`,
+    :data:`POLICY_LINESTYLES` and :data:`BAR_HATCHES` (each wrapping), in the order named. A
+    figure that took the next colour of the cycle gave a policy a colour by its place among the
+    figure's lines, so the same policy changed colour from one figure to the next."""
     styles = dict(given or {})
     for policy in map(str, policies):
         if policy not in styles:
             k = len(styles)
             styles[policy] = PolicyStyle(POLICY_PALETTE[k % len(POLICY_PALETTE)],
                                          POLICY_MARKERS[k % len(POLICY_MARKERS)],
-                                         POLICY_LINESTYLES[k % len(POLICY_LINESTYLES)])
+                                         POLICY_LINESTYLES[k % len(POLICY_LINESTYLES)],
+                                         BAR_HATCHES[k % len(BAR_HATCHES)])
     return styles
 
 
@@ -84,10 +94,11 @@ def log_x(ax) -> None:
     ax.xaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))     # labels a short axis's minor ticks
 
 
-def legend_outside(ax) -> None:
+def legend_outside(ax, **legend) -> None:
     """The legend to the right of the axes, where it covers no line however the data fall (inside,
-    it sat on the highest line of a figure whose lines climb to its top right)."""
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
+    it sat on the highest line of a figure whose lines climb to its top right); ``legend``: more of
+    matplotlib's legend keywords."""
+    ax.legend(**{"fontsize": 8, **legend}, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
 
 
 # above this many points a scatter is drawn as an image inside the SVG: one vector marker per
@@ -143,13 +154,16 @@ def bars(labels, values, ylabel: str, annotations=None, title: str = "", colors=
 
 def grouped_bars(labels, groups: dict, ylabel: str, annotations: dict | None = None, title: str = ""):
     """Bars of several series side by side per label; ``groups`` maps a series name to values
-    aligned with ``labels``, ``annotations`` the same to per-bar notes."""
+    aligned with ``labels``, ``annotations`` the same to per-bar notes. The ``i``-th series in the
+    ``i``-th colour of :data:`POLICY_PALETTE` and hatch of :data:`BAR_HATCHES`, drawn in white on
+    it: told apart by colour alone, they were one grey in a greyscale print."""
     width = 0.8 / max(len(groups), 1)
     fig, ax = new_axes(max(5.0, 0.9 * len(labels) * max(1, len(groups) / 2) + 2), 3.8)
     x = np.arange(len(labels))
     for i, (name, values) in enumerate(groups.items()):
         pos = x - 0.4 + width * (i + 0.5)
-        ax.bar(pos, values, width=width * 0.95, label=str(name))
+        ax.bar(pos, values, width=width * 0.95, label=str(name), color=POLICY_PALETTE[i % len(POLICY_PALETTE)],
+               hatch=BAR_HATCHES[i % len(BAR_HATCHES)], edgecolor="white")
         for xi, v, note in zip(pos, values, (annotations or {}).get(name, [None] * len(labels))):
             if note:
                 ax.annotate(note, (xi, v), ha="center", va="bottom", fontsize=7, rotation=90, xytext=(0, 2),
@@ -157,5 +171,5 @@ def grouped_bars(labels, groups: dict, ylabel: str, annotations: dict | None = N
     ax.set_xticks(x, [str(label) for label in labels], rotation=30, ha="right")
     ax.set(ylabel=ylabel, title=title)
     ax.margins(y=0.18)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, **BAR_HANDLE)
     return fig
