@@ -132,6 +132,42 @@ def test_a_policys_fault_is_not_hidden_behind_another_policys_earlier_rounding_t
     assert rounding_ties(model, prompts, [fault, tie, {"index": 0, "output_ids": ar}]) == ([4], [])
 
 
+
+def test_a_rounding_tie_is_checked_against_the_targets_best_logit_on_the_logits_scale(model_dirs):
+    """Two outputs part at a tie only where both tokens are within ROUNDING_TIE_UNITS float32 units
+    (2**-20 at the least) of the target's best logit, on the logits' scale: two tokens tied with each
+    other below the best are a fault; a gap of 2e-6 of the scale is a tie, one of 8e-6 is not. An
+    output that stops where another goes on is no tie, and the check grows a KV cache too short."""
+    from specfit.runtime.decode_job import rounding_ties
+    from specfit.runtime.prompts import Prompt
+
+    model = load_model(model_dirs["qwen3_moe"], cache_experts=N_EXPERTS)
+    prompt = _prompts()[1]
+    ar = Decoder(model).generate(prompt, 8, ignore_eos=True).output_ids
+    prompts = [Prompt(line=6, input_ids=prompt, text=None)]
+    with torch.no_grad():           # logits four times larger: the same greedy tokens
+        model.lm_head.weight *= 4.0
+    logits = model(prompt + ar[:3], np.arange(len(prompt) + 3)).logits[-1]
+    best, scale = float(logits[ar[3]]), float(logits.abs().max())
+    assert int(logits.argmax()) == ar[3] and best > 0
+    low, other = (int(t) for t in logits.argsort()[:2])
+    original = model.lm_head.weight[ar[3]].clone()
+
+    def parted(token):
+        return [{"index": 0, "output_ids": ar}, {"index": 0, "output_ids": ar[:3] + [token] + ar[4:]}]
+
+    near = next(t for t in range(VOCAB) if t not in (ar[3], low, other))
+    for gap, tie in ((2e-6, True), (8e-6, False)):
+        with torch.no_grad():        # token ``near``'s logit ``gap`` of the logits' scale below the best
+            model.lm_head.weight[near] = original * (1 - gap * scale / best)
+        model.setup_kv_cache(1)
+        assert rounding_ties(model, prompts, parted(near)) == ([6], [6] if tie else []), gap
+    with torch.no_grad():            # two tokens far below the best, tied with each other
+        model.lm_head.weight[other] = model.lm_head.weight[low]
+    ties = [{"index": 0, "output_ids": ar[:3] + [t] + ar[4:]} for t in (low, other)]
+    assert rounding_ties(model, prompts, ties) == ([6], [])
+    assert rounding_ties(model, prompts, [{"index": 0, "output_ids": ar}, {"index": 0, "output_ids": ar[:5]}]) == ([6], [])
+
 def test_verify_and_commit_accept_the_matching_path(model_dirs):
     """The cycle primitives the speculative decoder builds on: a tree whose first branch is the
     target's own continuation is accepted along that branch, the KV cache is compacted, and
