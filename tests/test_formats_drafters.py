@@ -355,6 +355,7 @@ def test_default_feature_layers_are_described_as_the_default():
     ({**specforge_config(), "rms_norm_eps": -1e-6}, "'rms_norm_eps' must be a finite number >= 0, got -1e-06"),
     ({**specforge_config(), "rms_norm_eps": float("inf")}, "'rms_norm_eps' must be a finite number >= 0, got inf"),
     ({**specforge_config(), "rope_theta": 0}, "'rope_theta' must be a finite number > 0, got 0.0"),
+    ({**specforge_config(), "eagle_config": [2, 3]}, "key 'eagle_config' must be an object, got \\[2, 3\\]"),
 ])
 def test_bad_drafter_config_is_one_error(raw, message):
     with pytest.raises(SpecFitError, match=message):
@@ -368,6 +369,8 @@ def test_feature_layers_named_out_of_order_are_read_in_layer_order():
     assert "eagle_config.eagle_aux_hidden_state_layer_ids = [4, 0, 2]" in nested.describe_feature_layers(6)
     top = Eagle3Config.from_dict(specforge_config(top_ids=[5, 1, 3]))
     assert top.feature_layers(6) == (1, 3, 5) and top == nested
+    assert top.aux_layers_in_file == (5, 1, 3)       # the file's ids as written, in what names them
+    assert "eagle_aux_hidden_state_layer_ids = [5, 1, 3]" in top.describe_feature_layers(6)
     assert Eagle3Config.from_dict(specforge_config(nested_ids=[4, 0, 2], top_ids=[1, 5, 3])).feature_layers(6) == (1, 3, 5)
     # a repeat (the clipped default of a model of a few layers) keeps its order
     assert Eagle3Config.from_dict(specforge_config(top_ids=[1, 1, 0])).feature_layers(2) == (1, 1, 0)
