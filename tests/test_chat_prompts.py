@@ -149,6 +149,7 @@ def test_named_templates_use_the_default_one(tmp_path):
     ("chatml", {"messages": "hi"}, ':1: "messages" must be a non-empty list of {"role": ..., "content": ...} objects'),
     ("chatml", {"messages": [{"role": "user", "content": "a"}, "b"]}, ':1: "messages" must be a non-empty list of'),
     ("chatml", {"messages": [{"content": "hi"}]}, ':1: "messages"[0]: "role" must be a non-empty string (e.g. "user"), got null'),
+    ("chatml", {"messages": [{"role": "", "content": "hi"}]}, ':1: "messages"[0]: "role" must be a non-empty string (e.g. "user"), got \'\''),
     ("chatml", {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": 3}]},
      ':1: "messages"[1]: "content" must be a string, got 3'),
     ("chatml", {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]},
@@ -186,6 +187,8 @@ def test_a_bad_chat_line_is_one_error_naming_the_line_and_the_field(tmp_path, st
     ([{"name": "tool_use", "template": CHATML}, {"name": "rag", "template": CHATML}],
      'the chat templates are named rag, tool_use; expected one named "default" for "messages"'),
     (5, "{model}: the chat template must be a Jinja template (a string), got 5"),
+    ("{% if false %}x{% endif %}", ':1: "messages" renders to no tokens'),
+    ("{{ '\ud800' }}", ':1: the rendered chat must be valid Unicode text, got an unpaired surrogate at character 0'),
 ])
 def test_a_model_without_a_usable_chat_template_is_one_error(tmp_path, template, message):
     model_dir = chat_model(tmp_path / "model", "chatml", template=template)
