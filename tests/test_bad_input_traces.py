@@ -129,6 +129,8 @@ def test_trace_metadata_of_the_wrong_kind_is_one_line_where_the_trace_is_read(tm
     {"prefill_sequences": [0], "prefill_experts": [[[0]], [[7]]], "prefill_pass_counts": [2]},     # pass 1 out of range
     {"prefill_sequences": [0], "prefill_experts": [[[0]], None], "prefill_pass_counts": [2]},      # a pass missing
     {"prefill_pass_counts": [1]},                                                                 # counts of nothing
+    {"prefill_sequences": [0], "prefill_experts": [[[-1]]]},                # a negative expert id (numpy's last)
+    {"prefill_sequences": ["0"], "prefill_experts": [[[0]]]},               # a sequence id that is no integer
 ])
 def test_a_recorded_prompt_pass_that_is_malformed_is_one_line(tmp_path, prefill):
     """A live recording's prompt passes warm the replay's cache: a malformed entry is refused
@@ -140,6 +142,22 @@ def test_a_recorded_prompt_pass_that_is_malformed_is_one_line(tmp_path, prefill)
     pq.write_table(table.replace_schema_metadata({METADATA_KEY: json.dumps(meta).encode()}), bad)
     for argv in trace_readers(bad).values():
         one_line_error(invoke(*argv), str(bad), "recording.prefill_sequences / prefill_experts")
+
+
+def test_prompt_passes_are_read_pass_by_pass_and_an_unrecorded_one_is_passed_over():
+    """Each sequence's passes in order, one mask per pass; a sequence whose prompt pass an older
+    SpecFit did not record (its entry null) has none; a bad chunk's pass is named by its index."""
+    from specfit.traces.validate import prompt_passes
+
+    trace = hand_trace()
+    recording = {"prefill_sequences": [0, 1], "prefill_experts": [[[0, 2]], [[1]], None], "prefill_pass_counts": [2, 1]}
+    passes = prompt_passes(dataclasses.replace(trace, meta={**trace.meta, "recording": recording}), "t.parquet")
+    assert list(passes) == [0]
+    assert passes[0].tolist() == [[[True, False, True, False]], [[False, True, False, False]]]
+    recording = {"prefill_sequences": [0], "prefill_experts": [[[0]], [[4]]], "prefill_pass_counts": [2]}
+    with pytest.raises(SpecFitError, match=r"t\.parquet: .*: sequence 0's pass 1 must hold 1 lists \(one per layer\) "
+                                           r"of expert ids in \[0, 4\)"):
+        prompt_passes(dataclasses.replace(trace, meta={**trace.meta, "recording": recording}), "t.parquet")
 
 
 # ----------------------------------------------------------------- drafter trees
