@@ -320,7 +320,16 @@ def test_every_svg_path_has_its_data_even_a_spaces_glyph():
     fig = Figure()
     fig.add_subplot().set_title("two words")
     paths = re.findall(r"<path [^>]*>", svg_of(fig))
-    assert paths and all(re.search(r'\bd="', p) for p in paths)
+    assert paths and all(len(re.findall(r'\bd="', p)) == 1 for p in paths)      # once: a second d is no SVG
+    assert any(re.search(r'\bd="M', p) for p in paths)                 # an outline keeps its data
+
+
+def test_a_figures_ids_are_its_own_and_a_reference_to_no_id_of_it_is_left_alone():
+    from specfit.report.html import _own_ids
+
+    svg = '<g id="a"><use href="#a"/><rect clip-path="url(#a)"/><a href="#top"/><g id="a"/></g>'
+    assert _own_ids(svg, "f3-") == ('<g id="f3-a"><use href="#f3-a"/><rect clip-path="url(#f3-a)"/><a href="#top"/>'
+                                     '<g id="f3-a-2"/></g>')
 
 
 def test_a_sweeps_panels_of_equal_tokens_per_second_give_no_id_twice():
