@@ -370,3 +370,18 @@ def test_a_long_runs_lines_mark_every_kth_cycle_each_policy_its_own_cycles(monke
         assert MARKS_PER_LINE / 2 <= len(cycles) <= MARKS_PER_LINE, (line.get_label(), len(cycles))
         marked.setdefault(line.get_label().split(" ")[0], set()).add(cycles[0])
     assert not marked["eagle3"] & marked["specfit"]
+
+
+def test_a_lines_marks_are_at_most_marks_per_line_every_point_up_to_it_and_policies_differ_in_each_style():
+    from specfit.report.plots import (MARKS_PER_LINE, POLICY_LINESTYLES, POLICY_MARKERS, POLICY_PALETTE,
+                                      PolicyStyle)
+
+    style = PolicyStyle("C0", "o", "-")
+    for points in range(1, 5 * MARKS_PER_LINE + 2):
+        start, step = style.marked(points)["markevery"]
+        marks = len(range(start, points, step))
+        assert marks <= MARKS_PER_LINE and (marks == points if points <= MARKS_PER_LINE else marks > MARKS_PER_LINE / 2)
+    n = min(len(POLICY_PALETTE), len(POLICY_MARKERS), len(POLICY_LINESTYLES))
+    styles = list(policy_styles([f"p{i}" for i in range(n)]).values())
+    for part in ("color", "marker", "linestyle"):
+        assert len({getattr(s, part) for s in styles}) == n, part
