@@ -100,6 +100,15 @@ def test_hub_and_transformers5_spellings_give_the_same_rope():
                                           "low_freq_factor": 0.0, "high_freq_factor": 4.0}}, "must satisfy 0 < low < high, got 0.0 and 4.0"),
     ({"rope_theta": 1e4, "rope_scaling": {"type": "llama3", "factor": 8.0, "original_max_position_embeddings": 64,
                                           "low_freq_factor": 4.0, "high_freq_factor": 4.0}}, "must satisfy 0 < low < high, got 4.0 and 4.0"),
+    ({"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": float("inf")}},
+     "'rope_scaling.factor' must be a finite number > 0, got inf"),
+    ({"rope_theta": 1e4, "rope_scaling": {"type": "llama3", "factor": 8.0, "original_max_position_embeddings": 0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+     "'rope_scaling.original_max_position_embeddings' must be at least 1, got 0"),
+    # the top-level key overrides yarn's and llama3's only: dynamic's own is the one named
+    ({"rope_theta": 1e4, "original_max_position_embeddings": 64,
+      "rope_scaling": {"type": "dynamic", "factor": 2.0, "original_max_position_embeddings": -4}},
+     "key 'rope_scaling.original_max_position_embeddings' must be at least 1, got -4"),
 ])
 def test_bad_rope_is_one_error(raw, message):
     with pytest.raises(SpecFitError, match=message):
