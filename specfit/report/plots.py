@@ -32,8 +32,9 @@ POLICY_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 POLICY_LINESTYLES = ("-", "--", "-.", ":")
 # and a bar's hatch, for the bar figures, where a series had its colour alone (its bars side by
 # side with the others'): six, prime to the palette's 35, so that no two of a figure's first 210
-# series share both colour and hatch
-BAR_HATCHES = ("", "//", "..", "xx", "\\\\", "oo")
+# series share both colour and hatch. Lines only: a dotted or circled hatch is drawn as a pattern
+# of many small paths (".." 68 KB a colour in the SVG, where "//" is 0.5 KB)
+BAR_HATCHES = ("", "//", "xx", "\\\\", "--", "++")
 # a legend's patches this tall and long (in font sizes), where a hatch shows a few of its strokes
 # (matplotlib's 0.7 high showed a sliver of it)
 BAR_HANDLE = {"handleheight": 1.6, "handlelength": 2.4}
