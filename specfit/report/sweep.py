@@ -88,8 +88,9 @@ def frontier(settings: pd.DataFrame, budget_bytes: float, best: dict, styles: di
     colour and marker of ``styles``, by default one of its own."""
     fig, ax = new_axes(7.0, 4.0)
     heads = settings["policy"].str.split(":").str[0]
-    styles = styles or policy_styles(_heads(settings))
-    for head in _heads(settings):
+    names = _heads(settings)
+    styles = styles or policy_styles(names)
+    for head in names:
         s = settings[heads == head]
         ax.scatter(s["device_bytes"] / 1e9, s["tokens_per_s"], s=18, label=head, alpha=0.8, color=styles[head].color,
                    marker=styles[head].marker)

@@ -65,33 +65,25 @@ def read_prompts(path: str | Path, tokenizer=None, vocab_size: int | None = None
         if "chat_template_kwargs" in record and given != ["messages"]:
             raise SpecFitError(f'{where}: "chat_template_kwargs" goes with "messages" (a chat), not with "{given[0]}"')
         if "prompt" in record:
-            prompt = _from_text(record["prompt"], tokenizer, where, number)
+            prompts.append(_from_text(record["prompt"], tokenizer, vocab_size, where, number))
         elif "messages" in record:
-            prompt = _from_chat(record, tokenizer, chat, where, number)
+            prompts.append(_from_chat(record, tokenizer, vocab_size, chat, where, number))
         else:
-            prompt = Prompt(number, _token_ids(record["input_ids"], vocab_size, where), None)
-        if prompt.text is not None:
-            _tokenised_in_vocabulary(prompt.input_ids, vocab_size, given[0], where)
-        prompts.append(prompt)
+            prompts.append(Prompt(number, _token_ids(record["input_ids"], vocab_size, where), None))
     if not prompts:
         raise SpecFitError(f"{path}: no prompts (expected one JSON object per line)")
     return prompts
 
 
-def _from_text(text, tokenizer, where: str, number: int) -> Prompt:
+def _from_text(text, tokenizer, vocab_size: int | None, where: str, number: int) -> Prompt:
     if not isinstance(text, str) or not text:
         raise SpecFitError(f'{where}: "prompt" must be a non-empty string')
     _check_unicode(text, '"prompt"', where)
-    if tokenizer is None:
-        raise SpecFitError(f'{where}: "prompt" needs a tokenizer, but the model directory has no tokenizer.json; '
-                           f'give "input_ids" instead')
-    ids = tokenizer.encode(text).ids
-    if not ids:
-        raise SpecFitError(f'{where}: "prompt" tokenises to no tokens')
-    return Prompt(number, list(ids), text)
+    _check_tokenizer(tokenizer, "prompt", where)
+    return Prompt(number, _tokenised(text, tokenizer, vocab_size, "prompt", "tokenises to no tokens", where), text)
 
 
-def _from_chat(record: dict, tokenizer, chat: _ChatTemplate, where: str, number: int) -> Prompt:
+def _from_chat(record: dict, tokenizer, vocab_size: int | None, chat: _ChatTemplate, where: str, number: int) -> Prompt:
     messages = record["messages"]
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise SpecFitError(f'{where}: "messages" must be a non-empty list of {{"role": ..., "content": ...}} objects, '
@@ -108,15 +100,12 @@ def _from_chat(record: dict, tokenizer, chat: _ChatTemplate, where: str, number:
     if not isinstance(kwargs, dict):
         raise SpecFitError(f'{where}: "chat_template_kwargs" must be an object of template variables '
                            f'(e.g. {{"enable_thinking": false}}), got {json_text(kwargs)}')
-    if tokenizer is None:
-        raise SpecFitError(f'{where}: "messages" needs a tokenizer, but the model directory has no tokenizer.json; '
-                           f'give "input_ids" instead')
+    _check_tokenizer(tokenizer, "messages", where)
     text = chat.render(messages, kwargs, where)
     _check_unicode(text, "the rendered chat", where)
-    ids = tokenizer.encode(text, add_special_tokens=False).ids
-    if not ids:
-        raise SpecFitError(f'{where}: "messages" renders to no tokens')
-    return Prompt(number, list(ids), text)
+    # the template wrote the special tokens the model wants (its BOS): none added again
+    ids = _tokenised(text, tokenizer, vocab_size, "messages", "renders to no tokens", where, add_special_tokens=False)
+    return Prompt(number, ids, text)
 
 
 class _ChatTemplate:
@@ -186,14 +175,26 @@ def _check_unicode(text: str, field: str, where: str) -> None:
                            f'{exc.start}') from None
 
 
-def _tokenised_in_vocabulary(ids: list[int], vocab_size: int | None, kind: str, where: str) -> None:
-    """A tokenizer of another model than the weights (or with tokens added past the embedding's
-    rows) gives ids the embedding has no row for: an IndexError deep in the first pass."""
+def _check_tokenizer(tokenizer, kind: str, where: str) -> None:
+    if tokenizer is None:
+        raise SpecFitError(f'{where}: "{kind}" needs a tokenizer, but the model directory has no tokenizer.json; '
+                           f'give "input_ids" instead')
+
+
+def _tokenised(text: str, tokenizer, vocab_size: int | None, kind: str, empty: str, where: str,
+               add_special_tokens: bool = True) -> list[int]:
+    """``text``'s token ids, at least one and each in the model's vocabulary: a tokenizer of
+    another model than the weights (or with tokens added past the embedding's rows) gives ids the
+    embedding has no row for, an IndexError deep in the first pass."""
+    ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+    if not ids:
+        raise SpecFitError(f'{where}: "{kind}" {empty}')
     bad = [t for t in ids if vocab_size is not None and t >= vocab_size]
     if bad:
         raise SpecFitError(f'{where}: "{kind}" tokenises to token id {bad[0]}, outside the model\'s vocabulary [0, '
                            f'{vocab_size}) (config.json\'s vocab_size): the model directory\'s tokenizer.json has '
                            f'ids the embedding has no row for')
+    return ids
 
 
 def _token_ids(value, vocab_size: int | None, where: str) -> list[int]:

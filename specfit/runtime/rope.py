@@ -99,10 +99,12 @@ def parse_rope(raw: dict, source: str, max_position_embeddings: int, default_the
                            f"only full-width RoPE is supported")
     if rope_type == "default":
         return RopeSpec(theta=theta)
+    original_key = f"{key}.original_max_position_embeddings"
     original = number("original_max_position_embeddings", kind=int)
     if rope_type in ("yarn", "llama3") and raw.get("original_max_position_embeddings") is not None:
         # transformers' precedence: a top-level key (Phi-3's spelling) overrides the block's
-        original = config_value(raw["original_max_position_embeddings"], "original_max_position_embeddings", source, int)
+        original_key = "original_max_position_embeddings"
+        original = config_value(raw[original_key], original_key, source, int)
     factor = number("factor")
     if rope_type == "yarn":
         original = original or int(max_position_embeddings)
@@ -116,9 +118,7 @@ def parse_rope(raw: dict, source: str, max_position_embeddings: int, default_the
     if not (math.isfinite(factor) and factor > 0):
         raise SpecFitError(f"{source}: key '{key}.factor' must be a finite number > 0, got {factor}")
     if original is not None and original < 1:
-        name = ("original_max_position_embeddings" if raw.get("original_max_position_embeddings") is not None
-                and rope_type in ("yarn", "llama3") else f"{key}.original_max_position_embeddings")
-        raise SpecFitError(f"{source}: key {name!r} must be at least 1, got {original}")
+        raise SpecFitError(f"{source}: key {original_key!r} must be at least 1, got {original}")
     if rope_type == "llama3":
         missing = [name for name in ("low_freq_factor", "high_freq_factor") if block.get(name) is None]
         missing += ["original_max_position_embeddings"] if original is None else []
