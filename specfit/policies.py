@@ -27,6 +27,9 @@ the grammar (:data:`POLICY_HELP` is written from it):
   acceptance): a fixed tree size.
 - ``static:auto``: ``static:N`` with the N that is best on the trace, cache size and cost model (a
   strong baseline that knows the trace; simulator only, which tries every candidate).
+- ``sequoia:N``: Sequoia's static tree of N nodes (root included) from positional acceptance rates
+  fitted on the replayed trace (:mod:`specfit.sequoia`); ``sequoia:auto``: the best N on the trace,
+  cache size and cost model, as ``static:auto`` (both simulator only).
 - ``specfit``: the exact max-throughput search after every level; stop drafting as soon as neither
   a level nor the expected next one improves the best predicted throughput
   (:mod:`specfit.specfit_policy`).
@@ -54,9 +57,9 @@ from .specfit_policy import SpecFitPolicy
 from .tree import DraftTree
 
 __all__ = [
-    "CycleView", "Observation", "Policy", "ArPolicy", "ChainPolicy", "RerankPolicy", "SpecFitPolicy", "OraclePolicy",
-    "TunedPolicy", "PolicySpec", "POLICIES", "rerank", "POLICY_HELP", "LIVE_POLICY_HELP", "DEFAULT_POLICIES", "make_policy", "choose",
-    "STATIC_AUTO_SIZES", "EAGLE3_LEVELS", "LEVERS", "apply_levers",
+    "CycleView", "Observation", "Policy", "ArPolicy", "ChainPolicy", "RerankPolicy", "SequoiaPolicy", "SpecFitPolicy",
+    "OraclePolicy", "TunedPolicy", "PolicySpec", "POLICIES", "rerank", "POLICY_HELP", "LIVE_POLICY_HELP", "DEFAULT_POLICIES", "make_policy", "choose",
+    "STATIC_AUTO_SIZES", "TUNED_FAMILIES", "is_tuned", "EAGLE3_LEVELS", "LEVERS", "apply_levers",
 ]
 
 
@@ -126,6 +129,51 @@ def rerank(tree: DraftTree, total_nodes: int, scores: np.ndarray | None = None) 
     return tree.closure(np.sort(order[:total_nodes]))
 
 
+class SequoiaPolicy(RerankPolicy):
+    """Sequoia's static tree of ``total_nodes`` nodes (:mod:`specfit.sequoia`): the nodes whose
+    products of positional acceptance rates along their sibling ranks are largest, drafted to the
+    depth the tree reaches under the rates (at most ``max_levels``). The rates are fitted on the
+    trace a replay hands it (:meth:`fit_on_trace`) or given (``rates``)."""
+
+    simulator_only = True
+
+    def __init__(self, total_nodes: int, max_levels: int, rates: np.ndarray | None = None):
+        super().__init__(total_nodes, max(1, min(total_nodes - 1, max_levels)), name=f"sequoia:{total_nodes}",
+                         drafter_scores=True)          # ranks by its own scores, not the path probabilities
+        self.depth_cap = self.max_levels
+        self.rates: np.ndarray | None = None
+        if rates is not None:
+            self.fit(rates)
+
+    def fit(self, rates: np.ndarray) -> None:
+        """Take ``rates`` (one per sibling rank, each in [0, 1]) and draft the levels its tree reaches."""
+        from .sequoia import shape_depth
+        rates = np.asarray(rates, dtype=np.float64)
+        if rates.ndim != 1 or not np.all((rates >= 0) & (rates <= 1)):
+            raise ValueError(f"policy {self.name!r}: expected one acceptance rate in [0, 1] per sibling rank, got "
+                             f"{rates.tolist()}")
+        self.rates = rates
+        self.max_levels = shape_depth(rates, self.total_nodes, self.depth_cap)
+
+    def fit_on_trace(self, prep) -> None:
+        if self.rates is None:
+            self.fit(prep.positional_rates())
+
+    def scores(self, parents: np.ndarray, depths: np.ndarray, drafter_probs: np.ndarray) -> np.ndarray:
+        """Each node's product of rates along its sibling ranks (by ``drafter_probs``); ``parents``
+        global, -1 at roots."""
+        from .sequoia import node_scores, sibling_ranks
+        if self.rates is None:
+            raise ValueError(f"policy {self.name!r}: no positional acceptance rates; a replay fits them on its trace "
+                             f"(fit_on_trace), or give them (fit)")
+        return node_scores(parents, depths, sibling_ranks(parents, drafter_probs), self.rates)
+
+    def select(self, view: CycleView) -> Selection:
+        tree = view.tree
+        probs = tree.path_probs if view.drafter_probs is None else view.drafter_probs[:tree.n_nodes]
+        return view.evaluate(rerank(tree, self.total_nodes, self.scores(tree.parents, tree.depth, probs)))
+
+
 class OraclePolicy(Policy):
     """Knows the verdicts and the true experts; verifies the best prefix of the accepted path."""
 
@@ -158,14 +206,16 @@ class OraclePolicy(Policy):
 
 class TunedPolicy(RerankPolicy):
     """A family of fixed policies of which a driver that can replay them all (the simulator) keeps
-    the best: ``static:auto`` is ``static:N`` for the best N of :meth:`candidates`. Run alone it
-    behaves like its first candidate's rerank, which no driver does."""
+    the best: ``static:auto`` is ``static:N`` for the best N of :meth:`candidates` (``sequoia:auto``
+    the same of ``sequoia:N``). Run alone it behaves like its first candidate's rerank, which no
+    driver does."""
 
     simulator_only = True
 
     def __init__(self, name: str, sizes: tuple[int, ...], max_levels: int, levers: list[str] = ()):
         super().__init__(sizes[0], max(1, min(sizes[0] - 1, max_levels)), name=name)
         self.sizes, self.max_levels_cap, self.levers = tuple(sizes), int(max_levels), list(levers)
+        self.family = name.partition(":")[0]
 
     def candidates(self, max_nodes: int) -> list[Policy]:
         """The fixed policies to try on trees of at most ``max_nodes`` nodes (with this one's levers):
@@ -174,14 +224,16 @@ class TunedPolicy(RerankPolicy):
         whole = min((n for n in self.sizes if n >= max_nodes), default=max(2, max_nodes))
         sizes = [n for n in self.sizes if n < max_nodes] + [whole]
         suffix = "".join(f"+{lever}" for lever in self.levers)
-        return [make_policy(f"static:{n}{suffix}", self.max_levels_cap) for n in sizes]
+        return [make_policy(f"{self.family}:{n}{suffix}", self.max_levels_cap) for n in sizes]
 
 
 # EAGLE-3's draft levels: its default depth=7 drafts the root's top-k, then 7 more levels
 EAGLE3_LEVELS = 8
 
-# static:auto tries these tree sizes (root included)
+# static:auto (and sequoia:auto) try these tree sizes (root included)
 STATIC_AUTO_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# the families whose FAMILY:auto is a TunedPolicy
+TUNED_FAMILIES = ("static", "sequoia")
 
 
 @dataclass(frozen=True)
@@ -225,6 +277,9 @@ POLICIES: dict[str, PolicySpec] = {
     "static": PolicySpec("static:N (or static:auto)", "the best N nodes of the tree; auto: the best N on the trace "
                          "(simulator)", lambda a, m: RerankPolicy(a[0], max(1, min(a[0] - 1, m)), name=f"static:{a[0]}"),
                          n_args=(1,), live="static:N"),
+    "sequoia": PolicySpec("sequoia:N (or sequoia:auto)", "Sequoia's static tree of N nodes from positional acceptance "
+                          "rates fitted on the trace; auto: the best N on the trace (simulator)",
+                          lambda a, m: SequoiaPolicy(a[0], m), n_args=(1,), live=""),
     "specfit": PolicySpec("specfit[:D]", "exact max-throughput subtree, level stopping (D levels at most)",
                           lambda a, m: _specfit(a, m), n_args=(0, 1)),
     "oracle": PolicySpec("oracle", "knows the verdicts (simulator, an upper bound)", lambda a, m: OraclePolicy(64), live=""),
@@ -295,6 +350,13 @@ def apply_levers(policy: Policy, levers: list[str], spec: str = "") -> Policy:
     return policy
 
 
+def is_tuned(spec: str) -> bool:
+    """``spec`` names a tuned family (``static:auto``, ``sequoia:auto``, with any levers): the
+    simulator keeps its best size, reported as ``static_n``."""
+    family, _, rest = str(spec).split("+")[0].strip().partition(":")
+    return family in TUNED_FAMILIES and rest == "auto"
+
+
 def make_policy(spec: str, max_levels: int = 8) -> Policy:
     """A policy from its spec string (see the module docstring and :data:`POLICIES`), with any
     ``+lever`` of :data:`LEVERS` after it (e.g. ``specfit+cache+prefetch``); ``max_levels`` caps
@@ -302,8 +364,8 @@ def make_policy(spec: str, max_levels: int = 8) -> Policy:
     text, *levers = str(spec).strip().split("+")
     text = text.strip()
     levers = [lever.strip() for lever in levers]
-    if text == "static:auto":
-        return apply_levers(TunedPolicy("static:auto", STATIC_AUTO_SIZES, max_levels, levers), levers, spec)
+    if is_tuned(text):
+        return apply_levers(TunedPolicy(text, STATIC_AUTO_SIZES, max_levels, levers), levers, spec)
     return apply_levers(_make_base(text, spec, max_levels), levers, spec)
 
 

@@ -151,6 +151,10 @@ class Policy(ABC):
     def observe(self, observation: Observation) -> None:
         """Learn from a verified cycle (or a whole trace); nothing by default."""
 
+    def fit_on_trace(self, prep) -> None:
+        """Tune to the prepared trace a replay is about to run (a simulator-only baseline given
+        hindsight, e.g. Sequoia's acceptance rates); nothing by default."""
+
     def keep_drafting(self, view: CycleView) -> bool:
         return view.draft_levels < self.max_levels
 

@@ -94,8 +94,48 @@ def ref_counts(items: set[int], resident: np.ndarray) -> tuple[int, int]:
     return hits, len(items) - hits
 
 
-def ref_decide(spec: str, tree: RefTree, resident: np.ndarray, cost: CostModel):
-    """(nodes, draft_levels, predicted tokens, predicted time, hits, misses) of a fixed policy."""
+def ref_ranks(tree: RefTree) -> list[int]:
+    """Each node's rank among its siblings by the drafter's probability (ties: the lower id); -1 at the root."""
+    ranks = [-1] * len(tree.parents)
+    for p in range(len(tree.parents)):
+        kids = sorted((u for u in range(1, len(tree.parents)) if tree.parents[u] == p), key=lambda u: (-tree.drafter[u], u))
+        for r, u in enumerate(kids):
+            ranks[u] = r
+    return ranks
+
+
+def ref_sequoia_rates(trace, predicted, raw_probs) -> list[float]:
+    """Sequoia's positional acceptance rates on the whole trace: of the rank-r children of the
+    nodes on a cycle's accepted path, the share on it too."""
+    tried, accepted = {}, {}
+    for c in range(trace.n_cycles):
+        tree = RefTree(trace, c, predicted, raw_probs)
+        path = set(tree.accepted_path(list(range(len(tree.parents)))))
+        for u, r in enumerate(ref_ranks(tree)):
+            if r >= 0 and tree.parents[u] in path:
+                tried[r] = tried.get(r, 0) + 1
+                accepted[r] = accepted.get(r, 0) + (u in path)
+    return [accepted.get(r, 0) / tried[r] if tried.get(r) else 0.0 for r in range(max(tried, default=-1) + 1)]
+
+
+def ref_sequoia_depth(rates: list[float], total: int, cap: int) -> int:
+    """The levels of Sequoia's tree: the ``total`` rank paths of the infinite tree (at most ``cap``
+    deep) with the largest products of rates, ties to the shallower, then the lower ranks."""
+    paths = [()]
+    for _ in range(cap):
+        paths += [p + (r,) for p in paths if len(p) == len(paths[-1]) for r in range(len(rates))]
+    def product(p):
+        value = 1.0
+        for r in p:
+            value *= rates[r]
+        return value
+    best = sorted(paths, key=lambda p: (-product(p), len(p), p))[:total]
+    return max(1, max(len(p) for p in best))
+
+
+def ref_decide(spec: str, tree: RefTree, resident: np.ndarray, cost: CostModel, rates=None):
+    """(nodes, draft_levels, predicted tokens, predicted time, hits, misses) of a fixed policy
+    (``rates``: Sequoia's, for ``sequoia:N``)."""
     name, _, rest = spec.partition(":")
     args = [int(a) for a in rest.split(":")] if rest else []
     depth = tree.max_depth
@@ -120,14 +160,22 @@ def ref_decide(spec: str, tree: RefTree, resident: np.ndarray, cost: CostModel):
             if not kids:
                 break
             nodes.append(max(kids, key=lambda u: (tree.drafter[u], -u)))
-    else:   # eagle3[:N[:D]] and static:N rank by path probability and keep N, ties to the lower id
+    else:   # eagle3[:N[:D]], static:N and sequoia:N rank nodes and keep N, ties to the lower id
         if name == "eagle3":
             total, levels = (args + [60, 8][len(args):])[:2]   # EAGLE-3's 60 tokens, 8 levels
+        elif name == "sequoia":     # the levels its tree reaches, at most N - 1 and the 8 drafted
+            total = args[0]
+            levels = ref_sequoia_depth(rates, total, max(1, min(total - 1, 8)))
         else:
             total, levels = args[0], min(args[0] - 1, 8)   # static: depth N - 1, at most the 8 levels drafted
         levels = min(levels, depth)
-        # eagle3 by the drafter's own probabilities (EAGLE's cumulative log-probabilities), static by the policies'
+        # eagle3 by the drafter's own probabilities (EAGLE's cumulative log-probabilities), static by
+        # the policies', sequoia by the product of its rates along the sibling ranks
         probs = tree.drafter if name == "eagle3" else tree.level_probs(levels)
+        if name == "sequoia":
+            ranks, probs = ref_ranks(tree), [1.0] * len(tree.parents)
+            for v in range(1, len(tree.parents)):
+                probs[v] = probs[tree.parents[v]] * (rates[ranks[v]] if ranks[v] < len(rates) else 0.0)
         keep = sorted(tree.within(levels), key=lambda u: (-probs[u], u))[:total]
         closed = set(keep) | {0}
         for v in list(closed):
@@ -148,6 +196,7 @@ def reference_replay(trace, predicted, raw_probs, spec: str, cache: RefCache, co
     seq = trace.sequence
     starts = [c for c in range(trace.n_cycles) if c == 0 or seq[c] != seq[c - 1]] + [trace.n_cycles]
     policy = make_policy(spec) if spec == "specfit" else None
+    rates = ref_sequoia_rates(trace, predicted, raw_probs) if spec.startswith("sequoia") else None
     E = trace.n_experts
     for s, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
         c, out = a, []
@@ -163,7 +212,7 @@ def reference_replay(trace, predicted, raw_probs, spec: str, cache: RefCache, co
                 nodes, levels = [int(v) for v in sel.nodes], sel.draft_levels
                 tokens_p, time_p, hits_p, misses_p = sel.expected_tokens, sel.time_s, sel.hits, sel.misses
             else:
-                nodes, levels, tokens_p, time_p, hits_p, misses_p = ref_decide(spec, tree, resident, cost)
+                nodes, levels, tokens_p, time_p, hits_p, misses_p = ref_decide(spec, tree, resident, cost, rates)
             path = tree.accepted_path(nodes)
             k = len(path)
             out += [tree.tokens[v] for v in path[1:]] + [tree.verdicts[path[-1]]]
@@ -219,7 +268,7 @@ def check_replay(trace, predicted, raw_probs, spec, capacity, mode, cache_policy
         assert getattr(cache, name).tolist() == ref.totals[name], f"{where}: cache {name}"
 
 
-POLICIES = ["ar", "chain:1", "chain:4", "eagle3", "eagle3:16:3", "static:8", "specfit", "oracle"]
+POLICIES = ["ar", "chain:1", "chain:4", "eagle3", "eagle3:16:3", "static:8", "sequoia:6", "specfit", "oracle"]
 CACHES = [("per_layer", "lru"), ("per_layer", "lfu"), ("per_layer", "fifo"), ("global", "lru"), ("global", "lfu"),
           ("global", "fifo")]
 
@@ -253,7 +302,7 @@ def test_replay_equals_the_reference_with_true_experts_and_no_cache(olmoe, spec)
 
 @pytest.mark.parametrize("mode, cache_policy, capacity", [("per_layer", "lru", 32), ("per_layer", "fifo", 16),
                                                           ("global", "lfu", 48 * 8)])
-@pytest.mark.parametrize("spec", ["ar", "chain:4", "eagle3", "static:8", "specfit", "oracle"])
+@pytest.mark.parametrize("spec", ["ar", "chain:4", "eagle3", "static:8", "sequoia:12", "specfit", "oracle"])
 def test_replay_equals_the_reference_on_the_qwen3_sample(qwen3, spec, mode, cache_policy, capacity):
     cost = preset_profile("gh200", SHAPES["qwen3-30b-a3b"]).cost
     check_replay(qwen3, qwen3.true_experts, qwen3.path_prob, spec, capacity, mode, cache_policy, cost)

@@ -527,9 +527,10 @@ def test_static_auto_labels_name_the_tree_size_of_every_cache_size():
     # the bars of each cache size are grouped under one label: it names each size's own N
     from specfit.report.simulation import _label
 
-    assert _label([pd.Series({"static_n": 16}), pd.Series({"static_n": 6})]) == "static:auto (N=16/6)"
-    assert _label([pd.Series({"static_n": 6}), pd.Series({"static_n": 6})]) == "static:auto (N=6)"
-    assert _label([pd.Series({"static_n": float("nan")})]) == "static:auto"
+    assert _label("static:auto", [pd.Series({"static_n": 16}), pd.Series({"static_n": 6})]) == "static:auto (N=16/6)"
+    assert _label("static:auto", [pd.Series({"static_n": 6}), pd.Series({"static_n": 6})]) == "static:auto (N=6)"
+    assert _label("static:auto", [pd.Series({"static_n": float("nan")})]) == "static:auto"
+    assert _label("sequoia:auto+cache", [pd.Series({"static_n": 4})]) == "sequoia:auto+cache (N=4)"
 
 
 def test_a_refitted_profile_says_its_held_out_error_is_over_decode_cycles(profile_path, tmp_path):

@@ -7,12 +7,13 @@ import pandas as pd
 
 from ..console import speedup_text
 from ..errors import SpecFitError
+from ..policies import is_tuned
 from .html import Page
 from .plots import grouped_bars, legend_outside, log_x, new_axes
 
 __all__ = ["simulation_section", "cache_unit"]
 
-_POLICY_ORDER = ("ar", "chain", "static", "eagle3-nocache", "eagle3", "specfit", "oracle")
+_POLICY_ORDER = ("ar", "chain", "static", "sequoia", "eagle3-nocache", "eagle3", "specfit", "oracle")
 
 
 def _policy_rank(policy: str) -> tuple[int, str]:
@@ -39,7 +40,7 @@ def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame |
         caches = sorted(group["cache_experts"].unique())
         policies = sorted(group["policy"].unique(), key=_policy_rank)
         table = group.set_index(["cache_experts", "policy"])
-        labels = [_label([table.loc[(c, p)] for c in caches]) if p == "static:auto" else p for p in policies]
+        labels = [_label(p, [table.loc[(c, p)] for c in caches]) if is_tuned(p) else p for p in policies]
         series = {f"{c} cached": [table.loc[(c, p), "tokens_per_s"] for p in policies] for c in caches}
         # as the terminal writes them: a loss is never rounded to 1.00x, and a run without ar has no label
         notes = {f"{c} cached": [speedup_text(table.loc[(c, p), "speedup_vs_ar"], missing="") for p in policies]
@@ -112,13 +113,13 @@ def _shown(frame: pd.DataFrame, columns: dict) -> pd.DataFrame:
     """The ``columns`` of ``frame`` it has, renamed to their headers."""
     return frame[[c for c in columns if c in frame.columns]].rename(columns=columns)
 
-def _label(rows) -> str:
-    """``static:auto`` with the tree size it picked at each cache size, in the bars' order
-    (``N=16/6``), or once where every size picked the same."""
+def _label(policy: str, rows) -> str:
+    """A tuned ``policy`` (``static:auto``, ``sequoia:auto``) with the tree size it picked at each
+    cache size, in the bars' order (``N=16/6``), or once where every size picked the same."""
     sizes = [str(int(n)) for n in (row.get("static_n") for row in rows) if pd.notna(n)]
     if not sizes:
-        return "static:auto"
-    return f"static:auto (N={sizes[0] if len(set(sizes)) == 1 else '/'.join(sizes)})"
+        return policy
+    return f"{policy} (N={sizes[0] if len(set(sizes)) == 1 else '/'.join(sizes)})"
 
 
 def _throughput_vs_cache(group: pd.DataFrame, styles: dict, unit: str = "per layer"):

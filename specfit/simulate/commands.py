@@ -12,7 +12,7 @@ from ..console import speedup_text
 from ..errors import INTERRUPTS, Interrupted, SpecFitError, comma_list, stopped, stopped_by
 from ..io import repeated_path
 from ..runinfo import check_run_dir
-from ..policies import DEFAULT_POLICIES, POLICY_HELP
+from ..policies import DEFAULT_POLICIES, POLICY_HELP, is_tuned
 
 
 # what `simulate --out` writes (and run.json)
@@ -243,7 +243,7 @@ def _print_summary(summary, out: Optional[Path]) -> None:
                     "union P/R", "pred. tokens err"):
             table.add_column(col, justify="right" if col != "policy" else "left", no_wrap=True)
         for _, row in group.iterrows():
-            policy = row["policy"] + (f" (N={int(row['static_n'])})" if row["policy"].startswith("static:auto") else "")
+            policy = row["policy"] + (f" (N={int(row['static_n'])})" if is_tuned(row["policy"]) else "")
             table.add_row(str(row["cache_experts"]), policy, f"{row['tokens_per_s']:.2f}", f"{row['tokens_per_cycle']:.2f}",
                           f"{row['bytes_per_token'] / 1e6:.1f}", f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}",
                           speedup_text(row["speedup_vs_ar"]), speedup_text(row["speedup_vs_eagle3"]),

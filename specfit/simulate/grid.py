@@ -382,8 +382,10 @@ def _profile_path(spec: SweepSpec, profile: str) -> Path:
 def policy_cost_rank(policy: str) -> int:
     """A rough order of replay cost (higher: slower), so the slow cells are scheduled first and
     the sweep does not end waiting on one of them."""
+    from ..policies import is_tuned
+
     head = policy.split(":")[0]
-    if policy == "static:auto":
+    if is_tuned(policy):
         return 2
     return 1 if head == "specfit" else 0
 

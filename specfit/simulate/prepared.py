@@ -54,6 +54,7 @@ class PreparedTrace:
                                     # (none where the trace does not record them; live recordings do)
     info: dict = field(default_factory=dict)   # e.g. the predictor's and calibrator's quality
     _trees: dict = field(default_factory=dict, repr=False)
+    _memo: dict = field(default_factory=dict, repr=False)     # derived arrays, computed on first use
 
     @property
     def n_cycles(self) -> int:
@@ -73,6 +74,27 @@ class PreparedTrace:
     def max_nodes(self) -> int:
         """Nodes of the largest drafted tree."""
         return int(self.trace.tree_sizes.max())
+
+    @property
+    def global_parents(self) -> np.ndarray:
+        """int64 [nodes]: each node's parent as a row of the node arrays, -1 at roots."""
+        if "global_parents" not in self._memo:
+            cycle_of = np.repeat(np.arange(self.n_cycles), np.diff(self.offsets))
+            parents = self.parents.astype(np.int64)
+            self._memo["global_parents"] = np.where(parents < 0, -1, self.offsets[:-1][cycle_of] + parents)
+        return self._memo["global_parents"]
+
+    def positional_rates(self) -> np.ndarray:
+        """Sequoia's positional acceptance rates on this trace (:func:`specfit.sequoia.positional_rates`:
+        sibling ranks by the drafter's probabilities, over the full trees' accepted paths)."""
+        if "positional_rates" not in self._memo:
+            from ..sequoia import positional_rates, sibling_ranks
+            on_path = np.zeros(self.parents.size, dtype=bool)
+            on_path[np.repeat(self.offsets[:-1], np.diff(self.path_offsets)) + self.paths] = True
+            parents = self.global_parents
+            self._memo["positional_rates"] = positional_rates(parents, sibling_ranks(parents, self.drafter_probs),
+                                                              on_path)
+        return self._memo["positional_rates"]
 
     def accepted_path(self, cycle: int) -> np.ndarray:
         """The full tree's accepted path at ``cycle`` (local node ids, root first)."""

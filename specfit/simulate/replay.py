@@ -38,7 +38,8 @@ from ..costmodel import CostModel
 from ..experts.cache import ExpertCache
 from ..experts.lookahead import DraftLookahead
 from ..experts.prefetch import DraftPrefetch
-from ..policies import ArPolicy, ChainPolicy, CycleView, Observation, OraclePolicy, Policy, RerankPolicy, choose
+from ..policies import (ArPolicy, ChainPolicy, CycleView, Observation, OraclePolicy, Policy, RerankPolicy, SequoiaPolicy,
+                        choose)
 from ..search import ROOT_TIME_MESSAGE
 from ..specfit_policy import SpecFitPolicy
 from .prepared import PreparedTrace, prepare, prepare_trace
@@ -93,7 +94,7 @@ def _compiled_rule(policy: Policy) -> tuple[int, int, int] | None:
         return k.AR, 0, 0
     if kind is ChainPolicy:
         return k.CHAIN, 0, int(policy.max_levels)
-    if kind is RerankPolicy:
+    if kind is RerankPolicy or kind is SequoiaPolicy:      # Sequoia: a rerank by its own scores
         return k.DRAFTER_RERANK if policy.drafter_scores else k.RERANK, int(policy.total_nodes), int(policy.max_levels)
     if kind is OraclePolicy:
         return k.ORACLE, 0, int(policy.max_levels)
@@ -115,6 +116,7 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
     if (cache.n_layers, cache.n_experts) != (trace.n_layers, trace.n_experts):
         raise ValueError(f"cache: expected {trace.n_layers} layers x {trace.n_experts} experts to match the trace, "
                          f"got {cache.n_layers} x {cache.n_experts}")
+    policy.fit_on_trace(prep)
     n = prep.n_cycles
     int_cols = np.zeros((len(kernels.replay.INT_COLUMNS), n), dtype=np.int64)
     float_cols = np.zeros((len(kernels.replay.FLOAT_COLUMNS), n), dtype=np.float64)
@@ -132,10 +134,14 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
         union_log = np.zeros((n if record_unions else 0, trace.n_layers, (trace.n_experts + 63) // 64), dtype=np.uint64)
         lever_args = (cost.params, *levers, layer_prefetched, prefetched, union_log, layer_counts)
     if rule is not None:
+        # what a rerank by the drafter's probabilities ranks by (Sequoia: its products of rates)
+        rank_scores = prep.drafter_probs
+        if type(policy) is SequoiaPolicy:
+            rank_scores = policy.scores(prep.global_parents, prep.depths, prep.drafter_probs)
         rows = kernels.replay.replay_compiled(
             *rule, prep.predicted_is_true, prep.offsets, prep.parents, prep.depths, prep.tokens, prep.verdicts,
             prep.predicted_experts, prep.true_bits, prep.predicted_bits, prep.path_probs, prep.level_probs,
-            prep.drafter_probs, prep.level_offsets, prep.level_sizes, prep.path_offsets, prep.paths, bounds,
+            rank_scores, prep.level_offsets, prep.level_sizes, prep.path_offsets, prep.paths, bounds,
             prep.prefill_bits, prep.prefill_offsets, cost.params,
             *cache.kernel_state(), *lever_args, int_cols, float_cols, tokens_out, per_sequence)
     elif compiled_specfit:

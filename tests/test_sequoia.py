@@ -1,0 +1,186 @@
+"""Sequoia's static tree (``specfit/sequoia.py``, ``sequoia:N`` / ``sequoia:auto``): the tree
+against Sequoia's dynamic program, the ranks, scores and rates against hand-computed values, the
+policy on a tree that holds its whole shape, and the simulator's tuned family. The replay of
+``sequoia:N`` against a plain-Python reference is in ``test_replay_reference.py``."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+import pytest
+
+from specfit import CostModel
+from specfit.calibrate.presets import SHAPES, preset_profile
+from specfit.policies import CycleView, SequoiaPolicy, TunedPolicy, make_policy
+from specfit.sequoia import node_scores, positional_rates, shape, shape_depth, sibling_ranks
+from specfit.simulate.replay import prepare
+from specfit.simulate.sweep import Scenario, run_sweep
+from specfit.traces.format import read_trace
+from specfit.tree import DraftTree
+
+from trace_helpers import SAMPLE_OLMOE
+
+
+def sequoia_dp(rates, total: int, max_depth: int) -> float:
+    """Sequoia's dynamic program (Chen et al., 2024, section 3.1): the most accepted tokens in
+    expectation of a tree of ``total`` nodes (root included, counted 1) at most ``max_depth``
+    levels deep, children ranked 0 .. k - 1, the rank-r child of an accepted node accepted with
+    probability ``rates[r]``; -inf where no such tree exists."""
+    k = len(rates)
+
+    @functools.lru_cache(maxsize=None)
+    def tree(n: int, d: int) -> float:
+        if n == 1:
+            return 1.0
+        return -math.inf if d == 0 else 1.0 + children(n - 1, d - 1, 0)
+
+    @functools.lru_cache(maxsize=None)
+    def children(m: int, d: int, r: int) -> float:
+        """The best split of ``m`` nodes among the subtrees of ranks r .. k - 1 (each ``d`` deep)."""
+        if m == 0:
+            return 0.0
+        if r == k:
+            return -math.inf
+        best = children(m, d, r + 1)
+        for j in range(1, m + 1):
+            best = max(best, rates[r] * tree(j, d) + children(m - j, d, r + 1))
+        return best
+
+    return tree(total, max_depth)
+
+
+def value(rates, paths) -> float:
+    return math.fsum(math.prod(rates[r] for r in p) for p in paths)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_tree_is_sequoias_optimum(seed):
+    """The best-first tree accepts as many tokens in expectation as Sequoia's dynamic program
+    finds, at every size and depth bound, for sorted and unsorted rates."""
+    rng = np.random.default_rng(seed)
+    k = int(rng.integers(1, 4))
+    rates = rng.uniform(0.0, 1.0, k)
+    if seed % 2:
+        rates = np.sort(rates)[::-1]
+    for depth in range(1, 5):
+        capacity = sum(k ** d for d in range(depth + 1))
+        for n in range(1, min(capacity, 16) + 1):
+            paths = shape(rates, n, depth)
+            assert len(paths) == n and len(set(paths)) == n and max(map(len, paths)) <= depth
+            assert all(p[:-1] in paths for p in paths if p)            # a tree: every parent is in it
+            assert value(rates, paths) == pytest.approx(sequoia_dp(tuple(rates), n, depth), rel=1e-12, abs=1e-12)
+
+
+def test_the_tree_of_a_known_vector():
+    # rates .8, .5: the root, 0 (.8), 00 (.64), 000 (.512), 1 (.5), 0000 (.4096), then 01 and 10
+    # tie (.4): the lower ranks first
+    assert shape([0.8, 0.5], 7, 8) == [(), (0,), (0, 0), (0, 0, 0), (1,), (0, 0, 0, 0), (0, 1)]
+    assert shape_depth([0.8, 0.5], 4, 8) == 3
+    assert shape_depth([0.8, 0.5], 4, 2) == 2                 # bounded: (), 0, 00, then 1 rather than 000
+    assert shape([0.8, 0.5], 4, 2) == [(), (0,), (0, 0), (1,)]
+    # nothing accepted: every node scores 0, and the shallower go first
+    assert shape([0.0, 0.0], 5, 8) == [(), (0,), (1,), (0, 0), (0, 1)]
+    assert shape_depth([0.0, 0.0], 3, 8) == 1
+
+
+def test_ranks_scores_and_rates_by_hand():
+    #   0 ─ 1 (p .2) ─ 4 (p .1)
+    #     ├ 2 (p .5) ─ 5 (p .3), 6 (p .3)     (5 and 6 tie: the earlier ranks first)
+    #     └ 3 (p .2)                          (1 and 3 tie)
+    #   7 ─ 8 (p .9)                          (a second tree, rows 7-8)
+    parents = np.array([-1, 0, 0, 0, 1, 2, 2, -1, 7])
+    probs = np.array([1.0, 0.2, 0.5, 0.2, 0.1, 0.3, 0.3, 1.0, 0.9])
+    depths = np.array([0, 1, 1, 1, 2, 2, 2, 0, 1])
+    ranks = sibling_ranks(parents, probs)
+    assert ranks.tolist() == [-1, 1, 0, 2, 0, 0, 1, -1, 0]
+    scores = node_scores(parents, depths, ranks, np.array([0.5, 0.25]))      # rank 2 has no rate: 0
+    np.testing.assert_allclose(scores, [1, 0.25, 0.5, 0, 0.125, 0.25, 0.125, 1, 0.5])
+    # accepted paths: 0 -> 2 -> 6 and 7 alone; reached: the root's children (rank 0, 1, 2), 2's
+    # children (rank 0, 1) and 8 (rank 0); accepted: 2 (rank 0), 6 (rank 1)
+    on_path = np.zeros(9, dtype=bool)
+    on_path[[0, 2, 6, 7]] = True
+    np.testing.assert_allclose(positional_rates(parents, ranks, on_path), [1 / 3, 1 / 2, 0.0])
+
+
+def full_tree(k: int, depth: int, rng) -> DraftTree:
+    parents, level = [-1], [0]
+    for _ in range(depth):
+        nxt = []
+        for p in level:
+            for _ in range(k):
+                parents.append(p)
+                nxt.append(len(parents) - 1)
+        level = nxt
+    probs = np.r_[1.0, rng.uniform(0.01, 0.99, len(parents) - 1)]
+    for v in range(1, len(parents)):           # path probabilities: a product down the path
+        probs[v] *= probs[parents[v]]
+    return DraftTree(np.array(parents), probs)
+
+
+def rank_paths(tree: DraftTree, ranks: np.ndarray, nodes) -> set[tuple[int, ...]]:
+    out = set()
+    for v in nodes:
+        path = []
+        while v > 0:
+            path.append(int(ranks[v]))
+            v = int(tree.parents[v])
+        out.add(tuple(reversed(path)))
+    return out
+
+
+@pytest.mark.parametrize("total", [2, 5, 9, 14, 24])
+def test_on_a_tree_that_holds_its_shape_the_policy_verifies_the_shape(total):
+    """Where the draft holds Sequoia's whole tree, the policy verifies a tree of the same rank
+    paths (up to paths whose products tie, e.g. 0-1 and 1-0): the same products, the same value."""
+    rng = np.random.default_rng(total)
+    tree = full_tree(3, 6, rng)
+    drafter = rng.uniform(0.01, 1.0, tree.n_nodes)
+    rates = np.array([0.7, 0.35, 0.1])
+    wanted = shape(rates, total, total - 1)
+    assert max(map(len, wanted)) <= 6                            # the draft holds it
+    policy = SequoiaPolicy(total, 8, rates=rates)
+    assert policy.max_levels == max(1, max(map(len, wanted)))
+    view = CycleView(tree, np.zeros((tree.n_nodes, 1, 1), dtype=np.int64), np.zeros((1, 1), dtype=bool),
+                     CostModel(base_s=1.0, per_node_s=0.0, hit_s=0.0, miss_s=0.0, draft_level_s=0.0), 6,
+                     drafter_probs=drafter)
+    sel = policy.select(view)
+    got = rank_paths(tree, sibling_ranks(tree.parents, drafter), sel.nodes)
+    assert len(got) == total and all(p[:-1] in got for p in got if p)
+    products = lambda paths: sorted(math.prod(rates[r] for r in p) for p in paths)      # noqa: E731
+    np.testing.assert_allclose(products(got), products(wanted), rtol=1e-12)
+    assert value(rates, got) == pytest.approx(sequoia_dp(tuple(rates), total, total - 1), rel=1e-12)
+
+
+def test_bad_rates_and_missing_rates_are_clear_errors():
+    with pytest.raises(ValueError, match=r"sequoia:4.*acceptance rate in \[0, 1\]"):
+        SequoiaPolicy(4, 8, rates=np.array([0.5, np.nan]))
+    with pytest.raises(ValueError, match=r"sequoia:4.*acceptance rate in \[0, 1\]"):
+        SequoiaPolicy(4, 8, rates=np.array([1.5]))
+    tree = DraftTree(np.array([-1, 0]), np.array([1.0, 0.5]))
+    view = CycleView(tree, np.zeros((2, 1, 1), dtype=np.int64), np.zeros((1, 1), dtype=bool),
+                     CostModel(base_s=1.0, per_node_s=0.0, hit_s=0.0, miss_s=0.0, draft_level_s=0.0), 1)
+    with pytest.raises(ValueError, match="'sequoia:4': no positional acceptance rates"):
+        SequoiaPolicy(4, 8).select(view)
+    with pytest.raises(ValueError, match="expected N >= 2 nodes"):
+        make_policy("sequoia:1")
+
+
+def test_the_tuned_family_replays_every_size_and_keeps_the_fastest():
+    auto = make_policy("sequoia:auto+cache", 8)
+    assert isinstance(auto, TunedPolicy) and auto.simulator_only
+    cands = auto.candidates(10)
+    assert [c.name for c in cands] == ["sequoia:2+cache", "sequoia:3+cache", "sequoia:4+cache", "sequoia:6+cache",
+                                       "sequoia:8+cache", "sequoia:12+cache"]
+    assert all(type(c) is SequoiaPolicy and c.cache_advisor is not None for c in cands)
+    prep = prepare("olmoe", trace := read_trace(SAMPLE_OLMOE), trace.true_experts)
+    cost = preset_profile("gh200", SHAPES["olmoe-1b-7b"]).cost
+    sizes = [c.name for c in make_policy("sequoia:auto").candidates(prep.max_nodes)]
+    _, summary = run_sweep([prep], ["sequoia:auto", *sizes], [16], [Scenario("g", cost)])
+    rate = summary.set_index("policy")["tokens_per_s"]
+    chosen = summary.set_index("policy").loc["sequoia:auto", "static_n"]
+    assert rate["sequoia:auto"] == rate[sizes].max() == rate[f"sequoia:{chosen}"]
+    # the rates come from the trace's own verdicts: the drafter's top child is accepted most often
+    rates = prep.positional_rates()
+    assert rates.size >= 2 and np.all(np.diff(rates) <= 0) and 0 < rates[0] < 1
