@@ -24,11 +24,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specfit.demo import whatif_scenarios  # noqa: E402
 from specfit.errors import SpecFitError  # noqa: E402
+from specfit.policies import is_tuned  # noqa: E402
 from specfit.simulate.replay import prepare_trace  # noqa: E402
 from specfit.simulate.sweep import run_sweep  # noqa: E402
 from specfit.traces.format import read_trace  # noqa: E402
 
-POLICIES = ["ar", "static:auto", "eagle3", "specfit"]
+POLICIES = ["ar", "static:auto", "sequoia:auto", "eagle3", "specfit"]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -68,7 +69,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                  "tokens/cycle"):
         table.add_column(name, justify="left" if name in ("profile", "policy", "decides with") else "right")
     for r in sorted(rows, key=lambda r: (r["profile"], r["cache_experts"])):
-        n = "" if r["policy"] != "static:auto" else f" (N = {r['static_n']})"
+        n = f" (N = {r['static_n']})" if is_tuned(r["policy"]) else ""
         table.add_row(r["profile"], str(r["cache_experts"]), r["policy"] + n, r["experts"], f"{r['speedup_vs_ar']:.3f}",
                       f"{r['draft_levels_per_cycle']:.2f}", f"{r['nodes_per_cycle']:.1f}", f"{r['tokens_per_cycle']:.2f}")
     Console(width=140).print(table)

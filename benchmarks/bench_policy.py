@@ -6,9 +6,11 @@
 
 For every trace x profile x cache size (a share of a layer's experts, LRU per layer) it replays, on
 the same trace, cache and cost model: the fixed settings (``ar``, ``chain:1..4``, ``static:auto``),
+Sequoia's static tree at its best size (``sequoia:auto``, its acceptance rates fitted on the trace),
 ``eagle3``, ``oracle`` and SpecFit variants, each a lever on or off or another predictor. It prints
 one table per trace and profile (tokens/s and ratios to the best fixed setting), then the median
-and minimum over settings of every variant's ratio to the best fixed setting.
+and minimum over settings of every variant's ratio to the best fixed setting, and SpecFit's to the
+best of the fixed settings and ``sequoia:auto``.
 
 Traces: the shipped OLMoE sample (real routing), the shared 25.6k-token OLMoE routing log
 (``/work/shared/data/...npz``, skipped when absent) imported per domain (``general``, ``coding``;
@@ -56,7 +58,9 @@ from specfit.traces.format import read_trace, write_trace  # noqa: E402
 SHARED_LOG = Path("/work/shared/data/olmoe-1b-7b-routing-general-coding.npz")
 CACHE_DIR = ROOT / "benchmarks" / ".cache"
 FIXED = ("ar", "chain:1", "chain:2", "chain:3", "chain:4", "static:auto")
-BASELINES = FIXED + ("eagle3", "oracle")
+# Sequoia's tree at its best size: reported beside the fixed settings the issue names
+SEQUOIA = "sequoia:auto"
+BASELINES = FIXED + (SEQUOIA, "eagle3", "oracle")
 # the fixed settings with the runtime levers any of them can use (the draft's look-ahead and
 # prefetch need a draft: ar gets the recent-use eviction alone)
 FIXED_LEVERS = ("ar+usage", "chain:1+cache+prefetch", "chain:2+cache+prefetch", "chain:3+cache+prefetch",
@@ -360,13 +364,14 @@ def predictor_quality(preps: dict[str, PreparedTrace], trace) -> dict:
 # --------------------------------------------------------------------------- tables
 def print_setting_table(trace: str, profile: str, rows: list[dict], labels: list[str], preds=REALISTIC) -> None:
     print(f"\n#### {trace} - {profile}\n")
-    head = ["cache", "ar", "chain:1", "static:auto", "eagle3", "oracle", "best fixed", "best fixed+levers", "specfit",
+    head = ["cache", "ar", "chain:1", "static:auto", SEQUOIA, "eagle3", "oracle", "best fixed", "best fixed+levers", "specfit",
             "specfit / best", "specfit / best+levers", "specfit / oracle", "Belady: specfit / best"]
     print("| " + " | ".join(head) + " |")
     print("|" + "---:|" * len(head))
     for r in rows:
         cells = [str(r["cache"])] + [f"{r[k]:.2f}" for k in ("ar", "chain:1")]
-        cells += [f"{r['static:auto']:.2f} (N={r['static:auto N']})", f"{r['eagle3']:.2f}", f"{r['oracle']:.2f}",
+        cells += [f"{r[k]:.2f} (N={r[k + ' N']})" for k in ("static:auto", SEQUOIA)]
+        cells += [f"{r['eagle3']:.2f}", f"{r['oracle']:.2f}",
                   f"{r['best fixed name']} {r['best fixed']:.2f}", f"{r['best fixed+levers name']} {r['best fixed+levers']:.2f}",
                   f"{r['specfit']:.2f}", f"{r['specfit'] / r['best fixed']:.3f}",
                   f"{r['specfit'] / r['best fixed+levers']:.3f}", f"{r['specfit'] / r['oracle']:.3f}",
@@ -390,7 +395,7 @@ def print_overall(all_rows: list[dict], labels: list[str], preds=REALISTIC) -> N
     print("\n### Over all settings (trace x profile x cache)\n")
     print("| variant | / best fixed: median | min | max | below 0.98 | / best fixed+levers: median | min |")
     print("|---|---:|---:|---:|---:|---:|---:|")
-    for label in labels + ["oracle", "eagle3", "ar belady"] + list(FIXED_LEVERS):
+    for label in labels + ["oracle", "eagle3", SEQUOIA, "ar belady"] + list(FIXED_LEVERS):
         ratios = np.array([r[label] / r["best fixed"] for r in all_rows])
         lev = np.array([r[label] / r["best fixed+levers"] for r in all_rows])
         print(f"| {label} | {np.median(ratios):.3f} | {ratios.min():.3f} | {ratios.max():.3f} | "
@@ -400,6 +405,12 @@ def print_overall(all_rows: list[dict], labels: list[str], preds=REALISTIC) -> N
         print(f"\n{name}: " + ", ".join(f"{n} in {names.count(n)}" for n in sorted(set(names))))
     sf = np.array([r["specfit"] / r["oracle"] for r in all_rows])
     print(f"specfit / oracle: median {np.median(sf):.3f}, range {sf.min():.3f}-{sf.max():.3f}")
+    # Sequoia's tree among the fixed settings: what SpecFit keeps against that stronger bar
+    with_sequoia = np.array([r["specfit"] / max(r["best fixed"], r[SEQUOIA]) for r in all_rows])
+    ahead = sum(r[SEQUOIA] > r["best fixed"] for r in all_rows)
+    print(f"specfit / best of the fixed settings and {SEQUOIA}: median {np.median(with_sequoia):.3f}, min "
+          f"{with_sequoia.min():.3f}, below 0.98 in {int((with_sequoia < 0.98).sum())} of {with_sequoia.size} "
+          f"({SEQUOIA} above the best fixed setting in {ahead})")
     for pred in preds:
         label = f"specfit {pred}"
         if label in all_rows[0]:

@@ -159,19 +159,21 @@ class SequoiaPolicy(RerankPolicy):
         if self.rates is None:
             self.fit(prep.positional_rates())
 
-    def scores(self, parents: np.ndarray, depths: np.ndarray, drafter_probs: np.ndarray) -> np.ndarray:
-        """Each node's product of rates along its sibling ranks (by ``drafter_probs``); ``parents``
-        global, -1 at roots."""
-        from .sequoia import node_scores, sibling_ranks
+    def scores(self, parents: np.ndarray, depths: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+        """Each node's product of rates along its sibling ranks (:func:`specfit.sequoia.sibling_ranks`);
+        ``parents`` global, -1 at roots."""
+        from .sequoia import node_scores
         if self.rates is None:
             raise ValueError(f"policy {self.name!r}: no positional acceptance rates; a replay fits them on its trace "
                              f"(fit_on_trace), or give them (fit)")
-        return node_scores(parents, depths, sibling_ranks(parents, drafter_probs), self.rates)
+        return node_scores(parents, depths, ranks, self.rates)
 
     def select(self, view: CycleView) -> Selection:
+        from .sequoia import sibling_ranks
         tree = view.tree
         probs = tree.path_probs if view.drafter_probs is None else view.drafter_probs[:tree.n_nodes]
-        return view.evaluate(rerank(tree, self.total_nodes, self.scores(tree.parents, tree.depth, probs)))
+        scores = self.scores(tree.parents, tree.depth, sibling_ranks(tree.parents, probs))
+        return view.evaluate(rerank(tree, self.total_nodes, scores))
 
 
 class OraclePolicy(Policy):

@@ -115,3 +115,7 @@ def test_the_noisy_rows_and_the_learned_predictors_attribution(bench, monkeypatc
     pre = [last["+prefetch"] / last["+expected-stop"], last["+prefetch learned"] / last["+expected-stop learned"]]
     assert f"prefetch (+prefetch / +expected-stop): {pre[0]:.3f}x with true experts, {pre[1]:.3f}x with learned" in text
     assert "look-ahead eviction" not in text           # its rows were not chosen
+    # Sequoia's tree at its best size beside the fixed settings, and SpecFit against both
+    assert all(r["sequoia:auto N"] >= 2 for r in rows)
+    with_sequoia = [r["specfit"] / max(r["best fixed"], r["sequoia:auto"]) for r in rows]
+    assert f"specfit / best of the fixed settings and sequoia:auto: median {np.median(with_sequoia):.3f}" in text

@@ -84,16 +84,23 @@ class PreparedTrace:
             self._memo["global_parents"] = np.where(parents < 0, -1, self.offsets[:-1][cycle_of] + parents)
         return self._memo["global_parents"]
 
+    @property
+    def sibling_ranks(self) -> np.ndarray:
+        """int64 [nodes]: each node's rank among its siblings by the drafter's probabilities, -1 at
+        roots (:func:`specfit.sequoia.sibling_ranks`)."""
+        if "sibling_ranks" not in self._memo:
+            from ..sequoia import sibling_ranks
+            self._memo["sibling_ranks"] = sibling_ranks(self.global_parents, self.drafter_probs)
+        return self._memo["sibling_ranks"]
+
     def positional_rates(self) -> np.ndarray:
-        """Sequoia's positional acceptance rates on this trace (:func:`specfit.sequoia.positional_rates`:
-        sibling ranks by the drafter's probabilities, over the full trees' accepted paths)."""
+        """Sequoia's positional acceptance rates on this trace (:func:`specfit.sequoia.positional_rates`
+        over the full trees' accepted paths)."""
         if "positional_rates" not in self._memo:
-            from ..sequoia import positional_rates, sibling_ranks
+            from ..sequoia import positional_rates
             on_path = np.zeros(self.parents.size, dtype=bool)
             on_path[np.repeat(self.offsets[:-1], np.diff(self.path_offsets)) + self.paths] = True
-            parents = self.global_parents
-            self._memo["positional_rates"] = positional_rates(parents, sibling_ranks(parents, self.drafter_probs),
-                                                              on_path)
+            self._memo["positional_rates"] = positional_rates(self.global_parents, self.sibling_ranks, on_path)
         return self._memo["positional_rates"]
 
     def accepted_path(self, cycle: int) -> np.ndarray:

@@ -12,7 +12,7 @@ Everything that does not depend on the policy is computed once per trace in a
 :class:`~specfit.simulate.prepared.PreparedTrace` (:mod:`specfit.simulate.prepared`).
 
 The loop runs compiled (:mod:`specfit.kernels.replay`): entirely for ``ar``, ``chain:K``, the
-rerank policies (``eagle3``, ``static:N``), ``oracle`` and ``specfit`` (whose decisions are
+rerank policies (``eagle3``, ``static:N``, ``sequoia:N`` by its products of rates), ``oracle`` and ``specfit`` (whose decisions are
 compiled in :mod:`specfit.kernels.decide`, the code its policy object runs live), with the cache
 and prefetch levers (:data:`specfit.policies.LEVERS` ``+cache``, ``+usage``, ``+prefetch``; their
 rules compiled in :mod:`specfit.kernels.levers`) but not with an online acceptance calibrator,
@@ -38,8 +38,8 @@ from ..costmodel import CostModel
 from ..experts.cache import ExpertCache
 from ..experts.lookahead import DraftLookahead
 from ..experts.prefetch import DraftPrefetch
-from ..policies import (ArPolicy, ChainPolicy, CycleView, Observation, OraclePolicy, Policy, RerankPolicy, SequoiaPolicy,
-                        choose)
+from ..policies import (ArPolicy, ChainPolicy, CycleView, Observation, OraclePolicy, Policy, RerankPolicy,
+                        SequoiaPolicy, choose)
 from ..search import ROOT_TIME_MESSAGE
 from ..specfit_policy import SpecFitPolicy
 from .prepared import PreparedTrace, prepare, prepare_trace
@@ -137,7 +137,7 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
         # what a rerank by the drafter's probabilities ranks by (Sequoia: its products of rates)
         rank_scores = prep.drafter_probs
         if type(policy) is SequoiaPolicy:
-            rank_scores = policy.scores(prep.global_parents, prep.depths, prep.drafter_probs)
+            rank_scores = policy.scores(prep.global_parents, prep.depths, prep.sibling_ranks)
         rows = kernels.replay.replay_compiled(
             *rule, prep.predicted_is_true, prep.offsets, prep.parents, prep.depths, prep.tokens, prep.verdicts,
             prep.predicted_experts, prep.true_bits, prep.predicted_bits, prep.path_probs, prep.level_probs,
