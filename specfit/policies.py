@@ -28,8 +28,9 @@ the grammar (:data:`POLICY_HELP` is written from it):
 - ``static:auto``: ``static:N`` with the N that is best on the trace, cache size and cost model (a
   strong baseline that knows the trace; simulator only, which tries every candidate).
 - ``sequoia:N``: Sequoia's static tree of N nodes (root included) from positional acceptance rates
-  fitted on the replayed trace (:mod:`specfit.sequoia`); ``sequoia:auto``: the best N on the trace,
-  cache size and cost model, as ``static:auto`` (both simulator only).
+  fitted on a recorded trace (:mod:`specfit.sequoia`: the replayed one; live, ``--acceptance``);
+  ``sequoia:auto``: the best N on the trace, cache size and cost model, as ``static:auto``
+  (simulator only).
 - ``specfit``: the exact max-throughput search after every level; stop drafting as soon as neither
   a level nor the expected next one improves the best predicted throughput
   (:mod:`specfit.specfit_policy`).
@@ -133,9 +134,8 @@ class SequoiaPolicy(RerankPolicy):
     """Sequoia's static tree of ``total_nodes`` nodes (:mod:`specfit.sequoia`): the nodes whose
     products of positional acceptance rates along their sibling ranks are largest, drafted to the
     depth the tree reaches under the rates (at most ``max_levels``). The rates are fitted on the
-    trace a replay hands it (:meth:`fit_on_trace`) or given (``rates``)."""
-
-    simulator_only = True
+    trace a replay hands it (:meth:`fit_on_trace`) or given (``rates``; live, ``decode`` fits them on
+    its ``--acceptance`` trace)."""
 
     def __init__(self, total_nodes: int, max_levels: int, rates: np.ndarray | None = None):
         super().__init__(total_nodes, max(1, min(total_nodes - 1, max_levels)), name=f"sequoia:{total_nodes}",
@@ -156,6 +156,8 @@ class SequoiaPolicy(RerankPolicy):
         self.max_levels = shape_depth(rates, self.total_nodes, self.depth_cap)
 
     def fit_on_trace(self, prep) -> None:
+        """The rates of ``prep`` (:meth:`specfit.simulate.prepared.PreparedTrace.positional_rates`),
+        unless the policy has its rates (given, or from the first trace it was replayed on)."""
         if self.rates is None:
             self.fit(prep.positional_rates())
 
@@ -280,8 +282,8 @@ POLICIES: dict[str, PolicySpec] = {
                          "(simulator)", lambda a, m: RerankPolicy(a[0], max(1, min(a[0] - 1, m)), name=f"static:{a[0]}"),
                          n_args=(1,), live="static:N"),
     "sequoia": PolicySpec("sequoia:N (or sequoia:auto)", "Sequoia's static tree of N nodes from positional acceptance "
-                          "rates fitted on the trace; auto: the best N on the trace (simulator)",
-                          lambda a, m: SequoiaPolicy(a[0], m), n_args=(1,), live=""),
+                          "rates fitted on a recorded trace; auto: the best N on the trace (simulator)",
+                          lambda a, m: SequoiaPolicy(a[0], m), n_args=(1,), live="sequoia:N"),
     "specfit": PolicySpec("specfit[:D]", "exact max-throughput subtree, level stopping (D levels at most)",
                           lambda a, m: _specfit(a, m), n_args=(0, 1)),
     "oracle": PolicySpec("oracle", "knows the verdicts (simulator, an upper bound)", lambda a, m: OraclePolicy(64), live=""),

@@ -15,8 +15,9 @@ On a drafted tree the shape is the ``N`` nodes with the largest products (:func:
 within the shape's depth: where the draft holds the whole shape that is the shape, and where it
 lacks some of its nodes (a recorded tree keeps only the best few nodes of each level, as EAGLE
 drafts) the next best nodes drafted take their places, so every cycle verifies ``N`` nodes. The
-rates are fitted on the trace being replayed (:func:`positional_rates`): a hindsight the baseline
-is given, as ``static:auto`` is given its size.
+rates are fitted on a recorded trace (:func:`trace_rates`): in a replay the trace being replayed, a
+hindsight the baseline is given as ``static:auto`` is given its size; live (``decode --policy
+sequoia:N``) the trace given to ``--acceptance``.
 """
 
 from __future__ import annotations
@@ -25,13 +26,12 @@ import heapq
 
 import numpy as np
 
-__all__ = ["sibling_ranks", "node_scores", "positional_rates", "shape", "shape_depth"]
+__all__ = ["sibling_ranks", "node_scores", "positional_rates", "trace_rates", "shape", "shape_depth"]
 
 
 def sibling_ranks(parents: np.ndarray, probs: np.ndarray) -> np.ndarray:
     """Each node's rank among its siblings (0: its parent's most probable child, by ``probs``;
-    ties to the earlier node), -1 at roots. ``parents``: global parent ids, -1 at roots; every
-    parent id below its child's (the nodes in drafting order)."""
+    ties to the earlier node), -1 at roots. ``parents``: global parent ids, -1 at roots."""
     parents = np.asarray(parents, dtype=np.int64)
     order = np.lexsort((np.arange(parents.size), -np.asarray(probs, dtype=np.float64), parents))
     grouped = parents[order]
@@ -59,17 +59,28 @@ def node_scores(parents: np.ndarray, depths: np.ndarray, ranks: np.ndarray, rate
     return scores
 
 
-def positional_rates(global_parents: np.ndarray, ranks: np.ndarray, on_path: np.ndarray) -> np.ndarray:
-    """Sequoia's acceptance vector: for each sibling rank, the share of the nodes of that rank
-    whose parent the target accepted (or is a root) that it accepted too. ``on_path``: each node
-    is on its cycle's accepted path (roots included). Ranks never reached rate 0."""
-    child = ranks >= 0
-    reached = child.copy()
-    reached[child] = on_path[global_parents[child]]
-    size = int(ranks.max(initial=-1)) + 1
+def positional_rates(ranks: np.ndarray, reached: np.ndarray, accepted: np.ndarray) -> np.ndarray:
+    """Sequoia's acceptance vector: for each sibling rank, the share of the ``reached`` nodes of
+    that rank (their parent accepted, its verdict known) that were ``accepted`` too. Ranks never
+    reached rate 0."""
+    size = int(ranks[reached].max(initial=-1)) + 1
     tried = np.bincount(ranks[reached], minlength=size)
-    accepted = np.bincount(ranks[reached & on_path], minlength=size)
-    return np.divide(accepted, tried, out=np.zeros(size), where=tried > 0)
+    taken = np.bincount(ranks[reached & accepted], minlength=size)
+    return np.divide(taken, tried, out=np.zeros(size), where=tried > 0)
+
+
+def trace_rates(trace) -> np.ndarray:
+    """Sequoia's acceptance vector on a recorded trace: sibling ranks by the drafter's path
+    probabilities, over the edges whose parent lies on its cycle's accepted path with a known
+    verdict (the edges the acceptance calibrator fits the chain rule on,
+    :func:`specfit.experts.calibration.edge_mask`)."""
+    from .experts.calibration import edge_mask
+
+    parents = trace.parent_rows
+    reached = edge_mask(trace)
+    accepted = np.zeros(parents.size, dtype=bool)
+    accepted[reached] = trace.token[reached] == trace.verdict[parents[reached]]
+    return positional_rates(sibling_ranks(parents, trace.path_prob), reached, accepted)
 
 
 def shape(rates: np.ndarray, total_nodes: int, max_depth: int) -> list[tuple[int, ...]]:

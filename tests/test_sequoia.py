@@ -14,7 +14,7 @@ import pytest
 from specfit import CostModel
 from specfit.calibrate.presets import SHAPES, preset_profile
 from specfit.policies import CycleView, SequoiaPolicy, TunedPolicy, make_policy
-from specfit.sequoia import node_scores, positional_rates, shape, shape_depth, sibling_ranks
+from specfit.sequoia import node_scores, positional_rates, shape, shape_depth, sibling_ranks, trace_rates
 from specfit.simulate.replay import prepare
 from specfit.simulate.sweep import Scenario, run_sweep
 from specfit.traces.format import read_trace
@@ -99,9 +99,13 @@ def test_ranks_scores_and_rates_by_hand():
     np.testing.assert_allclose(scores, [1, 0.25, 0.5, 0, 0.125, 0.25, 0.125, 1, 0.5])
     # accepted paths: 0 -> 2 -> 6 and 7 alone; reached: the root's children (rank 0, 1, 2), 2's
     # children (rank 0, 1) and 8 (rank 0); accepted: 2 (rank 0), 6 (rank 1)
-    on_path = np.zeros(9, dtype=bool)
-    on_path[[0, 2, 6, 7]] = True
-    np.testing.assert_allclose(positional_rates(parents, ranks, on_path), [1 / 3, 1 / 2, 0.0])
+    reached, accepted = np.zeros(9, dtype=bool), np.zeros(9, dtype=bool)
+    reached[[1, 2, 3, 5, 6, 8]] = True
+    accepted[[2, 6]] = True
+    np.testing.assert_allclose(positional_rates(ranks, reached, accepted), [1 / 3, 1 / 2, 0.0])
+    # 4 (rank 0) is not reached: its parent 1 was rejected, and it counts nowhere
+    accepted[4] = True
+    np.testing.assert_allclose(positional_rates(ranks, reached, accepted), [1 / 3, 1 / 2, 0.0])
 
 
 def full_tree(k: int, depth: int, rng) -> DraftTree:

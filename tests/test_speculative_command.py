@@ -773,7 +773,7 @@ def test_bad_drafter_checkpoint_is_one_clear_error(checkpoint, tmp_path, change,
     (["--policies", "ar,ar"], "names a policy twice"),
     (["--policy", "oracle"], "--policy oracle: knows the target's verdicts in advance"),
     (["--policies", "ar,static:auto"], "--policies static:auto: only a replay can run it"),
-    (["--policies", "ar,sequoia:8"], "--policies sequoia:8: only a replay can run it"),
+    (["--policies", "ar,sequoia:auto"], "--policies sequoia:auto: only a replay can run it"),
     (["--temperature", "-1"], "--temperature: expected a non-negative number"),
     (["--tree-top-k", "0"], "--tree-top-k: expected at least 1"),
     (["--policy", "specfit", "--tree-top-k", "5000"], "--tree-top-k: expected at most the drafter's vocabulary"),
@@ -1412,3 +1412,44 @@ def test_out_of_memory_mid_run_is_one_error_saying_what_was_kept(checkpoint, tmp
     assert lines[0].startswith(f"error: out of {where} memory") and "--cache-experts" in lines[0]
     kept = len(read_decode_cycles(out))
     assert kept > 0 and lines[0].endswith(f"(after {kept} complete cycle(s); they are in {out})")
+
+
+def test_sequoia_decodes_live_with_rates_from_its_acceptance_trace_and_replays_as_it_ran(checkpoint, tmp_path):
+    """``decode --policy sequoia:N`` fits Sequoia's positional acceptance rates on the
+    ``--acceptance`` trace, drafts the levels its tree reaches, decodes as AR does, and a replay
+    of the run's full recording with the same rates makes the same choices cycle for cycle."""
+    from specfit.policies import SequoiaPolicy
+    from specfit.sequoia import shape_depth, trace_rates
+
+    first = tmp_path / "first.parquet"
+    assert decode(checkpoint, "--policy", "ar", "--record", str(first), "--record-full", "--max-levels", "3",
+                  "--profile", "pcie4").exit_code == 0
+    refused = decode(checkpoint, "--policies", "ar,sequoia:6", "--profile", "pcie4")
+    assert refused.exit_code == 2
+    assert "--policies sequoia:6: fixes its tree from positional acceptance rates" in refused.stderr
+    assert "pass --acceptance TRACE" in refused.stderr
+
+    rates = trace_rates(read_trace(first))
+    depth = shape_depth(rates, 6, 3)
+    trace_path, out = tmp_path / "full.parquet", tmp_path / "run"
+    result = decode(checkpoint, "--policies", "ar,sequoia:6", "--acceptance", str(first), "--max-levels", "3",
+                    "--profile", "pcie4", "--frozen-profile", "--record", str(trace_path), "--record-full",
+                    "--out", str(out))
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "greedy outputs identical across policies: yes" in text
+    shown = ", ".join(f"{r:.3f}" for r in rates)
+    assert f"sequoia:6: positional acceptance rates {shown}" in text and f"a tree of 6 nodes, {depth} levels" in text
+    live = pd.read_parquet(out / "cycles.parquet")
+    ran = live[live["policy"] == "sequoia:6"].reset_index(drop=True)
+    assert (ran["draft_levels"] == depth).mean() > 0.5 and ran["draft_levels"].max() == depth
+    assert ran["nodes_verified"].max() == 6 and ran["committed_tokens"].mean() > 1.2
+    trace = read_trace(trace_path)
+    prep = prepare("full", trace, trace.true_experts)
+    for compiled in (True, False):
+        cache = ExpertCache(trace.n_layers, trace.n_experts, 3, expert_bytes=trace.expert_bytes)
+        log = replay(prep, SequoiaPolicy(6, 3, rates=rates), cache, CostModel(2e-3, 5e-5, 2e-5, 2e-4, 3e-4),
+                     compiled=compiled)
+        for column in ("position", "draft_levels", "nodes_verified", "committed_tokens", "hits", "misses"):
+            np.testing.assert_array_equal(log.columns[column], ran[column].to_numpy(),
+                                          err_msg=f"{column} compiled={compiled}")

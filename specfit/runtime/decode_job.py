@@ -101,7 +101,7 @@ class DecodePlan:
 
     def validate(self):
         """Check the options that need no file; return the parsed policies."""
-        from ..policies import make_policy
+        from ..policies import SequoiaPolicy, make_policy
         from ..specfit_policy import MAX_LEVELS
 
         if not self.policies:
@@ -128,6 +128,11 @@ class DecodePlan:
             if p.simulator_only:
                 raise SpecFitError(f"{option} {p.name}: only a replay can run it (it imposes its own cache or is tuned "
                                    f"on a trace); use it with `specfit simulate`")
+        sequoia = [p.name for p in policies if isinstance(p, SequoiaPolicy) and p.rates is None]
+        if sequoia and self.acceptance_trace is None:
+            raise SpecFitError(f"{option} {sequoia[0]}: fixes its tree from positional acceptance rates, fitted on a "
+                               f"recorded trace of this model and drafter; pass --acceptance TRACE (e.g. one written "
+                               f"by decode --record)")
         drafting = [p.name for p in policies if p.max_levels > 0]
         if (drafting or self.record_full) and self.drafter_dir is None:
             raise SpecFitError(f"--policy {(drafting or ['(--record-full)'])[0]}: needs a drafter (--drafter DIR, an "
@@ -250,6 +255,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
         try:
             inputs = _load(plan, say)
             inputs.notes.extend(sampled_acceptance_note(plan, policies))
+            _fit_sequoia(plan, policies, inputs.sequoia_rates, inputs.notes)
             model, profile = inputs.model, inputs.profile
             start = None
             if plan.out_dir is not None:
@@ -365,6 +371,7 @@ class _Inputs:
     notes: list[str]
     calibrator: object          # the acceptance calibrator (--acceptance-trace), or None
     fitted: object              # the expert predictor fitted on --predictor-trace, or None
+    sequoia_rates: object = None   # Sequoia's positional acceptance rates on --acceptance-trace, or None
 
 
 class _Runs:
@@ -546,7 +553,7 @@ def _load(plan: DecodePlan, say) -> _Inputs:
     # the drafter's config is checked against the target's before any weight is read
     capture = drafter_capture_layers(plan.drafter_dir, config) if plan.drafter_dir is not None else None
     # a trace it cannot read or learn from is named before the model loads and a profile is measured
-    calibrator = _acceptance_calibrator(plan.acceptance_trace, config) if plan.acceptance_trace else None
+    calibrator, rates = _acceptance_calibrator(plan.acceptance_trace, config) if plan.acceptance_trace else (None, None)
     fitted = _fitted_predictor(plan, config) if plan.predictor_trace else None
 
     say(f"loading {plan.model_dir}")
@@ -557,7 +564,7 @@ def _load(plan: DecodePlan, say) -> _Inputs:
         raise SpecFitError(f"--tree-top-k: expected at most the drafter's vocabulary, {drafter.config.draft_vocab_size} "
                            f"tokens ({plan.drafter_dir}), got {plan.tree_top_k}")
     profile, profile_path, notes = _profile(plan, model, say)
-    return _Inputs(tokenizer, prompts, model, drafter, profile, profile_path, notes, calibrator, fitted)
+    return _Inputs(tokenizer, prompts, model, drafter, profile, profile_path, notes, calibrator, fitted, rates)
 
 
 # --------------------------------------------------------------------------- pieces
@@ -777,9 +784,10 @@ def _check_trace_model(option: str, path, trace, config) -> None:
 
 
 def _acceptance_calibrator(trace_path: Path, config):
-    """The calibrator fitted on ``trace_path``'s verdicts: how often this model accepted its
-    drafter's tokens, so a trace of another model is refused."""
+    """(calibrator, Sequoia's rates) fitted on ``trace_path``'s verdicts: how often this model
+    accepted its drafter's tokens, so a trace of another model is refused."""
     from ..experts.calibration import AcceptanceCalibrator
+    from ..sequoia import trace_rates
     from ..traces.format import read_trace
 
     trace = read_trace(trace_path, weights=False)
@@ -787,7 +795,21 @@ def _acceptance_calibrator(trace_path: Path, config):
     calibrator = AcceptanceCalibrator().fit(trace)
     if calibrator.n_edges_ == 0:
         raise SpecFitError(f"--acceptance {trace_path}: the trace has no draft node whose parent's verdict is known")
-    return calibrator
+    return calibrator, trace_rates(trace)
+
+
+def _fit_sequoia(plan, policies: list, rates, notes: list[str]) -> None:
+    """Give every ``sequoia:N`` its positional acceptance rates (fitted on ``--acceptance``), and
+    say which tree they give it."""
+    from ..policies import SequoiaPolicy
+
+    for p in policies:
+        if isinstance(p, SequoiaPolicy) and p.rates is None:
+            p.fit(rates)
+            shown = ", ".join(f"{r:.3f}" for r in rates)
+            notes.append(f"note: {p.name}: positional acceptance rates {shown} (sibling rank 0, 1, ...; fitted on "
+                         f"--acceptance {plan.acceptance_trace}): a tree of {p.total_nodes} nodes, {p.max_levels} "
+                         f"levels")
 
 
 def _fitted_predictor(plan, config):

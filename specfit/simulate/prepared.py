@@ -76,31 +76,19 @@ class PreparedTrace:
         return int(self.trace.tree_sizes.max())
 
     @property
-    def global_parents(self) -> np.ndarray:
-        """int64 [nodes]: each node's parent as a row of the node arrays, -1 at roots."""
-        if "global_parents" not in self._memo:
-            cycle_of = np.repeat(np.arange(self.n_cycles), np.diff(self.offsets))
-            parents = self.parents.astype(np.int64)
-            self._memo["global_parents"] = np.where(parents < 0, -1, self.offsets[:-1][cycle_of] + parents)
-        return self._memo["global_parents"]
-
-    @property
     def sibling_ranks(self) -> np.ndarray:
         """int64 [nodes]: each node's rank among its siblings by the drafter's probabilities, -1 at
         roots (:func:`specfit.sequoia.sibling_ranks`)."""
         if "sibling_ranks" not in self._memo:
             from ..sequoia import sibling_ranks
-            self._memo["sibling_ranks"] = sibling_ranks(self.global_parents, self.drafter_probs)
+            self._memo["sibling_ranks"] = sibling_ranks(self.trace.parent_rows, self.drafter_probs)
         return self._memo["sibling_ranks"]
 
     def positional_rates(self) -> np.ndarray:
-        """Sequoia's positional acceptance rates on this trace (:func:`specfit.sequoia.positional_rates`
-        over the full trees' accepted paths)."""
+        """Sequoia's positional acceptance rates on this trace (:func:`specfit.sequoia.trace_rates`)."""
         if "positional_rates" not in self._memo:
-            from ..sequoia import positional_rates
-            on_path = np.zeros(self.parents.size, dtype=bool)
-            on_path[np.repeat(self.offsets[:-1], np.diff(self.path_offsets)) + self.paths] = True
-            self._memo["positional_rates"] = positional_rates(self.global_parents, self.sibling_ranks, on_path)
+            from ..sequoia import trace_rates
+            self._memo["positional_rates"] = trace_rates(self.trace)
         return self._memo["positional_rates"]
 
     def accepted_path(self, cycle: int) -> np.ndarray:

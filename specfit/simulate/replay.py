@@ -137,7 +137,7 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
         # what a rerank by the drafter's probabilities ranks by (Sequoia: its products of rates)
         rank_scores = prep.drafter_probs
         if type(policy) is SequoiaPolicy:
-            rank_scores = policy.scores(prep.global_parents, prep.depths, prep.sibling_ranks)
+            rank_scores = policy.scores(trace.parent_rows, prep.depths, prep.sibling_ranks)
         rows = kernels.replay.replay_compiled(
             *rule, prep.predicted_is_true, prep.offsets, prep.parents, prep.depths, prep.tokens, prep.verdicts,
             prep.predicted_experts, prep.true_bits, prep.predicted_bits, prep.path_probs, prep.level_probs,
