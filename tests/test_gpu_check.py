@@ -128,7 +128,7 @@ def test_mla_with_kv_b_proj_absorbed_matches_every_latent_expanded(capsys):
 
 def test_the_demo_whatif_benchmark_replays_a_recorded_trace_with_and_without_its_predictions(capsys, tmp_path):
     """bench_demo_whatif.py on a full-tree recording of the bundled model (as `specfit demo` makes
-    one): the fixed trees once, SpecFit with the recorded predictions, without the price and with
+    one): the fixed trees (Sequoia's among them) once, SpecFit with the recorded predictions, without the price and with
     the true experts, each over `ar` in every setting."""
     from specfit.assets import demo_prompts_path, tiny_moe_dir, tiny_moe_eagle3_dir
     from specfit.runtime.decode_job import DecodePlan, run_decode
@@ -142,7 +142,7 @@ def test_the_demo_whatif_benchmark_replays_a_recorded_trace_with_and_without_its
     assert settings == {(p, c) for p in ("pcie4-qwen3", "gh200-qwen3") for c in (0, 4)}
     for setting in settings:
         got = sorted((r["policy"], r["experts"]) for r in rows if (r["profile"], r["cache_experts"]) == setting)
-        assert got == [("eagle3", "(a fixed tree)"), ("specfit", "recorded"), ("specfit", "recorded, no price"),
-                       ("specfit", "true experts"), ("static:auto", "(a fixed tree)")]
+        assert got == [("eagle3", "(a fixed tree)"), ("sequoia:auto", "(a fixed tree)"), ("specfit", "recorded"),
+                       ("specfit", "recorded, no price"), ("specfit", "true experts"), ("static:auto", "(a fixed tree)")]
     assert all(math.isfinite(r["speedup_vs_ar"]) and r["speedup_vs_ar"] > 0 for r in rows)
     assert "with the experts the policies decide with" in capsys.readouterr().out

@@ -188,3 +188,15 @@ def test_the_tuned_family_replays_every_size_and_keeps_the_fastest():
     # the rates come from the trace's own verdicts: the drafter's top child is accepted most often
     rates = prep.positional_rates()
     assert rates.size >= 2 and np.all(np.diff(rates) <= 0) and 0 < rates[0] < 1
+
+
+def test_rates_of_a_recorded_trace_by_hand():
+    """``hand_trace``: rank 0 is tried at A, C, and the roots' children of positions 1 and 2 and
+    accepted at the first three; rank 1 (B) is rejected. A child of a node whose verdict is unknown
+    (a recording of a policy that did not verify it) counts nowhere."""
+    from trace_helpers import hand_trace
+
+    trace = hand_trace()
+    np.testing.assert_allclose(trace_rates(trace), [0.75, 0.0])
+    trace.verdict[1] = -1                          # A unverified: C's outcome is unknown
+    np.testing.assert_allclose(trace_rates(trace), [2 / 3, 0.0])
