@@ -1453,3 +1453,23 @@ def test_sequoia_decodes_live_with_rates_from_its_acceptance_trace_and_replays_a
         for column in ("position", "draft_levels", "nodes_verified", "committed_tokens", "hits", "misses"):
             np.testing.assert_array_equal(log.columns[column], ran[column].to_numpy(),
                                           err_msg=f"{column} compiled={compiled}")
+
+
+def test_a_policy_recording_with_calibrated_acceptance_keeps_the_drafters_path_probabilities(checkpoint, tmp_path):
+    """The trace schema's ``path_prob`` is the drafter's probability of the path: a run that decides
+    with probabilities calibrated on ``--acceptance`` records the drafter's, not the calibrated ones
+    (which, clipped to their parents, tie siblings the drafter ranks apart)."""
+    first, second = tmp_path / "first.parquet", tmp_path / "second.parquet"
+    assert decode(checkpoint, "--policy", "ar", "--record", str(first), "--record-full", "--max-levels", "3",
+                  "--profile", "pcie4").exit_code == 0
+    result = decode(checkpoint, "--policy", "eagle3:12:3", "--acceptance", str(first), "--record", str(second),
+                    "--profile", "pcie4")
+    assert result.exit_code == 0, result.output
+    trace = read_trace(second)
+    parents = trace.parent_rows
+    cum = np.zeros(trace.n_nodes)
+    for d in range(1, int(trace.depth.max()) + 1):
+        at = np.flatnonzero(trace.depth == d)
+        cum[at] = cum[parents[at]] + trace.draft_logprob[at].astype(np.float64)
+    assert trace.depth.max() == 3
+    np.testing.assert_allclose(trace.path_prob, np.exp(cum), rtol=1e-6)    # draft_logprob is float32

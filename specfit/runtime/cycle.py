@@ -39,6 +39,8 @@ class Draft:
     last_known: np.ndarray | None = None   # [L, k] the routing the predictions saw as most recent
     last_known_rows: np.ndarray | None = None   # [max nodes, L, k] it, once per node the tree can hold
     contexts: list = field(default_factory=list)   # per level: the drafter context rows of its nodes (root: NaN)
+    # the drafter's own path probabilities where the tree's are calibrated (None: the tree's are the drafter's)
+    drafter_probs: np.ndarray | None = None
 
 
 @dataclass

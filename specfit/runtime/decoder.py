@@ -313,6 +313,7 @@ class Decoder:
         if tree is not None and self.calibrator is not None:
             # the drafter's own path probabilities beside the calibrated ones (EAGLE's rerank ranks by them)
             view = dataclasses.replace(view, drafter_probs=np.exp(tree.cum_logprob[:tree.n_nodes]))
+            draft.drafter_probs = view.drafter_probs
         draft.selection = self._decide(draft, self.policy.select, view)
         draft.cached = view.cached
         draft.nodes, draft.tree, draft.draft_levels = draft.selection.nodes, view.tree, view.draft_levels

@@ -104,7 +104,9 @@ class TraceRecorder:
         verified[verification.nodes] = True
         self.cycles.append(_Cycle(
             sequence=self.sequence, position=int(position), parent=tree.parents, depth=tree.depth, token=tree.tokens,
-            draft_logprob=np.asarray(draft_logprob, dtype=np.float64), path_prob=tree.path_probs, verdict=verdict,
+            draft_logprob=np.asarray(draft_logprob, dtype=np.float64),
+            # the schema's path_prob is the drafter's, also where the run decided with calibrated ones
+            path_prob=tree.path_probs if draft.drafter_probs is None else draft.drafter_probs, verdict=verdict,
             true_experts=true, predicted_experts=np.asarray(predicted_experts), verified=verified,
             measured={"measured_time_s": stats.cycle_time_s, "measured_draft_s": stats.draft_time_s,
                       "measured_verify_s": stats.verify_time_s,
