@@ -1,9 +1,10 @@
 """What-if sweeps: every policy on every trace, cache size and cost model, summarised.
 
-Policy specs are those of :func:`specfit.policies.make_policy`. Two of them only a replay can run:
+Policy specs are those of :func:`specfit.policies.make_policy`. Two kinds only a replay can run:
 a policy that imposes its own cache size (``eagle3-nocache``: no cache, listed in every cache-size
-group) and a tuned family (``static:auto``: every candidate ``static:N`` is replayed and the best on
-this trace, cache size and cost model is kept; ``static_n`` says which).
+group) and a tuned family (``static:auto``, ``sequoia:auto``: every candidate ``static:N`` or
+``sequoia:N`` is replayed and the best on this trace, cache size and cost model is kept;
+``static_n`` says which N, for either family).
 """
 
 from __future__ import annotations
