@@ -340,7 +340,7 @@ def apply_levers(policy: Policy, levers: list[str], spec: str = "") -> Policy:
             raise ValueError(f"policy {spec!r}: +{lever} needs a policy that searches (specfit)")
         if attribute == "prefetcher" and policy.max_levels == 0:
             raise ValueError(f"policy {spec!r}: +{lever} copies experts in the link time of drafted levels, and "
-                             f"{policy.name} drafts none; expected a drafting policy (chain:K, static:N, eagle3, "
+                             f"{policy.name} drafts none; expected a drafting policy (chain:K, static:N, sequoia:N, eagle3, "
                              f"specfit)")
         if attribute == "prefetcher" and isinstance(policy, OraclePolicy):
             # the oracle drafts, and is charged for, only the levels of the prefix it picks in

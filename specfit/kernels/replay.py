@@ -6,7 +6,7 @@ The replay's rules are those of :mod:`specfit.simulate.replay`, which prepares t
 cycles concatenated (cycle c owns rows ``offsets[c]:offsets[c + 1]``, node ids local to the cycle)
 and, per cycle, the tree's size within each number of drafted levels and the full tree's accepted
 path. The decisions compiled here are those of :mod:`specfit.policies`'s ``ar``, ``chain:K``,
-rerank (``eagle3``, ``static:N``) and ``oracle``, on the same arrays the Python policies see;
+rerank (``eagle3``, ``static:N``, ``sequoia:N`` by its scores) and ``oracle``, on the same arrays the Python policies see;
 SpecFit's (:func:`replay_specfit`) are :mod:`.decide`'s, the code its policy object calls live.
 Both loops run the levers compiled too (:mod:`.levers`: the draft's look-ahead ``keep`` for the
 cache's evictions, prefetch before each drafted level, the advisor's use record), as the Python

@@ -54,7 +54,7 @@ def simulate_command(
                                  "(transfer costs scaled by expert bytes)."),
     cache_mode: str = typer.Option("per_layer", "--cache-mode", help="per_layer or global."),
     cache_policy: str = typer.Option("lru", "--cache-policy", help="lru, lfu or fifo."),
-    max_levels: int = typer.Option(8, "--max-levels", help="Draft levels at most for specfit (specfit:D sets its own D) and static:N."),
+    max_levels: int = typer.Option(8, "--max-levels", help="Draft levels at most for specfit (specfit:D sets its own D), static:N and sequoia:N."),
     price_uncertainty: bool = typer.Option(True, "--price-uncertainty/--no-price-uncertainty",
                                            help="specfit prices, per draft node, the experts its predictor gets "
                                                 "wrong (from the predictor's precision on the trace).",

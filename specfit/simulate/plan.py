@@ -440,7 +440,7 @@ def _check_candidates(candidates: list[str]) -> None:
     if replay_only:
         raise SpecFitError(f"--policies: {replay_only} run only in a replay (simulator baselines, or the oracle that "
                            "knows the target's verdicts), not settings to deploy; name the policy a decode runs (ar, "
-                           "chain:K, eagle3:N:D, static:N, specfit)")
+                           "chain:K, eagle3:N:D, static:N, sequoia:N, specfit)")
 
 
 def _synthesis_options(workload: str, tokens: int) -> dict:
