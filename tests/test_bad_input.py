@@ -496,6 +496,16 @@ def test_a_simulated_policy_deeper_than_the_traces_trees_is_noted():
     assert f"note: chain:9, eagle3:60:8 draft more levels than {SAMPLE_OLMOE}'s deepest tree (7)" in said, said
 
 
+def test_a_sequoia_tree_deeper_than_the_traces_trees_is_noted_at_the_depth_its_rates_give():
+    # the sample's rates (.451, .092, .054) make sequoia:64 a tree of 8 levels (live it drafts 8, the
+    # trees hold 7) and sequoia:16 one of 5, however deep --max-levels lets it go
+    result = invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar,sequoia:16,sequoia:64", "--max-levels",
+                    "12", "--cache-experts", "8", "--json")
+    assert result.exit_code == 0, result.output
+    said = " ".join(result.stderr.split())
+    assert f"note: sequoia:64 drafts more levels than {SAMPLE_OLMOE}'s deepest tree (7)" in said, said
+
+
 def test_simulate_without_a_baseline_prints_no_nan(tmp_path):
     result = invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "specfit", "--cache-experts", 8)
     assert result.exit_code == 0, result.output

@@ -156,7 +156,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
         scenarios[name] = [build_scenario(spec, shape, h2d_scale, overrides, rescale) for spec in profiles]
         # after the options' checks: a refused option is the one line said
         depth = int(trace.depth.max())
-        shallow = deeper_than(policies, max_levels, depth)
+        shallow = deeper_than(policies, max_levels, depth, trace)
         if shallow:
             console.print(depth_note(shallow, depth, path), markup=False, highlight=False)
         with console.status(f"preparing {escape(str(path))} ...") if not quiet else _nothing():
@@ -191,13 +191,21 @@ def depth_note(shallow: list[str], depth: int, path) -> str:
             f"synthesising or importing a trace, decode --max-levels when recording one)")
 
 
-def deeper_than(policies: list[str], max_levels: int, depth: int) -> list[str]:
-    """The fixed-depth policies (``chain:K``, ``eagle3:N:D``, ``static:N``), which live always
-    draft their levels, that draft more than ``depth``."""
-    from ..policies import ChainPolicy, RerankPolicy, make_policy
+def deeper_than(policies: list[str], max_levels: int, depth: int, trace=None) -> list[str]:
+    """The fixed-depth policies (``chain:K``, ``eagle3:N:D``, ``static:N``; ``sequoia:N`` at the
+    depth of its tree under ``trace``'s rates), which live always draft their levels, that draft
+    more than ``depth``."""
+    from ..policies import ChainPolicy, RerankPolicy, SequoiaPolicy, make_policy
+    from ..sequoia import trace_rates
 
     built = [(spec, make_policy(spec, max_levels)) for spec in policies]
-    return [spec for spec, p in built if type(p) in (ChainPolicy, RerankPolicy) and p.max_levels > depth]
+    sequoia = [p for _, p in built if type(p) is SequoiaPolicy]
+    if sequoia and trace is not None:
+        rates = trace_rates(trace)
+        for p in sequoia:
+            p.fit(rates)
+    return [spec for spec, p in built if (type(p) in (ChainPolicy, RerankPolicy) or p in sequoia and p.rates is not None)
+            and p.max_levels > depth]
 
 
 class _nothing:

@@ -394,7 +394,7 @@ def run_plan(budget: MemoryBudget, model_shape: str | None, traces: list[Path], 
             Console(stderr=True).print(too_large, markup=False, highlight=False)
         for trace, path in zip(loaded, traces):
             depth = int(trace.depth.max())
-            deeper = deeper_than(candidates, PLAN_MAX_LEVELS, depth)
+            deeper = deeper_than(candidates, PLAN_MAX_LEVELS, depth, trace)
             if deeper:            # the setting it recommends may be one of them: marked in the ranking
                 notes.append(depth_note(deeper, depth, path))
                 Console(stderr=True).print(notes[-1], markup=False, highlight=False)
