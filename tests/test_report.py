@@ -531,6 +531,7 @@ def test_static_auto_labels_name_the_tree_size_of_every_cache_size():
     assert _label("static:auto", [pd.Series({"static_n": 6}), pd.Series({"static_n": 6})]) == "static:auto (N=6)"
     assert _label("static:auto", [pd.Series({"static_n": float("nan")})]) == "static:auto"
     assert _label("sequoia:auto+cache", [pd.Series({"static_n": 4})]) == "sequoia:auto+cache (N=4)"
+    assert _label("sequoia:auto", [pd.Series({"static_n": float("nan")})]) == "sequoia:auto"
 
 
 def test_a_refitted_profile_says_its_held_out_error_is_over_decode_cycles(profile_path, tmp_path):

@@ -162,6 +162,10 @@ def test_bad_rates_and_missing_rates_are_clear_errors():
         SequoiaPolicy(4, 8, rates=np.array([0.5, np.nan]))
     with pytest.raises(ValueError, match=r"sequoia:4.*acceptance rate in \[0, 1\]"):
         SequoiaPolicy(4, 8, rates=np.array([1.5]))
+    with pytest.raises(ValueError, match=r"sequoia:4.*acceptance rate in \[0, 1\]"):
+        SequoiaPolicy(4, 8, rates=np.array([0.5, -0.1]))
+    with pytest.raises(ValueError, match=r"sequoia:4.*one acceptance rate in \[0, 1\] per sibling rank"):
+        SequoiaPolicy(4, 8, rates=np.array([[0.5, 0.2]]))
     tree = DraftTree(np.array([-1, 0]), np.array([1.0, 0.5]))
     view = CycleView(tree, np.zeros((2, 1, 1), dtype=np.int64), np.zeros((1, 1), dtype=bool),
                      CostModel(base_s=1.0, per_node_s=0.0, hit_s=0.0, miss_s=0.0, draft_level_s=0.0), 1)
@@ -200,3 +204,47 @@ def test_rates_of_a_recorded_trace_by_hand():
     np.testing.assert_allclose(trace_rates(trace), [0.75, 0.0])
     trace.verdict[1] = -1                          # A unverified: C's outcome is unknown
     np.testing.assert_allclose(trace_rates(trace), [2 / 3, 0.0])
+
+
+def test_the_depth_cap_a_rank_never_reached_and_no_rate_at_all():
+    # --max-levels caps the tree's depth: rates .8, .5 make sequoia:16 deeper than 2 levels
+    assert shape_depth([0.8, 0.5], 16, 8) > 2
+    assert make_policy("sequoia:16", 2).max_levels == 2
+    policy = make_policy("sequoia:16", 2)
+    policy.fit(np.array([0.8, 0.5]))
+    assert policy.max_levels == 2
+    # a rank reached nowhere (ranks given by hand: 0 and 2) rates 0, as the docstring says
+    np.testing.assert_allclose(positional_rates(np.array([0, 2, 2]), np.ones(3, dtype=bool),
+                                                np.array([True, False, True])), [1.0, 0.0, 0.5])
+    # no edge reached (a trace of roots alone): the tree is the root, and the policy drafts one level
+    assert shape(np.zeros(0), 4, 8) == [()]
+    assert shape_depth(np.zeros(0), 4, 8) == 1 and SequoiaPolicy(4, 8, rates=np.zeros(0)).max_levels == 1
+
+
+def test_rates_given_are_kept_by_a_replay_of_another_trace():
+    """A policy given its rates (live: fitted on --acceptance) replays with them, not the trace's:
+    rate 1 at rank 0 alone makes sequoia:4 a chain of 3 levels, where the sample's rates make it 2."""
+    from specfit.experts.cache import ExpertCache
+    from specfit.simulate.replay import replay
+
+    prep = prepare("olmoe", trace := read_trace(SAMPLE_OLMOE), trace.true_experts)
+    assert shape_depth(prep.positional_rates(), 4, 3) == 2
+    policy = SequoiaPolicy(4, 8, rates=np.array([1.0]))
+    cache = ExpertCache(trace.n_layers, trace.n_experts, 8, expert_bytes=trace.expert_bytes)
+    log = replay(prep, policy, cache, preset_profile("gh200", SHAPES["olmoe-1b-7b"]).cost)
+    assert policy.rates.tolist() == [1.0] and policy.max_levels == 3
+    assert log.columns["draft_levels"].max() == 3
+
+
+def test_decode_says_the_tree_its_acceptance_rates_give():
+    """``decode --policy sequoia:N --acceptance TRACE``: each sequoia:N gets the rates and the note
+    names the depth of its tree under them (.8, .5: 6 nodes reach 4 levels, under a cap of 8)."""
+    from types import SimpleNamespace
+
+    from specfit.runtime.decode_job import _fit_sequoia
+
+    policies, notes = [make_policy("ar"), make_policy("sequoia:6", 8)], []
+    _fit_sequoia(SimpleNamespace(acceptance_trace="first.parquet"), policies, np.array([0.8, 0.5]), notes)
+    assert policies[1].rates.tolist() == [0.8, 0.5] and policies[1].max_levels == 4
+    assert notes == ["note: sequoia:6: positional acceptance rates 0.800, 0.500 (sibling rank 0, 1, ...; fitted on "
+                     "--acceptance first.parquet): a tree of 6 nodes, 4 levels"]
