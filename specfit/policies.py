@@ -27,8 +27,9 @@ the grammar (:data:`POLICY_HELP` is written from it):
   acceptance): a fixed tree size.
 - ``static:auto``: ``static:N`` with the N that is best on the trace, cache size and cost model (a
   strong baseline that knows the trace; simulator only, which tries every candidate).
-- ``sequoia:N``: Sequoia's static tree of N nodes (root included) from positional acceptance rates
-  fitted on a recorded trace (:mod:`specfit.sequoia`: the replayed one; live, ``--acceptance``);
+- ``sequoia:N[:D]``: Sequoia's static tree of N nodes (root included, at most D levels, default
+  the run's cap) from positional acceptance rates fitted on a recorded trace
+  (:mod:`specfit.sequoia`: the replayed one; live, ``--acceptance``);
   ``sequoia:auto``: the best N on the trace, cache size and cost model, as ``static:auto``
   (simulator only).
 - ``specfit``: the exact max-throughput search after every level; stop drafting as soon as neither
@@ -131,29 +132,31 @@ def rerank(tree: DraftTree, total_nodes: int, scores: np.ndarray | None = None) 
 
 
 class SequoiaPolicy(RerankPolicy):
-    """Sequoia's static tree of ``total_nodes`` nodes (:mod:`specfit.sequoia`): the nodes whose
-    products of positional acceptance rates along their sibling ranks are largest, drafted to the
-    depth the tree reaches under the rates (at most ``max_levels``). The rates are fitted on the
+    """Sequoia's static tree of ``total_nodes`` nodes (:mod:`specfit.sequoia`): the tree of
+    sibling-rank paths its dynamic program finds under the positional acceptance rates (``tree``),
+    drafted to the depth it reaches (at most ``max_levels``); on a draft that lacks some of its
+    nodes, the drafted nodes with the largest products of rates in their places. The rates are fitted on the
     trace a replay hands it (:meth:`fit_on_trace`) or given (``rates``; live, ``decode`` fits them on
     its ``--acceptance`` trace)."""
 
-    def __init__(self, total_nodes: int, max_levels: int, rates: np.ndarray | None = None):
-        super().__init__(total_nodes, max(1, min(total_nodes - 1, max_levels)), name=f"sequoia:{total_nodes}",
+    def __init__(self, total_nodes: int, max_levels: int, rates: np.ndarray | None = None, name: str | None = None):
+        super().__init__(total_nodes, max(1, min(total_nodes - 1, max_levels)), name=name or f"sequoia:{total_nodes}",
                          drafter_scores=True)          # ranks by its own scores, not the path probabilities
         self.depth_cap = self.max_levels
         self.rates: np.ndarray | None = None
+        self.tree: list[tuple[int, ...]] = [()]
         if rates is not None:
             self.fit(rates)
 
     def fit(self, rates: np.ndarray) -> None:
         """Take ``rates`` (one per sibling rank, each in [0, 1]) and draft the levels its tree reaches."""
-        from .sequoia import shape_depth
+        from .sequoia import shape
         rates = np.asarray(rates, dtype=np.float64)
         if rates.ndim != 1 or not np.all((rates >= 0) & (rates <= 1)):
             raise ValueError(f"policy {self.name!r}: expected one acceptance rate in [0, 1] per sibling rank, got "
                              f"{rates.tolist()}")
-        self.rates = rates
-        self.max_levels = shape_depth(rates, self.total_nodes, self.depth_cap)
+        self.rates, self.tree = rates, shape(rates, self.total_nodes, self.depth_cap)
+        self.max_levels = max(1, max(len(path) for path in self.tree))
 
     def fit_on_trace(self, prep) -> None:
         """The rates of ``prep`` (:meth:`specfit.simulate.prepared.PreparedTrace.positional_rates`),
@@ -162,13 +165,14 @@ class SequoiaPolicy(RerankPolicy):
             self.fit(prep.positional_rates())
 
     def scores(self, parents: np.ndarray, depths: np.ndarray, ranks: np.ndarray) -> np.ndarray:
-        """Each node's product of rates along its sibling ranks (:func:`specfit.sequoia.sibling_ranks`);
-        ``parents`` global, -1 at roots."""
+        """What the rerank ranks by: each node's product of rates along its sibling ranks
+        (:func:`specfit.sequoia.sibling_ranks`), plus 1 on the tree's nodes
+        (:func:`specfit.sequoia.node_scores`); ``parents`` global, -1 at roots."""
         from .sequoia import node_scores
         if self.rates is None:
             raise ValueError(f"policy {self.name!r}: no positional acceptance rates; a replay fits them on its trace "
                              f"(fit_on_trace), or give them (fit)")
-        return node_scores(parents, depths, ranks, self.rates)
+        return node_scores(parents, depths, ranks, self.rates, self.tree)
 
     def select(self, view: CycleView) -> Selection:
         from .sequoia import sibling_ranks
@@ -261,6 +265,14 @@ def _rerank(name: str):
     return build
 
 
+def _sequoia(args: list[int], max_levels: int) -> Policy:
+    """``sequoia:N`` (at most ``max_levels`` levels) or ``sequoia:N:D`` (its own depth bound, as
+    ``eagle3:N:D`` keeps its own), named as written."""
+    if len(args) == 2 and args[1] < 1:
+        raise ValueError(f"policy 'sequoia:{args[0]}:{args[1]}': expected D >= 1 draft levels")
+    return SequoiaPolicy(args[0], args[1] if len(args) == 2 else max_levels, name=":".join(["sequoia", *map(str, args)]))
+
+
 def _specfit(args: list[int], max_levels: int) -> Policy:
     """``specfit`` (``max_levels`` levels at most) or ``specfit:D``, named as written: two depths
     in one run are two policies, each with its own rows."""
@@ -281,9 +293,9 @@ POLICIES: dict[str, PolicySpec] = {
     "static": PolicySpec("static:N (or static:auto)", "the best N nodes of the tree; auto: the best N on the trace "
                          "(simulator)", lambda a, m: RerankPolicy(a[0], max(1, min(a[0] - 1, m)), name=f"static:{a[0]}"),
                          n_args=(1,), live="static:N"),
-    "sequoia": PolicySpec("sequoia:N (or sequoia:auto)", "Sequoia's static tree of N nodes from positional acceptance "
-                          "rates fitted on a recorded trace; auto: the best N on the trace (simulator)",
-                          lambda a, m: SequoiaPolicy(a[0], m), n_args=(1,), live="sequoia:N"),
+    "sequoia": PolicySpec("sequoia:N[:D] (or sequoia:auto)", "Sequoia's static tree of N nodes (at most D levels) from "
+                          "positional acceptance rates fitted on a recorded trace; auto: the best N on the trace "
+                          "(simulator)", _sequoia, n_args=(1, 2), live="sequoia:N[:D]"),
     "specfit": PolicySpec("specfit[:D]", "exact max-throughput subtree, level stopping (D levels at most)",
                           lambda a, m: _specfit(a, m), n_args=(0, 1)),
     "oracle": PolicySpec("oracle", "knows the verdicts (simulator, an upper bound)", lambda a, m: OraclePolicy(64), live=""),

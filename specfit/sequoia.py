@@ -1,28 +1,30 @@
-"""Sequoia's static tree (Chen et al., 2024), as a fixed baseline for the simulator.
+"""Sequoia's static tree (Chen et al., 2024), as a fixed baseline.
 
 Sequoia verifies one tree shape, chosen offline: a node is named by the sibling ranks of the path
 to it (its parent's ``r``-th most probable child, by the drafter), and with *positional acceptance
 rates* ``a[r]`` (how often the target accepts a parent's rank-``r`` child, the parent accepted)
 the tree of ``N`` nodes that accepts the most tokens in expectation maximises the sum over its
-nodes of the product of ``a`` along their paths. Every product shrinks down a path (``a <= 1``), so
-the best tree is the ``N`` nodes of the infinite tree with the largest products (any ancestor of a
-node scores at least as much as it does); :func:`shape` computes it best-first, and a test checks
-it against Sequoia's dynamic program. The hardware-aware size (Sequoia picks the ``N`` with the
-most tokens per measured second) is ``sequoia:auto``: every size is replayed and the fastest on the
-trace, cache size and cost model is kept, as ``static:auto`` does.
+nodes of the product of ``a`` along their paths. :func:`shape` finds it with Sequoia's dynamic
+program, whose trees give a node with ``b`` children the ranks ``0 .. b - 1`` (no rank is skipped);
+among trees of equal value it keeps the shallowest. Where the rates fall with the rank (as
+greedy verdicts make them, up to noise in the rarely reached ranks) the tree is the ``N`` rank paths
+with the largest products. The hardware-aware choice (Sequoia picks the size and depth with the
+fewest measured seconds per token) is ``sequoia:auto`` for the size, every size replayed and the
+fastest on the trace, cache size and cost model kept as ``static:auto`` does; the depth is the one
+the tree reaches, at most ``--max-levels`` (``sequoia:N:D`` bounds it at D).
 
-On a drafted tree the shape is the ``N`` nodes with the largest products (:func:`node_scores`),
-within the shape's depth: where the draft holds the whole shape that is the shape, and where it
-lacks some of its nodes (a recorded tree keeps only the best few nodes of each level, as EAGLE
-drafts) the next best nodes drafted take their places, so every cycle verifies ``N`` nodes. The
-rates are fitted on a recorded trace (:func:`trace_rates`): in a replay the trace being replayed, a
-hindsight the baseline is given as ``static:auto`` is given its size; live (``decode --policy
-sequoia:N``) the trace given to ``--acceptance``.
+On a drafted tree (:func:`node_scores`) the policy verifies the shape's nodes the draft holds and,
+where it lacks some (a recorded or live tree keeps only the best few nodes of each level, as EAGLE
+drafts), the drafted nodes with the largest products in their places, within the shape's depth: N
+nodes where the draft holds that many. The rates are fitted on a recorded trace
+(:func:`trace_rates`): in a replay the trace being replayed, a hindsight the baseline is given as
+``static:auto`` is given its size; live (``decode --policy sequoia:N``) the trace given to
+``--acceptance``.
 """
 
 from __future__ import annotations
 
-import heapq
+from functools import lru_cache
 
 import numpy as np
 
@@ -43,9 +45,12 @@ def sibling_ranks(parents: np.ndarray, probs: np.ndarray) -> np.ndarray:
     return ranks
 
 
-def node_scores(parents: np.ndarray, depths: np.ndarray, ranks: np.ndarray, rates: np.ndarray) -> np.ndarray:
-    """The product of ``rates[rank]`` along each node's path (1 at roots; a rank past the rates
-    scores 0): the expected acceptance Sequoia assigns the node. ``parents``: global ids."""
+def node_scores(parents: np.ndarray, depths: np.ndarray, ranks: np.ndarray, rates: np.ndarray,
+                tree: list[tuple[int, ...]] | None = None) -> np.ndarray:
+    """Each node's product of ``rates[rank]`` along its path (1 at roots; a rank past the rates
+    scores 0): the expected acceptance Sequoia assigns it; plus 1 where the node's path of ranks
+    is in ``tree`` (a :func:`shape`), so that a rerank takes the shape's nodes first and the largest
+    products after them. ``parents``: global ids, -1 at roots."""
     rates = np.asarray(rates, dtype=np.float64)
     parents = np.asarray(parents, dtype=np.int64)
     edge = np.zeros(parents.size)
@@ -53,10 +58,20 @@ def node_scores(parents: np.ndarray, depths: np.ndarray, ranks: np.ndarray, rate
     known = child & (ranks < rates.size)
     edge[known] = rates[ranks[known]]
     scores = np.ones(parents.size)
+    # the shape as a trie: member[v] is the node's row in ``tree`` (-1: not in it)
+    rows = {path: i for i, path in enumerate(tree or [()])}
+    kids = np.full((len(rows), max(rates.size, 1)), -1, dtype=np.int64)
+    for path, i in rows.items():
+        if path:
+            kids[rows[path[:-1]], path[-1]] = i
+    member = np.where(child, -1, 0)
     for d in range(1, int(depths.max(initial=0)) + 1):     # level by level: parents are final first
         at = np.flatnonzero(depths == d)
         scores[at] = scores[parents[at]] * edge[at]
-    return scores
+        up = member[parents[at]]
+        inside = (up >= 0) & known[at]
+        member[at[inside]] = kids[up[inside], ranks[at[inside]]]
+    return scores + (member >= 0) if tree is not None else scores
 
 
 def positional_rates(ranks: np.ndarray, reached: np.ndarray, accepted: np.ndarray) -> np.ndarray:
@@ -83,20 +98,76 @@ def trace_rates(trace) -> np.ndarray:
     return positional_rates(sibling_ranks(parents, trace.path_prob), reached, accepted)
 
 
+# values this close are one value: of two such trees the shallower is kept
+_TIE = 1e-12
+
+
+def _better(value: float, height: int, best: tuple[float, int] | None) -> bool:
+    return best is None or value > best[0] + _TIE or (value >= best[0] - _TIE and height < best[1])
+
+
+@lru_cache(maxsize=256)
+def _program(rates: tuple[float, ...], total_nodes: int, max_depth: int) -> tuple[dict, dict]:
+    """Sequoia's dynamic program: ``tree[d, n]`` = (value, height) of the best tree of ``n`` nodes
+    at most ``d`` levels deep; ``forest[d, r, m]`` = (value, height, nodes of rank r's subtree) of
+    the best ``m`` nodes under one parent as the subtrees of its children of ranks ``r, r + 1, ...``
+    (no rank skipped), each at most ``d`` levels deep."""
+    k = len(rates)
+    tree: dict = {(d, 1): (1.0, 0) for d in range(max_depth + 1)}
+    forest: dict = {}
+    for d in range(max_depth):             # forests of subtrees d levels deep make trees of d + 1
+        for r in range(k, -1, -1):
+            forest[d, r, 0] = (0.0, -1, 0)
+            for m in range(1, total_nodes):
+                best = None
+                if r < k:
+                    for j in range(m, 0, -1):              # more nodes under the lower rank first
+                        sub, rest = tree.get((d, j)), forest.get((d, r + 1, m - j))
+                        if sub is None or rest is None:
+                            continue
+                        value, height = rates[r] * sub[0] + rest[0], max(sub[1], rest[1])
+                        if _better(value, height, best):
+                            best = (value, height, j)
+                if best is not None:
+                    forest[d, r, m] = best
+        for n in range(2, total_nodes + 1):
+            below = forest.get((d, 0, n - 1))
+            if below is not None:
+                tree[d + 1, n] = (1.0 + below[0], below[1] + 1)
+    return tree, forest
+
+
 def shape(rates: np.ndarray, total_nodes: int, max_depth: int) -> list[tuple[int, ...]]:
-    """Sequoia's tree of ``total_nodes`` nodes (root included) and at most ``max_depth`` levels
-    under ``rates``: the nodes, each as its path of sibling ranks (the root ``()``), in the order
-    taken (largest product first; ties to the shallower node, then the lower ranks)."""
-    rates = np.asarray(rates, dtype=np.float64)
-    taken: list[tuple[int, ...]] = []
-    heap = [(-1.0, 0, ())]
-    while heap and len(taken) < total_nodes:
-        neg, depth, path = heapq.heappop(heap)
-        taken.append(path)
-        if depth < max_depth:
-            for r, a in enumerate(rates):
-                heapq.heappush(heap, (neg * a, depth + 1, path + (r,)))
-    return taken
+    """Sequoia's tree of ``total_nodes`` nodes (root included; fewer where ``max_depth`` levels of
+    ``len(rates)`` children hold fewer) under ``rates``: its nodes, each as its path of sibling
+    ranks (the root ``()``), by product (largest first; ties to the shallower node, then the lower
+    ranks)."""
+    rates = tuple(float(a) for a in np.asarray(rates, dtype=np.float64))
+    depth, k = max(0, int(max_depth)), len(rates)
+    room = sum(k ** d for d in range(depth + 1)) if k > 1 else depth + 1 if k == 1 else 1
+    n = max(1, min(int(total_nodes), room))
+    tree, forest = _program(rates, n, depth)
+
+    def build(path: tuple[int, ...], d: int, m: int, r: int, out: list) -> None:
+        """The subtrees of ``path``'s children of ranks r, ... holding ``m`` nodes, ``d`` levels deep."""
+        if m == 0:
+            return
+        j = forest[d, r, m][2]
+        child = path + (r,)
+        out.append(child)
+        build(child, d - 1, j - 1, 0, out)
+        build(path, d, m - j, r + 1, out)
+
+    paths = [()]
+    if n > 1:
+        build((), depth - 1, n - 1, 0, paths)
+
+    def product(path):
+        value = 1.0
+        for r in path:
+            value *= rates[r]
+        return value
+    return sorted(paths, key=lambda p: (-product(p), len(p), p))
 
 
 def shape_depth(rates: np.ndarray, total_nodes: int, max_depth: int) -> int:

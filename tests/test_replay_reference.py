@@ -120,7 +120,9 @@ def ref_sequoia_rates(trace, predicted, raw_probs) -> list[float]:
 
 def ref_sequoia_depth(rates: list[float], total: int, cap: int) -> int:
     """The levels of Sequoia's tree: the ``total`` rank paths of the infinite tree (at most ``cap``
-    deep) with the largest products of rates, ties to the shallower, then the lower ranks."""
+    deep) with the largest products of rates, ties to the shallower, then the lower ranks (its tree
+    where the rates fall with the rank, as on both shipped traces; ``test_sequoia.py`` checks the
+    tree against Sequoia's program for any rates)."""
     paths = [()]
     for _ in range(cap):
         paths += [p + (r,) for p in paths if len(p) == len(paths[-1]) for r in range(len(rates))]

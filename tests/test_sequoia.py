@@ -38,12 +38,13 @@ def sequoia_dp(rates, total: int, max_depth: int) -> float:
 
     @functools.lru_cache(maxsize=None)
     def children(m: int, d: int, r: int) -> float:
-        """The best split of ``m`` nodes among the subtrees of ranks r .. k - 1 (each ``d`` deep)."""
+        """The best split of ``m`` nodes among the subtrees of ranks r, r + 1, ... (each ``d``
+        deep): a node's children hold the ranks 0 .. b - 1, none skipped."""
         if m == 0:
             return 0.0
         if r == k:
             return -math.inf
-        best = children(m, d, r + 1)
+        best = -math.inf
         for j in range(1, m + 1):
             best = max(best, rates[r] * tree(j, d) + children(m - j, d, r + 1))
         return best
@@ -70,6 +71,7 @@ def test_the_tree_is_sequoias_optimum(seed):
             paths = shape(rates, n, depth)
             assert len(paths) == n and len(set(paths)) == n and max(map(len, paths)) <= depth
             assert all(p[:-1] in paths for p in paths if p)            # a tree: every parent is in it
+            assert all(p[:-1] + (p[-1] - 1,) in paths for p in paths if p and p[-1])   # no rank skipped
             assert value(rates, paths) == pytest.approx(sequoia_dp(tuple(rates), n, depth), rel=1e-12, abs=1e-12)
 
 
@@ -80,6 +82,9 @@ def test_the_tree_of_a_known_vector():
     assert shape_depth([0.8, 0.5], 4, 8) == 3
     assert shape_depth([0.8, 0.5], 4, 2) == 2                 # bounded: (), 0, 00, then 1 rather than 000
     assert shape([0.8, 0.5], 4, 2) == [(), (0,), (0, 0), (1,)]
+    # rates that rise with the rank: rank 1 only beside rank 0, as Sequoia's trees have it
+    assert shape([0.2, 0.6], 2, 4) == [(), (0,)]
+    assert shape([0.2, 0.6], 3, 4) == [(), (1,), (0,)]
     # nothing accepted: every node scores 0, and the shallower go first
     assert shape([0.0, 0.0], 5, 8) == [(), (0,), (1,), (0, 0), (0, 1)]
     assert shape_depth([0.0, 0.0], 3, 8) == 1
@@ -134,14 +139,16 @@ def rank_paths(tree: DraftTree, ranks: np.ndarray, nodes) -> set[tuple[int, ...]
     return out
 
 
+@pytest.mark.parametrize("rates", [[0.7, 0.35, 0.1], [0.3, 0.6, 0.05]])
 @pytest.mark.parametrize("total", [2, 5, 9, 14, 24])
-def test_on_a_tree_that_holds_its_shape_the_policy_verifies_the_shape(total):
+def test_on_a_tree_that_holds_its_shape_the_policy_verifies_the_shape(total, rates):
     """Where the draft holds Sequoia's whole tree, the policy verifies a tree of the same rank
-    paths (up to paths whose products tie, e.g. 0-1 and 1-0): the same products, the same value."""
+    paths (up to paths whose products tie, e.g. 0-1 and 1-0): the same products, the same value,
+    also where the rates rise with the rank and the largest products are not Sequoia's tree."""
     rng = np.random.default_rng(total)
     tree = full_tree(3, 6, rng)
     drafter = rng.uniform(0.01, 1.0, tree.n_nodes)
-    rates = np.array([0.7, 0.35, 0.1])
+    rates = np.array(rates)
     wanted = shape(rates, total, total - 1)
     assert max(map(len, wanted)) <= 6                            # the draft holds it
     policy = SequoiaPolicy(total, 8, rates=rates)
@@ -248,3 +255,18 @@ def test_decode_says_the_tree_its_acceptance_rates_give():
     assert policies[1].rates.tolist() == [0.8, 0.5] and policies[1].max_levels == 4
     assert notes == ["note: sequoia:6: positional acceptance rates 0.800, 0.500 (sibling rank 0, 1, ...; fitted on "
                      "--acceptance first.parquet): a tree of 6 nodes, 4 levels"]
+
+
+def test_sequoia_n_d_bounds_the_trees_depth_as_sequoia_does():
+    """``sequoia:N:D``: Sequoia's tree of N nodes at most D levels deep (whatever the run's cap,
+    as ``eagle3:N:D`` keeps its own depth); D < 1 is refused."""
+    rates = np.array([0.8, 0.3])
+    free, bounded = make_policy("sequoia:16", 8), make_policy("sequoia:16:2+cache", 8)
+    free.fit(rates)
+    bounded.fit(rates)
+    assert free.max_levels == shape_depth(rates, 16, 8) > 2
+    assert bounded.name == "sequoia:16:2+cache" and bounded.max_levels == 2
+    assert bounded.tree == shape(rates, 16, 2) and len(bounded.tree) == 7      # 1 + 2 + 4: all two levels hold
+    assert make_policy("sequoia:8:12", 4).depth_cap == 7                      # at most N - 1 all the same
+    with pytest.raises(ValueError, match="'sequoia:8:0': expected D >= 1 draft levels"):
+        make_policy("sequoia:8:0")
