@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specfit.demo import whatif_scenarios  # noqa: E402
 from specfit.errors import SpecFitError  # noqa: E402
-from specfit.policies import is_tuned  # noqa: E402
+from specfit.policies import STATIC_AUTO_SIZES, is_tuned  # noqa: E402
 from specfit.simulate.replay import prepare_trace  # noqa: E402
 from specfit.simulate.sweep import run_sweep  # noqa: E402
 from specfit.traces.format import read_trace  # noqa: E402
@@ -38,6 +38,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--profiles", default="gh200", help="of pcie4, pcie5, gh200 (or as the demo names them, "
                         "pcie4-qwen3, ...)")
     parser.add_argument("--caches", default="0", help="experts cached per layer")
+    parser.add_argument("--sequoia-grid", action="store_true", help="also replay sequoia:N:D for every size of "
+                        "sequoia:auto and depth 1-8, and print the fastest pair of each setting beside sequoia:auto "
+                        "(Sequoia picks the depth too; sequoia:auto picks the size alone)")
     args = parser.parse_args(argv)
     try:
         trace = read_trace(args.trace)
@@ -73,7 +76,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
         table.add_row(r["profile"], str(r["cache_experts"]), r["policy"] + n, r["experts"], f"{r['speedup_vs_ar']:.3f}",
                       f"{r['draft_levels_per_cycle']:.2f}", f"{r['nodes_per_cycle']:.1f}", f"{r['tokens_per_cycle']:.2f}")
     Console(width=140).print(table)
+    if args.sequoia_grid:
+        _sequoia_grid(trace, caches, scenarios, rows)
     return rows
+
+
+def _sequoia_grid(trace, caches: list[int], scenarios, rows: list[dict]) -> None:
+    """The fastest ``sequoia:N:D`` of each setting against ``sequoia:auto`` (its size alone tuned)."""
+    prepared = prepare_trace("demo trace", trace, predictor="recorded", acceptance="calibrated")
+    grid = [f"sequoia:{n}:{d}" for n in STATIC_AUTO_SIZES if n <= prepared.max_nodes for d in range(1, min(n, 9))]
+    _, summary = run_sweep([prepared], ["ar", *grid], caches, scenarios)
+    table = Table(title="Sequoia's size and depth both tuned: tokens/s over ar")
+    for name in ("profile", "cache", "sequoia:auto", "best sequoia:N:D", "over sequoia:auto"):
+        table.add_column(name, justify="left" if name == "profile" else "right")
+    for (profile, cache), group in summary[summary.policy != "ar"].groupby(["profile", "cache_experts"]):
+        best = group.loc[group["speedup_vs_ar"].idxmax()]
+        auto = next(r for r in rows if r["policy"] == "sequoia:auto" and (r["profile"], r["cache_experts"]) == (profile, cache))
+        table.add_row(profile, str(cache), f"{auto['speedup_vs_ar']:.3f} (N = {auto['static_n']})",
+                      f"{best['speedup_vs_ar']:.3f} ({best['policy']})", f"{best['speedup_vs_ar'] / auto['speedup_vs_ar']:.3f}")
+    Console(width=140).print(table)
 
 
 if __name__ == "__main__":
