@@ -77,7 +77,8 @@ def decode(
     tree_top_k: int = typer.Option(4, "--tree-top-k", help="EAGLE tree expansion: children per node and nodes expanded per level."),
     max_levels: int = typer.Option(8, "--max-levels", help="Draft levels at most for specfit (specfit:D sets its own D), static:N, sequoia:N and --record-full."),
     acceptance: Optional[Path] = typer.Option(None, "--acceptance", help="Trace to fit an acceptance calibrator on "
-                                              "(draft probability -> acceptance probability); default: the drafter's."),
+                                              "(draft probability -> acceptance probability; sequoia:N fits its positional acceptance rates on it "
+                                              "too); default: the drafter's."),
     device: str = typer.Option(None, "--device", help="cpu, cuda or cuda:N (default: cuda when available)."),
     dtype: str = typer.Option(None, "--dtype", help="float32, bfloat16 or float16 (default: bfloat16 on cuda, float32 on cpu). In "
                               "bfloat16 or float16 a policy's greedy output can leave ar's where the target's best "
