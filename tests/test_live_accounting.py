@@ -763,7 +763,8 @@ def _recorded_cycle(position, n_nodes=3, draft_s=0.125, verify_s=0.25, total_s=0
     L, k = 2, 2
     tree = DraftTree(parents=np.arange(-1, n_nodes - 1), path_probs=0.5 ** np.arange(n_nodes),
                      tokens=np.arange(10, 10 + n_nodes))
-    draft = SimpleNamespace(tree=tree, experts=np.zeros((0, L, k), dtype=np.int64), edge_logprob=np.zeros(0))
+    draft = SimpleNamespace(tree=tree, experts=np.zeros((0, L, k), dtype=np.int64), edge_logprob=np.zeros(0),
+                            drafter_probs=None)
     true = np.arange(n_nodes * L * k).reshape(n_nodes, L, k) % 8
     verification = SimpleNamespace(expert_ids=true, nodes=np.arange(n_nodes), verdicts=np.ones(n_nodes, dtype=np.int64))
     return SimpleNamespace(draft=draft, verification=verification, position=position, cycle_time_s=total_s,
