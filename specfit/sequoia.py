@@ -64,7 +64,7 @@ def node_scores(parents: np.ndarray, depths: np.ndarray, ranks: np.ndarray, rate
     for path, i in rows.items():
         if path:
             kids[rows[path[:-1]], path[-1]] = i
-    member = np.where(child, -1, 0)
+    member = np.where(child, -1, rows[()])
     for d in range(1, int(depths.max(initial=0)) + 1):     # level by level: parents are final first
         at = np.flatnonzero(depths == d)
         scores[at] = scores[parents[at]] * edge[at]
