@@ -140,7 +140,7 @@ class SequoiaPolicy(RerankPolicy):
     its ``--acceptance`` trace)."""
 
     def __init__(self, total_nodes: int, max_levels: int, rates: np.ndarray | None = None, name: str | None = None):
-        super().__init__(total_nodes, max(1, min(total_nodes - 1, max_levels)), name=name or f"sequoia:{total_nodes}",
+        super().__init__(total_nodes, min(total_nodes - 1, max_levels), name=name or f"sequoia:{total_nodes}",
                          drafter_scores=True)          # ranks by its own scores, not the path probabilities
         self.depth_cap = self.max_levels
         self.rates: np.ndarray | None = None
@@ -291,7 +291,7 @@ POLICIES: dict[str, PolicySpec] = {
                                  lambda a, m: RerankPolicy(60, EAGLE3_LEVELS, name="eagle3-nocache", cache_capacity=0,
                                                            drafter_scores=True), live=""),
     "static": PolicySpec("static:N (or static:auto)", "the best N nodes of the tree; auto: the best N on the trace "
-                         "(simulator)", lambda a, m: RerankPolicy(a[0], max(1, min(a[0] - 1, m)), name=f"static:{a[0]}"),
+                         "(simulator)", lambda a, m: RerankPolicy(a[0], min(a[0] - 1, m), name=f"static:{a[0]}"),
                          n_args=(1,), live="static:N"),
     "sequoia": PolicySpec("sequoia:N[:D] (or sequoia:auto)", "Sequoia's static tree of N nodes (at most D levels) from "
                           "positional acceptance rates fitted on a recorded trace; auto: the best N on the trace "

@@ -274,6 +274,11 @@ def test_decode_command_prints_a_summary_table(cli_model, tmp_path):
     ([{"input_ids": [1]}], ["--cache-experts", "1000", "--cache-mode", "global"], "experts in all, as --cache-mode global counts them), got 1000"),
     ([{"input_ids": [1]}], ["--policy", "specfit", "--max-levels", "0"],
      "--max-levels: expected >= 1 draft levels for --policy specfit, got 0"),
+    # a fixed tree drafts --max-levels levels (N - 1 at most): none would be ar, not one level drafted anyway
+    ([{"input_ids": [1]}], ["--policy", "static:8", "--max-levels", "0"],
+     "--max-levels: expected >= 1 draft levels for --policy static:8, got 0"),
+    ([{"input_ids": [1]}], ["--policies", "ar,sequoia:8", "--max-levels", "0"],
+     "--max-levels: expected >= 1 draft levels for --policy sequoia:8, got 0"),
     ([{"input_ids": [1]}], ["--policy", "specfit", "--max-levels", "1000000000000"],
      "--max-levels: expected at most 32767 draft levels for --policy specfit, got 1000000000000"),
     ([{"input_ids": [1]}], ["--max-new-tokens", "1000"], "exceed the model's max_position_embeddings"),
