@@ -251,10 +251,16 @@ def test_decode_says_the_tree_its_acceptance_rates_give():
     from specfit.runtime.decode_job import _fit_sequoia
 
     policies, notes = [make_policy("ar"), make_policy("sequoia:6", 8)], []
-    _fit_sequoia(SimpleNamespace(acceptance_trace="first.parquet"), policies, np.array([0.8, 0.5]), notes)
+    _fit_sequoia(SimpleNamespace(acceptance_trace="first.parquet", temperature=0.0), policies, np.array([0.8, 0.5]),
+                 notes)
     assert policies[1].rates.tolist() == [0.8, 0.5] and policies[1].max_levels == 4
     assert notes == ["note: sequoia:6: positional acceptance rates 0.800, 0.500 (sibling rank 0, 1, ...; fitted on "
                      "--acceptance first.parquet): a tree of 6 nodes, 4 levels"]
+    # sampling: the rates are greedy verdicts', and the note says what that means
+    notes = []
+    _fit_sequoia(SimpleNamespace(acceptance_trace="t.parquet", temperature=0.7), [make_policy("sequoia:6", 8)],
+                 np.array([0.8, 0.5]), notes)
+    assert notes[0].endswith("4 levels; greedy verdicts, which overstate what sampling (--temperature 0.7) accepts")
 
 
 def test_sequoia_n_d_bounds_the_trees_depth_as_sequoia_does():

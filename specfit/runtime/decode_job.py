@@ -809,7 +809,8 @@ def _fit_sequoia(plan, policies: list, rates, notes: list[str]) -> None:
             shown = ", ".join(f"{r:.3f}" for r in rates)
             notes.append(f"note: {p.name}: positional acceptance rates {shown} (sibling rank 0, 1, ...; fitted on "
                          f"--acceptance {plan.acceptance_trace}): a tree of {p.total_nodes} nodes, {p.max_levels} "
-                         f"levels")
+                         f"levels" + ("; greedy verdicts, which overstate what sampling (--temperature "
+                                      f"{plan.temperature:g}) accepts" if plan.temperature > 0 else ""))
 
 
 def _fitted_predictor(plan, config):
