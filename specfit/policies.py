@@ -215,8 +215,9 @@ class OraclePolicy(Policy):
 class TunedPolicy(RerankPolicy):
     """A family of fixed policies of which a driver that can replay them all (the simulator) keeps
     the best: ``static:auto`` is ``static:N`` for the best N of :meth:`candidates` (``sequoia:auto``
-    the same of ``sequoia:N``). Run alone it behaves like its first candidate's rerank, which no
-    driver does."""
+    the same of ``sequoia:N``). Alone it is a rerank of its first size by the path probabilities
+    (``static:2``'s, also for ``sequoia:auto``), which a replay refuses
+    (:func:`specfit.simulate.replay.replay`); ``benchmarks/gpu_check.py`` decodes ``static:auto`` so."""
 
     simulator_only = True
 

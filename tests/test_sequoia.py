@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -199,6 +200,20 @@ def test_the_tuned_family_replays_every_size_and_keeps_the_fastest():
     # the rates come from the trace's own verdicts: the drafter's top child is accepted most often
     rates = prep.positional_rates()
     assert rates.size >= 2 and np.all(np.diff(rates) <= 0) and 0 < rates[0] < 1
+
+
+@pytest.mark.parametrize("spec", ["sequoia:auto", "static:auto+cache"])
+def test_a_tuned_family_replayed_alone_is_refused(spec):
+    """A tuned family is its candidates, each replayed (``run_sweep``); replayed alone it ran a
+    plain rerank of its first size (``sequoia:auto``: ``static:2``'s tokens/s, not ``sequoia:2``'s)
+    under its own name."""
+    from specfit.experts.cache import ExpertCache
+    from specfit.simulate.replay import replay
+
+    prep = prepare("olmoe", trace := read_trace(SAMPLE_OLMOE), trace.true_experts)
+    cost = preset_profile("gh200", SHAPES["olmoe-1b-7b"]).cost
+    with pytest.raises(ValueError, match=f"policy '{re.escape(spec)}': a tuned family.*run_sweep"):
+        replay(prep, make_policy(spec), ExpertCache(trace.n_layers, trace.n_experts, 16), cost)
 
 
 def test_rates_of_a_recorded_trace_by_hand():

@@ -39,7 +39,7 @@ from ..experts.cache import ExpertCache
 from ..experts.lookahead import DraftLookahead
 from ..experts.prefetch import DraftPrefetch
 from ..policies import (ArPolicy, ChainPolicy, CycleView, Observation, OraclePolicy, Policy, RerankPolicy,
-                        SequoiaPolicy, choose)
+                        SequoiaPolicy, TunedPolicy, choose)
 from ..search import ROOT_TIME_MESSAGE
 from ..specfit_policy import SpecFitPolicy
 from .prepared import PreparedTrace, prepare, prepare_trace
@@ -116,6 +116,9 @@ def replay(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost: CostMo
     if (cache.n_layers, cache.n_experts) != (trace.n_layers, trace.n_experts):
         raise ValueError(f"cache: expected {trace.n_layers} layers x {trace.n_experts} experts to match the trace, "
                          f"got {cache.n_layers} x {cache.n_experts}")
+    if isinstance(policy, TunedPolicy):
+        raise ValueError(f"policy {policy.name!r}: a tuned family, not one policy; replay each of its candidates "
+                         f"(run_sweep does, and keeps the fastest)")
     policy.fit_on_trace(prep)
     n = prep.n_cycles
     int_cols = np.zeros((len(kernels.replay.INT_COLUMNS), n), dtype=np.int64)
