@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from specfit.demo import whatif_scenarios  # noqa: E402
 from specfit.errors import SpecFitError  # noqa: E402
-from specfit.policies import STATIC_AUTO_SIZES, is_tuned  # noqa: E402
+from specfit.policies import is_tuned, make_policy  # noqa: E402
 from specfit.simulate.replay import prepare_trace  # noqa: E402
 from specfit.simulate.sweep import run_sweep  # noqa: E402
 from specfit.traces.format import read_trace  # noqa: E402
@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 def _sequoia_grid(trace, caches: list[int], scenarios, rows: list[dict]) -> None:
     """The fastest ``sequoia:N:D`` of each setting against ``sequoia:auto`` (its size alone tuned)."""
     prepared = prepare_trace("demo trace", trace, predictor="recorded", acceptance="calibrated")
-    grid = [f"sequoia:{n}:{d}" for n in STATIC_AUTO_SIZES if n <= prepared.max_nodes for d in range(1, min(n, 9))]
+    sizes = [c.total_nodes for c in make_policy("sequoia:auto").candidates(prepared.max_nodes)]
+    grid = [f"sequoia:{n}:{d}" for n in sizes for d in range(1, min(n, 9))]
     _, summary = run_sweep([prepared], ["ar", *grid], caches, scenarios)
     table = Table(title="Sequoia's size and depth both tuned: tokens/s over ar")
     for name in ("profile", "cache", "sequoia:auto", "best sequoia:N:D", "over sequoia:auto"):

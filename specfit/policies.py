@@ -150,13 +150,13 @@ class SequoiaPolicy(RerankPolicy):
 
     def fit(self, rates: np.ndarray) -> None:
         """Take ``rates`` (one per sibling rank, each in [0, 1]) and draft the levels its tree reaches."""
-        from .sequoia import shape
+        from .sequoia import shape, tree_depth
         rates = np.asarray(rates, dtype=np.float64)
         if rates.ndim != 1 or not np.all((rates >= 0) & (rates <= 1)):
             raise ValueError(f"policy {self.name!r}: expected one acceptance rate in [0, 1] per sibling rank, got "
                              f"{rates.tolist()}")
         self.rates, self.tree = rates, shape(rates, self.total_nodes, self.depth_cap)
-        self.max_levels = max(1, max(len(path) for path in self.tree))
+        self.max_levels = tree_depth(self.tree)
 
     def fit_on_trace(self, prep) -> None:
         """The rates of ``prep`` (:meth:`specfit.simulate.prepared.PreparedTrace.positional_rates`),
@@ -179,7 +179,13 @@ class SequoiaPolicy(RerankPolicy):
         tree = view.tree
         probs = tree.path_probs if view.drafter_probs is None else view.drafter_probs[:tree.n_nodes]
         scores = self.scores(tree.parents, tree.depth, sibling_ranks(tree.parents, probs))
-        return view.evaluate(rerank(tree, self.total_nodes, scores))
+        return view.evaluate(rerank(tree, self.verified_nodes, scores))
+
+    @property
+    def verified_nodes(self) -> int:
+        """The nodes a cycle verifies: the tree's, N or fewer (rates of fewer ranks than it takes to
+        hold N nodes within the depth make a smaller tree, which no node of value 0 fills up)."""
+        return len(self.tree)
 
 
 class OraclePolicy(Policy):

@@ -15,8 +15,9 @@ the tree reaches, at most ``--max-levels`` (``sequoia:N:D`` bounds it at D).
 
 On a drafted tree (:func:`node_scores`) the policy verifies the shape's nodes the draft holds and,
 where it lacks some (a recorded or live tree keeps only the best few nodes of each level, as EAGLE
-drafts), the drafted nodes with the largest products in their places, within the shape's depth: N
-nodes where the draft holds that many. The rates are fitted on a recorded trace
+drafts), the drafted nodes with the largest products in their places, within the shape's depth: as
+many nodes as the shape has (N, or fewer where the rates' ranks cannot hold N within the depth)
+where the draft holds that many. The rates are fitted on a recorded trace
 (:func:`trace_rates`): in a replay the trace being replayed, a hindsight the baseline is given as
 ``static:auto`` is given its size; live (``decode --policy sequoia:N``) the trace given to
 ``--acceptance``.
@@ -28,7 +29,7 @@ from functools import lru_cache
 
 import numpy as np
 
-__all__ = ["sibling_ranks", "node_scores", "positional_rates", "trace_rates", "shape", "shape_depth"]
+__all__ = ["sibling_ranks", "node_scores", "positional_rates", "trace_rates", "shape", "shape_depth", "tree_depth"]
 
 
 def sibling_ranks(parents: np.ndarray, probs: np.ndarray) -> np.ndarray:
@@ -84,18 +85,20 @@ def positional_rates(ranks: np.ndarray, reached: np.ndarray, accepted: np.ndarra
     return np.divide(taken, tried, out=np.zeros(size), where=tried > 0)
 
 
-def trace_rates(trace) -> np.ndarray:
+def trace_rates(trace, ranks: np.ndarray | None = None) -> np.ndarray:
     """Sequoia's acceptance vector on a recorded trace: sibling ranks by the drafter's path
-    probabilities, over the edges whose parent lies on its cycle's accepted path with a known
-    verdict (the edges the acceptance calibrator fits the chain rule on,
-    :func:`specfit.experts.calibration.edge_mask`)."""
+    probabilities (``ranks``, when the caller has them), over the edges whose parent lies on its
+    cycle's accepted path with a known verdict (the edges the acceptance calibrator fits the chain
+    rule on, :func:`specfit.experts.calibration.edge_mask`)."""
     from .experts.calibration import edge_mask
 
     parents = trace.parent_rows
     reached = edge_mask(trace)
     accepted = np.zeros(parents.size, dtype=bool)
     accepted[reached] = trace.token[reached] == trace.verdict[parents[reached]]
-    return positional_rates(sibling_ranks(parents, trace.path_prob), reached, accepted)
+    if ranks is None:
+        ranks = sibling_ranks(parents, trace.path_prob)
+    return positional_rates(ranks, reached, accepted)
 
 
 # values this close are one value: of two such trees the shallower is kept
@@ -170,7 +173,11 @@ def shape(rates: np.ndarray, total_nodes: int, max_depth: int) -> list[tuple[int
     return sorted(paths, key=lambda p: (-product(p), len(p), p))
 
 
+def tree_depth(tree: list[tuple[int, ...]]) -> int:
+    """The levels a :func:`shape` reaches (at least 1: a tree of the root alone is ``ar``)."""
+    return max(1, max(len(path) for path in tree))
+
+
 def shape_depth(rates: np.ndarray, total_nodes: int, max_depth: int) -> int:
-    """The levels Sequoia's tree of ``total_nodes`` nodes reaches (at least 1: a tree of the root
-    alone is ``ar``)."""
-    return max(1, max(len(path) for path in shape(rates, total_nodes, max_depth)))
+    """The levels Sequoia's tree of ``total_nodes`` nodes reaches (at least 1)."""
+    return tree_depth(shape(rates, total_nodes, max_depth))

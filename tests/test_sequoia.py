@@ -59,8 +59,9 @@ def value(rates, paths) -> float:
 
 @pytest.mark.parametrize("seed", range(6))
 def test_the_tree_is_sequoias_optimum(seed):
-    """The best-first tree accepts as many tokens in expectation as Sequoia's dynamic program
-    finds, at every size and depth bound, for sorted and unsorted rates."""
+    """The tree accepts as many tokens in expectation as this separate implementation of Sequoia's
+    dynamic program finds, at every size and depth bound, for falling and rising rates, and is a
+    tree of Sequoia's kind (no rank skipped)."""
     rng = np.random.default_rng(seed)
     k = int(rng.integers(1, 4))
     rates = rng.uniform(0.0, 1.0, k)
@@ -291,3 +292,18 @@ def test_sequoia_n_d_bounds_the_trees_depth_as_sequoia_does():
     assert make_policy("sequoia:8:12", 4).depth_cap == 7                      # at most N - 1 all the same
     with pytest.raises(ValueError, match="'sequoia:8:0': expected D >= 1 draft levels"):
         make_policy("sequoia:8:0")
+
+
+def test_rates_of_few_ranks_make_a_smaller_tree_which_no_node_of_value_0_fills():
+    """One rank (an --acceptance trace a chain recorded) and 3 levels hold a chain of 4 nodes:
+    ``sequoia:16`` verifies those 4, not 12 more drafted nodes that Sequoia values at 0."""
+    rng = np.random.default_rng(3)
+    tree = full_tree(3, 3, rng)
+    policy = SequoiaPolicy(16, 3, rates=np.array([0.6]))
+    assert policy.tree == [(), (0,), (0, 0), (0, 0, 0)] and policy.verified_nodes == 4 and policy.max_levels == 3
+    view = CycleView(tree, np.zeros((tree.n_nodes, 1, 1), dtype=np.int64), np.zeros((1, 1), dtype=bool),
+                     CostModel(base_s=1.0, per_node_s=0.0, hit_s=0.0, miss_s=0.0, draft_level_s=0.0), 3,
+                     drafter_probs=rng.uniform(0.01, 1.0, tree.n_nodes))
+    sel = policy.select(view)
+    ranks = sibling_ranks(tree.parents, view.drafter_probs)
+    assert rank_paths(tree, ranks, sel.nodes) == set(policy.tree)

@@ -75,7 +75,7 @@ def decode(
                              "depend on the cycle times it measures, so its samples, each drawn from the target's "
                              "distribution, can differ from run to run."),
     tree_top_k: int = typer.Option(4, "--tree-top-k", help="EAGLE tree expansion: children per node and nodes expanded per level."),
-    max_levels: int = typer.Option(8, "--max-levels", help="Draft levels at most for specfit (specfit:D sets its own D), static:N, sequoia:N and --record-full."),
+    max_levels: int = typer.Option(8, "--max-levels", help="Draft levels at most for specfit, static:N, sequoia:N (specfit:D and sequoia:N:D set their own D) and --record-full."),
     acceptance: Optional[Path] = typer.Option(None, "--acceptance", help="Trace to fit an acceptance calibrator on "
                                               "(draft probability -> acceptance probability; sequoia:N fits its positional acceptance rates on it "
                                               "too); default: the drafter's."),

@@ -808,7 +808,7 @@ def _fit_sequoia(plan, policies: list, rates, notes: list[str]) -> None:
             p.fit(rates)
             shown = ", ".join(f"{r:.3f}" for r in rates)
             notes.append(f"note: {p.name}: positional acceptance rates {shown} (sibling rank 0, 1, ...; fitted on "
-                         f"--acceptance {plan.acceptance_trace}): a tree of {p.total_nodes} nodes, {p.max_levels} "
+                         f"--acceptance {plan.acceptance_trace}): a tree of {p.verified_nodes} nodes, {p.max_levels} "
                          f"levels" + ("; greedy verdicts, which overstate what sampling (--temperature "
                                       f"{plan.temperature:g}) accepts" if plan.temperature > 0 else ""))
 

@@ -54,7 +54,7 @@ def simulate_command(
                                  "(transfer costs scaled by expert bytes)."),
     cache_mode: str = typer.Option("per_layer", "--cache-mode", help="per_layer or global."),
     cache_policy: str = typer.Option("lru", "--cache-policy", help="lru, lfu or fifo."),
-    max_levels: int = typer.Option(8, "--max-levels", help="Draft levels at most for specfit (specfit:D sets its own D), static:N and sequoia:N."),
+    max_levels: int = typer.Option(8, "--max-levels", help="Draft levels at most for specfit, static:N and sequoia:N (specfit:D and sequoia:N:D set their own D)."),
     price_uncertainty: bool = typer.Option(True, "--price-uncertainty/--no-price-uncertainty",
                                            help="specfit prices, per draft node, the experts its predictor gets "
                                                 "wrong (from the predictor's precision on the trace).",
@@ -204,8 +204,8 @@ def deeper_than(policies: list[str], max_levels: int, depth: int, trace=None) ->
         rates = trace_rates(trace)
         for p in sequoia:
             p.fit(rates)
-    return [spec for spec, p in built if (type(p) in (ChainPolicy, RerankPolicy) or p in sequoia and p.rates is not None)
-            and p.max_levels > depth]
+    fixed = (ChainPolicy, RerankPolicy) + ((SequoiaPolicy,) if trace is not None else ())
+    return [spec for spec, p in built if type(p) in fixed and p.max_levels > depth]
 
 
 class _nothing:

@@ -88,7 +88,7 @@ class PreparedTrace:
         """Sequoia's positional acceptance rates on this trace (:func:`specfit.sequoia.trace_rates`)."""
         if "positional_rates" not in self._memo:
             from ..sequoia import trace_rates
-            self._memo["positional_rates"] = trace_rates(self.trace)
+            self._memo["positional_rates"] = trace_rates(self.trace, self.sibling_ranks)
         return self._memo["positional_rates"]
 
     def accepted_path(self, cycle: int) -> np.ndarray:

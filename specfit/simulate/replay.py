@@ -94,7 +94,9 @@ def _compiled_rule(policy: Policy) -> tuple[int, int, int] | None:
         return k.AR, 0, 0
     if kind is ChainPolicy:
         return k.CHAIN, 0, int(policy.max_levels)
-    if kind is RerankPolicy or kind is SequoiaPolicy:      # Sequoia: a rerank by its own scores
+    if kind is SequoiaPolicy:                             # a rerank by its own scores, of its tree's size
+        return k.DRAFTER_RERANK, int(policy.verified_nodes), int(policy.max_levels)
+    if kind is RerankPolicy:
         return k.DRAFTER_RERANK if policy.drafter_scores else k.RERANK, int(policy.total_nodes), int(policy.max_levels)
     if kind is OraclePolicy:
         return k.ORACLE, 0, int(policy.max_levels)
