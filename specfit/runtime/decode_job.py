@@ -255,7 +255,12 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
         try:
             inputs = _load(plan, say)
             inputs.notes.extend(sampled_acceptance_note(plan, policies))
-            _fit_sequoia(plan, policies, inputs.sequoia_rates, inputs.notes)
+            from ..policies import SequoiaPolicy
+
+            if any(isinstance(p, SequoiaPolicy) and p.rates is None for p in policies):
+                from ..sequoia import trace_rates        # fitted only for a policy that takes them
+
+                _fit_sequoia(plan, policies, trace_rates(inputs.acceptance), inputs.notes)
             model, profile = inputs.model, inputs.profile
             start = None
             if plan.out_dir is not None:
@@ -371,7 +376,7 @@ class _Inputs:
     notes: list[str]
     calibrator: object          # the acceptance calibrator (--acceptance-trace), or None
     fitted: object              # the expert predictor fitted on --predictor-trace, or None
-    sequoia_rates: object = None   # Sequoia's positional acceptance rates on --acceptance-trace, or None
+    acceptance: object = None   # the --acceptance trace (Sequoia's rates are fitted on it), or None
 
 
 class _Runs:
@@ -553,7 +558,7 @@ def _load(plan: DecodePlan, say) -> _Inputs:
     # the drafter's config is checked against the target's before any weight is read
     capture = drafter_capture_layers(plan.drafter_dir, config) if plan.drafter_dir is not None else None
     # a trace it cannot read or learn from is named before the model loads and a profile is measured
-    calibrator, rates = _acceptance_calibrator(plan.acceptance_trace, config) if plan.acceptance_trace else (None, None)
+    calibrator, acceptance = _acceptance_calibrator(plan.acceptance_trace, config) if plan.acceptance_trace else (None, None)
     fitted = _fitted_predictor(plan, config) if plan.predictor_trace else None
 
     say(f"loading {plan.model_dir}")
@@ -564,7 +569,7 @@ def _load(plan: DecodePlan, say) -> _Inputs:
         raise SpecFitError(f"--tree-top-k: expected at most the drafter's vocabulary, {drafter.config.draft_vocab_size} "
                            f"tokens ({plan.drafter_dir}), got {plan.tree_top_k}")
     profile, profile_path, notes = _profile(plan, model, say)
-    return _Inputs(tokenizer, prompts, model, drafter, profile, profile_path, notes, calibrator, fitted, rates)
+    return _Inputs(tokenizer, prompts, model, drafter, profile, profile_path, notes, calibrator, fitted, acceptance)
 
 
 # --------------------------------------------------------------------------- pieces
@@ -784,10 +789,9 @@ def _check_trace_model(option: str, path, trace, config) -> None:
 
 
 def _acceptance_calibrator(trace_path: Path, config):
-    """(calibrator, Sequoia's rates) fitted on ``trace_path``'s verdicts: how often this model
-    accepted its drafter's tokens, so a trace of another model is refused."""
+    """(calibrator, trace): the calibrator fitted on ``trace_path``'s verdicts (how often this model
+    accepted its drafter's tokens, so a trace of another model is refused), and the trace read."""
     from ..experts.calibration import AcceptanceCalibrator
-    from ..sequoia import trace_rates
     from ..traces.format import read_trace
 
     trace = read_trace(trace_path, weights=False)
@@ -795,7 +799,7 @@ def _acceptance_calibrator(trace_path: Path, config):
     calibrator = AcceptanceCalibrator().fit(trace)
     if calibrator.n_edges_ == 0:
         raise SpecFitError(f"--acceptance {trace_path}: the trace has no draft node whose parent's verdict is known")
-    return calibrator, trace_rates(trace)
+    return calibrator, trace
 
 
 def _fit_sequoia(plan, policies: list, rates, notes: list[str]) -> None:
