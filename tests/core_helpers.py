@@ -459,7 +459,8 @@ class RefCache:
     Python: each resident key has a score tuple, the victim is the smallest among the resident
     keys outside the layer's union. A global tick counts touches in order (hits before admitted
     misses, ascending id, layer by layer): ``lru`` scores by the last touch, ``lfu`` by (touches
-    since admission, last touch), ``fifo`` by the admission tick."""
+    since admission, last touch), ``fifo`` by the admission tick, ``moe-infinity`` by (uses since
+    :meth:`begin_decode`, layer, expert), a use being a hit, an admitted or a streamed miss."""
 
     def __init__(self, n_layers: int, n_experts: int, capacity: int, mode: str = "per_layer", policy: str = "lru"):
         self.n_layers, self.n_experts, self.mode, self.policy = n_layers, n_experts, mode, policy
@@ -467,12 +468,22 @@ class RefCache:
         self.pools = [dict() for _ in range(n_layers if mode == "per_layer" else 1)]  # key -> [last, count, admitted]
         self.tick = 0
         self.totals = {k: [0] * n_layers for k in ("hits", "misses", "evictions", "streamed")}
+        self.uses = {}       # moe-infinity: (layer, expert) -> uses since begin_decode, kept across evictions
+
+    def begin_decode(self) -> None:
+        self.uses = {}
 
     def _pool(self, layer: int) -> dict:
         return self.pools[layer if self.mode == "per_layer" else 0]
 
-    def _score(self, entry):
+    def _item(self, layer: int, key) -> tuple[int, int]:
+        return (layer, key) if self.mode == "per_layer" else key
+
+    def _score(self, layer: int, key, entry):
         last, count, admitted = entry
+        if self.policy == "moe-infinity":
+            item = self._item(layer, key)
+            return (self.uses.get(item, 0), *item)
         return {"lru": (last,), "lfu": (count, last), "fifo": (admitted,)}[self.policy]
 
     def resident(self) -> np.ndarray:
@@ -492,6 +503,9 @@ class RefCache:
         wanted = set(keys)
         hits = [k for k in keys if k in pool]
         misses = [k for k in keys if k not in pool]
+        for k in keys:
+            item = self._item(layer, k)
+            self.uses[item] = self.uses.get(item, 0) + 1
         for k in hits:
             self.tick += 1
             pool[k][0] = self.tick
@@ -500,7 +514,7 @@ class RefCache:
         for k in misses:
             if len(pool) >= self.capacity:
                 if victims is None:
-                    victims = [(self._score(entry), x) for x, entry in pool.items() if x not in wanted]
+                    victims = [(self._score(layer, x, entry), x) for x, entry in pool.items() if x not in wanted]
                     heapq.heapify(victims)
                 if not victims:
                     self.totals["streamed"][layer] += 1

@@ -1,6 +1,6 @@
 """ExpertCache against a straightforward LRU reference (OrderedDicts) on random unions and on real
 OLMoE routing, ``admit_layer`` against the same reference and against ``admit`` of a one-row union,
-plus capacity edge cases, lfu / fifo basics and bad input."""
+plus capacity edge cases, lfu / fifo / moe-infinity basics and bad input."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from core_helpers import RefCache, RefLRUCache, core_settings, find_shared_data
 from specfit import ExpertCache
+from specfit.experts.cache import EVICTION_POLICIES
 
 ROUTING = "olmoe-1b-7b-routing-general-coding.npz"
 
@@ -57,7 +58,7 @@ def random_unions(seed: int, n_layers: int, n_experts: int, steps: int, max_size
 
 # --------------------------------------------------------------------------- random unions
 @core_settings(100)
-@given(st.sampled_from(["per_layer", "global"]), st.sampled_from(["lru", "lfu", "fifo"]), st.booleans(),
+@given(st.sampled_from(["per_layer", "global"]), st.sampled_from(EVICTION_POLICIES), st.booleans(),
        st.integers(1, 4), st.integers(1, 130), st.data())
 def test_the_replays_admit_of_all_layers_in_one_call_equals_admit(mode, policy, with_keep, n_layers, n_experts, data):
     # the replay admits a cycle's layers in one compiled call (kernels.cache.admit_cycle); the
@@ -82,6 +83,9 @@ def test_the_replays_admit_of_all_layers_in_one_call_equals_admit(mode, policy, 
         hits, misses = kernels.cache.admit_cycle(kernels.bitsets.pack_mask(union), *one.kernel_state(),
                                                  one.kernel_keep(keep), admitted, evicted, *cand)
         result = per_layer.admit(union, keep=keep)
+        if step % 7 == 6:        # a new request's decoding
+            one.begin_decode()
+            per_layer.begin_decode()
         assert (hits, misses) == (int(result.hits.sum()), int(result.misses.sum())), step
         for a, b in zip(one.kernel_state(), per_layer.kernel_state()):
             assert np.array_equal(a, b), step
@@ -112,11 +116,12 @@ def test_global_lru_matches_the_reference_on_random_unions(n_layers, n_experts, 
 
 
 @core_settings(200)
-@given(st.sampled_from(["per_layer", "global"]), st.sampled_from(["lru", "lfu", "fifo"]), st.integers(1, 4),
+@given(st.sampled_from(["per_layer", "global"]), st.sampled_from(EVICTION_POLICIES), st.integers(1, 4),
        st.integers(1, 10), st.data())
 def test_every_policy_matches_the_score_reference_on_random_unions(mode, policy, n_layers, n_experts, data):
     # RefCache scores residents with explicit tuples: lru the last touch, lfu (touches since
-    # admission, last touch), fifo the admission; the victim is the smallest outside the union
+    # admission, last touch), fifo the admission, moe-infinity (uses since the request's decoding
+    # began, layer, expert); the victim is the smallest outside the union
     limit = n_experts if mode == "per_layer" else n_layers * n_experts
     capacity = data.draw(st.integers(0, limit + 2), label="capacity")
     seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
@@ -124,7 +129,11 @@ def test_every_policy_matches_the_score_reference_on_random_unions(mode, policy,
     max_size = data.draw(st.integers(1, n_experts), label="max_size")
     cache = ExpertCache(n_layers, n_experts, capacity, mode=mode, policy=policy)
     ref = RefCache(n_layers, n_experts, capacity, mode=mode, policy=policy)
+    requests = set(data.draw(st.lists(st.integers(0, steps - 1), max_size=3), label="requests"))
     for step, union in enumerate(random_unions(seed, n_layers, n_experts, steps, max_size)):
+        if step in requests:     # a new request's decoding begins
+            cache.begin_decode()
+            ref.begin_decode()
         result = cache.admit(union)
         for layer in range(n_layers):
             hits, misses = ref.admit_ids(layer, np.flatnonzero(union[layer]).tolist())
@@ -284,7 +293,7 @@ def test_global_lru_matches_the_reference_on_real_routing(routing, capacity):
 
 # --------------------------------------------------------------------------- capacity edge cases
 @pytest.mark.parametrize("mode", ["per_layer", "global"])
-@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_capacity_zero_streams_everything(mode, policy):
     cache = ExpertCache(3, 6, 0, mode=mode, policy=policy, expert_bytes=10)
     for union in random_unions(1, 3, 6, 20, 6):
@@ -300,7 +309,7 @@ def test_capacity_zero_streams_everything(mode, policy):
 
 
 @pytest.mark.parametrize("mode, capacity", [("per_layer", 6), ("per_layer", 100), ("global", 18), ("global", 500)])
-@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+@pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_capacity_of_everything_never_evicts(mode, capacity, policy):
     cache = ExpertCache(3, 6, capacity, mode=mode, policy=policy)
     seen = np.zeros((3, 6), dtype=bool)
@@ -354,7 +363,7 @@ def test_resident_is_a_copy():
     assert not cache.resident().any()
 
 
-# --------------------------------------------------------------------------- lfu and fifo
+# --------------------------------------------------------------------------- lfu, fifo, moe-infinity
 def one_hot(ids, n_experts=6):
     return np.isin(np.arange(n_experts), ids)[None]
 
@@ -383,7 +392,95 @@ def test_lfu_evicts_the_least_used_then_the_least_recent():
     assert lfu.admit(one_hot([5])).evicted_mask[0].nonzero()[0].tolist() == [3]
 
 
-@pytest.mark.parametrize("policy", ["lfu", "fifo"])
+def test_moe_infinity_counts_uses_across_evictions_until_a_request_begins_decoding():
+    # lfu counts the uses since an expert was admitted; MoE-Infinity's dispatcher counts every use
+    # since the request's decoding began, so an expert used often earlier stays when it comes back
+    caches = {p: ExpertCache(1, 6, 2, policy=p) for p in ("lfu", "moe-infinity")}
+    for cache in caches.values():
+        for ids in ([0], [0], [0], [1, 2], [1], [0], [3]):
+            cache.admit(one_hot(ids))
+    # [1, 2] evicts 0 (3 uses) under both; [0] comes back in 2's place (1 use against 1's 2);
+    # for [3], lfu sees 0 with 1 use since its return and 1 with 2: 0 goes; moe-infinity sees 0
+    # with 4 uses in the request: 1 goes
+    assert caches["lfu"].resident()[0].nonzero()[0].tolist() == [1, 3]
+    assert caches["moe-infinity"].resident()[0].nonzero()[0].tolist() == [0, 3]
+    # a request's decoding begins: every count is 0, ties go to the lowest expert id
+    caches["moe-infinity"].begin_decode()
+    assert caches["moe-infinity"].admit(one_hot([5])).evicted_mask[0].nonzero()[0].tolist() == [0]
+    caches["lfu"].begin_decode()      # the other policies keep their state: 3 (1 use) goes
+    assert caches["lfu"].admit(one_hot([5])).evicted_mask[0].nonzero()[0].tolist() == [3]
+
+
+def test_moe_infinity_warm_experts_count_one_use_each():
+    # warm marks experts as touched once: under moe-infinity a warm expert with one use and a
+    # larger id outlasts an admitted one with one use and a smaller id
+    cache = ExpertCache(1, 6, 2, policy="moe-infinity")
+    cache.warm(one_hot([1]))
+    cache.admit(one_hot([0]))
+    assert cache.admit(one_hot([2])).evicted_mask[0].nonzero()[0].tolist() == [0]
+
+
+def find_expert_evict(cached: set, counts: dict, protected: set):
+    """MoE-Infinity's ``ExpertDispatcher::FindExpertEvict`` transcribed: the cached keys
+    ``(layer << 32) + expert`` in ascending order (a ``std::set``), the first with a count below
+    every earlier one (``<``), skipping the keys the current call holds (the layer's union here)."""
+    best, low = None, None
+    for key in sorted(cached):
+        if key in protected:
+            continue
+        if low is None or counts.get(key, 0) < low:
+            best, low = key, counts.get(key, 0)
+    return best
+
+
+@core_settings(100)
+@given(st.integers(1, 4), st.integers(2, 9), st.data())
+def test_moe_infinity_global_mode_matches_the_dispatchers_victim_search(n_layers, n_experts, data):
+    # the dispatcher's decode path: for each expert a layer runs (ascending id), a hit counts a
+    # visit; a miss takes a free byte range or evicts FindExpertEvict's choice, then counts one;
+    # with nothing evictable the expert runs without staying (our streamed miss), still a visit
+    capacity = data.draw(st.integers(0, n_layers * n_experts), label="capacity")
+    seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
+    cache = ExpertCache(n_layers, n_experts, capacity, mode="global", policy="moe-infinity")
+    cached, counts = set(), {}
+    for step, union in enumerate(random_unions(seed, n_layers, n_experts, 25, n_experts)):
+        if step % 9 == 0:
+            cache.begin_decode()
+            counts = {}                            # ClearExpertCacheCounts at the first token
+        result = cache.admit(union)
+        evicted = []
+        for layer in range(n_layers):
+            keys = [(layer << 32) + int(e) for e in np.flatnonzero(union[layer])]
+            for key in keys:
+                if key not in cached and len(cached) >= capacity:
+                    victim = find_expert_evict(cached, counts, set(keys))
+                    if victim is not None:
+                        cached.discard(victim)
+                        evicted.append(victim)
+                if key in cached or len(cached) < capacity:
+                    cached.add(key)
+                counts[key] = counts.get(key, 0) + 1
+        got = [(int(layer) << 32) + int(e) for layer, e in zip(*np.nonzero(result.evicted_mask))]
+        # an expert admitted at one layer may be evicted again at a later one: the mask holds it once
+        assert sorted(got) == sorted(set(evicted)) and int(result.evictions.sum()) == len(evicted), step
+        expected = np.zeros((n_layers, n_experts), dtype=bool)
+        for key in cached:
+            expected[key >> 32, key & 0xFFFFFFFF] = True
+        assert np.array_equal(cache.resident(), expected), step
+
+
+def test_a_prefetch_is_not_a_use_under_moe_infinity():
+    cache = ExpertCache(1, 6, 2, policy="moe-infinity")
+    cache.admit(one_hot([0]))
+    cache.admit(one_hot([0]))          # 0: 2 uses
+    cache.prefetch(one_hot([1]))       # 1 copied ahead, no use
+    cache.prefetch(one_hot([1]))
+    cache.prefetch(one_hot([1]))
+    # 1 has no use yet: it goes before 0 (a prefetch counted as a use would have 3)
+    assert cache.admit(one_hot([2])).evicted_mask[0].nonzero()[0].tolist() == [1]
+
+
+@pytest.mark.parametrize("policy", ["lfu", "fifo", "moe-infinity"])
 def test_other_policies_keep_the_same_counts_and_union_rules(policy):
     # whatever the victim order, the counts, the union protection and the capacity bound hold
     cache = ExpertCache(3, 8, 3, policy=policy)

@@ -29,7 +29,7 @@ def _assert_same_state(a: ExpertCache, b: ExpertCache, step) -> None:
 CASES = [("per_layer", c) for c in (0, 1, 3, 8)] + [("global", c) for c in (0, 1, 5, 17, 40)]
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "moe-infinity"])
 @pytest.mark.parametrize("mode,capacity", CASES)
 def test_admit_layer_equals_admit_of_a_one_row_union(mode, capacity, policy):
     L, E = 5, 8
@@ -91,7 +91,7 @@ class RowGuard(np.ndarray):
 def test_per_layer_admit_layer_touches_only_its_layer():
     L, E, C = 6, 16, 4
     rng = np.random.default_rng(3)
-    for policy in ("lru", "lfu", "fifo"):
+    for policy in ("lru", "lfu", "fifo", "moe-infinity"):
         cache = ExpertCache(L, E, C, policy=policy)
         reference = ExpertCache(L, E, C, policy=policy)
         for step, (layer, ids) in enumerate(_random_calls(rng, L, E, 120)):

@@ -102,7 +102,7 @@ def test_keep_orders_victims_before_recency(mode, seed):
         assert np.array_equal(cache.resident(), ref.resident()), f"step {step}: resident"
 
 
-@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "fifo", "moe-infinity"])
 def test_zero_keep_is_the_plain_policy(policy):
     L, E = 2, 10
     a, b = ExpertCache(L, E, 4, policy=policy), ExpertCache(L, E, 4, policy=policy)

@@ -202,6 +202,7 @@ def reference_replay(trace, predicted, raw_probs, spec: str, cache: RefCache, co
     E = trace.n_experts
     for s, (a, b) in enumerate(zip(starts[:-1], starts[1:])):
         c, out = a, []
+        cache.begin_decode()          # each sequence is a request whose decoding begins here
         while c < b:
             tree = RefTree(trace, c, predicted, raw_probs)
             resident = cache.resident()
@@ -271,8 +272,8 @@ def check_replay(trace, predicted, raw_probs, spec, capacity, mode, cache_policy
 
 
 POLICIES = ["ar", "chain:1", "chain:4", "eagle3", "eagle3:16:3", "static:8", "sequoia:6", "specfit", "oracle"]
-CACHES = [("per_layer", "lru"), ("per_layer", "lfu"), ("per_layer", "fifo"), ("global", "lru"), ("global", "lfu"),
-          ("global", "fifo")]
+CACHES = [("per_layer", "lru"), ("per_layer", "lfu"), ("per_layer", "fifo"), ("per_layer", "moe-infinity"),
+          ("global", "lru"), ("global", "lfu"), ("global", "fifo"), ("global", "moe-infinity")]
 
 
 @pytest.fixture(scope="module")

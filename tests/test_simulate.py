@@ -397,6 +397,29 @@ def test_compiled_lever_replay_equals_the_loop_through_the_lever_objects(spec, p
     assert not np.array_equal(other.columns["misses"][:len(a)], a.columns["misses"][:len(other)])
 
 
+@pytest.mark.parametrize("spec", ["ar", "chain:4", "specfit", "specfit+cache+prefetch"])
+def test_moe_infinitys_eviction_replays_alike_compiled_and_through_the_objects(spec):
+    """MoE-Infinity's eviction forgets its counts as each sequence's decoding begins: the compiled
+    replay (in the kernel) and the Python loop (through ``ExpertCache.begin_decode``) leave the same
+    columns and cache state, and the rule is not LFU's (a different run)."""
+    trace = read_trace(SAMPLE_OLMOE)
+    assert len(np.unique(trace.sequence)) > 1
+    prep = prepare("parent", trace, np.roll(trace.true_experts, 1, axis=0))
+    cost = preset_profile("pcie4", SHAPES.get(trace.model["name"])).cost
+    runs = {}
+    for eviction, compiled in (("moe-infinity", True), ("moe-infinity", False), ("lfu", True)):
+        policy = make_policy(spec)
+        cache = ExpertCache(trace.n_layers, trace.n_experts, 16, policy=eviction)
+        runs[eviction, compiled] = (replay(prep, policy, cache, cost, compiled=compiled), cache)
+    (a, cache_a), (b, cache_b) = runs["moe-infinity", True], runs["moe-infinity", False]
+    for name, column in a.columns.items():
+        np.testing.assert_array_equal(column, b.columns[name], err_msg=name)
+    for x, y in zip(cache_a.kernel_state(), cache_b.kernel_state()):
+        np.testing.assert_array_equal(x, y)
+    lfu = runs["lfu", True][0]
+    assert not np.array_equal(lfu.columns["misses"][:min(len(a), len(lfu))], a.columns["misses"][:min(len(a), len(lfu))])
+
+
 @pytest.mark.parametrize("build", [
     lambda: make_policy("specfit"),
     lambda: SpecFitPolicy(8, price_uncertainty="precision", lookahead="optimistic"),

@@ -834,7 +834,8 @@ def _one_union_per_prompt(trace):
 @pytest.mark.parametrize("mode, eviction, capacity, chunk", [
     ("per_layer", "lru", 3, 512), ("per_layer", "lfu", 3, 512), ("global", "lru", 10, 512), ("global", "lfu", 10, 512),
     # prompts of 5, 3 and 7 tokens in passes of 2: each pass's union admitted in turn
-    ("per_layer", "lru", 3, 2), ("global", "lfu", 10, 2)])
+    ("per_layer", "lru", 3, 2), ("global", "lfu", 10, 2), ("global", "moe-infinity", 10, 2),
+    ("per_layer", "moe-infinity", 3, 512)])
 def test_a_live_run_and_a_replay_of_its_trace_count_the_same_hits_misses_and_bytes(checkpoint, tmp_path, mode,
                                                                                      eviction, capacity, chunk):
     """The cache is shared code: re-charging the recorded cycles through a fresh cache with the live

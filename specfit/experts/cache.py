@@ -14,6 +14,10 @@ Rules (deterministic, the same in both modes):
 - Scores (``lru``): the touch order, where within one admit the hits are touched before the
   admitted misses, each group in ascending expert id (and, in global mode, layer l before l + 1).
   ``lfu`` scores by touch count first, then recency; ``fifo`` by admission order.
+  ``moe-infinity`` is the rule of MoE-Infinity's expert dispatcher (``FindExpertEvict`` in
+  EfficientMoE/MoE-Infinity's ``core/parallel/expert_dispatcher.cpp``): the fewest uses since
+  the request's decoding began (:meth:`begin_decode`; counts kept across evictions, a streamed
+  miss a use too, a prefetch not), ties to the lowest ``(layer, expert)``.
 - ``admit_layer(layer, expert_ids)`` is ``admit`` of a union with only that row set (the touch
   clock advances once per call) and touches only that layer's state in per-layer mode.
 - Look-ahead (optional, :mod:`specfit.experts.lookahead` computes it): ``keep[layer, expert]``, a
@@ -40,7 +44,7 @@ from ..search import remember_packed
 
 __all__ = ["ExpertCache", "AdmitResult", "LayerAdmit", "LayerCounts", "EVICTION_POLICIES"]
 
-EVICTION_POLICIES = ("lru", "lfu", "fifo")
+EVICTION_POLICIES = ("lru", "lfu", "fifo", "moe-infinity")
 
 
 class LayerCounts:
@@ -145,7 +149,7 @@ class ExpertCache(LayerCounts):
         rows = self.n_layers if self.mode == "per_layer" else 1
         self._bits = np.zeros((self.n_layers, self._words), dtype=np.uint64)   # resident sets
         self._score = np.zeros(shape, dtype=np.int64)   # eviction order key (smallest goes first)
-        self._count = np.zeros(shape, dtype=np.int64)   # touches, for lfu
+        self._count = np.zeros(shape, dtype=np.int64)   # touches, for lfu and moe-infinity
         self._slots = np.full((rows, self.capacity), -1, dtype=np.int64)
         self._n_used = np.zeros(rows, dtype=np.int64)
         self._clock = np.zeros(1, dtype=np.int64)
@@ -191,6 +195,14 @@ class ExpertCache(LayerCounts):
         order = np.arange(keep.size, dtype=np.int64).reshape(keep.shape) - keep.size  # before any admit
         np.copyto(self._score, order, where=keep)
         np.copyto(self._count, 1, where=keep)
+        if self.policy == "moe-infinity":        # its order: uses, then (layer, expert)
+            self._score[:] = self._count * kernels.cache.SPAN + order + keep.size
+
+    def begin_decode(self) -> None:
+        """A request's decoding begins (its prompt has run): ``moe-infinity`` forgets its counts of
+        uses, as MoE-Infinity clears them when a request's first token is out; the other policies
+        keep theirs. The live decoder and every replay call it after each prompt."""
+        kernels.cache.begin_decode(self._score, self._count, self._config)
 
     @property
     def capacity_share(self) -> float:

@@ -4,7 +4,8 @@
 State (arrays the kernels update in place):
 
 - ``bits`` uint64 ``[L, words]``: resident experts per layer;
-- ``score`` / ``count`` int64 ``[L, E]``: eviction key (smallest goes first) and touches (lfu);
+- ``score`` / ``count`` int64 ``[L, E]``: eviction key (smallest goes first) and touches (lfu:
+  since admission; moe-infinity: since the request's decoding began, kept across evictions);
 - ``slots`` int64 ``[rows, C]``: what each slot holds, -1 when free; per-layer mode one row per
   layer holding expert ids, global mode one row holding items ``layer * E + expert``; victims are
   looked for among a layer's (or the cache's) C slots, never over ``[L, E]``;
@@ -12,7 +13,7 @@ State (arrays the kernels update in place):
 - ``clock`` int64 ``[1]``: advanced once per admit call;
 - ``counters`` int64 ``[4, L]``: running hits, misses, evictions, streamed per layer;
 - ``config`` int64 ``[4]``: global mode (0/1), eviction policy (:data:`LRU`, :data:`LFU`,
-  :data:`FIFO`), E, C.
+  :data:`FIFO`, :data:`REQUEST_LFU`), E, C.
 
 Every admit also takes ``keep``, float64 ``[L, E]`` look-ahead priorities (the rules of
 :mod:`specfit.experts.cache`: victims by ascending ``(keep, score)``, the misses that find a slot
@@ -26,18 +27,25 @@ from numba import njit
 
 from .bitsets import ONE, ZERO, lowest_bit, popcount
 
-__all__ = ["LRU", "LFU", "FIFO", "NO_KEEP", "admit_rows", "admit_union", "admit_layer_ids", "admit_cycle",
+__all__ = ["LRU", "LFU", "FIFO", "REQUEST_LFU", "NO_KEEP", "begin_decode", "admit_rows", "admit_union", "admit_layer_ids", "admit_cycle",
            "worth_a_slot", "prefetch_items"]
 
-LRU, LFU, FIFO = 0, 1, 2
+LRU, LFU, FIFO, REQUEST_LFU = 0, 1, 2, 3
 HITS, MISSES, EVICTIONS, STREAMED = 0, 1, 2, 3
-# lfu orders by touch count first, recency (the touch key modulo SPAN) second
+# lfu orders by touch count first, recency (the touch key modulo SPAN) second; REQUEST_LFU
+# (moe-infinity) by touch count first, the item ``layer * E + expert`` second
 SPAN = np.int64(1) << np.int64(40)
 NO_KEEP = np.zeros((0, 0), dtype=np.float64)    # ``keep`` when the cache's own policy decides alone
 
 
 @njit(cache=True)
-def _touch(score, count, layer, e, key, admitted, policy):
+def _touch(score, count, layer, e, key, admitted, policy, n_experts):
+    if policy == REQUEST_LFU:
+        # MoE-Infinity's count: every use since the request's decoding began, whether or not
+        # the expert stayed resident in between
+        count[layer, e] += 1
+        score[layer, e] = count[layer, e] * SPAN + layer * n_experts + e
+        return
     if admitted:
         count[layer, e] = 0
     count[layer, e] += 1
@@ -48,6 +56,19 @@ def _touch(score, count, layer, e, key, admitted, policy):
             score[layer, e] = key
     else:
         score[layer, e] = count[layer, e] * SPAN + key % SPAN
+
+
+@njit(cache=True)
+def begin_decode(score, count, config):
+    """A request's decoding begins: :data:`REQUEST_LFU` forgets every count (MoE-Infinity clears
+    them when a request's first token is out); the other policies keep their state."""
+    if config[1] != REQUEST_LFU:
+        return
+    n_layers, n_experts = count.shape
+    for layer in range(n_layers):
+        for e in range(n_experts):
+            count[layer, e] = 0
+            score[layer, e] = layer * n_experts + e
 
 
 @njit(cache=True)
@@ -196,7 +217,7 @@ def admit_rows(lo, hi, union, bits, score, count, slots, n_used, clock, counters
             while hit_word:
                 e = w * 64 + lowest_bit(hit_word)
                 hit_word &= hit_word - ONE
-                _touch(score, count, layer, e, hit_key + e, False, policy)
+                _touch(score, count, layer, e, hit_key + e, False, policy, n_experts)
             while miss_word and placed < n_admit:
                 e = w * 64 + lowest_bit(miss_word)
                 miss_word &= miss_word - ONE
@@ -204,9 +225,16 @@ def admit_rows(lo, hi, union, bits, score, count, slots, n_used, clock, counters
                     next_slot += 1
                 slots[row, next_slot] = layer * n_experts + e if global_mode else e
                 admitted[layer, w] |= ONE << np.uint64(e & 63)
-                _touch(score, count, layer, e, miss_key + e, True, policy)
+                _touch(score, count, layer, e, miss_key + e, True, policy, n_experts)
                 placed += 1
             bits[layer, w] |= admitted[layer, w]
+            if policy == REQUEST_LFU:
+                # a streamed miss is a use too (MoE-Infinity counts every expert it runs)
+                streamed_word = union[layer, w] & ~bits[layer, w]
+                while streamed_word:
+                    e = w * 64 + lowest_bit(streamed_word)
+                    streamed_word &= streamed_word - ONE
+                    _touch(score, count, layer, e, 0, False, policy, n_experts)
         n_used[row] += n_admit
         counters[HITS, layer] += n_hit
         counters[MISSES, layer] += n_miss
@@ -397,8 +425,15 @@ def prefetch_items(mask, bits, score, count, slots, n_used, clock, counters, con
         kept[0, layer], kept[1, layer], kept[2, layer] = counters[HITS, layer], counters[MISSES, layer], \
             counters[STREAMED, layer]
     scratch = np.empty((2, n_layers, words), dtype=np.uint64)
+    uses = count.copy() if config[1] == REQUEST_LFU else count[:0]
     admit_union(union, bits, score, count, slots, n_used, clock, counters, config, victim_keep, out_counts, scratch[0],
                 admitted_bits, evicted_bits, scratch[1])
+    if config[1] == REQUEST_LFU:
+        # a copy is not a use: the counts (and so the order of victims) stay those of the uses
+        for layer in range(n_layers):
+            for e in range(n_experts):
+                count[layer, e] = uses[layer, e]
+                score[layer, e] = uses[layer, e] * SPAN + layer * n_experts + e
     for layer in range(n_layers):
         counters[HITS, layer], counters[MISSES, layer], counters[STREAMED, layer] = kept[0, layer], kept[1, layer], \
             kept[2, layer]

@@ -20,7 +20,7 @@ from numba import njit
 
 from .bitsets import count_missing_row, popcount, union_of_rows
 from .cache import MISSES as CACHE_MISSES
-from .cache import admit_cycle
+from .cache import admit_cycle, begin_decode
 from .decide import MAX_LEVELS, NODE_PRICE, OK, decide_level, node_price, observe_cycle, select_level
 from .evaluate import TRUE_MISSES, count_unions, cycle_time, expected_tokens
 from .levers import ADVISOR, CARRY, PREFETCH, keep_priorities, observe_union, prefetch_level
@@ -219,7 +219,8 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
     ``union_log[row]`` when it has rows, and its per-layer accounting to ``layer_counts[row]``
     likewise (:func:`commit_cycle`); sequence ``s``'s prompt passes
     ``prefill_bits[prefill_offsets[s]:prefill_offsets[s + 1]]`` are admitted in order before its
-    first cycle. Returns the number of cycles run (the columns' length)."""
+    first cycle, and then its decoding begins (:func:`~.cache.begin_decode`). Returns the number of
+    cycles run (the columns' length)."""
     max_nodes, no_keep, selected, true_union, predicted_union, cached, admitted, evicted, cand_score, cand_slot = \
         _commit_scratch(offsets, bits, config)
     n_layers, words = bits.shape
@@ -246,6 +247,7 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
         for p in range(prefill_offsets[s], prefill_offsets[s + 1]):   # the prompt's passes in order, as live
             admit_cycle(prefill_bits[p], bits, score, count, slots, n_used, clock, counters, config, no_keep, admitted,
                         evicted, cand_score, cand_slot)
+        begin_decode(score, count, config)
         while c < sequence_starts[s + 1]:
             base = offsets[c]
             deepest = level_offsets[c + 1] - level_offsets[c] - 1
@@ -458,6 +460,7 @@ def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true
         for p in range(prefill_offsets[s], prefill_offsets[s + 1]):   # the prompt's passes in order, as live
             admit_cycle(prefill_bits[p], bits, score, count, slots, n_used, clock, counters, config, no_keep, admitted,
                         evicted, cand_score, cand_slot)
+        begin_decode(score, count, config)
         while c < sequence_starts[s + 1]:
             base = offsets[c]
             n = offsets[c + 1] - base

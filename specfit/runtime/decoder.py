@@ -160,6 +160,7 @@ class Decoder:
         now = self._now
         start = now()
         root, prefill = self.prefill(prompt_ids, max_new_tokens)
+        self.model.offload.cache.begin_decode()
         prefill_time_s = now() - start
         totals += prefill.offload
 

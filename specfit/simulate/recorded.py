@@ -43,6 +43,7 @@ def recharge(trace: Trace, cache: ExpertCache, cost: CostModel | None = None) ->
                                    "(recorded by an older SpecFit); its cache state cannot be rebuilt")
             for union in prefill[sequence]:      # the prompt's passes, one after another
                 cache.admit(union)
+            cache.begin_decode()
             previous = sequence
         r = trace.rows(c)
         verified = trace.verified[r]

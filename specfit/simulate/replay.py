@@ -277,6 +277,7 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
         for p in range(prep.prefill_offsets[s], prep.prefill_offsets[s + 1]):   # the prompt's passes, as live
             kernels.cache.admit_cycle(prep.prefill_bits[p], *state, kernels.cache.NO_KEEP, admitted, evicted, cand_score,
                                       cand_slot)
+        cache.begin_decode()
         while c < bounds[s + 1]:
             lo, hi = int(offsets[c]), int(offsets[c + 1])
             # int64 once per cycle: the search takes int64 ids, and a policy may search several times
