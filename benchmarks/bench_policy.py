@@ -249,8 +249,10 @@ def _verdict_probs(trace, prep: PreparedTrace) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- runs
-def run(prep: PreparedTrace, policy, capacity: int, cost, record_unions: bool = False):
-    cache = ExpertCache(prep.trace.n_layers, prep.trace.n_experts, capacity, expert_bytes=prep.trace.expert_bytes)
+def run(prep: PreparedTrace, policy, capacity: int, cost, record_unions: bool = False, mode: str = "per_layer",
+        eviction: str = "lru"):
+    cache = ExpertCache(prep.trace.n_layers, prep.trace.n_experts, capacity, mode=mode, policy=eviction,
+                        expert_bytes=prep.trace.expert_bytes)
     policy.observe(Observation(predicted_slots=prep.info["predicted_slots"],
                                predicted_slots_right=prep.info["predicted_slots_right"],
                                resident_share=cache.capacity_share))

@@ -8,7 +8,7 @@ A spec lists the axes of the grid; every combination is one *cell*, one replay:
     h2d_scale = [1, 2]
     cache_experts = [0, 16, 32]
     cache_mode = "per_layer"          # every axis takes one value or a list
-    cache_policy = ["lru", "lfu"]
+    cache_policy = ["lru", "moe-infinity"]
     policies = ["ar", "chain:2", "eagle3:16:4", "static:auto", "specfit"]
     predictor = ["oracle", "affinity"]
     acceptance = "calibrated"
