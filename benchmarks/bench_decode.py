@@ -31,7 +31,7 @@ Without ``--profile`` the starting profile is a quick calibration of this machin
 written to a temporary directory, nothing to the checkout.
 
     python benchmarks/bench_decode.py [--policies ar,eagle3,specfit] [--max-new-tokens 64] \\
-        [--cache-experts 4] [--threads 1] [--no-warmup] [--frozen-profile] [--busy 1] [--predictor router] [--router-fixed] \\
+        [--cache-experts 4] [--cache-policy lru] [--threads 1] [--no-warmup] [--frozen-profile] [--busy 1] [--predictor router] [--router-fixed] \\
         [--repeats 5] [--temperature 0.7]
 
 Cycle-time errors are reported for the model each policy decided with (refitted online on its own
@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
                              "4 per workload of the bundled model's held-out text, none of them a demo prompt")
     parser.add_argument("--policies", default="ar,eagle3,specfit")
     parser.add_argument("--cache-experts", type=int, default=4)
+    parser.add_argument("--cache-policy", default="lru", help="eviction: lru, lfu, fifo or moe-infinity")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--tree-top-k", type=int, default=4)
     parser.add_argument("--profile", default=None, help="preset or profile JSON (default: a quick calibration)")
@@ -183,7 +184,8 @@ def run_benchmark(args) -> None:
 
     def plan(policies: list[str], **changes) -> DecodePlan:
         settings = dict(model_dir=args.model, prompts_path=args.prompts, cache_experts=args.cache_experts,
-                        policies=policies, drafter_dir=args.drafter, max_new_tokens=args.max_new_tokens, device="cpu",
+                        cache_policy=args.cache_policy, policies=policies, drafter_dir=args.drafter,
+                        max_new_tokens=args.max_new_tokens, device="cpu",
                         tree_top_k=args.tree_top_k, ignore_eos=True, online_refit=not args.frozen_profile,
                         predictor=args.predictor, router_adapt=not args.router_fixed, profile=args.profile)
         return DecodePlan(**{**settings, **changes})
@@ -231,7 +233,8 @@ def run_benchmark(args) -> None:
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    table = Table(title=f"{args.model.name} + {args.drafter.name}, cache {args.cache_experts} experts/layer, "
+    table = Table(title=f"{args.model.name} + {args.drafter.name}, cache {args.cache_experts} experts/layer "
+                        f"({args.cache_policy}), "
                         f"{args.max_new_tokens} tokens x {len(run.records) // len(run.summaries)} prompts, "
                         f"{torch.get_num_threads()} thread(s); profile {run.profile_label}")
     for name in ("policy", "tokens/s", "tokens/cycle (pred.)", "ms/cycle (pred.)", "KB H2D/token", "drafter",

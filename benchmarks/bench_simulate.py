@@ -1,6 +1,7 @@
 """Replay throughput of the simulator: cycles per second per policy on the shipped sample trace.
 
     taskset -c 1 python benchmarks/bench_simulate.py [--trace traces/qwen3-30b-a3b-chat.parquet] [--repeat 3] [--profile-policy specfit]
+        [--cache-mode global] [--cache-policy moe-infinity]
 
 One core (BLAS threads pinned to 1), true experts as the prediction, a 32-expert-per-layer LRU
 cache, the pcie4 preset. A replay's cycles/s counts the cycles the policy actually ran (eagle3
@@ -14,6 +15,8 @@ the look-ahead eviction and the prefetch between levels; ``chain:1+cache+prefetc
 ``ar+usage``, the fixed settings with levers that ``bench_policy.py`` compares SpecFit with), whose
 "before" figures are those of the Python loop that ran them until stop 27.
 ``--profile-policy`` prints the top functions of a cProfile run, to show where the time goes.
+``--cache-mode global`` shares ``--cache-experts`` x layers slots among all layers (victims are
+then looked for among every layer's slots), ``--cache-policy`` sets the eviction rule.
 """
 
 from __future__ import annotations
@@ -54,7 +57,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--trace", default=str(ROOT / "traces" / "qwen3-30b-a3b-chat.parquet"))
     ap.add_argument("--repeat", type=int, default=3, help="timed replays per policy; the best is reported")
-    ap.add_argument("--cache-experts", type=int, default=32)
+    ap.add_argument("--cache-experts", type=int, default=32, help="slots per layer (global: times the layers, shared)")
+    ap.add_argument("--cache-mode", default="per_layer", choices=("per_layer", "global"))
+    ap.add_argument("--cache-policy", default="lru", help="eviction: lru, lfu, fifo or moe-infinity")
     ap.add_argument("--profile-policy", default=None, help="also print a cProfile of this policy's replay")
     args = ap.parse_args()
     load_before = os.getloadavg()[0]
@@ -70,14 +75,19 @@ def main() -> None:
     print("| policy | cycles | first replay (ms) | best replay (ms) | cycles/s | cycles/s (cpu) | us/cycle |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     rates = {}
+    slots = args.cache_experts * (trace.n_layers if args.cache_mode == "global" else 1)
+
+    def new_cache() -> ExpertCache:
+        return ExpertCache(trace.n_layers, trace.n_experts, slots, mode=args.cache_mode, policy=args.cache_policy)
+
     for spec in POLICIES:
         t = time.perf_counter()
-        replay(prep, make_policy(spec), ExpertCache(trace.n_layers, trace.n_experts, args.cache_experts), cost)
+        replay(prep, make_policy(spec), new_cache(), cost)
         first = time.perf_counter() - t
         best = best_cpu = float("inf")
         cycles = 0
         for _ in range(args.repeat):
-            cache = ExpertCache(trace.n_layers, trace.n_experts, args.cache_experts)
+            cache = new_cache()
             policy = make_policy(spec)
             cpu, t = time.thread_time(), time.perf_counter()
             log = replay(prep, policy, cache, cost)
@@ -88,8 +98,10 @@ def main() -> None:
         print(f"| {spec} | {cycles} | {first * 1e3:.1f} | {best * 1e3:.2f} | {cycles / best:,.0f} | "
               f"{cycles / best_cpu:,.0f} | {best / cycles * 1e6:.1f} |")
     print()
-    if Path(args.trace).resolve() != (ROOT / "traces" / "qwen3-30b-a3b-chat.parquet").resolve():
-        print("(the figures before the compiled replay and the goals are for the default trace: no comparison here)")
+    default = (args.cache_experts, args.cache_mode, args.cache_policy) == (32, "per_layer", "lru")
+    if Path(args.trace).resolve() != (ROOT / "traces" / "qwen3-30b-a3b-chat.parquet").resolve() or not default:
+        print("(the figures before the compiled replay and the goals are for the default trace and cache: no "
+              "comparison here)")
         print(f"\nload average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after")
         return
     print("| policy | before (cycles/s) | goal (first bar) | now | now (cpu) | speed-up | met |")
@@ -105,8 +117,7 @@ def main() -> None:
     if args.profile_policy:
         prof = cProfile.Profile()
         prof.enable()
-        replay(prep, make_policy(args.profile_policy), ExpertCache(trace.n_layers, trace.n_experts, args.cache_experts),
-               cost)
+        replay(prep, make_policy(args.profile_policy), new_cache(), cost)
         prof.disable()
         out = io.StringIO()
         pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)

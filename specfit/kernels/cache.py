@@ -101,21 +101,31 @@ def _kept(keep, n_experts, global_mode, layer, held):
 
 
 @njit(cache=True)
-def _lowest_keep_first(keep, n_experts, global_mode, layer, slots, row, cand_score, cand_slot, n_cand):
-    """Reorder the candidates (``cand_score`` / ``cand_slot[:n_cand]``) by ascending (keep, score)
-    (scores are unique, so the order is total): an insertion sort, as there are at most C; the
-    keeps are looked up, not copied (nothing in the admit allocates)."""
-    for i in range(1, n_cand):
+def _lowest_keep_first(keep, n_experts, global_mode, layer, slots, row, cand_score, cand_slot, n_cand, n_evict):
+    """The look-ahead eviction's victims: reorder the candidates (``cand_score`` /
+    ``cand_slot[:n_cand]``) so that the ``n_evict`` lowest by (keep, score) come first (scores are
+    unique, so the order is total and the set exact), in one pass that keeps the lowest so far
+    sorted at the front, as :func:`_lowest_first` does: C x n_evict steps, not C^2 (a global
+    cache's C is every layer's slots); the keeps are looked up, not copied (nothing in the admit
+    allocates)."""
+    m = 0
+    for i in range(n_cand):
         score, slot = cand_score[i], cand_slot[i]
         key = _kept(keep, n_experts, global_mode, layer, slots[row, slot])
-        j = i - 1
-        while j >= 0:
-            other = _kept(keep, n_experts, global_mode, layer, slots[row, cand_slot[j]])
-            if not (other > key or (other == key and cand_score[j] > score)):
+        if m == n_evict:
+            last = _kept(keep, n_experts, global_mode, layer, slots[row, cand_slot[m - 1]])
+            if not (key < last or (key == last and score < cand_score[m - 1])):
+                continue
+            m -= 1       # the largest kept so far leaves
+        j = m
+        while j > 0:
+            other = _kept(keep, n_experts, global_mode, layer, slots[row, cand_slot[j - 1]])
+            if not (other > key or (other == key and cand_score[j - 1] > score)):
                 break
-            cand_score[j + 1], cand_slot[j + 1] = cand_score[j], cand_slot[j]
+            cand_score[j], cand_slot[j] = cand_score[j - 1], cand_slot[j - 1]
             j -= 1
-        cand_score[j + 1], cand_slot[j + 1] = score, slot
+        cand_score[j], cand_slot[j] = score, slot
+        m += 1
 
 
 @njit(cache=True)
@@ -185,7 +195,8 @@ def admit_rows(lo, hi, union, bits, score, count, slots, n_used, clock, counters
             if keep.shape[0] == 0:
                 _lowest_first(cand_score, cand_slot, n_cand, n_evict)
             else:
-                _lowest_keep_first(keep, n_experts, global_mode, layer, slots, row, cand_score, cand_slot, n_cand)
+                _lowest_keep_first(keep, n_experts, global_mode, layer, slots, row, cand_score, cand_slot, n_cand,
+                                   n_evict)
         # the victims' order does not matter: the freed slots are refilled in slot order
         for i in range(n_evict):
             s = cand_slot[i]
