@@ -30,7 +30,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("MKL_NUM_THREADS", "1")
 
-import argparse  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -138,11 +137,7 @@ def print_overall(rows: list[dict], evictions: list[str]) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--traces", default="olmoe-sample,olmoe-general,olmoe-coding,qwen3-chat")
-    ap.add_argument("--sequences", type=int, default=16, help="sequences per domain of the shared log")
-    ap.add_argument("--workload", default="chat", help="drafter preset for the imported trees")
-    ap.add_argument("--profiles", default="pcie4,pcie5,gh200")
+    ap = bp.trace_arguments(__doc__)
     ap.add_argument("--caches", default="0.25,0.5", help="cache sizes as shares of a layer's experts (> 0)")
     ap.add_argument("--modes", default="per_layer,global")
     ap.add_argument("--evictions", default="lru,lfu,moe-infinity")
@@ -186,11 +181,8 @@ def main() -> None:
 
 
 def _write(path: str, rows: list[dict]) -> None:
-    from specfit.io import write_json_atomic
-
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(Path(path), [{(" / ".join(k) if isinstance(k, tuple) else k): v for k, v in r.items()}
-                                   for r in rows])
+    """``bench_policy.py``'s writer, a (policy, eviction) key as ``"policy / eviction"``."""
+    bp._write(path, [{(" / ".join(k) if isinstance(k, tuple) else k): v for k, v in r.items()} for r in rows])
 
 
 if __name__ == "__main__":

@@ -446,12 +446,18 @@ def print_attribution(all_rows: list[dict]) -> None:
                   f"{med(f'{label} learned', '+expected-stop learned', cached):.3f}x with learned ones")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def trace_arguments(doc: str) -> argparse.ArgumentParser:
+    """A parser with the traces and profiles options this bench and those built on it share."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--traces", default="olmoe-sample,olmoe-general,olmoe-coding,qwen3-chat")
     ap.add_argument("--sequences", type=int, default=16, help="sequences per domain of the shared log")
     ap.add_argument("--workload", default="chat", help="drafter preset for the imported trees")
     ap.add_argument("--profiles", default="pcie4,pcie5,gh200")
+    return ap
+
+
+def main() -> None:
+    ap = trace_arguments(__doc__)
     ap.add_argument("--caches", default="0,0.25,0.5", help="cache sizes as shares of a layer's experts")
     ap.add_argument("--variants", default="all", help="comma-separated variant labels, or all")
     ap.add_argument("--decision-ms", type=float, default=0.45,
