@@ -120,7 +120,8 @@ def print_overall(rows: list[dict], evictions: list[str]) -> None:
             print(_ratio_line(f"`{spec}` under {e} / under lru", [r[spec, e] / r[spec, "lru"] for r in rows]))
     for e in evictions:
         for spec in SPECFIT:
-            print(_ratio_line(f"`{spec}` / best fixed, both under {e}", [r[spec, e] / r["best fixed", e] for r in rows]))
+            print(_ratio_line(f"`{spec}` / best fixed, both under {e}",
+                              [r[spec, e] / r["best fixed", e] for r in rows]))
         print(_ratio_line(f"`specfit+cache+prefetch` / best fixed+levers, both under {e}",
                           [r["specfit+cache+prefetch", e] / r["best fixed+levers", e] for r in rows]))
     if "moe-infinity" in evictions:

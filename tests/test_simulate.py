@@ -417,7 +417,8 @@ def test_moe_infinitys_eviction_replays_alike_compiled_and_through_the_objects(s
     for x, y in zip(cache_a.kernel_state(), cache_b.kernel_state()):
         np.testing.assert_array_equal(x, y)
     lfu = runs["lfu", True][0]
-    assert not np.array_equal(lfu.columns["misses"][:min(len(a), len(lfu))], a.columns["misses"][:min(len(a), len(lfu))])
+    n = min(len(a), len(lfu))
+    assert not np.array_equal(lfu.columns["misses"][:n], a.columns["misses"][:n])
 
 
 @pytest.mark.parametrize("build", [

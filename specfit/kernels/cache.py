@@ -27,8 +27,8 @@ from numba import njit
 
 from .bitsets import ONE, ZERO, lowest_bit, popcount
 
-__all__ = ["LRU", "LFU", "FIFO", "REQUEST_LFU", "NO_KEEP", "begin_decode", "admit_rows", "admit_union", "admit_layer_ids", "admit_cycle",
-           "worth_a_slot", "prefetch_items"]
+__all__ = ["LRU", "LFU", "FIFO", "REQUEST_LFU", "NO_KEEP", "begin_decode", "admit_rows", "admit_union",
+           "admit_layer_ids", "admit_cycle", "worth_a_slot", "prefetch_items"]
 
 LRU, LFU, FIFO, REQUEST_LFU = 0, 1, 2, 3
 HITS, MISSES, EVICTIONS, STREAMED = 0, 1, 2, 3

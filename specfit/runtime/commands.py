@@ -47,7 +47,8 @@ def decode(
     cache_experts: int = typer.Option(..., "--cache-experts", help="Expert slots per layer on the device, or in all with "
                                       "--cache-mode global (0 streams every expert)."),
     cache_mode: str = typer.Option("per_layer", "--cache-mode", help="per_layer or global (as in simulate)."),
-    cache_policy: str = typer.Option("lru", "--cache-policy", help="Eviction: lru, lfu, fifo or moe-infinity (as in simulate)."),
+    cache_policy: str = typer.Option("lru", "--cache-policy",
+                                     help="Eviction: lru, lfu, fifo or moe-infinity (as in simulate)."),
     predictor: str = typer.Option("router", "--predictor", help="Expert predictor the policies decide with: router (the "
                                   "target's routers on the drafter's state), or affinity, learned or parent (learned "
                                   "from the run's verified tokens)."),
