@@ -120,6 +120,7 @@ def _runtime() -> None:
     kernels.tree.frontier_mask(np.array([1]), rows[1], rows[3], 1, 1)
     cache = ExpertCache(1, 2, 1)
     cache.admit(~cached)
+    cache.begin_decode()           # after each prompt's passes (moe-infinity's counts)
     cache.admit_layer(0, np.array([1]))
     # the levers (+cache, +usage, +prefetch): the look-ahead keep before and after a use record,
     # the prefetch's plan and copies, and the admit by keep
