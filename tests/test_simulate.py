@@ -950,3 +950,48 @@ def test_simulate_leaves_nothing_on_a_stderr_that_is_not_a_terminal():
                           "--cache-experts", "16"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "ar" in run.stdout and run.stderr == ""      # no blank line from a transient progress bar
+
+
+@pytest.mark.parametrize("mode", ["per_layer", "global"])
+def test_moe_infinitys_counts_start_after_each_prompts_passes_in_every_replay(mode):
+    """MoE-Infinity's counts are cleared when a request's decoding begins, after its prompt has
+    run: each replay (compiled fixed policies, compiled specfit, the Python loop) gives the hits
+    and misses of a cache driven by hand through the same unions, each sequence's prompt passes,
+    then ``begin_decode``, then its cycles. (The shipped traces record no prompt pass, so a count
+    cleared before the passes instead of after them passed every other replay test.)"""
+    import copy
+
+    trace = read_trace(SAMPLE_OLMOE)
+    rng = np.random.default_rng(5)
+    sequences = sorted({int(s) for s in trace.sequence})
+    trace.meta = copy.deepcopy(trace.meta)
+    recording = trace.meta["recording"]
+    recording["prefill_sequences"] = sequences
+    recording["prefill_experts"] = [
+        [sorted(rng.choice(trace.n_experts, 24, replace=False).tolist()) for _ in range(trace.n_layers)]
+        for _ in range(3 * len(sequences))]
+    recording["prefill_pass_counts"] = [3] * len(sequences)
+    prep = prepare("parent", trace, np.roll(trace.true_experts, 1, axis=0))
+    assert prep.has_prefill.all()
+    cost = preset_profile("pcie4", SHAPES[trace.model["name"]]).cost
+    L, E = trace.n_layers, trace.n_experts
+    capacity = 16 if mode == "per_layer" else 16 * L
+    for spec, compiled in (("ar", True), ("chain:2", True), ("specfit", True), ("specfit", False)):
+        cache = ExpertCache(L, E, capacity, mode=mode, policy="moe-infinity")
+        log = replay(prep, make_policy(spec), cache, cost, record_unions=True, compiled=compiled)
+        by_hand = ExpertCache(L, E, capacity, mode=mode, policy="moe-infinity")
+        hits, misses = [], []
+        sequence = log.columns["sequence"]
+        for row, items in enumerate(log.unions):
+            if row == 0 or sequence[row] != sequence[row - 1]:
+                for pass_items in log.prefill_unions[int(sequence[row])]:
+                    by_hand.admit(np.isin(np.arange(L * E), pass_items).reshape(L, E))
+                by_hand.begin_decode()
+            result = by_hand.admit(np.isin(np.arange(L * E), items).reshape(L, E))
+            hits.append(result.total_hits)
+            misses.append(result.total_misses)
+        where = f"{spec} compiled={compiled}"
+        assert log.columns["hits"].tolist() == hits, where
+        assert log.columns["misses"].tolist() == misses, where
+        assert np.array_equal(cache.resident(), by_hand.resident()), where
+        assert np.array_equal(cache.kernel_state()[2], by_hand.kernel_state()[2]), where   # the counts
