@@ -253,7 +253,8 @@ class ExpertCache(LayerCounts):
         lowest ``(keep, score)`` whose ``keep`` is below the prefetched expert's own. Nothing is
         counted as a hit or a miss (``prefetched`` counts the copies); the result's
         ``admitted_mask`` holds the experts copied and ``evicted_mask`` those whose slots they took.
-        Prefetched experts count as touched now; resident ones in ``mask`` too."""
+        Prefetched experts count as touched now; resident ones in ``mask`` too (``moe-infinity``:
+        a copy is no use, its counts stay as they were)."""
         mask = self._check_mask("mask", mask)
         keep_arg = self.kernel_keep(keep)
         zeros, empty = np.zeros(self.n_layers, dtype=np.int64), np.zeros_like(mask)
