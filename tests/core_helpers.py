@@ -459,8 +459,9 @@ class RefCache:
     Python: each resident key has a score tuple, the victim is the smallest among the resident
     keys outside the layer's union. A global tick counts touches in order (hits before admitted
     misses, ascending id, layer by layer): ``lru`` scores by the last touch, ``lfu`` by (touches
-    since admission, last touch), ``fifo`` by the admission tick, ``moe-infinity`` by (uses since
-    :meth:`begin_decode`, layer, expert), a use being a hit, an admitted or a streamed miss."""
+    since admission, last touch), ``fifo`` by the admission tick, ``moe-infinity`` by (fetches
+    since :meth:`begin_decode`, layer, expert), a fetch being a miss, admitted or streamed (not a
+    hit)."""
 
     def __init__(self, n_layers: int, n_experts: int, capacity: int, mode: str = "per_layer", policy: str = "lru"):
         self.n_layers, self.n_experts, self.mode, self.policy = n_layers, n_experts, mode, policy
@@ -468,7 +469,7 @@ class RefCache:
         self.pools = [dict() for _ in range(n_layers if mode == "per_layer" else 1)]  # key -> [last, count, admitted]
         self.tick = 0
         self.totals = {k: [0] * n_layers for k in ("hits", "misses", "evictions", "streamed")}
-        self.uses = {}       # moe-infinity: (layer, expert) -> uses since begin_decode, kept across evictions
+        self.uses = {}       # moe-infinity: (layer, expert) -> fetches since begin_decode, kept across evictions
 
     def begin_decode(self) -> None:
         self.uses = {}
@@ -504,8 +505,9 @@ class RefCache:
         hits = [k for k in keys if k in pool]
         misses = [k for k in keys if k not in pool]
         for k in keys:
-            item = self._item(layer, k)
-            self.uses[item] = self.uses.get(item, 0) + 1
+            if k not in pool:
+                item = self._item(layer, k)
+                self.uses[item] = self.uses.get(item, 0) + 1
         for k in hits:
             self.tick += 1
             pool[k][0] = self.tick

@@ -392,16 +392,17 @@ def test_lfu_evicts_the_least_used_then_the_least_recent():
     assert lfu.admit(one_hot([5])).evicted_mask[0].nonzero()[0].tolist() == [3]
 
 
-def test_moe_infinity_counts_uses_across_evictions_until_a_request_begins_decoding():
-    # lfu counts the uses since an expert was admitted; MoE-Infinity's dispatcher counts every use
-    # since the request's decoding began, so an expert used often earlier stays when it comes back
+def test_moe_infinity_counts_fetches_across_evictions_until_a_request_begins_decoding():
+    # lfu counts the uses since an expert was admitted; MoE-Infinity's dispatcher counts the
+    # expert's fetches from the host since the request's decoding began (a hit runs uncounted),
+    # kept when it is evicted and comes back
     caches = {p: ExpertCache(1, 6, 2, policy=p) for p in ("lfu", "moe-infinity")}
     for cache in caches.values():
         for ids in ([0], [0], [0], [1, 2], [1], [0], [3]):
             cache.admit(one_hot(ids))
-    # [1, 2] evicts 0 (3 uses) under both; [0] comes back in 2's place (1 use against 1's 2);
-    # for [3], lfu sees 0 with 1 use since its return and 1 with 2: 0 goes; moe-infinity sees 0
-    # with 4 uses in the request: 1 goes
+    # [1, 2] evicts 0 under both. [0] comes back: lfu evicts 2 (1 use against 1's 2), moe-infinity
+    # 1 (both fetched once: the lower id). For [3], lfu sees 0 with 1 use since its return and 1
+    # with 2: 0 goes; moe-infinity sees 0 fetched twice in the request and 2 once: 2 goes
     assert caches["lfu"].resident()[0].nonzero()[0].tolist() == [1, 3]
     assert caches["moe-infinity"].resident()[0].nonzero()[0].tolist() == [0, 3]
     # a request's decoding begins: every count is 0, ties go to the lowest expert id
@@ -411,9 +412,19 @@ def test_moe_infinity_counts_uses_across_evictions_until_a_request_begins_decodi
     assert caches["lfu"].admit(one_hot([5])).evicted_mask[0].nonzero()[0].tolist() == [3]
 
 
-def test_moe_infinity_warm_experts_count_one_use_each():
-    # warm marks experts as touched once: under moe-infinity a warm expert with one use and a
-    # larger id outlasts an admitted one with one use and a smaller id
+def test_moe_infinity_does_not_count_hits():
+    # 0 is fetched once and hit three times, 1 fetched once: equal counts, the lower id goes
+    # (lfu, counting the hits, evicts 1)
+    for policy, victim in (("moe-infinity", 0), ("lfu", 1)):
+        cache = ExpertCache(1, 6, 2, policy=policy)
+        for ids in ([0], [0], [0], [0], [1]):
+            cache.admit(one_hot(ids))
+        assert cache.admit(one_hot([2])).evicted_mask[0].nonzero()[0].tolist() == [victim], policy
+
+
+def test_moe_infinity_warm_experts_count_one_fetch_each():
+    # warm marks experts as touched once: under moe-infinity a warm expert fetched once with a
+    # larger id outlasts an admitted one fetched once with a smaller id
     cache = ExpertCache(1, 6, 2, policy="moe-infinity")
     cache.warm(one_hot([1]))
     cache.admit(one_hot([0]))
@@ -436,9 +447,10 @@ def find_expert_evict(cached: set, counts: dict, protected: set):
 @core_settings(100)
 @given(st.integers(1, 4), st.integers(2, 9), st.data())
 def test_moe_infinity_global_mode_matches_the_dispatchers_victim_search(n_layers, n_experts, data):
-    # the dispatcher's decode path: for each expert a layer runs (ascending id), a hit counts a
-    # visit; a miss takes a free byte range or evicts FindExpertEvict's choice, then counts one;
-    # with nothing evictable the expert runs without staying (our streamed miss), still a visit
+    # the dispatcher's decode path: for each expert a layer runs (ascending id), a resident one
+    # runs at once, uncounted; a miss takes a free byte range or evicts FindExpertEvict's choice,
+    # and its fetch counts one; with nothing evictable it runs without staying (our streamed
+    # miss), its fetch still counted
     capacity = data.draw(st.integers(0, n_layers * n_experts), label="capacity")
     seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
     cache = ExpertCache(n_layers, n_experts, capacity, mode="global", policy="moe-infinity")
@@ -452,12 +464,14 @@ def test_moe_infinity_global_mode_matches_the_dispatchers_victim_search(n_layers
         for layer in range(n_layers):
             keys = [(layer << 32) + int(e) for e in np.flatnonzero(union[layer])]
             for key in keys:
-                if key not in cached and len(cached) >= capacity:
+                if key in cached:
+                    continue
+                if len(cached) >= capacity:
                     victim = find_expert_evict(cached, counts, set(keys))
                     if victim is not None:
                         cached.discard(victim)
                         evicted.append(victim)
-                if key in cached or len(cached) < capacity:
+                if len(cached) < capacity:
                     cached.add(key)
                 counts[key] = counts.get(key, 0) + 1
         got = [(int(layer) << 32) + int(e) for layer, e in zip(*np.nonzero(result.evicted_mask))]
@@ -469,14 +483,14 @@ def test_moe_infinity_global_mode_matches_the_dispatchers_victim_search(n_layers
         assert np.array_equal(cache.resident(), expected), step
 
 
-def test_a_prefetch_is_not_a_use_under_moe_infinity():
+def test_a_prefetch_levers_copy_is_not_counted_under_moe_infinity():
     cache = ExpertCache(1, 6, 2, policy="moe-infinity")
-    cache.admit(one_hot([0]))
-    cache.admit(one_hot([0]))          # 0: 2 uses
-    cache.prefetch(one_hot([1]))       # 1 copied ahead, no use
+    cache.admit(one_hot([0]))          # 0: fetched once
+    cache.prefetch(one_hot([1]))       # 1 copied ahead by the lever, not counted
     cache.prefetch(one_hot([1]))
     cache.prefetch(one_hot([1]))
-    # 1 has no use yet: it goes before 0 (a prefetch counted as a use would have 3)
+    # 1 has no fetch counted: it goes before 0 (counting the copy would tie them, and 0, the
+    # lower id, would go)
     assert cache.admit(one_hot([2])).evicted_mask[0].nonzero()[0].tolist() == [1]
 
 

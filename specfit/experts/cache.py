@@ -15,9 +15,11 @@ Rules (deterministic, the same in both modes):
   admitted misses, each group in ascending expert id (and, in global mode, layer l before l + 1).
   ``lfu`` scores by touch count first, then recency; ``fifo`` by admission order.
   ``moe-infinity`` is the rule of MoE-Infinity's expert dispatcher (``FindExpertEvict`` in
-  EfficientMoE/MoE-Infinity's ``core/parallel/expert_dispatcher.cpp``): the fewest uses since
-  the request's decoding began (:meth:`begin_decode`; counts kept across evictions, a streamed
-  miss a use too, a prefetch not), ties to the lowest ``(layer, expert)``.
+  EfficientMoE/MoE-Infinity's ``core/parallel/expert_dispatcher.cpp``): the fewest fetches from
+  the host since the request's decoding began (:meth:`begin_decode`), its ``incache_visit_count``:
+  a miss counts, streamed or admitted, a hit does not (the dispatcher runs a resident expert
+  without passing its fetch thread), nor a prefetch lever's copy; counts are kept across
+  evictions; ties go to the lowest ``(layer, expert)``.
 - ``admit_layer(layer, expert_ids)`` is ``admit`` of a union with only that row set (the touch
   clock advances once per call) and touches only that layer's state in per-layer mode.
 - Look-ahead (optional, :mod:`specfit.experts.lookahead` computes it): ``keep[layer, expert]``, a
@@ -195,13 +197,13 @@ class ExpertCache(LayerCounts):
         order = np.arange(keep.size, dtype=np.int64).reshape(keep.shape) - keep.size  # before any admit
         np.copyto(self._score, order, where=keep)
         np.copyto(self._count, 1, where=keep)
-        if self.policy == "moe-infinity":        # its order: uses, then (layer, expert)
+        if self.policy == "moe-infinity":        # its order: fetches (one each here), then (layer, expert)
             self._score[:] = self._count * kernels.cache.SPAN + order + keep.size
 
     def begin_decode(self) -> None:
         """A request's decoding begins (its prompt has run): ``moe-infinity`` forgets its counts of
-        uses, as MoE-Infinity clears them when a request's first token is out; the other policies
-        keep theirs. The live decoder and every replay call it after each prompt."""
+        fetches, as MoE-Infinity clears them when a request's first token is out; the other
+        policies keep theirs. The live decoder and every replay call it after each prompt."""
         kernels.cache.begin_decode(self._score, self._count, self._config)
 
     @property
@@ -254,7 +256,7 @@ class ExpertCache(LayerCounts):
         counted as a hit or a miss (``prefetched`` counts the copies); the result's
         ``admitted_mask`` holds the experts copied and ``evicted_mask`` those whose slots they took.
         Prefetched experts count as touched now; resident ones in ``mask`` too (``moe-infinity``:
-        a copy is no use, its counts stay as they were)."""
+        a copy is not counted, its counts stay the demand fetches)."""
         mask = self._check_mask("mask", mask)
         keep_arg = self.kernel_keep(keep)
         zeros, empty = np.zeros(self.n_layers, dtype=np.int64), np.zeros_like(mask)

@@ -5,7 +5,8 @@ State (arrays the kernels update in place):
 
 - ``bits`` uint64 ``[L, words]``: resident experts per layer;
 - ``score`` / ``count`` int64 ``[L, E]``: eviction key (smallest goes first) and touches (lfu:
-  since admission; moe-infinity: since the request's decoding began, kept across evictions);
+  uses since admission; moe-infinity: fetches since the request's decoding began, kept across
+  evictions);
 - ``slots`` int64 ``[rows, C]``: what each slot holds, -1 when free; per-layer mode one row per
   layer holding expert ids, global mode one row holding items ``layer * E + expert``; victims are
   looked for among a layer's (or the cache's) C slots, never over ``[L, E]``;
@@ -41,10 +42,11 @@ NO_KEEP = np.zeros((0, 0), dtype=np.float64)    # ``keep`` when the cache's own 
 @njit(cache=True)
 def _touch(score, count, layer, e, key, admitted, policy, n_experts):
     if policy == REQUEST_LFU:
-        # MoE-Infinity's count: every use since the request's decoding began, whether or not
-        # the expert stayed resident in between
-        count[layer, e] += 1
-        score[layer, e] = count[layer, e] * SPAN + layer * n_experts + e
+        # MoE-Infinity's count: the expert's fetches from the host since the request's decoding
+        # began, kept across evictions; a hit runs without being counted
+        if admitted:
+            count[layer, e] += 1
+            score[layer, e] = count[layer, e] * SPAN + layer * n_experts + e
         return
     if admitted:
         count[layer, e] = 0
@@ -240,12 +242,12 @@ def admit_rows(lo, hi, union, bits, score, count, slots, n_used, clock, counters
                 placed += 1
             bits[layer, w] |= admitted[layer, w]
             if policy == REQUEST_LFU:
-                # a streamed miss is a use too (MoE-Infinity counts every expert it runs)
+                # a streamed miss is fetched too (MoE-Infinity counts every expert its fetch thread loads)
                 streamed_word = union[layer, w] & ~bits[layer, w]
                 while streamed_word:
                     e = w * 64 + lowest_bit(streamed_word)
                     streamed_word &= streamed_word - ONE
-                    _touch(score, count, layer, e, 0, False, policy, n_experts)
+                    _touch(score, count, layer, e, 0, True, policy, n_experts)
         n_used[row] += n_admit
         counters[HITS, layer] += n_hit
         counters[MISSES, layer] += n_miss
@@ -440,7 +442,8 @@ def prefetch_items(mask, bits, score, count, slots, n_used, clock, counters, con
     admit_union(union, bits, score, count, slots, n_used, clock, counters, config, victim_keep, out_counts, scratch[0],
                 admitted_bits, evicted_bits, scratch[1])
     if config[1] == REQUEST_LFU:
-        # a copy is not a use: the counts (and so the order of victims) stay those of the uses
+        # a lever's copy is not counted: the counts (and so the order of victims) stay the demand
+        # fetches
         for layer in range(n_layers):
             for e in range(n_experts):
                 count[layer, e] = uses[layer, e]
