@@ -54,7 +54,7 @@ def simulate_command(
                                  "(transfer costs scaled by expert bytes)."),
     cache_mode: str = typer.Option("per_layer", "--cache-mode", help="per_layer or global."),
     cache_policy: str = typer.Option("lru", "--cache-policy", help="Eviction: lru, lfu, fifo or moe-infinity "
-                                     "(MoE-Infinity's: the fewest uses in the request, kept across evictions)."),
+                                     "(MoE-Infinity's: the fewest fetches in the request, kept across evictions)."),
     max_levels: int = typer.Option(8, "--max-levels", help="Draft levels at most for specfit, static:N and sequoia:N (specfit:D and sequoia:N:D set their own D)."),
     price_uncertainty: bool = typer.Option(True, "--price-uncertainty/--no-price-uncertainty",
                                            help="specfit prices, per draft node, the experts its predictor gets "
