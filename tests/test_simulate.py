@@ -559,6 +559,24 @@ def test_a_prepared_trace_is_read_only_as_a_ray_worker_receives_it_so_its_kernel
     assert (len(kernels.replay.replay_compiled.signatures), len(kernels.replay.replay_specfit.signatures)) == signatures
 
 
+def with_prompt_passes(trace, passes: int, size: int, seed: int):
+    """``trace`` with ``passes`` recorded prompt passes per sequence (``size`` random experts per
+    layer each; one pass in the old format, without pass counts), as a live recording holds them."""
+    import copy
+
+    rng = np.random.default_rng(seed)
+    sequences = sorted({int(s) for s in trace.sequence})
+    trace.meta = copy.deepcopy(trace.meta)
+    recording = trace.meta["recording"]
+    recording["prefill_sequences"] = sequences
+    recording["prefill_experts"] = [
+        [sorted(rng.choice(trace.n_experts, size, replace=False).tolist()) for _ in range(trace.n_layers)]
+        for _ in range(passes * len(sequences))]
+    if passes > 1:
+        recording["prefill_pass_counts"] = [passes] * len(sequences)
+    return trace
+
+
 @pytest.mark.parametrize("passes", [1, 3])
 def test_every_replay_path_starts_each_sequence_with_its_recorded_prompt_pass(passes):
     """A live recording's prompt passes are admitted before each sequence's first cycle by the
@@ -570,17 +588,9 @@ def test_every_replay_path_starts_each_sequence_with_its_recorded_prompt_pass(pa
 
     from specfit.policies import Observation
 
-    trace = read_trace(SAMPLE_OLMOE)
-    rng = np.random.default_rng(0)
-    sequences = sorted({int(s) for s in trace.sequence})
-    trace.meta = copy.deepcopy(trace.meta)
+    trace = with_prompt_passes(read_trace(SAMPLE_OLMOE), passes, 12, seed=0)
     recording = trace.meta["recording"]
-    recording["prefill_sequences"] = sequences
-    recording["prefill_experts"] = [
-        [sorted(rng.choice(trace.n_experts, 12, replace=False).tolist()) for _ in range(trace.n_layers)]
-        for _ in range(passes * len(sequences))]
-    if passes > 1:
-        recording["prefill_pass_counts"] = [passes] * len(sequences)
+    sequences = recording["prefill_sequences"]
     warm = prepare("parent", trace, np.roll(trace.true_experts, 1, axis=0))
     cold_trace, union_trace = copy.copy(trace), copy.copy(trace)
     cold_trace.meta, union_trace.meta = copy.deepcopy(trace.meta), copy.deepcopy(trace.meta)
@@ -959,18 +969,7 @@ def test_moe_infinitys_counts_start_after_each_prompts_passes_in_every_replay(mo
     and misses of a cache driven by hand through the same unions, each sequence's prompt passes,
     then ``begin_decode``, then its cycles. (The shipped traces record no prompt pass, so a count
     cleared before the passes instead of after them passed every other replay test.)"""
-    import copy
-
-    trace = read_trace(SAMPLE_OLMOE)
-    rng = np.random.default_rng(5)
-    sequences = sorted({int(s) for s in trace.sequence})
-    trace.meta = copy.deepcopy(trace.meta)
-    recording = trace.meta["recording"]
-    recording["prefill_sequences"] = sequences
-    recording["prefill_experts"] = [
-        [sorted(rng.choice(trace.n_experts, 24, replace=False).tolist()) for _ in range(trace.n_layers)]
-        for _ in range(3 * len(sequences))]
-    recording["prefill_pass_counts"] = [3] * len(sequences)
+    trace = with_prompt_passes(read_trace(SAMPLE_OLMOE), 3, 24, seed=5)
     prep = prepare("parent", trace, np.roll(trace.true_experts, 1, axis=0))
     assert prep.has_prefill.all()
     cost = preset_profile("pcie4", SHAPES[trace.model["name"]]).cost
