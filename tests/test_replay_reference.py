@@ -304,7 +304,8 @@ def test_replay_equals_the_reference_with_true_experts_and_no_cache(olmoe, spec)
 
 
 @pytest.mark.parametrize("mode, cache_policy, capacity", [("per_layer", "lru", 32), ("per_layer", "fifo", 16),
-                                                          ("global", "lfu", 48 * 8)])
+                                                          ("global", "lfu", 48 * 8),
+                                                          ("global", "moe-infinity", 48 * 8)])
 @pytest.mark.parametrize("spec", ["ar", "chain:4", "eagle3", "static:8", "sequoia:12", "specfit", "oracle"])
 def test_replay_equals_the_reference_on_the_qwen3_sample(qwen3, spec, mode, cache_policy, capacity):
     cost = preset_profile("gh200", SHAPES["qwen3-30b-a3b"]).cost
