@@ -74,16 +74,26 @@ def begin_decode(score, count, config):
 
 
 @njit(cache=True)
-def _lowest_first(cand_score, cand_slot, n_cand, n_evict):
-    """The plain eviction's victims: reorder the candidates so that the ``n_evict`` lowest scores
-    (unique, so the set is exact) come first, in one pass that keeps the lowest so far sorted at
-    the front (a new candidate rarely enters; the front never passes the one being read)."""
+def _lowest_first(slots, row, flat_score, to_flat, first, n_experts, union, layer, cand_score, cand_slot, n_evict):
+    """The plain eviction's victims: the ``n_evict`` slots of ``slots[row]`` whose items, outside
+    the layer's union, have the lowest scores (unique, so the set is exact), into the front of
+    ``cand_score`` / ``cand_slot``, in one pass over the slots that keeps the lowest so far sorted
+    there. A held item's score is read flat (``flat_score[held + to_flat]``) and its layer told by
+    its range (``first`` is the layer's first item in a slot): no division per slot, whose cost a
+    global cache (every layer's slots) pays per layer; an item scoring above the kept ones is
+    passed before its union bit is read."""
     m = 0
-    for i in range(n_cand):
-        key, slot = cand_score[i], cand_slot[i]
+    for s in range(slots.shape[1]):
+        held = slots[row, s]
+        if held < 0:
+            continue
+        key = flat_score[held + to_flat]
+        if m == n_evict and key >= cand_score[m - 1]:
+            continue
+        e = held - first
+        if 0 <= e < n_experts and (union[layer, e >> 6] >> np.uint64(e & 63)) & ONE:
+            continue   # the layer's union is protected
         if m == n_evict:
-            if key >= cand_score[m - 1]:
-                continue
             m -= 1       # the largest kept so far leaves
         j = m
         while j > 0 and cand_score[j - 1] > key:
@@ -91,7 +101,7 @@ def _lowest_first(cand_score, cand_slot, n_cand, n_evict):
             cand_slot[j] = cand_slot[j - 1]
             j -= 1
         cand_score[j] = key
-        cand_slot[j] = slot
+        cand_slot[j] = s
         m += 1
 
 
@@ -166,6 +176,7 @@ def admit_rows(lo, hi, union, bits, score, count, slots, n_used, clock, counters
     """
     global_mode, policy, n_experts, capacity = config[0] != 0, config[1], config[2], config[3]
     n_layers, words = bits.shape
+    flat_score = score.reshape(-1)       # a view: ``score`` is C-contiguous [L, E]
     total_hit = total_miss = total_admit = n_evicted = 0
     for layer in range(lo, hi):
         n_hit = 0
@@ -182,21 +193,26 @@ def admit_rows(lo, hi, union, bits, score, count, slots, n_used, clock, counters
             n_admit = min(n_miss, capacity - n_hit)
         n_evict = max(0, n_admit - free)
         if n_evict > 0:
-            n_cand = 0
-            for s in range(capacity):
-                held = slots[row, s]
-                if held < 0:
-                    continue
-                owner, e = (held // n_experts, held % n_experts) if global_mode else (layer, held)
-                if owner == layer and (union[layer, e >> 6] >> np.uint64(e & 63)) & ONE:
-                    continue   # the layer's union is protected
-                cand_score[n_cand] = score[owner, e]
-                cand_slot[n_cand] = s
-                n_cand += 1
-            # the victims: the lowest scores, or with look-ahead the lowest (keep, score)
+            # the victims: the lowest scores, or with look-ahead the lowest (keep, score); a held
+            # item's score is read flat (its index ``layer * E + expert``) and its layer told by
+            # its range, without a division per slot
+            first = layer * n_experts if global_mode else 0        # this layer's first item in a slot
+            to_flat = 0 if global_mode else layer * n_experts      # a slot's item -> flat index
             if keep.shape[0] == 0:
-                _lowest_first(cand_score, cand_slot, n_cand, n_evict)
+                _lowest_first(slots, row, flat_score, to_flat, first, n_experts, union, layer, cand_score, cand_slot,
+                              n_evict)
             else:
+                n_cand = 0
+                for s in range(capacity):
+                    held = slots[row, s]
+                    if held < 0:
+                        continue
+                    e = held - first
+                    if 0 <= e < n_experts and (union[layer, e >> 6] >> np.uint64(e & 63)) & ONE:
+                        continue   # the layer's union is protected
+                    cand_score[n_cand] = flat_score[held + to_flat]
+                    cand_slot[n_cand] = s
+                    n_cand += 1
                 _lowest_keep_first(keep, n_experts, global_mode, layer, slots, row, cand_score, cand_slot, n_cand,
                                    n_evict)
         # the victims' order does not matter: the freed slots are refilled in slot order
