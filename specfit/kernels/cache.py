@@ -106,37 +106,37 @@ def _lowest_first(slots, row, flat_score, to_flat, first, n_experts, union, laye
 
 
 @njit(cache=True)
-def _kept(keep, n_experts, global_mode, layer, held):
-    """The look-ahead priority of a held item (an expert id in per-layer mode, ``layer * E + e``
-    in global mode)."""
-    return keep[held // n_experts, held % n_experts] if global_mode else keep[layer, held]
-
-
-@njit(cache=True)
-def _lowest_keep_first(keep, n_experts, global_mode, layer, slots, row, cand_score, cand_slot, n_cand, n_evict):
-    """The look-ahead eviction's victims: reorder the candidates (``cand_score`` /
-    ``cand_slot[:n_cand]``) so that the ``n_evict`` lowest by (keep, score) come first (scores are
-    unique, so the order is total and the set exact), in one pass that keeps the lowest so far
-    sorted at the front, as :func:`_lowest_first` does: C x n_evict steps, not C^2 (a global
-    cache's C is every layer's slots); the keeps are looked up, not copied (nothing in the admit
-    allocates)."""
+def _lowest_keep_first(slots, row, flat_score, flat_keep, to_flat, first, n_experts, union, layer, cand_score,
+                       cand_slot, n_evict):
+    """The look-ahead eviction's victims: the ``n_evict`` slots of ``slots[row]`` whose items,
+    outside the layer's union, are the lowest by (keep, score) (scores are unique, so the order
+    is total and the set exact), into the front of ``cand_score`` / ``cand_slot``, in one pass
+    over the slots as :func:`_lowest_first` does (C x ``n_evict`` steps; a global cache's C is
+    every layer's slots), keeps and scores read flat; the kept ones' keeps are looked up, not
+    copied (nothing in the admit allocates)."""
     m = 0
-    for i in range(n_cand):
-        score, slot = cand_score[i], cand_slot[i]
-        key = _kept(keep, n_experts, global_mode, layer, slots[row, slot])
+    for s in range(slots.shape[1]):
+        held = slots[row, s]
+        if held < 0:
+            continue
+        score, key = flat_score[held + to_flat], flat_keep[held + to_flat]
         if m == n_evict:
-            last = _kept(keep, n_experts, global_mode, layer, slots[row, cand_slot[m - 1]])
+            last = flat_keep[slots[row, cand_slot[m - 1]] + to_flat]
             if not (key < last or (key == last and score < cand_score[m - 1])):
                 continue
+        e = held - first
+        if 0 <= e < n_experts and (union[layer, e >> 6] >> np.uint64(e & 63)) & ONE:
+            continue   # the layer's union is protected
+        if m == n_evict:
             m -= 1       # the largest kept so far leaves
         j = m
         while j > 0:
-            other = _kept(keep, n_experts, global_mode, layer, slots[row, cand_slot[j - 1]])
+            other = flat_keep[slots[row, cand_slot[j - 1]] + to_flat]
             if not (other > key or (other == key and cand_score[j - 1] > score)):
                 break
             cand_score[j], cand_slot[j] = cand_score[j - 1], cand_slot[j - 1]
             j -= 1
-        cand_score[j], cand_slot[j] = score, slot
+        cand_score[j], cand_slot[j] = score, s
         m += 1
 
 
@@ -177,6 +177,7 @@ def admit_rows(lo, hi, union, bits, score, count, slots, n_used, clock, counters
     global_mode, policy, n_experts, capacity = config[0] != 0, config[1], config[2], config[3]
     n_layers, words = bits.shape
     flat_score = score.reshape(-1)       # a view: ``score`` is C-contiguous [L, E]
+    flat_keep = np.ascontiguousarray(keep).reshape(-1)     # read only here: a copy would do too
     total_hit = total_miss = total_admit = n_evicted = 0
     for layer in range(lo, hi):
         n_hit = 0
@@ -202,19 +203,8 @@ def admit_rows(lo, hi, union, bits, score, count, slots, n_used, clock, counters
                 _lowest_first(slots, row, flat_score, to_flat, first, n_experts, union, layer, cand_score, cand_slot,
                               n_evict)
             else:
-                n_cand = 0
-                for s in range(capacity):
-                    held = slots[row, s]
-                    if held < 0:
-                        continue
-                    e = held - first
-                    if 0 <= e < n_experts and (union[layer, e >> 6] >> np.uint64(e & 63)) & ONE:
-                        continue   # the layer's union is protected
-                    cand_score[n_cand] = flat_score[held + to_flat]
-                    cand_slot[n_cand] = s
-                    n_cand += 1
-                _lowest_keep_first(keep, n_experts, global_mode, layer, slots, row, cand_score, cand_slot, n_cand,
-                                   n_evict)
+                _lowest_keep_first(slots, row, flat_score, flat_keep, to_flat, first, n_experts, union, layer,
+                                   cand_score, cand_slot, n_evict)
         # the victims' order does not matter: the freed slots are refilled in slot order
         for i in range(n_evict):
             s = cand_slot[i]
