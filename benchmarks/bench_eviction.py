@@ -41,9 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_policy as bp  # noqa: E402
 from specfit.calibrate.profile import ModelShape  # noqa: E402
-from specfit.experts.belady import belady_of_log  # noqa: E402
 from specfit.experts.cache import EVICTION_POLICIES  # noqa: E402
-from specfit.policies import TunedPolicy, make_policy  # noqa: E402
+from specfit.policies import make_policy  # noqa: E402
 from specfit.simulate.replay import prepare_trace  # noqa: E402
 
 SPECFIT = ("specfit", "specfit+cache+prefetch")
@@ -52,36 +51,17 @@ POLICIES = bp.FIXED + ("eagle3",) + SPECFIT
 BESTS = (("best fixed", bp.FIXED), ("best fixed+levers", bp.FIXED_LEVERS))
 
 
-def tokens_per_s(prep, spec: str, capacity: int, mode: str, eviction: str, cost, max_nodes: int) -> float:
-    """Committed tokens per charged second of ``spec`` (``static:auto``: its best size)."""
-    policy = make_policy(spec)
-    candidates = policy.candidates(max_nodes) if isinstance(policy, TunedPolicy) else [policy]
-    return max(_rate(_run(prep, cand, capacity, mode, eviction, cost)) for cand in candidates)
-
-
-def _run(prep, policy, capacity: int, mode: str, eviction: str, cost, record_unions: bool = False):
-    return bp.run(prep, policy, capacity, cost, record_unions=record_unions, mode=mode, eviction=eviction)
-
-
-def _rate(log) -> float:
-    c = log.columns
-    return float(c["committed_tokens"].sum() / c["charged_time_s"].sum())
-
-
 def belady_ar(prep, capacity: int, mode: str, cost) -> float:
     """``ar``'s requests under Belady's offline optimum (no eviction rule does better for AR)."""
-    log = _run(prep, make_policy("ar"), capacity, mode, "lru", cost, record_unions=True)
-    hits, misses = belady_of_log(log, prep.trace.n_layers, prep.trace.n_experts, capacity, mode)
-    c = log.columns
-    return float(c["committed_tokens"].sum() / cost.predict_counts(c["draft_levels"], c["nodes_verified"], hits,
-                                                                      misses).sum())
+    log = bp.run(prep, make_policy("ar"), capacity, cost, record_unions=True, mode=mode)
+    return bp.rate(log, cost, capacity, prep, mode=mode)
 
 
 def run_setting(prep, capacity: int, mode: str, evictions: list[str], cost, max_nodes: int) -> dict:
     row: dict = {"ar belady": belady_ar(prep, capacity, mode, cost)}
     for eviction in evictions:
         for spec in POLICIES + bp.FIXED_LEVERS:
-            row[spec, eviction] = tokens_per_s(prep, spec, capacity, mode, eviction, cost, max_nodes)
+            row[spec, eviction] = bp.best_of(prep, spec, capacity, cost, max_nodes, mode, eviction)[0]
         for label, specs in BESTS:
             best = max(specs, key=lambda k: row[k, eviction])
             row[label, eviction], row[f"{label} name", eviction] = row[best, eviction], best

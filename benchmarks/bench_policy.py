@@ -259,21 +259,28 @@ def run(prep: PreparedTrace, policy, capacity: int, cost, record_unions: bool = 
     return replay(prep, policy, cache, cost, record_unions=record_unions)
 
 
-def rate(log, cost=None, capacity=None, prep=None, decision_s: float = 0.0) -> float:
+def rate(log, cost=None, capacity=None, prep=None, decision_s: float = 0.0, mode: str = "per_layer") -> float:
+    """Committed tokens per charged second; with ``cost``, the log's unions recharged under
+    Belady's offline optimum of a ``mode`` cache of ``capacity``."""
     c = log.columns
     time_s = c["charged_time_s"] + decision_s * (c["draft_levels"] + 1)
     if cost is not None:
-        hits, misses = belady_of_log(log, prep.trace.n_layers, prep.trace.n_experts, capacity)
+        hits, misses = belady_of_log(log, prep.trace.n_layers, prep.trace.n_experts, capacity, mode)
         time_s = cost.predict_counts(c["draft_levels"], c["nodes_verified"], hits, misses)
     return float(c["committed_tokens"].sum() / time_s.sum())
 
 
-def best_of(prep: PreparedTrace, spec: str, capacity: int, cost, max_nodes: int) -> tuple[float, int | None]:
+def best_of(prep: PreparedTrace, spec: str, capacity: int, cost, max_nodes: int, mode: str = "per_layer",
+            eviction: str = "lru") -> tuple[float, int | None]:
     """(tokens/s, N for static:auto) of a fixed policy; static:auto keeps its best candidate."""
     policy = make_policy(spec)
+
+    def tokens_per_s(candidate) -> float:
+        return rate(run(prep, candidate, capacity, cost, mode=mode, eviction=eviction))
+
     if isinstance(policy, TunedPolicy):
-        return max((rate(run(prep, cand, capacity, cost)), cand.total_nodes) for cand in policy.candidates(max_nodes))
-    return rate(run(prep, policy, capacity, cost)), None
+        return max((tokens_per_s(cand), cand.total_nodes) for cand in policy.candidates(max_nodes))
+    return tokens_per_s(policy), None
 
 
 def run_setting(preps: dict[str, PreparedTrace], chosen: list[Variant], capacity: int, cost,

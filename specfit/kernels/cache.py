@@ -40,13 +40,19 @@ NO_KEEP = np.zeros((0, 0), dtype=np.float64)    # ``keep`` when the cache's own 
 
 
 @njit(cache=True)
+def _request_score(count, layer, e, n_experts):
+    """:data:`REQUEST_LFU`'s eviction key: the count first, the item ``layer * E + e`` second."""
+    return count * SPAN + layer * n_experts + e
+
+
+@njit(cache=True)
 def _touch(score, count, layer, e, key, admitted, policy, n_experts):
     if policy == REQUEST_LFU:
         # MoE-Infinity's count: the expert's fetches from the host since the request's decoding
         # began, kept across evictions; a hit runs without being counted
         if admitted:
             count[layer, e] += 1
-            score[layer, e] = count[layer, e] * SPAN + layer * n_experts + e
+            score[layer, e] = _request_score(count[layer, e], layer, e, n_experts)
         return
     if admitted:
         count[layer, e] = 0
@@ -70,7 +76,14 @@ def begin_decode(score, count, config):
     for layer in range(n_layers):
         for e in range(n_experts):
             count[layer, e] = 0
-            score[layer, e] = layer * n_experts + e
+            score[layer, e] = _request_score(0, layer, e, n_experts)
+
+
+@njit(cache=True)
+def _protected(e, n_experts, union, layer):
+    """A held item ``e`` slots past the layer's first (its expert id when ``0 <= e < E``) is in the
+    layer's union, which no eviction of the layer may take."""
+    return 0 <= e < n_experts and (union[layer, e >> 6] >> np.uint64(e & 63)) & ONE != 0
 
 
 @njit(cache=True)
@@ -90,9 +103,8 @@ def _lowest_first(slots, row, flat_score, to_flat, first, n_experts, union, laye
         key = flat_score[held + to_flat]
         if m == n_evict and key >= cand_score[m - 1]:
             continue
-        e = held - first
-        if 0 <= e < n_experts and (union[layer, e >> 6] >> np.uint64(e & 63)) & ONE:
-            continue   # the layer's union is protected
+        if _protected(held - first, n_experts, union, layer):
+            continue
         if m == n_evict:
             m -= 1       # the largest kept so far leaves
         j = m
@@ -124,9 +136,8 @@ def _lowest_keep_first(slots, row, flat_score, flat_keep, to_flat, first, n_expe
             last = flat_keep[slots[row, cand_slot[m - 1]] + to_flat]
             if not (key < last or (key == last and score < cand_score[m - 1])):
                 continue
-        e = held - first
-        if 0 <= e < n_experts and (union[layer, e >> 6] >> np.uint64(e & 63)) & ONE:
-            continue   # the layer's union is protected
+        if _protected(held - first, n_experts, union, layer):
+            continue
         if m == n_evict:
             m -= 1       # the largest kept so far leaves
         j = m
@@ -453,7 +464,7 @@ def prefetch_items(mask, bits, score, count, slots, n_used, clock, counters, con
         for layer in range(n_layers):
             for e in range(n_experts):
                 count[layer, e] = uses[layer, e]
-                score[layer, e] = uses[layer, e] * SPAN + layer * n_experts + e
+                score[layer, e] = _request_score(uses[layer, e], layer, e, n_experts)
     for layer in range(n_layers):
         counters[HITS, layer], counters[MISSES, layer], counters[STREAMED, layer] = kept[0, layer], kept[1, layer], \
             kept[2, layer]
