@@ -22,8 +22,8 @@ the candidates the hidden time is ``min(misses_{l+1} * transfer_s, compute_l)``,
 next-layer predictor. Layer 0 has no window in the pass (the drafting before it is the draft-time
 prefetch's, :mod:`specfit.experts.prefetch`).
 
-The cache is the replay's own per-layer cache (:class:`~specfit.experts.cache.ExpertCache`,
-rebuilt here and admitting each cycle's union as the replay did); prefetched experts go to a
+The cache is the replay's own (:class:`~specfit.experts.cache.ExpertCache`, per layer or
+global, any eviction rule, rebuilt here and admitting each cycle's union as the replay did); prefetched experts go to a
 staging buffer for one layer and evict nothing, so residency, hits and misses are those of the
 replay and only time is recharged. A policy that knew of the overlap might choose other subtrees;
 this keeps its choices.
@@ -89,21 +89,31 @@ def _hidden(window: np.ndarray, useful: np.ndarray, started: np.ndarray, transfe
 
 
 def layer_ahead(unions: list[np.ndarray], nodes: np.ndarray, draft_levels: np.ndarray, n_layers: int,
-                n_experts: int, capacity: int, cost: CostModel, rank: Ranker | None = None) -> LayerAhead:
+                n_experts: int, capacity: int, cost: CostModel, rank: Ranker | None = None,
+                policy: str = "lru", decode_starts: np.ndarray | None = None, mode: str = "per_layer") -> LayerAhead:
     """Recharge a replay's cycles (``unions``: flat item ids ``layer * E + expert`` per cycle;
-    ``nodes`` and ``draft_levels`` per cycle) with the layer-ahead windows, on a per-layer LRU
-    cache of ``capacity`` experts per layer. ``rank``: the prefetcher's candidates (see
+    ``nodes`` and ``draft_levels`` per cycle) with the layer-ahead windows, on a cache of
+    ``capacity`` experts per layer (``mode="global"``: slots shared by every layer) evicting by
+    ``policy`` (LRU by default; any of :data:`~specfit.experts.cache.EVICTION_POLICIES`), whose
+    requests' decoding begins
+    (:meth:`~specfit.experts.cache.ExpertCache.begin_decode`) before each cycle flagged in
+    ``decode_starts`` (bool [cycles]; default none). ``rank``: the prefetcher's candidates (see
     :data:`Ranker`); ``None``: the true misses, the ceiling."""
     transfer_s = cost.miss_s - cost.hit_s
     if transfer_s < 0:
         raise ValueError(f"cost model: miss_s ({cost.miss_s}) below hit_s ({cost.hit_s})")
     req = request_matrix(unions, n_layers * n_experts).reshape(len(unions), n_layers, n_experts)
     T = req.shape[0]
-    cache = ExpertCache(n_layers, n_experts, capacity)
+    cache = ExpertCache(n_layers, n_experts, capacity, mode=mode, policy=policy)
+    starts = np.zeros(T, dtype=bool) if decode_starts is None else np.asarray(decode_starts, dtype=bool)
+    if starts.shape != (T,):
+        raise ValueError(f"layer_ahead: decode_starts has shape {starts.shape}, expected ({T},), one flag a cycle")
     out = LayerAhead(*(np.zeros(T, dtype=np.int64) for _ in range(2)), np.zeros(T), np.zeros(T),
                      *(np.zeros(T, dtype=np.int64) for _ in range(2)))
     fixed_s = cost.base_s / n_layers
     for t in range(T):
+        if starts[t]:
+            cache.begin_decode()
         resident = cache.resident()
         result = cache.admit(req[t])
         out.hits[t], out.misses[t] = result.total_hits, result.total_misses

@@ -1,0 +1,228 @@
+"""SpecFit against MoE-Infinity as a whole: its cache's eviction rule and its activation-aware
+prefetcher together, on AR decoding.
+
+    python benchmarks/bench_moe_infinity.py [--traces olmoe-sample,olmoe-general,olmoe-coding,qwen3-chat]
+        [--profiles pcie4,pcie5,gh200] [--caches 0,0.25,0.5] [--modes per_layer,global] [--out runs/x.json]
+
+MoE-Infinity decodes autoregressively; what it brings to offloading is its cache
+(``--cache-policy moe-infinity``: ``bench_eviction.py``) and its prefetcher: as each layer routes,
+it matches the request's expert activation matrix against a collection of past requests' and
+copies the best match's experts ahead (:mod:`specfit.experts.eam`). Here the prefetch runs in the
+layer-ahead windows of :func:`specfit.experts.layer_ahead.layer_ahead`: layer ``l + 1``'s copies
+while layer ``l`` computes, in the link time a pass leaves idle, a wasted copy's overrun charged
+(the collection: the other fold's requests, :func:`~specfit.experts.predictors.cycle_folds`).
+
+Per trace, profile, cache size (a share of a layer's experts per layer, ``per_layer``; the same
+slots shared by every layer, ``global``, MoE-Infinity's own mode; size 0 once) it replays ``ar``
+under LRU and under MoE-Infinity's rule, recharges the latter with three prefetchers (the true
+next-layer misses, the ceiling of any; MoE-Infinity's matching; ``bench_layer_ahead.py``'s
+transition table, cross-fitted alike), and replays ``specfit+cache+prefetch`` (true experts,
+acceptance calibrated cross-fitted, as ``bench_policy.py``) under both rules. The recount must
+give each replay's hits, misses and time before anything is reported. SpecFit gets no layer-ahead
+windows here (it has no such lever, and its look-ahead eviction is not recounted), so every ratio
+to MoE-Infinity gives MoE-Infinity a prefetcher SpecFit does not have.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
+
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bench_policy as bp  # noqa: E402
+from specfit.calibrate.profile import ModelShape  # noqa: E402
+from specfit.experts.eam import EAMRanker, activation_matrices  # noqa: E402
+from specfit.experts.layer_ahead import TransitionRanker, layer_ahead  # noqa: E402
+from specfit.experts.predictors import cycle_folds  # noqa: E402
+from specfit.policies import make_policy  # noqa: E402
+from specfit.simulate.replay import prepare_trace  # noqa: E402
+
+SPECFIT = "specfit+cache+prefetch"
+PREFETCHERS = ("ceiling", "eam", "transition")
+
+
+class Prefetchers:
+    """The cross-fitted next-layer predictors of one trace: per fold, MoE-Infinity's collection
+    (the other fold's requests) and a transition table (the other fold's positions)."""
+
+    def __init__(self, prep):
+        trace = self.trace = prep.trace
+        self.prep = prep
+        self.fold = cycle_folds(trace, 2)
+        self.roots = trace.true_experts[trace.offsets[:-1]]          # [cycles, L, k]: committed tokens
+        # a request: one sequence of one fold (a fold is a block of cycles when sequences are fewer)
+        _, request = np.unique(np.stack([trace.sequence, self.fold]), axis=1, return_inverse=True)
+        request = request.ravel()
+        self.eam, self.transition = [], []
+        for f in (0, 1):
+            mine = self.fold == f
+            _, owner = np.unique(request[mine], return_inverse=True)
+            self.eam.append(EAMRanker(activation_matrices(self.roots[mine], owner, trace.n_experts),
+                                      trace.true_experts.shape[2]))
+            self.transition.append(TransitionRanker(self.roots[mine], trace.n_experts))
+
+    def rankers(self, log) -> dict:
+        """``layer_ahead``'s ``rank`` per prefetcher for the cycles of ``log`` (a replay in order):
+        each cycle ranked by the fold its sequence is not in; MoE-Infinity's with the activation
+        matrix of the request's tokens committed before the cycle."""
+        c, prep, trace = log.columns, self.prep, self.trace
+        first = prep.first_cycles[c["sequence"]] + c["position"]          # each cycle's first trace cycle
+        other = 1 - self.fold[first]
+        nodes = c["nodes_verified"]
+        history = np.zeros((trace.n_layers, trace.n_experts))
+        at = [-1, -1]                                                     # (sequence, trace cycle) counted to
+
+        def eam(t, union):
+            seq = int(c["sequence"][t])
+            if at[0] != seq:
+                history[:] = 0.0
+                at[:] = [seq, int(prep.first_cycles[seq])]
+            for cycle in range(at[1], int(first[t])):                     # the tokens committed since
+                np.add.at(history, (np.arange(trace.n_layers)[:, None], self.roots[cycle]), 1.0)
+            at[1] = max(at[1], int(first[t]))
+            return self.eam[other[t]].rank(history, nodes[t])
+
+        return {"eam": eam,
+                "transition": lambda t, union: self.transition[other[t]].rank(t, union, nodes[t])}
+
+
+def recharge(prefetchers: Prefetchers, log, capacity: int, mode: str, cost, label: str) -> dict:
+    """``log``'s unions recounted under MoE-Infinity's rule with each prefetcher (keys ``LABEL+NAME``),
+    checked against the replay's hits, misses and charged time."""
+    trace, c = prefetchers.trace, log.columns
+    starts = np.r_[True, c["sequence"][1:] != c["sequence"][:-1]]
+    args = (log.unions, c["nodes_verified"], c["draft_levels"], trace.n_layers, trace.n_experts, capacity, cost)
+    kw = {"policy": "moe-infinity", "decode_starts": starts, "mode": mode}
+    rankers = prefetchers.rankers(log)
+    out = {name: layer_ahead(*args, rank=rankers.get(name), **kw) for name in PREFETCHERS}
+    base = out["ceiling"]
+    if not (np.array_equal(base.hits, c["hits"]) and np.array_equal(base.misses, c["misses"])
+            and np.allclose(base.time_s, c["charged_time_s"], rtol=1e-9)):
+        raise SystemExit(f"{prefetchers.prep.name}: the recount differs from the replay's hits, misses or time")
+    tokens = float(c["committed_tokens"].sum())
+    row = {label: tokens / base.time_s.sum()}
+    row.update({f"{label}+{name}": tokens / la.time_with_overlap_s.sum() for name, la in out.items()})
+    hidden = base.hidden_s.sum()
+    for name in ("eam", "transition"):
+        row[f"{label} {name} precision"] = out[name].precision
+        row[f"{label} {name} of ceiling"] = float(out[name].hidden_s.sum() / hidden) if hidden else float("nan")
+    return row
+
+
+def run_setting(prefetchers: Prefetchers, capacity: int, mode: str, cost) -> dict:
+    prep = prefetchers.prep
+    row = {"ar lru": bp.rate(bp.run(prep, make_policy("ar"), capacity, cost, mode=mode))}
+    # ar and specfit without levers under MoE-Infinity's rule, each recounted with the prefetchers
+    for spec in ("ar", "specfit"):
+        log = bp.run(prep, make_policy(spec), capacity, cost, record_unions=True, mode=mode, eviction="moe-infinity")
+        row.update(recharge(prefetchers, log, capacity, mode, cost, spec))
+    row["moe-infinity"] = row["ar+eam"]
+    for eviction in ("lru", "moe-infinity"):
+        row[f"{SPECFIT} {eviction}"] = bp.rate(bp.run(prep, make_policy(SPECFIT), capacity, cost, mode=mode,
+                                                      eviction=eviction))
+    row["specfit best"] = max(row[f"{SPECFIT} lru"], row["specfit+eam"])
+    return row
+
+
+COLUMNS = (("ar lru", "ar (LRU)"), ("ar", "ar, MoE-Inf. cache"),
+           ("moe-infinity", "MoE-Infinity (its cache + EAM prefetch)"), ("ar+ceiling", "same, true next-layer misses"),
+           ("ar+transition", "same, transition table"), ("specfit", "specfit, MoE-Inf. cache"),
+           ("specfit+eam", "same + EAM prefetch"), (f"{SPECFIT} lru", f"{SPECFIT} (LRU)"),
+           (f"{SPECFIT} moe-infinity", f"{SPECFIT}, MoE-Inf. cache"))
+
+
+def print_setting(name: str, profile: str, rows: list[dict]) -> None:
+    print(f"\n#### {name}, {profile}: tokens/s\n")
+    heads = ["cache", "mode", *(h for _, h in COLUMNS), "EAM precision (ar)", "EAM / ceiling (ar)",
+             "SpecFit's best / MoE-Infinity"]
+    print("| " + " | ".join(heads) + " |")
+    print("|" + "---|" * len(heads))
+    for r in rows:
+        cells = [str(r["cache"]), r["mode"], *(f"{r[k]:.2f}" for k, _ in COLUMNS), f"{r['ar eam precision']:.2f}",
+                 f"{r['ar eam of ceiling']:.2f}", f"{r['specfit best'] / r['moe-infinity']:.3f}"]
+        print("| " + " | ".join(cells) + " |")
+
+
+def _line(label: str, values) -> str:
+    v = np.asarray([x for x in values if np.isfinite(x)])
+    below = "" if label.startswith("share:") else f"{int((v < 1.0).sum())} of {v.size}"
+    return f"| {label} | {np.median(v):.3f} | {v.min():.3f}-{v.max():.3f} | {below} |"
+
+
+def print_overall(rows: list[dict]) -> None:
+    print(f"\n### Over all {len(rows)} settings\n")
+    print("| ratio or share | median | range | ratio below 1 |")
+    print("|---|---:|---|---:|")
+    ratios = {
+        "MoE-Infinity (its cache + EAM prefetch) / `ar` (LRU)": [r["moe-infinity"] / r["ar lru"] for r in rows],
+        "EAM prefetch alone (`ar`, MoE-Infinity's cache: with / without)": [r["ar+eam"] / r["ar"] for r in rows],
+        "true next-layer misses (the ceiling), same": [r["ar+ceiling"] / r["ar"] for r in rows],
+        "transition table, same": [r["ar+transition"] / r["ar"] for r in rows],
+        "share: the ceiling's hidden time the EAM prefetch hides (`ar`)": [r["ar eam of ceiling"] for r in rows],
+        "share: EAM copies of an expert the next layer missed (`ar`)": [r["ar eam precision"] for r in rows],
+        "EAM prefetch for `specfit` (its cache: with / without)": [r["specfit+eam"] / r["specfit"] for r in rows],
+        f"`{SPECFIT}` (LRU) / MoE-Infinity": [r[f"{SPECFIT} lru"] / r["moe-infinity"] for r in rows],
+        f"`{SPECFIT}` (MoE-Infinity's cache) / MoE-Infinity": [r[f"{SPECFIT} moe-infinity"] / r["moe-infinity"]
+                                                             for r in rows],
+        "`specfit` + EAM prefetch (MoE-Infinity's cache) / MoE-Infinity": [r["specfit+eam"] / r["moe-infinity"]
+                                                                          for r in rows],
+        "SpecFit's best of the two / MoE-Infinity": [r["specfit best"] / r["moe-infinity"] for r in rows],
+        "same, both with the true next-layer misses": [max(r[f"{SPECFIT} lru"], r["specfit+ceiling"]) / r["ar+ceiling"]
+                                                       for r in rows],
+    }
+    for label, values in ratios.items():
+        print(_line(label, values))
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = bp.trace_arguments(__doc__)
+    ap.add_argument("--caches", default="0,0.25,0.5", help="cache sizes as shares of a layer's experts")
+    ap.add_argument("--modes", default="per_layer,global")
+    ap.add_argument("--out", default=None, help="write every row as JSON here")
+    args = ap.parse_args(argv)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    try:
+        shares = [float(s) for s in args.caches.split(",") if s.strip()]
+    except ValueError:
+        shares = [-1.0]
+    if not modes or any(m not in ("per_layer", "global") for m in modes) or not shares \
+            or any(not 0 <= s <= 1 for s in shares):
+        raise SystemExit(f"--modes: per_layer and/or global; --caches: shares in [0, 1] (got {args.modes!r}, "
+                         f"{args.caches!r})")
+    all_rows, start = [], time.perf_counter()
+    for name, trace in bp.load_traces(args.traces.split(","), args.sequences, args.workload):
+        shape = ModelShape.from_trace_meta(trace.model)
+        prefetchers = Prefetchers(prepare_trace(name, trace, "oracle", "calibrated"))
+        print(f"\n### {name}: {trace.n_cycles} positions, {len(np.unique(trace.sequence))} sequences, "
+              f"{trace.n_layers} layers x {trace.n_experts} experts")
+        for profile in args.profiles.split(","):
+            cost = bp.profile_cost(profile, trace, shape)
+            rows = []
+            for share in shares:
+                per_layer = int(round(share * trace.n_experts))
+                for mode in modes if per_layer else modes[:1]:      # no slots: one mode says it all
+                    capacity = per_layer if mode == "per_layer" else per_layer * trace.n_layers
+                    rows.append({"trace": name, "profile": profile, "cache": per_layer, "mode": mode,
+                                 **run_setting(prefetchers, capacity, mode, cost)})
+            print_setting(name, profile, rows)
+            all_rows.extend(rows)
+            if args.out:
+                bp._write(args.out, all_rows)
+    print_overall(bp.some_measured(all_rows))
+    print(f"\n({time.perf_counter() - start:.0f} s)")
+    return all_rows
+
+
+if __name__ == "__main__":
+    main()
