@@ -17,6 +17,7 @@ from specfit.simulate.replay import prepare, replay
 from specfit.traces.format import read_trace
 
 from bench_helpers import bench_module
+from test_simulate import with_prompt_passes
 from trace_helpers import SAMPLE_OLMOE
 
 
@@ -113,13 +114,17 @@ def test_bad_collections_are_refused():
         EAMRanker(np.ones((1, 2, 3)), 0)
 
 
+@pytest.mark.parametrize("prompt_passes", [0, 2])
 @pytest.mark.parametrize("mode,capacity", [("per_layer", 16), ("global", 256)])
-def test_the_recharge_under_moe_infinitys_rule_keeps_the_replays_cache_and_time(mode, capacity):
-    """On the shipped OLMoE trace (two sequences), `ar`'s unions replayed with MoE-Infinity's
-    eviction, recounted with the decoding of each sequence begun where the replay begins it, give
-    the replay's hits, misses and time; the EAM prefetcher hides time and never more than the
-    true misses; without the restarts the recount differs."""
+def test_the_recharge_under_moe_infinitys_rule_keeps_the_replays_cache_and_time(mode, capacity, prompt_passes):
+    """On the shipped OLMoE trace (two sequences; with recorded prompt passes too), `ar`'s unions
+    replayed with MoE-Infinity's eviction, recounted request by request as the replay served them
+    (prompt passes admitted, then decoding begun), give the replay's hits, misses and time; the EAM
+    prefetcher hides time and never more than the true misses; without the requests' boundaries,
+    or without the prompt passes, the recount differs."""
     trace = read_trace(SAMPLE_OLMOE)
+    if prompt_passes:
+        trace = with_prompt_passes(trace, prompt_passes, 24, seed=3)
     prep = prepare("oracle", trace, trace.true_experts)
     cost = preset_profile("gh200", SHAPES.get(trace.model["name"])).cost
     policy = make_policy("ar")
@@ -127,22 +132,25 @@ def test_the_recharge_under_moe_infinitys_rule_keeps_the_replays_cache_and_time(
     cache = ExpertCache(trace.n_layers, trace.n_experts, capacity, mode=mode, policy="moe-infinity")
     log = replay(prep, policy, cache, cost, record_unions=True)
     c = log.columns
-    starts = np.r_[True, c["sequence"][1:] != c["sequence"][:-1]]
-    assert starts.sum() == 2
+    assert len(log.prefill_unions) == (2 if prompt_passes else 0)
     args = (log.unions, c["nodes_verified"], c["draft_levels"], trace.n_layers, trace.n_experts, capacity, cost)
     kw = {"policy": "moe-infinity", "mode": mode}
-    perfect = layer_ahead(*args, decode_starts=starts, **kw)
+    perfect = layer_ahead(*args, sequence=c["sequence"], prefill_unions=log.prefill_unions, **kw)
     np.testing.assert_array_equal(perfect.hits, c["hits"])
     np.testing.assert_array_equal(perfect.misses, c["misses"])
     np.testing.assert_allclose(perfect.time_s, c["charged_time_s"], rtol=1e-12)
     ranker = EAMRanker(activation_matrices(trace.true_experts[trace.offsets[:-1]], np.zeros(trace.n_cycles, int),
                                            trace.n_experts), trace.true_experts.shape[2])
-    ranked = layer_ahead(*args, decode_starts=starts, rank=lambda t, u: ranker.rank(np.zeros_like(u, float)), **kw)
+    ranked = layer_ahead(*args, sequence=c["sequence"], prefill_unions=log.prefill_unions,
+                         rank=lambda t, u: ranker.rank(np.zeros_like(u, float)), **kw)
     assert (ranked.hidden_s <= perfect.hidden_s + 1e-12).all() and ranked.hidden_s.sum() > 0
-    no_restart = layer_ahead(*args, **kw)
-    assert not np.array_equal(no_restart.misses, c["misses"])
-    with pytest.raises(ValueError, match="decode_starts"):
-        layer_ahead(*args, decode_starts=starts[1:], **kw)
+    assert not np.array_equal(layer_ahead(*args, **kw).misses, c["misses"])
+    if prompt_passes:
+        assert not np.array_equal(layer_ahead(*args, sequence=c["sequence"], **kw).misses, c["misses"])
+    with pytest.raises(ValueError, match="sequence"):
+        layer_ahead(*args, sequence=c["sequence"][::-1], **kw)
+    with pytest.raises(ValueError, match="prefill_unions needs sequence"):
+        layer_ahead(*args, prefill_unions={0: [np.array([0])]}, **kw)
 
 
 def test_the_benchmark_compares_specfit_with_moe_infinity(capsys):
@@ -155,8 +163,8 @@ def test_the_benchmark_compares_specfit_with_moe_infinity(capsys):
     for r in rows:
         assert r["ar+ceiling"] >= r["moe-infinity"] > 0 and r["specfit+ceiling"] >= r["specfit+eam"] > 0
         assert 0 < r["ar eam precision"] <= 1
-        assert r["moe-infinity"] == r["ar+eam"] and r["specfit best"] >= r["specfit+cache+prefetch lru"]
+        assert r["moe-infinity"] == r["ar+eam"] and r["ar+ceiling"] > r["ar"] and r["specfit+ceiling"] > r["specfit"]
     out = capsys.readouterr().out
-    assert "| SpecFit's best of the two / MoE-Infinity |" in out
+    assert "| `specfit+cache+prefetch` (LRU) / MoE-Infinity |" in out
     with pytest.raises(SystemExit, match="--caches"):
         bench.main(["--traces", "olmoe-sample", "--caches", "1.5"])

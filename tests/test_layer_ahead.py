@@ -140,6 +140,22 @@ def test_windows_equal_the_event_walk_and_no_ranker_beats_the_true_misses(seed):
     np.testing.assert_array_equal(perfect.misses, ranked.misses)
 
 
+def test_a_global_cache_charges_what_an_earlier_layer_evicted_in_the_same_cycle():
+    """Two layers share two LRU slots. Cycle 2 needs (0, 1) and (1, 0): layer 0's miss evicts
+    (1, 0), the least recent, which layer 1 then misses; the windows count that miss (they once
+    took the cycle's start, where (1, 0) was resident, and hid nothing)."""
+    E = 2
+    unions = [np.array([E + 0]), np.array([0]), np.array([1, E + 0])]
+    nodes, levels = np.ones(3, dtype=np.int64), np.zeros(3, dtype=np.int64)
+    out = layer_ahead(unions, nodes, levels, 2, E, 2, COST, mode="global")
+    np.testing.assert_array_equal(out.misses, [1, 1, 2])
+    # layer 0 computes 0.1 + 0.01 s, long enough for the 0.05 s copy of (1, 0)
+    assert out.copies[2] == 1 and out.useful[2] == 1 and out.hidden_s[2] == pytest.approx(0.05)
+    # ranked (1, 0), (1, 1): both copied inside the window, the first needed
+    ranked = layer_ahead(unions, nodes, levels, 2, E, 2, COST, mode="global", rank=_fixed([0, 1]))
+    assert ranked.copies[2] == 2 and ranked.useful[2] == 1 and ranked.hidden_s[2] == pytest.approx(0.05)
+
+
 def test_transition_ranker_counts_and_order():
     # three positions of a 2-layer, 4-expert model, one expert a layer: 0 -> 2, 0 -> 3, 1 -> 3
     experts = np.array([[[0], [2]], [[0], [3]], [[1], [3]]])

@@ -25,13 +25,28 @@ that way: per entry, the sum of the cosines of layers ``> l``, the first maximum
 
 In :func:`~specfit.experts.layer_ahead.layer_ahead`'s windows (layer ``l + 1``'s copies while layer
 ``l`` computes) the ranker offers layer ``l + 1``'s experts in the winner's order (the decay is one
-factor per layer, so within a layer it changes nothing). What the windows do not model of
-MoE-Infinity: its queue runs on past a window into later layers, and a prefetched expert enters the
-cache (here it waits in a one-layer staging buffer, evicting nothing; the cache's own rule can be
-MoE-Infinity's, ``ExpertCache(policy="moe-infinity")``). Its collection grows as requests finish
-(``finish_entry``); here it is fixed, the requests of the other fold of the trace (as MoE-Infinity
-loads a recorded collection, ``load_trace``). The recharge's overrun rule needs a probability that
-a candidate is needed: the winner's share of its tokens that routed to it at layer ``l + 1``
+factor per layer, so within a layer it changes nothing). What differs from MoE-Infinity:
+
+- its queue, replaced as each layer routes (``replace_cache_candidates``), holds the experts of
+  every layer from ``l`` on, ordered by count times decay, so the copies made while layer ``l``
+  computes are layer ``l + 1``'s only in part (after layer 0 on the OLMoE general trace, layer 1's
+  first expert is the 16th queued); the windows give layer ``l + 1`` all of its window, which
+  credits MoE-Infinity with more than its queue would hide there, and with nothing for the later
+  layers' copies;
+- a prefetched expert enters its cache and the predicted experts are shielded from eviction; here
+  a copy waits a layer in a staging buffer and evicts nothing (the cache's rule can be
+  MoE-Infinity's, ``ExpertCache(policy="moe-infinity")``);
+- a request's matrix counts its prompt's tokens as well (routing logs record decoded positions: the
+  matrices here count those);
+- its collection grows as requests finish (``finish_entry``); here it is fixed, the requests of the
+  other fold of the trace (as the paper's offline collection);
+- an entry with an empty row (experts unknown at a layer) gives it NaN similarities, which
+  ``argmin`` may pick; here such a row's cosine is 0.
+
+Its repository's HEAD calls the prefetcher for two model families (Arctic, Grok; the others'
+calls are commented out) and does not load a recorded collection given as a path: this is the
+prefetcher of its design and its predictor's code. The recharge's overrun rule needs a probability
+that a candidate is needed: the winner's share of its tokens that routed to it at layer ``l + 1``
 (count over the row's sum divided by ``k``), for any of the cycle's ``nodes`` tokens ``1 - (1 -
 share) ** nodes`` (MoE-Infinity has no such rule: it never cancels a copy, and the recharge's rule
 only ever spares it a wasted copy's overrun).

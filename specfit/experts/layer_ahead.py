@@ -90,67 +90,97 @@ def _hidden(window: np.ndarray, useful: np.ndarray, started: np.ndarray, transfe
 
 def layer_ahead(unions: list[np.ndarray], nodes: np.ndarray, draft_levels: np.ndarray, n_layers: int,
                 n_experts: int, capacity: int, cost: CostModel, rank: Ranker | None = None,
-                policy: str = "lru", decode_starts: np.ndarray | None = None, mode: str = "per_layer") -> LayerAhead:
+                policy: str = "lru", mode: str = "per_layer", sequence: np.ndarray | None = None,
+                prefill_unions: dict[int, list[np.ndarray]] | None = None) -> LayerAhead:
     """Recharge a replay's cycles (``unions``: flat item ids ``layer * E + expert`` per cycle;
     ``nodes`` and ``draft_levels`` per cycle) with the layer-ahead windows, on a cache of
     ``capacity`` experts per layer (``mode="global"``: slots shared by every layer) evicting by
-    ``policy`` (LRU by default; any of :data:`~specfit.experts.cache.EVICTION_POLICIES`), whose
-    requests' decoding begins
-    (:meth:`~specfit.experts.cache.ExpertCache.begin_decode`) before each cycle flagged in
-    ``decode_starts`` (bool [cycles]; default none). ``rank``: the prefetcher's candidates (see
-    :data:`Ranker`); ``None``: the true misses, the ceiling."""
+    ``policy`` (LRU by default; any of :data:`~specfit.experts.cache.EVICTION_POLICIES`).
+    ``rank``: the prefetcher's candidates (see :data:`Ranker`); ``None``: the true misses, the
+    ceiling.
+
+    With ``sequence`` (int [cycles], each cycle's sequence, in order: a replay log's column) the
+    cache serves the requests as the replay's did: before each sequence's first cycle its prompt
+    passes (``prefill_unions[s]``, a log's, flat item ids per pass) are admitted and its decoding
+    begins (:meth:`~specfit.experts.cache.ExpertCache.begin_decode`); a sequence with prompt
+    passes and no cycle still admits them. Without it, one request throughout."""
     transfer_s = cost.miss_s - cost.hit_s
     if transfer_s < 0:
         raise ValueError(f"cost model: miss_s ({cost.miss_s}) below hit_s ({cost.hit_s})")
     req = request_matrix(unions, n_layers * n_experts).reshape(len(unions), n_layers, n_experts)
     T = req.shape[0]
     cache = ExpertCache(n_layers, n_experts, capacity, mode=mode, policy=policy)
-    starts = np.zeros(T, dtype=bool) if decode_starts is None else np.asarray(decode_starts, dtype=bool)
-    if starts.shape != (T,):
-        raise ValueError(f"layer_ahead: decode_starts has shape {starts.shape}, expected ({T},), one flag a cycle")
     out = LayerAhead(*(np.zeros(T, dtype=np.int64) for _ in range(2)), np.zeros(T), np.zeros(T),
                      *(np.zeros(T, dtype=np.int64) for _ in range(2)))
     fixed_s = cost.base_s / n_layers
-    for t in range(T):
-        if starts[t]:
-            cache.begin_decode()
-        resident = cache.resident()
-        result = cache.admit(req[t])
-        out.hits[t], out.misses[t] = result.total_hits, result.total_misses
-        if n_layers < 2 or transfer_s == 0:
-            continue
-        union = req[t]
-        missed = union & ~resident                     # [L, E]: what the pass copies, per layer
-        window = fixed_s + cost.per_node_s * nodes[t] / n_layers + union.sum(axis=1)[:-1] * cost.hit_s
-        slots = int(np.ceil(window.max() / transfer_s))
-        if slots == 0:                                 # no compute time to overlap
-            continue
-        if rank is None:
-            # the true misses of each next layer, as many as the window starts
-            started = np.minimum(missed[1:].sum(axis=1), np.ceil(window / transfer_s))
-            # every copy started is of a true miss; the slots run to the widest window
-            useful = np.arange(slots)[None, :] < started[:, None]
-        else:
-            ranked, p = (np.asarray(x) for x in rank(t, union))
-            ok = ranked >= 0
-            ids = np.where(ok, ranked, 0)
-            # candidates already resident need no copy: drop them, keeping the order
-            ok &= ~np.take_along_axis(resident[1:], ids, axis=1)
-            order = np.argsort(~ok, axis=1, kind="stable")[:, :slots]
-            ids, ok, p = (np.take_along_axis(x, order, axis=1) for x in (ids, ok, p))
-            hit = ok & np.take_along_axis(missed[1:], ids, axis=1)
-            useful = np.zeros((n_layers - 1, slots), dtype=bool)
-            useful[:, :hit.shape[1]] = hit
-            started = np.minimum(ok.sum(axis=1), np.ceil(window / transfer_s))
-            # the copy that would run past the window: started only when it pays in expectation
-            last, inside, overrun = _last_copy(window, started, transfer_s)
-            chance = np.take_along_axis(p, last[:, None], axis=1)[:, 0]
-            started -= (started > 0) & (overrun > 0) & (chance * inside < (1.0 - chance) * overrun)
-            useful &= np.arange(slots)[None, :] < started[:, None]
-        out.hidden_s[t] = _hidden(window, useful, started, transfer_s)
-        out.copies[t], out.useful[t] = int(started.sum()), int(useful.sum())
+    for lo, hi in _requests(cache, T, n_layers, n_experts, sequence, prefill_unions):
+        for t in range(lo, hi):
+            _window(t, req[t], cache, out, rank, nodes[t], fixed_s, transfer_s, cost)
     out.time_s[:] = cost.predict_counts(draft_levels, nodes, out.hits, out.misses)
     return out
+
+
+def _requests(cache: ExpertCache, T: int, n_layers: int, n_experts: int, sequence, prefill_unions):
+    """Yield each request's cycles ``(lo, hi)``, its prompt passes admitted and its decoding begun
+    first (see :func:`layer_ahead`)."""
+    if sequence is None:
+        if prefill_unions:
+            raise ValueError("layer_ahead: prefill_unions needs sequence, the cycles' sequences")
+        yield 0, T
+        return
+    sequence = np.asarray(sequence, dtype=np.int64)
+    if sequence.shape != (T,) or np.any(np.diff(sequence) < 0):
+        raise ValueError(f"layer_ahead: sequence has shape {sequence.shape}, expected ({T},) in non-decreasing order, "
+                         f"one a cycle as a replay makes them")
+    prefills = prefill_unions or {}
+    for s in sorted(set(prefills) | set(sequence.tolist())):
+        for union in prefills.get(s, []):
+            cache.admit(request_matrix([union], n_layers * n_experts).reshape(n_layers, n_experts))
+        cache.begin_decode()
+        yield int(np.searchsorted(sequence, s)), int(np.searchsorted(sequence, s, side="right"))
+
+
+def _window(t: int, union: np.ndarray, cache: ExpertCache, out: LayerAhead, rank, nodes: int, fixed_s: float,
+            transfer_s: float, cost: CostModel) -> None:
+    """Admit cycle ``t``'s ``union`` (bool [L, E]) and charge its windows into ``out``."""
+    resident = cache.resident()
+    result = cache.admit(union)
+    out.hits[t], out.misses[t] = result.total_hits, result.total_misses
+    n_layers = union.shape[0]
+    if n_layers < 2 or transfer_s == 0:
+        return
+    # [L, E]: what the pass copies, per layer (a global cache's earlier layers may evict what a later
+    # one then misses, so the admission says, not the residency at the cycle's start)
+    missed = union & ~result.hit_mask
+    resident = resident & ~missed
+    window = fixed_s + cost.per_node_s * nodes / n_layers + union.sum(axis=1)[:-1] * cost.hit_s
+    slots = int(np.ceil(window.max() / transfer_s))
+    if slots == 0:                                 # no compute time to overlap
+        return
+    if rank is None:
+        # the true misses of each next layer, as many as the window starts
+        started = np.minimum(missed[1:].sum(axis=1), np.ceil(window / transfer_s))
+        # every copy started is of a true miss; the slots run to the widest window
+        useful = np.arange(slots)[None, :] < started[:, None]
+    else:
+        ranked, p = (np.asarray(x) for x in rank(t, union))
+        ok = ranked >= 0
+        ids = np.where(ok, ranked, 0)
+        # candidates already resident need no copy: drop them, keeping the order
+        ok &= ~np.take_along_axis(resident[1:], ids, axis=1)
+        order = np.argsort(~ok, axis=1, kind="stable")[:, :slots]
+        ids, ok, p = (np.take_along_axis(x, order, axis=1) for x in (ids, ok, p))
+        hit = ok & np.take_along_axis(missed[1:], ids, axis=1)
+        useful = np.zeros((n_layers - 1, slots), dtype=bool)
+        useful[:, :hit.shape[1]] = hit
+        started = np.minimum(ok.sum(axis=1), np.ceil(window / transfer_s))
+        # the copy that would run past the window: started only when it pays in expectation
+        last, inside, overrun = _last_copy(window, started, transfer_s)
+        chance = np.take_along_axis(p, last[:, None], axis=1)[:, 0]
+        started -= (started > 0) & (overrun > 0) & (chance * inside < (1.0 - chance) * overrun)
+        useful &= np.arange(slots)[None, :] < started[:, None]
+    out.hidden_s[t] = _hidden(window, useful, started, transfer_s)
+    out.copies[t], out.useful[t] = int(started.sum()), int(useful.sum())
 
 
 class TransitionRanker:

@@ -249,8 +249,10 @@ def cycle_folds(trace, n_folds: int) -> np.ndarray:
     four ``math``), so contiguous blocks of sequences would fit every fold on another workload than
     the one it is scored on: on ``specfit demo``'s trace that cross-fit put the calibrated acceptance
     of EAGLE-3's trees far below the tokens committed; dealt in turn, close to them
-    (``benchmarks/RESULTS.md``, "Stop 32: cross-fitting folds that hold every workload"). A sequence
-    stays whole in one fold, so nothing of a scored sequence is ever fitted on."""
+    (``benchmarks/RESULTS.md``, "Stop 32: cross-fitting folds that hold every workload"). With as
+    many sequences as folds or more, a sequence stays whole in one fold, so nothing of a scored
+    sequence is ever fitted on; with fewer, the blocks split a sequence, and part of it is fitted on
+    for its other part."""
     seqs, seq_index = np.unique(trace.sequence, return_inverse=True)
     if seqs.size >= n_folds:
         return seq_index % n_folds
