@@ -138,18 +138,12 @@ def main() -> None:
         shape = ModelShape.from_trace_meta(trace.model)
         prep = prepare_trace(name, trace, "oracle", "calibrated")
         max_nodes = min(args.static_max_nodes, max(int(t[-1].n_nodes) for t in prep.level_trees))
-        print(f"\n### {name}: {trace.n_cycles} positions, {len(np.unique(trace.sequence))} sequences, "
-              f"{trace.n_layers} layers x {trace.n_experts} experts")
+        print(bp.trace_heading(name, trace))
         for profile in args.profiles.split(","):
             cost = bp.profile_cost(profile, trace, shape)
-            rows = []
-            for share in shares:
-                per_layer = int(round(share * trace.n_experts))
-                for mode in modes:
-                    capacity = per_layer if mode == "per_layer" else per_layer * trace.n_layers
-                    row = {"trace": name, "profile": profile, "cache": per_layer, "mode": mode,
-                           **run_setting(prep, capacity, mode, evictions, cost, max_nodes)}
-                    rows.append(row)
+            rows = [{"trace": name, "profile": profile, "cache": per_layer, "mode": mode,
+                     **run_setting(prep, capacity, mode, evictions, cost, max_nodes)}
+                    for per_layer, mode, capacity in bp.cache_settings(trace, shares, modes)]
             print_setting(name, profile, rows, evictions)
             all_rows.extend(rows)
             if args.out:

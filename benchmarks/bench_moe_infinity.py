@@ -215,17 +215,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name, trace in bp.load_traces(args.traces.split(","), args.sequences, args.workload):
         shape = ModelShape.from_trace_meta(trace.model)
         prefetchers = Prefetchers(prepare_trace(name, trace, "oracle", "calibrated"))
-        print(f"\n### {name}: {trace.n_cycles} positions, {len(np.unique(trace.sequence))} sequences, "
-              f"{trace.n_layers} layers x {trace.n_experts} experts")
+        print(bp.trace_heading(name, trace))
         for profile in args.profiles.split(","):
             cost = bp.profile_cost(profile, trace, shape)
-            rows = []
-            for share in shares:
-                per_layer = int(round(share * trace.n_experts))
-                for mode in modes if per_layer else modes[:1]:      # no slots: one mode says it all
-                    capacity = per_layer if mode == "per_layer" else per_layer * trace.n_layers
-                    rows.append({"trace": name, "profile": profile, "cache": per_layer, "mode": mode,
-                                 **run_setting(prefetchers, capacity, mode, cost)})
+            rows = [{"trace": name, "profile": profile, "cache": per_layer, "mode": mode,
+                     **run_setting(prefetchers, capacity, mode, cost)}
+                    for per_layer, mode, capacity in bp.cache_settings(trace, shares, modes)]
             print_setting(name, profile, rows)
             all_rows.extend(rows)
             if args.out:

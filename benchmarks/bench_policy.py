@@ -453,6 +453,21 @@ def print_attribution(all_rows: list[dict]) -> None:
                   f"{med(f'{label} learned', '+expected-stop learned', cached):.3f}x with learned ones")
 
 
+def cache_settings(trace, shares: list[float], modes: list[str]):
+    """Yield ``(slots per layer, mode, capacity)`` for each cache size (a share of a layer's
+    experts) and mode (``per_layer``; ``global``: the same slots shared by every layer); a size of
+    no slots once, in the first mode (every mode is the same without slots)."""
+    for share in shares:
+        per_layer = int(round(share * trace.n_experts))
+        for mode in modes if per_layer else modes[:1]:
+            yield per_layer, mode, per_layer if mode == "per_layer" else per_layer * trace.n_layers
+
+
+def trace_heading(name: str, trace) -> str:
+    return (f"\n### {name}: {trace.n_cycles} positions, {len(np.unique(trace.sequence))} sequences, "
+            f"{trace.n_layers} layers x {trace.n_experts} experts")
+
+
 def trace_arguments(doc: str) -> argparse.ArgumentParser:
     """A parser with the traces and profiles options this bench and those built on it share."""
     ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
