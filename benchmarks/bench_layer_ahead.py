@@ -44,8 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_policy import load_traces, run, some_measured  # noqa: E402
 from specfit.calibrate.presets import QWEN3_30B_A3B, resolve_profile  # noqa: E402
 from specfit.calibrate.profile import ModelShape  # noqa: E402
-from specfit.experts.layer_ahead import TransitionRanker, layer_ahead  # noqa: E402
-from specfit.experts.predictors import cycle_folds  # noqa: E402
+from specfit.experts.layer_ahead import CrossFitRankers, TransitionRanker, layer_ahead  # noqa: E402
 from specfit.io import write_text_atomic  # noqa: E402
 from specfit.policies import make_policy  # noqa: E402
 from specfit.simulate.replay import prepare_trace  # noqa: E402
@@ -56,24 +55,11 @@ POLICIES = {"ar": ("oracle", "ar"), "chain:1": ("oracle", "chain:1"), "specfit":
 FIXED = ("ar", "chain:1")
 
 
-def fold_rankers(prep) -> tuple[list[TransitionRanker], np.ndarray]:
-    """Two transition tables, each fitted on the roots (committed positions) of one fold of the
-    trace's cycles (:func:`~specfit.experts.predictors.cycle_folds`, as the predictors are
-    cross-fitted), and each trace cycle's fold: a cycle is ranked by the other fold's table."""
-    trace = prep.trace
-    fold = cycle_folds(trace, 2)
-    roots = trace.true_experts[trace.offsets[:-1]]
-    return [TransitionRanker(roots[fold == f], trace.n_experts) for f in (0, 1)], fold
-
-
-def recharge(prep, log, capacity: int, cost, rankers, fold) -> dict:
+def recharge(prep, log, capacity: int, cost, rankers: CrossFitRankers) -> dict:
     trace, c = prep.trace, log.columns
     args = (log.unions, c["nodes_verified"], c["draft_levels"], trace.n_layers, trace.n_experts, capacity, cost)
     perfect = layer_ahead(*args)
-    # a replay cycle starts at a trace cycle (its sequence's first, plus its position)
-    other = 1 - fold[prep.first_cycles[c["sequence"]] + c["position"]]
-    verified = c["nodes_verified"]
-    transition = layer_ahead(*args, rank=lambda t, union: rankers[other[t]].rank(t, union, verified[t]))
+    transition = layer_ahead(*args, rank=rankers.ranker("transition", log))
     # the recount is the replay's own cache and cost model, or nothing below means anything
     if not (np.array_equal(perfect.hits, c["hits"]) and np.array_equal(perfect.misses, c["misses"])
             and np.allclose(perfect.time_s, c["charged_time_s"], rtol=1e-9)):
@@ -175,7 +161,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for name, trace in load_traces(args.traces.split(","), args.sequences, "chat"):
         preps = {key: prepare_trace(name, trace, key) for key in {p for p, _ in POLICIES.values()}}
-        rankers, fold = fold_rankers(preps["oracle"])
+        rankers = CrossFitRankers(preps["oracle"])
         shape = ModelShape.from_trace_meta(trace.model)
         for profile in args.profiles.split(","):
             cost = resolve_profile(profile, shape).cost
@@ -186,7 +172,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 row = {"trace": name, "profile": profile, "cache": capacity}
                 for label, (key, spec) in POLICIES.items():
                     log = run(preps[key], make_policy(spec), capacity, cost, record_unions=True)
-                    row[label] = recharge(preps[key], log, capacity, cost, rankers, fold)
+                    row[label] = recharge(preps[key], log, capacity, cost, rankers)
                 rows.append(row)
                 print(_line(row), flush=True)
     _summary(some_measured(rows))

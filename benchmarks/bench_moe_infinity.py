@@ -53,74 +53,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_policy as bp  # noqa: E402
 from specfit.calibrate.profile import ModelShape  # noqa: E402
-from specfit.experts.eam import EAMRanker, activation_matrices  # noqa: E402
-from specfit.experts.layer_ahead import TransitionRanker, layer_ahead  # noqa: E402
-from specfit.experts.predictors import cycle_folds  # noqa: E402
+from specfit.experts.layer_ahead import PREFETCHERS, CrossFitRankers, recount  # noqa: E402
 from specfit.policies import make_policy  # noqa: E402
 from specfit.simulate.replay import prepare_trace  # noqa: E402
 
 SPECFIT = "specfit+cache+prefetch"
-PREFETCHERS = ("ceiling", "eam", "transition")
 
 
-class Prefetchers:
-    """The cross-fitted next-layer predictors of one trace: per fold, MoE-Infinity's collection
-    (the other fold's requests) and a transition table (the other fold's positions)."""
-
-    def __init__(self, prep):
-        trace = self.trace = prep.trace
-        self.prep = prep
-        self.fold = cycle_folds(trace, 2)
-        self.roots = trace.true_experts[trace.offsets[:-1]]          # [cycles, L, k]: committed tokens
-        # a request: one sequence of one fold (a fold is a block of cycles when sequences are fewer)
-        _, request = np.unique(np.stack([trace.sequence, self.fold]), axis=1, return_inverse=True)
-        request = request.ravel()
-        self.eam, self.transition = [], []
-        for f in (0, 1):
-            mine = self.fold == f
-            _, owner = np.unique(request[mine], return_inverse=True)
-            self.eam.append(EAMRanker(activation_matrices(self.roots[mine], owner, trace.n_experts),
-                                      trace.true_experts.shape[2]))
-            self.transition.append(TransitionRanker(self.roots[mine], trace.n_experts))
-
-    def rankers(self, log) -> dict:
-        """``layer_ahead``'s ``rank`` per prefetcher for the cycles of ``log`` (a replay in order):
-        each cycle ranked by the fold its sequence is not in; MoE-Infinity's with the activation
-        matrix of the request's tokens committed before the cycle."""
-        c, prep, trace = log.columns, self.prep, self.trace
-        first = prep.first_cycles[c["sequence"]] + c["position"]          # each cycle's first trace cycle
-        other = 1 - self.fold[first]
-        nodes = c["nodes_verified"]
-        history = np.zeros((trace.n_layers, trace.n_experts))
-        at = [-1, -1]                                                     # (sequence, trace cycle) counted to
-
-        def eam(t, union):
-            seq = int(c["sequence"][t])
-            if at[0] != seq:
-                history[:] = 0.0
-                at[:] = [seq, int(prep.first_cycles[seq])]
-            for cycle in range(at[1], int(first[t])):                     # the tokens committed since
-                np.add.at(history, (np.arange(trace.n_layers)[:, None], self.roots[cycle]), 1.0)
-            at[1] = max(at[1], int(first[t]))
-            return self.eam[other[t]].rank(history, nodes[t])
-
-        return {"eam": eam,
-                "transition": lambda t, union: self.transition[other[t]].rank(t, union, nodes[t])}
-
-
-def recharge(prefetchers: Prefetchers, log, capacity: int, mode: str, cost, label: str) -> dict:
-    """``log``'s unions recounted under MoE-Infinity's rule with each prefetcher (keys ``LABEL+NAME``),
-    checked against the replay's hits, misses and charged time."""
-    trace, c = prefetchers.trace, log.columns
-    args = (log.unions, c["nodes_verified"], c["draft_levels"], trace.n_layers, trace.n_experts, capacity, cost)
-    kw = {"policy": "moe-infinity", "mode": mode, "sequence": c["sequence"], "prefill_unions": log.prefill_unions}
-    rankers = prefetchers.rankers(log)
-    out = {name: layer_ahead(*args, rank=rankers.get(name), **kw) for name in PREFETCHERS}
+def recharge(rankers: CrossFitRankers, log, capacity: int, mode: str, cost, label: str) -> dict:
+    """``log``'s unions recounted under MoE-Infinity's rule with each prefetcher (keys ``LABEL+NAME``;
+    the recount checks itself against the replay's hits, misses and time)."""
+    try:
+        out = {name: recount(rankers, log, capacity, cost, name, mode, "moe-infinity") for name in PREFETCHERS}
+    except ValueError as exc:
+        raise SystemExit(f"{rankers.prep.name}: {exc}") from None
+    tokens = float(log.columns["committed_tokens"].sum())
     base = out["ceiling"]
-    if not (np.array_equal(base.hits, c["hits"]) and np.array_equal(base.misses, c["misses"])
-            and np.allclose(base.time_s, c["charged_time_s"], rtol=1e-9)):
-        raise SystemExit(f"{prefetchers.prep.name}: the recount differs from the replay's hits, misses or time")
-    tokens = float(c["committed_tokens"].sum())
     row = {label: tokens / base.time_s.sum()}
     row.update({f"{label}+{name}": tokens / la.time_with_overlap_s.sum() for name, la in out.items()})
     hidden = base.hidden_s.sum()
@@ -130,13 +78,13 @@ def recharge(prefetchers: Prefetchers, log, capacity: int, mode: str, cost, labe
     return row
 
 
-def run_setting(prefetchers: Prefetchers, capacity: int, mode: str, cost) -> dict:
-    prep = prefetchers.prep
+def run_setting(rankers: CrossFitRankers, capacity: int, mode: str, cost) -> dict:
+    prep = rankers.prep
     row = {"ar lru": bp.rate(bp.run(prep, make_policy("ar"), capacity, cost, mode=mode))}
     # ar and specfit without levers under MoE-Infinity's rule, each recounted with the prefetchers
     for spec in ("ar", "specfit"):
         log = bp.run(prep, make_policy(spec), capacity, cost, record_unions=True, mode=mode, eviction="moe-infinity")
-        row.update(recharge(prefetchers, log, capacity, mode, cost, spec))
+        row.update(recharge(rankers, log, capacity, mode, cost, spec))
     row["moe-infinity"] = row["ar+eam"]
     for eviction in ("lru", "moe-infinity"):
         row[f"{SPECFIT} {eviction}"] = bp.rate(bp.run(prep, make_policy(SPECFIT), capacity, cost, mode=mode,
@@ -214,12 +162,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     all_rows, start = [], time.perf_counter()
     for name, trace in bp.load_traces(args.traces.split(","), args.sequences, args.workload):
         shape = ModelShape.from_trace_meta(trace.model)
-        prefetchers = Prefetchers(prepare_trace(name, trace, "oracle", "calibrated"))
+        rankers = CrossFitRankers(prepare_trace(name, trace, "oracle", "calibrated"))
         print(bp.trace_heading(name, trace))
         for profile in args.profiles.split(","):
             cost = bp.profile_cost(profile, trace, shape)
             rows = [{"trace": name, "profile": profile, "cache": per_layer, "mode": mode,
-                     **run_setting(prefetchers, capacity, mode, cost)}
+                     **run_setting(rankers, capacity, mode, cost)}
                     for per_layer, mode, capacity in bp.cache_settings(trace, shares, modes)]
             print_setting(name, profile, rows)
             all_rows.extend(rows)

@@ -2,6 +2,7 @@
 transcription of its tracer and predictor, by hand, and recharged on the shipped trace under its
 cache's rule."""
 
+import json
 from collections import Counter
 
 import numpy as np
@@ -168,3 +169,62 @@ def test_the_benchmark_compares_specfit_with_moe_infinity(capsys):
     assert "| `specfit+cache+prefetch` (LRU) / MoE-Infinity |" in out
     with pytest.raises(SystemExit, match="--caches"):
         bench.main(["--traces", "olmoe-sample", "--caches", "1.5"])
+
+
+def test_simulates_layer_ahead_what_if_is_the_recount_of_each_replay():
+    """run_sweep(layer_ahead=...): each row's layer-ahead figures are the recount of that replay
+    (computed here from a replay of its own); the ceiling at least any prefetcher; a policy with
+    cache levers has none; the tuned family and a policy with its own cache size are recounted."""
+    from specfit.experts.layer_ahead import CrossFitRankers, recount
+    from specfit.simulate.sweep import Scenario, run_sweep
+
+    trace = read_trace(SAMPLE_OLMOE)
+    prep = prepare("oracle", trace, trace.true_experts)
+    cost = preset_profile("gh200", SHAPES.get(trace.model["name"])).cost
+    policies = ["ar", "chain:2", "static:auto", "eagle3-nocache", "specfit+cache"]
+    rows = {}
+    for prefetcher in ("ceiling", "transition", "eam"):
+        _, summary = run_sweep([prep], policies, [16], [Scenario("gh200", cost)], cache_mode="global",
+                               cache_policy="moe-infinity", layer_ahead=prefetcher)
+        rows[prefetcher] = summary.set_index("policy")
+        assert (summary["layer_ahead"] == prefetcher).all()
+    for prefetcher, s in rows.items():
+        assert np.isnan(s.loc["specfit+cache", "layer_ahead_tokens_per_s"])
+        for spec in ("ar", "chain:2", "static:auto", "eagle3-nocache"):
+            assert s.loc[spec, "layer_ahead_tokens_per_s"] > s.loc[spec, "tokens_per_s"] * (0.9 if prefetcher != "ceiling" else 1)
+            assert s.loc[spec, "layer_ahead_tokens_per_s"] <= rows["ceiling"].loc[spec, "layer_ahead_tokens_per_s"] + 1e-9
+    # ar's row by hand: its replay, recounted with MoE-Infinity's matching
+    policy = make_policy("ar")
+    policy.observe(Observation(predicted_slots=prep.info["predicted_slots"],
+                               predicted_slots_right=prep.info["predicted_slots_right"], resident_share=16 / 1024))
+    log = replay(prep, policy, ExpertCache(trace.n_layers, trace.n_experts, 16, mode="global", policy="moe-infinity",
+                                           expert_bytes=trace.expert_bytes), cost, record_unions=True)
+    la = recount(CrossFitRankers(prep), log, 16, cost, "eam", "global", "moe-infinity")
+    assert rows["eam"].loc["ar", "layer_ahead_tokens_per_s"] == pytest.approx(
+        log.columns["committed_tokens"].sum() / la.time_with_overlap_s.sum(), rel=1e-12)
+    assert rows["eam"].loc["ar", "layer_ahead_hidden_share"] == pytest.approx(la.hidden_s.sum() / la.time_s.sum())
+    assert rows["eam"].loc["ar", "layer_ahead_precision"] == pytest.approx(la.precision)
+    # a log of a policy with cache levers is refused by the recount itself
+    lever = make_policy("specfit+cache")
+    lever.observe(Observation(predicted_slots=0, predicted_slots_right=0, resident_share=0.25))
+    log = replay(prep, lever, ExpertCache(trace.n_layers, trace.n_experts, 4), cost, record_unions=True)
+    with pytest.raises(ValueError, match="recount"):
+        recount(CrossFitRankers(prep), log, 4, cost, "ceiling")
+
+
+def test_simulate_layer_ahead_on_the_command_line():
+    from cli_helpers import invoke, one_line_error
+
+    r = invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar,specfit+cache+prefetch", "--cache-experts", "16",
+               "--profile", "gh200", "--layer-ahead", "eam", "--json")
+    assert r.exit_code == 0, r.output
+    records = {x["policy"]: x for x in json.loads(r.stdout)}
+    assert records["ar"]["layer_ahead"] == "eam" and records["ar"]["layer_ahead_tokens_per_s"] > 0
+    assert records["specfit+cache+prefetch"]["layer_ahead_tokens_per_s"] is None
+    r = invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar,specfit+cache", "--cache-experts", "16",
+               "--profile", "gh200", "--layer-ahead", "ceiling")
+    assert r.exit_code == 0 and "+LA tokens/s" in r.output and "the true misses" in r.output, r.output
+    r = invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar", "--json")
+    assert "layer_ahead_tokens_per_s" not in json.loads(r.stdout)[0]
+    one_line_error(invoke("simulate", "--trace", SAMPLE_OLMOE, "--layer-ahead", "psychic"),
+                   "--layer-ahead: expected none or one of ceiling, transition, eam, got 'psychic'")

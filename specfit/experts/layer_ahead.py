@@ -40,7 +40,7 @@ from ..costmodel import CostModel
 from .belady import request_matrix
 from .cache import ExpertCache
 
-__all__ = ["LayerAhead", "layer_ahead", "TransitionRanker"]
+__all__ = ["LayerAhead", "layer_ahead", "TransitionRanker", "CrossFitRankers", "PREFETCHERS", "recount"]
 
 # rank(cycle, union) -> (ids int64 [L - 1, E], p float [L - 1, E]): per layer l >= 1 the candidates
 # for it, best first, given ``union`` (bool [L, E], each layer's union of the cycle; a prefetcher
@@ -218,3 +218,85 @@ class TransitionRanker:
         mean = np.minimum(scores / np.maximum(np.asarray(union[:-1]).sum(axis=1), 1)[:, None], 1.0)
         chance = 1.0 - (1.0 - np.take_along_axis(mean, order, axis=1)) ** max(int(nodes), 1)
         return np.where(np.take_along_axis(scores, order, axis=1) > 0, order, -1), chance
+
+
+# the prefetchers a replay can be recounted with: the true next-layer misses (the ceiling of any),
+# the transition table, MoE-Infinity's activation-matrix matching (:mod:`specfit.experts.eam`)
+PREFETCHERS = ("ceiling", "transition", "eam")
+
+
+class CrossFitRankers:
+    """The next-layer predictors of one prepared trace, cross-fitted: the trace's cycles dealt to two
+    folds (:func:`~specfit.experts.predictors.cycle_folds`, as the expert predictors are), and a
+    cycle ranked by what the other fold fitted: a transition table on its committed tokens, and
+    MoE-Infinity's collection of its requests' activation matrices (a request: one sequence of one
+    fold)."""
+
+    def __init__(self, prep):
+        from .eam import EAMRanker, activation_matrices
+        from .predictors import cycle_folds
+
+        trace = self.trace = prep.trace
+        self.prep = prep
+        self.fold = cycle_folds(trace, 2)
+        self.roots = trace.true_experts[trace.offsets[:-1]]          # [cycles, L, k]: committed tokens
+        _, request = np.unique(np.stack([trace.sequence, self.fold]), axis=1, return_inverse=True)
+        request = request.ravel()
+        self.eam, self.transition = [], []
+        for f in (0, 1):
+            mine = self.fold == f
+            if not mine.any():                                        # one cycle: no other fold
+                mine = np.ones_like(mine)
+            _, owner = np.unique(request[mine], return_inverse=True)
+            self.eam.append(EAMRanker(activation_matrices(self.roots[mine], owner, trace.n_experts),
+                                      trace.true_experts.shape[2]))
+            self.transition.append(TransitionRanker(self.roots[mine], trace.n_experts))
+
+    def ranker(self, name: str, log) -> Ranker | None:
+        """:func:`layer_ahead`'s ``rank`` for prefetcher ``name`` (:data:`PREFETCHERS`; ``ceiling``:
+        None) over the cycles of ``log``, a replay of this trace in order; MoE-Infinity's with the
+        activation matrix of the request's tokens committed before each cycle."""
+        if name not in PREFETCHERS:
+            raise ValueError(f"prefetcher: expected one of {', '.join(PREFETCHERS)}, got {name!r}")
+        if name == "ceiling":
+            return None
+        c, prep, trace = log.columns, self.prep, self.trace
+        first = prep.first_cycles[c["sequence"]] + c["position"]          # each cycle's first trace cycle
+        other = 1 - self.fold[first]
+        nodes = c["nodes_verified"]
+        if name == "transition":
+            return lambda t, union: self.transition[other[t]].rank(t, union, nodes[t])
+        history = np.zeros((trace.n_layers, trace.n_experts))
+        at = [-1, -1]                                                     # (sequence, trace cycle) counted to
+        layers = np.arange(trace.n_layers)[:, None]
+
+        def eam(t, union):
+            seq = int(c["sequence"][t])
+            if at[0] != seq:
+                history[:] = 0.0
+                at[:] = [seq, int(prep.first_cycles[seq])]
+            for cycle in range(at[1], int(first[t])):                     # the tokens committed since
+                np.add.at(history, (layers, self.roots[cycle]), 1.0)
+            at[1] = max(at[1], int(first[t]))
+            return self.eam[other[t]].rank(history, nodes[t])
+
+        return eam
+
+
+def recount(rankers: CrossFitRankers, log, capacity: int, cost: CostModel, prefetcher: str,
+            mode: str = "per_layer", policy: str = "lru") -> LayerAhead:
+    """A replay's ``log`` (recorded with ``record_unions``, of a policy without cache levers, on a
+    ``mode`` cache of ``capacity`` evicting by ``policy``) recounted with ``prefetcher``'s
+    layer-ahead windows, each request served as the replay served it; refuses to answer unless the
+    recount's hits, misses and time are the replay's."""
+    c, trace = log.columns, rankers.trace
+    if log.unions is None:
+        raise ValueError("recount: the log has no unions; replay with record_unions=True")
+    out = layer_ahead(log.unions, c["nodes_verified"], c["draft_levels"], trace.n_layers, trace.n_experts, capacity,
+                      cost, rank=rankers.ranker(prefetcher, log), policy=policy, mode=mode, sequence=c["sequence"],
+                      prefill_unions=log.prefill_unions)
+    if not (np.array_equal(out.hits, c["hits"]) and np.array_equal(out.misses, c["misses"])
+            and np.allclose(out.time_s, c["charged_time_s"], rtol=1e-9)):
+        raise ValueError("recount: the cache rebuilt from the log's unions gives other hits, misses or time than the "
+                         "replay (a policy with cache levers, or another cache or cost model)")
+    return out

@@ -23,6 +23,12 @@ def register(app: typer.Typer, traces_app: typer.Typer) -> None:
     app.command("simulate")(simulate_command)
 
 
+# what --layer-ahead's prefetchers copy, for the summary's note
+LAYER_AHEAD_WORDS = {"ceiling": "the true misses, the ceiling of any next-layer prefetcher",
+                     "transition": "ranked by a next-layer transition table fitted on other sequences",
+                     "eam": "MoE-Infinity's matching of the request's expert activation matrix to other sequences'"}
+
+
 def _split(values: list[str] | None, option: str, what: str) -> list[str]:
     """The entries of a repeatable comma-separated option (:func:`~specfit.errors.comma_list`)."""
     return [entry for item in (values or []) for entry in comma_list(item, option, what)]
@@ -60,6 +66,11 @@ def simulate_command(
                                            help="specfit prices, per draft node, the experts its predictor gets "
                                                 "wrong (from the predictor's precision on the trace).",
                                            show_default="on"),
+    layer_ahead: str = typer.Option("none", "--layer-ahead", help="What-if: recount each replay with copies of the "
+                                    "next layer's experts made while a layer computes, in link time the pass leaves "
+                                    "idle: ceiling (the true misses), transition (a next-layer table), eam "
+                                    "(MoE-Infinity's activation-matrix matching); both fitted on other sequences. "
+                                    "Policies with cache levers are not recounted."),
     out: Optional[Path] = typer.Option(None, "--out", help="Directory for cycles/summary as Parquet and CSV."),
     as_json: bool = typer.Option(False, "--json", help="Print only a JSON list (one object per trace, profile, "
                                  "cache size and policy) on stdout."),
@@ -75,7 +86,7 @@ def simulate_command(
                                     distinct("--policies", _split([policies], "--policies", "policy")),
                                     distinct("--cache-experts", _parse_sizes(cache_experts)), predictor,
                                     acceptance, cost, h2d_scale, rescale, cache_mode, cache_policy, max_levels, as_json,
-                                    price_uncertainty, model, per_layer=out is not None)
+                                    price_uncertainty, model, per_layer=out is not None, layer_ahead=layer_ahead)
         if out is not None:
             _write_outputs(out, cycles, summary, ctx, inputs)
     except Interrupted as exc:
@@ -117,10 +128,11 @@ def _parse_sizes(text: str) -> list[int]:
 
 
 def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptance, cost_text, h2d_scale, rescale,
-              cache_mode, cache_policy, max_levels, quiet, price_uncertainty=True, model_dir=None, per_layer=False):
+              cache_mode, cache_policy, max_levels, quiet, price_uncertainty=True, model_dir=None, per_layer=False,
+              layer_ahead="none"):
     """Replay every trace, profile, cache size and policy: ``(cycles, summary, inputs)``; the cycles'
     per-layer columns (and the summary's per-layer errors) only with ``per_layer``, when the rows
-    are written."""
+    are written; each replay recounted with ``layer_ahead``'s windows unless it is ``none``."""
     from rich.console import Console
     from rich.markup import escape
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -136,6 +148,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     from .whatif import parse_overrides
 
     check_replay_options(predictor, acceptance, cache_mode, cache_policy)
+    check_layer_ahead(layer_ahead)
     check_router_model(predictor, model_dir)
     check_policies(policies, max_levels)
     overrides = parse_overrides(cost_text)
@@ -174,13 +187,21 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
         for prep in prepared:
             cyc, summ = run_sweep([prep], policies, cache_sizes, scenarios[prep.name], cache_mode=cache_mode,
                                   cache_policy=cache_policy, max_levels=max_levels, price_uncertainty=price_uncertainty,
-                                  per_layer=per_layer,
+                                  per_layer=per_layer, layer_ahead=None if layer_ahead == "none" else layer_ahead,
                                   progress=lambda what: bar.update(task, advance=1, description=what))
             cycle_frames.append(cyc)
             summaries.append(summ)
     import pandas as pd
 
     return pd.concat(cycle_frames, ignore_index=True), pd.concat(summaries, ignore_index=True), inputs
+
+
+def check_layer_ahead(value: str) -> None:
+    """One clear error for an unknown ``--layer-ahead``."""
+    from ..experts.layer_ahead import PREFETCHERS
+
+    if value != "none" and value not in PREFETCHERS:
+        raise SpecFitError(f"--layer-ahead: expected none or one of {', '.join(PREFETCHERS)}, got {value!r}")
 
 
 def depth_note(shallow: list[str], depth: int, path) -> str:
@@ -243,21 +264,26 @@ def _print_summary(summary, out: Optional[Path]) -> None:
 
     from ..console import print_table, table_console
 
+    import pandas as pd
+
     console = table_console()
+    ahead = "layer_ahead_tokens_per_s" in summary
     for (trace, profile), group in summary.groupby(["trace", "profile"], sort=False):
         table = Table(title=escape(f"{trace} - {profile} - predictor {group['predictor'].iloc[0]}"))
         # prediction quality: the union the policy priced vs the one charged (1/1 with oracle
         # experts), and predicted vs committed tokens
         for col in ("cache", "policy", "tokens/s", "tokens/cycle", "MB/token", "hit rate", "nodes", "vs ar", "vs eagle3",
-                    "union P/R", "pred. tokens err"):
+                    "union P/R", "pred. tokens err") + (("+LA tokens/s",) if ahead else ()):
             table.add_column(col, justify="right" if col != "policy" else "left", no_wrap=True)
         for _, row in group.iterrows():
             policy = row["policy"] + (f" (N={int(row['static_n'])})" if is_tuned(row["policy"]) else "")
+            la = () if not ahead else ("-" if pd.isna(row["layer_ahead_tokens_per_s"])
+                                       else f"{row['layer_ahead_tokens_per_s']:.2f}",)
             table.add_row(str(row["cache_experts"]), policy, f"{row['tokens_per_s']:.2f}", f"{row['tokens_per_cycle']:.2f}",
                           f"{row['bytes_per_token'] / 1e6:.1f}", f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}",
                           speedup_text(row["speedup_vs_ar"]), speedup_text(row["speedup_vs_eagle3"]),
                           f"{row['union_precision']:.2f}/{row['union_recall']:.2f}",
-                          f"{row['tokens_bias']:+.1%}")
+                          f"{row['tokens_bias']:+.1%}", *la)
         print_table(console, table)
     console.print("tokens/s: committed tokens per second of charged cycle time; cache: cached experts (per layer, or in "
                   "all with --cache-mode global); MB/token: 10^6 bytes host-to-device per committed token; hit rate: share "
@@ -265,6 +291,13 @@ def _print_summary(summary, out: Optional[Path]) -> None:
                   "tokens/s over that policy's at the same cache size; union P/R: precision / recall of the predicted "
                   "expert union; pred. tokens err: predicted over committed tokens, minus 1", markup=False,
                   highlight=False)
+    if ahead:
+        console.print(f"+LA tokens/s: the same cycles with copies of the next layer's experts made while a layer "
+                      f"computes, in link time the pass leaves idle ({summary['layer_ahead'].iloc[0]}: "
+                      f"{LAYER_AHEAD_WORDS[summary['layer_ahead'].iloc[0]]}); each copy a miss's transfer, the overrun "
+                      f"of a wasted one charged; residency, hits and misses unchanged (a copy waits a layer in a "
+                      f"staging buffer); - for a policy with cache levers, whose evictions and prefetches a recount "
+                      f"does not rebuild", markup=False, highlight=False)
     if out is not None:
         console.print(f"per-cycle rows and the summary written to {out}/ (cycles|summary).(parquet|csv)", markup=False,
                       highlight=False)

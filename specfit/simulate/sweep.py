@@ -51,15 +51,43 @@ def check_policies(specs: list[str], max_levels: int) -> None:
 
 
 def _run(prep: PreparedTrace, policy: Policy, capacity: int, cost: CostModel, cache_mode: str,
-         cache_policy: str, per_layer: bool = False) -> CycleLog:
-    capacity = capacity if policy.cache_capacity is None else policy.cache_capacity
+         cache_policy: str, per_layer: bool = False, record_unions: bool = False) -> CycleLog:
+    capacity = _capacity(policy, capacity)
     cache = ExpertCache(prep.trace.n_layers, prep.trace.n_experts, capacity, mode=cache_mode,
                         policy=cache_policy, expert_bytes=prep.trace.expert_bytes)
     # the trace's predictions are made up front: the policy learns their precision before the first cycle
     policy.observe(Observation(predicted_slots=prep.info["predicted_slots"],
                                predicted_slots_right=prep.info["predicted_slots_right"],
                                resident_share=cache.capacity_share))
-    return replay(prep, policy, cache, cost, per_layer=per_layer)
+    return replay(prep, policy, cache, cost, per_layer=per_layer, record_unions=record_unions)
+
+
+def _capacity(policy: Policy, capacity: int) -> int:
+    """The cache size ``policy`` replays with: its own where it imposes one (``eagle3-nocache``)."""
+    return capacity if policy.cache_capacity is None else policy.cache_capacity
+
+
+def _layer_ahead_columns(rankers, log: CycleLog, policy: Policy, capacity: int, cost: CostModel, prefetcher: str,
+                         cache_mode: str, cache_policy: str) -> dict:
+    """The summary's layer-ahead what-if of one replay (:func:`specfit.experts.layer_ahead.recount`):
+    its committed tokens per second with the windows' hidden time taken off, the share of its time
+    hidden, and the share of the copies made that were needed; NaN for a policy whose cache levers
+    (look-ahead eviction, draft-time prefetch) a recount cannot rebuild."""
+    from ..experts.layer_ahead import recount
+
+    columns = {"layer_ahead": prefetcher, "layer_ahead_tokens_per_s": np.nan, "layer_ahead_hidden_share": np.nan,
+               "layer_ahead_precision": np.nan}
+    if policy.cache_advisor is not None or policy.prefetcher is not None:
+        return columns
+    try:
+        la = recount(rankers, log, capacity, cost, prefetcher, cache_mode, cache_policy)
+    except ValueError as exc:
+        raise SpecFitError(f"--layer-ahead: {policy.name}: {exc}") from None
+    time_s = float(la.time_s.sum())
+    columns.update(layer_ahead_tokens_per_s=float(log.columns["committed_tokens"].sum()) / float(
+        la.time_with_overlap_s.sum()), layer_ahead_hidden_share=float(la.hidden_s.sum()) / time_s if time_s else 0.0,
+        layer_ahead_precision=la.precision)
+    return columns
 
 
 def _check_grid(prepared, policies, cache_sizes, scenarios) -> None:
@@ -81,16 +109,25 @@ def _check_grid(prepared, policies, cache_sizes, scenarios) -> None:
 def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: list[int], scenarios: list[Scenario],
               cache_mode: str = "per_layer", cache_policy: str = "lru", max_levels: int = 8,
               progress: Callable[[str], None] | None = None,
-              price_uncertainty: bool = True, per_layer: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
+              price_uncertainty: bool = True, per_layer: bool = False,
+              layer_ahead: str | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Replay every combination; returns ``(cycles, summary)`` DataFrames (one row per cycle in
     :data:`specfit.accounting.CYCLE_COLUMNS`, one :func:`specfit.accounting.summarise` row per
     (trace, profile, cache size, policy)). ``price_uncertainty``: the specfit policy
     prices, per draft node, the experts its predictor gets wrong (the predictor's slot precision
     on the trace). ``per_layer``: the cycles' per-layer columns are filled (and the summary's
     per-layer errors with them), for rows that are written out; without it they are empty, which
-    keeps a sweep free of a list per cycle and column."""
+    keeps a sweep free of a list per cycle and column. ``layer_ahead``: one of
+    :data:`specfit.experts.layer_ahead.PREFETCHERS`, each replay also recounted with that
+    prefetcher's copies of the next layer's experts while a layer computes (the summary's
+    ``layer_ahead_*`` columns, :func:`_layer_ahead_columns`)."""
+    from ..experts.layer_ahead import PREFETCHERS, CrossFitRankers
+
     check_policies(policies, max_levels)
     _check_grid(prepared, policies, cache_sizes, scenarios)
+    if layer_ahead is not None and layer_ahead not in PREFETCHERS:
+        raise SpecFitError(f"--layer-ahead: expected one of {', '.join(PREFETCHERS)}, got {layer_ahead!r}")
+    record = layer_ahead is not None
 
     def build(spec: str) -> Policy:
         policy = make_policy(spec, max_levels=max_levels)
@@ -101,27 +138,32 @@ def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: l
     cycle_frames, rows = [], []
     for prep in prepared:
         max_nodes = prep.max_nodes
+        rankers = CrossFitRankers(prep) if record else None
         for scenario in scenarios:
             imposed: dict[str, CycleLog] = {}     # policies with their own cache size run once per scenario
             for capacity in cache_sizes:
                 for spec in policies:
                     extra = {}
                     policy = build(spec)
+                    ran = policy
                     if isinstance(policy, TunedPolicy):
                         best = None
                         for cand in policy.candidates(max_nodes):
-                            log = _run(prep, cand, capacity, scenario.cost, cache_mode, cache_policy, per_layer)
+                            log = _run(prep, cand, capacity, scenario.cost, cache_mode, cache_policy, per_layer, record)
                             rate = log.columns["committed_tokens"].sum() / log.columns["charged_time_s"].sum()
                             if best is None or rate > best[0]:
-                                best = (rate, cand.total_nodes, log)
-                        log, extra = best[2], {"static_n": best[1]}
+                                best = (rate, cand.total_nodes, log, cand)
+                        log, extra, ran = best[2], {"static_n": best[1]}, best[3]
                     elif policy.cache_capacity is not None:
                         if spec not in imposed:
                             imposed[spec] = _run(prep, policy, capacity, scenario.cost, cache_mode, cache_policy,
-                                                 per_layer)
+                                                 per_layer, record)
                         log = imposed[spec]
                     else:
-                        log = _run(prep, policy, capacity, scenario.cost, cache_mode, cache_policy, per_layer)
+                        log = _run(prep, policy, capacity, scenario.cost, cache_mode, cache_policy, per_layer, record)
+                    if record:
+                        extra.update(_layer_ahead_columns(rankers, log, ran, _capacity(policy, capacity),
+                                                          scenario.cost, layer_ahead, cache_mode, cache_policy))
                     keys = {"trace": prep.name, "profile": scenario.label, "cache_experts": capacity, "policy": spec}
                     frame = replay_frame(log.columns, scenario.cost.bytes_per_miss(prep.trace.expert_bytes))
                     frame.insert(2, "cycle", np.arange(len(frame)))
