@@ -64,7 +64,8 @@ def recharge(rankers: CrossFitRankers, log, capacity: int, mode: str, cost, labe
     """``log``'s unions recounted under MoE-Infinity's rule with each prefetcher (keys ``LABEL+NAME``;
     the recount checks itself against the replay's hits, misses and time)."""
     try:
-        out = {name: recount(rankers, log, capacity, cost, name, mode, "moe-infinity") for name in PREFETCHERS}
+        out = {name: recount(rankers.trace, log, capacity, cost, name, rankers, mode, "moe-infinity")
+               for name in PREFETCHERS}
     except ValueError as exc:
         raise SystemExit(f"{rankers.prep.name}: {exc}") from None
     tokens = float(log.columns["committed_tokens"].sum())

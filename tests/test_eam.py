@@ -199,7 +199,7 @@ def test_simulates_layer_ahead_what_if_is_the_recount_of_each_replay():
                                predicted_slots_right=prep.info["predicted_slots_right"], resident_share=16 / 1024))
     log = replay(prep, policy, ExpertCache(trace.n_layers, trace.n_experts, 16, mode="global", policy="moe-infinity",
                                            expert_bytes=trace.expert_bytes), cost, record_unions=True)
-    la = recount(CrossFitRankers(prep), log, 16, cost, "eam", "global", "moe-infinity")
+    la = recount(trace, log, 16, cost, "eam", CrossFitRankers(prep), "global", "moe-infinity")
     assert rows["eam"].loc["ar", "layer_ahead_tokens_per_s"] == pytest.approx(
         log.columns["committed_tokens"].sum() / la.time_with_overlap_s.sum(), rel=1e-12)
     assert rows["eam"].loc["ar", "layer_ahead_hidden_share"] == pytest.approx(la.hidden_s.sum() / la.time_s.sum())
@@ -209,15 +209,20 @@ def test_simulates_layer_ahead_what_if_is_the_recount_of_each_replay():
     lever.observe(Observation(predicted_slots=0, predicted_slots_right=0, resident_share=0.25))
     log = replay(prep, lever, ExpertCache(trace.n_layers, trace.n_experts, 4), cost, record_unions=True)
     with pytest.raises(ValueError, match="recount"):
-        recount(CrossFitRankers(prep), log, 4, cost, "ceiling")
+        recount(trace, log, 4, cost, "ceiling")
 
 
-def test_simulate_layer_ahead_on_the_command_line():
+def test_simulate_layer_ahead_on_the_command_line(tmp_path):
     from cli_helpers import invoke, one_line_error
 
     r = invoke("simulate", "--trace", SAMPLE_OLMOE, "--policies", "ar,specfit+cache+prefetch", "--cache-experts", "16",
-               "--profile", "gh200", "--layer-ahead", "eam", "--json")
+               "--profile", "gh200", "--layer-ahead", "eam", "--json", "--out", tmp_path / "run")
     assert r.exit_code == 0, r.output
+    # the report shows the what-if's table, a lever policy's cells empty
+    r2 = invoke("report", tmp_path / "run", "--out", tmp_path / "report")
+    assert r2.exit_code == 0, r2.output
+    page = (tmp_path / "report" / "index.html").read_text()
+    assert "Layer-ahead what-if" in page and "tokens / s with them" in page
     records = {x["policy"]: x for x in json.loads(r.stdout)}
     assert records["ar"]["layer_ahead"] == "eam" and records["ar"]["layer_ahead_tokens_per_s"] > 0
     assert records["specfit+cache+prefetch"]["layer_ahead_tokens_per_s"] is None

@@ -156,6 +156,17 @@ def test_a_global_cache_charges_what_an_earlier_layer_evicted_in_the_same_cycle(
     assert ranked.copies[2] == 2 and ranked.useful[2] == 1 and ranked.hidden_s[2] == pytest.approx(0.05)
 
 
+def test_a_near_free_copy_asks_for_no_more_slots_than_a_layer_has_experts():
+    """A copy of 1e-15 s in windows of ~0.1 s: every miss hidden, no layer copying more than its
+    experts (the slots once ran to window / copy time: 1e14 of them)."""
+    cost = CostModel(base_s=0.2, per_node_s=0.0, hit_s=1e-6, miss_s=1e-6 + 1e-15, draft_level_s=0.0)
+    unions = [np.array([0, 1, 4 + 1, 4 + 2, 4 + 3])]
+    out = layer_ahead(unions, np.array([1]), np.array([0]), 2, 4, 0, cost)
+    assert out.copies[0] == 3 and out.useful[0] == 3 and out.hidden_s[0] == pytest.approx(3e-15)
+    ranked = layer_ahead(unions, np.array([1]), np.array([0]), 2, 4, 0, cost, rank=_fixed([3, 0, 2, 1]))
+    assert ranked.copies[0] == 4 and ranked.useful[0] == 3
+
+
 def test_transition_ranker_counts_and_order():
     # three positions of a 2-layer, 4-expert model, one expert a layer: 0 -> 2, 0 -> 3, 1 -> 3
     experts = np.array([[[0], [2]], [[0], [3]], [[1], [3]]])

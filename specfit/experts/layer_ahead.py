@@ -154,7 +154,8 @@ def _window(t: int, union: np.ndarray, cache: ExpertCache, out: LayerAhead, rank
     missed = union & ~result.hit_mask
     resident = resident & ~missed
     window = fixed_s + cost.per_node_s * nodes / n_layers + union.sum(axis=1)[:-1] * cost.hit_s
-    slots = int(np.ceil(window.max() / transfer_s))
+    # no layer copies more than its experts (a near-free copy would ask for slots without end)
+    slots = min(int(np.ceil(window.max() / transfer_s)), union.shape[1])
     if slots == 0:                                 # no compute time to overlap
         return
     if rank is None:
@@ -230,7 +231,8 @@ class CrossFitRankers:
     folds (:func:`~specfit.experts.predictors.cycle_folds`, as the expert predictors are), and a
     cycle ranked by what the other fold fitted: a transition table on its committed tokens, and
     MoE-Infinity's collection of its requests' activation matrices (a request: one sequence of one
-    fold)."""
+    fold). A trace of one sequence is cut in two halves, each ranked by the other's fit; a trace of
+    one cycle has no other fold, and its rankers know nothing (no transition; one empty matrix)."""
 
     def __init__(self, prep):
         from .eam import EAMRanker, activation_matrices
@@ -243,13 +245,14 @@ class CrossFitRankers:
         _, request = np.unique(np.stack([trace.sequence, self.fold]), axis=1, return_inverse=True)
         request = request.ravel()
         self.eam, self.transition = [], []
+        k = trace.true_experts.shape[2]
         for f in (0, 1):
             mine = self.fold == f
-            if not mine.any():                                        # one cycle: no other fold
-                mine = np.ones_like(mine)
             _, owner = np.unique(request[mine], return_inverse=True)
-            self.eam.append(EAMRanker(activation_matrices(self.roots[mine], owner, trace.n_experts),
-                                      trace.true_experts.shape[2]))
+            matrices = activation_matrices(self.roots[mine], owner, trace.n_experts)
+            if not mine.any():                                        # one cycle: no other fold
+                matrices = np.zeros((1, trace.n_layers, trace.n_experts))
+            self.eam.append(EAMRanker(matrices, k))
             self.transition.append(TransitionRanker(self.roots[mine], trace.n_experts))
 
     def ranker(self, name: str, log) -> Ranker | None:
@@ -276,24 +279,30 @@ class CrossFitRankers:
                 history[:] = 0.0
                 at[:] = [seq, int(prep.first_cycles[seq])]
             for cycle in range(at[1], int(first[t])):                     # the tokens committed since
-                np.add.at(history, (layers, self.roots[cycle]), 1.0)
+                ids = self.roots[cycle]
+                known = ids >= 0                                          # -1: an unknown expert
+                np.add.at(history, (np.broadcast_to(layers, ids.shape)[known], ids[known]), 1.0)
             at[1] = max(at[1], int(first[t]))
             return self.eam[other[t]].rank(history, nodes[t])
 
         return eam
 
 
-def recount(rankers: CrossFitRankers, log, capacity: int, cost: CostModel, prefetcher: str,
-            mode: str = "per_layer", policy: str = "lru") -> LayerAhead:
-    """A replay's ``log`` (recorded with ``record_unions``, of a policy without cache levers, on a
-    ``mode`` cache of ``capacity`` evicting by ``policy``) recounted with ``prefetcher``'s
-    layer-ahead windows, each request served as the replay served it; refuses to answer unless the
-    recount's hits, misses and time are the replay's."""
-    c, trace = log.columns, rankers.trace
+def recount(trace, log, capacity: int, cost: CostModel, prefetcher: str = "ceiling",
+            rankers: CrossFitRankers | None = None, mode: str = "per_layer", policy: str = "lru") -> LayerAhead:
+    """A replay's ``log`` of ``trace`` (recorded with ``record_unions``, of a policy without cache
+    levers, on a ``mode`` cache of ``capacity`` evicting by ``policy``) recounted with
+    ``prefetcher``'s layer-ahead windows (:data:`PREFETCHERS`; all but the ceiling take their
+    predictors from ``rankers``), each request served as the replay served it; refuses to answer
+    unless the recount's hits, misses and time are the replay's."""
+    c = log.columns
     if log.unions is None:
         raise ValueError("recount: the log has no unions; replay with record_unions=True")
+    if prefetcher != "ceiling" and rankers is None:
+        raise ValueError(f"recount: prefetcher {prefetcher!r} needs rankers (CrossFitRankers of the trace)")
+    rank = None if prefetcher == "ceiling" else rankers.ranker(prefetcher, log)
     out = layer_ahead(log.unions, c["nodes_verified"], c["draft_levels"], trace.n_layers, trace.n_experts, capacity,
-                      cost, rank=rankers.ranker(prefetcher, log), policy=policy, mode=mode, sequence=c["sequence"],
+                      cost, rank=rank, policy=policy, mode=mode, sequence=c["sequence"],
                       prefill_unions=log.prefill_unions)
     if not (np.array_equal(out.hits, c["hits"]) and np.array_equal(out.misses, c["misses"])
             and np.allclose(out.time_s, c["charged_time_s"], rtol=1e-9)):

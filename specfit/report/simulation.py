@@ -81,6 +81,16 @@ def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame |
             "tokens / cycle: the acceptance estimate of the chosen tree against the tokens the cycle committed; "
             "bias: sum(predicted) / sum(actual) - 1; time MAPE and bias: the predicted cycle time against the "
             "cost model on the true union (the simulator's measurement)."))
+    if "layer_ahead_tokens_per_s" in summary.columns:
+        page.table(_shown(summary, {**_KEYS, "tokens_per_s": "tokens / s", **_AHEAD}),
+                   percent=("time hidden", "copies needed"), caption=(
+            "Layer-ahead what-if (simulate --layer-ahead): each replay recounted with copies of the next layer's "
+            "experts made while a layer computes, in link time the pass leaves idle. prefetcher: ceiling (the true "
+            "misses), transition (a next-layer transition table) or eam (MoE-Infinity's activation-matrix "
+            "matching), fitted on other sequences (a lone sequence: on its other half); tokens / s with them: the same cycles with the hidden time taken "
+            "off; time hidden: its share of the charged time; copies needed: share of the copies made that the next "
+            "layer missed. Residency, hits and misses are the replay's; none for a policy with cache levers, whose "
+            "evictions and prefetches a recount does not rebuild."))
 
 
 # the summary's columns each table shows, under a header with its unit
@@ -95,6 +105,8 @@ _QUALITY = {"union_precision": "union precision", "union_recall": "union recall"
             "miss_count_abs_error": "miss-count |error|", "misses_layer_mape": "misses MAPE per layer",
             "predicted_tokens_per_cycle": "predicted tokens / cycle", "tokens_per_cycle": "committed tokens / cycle",
             "tokens_bias": "tokens bias", "time_mape": "time MAPE", "time_bias": "time bias"}
+_AHEAD = {"layer_ahead": "prefetcher", "layer_ahead_tokens_per_s": "tokens / s with them",
+          "layer_ahead_hidden_share": "time hidden", "layer_ahead_precision": "copies needed"}
 _QUALITY_SHARES = ("union precision", "union recall", "union-size MAPE", "union-size MAPE per layer",
                    "misses MAPE per layer", "tokens bias", "time MAPE", "time bias")
 

@@ -25,8 +25,10 @@ def register(app: typer.Typer, traces_app: typer.Typer) -> None:
 
 # what --layer-ahead's prefetchers copy, for the summary's note
 LAYER_AHEAD_WORDS = {"ceiling": "the true misses, the ceiling of any next-layer prefetcher",
-                     "transition": "ranked by a next-layer transition table fitted on other sequences",
-                     "eam": "MoE-Infinity's matching of the request's expert activation matrix to other sequences'"}
+                     "transition": "ranked by a next-layer transition table fitted on other sequences (a lone "
+                                   "sequence: on its other half)",
+                     "eam": "MoE-Infinity's matching of the request's expert activation matrix to other sequences' "
+                            "(a lone sequence: to its other half's)"}
 
 
 def _split(values: list[str] | None, option: str, what: str) -> list[str]:
@@ -69,7 +71,8 @@ def simulate_command(
     layer_ahead: str = typer.Option("none", "--layer-ahead", help="What-if: recount each replay with copies of the "
                                     "next layer's experts made while a layer computes, in link time the pass leaves "
                                     "idle: ceiling (the true misses), transition (a next-layer table), eam "
-                                    "(MoE-Infinity's activation-matrix matching); both fitted on other sequences. "
+                                    "(MoE-Infinity's activation-matrix matching); both fitted on other sequences (a "
+                                    "lone sequence: on its other half). "
                                     "Policies with cache levers are not recounted."),
     out: Optional[Path] = typer.Option(None, "--out", help="Directory for cycles/summary as Parquet and CSV."),
     as_json: bool = typer.Option(False, "--json", help="Print only a JSON list (one object per trace, profile, "

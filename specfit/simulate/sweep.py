@@ -67,8 +67,8 @@ def _capacity(policy: Policy, capacity: int) -> int:
     return capacity if policy.cache_capacity is None else policy.cache_capacity
 
 
-def _layer_ahead_columns(rankers, log: CycleLog, policy: Policy, capacity: int, cost: CostModel, prefetcher: str,
-                         cache_mode: str, cache_policy: str) -> dict:
+def _layer_ahead_columns(prep: PreparedTrace, rankers, log: CycleLog, policy: Policy, capacity: int, cost: CostModel,
+                         prefetcher: str, cache_mode: str, cache_policy: str) -> dict:
     """The summary's layer-ahead what-if of one replay (:func:`specfit.experts.layer_ahead.recount`):
     its committed tokens per second with the windows' hidden time taken off, the share of its time
     hidden, and the share of the copies made that were needed; NaN for a policy whose cache levers
@@ -80,7 +80,7 @@ def _layer_ahead_columns(rankers, log: CycleLog, policy: Policy, capacity: int, 
     if policy.cache_advisor is not None or policy.prefetcher is not None:
         return columns
     try:
-        la = recount(rankers, log, capacity, cost, prefetcher, cache_mode, cache_policy)
+        la = recount(prep.trace, log, capacity, cost, prefetcher, rankers, cache_mode, cache_policy)
     except ValueError as exc:
         raise SpecFitError(f"--layer-ahead: {policy.name}: {exc}") from None
     time_s = float(la.time_s.sum())
@@ -138,9 +138,11 @@ def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: l
     cycle_frames, rows = [], []
     for prep in prepared:
         max_nodes = prep.max_nodes
-        rankers = CrossFitRankers(prep) if record else None
+        # the ceiling needs no predictor
+        rankers = CrossFitRankers(prep) if record and layer_ahead != "ceiling" else None
         for scenario in scenarios:
             imposed: dict[str, CycleLog] = {}     # policies with their own cache size run once per scenario
+            imposed_ahead: dict[str, dict] = {}   # ... and are recounted once
             for capacity in cache_sizes:
                 for spec in policies:
                     extra = {}
@@ -162,8 +164,14 @@ def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: l
                     else:
                         log = _run(prep, policy, capacity, scenario.cost, cache_mode, cache_policy, per_layer, record)
                     if record:
-                        extra.update(_layer_ahead_columns(rankers, log, ran, _capacity(policy, capacity),
-                                                          scenario.cost, layer_ahead, cache_mode, cache_policy))
+                        if policy.cache_capacity is not None and spec in imposed_ahead:
+                            columns = imposed_ahead[spec]
+                        else:
+                            columns = _layer_ahead_columns(prep, rankers, log, ran, _capacity(policy, capacity),
+                                                           scenario.cost, layer_ahead, cache_mode, cache_policy)
+                            if policy.cache_capacity is not None:
+                                imposed_ahead[spec] = columns
+                        extra.update(columns)
                     keys = {"trace": prep.name, "profile": scenario.label, "cache_experts": capacity, "policy": spec}
                     frame = replay_frame(log.columns, scenario.cost.bytes_per_miss(prep.trace.expert_bytes))
                     frame.insert(2, "cycle", np.arange(len(frame)))
