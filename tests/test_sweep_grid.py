@@ -319,3 +319,45 @@ def test_chunks_put_the_slowest_policies_first():
     spec = spec_of(cache_experts=[0], policies=["ar", "specfit", "static:auto", "eagle3"])
     chunks = _chunks(expand(spec), 1)
     assert [ch[0].policy for ch in chunks][:2] == ["static:auto", "specfit"]
+
+
+# layer_ahead, simulate --layer-ahead as an axis: cells without it keep the ids they had (a
+# dataset of before the axis is resumed, not replayed again), a recounted cell's row is simulate's
+def test_a_layer_ahead_axis_keeps_the_ids_of_cells_without_it_and_gives_simulates_row():
+    from specfit.simulate.grid import run_cell
+    from specfit.simulate.replay import prepare_trace
+    from specfit.simulate.scenarios import build_scenario
+    from specfit.simulate.sweep import run_sweep
+    from specfit.traces.format import read_trace
+
+    plain = expand(spec_of(cache_experts=[16], policies=["ar", "specfit"], profiles=["gh200"]))
+    both = expand(spec_of(cache_experts=[16], policies=["ar", "specfit"], profiles=["gh200"],
+                          layer_ahead=["none", "eam"]))
+    assert [c.cell_id for c in both if c.layer_ahead == "none"] == [c.cell_id for c in plain]
+    eam = [c for c in both if c.layer_ahead == "eam"]
+    assert len(eam) == 2 and not {c.cell_id for c in eam} & {c.cell_id for c in plain}
+    with pytest.raises(SpecFitError, match="field 'layer_ahead': expected none or one of ceiling"):
+        spec_of(layer_ahead=["psychic"])
+    trace = read_trace(SAMPLE_OLMOE)
+    from specfit.calibrate.profile import ModelShape
+
+    scenario = build_scenario("gh200", ModelShape.from_trace_meta(trace.model))
+    prepared = prepare_trace(eam[0].trace, trace, "oracle", "calibrated")
+    _, summary = run_sweep([prepared], ["ar"], [16], [scenario], layer_ahead="eam")
+    row = run_cell(prepared, eam[0], scenario)
+    assert row["policy"] == "ar" and row["layer_ahead"] == "eam"
+    assert row["layer_ahead_tokens_per_s"] == pytest.approx(summary["layer_ahead_tokens_per_s"].iloc[0], rel=1e-12)
+    assert "layer_ahead_tokens_per_s" not in run_cell(prepared, plain[0], scenario)
+
+
+# parts written before the axis read as not recounted, beside parts that have it, and each
+# setting's speed-up is taken within its own layer_ahead value
+def test_read_results_fills_a_missing_layer_ahead_and_groups_speedups_by_it(tmp_path):
+    (tmp_path / "results").mkdir()
+    write_sweep_file(tmp_path, {}, [{"cell_id": c} for c in ("a", "b", "c", "d")])
+    write_part(tmp_path, [_row("a", "ar", 0, 1.0), _row("b", "eagle3", 0, 3.0)])
+    write_part(tmp_path, [{**_row("c", "ar", 0, 2.0), "layer_ahead": "eam"},
+                          {**_row("d", "eagle3", 0, 8.0), "layer_ahead": "eam"}])
+    out = read_results(tmp_path).set_index("cell_id")
+    assert out["layer_ahead"].tolist() == ["none", "none", "eam", "eam"]
+    assert out.loc["b", "speedup_vs_ar"] == pytest.approx(3.0) and out.loc["d", "speedup_vs_ar"] == pytest.approx(4.0)

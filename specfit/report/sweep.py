@@ -29,7 +29,7 @@ MAX_TICKS = 16
 
 # axes of a grid besides trace, policy, cache size and link speed
 _OTHER_AXES = ("drafter", "profile_source", "cost_overrides", "cache_mode", "cache_policy", "predictor", "acceptance",
-               "max_levels", "price_uncertainty")
+               "max_levels", "price_uncertainty", "layer_ahead")
 
 
 def heat_map_grid(results: pd.DataFrame, trace: str) -> tuple[Figure, list[str]] | None:

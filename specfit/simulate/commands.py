@@ -146,7 +146,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     from .grid import file_digest
     from .prepared import check_position_indexed, check_router_model
     from .replay import prepare_trace
-    from .scenarios import build_scenario, check_replay_options, unique_names
+    from .scenarios import build_scenario, check_layer_ahead, check_replay_options, unique_names
     from .sweep import check_policies, run_sweep
     from .whatif import parse_overrides
 
@@ -197,14 +197,6 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
     import pandas as pd
 
     return pd.concat(cycle_frames, ignore_index=True), pd.concat(summaries, ignore_index=True), inputs
-
-
-def check_layer_ahead(value: str) -> None:
-    """One clear error for an unknown ``--layer-ahead``."""
-    from ..experts.layer_ahead import PREFETCHERS
-
-    if value != "none" and value not in PREFETCHERS:
-        raise SpecFitError(f"--layer-ahead: expected none or one of {', '.join(PREFETCHERS)}, got {value!r}")
 
 
 def depth_note(shallow: list[str], depth: int, path) -> str:

@@ -35,7 +35,7 @@ _SPEEDUPS = ("speedup_vs_ar", "speedup_vs_eagle3")
 # what identifies a baseline row's group: every cell parameter but the policy
 _GROUP_COLUMNS = ("trace", "source", "drafter", "profile", "profile_source", "h2d_scale", "cost_overrides", "rescale",
                   "cache_experts", "cache_mode", "cache_policy", "predictor", "acceptance", "max_levels",
-                  "price_uncertainty", "inputs_digest")
+                  "price_uncertainty", "inputs_digest", "layer_ahead")
 
 
 def is_sweep_dir(path: Path) -> bool:
@@ -110,6 +110,8 @@ def read_results(out_dir: Path, current_only: bool = True) -> pd.DataFrame:
     if not frames:
         return pd.DataFrame(columns=["cell_id"])
     frame = pd.concat(frames, ignore_index=True)
+    if "layer_ahead" in frame:             # parts written before the axis: not recounted
+        frame["layer_ahead"] = frame["layer_ahead"].fillna("none")
     dup = frame["cell_id"][frame["cell_id"].duplicated()]
     if len(dup):
         raise SpecFitError(f"{out_dir}: cell {dup.iloc[0]} appears in two part files; remove one of them")

@@ -14,6 +14,7 @@ A spec lists the axes of the grid; every combination is one *cell*, one replay:
     acceptance = "calibrated"
     max_levels = 8
     price_uncertainty = true
+    layer_ahead = ["none", "eam"]     # simulate --layer-ahead's what-if (none: not recounted)
     cost = "base_s=0.004"             # optional overrides of every profile
     rescale = false                   # allow a measured profile of another model shape
 
@@ -46,7 +47,7 @@ __all__ = ["TraceSource", "Cell", "SweepSpec", "load_spec", "parse_spec", "expan
 # columns of the replay summary, with the same values)
 CELL_COLUMNS = ("cell_id", "trace", "source", "drafter", "profile_source", "h2d_scale", "cost_overrides", "rescale",
                 "cache_experts", "cache_mode", "cache_policy", "policy", "predictor", "acceptance", "max_levels",
-                "price_uncertainty", "inputs_digest")
+                "price_uncertainty", "inputs_digest", "layer_ahead")
 
 _AXES = {  # spec key: (type of one value, default)
     "profiles": (str, ["pcie4"]),
@@ -59,6 +60,7 @@ _AXES = {  # spec key: (type of one value, default)
     "acceptance": (str, ["calibrated"]),
     "max_levels": (int, [8]),
     "price_uncertainty": (bool, [True]),
+    "layer_ahead": (str, ["none"]),
 }
 _SCALARS = {"cost": (str, ""), "rescale": (bool, False)}
 _ROUTING_KEYS = {"log": str, "drafters": list, "shape": str, "max_tokens": int, "sequences": int, "seed": int,
@@ -103,10 +105,14 @@ class Cell:
     max_levels: int
     price_uncertainty: bool
     inputs_digest: str
+    layer_ahead: str = "none"
 
     @property
     def cell_id(self) -> str:
-        text = json.dumps(asdict(self), sort_keys=True)
+        fields = asdict(self)
+        if fields["layer_ahead"] == "none":      # a cell of a grid without the axis keeps its id
+            del fields["layer_ahead"]
+        text = json.dumps(fields, sort_keys=True)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     @property
@@ -232,7 +238,7 @@ def check_axis_values(axes: dict, source: str) -> None:
 def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec:
     """A :class:`SweepSpec` from the spec's parsed mapping; relative paths are relative to ``base``."""
     from ..traces.synth import WORKLOADS
-    from .scenarios import check_replay_options, distinct_labels
+    from .scenarios import check_layer_ahead, check_replay_options, distinct_labels
     from .sweep import check_policies
     from .whatif import parse_overrides
 
@@ -264,6 +270,11 @@ def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec
             for mode in axes["cache_mode"]:
                 for policy in axes["cache_policy"]:
                     check_replay_options(predictor, acceptance, mode, policy, source=source, weights=False)
+    for value in axes["layer_ahead"]:
+        try:
+            check_layer_ahead(value)
+        except SpecFitError as exc:
+            raise SpecFitError(f"{source}: field 'layer_ahead': {str(exc).split(': ', 1)[1]}") from None
     sources = _trace_sources(raw, source, base, WORKLOADS)
     return SweepSpec(path=source, sources=tuple(sources), axes=axes, **scalars)
 
@@ -348,15 +359,16 @@ def expand(spec: SweepSpec, profile_digests: dict[str, str] | None = None) -> li
     profile_digests = {**{p: preset_digest(p) for p in a["profiles"] if p in PRESETS}, **profile_digests}
     cells = []
     for src in spec.sources:
-        for predictor, acceptance, profile, h2d, mode, evict, cache, levels, pricing, policy in itertools.product(
+        for predictor, acceptance, profile, h2d, mode, evict, cache, levels, pricing, ahead, policy in itertools.product(
                 a["predictor"], a["acceptance"], a["profiles"], a["h2d_scale"], a["cache_mode"], a["cache_policy"],
-                a["cache_experts"], a["max_levels"], a["price_uncertainty"], a["policies"]):
+                a["cache_experts"], a["max_levels"], a["price_uncertainty"], a.get("layer_ahead", ["none"]),
+                a["policies"]):
             digest = src.digest + (":" + profile_digests[profile] if profile in profile_digests else "")
             cells.append(Cell(trace=src.name, source=src.path, drafter=src.drafter, profile_source=profile,
                               h2d_scale=h2d, cost_overrides=spec.cost, rescale=spec.rescale, cache_experts=cache,
                               cache_mode=mode, cache_policy=evict, policy=policy, predictor=predictor,
                               acceptance=acceptance, max_levels=levels, price_uncertainty=pricing,
-                              inputs_digest=digest))
+                              inputs_digest=digest, layer_ahead=ahead))
     return cells
 
 
@@ -404,7 +416,8 @@ def run_cell(prepared, cell: Cell, scenario) -> dict:
     start = time.perf_counter()
     _, summary = run_sweep([prepared], [cell.policy], [cell.cache_experts], [scenario], cache_mode=cell.cache_mode,
                            cache_policy=cell.cache_policy, max_levels=cell.max_levels,
-                           price_uncertainty=cell.price_uncertainty)
+                           price_uncertainty=cell.price_uncertainty,
+                           layer_ahead=None if cell.layer_ahead == "none" else cell.layer_ahead)
     replay_s = time.perf_counter() - start
     if len(summary) != 1:
         raise RuntimeError(f"run_sweep returned {len(summary)} summary rows for one cell")

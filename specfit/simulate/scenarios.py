@@ -15,6 +15,14 @@ from .sweep import Scenario
 __all__ = ["check_replay_options", "distinct_labels", "build_scenario", "scenario_label", "unique_names", "link_gbps"]
 
 
+def check_layer_ahead(value: str) -> None:
+    """One clear error for an unknown ``--layer-ahead``."""
+    from ..experts.layer_ahead import PREFETCHERS
+
+    if value != "none" and value not in PREFETCHERS:
+        raise SpecFitError(f"--layer-ahead: expected none or one of {', '.join(PREFETCHERS)}, got {value!r}")
+
+
 def check_replay_options(predictor: str, acceptance: str, cache_mode: str, cache_policy: str,
                          source: str = "", weights: bool = True) -> None:
     """One clear error for an unknown predictor, acceptance, cache mode or eviction policy;
