@@ -361,3 +361,29 @@ def test_read_results_fills_a_missing_layer_ahead_and_groups_speedups_by_it(tmp_
     out = read_results(tmp_path).set_index("cell_id")
     assert out["layer_ahead"].tolist() == ["none", "none", "eam", "eam"]
     assert out.loc["b", "speedup_vs_ar"] == pytest.approx(3.0) and out.loc["d", "speedup_vs_ar"] == pytest.approx(4.0)
+
+
+# a setting's cells apart only in layer_ahead are one row of the tables, each recount a column
+def test_layer_ahead_wide_makes_one_row_per_setting():
+    from specfit.simulate.dataset import layer_ahead_wide
+
+    rows = [{**_row("a", "ar", 0, 1.0), "layer_ahead": "none"},
+            {**_row("b", "ar", 0, 1.0), "layer_ahead": "eam", "layer_ahead_tokens_per_s": 1.5},
+            {**_row("c", "ar", 0, 1.0), "layer_ahead": "ceiling", "layer_ahead_tokens_per_s": 2.0},
+            {**_row("d", "specfit+cache", 0, 3.0), "layer_ahead": "none"},
+            {**_row("e", "specfit+cache", 0, 3.0), "layer_ahead": "eam", "layer_ahead_tokens_per_s": np.nan},
+            {**_row("f", "ar", 16, 4.0), "layer_ahead": "eam", "layer_ahead_tokens_per_s": 5.0}]
+    wide, added = layer_ahead_wide(pd.DataFrame(rows))
+    assert added == ["+LA eam tokens/s", "+LA ceiling tokens/s"]
+    assert wide["cell_id"].tolist() == ["a", "d", "f"] and "layer_ahead" not in wide
+    assert wide["+LA eam tokens/s"].tolist()[0] == 1.5 and np.isnan(wide["+LA eam tokens/s"].tolist()[1])
+    assert wide["+LA eam tokens/s"].tolist()[2] == 5.0 and wide["+LA ceiling tokens/s"].tolist()[0] == 2.0
+    plain, none = layer_ahead_wide(pd.DataFrame([{**_row("a", "ar", 0, 1.0), "layer_ahead": "none"}]))
+    assert none == [] and plain["cell_id"].tolist() == ["a"]
+
+
+def test_a_dataset_written_before_the_layer_ahead_axis_reads_as_none(tmp_path):
+    (tmp_path / "results").mkdir()
+    write_sweep_file(tmp_path, {}, [{"cell_id": "a"}, {"cell_id": "b"}])
+    write_part(tmp_path, [_row("a", "ar", 0, 1.0), _row("b", "eagle3", 0, 3.0)])
+    assert read_results(tmp_path)["layer_ahead"].tolist() == ["none", "none"]

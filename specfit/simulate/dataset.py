@@ -26,7 +26,8 @@ from ..errors import SpecFitError
 from ..io import atomic_write, read_parquet, run_dir_lock, write_json_atomic
 
 __all__ = ["SWEEP_FILE", "PLAN_FILE", "RESULTS_DIR", "is_sweep_dir", "locked", "remove_stale_temporaries", "done_cell_ids",
-           "write_part", "write_sweep_file", "read_sweep_file", "read_results", "fill_speedups", "part_files"]
+           "write_part", "write_sweep_file", "read_sweep_file", "read_results", "fill_speedups", "part_files",
+           "layer_ahead_wide"]
 
 SWEEP_FILE = "sweep.json"
 PLAN_FILE = "plan.json"          # `specfit plan`'s recommendation, beside the sweep it ran
@@ -110,8 +111,8 @@ def read_results(out_dir: Path, current_only: bool = True) -> pd.DataFrame:
     if not frames:
         return pd.DataFrame(columns=["cell_id"])
     frame = pd.concat(frames, ignore_index=True)
-    if "layer_ahead" in frame:             # parts written before the axis: not recounted
-        frame["layer_ahead"] = frame["layer_ahead"].fillna("none")
+    # parts written before the axis: not recounted
+    frame["layer_ahead"] = frame["layer_ahead"].fillna("none") if "layer_ahead" in frame else "none"
     dup = frame["cell_id"][frame["cell_id"].duplicated()]
     if len(dup):
         raise SpecFitError(f"{out_dir}: cell {dup.iloc[0]} appears in two part files; remove one of them")
@@ -128,3 +129,27 @@ def fill_speedups(frame: pd.DataFrame) -> pd.DataFrame:
     from ..accounting import with_speedups
 
     return with_speedups(frame, [c for c in _GROUP_COLUMNS if c in frame.columns])
+
+
+_LAYER_AHEAD = ("layer_ahead_tokens_per_s", "layer_ahead_hidden_share", "layer_ahead_precision")
+
+
+def layer_ahead_wide(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:
+    """``frame``'s rows one per setting whatever its ``layer_ahead`` (a recount changes none of a
+    row's other figures), each recounted prefetcher's tokens/s a column ``+LA NAME tokens/s``;
+    returns the frame and those columns (none where no cell was recounted)."""
+    if "layer_ahead" not in frame:
+        return frame, []
+    recounted = frame[frame["layer_ahead"] != "none"]
+    if "layer_ahead_tokens_per_s" in recounted:
+        recounted = recounted[recounted["layer_ahead_tokens_per_s"].notna()]
+    keys = [c for c in _GROUP_COLUMNS + ("policy",) if c in frame and c != "layer_ahead"]
+    wide = frame.drop_duplicates(subset=keys, keep="first").drop(
+        columns=["layer_ahead", *[c for c in _LAYER_AHEAD if c in frame]])
+    added = []
+    for name in dict.fromkeys(recounted["layer_ahead"]) if len(recounted) else ():
+        column = f"+LA {name} tokens/s"
+        part = recounted[recounted["layer_ahead"] == name][[*keys, "layer_ahead_tokens_per_s"]]
+        wide = wide.merge(part.rename(columns={"layer_ahead_tokens_per_s": column}), on=keys, how="left")
+        added.append(column)
+    return wide, added

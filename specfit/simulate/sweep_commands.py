@@ -17,7 +17,7 @@ from ..runtime.prefill import PREFILL_CHUNK
 # the settings a table may show for a cell (column: header); those the grid varies are shown
 _SETTING_COLUMNS = {"trace": "trace", "profile": "profile", "cache_mode": "cache mode", "cache_policy": "eviction",
                     "cache_experts": "cache", "policy": "policy", "predictor": "predictor", "acceptance": "acceptance",
-                    "max_levels": "max levels", "price_uncertainty": "priced", "layer_ahead": "layer ahead"}
+                    "max_levels": "max levels", "price_uncertainty": "priced"}
 
 
 def register(app: typer.Typer, traces_app: typer.Typer) -> None:
@@ -87,27 +87,31 @@ def _print_sweep(results, run, out_dir: Path, top: int) -> None:
 
     from ..console import table_console
     from ..console import print_table
+    from .dataset import layer_ahead_wide
 
     console = table_console()
+    # a setting's cells that differ only in the layer-ahead what-if: one row, each recount a column
+    results, ahead = layer_ahead_wide(results)
     best = results.sort_values("tokens_per_s", ascending=False, kind="stable").head(top)
-    settings = [c for c in _SETTING_COLUMNS if c in results]      # a dataset of before an axis lacks its column
-    shown = [c for c in settings if c in ("policy", "cache_experts") or results[c].astype(str).nunique() > 1]
-    fixed = {_SETTING_COLUMNS[c]: results[c].iloc[0] for c in settings if c not in shown}
-    ahead = "layer_ahead_tokens_per_s" in results and results["layer_ahead_tokens_per_s"].notna().any()
+    shown = [c for c in _SETTING_COLUMNS if c in ("policy", "cache_experts") or results[c].astype(str).nunique() > 1]
+    fixed = {_SETTING_COLUMNS[c]: results[c].iloc[0] for c in _SETTING_COLUMNS if c not in shown}
     table = Table(title=f"best {len(best)} of {len(results)} cells by tokens/s",
                   caption=escape(", ".join(f"{k} {v}" for k, v in fixed.items())))
     for col in shown:
         table.add_column(_SETTING_COLUMNS[col], justify="right" if col in ("cache_experts", "max_levels") else "left",
                          no_wrap=True)
-    for col in ("link GB/s", "tokens/s", "vs ar", "hit rate", "nodes") + (("+LA tokens/s",) if ahead else ()):
+    for col in ("link GB/s", "tokens/s", "vs ar", "hit rate", "nodes", *ahead):
         table.add_column(col, justify="right", no_wrap=True)
     for _, row in best.iterrows():
-        la = () if not ahead else ("–" if pd.isna(row.get("layer_ahead_tokens_per_s"))
-                                   else f"{row['layer_ahead_tokens_per_s']:.2f}",)
+        la = ("–" if pd.isna(row[c]) else f"{row[c]:.2f}" for c in ahead)
         table.add_row(*(escape(str(row[c])) for c in shown), f"{row['link_gbps']:.4g}", f"{row['tokens_per_s']:.2f}",
                       speedup_text(row["speedup_vs_ar"], "–"), f"{row['hit_rate']:.2f}", f"{row['nodes_per_cycle']:.1f}",
                       *la)
     print_table(console, table)
+    if ahead:
+        console.print("+LA NAME tokens/s: the cell recounted with copies of the next layer's experts made while a layer "
+                      "computes (layer_ahead NAME, as simulate --layer-ahead; – for a policy with cache levers); "
+                      "the other figures are the replay's", markup=False, highlight=False)
     rate = f", {run.computed / run.wall_s:.1f} cells/s on {run.workers} workers" if run.computed and run.wall_s else ""
     console.print(f"{run.computed} cells replayed now, {run.skipped} already in the dataset{rate}; "
                   f"rows in {out_dir}/results/ (Parquet), render with `specfit report {out_dir}`", markup=False,
