@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_policy import load_traces, run, some_measured  # noqa: E402
 from specfit.calibrate.presets import QWEN3_30B_A3B, resolve_profile  # noqa: E402
 from specfit.calibrate.profile import ModelShape  # noqa: E402
-from specfit.experts.layer_ahead import CrossFitRankers, TransitionRanker, layer_ahead  # noqa: E402
+from specfit.experts.layer_ahead import CrossFitRankers, TransitionRanker, recount  # noqa: E402
 from specfit.io import write_text_atomic  # noqa: E402
 from specfit.policies import make_policy  # noqa: E402
 from specfit.simulate.replay import prepare_trace  # noqa: E402
@@ -56,15 +56,13 @@ FIXED = ("ar", "chain:1")
 
 
 def recharge(prep, log, capacity: int, cost, rankers: CrossFitRankers) -> dict:
-    trace, c = prep.trace, log.columns
-    args = (log.unions, c["nodes_verified"], c["draft_levels"], trace.n_layers, trace.n_experts, capacity, cost)
-    perfect = layer_ahead(*args)
-    transition = layer_ahead(*args, rank=rankers.ranker("transition", log))
-    # the recount is the replay's own cache and cost model, or nothing below means anything
-    if not (np.array_equal(perfect.hits, c["hits"]) and np.array_equal(perfect.misses, c["misses"])
-            and np.allclose(perfect.time_s, c["charged_time_s"], rtol=1e-9)):
-        raise SystemExit(f"{prep.name}: the recount differs from the replay's hits, misses or time")
-    tokens = float(c["committed_tokens"].sum())
+    # the recount is the replay's own cache and cost model (recount checks), or nothing below means anything
+    try:
+        perfect = recount(prep.trace, log, capacity, cost)
+        transition = recount(prep.trace, log, capacity, cost, "transition", rankers)
+    except ValueError as exc:
+        raise SystemExit(f"{prep.name}: {exc}") from None
+    tokens = float(log.columns["committed_tokens"].sum())
     return {"tokens_per_s": tokens / perfect.time_s.sum(),
             "perfect": tokens / perfect.time_with_overlap_s.sum(),
             "transition": tokens / transition.time_with_overlap_s.sum(),

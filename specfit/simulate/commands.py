@@ -190,7 +190,7 @@ def _simulate(trace_paths, profiles, policies, cache_sizes, predictor, acceptanc
         for prep in prepared:
             cyc, summ = run_sweep([prep], policies, cache_sizes, scenarios[prep.name], cache_mode=cache_mode,
                                   cache_policy=cache_policy, max_levels=max_levels, price_uncertainty=price_uncertainty,
-                                  per_layer=per_layer, layer_ahead=None if layer_ahead == "none" else layer_ahead,
+                                  per_layer=per_layer, layer_ahead=layer_ahead,
                                   progress=lambda what: bar.update(task, advance=1, description=what))
             cycle_frames.append(cyc)
             summaries.append(summ)

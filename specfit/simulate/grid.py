@@ -417,7 +417,7 @@ def run_cell(prepared, cell: Cell, scenario) -> dict:
     _, summary = run_sweep([prepared], [cell.policy], [cell.cache_experts], [scenario], cache_mode=cell.cache_mode,
                            cache_policy=cell.cache_policy, max_levels=cell.max_levels,
                            price_uncertainty=cell.price_uncertainty,
-                           layer_ahead=None if cell.layer_ahead == "none" else cell.layer_ahead)
+                           layer_ahead=cell.layer_ahead)
     replay_s = time.perf_counter() - start
     if len(summary) != 1:
         raise RuntimeError(f"run_sweep returned {len(summary)} summary rows for one cell")

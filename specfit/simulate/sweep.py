@@ -120,13 +120,15 @@ def run_sweep(prepared: list[PreparedTrace], policies: list[str], cache_sizes: l
     keeps a sweep free of a list per cycle and column. ``layer_ahead``: one of
     :data:`specfit.experts.layer_ahead.PREFETCHERS`, each replay also recounted with that
     prefetcher's copies of the next layer's experts while a layer computes (the summary's
-    ``layer_ahead_*`` columns, :func:`_layer_ahead_columns`)."""
-    from ..experts.layer_ahead import PREFETCHERS, CrossFitRankers
+    ``layer_ahead_*`` columns, :func:`_layer_ahead_columns`); ``None`` or ``"none"``: not."""
+    from ..experts.layer_ahead import CrossFitRankers
+    from .scenarios import check_layer_ahead
 
     check_policies(policies, max_levels)
     _check_grid(prepared, policies, cache_sizes, scenarios)
-    if layer_ahead is not None and layer_ahead not in PREFETCHERS:
-        raise SpecFitError(f"--layer-ahead: expected one of {', '.join(PREFETCHERS)}, got {layer_ahead!r}")
+    layer_ahead = None if layer_ahead in (None, "none") else layer_ahead
+    if layer_ahead is not None:
+        check_layer_ahead(layer_ahead)
     record = layer_ahead is not None
 
     def build(spec: str) -> Policy:
