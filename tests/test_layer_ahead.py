@@ -82,43 +82,53 @@ def test_resident_candidates_need_no_copy():
     assert perfect.hidden_s[1] == pytest.approx(0.05)
 
 
-def _events(unions, nodes, n_layers, n_experts, capacity, cost, rank):
-    """Reference: each layer's window walked copy by copy."""
+def _events(unions, nodes, n_layers, n_experts, capacity, cost, rank, mode="per_layer"):
+    """Reference: each layer's window walked copy by copy, the cache admitting layer by layer (a
+    global cache's earlier layers may evict a later one's experts before its window)."""
     transfer = cost.miss_s - cost.hit_s
-    cache = ExpertCache(n_layers, n_experts, capacity)
+    cache = ExpertCache(n_layers, n_experts, capacity, mode=mode)
     hidden = []
     for t, items in enumerate(unions):
         need = np.zeros((n_layers, n_experts), dtype=bool)
         need.flat[items] = True
         resident = cache.resident()
-        cache.admit(need)
+        cache.admit_layer(0, np.flatnonzero(need[0]))
         total = 0.0
         for layer in range(n_layers - 1):
+            if mode == "global":
+                resident = cache.resident()                  # layers 0 .. layer admitted
             window = cost.base_s / n_layers + cost.per_node_s * nodes[t] / n_layers + need[layer].sum() * cost.hit_s
             if rank is None:
                 candidates = [(e, 1.0) for e in range(n_experts) if need[layer + 1, e] and not resident[layer + 1, e]]
             else:
                 ids, p = rank(t, need)
                 candidates = [(e, q) for e, q in zip(ids[layer], p[layer]) if e >= 0 and not resident[layer + 1, e]]
-            clock = 0.0
+            clock, copied, overrun = 0.0, set(), 0.0
             for e, q in candidates:
                 if clock >= window:
                     break
                 if clock + transfer > window and q * (window - clock) < (1 - q) * (clock + transfer - window):
                     break                                 # the last copy does not pay
+                copied.add(e)
                 if need[layer + 1, e]:
                     total += min(transfer, window - clock)
                 elif clock + transfer > window:           # a wasted copy runs past the window
-                    total -= clock + transfer - window
+                    overrun = clock + transfer - window
                 clock += transfer
+            # ... and delays the next layer's own copies, if it has any left
+            if any(need[layer + 1, e] and not resident[layer + 1, e] and e not in copied for e in range(n_experts)):
+                total -= overrun
+            cache.admit_layer(layer + 1, np.flatnonzero(need[layer + 1]))
         hidden.append(total)
     return np.array(hidden)
 
 
+@pytest.mark.parametrize("mode", ["per_layer", "global"])
 @pytest.mark.parametrize("seed", range(6))
-def test_windows_equal_the_event_walk_and_no_ranker_beats_the_true_misses(seed):
+def test_windows_equal_the_event_walk_and_no_ranker_beats_the_true_misses(seed, mode):
     rng = np.random.default_rng(seed)
-    n_layers, n_experts, capacity = 3, 6, int(rng.integers(0, 4))
+    n_layers, n_experts = 3, 6
+    capacity = int(rng.integers(0, 4)) * (n_layers if mode == "global" else 1)
     unions = random_unions(rng, 12, n_layers, n_experts, 4)
     nodes = rng.integers(1, 6, len(unions))
     cost = CostModel(base_s=0.03, per_node_s=0.004, hit_s=0.002, miss_s=0.002 + float(rng.uniform(0.003, 0.03)),
@@ -131,10 +141,12 @@ def test_windows_equal_the_event_walk_and_no_ranker_beats_the_true_misses(seed):
     def rank(cycle, union):
         return orders[cycle], chances[cycle]
 
-    perfect = layer_ahead(unions, nodes, np.zeros(len(unions)), n_layers, n_experts, capacity, cost)
-    ranked = layer_ahead(unions, nodes, np.zeros(len(unions)), n_layers, n_experts, capacity, cost, rank=rank)
-    np.testing.assert_allclose(perfect.hidden_s, _events(unions, nodes, n_layers, n_experts, capacity, cost, None))
-    np.testing.assert_allclose(ranked.hidden_s, _events(unions, nodes, n_layers, n_experts, capacity, cost, rank))
+    perfect = layer_ahead(unions, nodes, np.zeros(len(unions)), n_layers, n_experts, capacity, cost, mode=mode)
+    ranked = layer_ahead(unions, nodes, np.zeros(len(unions)), n_layers, n_experts, capacity, cost, rank=rank,
+                         mode=mode)
+    for out, ranker in ((perfect, None), (ranked, rank)):
+        np.testing.assert_allclose(out.hidden_s, _events(unions, nodes, n_layers, n_experts, capacity, cost, ranker,
+                                                         mode), atol=1e-15)
     assert (ranked.hidden_s <= perfect.hidden_s + 1e-12).all()
     assert (perfect.hidden_s >= 0).all() and (perfect.hidden_s <= cost.miss_s * perfect.misses).all()
     np.testing.assert_array_equal(perfect.misses, ranked.misses)
@@ -154,6 +166,35 @@ def test_a_global_cache_charges_what_an_earlier_layer_evicted_in_the_same_cycle(
     # ranked (1, 0), (1, 1): both copied inside the window, the first needed
     ranked = layer_ahead(unions, nodes, levels, 2, E, 2, COST, mode="global", rank=_fixed([0, 1]))
     assert ranked.copies[2] == 2 and ranked.useful[2] == 1 and ranked.hidden_s[2] == pytest.approx(0.05)
+
+
+def test_a_candidate_an_earlier_layer_evicted_must_be_copied_again():
+    """Two layers share two LRU slots. Cycle 3 needs (0, 1) and (1, 0): layer 0's miss evicts
+    (1, 1), the least recent, before layer 0's window, so a prefetcher ranking (1, 1) first copies
+    it (wasted) and (1, 0) only after it. The windows once took (1, 1) as resident, as at the
+    cycle's start, skipped it for free and hid (1, 0)'s whole copy."""
+    E = 2
+    unions = [np.array([E + 1]), np.array([0]), np.array([1, E + 0])]
+    nodes, levels = np.ones(3, dtype=np.int64), np.zeros(3, dtype=np.int64)
+    # a window of 0.05 + 0.01 s; a copy takes 0.05 s
+    cost = CostModel(base_s=0.1, per_node_s=0.0, hit_s=0.01, miss_s=0.06, draft_level_s=0.0)
+    out = layer_ahead(unions, nodes, levels, 2, E, 2, cost, mode="global", rank=_fixed([1, 0]))
+    np.testing.assert_array_equal(out.misses, [1, 1, 2])
+    # (1, 1) in 0 - 0.05 s, wasted; (1, 0) started at 0.05 s, 0.01 s of it inside the window
+    assert out.copies[2] == 2 and out.useful[2] == 1 and out.hidden_s[2] == pytest.approx(0.01)
+    # per layer, (1, 1) stays resident and is skipped: (1, 0)'s copy fills the window
+    per_layer = layer_ahead(unions, nodes, levels, 2, E, 1, cost, rank=_fixed([1, 0]))
+    assert per_layer.copies[2] == 1 and per_layer.hidden_s[2] == pytest.approx(0.05)
+
+
+def test_a_wasted_copys_overrun_delays_only_copies_the_next_layer_has_left():
+    """Layer 0 needs {0} (a window of 0.11 s), ranked 3, 0, 2 at p = 1: the third copy, wasted,
+    runs 0.04 s past the window. Layer 1 needing nothing, or only the copied 0, is not delayed;
+    needing 1 as well, which no copy took, its copy starts 0.04 s late."""
+    for layer1, hidden in (([], 0.0), ([0], 0.05), ([0, 1], 0.05 - 0.04)):
+        unions = [np.array([0] + [4 + e for e in layer1])]
+        out = layer_ahead(unions, np.array([1]), np.array([0]), 2, 4, 0, COST, rank=_fixed([3, 0, 2]))
+        assert out.copies[0] == 3 and out.hidden_s[0] == pytest.approx(hidden), layer1
 
 
 def test_a_near_free_copy_asks_for_no_more_slots_than_a_layer_has_experts():

@@ -225,6 +225,20 @@ def test_parts_are_whole_files_and_temporaries_are_removed(tmp_path):
         read_results(tmp_path)
 
 
+def test_a_figure_missing_from_a_whole_part_reads_back_as_numbers(tmp_path):
+    """A chunk of cache-lever policies has no layer-ahead recount: its part stores the figures as
+    a column of nulls, which beside another part's numbers once read back as text (the report
+    then printed it unformatted); a text column stays text."""
+    figures = {"layer_ahead_tokens_per_s": 12.3456789, "layer_ahead_precision": 0.25}
+    write_part(tmp_path, [{"cell_id": "a", "policy": "ar", "note": "x", **figures}])
+    write_part(tmp_path, [{"cell_id": "b", "policy": "specfit+cache", "note": None,
+                           **dict.fromkeys(figures)}])
+    frame = read_results(tmp_path).set_index("cell_id")
+    for column, value in figures.items():
+        assert frame[column].dtype == np.float64 and frame.at["a", column] == value and np.isnan(frame.at["b", column])
+    assert frame["note"].dtype == object and frame.at["a", "note"] == "x"
+
+
 # ------------------------------------------------------------------ on Ray
 @pytest.fixture(scope="module")
 def grid_sweep(ray_local, small_trace, tmp_path_factory):

@@ -15,7 +15,8 @@ those not resident, one ``transfer_s`` each, and stops when the window closes. E
 expert that layer ``l + 1`` misses hides the part of its transfer inside the window (the rest
 runs on in layer ``l + 1``'s time, as its miss would have); a copy of an expert it does not need
 hides nothing, costs nothing while inside the window, and if it is still under way when the window
-closes its overrun delays layer ``l + 1``'s own copies (a copy is not cancelled). So the copy that
+closes its overrun delays layer ``l + 1``'s own copies, where it has any left (a copy is not
+cancelled). So the copy that
 would run past the window is started only when it pays in expectation: ``p * inside >= (1 - p) *
 overrun``, ``p`` the prefetcher's probability that the expert is needed. With the true misses as
 the candidates the hidden time is ``min(misses_{l+1} * transfer_s, compute_l)``, the ceiling of any
@@ -77,14 +78,17 @@ def _last_copy(window: np.ndarray, started: np.ndarray, transfer_s: float):
     return last, window - last * transfer_s, np.maximum(started * transfer_s - window, 0.0)
 
 
-def _hidden(window: np.ndarray, useful: np.ndarray, started: np.ndarray, transfer_s: float) -> float:
+def _hidden(window: np.ndarray, useful: np.ndarray, started: np.ndarray, transfer_s: float,
+            left: np.ndarray) -> float:
     """Transfer time hidden by the ``started[l]`` copies of each layer (``useful[l, j]``: copy j is
     of a missed expert) in windows of ``window[l]`` seconds, less the overrun of a wasted copy
-    still under way at a window's close."""
+    still under way at a window's close where the next layer has copies of its own ``left``
+    (bool per layer: a miss no copy in the window took; with none left the overrun delays
+    nothing)."""
     j = np.arange(useful.shape[1])
     inside = np.clip(window[:, None] - j[None, :] * transfer_s, 0.0, transfer_s)
     last, _, overrun = _last_copy(window, started, transfer_s)
-    wasted_last = (started > 0) & ~np.take_along_axis(useful, last[:, None], axis=1)[:, 0]
+    wasted_last = (started > 0) & ~np.take_along_axis(useful, last[:, None], axis=1)[:, 0] & left
     return float((inside * useful).sum() - (overrun * wasted_last).sum())
 
 
@@ -143,16 +147,17 @@ def _requests(cache: ExpertCache, T: int, n_layers: int, n_experts: int, sequenc
 def _window(t: int, union: np.ndarray, cache: ExpertCache, out: LayerAhead, rank, nodes: int, fixed_s: float,
             transfer_s: float, cost: CostModel) -> None:
     """Admit cycle ``t``'s ``union`` (bool [L, E]) and charge its windows into ``out``."""
-    resident = cache.resident()
-    result = cache.admit(union)
-    out.hits[t], out.misses[t] = result.total_hits, result.total_misses
+    if cache.mode == "global":
+        hit_mask, resident = _admit_by_layer(cache, union)
+    else:
+        # no layer's admission changes another's residency: the cycle's start is each window's
+        resident = cache.resident()
+        hit_mask = cache.admit(union).hit_mask
+    out.hits[t], out.misses[t] = int(hit_mask.sum()), int((union & ~hit_mask).sum())
     n_layers = union.shape[0]
     if n_layers < 2 or transfer_s == 0:
         return
-    # [L, E]: what the pass copies, per layer (a global cache's earlier layers may evict what a later
-    # one then misses, so the admission says, not the residency at the cycle's start)
-    missed = union & ~result.hit_mask
-    resident = resident & ~missed
+    missed = union & ~hit_mask                     # [L, E]: what the pass copies, per layer
     window = fixed_s + cost.per_node_s * nodes / n_layers + union.sum(axis=1)[:-1] * cost.hit_s
     # no layer copies more than its experts (a near-free copy would ask for slots without end)
     slots = min(int(np.ceil(window.max() / transfer_s)), union.shape[1])
@@ -180,8 +185,27 @@ def _window(t: int, union: np.ndarray, cache: ExpertCache, out: LayerAhead, rank
         chance = np.take_along_axis(p, last[:, None], axis=1)[:, 0]
         started -= (started > 0) & (overrun > 0) & (chance * inside < (1.0 - chance) * overrun)
         useful &= np.arange(slots)[None, :] < started[:, None]
-    out.hidden_s[t] = _hidden(window, useful, started, transfer_s)
+    left = missed[1:].sum(axis=1) > useful.sum(axis=1)
+    out.hidden_s[t] = _hidden(window, useful, started, transfer_s, left)
     out.copies[t], out.useful[t] = int(started.sum()), int(useful.sum())
+
+
+def _admit_by_layer(cache: ExpertCache, union: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A global cache's admission of ``union`` (bool [L, E]) layer by layer, to the state one
+    :meth:`~specfit.experts.cache.ExpertCache.admit` leaves: the hits (bool [L, E]) and each
+    layer's residency when its window runs, once the layers before it are admitted (bool [L, E];
+    an earlier layer may evict a later one's experts, needed or not, so the cycle's start would
+    skip as resident a candidate the window must copy)."""
+    resident = cache.resident()
+    at_window = np.empty_like(resident)
+    hits = np.zeros_like(union)
+    for layer in range(union.shape[0]):
+        at_window[layer] = resident[layer]
+        step = cache.admit_layer(layer, np.flatnonzero(union[layer]))
+        hits[layer, step.hit_ids] = True
+        resident[step.evicted[:, 0], step.evicted[:, 1]] = False
+        resident[layer, step.admitted_ids] = True
+    return hits, at_window
 
 
 class TransitionRanker:

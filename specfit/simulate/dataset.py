@@ -20,6 +20,7 @@ import hashlib
 import json
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from ..errors import SpecFitError
@@ -110,7 +111,7 @@ def read_results(out_dir: Path, current_only: bool = True) -> pd.DataFrame:
         frames.append(read_parquet(part, what="sweep part file"))
     if not frames:
         return pd.DataFrame(columns=["cell_id"])
-    frame = pd.concat(frames, ignore_index=True)
+    frame = _numeric_where_numbers(pd.concat(frames, ignore_index=True))
     # parts written before the axis: not recounted
     frame["layer_ahead"] = frame["layer_ahead"].fillna("none") if "layer_ahead" in frame else "none"
     dup = frame["cell_id"][frame["cell_id"].duplicated()]
@@ -121,6 +122,19 @@ def read_results(out_dir: Path, current_only: bool = True) -> pd.DataFrame:
         frame = frame[frame["cell_id"].isin(order)]
         frame = frame.iloc[frame["cell_id"].map(order).argsort(kind="stable")].reset_index(drop=True)
     return fill_speedups(frame)
+
+
+def _numeric_where_numbers(frame: pd.DataFrame) -> pd.DataFrame:
+    """A figure that is missing in every row of a part (a chunk of policies it does not apply
+    to, e.g. the layer-ahead recount of the cache-lever policies) is stored as a column of nulls,
+    which read beside other parts' numbers makes the whole column text: such a column, every
+    value a number or missing, is numbers again."""
+    for column in frame.columns[frame.dtypes == object]:
+        values = frame[column].dropna()
+        if len(values) and all(isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, bool)
+                               for v in values):
+            frame[column] = pd.to_numeric(frame[column])
+    return frame
 
 
 def fill_speedups(frame: pd.DataFrame) -> pd.DataFrame:
