@@ -47,7 +47,7 @@ from specfit.calibrate.calibrate_job import CalibrationPlan, calibrate  # noqa: 
 from specfit.errors import SpecFitError  # noqa: E402
 from specfit.io import write_json_atomic  # noqa: E402
 from specfit.calibrate.standin import random_drafter, random_model, shape_config  # noqa: E402
-from specfit.policies import make_policy  # noqa: E402
+from specfit.policies import SequoiaPolicy, TunedPolicy, make_policy  # noqa: E402
 from specfit.runtime.config import DTYPES  # noqa: E402
 from specfit.accounting import live_row  # noqa: E402
 from specfit.runtime.decode_job import summarise_policy  # noqa: E402
@@ -124,6 +124,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         policies = [make_policy(spec) for spec in args.policies.split(",")]
     except ValueError as exc:
         parser.error(f"--policies: {exc}")
+    for policy in policies:
+        # Sequoia's tree needs positional acceptance rates, which `specfit decode --acceptance` fits
+        # from a recording and this check has none of (sequoia:auto would decode static:2's rerank)
+        if isinstance(policy, SequoiaPolicy) or (isinstance(policy, TunedPolicy) and policy.family != "static"):
+            parser.error(f"--policies: {policy.name}: needs positional acceptance rates, which only specfit decode "
+                         f"--acceptance fits; this check runs ar, chain:K, eagle3[:N[:D]], static:N, static:auto and "
+                         f"specfit")
     started = time.perf_counter()
     console = Console(width=120)
     seconds = {}                     # wall time of each phase

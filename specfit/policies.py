@@ -109,9 +109,11 @@ class RerankPolicy(Policy):
 
     def __init__(self, total_nodes: int, depth: int, name: str, cache_capacity: int | None = None,
                  drafter_scores: bool = False):
-        if total_nodes < 2 or depth < 1:
-            raise ValueError(f"policy {name!r}: expected N >= 2 nodes (root included) and depth >= 1, got N={total_nodes}, "
-                             f"depth={depth} (a tree of the root alone is ar)")
+        if total_nodes < 2:
+            raise ValueError(f"policy {name!r}: expected N >= 2 nodes (root included), got N={total_nodes} (a tree of "
+                             f"the root alone is ar)")
+        if depth < 1:
+            raise ValueError(f"policy {name!r}: expected depth >= 1, got depth={depth}")
         self.total_nodes, self.max_levels, self.name = int(total_nodes), int(depth), name
         self.drafter_scores = bool(drafter_scores)
         if cache_capacity is not None:     # a cache the run does not have: only a replay can impose it
@@ -234,16 +236,24 @@ class TunedPolicy(RerankPolicy):
 
     def candidates(self, max_nodes: int) -> list[Policy]:
         """The fixed policies to try on trees of at most ``max_nodes`` nodes (with this one's levers):
-        the sizes below it and the first at or above it, which verifies whole trees (a size between
-        the largest tree and the next listed one would be the same policy)."""
+        for ``static`` the sizes below it and the first at or above it, which verifies whole trees (a
+        larger size would be the same policy); for ``sequoia`` every size."""
         whole = min((n for n in self.sizes if n >= max_nodes), default=max(2, max_nodes))
         sizes = [n for n in self.sizes if n < max_nodes] + [whole]
+        if self.family == "sequoia":
+            # a Sequoia tree of N nodes drafts only as deep as its shape reaches: a size above the
+            # largest tree is another policy (a deeper, narrower tree), so every size is tried
+            sizes = sorted(set(sizes) | set(self.sizes))
         suffix = "".join(f"+{lever}" for lever in self.levers)
         return [make_policy(f"{self.family}:{n}{suffix}", self.max_levels_cap) for n in sizes]
 
 
 # EAGLE-3's draft levels: its default depth=7 drafts the root's top-k, then 7 more levels
 EAGLE3_LEVELS = 8
+
+# a fixed policy's nodes (or levels, or chain length) verified in one pass, at most: Sequoia's
+# largest trees are 768 nodes (offloaded, the paper's), and its tree program grows with N^2
+MAX_TREE_NODES = 1024
 
 # static:auto (and sequoia:auto) try these tree sizes (root included)
 STATIC_AUTO_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
@@ -403,6 +413,9 @@ def _make_base(text: str, spec: str, max_levels: int) -> Policy:
         raise ValueError(f"policy {spec!r}: expected integer parameters, e.g. chain:4, static:8, eagle3:60:8") from None
     if len(args) not in entry.n_args:
         raise ValueError(f"policy {spec!r}: expected {entry.grammar}")
+    if any(a > MAX_TREE_NODES for a in args):
+        raise ValueError(f"policy {spec!r}: expected parameters of at most {MAX_TREE_NODES} (nodes or levels of one "
+                         f"verification pass)")
     return entry.build(args, max_levels)
 
 

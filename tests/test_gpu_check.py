@@ -91,6 +91,16 @@ def test_gpu_check_rejects_a_device_it_cannot_use(capsys):
     assert "--device 'tpu': expected cpu, cuda or cuda:N" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("spec", ["sequoia:4", "sequoia:auto"])
+def test_gpu_check_refuses_sequoias_tree_it_has_no_acceptance_rates_for(capsys, spec):
+    """Refused before the model is built (it once failed after calibrating, or decoded
+    ``sequoia:auto`` as static:2's rerank under Sequoia's name)."""
+    with pytest.raises(SystemExit) as exit_info:
+        _gpu_check().main(["--device", "cpu", "--policies", f"ar,{spec}"])
+    assert exit_info.value.code == 2
+    assert f"--policies: {spec}: needs positional acceptance rates" in capsys.readouterr().err
+
+
 def test_bench_first_use_times_every_length_twice_on_the_cpu(capsys):
     times = bench_module("bench_first_use").main(["--device", "cpu", "--shape", "tiny", "--layers", "2", "--max-n", "3", "--warm", "3"])
     for model in ("target", "drafter"):

@@ -14,7 +14,7 @@ import pytest
 
 from specfit import CostModel
 from specfit.calibrate.presets import SHAPES, preset_profile
-from specfit.policies import CycleView, SequoiaPolicy, TunedPolicy, make_policy
+from specfit.policies import MAX_TREE_NODES, STATIC_AUTO_SIZES, CycleView, SequoiaPolicy, TunedPolicy, make_policy
 from specfit.sequoia import node_scores, positional_rates, shape, shape_depth, sibling_ranks, trace_rates
 from specfit.simulate.replay import prepare
 from specfit.simulate.sweep import Scenario, run_sweep
@@ -180,16 +180,23 @@ def test_bad_rates_and_missing_rates_are_clear_errors():
                      CostModel(base_s=1.0, per_node_s=0.0, hit_s=0.0, miss_s=0.0, draft_level_s=0.0), 1)
     with pytest.raises(ValueError, match="'sequoia:4': no positional acceptance rates"):
         SequoiaPolicy(4, 8).select(view)
-    with pytest.raises(ValueError, match="expected N >= 2 nodes"):
-        make_policy("sequoia:1")
+    with pytest.raises(ValueError, match=r"expected N >= 2 nodes \(root included\), got N=1 \(a tree"):
+        make_policy("sequoia:1:5")
+    # a size no pass verifies is refused at once (Sequoia's tree program once ran without end on it)
+    for spec in ("sequoia:99999999999999999999", "static:1025", "eagle3:60:2000", "chain:5000"):
+        with pytest.raises(ValueError, match=f"'{spec}': expected parameters of at most {MAX_TREE_NODES}"):
+            make_policy(spec)
+    assert make_policy(f"static:{MAX_TREE_NODES}").total_nodes == MAX_TREE_NODES
 
 
 def test_the_tuned_family_replays_every_size_and_keeps_the_fastest():
     auto = make_policy("sequoia:auto+cache", 8)
     assert isinstance(auto, TunedPolicy) and auto.simulator_only
     cands = auto.candidates(10)
-    assert [c.name for c in cands] == ["sequoia:2+cache", "sequoia:3+cache", "sequoia:4+cache", "sequoia:6+cache",
-                                       "sequoia:8+cache", "sequoia:12+cache"]
+    # every size: a Sequoia tree larger than the trace's trees drafts deeper, not whole trees
+    assert [c.name for c in cands] == [f"sequoia:{n}+cache" for n in STATIC_AUTO_SIZES]
+    assert [c.name for c in make_policy("static:auto+cache", 8).candidates(10)] == [
+        f"static:{n}+cache" for n in (2, 3, 4, 6, 8, 12)]
     assert all(type(c) is SequoiaPolicy and c.cache_advisor is not None for c in cands)
     prep = prepare("olmoe", trace := read_trace(SAMPLE_OLMOE), trace.true_experts)
     cost = preset_profile("gh200", SHAPES["olmoe-1b-7b"]).cost

@@ -288,6 +288,22 @@ def test_cli_table_and_bad_input(tmp_path):
     assert r.exit_code == 2 and "p.json" in r.output
 
 
+def test_the_cache_mode_takes_per_layer_spelled_as_the_other_options_values_are(tmp_path):
+    """``--cache-mode per-layer`` (as ``--cache-policy moe-infinity`` is spelled) is per_layer: the
+    same rows, named per_layer; a sweep spec's ``cache_mode`` alike."""
+    from specfit.simulate.grid import parse_spec
+
+    rows = {}
+    for mode in ("per_layer", "per-layer"):
+        r = CliRunner().invoke(app, ["simulate", "--trace", str(SAMPLE_OLMOE), "--policies", "ar", "--cache-experts",
+                                     "8", "--cache-mode", mode, "--json"])
+        assert r.exit_code == 0, r.output
+        rows[mode] = json.loads(r.stdout)
+    assert rows["per-layer"] == rows["per_layer"] and rows["per-layer"][0]["cache_mode"] == "per_layer"
+    spec = parse_spec({"traces": [str(SAMPLE_OLMOE)], "cache_mode": ["per-layer", "global"]})
+    assert spec.axes["cache_mode"] == ["per_layer", "global"]
+
+
 def test_predictor_router_without_model_is_refused_before_any_trace_is_read(tmp_path, monkeypatch):
     import specfit.traces.format as trace_format
 

@@ -44,9 +44,15 @@ import numpy as np
 from .. import kernels
 from ..search import remember_packed
 
-__all__ = ["ExpertCache", "AdmitResult", "LayerAdmit", "LayerCounts", "EVICTION_POLICIES"]
+__all__ = ["ExpertCache", "AdmitResult", "LayerAdmit", "LayerCounts", "EVICTION_POLICIES", "cache_mode_name"]
 
 EVICTION_POLICIES = ("lru", "lfu", "fifo", "moe-infinity")
+
+
+def cache_mode_name(value: str) -> str:
+    """A cache mode as given (``per_layer`` or ``global``; ``per-layer`` spelled as the options
+    spell their other values, e.g. ``moe-infinity``) as the cache and the outputs name it."""
+    return "per_layer" if value == "per-layer" else value
 
 
 class LayerCounts:

@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 
+from ..experts.cache import cache_mode_name
 from ..errors import INTERRUPTS, Interrupted, comma_list, fail, stopped, stopped_by
 from ..io import strict_dumps
 from ..policies import LIVE_POLICY_HELP
@@ -46,7 +47,8 @@ def decode(
                                  '{"enable_thinking": false}; needs the chat extra: transformers and jinja2).'),
     cache_experts: int = typer.Option(..., "--cache-experts", help="Expert slots per layer on the device, or in all with "
                                       "--cache-mode global (0 streams every expert)."),
-    cache_mode: str = typer.Option("per_layer", "--cache-mode", help="per_layer or global (as in simulate)."),
+    cache_mode: str = typer.Option("per_layer", "--cache-mode", callback=cache_mode_name,
+                                    help="per_layer (or per-layer) or global (as in simulate)."),
     cache_policy: str = typer.Option("lru", "--cache-policy",
                                      help="Eviction: lru, lfu, fifo or moe-infinity (as in simulate)."),
     predictor: str = typer.Option("router", "--predictor", help="Expert predictor the policies decide with: router (the "

@@ -9,6 +9,7 @@ from typing import Optional
 import typer
 
 from ..console import speedup_text
+from ..experts.cache import cache_mode_name
 from ..errors import INTERRUPTS, Interrupted, SpecFitError, comma_list, stopped, stopped_by
 from ..io import repeated_path
 from ..runinfo import check_run_dir
@@ -60,7 +61,8 @@ def simulate_command(
                                     "(a copy's fixed latency, the intercept of the profile's H2D fit, is kept)."),
     rescale: bool = typer.Option(False, "--rescale", help="Allow a profile measured for another model shape "
                                  "(transfer costs scaled by expert bytes)."),
-    cache_mode: str = typer.Option("per_layer", "--cache-mode", help="per_layer or global."),
+    cache_mode: str = typer.Option("per_layer", "--cache-mode", callback=cache_mode_name,
+                                    help="per_layer (or per-layer) or global."),
     cache_policy: str = typer.Option("lru", "--cache-policy", help="Eviction: lru, lfu, fifo or moe-infinity "
                                      "(MoE-Infinity's: the fewest fetches in the request, kept across evictions)."),
     max_levels: int = typer.Option(8, "--max-levels", help="Draft levels at most for specfit, static:N and sequoia:N (specfit:D and sequoia:N:D set their own D)."),

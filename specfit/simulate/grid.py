@@ -237,6 +237,7 @@ def check_axis_values(axes: dict, source: str) -> None:
 
 def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec:
     """A :class:`SweepSpec` from the spec's parsed mapping; relative paths are relative to ``base``."""
+    from ..experts.cache import cache_mode_name
     from ..traces.synth import WORKLOADS
     from .scenarios import check_layer_ahead, check_replay_options, distinct_labels
     from .sweep import check_policies
@@ -250,6 +251,7 @@ def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec
         raise SpecFitError(f"{source}: unknown field(s) {unknown}; expected some of {sorted(known)}")
     base = Path(base) if base is not None else Path(".")
     axes = {key: _values(raw, key, kind, default, source) for key, (kind, default) in _AXES.items()}
+    axes["cache_mode"] = [cache_mode_name(v) if isinstance(v, str) else v for v in axes["cache_mode"]]
     scalars = {}
     for key, (kind, default) in _SCALARS.items():
         value = raw.get(key, default)
