@@ -87,8 +87,10 @@ def simulation_section(page: Page, summary: pd.DataFrame, cycles: pd.DataFrame |
             "Layer-ahead what-if (simulate --layer-ahead): each replay recounted with copies of the next layer's "
             "experts made while a layer computes, in link time the pass leaves idle. prefetcher: ceiling (the true "
             "misses), transition (a next-layer transition table) or eam (MoE-Infinity's activation-matrix "
-            "matching), fitted on other sequences (a lone sequence: on its other half); tokens / s with them: the same cycles with the hidden time taken "
-            "off; time hidden: its share of the charged time; copies needed: share of the copies made that the next "
+            "matching), fitted on other sequences (a lone sequence: on its other half; a trace of one cycle: on nothing); tokens / s "
+            "with them: the same cycles with the hidden time taken off; time hidden: its share of the charged time (negative "
+            "where wasted copies still under way at a window's close delayed the next layer's own copies more than the "
+            "useful ones hid); copies needed: share of the copies made that the next "
             "layer missed. Residency, hits and misses are the replay's; none for a policy with cache levers, whose "
             "evictions and prefetches a recount does not rebuild."))
 

@@ -95,7 +95,8 @@ def _print_sweep(results, run, out_dir: Path, top: int) -> None:
     best = results.sort_values("tokens_per_s", ascending=False, kind="stable").head(top)
     shown = [c for c in _SETTING_COLUMNS if c in ("policy", "cache_experts") or results[c].astype(str).nunique() > 1]
     fixed = {_SETTING_COLUMNS[c]: results[c].iloc[0] for c in _SETTING_COLUMNS if c not in shown}
-    table = Table(title=f"best {len(best)} of {len(results)} cells by tokens/s",
+    what = "settings (a cell and its layer_ahead recounts: one row)" if ahead else "cells"
+    table = Table(title=f"best {len(best)} of {len(results)} {what} by tokens/s",
                   caption=escape(", ".join(f"{k} {v}" for k, v in fixed.items())))
     for col in shown:
         table.add_column(_SETTING_COLUMNS[col], justify="right" if col in ("cache_experts", "max_levels") else "left",
