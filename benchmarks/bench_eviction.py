@@ -5,9 +5,9 @@
         [--evictions lru,lfu,moe-infinity] [--out runs/bench_eviction.json]
 
 ``bench_policy.py`` compares the policies with an LRU cache per layer. A reader who runs
-MoE-Infinity evicts otherwise: its dispatcher keeps the experts used most in the current request
-(``--cache-policy moe-infinity``: counts of uses since the request's decoding began, kept across
-evictions, shared over every layer's experts). This replays, on the traces and cost models of
+MoE-Infinity evicts otherwise: its dispatcher keeps the experts fetched from the host most often
+in the current request (``--cache-policy moe-infinity``: counts of fetches since the request's
+decoding began, a hit not counted, kept across evictions, shared over every layer's experts). This replays, on the traces and cost models of
 ``bench_policy.py`` (true experts, acceptance calibrated cross-fitted), each cache size as a share
 of a layer's experts per layer (``per_layer``) and the same number of slots shared by all layers
 (``global``, MoE-Infinity's own mode), under every eviction rule: the fixed settings (``ar``,

@@ -119,8 +119,9 @@ def _runtime() -> None:
                            *floats, True)
     kernels.tree.frontier_mask(np.array([1]), rows[1], rows[3], 1, 1)
     cache = ExpertCache(1, 2, 1)
+    cache.begin_prompt()           # before each prompt's passes
     cache.admit(~cached)
-    cache.begin_decode()           # after each prompt's passes (moe-infinity's counts)
+    cache.begin_decode()           # after them (moe-infinity's counts)
     cache.admit_layer(0, np.array([1]))
     # the levers (+cache, +usage, +prefetch): the look-ahead keep before and after a use record,
     # the prefetch's plan and copies, and the admit by keep

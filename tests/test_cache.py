@@ -120,7 +120,7 @@ def test_global_lru_matches_the_reference_on_random_unions(n_layers, n_experts, 
        st.integers(1, 10), st.data())
 def test_every_policy_matches_the_score_reference_on_random_unions(mode, policy, n_layers, n_experts, data):
     # RefCache scores residents with explicit tuples: lru the last touch, lfu (touches since
-    # admission, last touch), fifo the admission, moe-infinity (uses since the request's decoding
+    # admission, last touch), fifo the admission, moe-infinity (fetches since the request's decoding
     # began, layer, expert); the victim is the smallest outside the union
     limit = n_experts if mode == "per_layer" else n_layers * n_experts
     capacity = data.draw(st.integers(0, limit + 2), label="capacity")
@@ -433,8 +433,9 @@ def test_moe_infinity_warm_experts_count_one_fetch_each():
 
 def find_expert_evict(cached: set, counts: dict, protected: set):
     """MoE-Infinity's ``ExpertDispatcher::FindExpertEvict`` transcribed: the cached keys
-    ``(layer << 32) + expert`` in ascending order (a ``std::set``), the first with a count below
-    every earlier one (``<``), skipping the keys the current call holds (the layer's union here)."""
+    ``(layer << 32) + expert`` in ascending order (our tie rule: MoE-Infinity scans a
+    ``std::unordered_set``, in its library's order), the first with a count below every earlier
+    one (``<``), skipping the keys the current call holds (the layer's union here)."""
     best, low = None, None
     for key in sorted(cached):
         if key in protected:
@@ -450,15 +451,19 @@ def test_moe_infinity_global_mode_matches_the_dispatchers_victim_search(n_layers
     # the dispatcher's decode path: for each expert a layer runs (ascending id), a resident one
     # runs at once, uncounted; a miss takes a free byte range or evicts FindExpertEvict's choice,
     # and its fetch counts one; with nothing evictable it runs without staying (our streamed
-    # miss), its fetch still counted
+    # miss), its fetch still counted. Its prompt path (a pass of more than one token): a miss
+    # with no free range runs in the one extra slot and goes back, evicting nothing
     capacity = data.draw(st.integers(0, n_layers * n_experts), label="capacity")
     seed = data.draw(st.integers(0, 2**32 - 1), label="seed")
     cache = ExpertCache(n_layers, n_experts, capacity, mode="global", policy="moe-infinity")
     cached, counts = set(), {}
     for step, union in enumerate(random_unions(seed, n_layers, n_experts, 25, n_experts)):
+        if step % 9 == 7:
+            cache.begin_prompt()                   # steps 7 and 8 of 9: a request's prompt passes
         if step % 9 == 0:
             cache.begin_decode()
             counts = {}                            # ClearExpertCacheCounts at the first token
+        prompt = step % 9 in (7, 8)
         result = cache.admit(union)
         evicted = []
         for layer in range(n_layers):
@@ -466,7 +471,7 @@ def test_moe_infinity_global_mode_matches_the_dispatchers_victim_search(n_layers
             for key in keys:
                 if key in cached:
                     continue
-                if len(cached) >= capacity:
+                if len(cached) >= capacity and not prompt:
                     victim = find_expert_evict(cached, counts, set(keys))
                     if victim is not None:
                         cached.discard(victim)
@@ -481,6 +486,31 @@ def test_moe_infinity_global_mode_matches_the_dispatchers_victim_search(n_layers
         for key in cached:
             expected[key >> 32, key & 0xFFFFFFFF] = True
         assert np.array_equal(cache.resident(), expected), step
+
+
+@pytest.mark.parametrize("mode", ["per_layer", "global"])
+def test_moe_infinitys_prompt_passes_evict_nothing_and_other_rules_evict_as_always(mode):
+    """Between begin_prompt and begin_decode a moe-infinity cache admits a miss only into a free
+    slot and streams the rest (MoE-Infinity's one extra slot for a prompt's miss, sent back after);
+    decoding evicts again, and so does a reset cache. LRU's prompt passes evict as always."""
+    for policy in ("moe-infinity", "lru"):
+        cache = ExpertCache(1, 6, 3, mode=mode, policy=policy)
+        cache.admit(one_hot([0, 1]))
+        cache.begin_prompt()
+        result = cache.admit(one_hot([2, 3, 4]))
+        if policy == "moe-infinity":
+            assert result.admitted_mask[0].nonzero()[0].tolist() == [2] and not result.evicted_mask.any()
+            assert result.streamed_mask[0].nonzero()[0].tolist() == [3, 4]
+            assert cache.resident()[0].nonzero()[0].tolist() == [0, 1, 2]
+            assert cache.admit_layer(0, np.array([5])).evictions == 0        # layer by layer, as live
+        else:
+            assert cache.resident()[0].nonzero()[0].tolist() == [2, 3, 4] and result.evictions.sum() == 2
+        cache.begin_decode()
+        assert cache.admit(one_hot([5])).evictions.sum() == 1, policy
+        cache.begin_prompt()
+        cache.reset()                                                         # decoding again
+        cache.admit(one_hot([0, 1, 2]))
+        assert cache.admit(one_hot([3])).evictions.sum() == 1, policy
 
 
 def test_a_prefetch_levers_copy_is_not_counted_under_moe_infinity():
@@ -548,6 +578,8 @@ def test_staging_buffers_only_below_a_full_layer():
 
     assert ExpertCache.staging_buffers(7, 8) == 2
     assert ExpertCache.staging_buffers(8, 8) == 0
+    # a moe-infinity prompt pass evicts nothing: a miss with no free slot streams
+    assert ExpertCache.staging_buffers(64, 8, "moe-infinity") == 2
 
 
 def test_negative_keep_priorities_are_refused():

@@ -413,21 +413,28 @@ def test_compiled_lever_replay_equals_the_loop_through_the_lever_objects(spec, p
     assert not np.array_equal(other.columns["misses"][:len(a)], a.columns["misses"][:len(other)])
 
 
+@pytest.mark.parametrize("mode", ["per_layer", "global"])
 @pytest.mark.parametrize("spec", ["ar", "chain:4", "specfit", "specfit+cache+prefetch"])
-def test_moe_infinitys_eviction_replays_alike_compiled_and_through_the_objects(spec):
-    """MoE-Infinity's eviction forgets its counts as each sequence's decoding begins: the compiled
-    replay (in the kernel) and the Python loop (through ``ExpertCache.begin_decode``) leave the same
-    columns and cache state, and the rule is not LFU's (a different run)."""
-    trace = read_trace(SAMPLE_OLMOE)
+def test_moe_infinitys_eviction_replays_alike_compiled_and_through_the_objects(spec, mode):
+    """MoE-Infinity's eviction forgets its counts as each sequence's decoding begins, and its
+    prompt passes evict nothing: the compiled replay (in the kernel) and the Python loop (through
+    ``ExpertCache.begin_prompt`` / ``begin_decode``) leave the same columns and cache state, the
+    layer-ahead recount rebuilds the same cache, and the rule is not LFU's (a different run)."""
+    from specfit.experts.layer_ahead import recount
+
+    trace = with_prompt_passes(read_trace(SAMPLE_OLMOE), 2, 12, seed=1)
     assert len(np.unique(trace.sequence)) > 1
     prep = prepare("parent", trace, np.roll(trace.true_experts, 1, axis=0))
     cost = preset_profile("pcie4", SHAPES.get(trace.model["name"])).cost
+    capacity = 16 if mode == "per_layer" else 16 * trace.n_layers
     runs = {}
     for eviction, compiled in (("moe-infinity", True), ("moe-infinity", False), ("lfu", True)):
         policy = make_policy(spec)
-        cache = ExpertCache(trace.n_layers, trace.n_experts, 16, policy=eviction)
-        runs[eviction, compiled] = (replay(prep, policy, cache, cost, compiled=compiled), cache)
+        cache = ExpertCache(trace.n_layers, trace.n_experts, capacity, mode=mode, policy=eviction)
+        runs[eviction, compiled] = (replay(prep, policy, cache, cost, record_unions=True, compiled=compiled), cache)
     (a, cache_a), (b, cache_b) = runs["moe-infinity", True], runs["moe-infinity", False]
+    if "+" not in spec:        # a recount rebuilds the cache of a policy without levers
+        recount(trace, a, capacity, cost, mode=mode, policy="moe-infinity")
     for name, column in a.columns.items():
         np.testing.assert_array_equal(column, b.columns[name], err_msg=name)
     for x, y in zip(cache_a.kernel_state(), cache_b.kernel_state()):

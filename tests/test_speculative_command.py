@@ -864,7 +864,9 @@ def test_a_live_run_and_a_replay_of_its_trace_count_the_same_hits_misses_and_byt
     assert len(replayed) == len(live) and live["misses"].sum() > 0 and live["hits"].sum() > 0
     for column in ("hits", "misses", "bytes_h2d"):
         np.testing.assert_array_equal(replayed[column].to_numpy(), live[column].to_numpy(), err_msg=column)
-    if chunk < 7:        # the passes' order matters: one union per prompt leaves another cache
+    # the passes' order matters: one union per prompt leaves another cache (where prompt passes
+    # evict: moe-infinity's fill free slots only)
+    if chunk < 7 and eviction != "moe-infinity":
         assert (recharged(_one_union_per_prompt(trace))["hits"].to_numpy() != live["hits"].to_numpy()).any()
     # without a cache the same cycles copy every expert of their unions: the cache did the saving
     streamed = recharge(trace, ExpertCache(trace.n_layers, trace.n_experts, 0, mode=mode))

@@ -19,7 +19,10 @@ Rules (deterministic, the same in both modes):
   the host since the request's decoding began (:meth:`begin_decode`), its ``incache_visit_count``:
   a miss counts, streamed or admitted, a hit does not (the dispatcher runs a resident expert
   without passing its fetch thread), nor a prefetch lever's copy; counts are kept across
-  evictions; ties go to the lowest ``(layer, expert)``.
+  evictions; ties go to the lowest ``(layer, expert)`` (MoE-Infinity scans a
+  ``std::unordered_set``, whose order its library decides); between :meth:`begin_prompt` and
+  :meth:`begin_decode` (a request's prompt passes) it evicts nothing, a miss taking a free slot or
+  streamed, as MoE-Infinity's dispatcher runs a prompt's miss in one extra slot and sends it back.
 - ``admit_layer(layer, expert_ids)`` is ``admit`` of a union with only that row set (the touch
   clock advances once per call) and touches only that layer's state in per-layer mode.
 - Look-ahead (optional, :mod:`specfit.experts.lookahead` computes it): ``keep[layer, expert]``, a
@@ -78,7 +81,11 @@ class LayerCounts:
 
 @dataclass
 class AdmitResult(LayerCounts):
-    """Per-layer outcome of one ``admit``; counts are int64 [L], masks bool [L, E]."""
+    """Per-layer outcome of one ``admit``; counts are int64 [L], masks bool [L, E]. In global mode
+    an expert one layer admits may be evicted by a later layer of the same call: it is then in
+    both ``admitted_mask`` and ``evicted_mask`` (once, though ``evictions`` counts each), and
+    ``resident()`` says which it ended as; a caller that must map slots admits layer by layer
+    (:meth:`ExpertCache.admit_layer`, as the live runtime does)."""
 
     hits: np.ndarray
     misses: np.ndarray
@@ -125,11 +132,12 @@ class ExpertCache(LayerCounts):
         return n_experts if mode == "per_layer" else n_layers * n_experts
 
     @staticmethod
-    def staging_buffers(capacity: int, n_experts: int) -> int:
+    def staging_buffers(capacity: int, n_experts: int, policy: str = "lru") -> int:
         """Expert-sized device buffers held beside the cache's slots: a layer's union always fits
         once ``capacity`` >= ``n_experts`` (per layer, or globally since only the current layer's
-        union is protected from eviction); below that its overflow streams through two."""
-        return 2 if capacity < n_experts else 0
+        union is protected from eviction); below that its overflow streams through two, and so
+        does a ``moe-infinity`` prompt pass's miss that finds no free slot (it evicts nothing)."""
+        return 2 if capacity < n_experts or policy == "moe-infinity" else 0
 
     def __init__(self, n_layers: int, n_experts: int, capacity: int, mode: str = "per_layer",
                  policy: str = "lru", expert_bytes: int = 0):
@@ -147,8 +155,8 @@ class ExpertCache(LayerCounts):
         self.capacity = min(int(capacity), limit)
         self.mode, self.policy, self.expert_bytes = mode, policy, int(expert_bytes)
         self._words = (self.n_experts + 63) // 64
-        self._config = np.array([mode == "global", EVICTION_POLICIES.index(policy), self.n_experts, self.capacity],
-                                dtype=np.int64)
+        self._config = np.array([mode == "global", EVICTION_POLICIES.index(policy), self.n_experts, self.capacity,
+                                 kernels.cache.DECODING], dtype=np.int64)
         self.reset()
 
     # ------------------------------------------------------------------ state
@@ -164,6 +172,7 @@ class ExpertCache(LayerCounts):
         self._counters = np.zeros((4, self.n_layers), dtype=np.int64)
         self.hits, self.misses, self.evictions, self.streamed = self._counters
         self.prefetched = np.zeros(self.n_layers, dtype=np.int64)   # experts copied by prefetch()
+        self._config[4] = kernels.cache.DECODING
 
     def kernel_state(self) -> tuple:
         """The arrays the compiled kernels update in place, in the order of
@@ -206,10 +215,19 @@ class ExpertCache(LayerCounts):
         if self.policy == "moe-infinity":        # its order: fetches (one each here), then (layer, expert)
             self._score[:] = self._count * kernels.cache.SPAN + order + keep.size
 
+    def begin_prompt(self) -> None:
+        """A request's prompt passes begin: under ``moe-infinity`` they evict nothing until
+        :meth:`begin_decode` (a miss takes a free slot or is streamed: MoE-Infinity runs a prompt
+        pass's miss in one extra slot and sends it back, so that the prompt does not pollute the
+        cache); the other policies admit as always. The live decoder and every replay call it
+        before each prompt."""
+        kernels.cache.begin_prompt(self._config)
+
     def begin_decode(self) -> None:
         """A request's decoding begins (its prompt has run): ``moe-infinity`` forgets its counts of
-        fetches, as MoE-Infinity clears them when a request's first token is out; the other
-        policies keep theirs. The live decoder and every replay call it after each prompt."""
+        fetches, as MoE-Infinity clears them when a request's first token is out, and evicts again;
+        the other policies keep theirs. The live decoder and every replay call it after each
+        prompt (a cache never given :meth:`begin_prompt` is decoding throughout)."""
         kernels.cache.begin_decode(self._score, self._count, self._config)
 
     @property

@@ -138,6 +138,7 @@ def _requests(cache: ExpertCache, T: int, n_layers: int, n_experts: int, sequenc
                          f"one a cycle as a replay makes them")
     prefills = prefill_unions or {}
     for s in sorted(set(prefills) | set(sequence.tolist())):
+        cache.begin_prompt()
         for union in prefills.get(s, []):
             cache.admit(request_matrix([union], n_layers * n_experts).reshape(n_layers, n_experts))
         cache.begin_decode()

@@ -13,8 +13,12 @@ State (arrays the kernels update in place):
 - ``n_used`` int64 ``[rows]``: occupied slots per row;
 - ``clock`` int64 ``[1]``: advanced once per admit call;
 - ``counters`` int64 ``[4, L]``: running hits, misses, evictions, streamed per layer;
-- ``config`` int64 ``[4]``: global mode (0/1), eviction policy (:data:`LRU`, :data:`LFU`,
-  :data:`FIFO`, :data:`REQUEST_LFU`), E, C.
+- ``config`` int64 ``[5]``: global mode (0/1), eviction policy (:data:`LRU`, :data:`LFU`,
+  :data:`FIFO`, :data:`REQUEST_LFU`), E, C, and the request's phase (:data:`PROMPT` from
+  :func:`begin_prompt`, :data:`DECODING` from :func:`begin_decode` and at the start): under
+  :data:`REQUEST_LFU` a prompt pass evicts nothing, its misses taking only free slots and the rest
+  streamed (MoE-Infinity's dispatcher runs a prompt pass's miss in one extra slot and sends it
+  back, "such that cache is not polluted").
 
 Every admit also takes ``keep``, float64 ``[L, E]`` look-ahead priorities (the rules of
 :mod:`specfit.experts.cache`: victims by ascending ``(keep, score)``, the misses that find a slot
@@ -28,11 +32,12 @@ from numba import njit
 
 from .bitsets import ONE, ZERO, lowest_bit, popcount
 
-__all__ = ["LRU", "LFU", "FIFO", "REQUEST_LFU", "NO_KEEP", "begin_decode", "admit_rows", "admit_union",
+__all__ = ["LRU", "LFU", "FIFO", "REQUEST_LFU", "PROMPT", "DECODING", "NO_KEEP", "begin_prompt", "begin_decode", "admit_rows", "admit_union",
            "admit_layer_ids", "admit_cycle", "worth_a_slot", "prefetch_items"]
 
 LRU, LFU, FIFO, REQUEST_LFU = 0, 1, 2, 3
 HITS, MISSES, EVICTIONS, STREAMED = 0, 1, 2, 3
+PROMPT, DECODING = 0, 1         # config[4]: the request's phase
 # lfu orders by touch count first, recency (the touch key modulo SPAN) second; REQUEST_LFU
 # (moe-infinity) by touch count first, the item ``layer * E + expert`` second
 SPAN = np.int64(1) << np.int64(40)
@@ -67,9 +72,18 @@ def _touch(score, count, layer, e, key, admitted, policy, n_experts):
 
 
 @njit(cache=True)
+def begin_prompt(config):
+    """A request's prompt passes begin: under :data:`REQUEST_LFU` they evict nothing (the module
+    docstring) until :func:`begin_decode`; the other policies admit as always."""
+    config[4] = PROMPT
+
+
+@njit(cache=True)
 def begin_decode(score, count, config):
     """A request's decoding begins: :data:`REQUEST_LFU` forgets every count (MoE-Infinity clears
-    them when a request's first token is out); the other policies keep their state."""
+    them when a request's first token is out) and evicts again; the other policies keep their
+    state."""
+    config[4] = DECODING
     if config[1] != REQUEST_LFU:
         return
     n_layers, n_experts = count.shape
@@ -203,6 +217,8 @@ def admit_rows(lo, hi, union, bits, score, count, slots, n_used, clock, counters
             n_admit = min(n_miss, free + n_used[row] - n_hit)
         else:
             n_admit = min(n_miss, capacity - n_hit)
+        if policy == REQUEST_LFU and config[4] == PROMPT:
+            n_admit = min(n_admit, free)        # a prompt pass evicts nothing
         n_evict = max(0, n_admit - free)
         if n_evict > 0:
             # the victims: the lowest scores, or with look-ahead the lowest (keep, score); a held

@@ -20,7 +20,7 @@ from numba import njit
 
 from .bitsets import count_missing_row, popcount, union_of_rows
 from .cache import MISSES as CACHE_MISSES
-from .cache import admit_cycle, begin_decode
+from .cache import admit_cycle, begin_decode, begin_prompt
 from .decide import MAX_LEVELS, NODE_PRICE, OK, decide_level, node_price, observe_cycle, select_level
 from .evaluate import TRUE_MISSES, count_unions, cycle_time, expected_tokens
 from .levers import ADVISOR, CARRY, PREFETCH, keep_priorities, observe_union, prefetch_level
@@ -244,6 +244,7 @@ def replay_compiled(kind, total_nodes, max_levels, same_experts, offsets, parent
     for s in range(sequence_starts.size - 1):
         c = sequence_starts[s]
         first_token = n_out
+        begin_prompt(config)
         for p in range(prefill_offsets[s], prefill_offsets[s + 1]):   # the prompt's passes in order, as live
             admit_cycle(prefill_bits[p], bits, score, count, slots, n_used, clock, counters, config, no_keep, admitted,
                         evicted, cand_score, cand_slot)
@@ -457,6 +458,7 @@ def replay_specfit(same_experts, offsets, parents, depth, tokens, verdicts, true
     for s in range(sequence_starts.size - 1):
         c = sequence_starts[s]
         first_token = n_out
+        begin_prompt(config)
         for p in range(prefill_offsets[s], prefill_offsets[s + 1]):   # the prompt's passes in order, as live
             admit_cycle(prefill_bits[p], bits, score, count, slots, n_used, clock, counters, config, no_keep, admitted,
                         evicted, cand_score, cand_slot)

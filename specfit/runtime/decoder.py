@@ -159,6 +159,7 @@ class Decoder:
 
         now = self._now
         start = now()
+        self.model.offload.cache.begin_prompt()
         root, prefill = self.prefill(prompt_ids, max_new_tokens)
         self.model.offload.cache.begin_decode()
         prefill_time_s = now() - start

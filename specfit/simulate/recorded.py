@@ -41,6 +41,7 @@ def recharge(trace: Trace, cache: ExpertCache, cost: CostModel | None = None) ->
             if sequence not in prefill:
                 raise SpecFitError(f"recharge: the trace does not record sequence {sequence}'s prompt pass "
                                    "(recorded by an older SpecFit); its cache state cannot be rebuilt")
+            cache.begin_prompt()
             for union in prefill[sequence]:      # the prompt's passes, one after another
                 cache.admit(union)
             cache.begin_decode()

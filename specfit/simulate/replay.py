@@ -274,6 +274,7 @@ def _replay_python(prep: PreparedTrace, policy: Policy, cache: ExpertCache, cost
 
     for s in range(bounds.size - 1):
         c, first_token = int(bounds[s]), n_out
+        cache.begin_prompt()
         for p in range(prep.prefill_offsets[s], prep.prefill_offsets[s + 1]):   # the prompt's passes, as live
             kernels.cache.admit_cycle(prep.prefill_bits[p], *state, kernels.cache.NO_KEEP, admitted, evicted, cand_score,
                                       cand_slot)
