@@ -95,6 +95,9 @@ class AdmitResult(LayerCounts):
     admitted_mask: np.ndarray
     evicted_mask: np.ndarray
     streamed_mask: np.ndarray
+    # each layer's residency as its admission began: after the earlier layers' (which in global
+    # mode may have evicted its experts, needed or not); None for a prefetch
+    resident_before: np.ndarray | None = None
 
 
 @dataclass
@@ -248,11 +251,12 @@ class ExpertCache(LayerCounts):
     def _admit(self, union: np.ndarray, keep: np.ndarray) -> AdmitResult:
         bitsets = kernels.bitsets
         counts = np.zeros((4, self.n_layers), dtype=np.int64)
-        sets = np.zeros((4, self.n_layers, self._words), dtype=np.uint64)
+        sets = np.zeros((5, self.n_layers, self._words), dtype=np.uint64)
         kernels.cache.admit_union(bitsets.pack_mask(union), *self.kernel_state(), keep, counts, *sets)
-        hit, admitted, evicted, streamed = (bitsets.unpack(s, self.n_experts) for s in sets)
+        hit, admitted, evicted, streamed, before = (bitsets.unpack(s, self.n_experts) for s in sets)
         return AdmitResult(hits=counts[0], misses=counts[1], evictions=counts[2], streamed=counts[3], hit_mask=hit,
-                           admitted_mask=admitted, evicted_mask=evicted, streamed_mask=streamed)
+                           admitted_mask=admitted, evicted_mask=evicted, streamed_mask=streamed,
+                           resident_before=before)
 
     def admit_layer(self, layer: int, expert_ids: np.ndarray, keep: np.ndarray | None = None) -> LayerAdmit:
         """Make one layer's union (its expert ids) resident as far as capacity allows: the same

@@ -148,12 +148,10 @@ def _requests(cache: ExpertCache, T: int, n_layers: int, n_experts: int, sequenc
 def _window(t: int, union: np.ndarray, cache: ExpertCache, out: LayerAhead, rank, nodes: int, fixed_s: float,
             transfer_s: float, cost: CostModel) -> None:
     """Admit cycle ``t``'s ``union`` (bool [L, E]) and charge its windows into ``out``."""
-    if cache.mode == "global":
-        hit_mask, resident = _admit_by_layer(cache, union)
-    else:
-        # no layer's admission changes another's residency: the cycle's start is each window's
-        resident = cache.resident()
-        hit_mask = cache.admit(union).hit_mask
+    result = cache.admit(union)
+    # each layer's residency when the window before it runs: once the earlier layers are admitted
+    # (in global mode they may evict its experts, needed or not)
+    hit_mask, resident = result.hit_mask, result.resident_before
     out.hits[t], out.misses[t] = int(hit_mask.sum()), int((union & ~hit_mask).sum())
     n_layers = union.shape[0]
     if n_layers < 2 or transfer_s == 0:
@@ -189,24 +187,6 @@ def _window(t: int, union: np.ndarray, cache: ExpertCache, out: LayerAhead, rank
     left = missed[1:].sum(axis=1) > useful.sum(axis=1)
     out.hidden_s[t] = _hidden(window, useful, started, transfer_s, left)
     out.copies[t], out.useful[t] = int(started.sum()), int(useful.sum())
-
-
-def _admit_by_layer(cache: ExpertCache, union: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """A global cache's admission of ``union`` (bool [L, E]) layer by layer, to the state one
-    :meth:`~specfit.experts.cache.ExpertCache.admit` leaves: the hits (bool [L, E]) and each
-    layer's residency when its window runs, once the layers before it are admitted (bool [L, E];
-    an earlier layer may evict a later one's experts, needed or not, so the cycle's start would
-    skip as resident a candidate the window must copy)."""
-    resident = cache.resident()
-    at_window = np.empty_like(resident)
-    hits = np.zeros_like(union)
-    for layer in range(union.shape[0]):
-        at_window[layer] = resident[layer]
-        step = cache.admit_layer(layer, np.flatnonzero(union[layer]))
-        hits[layer, step.hit_ids] = True
-        resident[step.evicted[:, 0], step.evicted[:, 1]] = False
-        resident[layer, step.admitted_ids] = True
-    return hits, at_window
 
 
 class TransitionRanker:

@@ -294,16 +294,17 @@ def admit_rows(lo, hi, union, bits, score, count, slots, n_used, clock, counters
 
 @njit(cache=True)
 def admit_union(union, bits, score, count, slots, n_used, clock, counters, config, keep, out_counts, hit_bits,
-                admitted_bits, evicted_bits, streamed_bits):
+                admitted_bits, evicted_bits, streamed_bits, before_bits):
     """``admit`` of a whole cycle's union ``[L, words]``, layer 0 first, with per-layer counts
-    (``out_counts[4, L]``) and the hit / admitted / evicted / streamed sets as words."""
+    (``out_counts[4, L]``), the hit / admitted / evicted / streamed sets as words, and each layer's
+    residency as its admission began (``before_bits``: after the earlier layers', which in global
+    mode may have evicted its experts)."""
     n_layers, words = bits.shape
     n_experts = config[2]
     clock[0] += 1
     evicted = np.empty(max(config[3], 1), dtype=np.int64)
     cand_score = np.empty(max(config[3], 1), dtype=np.int64)
     cand_slot = np.empty(max(config[3], 1), dtype=np.int64)
-    before = np.empty(words, dtype=np.uint64)
     for i in range(4):
         for layer in range(n_layers):
             out_counts[i, layer] = 0
@@ -311,6 +312,7 @@ def admit_union(union, bits, score, count, slots, n_used, clock, counters, confi
         for w in range(words):
             evicted_bits[layer, w] = ZERO
     for layer in range(n_layers):
+        before = before_bits[layer]
         for w in range(words):
             before[w] = bits[layer, w]
         n_hit, n_miss, n_admit, n_evict = admit_rows(layer, layer + 1, union, bits, score, count, slots, n_used, clock,
@@ -470,10 +472,10 @@ def prefetch_items(mask, bits, score, count, slots, n_used, clock, counters, con
     for layer in range(n_layers):
         kept[0, layer], kept[1, layer], kept[2, layer] = counters[HITS, layer], counters[MISSES, layer], \
             counters[STREAMED, layer]
-    scratch = np.empty((2, n_layers, words), dtype=np.uint64)
+    scratch = np.empty((3, n_layers, words), dtype=np.uint64)
     uses = count.copy() if config[1] == REQUEST_LFU else count[:0]
     admit_union(union, bits, score, count, slots, n_used, clock, counters, config, victim_keep, out_counts, scratch[0],
-                admitted_bits, evicted_bits, scratch[1])
+                admitted_bits, evicted_bits, scratch[1], scratch[2])
     if config[1] == REQUEST_LFU:
         # a lever's copy is not counted: the counts (and so the order of victims) stay the demand
         # fetches
