@@ -239,6 +239,18 @@ def test_a_figure_missing_from_a_whole_part_reads_back_as_numbers(tmp_path):
     assert frame["note"].dtype == object and frame.at["a", "note"] == "x"
 
 
+def test_a_speedup_takes_its_baseline_whatever_the_baselines_layer_ahead(tmp_path):
+    """A recount changes no replay figure: a grid whose ``ar`` cell is in the dataset only without
+    the recount still gives the recounted ``specfit`` cell its speed-up (it was blank until the
+    ``ar`` cell of the same layer_ahead came)."""
+    base = {"trace": "t", "profile": "p", "cache_experts": 0}
+    write_part(tmp_path, [{**base, "cell_id": "a", "policy": "ar", "layer_ahead": "none", "tokens_per_s": 10.0},
+                          {**base, "cell_id": "b", "policy": "specfit", "layer_ahead": "eam", "tokens_per_s": 12.0,
+                           "layer_ahead_tokens_per_s": 13.0}])
+    frame = read_results(tmp_path).set_index("cell_id")
+    assert frame.at["b", "speedup_vs_ar"] == pytest.approx(1.2)
+
+
 # ------------------------------------------------------------------ on Ray
 @pytest.fixture(scope="module")
 def grid_sweep(ray_local, small_trace, tmp_path_factory):

@@ -352,15 +352,18 @@ def test_a_layer_ahead_axis_keeps_the_ids_of_cells_without_it_and_gives_simulate
 
 # parts written before the axis read as not recounted, beside parts that have it, and each
 # setting's speed-up is taken within its own layer_ahead value
-def test_read_results_fills_a_missing_layer_ahead_and_groups_speedups_by_it(tmp_path):
+def test_read_results_fills_a_missing_layer_ahead_and_takes_speedups_across_it(tmp_path):
+    """A part written before the axis reads as ``none``; a recount changes no replay figure, so a
+    speed-up's baseline is the setting's ``ar`` whatever its layer_ahead (here only ``none``'s)."""
     (tmp_path / "results").mkdir()
     write_sweep_file(tmp_path, {}, [{"cell_id": c} for c in ("a", "b", "c", "d")])
-    write_part(tmp_path, [_row("a", "ar", 0, 1.0), _row("b", "eagle3", 0, 3.0)])
-    write_part(tmp_path, [{**_row("c", "ar", 0, 2.0), "layer_ahead": "eam"},
-                          {**_row("d", "eagle3", 0, 8.0), "layer_ahead": "eam"}])
+    write_part(tmp_path, [_row("a", "ar", 0, 2.0), _row("b", "eagle3", 0, 3.0)])
+    write_part(tmp_path, [{**_row("c", "eagle3", 16, 8.0), "layer_ahead": "eam"},
+                          {**_row("d", "eagle3", 0, 3.0), "layer_ahead": "eam"}])
     out = read_results(tmp_path).set_index("cell_id")
     assert out["layer_ahead"].tolist() == ["none", "none", "eam", "eam"]
-    assert out.loc["b", "speedup_vs_ar"] == pytest.approx(3.0) and out.loc["d", "speedup_vs_ar"] == pytest.approx(4.0)
+    assert out.loc["b", "speedup_vs_ar"] == out.loc["d", "speedup_vs_ar"] == pytest.approx(1.5)
+    assert np.isnan(out.loc["c", "speedup_vs_ar"])           # another cache size: no baseline
 
 
 # a setting's cells apart only in layer_ahead are one row of the tables, each recount a column
