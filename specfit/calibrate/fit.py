@@ -256,15 +256,33 @@ class CycleTimeFitter:
         return bool(cols.size) and not bool(np.all(np.any(cols != 0, axis=0)))
 
     def _fit_choice(self, A, b, held_at, fixed, choice) -> np.ndarray:
-        """Physical parameters of a choice: NNLS on its columns, the held group at s x prior."""
-        cols, target = self._columns(A, b, held_at, fixed, choice["free"], choice["group"], choice["speed"])
-        theta = held_at.copy()                               # fixed, absent or without a prior: as held
-        speed = 1.0
-        if cols.shape[1]:
-            coef, _ = nnls(cols, target)
-            theta[choice["free"]] = coef[:len(choice["free"])]
-            if choice["speed"]:
-                speed = float(coef[-1])
+        """Physical parameters of a choice: NNLS on its columns, the held group at s x prior.
+
+        A freed term that the constraint holds at 0 although its prior (a probe's measurement,
+        the profile being refitted) puts it above is not one the data determine: the others took
+        its part (a miss no dearer than a hit; the node term given to the draft levels). It is
+        held at its prior (``choice["pinned"]``, said so in ``quality_["held"]``) and the rest
+        fitted again, until no freed term is at the bound that way."""
+        pinned = list(choice.get("pinned", []))
+        while True:
+            free = [j for j in choice["free"] if j not in pinned]
+            held = fixed.copy()
+            held[pinned] = True
+            cols, target = self._columns(A, b, held_at, held, free, choice["group"], choice["speed"])
+            theta = held_at.copy()                           # fixed, absent, pinned or without a prior: as held
+            speed = 1.0
+            if cols.shape[1]:
+                coef, _ = nnls(cols, target)
+                theta[free] = coef[:len(free)]
+                if choice["speed"]:
+                    speed = float(coef[-1])
+            at_bound = [j for j in free if theta[j] == 0 and held_at[j] > 0 and np.isfinite(self._prior_phys[j])]
+            if not at_bound:
+                break
+            pinned += at_bound
+        if pinned:
+            choice["free"], choice["pinned"] = free, pinned
+            choice["held"] = sorted(set(choice["held"]) | set(pinned))
         theta[choice["group"]] = speed * held_at[choice["group"]]
         choice["speed_value"] = speed
         return theta
@@ -376,7 +394,10 @@ class CycleTimeFitter:
         speed = choice["speed_value"] if choice["speed"] else 1.0
         for j in choice["held"]:
             score, shift = choice["scores"].get(("term", j), (np.inf, 0.0))
-            if j in choice["absent"]:
+            if j in choice.get("pinned", ()):
+                reason = ("the data put it at 0 with the fitted terms taking its part (the constraint binding), "
+                          "against its prior")
+            elif j in choice["absent"]:
                 reason = "absent from the data (always 0)"
             elif np.ptp(choice["Z"][:, j]) == 0:
                 reason = "constant in the data"
