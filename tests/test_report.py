@@ -162,6 +162,24 @@ def test_live_report_shows_the_online_model_each_policy_ended_with(tmp_path):
         assert html.escape(said[0]) in text
 
 
+def test_a_stopped_decodes_report_says_which_policies_it_cut_short(tmp_path):
+    """A run stopped mid-way writes a summary for a policy it cut short, marked incomplete: the
+    report says its figures cover fewer prompts, and says nothing for a run that ended."""
+    rows = [{"policy": p, "cycle": i, "draft_levels": 0, "nodes_verified": 1, "hits": 6, "misses": 2,
+             "measured_time_s": 0.01, "predicted_time_s": 0.01, "predicted_tokens": 1.0, "committed_tokens": 1}
+            for p in ("ar", "eagle3") for i in range(4)]
+    text = {}
+    for name, eagle3 in (("stopped", {"complete": False}), ("ended", {})):
+        run = tmp_path / name
+        run.mkdir()
+        pd.DataFrame(rows).to_parquet(run / "cycles.parquet")
+        (run / "summary.json").write_text(json.dumps([{"policy": "ar", "prompts": 3},
+                                                       {"policy": "eagle3", "prompts": 1, **eagle3}]))
+        text[name] = build_report([run], tmp_path / f"rep-{name}").read_text()
+    assert "The run stopped before these policies finished: eagle3 (1 prompt(s) finished)" in text["stopped"]
+    assert "The run stopped before" not in text["ended"]
+
+
 def test_a_killed_decodes_report_says_the_run_did_not_end(tmp_path):
     """A SIGKILL leaves the cycles journal (a run that ends or stops removes it) and no note in
     run.json: the report shows the journal's cycles and says the run did not end; the same cycles

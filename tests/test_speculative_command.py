@@ -319,7 +319,28 @@ def test_an_interrupted_run_keeps_every_completed_cycle(checkpoint, tmp_path, in
     cycles = pd.read_parquet(out / "cycles.parquet")
     assert sorted(set(cycles["sequence"])) == [0, 1] and len(cycles) == 2 * (NEW_TOKENS - 1)
     assert len((out / "decode.jsonl").read_text().splitlines()) == 2
+    # summary.json covers every policy cycles.parquet holds: ar's two prompts, marked incomplete
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(s["policy"], s["prompts"], s["complete"]) for s in summary] == [("ar", 2, False)]
+    assert summary[0]["tokens"] == int(cycles["committed_tokens"].sum())
     assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".lock"]   # no temporary file left
+
+
+def test_an_interrupted_full_recording_says_it_wrote_no_trace(checkpoint, tmp_path):
+    """--record-full records its trees in a pass after the decoding: stopped before it, the run
+    keeps its cycles and says that no trace was written, and why."""
+    model_dir, drafter_dir, prompts = checkpoint
+    plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["ar"],
+                      drafter_dir=drafter_dir, profile="pcie4", max_new_tokens=NEW_TOKENS, device="cpu",
+                      out_dir=tmp_path / "run", record=tmp_path / "t.parquet", record_full=True, ignore_eos=True)
+
+    def stop(record):
+        raise KeyboardInterrupt
+
+    with pytest.raises(Interrupted, match=r"no trace in .*t\.parquet \(--record-full records in a pass after the "
+                                          r"decoding, which did not start\)"):
+        run_decode(plan, on_record=stop)
+    assert not (tmp_path / "t.parquet").exists() and (tmp_path / "run" / "cycles.parquet").exists()
 
 
 def _watch_cycles(monkeypatch, stop_in_second_prompt_at=None):

@@ -113,6 +113,12 @@ def _summary_notes(summaries: list, info: dict) -> list[str]:
     probabilities (``run.json``: no ``acceptance``, ``temperature`` 0; a run recorded before it said
     neither has none of these), a policy whose predicted tokens were far off or that ran below ar."""
     notes = [note for note in map(waiting_note, summaries) if note]
+    # a run that stopped before its end: a policy cut short covers fewer prompts than the others
+    short = [f"{s.get('policy', '?')} ({s.get('prompts', '?')} prompt(s) finished)" for s in summaries
+             if isinstance(s, dict) and s.get("complete") is False]
+    if short:
+        notes.append("The run stopped before these policies finished: " + ", ".join(short) + "; their figures are over "
+                     "the cycles they completed, and a comparison with another policy is over other prompts.")
     if "acceptance" in info and info["acceptance"] is None and info.get("temperature") == 0:
         notes += [note.removeprefix("note: ") for note in raw_acceptance_notes(summaries)]
     return notes

@@ -302,12 +302,14 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             leave_nothing()
             return True
 
+        runs = None
         try:
             if plan.warmup:
                 from ..kernel_warmup import warm_up
 
                 warm_up()      # numba loads (or, after an install, compiles) the kernels before any timed cycle
-            _Runs(plan, inputs, outputs, rows, recorder, on_record, progress, say).run(policies)
+            runs = _Runs(plan, inputs, outputs, rows, recorder, on_record, progress, say)
+            runs.run(policies)
             # inside the try: a stop while the last files are written still keeps (and notes) every cycle
             outputs.close()
             trace_path = _write_recording(recorder, plan.record) if recorder is not None else None
@@ -315,6 +317,8 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             if stopped_with_nothing():
                 raise
             # a failure mid-run: what ran stays readable
+            if runs is not None:
+                runs.summarise_stopped()
             kept = _keep_partial(plan, outputs, recorder, str(exc), planned)
             if not kept:
                 raise
@@ -324,6 +328,8 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 raise
             if stopped_with_nothing():
                 raise Interrupted(NOTHING_DECODED) from None
+            if runs is not None:
+                runs.summarise_stopped()
             kept = _keep_partial(plan, outputs, recorder, "interrupted", planned)
             raise Interrupted(f"interrupted after {len(outputs.cycles)} complete cycle(s) ({len(outputs.records)} (policy, "
                               f"prompt) run(s) finished): " + (f"kept {kept}" if kept else
@@ -468,11 +474,24 @@ class _Runs:
             self.on_record(record)
         self.tick()
 
-    def _summarise(self, policy) -> None:
+    def _summarise(self, policy, complete: bool = True) -> None:
         summary = summarise_policy(policy.name, self.outputs.records, self.outputs.cycles)
+        if not complete:
+            # the run stopped before this policy's last prompt: its cycles so far, said so
+            summary["complete"] = False
         if self.decoders[policy.name].online is not None:
             summary["online_model"] = self.decoders[policy.name].online.state()
         self.outputs.summaries.append(summary)
+
+    def summarise_stopped(self) -> None:
+        """The run stopped (Ctrl-C, bad input met mid-run): every policy that decoded a cycle and
+        has no summary yet gets one of what it completed, marked ``"complete": false``, so that
+        ``summary.json`` covers every policy ``cycles.parquet`` holds."""
+        done = {s["policy"] for s in self.outputs.summaries}
+        ran = {c["policy"] for c in self.outputs.cycles} | {r["policy"] for r in self.outputs.records}
+        for name, decoder in self.decoders.items():
+            if name in ran and name not in done:
+                self._summarise(decoder.policy, complete=False)
 
     def _record_full(self, levels: int) -> None:
         plan, i, recorder = self.plan, self.inputs, self.recorder
@@ -622,11 +641,18 @@ def _keep_partial(plan: DecodePlan, outputs: DecodeOutputs, recorder, why: str, 
                                f"completed before it; {len(outputs.records)} of its {runs} (policy, prompt) runs "
                                "finished")
         kept.append(f"every complete cycle, {len(outputs.cycles)} of them, in {plan.out_dir}")
+    written = False
     if recorder is not None and len(recorder):
         recorder.end_open_sequence()
         if _write_recording(recorder, plan.record) is not None:
             kept.append(f"the {len(recorder)} recorded cycle(s) as a trace in {plan.record}")
-    return " and ".join(kept)
+            written = True
+    said = " and ".join(kept)
+    if plan.record is not None and not written and kept:
+        # --record-full records its trees in a pass after the decoding, which never ran
+        said += (f"; no trace in {plan.record} (" + ("--record-full records in a pass after the decoding, which did "
+                 "not start" if plan.record_full else "no cycle was recorded") + ")")
+    return said
 
 
 def _write_recording(recorder, path) -> Path | None:
