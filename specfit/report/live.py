@@ -45,7 +45,8 @@ def live_section(page: Page, cycles: pd.DataFrame, name: str, summaries: list | 
                        "MB H2D/cycle (predicted): the predicted misses and prefetches, as the terminal's KB H2D/cycle "
                        "in brackets; bytes MAPE: of each cycle's predicted bytes against the bytes moved, over the cycles that moved bytes; charged = "
                        "moved bytes: whether the bytes the cache bookkeeping charged the true experts are the bytes "
-                       "moved, cycle by cycle; union MAPE: of the predicted expert union's size "
+                       "moved, cycle by cycle (a prefetch's copies while drafting are on both sides: it checks the "
+                       "verification pass's own copies); union MAPE: of the predicted expert union's size "
                        "against the experts the verified nodes routed to (per layer: each layer's); draft levels and "
                        "nodes verified: mean per cycle.")
 
