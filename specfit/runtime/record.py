@@ -154,7 +154,10 @@ class TraceRecorder:
         return cycle.position + 1 < self._lengths.get(cycle.sequence, np.iinfo(np.int64).max)
 
     def _cut(self, cycle: _Cycle) -> _Cycle:
-        """A full trace's tree, cut to the depth of the reference tokens left after its position."""
+        """A full trace's tree, cut to the depth of the reference tokens left after its position
+        (a node past the output's end has no reference token to be verified against; a live run
+        that ended there at an EOS drafted past it, so a replay of that cycle verifies fewer
+        nodes than the live one did)."""
         if not self.full:
             return cycle
         remaining = self._lengths.get(cycle.sequence, np.iinfo(np.int64).max) - 1 - (cycle.position + 1)
