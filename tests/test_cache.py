@@ -573,13 +573,16 @@ def test_warm_rejects_a_bad_shape():
         ExpertCache(2, 4, 2).warm(np.zeros((4, 2), dtype=bool))
 
 
-def test_staging_buffers_only_below_a_full_layer():
+def test_staging_buffers_only_where_an_expert_may_stream():
     from specfit.experts.cache import ExpertCache
 
     assert ExpertCache.staging_buffers(7, 8) == 2
     assert ExpertCache.staging_buffers(8, 8) == 0
-    # a moe-infinity prompt pass evicts nothing: a miss with no free slot streams
-    assert ExpertCache.staging_buffers(64, 8, "moe-infinity") == 2
+    # a moe-infinity prompt pass evicts nothing: a miss with no free slot streams, unless every
+    # expert has a slot (8 a layer; 3 layers x 8 in global mode)
+    assert ExpertCache.staging_buffers(64, 8, "moe-infinity", limit=3 * 8) == 0
+    assert ExpertCache.staging_buffers(16, 8, "moe-infinity", limit=3 * 8) == 2
+    assert ExpertCache.staging_buffers(8, 8, "moe-infinity", limit=8) == 0
 
 
 def test_negative_keep_priorities_are_refused():

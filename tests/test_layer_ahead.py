@@ -83,8 +83,9 @@ def test_resident_candidates_need_no_copy():
 
 
 def _events(unions, nodes, n_layers, n_experts, capacity, cost, rank, mode="per_layer"):
-    """Reference: each layer's window walked copy by copy, the cache admitting layer by layer (a
-    global cache's earlier layers may evict a later one's experts before its window)."""
+    """Reference: each layer's window walked copy by copy, the link's clock carried from window to
+    window, the cache admitting layer by layer (a global cache's earlier layers may evict a later
+    one's experts before its window)."""
     transfer = cost.miss_s - cost.hit_s
     cache = ExpertCache(n_layers, n_experts, capacity, mode=mode)
     hidden = []
@@ -93,7 +94,7 @@ def _events(unions, nodes, n_layers, n_experts, capacity, cost, rank, mode="per_
         need.flat[items] = True
         resident = cache.resident()
         cache.admit_layer(0, np.flatnonzero(need[0]))
-        total = 0.0
+        total, busy = 0.0, 0.0             # busy: the link's time still taken as the window opens
         for layer in range(n_layers - 1):
             if mode == "global":
                 resident = cache.resident()                  # layers 0 .. layer admitted
@@ -103,21 +104,25 @@ def _events(unions, nodes, n_layers, n_experts, capacity, cost, rank, mode="per_
             else:
                 ids, p = rank(t, need)
                 candidates = [(e, q) for e, q in zip(ids[layer], p[layer]) if e >= 0 and not resident[layer + 1, e]]
-            clock, copied, overrun = 0.0, set(), 0.0
+            clock, copied, last_needed = busy, set(), False
             for e, q in candidates:
                 if clock >= window:
                     break
                 if clock + transfer > window and q * (window - clock) < (1 - q) * (clock + transfer - window):
                     break                                 # the last copy does not pay
                 copied.add(e)
-                if need[layer + 1, e]:
+                last_needed = bool(need[layer + 1, e])
+                if last_needed:
                     total += min(transfer, window - clock)
-                elif clock + transfer > window:           # a wasted copy runs past the window
-                    overrun = clock + transfer - window
                 clock += transfer
-            # ... and delays the next layer's own copies, if it has any left
+            # the link past the window's close, unless a needed copy runs on (its rest is that
+            # layer's own transfer): it delays the next layer's copies, or takes from its window
+            spill = 0.0 if (copied and last_needed) else max(clock - window, 0.0)
             if any(need[layer + 1, e] and not resident[layer + 1, e] and e not in copied for e in range(n_experts)):
-                total -= overrun
+                total -= spill
+                busy = 0.0
+            else:
+                busy = spill
             cache.admit_layer(layer + 1, np.flatnonzero(need[layer + 1]))
         hidden.append(total)
     return np.array(hidden)
@@ -195,6 +200,20 @@ def test_a_wasted_copys_overrun_delays_only_copies_the_next_layer_has_left():
         unions = [np.array([0] + [4 + e for e in layer1])]
         out = layer_ahead(unions, np.array([1]), np.array([0]), 2, 4, 0, COST, rank=_fixed([3, 0, 2]))
         assert out.copies[0] == 3 and out.hidden_s[0] == pytest.approx(hidden), layer1
+
+
+def test_a_wasted_overrun_the_next_layer_does_not_wait_for_takes_from_its_window():
+    """Three layers, windows of 0.11 s, a copy 0.05 s, every candidate copied (p = 1). Window 0
+    copies 1 (needed) and 3, 2 (wasted; 2 runs 0.04 s past the close); layer 1 has nothing left to
+    copy, so it computes at once while the link finishes 2: window 1's copies of 1 and 2 (both
+    needed by layer 2) start 0.04 s late, the second 0.02 s inside (0.05 with the link free, as
+    the windows once took it)."""
+    unions = [np.array([0, 4 + 1, 2 * 4 + 1, 2 * 4 + 2])]
+    cost = CostModel(base_s=0.3, per_node_s=0.0, hit_s=0.01, miss_s=0.06, draft_level_s=0.0)
+    ranker = lambda cycle, union: (np.array([[1, 3, 2, 0], [1, 2, 0, 3]]), np.ones((2, 4)))   # noqa: E731
+    out = layer_ahead(unions, np.array([1]), np.array([0]), 3, 4, 0, cost, rank=ranker)
+    assert out.hidden_s[0] == pytest.approx(0.05 + 0.05 + 0.02)
+    np.testing.assert_allclose(out.hidden_s, _events(unions, np.array([1]), 3, 4, 0, cost, ranker))
 
 
 def test_a_near_free_copy_asks_for_no_more_slots_than_a_layer_has_experts():

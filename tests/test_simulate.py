@@ -302,6 +302,8 @@ def test_the_cache_mode_takes_per_layer_spelled_as_the_other_options_values_are(
     assert rows["per-layer"] == rows["per_layer"] and rows["per-layer"][0]["cache_mode"] == "per_layer"
     spec = parse_spec({"traces": [str(SAMPLE_OLMOE)], "cache_mode": ["per-layer", "global"]})
     assert spec.axes["cache_mode"] == ["per_layer", "global"]
+    with pytest.raises(SpecFitError, match=r"field 'cache_mode' lists a value twice: \['per_layer', 'per_layer'\]"):
+        parse_spec({"traces": [str(SAMPLE_OLMOE)], "cache_mode": ["per_layer", "per-layer"]})
 
 
 def test_predictor_router_without_model_is_refused_before_any_trace_is_read(tmp_path, monkeypatch):
@@ -989,8 +991,9 @@ def test_simulate_leaves_nothing_on_a_stderr_that_is_not_a_terminal():
 def test_moe_infinitys_counts_start_after_each_prompts_passes_in_every_replay(mode):
     """MoE-Infinity's counts are cleared when a request's decoding begins, after its prompt has
     run: each replay (compiled fixed policies, compiled specfit, the Python loop) gives the hits
-    and misses of a cache driven by hand through the same unions, each sequence's prompt passes,
-    then ``begin_decode``, then its cycles. (The shipped traces record no prompt pass, so a count
+    and misses of a cache driven by hand through the same unions: ``begin_prompt``, each
+    sequence's prompt passes (which evict nothing under this rule), then ``begin_decode``, then its
+    cycles. (The shipped traces record no prompt pass, so a count
     cleared before the passes instead of after them passed every other replay test.)"""
     trace = with_prompt_passes(read_trace(SAMPLE_OLMOE), 3, 24, seed=5)
     prep = prepare("parent", trace, np.roll(trace.true_experts, 1, axis=0))
@@ -1006,6 +1009,7 @@ def test_moe_infinitys_counts_start_after_each_prompts_passes_in_every_replay(mo
         sequence = log.columns["sequence"]
         for row, items in enumerate(log.unions):
             if row == 0 or sequence[row] != sequence[row - 1]:
+                by_hand.begin_prompt()
                 for pass_items in log.prefill_unions[int(sequence[row])]:
                     by_hand.admit(np.isin(np.arange(L * E), pass_items).reshape(L, E))
                 by_hand.begin_decode()

@@ -22,7 +22,9 @@ Rules (deterministic, the same in both modes):
   evictions; ties go to the lowest ``(layer, expert)`` (MoE-Infinity scans a
   ``std::unordered_set``, whose order its library decides); between :meth:`begin_prompt` and
   :meth:`begin_decode` (a request's prompt passes) it evicts nothing, a miss taking a free slot or
-  streamed, as MoE-Infinity's dispatcher runs a prompt's miss in one extra slot and sends it back.
+  streamed, as MoE-Infinity's dispatcher runs a prompt's miss in one extra slot and sends it back
+  (it tells a prompt by a pass of more than one token; a speculative verification pass counts as
+  decoding here, MoE-Infinity's decode path being the baseline compared with).
 - ``admit_layer(layer, expert_ids)`` is ``admit`` of a union with only that row set (the touch
   clock advances once per call) and touches only that layer's state in per-layer mode.
 - Look-ahead (optional, :mod:`specfit.experts.lookahead` computes it): ``keep[layer, expert]``, a
@@ -135,12 +137,14 @@ class ExpertCache(LayerCounts):
         return n_experts if mode == "per_layer" else n_layers * n_experts
 
     @staticmethod
-    def staging_buffers(capacity: int, n_experts: int, policy: str = "lru") -> int:
+    def staging_buffers(capacity: int, n_experts: int, policy: str = "lru", limit: int | None = None) -> int:
         """Expert-sized device buffers held beside the cache's slots: a layer's union always fits
         once ``capacity`` >= ``n_experts`` (per layer, or globally since only the current layer's
         union is protected from eviction); below that its overflow streams through two, and so
-        does a ``moe-infinity`` prompt pass's miss that finds no free slot (it evicts nothing)."""
-        return 2 if capacity < n_experts or policy == "moe-infinity" else 0
+        does a ``moe-infinity`` prompt pass's miss that finds no free slot (it evicts nothing),
+        unless the cache holds every expert (``limit``: :meth:`slot_limit`)."""
+        prompt_streams = policy == "moe-infinity" and (limit is None or capacity < limit)
+        return 2 if capacity < n_experts or prompt_streams else 0
 
     def __init__(self, n_layers: int, n_experts: int, capacity: int, mode: str = "per_layer",
                  policy: str = "lru", expert_bytes: int = 0):

@@ -15,8 +15,8 @@ those not resident, one ``transfer_s`` each, and stops when the window closes. E
 expert that layer ``l + 1`` misses hides the part of its transfer inside the window (the rest
 runs on in layer ``l + 1``'s time, as its miss would have); a copy of an expert it does not need
 hides nothing, costs nothing while inside the window, and if it is still under way when the window
-closes its overrun delays layer ``l + 1``'s own copies, where it has any left (a copy is not
-cancelled). So the copy that
+closes its overrun delays layer ``l + 1``'s own copies where it has any left, and otherwise keeps the
+link from the next window for as long (a copy is not cancelled). So the copy that
 would run past the window is started only when it pays in expectation: ``p * inside >= (1 - p) *
 overrun``, ``p`` the prefetcher's probability that the expert is needed. With the true misses as
 the candidates the hidden time is ``min(misses_{l+1} * transfer_s, compute_l)``, the ceiling of any
@@ -78,18 +78,12 @@ def _last_copy(window: np.ndarray, started: np.ndarray, transfer_s: float):
     return last, window - last * transfer_s, np.maximum(started * transfer_s - window, 0.0)
 
 
-def _hidden(window: np.ndarray, useful: np.ndarray, started: np.ndarray, transfer_s: float,
-            left: np.ndarray) -> float:
-    """Transfer time hidden by the ``started[l]`` copies of each layer (``useful[l, j]``: copy j is
-    of a missed expert) in windows of ``window[l]`` seconds, less the overrun of a wasted copy
-    still under way at a window's close where the next layer has copies of its own ``left``
-    (bool per layer: a miss no copy in the window took; with none left the overrun delays
-    nothing)."""
+def _hidden(room: np.ndarray, useful: np.ndarray, transfer_s: float) -> float:
+    """Transfer time hidden by the copies ``useful[l, j]`` marks as of a missed expert, copy j
+    taking ``[j t, (j + 1) t)`` of a window with ``room[l]`` seconds free for copies."""
     j = np.arange(useful.shape[1])
-    inside = np.clip(window[:, None] - j[None, :] * transfer_s, 0.0, transfer_s)
-    last, _, overrun = _last_copy(window, started, transfer_s)
-    wasted_last = (started > 0) & ~np.take_along_axis(useful, last[:, None], axis=1)[:, 0] & left
-    return float((inside * useful).sum() - (overrun * wasted_last).sum())
+    inside = np.clip(room[:, None] - j[None, :] * transfer_s, 0.0, transfer_s)
+    return float((inside * useful).sum())
 
 
 def layer_ahead(unions: list[np.ndarray], nodes: np.ndarray, draft_levels: np.ndarray, n_layers: int,
@@ -167,6 +161,7 @@ def _window(t: int, union: np.ndarray, cache: ExpertCache, out: LayerAhead, rank
         started = np.minimum(missed[1:].sum(axis=1), np.ceil(window / transfer_s))
         # every copy started is of a true miss; the slots run to the widest window
         useful = np.arange(slots)[None, :] < started[:, None]
+        out.hidden_s[t] = _hidden(window, useful, transfer_s)
     else:
         ranked, p = (np.asarray(x) for x in rank(t, union))
         ok = ranked >= 0
@@ -175,17 +170,32 @@ def _window(t: int, union: np.ndarray, cache: ExpertCache, out: LayerAhead, rank
         ok &= ~np.take_along_axis(resident[1:], ids, axis=1)
         order = np.argsort(~ok, axis=1, kind="stable")[:, :slots]
         ids, ok, p = (np.take_along_axis(x, order, axis=1) for x in (ids, ok, p))
-        hit = ok & np.take_along_axis(missed[1:], ids, axis=1)
-        useful = np.zeros((n_layers - 1, slots), dtype=bool)
-        useful[:, :hit.shape[1]] = hit
-        started = np.minimum(ok.sum(axis=1), np.ceil(window / transfer_s))
-        # the copy that would run past the window: started only when it pays in expectation
-        last, inside, overrun = _last_copy(window, started, transfer_s)
-        chance = np.take_along_axis(p, last[:, None], axis=1)[:, 0]
-        started -= (started > 0) & (overrun > 0) & (chance * inside < (1.0 - chance) * overrun)
-        useful &= np.arange(slots)[None, :] < started[:, None]
-    left = missed[1:].sum(axis=1) > useful.sum(axis=1)
-    out.hidden_s[t] = _hidden(window, useful, started, transfer_s, left)
+        hit = np.zeros((n_layers - 1, slots), dtype=bool)
+        hit[:, :ids.shape[1]] = ok & np.take_along_axis(missed[1:], ids, axis=1)
+        candidates, needed = ok.sum(axis=1), missed[1:].sum(axis=1)
+        # the link may still be busy as a window opens (``carry``): a wasted copy still under way
+        # at the last window's close, where that layer had no copy of its own left to delay
+        carry = np.zeros(n_layers - 1)
+        while True:
+            room = np.maximum(window - carry, 0.0)
+            started = np.minimum(candidates, np.ceil(room / transfer_s))
+            # the copy that would run past the window: started only when it pays in expectation
+            last, inside, overrun = _last_copy(room, started, transfer_s)
+            chance = np.take_along_axis(p, np.minimum(last, p.shape[1] - 1)[:, None], axis=1)[:, 0]
+            started -= (started > 0) & (overrun > 0) & (chance * inside < (1.0 - chance) * overrun)
+            useful = hit & (np.arange(slots)[None, :] < started[:, None])
+            last, _, overrun = _last_copy(room, started, transfer_s)
+            wasted = (started > 0) & ~np.take_along_axis(useful, last[:, None], axis=1)[:, 0]
+            # the link's time past the window's close that no needed copy uses
+            spill = np.where(started > 0, np.where(wasted, overrun, 0.0), np.maximum(carry - window, 0.0))
+            left = needed > useful.sum(axis=1)         # the next layer copies a miss of its own
+            later = np.zeros_like(carry)
+            later[1:] = np.where(left[:-1], 0.0, spill[:-1])
+            if np.array_equal(later, carry):
+                break
+            carry = later
+        # a spill delays the next layer's own copies where it has any; else it shortens its window
+        out.hidden_s[t] = _hidden(room, useful, transfer_s) - float((spill * left).sum())
     out.copies[t], out.useful[t] = int(started.sum()), int(useful.sum())
 
 

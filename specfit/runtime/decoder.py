@@ -160,8 +160,10 @@ class Decoder:
         now = self._now
         start = now()
         self.model.offload.cache.begin_prompt()
-        root, prefill = self.prefill(prompt_ids, max_new_tokens)
-        self.model.offload.cache.begin_decode()
+        try:
+            root, prefill = self.prefill(prompt_ids, max_new_tokens)
+        finally:                 # a prompt that fails leaves no cache in its prompt phase
+            self.model.offload.cache.begin_decode()
         prefill_time_s = now() - start
         totals += prefill.offload
 

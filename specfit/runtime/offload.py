@@ -157,7 +157,8 @@ class ExpertOffload:
         L, E = host.n_layers, host.n_experts
         self.cache = ExpertCache(L, E, capacity, mode=mode, policy=policy, expert_bytes=host.expert_bytes)
         self._n_slots = self.cache.capacity * L if mode == "per_layer" else self.cache.capacity
-        self._n_staging = ExpertCache.staging_buffers(self.cache.capacity, E, self.cache.policy)
+        self._n_staging = ExpertCache.staging_buffers(self.cache.capacity, E, self.cache.policy,
+                                                      ExpertCache.slot_limit(L, E, mode))
         self.slot_of = np.full((L, E), -1, dtype=np.int64)   # device slot of each resident expert
         self._free_slots: list[int] = []
         self.released = True

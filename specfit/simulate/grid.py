@@ -215,6 +215,10 @@ def _values(raw: dict, key: str, kind: type, default: list, source: str) -> list
         if not _is_a(kind, v):
             raise SpecFitError(f"{source}: field {key!r} must hold {kind.__name__} values, got {v!r}")
         out.append(float(v) if kind is float else v)
+    if key == "cache_mode":
+        from ..experts.cache import cache_mode_name
+
+        out = [cache_mode_name(v) for v in out]        # per-layer is per_layer: one value, not two
     if len(set(out)) != len(out):
         raise SpecFitError(f"{source}: field {key!r} lists a value twice: {out}")
     return out
@@ -237,7 +241,6 @@ def check_axis_values(axes: dict, source: str) -> None:
 
 def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec:
     """A :class:`SweepSpec` from the spec's parsed mapping; relative paths are relative to ``base``."""
-    from ..experts.cache import cache_mode_name
     from ..traces.synth import WORKLOADS
     from .scenarios import check_layer_ahead, check_replay_options, distinct_labels
     from .sweep import check_policies
@@ -251,7 +254,6 @@ def parse_spec(raw, source: str = "spec", base: Path | None = None) -> SweepSpec
         raise SpecFitError(f"{source}: unknown field(s) {unknown}; expected some of {sorted(known)}")
     base = Path(base) if base is not None else Path(".")
     axes = {key: _values(raw, key, kind, default, source) for key, (kind, default) in _AXES.items()}
-    axes["cache_mode"] = [cache_mode_name(v) if isinstance(v, str) else v for v in axes["cache_mode"]]
     scalars = {}
     for key, (kind, default) in _SCALARS.items():
         value = raw.get(key, default)
