@@ -326,6 +326,27 @@ def test_an_interrupted_run_keeps_every_completed_cycle(checkpoint, tmp_path, in
     assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".lock"]   # no temporary file left
 
 
+def test_a_policy_stopped_after_its_last_prompt_is_not_called_cut_short(checkpoint, tmp_path):
+    """A stop after a policy's last prompt but before its summary: the summary written for it
+    counts every prompt and is not marked incomplete."""
+    model_dir, drafter_dir, prompts = checkpoint
+    n_prompts = len(prompts.read_text().splitlines())
+    plan = DecodePlan(model_dir=model_dir, prompts_path=prompts, cache_experts=3, policies=["ar", "specfit"],
+                      drafter_dir=drafter_dir, profile="pcie4", max_new_tokens=NEW_TOKENS, device="cpu",
+                      out_dir=tmp_path / "run", ignore_eos=True)
+    seen = []
+
+    def stop_after_ars_last(record):
+        seen.append(record)
+        if len(seen) == n_prompts:
+            raise KeyboardInterrupt
+
+    with pytest.raises(Interrupted):
+        run_decode(plan, on_record=stop_after_ars_last)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert [(s["policy"], s["prompts"], s.get("complete", True)) for s in summary] == [("ar", n_prompts, True)]
+
+
 def test_an_interrupted_full_recording_says_it_wrote_no_trace(checkpoint, tmp_path):
     """--record-full records its trees in a pass after the decoding: stopped before it, the run
     keeps its cycles and says that no trace was written, and why."""
@@ -338,7 +359,7 @@ def test_an_interrupted_full_recording_says_it_wrote_no_trace(checkpoint, tmp_pa
         raise KeyboardInterrupt
 
     with pytest.raises(Interrupted, match=r"no trace in .*t\.parquet \(--record-full records in a pass after the "
-                                          r"decoding, which did not start\)"):
+                                          r"decoding, which recorded no cycle before the stop\)"):
         run_decode(plan, on_record=stop)
     assert not (tmp_path / "t.parquet").exists() and (tmp_path / "run" / "cycles.parquet").exists()
 
@@ -517,7 +538,10 @@ def test_a_rerun_stopped_early_keeps_none_of_the_last_runs_files(checkpoint, tmp
         run_decode(plan, on_record=stop)
     cycles = read_decode_cycles(out)
     assert set(cycles["policy"]) == {"ar"} and set(cycles["sequence"]) == {0} and len(cycles) == NEW_TOKENS - 1
-    assert len((out / "decode.jsonl").read_text().splitlines()) == 1 and not (out / "summary.json").exists()
+    assert len((out / "decode.jsonl").read_text().splitlines()) == 1
+    # its summary is this run's: ar's one prompt, cut short (not the last run's two finished policies)
+    summary = json.loads((out / "summary.json").read_text())
+    assert [(s["policy"], s["prompts"], s["complete"]) for s in summary] == [("ar", 1, False)]
     # its run.json says that it stopped, and its report says so above the tables
     n_prompts = len(prompts.read_text().splitlines())
     said = (f"the run stopped before its end (interrupted): it holds the {NEW_TOKENS - 1} cycle(s) completed before "

@@ -126,6 +126,7 @@ def _summary(prof, path: Path, console) -> None:
     from rich.table import Table
 
     from ..console import table_console
+    from .fit import at_bound_text
     from .profile import held_out_unit
     from .repeat import rounds_text
 
@@ -148,6 +149,8 @@ def _summary(prof, path: Path, console) -> None:
                       f"({rounds_text(noise)})")
     if "fitted" in fit:
         table.add_row("fitted from the passes", ", ".join(fit["fitted"]) or "-")
+    for name, prior in (fit.get("at_bound") or {}).items():
+        table.add_row(f"at its bound: {name}", at_bound_text(prior))
     for name, held_term in (fit.get("held") or {}).items():
         table.add_row(f"held: {name}", f"{held_term['value']:.4g} ({held_term['at']}): {held_term['reason']}")
     table_console().print(table)

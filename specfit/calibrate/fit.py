@@ -43,7 +43,7 @@ from ..costmodel import PARAM_NAMES, CostModel
 from ..errors import SpecFitError
 
 __all__ = ["CycleTimeFitter", "prediction_errors", "PHYSICAL_NAMES", "physical_features", "to_physical",
-           "from_physical", "VISIBLE_SHARE"]
+           "from_physical", "VISIBLE_SHARE", "at_bound_text"]
 
 # the fitted parameters, in the order of physical_features' columns
 PHYSICAL_NAMES = ("draft_level_s", "base_s", "per_node_s", "hit_s", "transfer_s")
@@ -105,6 +105,12 @@ def _physical_values(values: dict | CostModel | None, source: str) -> np.ndarray
     if np.any(out[np.isfinite(out)] < 0):
         raise SpecFitError(f"{source}: parameters must be non-negative seconds, got {d}")
     return out
+
+
+def at_bound_text(prior_s: float) -> str:
+    """What a fitted term at its bound (``quality_["at_bound"]``, its prior ``prior_s``) means."""
+    return (f"fitted at 0, its bound: the data would put it below 0, the other terms taking its part "
+            f"(its prior: {prior_s:.4g} s)")
 
 
 def _median(x: np.ndarray) -> float:
@@ -256,33 +262,15 @@ class CycleTimeFitter:
         return bool(cols.size) and not bool(np.all(np.any(cols != 0, axis=0)))
 
     def _fit_choice(self, A, b, held_at, fixed, choice) -> np.ndarray:
-        """Physical parameters of a choice: NNLS on its columns, the held group at s x prior.
-
-        A freed term that the constraint holds at 0 although its prior (a probe's measurement,
-        the profile being refitted) puts it above is not one the data determine: the others took
-        its part (a miss no dearer than a hit; the node term given to the draft levels). It is
-        held at its prior (``choice["pinned"]``, said so in ``quality_["held"]``) and the rest
-        fitted again, until no freed term is at the bound that way."""
-        pinned = list(choice.get("pinned", []))
-        while True:
-            free = [j for j in choice["free"] if j not in pinned]
-            held = fixed.copy()
-            held[pinned] = True
-            cols, target = self._columns(A, b, held_at, held, free, choice["group"], choice["speed"])
-            theta = held_at.copy()                           # fixed, absent, pinned or without a prior: as held
-            speed = 1.0
-            if cols.shape[1]:
-                coef, _ = nnls(cols, target)
-                theta[free] = coef[:len(free)]
-                if choice["speed"]:
-                    speed = float(coef[-1])
-            at_bound = [j for j in free if theta[j] == 0 and held_at[j] > 0 and np.isfinite(self._prior_phys[j])]
-            if not at_bound:
-                break
-            pinned += at_bound
-        if pinned:
-            choice["free"], choice["pinned"] = free, pinned
-            choice["held"] = sorted(set(choice["held"]) | set(pinned))
+        """Physical parameters of a choice: NNLS on its columns, the held group at s x prior."""
+        cols, target = self._columns(A, b, held_at, fixed, choice["free"], choice["group"], choice["speed"])
+        theta = held_at.copy()                               # fixed, absent or without a prior: as held
+        speed = 1.0
+        if cols.shape[1]:
+            coef, _ = nnls(cols, target)
+            theta[choice["free"]] = coef[:len(choice["free"])]
+            if choice["speed"]:
+                speed = float(coef[-1])
         theta[choice["group"]] = speed * held_at[choice["group"]]
         choice["speed_value"] = speed
         return theta
@@ -388,16 +376,21 @@ class CycleTimeFitter:
         return {"free": sorted(free), "group": group, "speed": speed and bool(group), "held": held,
                 "absent": absent, "scores": scores, "held_at": held_at, "Z": Z, "speed_value": 1.0}
 
+    def _at_bound(self, theta, choice) -> dict:
+        """The fitted terms the non-negativity holds at 0 where a prior (a probe's measurement, the
+        refitted profile) puts them above: the data would put them below 0, the other terms taking
+        their part (a miss no dearer than a hit next to an H2D probe of microseconds), which a
+        reader of "fitted" should be told; name -> the prior's value."""
+        return {PHYSICAL_NAMES[j]: float(self._prior_phys[j]) for j in choice["free"]
+                if theta[j] == 0 and np.isfinite(self._prior_phys[j]) and self._prior_phys[j] > 0}
+
     def _held_terms(self, choice) -> dict:
         """The held terms in words: their value, where it comes from, why they are held."""
         out = {}
         speed = choice["speed_value"] if choice["speed"] else 1.0
         for j in choice["held"]:
             score, shift = choice["scores"].get(("term", j), (np.inf, 0.0))
-            if j in choice.get("pinned", ()):
-                reason = ("the data put it at 0 with the fitted terms taking its part (the constraint binding), "
-                          "against its prior")
-            elif j in choice["absent"]:
+            if j in choice["absent"]:
                 reason = "absent from the data (always 0)"
             elif np.ptp(choice["Z"][:, j]) == 0:
                 reason = "constant in the data"
@@ -438,6 +431,7 @@ class CycleTimeFitter:
             "parametrisation": "miss_s = hit_s + transfer_s, every term >= 0",
             "physical_params": dict(zip(PHYSICAL_NAMES, map(float, theta))),
             "fitted": info["free"],
+            "at_bound": self._at_bound(theta, info["choice"]),
             "held": self._held_terms(info["choice"]),
             "speed_factor": info["speed"],
             "unidentified": info["held_names"],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from ..calibrate.fit import at_bound_text
 from ..calibrate.profile import Profile, held_out_unit
 from ..calibrate.repeat import rounds_text
 from .html import Page
@@ -41,6 +42,8 @@ def calibration_section(page: Page, profile: Profile, name: str) -> None:
                                        f"{noise.get('cpu_count')} cores")
         if "fitted" in fit:
             facts["fitted from the data"] = ", ".join(fit["fitted"]) or "-"
+        for name, prior in (fit.get("at_bound") or {}).items():
+            facts[f"at its bound: {name}"] = at_bound_text(prior)
         for name, term in (fit.get("held") or {}).items():
             facts[f"held: {name}"] = f"{term['value']:.4g} s ({term['at']}): {term['reason']}"
         page.facts(facts)

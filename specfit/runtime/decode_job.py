@@ -339,6 +339,8 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             # still reach cycles.parquet before the error goes on, as far as the disk lets them
             with contextlib.suppress(Exception):
                 rows.flush(stopped=True)
+                if runs is not None:
+                    runs.summarise_stopped()
                 outputs.close()
             if isinstance(exc, OSError) and plan.out_dir is not None and not isinstance(exc, PEER_ERRORS):
                 from ..io import os_error_text
@@ -474,9 +476,9 @@ class _Runs:
             self.on_record(record)
         self.tick()
 
-    def _summarise(self, policy, complete: bool = True) -> None:
+    def _summarise(self, policy, stopped: bool = False) -> None:
         summary = summarise_policy(policy.name, self.outputs.records, self.outputs.cycles)
-        if not complete:
+        if stopped and summary["prompts"] < len(self.inputs.prompts):
             # the run stopped before this policy's last prompt: its cycles so far, said so
             summary["complete"] = False
         if self.decoders[policy.name].online is not None:
@@ -491,7 +493,7 @@ class _Runs:
         ran = {c["policy"] for c in self.outputs.cycles} | {r["policy"] for r in self.outputs.records}
         for name, decoder in self.decoders.items():
             if name in ran and name not in done:
-                self._summarise(decoder.policy, complete=False)
+                self._summarise(decoder.policy, stopped=True)
 
     def _record_full(self, levels: int) -> None:
         plan, i, recorder = self.plan, self.inputs, self.recorder
@@ -650,8 +652,8 @@ def _keep_partial(plan: DecodePlan, outputs: DecodeOutputs, recorder, why: str, 
     said = " and ".join(kept)
     if plan.record is not None and not written and kept:
         # --record-full records its trees in a pass after the decoding, which never ran
-        said += (f"; no trace in {plan.record} (" + ("--record-full records in a pass after the decoding, which did "
-                 "not start" if plan.record_full else "no cycle was recorded") + ")")
+        said += (f"; no trace in {plan.record} (" + ("--record-full records in a pass after the decoding, which "
+                 "recorded no cycle before the stop" if plan.record_full else "no cycle was recorded") + ")")
     return said
 
 
