@@ -38,8 +38,8 @@ def calibration_section(page: Page, profile: Profile, name: str) -> None:
             share = noise.get("cpu_share")
             facts["probe rounds"] = (rounds_text(noise) + f"; spread (max - min) / median {noise['spread_median']:.1%} median, "
                                      f"{noise['spread_p90']:.1%} p90" + (f"; CPU share {share:.0%}" if share is not None else "")
-                                     + f"; load average {noise.get('load_average', float('nan')):.1f} on "
-                                       f"{noise.get('cpu_count')} cores")
+                                     + f"; the machine's load average {noise.get('load_average', float('nan')):.1f} "
+                                       f"over its {noise.get('cpu_count')} cores, whatever cores the probes ran on")
         if "fitted" in fit:
             facts["fitted from the data"] = ", ".join(fit["fitted"]) or "-"
         for name, prior in (fit.get("at_bound") or {}).items():
