@@ -513,6 +513,21 @@ def test_moe_infinitys_prompt_passes_evict_nothing_and_other_rules_evict_as_alwa
         assert cache.admit(one_hot([3])).evictions.sum() == 1, policy
 
 
+def test_a_count_of_millions_keeps_its_expert_hot_rather_than_overflowing():
+    """lfu's and moe-infinity's scores put the count above 2^40: a count past 2^23 (a long run's
+    hot expert) once overflowed int64 into a negative score, and that expert went first."""
+    from specfit import kernels
+
+    cache = ExpertCache(1, 6, 2, policy="lfu")
+    cache.admit(one_hot([0]))
+    cache._count[0, 0] = 2**23 + 5          # used millions of times since its admission
+    cache.admit(one_hot([0]))                # a hit: its score is recomputed from the count
+    cache.admit(one_hot([1]))
+    assert cache.admit(one_hot([2])).evicted_mask[0].nonzero()[0].tolist() == [1]
+    for count in (2**22, 2**23, 2**40):
+        assert kernels.cache._request_score(count, 0, 3, 6) > kernels.cache._request_score(1, 0, 3, 6) > 0
+
+
 def test_a_prefetch_levers_copy_is_not_counted_under_moe_infinity():
     cache = ExpertCache(1, 6, 2, policy="moe-infinity")
     cache.admit(one_hot([0]))          # 0: fetched once

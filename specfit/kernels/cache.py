@@ -41,13 +41,18 @@ PROMPT, DECODING = 0, 1         # config[4]: the request's phase
 # lfu orders by touch count first, recency (the touch key modulo SPAN) second; REQUEST_LFU
 # (moe-infinity) by touch count first, the item ``layer * E + expert`` second
 SPAN = np.int64(1) << np.int64(40)
+# the count a score holds at most (count x SPAN stays below 2^62): an expert used or fetched more
+# often ties with the others there, and recency (lfu) or the item (moe-infinity) decides; without
+# the cap a long run's count overflowed into a negative score, the hottest expert going first
+COUNT_CAP = (np.int64(1) << np.int64(22)) - np.int64(1)
 NO_KEEP = np.zeros((0, 0), dtype=np.float64)    # ``keep`` when the cache's own policy decides alone
 
 
 @njit(cache=True)
 def _request_score(count, layer, e, n_experts):
-    """:data:`REQUEST_LFU`'s eviction key: the count first, the item ``layer * E + e`` second."""
-    return count * SPAN + layer * n_experts + e
+    """:data:`REQUEST_LFU`'s eviction key: the count first (at most :data:`COUNT_CAP`), the item
+    ``layer * E + e`` second."""
+    return min(count, COUNT_CAP) * SPAN + layer * n_experts + e
 
 
 @njit(cache=True)
@@ -68,7 +73,7 @@ def _touch(score, count, layer, e, key, admitted, policy, n_experts):
         if admitted:
             score[layer, e] = key
     else:
-        score[layer, e] = count[layer, e] * SPAN + key % SPAN
+        score[layer, e] = min(count[layer, e], COUNT_CAP) * SPAN + key % SPAN
 
 
 @njit(cache=True)
