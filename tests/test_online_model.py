@@ -124,3 +124,16 @@ def test_a_first_refit_refused_leaves_the_model_as_it_started(monkeypatch):
     assert online.n_refits == 0 and online.fitted == COST
     assert online.state()["refits"] == 0 and online.cost.time_s(0, 1, 12, 0) > 0
     assert tries == [8, 16]             # a refused refit waits its turn (it was tried every cycle)
+
+
+def test_a_choice_of_terms_made_on_fewer_cycles_is_not_reused_on_more():
+    """The first refit selects its terms on min_cycles cycles; until the window is full each refit
+    selects again (a first choice made on 8 cycles, reused on 24, freed terms that traded against
+    each other: a hit term 7x below its probe), then every select_every-th refit does."""
+    online = OnlineCostModel(COST, window=32, min_cycles=8, refit_every=8, refit_interval_s=0.0)
+    kinds = []
+    for k in range(64):
+        online.observe(2, 6 + k % 5, 20, k % 7, COST.time_s(2, 6 + k % 5, 20, k % 7), priced=(20, k % 7))
+        if online._last_kind:
+            kinds.append(online._last_kind)
+    assert kinds == [2, 2, 2, 2, 2, 1, 2, 1]             # refits at 8, 16, 24, 32 select; then every other

@@ -43,8 +43,8 @@ drafter's passes run just before the target's. :meth:`within_cycle` is the model
 a cycle whose drafter passes have run (the decoder's final selection: the decisions while drafting
 keep the cycle start's model): every term but the drafted levels' times
 ``exp(b * r)``, where ``r`` is the log of the passes' seconds per level against the recent cycles'
-(a tracker with a half-life of ``pace_half_life`` cycles) and ``b`` the slope of the cycles' log
-residual on ``r``, learned as the run goes (a least-squares slope over about the last
+(a tracker with a half-life of ``pace_half_life`` cycles) and ``b`` the slope of the log residual
+of the rest of the cycles (their time less their drafter passes') on ``r``, learned as the run goes (a least-squares slope over about the last
 ``PACE_MEMORY`` cycles, shrunk toward ``PACE_PRIOR_SLOPE``, kept in [0, 1]). The drafted levels
 keep the price they had before they ran: each term of the prediction is made before the work it
 prices. A machine whose drafter speed says nothing about the rest learns ``b`` near 0. The pace
@@ -126,6 +126,7 @@ class OnlineCostModel:
         self.window, self.min_cycles, self.refit_every = int(window), int(min(min_cycles, window)), int(refit_every)
         self.half_life, self.select_every = float(half_life), int(max(select_every, 1))
         self._choice = None
+        self._chosen_on = 0              # the window's cycles when the terms were last selected
         self._fitter = CycleTimeFitter(holdout_fraction=0.0, prior=prior)
         self._theta = to_physical(prior.params)
         self._features = np.zeros((self.window, len(PARAM_NAMES)))
@@ -209,10 +210,16 @@ class OnlineCostModel:
             fitted_s = self.fitted.time_s(draft_levels, n_nodes, *priced)
             if fitted_s > 0:
                 residual = math.log(work_s / fitted_s) - self._log_speed     # what the cycle's start missed
-                if deviation:
+                # the slope is of the rest of the cycle, which within_cycle scales: the whole cycle's
+                # residual holds the drafter passes' own deviation, and taught a drafter unrelated
+                # to the rest its share of the cycle as the slope
+                rest_s = work_s - drafter_s
+                rest_fitted_s = fitted_s - self.fitted.draft_level_s * draft_levels
+                if deviation and rest_s > 0 and rest_fitted_s > 0:
+                    rest = math.log(rest_s / rest_fitted_s) - self._log_speed
                     decay = 0.5 ** (1.0 / self.PACE_MEMORY)
                     self._pace_rr = decay * self._pace_rr + deviation * deviation
-                    self._pace_re = decay * self._pace_re + deviation * residual
+                    self._pace_re = decay * self._pace_re + deviation * rest
                 self._log_speed += self._speed_rate * residual
         if deviation is not None:
             self._log_pace = math.log(drafter_s / draft_levels) - (1.0 - self._pace_rate) * deviation
@@ -258,7 +265,12 @@ class OnlineCostModel:
         recency = 0.5 ** (age / self.half_life)
         # one reweighting round per refit, its Huber weights from the current model's residuals:
         # over successive refits of overlapping windows this is the offline fit's iteration
-        reuse = self._choice if self.n_refits % self.select_every else None
+        # a choice of terms is reused only on a window no larger than the one it was made on (a
+        # first refit's few cycles freed terms that then traded against each other on the full
+        # window: a hit term 7x below its probe), and as a copy, so that a refused refit leaves
+        # the kept choice as it was (its speed factor, for state())
+        reuse = (dict(self._choice) if self.n_refits % self.select_every and self._choice is not None
+                 and self._chosen_on >= n else None)
         theta, info = self._fitter.solve(self._features[:n], self._times[:n], start=self._theta, robust_iterations=0,
                                          sample_weight=recency, choice=reuse)
         params = from_physical(theta)
@@ -274,13 +286,15 @@ class OnlineCostModel:
         self._theta = theta
         self.fitted = fitted
         self._choice = info["choice"]
+        if reuse is None:
+            self._chosen_on = n
         self.held = info["held_names"]
         self.n_refits += 1
         return reuse is None
 
     def state(self) -> dict:
         """What the model is now, for a run's summary."""
-        return {"cycles_seen": self.n_seen, "refits": self.n_refits, "window": self.window,
+        return {"cycles_seen": self.n_seen, "refits": self.n_refits, "refused": self._refused, "window": self.window,
                 "params": {k: v for k, v in self.fitted.to_dict().items() if k != "expert_bytes"},
                 "speed_factor": self._choice["speed_value"] if self.n_refits else 1.0,
                 "tracked_speed": self.speed, "pace_slope": self.pace_slope,
