@@ -291,8 +291,9 @@ def test_validation_refuses_router_weights_where_the_experts_are_unknown():
 @pytest.mark.parametrize("value", [np.inf, -np.inf, -0.25, np.nan])
 @pytest.mark.parametrize("slot", [(0, 0), (1, 3), (-1, -1)])
 def test_validation_refuses_a_known_rows_weight_that_is_not_finite_and_non_negative(value, slot):
-    """Any slot of a row whose first weight is set: not only the first (an unknown row is NaN in
-    every slot, and a row is read as unknown by its first)."""
+    """Any slot of a row with a weight set: not only the first (an unknown row is NaN in every
+    slot). A NaN in the first slot of a row whose others are set is refused too (the row was taken
+    as unknown by its first slot, passed, and a rewrite lost its weights)."""
     from specfit.traces.drafter import DrafterParams
     from specfit.traces.synth import synthesize
 
@@ -300,9 +301,9 @@ def test_validation_refuses_a_known_rows_weight_that_is_not_finite_and_non_negat
     weights = np.full(t.true_experts.shape, 0.125, dtype=np.float32)
     validate_trace(dataclasses.replace(t, true_expert_weights=weights))
     if slot == (0, 0) and np.isnan(value):
-        weights[4] = np.nan                                     # the whole row unknown: allowed
-        validate_trace(dataclasses.replace(t, true_expert_weights=weights))
-        return
+        whole = weights.copy()
+        whole[4] = np.nan                                       # the whole row unknown: allowed
+        validate_trace(dataclasses.replace(t, true_expert_weights=whole))
     weights[4][slot] = value
     with pytest.raises(SpecFitError, match="'true_expert_weights' must hold finite, non-negative router weights"):
         validate_trace(dataclasses.replace(t, true_expert_weights=weights))

@@ -86,6 +86,25 @@ def test_cli_imports_a_per_sequence_log_and_says_what_cannot_be_fitted(per_seque
     assert trace.meta["recording"]["source_sequence_ids"] == [0, 2, 10]
 
 
+def test_an_import_shows_its_sibling_reuse_target_and_says_when_it_is_not_reached(per_sequence_npz, tmp_path):
+    """The table's target column held nothing for an import (its targets were not stored), and a
+    --sibling-reuse the routing model cannot reach passed without a word."""
+    import re
+
+    path, _ = per_sequence_npz
+    noted = []
+    for target in ("0.0", "0.3", "1.0"):
+        result = runner.invoke(app, ["traces", "import-routing", str(path), "--out", str(tmp_path / f"{target}.parquet"),
+                                     "--tree-width", "2", "--tree-depth", "2", "--sibling-reuse", target])
+        assert result.exit_code == 0, result.output
+        row = next(line for line in result.stdout.splitlines() if "sibling_reuse" in line and "│" in line)
+        assert f"{float(target):.3f}" in row
+        measured = float(re.findall(r"\d\.\d{3}", row)[-1])
+        assert ("note: sibling_reuse measured" in result.stdout) == (abs(measured - float(target)) > 0.05), measured
+        noted.append("note: sibling_reuse measured" in result.stdout)
+    assert noted[0] or noted[2]                 # 0 or 1 is beyond what any shape's routing reaches
+
+
 def test_model_config_gives_the_shape_of_moe_layers(per_sequence_npz, tmp_path):
     path, _ = per_sequence_npz
     config = {"architectures": ["Qwen2MoeForCausalLM"], "hidden_size": 64, "num_hidden_layers": 17,

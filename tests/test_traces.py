@@ -423,10 +423,15 @@ def test_a_node_carrying_its_parents_true_next_token_routes_like_it_and_other_of
     assert min(seen.values()) > 0, seen                                   # every rule was exercised
 
 
-@pytest.mark.parametrize("n_tokens, sequence_tokens", [(4, 1), (4, 0), (0, 4)])
-def test_synthesis_refuses_sequences_under_two_tokens_or_no_positions(n_tokens, sequence_tokens):
-    with pytest.raises(SpecFitError, match="--tokens"):
+@pytest.mark.parametrize("n_tokens, sequence_tokens, option", [(4, 0, "--sequence-tokens"), (0, 4, "--tokens")])
+def test_synthesis_refuses_sequences_of_no_position_naming_the_option(n_tokens, sequence_tokens, option):
+    with pytest.raises(SpecFitError, match=f"^{option}: expected at least 1 position"):
         synthesize("olmoe-1b-7b", "chat", n_tokens, sequence_tokens=sequence_tokens, drafter=SMALL_DRAFTER)
+
+
+def test_synthesis_makes_sequences_of_one_position_as_an_import_does():
+    t = synthesize("olmoe-1b-7b", "chat", 4, sequence_tokens=1, drafter=SMALL_DRAFTER)
+    assert t.sequence.tolist() == [0, 1, 2, 3] and t.position.tolist() == [0, 0, 0, 0]
 
 
 def test_expert_ids_above_127_of_a_model_with_up_to_256_experts_round_trip(tmp_path):

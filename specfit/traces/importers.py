@@ -139,7 +139,9 @@ def import_routing_and_model(log: RoutingLog, model: dict, workload: str = "impo
         "parameters": {"fitted": {"token_prob": router.token_prob_.round(4).tolist(),
                                   "consecutive_prob": router.consecutive_prob_.round(4).tolist(),
                                   "sibling_prob": router.sibling_prob_.round(4).tolist()},
-                       "sibling_reuse": sibling_reuse},
+                       "sibling_reuse": sibling_reuse,
+                       # the one statistic of an import's draft nodes the user sets (the table's target)
+                       "targets": {"sibling_reuse": sibling_reuse}},
     }
     trace = Trace(meta=meta, **arrays)
     if log.weights is not None:

@@ -146,8 +146,10 @@ def synthesize_and_model(shape: str, workload: str, n_tokens: int, seed: int = 0
             raise SpecFitError(f"--workload: unknown workload {workload!r}; expected one of {sorted(WORKLOADS)} "
                                "(or give the drafter statistics explicitly)")
         drafter = WORKLOADS[workload]
-    if n_tokens < 1 or sequence_tokens < 2:
-        raise SpecFitError(f"--tokens: expected at least 1 position and sequences of >= 2 tokens, got {n_tokens}, {sequence_tokens}")
+    if n_tokens < 1:
+        raise SpecFitError(f"--tokens: expected at least 1 position, got {n_tokens}")
+    if sequence_tokens < 1:
+        raise SpecFitError(f"--sequence-tokens: expected at least 1 position a sequence, got {sequence_tokens}")
     model = MODEL_SHAPES[shape]
     rng = np.random.default_rng(seed)
     token_sampler = TokenSampler(model["vocab_size"], routing.token_zipf, rng)

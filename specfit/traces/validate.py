@@ -141,10 +141,13 @@ def validate_trace(trace, source: str = "trace") -> dict:
         if weights.shape != (n, L, k):
             raise SpecFitError(f"{source}: 'true_expert_weights' must have shape [nodes, layers, top_k] = [{n}, {L}, {k}], "
                                f"got {list(weights.shape)}")
-        has = ~np.isnan(weights[:, 0, 0])
-        # per-row reductions, no [nodes, layers, top_k] temporaries: a NaN makes the minimum NaN
+        flat = weights.reshape(n, -1)
+        # a row is unknown when all of it is NaN (the file stores it as null); a known row with a
+        # NaN anywhere, its first slot too, is bad. Per-row reductions, no [nodes, layers, top_k]
+        # temporaries: fmax skips NaN (NaN only for a row of NaN), a NaN makes the minimum NaN
         # (not >= 0), an infinity the maximum or the minimum infinite
-        low, high = weights.min(axis=(1, 2)), weights.max(axis=(1, 2))
+        has = ~np.isnan(np.fmax.reduce(flat, axis=1))
+        low, high = flat.min(axis=1), flat.max(axis=1)
         bad = has & ~((low >= 0) & (high < np.inf))
         if bad.any():
             fail("true_expert_weights", bad, "must hold finite, non-negative router weights")
