@@ -172,5 +172,7 @@ def grouped_bars(labels, groups: dict, ylabel: str, annotations: dict | None = N
     ax.set_xticks(x, [str(label) for label in labels], rotation=30, ha="right")
     ax.set(ylabel=ylabel, title=title)
     ax.margins(y=0.18)
-    ax.legend(fontsize=8, **BAR_HANDLE)
+    # outside the axes: it never covers a bar or its label, and no "best" place is searched for
+    # (matplotlib's search, slow on a loaded machine, warned in the tests)
+    ax.legend(fontsize=8, **BAR_HANDLE, loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)
     return fig
