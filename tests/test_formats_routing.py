@@ -417,3 +417,21 @@ def test_a_negative_router_weight_is_refused_with_its_place(tmp_path):
     weights[1, 0, 1] = 0.0
     np.savez(path, expert_ids=experts, sequence_id=np.array([0, 0]), router_weights=weights)
     np.testing.assert_array_equal(read_routing_log(path).weights, weights)
+
+
+def test_an_expert_id_out_of_the_shapes_range_is_refused_with_its_place():
+    """The error named the range only; a user looking for the bad row in a log of millions of
+    tokens gets its sequence, token, layer and id."""
+    from specfit.traces.importers import check_log_fits
+    from specfit.traces.routing_logs import RoutingLog
+
+    experts = np.zeros((6, 2, 2), dtype=np.int64)
+    experts[:, :, 1] = 1
+    experts[4, 1, 1] = 9                                   # sequence 7's token 1, layer 1
+    log = RoutingLog(experts=experts, tokens=None, sequence=np.array([3, 3, 3, 7, 7, 7]), source="log.npz")
+    model = {"name": "tiny", "n_layers": 2, "top_k": 2, "n_experts": 8}
+    with pytest.raises(SpecFitError, match=r"^--shape: expert ids must be in \[0, 8\) for 'tiny'; got 9 at sequence 7, "
+                                           r"its token 1, layer 1$"):
+        check_log_fits(log, model, "--shape")
+    with pytest.raises(SpecFitError, match="the log has 2 layers x top-2, the model shape 'tiny' expects 3 MoE layers"):
+        check_log_fits(log, {**model, "n_layers": 3}, "--shape")

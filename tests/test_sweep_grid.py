@@ -242,7 +242,7 @@ def test_a_routing_entrys_shape_the_log_is_not_of_is_refused_before_any_task(tmp
     with pytest.raises(SpecFitError) as error:
         resolve_inputs(spec, expand(spec))
     assert str(error.value).startswith(f"{tmp_path / 'spec.toml'}: routing[1]: field 'shape': ")
-    assert "16 layers x top-8, the model shape 'qwen3-30b-a3b' expects 48 x top-8" in str(error.value)
+    assert "16 layers x top-8, the model shape 'qwen3-30b-a3b' expects 48 MoE layers x top-8" in str(error.value)
     entries[1]["shape"] = "olmoe-1b-7b"       # the log's own shape named explicitly is taken
     spec = parse_spec({"routing": entries, "policies": ["ar"]}, source=str(tmp_path / "spec.toml"), base=tmp_path)
     assert [model["name"] for _, model in resolve_inputs(spec, expand(spec)).data.values()] == ["olmoe-1b-7b"] * 2

@@ -156,10 +156,15 @@ def check_log_fits(log: RoutingLog, model: dict, where: str) -> None:
     T, L, k = log.experts.shape
     if model["n_layers"] != L or model["top_k"] != k:
         raise SpecFitError(f"{where}: the log has {L} layers x top-{k}, the model shape "
-                           f"{model['name']!r} expects {model['n_layers']} x top-{model['top_k']}")
+                           f"{model['name']!r} expects {model['n_layers']} MoE layers x top-{model['top_k']}")
     E = int(model["n_experts"])
     if log.experts.size and (log.experts.min() < 0 or log.experts.max() >= E):
-        raise SpecFitError(f"{where}: expert ids must be in [0, {E}) for {model['name']!r}")
+        # where the first one is: its token (sequence, and token within it), layer and id
+        row, layer, slot = (int(i) for i in np.argwhere((log.experts < 0) | (log.experts >= E))[0])
+        token = row - int(np.flatnonzero(log.sequence == log.sequence[row])[0])
+        raise SpecFitError(f"{where}: expert ids must be in [0, {E}) for {model['name']!r}; got "
+                           f"{int(log.experts[row, layer, slot])} at sequence {int(log.sequence[row])}, its token "
+                           f"{token}, layer {layer}")
     vocab = int(model.get("vocab_size", 0))
     if log.token_ids_known and vocab > 0 and int(log.tokens.max()) >= vocab:
         # the trace would name the model's vocabulary and hold tokens past it (its writer refuses them)
