@@ -15,7 +15,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
-from ..simulate.dataset import layer_ahead_wide
+from ..simulate.dataset import LAYER_AHEAD_COLUMNS, LAYER_AHEAD_ROWS, layer_ahead_wide
 from .html import Page
 from .plots import new_axes, policy_styles
 from .simulation import _policy_rank, cache_unit
@@ -138,12 +138,8 @@ def sweep_section(page: Page, results: pd.DataFrame, name: str, spec: dict | Non
             and wide[a].astype(str).nunique() > 1 and a != "profile_source"], "tokens_per_s", "speedup_vs_ar",
             "hit_rate", "nodes_per_cycle", "bytes_per_token", *ahead]
     top = wide.sort_values("tokens_per_s", ascending=False, kind="stable").head(20)
-    page.table(top[[c for c in dict.fromkeys(cols) if c in top]], caption=(
-        "The 20 fastest settings (a cell and its layer_ahead recounts: one row). +LA NAME tokens/s: the cell "
-        "recounted with copies of the next layer's experts made while a layer computes (the spec's layer_ahead "
-        "NAME, as simulate --layer-ahead); – for a policy with cache levers (not recounted) or a recount not in "
-        "the dataset yet; the other figures are the replay's, the same whatever layer_ahead" if ahead
-        else "The 20 fastest cells"))
+    page.table(top[[c for c in dict.fromkeys(cols) if c in top]],
+               caption=f"The 20 fastest {LAYER_AHEAD_ROWS}. {LAYER_AHEAD_COLUMNS}" if ahead else "The 20 fastest cells")
 
 
 def _missing_cells(page: Page, results: pd.DataFrame, cells: list) -> None:

@@ -317,9 +317,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
             if stopped_with_nothing():
                 raise
             # a failure mid-run: what ran stays readable
-            if runs is not None:
-                runs.summarise_stopped()
-            kept = _keep_partial(plan, outputs, recorder, str(exc), planned)
+            kept = _keep_partial(plan, outputs, recorder, str(exc), planned, runs)
             if not kept:
                 raise
             raise SpecFitError(f"{exc} (before it: kept {kept})") from None
@@ -328,9 +326,7 @@ def run_decode(plan: DecodePlan, on_record: Callable[[dict], None] | None = None
                 raise
             if stopped_with_nothing():
                 raise Interrupted(NOTHING_DECODED) from None
-            if runs is not None:
-                runs.summarise_stopped()
-            kept = _keep_partial(plan, outputs, recorder, "interrupted", planned)
+            kept = _keep_partial(plan, outputs, recorder, "interrupted", planned, runs)
             raise Interrupted(f"interrupted after {len(outputs.cycles)} complete cycle(s) ({len(outputs.records)} (policy, "
                               f"prompt) run(s) finished): " + (f"kept {kept}" if kept else
                                                                "nothing was written (no --out or --record)")) from None
@@ -628,12 +624,15 @@ def sampled_acceptance_note(plan: DecodePlan, policies: list) -> list[str]:
     return [SAMPLED_ACCEPTANCE_NOTE.format(t=plan.temperature, names=", ".join(changed))]
 
 
-def _keep_partial(plan: DecodePlan, outputs: DecodeOutputs, recorder, why: str, runs: int) -> str:
+def _keep_partial(plan: DecodePlan, outputs: DecodeOutputs, recorder, why: str, runs: int, decoding=None) -> str:
     """A run stopped before its end (Ctrl-C, or bad input met mid-run; ``why``): write what it
     completed, the run directory's files (its ``run.json`` noting that it stopped, and why, for a
-    report to say; ``runs``: the (policy, prompt) runs it was to make) and the recorded cycles as
-    a trace; returns what was kept where ("every complete cycle, N of them, in OUT and ..."),
-    empty when nothing was asked to be written."""
+    report to say; ``runs``: the (policy, prompt) runs it was to make; ``decoding``: its
+    :class:`_Runs`, whose policies cut short get their summaries) and the recorded cycles as a
+    trace; returns what was kept where ("every complete cycle, N of them, in OUT and ..."), empty
+    when nothing was asked to be written."""
+    if decoding is not None:
+        decoding.summarise_stopped()
     outputs.close()
     kept = []
     if plan.out_dir is not None:

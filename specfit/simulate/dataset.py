@@ -28,7 +28,7 @@ from ..io import atomic_write, read_parquet, run_dir_lock, write_json_atomic
 
 __all__ = ["SWEEP_FILE", "PLAN_FILE", "RESULTS_DIR", "is_sweep_dir", "locked", "remove_stale_temporaries", "done_cell_ids",
            "write_part", "write_sweep_file", "read_sweep_file", "read_results", "fill_speedups", "part_files",
-           "layer_ahead_wide"]
+           "layer_ahead_wide", "LAYER_AHEAD_ROWS", "LAYER_AHEAD_COLUMNS"]
 
 SWEEP_FILE = "sweep.json"
 PLAN_FILE = "plan.json"          # `specfit plan`'s recommendation, beside the sweep it ran
@@ -148,6 +148,12 @@ def fill_speedups(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 _LAYER_AHEAD = ("layer_ahead_tokens_per_s", "layer_ahead_hidden_share", "layer_ahead_precision")
+# what the sweep's table and its report say of layer_ahead_wide's rows and columns
+LAYER_AHEAD_ROWS = "settings (a cell and its layer_ahead recounts: one row)"
+LAYER_AHEAD_COLUMNS = ("+LA NAME tokens/s: the cell recounted with copies of the next layer's experts made while a "
+                       "layer computes (the spec's layer_ahead NAME, as simulate --layer-ahead); – for a policy with "
+                       "cache levers (not recounted) or a recount not in the dataset yet; the other figures are the "
+                       "replay's, the same whatever layer_ahead")
 
 
 def layer_ahead_wide(frame: pd.DataFrame) -> tuple[pd.DataFrame, list[str]]:

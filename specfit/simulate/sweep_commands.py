@@ -87,7 +87,7 @@ def _print_sweep(results, run, out_dir: Path, top: int) -> None:
 
     from ..console import table_console
     from ..console import print_table
-    from .dataset import layer_ahead_wide
+    from .dataset import LAYER_AHEAD_COLUMNS, LAYER_AHEAD_ROWS, layer_ahead_wide
 
     console = table_console()
     # a setting's cells that differ only in the layer-ahead what-if: one row, each recount a column
@@ -95,7 +95,7 @@ def _print_sweep(results, run, out_dir: Path, top: int) -> None:
     best = results.sort_values("tokens_per_s", ascending=False, kind="stable").head(top)
     shown = [c for c in _SETTING_COLUMNS if c in ("policy", "cache_experts") or results[c].astype(str).nunique() > 1]
     fixed = {_SETTING_COLUMNS[c]: results[c].iloc[0] for c in _SETTING_COLUMNS if c not in shown}
-    what = "settings (a cell and its layer_ahead recounts: one row)" if ahead else "cells"
+    what = LAYER_AHEAD_ROWS if ahead else "cells"
     table = Table(title=f"best {len(best)} of {len(results)} {what} by tokens/s",
                   caption=escape(", ".join(f"{k} {v}" for k, v in fixed.items())))
     for col in shown:
@@ -110,9 +110,7 @@ def _print_sweep(results, run, out_dir: Path, top: int) -> None:
                       *la)
     print_table(console, table)
     if ahead:
-        console.print("+LA NAME tokens/s: the cell recounted with copies of the next layer's experts made while a layer "
-                      "computes (layer_ahead NAME, as simulate --layer-ahead; – for a policy with cache levers); "
-                      "the other figures are the replay's", markup=False, highlight=False)
+        console.print(LAYER_AHEAD_COLUMNS, markup=False, highlight=False)
     rate = f", {run.computed / run.wall_s:.1f} cells/s on {run.workers} workers" if run.computed and run.wall_s else ""
     console.print(f"{run.computed} cells replayed now, {run.skipped} already in the dataset{rate}; "
                   f"rows in {out_dir}/results/ (Parquet), render with `specfit report {out_dir}`", markup=False,
